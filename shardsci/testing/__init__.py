@@ -1,0 +1,35 @@
+"""Multi-rank test harness: run a test body on N gloo ranks, assert on all ranks together.
+
+``run_on_ranks(world_size, fn, *args)`` runs a module-level function on every rank of a
+persistent pool of gloo processes (one per world size, kept for the pytest session) and returns
+the per-rank results; ``RankFailure`` reports a failing rank's traceback. Inside a body,
+``get_mesh`` gives a cached device mesh and the ``assert_*_all_ranks`` helpers make every rank
+fail together instead of leaving the others waiting in a collective. ``run_local_tensor`` runs
+a body once, in-process, on simulated ranks (``LocalTensorMode``): fast, for even shards only.
+"""
+
+from shardsci.testing._collective_asserts import (
+    assert_all_ranks,
+    assert_close_all_ranks,
+    assert_raises_all_ranks,
+)
+from shardsci.testing._pool import (
+    RankFailure,
+    current_world_size,
+    get_mesh,
+    run_local_tensor,
+    run_on_ranks,
+    shutdown_pools,
+)
+
+__all__ = [
+    "RankFailure",
+    "assert_all_ranks",
+    "assert_close_all_ranks",
+    "assert_raises_all_ranks",
+    "current_world_size",
+    "get_mesh",
+    "run_local_tensor",
+    "run_on_ranks",
+    "shutdown_pools",
+]
