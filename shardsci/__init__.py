@@ -1,0 +1,28 @@
+"""shardsci: domain-parallel scientific ML for PyTorch.
+
+Tensors too large for one device are split across a DeviceMesh with arbitrary (uneven, even
+empty) shards; models written for one device run on them unchanged.
+"""
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardsci.tensor import (
+    CommStats,
+    ShardTensor,
+    ShardTensorSpec,
+    comm_counter,
+    register_aten_handler,
+    register_function_handler,
+)
+
+__all__ = [
+    "CommStats",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "ShardTensor",
+    "ShardTensorSpec",
+    "comm_counter",
+    "register_aten_handler",
+    "register_function_handler",
+]

@@ -1,0 +1,18 @@
+"""ShardTensor: tensors sharded over a DeviceMesh with arbitrary shard sizes."""
+
+from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._comm_stats import CommStats, comm_counter
+from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._spec import ShardTensorSpec
+
+# Importing the handler families registers them.
+from shardsci.tensor import _ops  # noqa: F401  isort: skip
+
+__all__ = [
+    "CommStats",
+    "ShardTensor",
+    "ShardTensorSpec",
+    "comm_counter",
+    "register_aten_handler",
+    "register_function_handler",
+]

@@ -1,0 +1,321 @@
+"""The ShardTensor class: a global tensor whose shards may have any sizes.
+
+# NOTE [Autograd interaction between torch.Tensor and ShardTensor]
+A ShardTensor is a wrapper subclass: autograd records ops on the ShardTensor itself, and the
+local tensor inside never requires grad. Crossing between the two worlds goes through
+autograd Functions (``from_local``, ``to_local``, ``redistribute``), whose backward passes
+move gradients to the layout of the forward input: Shard stays Shard (same sizes), Replicate
+stays Replicate, Partial becomes Replicate. A plain tensor that requires grad and meets a
+ShardTensor (a module's weight) enters as ``from_local(w, mesh, [Replicate()] * ndim)``, so its
+gradient is the sum over shards, reduced once by that Function's backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from shardsci.tensor import _dispatch, _function_dispatch
+from shardsci.tensor._layout_inference import sizes_for_from_local
+from shardsci.tensor._redistribute import redistribute_local, target_spec
+from shardsci.tensor._spec import ShardTensorSpec
+
+__all__ = ["ShardTensor", "grad_spec", "redistribute"]
+
+ShardingShapes = str | Mapping[int, Sequence[Sequence[int] | int]]
+
+
+class ShardTensor(torch.Tensor):
+    """A tensor sharded over a :class:`DeviceMesh` with arbitrary shard sizes.
+
+    Create one with :meth:`from_local` (every rank passes its shard) or
+    :func:`shardsci.scatter_tensor` (one rank passes the whole tensor). Any torch op works on
+    it: ops with a shardsci handler run shard-aware code, all others go through DTensor's
+    sharding propagation with shardsci's uneven-aware redistribution, and results carry the
+    true shard sizes.
+    """
+
+    _local: torch.Tensor
+    _spec: ShardTensorSpec
+    __slots__ = ("_local", "_spec")
+
+    @staticmethod
+    def __new__(
+        cls, local: torch.Tensor, spec: ShardTensorSpec, *, requires_grad: bool = False
+    ) -> ShardTensor:
+        result = torch.Tensor._make_wrapper_subclass(
+            cls,
+            spec.shape,
+            strides=spec.stride,
+            dtype=spec.dtype,
+            device=local.device,
+            requires_grad=requires_grad,
+        )
+        result._local = local
+        result._spec = spec
+        return result
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ShardTensor(local={self._local}, spec={self._spec})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], ShardTensorSpec]:
+        return ["_local"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], spec: ShardTensorSpec, outer_size: Any, outer_stride: Any
+    ) -> ShardTensor:
+        return ShardTensor(inner["_local"], spec)
+
+    __torch_dispatch__ = classmethod(_dispatch.dispatch)  # type: ignore[assignment]
+    __torch_function__ = classmethod(_function_dispatch.dispatch)  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ layout queries
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    def sharding_shapes(self) -> dict[int, tuple[torch.Size, ...]]:
+        """Mesh axis -> local shapes of the ranks along it, as in PhysicsNeMo."""
+        return self._spec.sharding_shapes()
+
+    def offsets(self, axis: int | None = None) -> int | tuple[int, ...]:
+        """Global index where this rank's shard starts.
+
+        Parameters
+        ----------
+        axis : int, optional
+            A mesh axis: the offset along the tensor dim sharded over it (0 when that axis
+            does not shard). Without it, the offset along every tensor dim.
+        """
+        offsets = self._spec.local_offsets()
+        if axis is None:
+            return offsets
+        placement = self._spec.placements[axis]
+        return offsets[placement.dim] if isinstance(placement, Shard) else 0
+
+    # ------------------------------------------------------------------ conversions
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        sharding_shapes: ShardingShapes = "infer",
+        *,
+        shape: Sequence[int] | None = None,
+        run_check: bool = False,
+    ) -> ShardTensor:
+        """Assemble a ShardTensor from every rank's shard. Differentiable.
+
+        Parameters
+        ----------
+        local_tensor : Tensor
+            This rank's shard.
+        device_mesh : DeviceMesh
+        placements : sequence of Placement
+            One per mesh axis.
+        sharding_shapes : "infer", "chunk" or dict
+            ``"infer"`` gathers every rank's shape once (validating that they form one tensor).
+            ``"chunk"`` assumes ``torch.chunk`` sizes of ``shape`` (or of local size times the
+            number of shards), no communication. A dict maps each sharded mesh axis to the
+            local shapes (or sizes along the sharded dim) of the ranks along it, no
+            communication.
+        shape : sequence of int, optional
+            The global shape, checked against the sizes.
+        run_check : bool
+            With ``"chunk"`` or a dict, also verify across ranks that every shard matches
+            (one small all-reduce), so a mismatch raises on every rank.
+        """
+        spec = sizes_for_from_local(
+            local_tensor, device_mesh, placements, sharding_shapes, shape, run_check
+        )
+        return _FromLocal.apply(local_tensor, spec)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's shard. Differentiable: the gradient of the returned tensor is read as
+        a shard with ``grad_placements`` (default: the same placements, Partial as
+        Replicate)."""
+        if not torch.is_grad_enabled():
+            return self._local
+        return _ToLocal.apply(self, None if grad_placements is None else tuple(grad_placements))
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor on every rank. Differentiable."""
+        return self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim).to_local()
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        sharding_shapes: Mapping[int, Sequence[Sequence[int] | int]] | None = None,
+    ) -> ShardTensor:
+        """Move to new placements (and shard sizes) with the least communication.
+
+        Parameters
+        ----------
+        device_mesh : DeviceMesh, optional
+            Must be this tensor's mesh (moving between meshes is not supported).
+        placements : sequence of Shard or Replicate
+            Target placements; Partial is produced by ops, never requested.
+        sharding_shapes : dict, optional
+            Mesh axis -> sizes (or local shapes) of the ranks along it, to rebalance. Default:
+            unchanged sizes for dims that stay sharded the same way, the sizes a dim had when
+            last sharded that way, else ``torch.chunk`` sizes.
+        """
+        spec = self._spec
+        if device_mesh is not None and device_mesh != spec.mesh:
+            raise ValueError(
+                f"redistribute keeps the device mesh: got {device_mesh}, tensor is on {spec.mesh}"
+            )
+        if placements is None:
+            raise ValueError("redistribute needs target placements")
+        placements = _checked_user_placements(placements, spec)
+        sizes = None
+        if sharding_shapes is not None:
+            sizes = _explicit_sizes(sharding_shapes, placements, spec)
+        return redistribute(self, target_spec(spec, placements, sizes))
+
+    @staticmethod
+    def from_dtensor(dtensor: DTensor) -> ShardTensor:
+        """Wrap a DTensor (``torch.chunk`` shard sizes). Differentiable."""
+        spec = ShardTensorSpec.build(
+            dtensor.device_mesh,
+            dtensor.placements,
+            dtensor.shape,
+            dtensor.dtype,
+            order={e.tensor_dim: e.mesh_dims for e in dtensor._spec.shard_order},
+            stride=dtensor.stride(),
+        )
+        return _FromLocal.apply(dtensor.to_local(), spec)
+
+    def to_dtensor(self) -> DTensor:
+        """A DTensor with the same placements; shards are first rebalanced to ``torch.chunk``
+        sizes when they differ. Differentiable."""
+        chunked = target_spec(
+            ShardTensorSpec.build(self._spec.mesh, self._spec.placements, self.shape, self.dtype),
+            self._spec.placements,
+        )
+        local = redistribute(self, chunked).to_local()
+        return DTensor.from_local(
+            local, self._spec.mesh, self._spec.placements, shape=self.shape, stride=self.stride()
+        )
+
+
+# ---------------------------------------------------------------------------- autograd
+def redistribute(x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
+    """Differentiable move of ``x`` to ``spec`` (internal: any placements, Partial included)."""
+    if x._spec.same_layout(spec):
+        return x
+    return _Redistribute.apply(x, spec)
+
+
+def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
+    """The layout a gradient is returned in for a forward tensor of layout ``spec``."""
+    if not spec.has_partial():
+        return spec
+    placements = [Replicate() if isinstance(p, Partial) else p for p in spec.placements]
+    return target_spec(spec, placements)
+
+
+def _as_shard_tensor(grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    if isinstance(grad, ShardTensor):
+        return grad
+    raise TypeError(f"expected a ShardTensor gradient for {spec}, got a plain tensor")
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:  # type: ignore[override]
+        ctx.source = x._spec
+        local = redistribute_local(x._local, x._spec, spec)
+        return ShardTensor(local, spec.with_dtype(local.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = _as_shard_tensor(grad, ctx.source)
+        target = grad_spec(ctx.source).with_dtype(grad.dtype)
+        return redistribute(grad, target), None
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:  # type: ignore[override]
+        ctx.spec = spec
+        return ShardTensor(local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = _as_shard_tensor(grad, ctx.spec)
+        target = grad_spec(ctx.spec).with_dtype(grad.dtype)
+        return redistribute_local(grad._local, grad._spec, target), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: ShardTensor, grad_placements: tuple[Placement, ...] | None
+    ) -> torch.Tensor:
+        spec = x._spec
+        if grad_placements is None:
+            ctx.grad_spec = grad_spec(spec)
+        else:
+            ctx.grad_spec = ShardTensorSpec.build(
+                spec.mesh,
+                grad_placements,
+                spec.shape,
+                spec.dtype,
+                {s.dim: s.sizes for s in spec.shardings},
+                stride=spec.stride,
+                order={s.dim: s.axes for s in spec.shardings},
+            )
+        return x._local.view_as(x._local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardTensor, None]:  # type: ignore[override]
+        return ShardTensor(grad, ctx.grad_spec.with_dtype(grad.dtype)), None
+
+
+# ---------------------------------------------------------------------------- validation
+def _checked_user_placements(
+    placements: Sequence[Placement], spec: ShardTensorSpec
+) -> tuple[Placement, ...]:
+    placements = tuple(placements)
+    if len(placements) != spec.mesh.ndim:
+        raise ValueError(
+            f"got {len(placements)} placements {placements} for a {spec.mesh.ndim}-D mesh"
+        )
+    for axis, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise ValueError(
+                f"cannot redistribute to {p} on mesh axis {axis}: Partial placements are "
+                f"produced by ops (e.g. a sum over a sharded dim), not requested"
+            )
+        if isinstance(p, Shard) and not -spec.ndim <= p.dim < spec.ndim:
+            raise ValueError(
+                f"Shard({p.dim}) on mesh axis {axis} is out of range for a {spec.ndim}-D "
+                f"tensor of shape {tuple(spec.shape)}"
+            )
+    return tuple(Shard(p.dim % spec.ndim) if isinstance(p, Shard) else p for p in placements)
+
+
+def _explicit_sizes(
+    sharding_shapes: Mapping[int, Sequence[Sequence[int] | int]],
+    placements: Sequence[Placement],
+    spec: ShardTensorSpec,
+) -> dict[int, list[int]]:
+    from shardsci.tensor._layout_inference import explicit_dim_sizes
+
+    return explicit_dim_sizes(sharding_shapes, placements, spec.mesh, spec.shape)
+
+
+_dispatch.bind_tensor_type(ShardTensor)
+_function_dispatch.bind_promotion(ShardTensor, _FromLocal.apply)

@@ -1,0 +1,302 @@
+"""Collectives on local tensors along one mesh axis (or several, flattened).
+
+All collectives here take shapes that every rank computes from the same global spec, so the
+ranks always agree on split sizes (gloo aborts the process on disagreeing splits). None of
+them are differentiable: autograd lives one level up, on ShardTensors.
+
+Payloads travel as raw bytes, so any dtype (bool, complex, float8) moves through gloo and nccl
+alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardsci.tensor._comm_stats import record_comm
+from shardsci.tensor._spec import mesh_coordinate
+
+__all__ = ["AxisGroup", "all_reduce", "axis_group", "broadcast", "exchange", "send_recv"]
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """The ranks along some mesh axes that share this rank's other coordinates.
+
+    Attributes
+    ----------
+    group : ProcessGroup
+        Their process group.
+    size : int
+        Number of ranks.
+    index : int
+        This rank's flat index, row-major over the axes (the order of shard sizes).
+    group_ranks : tuple of int
+        Flat index -> rank within ``group``.
+    global_ranks : tuple of int
+        Flat index -> global rank.
+    """
+
+    group: dist.ProcessGroup
+    size: int
+    index: int
+    group_ranks: tuple[int, ...]
+    global_ranks: tuple[int, ...]
+
+
+_GROUPS: dict[tuple[int, tuple[int, ...]], AxisGroup] = {}
+_MESHES_KEPT_ALIVE: list[DeviceMesh] = []
+
+
+def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
+    """The group along ``axes`` (outermost first) that contains this rank.
+
+    A group over several axes is created on first use, collectively over the whole mesh.
+    """
+    axes = tuple(axes)
+    key = (id(mesh), axes)
+    found = _GROUPS.get(key)
+    if found is not None:
+        return found
+    coordinate = mesh_coordinate(mesh)
+    group = mesh.get_group(axes[0]) if len(axes) == 1 else _flattened_group(mesh, axes)
+    grid = mesh.mesh.permute(*_others_then(axes, mesh.ndim)).reshape(-1, _size(mesh, axes))
+    mine = next(row for row in grid.tolist() if dist.get_rank() in row)
+    members = dist.get_process_group_ranks(group)
+    index = sum(
+        coordinate[a] * math.prod(mesh.shape[b] for b in axes[i + 1 :]) for i, a in enumerate(axes)
+    )
+    result = AxisGroup(
+        group=group,
+        size=len(mine),
+        index=index,
+        group_ranks=tuple(members.index(r) for r in mine),
+        global_ranks=tuple(mine),
+    )
+    _GROUPS[key] = result
+    _MESHES_KEPT_ALIVE.append(mesh)
+    return result
+
+
+def _size(mesh: DeviceMesh, axes: Sequence[int]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _others_then(axes: tuple[int, ...], ndim: int) -> list[int]:
+    return [a for a in range(ndim) if a not in axes] + list(axes)
+
+
+def _flattened_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup:
+    grid = mesh.mesh.permute(*_others_then(axes, mesh.ndim)).reshape(-1, _size(mesh, axes))
+    mine, _ = dist.new_subgroups_by_enumeration([sorted(row) for row in grid.tolist()])
+    return mine
+
+
+# ---------------------------------------------------------------------------------- exchange
+def exchange(
+    group: AxisGroup,
+    pieces: Sequence[torch.Tensor | None],
+    shape_of: Callable[[int, int], Sequence[int]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    kind: str,
+) -> list[torch.Tensor]:
+    """Personalised all-to-all: send ``pieces[k]`` to flat index ``k``, receive from each.
+
+    Parameters
+    ----------
+    group : AxisGroup
+        The ranks taking part.
+    pieces : sequence of Tensor or None
+        What this rank sends to each flat index; ``pieces[group.index]`` is kept, not sent.
+    shape_of : callable
+        ``shape_of(src, dst)`` is the shape of the piece ``src`` sends to ``dst``, the same
+        function on every rank (it is how the receiving side knows what comes).
+    kind : str
+        The name this exchange is counted under (see NOTE [What a byte count means]).
+
+    Returns
+    -------
+    list of Tensor
+        The piece received from each flat index (this rank's own piece included).
+    """
+    me = group.index
+    received_shapes = [tuple(shape_of(src, me)) for src in range(group.size)]
+    if not _anything_moves(group.size, shape_of):
+        return [
+            _own_piece(pieces[me], received_shapes[me], dtype, device)
+            if src == me
+            else torch.empty(received_shapes[src], dtype=dtype, device=device)
+            for src in range(group.size)
+        ]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    send_bytes = [0] * group.size
+    recv_bytes = [0] * group.size
+    send_buffers = []
+    for dst in sorted(range(group.size), key=lambda k: group.group_ranks[k]):
+        if dst == me or pieces[dst] is None or pieces[dst].numel() == 0:
+            continue
+        send_buffers.append(_as_bytes(pieces[dst]))
+        send_bytes[group.group_ranks[dst]] = send_buffers[-1].numel()
+    for src in range(group.size):
+        if src != me:
+            recv_bytes[group.group_ranks[src]] = math.prod(received_shapes[src]) * itemsize
+    send = torch.cat(send_buffers) if send_buffers else torch.empty(0, dtype=torch.uint8)
+    recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send.to(device), recv_bytes, send_bytes, group=group.group)
+    record_comm(kind, sum(send_bytes), sum(recv_bytes))
+    return _split_received(recv, recv_bytes, received_shapes, group, pieces[me], dtype, device)
+
+
+def _anything_moves(size: int, shape_of: Callable[[int, int], Sequence[int]]) -> bool:
+    return any(
+        math.prod(shape_of(src, dst)) > 0
+        for src in range(size)
+        for dst in range(size)
+        if src != dst
+    )
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.contiguous().reshape(-1)
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def _from_bytes(buffer: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    if dtype.is_complex:
+        real = buffer.view(torch.empty((), dtype=dtype).real.dtype)
+        return torch.view_as_complex(real.reshape(-1, 2)).reshape(shape)
+    return buffer.view(dtype).reshape(shape)
+
+
+def _own_piece(
+    piece: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if piece is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return piece
+
+
+def _split_received(
+    recv: torch.Tensor,
+    recv_bytes: list[int],
+    shapes: list[tuple[int, ...]],
+    group: AxisGroup,
+    own: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    starts = [0] * len(recv_bytes)
+    running = 0
+    for group_rank, nbytes in enumerate(recv_bytes):
+        starts[group_rank] = running
+        running += nbytes
+    result = []
+    for src in range(group.size):
+        if src == group.index:
+            result.append(_own_piece(own, shapes[src], dtype, device))
+            continue
+        group_rank = group.group_ranks[src]
+        chunk = recv[starts[group_rank] : starts[group_rank] + recv_bytes[group_rank]]
+        result.append(_from_bytes(chunk, dtype, shapes[src]))
+    return result
+
+
+# ---------------------------------------------------------------------------------- reductions
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+def all_reduce(tensor: torch.Tensor, group: AxisGroup, reduce_op: str) -> torch.Tensor:
+    """Reduce ``tensor`` over the group; returns a new tensor (``avg`` divides by the size)."""
+    if reduce_op not in _REDUCE_OPS:
+        raise NotImplementedError(f"all-reduce with reduce op {reduce_op!r}")
+    result = tensor.clone(memory_format=torch.contiguous_format)
+    if group.size == 1:
+        return result
+    if result.dtype == torch.bool:
+        result = result.to(torch.uint8)
+    dist.all_reduce(result, op=_REDUCE_OPS[reduce_op], group=group.group)
+    nbytes = result.numel() * result.element_size()
+    ring = 2 * (group.size - 1) * nbytes // group.size
+    record_comm("all_reduce", ring, ring)
+    if reduce_op == "avg":
+        result = result / group.size
+    return result.to(tensor.dtype)
+
+
+def broadcast(
+    tensor: torch.Tensor | None,
+    src: int,
+    group: AxisGroup,
+    *,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Broadcast from flat index ``src``; other ranks pass ``tensor=None``."""
+    if group.index == src:
+        buffer = tensor.contiguous()
+    else:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+    if group.size == 1:
+        return buffer
+    payload = buffer if buffer.dtype != torch.bool else buffer.view(torch.uint8)
+    dist.broadcast(payload, group_src=group.group_ranks[src], group=group.group)
+    nbytes = buffer.numel() * buffer.element_size()
+    if group.index == src:
+        record_comm("broadcast", (group.size - 1) * nbytes, 0)
+    else:
+        record_comm("broadcast", 0, nbytes)
+    return buffer
+
+
+def send_recv(
+    group: AxisGroup,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    receives: Sequence[tuple[int, Sequence[int]]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    kind: str = "p2p",
+) -> list[torch.Tensor]:
+    """Point-to-point messages: ``sends`` are (flat index, tensor), ``receives`` are
+    (flat index, shape). Returns the received tensors in the order of ``receives``.
+
+    Both sides must agree: each send on one rank matches a receive on its peer, in the same
+    order for a given pair.
+    """
+    ops = []
+    sent = 0
+    for dst, tensor in sends:
+        payload = _as_bytes(tensor)
+        sent += payload.numel()
+        ops.append(
+            dist.P2POp(dist.isend, payload, group=group.group, group_peer=group.group_ranks[dst])
+        )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffers = []
+    for src, shape in receives:
+        buffer = torch.empty(math.prod(shape) * itemsize, dtype=torch.uint8, device=device)
+        buffers.append(buffer)
+        ops.append(
+            dist.P2POp(dist.irecv, buffer, group=group.group, group_peer=group.group_ranks[src])
+        )
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    record_comm(kind, sent, sum(b.numel() for b in buffers))
+    return [_from_bytes(b, dtype, shape) for b, (_, shape) in zip(buffers, receives)]

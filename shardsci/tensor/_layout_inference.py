@@ -1,0 +1,258 @@
+"""Working out a ShardTensor's spec from the shards that ranks hold.
+
+Used by ``ShardTensor.from_local``: ``"infer"`` gathers every rank's shape once and checks
+that the shards form one tensor; ``"chunk"`` and explicit sizes need no communication.
+Errors are raised from information every rank shares, so all ranks raise the same error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from shardsci.tensor._collectives import axis_group, exchange
+from shardsci.tensor._spec import ShardTensorSpec, nested_chunk_sizes
+
+__all__ = ["explicit_dim_sizes", "sizes_for_from_local"]
+
+_MAX_DIMS = 64
+_DTYPES = (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+    torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+)  # fmt: skip
+
+
+def sizes_for_from_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    sharding_shapes: str | Mapping,
+    shape: Sequence[int] | None,
+    run_check: bool,
+) -> ShardTensorSpec:
+    """The spec of the tensor whose shard on this rank is ``local``."""
+    placements = _checked_placements(placements, mesh, local.ndim)
+    if isinstance(sharding_shapes, str) and sharding_shapes == "infer":
+        sizes, global_shape = _inferred_sizes(local, mesh, placements)
+    elif isinstance(sharding_shapes, str) and sharding_shapes == "chunk":
+        global_shape = (
+            list(shape) if shape is not None else _even_global_shape(local, mesh, placements)
+        )
+        sizes = _chunk_sizes(global_shape, mesh, placements)
+    elif isinstance(sharding_shapes, Mapping):
+        sizes = explicit_dim_sizes(sharding_shapes, placements, mesh, None)
+        global_shape = list(local.shape)
+        for dim, dim_sizes in sizes.items():
+            global_shape[dim] = sum(dim_sizes)
+    else:
+        raise ValueError(
+            f"sharding_shapes must be 'infer', 'chunk' or a dict from mesh axis to the local "
+            f"shapes along it, got {sharding_shapes!r}"
+        )
+    if shape is not None and tuple(shape) != tuple(global_shape):
+        raise ValueError(
+            f"the shards form a tensor of shape {tuple(global_shape)}, but shape={tuple(shape)} "
+            f"was given"
+        )
+    spec = ShardTensorSpec.build(
+        mesh,
+        placements,
+        global_shape,
+        local.dtype,
+        sizes,
+        stride=_global_stride(local, global_shape),
+    )
+    if run_check and not (isinstance(sharding_shapes, str) and sharding_shapes == "infer"):
+        inferred, _ = _inferred_sizes(local, mesh, placements)
+        claimed = {s.dim: list(s.sizes) for s in spec.shardings}
+        if {d: list(v) for d, v in inferred.items()} != claimed:
+            raise ValueError(
+                f"the shards held by the ranks have sizes {inferred} along their sharded dims, "
+                f"but the given sharding_shapes say {claimed}"
+            )
+    elif tuple(local.shape) != tuple(spec.local_shape()):
+        raise ValueError(
+            f"this rank's shard has shape {tuple(local.shape)}, but the sharding says it should "
+            f"be {tuple(spec.local_shape())} (pass run_check=True to check on every rank)"
+        )
+    return spec
+
+
+def _checked_placements(
+    placements: Sequence[Placement], mesh: DeviceMesh, ndim: int
+) -> tuple[Placement, ...]:
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"got {len(placements)} placements {placements} for a {mesh.ndim}-D mesh; expected "
+            f"one placement per mesh axis"
+        )
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(
+                    f"Shard({p.dim}) on mesh axis {axis} is out of range for a {ndim}-D shard"
+                )
+        elif not isinstance(p, (Replicate, Partial)):
+            raise ValueError(f"unsupported placement {p!r} on mesh axis {axis}")
+    return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in placements)
+
+
+def _axes_by_dim(placements: Sequence[Placement]) -> dict[int, tuple[int, ...]]:
+    axes: dict[int, list[int]] = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            axes.setdefault(p.dim, []).append(axis)
+    return {dim: tuple(a) for dim, a in axes.items()}
+
+
+# ---------------------------------------------------------------------------- "infer"
+def _inferred_sizes(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[dict[int, list[int]], list[int]]:
+    headers = _gathered_headers(local, mesh)
+    ndims = {h[0] for h in headers}
+    if len(ndims) > 1:
+        raise ValueError(
+            "the shards have different numbers of dims: "
+            + ", ".join(f"rank {r}: {tuple(h[2 : 2 + h[0]])}" for r, h in enumerate(headers))
+        )
+    dtypes = {h[1] for h in headers}
+    if len(dtypes) > 1:
+        names = [str(_DTYPES[h[1]]) if h[1] >= 0 else "other" for h in headers]
+        raise ValueError(f"the shards have different dtypes: {names} (by flat mesh index)")
+    shapes = [tuple(h[2 : 2 + h[0]]) for h in headers]
+    axes_by_dim = _axes_by_dim(placements)
+    mesh_shape = tuple(mesh.shape)
+    sizes: dict[int, list[int]] = {}
+    global_shape = list(shapes[0])
+    for dim in range(local.ndim):
+        axes = axes_by_dim.get(dim, ())
+        extents = _extent_table(shapes, dim, axes, mesh_shape)
+        if axes:
+            sizes[dim] = extents
+            global_shape[dim] = sum(extents)
+    return sizes, global_shape
+
+
+def _gathered_headers(local: torch.Tensor, mesh: DeviceMesh) -> list[list[int]]:
+    if local.ndim > _MAX_DIMS:
+        raise ValueError(f"shards with more than {_MAX_DIMS} dims are not supported")
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=local.device)
+    header[0] = local.ndim
+    header[1] = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else -1
+    header[2 : 2 + local.ndim] = torch.tensor(local.shape, dtype=torch.int64)
+    group = axis_group(mesh, tuple(range(mesh.ndim)))
+    received = exchange(
+        group,
+        [header] * group.size,
+        lambda src, dst: header.shape,
+        dtype=torch.int64,
+        device=local.device,
+        kind="all_gather",
+    )
+    return [r.tolist() for r in received]
+
+
+def _extent_table(
+    shapes: list[tuple[int, ...]], dim: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> list[int]:
+    """Extents along ``dim`` row-major over ``axes``, checking they depend on nothing else."""
+    table: dict[tuple[int, ...], int] = {}
+    for flat, shard_shape in enumerate(shapes):
+        coordinate = _unravel(flat, mesh_shape)
+        key = tuple(coordinate[a] for a in axes)
+        seen = table.setdefault(key, shard_shape[dim])
+        if seen != shard_shape[dim]:
+            where = "is not sharded" if not axes else f"is sharded over mesh axes {axes}"
+            raise ValueError(
+                f"tensor dim {dim} {where}, but shards that should agree on its size do not: "
+                f"rank at mesh coordinate {coordinate} has shape {shard_shape}, another has "
+                f"size {seen} there; all shapes: {shapes}"
+            )
+    return [table[key] for key in sorted(table)]
+
+
+def _unravel(flat: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    coordinate = []
+    for size in reversed(mesh_shape):
+        coordinate.append(flat % size)
+        flat //= size
+    return tuple(reversed(coordinate))
+
+
+# ---------------------------------------------------------------------------- "chunk"
+def _even_global_shape(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> list[int]:
+    shape = list(local.shape)
+    for dim, axes in _axes_by_dim(placements).items():
+        shape[dim] *= math.prod(mesh.shape[a] for a in axes)
+    return shape
+
+
+def _chunk_sizes(
+    global_shape: Sequence[int], mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> dict[int, tuple[int, ...]]:
+    return {
+        dim: nested_chunk_sizes(global_shape[dim], [mesh.shape[a] for a in axes])
+        for dim, axes in _axes_by_dim(placements).items()
+    }
+
+
+# ---------------------------------------------------------------------------- explicit
+def explicit_dim_sizes(
+    sharding_shapes: Mapping[int, Sequence[Sequence[int] | int]],
+    placements: Sequence[Placement],
+    mesh: DeviceMesh,
+    global_shape: Sequence[int] | None,
+) -> dict[int, list[int]]:
+    """Tensor dim -> sizes, from PhysicsNeMo's mesh axis -> local shapes (or plain sizes).
+
+    Checks everything every rank can check alike: each sharded axis is given, with one entry
+    per rank along it, and (when ``global_shape`` is known) sizes that sum to its extent.
+    """
+    axes_by_dim = _axes_by_dim(placements)
+    given = set(sharding_shapes)
+    sharded_axes = {a for axes in axes_by_dim.values() for a in axes}
+    if given != sharded_axes:
+        raise ValueError(
+            f"sharding_shapes must give exactly the sharded mesh axes {sorted(sharded_axes)}, "
+            f"got {sorted(given)}"
+        )
+    sizes: dict[int, list[int]] = {}
+    for dim, axes in axes_by_dim.items():
+        if len(axes) > 1:
+            raise ValueError(
+                f"tensor dim {dim} is sharded over several mesh axes {axes}; explicit "
+                f"sharding_shapes cannot describe nested shards, use sharding_shapes='infer'"
+            )
+        entries = sharding_shapes[axes[0]]
+        if len(entries) != mesh.shape[axes[0]]:
+            raise ValueError(
+                f"sharding_shapes[{axes[0]}] has {len(entries)} entries, but mesh axis "
+                f"{axes[0]} has {mesh.shape[axes[0]]} ranks"
+            )
+        sizes[dim] = [int(e) if isinstance(e, int) else int(e[dim]) for e in entries]
+        if global_shape is not None and sum(sizes[dim]) != global_shape[dim]:
+            raise ValueError(
+                f"sizes {sizes[dim]} for tensor dim {dim} sum to {sum(sizes[dim])}, but its "
+                f"global size is {global_shape[dim]}"
+            )
+    return sizes
+
+
+def _global_stride(local: torch.Tensor, global_shape: Sequence[int]) -> tuple[int, ...]:
+    """Contiguous strides of ``global_shape`` in the memory order of ``local``'s dims."""
+    order = sorted(range(local.ndim), key=lambda d: (-local.stride(d), -d)) if local.ndim else []
+    stride = [0] * len(global_shape)
+    running = 1
+    for dim in reversed(order):
+        stride[dim] = running
+        running *= max(global_shape[dim], 1)
+    return tuple(stride)

@@ -1,0 +1,313 @@
+"""Reductions whose DTensor rules are wrong or wasteful on uneven or empty shards.
+
+- ``mean``: DTensor averages local means (``Partial("avg")``), wrong for unequal shards; here
+  it is a sum over the true count.
+- ``var``/``std`` over a sharded dim: DTensor gathers the whole tensor; here two passes (mean,
+  then squared deviations) reduce only per-output-element sums, and autograd composes from
+  those ShardTensor ops.
+- ``amax``/``amin``/``max``/``min``/``norm(inf)``: a local reduction over an empty shard raises
+  in torch; here empty shards contribute the reduction's identity.
+- ``argmax``/``argmin`` over a sharded dim: DTensor gathers the whole tensor; here ranks
+  exchange only their best (value, global index) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._collectives import axis_group, exchange
+from shardsci.tensor._dispatch import run_with_propagation
+from shardsci.tensor._ops._common import arg, normalized_dims, sharded_among
+from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._spec import ShardTensorSpec
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------- mean
+@register_aten_handler(aten.mean.default, aten.mean.dim)
+def _mean(func, args, kwargs):
+    x = args[0]
+    dims = normalized_dims(arg(args, kwargs, 1, "dim") if func is aten.mean.dim else None, x.ndim)
+    if not any(not x._spec.sharding_by_dim[d].is_even() for d in sharded_among(x._spec, dims)):
+        return NotImplemented
+    keepdim = bool(arg(args, kwargs, 2, "keepdim", False)) if func is aten.mean.dim else False
+    total = aten.sum.dim_IntList(x, list(dims), keepdim, dtype=kwargs.get("dtype"))
+    return aten.div.Scalar(total, math.prod(x.shape[d] for d in dims))
+
+
+# ---------------------------------------------------------------------------- var / std
+def _variance_and_mean(x: ShardTensor, dims: tuple[int, ...], correction: float, keepdim: bool):
+    count = math.prod(x.shape[d] for d in dims)
+    mean = aten.div.Scalar(aten.sum.dim_IntList(x, list(dims), True), count)
+    centered = aten.sub.Tensor(x, mean)
+    if centered.dtype.is_complex:
+        centered = aten.abs.default(centered)
+    squares = aten.sum.dim_IntList(aten.mul.Tensor(centered, centered), list(dims), keepdim)
+    variance = aten.div.Scalar(squares, count - correction)
+    if not keepdim:
+        mean = aten.squeeze.dims(mean, list(dims))
+    return variance, mean
+
+
+def _variance_args(func, args, kwargs):
+    x = args[0]
+    dims = normalized_dims(arg(args, kwargs, 1, "dim"), x.ndim)
+    correction = kwargs.get("correction")
+    correction = 1 if correction is None else correction
+    return x, dims, correction, bool(kwargs.get("keepdim", False))
+
+
+@register_aten_handler(aten.var.correction, aten.std.correction)
+def _var_std(func, args, kwargs):
+    x, dims, correction, keepdim = _variance_args(func, args, kwargs)
+    if not sharded_among(x._spec, dims):
+        return NotImplemented
+    variance, _ = _variance_and_mean(x, dims, correction, keepdim)
+    return variance if func is aten.var.correction else aten.sqrt.default(variance)
+
+
+@register_aten_handler(aten.var_mean.correction, aten.std_mean.correction)
+def _var_std_mean(func, args, kwargs):
+    x, dims, correction, keepdim = _variance_args(func, args, kwargs)
+    if not sharded_among(x._spec, dims):
+        return NotImplemented
+    variance, mean = _variance_and_mean(x, dims, correction, keepdim)
+    spread = variance if func is aten.var_mean.correction else aten.sqrt.default(variance)
+    return spread, mean
+
+
+# ---------------------------------------------------------------------------- empty shards
+def _identity(dtype: torch.dtype, largest: bool) -> float | int | bool:
+    """The identity of max (``largest=False``: the smallest value) or of min."""
+    if dtype == torch.bool:
+        return not largest
+    if dtype.is_floating_point:
+        return -math.inf if not largest else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if not largest else info.max
+
+
+def _empty_safe(reduce, largest_identity: bool):
+    """Wrap a local ``reduce(x, dim, keepdim)`` so that reducing an empty shard gives the
+    identity instead of raising."""
+
+    def local(x: torch.Tensor, dim=None, keepdim: bool = False, *rest):
+        dims = normalized_dims(dim, x.ndim)
+        if x.numel() != 0 or not any(x.shape[d] == 0 for d in dims):
+            return reduce(x, *([] if dim is None else [dim]), keepdim, *rest)
+        shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
+        if not keepdim:
+            shape = [n for d, n in enumerate(shape) if d not in dims]
+        return torch.full(
+            shape, _identity(x.dtype, largest_identity), dtype=x.dtype, device=x.device
+        )
+
+    return local
+
+
+_AMAX = _empty_safe(torch.ops.aten.amax.default, largest_identity=False)
+_AMIN = _empty_safe(torch.ops.aten.amin.default, largest_identity=True)
+
+
+@register_aten_handler(aten.amax.default, aten.amin.default)
+def _amax_amin(func, args, kwargs):
+    local = _AMAX if func is aten.amax.default else _AMIN
+    return run_with_propagation(func, args, kwargs, local_impl=local)
+
+
+@register_aten_handler(aten.max.default, aten.min.default)
+def _max_min(func, args, kwargs):
+    reduce = aten.amax.default if func is aten.max.default else aten.amin.default
+
+    def local(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return torch.full((), _identity(x.dtype, func is aten.min.default), dtype=x.dtype)
+        return reduce(x)
+
+    return run_with_propagation(func, args, kwargs, local_impl=local)
+
+
+@register_aten_handler(aten.linalg_vector_norm.default)
+def _vector_norm(func, args, kwargs):
+    order = arg(args, kwargs, 1, "ord", 2)
+    if not math.isinf(order):
+        return NotImplemented
+
+    def local(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+        dims = normalized_dims(dim, x.ndim)
+        if not any(x.shape[d] == 0 for d in dims):
+            return aten.linalg_vector_norm.default(x, ord, dim, keepdim, dtype=dtype)
+        shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
+        if not keepdim:
+            shape = [n for d, n in enumerate(shape) if d not in dims]
+        value = 0.0 if ord > 0 else math.inf
+        return torch.full(shape, value, dtype=dtype or x.real.dtype, device=x.device)
+
+    return run_with_propagation(func, args, kwargs, local_impl=local)
+
+
+# ---------------------------------------------------------------------------- argmax / argmin
+@register_aten_handler(aten.argmax.default, aten.argmin.default)
+def _argmax_argmin(func, args, kwargs):
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim")
+    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
+    spec = x._spec
+    if x.has_partial() if hasattr(x, "has_partial") else spec.has_partial():
+        x = x.redistribute(
+            placements=[Replicate() if p.is_partial() else p for p in spec.placements]
+        )
+        spec = x._spec
+    if dim is None:
+        return _flat_arg_extreme(x, func is aten.argmax.default)
+    dim %= max(x.ndim, 1)
+    if dim not in spec.sharding_by_dim:
+        return NotImplemented
+    return _arg_extreme_along(x, dim, keepdim, func is aten.argmax.default)
+
+
+def _best_of(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Index along dim 0 of the first best valid entry; NaN beats everything, as in torch."""
+    nan = torch.isnan(values) & valid if values.is_floating_point() else torch.zeros_like(valid)
+    fill = -math.inf if largest else math.inf
+    if not values.is_floating_point():
+        fill = _identity(values.dtype, not largest)
+    clean = values.masked_fill(~valid | nan, fill)
+    best = clean.amax(0, keepdim=True) if largest else clean.amin(0, keepdim=True)
+    candidates = torch.where(nan.any(0, keepdim=True), nan, (clean == best) & valid)
+    return candidates.to(torch.uint8).argmax(0)
+
+
+def _arg_extreme_along(x: ShardTensor, dim: int, keepdim: bool, largest: bool) -> ShardTensor:
+    spec = x._spec
+    sharding = spec.sharding_by_dim[dim]
+    local = x._local
+    offset = spec.local_offsets()[dim]
+    out_shape = list(local.shape)
+    out_shape[dim] = 1
+    if local.shape[dim] == 0:
+        values = torch.zeros(out_shape, dtype=local.dtype, device=local.device)
+        indices = torch.zeros(out_shape, dtype=torch.int64, device=local.device)
+        valid = torch.zeros(out_shape, dtype=torch.bool, device=local.device)
+    else:
+        reduce = torch.max if largest else torch.min
+        values, indices = reduce(local, dim, keepdim=True)
+        nan_first = torch.isnan(local).any(dim, keepdim=True) if local.is_floating_point() else None
+        if nan_first is not None and bool(nan_first.any()):
+            first_nan = torch.isnan(local).to(torch.uint8).argmax(dim, keepdim=True)
+            indices = torch.where(nan_first, first_nan, indices)
+            values = torch.where(nan_first, torch.full_like(values, math.nan), values)
+        indices = indices + offset
+        valid = torch.ones(out_shape, dtype=torch.bool, device=local.device)
+    group = axis_group(spec.mesh, sharding.axes)
+    packed = [values, indices, valid]
+    gathered = [
+        torch.stack(
+            exchange(
+                group,
+                [t] * group.size,
+                lambda s, d, t=t: t.shape,
+                dtype=t.dtype,
+                device=t.device,
+                kind="all_gather",
+            )
+        )
+        for t in packed
+    ]
+    choice = _best_of(gathered[0], gathered[2], largest)
+    result = torch.gather(gathered[1], 0, choice.unsqueeze(0)).squeeze(0)
+    if not keepdim:
+        result = result.squeeze(dim)
+    return ShardTensor(result, _reduced_spec(spec, dim, keepdim))
+
+
+def _reduced_spec(spec: ShardTensorSpec, dim: int, keepdim: bool) -> ShardTensorSpec:
+    """Spec after reducing ``dim`` to an int64 index: its axes become Replicate."""
+    placements = []
+    for p in spec.placements:
+        if isinstance(p, Shard) and p.dim == dim:
+            placements.append(Replicate())
+        elif isinstance(p, Shard) and p.dim > dim and not keepdim:
+            placements.append(Shard(p.dim - 1))
+        else:
+            placements.append(p)
+    shape = list(spec.shape)
+    if keepdim:
+        shape[dim] = 1
+    else:
+        del shape[dim]
+    sizes = {}
+    order = {}
+    for s in spec.shardings:
+        if s.dim != dim:
+            new_dim = s.dim - 1 if s.dim > dim and not keepdim else s.dim
+            sizes[new_dim], order[new_dim] = s.sizes, s.axes
+    return ShardTensorSpec.build(spec.mesh, placements, shape, torch.int64, sizes, order=order)
+
+
+def _flat_arg_extreme(x: ShardTensor, largest: bool) -> ShardTensor:
+    """argmax/argmin of the flattened tensor: each rank offers its best (value, global flat
+    index); one exchange over all sharded axes picks the first best."""
+    spec = x._spec
+    local = x._local
+    if local.numel() == 0:
+        value = torch.zeros((), dtype=local.dtype, device=local.device)
+        index = torch.zeros((), dtype=torch.int64, device=local.device)
+        valid = torch.zeros((), dtype=torch.bool, device=local.device)
+    else:
+        flat_local = (torch.argmax if largest else torch.argmin)(local)
+        if local.is_floating_point() and bool(torch.isnan(local).any()):
+            flat_local = torch.isnan(local).reshape(-1).to(torch.uint8).argmax()
+        value = local.reshape(-1)[flat_local]
+        coords = torch.unravel_index(flat_local, local.shape)
+        offsets = spec.local_offsets()
+        index = torch.zeros((), dtype=torch.int64, device=local.device)
+        for d, c in enumerate(coords):
+            index = index * spec.shape[d] + (c + offsets[d])
+        valid = torch.ones((), dtype=torch.bool, device=local.device)
+    axes = tuple(sorted(a for s in spec.shardings for a in s.axes))
+    result = index
+    if axes:
+        group = axis_group(spec.mesh, axes)
+        gathered = [
+            torch.stack(
+                exchange(
+                    group,
+                    [t] * group.size,
+                    lambda s, d: (),
+                    dtype=t.dtype,
+                    device=t.device,
+                    kind="all_gather",
+                )
+            )
+            for t in (value, index, valid)
+        ]
+        candidates = gathered[0].clone()
+        choice = _first_best_by_index(candidates, gathered[1], gathered[2], largest)
+        result = gathered[1][choice]
+    replicated = ShardTensorSpec.build(spec.mesh, [Replicate()] * spec.mesh.ndim, (), torch.int64)
+    return ShardTensor(result, replicated)
+
+
+def _first_best_by_index(values, indices, valid, largest: bool) -> int:
+    """Among ranks, the best value with the smallest global index (ranks along different axes
+    are not in index order, so ties are broken by index explicitly)."""
+    nan = torch.isnan(values) & valid if values.is_floating_point() else torch.zeros_like(valid)
+    if bool(nan.any()):
+        pool = nan
+    else:
+        fill = (
+            _identity(values.dtype, not largest)
+            if not values.is_floating_point()
+            else (-math.inf if largest else math.inf)
+        )
+        clean = values.masked_fill(~valid, fill)
+        best = clean.max() if largest else clean.min()
+        pool = (clean == best) & valid
+    masked = indices.masked_fill(~pool, torch.iinfo(torch.int64).max)
+    return int(masked.argmin())

@@ -1,0 +1,321 @@
+"""The layout of a ShardTensor: placements plus the true extent of every shard.
+
+DTensor describes a sharded dim by its placement alone and assumes ``torch.chunk`` sizes.
+:class:`ShardTensorSpec` adds, for every sharded tensor dim, the extent owned by each rank, so
+shards may have any sizes, zero included.
+
+# NOTE [Shard sizes are a global, rank-independent table]
+A tensor dim ``d`` sharded over mesh axes ``(a_0, ..., a_k)`` (outermost first: DTensor's
+``shard_order``) is described by one flat tuple of extents, row-major over the coordinates of
+those axes. The rank at coordinates ``(c_0, ..., c_k)`` owns the extent at flat index
+``ravel(c_0, ..., c_k)`` and its offset along ``d`` is the sum of the extents before it. Nested
+sharding is therefore a 1-D sharding over the flattened sub-mesh of its axes, and every rank
+holds the same table: no rank-dependent state, so specs hash, compare and cache like values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+
+__all__ = ["DimSharding", "ShardTensorSpec", "chunk_sizes", "mesh_coordinate", "replicated_spec"]
+
+
+def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
+    """Extents of ``torch.chunk(extent, parts)``, padded with zeros to ``parts`` entries."""
+    if parts <= 0:
+        raise ValueError(f"cannot split into {parts} parts")
+    step = -(-extent // parts) if extent else 0
+    sizes = []
+    remaining = extent
+    for _ in range(parts):
+        take = min(step, remaining)
+        sizes.append(take)
+        remaining -= take
+    return tuple(sizes)
+
+
+def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's coordinate in ``mesh``; raises when the rank is not part of it."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError(f"this rank is not part of the device mesh {mesh}")
+    return tuple(coordinate)
+
+
+@dataclass(frozen=True)
+class DimSharding:
+    """How one tensor dim is split over mesh axes.
+
+    Attributes
+    ----------
+    dim : int
+        The tensor dim.
+    axes : tuple of int
+        Mesh axes sharding ``dim``, outermost first.
+    sizes : tuple of int
+        Extents along ``dim``, row-major over the coordinates of ``axes`` (see NOTE above).
+    """
+
+    dim: int
+    axes: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def extent(self) -> int:
+        return sum(self.sizes)
+
+    def flat_index(self, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> int:
+        index = 0
+        for axis in self.axes:
+            index = index * mesh_shape[axis] + coordinate[axis]
+        return index
+
+    def is_even(self) -> bool:
+        """True when every shard has the same, non-zero extent (DTensor's ``avg`` is exact)."""
+        return self.sizes[0] > 0 and all(s == self.sizes[0] for s in self.sizes)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardTensorSpec:
+    """Global description of a sharded tensor, identical on every rank.
+
+    Attributes
+    ----------
+    mesh : DeviceMesh
+        The device mesh the tensor lives on.
+    placements : tuple of Placement
+        One per mesh axis: ``Shard(d)``, ``Replicate()`` or ``Partial(op)``.
+    shape : torch.Size
+        Global shape.
+    stride : tuple of int
+        Global stride (contiguous in the local tensor's dim order).
+    dtype : torch.dtype
+        Element type.
+    shardings : tuple of DimSharding
+        One entry per sharded tensor dim, ordered by dim.
+    hints : tuple of DimSharding
+        Extents this tensor's dims had when they were last sharded; redistribution reuses them
+        when a dim is sharded again over the same axes, so ``Shard(i) -> Shard(j) -> Shard(i)``
+        restores uneven sizes. Not part of equality.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    shardings: tuple[DimSharding, ...]
+    hints: tuple[DimSharding, ...] = field(default=())
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(
+        cls,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        sizes: dict[int, Sequence[int]] | None = None,
+        *,
+        stride: Sequence[int] | None = None,
+        order: dict[int, Sequence[int]] | None = None,
+        hints: tuple[DimSharding, ...] = (),
+    ) -> ShardTensorSpec:
+        """Validate and build a spec.
+
+        Parameters
+        ----------
+        sizes : dict, optional
+            Tensor dim -> flat extents (row-major over its axes). Missing dims get the
+            ``torch.chunk`` split (nested: each outer piece chunked again).
+        order : dict, optional
+            Tensor dim -> mesh axes, outermost first; default: increasing mesh axis.
+        """
+        placements = tuple(placements)
+        shape = torch.Size(shape)
+        if len(placements) != mesh.ndim:
+            raise ValueError(
+                f"got {len(placements)} placements {placements} for a {mesh.ndim}-D mesh; "
+                f"expected one placement per mesh axis"
+            )
+        axes_by_dim: dict[int, list[int]] = {}
+        for axis, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                dim = placement.dim if placement.dim >= 0 else placement.dim + len(shape)
+                if not 0 <= dim < len(shape):
+                    raise ValueError(
+                        f"Shard({placement.dim}) on mesh axis {axis} is out of range for a "
+                        f"{len(shape)}-D tensor of shape {tuple(shape)}"
+                    )
+                axes_by_dim.setdefault(dim, []).append(axis)
+            elif not isinstance(placement, (Replicate, Partial)):
+                raise ValueError(f"unsupported placement {placement!r} on mesh axis {axis}")
+        placements = tuple(
+            Shard(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements
+        )
+        shardings = []
+        for dim in sorted(axes_by_dim):
+            axes = tuple(axes_by_dim[dim])
+            if order and dim in order:
+                axes = _checked_order(dim, axes, order[dim])
+            dim_sizes = (sizes or {}).get(dim)
+            if dim_sizes is None:
+                dim_sizes = nested_chunk_sizes(shape[dim], [mesh.shape[a] for a in axes])
+            shardings.append(_checked_sharding(dim, axes, tuple(dim_sizes), shape, mesh))
+        unknown = set(sizes or {}) - set(axes_by_dim)
+        if unknown:
+            raise ValueError(f"sizes given for dims {sorted(unknown)} that are not sharded")
+        if stride is None:
+            stride = contiguous_stride(shape)
+        return cls(mesh, placements, shape, tuple(stride), dtype, tuple(shardings), hints)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @cached_property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    @cached_property
+    def sharding_by_dim(self) -> dict[int, DimSharding]:
+        return {s.dim: s for s in self.shardings}
+
+    def local_shape(self, coordinate: Sequence[int] | None = None) -> torch.Size:
+        """Shape of the shard held at ``coordinate`` (default: this rank)."""
+        if coordinate is None:
+            coordinate = mesh_coordinate(self.mesh)
+        shape = list(self.shape)
+        for s in self.shardings:
+            shape[s.dim] = s.sizes[s.flat_index(self.mesh_shape, coordinate)]
+        return torch.Size(shape)
+
+    def local_offsets(self, coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Global index of the first element of the shard at ``coordinate``, per tensor dim."""
+        if coordinate is None:
+            coordinate = mesh_coordinate(self.mesh)
+        offsets = [0] * self.ndim
+        for s in self.shardings:
+            offsets[s.dim] = sum(s.sizes[: s.flat_index(self.mesh_shape, coordinate)])
+        return tuple(offsets)
+
+    @cached_property
+    def is_uneven(self) -> bool:
+        return any(not s.is_even() for s in self.shardings)
+
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def same_layout(self, other: ShardTensorSpec) -> bool:
+        """Same mesh, placements, global shape and shard extents (dtype and hints ignored)."""
+        return self is other or (
+            self.shape == other.shape
+            and self.placements == other.placements
+            and self.shardings == other.shardings
+            and self.mesh == other.mesh
+        )
+
+    def sharding_shapes(self) -> dict[int, tuple[torch.Size, ...]]:
+        """PhysicsNeMo's form: mesh axis -> local shapes of the ranks along it (others fixed
+        at this rank's coordinate), for every sharded axis."""
+        coordinate = list(mesh_coordinate(self.mesh))
+        result: dict[int, tuple[torch.Size, ...]] = {}
+        for axis, placement in enumerate(self.placements):
+            if isinstance(placement, Shard):
+                shapes = []
+                for c in range(self.mesh_shape[axis]):
+                    coordinate_c = coordinate.copy()
+                    coordinate_c[axis] = c
+                    shapes.append(self.local_shape(coordinate_c))
+                result[axis] = tuple(shapes)
+        return result
+
+    # ------------------------------------------------------------------ derived specs
+    def with_dtype(self, dtype: torch.dtype) -> ShardTensorSpec:
+        return self if dtype == self.dtype else replace(self, dtype=dtype)
+
+    @cached_property
+    def dtensor_spec(self) -> DTensorSpec:
+        """The DTensor view of this spec, for DTensor's sharding propagation."""
+        order = tuple(ShardOrderEntry(s.dim, s.axes) for s in self.shardings)
+        meta = TensorMeta(self.shape, self.stride, self.dtype)
+        return DTensorSpec(self.mesh, self.placements, meta, shard_order=order)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"dim {s.dim} over axes {s.axes}: {list(s.sizes)}" for s in self.shardings
+        )
+        return (
+            f"ShardTensorSpec(shape={tuple(self.shape)}, placements={self.placements}"
+            f"{', ' + parts if parts else ''}, dtype={self.dtype})"
+        )
+
+
+def nested_chunk_sizes(extent: int, parts_per_axis: Sequence[int]) -> tuple[int, ...]:
+    """``torch.chunk`` split of ``extent``, each piece split again over the next axis."""
+    pieces = [extent]
+    for parts in parts_per_axis:
+        pieces = [size for piece in pieces for size in chunk_sizes(piece, parts)]
+    return tuple(pieces)
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride = []
+    running = 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _checked_order(dim: int, axes: tuple[int, ...], order: Sequence[int]) -> tuple[int, ...]:
+    if sorted(order) != sorted(axes):
+        raise ValueError(
+            f"shard order {tuple(order)} for tensor dim {dim} must list exactly the mesh axes "
+            f"that shard it, {axes}"
+        )
+    return tuple(order)
+
+
+def _checked_sharding(
+    dim: int, axes: tuple[int, ...], sizes: tuple[int, ...], shape: torch.Size, mesh: DeviceMesh
+) -> DimSharding:
+    expected = math.prod(mesh.shape[a] for a in axes)
+    if len(sizes) != expected:
+        raise ValueError(
+            f"tensor dim {dim} is sharded over mesh axes {axes} ({expected} shards) but "
+            f"{len(sizes)} sizes were given: {list(sizes)}"
+        )
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"negative shard size in {list(sizes)} for tensor dim {dim}")
+    if sum(sizes) != shape[dim]:
+        raise ValueError(
+            f"shard sizes {list(sizes)} for tensor dim {dim} sum to {sum(sizes)}, "
+            f"but the global size of that dim is {shape[dim]}"
+        )
+    return DimSharding(dim, axes, sizes)
+
+
+_REPLICATED: dict[tuple, ShardTensorSpec] = {}
+
+
+def replicated_spec(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensorSpec:
+    """Spec of a plain tensor that every rank of ``mesh`` holds whole (cached)."""
+    key = (id(mesh), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+    spec = _REPLICATED.get(key)
+    if spec is None or spec.mesh is not mesh:
+        placements = [Replicate()] * mesh.ndim
+        spec = ShardTensorSpec.build(
+            mesh, placements, tensor.shape, tensor.dtype, stride=tensor.stride()
+        )
+        _REPLICATED[key] = spec
+    return spec
