@@ -11,8 +11,10 @@ from shardsci.tensor import (
     ShardTensor,
     ShardTensorSpec,
     comm_counter,
+    distribute_tensor,
     register_aten_handler,
     register_function_handler,
+    scatter_tensor,
 )
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "ShardTensor",
     "ShardTensorSpec",
     "comm_counter",
+    "distribute_tensor",
     "register_aten_handler",
     "register_function_handler",
+    "scatter_tensor",
 ]

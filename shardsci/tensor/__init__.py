@@ -3,6 +3,7 @@
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._comm_stats import CommStats, comm_counter
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._scatter import distribute_tensor, scatter_tensor
 from shardsci.tensor._spec import ShardTensorSpec
 
 # Importing the handler families registers them.
@@ -13,6 +14,8 @@ __all__ = [
     "ShardTensor",
     "ShardTensorSpec",
     "comm_counter",
+    "distribute_tensor",
     "register_aten_handler",
     "register_function_handler",
+    "scatter_tensor",
 ]

@@ -24,7 +24,7 @@ from shardsci.tensor._layout_inference import sizes_for_from_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import ShardTensorSpec
 
-__all__ = ["ShardTensor", "grad_spec", "redistribute"]
+__all__ = ["ShardTensor", "from_local_spec", "grad_spec", "redistribute"]
 
 ShardingShapes = str | Mapping[int, Sequence[Sequence[int] | int]]
 
@@ -216,6 +216,11 @@ def redistribute(x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
     if x._spec.same_layout(spec):
         return x
     return _Redistribute.apply(x, spec)
+
+
+def from_local_spec(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """Differentiable ``from_local`` with a known spec (no checks, no communication)."""
+    return _FromLocal.apply(local, spec)
 
 
 def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:

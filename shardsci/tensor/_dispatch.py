@@ -33,7 +33,7 @@ import torch
 from torch._ops import OpOverload
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+from torch.distributed.tensor._op_schema import OpSchema, OutputSharding, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
@@ -63,6 +63,8 @@ def bind_tensor_type(cls: type) -> None:
 
 def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: dict | None = None):
     kwargs = kwargs or {}
+    if func in _DIM_ARGUMENT:
+        args, kwargs = _explicit_reduction_dims(func, args, kwargs)
     handler = aten_handler_for(func)
     if handler is not None:
         result = handler(func, args, kwargs)
@@ -73,6 +75,44 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
         if result is not NotImplemented:
             return result
     return run_with_propagation(func, args, kwargs)
+
+
+# NOTE [An empty dim list reduces every dim]
+# For torch reductions ``dim=[]`` means all dims, but DTensor's reduction rules read it as "no
+# dims" and return the input's placements: silently wrong, on even shards too. The dim
+# argument is therefore made explicit before any handler or rule sees it.
+_DIM_ARGUMENT = {
+    aten.sum.dim_IntList: 1,
+    aten.nansum.default: 1,
+    aten.mean.dim: 1,
+    aten.amax.default: 1,
+    aten.amin.default: 1,
+    aten.linalg_vector_norm.default: 2,
+    aten.var.correction: 1,
+    aten.std.correction: 1,
+    aten.var_mean.correction: 1,
+    aten.std_mean.correction: 1,
+    aten.logsumexp.default: 1,
+    aten.count_nonzero.dim_IntList: 1,
+    aten.any.dims: 1,
+    aten.all.dims: 1,
+}
+
+
+def _explicit_reduction_dims(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    index = _DIM_ARGUMENT[func]
+    ndim = args[0].ndim
+    if len(args) > index:
+        dims = args[index]
+    else:
+        dims = kwargs.get("dim", func._schema.arguments[index].default_value)
+    if not isinstance(dims, (list, tuple)) or len(dims) != 0 or not ndim:
+        return args, kwargs
+    if len(args) > index:
+        return (*args[:index], list(range(ndim)), *args[index + 1 :]), kwargs
+    if len(args) == index:
+        return (*args, list(range(ndim))), kwargs
+    return args, {**kwargs, "dim": list(range(ndim))}
 
 
 # ---------------------------------------------------------------------------- fast path
@@ -181,7 +221,8 @@ def run_with_propagation(
         )
     op, targets, values, extra_args = _suggestion(func, sharding, flat_args, specs)
     target_specs = _aligned_targets(specs, targets)
-    _check_in_place(func, specs, target_specs)
+    if _moves_destination(func, specs, target_specs):
+        return _in_place_through_copy(func, args, kwargs)
     local_flat = [
         redistribute_local(_local_of(arg), spec, target) if spec is not None else value
         for arg, value, spec, target in zip(flat_args, values, specs, target_specs)
@@ -264,7 +305,7 @@ def _propagate(
         func,
         tuple(pytree.tree_unflatten(schema_args, args_tree)),
         schema_kwargs,
-        schema_info=_PROPAGATOR.op_to_schema_info.get(func),
+        schema_info=_schema_info(func, kwargs),
     )
     try:
         return _PROPAGATOR.propagate_op_sharding(schema)
@@ -275,6 +316,18 @@ def _propagate(
             f"shardsci: {func} has no sharding rule; register a handler with "
             f"shardsci.register_aten_handler({func})"
         ) from None
+
+
+def _schema_info(func: OpOverload, kwargs: dict) -> RuntimeSchemaInfo:
+    """Which arguments key DTensor's propagation cache. Without this, non-tensor arguments
+    (flip's dims, a reduction's keepdim) are left out of the key and a cached result for
+    other values is reused."""
+    info = _PROPAGATOR.op_to_schema_info.get(
+        func
+    ) or _PROPAGATOR.op_to_schema_info_for_single_dim_strategy.get(func)
+    if info is not None:
+        return info
+    return RuntimeSchemaInfo(static_argnum=0, static_kwargkey=sorted(kwargs) or None)
 
 
 def _can_decompose(func: OpOverload) -> bool:
@@ -415,17 +468,31 @@ def _sizes_by_axes(
     return found
 
 
-def _check_in_place(
-    func: OpOverload,
-    specs: list[ShardTensorSpec | None],
-    targets: list[ShardTensorSpec | None],
-) -> None:
-    first, target = (specs[0], targets[0]) if specs else (None, None)
-    if _mutates_first_argument(func) and first is not None and not first.same_layout(target):
-        raise RuntimeError(
-            f"in-place {func} would need to move its destination from {specs[0]} to "
-            f"{targets[0]}; redistribute the destination first or use the out-of-place op"
+def _moves_destination(
+    func: OpOverload, specs: list[ShardTensorSpec | None], targets: list[ShardTensorSpec | None]
+) -> bool:
+    """Whether an in-place op's rule wants its destination in another layout."""
+    return (
+        _mutates_first_argument(func)
+        and specs[0] is not None
+        and not specs[0].same_layout(targets[0])
+    )
+
+
+def _in_place_through_copy(func: OpOverload, args: tuple, kwargs: dict):
+    """Run the out-of-place op, then copy the result into the destination's own layout."""
+    name = func.overloadpacket.__name__.rstrip("_")
+    functional = getattr(getattr(aten, name), func._overloadname, None)
+    if functional is None:
+        raise NotImplementedError(
+            f"in-place {func} would need to move its destination {args[0]._spec}, and it has "
+            f"no out-of-place twin; redistribute the destination first"
         )
+    destination = args[0]
+    result = functional(*args, **kwargs)
+    target = destination._spec.with_dtype(result.dtype)
+    destination._local.copy_(redistribute_local(result._local, result._spec, target))
+    return destination
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -470,8 +537,10 @@ def _output_spec(
             sizes[dim] = known.sizes
         else:
             raise NotImplementedError(
-                f"{func}: cannot tell the shard sizes of output dim {dim} (extent {shape[dim]}) "
-                f"from its inputs; this op needs a shardsci handler"
+                f"{func}: cannot tell the shard sizes of output dim {dim} (extent {shape[dim]}, "
+                f"placements {dspec.placements}) from its inputs (sharded as "
+                f"{ {axes: list(s.sizes) for axes, s in sizes_by_axes.items()} }); this op "
+                f"needs a shardsci handler"
             )
     spec = ShardTensorSpec.build(
         mesh,

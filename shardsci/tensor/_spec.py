@@ -208,9 +208,13 @@ class ShardTensorSpec:
             offsets[s.dim] = sum(s.sizes[: s.flat_index(self.mesh_shape, coordinate)])
         return tuple(offsets)
 
-    @cached_property
-    def is_uneven(self) -> bool:
-        return any(not s.is_even() for s in self.shardings)
+    def narrow(self, tensor: torch.Tensor, coordinate: Sequence[int] | None = None) -> torch.Tensor:
+        """The shard at ``coordinate`` (default: this rank) of a whole ``tensor`` (a view)."""
+        offsets = self.local_offsets(coordinate)
+        shape = self.local_shape(coordinate)
+        for s in self.shardings:
+            tensor = tensor.narrow(s.dim, offsets[s.dim], shape[s.dim])
+        return tensor
 
     def has_partial(self) -> bool:
         return any(isinstance(p, Partial) for p in self.placements)

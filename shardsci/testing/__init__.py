@@ -6,6 +6,8 @@ the per-rank results; ``RankFailure`` reports a failing rank's traceback. Inside
 ``get_mesh`` gives a cached device mesh and the ``assert_*_all_ranks`` helpers make every rank
 fail together instead of leaving the others waiting in a collective. ``run_local_tensor`` runs
 a body once, in-process, on simulated ranks (``LocalTensorMode``): fast, for even shards only.
+``check_against_reference`` compares a sharded computation, forward and gradients, with a
+single-process run on the same global data.
 """
 
 from shardsci.testing._collective_asserts import (
@@ -21,12 +23,15 @@ from shardsci.testing._pool import (
     run_on_ranks,
     shutdown_pools,
 )
+from shardsci.testing._reference import Layout, check_against_reference
 
 __all__ = [
+    "Layout",
     "RankFailure",
     "assert_all_ranks",
     "assert_close_all_ranks",
     "assert_raises_all_ranks",
+    "check_against_reference",
     "current_world_size",
     "get_mesh",
     "run_local_tensor",

@@ -1,0 +1,165 @@
+"""view / reshape with the sharded dim tracked through the new shape.
+
+DTensor rewrites the target shape for each rank assuming ``torch.chunk`` shards, and turns a
+flatten whose sharded dim is not the outermost into an interleaved (strided) sharding. Here
+the view is decomposed into groups of input dims that become groups of output dims (DTensor's
+``view_groups``), and for each group holding a sharded dim:
+- forwarded unchanged: the output dim keeps the shard sizes;
+- flattened (several dims into one): the output is sharded like the group's outermost dim,
+  sizes times the product of the other dims. A sharding on an inner dim of the group is first
+  moved onto the outermost dim (one all-to-all, nested after that dim's own axes), which is
+  how flattening H and W of a 2-D block decomposition works;
+- split (one dim into several): the outermost output dim is sharded, sizes divided by the
+  product of the inner output dims; shard boundaries that do not fall on multiples of that
+  product are first moved to the nearest ones;
+- anything else (a flatten then split that mixes dims): the axes involved are replicated
+  first, so the result is right, if not cheap.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._ops._view_ops import (
+    Flatten,
+    InputDim,
+    Split,
+    infer_size,
+    view_groups,
+)
+
+from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
+
+aten = torch.ops.aten
+
+Group = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@register_aten_handler(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    x = args[0]
+    spec = x._spec
+    if not spec.shardings:
+        return NotImplemented
+    out_shape = tuple(infer_size(math.prod(spec.shape), list(args[1])))
+    groups = _groups(view_groups(tuple(spec.shape), out_shape))
+    needed = _layout_for_view(spec, groups, out_shape)
+    local = x._local
+    if not needed.same_layout(spec):
+        local = redistribute_local(local, spec, needed)
+    out_spec = _output_spec(needed, groups, out_shape)
+    local_shape = list(out_spec.local_shape())
+    if func is aten.view.default and local is x._local:
+        return ShardTensor(local.view(local_shape), out_spec)
+    return ShardTensor(local.reshape(local_shape), out_spec)
+
+
+def _groups(rule: tuple) -> list[Group]:
+    """(input dims, output dims) pairs; output dims of a split share one group."""
+    groups: dict[object, tuple[tuple[int, ...], list[int]]] = {}
+    for out_dim, cmd in enumerate(rule):
+        if isinstance(cmd, InputDim):
+            groups[("forward", out_dim)] = ((cmd.input_dim,), [out_dim])
+        elif isinstance(cmd, Flatten):
+            groups[("flatten", out_dim)] = (_input_dims(cmd), [out_dim])
+        elif isinstance(cmd, Split):
+            key = ("split", _input_dims(cmd.input_dim))
+            groups.setdefault(key, (_input_dims(cmd.input_dim), []))[1].append(out_dim)
+    return [(in_dims, tuple(out_dims)) for in_dims, out_dims in groups.values()]
+
+
+def _input_dims(cmd: object) -> tuple[int, ...]:
+    if isinstance(cmd, InputDim):
+        return (cmd.input_dim,)
+    if isinstance(cmd, Flatten):
+        return tuple(d for inner in cmd.input_dims for d in _input_dims(inner))
+    return ()
+
+
+def _layout_for_view(
+    spec: ShardTensorSpec, groups: list[Group], out_shape: tuple[int, ...]
+) -> ShardTensorSpec:
+    """The input layout from which every rank can take its part of the view locally."""
+    placements = list(spec.placements)
+    sizes = {s.dim: s.sizes for s in spec.shardings}
+    order = {s.dim: s.axes for s in spec.shardings}
+
+    def replicate(dim: int) -> None:
+        for axis in order.pop(dim):
+            placements[axis] = Replicate()
+        del sizes[dim]
+
+    grouped = {d for in_dims, _ in groups for d in in_dims}
+    for dim in [d for d in order if d not in grouped]:
+        replicate(dim)
+    for in_dims, out_dims in groups:
+        sharded = [d for d in in_dims if d in order]
+        if not sharded:
+            continue
+        if len(in_dims) > 1 and len(out_dims) > 1:
+            for dim in sharded:
+                replicate(dim)
+            continue
+        head = in_dims[0]
+        inner = [d for d in sharded if d != head]
+        if inner:
+            moved = tuple(a for d in inner for a in order[d])
+            count = math.prod(spec.mesh_shape[a] for a in moved)
+            outer = sizes.get(head, (spec.shape[head],))
+            sizes[head] = tuple(x for size in outer for x in chunk_sizes(size, count))
+            order[head] = order.get(head, ()) + moved
+            for dim in inner:
+                del sizes[dim], order[dim]
+            for axis in moved:
+                placements[axis] = Shard(head)
+        if len(out_dims) > 1:
+            sizes[head] = _on_multiples(sizes[head], math.prod(out_shape[d] for d in out_dims[1:]))
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        spec.shape,
+        spec.dtype,
+        sizes,
+        stride=spec.stride,
+        order=order,
+        hints=spec.hints,
+    )
+
+
+def _on_multiples(sizes: tuple[int, ...], step: int) -> tuple[int, ...]:
+    """Shard sizes whose boundaries are the multiples of ``step`` nearest to the current ones."""
+    if all(s % step == 0 for s in sizes):
+        return sizes
+    boundaries = [0]
+    running = 0
+    for s in sizes:
+        running += s
+        boundaries.append(round(running / step) * step)
+    boundaries[-1] = running
+    return tuple(b - a for a, b in itertools.pairwise(boundaries))
+
+
+def _output_spec(
+    spec: ShardTensorSpec, groups: list[Group], out_shape: tuple[int, ...]
+) -> ShardTensorSpec:
+    placements = list(spec.placements)
+    sizes: dict[int, tuple[int, ...]] = {}
+    order: dict[int, tuple[int, ...]] = {}
+    for in_dims, out_dims in groups:
+        sharding: DimSharding | None = spec.sharding_by_dim.get(in_dims[0])
+        if sharding is None:
+            continue
+        flattened = math.prod(spec.shape[d] for d in in_dims[1:])
+        split = math.prod(out_shape[d] for d in out_dims[1:])
+        head = out_dims[0]
+        sizes[head] = tuple(s * flattened // split for s in sharding.sizes)
+        order[head] = sharding.axes
+        for a in sharding.axes:
+            placements[a] = Shard(head)
+    return ShardTensorSpec.build(spec.mesh, placements, out_shape, spec.dtype, sizes, order=order)

@@ -1,0 +1,191 @@
+"""Every core op on ShardTensors against the single-process reference, forward and gradients,
+float64, on even, uneven and empty shards, 1-D and 2-D meshes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardsci.testing import check_against_reference, get_mesh, run_on_ranks
+from tests.layouts import CASES, Case
+
+torch.set_default_dtype(torch.float64)
+
+
+def _factors(n: int) -> tuple[int, int]:
+    """(n // f, f) for the smallest factor f > 1 of n (or (n, 1) when n is prime)."""
+    f = next((f for f in range(2, n) if n % f == 0), 1)
+    return (n // f, f)
+
+
+def _x(case: Case) -> torch.Tensor:
+    return torch.randn(case.shape, dtype=torch.float64)
+
+
+# Each entry: name -> (fn, makes the extra inputs and their layouts, compares gradients).
+# Functions take the case so they can address the sharded dim or the last dim.
+UNARY = {
+    "sin_affine": lambda c: lambda x: (x * 2 + 1).sin(),
+    "exp": lambda c: torch.exp,
+    "relu": lambda c: torch.relu,
+    "abs_pow": lambda c: lambda x: x.abs().pow(1.5),
+    "clone": lambda c: torch.clone,
+    "zeros_like_plus": lambda c: lambda x: torch.zeros_like(x) + x * torch.ones_like(x),
+    "scalar_tensor_mul": lambda c: lambda x: x * torch.tensor(3.0),
+    "sum_all": lambda c: torch.sum,
+    "mean_all": lambda c: torch.mean,
+    "var_all": lambda c: torch.var,
+    "std_all": lambda c: torch.std,
+    "norm_all": lambda c: torch.linalg.vector_norm,
+    "norm_inf": lambda c: lambda x: torch.linalg.vector_norm(x, float("inf")),
+    "amax_all": lambda c: torch.amax,
+    "amin_all": lambda c: torch.amin,
+    "max_all": lambda c: torch.max,
+    "transpose": lambda c: lambda x: x.transpose(0, 2) * 2,
+    "permute": lambda c: lambda x: x.permute(2, 0, 1).sin(),
+    "unsqueeze_squeeze": lambda c: lambda x: x.unsqueeze(1).sin().squeeze(1),
+    "flatten_trailing": lambda c: lambda x: x.flatten(c.sharded_dim).sin(),
+    "reshape_trailing": lambda c: lambda x: x.reshape(*x.shape[: c.sharded_dim], -1).cos(),
+    "unflatten_last": lambda c: lambda x: x.unflatten(-1, _factors(x.shape[-1])).sin(),
+    "unflatten_sharded": lambda c: lambda x: x.unflatten(
+        c.sharded_dim, _factors(x.shape[c.sharded_dim])
+    ).sin(),
+    "slice_sharded": lambda c: lambda x: x.narrow(c.sharded_dim, 1, x.shape[c.sharded_dim] - 2),
+    "step_slice_sharded": lambda c: lambda x: x[(slice(None),) * c.sharded_dim + (slice(1, None, 2),)],
+    "select_sharded": lambda c: lambda x: x.select(c.sharded_dim, x.shape[c.sharded_dim] - 2),
+    "select_other": lambda c: lambda x: x[:, 1] if c.sharded_dim != 1 else x[..., 1],
+    "index_sharded": lambda c: lambda x: x.index_select(
+        c.sharded_dim, torch.tensor([0, x.shape[c.sharded_dim] - 1, 1])
+    ),
+    "roll_sharded": lambda c: lambda x: x.roll(3, c.sharded_dim),
+    "roll_negative": lambda c: lambda x: x.roll(-2, c.sharded_dim),
+    "flip_sharded": lambda c: lambda x: x.flip(c.sharded_dim),
+    "flip_two": lambda c: lambda x: x.flip(0, 1),
+    "cat_self_sharded": lambda c: lambda x: torch.cat([x, x * 2], dim=c.sharded_dim),
+    "cat_last": lambda c: lambda x: torch.cat([x, x.sin()], dim=-1),
+    "stack": lambda c: lambda x: torch.stack([x, x.cos()], dim=0),
+    "layer_norm": lambda c: lambda x: F.layer_norm(x, x.shape[-1:]),
+    "mse_to_sin": lambda c: lambda x: F.mse_loss(x, x.detach().sin()),
+    "l1_to_sin": lambda c: lambda x: F.l1_loss(x, x.detach().sin()),
+    "mse_sum": lambda c: lambda x: F.mse_loss(x, torch.zeros_like(x), reduction="sum"),
+    "copy_into": lambda c: lambda x: torch.zeros_like(x).copy_(x.sin()),
+}
+PER_DIM = {
+    "sum_dim": lambda d: lambda x: x.sum(d),
+    "mean_dim": lambda d: lambda x: x.mean(d, keepdim=True),
+    "var_dim": lambda d: lambda x: x.var(d),
+    "std_dim": lambda d: lambda x: x.std(d, correction=0),
+    "norm_dim": lambda d: lambda x: x.norm(dim=d),
+    "amax_dim": lambda d: lambda x: x.amax(d),
+    "amin_dim": lambda d: lambda x: x.amin(d, keepdim=True),
+    "softmax": lambda d: lambda x: torch.softmax(x, d),
+    "log_softmax": lambda d: lambda x: F.log_softmax(x, dim=d),
+    "cumsum": lambda d: lambda x: x.cumsum(d),
+}
+NO_GRAD_PER_DIM = {
+    "argmax_dim": lambda d: lambda x: x.argmax(d),
+    "argmin_dim": lambda d: lambda x: x.argmin(d, keepdim=True),
+}
+NO_GRAD = {
+    "argmax_all": lambda c: torch.argmax,
+    "argmin_all": lambda c: torch.argmin,
+}
+
+
+def _unary_body(case: Case, name: str) -> None:
+    mesh = get_mesh(case.mesh)
+    table = UNARY if name in UNARY else NO_GRAD
+    fn = table[name](case)
+    check_against_reference(fn, [_x(case)], [case.layout], mesh, grad=name in UNARY, what=name)
+
+
+def _per_dim_body(case: Case, name: str, dim: int) -> None:
+    mesh = get_mesh(case.mesh)
+    table = PER_DIM if name in PER_DIM else NO_GRAD_PER_DIM
+    check_against_reference(
+        table[name](dim), [_x(case)], [case.layout], mesh, grad=name in PER_DIM, what=name
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("name", [*UNARY, *NO_GRAD])
+def test_unary(case: Case, name: str) -> None:
+    run_on_ranks(case.world, _unary_body, case, name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("name", [*PER_DIM, *NO_GRAD_PER_DIM])
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_per_dim(case: Case, name: str, dim: int) -> None:
+    run_on_ranks(case.world, _per_dim_body, case, name, dim)
+
+
+# ---------------------------------------------------------------------------- two operands
+def _binary_body(case: Case, name: str) -> None:
+    mesh = get_mesh(case.mesh)
+    x, y = _x(case), _x(case)
+    if name == "same_layout":
+        check_against_reference(torch.mul, [x, y], [case.layout, case.layout], mesh, what=name)
+    elif name == "different_boundaries":
+        fn = lambda a, b: a * b + a  # noqa: E731
+        check_against_reference(fn, [x, y], [case.layout, case.alternate], mesh, what=name)
+    elif name == "plain_broadcast":
+        bias = torch.randn(case.shape[-1])
+        check_against_reference(torch.add, [x, bias], [case.layout, None], mesh, what=name)
+    elif name == "plain_full":
+        check_against_reference(torch.sub, [x, y], [case.layout, None], mesh, what=name)
+    elif name == "replicated_operand":
+        replicated = type(case.layout)(tuple(_replicate(case)))
+        check_against_reference(torch.mul, [x, y], [case.layout, replicated], mesh, what=name)
+    elif name == "where":
+        fn = lambda a, b: torch.where(a > 0, a, b)  # noqa: E731
+        check_against_reference(fn, [x, y], [case.layout, case.alternate], mesh, what=name)
+
+
+def _replicate(case: Case):
+    from torch.distributed.tensor import Replicate
+
+    return [Replicate()] * len(case.mesh)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize(
+    "name",
+    ["same_layout", "different_boundaries", "plain_broadcast", "plain_full", "replicated_operand", "where"],
+)
+def test_binary(case: Case, name: str) -> None:
+    run_on_ranks(case.world, _binary_body, case, name)
+
+
+# ---------------------------------------------------------------------------- modules and matmuls
+def _matmul_body(case: Case, name: str) -> None:
+    mesh = get_mesh(case.mesh)
+    x = _x(case)
+    width = case.shape[-1]
+    if name == "linear":
+        module = nn.Linear(width, 5, dtype=torch.float64)
+        check_against_reference(lambda m, a: m(a), [x], [case.layout], mesh, module=module, what=name)
+    elif name == "layer_norm_module":
+        module = nn.LayerNorm(width, dtype=torch.float64)
+        with torch.no_grad():
+            module.weight.normal_()
+            module.bias.normal_()
+        check_against_reference(lambda m, a: m(a), [x], [case.layout], mesh, module=module, what=name)
+    elif name == "matmul_plain":
+        w = torch.randn(width, 6)
+        check_against_reference(torch.matmul, [x, w], [case.layout, None], mesh, what=name)
+    elif name == "einsum":
+        w = torch.randn(width, 2)
+        fn = lambda a, b: torch.einsum("ijk,kl->ijl", a, b)  # noqa: E731
+        check_against_reference(fn, [x, w], [case.layout, None], mesh, what=name)
+    elif name == "bmm":
+        w = torch.randn(case.shape[0], width, 3)
+        check_against_reference(torch.bmm, [x, w], [case.layout, None], mesh, what=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("name", ["linear", "layer_norm_module", "matmul_plain", "einsum", "bmm"])
+def test_matmul_and_modules(case: Case, name: str) -> None:
+    run_on_ranks(case.world, _matmul_body, case, name)
