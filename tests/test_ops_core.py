@@ -49,15 +49,17 @@ UNARY = {
     "flatten_trailing": lambda c: lambda x: x.flatten(c.sharded_dim).sin(),
     "reshape_trailing": lambda c: lambda x: x.reshape(*x.shape[: c.sharded_dim], -1).cos(),
     "unflatten_last": lambda c: lambda x: x.unflatten(-1, _factors(x.shape[-1])).sin(),
-    "unflatten_sharded": lambda c: lambda x: x.unflatten(
-        c.sharded_dim, _factors(x.shape[c.sharded_dim])
-    ).sin(),
+    "unflatten_sharded": lambda c: (
+        lambda x: x.unflatten(c.sharded_dim, _factors(x.shape[c.sharded_dim])).sin()
+    ),
     "slice_sharded": lambda c: lambda x: x.narrow(c.sharded_dim, 1, x.shape[c.sharded_dim] - 2),
-    "step_slice_sharded": lambda c: lambda x: x[(slice(None),) * c.sharded_dim + (slice(1, None, 2),)],
+    "step_slice_sharded": lambda c: (
+        lambda x: x[(slice(None),) * c.sharded_dim + (slice(1, None, 2),)]
+    ),
     "select_sharded": lambda c: lambda x: x.select(c.sharded_dim, x.shape[c.sharded_dim] - 2),
     "select_other": lambda c: lambda x: x[:, 1] if c.sharded_dim != 1 else x[..., 1],
-    "index_sharded": lambda c: lambda x: x.index_select(
-        c.sharded_dim, torch.tensor([0, x.shape[c.sharded_dim] - 1, 1])
+    "index_sharded": lambda c: (
+        lambda x: x.index_select(c.sharded_dim, torch.tensor([0, x.shape[c.sharded_dim] - 1, 1]))
     ),
     "roll_sharded": lambda c: lambda x: x.roll(3, c.sharded_dim),
     "roll_negative": lambda c: lambda x: x.roll(-2, c.sharded_dim),
@@ -153,7 +155,14 @@ def _replicate(case: Case):
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize(
     "name",
-    ["same_layout", "different_boundaries", "plain_broadcast", "plain_full", "replicated_operand", "where"],
+    [
+        "same_layout",
+        "different_boundaries",
+        "plain_broadcast",
+        "plain_full",
+        "replicated_operand",
+        "where",
+    ],
 )
 def test_binary(case: Case, name: str) -> None:
     run_on_ranks(case.world, _binary_body, case, name)
@@ -166,13 +175,17 @@ def _matmul_body(case: Case, name: str) -> None:
     width = case.shape[-1]
     if name == "linear":
         module = nn.Linear(width, 5, dtype=torch.float64)
-        check_against_reference(lambda m, a: m(a), [x], [case.layout], mesh, module=module, what=name)
+        check_against_reference(
+            lambda m, a: m(a), [x], [case.layout], mesh, module=module, what=name
+        )
     elif name == "layer_norm_module":
         module = nn.LayerNorm(width, dtype=torch.float64)
         with torch.no_grad():
             module.weight.normal_()
             module.bias.normal_()
-        check_against_reference(lambda m, a: m(a), [x], [case.layout], mesh, module=module, what=name)
+        check_against_reference(
+            lambda m, a: m(a), [x], [case.layout], mesh, module=module, what=name
+        )
     elif name == "matmul_plain":
         w = torch.randn(width, 6)
         check_against_reference(torch.matmul, [x, w], [case.layout, None], mesh, what=name)
