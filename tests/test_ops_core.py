@@ -11,8 +11,6 @@ from torch import nn
 from shardsci.testing import check_against_reference, get_mesh, run_on_ranks
 from tests.layouts import CASES, Case
 
-torch.set_default_dtype(torch.float64)
-
 
 def _factors(n: int) -> tuple[int, int]:
     """(n // f, f) for the smallest factor f > 1 of n (or (n, 1) when n is prime)."""
@@ -33,7 +31,7 @@ UNARY = {
     "abs_pow": lambda c: lambda x: x.abs().pow(1.5),
     "clone": lambda c: torch.clone,
     "zeros_like_plus": lambda c: lambda x: torch.zeros_like(x) + x * torch.ones_like(x),
-    "scalar_tensor_mul": lambda c: lambda x: x * torch.tensor(3.0),
+    "scalar_tensor_mul": lambda c: lambda x: x * torch.tensor(3.0, dtype=torch.float64),
     "sum_all": lambda c: torch.sum,
     "mean_all": lambda c: torch.mean,
     "var_all": lambda c: torch.var,
@@ -134,7 +132,7 @@ def _binary_body(case: Case, name: str) -> None:
         fn = lambda a, b: a * b + a  # noqa: E731
         check_against_reference(fn, [x, y], [case.layout, case.alternate], mesh, what=name)
     elif name == "plain_broadcast":
-        bias = torch.randn(case.shape[-1])
+        bias = torch.randn(case.shape[-1], dtype=torch.float64)
         check_against_reference(torch.add, [x, bias], [case.layout, None], mesh, what=name)
     elif name == "plain_full":
         check_against_reference(torch.sub, [x, y], [case.layout, None], mesh, what=name)
@@ -187,14 +185,14 @@ def _matmul_body(case: Case, name: str) -> None:
             lambda m, a: m(a), [x], [case.layout], mesh, module=module, what=name
         )
     elif name == "matmul_plain":
-        w = torch.randn(width, 6)
+        w = torch.randn(width, 6, dtype=torch.float64)
         check_against_reference(torch.matmul, [x, w], [case.layout, None], mesh, what=name)
     elif name == "einsum":
-        w = torch.randn(width, 2)
+        w = torch.randn(width, 2, dtype=torch.float64)
         fn = lambda a, b: torch.einsum("ijk,kl->ijl", a, b)  # noqa: E731
         check_against_reference(fn, [x, w], [case.layout, None], mesh, what=name)
     elif name == "bmm":
-        w = torch.randn(case.shape[0], width, 3)
+        w = torch.randn(case.shape[0], width, 3, dtype=torch.float64)
         check_against_reference(torch.bmm, [x, w], [case.layout, None], mesh, what=name)
 
 

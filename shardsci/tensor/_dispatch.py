@@ -43,6 +43,7 @@ from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
     contiguous_stride,
+    merged_hints,
     mesh_coordinate,
     nested_chunk_sizes,
     replicated_spec,
@@ -235,7 +236,8 @@ def run_with_propagation(
     out = (local_impl or op)(*local_args, **local_kwargs)
     if _mutates_first_argument(func):
         return args[0]
-    return _wrap(out, sharding.output_spec, sizes_by_axes, mesh, func)
+    hints = merged_hints(*(s.hints + s.shardings for s in specs if s is not None))
+    return _wrap(out, sharding.output_spec, sizes_by_axes, mesh, func, hints)
 
 
 def _suggestion(
@@ -453,7 +455,7 @@ def _spec_for(
         {dim: reference[axes] for dim, axes in order.items()},
         stride=spec.stride,
         order=order,
-        hints=spec.hints + spec.shardings,
+        hints=merged_hints(spec.hints, spec.shardings),
     )
 
 
@@ -502,14 +504,16 @@ def _wrap(
     sizes_by_axes: dict[tuple[int, ...], DimSharding],
     mesh,
     func: OpOverload,
+    hints: tuple[DimSharding, ...],
 ):
     if isinstance(out, torch.Tensor):
         if not isinstance(output_spec, DTensorSpec):
             return out
-        return _ShardTensor(out, _output_spec(out, output_spec, sizes_by_axes, mesh, func))
+        spec = _output_spec(out, output_spec, sizes_by_axes, mesh, func, hints)
+        return _ShardTensor(out, spec)
     if isinstance(out, (tuple, list)):
         specs = output_spec if isinstance(output_spec, (tuple, list)) else [output_spec] * len(out)
-        wrapped = [_wrap(o, s, sizes_by_axes, mesh, func) for o, s in zip(out, specs)]
+        wrapped = [_wrap(o, s, sizes_by_axes, mesh, func, hints) for o, s in zip(out, specs)]
         return type(out)(wrapped)
     return out
 
@@ -520,6 +524,7 @@ def _output_spec(
     sizes_by_axes: dict[tuple[int, ...], DimSharding],
     mesh,
     func: OpOverload,
+    hints: tuple[DimSharding, ...],
 ) -> ShardTensorSpec:
     if any(isinstance(p, _StridedShard) for p in dspec.placements):
         raise NotImplementedError(
@@ -550,6 +555,7 @@ def _output_spec(
         sizes,
         stride=meta.stride if meta is not None else None,
         order=order,
+        hints=hints,
     )
     if tuple(local.shape) != tuple(spec.local_shape()):
         raise RuntimeError(

@@ -25,7 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 
-__all__ = ["DimSharding", "ShardTensorSpec", "chunk_sizes", "mesh_coordinate", "replicated_spec"]
+__all__ = [
+    "DimSharding",
+    "ShardTensorSpec",
+    "chunk_sizes",
+    "merged_hints",
+    "mesh_coordinate",
+    "replicated_spec",
+]
 
 
 def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
@@ -262,6 +269,20 @@ class ShardTensorSpec:
             f"ShardTensorSpec(shape={tuple(self.shape)}, placements={self.placements}"
             f"{', ' + parts if parts else ''}, dtype={self.dtype})"
         )
+
+
+_MAX_HINTS = 8
+
+
+def merged_hints(*groups: tuple[DimSharding, ...]) -> tuple[DimSharding, ...]:
+    """Hints from several specs, de-duplicated by (axes, sizes), the newest kept last."""
+    seen: dict[tuple, DimSharding] = {}
+    for group in groups:
+        for hint in group:
+            key = (hint.axes, hint.sizes)
+            seen.pop(key, None)
+            seen[key] = hint
+    return tuple(seen.values())[-_MAX_HINTS:]
 
 
 def nested_chunk_sizes(extent: int, parts_per_axis: Sequence[int]) -> tuple[int, ...]:

@@ -1,7 +1,11 @@
 """Shard-aware op handlers, one module per op family; importing registers them."""
 
 from shardsci.tensor._ops import (
+    _index_ops,  # noqa: F401
     _loss_ops,  # noqa: F401
+    _matmul_ops,  # noqa: F401
     _reduction_ops,  # noqa: F401
+    _scan_ops,  # noqa: F401
+    _softmax_ops,  # noqa: F401
     _view_ops,  # noqa: F401
 )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._collectives import AxisGroup, axis_group
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
-__all__ = ["arg", "normalized_dims", "sharded_among"]
+__all__ = ["arg", "dim_layout", "normalized_dims", "sharded_among"]
 
 
 def arg(args: tuple, kwargs: dict, index: int, name: str, default: object = None) -> object:
@@ -28,3 +29,14 @@ def normalized_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, .
 def sharded_among(spec: ShardTensorSpec, dims: Sequence[int]) -> list[int]:
     """The dims in ``dims`` that are sharded."""
     return [s.dim for s in spec.shardings if s.dim in dims]
+
+
+def dim_layout(spec: ShardTensorSpec, dim: int) -> tuple[DimSharding, AxisGroup, list[int]]:
+    """How sharded ``dim`` is laid out: its sharding, the ranks along its mesh axes (this
+    rank's position among them is ``group.index``) and where each one's shard starts."""
+    sharding = spec.sharding_by_dim[dim]
+    starts, running = [], 0
+    for size in sharding.sizes:
+        starts.append(running)
+        running += size
+    return sharding, axis_group(spec.mesh, sharding.axes), starts

@@ -1,0 +1,353 @@
+"""Indexing and reordering along a sharded dim, with the least data moved.
+
+DTensor gathers the whole dim first. Here:
+- ``slice`` (any start, stop, step) stays local: each rank keeps the selected elements of its
+  own interval and the shard sizes shrink, possibly to zero. Its backward writes the gradient
+  into the original layout, remembered in the spec's hints.
+- ``select`` broadcasts the selected slice from the rank that owns it.
+- ``flip``, ``roll`` and ``cat`` keep the output aligned with the input (``cat``: each rank
+  owns its pieces of every input) and gather only the intervals a rank lacks, in one exchange
+  per sharded dim (``_intervals``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._collectives import axis_group, broadcast
+from shardsci.tensor._intervals import gather_intervals
+from shardsci.tensor._ops._common import arg, dim_layout
+from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._spec import (
+    DimSharding,
+    ShardTensorSpec,
+    merged_hints,
+    nested_chunk_sizes,
+)
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------- slice
+def _selected_count(lo: int, hi: int, start: int, step: int) -> int:
+    """How many of start, start + step, ... lie in [lo, hi)."""
+    lo = max(lo, start)
+    first = start + -(-(lo - start) // step) * step
+    return 0 if first >= hi else (hi - 1 - first) // step + 1
+
+
+def _slice_bounds(extent: int, start: int | None, end: int | None) -> tuple[int, int]:
+    start = 0 if start is None else start
+    end = extent if end is None else end
+    start = min(max(start + extent if start < 0 else start, 0), extent)
+    end = min(max(end + extent if end < 0 else end, 0), extent)
+    return start, max(start, end)
+
+
+@register_aten_handler(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim", 0) % x.ndim
+    if dim not in x._spec.sharding_by_dim:
+        return NotImplemented
+    step = arg(args, kwargs, 4, "step", 1)
+    start, end = _slice_bounds(
+        x.shape[dim], arg(args, kwargs, 2, "start"), arg(args, kwargs, 3, "end")
+    )
+    sharding, group, starts = dim_layout(x._spec, dim)
+    counts = tuple(
+        _selected_count(o, min(o + s, end), start, step) for o, s in zip(starts, sharding.sizes)
+    )
+    mine = group.index
+    lo = max(starts[mine], start)
+    first = start + -(-(lo - start) // step) * step - starts[mine]
+    local = (
+        x._local.narrow(dim, 0, 0)
+        if counts[mine] == 0
+        else x._local[
+            (slice(None),) * dim + (slice(first, first + (counts[mine] - 1) * step + 1, step),)
+        ]
+    )
+    spec = _resized(x._spec, dim, counts, remember=sharding)
+    return ShardTensor(local, spec.with_dtype(local.dtype))
+
+
+@register_aten_handler(aten.slice_backward.default)
+def _slice_backward(func, args, kwargs):
+    grad, input_sizes, dim, start, end, step = args[:6]
+    dim %= len(input_sizes)
+    if dim not in grad._spec.sharding_by_dim or grad._spec.has_partial():
+        return NotImplemented
+    start, end = _slice_bounds(input_sizes[dim], start, end)
+    grad_sharding, group, grad_starts = dim_layout(grad._spec, dim)
+    sizes = _layout_holding(grad._spec, grad_sharding, input_sizes[dim], start, end, step)
+    spec = _resized(grad._spec, dim, sizes, extent=input_sizes[dim])
+    out = grad._local.new_zeros(spec.local_shape())
+    mine = group.index
+    if grad._local.shape[dim]:
+        offset = sum(sizes[:mine])
+        first = start + grad_starts[mine] * step - offset
+        count = grad._local.shape[dim]
+        out[(slice(None),) * dim + (slice(first, first + (count - 1) * step + 1, step),)] = (
+            grad._local
+        )
+    return ShardTensor(out, spec)
+
+
+def _layout_holding(
+    spec: ShardTensorSpec, grad: DimSharding, extent: int, start: int, end: int, step: int
+) -> tuple[int, ...]:
+    """Shard sizes of the sliced-from dim in which each rank owns the elements its gradient
+    shard selects: the remembered forward layout when it qualifies, else boundaries at the
+    first selected element of each rank."""
+    for hint in spec.hints:
+        if hint.axes == grad.axes and hint.extent == extent:
+            offsets = [sum(hint.sizes[:k]) for k in range(len(hint.sizes))]
+            counts = [
+                _selected_count(o, min(o + s, end), start, step)
+                for o, s in zip(offsets, hint.sizes)
+            ]
+            if tuple(counts) == grad.sizes:
+                return hint.sizes
+    boundaries = [0]
+    before = 0
+    for count in grad.sizes[:-1]:
+        before += count
+        boundaries.append(min(start + before * step, extent) if before else 0)
+    boundaries.append(extent)
+    return tuple(b - a for a, b in itertools.pairwise(boundaries))
+
+
+def _resized(
+    spec: ShardTensorSpec,
+    dim: int,
+    sizes: tuple[int, ...],
+    *,
+    extent: int | None = None,
+    remember: DimSharding | None = None,
+) -> ShardTensorSpec:
+    shape = list(spec.shape)
+    shape[dim] = sum(sizes) if extent is None else extent
+    hints = merged_hints(spec.hints, (remember,) if remember is not None else ())
+    return ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        shape,
+        spec.dtype,
+        {**{s.dim: s.sizes for s in spec.shardings}, dim: sizes},
+        order={s.dim: s.axes for s in spec.shardings},
+        hints=hints,
+    )
+
+
+# ---------------------------------------------------------------------------- select
+@register_aten_handler(aten.select.int)
+def _select(func, args, kwargs):
+    x, dim, index = args[0], args[1] % args[0].ndim, args[2]
+    if dim not in x._spec.sharding_by_dim:
+        return NotImplemented
+    index %= x.shape[dim]
+    sharding, group, starts = dim_layout(x._spec, dim)
+    owner = max(k for k in range(group.size) if starts[k] <= index and sharding.sizes[k])
+    shape = [n for d, n in enumerate(x._local.shape) if d != dim]
+    piece = x._local.select(dim, index - starts[owner]) if group.index == owner else None
+    local = broadcast(piece, owner, group, shape=shape, dtype=x.dtype, device=x._local.device)
+    return ShardTensor(local, _without_dim(x._spec, dim, sharding))
+
+
+def _without_dim(spec: ShardTensorSpec, dim: int, sharding: DimSharding) -> ShardTensorSpec:
+    placements = [
+        Replicate()
+        if isinstance(p, Shard) and p.dim == dim
+        else Shard(p.dim - 1)
+        if isinstance(p, Shard) and p.dim > dim
+        else p
+        for p in spec.placements
+    ]
+    shape = [n for d, n in enumerate(spec.shape) if d != dim]
+    others = [s for s in spec.shardings if s.dim != dim]
+    renumber = {s.dim: s.dim - (s.dim > dim) for s in others}
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        shape,
+        spec.dtype,
+        {renumber[s.dim]: s.sizes for s in others},
+        order={renumber[s.dim]: s.axes for s in others},
+        hints=merged_hints(spec.hints, (sharding,)),
+    )
+
+
+@register_aten_handler(aten.select_backward.default)
+def _select_backward(func, args, kwargs):
+    grad, input_sizes, dim, index = args[:4]
+    dim %= len(input_sizes)
+    extent = input_sizes[dim]
+    forward = next(
+        (
+            h
+            for h in reversed(grad._spec.hints)
+            if h.extent == extent
+            and all(isinstance(grad._spec.placements[a], Replicate) for a in h.axes)
+        ),
+        None,
+    )
+    if forward is None:
+        return NotImplemented
+    index %= extent
+    placements = [
+        Shard(dim)
+        if a in forward.axes
+        else Shard(p.dim + 1)
+        if isinstance(p, Shard) and p.dim >= dim
+        else p
+        for a, p in enumerate(grad._spec.placements)
+    ]
+    sizes = {s.dim + (s.dim >= dim): s.sizes for s in grad._spec.shardings}
+    order = {s.dim + (s.dim >= dim): s.axes for s in grad._spec.shardings}
+    sizes[dim], order[dim] = forward.sizes, forward.axes
+    spec = ShardTensorSpec.build(
+        grad._spec.mesh, placements, input_sizes, grad.dtype, sizes, order=order
+    )
+    out = grad._local.new_zeros(spec.local_shape())
+    start = spec.local_offsets()[dim]
+    if start <= index < start + out.shape[dim]:
+        out.select(dim, index - start).copy_(grad._local)
+    return ShardTensor(out, spec)
+
+
+# ---------------------------------------------------------------------------- flip / roll
+@register_aten_handler(aten.flip.default)
+def _flip(func, args, kwargs):
+    x, dims = args[0], [d % args[0].ndim for d in args[1]]
+    sharded = [d for d in dims if d in x._spec.sharding_by_dim]
+    if not sharded:
+        return NotImplemented
+    local = x._local.flip(dims)
+    for dim in sharded:
+        local = _unflip_owners(local, x._spec, dim)
+    return ShardTensor(local, x._spec)
+
+
+def _unflip_owners(local: torch.Tensor, spec: ShardTensorSpec, dim: int) -> torch.Tensor:
+    """After a local flip, each rank holds the mirror image of its interval: fetch its own."""
+    sharding, group, starts = dim_layout(spec, dim)
+    extent = spec.shape[dim]
+    return gather_intervals(
+        [local],
+        lambda k: [(extent - starts[k] - sharding.sizes[k], extent - starts[k])],
+        lambda k: [(starts[k], starts[k] + sharding.sizes[k])],
+        dim,
+        group,
+    )
+
+
+@register_aten_handler(aten.roll.default)
+def _roll(func, args, kwargs):
+    x = args[0]
+    shifts = list(arg(args, kwargs, 1, "shifts"))
+    dims = [d % x.ndim for d in arg(args, kwargs, 2, "dims", [])]
+    if not dims or not any(d in x._spec.sharding_by_dim for d in dims):
+        return NotImplemented
+    local = x._local
+    for shift, dim in zip(shifts, dims):
+        if dim not in x._spec.sharding_by_dim:
+            local = local.roll(shift, dim)
+            continue
+        local = _roll_sharded(local, x._spec, dim, shift)
+    return ShardTensor(local, x._spec)
+
+
+def _roll_sharded(local: torch.Tensor, spec: ShardTensorSpec, dim: int, shift: int) -> torch.Tensor:
+    sharding, group, starts = dim_layout(spec, dim)
+    extent = spec.shape[dim]
+    if extent == 0:
+        return local
+
+    def wanted(k: int) -> list[tuple[int, int]]:
+        begin, length = (starts[k] - shift) % extent, sharding.sizes[k]
+        if begin + length <= extent:
+            return [(begin, begin + length)]
+        return [(begin, extent), (0, begin + length - extent)]
+
+    return gather_intervals(
+        [local],
+        lambda k: [(starts[k], starts[k] + sharding.sizes[k])],
+        wanted,
+        dim,
+        group,
+    )
+
+
+# ---------------------------------------------------------------------------- cat
+@register_aten_handler(aten.cat.default)
+def _cat(func, args, kwargs):
+    tensors = [t for t in args[0] if not (t.ndim == 1 and t.shape[0] == 0)]
+    dim = arg(args, kwargs, 1, "dim", 0)
+    first = next((t for t in tensors if isinstance(t, ShardTensor)), None)
+    if first is None or not tensors:
+        return NotImplemented
+    dim %= first.ndim
+    sharding = first._spec.sharding_by_dim.get(dim)
+    if sharding is None or any(t.dtype != first.dtype for t in tensors):
+        return NotImplemented
+    pieces = [_sharded_like(t, first._spec, dim) for t in tensors]
+    if any(p is None for p in pieces):
+        return NotImplemented
+    group = axis_group(first._spec.mesh, sharding.axes)
+    layouts = [p._spec.sharding_by_dim[dim] for p in pieces]
+    bases = [sum(p.shape[dim] for p in pieces[:i]) for i in range(len(pieces))]
+    out_sizes = tuple(sum(layout.sizes[k] for layout in layouts) for k in range(group.size))
+
+    def held(k: int) -> list[tuple[int, int]]:
+        result = []
+        for base, layout in zip(bases, layouts):
+            start = base + sum(layout.sizes[:k])
+            result.append((start, start + layout.sizes[k]))
+        return result
+
+    def wanted(k: int) -> list[tuple[int, int]]:
+        start = sum(out_sizes[:k])
+        return [(start, start + out_sizes[k])]
+
+    local = gather_intervals([p._local for p in pieces], held, wanted, dim, group)
+    return ShardTensor(local, _resized(first._spec, dim, out_sizes))
+
+
+def _sharded_like(t: torch.Tensor, spec: ShardTensorSpec, dim: int) -> ShardTensor | None:
+    """``t`` with ``spec``'s layout except along ``dim`` (sharded over the same axes), or None
+    when that needs more than slicing a replicated operand."""
+    sharding = spec.sharding_by_dim[dim]
+    if isinstance(t, ShardTensor):
+        own = t._spec.sharding_by_dim.get(dim)
+        others_match = [s for s in t._spec.shardings if s.dim != dim] == [
+            s for s in spec.shardings if s.dim != dim
+        ]
+        if (
+            own is not None
+            and own.axes == sharding.axes
+            and others_match
+            and (t._spec.placements == spec.placements)
+        ):
+            return t
+        return None
+    target = ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        t.shape,
+        t.dtype,
+        {
+            **{s.dim: s.sizes for s in spec.shardings if s.dim != dim},
+            dim: nested_chunk_sizes(t.shape[dim], [spec.mesh_shape[a] for a in sharding.axes]),
+        },
+        order={s.dim: s.axes for s in spec.shardings},
+    )
+    source = ShardTensorSpec.build(
+        spec.mesh, [Replicate()] * spec.mesh.ndim, t.shape, t.dtype, stride=t.stride()
+    )
+    return ShardTensor(redistribute_local(t, source, target), target)

@@ -1,0 +1,56 @@
+"""softmax and log_softmax along a sharded dim, forward and backward.
+
+DTensor gathers the whole dim. Here the max and the sum of exponentials are reduced across
+shards (an all-reduce of one value per softmax row each), composed from ShardTensor ops so
+that placements and uneven sizes follow the default rules:
+softmax = exp(x - max) / sum(exp(x - max)), log_softmax = x - max - log(sum(exp(x - max))),
+and the backward passes need one more reduction each: dx = y (g - sum(g y)) for softmax and
+dx = g - exp(y) sum(g) for log_softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardsci.tensor._registry import register_aten_handler
+
+aten = torch.ops.aten
+
+
+def _along_sharded_dim(x: torch.Tensor, dim: int) -> bool:
+    return dim % x.ndim in x._spec.sharding_by_dim and not x._spec.has_partial()
+
+
+@register_aten_handler(aten._softmax.default, aten._log_softmax.default)
+def _softmax(func, args, kwargs):
+    x, dim, half_to_float = args
+    if not _along_sharded_dim(x, dim):
+        return NotImplemented
+    if half_to_float:
+        x = aten._to_copy.default(x, dtype=torch.float32)
+    shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
+    exponentials = aten.exp.default(shifted)
+    total = aten.sum.dim_IntList(exponentials, [dim], True)
+    if func is aten._softmax.default:
+        return aten.div.Tensor(exponentials, total)
+    return aten.sub.Tensor(shifted, aten.log.default(total))
+
+
+@register_aten_handler(aten._softmax_backward_data.default)
+def _softmax_backward(func, args, kwargs):
+    grad, output, dim, input_dtype = args
+    if not _along_sharded_dim(output, dim):
+        return NotImplemented
+    weighted = aten.sum.dim_IntList(aten.mul.Tensor(grad, output), [dim], True)
+    result = aten.mul.Tensor(output, aten.sub.Tensor(grad, weighted))
+    return aten._to_copy.default(result, dtype=input_dtype)
+
+
+@register_aten_handler(aten._log_softmax_backward_data.default)
+def _log_softmax_backward(func, args, kwargs):
+    grad, output, dim, input_dtype = args
+    if not _along_sharded_dim(output, dim):
+        return NotImplemented
+    total = aten.sum.dim_IntList(grad, [dim], True)
+    result = aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(output), total))
+    return aten._to_copy.default(result, dtype=input_dtype)
