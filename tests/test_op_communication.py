@@ -50,7 +50,9 @@ OPS = {
 def _body(name: str) -> None:
     mesh = get_mesh((4,))
     fn, bound = OPS[name]
-    x = shardsci.distribute_tensor(torch.randn(SHAPE, dtype=torch.float64), mesh, [Shard(0)], {0: SIZES})
+    x = shardsci.distribute_tensor(
+        torch.randn(SHAPE, dtype=torch.float64), mesh, [Shard(0)], {0: SIZES}
+    )
     local_bytes = x._local.numel() * ITEM
     with shardsci.comm_counter() as stats:
         fn(x)
@@ -68,8 +70,12 @@ def test_op_moves_at_most_its_bound(name: str) -> None:
 
 def _realign_body() -> None:
     mesh = get_mesh((4,))
-    a = shardsci.distribute_tensor(torch.randn(SHAPE, dtype=torch.float64), mesh, [Shard(0)], {0: SIZES})
-    b = shardsci.distribute_tensor(torch.randn(SHAPE, dtype=torch.float64), mesh, [Shard(0)], {0: (3, 3, 3, 3)})
+    a = shardsci.distribute_tensor(
+        torch.randn(SHAPE, dtype=torch.float64), mesh, [Shard(0)], {0: SIZES}
+    )
+    b = shardsci.distribute_tensor(
+        torch.randn(SHAPE, dtype=torch.float64), mesh, [Shard(0)], {0: (3, 3, 3, 3)}
+    )
     row = math.prod(SHAPE[1:]) * ITEM
     mine = torch.distributed.get_rank()
     start_a, start_b = sum(SIZES[:mine]), 3 * mine
