@@ -1,0 +1,94 @@
+"""ShardTensor's public surface: offsets, sharding shapes, DTensor interop, handler registries."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import shardsci
+from shardsci.testing import assert_all_ranks, assert_close_all_ranks, get_mesh, run_on_ranks
+
+SIZES = (0, 3, 4, 2)
+
+
+def _offsets_and_shapes_body() -> None:
+    mesh = get_mesh((2, 2))
+    x = shardsci.distribute_tensor(
+        torch.arange(5 * 6.0).reshape(5, 6), mesh, [Shard(0), Shard(1)], {0: (3, 2), 1: (1, 5)}
+    )
+    row, col = mesh.get_coordinate()
+    expected_offsets = ((0, 3)[row], (0, 1)[col])
+    assert_all_ranks(x.offsets() == expected_offsets, f"offsets {x.offsets()}")
+    assert_all_ranks(x.offsets(0) == expected_offsets[0] and x.offsets(1) == expected_offsets[1])
+    shapes = x.sharding_shapes()
+    expected = {
+        0: (torch.Size([3, (1, 5)[col]]), torch.Size([2, (1, 5)[col]])),
+        1: (torch.Size([(3, 2)[row], 1]), torch.Size([(3, 2)[row], 5])),
+    }
+    assert_all_ranks(shapes == expected, f"sharding_shapes {shapes}")
+    # The PhysicsNeMo form round-trips through from_local without communication.
+    again = shardsci.ShardTensor.from_local(x.to_local(), mesh, x.placements, shapes)
+    assert_close_all_ranks(again.full_tensor(), x.full_tensor(), atol=0, rtol=0, what="again")
+
+
+def test_offsets_and_sharding_shapes() -> None:
+    run_on_ranks(4, _offsets_and_shapes_body)
+
+
+def _dtensor_interop_body() -> None:
+    mesh = get_mesh((4,))
+    whole = torch.randn(10, 3, dtype=torch.float64)
+    dtensor = distribute_tensor(whole, mesh, [Shard(0)])
+    from_dt = shardsci.ShardTensor.from_dtensor(dtensor)
+    assert_close_all_ranks(from_dt.full_tensor(), whole, atol=0, rtol=0, what="from_dtensor")
+    uneven = shardsci.distribute_tensor(whole, mesh, [Shard(0)], {0: (1, 6, 0, 3)})
+    back = uneven.to_dtensor()
+    assert_all_ranks(isinstance(back, DTensor) and not isinstance(back, shardsci.ShardTensor))
+    assert_close_all_ranks(back.full_tensor(), whole, atol=0, rtol=0, what="to_dtensor")
+    assert_close_all_ranks(back.to_local(), dtensor.to_local(), atol=0, rtol=0, what="chunk shard")
+    # Gradients cross the DTensor boundary both ways.
+    leaf = dtensor.to_local().clone().requires_grad_(True)
+    through = DTensor.from_local(leaf, mesh, [Shard(0)], shape=whole.shape, stride=whole.stride())
+    out = shardsci.ShardTensor.from_dtensor(through)
+    (out * 3).sum().full_tensor().backward()
+    assert_close_all_ranks(leaf.grad, torch.full_like(leaf, 3), atol=0, rtol=0, what="grad")
+
+
+def test_dtensor_interop() -> None:
+    run_on_ranks(4, _dtensor_interop_body)
+
+
+# ---------------------------------------------------------------------------- registries
+_LIB = torch.library.Library("shardsci_test", "DEF")
+_LIB.define("twice(Tensor x) -> Tensor")
+_LIB.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+_LIB.impl("twice", lambda x: torch.empty_like(x), "Meta")
+
+
+@shardsci.register_aten_handler("shardsci_test::twice")
+def _twice_handler(func, args, kwargs):
+    x = args[0]
+    return shardsci.ShardTensor(x._local * 2 + 1000, x._spec)
+
+
+@shardsci.register_function_handler(torch.Tensor.tanh)
+def _tanh_declines_unless_replicated(func, args, kwargs):
+    x = args[0]
+    if any(isinstance(p, Shard) for p in x.placements):
+        return NotImplemented
+    return shardsci.ShardTensor(torch.full_like(x._local, 7.0), x._spec)
+
+
+def _registry_body() -> None:
+    mesh = get_mesh((2,))
+    x = shardsci.distribute_tensor(torch.ones(5), mesh, [Shard(0)], {0: (5, 0)})
+    custom = torch.ops.shardsci_test.twice(x).full_tensor()
+    assert_close_all_ranks(custom, torch.full((5,), 1002.0), atol=0, rtol=0, what="by name")
+    declined = x.tanh().full_tensor()
+    assert_close_all_ranks(declined, torch.ones(5).tanh(), atol=0, rtol=0, what="declined")
+    replicated = x.redistribute(placements=[Replicate()]).tanh().full_tensor()
+    assert_close_all_ranks(replicated, torch.full((5,), 7.0), atol=0, rtol=0, what="handled")
+
+
+def test_handlers_by_name_and_declining() -> None:
+    run_on_ranks(2, _registry_body)
