@@ -21,6 +21,8 @@ from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
 
 __all__ = ["bind_promotion", "dispatch"]
 
+# Calls ``func`` with this subclass's ``__torch_function__`` disabled, in C.
+_call_below = torch._C._disabled_torch_function_impl
 _ShardTensor: type = torch.Tensor
 _promote: Callable[[torch.Tensor, ShardTensorSpec], torch.Tensor] | None = None
 
@@ -35,36 +37,39 @@ def bind_promotion(
 
 
 def dispatch(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
-    kwargs = kwargs or {}
     handler = function_handler_for(func)
     if handler is not None:
-        result = handler(func, args, kwargs)
+        result = handler(func, args, kwargs or {})
         if result is not NotImplemented:
             return result
-    if torch.is_grad_enabled():
-        mesh = _mesh_if_promotion_needed(args, kwargs)
-        if mesh is not None:
-            args = tuple(_promoted(a, mesh) for a in args)
-            kwargs = {k: _promoted(v, mesh) for k, v in kwargs.items()}
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+    if torch.is_grad_enabled() and _promotion_needed(args, kwargs):
+        mesh = _mesh_of(args, kwargs)
+        args = tuple(_promoted(a, mesh) for a in args)
+        kwargs = {k: _promoted(v, mesh) for k, v in (kwargs or {}).items()}
+    return _call_below(func, types, args, kwargs or {})
 
 
 def _needs_promotion(x: object) -> bool:
     return isinstance(x, torch.Tensor) and type(x) is not _ShardTensor and x.requires_grad
 
 
-def _mesh_if_promotion_needed(args: tuple, kwargs: dict) -> DeviceMesh | None:
-    mesh = None
-    promote = False
-    for value in (*args, *kwargs.values()):
-        items = value if isinstance(value, (list, tuple)) else (value,)
-        for item in items:
+def _promotion_needed(args: tuple, kwargs: dict | None) -> bool:
+    for value in args:
+        if type(value) is _ShardTensor:
+            continue
+        if _needs_promotion(value) or (
+            isinstance(value, (list, tuple)) and any(_needs_promotion(v) for v in value)
+        ):
+            return True
+    return bool(kwargs) and any(_needs_promotion(v) for v in kwargs.values())
+
+
+def _mesh_of(args: tuple, kwargs: dict | None) -> DeviceMesh:
+    for value in (*args, *(kwargs or {}).values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
             if type(item) is _ShardTensor:
-                mesh = mesh or item._spec.mesh
-            elif _needs_promotion(item):
-                promote = True
-    return mesh if promote else None
+                return item._spec.mesh
+    raise RuntimeError("no ShardTensor among the arguments")
 
 
 def _promoted(value: object, mesh: DeviceMesh) -> object:

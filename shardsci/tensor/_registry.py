@@ -32,6 +32,12 @@ FunctionHandler = Callable[[Callable, tuple, dict], Any]
 _ATEN: dict[OpOverload | OpOverloadPacket | str, AtenHandler] = {}
 _RESOLVED: dict[OpOverload, AtenHandler | None] = {}
 _FUNCTIONS: dict[Callable, FunctionHandler] = {}
+_ON_REGISTRATION: list[Callable[[], None]] = []
+
+
+def on_registration(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever an aten handler is registered (caches of routes clear)."""
+    _ON_REGISTRATION.append(callback)
 
 
 def register_aten_handler(
@@ -51,6 +57,8 @@ def register_aten_handler(
                 raise TypeError(f"cannot register a handler for {op!r}: not an aten op or name")
             _ATEN[op] = handler
         _RESOLVED.clear()
+        for callback in _ON_REGISTRATION:
+            callback()
         return handler
 
     return decorate
@@ -86,5 +94,6 @@ def aten_handler_for(func: OpOverload) -> AtenHandler | None:
     return handler
 
 
-def function_handler_for(func: Callable) -> FunctionHandler | None:
-    return _FUNCTIONS.get(func)
+#: ``function_handler_for(func)``: the registered handler or None (a bound ``dict.get``,
+#: since ``__torch_function__`` calls it for every torch function on a ShardTensor).
+function_handler_for = _FUNCTIONS.get

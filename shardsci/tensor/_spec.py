@@ -16,6 +16,7 @@ holds the same table: no rank-dependent state, so specs hash, compare and cache 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -47,6 +48,12 @@ def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
         sizes.append(take)
         remaining -= take
     return tuple(sizes)
+
+
+# Equal layouts built separately share one spec object, so the dispatch fast path can compare
+# operands' specs by identity. Entries go when their spec does; a live spec keeps its mesh
+# alive, so the mesh id in the key cannot be reused meanwhile.
+_INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
@@ -182,7 +189,8 @@ class ShardTensorSpec:
             raise ValueError(f"sizes given for dims {sorted(unknown)} that are not sharded")
         if stride is None:
             stride = contiguous_stride(shape)
-        return cls(mesh, placements, shape, tuple(stride), dtype, tuple(shardings), hints)
+        spec = cls(mesh, placements, shape, tuple(stride), dtype, tuple(shardings), hints)
+        return _INTERNED.setdefault(spec.key, spec)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -223,8 +231,26 @@ class ShardTensorSpec:
             tensor = tensor.narrow(s.dim, offsets[s.dim], shape[s.dim])
         return tensor
 
-    def has_partial(self) -> bool:
+    @cached_property
+    def key(self) -> tuple:
+        """Everything that identifies this layout, hashable (plan caches use it)."""
+        return (
+            id(self.mesh),
+            self.placements,
+            tuple(self.shape),
+            self.stride,
+            self.dtype,
+            self.shardings,
+            self.hints,
+        )
+
+    @cached_property
+    def partial(self) -> bool:
+        """Whether any mesh axis holds a pending reduction."""
         return any(isinstance(p, Partial) for p in self.placements)
+
+    def has_partial(self) -> bool:
+        return self.partial
 
     def same_layout(self, other: ShardTensorSpec) -> bool:
         """Same mesh, placements, global shape and shard extents (dtype and hints ignored)."""
