@@ -1,0 +1,77 @@
+"""What every benchmark shares: JSON-lines output, per-call timing, running on N gloo ranks.
+
+Records go to stdout, one JSON object per line, so ``python -m benchmarks.<name> | jq`` or a
+plain ``json.loads`` per line reads them; anything else a benchmark says goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from shardsci.testing import run_on_ranks, shutdown_pools
+
+__all__ = ["emit", "interleaved_medians_us", "on_ranks", "rank_pools"]
+
+_RANK_TIMEOUT_S = 300.0
+
+
+def emit(record: str, **fields: Any) -> None:
+    """Print one JSON object, ``{"record": record, **fields}``, on its own line of stdout."""
+    print(json.dumps({"record": record, **fields}), flush=True)
+
+
+def interleaved_medians_us(
+    candidates: dict[str, Callable[[], object]],
+    *,
+    rounds: int = 1000,
+    calls_per_round: int = 10,
+    warmup_rounds: int = 100,
+) -> dict[str, float]:
+    """Median wall time of one call of each candidate, in microseconds.
+
+    Each round times ``calls_per_round`` back-to-back calls of every candidate in turn (with
+    ``time.perf_counter_ns``), so that drift in the machine's speed affects all candidates
+    alike and their ratios are taken side by side. The first ``warmup_rounds`` rounds fill
+    caches and are discarded.
+
+    Parameters
+    ----------
+    candidates : dict
+        Name -> a function of no arguments running the operation once.
+    rounds, calls_per_round, warmup_rounds : int
+        Timed rounds, calls per timed batch, and discarded rounds.
+
+    Returns
+    -------
+    dict
+        Name -> median over rounds of (batch time / ``calls_per_round``), in µs.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for round_index in range(warmup_rounds + rounds):
+        for name, fn in candidates.items():
+            start = time.perf_counter_ns()
+            for _ in range(calls_per_round):
+                fn()
+            elapsed_ns = time.perf_counter_ns() - start
+            if round_index >= warmup_rounds:
+                samples[name].append(elapsed_ns / calls_per_round / 1e3)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def on_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """Run the module-level ``fn(*args)`` on ``world_size`` gloo ranks; results in rank order."""
+    return run_on_ranks(world_size, fn, *args, timeout_s=_RANK_TIMEOUT_S)
+
+
+@contextmanager
+def rank_pools() -> Iterator[None]:
+    """Stop the rank pools started by :func:`on_ranks` when the block exits."""
+    try:
+        yield
+    finally:
+        shutdown_pools()
