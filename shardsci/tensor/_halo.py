@@ -29,7 +29,7 @@ import torch
 from shardsci.tensor._collectives import AxisGroup, axis_group, send_recv
 from shardsci.tensor._spec import ShardTensorSpec
 
-__all__ = ["BOUNDARIES", "HaloPlan", "extend_dim", "halo_exchange", "halo_plan"]
+__all__ = ["BOUNDARIES", "HaloPlan", "extend_dim", "halo_exchange", "halo_plan", "pad_locally"]
 
 BOUNDARIES = ("zeros", "periodic", "reflect", "replicate")
 
@@ -185,7 +185,7 @@ def _take(local: torch.Tensor, plan: HaloPlan, me: int, run: _Run) -> torch.Tens
     return local.narrow(plan.dim, run.start - plan.offsets[me], run.cells)
 
 
-def _gather(local: torch.Tensor, plan: HaloPlan, group: AxisGroup) -> torch.Tensor:
+def _gather(local: torch.Tensor, plan: HaloPlan, group: AxisGroup, fill: float) -> torch.Tensor:
     me = group.index
     dim = plan.dim
     rest = list(local.shape)
@@ -214,7 +214,7 @@ def _gather(local: torch.Tensor, plan: HaloPlan, group: AxisGroup) -> torch.Tens
     for run in plan.runs[me]:
         target = out.narrow(dim, run.position, run.length)
         if run.source is None:
-            target.zero_()
+            target.fill_(fill)
             continue
         if run.source == me:
             cells = _take(local, plan, me, run)
@@ -267,13 +267,15 @@ def _scatter_add(grad: torch.Tensor, plan: HaloPlan, group: AxisGroup, local_sha
 
 class _Extend(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, plan: HaloPlan, group: AxisGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, plan: HaloPlan, group: AxisGroup, fill: float
+    ) -> torch.Tensor:
         ctx.plan, ctx.group, ctx.shape = plan, group, local.shape
-        return _gather(local, plan, group)
+        return _gather(local, plan, group, fill)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return _scatter_add(grad.contiguous(), ctx.plan, ctx.group, ctx.shape), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return _scatter_add(grad.contiguous(), ctx.plan, ctx.group, ctx.shape), None, None, None
 
 
 def extend_dim(
@@ -282,6 +284,7 @@ def extend_dim(
     dim: int,
     ranges: Sequence[tuple[int, int]],
     boundary: str,
+    fill: float = 0.0,
 ) -> torch.Tensor:
     """This rank's cells ``[lo, hi)`` of sharded ``dim``, from whoever holds them.
 
@@ -298,6 +301,8 @@ def extend_dim(
         passes the same.
     boundary : str
         One of ``zeros``, ``periodic``, ``reflect``, ``replicate``.
+    fill : float
+        The value of cells beyond a ``zeros`` boundary (e.g. ``-inf`` for max pooling).
 
     Returns
     -------
@@ -307,7 +312,7 @@ def extend_dim(
     sharding = spec.sharding_by_dim[dim]
     group = axis_group(spec.mesh, sharding.axes)
     plan = halo_plan(dim, sharding.sizes, tuple(map(tuple, ranges)), boundary)
-    return _Extend.apply(local, plan, group)
+    return _Extend.apply(local, plan, group, fill)
 
 
 def halo_exchange(
@@ -339,7 +344,7 @@ def halo_exchange(
         mode = boundary if isinstance(boundary, str) else boundary.get(dim, "zeros")
         sharding = spec.sharding_by_dim.get(dim)
         if sharding is None:
-            local = _pad_locally(local, dim, left, right, mode)
+            local = pad_locally(local, dim, left, right, mode)
             continue
         offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
         ranges = [(o - left, o + s + right) for o, s in zip(offsets, sharding.sizes)]
@@ -362,13 +367,16 @@ _TORCH_MODES = {
 }
 
 
-def _pad_locally(local: torch.Tensor, dim: int, left: int, right: int, mode: str) -> torch.Tensor:
-    """Pad an unsharded dim (the whole dim is here) the way the boundary says."""
+def pad_locally(
+    local: torch.Tensor, dim: int, left: int, right: int, mode: str, fill: float = 0.0
+) -> torch.Tensor:
+    """Pad (negative: crop) an unsharded dim, whole on this rank, the way the boundary says."""
     if mode not in _TORCH_MODES:
         raise ValueError(f"unknown boundary {mode!r}; expected one of {BOUNDARIES}")
     if left == right == 0:
         return local
     moved = local.movedim(dim, -1)
     flat = moved.reshape(-1, 1, moved.shape[-1])
-    padded = torch.nn.functional.pad(flat, (left, right), mode=_TORCH_MODES[mode])
+    value = fill if mode == "zeros" else None
+    padded = torch.nn.functional.pad(flat, (left, right), mode=_TORCH_MODES[mode], value=value)
     return padded.reshape(*moved.shape[:-1], padded.shape[-1]).movedim(-1, dim)

@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardsci.tensor._collectives import AxisGroup, axis_group
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate
 
-__all__ = ["arg", "dim_layout", "normalized_dims", "sharded_among"]
+from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._collectives import AxisGroup, axis_group
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, replicated_spec
+
+__all__ = [
+    "arg",
+    "connected_empty",
+    "dim_layout",
+    "normalized_dims",
+    "replicated_local",
+    "sharded_among",
+    "sharding_axes",
+]
 
 
 def arg(args: tuple, kwargs: dict, index: int, name: str, default: object = None) -> object:
@@ -40,3 +53,42 @@ def dim_layout(spec: ShardTensorSpec, dim: int) -> tuple[DimSharding, AxisGroup,
         starts.append(running)
         running += size
     return sharding, axis_group(spec.mesh, sharding.axes), starts
+
+
+def sharding_axes(spec: ShardTensorSpec) -> set[int]:
+    """Mesh axes that shard some dim of ``spec``."""
+    return {a for s in spec.shardings for a in s.axes}
+
+
+def replicated_local(
+    t: torch.Tensor | None, mesh: DeviceMesh, partial_axes: set[int]
+) -> torch.Tensor | None:
+    """A replicated operand (plain tensor or replicated ShardTensor) for a local computation
+    whose output is sharded over ``partial_axes``: its local gradient there is a partial sum,
+    summed once over those axes (NOTE [Autograd interaction between torch.Tensor and
+    ShardTensor]). Tensors that need no gradient pass through."""
+    if t is None:
+        return None
+    if not isinstance(t, ShardTensor):
+        if not t.requires_grad or not torch.is_grad_enabled():
+            return t
+        t = from_local_spec(t, replicated_spec(t, mesh))
+    elif not all(isinstance(p, Replicate) for p in t.placements):
+        raise NotImplementedError(f"expected a replicated operand, got {t.placements}")
+    placements = [Partial() if a in partial_axes else Replicate() for a in range(mesh.ndim)]
+    return t.to_local(grad_placements=placements)
+
+
+def connected_empty(
+    shape: list[int], like: torch.Tensor, *inputs: torch.Tensor | None
+) -> torch.Tensor:
+    """An empty output that still depends on ``inputs``.
+
+    A rank whose output is empty must take part in the backward collectives of its inputs
+    (halo adjoints, weight reductions) like every other rank, so its output stays connected
+    to them in the autograd graph, with zero gradients.
+    """
+    zero = sum(
+        (t.sum() * 0 for t in inputs if t is not None and t.requires_grad), like.new_zeros(())
+    )
+    return like.new_zeros(shape) + zero

@@ -1,0 +1,202 @@
+"""Convolutions, transposed convolutions and padding on spatially sharded tensors.
+
+Each rank gathers the input cells its outputs read (``_windows``: NOTE [Which rank owns an
+output of a windowed op]) and runs the op on them without padding. ``nn.ConvNd`` with
+``padding_mode`` circular / reflect / replicate pads with ``F.pad`` first, which is a window
+of size 1 whose padding cells come from the boundary (periodic, reflect, replicate), so the
+padded tensor keeps the input's layout with the padding on the edge ranks, and the
+convolution that follows keeps it too. Weights and biases are replicated: their gradients
+are summed over the shards once (``replicated_local``).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._ops._common import connected_empty, replicated_local, sharding_axes
+from shardsci.tensor._ops._windows import TransposedWindow, Window, gather_windows, output_spec
+from shardsci.tensor._registry import register_function_handler
+
+_CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_CONV_TRANSPOSE = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
+_PAD_MODES = {
+    "constant": "zeros",
+    "circular": "periodic",
+    "reflect": "reflect",
+    "replicate": "replicate",
+}
+
+
+def _tuple(value: int | tuple[int, ...] | list[int], n: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+
+
+def _parse(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) -> list:
+    values = list(args) + [
+        kwargs.get(n, d) for n, d in zip(names[len(args) :], defaults[len(args) :])
+    ]
+    return values
+
+
+def _sharded_input(x: object) -> bool:
+    return isinstance(x, ShardTensor) and not x._spec.partial and 1 not in x._spec.sharding_by_dim
+
+
+# ---------------------------------------------------------------------------- conv
+@register_function_handler(*_CONV)
+def _conv(func, args, kwargs):
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    x, weight, bias, stride, padding, dilation, groups = _parse(
+        args, kwargs, names, (None, None, None, 1, 0, 1, 1)
+    )
+    if not _sharded_input(x) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
+        return NotImplemented
+    n = _CONV[func]
+    kernel = weight.shape[2:]
+    stride, dilation = _tuple(stride, n), _tuple(dilation, n)
+    pads = _conv_padding(padding, kernel, dilation, n)
+    first = x.ndim - n
+    windows = {first + i: Window(kernel[i], stride[i], dilation[i], *pads[i]) for i in range(n)}
+    return _run_windowed(
+        x, windows, dict.fromkeys(windows, "zeros"), weight, bias,
+        lambda ext, w, b: func(ext, w, b, stride, 0, dilation, groups),
+        channels=weight.shape[0],
+    )  # fmt: skip
+
+
+def _conv_padding(
+    padding: int | tuple | str, kernel: tuple[int, ...], dilation: tuple[int, ...], n: int
+) -> list[tuple[int, int]]:
+    if padding == "valid":
+        return [(0, 0)] * n
+    if padding == "same":
+        totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
+        return [(t // 2, t - t // 2) for t in totals]
+    return [(p, p) for p in _tuple(padding, n)]
+
+
+def _replicated(t: ShardTensor) -> bool:
+    return not t._spec.shardings and not t._spec.partial
+
+
+def _run_windowed(x, windows, boundary, weight, bias, local_op, *, channels, fill=0.0):
+    """Gather each rank's windows, run ``local_op(extended, weight, bias)``, wrap the result
+    with ``channels`` output channels (dim 1)."""
+    spec = x._spec
+    axes = sharding_axes(spec)
+    extended, out_sizes, out_ranges = gather_windows(x.to_local(), spec, windows, boundary, fill)
+    w = replicated_local(weight, spec.mesh, axes)
+    b = replicated_local(bias, spec.mesh, axes)
+    local_shape = list(extended.shape)
+    local_shape[1] = channels
+    for dim, (first, stop) in out_ranges.items():
+        local_shape[dim] = stop - first
+    if any(local_shape[d] == 0 for d in out_ranges):
+        out = connected_empty(local_shape, extended, extended, w, b)
+    else:
+        out = local_op(extended, w, b)
+    if list(out.shape) != local_shape:
+        raise RuntimeError(
+            f"shardsci internal error: local window op gave {tuple(out.shape)}, expected "
+            f"{tuple(local_shape)}"
+        )
+    shape = list(x.shape)
+    shape[1] = channels
+    for dim, window in windows.items():
+        shape[dim] = window.output_extent(x.shape[dim])
+    return from_local_spec(out, output_spec(spec, shape, out_sizes, out.dtype))
+
+
+# ---------------------------------------------------------------------------- conv_transpose
+@register_function_handler(*_CONV_TRANSPOSE)
+def _conv_transpose(func, args, kwargs):
+    names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+    x, weight, bias, stride, padding, output_padding, groups, dilation = _parse(
+        args, kwargs, names, (None, None, None, 1, 0, 0, 1, 1)
+    )
+    if not _sharded_input(x) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
+        return NotImplemented
+    n = _CONV_TRANSPOSE[func]
+    kernel = weight.shape[2:]
+    stride, padding = _tuple(stride, n), _tuple(padding, n)
+    dilation, output_padding = _tuple(dilation, n), _tuple(output_padding, n)
+    first = x.ndim - n
+    windows = {
+        first + i: TransposedWindow(
+            kernel[i], stride[i], dilation[i], padding[i], output_padding[i]
+        )
+        for i in range(n)
+    }
+    channels = weight.shape[1] * groups
+    return _run_transposed(x, windows, weight, bias, func, stride, dilation, groups, channels)
+
+
+def _run_transposed(x, windows, weight, bias, func, stride, dilation, groups, channels):
+    spec = x._spec
+    axes = sharding_axes(spec)
+    extended, out_sizes, out_ranges = gather_windows(
+        x.to_local(), spec, windows, dict.fromkeys(windows, "zeros")
+    )
+    w = replicated_local(weight, spec.mesh, axes)
+    b = replicated_local(bias, spec.mesh, axes)
+    local_shape = [
+        extended.shape[0],
+        channels,
+        *(stop - first for first, stop in out_ranges.values()),
+    ]
+    if any(extended.shape[d] == 0 for d in windows):
+        out = connected_empty(local_shape, extended, extended, w)
+    else:
+        full = func(extended, w, None, stride, 0, 0, groups, dilation)
+        out = _placed(full, windows, out_ranges, spec)
+    if b is not None:
+        out = out + b.reshape(-1, *([1] * len(windows)))
+    shape = [x.shape[0], channels, *(w_.output_extent(x.shape[d]) for d, w_ in windows.items())]
+    return from_local_spec(out, output_spec(spec, shape, out_sizes, out.dtype))
+
+
+def _placed(full, windows, out_ranges, spec):
+    """Cut (or zero-pad) the transposed convolution of the gathered inputs to this rank's
+    outputs: the gathered inputs ``[lo, hi)`` produce outputs from ``lo * stride - padding``."""
+    out = full
+    for dim, window in windows.items():
+        first, stop = out_ranges[dim]
+        lo, _ = window.input_range(first, stop, spec.shape[dim])
+        begin = first - (lo * window.stride - window.padding)
+        available = out.shape[dim]
+        head = max(0, -begin)
+        take = max(0, min(stop - first - head, available - max(begin, 0)))
+        piece = out.narrow(dim, max(begin, 0), take)
+        tail = stop - first - head - take
+        if head or tail:
+            piece = F.pad(piece.movedim(dim, -1), (head, tail)).movedim(-1, dim)
+        out = piece
+    return out
+
+
+# ---------------------------------------------------------------------------- pad
+@register_function_handler(F.pad)
+def _pad(func, args, kwargs):
+    x, pad, mode, value = _parse(
+        args, kwargs, ("input", "pad", "mode", "value"), (None, None, "constant", None)
+    )
+    if not isinstance(x, ShardTensor) or x._spec.partial or mode not in _PAD_MODES:
+        return NotImplemented
+    pairs = [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]
+    windows = {}
+    for i, (left, right) in enumerate(pairs):
+        dim = x.ndim - 1 - i
+        if left < 0 or right < 0:
+            return NotImplemented
+        if left or right:
+            windows[dim] = Window(1, pad_left=left, pad_right=right)
+    if not windows:
+        return x
+    boundary = dict.fromkeys(windows, _PAD_MODES[mode])
+    spec = x._spec
+    extended, out_sizes, _ = gather_windows(x.to_local(), spec, windows, boundary, value or 0.0)
+    shape = list(x.shape)
+    for dim, window in windows.items():
+        shape[dim] = window.output_extent(x.shape[dim])
+    return from_local_spec(extended, output_spec(spec, shape, out_sizes, extended.dtype))

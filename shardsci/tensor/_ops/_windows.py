@@ -1,0 +1,197 @@
+"""Sliding-window ops along sharded dims: who owns which output, which input it needs.
+
+# NOTE [Which rank owns an output of a windowed op]
+Output ``j`` of a window with kernel ``k``, stride ``s``, dilation ``d`` and left padding
+``p`` reads input cells ``j s - p + m d`` for ``m < k``. It is owned by the rank whose input
+range holds the window's anchor, ``j s - p + (d (k - 1)) // 2`` (the centre, rounded down),
+clamped into the domain; empty shards own nothing. So a 'same' convolution keeps the input's
+layout, and a stride-2 conv or pool gives output ``j`` to the owner of input ``2 j``. For
+transposed windows (upsampling) output ``i`` goes to the owner of the input it is centred on,
+``(i + p - (d (k - 1)) // 2) // s``, so downsample -> upsample returns to the input's layout
+when shard boundaries are even; when a layout of the output's extent is remembered in the
+input's hints (the layout before the downsampling), it is used instead, whatever the
+boundaries. Each rank then gathers, with the halo exchange, the input cells its outputs read,
+and runs the op locally without padding: padding cells are materialised by the boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardsci.tensor._halo import extend_dim, pad_locally
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, mesh_coordinate
+
+__all__ = ["TransposedWindow", "Window", "gather_windows", "output_spec", "owned_sizes"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One dim of a sliding-window op (convolution, pooling, padding).
+
+    Attributes
+    ----------
+    kernel, stride, dilation : int
+    pad_left, pad_right : int
+        Padding before and after the input, materialised by the boundary.
+    ceil_mode : bool
+        Pooling's ceil mode: a last, partial window may run past the padded input.
+    """
+
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    pad_left: int = 0
+    pad_right: int = 0
+    ceil_mode: bool = False
+
+    @property
+    def span(self) -> int:
+        return self.dilation * (self.kernel - 1) + 1
+
+    def output_extent(self, extent: int) -> int:
+        padded = extent + self.pad_left + self.pad_right
+        if padded < self.span:
+            return 0
+        if not self.ceil_mode:
+            return (padded - self.span) // self.stride + 1
+        count = -(-(padded - self.span) // self.stride) + 1
+        if (count - 1) * self.stride >= extent + self.pad_left:
+            count -= 1
+        return count
+
+    def first_owned(self, position: int) -> int:
+        """The first output whose anchor is at or after input ``position``."""
+        anchor_offset = (self.span - 1) // 2 - self.pad_left
+        return -(-(position - anchor_offset) // self.stride)
+
+    def input_range(self, first: int, stop: int, extent: int) -> tuple[int, int]:
+        """Input cells (global, padding included) read by outputs ``[first, stop)``."""
+        if stop <= first:
+            return (0, 0)
+        lo = first * self.stride - self.pad_left
+        hi = (stop - 1) * self.stride - self.pad_left + self.span
+        return lo, min(hi, extent + self.pad_right)
+
+
+@dataclass(frozen=True)
+class TransposedWindow:
+    """One dim of a transposed convolution (output cell ``i`` gathers inputs ``j`` with
+    ``i + padding = j stride + m dilation``)."""
+
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    padding: int = 0
+    output_padding: int = 0
+
+    @property
+    def span(self) -> int:
+        return self.dilation * (self.kernel - 1) + 1
+
+    def output_extent(self, extent: int) -> int:
+        return (extent - 1) * self.stride - 2 * self.padding + self.span + self.output_padding
+
+    def first_owned(self, position: int) -> int:
+        """The first output centred on input ``position`` or later."""
+        return position * self.stride - self.padding + (self.span - 1) // 2
+
+    def input_range(self, first: int, stop: int, extent: int) -> tuple[int, int]:
+        """Inputs contributing to outputs ``[first, stop)``, clipped to the domain."""
+        if stop <= first:
+            return (0, 0)
+        lo = -(-(first + self.padding - self.span + 1) // self.stride)
+        hi = (stop - 1 + self.padding) // self.stride + 1
+        return max(lo, 0), max(min(hi, extent), max(lo, 0))
+
+
+WindowLike = Window | TransposedWindow
+
+
+def owned_sizes(
+    window: WindowLike, sharding: DimSharding, out_extent: int, hints: Sequence[DimSharding]
+) -> tuple[int, ...]:
+    """Output shard sizes along one dim (NOTE [Which rank owns an output of a windowed op])."""
+    for hint in reversed(hints):
+        if hint.axes == sharding.axes and hint.extent == out_extent:
+            return hint.sizes
+    offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
+    nonempty = [k for k, size in enumerate(sharding.sizes) if size]
+    sizes = [0] * len(sharding.sizes)
+    for k in nonempty:
+        first = 0 if k == nonempty[0] else window.first_owned(offsets[k])
+        stop = (
+            out_extent if k == nonempty[-1] else window.first_owned(offsets[k] + sharding.sizes[k])
+        )
+        first, stop = min(max(first, 0), out_extent), min(max(stop, 0), out_extent)
+        sizes[k] = max(stop - first, 0)
+    return tuple(sizes)
+
+
+def gather_windows(
+    local: torch.Tensor,
+    spec: ShardTensorSpec,
+    windows: dict[int, WindowLike],
+    boundary: dict[int, str],
+    fill: float = 0.0,
+) -> tuple[torch.Tensor, dict[int, tuple[int, ...]], dict[int, tuple[int, int]]]:
+    """Gather, along each windowed dim, the input cells this rank's outputs read.
+
+    Parameters
+    ----------
+    local : Tensor
+        This rank's shard (differentiable).
+    windows : dict
+        Tensor dim -> its window.
+    boundary : dict
+        Tensor dim -> how padding cells are filled (``zeros`` uses ``fill``).
+
+    Returns
+    -------
+    extended : Tensor
+        The cells, padding materialised, for every windowed dim.
+    out_sizes : dict
+        Sharded dim -> output shard sizes.
+    out_ranges : dict
+        Windowed dim -> this rank's output range ``[first, stop)``.
+    """
+    out_sizes: dict[int, tuple[int, ...]] = {}
+    out_ranges: dict[int, tuple[int, int]] = {}
+    for dim in sorted(windows):
+        window = windows[dim]
+        extent = spec.shape[dim]
+        out_extent = window.output_extent(extent)
+        sharding = spec.sharding_by_dim.get(dim)
+        if sharding is None:
+            lo, hi = window.input_range(0, out_extent, extent)
+            local = pad_locally(local, dim, -lo, hi - extent, boundary[dim], fill)
+            out_ranges[dim] = (0, out_extent)
+            continue
+        sizes = owned_sizes(window, sharding, out_extent, spec.hints)
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        ranges = [window.input_range(a, a + n, extent) for a, n in zip(starts, sizes)]
+        local = extend_dim(local, spec, dim, ranges, boundary[dim], fill)
+        index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+        out_sizes[dim] = sizes
+        out_ranges[dim] = (starts[index], starts[index] + sizes[index])
+    return local, out_sizes, out_ranges
+
+
+def output_spec(
+    spec: ShardTensorSpec,
+    shape: Sequence[int],
+    out_sizes: dict[int, tuple[int, ...]],
+    dtype: torch.dtype,
+) -> ShardTensorSpec:
+    """``spec`` with a new global shape; windowed dims take ``out_sizes``, others keep theirs."""
+    return ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        shape,
+        dtype,
+        {s.dim: out_sizes.get(s.dim, s.sizes) for s in spec.shardings},
+        order={s.dim: s.axes for s in spec.shardings},
+        hints=merged_hints(spec.hints, spec.shardings),
+    )

@@ -1,0 +1,175 @@
+"""Convolutions, transposed convolutions and padding on spatially sharded tensors against the
+single-process reference: forward, input and parameter gradients, float64, every padding mode,
+uneven and empty shards, 1-D meshes and a 2x2 block decomposition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+
+
+@dataclass(frozen=True)
+class Spatial:
+    name: str
+    mesh: tuple[int, ...]
+    shape: tuple[int, ...]
+    layout: Layout
+
+    def __str__(self) -> str:
+        return self.name
+
+
+LAYOUTS_2D = [
+    Spatial("2r-H-7/4", (2,), (2, 3, 11, 6), Layout((Shard(2),), {2: (7, 4)})),
+    Spatial("4r-H-3/0/5/3", (4,), (2, 3, 11, 6), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
+    Spatial("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
+    Spatial(
+        "2x2-block", (2, 2), (2, 2, 11, 9), Layout((Shard(2), Shard(3)), {2: (6, 5), 3: (4, 5)})
+    ),
+]
+CONV2D = {
+    "k3": dict(kernel_size=3, padding=1),
+    "k3-stride2": dict(kernel_size=3, stride=2, padding=1),
+    "k4-stride2": dict(kernel_size=4, stride=2, padding=1),
+    "k2-stride2": dict(kernel_size=2, stride=2),
+    "k3-dilation2": dict(kernel_size=3, dilation=2, padding=2),
+    "k4-same": dict(kernel_size=4, padding="same"),
+    "k3-valid": dict(kernel_size=3, padding="valid"),
+    "k5-stride3": dict(kernel_size=5, stride=3),
+    "groups2": dict(kernel_size=3, padding=1, groups=2),
+    "rect-k(3,1)": dict(kernel_size=(3, 1), padding=(1, 0)),
+}
+MODES = ["zeros", "circular", "reflect", "replicate"]
+
+
+def _conv2d_body(case: Spatial, name: str, mode: str) -> None:
+    torch.manual_seed(0)
+    channels = case.shape[1]
+    config = dict(CONV2D[name])
+    if config.get("groups"):
+        channels_out = 2 * config["groups"]
+    else:
+        channels_out = 3
+    if config.get("padding") in ("same", "valid") and mode != "zeros":
+        config["padding"] = 1 if config.get("padding") == "same" else 0
+    module = nn.Conv2d(channels, channels_out, padding_mode=mode, dtype=torch.float64, **config)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    check_against_reference(
+        lambda m, a: m(a), [x], [case.layout], get_mesh(case.mesh), module=module, what=name
+    )
+
+
+@pytest.mark.parametrize("case", LAYOUTS_2D, ids=str)
+@pytest.mark.parametrize("name", list(CONV2D))
+@pytest.mark.parametrize("mode", MODES)
+def test_conv2d(case: Spatial, name: str, mode: str) -> None:
+    if case.shape[1] % CONV2D[name].get("groups", 1):
+        pytest.skip("channels not divisible by groups")
+    run_on_ranks(len(case.layout.placements) and _world(case), _conv2d_body, case, name, mode)
+
+
+def _world(case: Spatial) -> int:
+    size = 1
+    for n in case.mesh:
+        size *= n
+    return size
+
+
+CONV_TRANSPOSE2D = {
+    "k2-stride2": dict(kernel_size=2, stride=2),
+    "k4-stride2-pad1": dict(kernel_size=4, stride=2, padding=1),
+    "k3-same": dict(kernel_size=3, padding=1),
+    "k3-stride2-outpad1": dict(kernel_size=3, stride=2, padding=1, output_padding=1),
+    "k3-dilation2": dict(kernel_size=3, dilation=2, padding=1),
+    "groups": dict(kernel_size=3, stride=2, groups=2),
+}
+
+
+def _conv_transpose_body(case: Spatial, name: str) -> None:
+    torch.manual_seed(0)
+    config = CONV_TRANSPOSE2D[name]
+    module = nn.ConvTranspose2d(case.shape[1], 4, dtype=torch.float64, **config)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    check_against_reference(
+        lambda m, a: m(a), [x], [case.layout], get_mesh(case.mesh), module=module, what=name
+    )
+
+
+@pytest.mark.parametrize("case", LAYOUTS_2D, ids=str)
+@pytest.mark.parametrize("name", list(CONV_TRANSPOSE2D))
+def test_conv_transpose2d(case: Spatial, name: str) -> None:
+    if case.shape[1] % CONV_TRANSPOSE2D[name].get("groups", 1):
+        pytest.skip("channels not divisible by groups")
+    run_on_ranks(_world(case), _conv_transpose_body, case, name)
+
+
+PADS = {
+    "constant": ((2, 1, 3, 0), "constant", 1.5),
+    "reflect": ((1, 2, 2, 1), "reflect", None),
+    "replicate": ((3, 0, 1, 4), "replicate", None),
+    "circular": ((2, 2, 1, 3), "circular", None),
+}
+
+
+def _pad_body(case: Spatial, name: str) -> None:
+    pad, mode, value = PADS[name]
+    x = torch.randn(case.shape, dtype=torch.float64)
+    kwargs = {} if value is None else {"value": value}
+    check_against_reference(
+        lambda a: F.pad(a, pad, mode=mode, **kwargs),
+        [x],
+        [case.layout],
+        get_mesh(case.mesh),
+        what=name,
+    )
+
+
+@pytest.mark.parametrize("case", LAYOUTS_2D, ids=str)
+@pytest.mark.parametrize("name", list(PADS))
+def test_pad(case: Spatial, name: str) -> None:
+    run_on_ranks(_world(case), _pad_body, case, name)
+
+
+# ---------------------------------------------------------------------------- 1-D and 3-D
+def _conv1d_body(sizes, mode) -> None:
+    module = nn.Conv1d(2, 3, 3, padding=1, padding_mode=mode, dtype=torch.float64)
+    x = torch.randn(2, 2, sum(sizes), dtype=torch.float64)
+    check_against_reference(
+        lambda m, a: m(a),
+        [x],
+        [Layout((Shard(2),), {2: sizes})],
+        get_mesh((len(sizes),)),
+        module=module,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sizes", [(5, 4), (2, 0, 6, 1)], ids=["5/4", "2/0/6/1"])
+def test_conv1d(sizes, mode) -> None:
+    run_on_ranks(len(sizes), _conv1d_body, sizes, mode)
+
+
+def _conv3d_body(mode, transpose) -> None:
+    if transpose:
+        module = nn.ConvTranspose3d(2, 2, 2, stride=2, dtype=torch.float64)
+    else:
+        module = nn.Conv3d(2, 2, 3, padding=1, padding_mode=mode, dtype=torch.float64)
+    x = torch.randn(1, 2, 5, 6, 4, dtype=torch.float64)
+    layout = Layout((Shard(2), Shard(3)), {2: (3, 2), 3: (2, 4)})
+    check_against_reference(lambda m, a: m(a), [x], [layout], get_mesh((2, 2)), module=module)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_conv3d_block(mode) -> None:
+    run_on_ranks(4, _conv3d_body, mode, False)
+
+
+def test_conv_transpose3d_block() -> None:
+    run_on_ranks(4, _conv3d_body, "zeros", True)
