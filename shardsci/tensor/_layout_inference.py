@@ -2,7 +2,9 @@
 
 Used by ``ShardTensor.from_local``: ``"infer"`` gathers every rank's shape once and checks
 that the shards form one tensor; ``"chunk"`` and explicit sizes need no communication.
-Errors are raised from information every rank shares, so all ranks raise the same error.
+Errors are raised from information every rank shares, so all ranks raise the same error; the
+one exception is the check of this rank's own shard against ``"chunk"`` or explicit sizes
+without ``run_check`` (no communication, so only that rank can see the mismatch).
 """
 
 from __future__ import annotations
@@ -35,25 +37,32 @@ def sizes_for_from_local(
     shape: Sequence[int] | None,
     run_check: bool,
 ) -> ShardTensorSpec:
-    """The spec of the tensor whose shard on this rank is ``local``."""
+    """The spec of the tensor whose shard on this rank is ``local``.
+
+    With ``"infer"`` or ``run_check``, every rank's shard shape is gathered before anything
+    reads this rank's shard, and all checks use the gathered shapes: a bad shard raises the
+    same error on every rank instead of leaving the others waiting in a collective.
+    """
+    mode = _mode(sharding_shapes)
+    placements = tuple(placements)
+    _check_placement_count(placements, mesh)
+    shapes = _gathered_shapes(local, mesh) if mode == "infer" or run_check else None
     placements = _checked_placements(placements, mesh, local.ndim)
-    if isinstance(sharding_shapes, str) and sharding_shapes == "infer":
-        sizes, global_shape = _inferred_sizes(local, mesh, placements)
-    elif isinstance(sharding_shapes, str) and sharding_shapes == "chunk":
-        global_shape = (
-            list(shape) if shape is not None else _even_global_shape(local, mesh, placements)
-        )
-        sizes = _chunk_sizes(global_shape, mesh, placements)
-    elif isinstance(sharding_shapes, Mapping):
-        sizes = explicit_dim_sizes(sharding_shapes, placements, mesh, None)
-        global_shape = list(local.shape)
-        for dim, dim_sizes in sizes.items():
-            global_shape[dim] = sum(dim_sizes)
+    if mode == "infer":
+        sizes, global_shape = _sizes_from_shapes(shapes, mesh, placements)
     else:
-        raise ValueError(
-            f"sharding_shapes must be 'infer', 'chunk' or a dict from mesh axis to the local "
-            f"shapes along it, got {sharding_shapes!r}"
-        )
+        if mode == "chunk":
+            global_shape = (
+                list(shape) if shape is not None else _even_global_shape(local, mesh, placements)
+            )
+            sizes = _chunk_sizes(global_shape, mesh, placements)
+        else:
+            sizes = explicit_dim_sizes(sharding_shapes, placements, mesh, None)
+            global_shape = list(local.shape)
+            for dim, dim_sizes in sizes.items():
+                global_shape[dim] = sum(dim_sizes)
+        if shapes is not None:
+            _check_claimed(shapes, mesh, placements, sizes, global_shape)
     if shape is not None and tuple(shape) != tuple(global_shape):
         raise ValueError(
             f"the shards form a tensor of shape {tuple(global_shape)}, but shape={tuple(shape)} "
@@ -67,15 +76,7 @@ def sizes_for_from_local(
         sizes,
         stride=_global_stride(local, global_shape),
     )
-    if run_check and not (isinstance(sharding_shapes, str) and sharding_shapes == "infer"):
-        inferred, _ = _inferred_sizes(local, mesh, placements)
-        claimed = {s.dim: list(s.sizes) for s in spec.shardings}
-        if {d: list(v) for d, v in inferred.items()} != claimed:
-            raise ValueError(
-                f"the shards held by the ranks have sizes {inferred} along their sharded dims, "
-                f"but the given sharding_shapes say {claimed}"
-            )
-    elif tuple(local.shape) != tuple(spec.local_shape()):
+    if shapes is None and tuple(local.shape) != tuple(spec.local_shape()):
         raise ValueError(
             f"this rank's shard has shape {tuple(local.shape)}, but the sharding says it should "
             f"be {tuple(spec.local_shape())} (pass run_check=True to check on every rank)"
@@ -83,15 +84,28 @@ def sizes_for_from_local(
     return spec
 
 
-def _checked_placements(
-    placements: Sequence[Placement], mesh: DeviceMesh, ndim: int
-) -> tuple[Placement, ...]:
-    placements = tuple(placements)
+def _mode(sharding_shapes: str | Mapping) -> str:
+    if isinstance(sharding_shapes, str) and sharding_shapes in ("infer", "chunk"):
+        return sharding_shapes
+    if isinstance(sharding_shapes, Mapping):
+        return "explicit"
+    raise ValueError(
+        f"sharding_shapes must be 'infer', 'chunk' or a dict from mesh axis to the local "
+        f"shapes along it, got {sharding_shapes!r}"
+    )
+
+
+def _check_placement_count(placements: tuple[Placement, ...], mesh: DeviceMesh) -> None:
     if len(placements) != mesh.ndim:
         raise ValueError(
             f"got {len(placements)} placements {placements} for a {mesh.ndim}-D mesh; expected "
             f"one placement per mesh axis"
         )
+
+
+def _checked_placements(
+    placements: tuple[Placement, ...], mesh: DeviceMesh, ndim: int
+) -> tuple[Placement, ...]:
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             if not -ndim <= p.dim < ndim:
@@ -103,6 +117,24 @@ def _checked_placements(
     return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in placements)
 
 
+def _check_claimed(
+    shapes: list[tuple[int, ...]],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    sizes: Mapping[int, Sequence[int]],
+    global_shape: Sequence[int],
+) -> None:
+    """``run_check``: the claimed sizes and global shape are those of the gathered shards."""
+    inferred, inferred_shape = _sizes_from_shapes(shapes, mesh, placements)
+    claimed = {dim: list(dim_sizes) for dim, dim_sizes in sizes.items()}
+    if inferred != claimed or list(inferred_shape) != list(global_shape):
+        raise ValueError(
+            f"the shards held by the ranks have sizes {inferred} along their sharded dims "
+            f"(global shape {tuple(inferred_shape)}), but the given sharding says {claimed} "
+            f"(global shape {tuple(global_shape)})"
+        )
+
+
 def _axes_by_dim(placements: Sequence[Placement]) -> dict[int, tuple[int, ...]]:
     axes: dict[int, list[int]] = {}
     for axis, p in enumerate(placements):
@@ -112,41 +144,14 @@ def _axes_by_dim(placements: Sequence[Placement]) -> dict[int, tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------------------- "infer"
-def _inferred_sizes(
-    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
-) -> tuple[dict[int, list[int]], list[int]]:
-    headers = _gathered_headers(local, mesh)
-    ndims = {h[0] for h in headers}
-    if len(ndims) > 1:
-        raise ValueError(
-            "the shards have different numbers of dims: "
-            + ", ".join(f"rank {r}: {tuple(h[2 : 2 + h[0]])}" for r, h in enumerate(headers))
-        )
-    dtypes = {h[1] for h in headers}
-    if len(dtypes) > 1:
-        names = [str(_DTYPES[h[1]]) if h[1] >= 0 else "other" for h in headers]
-        raise ValueError(f"the shards have different dtypes: {names} (by flat mesh index)")
-    shapes = [tuple(h[2 : 2 + h[0]]) for h in headers]
-    axes_by_dim = _axes_by_dim(placements)
-    mesh_shape = tuple(mesh.shape)
-    sizes: dict[int, list[int]] = {}
-    global_shape = list(shapes[0])
-    for dim in range(local.ndim):
-        axes = axes_by_dim.get(dim, ())
-        extents = _extent_table(shapes, dim, axes, mesh_shape)
-        if axes:
-            sizes[dim] = extents
-            global_shape[dim] = sum(extents)
-    return sizes, global_shape
-
-
-def _gathered_headers(local: torch.Tensor, mesh: DeviceMesh) -> list[list[int]]:
-    if local.ndim > _MAX_DIMS:
-        raise ValueError(f"shards with more than {_MAX_DIMS} dims are not supported")
+def _gathered_shapes(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """Every rank's shard shape (by flat mesh index), after checking on every rank alike that
+    the shards agree on their number of dims and dtype."""
     header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=local.device)
     header[0] = local.ndim
     header[1] = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else -1
-    header[2 : 2 + local.ndim] = torch.tensor(local.shape, dtype=torch.int64)
+    kept = min(local.ndim, _MAX_DIMS)
+    header[2 : 2 + kept] = torch.tensor(local.shape[:kept], dtype=torch.int64)
     group = axis_group(mesh, tuple(range(mesh.ndim)))
     received = exchange(
         group,
@@ -156,7 +161,36 @@ def _gathered_headers(local: torch.Tensor, mesh: DeviceMesh) -> list[list[int]]:
         device=local.device,
         kind="all_gather",
     )
-    return [r.tolist() for r in received]
+    headers = [r.tolist() for r in received]
+    ndims = [h[0] for h in headers]
+    if max(ndims) > _MAX_DIMS:
+        raise ValueError(f"shards with more than {_MAX_DIMS} dims are not supported: {ndims}")
+    shapes = [tuple(h[2 : 2 + h[0]]) for h in headers]
+    if len(set(ndims)) > 1:
+        raise ValueError(
+            "the shards have different numbers of dims: "
+            + ", ".join(f"rank {r}: {shape}" for r, shape in enumerate(shapes))
+        )
+    if len({h[1] for h in headers}) > 1:
+        names = [str(_DTYPES[h[1]]) if h[1] >= 0 else "other" for h in headers]
+        raise ValueError(f"the shards have different dtypes: {names} (by flat mesh index)")
+    return shapes
+
+
+def _sizes_from_shapes(
+    shapes: list[tuple[int, ...]], mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[dict[int, list[int]], list[int]]:
+    axes_by_dim = _axes_by_dim(placements)
+    mesh_shape = tuple(mesh.shape)
+    sizes: dict[int, list[int]] = {}
+    global_shape = list(shapes[0])
+    for dim in range(len(global_shape)):
+        axes = axes_by_dim.get(dim, ())
+        extents = _extent_table(shapes, dim, axes, mesh_shape)
+        if axes:
+            sizes[dim] = extents
+            global_shape[dim] = sum(extents)
+    return sizes, global_shape
 
 
 def _extent_table(

@@ -47,7 +47,8 @@ def target_spec(
 
     Shard sizes come from ``sizes`` (tensor dim -> flat extents) when given, else stay as in
     ``src`` for a dim sharded over the same axes, else come from the hints (the sizes the dim
-    had when it was last sharded that way), else follow ``torch.chunk``.
+    had when it was last sharded over those axes, in that order), else follow ``torch.chunk``
+    over the axes in increasing order.
     """
     placements = tuple(placements)
     ndim = src.ndim
@@ -57,17 +58,14 @@ def target_spec(
             axes_by_dim.setdefault(p.dim % ndim if ndim else p.dim, []).append(axis)
     order: dict[int, tuple[int, ...]] = {}
     chosen: dict[int, Sequence[int]] = dict(sizes or {})
-    remembered = {(h.dim, h.axes): h.sizes for h in (*src.hints, *src.shardings)}
+    # The current sharding of a dim wins over its hint for the same axes.
+    remembered = {_hint_key(h): h for h in (*src.hints, *src.shardings)}
     for dim, axes in axes_by_dim.items():
-        current = src.sharding_by_dim.get(dim)
-        axes_t = tuple(axes)
-        if current is not None and sorted(current.axes) == sorted(axes_t):
-            axes_t = current.axes
-        order[dim] = axes_t
-        if dim not in chosen and (dim, axes_t) in remembered:
-            candidate = remembered[(dim, axes_t)]
-            if sum(candidate) == src.shape[dim]:
-                chosen[dim] = candidate
+        order[dim] = tuple(axes)
+        hint = remembered.get((dim, frozenset(axes)))
+        if hint is not None and sum(hint.sizes) == src.shape[dim]:
+            order[dim] = hint.axes
+            chosen.setdefault(dim, hint.sizes)
     hints = _updated_hints(src)
     return ShardTensorSpec.build(
         src.mesh,
@@ -82,10 +80,14 @@ def target_spec(
 
 
 def _updated_hints(src: ShardTensorSpec) -> tuple[DimSharding, ...]:
-    """The source's hints plus its current shardings, newest first per (dim, axes)."""
-    kept = {(h.dim, h.axes): h for h in src.hints}
-    kept.update({(s.dim, s.axes): s for s in src.shardings})
+    """The source's hints plus its current shardings: the newest per dim and set of axes."""
+    kept = {_hint_key(h): h for h in src.hints}
+    kept.update({_hint_key(s): s for s in src.shardings})
     return tuple(kept.values())
+
+
+def _hint_key(sharding: DimSharding) -> tuple[int, frozenset[int]]:
+    return sharding.dim, frozenset(sharding.axes)
 
 
 # ----------------------------------------------------------------------------- execution
@@ -193,15 +195,19 @@ def _plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> list:
     all_reduce_axes = [a for a in reduce_axes if a not in scatter_axes]
     # Where the exchange must land: the target with reduce-scattered axes still Partial (their
     # dims split by the outer axes only) and target-Partial axes still Replicate.
-    landing = _drop_axes(dst, scatter_axes, src)
+    landing = _drop_axes(dst, scatter_axes, src)  # scatter axes are innermost: never None
     for axis, p in enumerate(dst.placements):
         if isinstance(p, Partial) and not isinstance(src.placements[axis], Partial):
             landing = _with_placement(landing, axis, Replicate())
     steps: list = []
     current = src
     if all_reduce_axes:
+        # Exchanging first shrinks the all-reduce when the landing holds fewer elements (over
+        # all ranks: the choice must not depend on this rank's shard, or ranks would run
+        # different collectives); not possible when a reduced axis is an outer axis of a
+        # nested target dim (the pieces left after dropping it are not intervals).
         reduced_later = _drop_axes(landing, all_reduce_axes, src)
-        if math.prod(reduced_later.local_shape()) < math.prod(src.local_shape()):
+        if reduced_later is not None and _elements_held(reduced_later) < _elements_held(src):
             steps.append(_Exchange(current, reduced_later))
             current = reduced_later
         for axis in all_reduce_axes:
@@ -219,6 +225,14 @@ def _plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> list:
             steps.append(_ToPartial(axis, p.reduce_op, current))
             current = _with_placement(current, axis, p)
     return steps
+
+
+def _elements_held(spec: ShardTensorSpec) -> int:
+    """Elements held by all ranks together: the shards of each replica partition the tensor."""
+    replicas = math.prod(
+        n for n, p in zip(spec.mesh_shape, spec.placements) if not isinstance(p, Shard)
+    )
+    return math.prod(spec.shape) * replicas
 
 
 def _reduce_scatter_axes(
@@ -246,8 +260,11 @@ def _order_position(spec: ShardTensorSpec, axis: int) -> int:
     return 0
 
 
-def _drop_axes(spec: ShardTensorSpec, axes: list[int], src: ShardTensorSpec) -> ShardTensorSpec:
-    """``spec`` with ``axes`` taken out of their dims' sharding and placed as in ``src``."""
+def _drop_axes(
+    spec: ShardTensorSpec, axes: list[int], src: ShardTensorSpec
+) -> ShardTensorSpec | None:
+    """``spec`` with ``axes`` taken out of their dims' sharding and placed as in ``src``;
+    None when an axis to drop is outside an axis that stays (no interval layout for that)."""
     if not axes:
         return spec
     placements = list(spec.placements)
@@ -257,9 +274,8 @@ def _drop_axes(spec: ShardTensorSpec, axes: list[int], src: ShardTensorSpec) -> 
         if keep == s.axes:
             shardings.append(s)
         elif keep:
-            kept_prefix = all(a not in axes for a in s.axes[: len(keep)])
-            if not kept_prefix:
-                raise NotImplementedError(f"dropping inner axes {axes} from {s}")
+            if keep != s.axes[: len(keep)]:
+                return None
             shardings.append(DimSharding(s.dim, keep, _outer_sizes(spec, s, len(keep))))
     for axis in axes:
         placements[axis] = src.placements[axis]

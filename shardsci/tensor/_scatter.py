@@ -6,12 +6,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Partial, Placement
 
-from shardsci.tensor._api import ShardTensor, from_local_spec
-from shardsci.tensor._collectives import axis_group, broadcast, exchange
+from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
+from shardsci.tensor._collectives import AxisGroup, axis_group, broadcast, exchange
 from shardsci.tensor._layout_inference import explicit_dim_sizes
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
 
 __all__ = ["distribute_tensor", "scatter_tensor"]
 
@@ -21,6 +21,7 @@ _DTYPES = (
     torch.bool,
 )  # fmt: skip
 _MAX_DIMS = 64
+_NO_TENSOR, _UNDESCRIBABLE = -1, -2  # error codes in the metadata header
 
 
 def scatter_tensor(
@@ -57,17 +58,35 @@ def scatter_tensor(
     ShardTensor
         Shape ``tensor.shape``. The source sends each other rank its piece once (bytes sent:
         the sum of the other ranks' pieces); every rank receives exactly its own piece.
+
+    Raises
+    ------
+    ValueError
+        On every rank, for a source outside the mesh, Partial placements, sizes that do not
+        sum to the global size, and, when the metadata is broadcast, a source without a
+        tensor or with a dtype it cannot describe. When every rank passes ``global_shape``
+        and ``dtype``, only the source can see that its tensor is missing or does not match
+        them: it raises alone, before the scatter that the other ranks then wait in.
     """
     group = axis_group(mesh, tuple(range(mesh.ndim)))
     if global_src not in group.global_ranks:
-        raise ValueError(f"global_src {global_src} is not a rank of the mesh {mesh}")
+        raise ValueError(
+            f"global_src {global_src} is not a rank of the mesh {mesh} (its ranks: "
+            f"{sorted(group.global_ranks)})"
+        )
+    for axis, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise ValueError(
+                f"scatter_tensor places whole values: got {p} on mesh axis {axis}, expected "
+                f"Shard or Replicate"
+            )
     src = group.global_ranks.index(global_src)
     is_src = group.index == src
-    if is_src and tensor is None:
-        raise ValueError(f"rank {global_src} is the source of scatter_tensor but passed no tensor")
     device = _mesh_device(mesh)
     if global_shape is None or dtype is None:
         global_shape, dtype = _broadcast_metadata(tensor if is_src else None, src, group, device)
+    elif is_src and tensor is None:
+        raise ValueError(f"rank {global_src} is the source of scatter_tensor but passed no tensor")
     sizes = None
     if sharding_shapes is not None:
         sizes = explicit_dim_sizes(sharding_shapes, placements, mesh, global_shape)
@@ -102,7 +121,8 @@ def distribute_tensor(
 ) -> ShardTensor:
     """Shard a tensor that every rank holds whole: each keeps its piece, no communication.
 
-    Differentiable: the gradient of ``tensor`` is the gradient of the result, gathered.
+    Differentiable: the gradient of ``tensor`` is the gradient of the result, gathered (the
+    whole gradient on every rank, as for any Replicate input).
     """
     sizes = None
     if sharding_shapes is not None:
@@ -110,7 +130,8 @@ def distribute_tensor(
     spec = ShardTensorSpec.build(
         mesh, placements, tensor.shape, tensor.dtype, sizes, stride=tensor.stride()
     )
-    return from_local_spec(spec.narrow(tensor), spec)
+    # Replicate -> spec is a local slice forward; its backward gathers the gradient.
+    return redistribute(from_local_spec(tensor, replicated_spec(tensor, mesh)), spec)
 
 
 def _coordinate_of(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
@@ -124,24 +145,35 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _broadcast_metadata(
-    tensor: torch.Tensor | None, src: int, group, device: torch.device
+    tensor: torch.Tensor | None, src: int, group: AxisGroup, device: torch.device
 ) -> tuple[list[int], torch.dtype]:
+    """The source's shape and dtype, on every rank. A source without a tensor, or with one it
+    cannot describe, sends an error code instead, so that every rank raises."""
     header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
-    if tensor is not None:
-        if tensor.dtype not in _DTYPES or tensor.ndim > _MAX_DIMS:
-            raise ValueError(
-                f"scatter_tensor cannot send metadata for dtype {tensor.dtype} with "
-                f"{tensor.ndim} dims; pass global_shape and dtype on every rank"
-            )
-        header[0] = tensor.ndim
-        header[1] = _DTYPES.index(tensor.dtype)
-        header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
+    if group.index == src:
+        if tensor is None:
+            header[0] = _NO_TENSOR
+        elif tensor.dtype not in _DTYPES or tensor.ndim > _MAX_DIMS:
+            header[0] = _UNDESCRIBABLE
+        else:
+            header[0] = tensor.ndim
+            header[1] = _DTYPES.index(tensor.dtype)
+            header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
     header = broadcast(
-        header if tensor is not None else None,
+        header if group.index == src else None,
         src,
         group,
         shape=header.shape,
         dtype=torch.int64,
         device=device,
     ).tolist()
+    source = group.global_ranks[src]
+    if header[0] == _NO_TENSOR:
+        raise ValueError(f"rank {source} is the source of scatter_tensor but passed no tensor")
+    if header[0] == _UNDESCRIBABLE:
+        raise ValueError(
+            f"scatter_tensor cannot send the metadata of the tensor on rank {source} (a dtype "
+            f"outside {[str(d) for d in _DTYPES]} or more than {_MAX_DIMS} dims); pass "
+            f"global_shape and dtype on every rank"
+        )
     return header[2 : 2 + header[0]], _DTYPES[header[1]]
