@@ -21,7 +21,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import mesh_coordinate
 
-__all__ = ["AxisGroup", "all_reduce", "axis_group", "broadcast", "exchange", "send_recv"]
+__all__ = [
+    "AxisGroup",
+    "PendingMessages",
+    "all_reduce",
+    "axis_group",
+    "broadcast",
+    "exchange",
+    "send_recv",
+    "start_send_recv",
+]
 
 
 @dataclass(frozen=True)
@@ -264,7 +273,25 @@ def broadcast(
     return buffer
 
 
-def send_recv(
+@dataclass
+class PendingMessages:
+    """Point-to-point messages in flight; ``wait`` returns the received tensors."""
+
+    works: list
+    buffers: list[torch.Tensor]
+    shapes: list[Sequence[int]]
+    dtype: torch.dtype
+    kind: str
+    sent: int
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        record_comm(self.kind, self.sent, sum(b.numel() for b in self.buffers))
+        return [_from_bytes(b, self.dtype, shape) for b, shape in zip(self.buffers, self.shapes)]
+
+
+def start_send_recv(
     group: AxisGroup,
     sends: Sequence[tuple[int, torch.Tensor]],
     receives: Sequence[tuple[int, Sequence[int]]],
@@ -272,9 +299,9 @@ def send_recv(
     dtype: torch.dtype,
     device: torch.device,
     kind: str = "p2p",
-) -> list[torch.Tensor]:
-    """Point-to-point messages: ``sends`` are (flat index, tensor), ``receives`` are
-    (flat index, shape). Returns the received tensors in the order of ``receives``.
+) -> PendingMessages:
+    """Post point-to-point messages and return at once: ``sends`` are (flat index, tensor),
+    ``receives`` are (flat index, shape).
 
     Both sides must agree: each send on one rank matches a receive on its peer, in the same
     order for a given pair.
@@ -295,8 +322,18 @@ def send_recv(
         ops.append(
             dist.P2POp(dist.irecv, buffer, group=group.group, group_peer=group.group_ranks[src])
         )
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    record_comm(kind, sent, sum(b.numel() for b in buffers))
-    return [_from_bytes(b, dtype, shape) for b, (_, shape) in zip(buffers, receives)]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return PendingMessages(works, buffers, [shape for _, shape in receives], dtype, kind, sent)
+
+
+def send_recv(
+    group: AxisGroup,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    receives: Sequence[tuple[int, Sequence[int]]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    kind: str = "p2p",
+) -> list[torch.Tensor]:
+    """Point-to-point messages, waited for (see ``start_send_recv``)."""
+    return start_send_recv(group, sends, receives, dtype=dtype, device=device, kind=kind).wait()

@@ -19,17 +19,30 @@ The backward pass is the exact adjoint: each received run's gradient goes back t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
 
-from shardsci.tensor._collectives import AxisGroup, axis_group, send_recv
+from shardsci.tensor._collectives import (
+    AxisGroup,
+    PendingMessages,
+    axis_group,
+    start_send_recv,
+)
 from shardsci.tensor._spec import ShardTensorSpec
 
-__all__ = ["BOUNDARIES", "HaloPlan", "extend_dim", "halo_exchange", "halo_plan", "pad_locally"]
+__all__ = [
+    "BOUNDARIES",
+    "HaloPlan",
+    "extend_dim",
+    "halo_exchange",
+    "halo_plan",
+    "pad_locally",
+    "start_extend",
+]
 
 BOUNDARIES = ("zeros", "periodic", "reflect", "replicate")
 
@@ -181,20 +194,35 @@ def _split_by_owner(
 
 
 # ---------------------------------------------------------------------------- execution
+# NOTE [A halo exchange in two halves]
+# Posting the messages and assembling the extended shard are separate autograd Functions,
+# ``_Post`` (returns the shard itself) and ``_Finish`` (returns the extended shard), sharing
+# an ``_InFlight`` record. Between them a caller may compute on the shard while messages are
+# in flight (the overlap option of windowed ops). Backward mirrors it: ``_Finish`` posts the
+# halo gradients to their owners and keeps the gradient of the shard's own cells; ``_Post``
+# waits for the gradients of its cells that others used and adds them. ``extend_dim`` runs
+# the two halves back to back.
+
+
+class _InFlight:
+    """Messages posted by one half of a halo exchange, for the other half to wait on."""
+
+    forward: PendingMessages | None = None
+    backward: PendingMessages | None = None
+
+
 def _take(local: torch.Tensor, plan: HaloPlan, me: int, run: _Run) -> torch.Tensor:
     return local.narrow(plan.dim, run.start - plan.offsets[me], run.cells)
 
 
-def _gather(local: torch.Tensor, plan: HaloPlan, group: AxisGroup, fill: float) -> torch.Tensor:
-    me = group.index
-    dim = plan.dim
-    rest = list(local.shape)
+def _with_dim(shape: Sequence[int], dim: int, size: int) -> list[int]:
+    return [*shape[:dim], size, *shape[dim + 1 :]]
 
-    def shape(cells: int) -> list[int]:
-        return [*rest[:dim], cells, *rest[dim + 1 :]]
 
-    sends = []
-    receives = []
+def _post(local: torch.Tensor, plan: HaloPlan, group: AxisGroup) -> PendingMessages:
+    """Send every neighbour the cells it needs from this shard; post the receives."""
+    me, dim = group.index, plan.dim
+    sends, receives = [], []
     for other in range(group.size):
         if other == me:
             continue
@@ -204,12 +232,19 @@ def _gather(local: torch.Tensor, plan: HaloPlan, group: AxisGroup, fill: float) 
             sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
         incoming = plan.sent(other, me)
         if incoming:
-            receives.append((other, shape(sum(r.cells for r in incoming))))
-    received = send_recv(
+            receives.append((other, _with_dim(local.shape, dim, sum(r.cells for r in incoming))))
+    return start_send_recv(
         group, sends, receives, dtype=local.dtype, device=local.device, kind="halo"
     )
-    messages = {src: message for (src, _), message in zip(receives, received)}
-    out = local.new_empty(shape(plan.extents[me]))
+
+
+def _assemble(
+    local: torch.Tensor, plan: HaloPlan, group: AxisGroup, fill: float, pending: PendingMessages
+) -> torch.Tensor:
+    me, dim = group.index, plan.dim
+    senders = [other for other in range(group.size) if other != me and plan.sent(other, me)]
+    messages = dict(zip(senders, pending.wait()))
+    out = local.new_empty(_with_dim(local.shape, dim, plan.extents[me]))
     cursor = dict.fromkeys(messages, 0)
     for run in plan.runs[me]:
         target = out.narrow(dim, run.position, run.length)
@@ -227,55 +262,118 @@ def _gather(local: torch.Tensor, plan: HaloPlan, group: AxisGroup, fill: float) 
     return out
 
 
-def _scatter_add(grad: torch.Tensor, plan: HaloPlan, group: AxisGroup, local_shape) -> torch.Tensor:
-    """The adjoint of ``_gather``: each run's gradient goes back to its owner and is added."""
-    me = group.index
-    dim = plan.dim
-    rest = list(grad.shape)
+def _run_grad(grad: torch.Tensor, dim: int, run: _Run) -> torch.Tensor:
+    piece = grad.narrow(dim, run.position, run.length)
+    if run.reversed:
+        piece = piece.flip(dim)
+    return piece.sum(dim, keepdim=True) if run.repeated else piece
 
-    def run_grad(run: _Run) -> torch.Tensor:
-        piece = grad.narrow(dim, run.position, run.length)
-        if run.reversed:
-            piece = piece.flip(dim)
-        return piece.sum(dim, keepdim=True) if run.repeated else piece
 
-    sends = []
-    receives = []
+def _post_adjoint(
+    grad: torch.Tensor, plan: HaloPlan, group: AxisGroup, local_shape: Sequence[int]
+) -> tuple[torch.Tensor, PendingMessages]:
+    """Gradient of the shard's own cells, and the halo gradients posted to their owners."""
+    me, dim = group.index, plan.dim
+    own = grad.new_zeros(local_shape)
+    for run in plan.runs[me]:
+        if run.source == me:
+            _take(own, plan, me, run).add_(_run_grad(grad, dim, run))
+    sends, receives = [], []
     for other in range(group.size):
         if other == me:
             continue
         outgoing = plan.sent(other, me)
         if outgoing:
-            parts = [run_grad(r) for r in outgoing]
+            parts = [_run_grad(grad, dim, r) for r in outgoing]
             sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
         incoming = plan.sent(me, other)
         if incoming:
-            cells = sum(r.cells for r in incoming)
-            receives.append((other, [*rest[:dim], cells, *rest[dim + 1 :]]))
-    received = send_recv(group, sends, receives, dtype=grad.dtype, device=grad.device, kind="halo")
-    result = grad.new_zeros(local_shape)
-    for run in plan.runs[me]:
-        if run.source == me:
-            _take(result, plan, me, run).add_(run_grad(run))
-    for (other, _), message in zip(receives, received):
+            receives.append((other, _with_dim(local_shape, dim, sum(r.cells for r in incoming))))
+    pending = start_send_recv(
+        group, sends, receives, dtype=grad.dtype, device=grad.device, kind="halo"
+    )
+    return own, pending
+
+
+def _add_received(
+    grad: torch.Tensor, plan: HaloPlan, group: AxisGroup, pending: PendingMessages
+) -> torch.Tensor:
+    """Add the gradients other ranks computed for this shard's cells."""
+    me, dim = group.index, plan.dim
+    receivers = [other for other in range(group.size) if other != me and plan.sent(me, other)]
+    received = pending.wait()
+    if not receivers:
+        return grad
+    grad = grad.clone()
+    for other, message in zip(receivers, received):
         position = 0
         for run in plan.sent(me, other):
-            _take(result, plan, me, run).add_(message.narrow(dim, position, run.cells))
+            _take(grad, plan, me, run).add_(message.narrow(dim, position, run.cells))
             position += run.cells
-    return result
+    return grad
 
 
-class _Extend(torch.autograd.Function):
+class _Post(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, local: torch.Tensor, plan: HaloPlan, group: AxisGroup, fill: float
+        ctx: Any, local: torch.Tensor, plan: HaloPlan, group: AxisGroup, state: _InFlight
     ) -> torch.Tensor:
-        ctx.plan, ctx.group, ctx.shape = plan, group, local.shape
-        return _gather(local, plan, group, fill)
+        ctx.plan, ctx.group, ctx.state = plan, group, state
+        state.forward = _post(local, plan, group)
+        return local.view_as(local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        return _scatter_add(grad.contiguous(), ctx.plan, ctx.group, ctx.shape), None, None, None
+        pending = ctx.state.backward
+        ctx.state.backward = None
+        return _add_received(grad, ctx.plan, ctx.group, pending), None, None, None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        local: torch.Tensor,
+        plan: HaloPlan,
+        group: AxisGroup,
+        fill: float,
+        state: _InFlight,
+    ) -> torch.Tensor:
+        ctx.plan, ctx.group, ctx.state, ctx.shape = plan, group, state, local.shape
+        pending = state.forward
+        state.forward = None
+        return _assemble(local, plan, group, fill, pending)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        own, ctx.state.backward = _post_adjoint(grad.contiguous(), ctx.plan, ctx.group, ctx.shape)
+        return own, None, None, None, None
+
+
+def start_extend(
+    local: torch.Tensor,
+    spec: ShardTensorSpec,
+    dim: int,
+    ranges: Sequence[tuple[int, int]],
+    boundary: str,
+    fill: float = 0.0,
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """Post the halo exchange of ``extend_dim``; compute on the returned shard meanwhile.
+
+    Returns
+    -------
+    shard : Tensor
+        ``local`` itself (use it, not ``local``, for work done while messages fly, so that
+        gradients meet in the right order).
+    finish : callable
+        Waits and returns the extended shard, as ``extend_dim`` would.
+    """
+    sharding = spec.sharding_by_dim[dim]
+    group = axis_group(spec.mesh, sharding.axes)
+    plan = halo_plan(dim, sharding.sizes, tuple(map(tuple, ranges)), boundary)
+    state = _InFlight()
+    shard = _Post.apply(local, plan, group, state)
+    return shard, lambda: _Finish.apply(shard, plan, group, fill, state)
 
 
 def extend_dim(
@@ -309,10 +407,8 @@ def extend_dim(
     Tensor
         ``local`` with ``dim`` replaced by this rank's range, ``hi - lo`` long.
     """
-    sharding = spec.sharding_by_dim[dim]
-    group = axis_group(spec.mesh, sharding.axes)
-    plan = halo_plan(dim, sharding.sizes, tuple(map(tuple, ranges)), boundary)
-    return _Extend.apply(local, plan, group, fill)
+    _, finish = start_extend(local, spec, dim, ranges, boundary, fill)
+    return finish()
 
 
 def halo_exchange(
