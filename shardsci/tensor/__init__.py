@@ -2,6 +2,8 @@
 
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._comm_stats import CommStats, comm_counter
+from shardsci.tensor._halo import halo_exchange
+from shardsci.tensor._options import overlap_halos
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._scatter import distribute_tensor, scatter_tensor
 from shardsci.tensor._spec import ShardTensorSpec
@@ -15,6 +17,8 @@ __all__ = [
     "ShardTensorSpec",
     "comm_counter",
     "distribute_tensor",
+    "halo_exchange",
+    "overlap_halos",
     "register_aten_handler",
     "register_function_handler",
     "scatter_tensor",

@@ -15,7 +15,14 @@ import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._ops._common import connected_empty, replicated_local, sharding_axes
-from shardsci.tensor._ops._windows import TransposedWindow, Window, gather_windows, output_spec
+from shardsci.tensor._ops._windows import (
+    TransposedWindow,
+    Window,
+    gather_windows,
+    output_spec,
+    overlapped_windows,
+)
+from shardsci.tensor._options import halo_overlap_enabled
 from shardsci.tensor._registry import register_function_handler
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -85,17 +92,34 @@ def _run_windowed(x, windows, boundary, weight, bias, local_op, *, channels, fil
     with ``channels`` output channels (dim 1)."""
     spec = x._spec
     axes = sharding_axes(spec)
-    extended, out_sizes, out_ranges = gather_windows(x.to_local(), spec, windows, boundary, fill)
     w = replicated_local(weight, spec.mesh, axes)
     b = replicated_local(bias, spec.mesh, axes)
-    local_shape = list(extended.shape)
-    local_shape[1] = channels
-    for dim, (first, stop) in out_ranges.items():
-        local_shape[dim] = stop - first
-    if any(local_shape[d] == 0 for d in out_ranges):
-        out = connected_empty(local_shape, extended, extended, w, b)
+    sharded = [d for d in windows if d in spec.sharding_by_dim]
+    if halo_overlap_enabled() and len(sharded) == 1:
+        out, out_sizes, out_ranges = overlapped_windows(
+            x.to_local(),
+            spec,
+            windows,
+            boundary,
+            sharded[0],
+            lambda t: local_op(t, w, b),
+            channels,
+            (w, b),
+            fill,
+        )
+        local_shape = list(out.shape)
     else:
-        out = local_op(extended, w, b)
+        extended, out_sizes, out_ranges = gather_windows(
+            x.to_local(), spec, windows, boundary, fill
+        )
+        local_shape = list(extended.shape)
+        local_shape[1] = channels
+        for dim, (first, stop) in out_ranges.items():
+            local_shape[dim] = stop - first
+        if any(local_shape[d] == 0 for d in out_ranges):
+            out = connected_empty(local_shape, extended, extended, w, b)
+        else:
+            out = local_op(extended, w, b)
     if list(out.shape) != local_shape:
         raise RuntimeError(
             f"shardsci internal error: local window op gave {tuple(out.shape)}, expected "

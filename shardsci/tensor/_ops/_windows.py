@@ -21,10 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-from shardsci.tensor._halo import extend_dim, pad_locally
+from shardsci.tensor._halo import extend_dim, pad_locally, start_extend
+from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, mesh_coordinate
 
-__all__ = ["TransposedWindow", "Window", "gather_windows", "output_spec", "owned_sizes"]
+__all__ = [
+    "TransposedWindow",
+    "Window",
+    "gather_windows",
+    "output_spec",
+    "overlapped_windows",
+    "owned_sizes",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,15 @@ class Window:
         if (count - 1) * self.stride >= extent + self.pad_left:
             count -= 1
         return count
+
+    def first_inside(self, position: int) -> int:
+        """The first output whose window starts at or after input ``position``."""
+        return -(-(position + self.pad_left) // self.stride)
+
+    def last_inside(self, stop: int) -> int:
+        """One past the last output whose window ends at or before input ``stop``."""
+        reach = stop + self.pad_left - self.span
+        return reach // self.stride + 1 if reach >= 0 else 0
 
     def first_owned(self, position: int) -> int:
         """The first output whose anchor is at or after input ``position``."""
@@ -195,3 +212,61 @@ def output_spec(
         order={s.dim: s.axes for s in spec.shardings},
         hints=merged_hints(spec.hints, spec.shardings),
     )
+
+
+def overlapped_windows(
+    local: torch.Tensor,
+    spec: ShardTensorSpec,
+    windows: dict[int, Window],
+    boundary: dict[int, str],
+    dim: int,
+    local_op,
+    channels: int,
+    params: tuple[torch.Tensor | None, ...],
+    fill: float = 0.0,
+) -> tuple[torch.Tensor, dict[int, tuple[int, ...]], dict[int, tuple[int, int]]]:
+    """``local_op`` over this rank's windows, overlapping the halo exchange of sharded ``dim``
+    (the only sharded windowed dim) with the outputs that read only this rank's own cells.
+
+    ``channels`` is the op's output size along dim 1 and ``params`` the tensors it uses besides
+    the input (an empty output stays connected to them). Returns the local output, the output
+    shard sizes and this rank's output ranges, as ``gather_windows`` plus the op would.
+    """
+    others = {d: w for d, w in windows.items() if d != dim}
+    local, _, out_ranges = gather_windows(local, spec, others, boundary, fill)
+    window = windows[dim]
+    sharding = spec.sharding_by_dim[dim]
+    extent = spec.shape[dim]
+    sizes = owned_sizes(window, sharding, window.output_extent(extent), spec.hints)
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    ranges = [window.input_range(a, a + n, extent) for a, n in zip(starts, sizes)]
+    index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+    first, stop = starts[index], starts[index] + sizes[index]
+    out_ranges[dim] = (first, stop)
+    shard, finish = start_extend(local, spec, dim, ranges, boundary[dim], fill)
+    own = sum(sharding.sizes[:index])
+    inner_first = max(first, window.first_inside(own))
+    inner_stop = min(stop, window.last_inside(own + sharding.sizes[index]))
+    pieces = []
+    edges = [(first, stop)]
+    if inner_stop > inner_first:
+        lo, hi = window.input_range(inner_first, inner_stop, extent)
+        pieces.append((inner_first, local_op(shard.narrow(dim, lo - own, hi - lo))))
+        edges = [(first, inner_first), (inner_stop, stop)]
+    extended = finish()
+    extended_start = ranges[index][0]
+    for edge_first, edge_stop in edges:
+        if edge_stop > edge_first:
+            lo, hi = window.input_range(edge_first, edge_stop, extent)
+            pieces.append(
+                (edge_first, local_op(extended.narrow(dim, lo - extended_start, hi - lo)))
+            )
+    pieces.sort(key=lambda item: item[0])
+    if not pieces:
+        shape = list(extended.shape)
+        shape[1] = channels
+        for d, (a, b) in out_ranges.items():
+            shape[d] = b - a
+        return connected_empty(shape, extended, extended, *params), {dim: sizes}, out_ranges
+    out = torch.cat([p for _, p in pieces], dim) if len(pieces) > 1 else pieces[0][1]
+    return out + extended.sum() * 0, {dim: sizes}, out_ranges
