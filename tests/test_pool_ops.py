@@ -1,0 +1,255 @@
+"""Max, average and adaptive pooling on spatially sharded tensors against the single-process
+reference: forward values, global argmax indices and input gradients, float64, uneven and
+empty shards, 1-D meshes of 2 and 4 ranks, 2x2 block decompositions in 2-D and 3-D.
+
+The configurations of a family run in one rank call per layout (``what`` names the failing
+one), to keep the file fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from shardsci.tensor import distribute_tensor
+from shardsci.testing import (
+    Layout,
+    assert_all_ranks,
+    assert_raises_all_ranks,
+    check_against_reference,
+    get_mesh,
+    run_on_ranks,
+)
+
+
+@dataclass(frozen=True)
+class Spatial:
+    name: str
+    mesh: tuple[int, ...]
+    shape: tuple[int, ...]
+    layout: Layout
+
+    @property
+    def world(self) -> int:
+        size = 1
+        for n in self.mesh:
+            size *= n
+        return size
+
+    def __str__(self) -> str:
+        return self.name
+
+
+LAYOUTS_2D = [
+    Spatial("2r-H-7/4", (2,), (2, 3, 11, 6), Layout((Shard(2),), {2: (7, 4)})),
+    Spatial("4r-H-3/0/5/3", (4,), (2, 3, 11, 6), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
+    Spatial("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
+    Spatial(
+        "2x2-block", (2, 2), (2, 2, 11, 9), Layout((Shard(2), Shard(3)), {2: (6, 5), 3: (4, 5)})
+    ),
+]
+LAYOUT_3D = Spatial(
+    "2x2-block-3d", (2, 2), (1, 2, 7, 6, 5), Layout((Shard(2), Shard(3)), {2: (4, 3), 3: (2, 4)})
+)
+LAYOUTS_1D = [
+    Spatial("2r-L-5/4", (2,), (2, 2, 9), Layout((Shard(2),), {2: (5, 4)})),
+    Spatial("4r-L-2/0/6/1", (4,), (2, 2, 9), Layout((Shard(2),), {2: (2, 0, 6, 1)})),
+]
+
+# Configuration name -> keyword arguments of nn.MaxPoolNd / nn.AvgPoolNd.
+MAX_POOL = {
+    "k2": dict(kernel_size=2),
+    "k3-s1-p1": dict(kernel_size=3, stride=1, padding=1),
+    "k3-s2-p1-ceil": dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
+    "k2-s3-ceil": dict(kernel_size=2, stride=3, ceil_mode=True),
+    "k3-s3": dict(kernel_size=3, stride=3),
+    "k3-d2-p1": dict(kernel_size=3, padding=1, dilation=2),
+    "k2-d2-s2-p1-ceil": dict(kernel_size=2, stride=2, padding=1, dilation=2, ceil_mode=True),
+    "k2-ceil": dict(kernel_size=2, ceil_mode=True),
+    "k3-s2-ceil": dict(kernel_size=3, stride=2, ceil_mode=True),
+    "k2-indices": dict(kernel_size=2, return_indices=True),
+    "k2-ceil-indices": dict(kernel_size=2, ceil_mode=True, return_indices=True),
+    "k3-s2-p1-ceil-indices": dict(
+        kernel_size=3, stride=2, padding=1, ceil_mode=True, return_indices=True
+    ),
+    "k3-d2-s1-p1-indices": dict(kernel_size=3, padding=1, dilation=2, return_indices=True),
+}
+AVG_POOL = {
+    "k2": dict(kernel_size=2),
+    "k3-s1-p1": dict(kernel_size=3, stride=1, padding=1),
+    "k3-s1-p1-exclude": dict(kernel_size=3, stride=1, padding=1, count_include_pad=False),
+    "k3-s2-p1-ceil": dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
+    "k3-s2-p1-ceil-exclude": dict(
+        kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False
+    ),
+    "k2-s3-ceil": dict(kernel_size=2, stride=3, ceil_mode=True),
+    "k2-ceil": dict(kernel_size=2, ceil_mode=True),
+    "k3-s2-ceil-exclude": dict(kernel_size=3, stride=2, ceil_mode=True, count_include_pad=False),
+    "k3-s3-p1-ceil-exclude": dict(
+        kernel_size=3, stride=3, padding=1, ceil_mode=True, count_include_pad=False
+    ),
+    "k3-s2-p1-divisor": dict(kernel_size=3, stride=2, padding=1, divisor_override=2),
+    "k2-s2-p1-ceil-divisor": dict(
+        kernel_size=2, stride=2, padding=1, ceil_mode=True, divisor_override=3
+    ),
+}
+# Family -> (its 1-D, 2-D and 3-D modules, its configurations).
+POOLS = {
+    "max": (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, MAX_POOL),
+    "avg": (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, AVG_POOL),
+}
+
+
+def _pool_body(case: Spatial, kind: str) -> None:
+    *classes, configs = POOLS[kind]
+    n = len(case.shape) - 2
+    mesh = get_mesh(case.mesh)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    for name, config in configs.items():
+        if n == 1 and "divisor_override" in config:
+            continue  # AvgPool1d has no divisor_override
+        module = classes[n - 1](**config)
+        check_against_reference(lambda a, m=module: m(a), [x], [case.layout], mesh, what=name)
+
+
+@pytest.mark.parametrize("kind", list(POOLS))
+@pytest.mark.parametrize("case", [*LAYOUTS_1D, *LAYOUTS_2D, LAYOUT_3D], ids=str)
+def test_pool(case: Spatial, kind: str) -> None:
+    run_on_ranks(case.world, _pool_body, case, kind)
+
+
+# ---------------------------------------------------------------------------- function spellings
+FUNCTIONS = {
+    "F.max_pool2d": lambda a: F.max_pool2d(a, 3, 2, 1, 1, True),
+    "F.max_pool2d-indices": lambda a: F.max_pool2d(a, 3, 2, 1, 1, True, True),
+    "F.max_pool2d_with_indices": lambda a: F.max_pool2d_with_indices(a, (3, 2), padding=(1, 0)),
+    "torch.max_pool2d": lambda a: torch.max_pool2d(a, 3, [], 1, 1, True),
+    "F.avg_pool2d": lambda a: F.avg_pool2d(a, 3, 2, 1, True, False),
+    "F.adaptive_avg_pool2d": lambda a: F.adaptive_avg_pool2d(a, (1, 3)),
+    "F.adaptive_max_pool2d-indices": lambda a: F.adaptive_max_pool2d(a, (1, None), True),
+    "unbatched": lambda a: F.max_pool2d(a[0], 3, 2, 1, return_indices=True),
+}
+
+
+def _functions_body(case: Spatial) -> None:
+    x = torch.randn(case.shape, dtype=torch.float64)
+    for name, fn in FUNCTIONS.items():
+        check_against_reference(fn, [x], [case.layout], get_mesh(case.mesh), what=name)
+
+
+def test_function_spellings() -> None:
+    run_on_ranks(2, _functions_body, LAYOUTS_2D[0])
+
+
+def _all_inf_windows_body(case: Spatial) -> None:
+    """Windows whose input cells are all -inf: torch's argmax (and gradient) is the window's
+    first cell inside the input, never a padding cell."""
+    x = torch.randn(case.shape, dtype=torch.float64)
+    x[..., :3, :] = float("-inf")
+    x[..., :, -3:] = float("-inf")
+    for name, config in {
+        "k3-s2-p1-ceil": dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
+        "k2-d2-s1-p1": dict(kernel_size=2, stride=1, padding=1, dilation=2),
+    }.items():
+        for pool in (nn.MaxPool2d(**config), nn.MaxPool2d(**config, return_indices=True)):
+            check_against_reference(pool, [x], [case.layout], get_mesh(case.mesh), what=name)
+
+
+@pytest.mark.parametrize("case", [LAYOUTS_2D[1], LAYOUTS_2D[3]], ids=str)
+def test_max_pool_all_inf_windows(case: Spatial) -> None:
+    run_on_ranks(case.world, _all_inf_windows_body, case)
+
+
+# ---------------------------------------------------------------------------- adaptive
+# Extents of the sharded dims divisible by the output sizes; unsharded pooled dims need not be.
+ADAPTIVE = [
+    (Spatial("2r-H-7/5", (2,), (2, 3, 12, 7), Layout((Shard(2),), {2: (7, 5)})), [(4, 3), (6, 7)]),
+    (
+        Spatial("4r-H-3/0/6/3", (4,), (2, 3, 12, 6), Layout((Shard(2),), {2: (3, 0, 6, 3)})),
+        [(4, 4), (1, 2)],
+    ),
+    (
+        Spatial("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
+        [(3, 4), (2, 6)],
+    ),
+    (
+        Spatial(
+            "2x2-block",
+            (2, 2),
+            (2, 2, 12, 9),
+            Layout((Shard(2), Shard(3)), {2: (7, 5), 3: (4, 5)}),
+        ),
+        [(4, 3), (12, 1)],
+    ),
+    (LAYOUTS_1D[0], [(3,), (1,)]),
+    (LAYOUTS_1D[1], [(3,), (9,)]),
+    (
+        Spatial(
+            "2x2-block-3d",
+            (2, 2),
+            (1, 2, 6, 6, 5),
+            Layout((Shard(2), Shard(3)), {2: (4, 2), 3: (2, 4)}),
+        ),
+        [(3, 2, 2), (2, 6, 5)],
+    ),
+]
+ADAPTIVE_CLASSES = {
+    1: (nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d),
+    2: (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d),
+    3: (nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d),
+}
+
+
+def _adaptive_body(case: Spatial, sizes: list[tuple[int, ...]]) -> None:
+    avg, max_ = ADAPTIVE_CLASSES[len(case.shape) - 2]
+    mesh = get_mesh(case.mesh)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    for size in sizes:
+        for module in (avg(size), max_(size), max_(size, return_indices=True)):
+            what = f"{type(module).__name__}{size}"
+            check_against_reference(lambda a, m=module: m(a), [x], [case.layout], mesh, what=what)
+
+
+@pytest.mark.parametrize(("case", "sizes"), ADAPTIVE, ids=[str(c) for c, _ in ADAPTIVE])
+def test_adaptive_pool(case: Spatial, sizes: list[tuple[int, ...]]) -> None:
+    run_on_ranks(case.world, _adaptive_body, case, sizes)
+
+
+def _misaligned_body() -> None:
+    x = torch.randn(1, 2, 12, 7, dtype=torch.float64)
+    sharded = distribute_tensor(x, get_mesh((2,)), [Shard(2)], {0: (7, 5)})
+    for pool in (nn.AdaptiveAvgPool2d((5, 3)), nn.AdaptiveMaxPool2d((5, 3), return_indices=True)):
+        assert_raises_all_ranks(
+            NotImplementedError,
+            r"dim 2: the extent 12 is not a multiple of the output size 5",
+            pool,
+            sharded,
+        )
+
+
+def test_adaptive_misaligned_raises() -> None:
+    run_on_ranks(2, _misaligned_body)
+
+
+# ---------------------------------------------------------------------------- ownership
+def _ownership_body() -> None:
+    sizes = (4, 6, 2, 4)
+    x = torch.randn(1, 2, sum(sizes), 5, dtype=torch.float64)
+    layout = Layout((Shard(2),), {2: sizes})
+    (out,) = check_against_reference(nn.MaxPool2d(2), [x], [layout], get_mesh((4,)))
+    halves = tuple(s // 2 for s in sizes)
+    out_sizes = out._spec.sharding_by_dim[2].sizes
+    assert_all_ranks(
+        out_sizes == halves and out._local.shape[2] == halves[dist.get_rank()],
+        f"output shards {out_sizes} (local {tuple(out._local.shape)}), expected {halves}",
+    )
+
+
+def test_stride2_pool_halves_even_shards() -> None:
+    run_on_ranks(4, _ownership_body)
