@@ -7,7 +7,7 @@ from shardsci.distributed._launch import (
     device_for_local_rank,
     init_distributed,
 )
-from shardsci.distributed._mesh import build_mesh, parse_mesh_shape
+from shardsci.distributed._mesh import build_mesh, mesh_axis_sizes, parse_mesh_shape
 
 __all__ = [
     "LaunchEnv",
@@ -16,5 +16,6 @@ __all__ = [
     "detect_launch_env",
     "device_for_local_rank",
     "init_distributed",
+    "mesh_axis_sizes",
     "parse_mesh_shape",
 ]

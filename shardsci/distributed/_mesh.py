@@ -58,6 +58,19 @@ def parse_mesh_shape(spec: MeshSpec, world_size: int) -> tuple[int, ...]:
     return sizes
 
 
+def mesh_axis_sizes(spec: MeshSpec) -> tuple[int, ...]:
+    """The checked axis sizes of ``spec``, with ``-1`` for an axis to infer.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As ``parse_mesh_shape`` does for a malformed spec.
+    """
+    sizes = _axis_sizes(spec)
+    _check_sizes(sizes, spec)
+    return sizes
+
+
 def _show(spec: MeshSpec) -> str:
     """``spec`` as written in error messages: ``4x2``, ``8`` or ``(4, 2)``."""
     return spec if isinstance(spec, str) else str(spec if isinstance(spec, int) else tuple(spec))
