@@ -5,6 +5,7 @@ from shardsci.tensor._ops import (
     _index_ops,  # noqa: F401
     _loss_ops,  # noqa: F401
     _matmul_ops,  # noqa: F401
+    _norm_ops,  # noqa: F401
     _pool_ops,  # noqa: F401
     _reduction_ops,  # noqa: F401
     _scan_ops,  # noqa: F401

@@ -1,0 +1,492 @@
+"""Group, batch, instance and layer normalisation on sharded tensors.
+
+Each layer normalises ``x`` by a mean and a (biased) variance taken over some of its dims, the
+*reduced* dims, separately for every index of the others (a *row*), then applies a per-channel
+(LayerNorm: elementwise) weight and bias:
+
+==================  ===========================  ==================  ====================
+layer               reduced dims of (N, C, *S)   rows                weight, bias over
+==================  ===========================  ==================  ====================
+GroupNorm(G)        C/G channels of a group, S   (N, G)              C
+BatchNorm           N, S                         C                   C
+InstanceNorm        S                            (N, C)              C
+LayerNorm(shape)    the trailing ``len(shape)``  the leading dims    the trailing dims
+==================  ===========================  ==================  ====================
+
+The statistics are those of the whole tensor (NOTE [Normalisation statistics across shards]);
+the normalisation itself and the affine map are local. Inputs whose reduced dims are not
+sharded (e.g. GroupNorm on a batch-sharded tensor) take the same path with no statistics
+collective: the default path rejects uneven batch shards for group_norm and averages
+InstanceNorm's running statistics over each rank's samples only. Declined (``NotImplemented``,
+default path): inputs with a Partial axis; a sharded channel dim for GroupNorm, BatchNorm and
+InstanceNorm; running statistics that are ShardTensors; weights that are sharded ShardTensors.
+
+# NOTE [Normalisation statistics across shards]
+Every rank reduces its shard, row by row, to a mean ``m_k`` and a sum of squared deviations
+``M2_k`` (two local passes); its element count ``n_k`` per row is known to every rank from the
+spec (true shard sizes; 0 for an empty shard). One all-gather over the mesh axes that shard
+reduced dims gives every rank all the ``(m_k, M2_k)``, and each combines them (Chan et al.):
+
+    n = Σ n_k,   mean = Σ n_k m_k / n,   M2 = Σ (M2_k + n_k (m_k − mean)²),   var = M2 / n.
+
+Chan's combination rather than two all-reduces (Σx, then Σ(x − mean)²): one collective instead
+of two, equally stable (deviations are taken from the local mean, the combination adds only
+non-negative terms; no Σx² − n·mean² cancellation), and every rank combines the same gathered
+numbers in the same order, so statistics and running statistics are bitwise identical on every
+rank. The message is tiny: 2 numbers per row per rank.
+
+Backward of x̂ = (x − mean) / sqrt(var + eps), with g = dL/dx̂:
+
+    dx = (g − Σg / n − x̂ · Σ(g x̂) / n) / sqrt(var + eps),
+
+whose two row sums cross shards in one all-reduce. Weights and biases are sliced to the part
+this rank's shard meets; their gradients are summed over the axes that shard other dims and
+gathered over the axes that shard the dims they span (LayerNorm over sharded dims).
+
+Collectives per call. The forward all-gather and the backward input-gradient all-reduce run
+over the mesh axes that shard reduced dims, and not at all when none does.
+- forward: 1 all-gather of the batch statistics (none in eval mode with running statistics),
+  plus, for InstanceNorm's running statistics on a batch-sharded input, 1 all-reduce over the
+  axes sharding N;
+- backward: 1 all-reduce for the input gradient, plus, for each affine parameter that needs a
+  gradient, 1 all-reduce per mesh axis sharding dims it does not span and 1 all-gather over the
+  axes sharding dims it spans (LayerNorm). E.g. GroupNorm or BatchNorm with affine parameters on
+  a 2x2 block: 1 all-gather forward, 1 + 2 + 2 all-reduces backward.
+The input gradient is differentiable once (no double backward).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
+from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group, exchange
+from shardsci.tensor._ops._common import sharding_axes
+from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
+
+_REQUIRED = object()
+
+
+# ---------------------------------------------------------------------------- statistics
+@dataclass(frozen=True)
+class _Statistics:
+    """Where the rows of a normalisation live and how many elements each rank holds per row.
+
+    Attributes
+    ----------
+    group : AxisGroup or None
+        The ranks along the mesh axes that shard reduced dims; None when none does.
+    counts : tuple of int
+        Elements per row held by each member of ``group`` (by flat index), or the whole
+        count when ``group`` is None.
+    """
+
+    group: AxisGroup | None
+    counts: tuple[int, ...]
+
+    @staticmethod
+    def over(spec: ShardTensorSpec, reduced: Sequence[int], scale: int = 1) -> _Statistics:
+        """Rows of ``spec`` reduced over tensor dims ``reduced`` (and ``scale`` more elements
+        per row from a split unsharded dim, GroupNorm's channels of a group)."""
+        shardings = [s for s in spec.shardings if s.dim in reduced]
+        whole = scale * math.prod(spec.shape[d] for d in reduced if d not in spec.sharding_by_dim)
+        axes = tuple(sorted(a for s in shardings for a in s.axes))
+        if not axes:
+            return _Statistics(None, (whole,))
+        group = axis_group(spec.mesh, axes)
+        extents = [spec.mesh_shape[a] for a in axes]
+        counts = []
+        for flat in range(group.size):
+            coordinate = dict(zip(axes, _unravel(flat, extents)))
+            count = whole
+            for s in shardings:
+                index = 0
+                for a in s.axes:
+                    index = index * spec.mesh_shape[a] + coordinate[a]
+                count *= s.sizes[index]
+            counts.append(count)
+        return _Statistics(group, tuple(counts))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def local_count(self) -> int:
+        return self.counts[self.group.index] if self.group is not None else self.counts[0]
+
+    def moments(self, x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """Mean and biased variance of every row of the global tensor (keepdim)."""
+        mean = x.sum(dims, keepdim=True) / max(self.local_count, 1)
+        m2 = (x - mean).square().sum(dims, keepdim=True)
+        if self.group is None:
+            return mean, m2 / self.total
+        local = torch.stack([mean, m2])
+        gathered = torch.stack(
+            exchange(
+                self.group,
+                [local] * self.group.size,
+                lambda src, dst: local.shape,
+                dtype=local.dtype,
+                device=local.device,
+                kind="all_gather",
+            )
+        )
+        counts = torch.tensor(self.counts, dtype=x.dtype, device=x.device)
+        counts = counts.reshape(-1, *[1] * mean.ndim)
+        means, m2s = gathered[:, 0], gathered[:, 1]
+        mean = (counts * means).sum(0) / self.total
+        m2 = (m2s + counts * (means - mean).square()).sum(0)
+        return mean, m2 / self.total
+
+    def row_sums(self, terms: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        """Sums over the reduced dims of the global tensor, for stacked ``terms`` (dim 0)."""
+        local = terms.sum(tuple(d + 1 for d in dims), keepdim=True)
+        return local if self.group is None else all_reduce(local, self.group, "sum")
+
+
+def _unravel(flat: int, extents: Sequence[int]) -> list[int]:
+    coordinate = []
+    for extent in reversed(extents):
+        coordinate.append(flat % extent)
+        flat //= extent
+    return coordinate[::-1]
+
+
+class _Normalize(torch.autograd.Function):
+    """x̂ = (x − mean) / sqrt(var + eps) with statistics over every shard (NOTE above).
+    Also returns the mean and the biased variance (keepdim, not differentiable)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, dims: tuple[int, ...], stats: _Statistics, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        mean, var = stats.moments(wide, dims)
+        inverse_std = torch.rsqrt(var + eps)
+        normalized = (wide - mean) * inverse_std
+        ctx.save_for_backward(normalized, inverse_std)
+        ctx.dims, ctx.stats, ctx.dtype = dims, stats, x.dtype
+        ctx.mark_non_differentiable(mean, var)
+        return normalized.to(x.dtype), mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        normalized, inverse_std = ctx.saved_tensors
+        grad = grad.to(normalized.dtype)
+        sums = ctx.stats.row_sums(torch.stack([grad, grad * normalized]), ctx.dims)
+        n = ctx.stats.total
+        grad_x = inverse_std * (grad - sums[0] / n - normalized * (sums[1] / n))
+        return grad_x.to(ctx.dtype), None, None, None
+
+
+def _normalized(
+    x: ShardTensor, reduced: tuple[int, ...], eps: float, groups: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Statistics]:
+    """This rank's shard of ``x`` normalised over tensor dims ``reduced`` (with ``groups``,
+    also over the channels of each of that many channel groups), with the row means and
+    biased variances (keepdim, in the layout of the local view) and the statistics."""
+    local = x.to_local()
+    if groups:
+        stats = _Statistics.over(x._spec, reduced, scale=x.shape[1] // groups)
+        view = local.unflatten(1, (groups, x.shape[1] // groups))
+        dims = (2, *(d + 1 for d in reduced))
+    else:
+        stats = _Statistics.over(x._spec, reduced)
+        view, dims = local, reduced
+    normalized, mean, var = _Normalize.apply(view, dims, stats, eps)
+    return normalized.reshape(local.shape), mean, var, stats
+
+
+def _with_running_stats(
+    x: ShardTensor, running_mean: torch.Tensor, running_var: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """This rank's shard of ``x`` normalised by per-channel running statistics (local)."""
+    shape = (-1, *[1] * (x.ndim - 2))
+    mean = running_mean.reshape(shape)
+    inverse_std = torch.rsqrt(running_var.reshape(shape) + eps)
+    return (x.to_local() - mean) * inverse_std
+
+
+def _update_running(
+    running: torch.Tensor | None, batch_value: torch.Tensor, momentum: float
+) -> None:
+    """``running ← (1 − momentum) running + momentum batch_value``, in place, as torch does."""
+    if running is None:
+        return
+    with torch.no_grad():
+        running.mul_(1 - momentum).add_(
+            batch_value.reshape(running.shape).to(running.dtype) * momentum
+        )
+
+
+# ---------------------------------------------------------------------------- affine
+def _local_parameter(
+    p: torch.Tensor | None, spec: ShardTensorSpec, dims: tuple[int, ...]
+) -> torch.Tensor | None:
+    """The part of parameter ``p`` (its dim i along tensor dim ``dims[i]`` of ``spec``) that
+    this rank's shard meets, as a local tensor whose gradient reaches ``p`` as the
+    single-device one: summed over the mesh axes that shard other dims, gathered over those
+    that shard ``dims`` (NOTE [Autograd interaction between torch.Tensor and ShardTensor])."""
+    if p is None:
+        return None
+    placements: list[Any] = [Replicate()] * spec.mesh.ndim
+    partial = sharding_axes(spec)
+    grad_placements: list[Any] = [
+        Partial() if a in partial else Replicate() for a in range(spec.mesh.ndim)
+    ]
+    sizes, order = {}, {}
+    for s in spec.shardings:
+        if s.dim in dims:
+            sizes[dims.index(s.dim)], order[dims.index(s.dim)] = s.sizes, s.axes
+            for a in s.axes:
+                placements[a] = grad_placements[a] = Shard(dims.index(s.dim))
+    sliced = ShardTensorSpec.build(spec.mesh, placements, p.shape, p.dtype, sizes, order=order)
+    if isinstance(p, ShardTensor):
+        whole = p
+    elif p.requires_grad and torch.is_grad_enabled():
+        whole = from_local_spec(p, replicated_spec(p, spec.mesh))
+    else:
+        return sliced.narrow(p)
+    return redistribute(whole, sliced).to_local(grad_placements=grad_placements)
+
+
+def _affine(
+    normalized: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    x: ShardTensor,
+    dims: tuple[int, ...],
+) -> ShardTensor:
+    """``normalized * weight + bias`` on this rank's shard, wrapped in the layout of ``x``;
+    the parameters span tensor dims ``dims`` (contiguous)."""
+    trailing = (1,) * (x.ndim - 1 - dims[-1])
+    out = normalized
+    w = _local_parameter(weight, x._spec, dims)
+    if w is not None:
+        out = out * w.reshape(*w.shape, *trailing)
+    b = _local_parameter(bias, x._spec, dims)
+    if b is not None:
+        out = out + b.reshape(*b.shape, *trailing)
+    return from_local_spec(out, x._spec.with_dtype(out.dtype))
+
+
+# ---------------------------------------------------------------------------- arguments
+def _bind(args: tuple, kwargs: dict, signature: dict[str, object]) -> dict[str, Any]:
+    """Arguments by name, for a signature given as name -> default (``_REQUIRED``); torch has
+    already rejected unknown names."""
+    bound = dict(zip(signature, args))
+    for name, default in list(signature.items())[len(args) :]:
+        bound[name] = kwargs.get(name, default)
+        if bound[name] is _REQUIRED:
+            raise TypeError(f"missing required argument {name!r}")
+    return bound
+
+
+def _supported(x: object, *others: object, channel_dim: bool = True) -> bool:
+    """Whether the handlers here take the call: a ShardTensor input without Partial axes (and
+    an unsharded channel dim), running statistics as plain tensors, replicated parameters."""
+    if not isinstance(x, ShardTensor) or x._spec.partial:
+        return False
+    if channel_dim and (x.ndim < 2 or 1 in x._spec.sharding_by_dim):
+        return False
+    return all(
+        not isinstance(t, ShardTensor) or (not t._spec.shardings and not t._spec.partial)
+        for t in others
+    )
+
+
+def _check_parameters(what: str, expected: Sequence[int], **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and tuple(t.shape) != tuple(expected):
+            raise RuntimeError(
+                f"{what}: {name} has shape {tuple(t.shape)}, expected {tuple(expected)}"
+            )
+
+
+def _check_eps(what: str, eps: float, training: bool) -> None:
+    if training and eps <= 0.0:
+        raise ValueError(f"{what} eps must be positive during training, but got {eps}")
+    if eps < 0.0:
+        raise ValueError(f"{what} eps must be non-negative, but got {eps}")
+
+
+def _spatial(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(2, x.ndim))
+
+
+def _spellings(
+    python: Callable, native: Callable, names: tuple[str, ...], native_names: tuple[str, ...],
+    defaults: dict[str, object],
+) -> dict[Callable, dict[str, object]]:  # fmt: skip
+    """The signatures of ``F.x`` and ``torch.x`` (whose arguments come in another order)."""
+    return {
+        func: {name: defaults.get(name, _REQUIRED) for name in signature}
+        for func, signature in ((python, names), (native, native_names))
+    }
+
+
+# ---------------------------------------------------------------------------- group norm
+_GROUP_NORM = _spellings(
+    F.group_norm, torch.group_norm,
+    ("input", "num_groups", "weight", "bias", "eps"),
+    ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled"),
+    {"weight": None, "bias": None, "eps": 1e-5, "cudnn_enabled": True},
+)  # fmt: skip
+
+
+@register_function_handler(*_GROUP_NORM)
+def _group_norm(func, args, kwargs):
+    a = _bind(args, kwargs, _GROUP_NORM[func])
+    x, groups, weight, bias = a["input"], a["num_groups"], a["weight"], a["bias"]
+    if not _supported(x, weight, bias):
+        return NotImplemented
+    channels = x.shape[1]
+    if groups <= 0 or channels % groups:
+        raise RuntimeError(
+            f"group_norm: the {channels} channels of an input of shape {tuple(x.shape)} do "
+            f"not split into num_groups={groups} groups"
+        )
+    if x.shape[0] * math.prod(x.shape[2:]) * channels // groups == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size "
+            f"{[x.shape[0] * channels // groups, groups, *x.shape[2:]]}"
+        )
+    _check_parameters("group_norm", (channels,), weight=weight, bias=bias)
+    normalized, *_ = _normalized(x, _spatial(x), a["eps"], groups)
+    return _affine(normalized, weight, bias, x, (1,))
+
+
+# ---------------------------------------------------------------------------- batch norm
+_BATCH_NORM = _spellings(
+    F.batch_norm, torch.batch_norm,
+    ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+    ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
+     "cudnn_enabled"),
+    {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+)  # fmt: skip
+
+
+@register_function_handler(*_BATCH_NORM)
+def _batch_norm(func, args, kwargs):
+    a = _bind(args, kwargs, _BATCH_NORM[func])
+    x, weight, bias = a["input"], a["weight"], a["bias"]
+    running_mean, running_var = a["running_mean"], a["running_var"]
+    if not _supported(x, weight, bias) or any(
+        isinstance(t, ShardTensor) for t in (running_mean, running_var)
+    ):
+        return NotImplemented
+    training, eps = a["training"], a["eps"]
+    _check_eps("batch_norm", eps, training)
+    _check_parameters(
+        "batch_norm", (x.shape[1],), weight=weight, bias=bias,
+        running_mean=running_mean, running_var=running_var,
+    )  # fmt: skip
+    if not training:
+        if running_mean is None or running_var is None:
+            raise RuntimeError("running_mean must be defined in evaluation mode")
+        normalized = _with_running_stats(x, running_mean, running_var, eps)
+        return _affine(normalized, weight, bias, x, (1,))
+    if x.numel() // x.shape[1] == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {list(x.shape)}"
+        )
+    normalized, mean, var, stats = _normalized(x, (0, *_spatial(x)), eps)
+    n = stats.total
+    _update_running(running_mean, mean, a["momentum"])
+    _update_running(running_var, var * (n / (n - 1)), a["momentum"])
+    return _affine(normalized, weight, bias, x, (1,))
+
+
+# ---------------------------------------------------------------------------- instance norm
+_INSTANCE_NORM = _spellings(
+    F.instance_norm, torch.instance_norm,
+    ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum",
+     "eps"),
+    ("input", "weight", "bias", "running_mean", "running_var", "use_input_stats", "momentum",
+     "eps", "cudnn_enabled"),
+    {"running_mean": None, "running_var": None, "weight": None, "bias": None,
+     "use_input_stats": True, "momentum": 0.1, "eps": 1e-5},
+)  # fmt: skip
+
+
+@register_function_handler(*_INSTANCE_NORM)
+def _instance_norm(func, args, kwargs):
+    a = _bind(args, kwargs, _INSTANCE_NORM[func])
+    x, weight, bias = a["input"], a["weight"], a["bias"]
+    running_mean, running_var = a["running_mean"], a["running_var"]
+    if not _supported(x, weight, bias) or any(
+        isinstance(t, ShardTensor) for t in (running_mean, running_var)
+    ):
+        return NotImplemented
+    eps = a["eps"]
+    _check_parameters(
+        "instance_norm", (x.shape[1],), weight=weight, bias=bias,
+        running_mean=running_mean, running_var=running_var,
+    )  # fmt: skip
+    if not a["use_input_stats"]:
+        if running_mean is None or running_var is None:
+            raise RuntimeError(
+                "Expected running_mean and running_var to be defined when use_input_stats is false"
+            )
+        normalized = _with_running_stats(x, running_mean, running_var, eps)
+        return _affine(normalized, weight, bias, x, (1,))
+    if math.prod(x.shape[2:]) == 1:
+        raise ValueError(
+            f"Expected more than 1 spatial element when training, got input size {list(x.shape)}"
+        )
+    normalized, mean, var, stats = _normalized(x, _spatial(x), eps)
+    if running_mean is not None or running_var is not None:
+        n = stats.total
+        batch = _batch_mean(x, torch.stack([mean, var * (n / (n - 1))]).detach())
+        _update_running(running_mean, batch[0], a["momentum"])
+        _update_running(running_var, batch[1], a["momentum"])
+    return _affine(normalized, weight, bias, x, (1,))
+
+
+def _batch_mean(x: ShardTensor, per_instance: torch.Tensor) -> torch.Tensor:
+    """Mean over the whole batch of stacked per-instance values ``(k, N_local, C, 1, ...)``:
+    one all-reduce over the axes sharding N, when it is sharded."""
+    total = per_instance.sum(1)
+    batch = x._spec.sharding_by_dim.get(0)
+    if batch is not None:
+        total = all_reduce(total, axis_group(x._spec.mesh, batch.axes), "sum")
+    return total / x.shape[0]
+
+
+# ---------------------------------------------------------------------------- layer norm
+_LAYER_NORM = _spellings(
+    F.layer_norm, torch.layer_norm,
+    ("input", "normalized_shape", "weight", "bias", "eps"),
+    ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"),
+    {"weight": None, "bias": None, "eps": 1e-5, "cudnn_enable": True},
+)  # fmt: skip
+
+
+@register_function_handler(*_LAYER_NORM)
+def _layer_norm(func, args, kwargs):
+    a = _bind(args, kwargs, _LAYER_NORM[func])
+    x, weight, bias = a["input"], a["weight"], a["bias"]
+    if not _supported(x, weight, bias, channel_dim=False):
+        return NotImplemented
+    shape = a["normalized_shape"]
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not 0 < len(shape) <= x.ndim or tuple(x.shape[x.ndim - len(shape) :]) != shape:
+        raise RuntimeError(
+            f"layer_norm: normalized_shape={list(shape)} does not match the trailing dims of "
+            f"an input of shape {tuple(x.shape)}"
+        )
+    _check_parameters("layer_norm", shape, weight=weight, bias=bias)
+    dims = tuple(range(x.ndim - len(shape), x.ndim))
+    normalized, *_ = _normalized(x, dims, a["eps"])
+    return _affine(normalized, weight, bias, x, dims)
