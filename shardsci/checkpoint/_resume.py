@@ -1,0 +1,43 @@
+"""Turn a ``resume`` setting into the checkpoint to load, if any."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardsci.checkpoint._layout import check_complete, latest_checkpoint
+
+__all__ = ["resolve_resume"]
+
+AUTO, NEVER = "auto", "never"
+
+
+def resolve_resume(
+    directory: str | os.PathLike[str], resume: str | os.PathLike[str] | None
+) -> Path | None:
+    """Return the checkpoint a run should resume from, or None to start fresh.
+
+    Reads the filesystem only (no collective); on a shared filesystem every rank gets the
+    same answer.
+
+    Parameters
+    ----------
+    directory
+        The run's checkpoint directory, as given to ``save_checkpoint``.
+    resume
+        ``"auto"``: the newest complete checkpoint in ``directory``, or None if there is none
+        (a first start). ``"never"`` or None: None. Anything else: the path of a complete
+        checkpoint, which must exist.
+
+    Raises
+    ------
+    CheckpointError
+        If ``resume`` names a path that is not a complete checkpoint.
+    """
+    if resume is None or resume == NEVER:
+        return None
+    if resume == AUTO:
+        return latest_checkpoint(directory)
+    path = Path(resume)
+    check_complete(path)
+    return path
