@@ -2,7 +2,9 @@
 
 from shardsci.tensor._ops import (
     _conv_ops,  # noqa: F401
+    _fft_ops,  # noqa: F401
     _index_ops,  # noqa: F401
+    _interpolate_ops,  # noqa: F401
     _loss_ops,  # noqa: F401
     _matmul_ops,  # noqa: F401
     _norm_ops,  # noqa: F401

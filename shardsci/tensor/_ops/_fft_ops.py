@@ -1,0 +1,415 @@
+"""Discrete Fourier transforms (``torch.fft``) of tensors sharded along transformed dims.
+
+# NOTE [Where a distributed FFT leaves the spectrum]
+A dim is transformed where it is local. The transformed dims that are not sharded are
+transformed first, together, in place; each sharded one is then made local by moving its mesh
+axes onto another dim (``Shard(i) -> Shard(j)``: one all-to-all, NOTE [Redistribution is one
+box exchange plus reductions]) and transformed, the last dim first. Its axes go to, in order:
+1. the dim this call transformed most recently: it never needs to be local again. fft2 over
+   (H, W) of an H-sharded tensor transforms W, then moves H's axes onto W: the spectrum is
+   W-sharded (the slab FFT). A D-sharded fftn over (D, H, W) gives a W-sharded spectrum, a
+   (D/0, H/1) pencil an (H/0, W/1) one. Each axis moves once.
+2. else (nothing transformed yet) a transformed dim still to transform, an already sharded one
+   first; that axis moves again later. Only transforms whose dims are all sharded get here:
+   fft2 of a 2-D block (H/0, W/1) goes H/(0, 1), then W/(0, 1), and an rfft whose real dim is
+   sharded (W-sharded rfft2: W -> H, then H -> W). They pay a second all-to-all so that the
+   leading batch and channel dims stay whole: batches are often of size 1, and spectral
+   weights contract channels on the local modes.
+3. else the last dim not transformed: fft over H of an H-sharded (B, C, H, W) tensor returns a
+   W-sharded spectrum, fft over W of a W-sharded one an H-sharded spectrum.
+4. else (every dim is transformed, e.g. a 1-D signal) the dim is gathered, transformed and
+   sliced back to its shards.
+Axes joining a sharded dim nest in increasing mesh-axis order. rfft's real (last) dim is
+transformed first, with the local dims or alone; irfft's real dim last, after every complex
+dim (c2r keeps only the real part of what the others produce). A moved dim takes the shard
+sizes last remembered (hints) for that dim, axes and extent, else ``torch.chunk``'s; a dim
+whose sharding does not change keeps its sizes.
+
+Inverse transforms (ifft*, irfft*) return to the layout the forward transform came from: of the
+layouts that the forward rule maps onto the spectrum's layout they take the one the hints
+remember (with the output's extents, else any extents; the most recent), else the one needing
+the fewest moves, and run its forward plan backwards, each move undone and each transform
+inverted. So a forward transform followed by its inverse gives back the input's layout and
+uneven shard sizes, for the same all-to-alls. A layout no forward transform produces is
+inverted by the forward rule itself.
+
+Every move is one all-to-all of the data held at that point, so modes truncated before the
+transform that moves a dim are never sent: rfft along W, keep ``m`` modes, fft along H moves
+``m / (W / 2 + 1)`` of the spectrum. Partial(sum / avg) placements stay Partial (a DFT is
+linear); other Partial placements are reduced first. Values and gradients come from the local
+``torch.fft`` calls composed with differentiable redistributions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
+from shardsci.tensor._ops._common import connected_empty
+from shardsci.tensor._redistribute import target_spec
+from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, nested_chunk_sizes
+
+# Tensor dim -> mesh axes sharding it (outermost first), sorted by dim.
+Layout = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What a ``torch.fft`` function computes.
+
+    Attributes
+    ----------
+    inverse : bool
+        An inverse transform (ifft*, irfft*).
+    real : bool
+        Its last dim is real-to-complex (rfft*) or complex-to-real (irfft*).
+    rank : int or None
+        1 (``n``, ``dim=-1``), 2 (``s``, ``dim=(-2, -1)``) or None (``s``, ``dim=None``).
+    """
+
+    inverse: bool
+    real: bool
+    rank: int | None
+
+
+_FUNCTIONS = {
+    torch.fft.fft: _Kind(False, False, 1),
+    torch.fft.ifft: _Kind(True, False, 1),
+    torch.fft.rfft: _Kind(False, True, 1),
+    torch.fft.irfft: _Kind(True, True, 1),
+    torch.fft.fft2: _Kind(False, False, 2),
+    torch.fft.ifft2: _Kind(True, False, 2),
+    torch.fft.rfft2: _Kind(False, True, 2),
+    torch.fft.irfft2: _Kind(True, True, 2),
+    torch.fft.fftn: _Kind(False, False, None),
+    torch.fft.ifftn: _Kind(True, False, None),
+    torch.fft.rfftn: _Kind(False, True, None),
+    torch.fft.irfftn: _Kind(True, True, None),
+}
+# (inverse, real) -> the local transform over several dims.
+_LOCAL: dict[tuple[bool, bool], Callable[..., torch.Tensor]] = {
+    (False, False): torch.fft.fftn,
+    (True, False): torch.fft.ifftn,
+    (False, True): torch.fft.rfftn,
+    (True, True): torch.fft.irfftn,
+}
+_LINEAR_PARTIALS = ("sum", "avg")
+
+
+# ---------------------------------------------------------------------------- handler
+@register_function_handler(*_FUNCTIONS)
+def _fft(func, args, kwargs):
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, ShardTensor) or kwargs.get("out") is not None:
+        return NotImplemented
+    kind = _FUNCTIONS[func]
+    call = _Call.parse(func, kind, x, args, kwargs)
+    if not call.dims:
+        return NotImplemented
+    x = _linear_partials_only(x)
+    layout = tuple((s.dim, s.axes) for s in x._spec.shardings)
+    if kind.inverse:
+        steps = _inverse_steps(layout, x._spec, call)
+    else:
+        steps, _ = _plan(layout, call.dims, x.ndim, kind.real, False)
+    hints = merged_hints(x._spec.hints, x._spec.shardings)
+    return _run(x, steps, call, hints)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's transformed dims and each one's output length.
+
+    Attributes
+    ----------
+    kind : _Kind
+    dims : tuple of int
+        Transformed dims, non-negative, in the call's order (the real dim last).
+    lengths : dict
+        Dim -> the ``s`` entry its local transform gets: the signal length (rfft's real dim:
+        the real input length, irfft's: the real output length).
+    out_shape : torch.Size
+        Global shape of the result.
+    norm : str or None
+    """
+
+    kind: _Kind
+    dims: tuple[int, ...]
+    lengths: dict[int, int]
+    out_shape: torch.Size
+    norm: str | None
+
+    @classmethod
+    def parse(cls, func, kind: _Kind, x: ShardTensor, args: tuple, kwargs: dict) -> _Call:
+        """Validate on a meta tensor (same error on every rank, before any collective)."""
+        rest = {k: v for k, v in kwargs.items() if k != "input"}
+        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        out = func(meta, *args[1:], **rest)
+        names = ("n" if kind.rank == 1 else "s", "dim", "norm")
+        defaults = (None, {1: -1, 2: (-2, -1), None: None}[kind.rank], None)
+        given = args[1:]
+        sizes, dims, norm = (
+            given[i] if i < len(given) else rest.get(name, default)
+            for i, (name, default) in enumerate(zip(names, defaults))
+        )
+        if kind.rank == 1:
+            dims, sizes = (dims,), None if sizes is None else (sizes,)
+        if dims is None:
+            dims = range(x.ndim) if sizes is None else range(x.ndim - len(sizes), x.ndim)
+        dims = tuple(d % x.ndim for d in dims)
+        lengths = {d: out.shape[d] for d in dims}
+        if kind.real and not kind.inverse:
+            signal = -1 if sizes is None else sizes[-1]
+            lengths[dims[-1]] = x.shape[dims[-1]] if signal == -1 else signal
+        return cls(kind, dims, lengths, out.shape, norm)
+
+
+def _linear_partials_only(x: ShardTensor) -> ShardTensor:
+    """``x`` with every Partial that a DFT does not commute with reduced."""
+    placements = [
+        Replicate()
+        if isinstance(p, Partial) and not (type(p) is Partial and p.reduce_op in _LINEAR_PARTIALS)
+        else p
+        for p in x._spec.placements
+    ]
+    if tuple(placements) == x._spec.placements:
+        return x
+    return redistribute(x, target_spec(x._spec, placements))
+
+
+# ---------------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class _Move:
+    """Redistribute so that the sharded dims are exactly ``layout``."""
+
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class _Transform:
+    """Transform ``dims`` (all local) with one local call; ``real``: the last is the real dim."""
+
+    dims: tuple[int, ...]
+    real: bool
+
+
+Step = _Move | _Transform
+
+
+@lru_cache(maxsize=4096)
+def _plan(
+    layout: Layout, dims: tuple[int, ...], ndim: int, real_first: bool, real_last: bool
+) -> tuple[tuple[Step, ...], Layout]:
+    """The steps of NOTE [Where a distributed FFT leaves the spectrum] and the final layout.
+
+    ``real_first``: the real dim ``dims[-1]`` goes first (r2c); ``real_last``: last (c2r).
+    """
+    axes_of = dict(layout)
+    steps: list[Step] = []
+    done: list[int] = []
+
+    def transform(group: list[int], real: bool) -> None:
+        steps.append(_Transform(tuple(group), real))
+        done.extend(group)
+
+    def transform_alone(dim: int, real: bool) -> None:
+        if dim not in axes_of:
+            transform([dim], real)
+            return
+        moved = axes_of.pop(dim)
+        target = _target(dim, axes_of, dims, done, ndim)
+        if target is not None:
+            axes_of[target] = tuple(sorted(axes_of.get(target, ()) + moved))
+        steps.append(_Move(_frozen(axes_of)))
+        transform([dim], real)
+        if target is None:
+            axes_of[dim] = moved
+            steps.append(_Move(_frozen(axes_of)))
+
+    real_dim = dims[-1]
+    if real_first and real_dim in axes_of:
+        transform_alone(real_dim, True)
+    held_back = real_last and any(d in axes_of for d in dims[:-1])
+    local = [
+        d for d in dims if d not in done and d not in axes_of and not (held_back and d == real_dim)
+    ]
+    if local:
+        transform(local, (real_first or real_last) and local[-1] == real_dim)
+    for dim in reversed(dims):
+        if dim not in done and not (real_last and dim == real_dim):
+            transform_alone(dim, False)
+    if real_last and real_dim not in done:
+        transform_alone(real_dim, True)
+    return tuple(steps), _frozen(axes_of)
+
+
+def _target(
+    dim: int, axes_of: dict[int, tuple[int, ...]], dims: tuple[int, ...], done: list[int], ndim: int
+) -> int | None:
+    """Where the axes of ``dim`` go before it is transformed (the NOTE's order)."""
+    if done:
+        return done[-1]
+    pending = [d for d in dims if d != dim]
+    if pending:
+        return ([d for d in pending if d in axes_of] or pending)[0]
+    others = [d for d in range(ndim) if d not in dims]
+    return others[-1] if others else None
+
+
+def _frozen(axes_of: dict[int, tuple[int, ...]]) -> Layout:
+    return tuple(sorted(axes_of.items()))
+
+
+@lru_cache(maxsize=1024)
+def _sources(
+    layout: Layout, dims: tuple[int, ...], ndim: int, real: bool
+) -> tuple[tuple[Layout, tuple[Step, ...]], ...]:
+    """Every layout the forward rule maps onto ``layout``, with its forward steps.
+
+    Only transformed dims' axes move, so each axis comes from its current dim or from a
+    transformed one; every assignment and nesting order is tried.
+    """
+    home = {axis: dim for dim, axes in layout for axis in axes}
+    axes = sorted(home)
+    options = [sorted({home[a], *dims}) for a in axes]
+    found = []
+    for choice in itertools.product(*options):
+        by_dim: dict[int, list[int]] = {}
+        for axis, dim in zip(axes, choice):
+            by_dim.setdefault(dim, []).append(axis)
+        for orders in itertools.product(*(itertools.permutations(a) for a in by_dim.values())):
+            source = tuple(sorted(zip(by_dim, orders)))
+            steps, final = _plan(source, dims, ndim, real, False)
+            if final == layout:
+                found.append((source, steps))
+    return tuple(found)
+
+
+def _inverse_steps(layout: Layout, spec: ShardTensorSpec, call: _Call) -> tuple[Step, ...]:
+    """The forward plan of the layout the spectrum came from, run backwards."""
+    real = call.kind.real
+    sources = _sources(layout, call.dims, spec.ndim, real)
+    if not sources:
+        steps, _ = _plan(layout, call.dims, spec.ndim, False, real)
+        return steps
+
+    def preference(item: tuple[Layout, tuple[Step, ...]]) -> tuple:
+        source, steps = item
+        sized = [_remembered_at(spec.hints, d, axes, call.out_shape[d]) for d, axes in source]
+        ages = [_remembered_at(spec.hints, d, axes) for d, axes in source]
+        remembered = all(age is not None for age in ages)
+        newest = min(ages, default=len(spec.hints)) if remembered else -1
+        moves = sum(isinstance(s, _Move) for s in steps)
+        return (all(age is not None for age in sized), remembered, newest, -moves)
+
+    source, steps = max(sources, key=preference)
+    before = []
+    current = source
+    for step in steps:
+        before.append(current)
+        if isinstance(step, _Move):
+            current = step.layout
+    return tuple(
+        _Move(previous) if isinstance(step, _Move) else step
+        for step, previous in zip(reversed(steps), reversed(before))
+    )
+
+
+def _remembered_at(
+    hints: Sequence[DimSharding], dim: int, axes: tuple[int, ...], extent: int | None = None
+) -> int | None:
+    """Position of the newest hint of ``dim`` over ``axes`` (with ``extent`` if given)."""
+    for position in range(len(hints) - 1, -1, -1):
+        hint = hints[position]
+        if hint.dim == dim and hint.axes == axes and extent in (None, hint.extent):
+            return position
+    return None
+
+
+# ---------------------------------------------------------------------------- execution
+def _run(
+    x: ShardTensor, steps: tuple[Step, ...], call: _Call, hints: tuple[DimSharding, ...]
+) -> ShardTensor:
+    memory = [*x._spec.hints, *x._spec.shardings]
+    for step in steps:
+        if isinstance(step, _Move):
+            spec = _moved_spec(x._spec, step.layout, memory, hints)
+            x = redistribute(x, spec)
+            memory.extend(spec.shardings)
+        else:
+            x = _transformed(x, step, call, hints)
+    return x
+
+
+def _moved_spec(
+    spec: ShardTensorSpec,
+    layout: Layout,
+    memory: list[DimSharding],
+    hints: tuple[DimSharding, ...],
+) -> ShardTensorSpec:
+    """``spec`` sharded as ``layout``; Replicate and Partial axes stay as they are."""
+    placements = [Replicate() if isinstance(p, Shard) else p for p in spec.placements]
+    sizes = {}
+    for dim, axes in layout:
+        for axis in axes:
+            placements[axis] = Shard(dim)
+        sizes[dim] = _sizes(spec, dim, axes, memory)
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        spec.shape,
+        spec.dtype,
+        sizes,
+        order=dict(layout),
+        hints=hints,
+    )
+
+
+def _sizes(
+    spec: ShardTensorSpec, dim: int, axes: tuple[int, ...], memory: list[DimSharding]
+) -> tuple[int, ...]:
+    """Unchanged sharding keeps its sizes; else the newest remembered ones; else chunk."""
+    current = spec.sharding_by_dim.get(dim)
+    if current is not None and current.axes == axes:
+        return current.sizes
+    position = _remembered_at(memory, dim, axes, spec.shape[dim])
+    if position is not None:
+        return memory[position].sizes
+    return nested_chunk_sizes(spec.shape[dim], [spec.mesh_shape[a] for a in axes])
+
+
+def _transformed(
+    x: ShardTensor, step: _Transform, call: _Call, hints: tuple[DimSharding, ...]
+) -> ShardTensor:
+    """One local transform over dims that are whole on every rank."""
+    func = _LOCAL[(call.kind.inverse, step.real)]
+    lengths = [call.lengths[d] for d in step.dims]
+    local = x.to_local()
+    if local.numel():
+        out = func(local, s=lengths, dim=step.dims, norm=call.norm)
+    else:  # pocketfft and MKL reject empty batches; the result is empty anyway
+        meta = torch.empty(local.shape, dtype=local.dtype, device="meta")
+        meta = func(meta, s=lengths, dim=step.dims, norm=call.norm)
+        like = torch.empty((), dtype=meta.dtype, device=local.device)
+        out = connected_empty(list(meta.shape), like, local.real)
+    spec = x._spec
+    shape = list(spec.shape)
+    for dim in step.dims:
+        shape[dim] = out.shape[dim]
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        shape,
+        out.dtype,
+        {s.dim: s.sizes for s in spec.shardings},
+        order={s.dim: s.axes for s in spec.shardings},
+        hints=hints,
+    )
+    return from_local_spec(out, out_spec)
