@@ -1,0 +1,239 @@
+"""Speed-up of a sharded convolution at 2 ranks, and the effect of overlapping its halos.
+
+One training step (forward and backward of an ``nn.Conv2d`` / ``nn.Conv3d``, input gradient
+included) on one global problem, timed four ways side by side (variants interleaved in every
+round, their order alternating between rounds):
+
+- ``one_rank_1_thread``: plain tensors on 1 rank, ``torch.set_num_threads(1)``;
+- ``one_rank_2_threads``: the same with 2 threads (context: what the machine's 2 cores give
+  without sharding);
+- ``two_ranks``: a ShardTensor with H split evenly over a 1-D mesh of 2, 1 thread per rank;
+- ``two_ranks_overlap``: the same inside ``shardsci.overlap_halos()``.
+
+Every variant computes with one thread per process, so ``speedup`` (1 rank / 2 ranks) compares
+compute with compute: ideal 2. A step's time at 2 ranks is the slowest rank's, measured from
+a barrier. One step with overlap on and one with it off are also compared (identical outputs;
+gradients equal to float32 rounding) and their bytes counted (``comm_counter``).
+
+Run ``python -m benchmarks.halo_and_conv conv_scaling``; the JSON fields are listed in README.md.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks._common import emit, on_ranks
+from shardsci import Shard, ShardTensor, comm_counter, overlap_halos
+from shardsci.testing import get_mesh
+
+
+@dataclass(frozen=True)
+class Case:
+    """A convolution and the global shape of its input; ``rounds`` sets how long it is timed."""
+
+    module: str
+    shape: tuple[int, ...]
+    build: Callable[[], nn.Module]
+    rounds: int
+
+
+CASES = {
+    "conv2d": Case(
+        'nn.Conv2d(16, 16, 3, padding=1, padding_mode="circular")',
+        (4, 16, 256, 256),
+        lambda: nn.Conv2d(16, 16, 3, padding=1, padding_mode="circular"),
+        rounds=8,
+    ),
+    "conv3d": Case(
+        "nn.Conv3d(8, 8, 3, padding=1)",
+        (2, 8, 64, 64, 64),
+        lambda: nn.Conv3d(8, 8, 3, padding=1),
+        rounds=4,
+    ),
+}
+# Variant -> (ranks, threads per rank, overlap halos).
+VARIANTS = {
+    "one_rank_1_thread": (1, 1, False),
+    "one_rank_2_threads": (1, 2, False),
+    "two_ranks": (2, 1, False),
+    "two_ranks_overlap": (2, 1, True),
+}
+STEPS_PER_CALL = 3
+SHARDED_DIM = 2
+GRADIENT_RTOL = 1e-5  # float32 rounding of sums over ~10^5 terms, relative to the largest entry
+
+
+# --------------------------------------------------------------------------- rank bodies
+def shard_rows(whole: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """This rank's even share of ``whole`` along H, and how to wrap a shard of that layout.
+
+    On 1 rank the tensor itself comes back and the wrapper is the identity (plain tensors).
+    """
+    world = dist.get_world_size()
+    if world == 1:
+        return whole, lambda t: t
+    mesh = get_mesh((world,))
+    rows = whole.shape[SHARDED_DIM] // world
+    local = whole.narrow(SHARDED_DIM, mesh.get_local_rank() * rows, rows).contiguous()
+    sizes = {0: (rows,) * world}
+    return local, lambda t: ShardTensor.from_local(t, mesh, [Shard(SHARDED_DIM)], sizes)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, ShardTensor) else t
+
+
+def _training_step(case_name: str) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """A step on this rank's share of the case's problem: forward, ``sum`` of the local output,
+    backward. Returns the local output and the gradients (input, weight, bias)."""
+    case = CASES[case_name]
+    module = case.build()
+    local, wrap = shard_rows(torch.randn(case.shape))
+    local.requires_grad_()
+
+    def step() -> tuple[torch.Tensor, ...]:
+        module.zero_grad(set_to_none=True)
+        local.grad = None
+        out = _local(module(wrap(local)))
+        out.sum().backward()
+        return out.detach(), local.grad, module.weight.grad, module.bias.grad
+
+    return step
+
+
+def time_steps(case_name: str, threads: int, overlap: bool, steps: int) -> list[float]:
+    """Rank body: seconds per step on this rank, each started from a barrier (one warm-up)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step = _training_step(case_name)
+        times = []
+        with overlap_halos() if overlap else nullcontext():
+            step()
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return times
+
+
+def compare_overlap(case_name: str) -> dict:
+    """Rank body: one step with halos overlapped and one without: equal? bytes moved?
+
+    Outputs must be bitwise equal. Gradients may differ by float32 rounding: the overlapped
+    step computes the weight gradient as a sum over pieces (interior, edges) and adds the
+    input gradient's halo contributions in another order.
+    """
+    step = _training_step(case_name)
+    with comm_counter() as plain:
+        reference = step()
+    with comm_counter() as overlapped, overlap_halos():
+        result = step()
+    return {
+        "output_equal": torch.equal(reference[0], result[0]),
+        "gradients_bitwise_equal": all(map(torch.equal, reference[1:], result[1:])),
+        "gradient_max_rel_diff": max(
+            ((a - b).abs().max() / a.abs().max()).item() for a, b in zip(reference[1:], result[1:])
+        ),
+        "received": plain.as_dict()["received"],
+        "overlap_received": overlapped.as_dict()["received"],
+    }
+
+
+# --------------------------------------------------------------------------- reporting
+def _step_seconds(case_name: str) -> dict[str, list[float]]:
+    """Variant -> seconds of every timed step (slowest rank per step), variants interleaved."""
+    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    order = list(VARIANTS)
+    for _ in range(CASES[case_name].rounds):
+        for name in order:
+            ranks, threads, overlap = VARIANTS[name]
+            per_rank = on_ranks(ranks, time_steps, case_name, threads, overlap, STEPS_PER_CALL)
+            samples[name] += [max(step) for step in zip(*per_rank)]
+        order.reverse()
+    return samples
+
+
+def report(case_name: str) -> dict[str, float]:
+    """Emit the ``speedup`` and ``overlap`` records of one case; return its key ratios.
+
+    Medians are the figures; the fastest steps (``_min_s``, the least disturbed by other
+    processes on the machine) are given beside them.
+    """
+    samples = _step_seconds(case_name)
+    t = {name: statistics.median(times) for name, times in samples.items()}
+    best = {name: min(times) for name, times in samples.items()}
+    speedup = t["one_rank_1_thread"] / t["two_ranks"]
+    case = CASES[case_name]
+    emit(
+        "speedup",
+        case=case_name,
+        module=case.module,
+        global_shape=case.shape,
+        steps_timed=len(samples["two_ranks"]),
+        **{f"{name}_s": round(seconds, 4) for name, seconds in t.items()},
+        **{f"{name}_min_s": round(seconds, 4) for name, seconds in best.items()},
+        speedup=round(speedup, 3),
+        parallel_efficiency=round(speedup / 2, 3),
+        speedup_of_min=round(best["one_rank_1_thread"] / best["two_ranks"], 3),
+        speedup_vs_2_threads=round(t["one_rank_2_threads"] / t["two_ranks"], 3),
+    )
+    overlap_gain = t["two_ranks"] / t["two_ranks_overlap"]
+    _report_overlap(
+        case_name,
+        {
+            "two_ranks_s": round(t["two_ranks"], 4),
+            "two_ranks_overlap_s": round(t["two_ranks_overlap"], 4),
+            "overlap_speedup": round(overlap_gain, 3),
+            "overlap_speedup_of_min": round(best["two_ranks"] / best["two_ranks_overlap"], 3),
+        },
+    )
+    return {f"{case_name}_speedup": speedup, f"{case_name}_overlap_speedup": overlap_gain}
+
+
+def _report_overlap(case_name: str, timings: dict[str, float]) -> None:
+    """Emit the ``overlap`` record: ``timings`` and the agreement and bytes of one step with
+    and without overlapped halos. Raises if the results disagree beyond float32 rounding."""
+    checks = on_ranks(2, compare_overlap, case_name)
+    emit(
+        "overlap",
+        case=case_name,
+        **timings,
+        output_equal=all(c["output_equal"] for c in checks),
+        gradients_bitwise_equal=all(c["gradients_bitwise_equal"] for c in checks),
+        gradient_max_rel_diff=max(c["gradient_max_rel_diff"] for c in checks),
+        received_bytes_per_step=[c["received"] for c in checks],
+        overlap_received_bytes_per_step=[c["overlap_received"] for c in checks],
+    )
+    agree = all(c["output_equal"] for c in checks) and all(
+        c["gradient_max_rel_diff"] <= GRADIENT_RTOL for c in checks
+    )
+    if not agree:
+        raise AssertionError(f"{case_name}: overlap_halos() changed the result: {checks}")
+
+
+def run() -> dict[str, object]:
+    """Emit every case (on the running rank pools); return the part's summary fields.
+
+    Timings depend on what else runs on the machine: the load average is reported with them.
+    """
+    load_before = os.getloadavg()[0]
+    ratios = {key: value for name in CASES for key, value in report(name).items()}
+    return {
+        **{key: round(value, 3) for key, value in ratios.items()},
+        "load_average_before": round(load_before, 1),
+        "load_average_after": round(os.getloadavg()[0], 1),
+        "cores": os.cpu_count(),
+    }
