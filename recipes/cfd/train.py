@@ -46,11 +46,12 @@ __all__ = ["run"]
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train on this rank's part of the mesh; returns the final metrics (on every rank)."""
     env = init_distributed(timeout_s=cfg.launcher.timeout_s)
-    try:
-        return _Run(cfg, device_for_local_rank(env)).train()
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    metrics = _Run(cfg, device_for_local_rank(env)).train()
+    # Only on success: a rank that failed must not wait in a collective, but exit, so that the
+    # launcher stops the others.
+    dist.barrier()
+    dist.destroy_process_group()
+    return metrics
 
 
 class _Run:
@@ -173,12 +174,14 @@ class _Run:
         inputs, targets = self.data.eval_batch()
         prediction = self.model(inputs)
         errors = relative_l2(self.data.denormalize(prediction), self.data.denormalize(targets))
+        persistence = relative_l2(self.data.denormalize(inputs), self.data.denormalize(targets))
         start, truths = self.data.rollout_batch(self.train_cfg.rollout_steps)
         rollout = rollout_errors(self.model, start, truths, self.data.denormalize)
         self.trained.train()
         metrics = {
             "step": self.step,
             "eval_relative_l2": self._dp_sum_mean(errors),
+            "persistence_relative_l2": self._dp_sum_mean(persistence),
             **{
                 f"rollout_relative_l2_step{k + 1}": self._dp_sum_mean(e)
                 for k, e in enumerate(rollout)
@@ -215,7 +218,8 @@ class _Run:
     def _describe(metrics: dict[str, float]) -> str:
         rollout = [v for k, v in metrics.items() if k.startswith("rollout")]
         return (
-            f"step {metrics['step']}: held-out relative L2 {metrics['eval_relative_l2']:.4f}, "
+            f"step {metrics['step']}: held-out relative L2 {metrics['eval_relative_l2']:.4f} "
+            f"(persistence {metrics['persistence_relative_l2']:.4f}), "
             f"rollout {' '.join(f'{v:.3f}' for v in rollout)}"
         )
 
