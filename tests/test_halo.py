@@ -130,3 +130,31 @@ def _too_wide_body() -> None:
 
 def test_reflect_wider_than_the_domain_is_refused() -> None:
     run_on_ranks(2, _too_wide_body)
+
+
+def _block_zeros_bytes_body() -> None:
+    """On a 2x2 block with a zeros boundary, corner cells beyond the domain do not travel:
+    each rank receives exactly the halo cells inside the domain that it does not own."""
+    sizes = {1: (4, 2), 2: (3, 4)}
+    stats = _check(
+        (2, 2),
+        (2, 6, 7),
+        [Shard(1), Shard(2)],
+        sizes,
+        {1: (1, 1), 2: (1, 1)},
+        {1: "zeros", 2: "zeros"},
+    )
+    row, col = (int(c) for c in get_mesh((2, 2)).get_coordinate())
+    h, w = sizes[1][row], sizes[2][col]
+    h_lo, w_lo = (0, 4)[row], (0, 3)[col]
+    inside_h = min(h_lo + h + 1, 6) - max(h_lo - 1, 0)
+    inside_w = min(w_lo + w + 1, 7) - max(w_lo - 1, 0)
+    lacking = 2 * (inside_h * inside_w - h * w) * 8
+    assert_all_ranks(
+        stats.received["halo"] == lacking,
+        f"received {stats.received['halo']} halo bytes, the cells lacking are {lacking} bytes",
+    )
+
+
+def test_block_corners_beyond_a_zeros_boundary_do_not_travel() -> None:
+    run_on_ranks(4, _block_zeros_bytes_body)

@@ -32,11 +32,12 @@ from shardsci.tensor._collectives import (
     axis_group,
     start_send_recv,
 )
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import ShardTensorSpec, mesh_coordinate
 
 __all__ = [
     "BOUNDARIES",
     "HaloPlan",
+    "domain_range",
     "extend_dim",
     "halo_exchange",
     "halo_plan",
@@ -80,12 +81,19 @@ class _Run:
 
 @dataclass(frozen=True)
 class HaloPlan:
-    """Every rank's runs for one dim: ``runs[k]`` builds member ``k``'s extended shard."""
+    """Every rank's runs for one dim: ``runs[k]`` builds member ``k``'s extended shard.
+
+    ``real`` lists, for dims extended before this one, the range ``(dim, start, stop)`` that
+    holds cells of the domain; outside it lie cells beyond a zeros boundary, which every rank
+    fills itself, so messages carry only the real range (the lower bound on blocks: no corner
+    of zeros travels).
+    """
 
     dim: int
     offsets: tuple[int, ...]
     runs: tuple[tuple[_Run, ...], ...]
     extents: tuple[int, ...]
+    real: tuple[tuple[int, int, int], ...] = ()
 
     def sent(self, src: int, dst: int) -> list[_Run]:
         return [r for r in self.runs[dst] if r.source == src]
@@ -97,6 +105,7 @@ def halo_plan(
     sizes: tuple[int, ...],
     ranges: tuple[tuple[int, int], ...],
     boundary: str,
+    real: tuple[tuple[int, int, int], ...] = (),
 ) -> HaloPlan:
     """Runs for every member, from the shard sizes along ``dim`` and the wanted ranges."""
     if boundary not in BOUNDARIES:
@@ -104,7 +113,7 @@ def halo_plan(
     extent = sum(sizes)
     offsets = tuple(sum(sizes[:k]) for k in range(len(sizes)))
     runs = tuple(tuple(_runs(lo, hi, extent, offsets, sizes, boundary)) for lo, hi in ranges)
-    return HaloPlan(dim, offsets, runs, tuple(hi - lo for lo, hi in ranges))
+    return HaloPlan(dim, offsets, runs, tuple(hi - lo for lo, hi in ranges), real)
 
 
 def _runs(
@@ -219,6 +228,20 @@ def _with_dim(shape: Sequence[int], dim: int, size: int) -> list[int]:
     return [*shape[:dim], size, *shape[dim + 1 :]]
 
 
+def _real(t: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+    """The part of ``t`` along earlier-extended dims that holds domain cells."""
+    for dim, start, stop in plan.real:
+        t = t.narrow(dim, start, stop - start)
+    return t
+
+
+def _message_shape(shape: Sequence[int], plan: HaloPlan, cells: int) -> list[int]:
+    result = _with_dim(shape, plan.dim, cells)
+    for dim, start, stop in plan.real:
+        result[dim] = stop - start
+    return result
+
+
 def _post(local: torch.Tensor, plan: HaloPlan, group: AxisGroup) -> PendingMessages:
     """Send every neighbour the cells it needs from this shard; post the receives."""
     me, dim = group.index, plan.dim
@@ -228,11 +251,12 @@ def _post(local: torch.Tensor, plan: HaloPlan, group: AxisGroup) -> PendingMessa
             continue
         outgoing = plan.sent(me, other)
         if outgoing:
-            parts = [_take(local, plan, me, r) for r in outgoing]
+            parts = [_real(_take(local, plan, me, r), plan) for r in outgoing]
             sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
         incoming = plan.sent(other, me)
         if incoming:
-            receives.append((other, _with_dim(local.shape, dim, sum(r.cells for r in incoming))))
+            cells = sum(r.cells for r in incoming)
+            receives.append((other, _message_shape(local.shape, plan, cells)))
     return start_send_recv(
         group, sends, receives, dtype=local.dtype, device=local.device, kind="halo"
     )
@@ -256,6 +280,9 @@ def _assemble(
         else:
             cells = messages[run.source].narrow(dim, cursor[run.source], run.cells)
             cursor[run.source] += run.cells
+            if plan.real:
+                target.fill_(fill)
+                target = _real(target, plan)
         if run.reversed:
             cells = cells.flip(dim)
         target.copy_(cells.expand_as(target) if run.repeated else cells)
@@ -284,11 +311,12 @@ def _post_adjoint(
             continue
         outgoing = plan.sent(other, me)
         if outgoing:
-            parts = [_run_grad(grad, dim, r) for r in outgoing]
+            parts = [_real(_run_grad(grad, dim, r), plan) for r in outgoing]
             sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
         incoming = plan.sent(me, other)
         if incoming:
-            receives.append((other, _with_dim(local_shape, dim, sum(r.cells for r in incoming))))
+            cells = sum(r.cells for r in incoming)
+            receives.append((other, _message_shape(local_shape, plan, cells)))
     pending = start_send_recv(
         group, sends, receives, dtype=grad.dtype, device=grad.device, kind="halo"
     )
@@ -308,7 +336,7 @@ def _add_received(
     for other, message in zip(receivers, received):
         position = 0
         for run in plan.sent(me, other):
-            _take(grad, plan, me, run).add_(message.narrow(dim, position, run.cells))
+            _real(_take(grad, plan, me, run), plan).add_(message.narrow(dim, position, run.cells))
             position += run.cells
     return grad
 
@@ -357,6 +385,7 @@ def start_extend(
     ranges: Sequence[tuple[int, int]],
     boundary: str,
     fill: float = 0.0,
+    real: Sequence[tuple[int, int, int]] = (),
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """Post the halo exchange of ``extend_dim``; compute on the returned shard meanwhile.
 
@@ -370,7 +399,7 @@ def start_extend(
     """
     sharding = spec.sharding_by_dim[dim]
     group = axis_group(spec.mesh, sharding.axes)
-    plan = halo_plan(dim, sharding.sizes, tuple(map(tuple, ranges)), boundary)
+    plan = halo_plan(dim, sharding.sizes, tuple(map(tuple, ranges)), boundary, tuple(real))
     state = _InFlight()
     shard = _Post.apply(local, plan, group, state)
     return shard, lambda: _Finish.apply(shard, plan, group, fill, state)
@@ -383,6 +412,7 @@ def extend_dim(
     ranges: Sequence[tuple[int, int]],
     boundary: str,
     fill: float = 0.0,
+    real: Sequence[tuple[int, int, int]] = (),
 ) -> torch.Tensor:
     """This rank's cells ``[lo, hi)`` of sharded ``dim``, from whoever holds them.
 
@@ -401,13 +431,16 @@ def extend_dim(
         One of ``zeros``, ``periodic``, ``reflect``, ``replicate``.
     fill : float
         The value of cells beyond a ``zeros`` boundary (e.g. ``-inf`` for max pooling).
+    real : sequence of (dim, start, stop)
+        For dims of ``local`` already extended beyond a ``zeros`` boundary, where its domain
+        cells lie (``domain_range``); the rest is ``fill`` and does not travel.
 
     Returns
     -------
     Tensor
         ``local`` with ``dim`` replaced by this rank's range, ``hi - lo`` long.
     """
-    _, finish = start_extend(local, spec, dim, ranges, boundary, fill)
+    _, finish = start_extend(local, spec, dim, ranges, boundary, fill, real)
     return finish()
 
 
@@ -435,17 +468,31 @@ def halo_exchange(
     """
     spec = x._spec
     local = x.to_local()
+    real: list[tuple[int, int, int]] = []
     for dim in sorted(d % x.ndim for d in widths):
         left, right = _pair(widths[dim] if dim in widths else widths[dim - x.ndim])
         mode = boundary if isinstance(boundary, str) else boundary.get(dim, "zeros")
         sharding = spec.sharding_by_dim.get(dim)
         if sharding is None:
             local = pad_locally(local, dim, left, right, mode)
-            continue
-        offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
-        ranges = [(o - left, o + s + right) for o, s in zip(offsets, sharding.sizes)]
-        local = extend_dim(local, spec, dim, ranges, mode)
+            lo, hi = -left, spec.shape[dim] + right
+        else:
+            offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
+            ranges = [(o - left, o + s + right) for o, s in zip(offsets, sharding.sizes)]
+            local = extend_dim(local, spec, dim, ranges, mode, real=real)
+            index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+            lo, hi = ranges[index]
+        if mode == "zeros":
+            real.append(domain_range(dim, lo, hi, spec.shape[dim]))
     return local
+
+
+def domain_range(dim: int, lo: int, hi: int, extent: int) -> tuple[int, int, int]:
+    """``(dim, start, stop)``: where the domain cells lie in a range ``[lo, hi)`` of ``dim``
+    taken across a zeros boundary (see ``HaloPlan.real``)."""
+    start = min(max(0, -lo), hi - lo)
+    stop = max(start, hi - lo - max(0, hi - max(lo, extent)))
+    return dim, start, stop
 
 
 def _pair(width: int | tuple[int, int]) -> tuple[int, int]:

@@ -17,7 +17,8 @@ def overlap_halos(enabled: bool = True) -> Iterator[None]:
     Inside the block, a convolution over a slab decomposition posts its halo messages, computes
     the outputs that need only the rank's own cells while they are in flight, then the edge
     outputs; its backward likewise sends halo gradients while the interior's backward runs.
-    Results are identical to the synchronous path. Block decompositions (several sharded
+    Outputs are identical to the synchronous path; gradients agree to rounding (interior and
+    edge contributions are summed in another order). Block decompositions (several sharded
     windowed dims) run synchronously.
     """
     previous = _OVERLAP[0]

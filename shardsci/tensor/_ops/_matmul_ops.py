@@ -27,7 +27,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._registry import register_function_handler
-from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
+from shardsci.tensor._spec import ShardTensorSpec, merged_hints, replicated_spec
 
 
 @dataclass(frozen=True)
@@ -219,4 +219,7 @@ def _output_spec(
         out.dtype,
         {d: letter.sizes for d, letter in shardings.items()},
         order={d: letter.axes for d, letter in shardings.items()},
+        hints=merged_hints(
+            *(o._spec.hints + o._spec.shardings for o in operands if isinstance(o, ShardTensor))
+        ),
     )

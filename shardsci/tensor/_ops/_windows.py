@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardsci.tensor._halo import extend_dim, pad_locally, start_extend
+from shardsci.tensor._halo import domain_range, extend_dim, pad_locally, start_extend
 from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, mesh_coordinate
 
@@ -176,6 +176,7 @@ def gather_windows(
     """
     out_sizes: dict[int, tuple[int, ...]] = {}
     out_ranges: dict[int, tuple[int, int]] = {}
+    real: list[tuple[int, int, int]] = []
     for dim in sorted(windows):
         window = windows[dim]
         extent = spec.shape[dim]
@@ -185,14 +186,17 @@ def gather_windows(
             lo, hi = window.input_range(0, out_extent, extent)
             local = pad_locally(local, dim, -lo, hi - extent, boundary[dim], fill)
             out_ranges[dim] = (0, out_extent)
-            continue
-        sizes = owned_sizes(window, sharding, out_extent, spec.hints)
-        starts = [sum(sizes[:k]) for k in range(len(sizes))]
-        ranges = [window.input_range(a, a + n, extent) for a, n in zip(starts, sizes)]
-        local = extend_dim(local, spec, dim, ranges, boundary[dim], fill)
-        index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
-        out_sizes[dim] = sizes
-        out_ranges[dim] = (starts[index], starts[index] + sizes[index])
+        else:
+            sizes = owned_sizes(window, sharding, out_extent, spec.hints)
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            ranges = [window.input_range(a, a + n, extent) for a, n in zip(starts, sizes)]
+            local = extend_dim(local, spec, dim, ranges, boundary[dim], fill, real)
+            index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+            out_sizes[dim] = sizes
+            out_ranges[dim] = (starts[index], starts[index] + sizes[index])
+            lo, hi = ranges[index]
+        if boundary[dim] == "zeros":
+            real.append(domain_range(dim, lo, hi, extent))
     return local, out_sizes, out_ranges
 
 
@@ -234,6 +238,13 @@ def overlapped_windows(
     """
     others = {d: w for d, w in windows.items() if d != dim}
     local, _, out_ranges = gather_windows(local, spec, others, boundary, fill)
+    real = [
+        domain_range(
+            d, *w.input_range(0, w.output_extent(spec.shape[d]), spec.shape[d]), spec.shape[d]
+        )
+        for d, w in others.items()
+        if boundary[d] == "zeros"
+    ]
     window = windows[dim]
     sharding = spec.sharding_by_dim[dim]
     extent = spec.shape[dim]
@@ -243,7 +254,7 @@ def overlapped_windows(
     index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
     first, stop = starts[index], starts[index] + sizes[index]
     out_ranges[dim] = (first, stop)
-    shard, finish = start_extend(local, spec, dim, ranges, boundary[dim], fill)
+    shard, finish = start_extend(local, spec, dim, ranges, boundary[dim], fill, real)
     own = sum(sharding.sizes[:index])
     inner_first = max(first, window.first_inside(own))
     inner_stop = min(stop, window.last_inside(own + sharding.sizes[index]))
