@@ -121,7 +121,14 @@ def _script_failure(done: subprocess.CompletedProcess[str]) -> str:
     return f"'{CLUSTER_SCRIPT.name} up' exited with status {done.returncode}: " + " | ".join(output)
 
 
-def submit_and_wait(script_path: str | os.PathLike[str], timeout_s: float) -> JobResult:
+def submit_and_wait(
+    script_path: str | os.PathLike[str],
+    timeout_s: float,
+    *,
+    options: Sequence[str] = (),
+    arguments: Sequence[str] = (),
+    cwd: str | os.PathLike[str] | None = None,
+) -> JobResult:
     """Submit a batch script, wait for the job to end and collect its output.
 
     Parameters
@@ -132,6 +139,11 @@ def submit_and_wait(script_path: str | os.PathLike[str], timeout_s: float) -> Jo
     timeout_s
         Seconds the job may take from submission to its end, queueing included. A job still
         running then is cancelled.
+    options, arguments
+        ``sbatch`` options (they override the script's ``#SBATCH`` lines) and the script's
+        own arguments.
+    cwd
+        Directory to submit from (the job's ``SLURM_SUBMIT_DIR``).
 
     Returns
     -------
@@ -145,7 +157,7 @@ def submit_and_wait(script_path: str | os.PathLike[str], timeout_s: float) -> Jo
     TimeoutError
         If the job has not ended after ``timeout_s`` seconds; it is cancelled first.
     """
-    job_id = _submit(Path(script_path))
+    job_id = _submit(Path(script_path), options, arguments, cwd)
     deadline = time.monotonic() + timeout_s
     fields = _job_fields(job_id)
     while fields["JobState"] not in FINAL_STATES:
@@ -166,11 +178,17 @@ def submit_and_wait(script_path: str | os.PathLike[str], timeout_s: float) -> Jo
     )
 
 
-def _submit(script: Path) -> int:
+def _submit(
+    script: Path,
+    options: Sequence[str],
+    arguments: Sequence[str],
+    cwd: str | os.PathLike[str] | None,
+) -> int:
     """Submit ``script`` with ``sbatch --parsable``; the job id."""
     if not script.is_file():
         raise SlurmJobError(f"batch script {script} does not exist")
-    answer = _run_slurm(["sbatch", "--parsable", str(script)]).strip()
+    command = ["sbatch", "--parsable", *options, str(script.resolve()), *arguments]
+    answer = _run_slurm(command, cwd=cwd).strip()
     job_id = answer.split(";", 1)[0]
     if not job_id.isdigit():
         raise SlurmJobError(f"sbatch answered {answer!r}, expected a job id")
@@ -202,10 +220,10 @@ def _read_output(path: str) -> str:
         return ""
 
 
-def _run_slurm(args: Sequence[str]) -> str:
+def _run_slurm(args: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> str:
     """Run a SLURM client command; its standard output."""
     try:
-        done = _run(args, COMMAND_TIMEOUT_S)
+        done = _run(args, COMMAND_TIMEOUT_S, cwd)
     except FileNotFoundError:
         raise SlurmJobError(
             f"{args[0]} is not installed: call ensure_local_cluster() first"
@@ -221,6 +239,10 @@ def _run_slurm(args: Sequence[str]) -> str:
     return done.stdout
 
 
-def _run(args: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: Sequence[str], timeout_s: float, cwd: str | os.PathLike[str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run a command to completion with a timeout, capturing its output as text."""
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, check=False)
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=cwd
+    )

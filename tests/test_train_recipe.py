@@ -1,0 +1,204 @@
+"""The main job end to end: ``python train.py +recipe=cfd ...`` on a tiny problem.
+
+Runs the real entry point in subprocesses (local ranks forked by ``train.py``, or SLURM jobs),
+on a 32x32 dataset of 6 trajectories generated once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import train  # noqa: F401  registers the config schemas
+from shardsci.checkpoint import load_checkpoint
+from shardsci.testing.slurm import SlurmUnavailable, ensure_local_cluster, submit_and_wait
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "logger=none",
+    "train.log_every=1",
+    "train.eval_every=100",
+    "train.global_batch=8",
+    "train.eval_samples=8",
+    "train.rollout_steps=1",
+    "data.dataset.solver.resolution=32",
+    "data.dataset.n_train=4",
+    "data.dataset.n_test=2",
+    "data.dataset.n_snapshots=6",
+]
+RUN_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data") / "ns_tiny.h5"
+
+
+def _train(dataset: Path, run_dir: Path, mesh: str, *overrides: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "train.py",
+        "+recipe=cfd",
+        f"mesh={mesh}",
+        f"data.path={dataset}",
+        f"run_dir={run_dir}",
+        *TINY,
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    assert done.returncode == 0, f"train.py failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    return done
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_a_short_run_leaves_what_people_need(dataset: Path, tmp_path: Path) -> None:
+    _train(
+        dataset, tmp_path, "2x2", "train.steps=4", "train.eval_every=2", "train.checkpoint_every=2"
+    )
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["step"] == 4
+    assert 0 < metrics["eval_relative_l2"] < 1
+    assert math.isfinite(metrics["final_loss"])
+    assert {p.name for p in tmp_path.glob("eval_step*.png")} == {
+        "eval_step000002.png",
+        "eval_step000004.png",
+    }
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+
+
+MESHES = ["1", "2x1", "1x2", "2x2", "4x2"]
+
+
+def test_the_loss_curve_and_parameters_do_not_depend_on_the_mesh(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """Same seed, same global batch: every mesh takes the same optimiser steps. Float32 sums
+    run in another order on every mesh: losses agree to 1e-5 relative; parameters after four
+    AdamW steps to 1e-5 absolute (Adam divides by the square root of small second moments)."""
+    curves, parameters = {}, {}
+    for mesh in MESHES:
+        run_dir = tmp_path / mesh
+        _train(dataset, run_dir, mesh, "train.steps=4", "train.checkpoint_every=4")
+        curves[mesh] = _losses(run_dir)
+        parameters[mesh] = _parameters(run_dir / "checkpoints" / "step_000004")
+    for mesh in MESHES[1:]:
+        assert curves[mesh].keys() == curves["1"].keys()
+        for step, loss in curves["1"].items():
+            assert curves[mesh][step] == pytest.approx(loss, rel=1e-5), (mesh, step)
+        for name, value in parameters["1"].items():
+            torch.testing.assert_close(parameters[mesh][name], value, rtol=1e-4, atol=1e-5)
+
+
+def _parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model parameters saved in ``checkpoint``, loaded in this (single) process into the
+    recipe's model."""
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["+recipe=cfd"])
+    model = hydra.utils.instantiate(cfg.model, _convert_="all")
+    optimizer = torch.optim.AdamW(model.parameters())
+    load_checkpoint(checkpoint, model, optimizer)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("resume_mesh", ["2x1", "1"])
+def test_a_4x2_checkpoint_resumes_on_another_mesh(
+    dataset: Path, tmp_path: Path, resume_mesh: str
+) -> None:
+    """The loss continues where it stopped: steps 4-6 after resuming from step 3 equal the
+    uninterrupted run's."""
+    first = tmp_path / "4x2"
+    _train(dataset, first, "4x2", "train.steps=6", "train.checkpoint_every=3")
+    resumed = tmp_path / resume_mesh
+    checkpoint = first / "checkpoints" / "step_000003"
+    _train(dataset, resumed, resume_mesh, "train.steps=6", f"train.resume={checkpoint}")
+    expected, got = _losses(first), _losses(resumed)
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_bf16_autocast_trains(dataset: Path, tmp_path: Path) -> None:
+    _train(dataset, tmp_path, "1x2", "train.steps=3", "train.precision=bf16")
+    assert all(math.isfinite(v) for v in _losses(tmp_path).values())
+
+
+def test_a_failing_rank_ends_the_job_quickly(dataset: Path, tmp_path: Path) -> None:
+    """One rank's error stops every rank with a non-zero status, not a hang."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "train.py", "+recipe=cfd", "mesh=2x1", f"data.path={dataset}",
+         f"run_dir={tmp_path}", *TINY, "train.parallel=bogus"],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "train.parallel must be 'ddp' or 'fsdp2'" in done.stderr
+    assert time.monotonic() - start < 120
+
+
+# ---------------------------------------------------------------------------- SLURM
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    try:
+        ensure_local_cluster()
+    except SlurmUnavailable as reason:
+        pytest.skip(f"SLURM unavailable: {reason}")
+
+
+def test_the_recipe_runs_as_an_sbatch_job(slurm: None, dataset: Path, tmp_path: Path) -> None:
+    """``scripts/slurm/train.sbatch`` with 4 tasks and mesh=2x2."""
+    run_dir = tmp_path / "run"
+    result = submit_and_wait(
+        ROOT / "scripts" / "slurm" / "train.sbatch",
+        timeout_s=RUN_TIMEOUT_S,
+        options=[
+            "--ntasks=4",
+            f"--output={tmp_path}/slurm-%j.out",
+            f"--chdir={ROOT}",
+            f"--export=ALL,SHARDSCI_PYTHON={sys.executable}",
+        ],
+        arguments=[
+            "mesh=2x2",
+            f"data.path={dataset}",
+            f"run_dir={run_dir}",
+            *TINY,
+            "train.steps=3",
+        ],
+        cwd=ROOT,
+    )
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), result.stdout[-3000:]
+    assert json.loads((run_dir / "metrics.json").read_text())["step"] == 3
+
+
+def test_the_recipe_runs_through_the_submitit_launcher(
+    slurm: None, dataset: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    _train(
+        dataset,
+        run_dir,
+        "2x2",
+        "train.steps=3",
+        "launcher=slurm",
+        "hydra.launcher.timeout_min=10",
+        "--multirun",
+    )
+    assert json.loads((run_dir / "metrics.json").read_text())["step"] == 3
+    assert (run_dir / "0" / "train.log").is_file()
