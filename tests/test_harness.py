@@ -21,6 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardsci.testing import (
     RankFailure,
+    _pool,
     assert_all_ranks,
     assert_close_all_ranks,
     assert_raises_all_ranks,
@@ -249,10 +250,17 @@ def test_dead_rank_is_reported_with_its_signal() -> None:
 
 def test_rank_that_died_between_calls_is_reported_by_the_next_call() -> None:
     run_on_ranks(2, _exit_rank_1_after_answering)
-    time.sleep(0.5)
+    _wait_until_rank_exits(world_size=2, rank=1)
     with pytest.raises(RankFailure, match=r"rank 1:\nthe rank process exited \(exit code 3\)"):
         run_on_ranks(2, _rank_and_sum)
     assert run_on_ranks(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
+
+
+def _wait_until_rank_exits(world_size: int, rank: int, timeout_s: float = 60.0) -> None:
+    """Block until a pool rank's process has exited (its exit is asynchronous: a timer)."""
+    process = _pool._pools[world_size]._processes[rank]
+    process.join(timeout_s)
+    assert not process.is_alive(), f"rank {rank} did not exit within {timeout_s} s"
 
 
 def test_unpicklable_body_or_result_is_a_clear_error() -> None:
