@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
@@ -10,7 +11,7 @@ from shardsci.testing import Layout
 
 
 @dataclass(frozen=True)
-class Case:
+class Sharded:
     """A global shape and how it is sharded.
 
     Attributes
@@ -23,30 +24,31 @@ class Case:
         Global shape of the main input.
     layout : Layout
         Its sharding.
-    alternate : Layout
-        The same placements with other shard sizes (for operands sharded with different
-        boundaries).
     """
 
     name: str
     mesh: tuple[int, ...]
     shape: tuple[int, ...]
     layout: Layout
-    alternate: Layout
 
     @property
     def world(self) -> int:
-        size = 1
-        for n in self.mesh:
-            size *= n
-        return size
+        return math.prod(self.mesh)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Case(Sharded):
+    """A ``Sharded`` input plus ``alternate``: the same placements with other shard sizes (for
+    operands sharded with different boundaries)."""
+
+    alternate: Layout
 
     @property
     def sharded_dim(self) -> int:
         return next(p.dim for p in self.layout.placements if isinstance(p, Shard))
-
-    def __str__(self) -> str:
-        return self.name
 
 
 def _shard(dim: int, sizes: tuple[int, ...], other: tuple[int, ...]) -> tuple[Layout, Layout]:
@@ -79,5 +81,17 @@ CASES = [
         (3, 5, 4),
         Layout((Replicate(), Shard(1)), {1: (4, 1)}),
         Layout((Replicate(), Shard(1)), {1: (0, 5)}),
+    ),
+]
+
+
+# (N, C, H, W) fields split along H or W: 2 ranks uneven, 4 ranks with an empty shard, 4 ranks
+# even, and a 2x2 block decomposition.
+SPATIAL_2D = [
+    Sharded("2r-H-7/4", (2,), (2, 3, 11, 6), Layout((Shard(2),), {2: (7, 4)})),
+    Sharded("4r-H-3/0/5/3", (4,), (2, 3, 11, 6), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
+    Sharded("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
+    Sharded(
+        "2x2-block", (2, 2), (2, 2, 11, 9), Layout((Shard(2), Shard(3)), {2: (6, 5), 3: (4, 5)})
     ),
 ]

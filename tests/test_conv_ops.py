@@ -4,8 +4,6 @@ uneven and empty shards, 1-D meshes and a 2x2 block decomposition."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,27 +11,8 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+from tests.layouts import SPATIAL_2D, Sharded
 
-
-@dataclass(frozen=True)
-class Spatial:
-    name: str
-    mesh: tuple[int, ...]
-    shape: tuple[int, ...]
-    layout: Layout
-
-    def __str__(self) -> str:
-        return self.name
-
-
-LAYOUTS_2D = [
-    Spatial("2r-H-7/4", (2,), (2, 3, 11, 6), Layout((Shard(2),), {2: (7, 4)})),
-    Spatial("4r-H-3/0/5/3", (4,), (2, 3, 11, 6), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
-    Spatial("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
-    Spatial(
-        "2x2-block", (2, 2), (2, 2, 11, 9), Layout((Shard(2), Shard(3)), {2: (6, 5), 3: (4, 5)})
-    ),
-]
 CONV2D = {
     "k3": dict(kernel_size=3, padding=1),
     "k3-stride2": dict(kernel_size=3, stride=2, padding=1),
@@ -49,7 +28,7 @@ CONV2D = {
 MODES = ["zeros", "circular", "reflect", "replicate"]
 
 
-def _conv2d_body(case: Spatial, name: str, mode: str) -> None:
+def _conv2d_body(case: Sharded, name: str, mode: str) -> None:
     torch.manual_seed(0)
     channels = case.shape[1]
     config = CONV2D[name]
@@ -61,11 +40,11 @@ def _conv2d_body(case: Spatial, name: str, mode: str) -> None:
     )
 
 
-def _valid(configs: dict[str, dict]) -> list[tuple[Spatial, str]]:
+def _valid(configs: dict[str, dict]) -> list[tuple[Sharded, str]]:
     """(layout, config) pairs whose channels the config's groups divide."""
     return [
         (case, name)
-        for case in LAYOUTS_2D
+        for case in SPATIAL_2D
         for name, config in configs.items()
         if case.shape[1] % config.get("groups", 1) == 0
     ]
@@ -73,15 +52,8 @@ def _valid(configs: dict[str, dict]) -> list[tuple[Spatial, str]]:
 
 @pytest.mark.parametrize(("case", "name"), _valid(CONV2D), ids=lambda v: str(v))
 @pytest.mark.parametrize("mode", MODES)
-def test_conv2d(case: Spatial, name: str, mode: str) -> None:
-    run_on_ranks(_world(case), _conv2d_body, case, name, mode)
-
-
-def _world(case: Spatial) -> int:
-    size = 1
-    for n in case.mesh:
-        size *= n
-    return size
+def test_conv2d(case: Sharded, name: str, mode: str) -> None:
+    run_on_ranks(case.world, _conv2d_body, case, name, mode)
 
 
 CONV_TRANSPOSE2D = {
@@ -94,7 +66,7 @@ CONV_TRANSPOSE2D = {
 }
 
 
-def _conv_transpose_body(case: Spatial, name: str) -> None:
+def _conv_transpose_body(case: Sharded, name: str) -> None:
     torch.manual_seed(0)
     config = CONV_TRANSPOSE2D[name]
     module = nn.ConvTranspose2d(case.shape[1], 4, dtype=torch.float64, **config)
@@ -105,8 +77,8 @@ def _conv_transpose_body(case: Spatial, name: str) -> None:
 
 
 @pytest.mark.parametrize(("case", "name"), _valid(CONV_TRANSPOSE2D), ids=lambda v: str(v))
-def test_conv_transpose2d(case: Spatial, name: str) -> None:
-    run_on_ranks(_world(case), _conv_transpose_body, case, name)
+def test_conv_transpose2d(case: Sharded, name: str) -> None:
+    run_on_ranks(case.world, _conv_transpose_body, case, name)
 
 
 PADS = {
@@ -117,7 +89,7 @@ PADS = {
 }
 
 
-def _pad_body(case: Spatial, name: str) -> None:
+def _pad_body(case: Sharded, name: str) -> None:
     pad, mode, value = PADS[name]
     x = torch.randn(case.shape, dtype=torch.float64)
     kwargs = {} if value is None else {"value": value}
@@ -130,10 +102,10 @@ def _pad_body(case: Spatial, name: str) -> None:
     )
 
 
-@pytest.mark.parametrize("case", LAYOUTS_2D, ids=str)
+@pytest.mark.parametrize("case", SPATIAL_2D, ids=str)
 @pytest.mark.parametrize("name", list(PADS))
-def test_pad(case: Spatial, name: str) -> None:
-    run_on_ranks(_world(case), _pad_body, case, name)
+def test_pad(case: Sharded, name: str) -> None:
+    run_on_ranks(case.world, _pad_body, case, name)
 
 
 # ---------------------------------------------------------------------------- 1-D and 3-D

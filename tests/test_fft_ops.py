@@ -10,8 +10,6 @@ outputs, and both parts together cover the whole complex value and its gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -27,31 +25,15 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    mesh: tuple[int, ...]
-    shape: tuple[int, ...]
-    layout: Layout
-
-    @property
-    def world(self) -> int:
-        size = 1
-        for n in self.mesh:
-            size *= n
-        return size
-
-    def __str__(self) -> str:
-        return self.name
-
+from tests.layouts import Sharded
 
 CASES = [
-    Case("2r-H-7/4", (2,), (2, 3, 11, 6), Layout((Shard(2),), {2: (7, 4)})),
-    Case("4r-H-3/0/5/3", (4,), (2, 3, 11, 6), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
-    Case("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
-    Case("2x2-block", (2, 2), (2, 2, 11, 9), Layout((Shard(2), Shard(3)), {2: (6, 5), 3: (4, 5)})),
+    Sharded("2r-H-7/4", (2,), (2, 3, 11, 6), Layout((Shard(2),), {2: (7, 4)})),
+    Sharded("4r-H-3/0/5/3", (4,), (2, 3, 11, 6), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
+    Sharded("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
+    Sharded(
+        "2x2-block", (2, 2), (2, 2, 11, 9), Layout((Shard(2), Shard(3)), {2: (6, 5), 3: (4, 5)})
+    ),
 ]
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -135,7 +117,7 @@ def _transform_body(case_name: str, name: str) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("name", list(TRANSFORMS))
-def test_transform(case: Case, name: str) -> None:
+def test_transform(case: Sharded, name: str) -> None:
     run_on_ranks(case.world, _transform_body, case.name, name)
 
 
@@ -192,7 +174,7 @@ def _round_trip_body(case_name: str) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_round_trip_restores_layout(case: Case) -> None:
+def test_round_trip_restores_layout(case: Sharded) -> None:
     run_on_ranks(case.world, _round_trip_body, case.name)
 
 
@@ -395,7 +377,7 @@ def _spectral_conv_body(case_name: str) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_spectral_convolution(case: Case) -> None:
+def test_spectral_convolution(case: Sharded) -> None:
     run_on_ranks(case.world, _spectral_conv_body, case.name)
 
 

@@ -7,7 +7,6 @@ of a downsample followed by an upsample."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,34 +25,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
-
-
-@dataclass(frozen=True)
-class Spatial:
-    name: str
-    mesh: tuple[int, ...]
-    shape: tuple[int, ...]
-    layout: Layout
-
-    @property
-    def world(self) -> int:
-        size = 1
-        for n in self.mesh:
-            size *= n
-        return size
-
-    def __str__(self) -> str:
-        return self.name
-
-
-LAYOUTS_2D = [
-    Spatial("2r-H-7/4", (2,), (2, 3, 11, 6), Layout((Shard(2),), {2: (7, 4)})),
-    Spatial("4r-H-3/0/5/3", (4,), (2, 3, 11, 6), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
-    Spatial("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
-    Spatial(
-        "2x2-block", (2, 2), (2, 2, 11, 9), Layout((Shard(2), Shard(3)), {2: (6, 5), 3: (4, 5)})
-    ),
-]
+from tests.layouts import SPATIAL_2D, Sharded
 
 # Keyword sets for F.interpolate: up and down, integer and not, explicit sizes, each way the
 # scale reaches the kernel (given, or recomputed from the output size).
@@ -76,7 +48,7 @@ MODES_2D = {
 }
 
 
-def _interpolate_body(case: Spatial, mode: str, resizes: dict, variants: list) -> None:
+def _interpolate_body(case: Sharded, mode: str, resizes: dict, variants: list) -> None:
     x = torch.randn(case.shape, dtype=torch.float64)
     mesh = get_mesh(case.mesh)
     for name, resize in resizes.items():
@@ -90,9 +62,9 @@ def _interpolate_body(case: Spatial, mode: str, resizes: dict, variants: list) -
             )
 
 
-@pytest.mark.parametrize("case", LAYOUTS_2D, ids=str)
+@pytest.mark.parametrize("case", SPATIAL_2D, ids=str)
 @pytest.mark.parametrize("mode", list(MODES_2D))
-def test_interpolate_2d(case: Spatial, mode: str) -> None:
+def test_interpolate_2d(case: Sharded, mode: str) -> None:
     run_on_ranks(case.world, _interpolate_body, case, mode, RESIZES, MODES_2D[mode])
 
 
@@ -107,8 +79,8 @@ RESIZES_1D = {
     "size20": dict(size=20),
 }
 LAYOUTS_1D = [
-    Spatial("2r-5/4", (2,), (2, 2, 9), Layout((Shard(2),), {2: (5, 4)})),
-    Spatial("4r-2/0/6/1", (4,), (2, 2, 9), Layout((Shard(2),), {2: (2, 0, 6, 1)})),
+    Sharded("2r-5/4", (2,), (2, 2, 9), Layout((Shard(2),), {2: (5, 4)})),
+    Sharded("4r-2/0/6/1", (4,), (2, 2, 9), Layout((Shard(2),), {2: (2, 0, 6, 1)})),
 ]
 
 
@@ -122,11 +94,11 @@ LAYOUTS_1D = [
     ],
     ids=["linear", "nearest", "area"],
 )
-def test_interpolate_1d(case: Spatial, mode: str, variants: list) -> None:
+def test_interpolate_1d(case: Sharded, mode: str, variants: list) -> None:
     run_on_ranks(case.world, _interpolate_body, case, mode, RESIZES_1D, variants)
 
 
-BLOCK_3D = Spatial(
+BLOCK_3D = Sharded(
     "2x2-block-3d", (2, 2), (1, 2, 5, 6, 4), Layout((Shard(2), Shard(3)), {2: (3, 2), 3: (2, 4)})
 )
 RESIZES_3D = {
@@ -151,7 +123,7 @@ def test_interpolate_3d_block(mode: str, variants: list) -> None:
 
 
 def test_channel_sharded() -> None:
-    case = Spatial("4r-C-2/0/3/1", (4,), (1, 6, 5, 4), Layout((Shard(1),), {1: (2, 0, 3, 1)}))
+    case = Sharded("4r-C-2/0/3/1", (4,), (1, 6, 5, 4), Layout((Shard(1),), {1: (2, 0, 3, 1)}))
     resizes = {"x1.5": dict(scale_factor=1.5), "size(3,7)": dict(size=(3, 7))}
     run_on_ranks(4, _interpolate_body, case, "bicubic", resizes, [dict(align_corners=False)])
 
@@ -202,7 +174,7 @@ def test_taps_match_torch(spatial: int, mode: str) -> None:
         assert torch.allclose(got, y.reshape(n_in, -1).T, rtol=0, atol=1e-12), what
 
 
-def _adjoint_body(case: Spatial, mode: str, resize: dict) -> None:
+def _adjoint_body(case: Sharded, mode: str, resize: dict) -> None:
     """Forward against torch; gradient against the adjoint of torch's forward (from
     forward-mode AD, which reuses the forward kernel), not torch's backward kernel."""
     x = torch.randn(case.shape, dtype=torch.float64)
@@ -222,7 +194,7 @@ def _adjoint_body(case: Spatial, mode: str, resize: dict) -> None:
 
 
 ADJOINT = {
-    "bicubic-x1.05": (LAYOUTS_2D[0], "bicubic", dict(scale_factor=1.05, align_corners=False)),
+    "bicubic-x1.05": (SPATIAL_2D[0], "bicubic", dict(scale_factor=1.05, align_corners=False)),
     "nearest-1d-x1.05": (LAYOUTS_1D[0], "nearest", dict(scale_factor=1.05)),
     "nearest-3d-x(1.05,2.01,0.7)": (
         BLOCK_3D,
@@ -242,7 +214,7 @@ def test_gradient_is_the_adjoint_of_the_forward(name: str) -> None:
 
 
 # ---------------------------------------------------------------------------- layouts
-def _round_trip_body(case: Spatial, mode: str) -> None:
+def _round_trip_body(case: Sharded, mode: str) -> None:
     """A stride-2 convolution, then ``nn.Upsample(scale_factor=2)``: the output has the
     input's shard sizes even though the shard boundaries are odd."""
     torch.manual_seed(0)
@@ -261,9 +233,9 @@ def _round_trip_body(case: Spatial, mode: str) -> None:
 
 
 ODD_LAYOUTS = [
-    Spatial("2r-H-5/7", (2,), (1, 2, 12, 6), Layout((Shard(2),), {2: (5, 7)})),
-    Spatial("4r-H-3/0/5/4", (4,), (1, 2, 12, 6), Layout((Shard(2),), {2: (3, 0, 5, 4)})),
-    Spatial(
+    Sharded("2r-H-5/7", (2,), (1, 2, 12, 6), Layout((Shard(2),), {2: (5, 7)})),
+    Sharded("4r-H-3/0/5/4", (4,), (1, 2, 12, 6), Layout((Shard(2),), {2: (3, 0, 5, 4)})),
+    Sharded(
         "2x2-block-odd",
         (2, 2),
         (1, 2, 10, 14),
@@ -274,13 +246,13 @@ ODD_LAYOUTS = [
 
 @pytest.mark.parametrize("case", ODD_LAYOUTS, ids=str)
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
-def test_downsample_upsample_keeps_layout(case: Spatial, mode: str) -> None:
+def test_downsample_upsample_keeps_layout(case: Sharded, mode: str) -> None:
     run_on_ranks(case.world, _round_trip_body, case, mode)
 
 
 # ---------------------------------------------------------------------------- errors
 def _errors_body() -> None:
-    case = LAYOUTS_2D[1]
+    case = SPATIAL_2D[1]
     x = torch.randn(case.shape, dtype=torch.float64)
     spec = case.layout.spec(get_mesh(case.mesh), x)
     sharded = from_local_spec(spec.narrow(x), spec)

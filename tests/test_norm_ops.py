@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -27,26 +26,9 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.layouts import Sharded
 
 F64 = torch.float64
-
-
-@dataclass(frozen=True)
-class Sharded:
-    name: str
-    mesh: tuple[int, ...]
-    shape: tuple[int, ...]
-    layout: Layout
-
-    def __str__(self) -> str:
-        return self.name
-
-    @property
-    def world(self) -> int:
-        size = 1
-        for n in self.mesh:
-            size *= n
-        return size
 
 
 SPATIAL = [

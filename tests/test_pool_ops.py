@@ -8,8 +8,6 @@ one), to keep the file fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,40 +24,14 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.layouts import SPATIAL_2D, Sharded
 
-
-@dataclass(frozen=True)
-class Spatial:
-    name: str
-    mesh: tuple[int, ...]
-    shape: tuple[int, ...]
-    layout: Layout
-
-    @property
-    def world(self) -> int:
-        size = 1
-        for n in self.mesh:
-            size *= n
-        return size
-
-    def __str__(self) -> str:
-        return self.name
-
-
-LAYOUTS_2D = [
-    Spatial("2r-H-7/4", (2,), (2, 3, 11, 6), Layout((Shard(2),), {2: (7, 4)})),
-    Spatial("4r-H-3/0/5/3", (4,), (2, 3, 11, 6), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
-    Spatial("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
-    Spatial(
-        "2x2-block", (2, 2), (2, 2, 11, 9), Layout((Shard(2), Shard(3)), {2: (6, 5), 3: (4, 5)})
-    ),
-]
-LAYOUT_3D = Spatial(
+LAYOUT_3D = Sharded(
     "2x2-block-3d", (2, 2), (1, 2, 7, 6, 5), Layout((Shard(2), Shard(3)), {2: (4, 3), 3: (2, 4)})
 )
 LAYOUTS_1D = [
-    Spatial("2r-L-5/4", (2,), (2, 2, 9), Layout((Shard(2),), {2: (5, 4)})),
-    Spatial("4r-L-2/0/6/1", (4,), (2, 2, 9), Layout((Shard(2),), {2: (2, 0, 6, 1)})),
+    Sharded("2r-L-5/4", (2,), (2, 2, 9), Layout((Shard(2),), {2: (5, 4)})),
+    Sharded("4r-L-2/0/6/1", (4,), (2, 2, 9), Layout((Shard(2),), {2: (2, 0, 6, 1)})),
 ]
 
 # Configuration name -> keyword arguments of nn.MaxPoolNd / nn.AvgPoolNd.
@@ -106,7 +78,7 @@ POOLS = {
 }
 
 
-def _pool_body(case: Spatial, kind: str) -> None:
+def _pool_body(case: Sharded, kind: str) -> None:
     *classes, configs = POOLS[kind]
     n = len(case.shape) - 2
     mesh = get_mesh(case.mesh)
@@ -119,8 +91,8 @@ def _pool_body(case: Spatial, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", list(POOLS))
-@pytest.mark.parametrize("case", [*LAYOUTS_1D, *LAYOUTS_2D, LAYOUT_3D], ids=str)
-def test_pool(case: Spatial, kind: str) -> None:
+@pytest.mark.parametrize("case", [*LAYOUTS_1D, *SPATIAL_2D, LAYOUT_3D], ids=str)
+def test_pool(case: Sharded, kind: str) -> None:
     run_on_ranks(case.world, _pool_body, case, kind)
 
 
@@ -137,17 +109,17 @@ FUNCTIONS = {
 }
 
 
-def _functions_body(case: Spatial) -> None:
+def _functions_body(case: Sharded) -> None:
     x = torch.randn(case.shape, dtype=torch.float64)
     for name, fn in FUNCTIONS.items():
         check_against_reference(fn, [x], [case.layout], get_mesh(case.mesh), what=name)
 
 
 def test_function_spellings() -> None:
-    run_on_ranks(2, _functions_body, LAYOUTS_2D[0])
+    run_on_ranks(2, _functions_body, SPATIAL_2D[0])
 
 
-def _all_inf_windows_body(case: Spatial) -> None:
+def _all_inf_windows_body(case: Sharded) -> None:
     """Windows whose input cells are all -inf: torch's argmax (and gradient) is the window's
     first cell inside the input, never a padding cell."""
     x = torch.randn(case.shape, dtype=torch.float64)
@@ -161,25 +133,25 @@ def _all_inf_windows_body(case: Spatial) -> None:
             check_against_reference(pool, [x], [case.layout], get_mesh(case.mesh), what=name)
 
 
-@pytest.mark.parametrize("case", [LAYOUTS_2D[1], LAYOUTS_2D[3]], ids=str)
-def test_max_pool_all_inf_windows(case: Spatial) -> None:
+@pytest.mark.parametrize("case", [SPATIAL_2D[1], SPATIAL_2D[3]], ids=str)
+def test_max_pool_all_inf_windows(case: Sharded) -> None:
     run_on_ranks(case.world, _all_inf_windows_body, case)
 
 
 # ---------------------------------------------------------------------------- adaptive
 # Extents of the sharded dims divisible by the output sizes; unsharded pooled dims need not be.
 ADAPTIVE = [
-    (Spatial("2r-H-7/5", (2,), (2, 3, 12, 7), Layout((Shard(2),), {2: (7, 5)})), [(4, 3), (6, 7)]),
+    (Sharded("2r-H-7/5", (2,), (2, 3, 12, 7), Layout((Shard(2),), {2: (7, 5)})), [(4, 3), (6, 7)]),
     (
-        Spatial("4r-H-3/0/6/3", (4,), (2, 3, 12, 6), Layout((Shard(2),), {2: (3, 0, 6, 3)})),
+        Sharded("4r-H-3/0/6/3", (4,), (2, 3, 12, 6), Layout((Shard(2),), {2: (3, 0, 6, 3)})),
         [(4, 4), (1, 2)],
     ),
     (
-        Spatial("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
+        Sharded("4r-W-even", (4,), (1, 2, 5, 12), Layout((Shard(3),), {3: (3, 3, 3, 3)})),
         [(3, 4), (2, 6)],
     ),
     (
-        Spatial(
+        Sharded(
             "2x2-block",
             (2, 2),
             (2, 2, 12, 9),
@@ -190,7 +162,7 @@ ADAPTIVE = [
     (LAYOUTS_1D[0], [(3,), (1,)]),
     (LAYOUTS_1D[1], [(3,), (9,)]),
     (
-        Spatial(
+        Sharded(
             "2x2-block-3d",
             (2, 2),
             (1, 2, 6, 6, 5),
@@ -206,7 +178,7 @@ ADAPTIVE_CLASSES = {
 }
 
 
-def _adaptive_body(case: Spatial, sizes: list[tuple[int, ...]]) -> None:
+def _adaptive_body(case: Sharded, sizes: list[tuple[int, ...]]) -> None:
     avg, max_ = ADAPTIVE_CLASSES[len(case.shape) - 2]
     mesh = get_mesh(case.mesh)
     x = torch.randn(case.shape, dtype=torch.float64)
@@ -217,7 +189,7 @@ def _adaptive_body(case: Spatial, sizes: list[tuple[int, ...]]) -> None:
 
 
 @pytest.mark.parametrize(("case", "sizes"), ADAPTIVE, ids=[str(c) for c, _ in ADAPTIVE])
-def test_adaptive_pool(case: Spatial, sizes: list[tuple[int, ...]]) -> None:
+def test_adaptive_pool(case: Sharded, sizes: list[tuple[int, ...]]) -> None:
     run_on_ranks(case.world, _adaptive_body, case, sizes)
 
 
