@@ -135,6 +135,21 @@ def test_a_4x2_checkpoint_resumes_on_another_mesh(
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
 
+def test_the_recipe_runs_under_torchrun(dataset: Path, tmp_path: Path) -> None:
+    """Under torchrun every rank composes the config and uses the ranks it is given."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "train.py", "+recipe=cfd", "mesh=1x2", f"data.path={dataset}", f"run_dir={tmp_path}",
+        *TINY, "train.steps=2",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads((tmp_path / "metrics.json").read_text())["step"] == 2
+
+
 def test_bf16_autocast_trains(dataset: Path, tmp_path: Path) -> None:
     _train(dataset, tmp_path, "1x2", "train.steps=3", "train.precision=bf16")
     assert all(math.isfinite(v) for v in _losses(tmp_path).values())
