@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from shardsci.tensor import _dispatch, _function_dispatch
-from shardsci.tensor._layout_inference import sizes_for_from_local
+from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import ShardTensorSpec
 
@@ -181,7 +181,7 @@ class ShardTensor(torch.Tensor):
         placements = _checked_user_placements(placements, spec)
         sizes = None
         if sharding_shapes is not None:
-            sizes = _explicit_sizes(sharding_shapes, placements, spec)
+            sizes = explicit_dim_sizes(sharding_shapes, placements, spec.mesh, spec.shape)
         return redistribute(self, target_spec(spec, placements, sizes))
 
     @staticmethod
@@ -225,7 +225,7 @@ def from_local_spec(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
 
 def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
     """The layout a gradient is returned in for a forward tensor of layout ``spec``."""
-    if not spec.has_partial():
+    if not spec.partial:
         return spec
     placements = [Replicate() if isinstance(p, Partial) else p for p in spec.placements]
     return target_spec(spec, placements)
@@ -310,16 +310,6 @@ def _checked_user_placements(
                 f"tensor of shape {tuple(spec.shape)}"
             )
     return tuple(Shard(p.dim % spec.ndim) if isinstance(p, Shard) else p for p in placements)
-
-
-def _explicit_sizes(
-    sharding_shapes: Mapping[int, Sequence[Sequence[int] | int]],
-    placements: Sequence[Placement],
-    spec: ShardTensorSpec,
-) -> dict[int, list[int]]:
-    from shardsci.tensor._layout_inference import explicit_dim_sizes
-
-    return explicit_dim_sizes(sharding_shapes, placements, spec.mesh, spec.shape)
 
 
 _dispatch.bind_tensor_type(ShardTensor)

@@ -17,16 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._collectives import axis_group, exchange
+from shardsci.tensor._metadata import DTYPES, MAX_DIMS
 from shardsci.tensor._spec import ShardTensorSpec, nested_chunk_sizes
 
 __all__ = ["explicit_dim_sizes", "sizes_for_from_local"]
-
-_MAX_DIMS = 64
-_DTYPES = (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-    torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-)  # fmt: skip
 
 
 def sizes_for_from_local(
@@ -147,10 +141,10 @@ def _axes_by_dim(placements: Sequence[Placement]) -> dict[int, tuple[int, ...]]:
 def _gathered_shapes(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, ...]]:
     """Every rank's shard shape (by flat mesh index), after checking on every rank alike that
     the shards agree on their number of dims and dtype."""
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=local.device)
+    header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64, device=local.device)
     header[0] = local.ndim
-    header[1] = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else -1
-    kept = min(local.ndim, _MAX_DIMS)
+    header[1] = DTYPES.index(local.dtype) if local.dtype in DTYPES else -1
+    kept = min(local.ndim, MAX_DIMS)
     header[2 : 2 + kept] = torch.tensor(local.shape[:kept], dtype=torch.int64)
     group = axis_group(mesh, tuple(range(mesh.ndim)))
     received = exchange(
@@ -163,8 +157,8 @@ def _gathered_shapes(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, .
     )
     headers = [r.tolist() for r in received]
     ndims = [h[0] for h in headers]
-    if max(ndims) > _MAX_DIMS:
-        raise ValueError(f"shards with more than {_MAX_DIMS} dims are not supported: {ndims}")
+    if max(ndims) > MAX_DIMS:
+        raise ValueError(f"shards with more than {MAX_DIMS} dims are not supported: {ndims}")
     shapes = [tuple(h[2 : 2 + h[0]]) for h in headers]
     if len(set(ndims)) > 1:
         raise ValueError(
@@ -172,7 +166,7 @@ def _gathered_shapes(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, .
             + ", ".join(f"rank {r}: {shape}" for r, shape in enumerate(shapes))
         )
     if len({h[1] for h in headers}) > 1:
-        names = [str(_DTYPES[h[1]]) if h[1] >= 0 else "other" for h in headers]
+        names = [str(DTYPES[h[1]]) if h[1] >= 0 else "other" for h in headers]
         raise ValueError(f"the shards have different dtypes: {names} (by flat mesh index)")
     return shapes
 

@@ -11,16 +11,11 @@ from torch.distributed.tensor import Partial, Placement
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._collectives import AxisGroup, axis_group, broadcast, exchange
 from shardsci.tensor._layout_inference import explicit_dim_sizes
+from shardsci.tensor._metadata import DTYPES, MAX_DIMS
 from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
 
 __all__ = ["distribute_tensor", "scatter_tensor"]
 
-_DTYPES = (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-    torch.bool,
-)  # fmt: skip
-_MAX_DIMS = 64
 _NO_TENSOR, _UNDESCRIBABLE = -1, -2  # error codes in the metadata header
 
 
@@ -149,15 +144,15 @@ def _broadcast_metadata(
 ) -> tuple[list[int], torch.dtype]:
     """The source's shape and dtype, on every rank. A source without a tensor, or with one it
     cannot describe, sends an error code instead, so that every rank raises."""
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64, device=device)
     if group.index == src:
         if tensor is None:
             header[0] = _NO_TENSOR
-        elif tensor.dtype not in _DTYPES or tensor.ndim > _MAX_DIMS:
+        elif tensor.dtype not in DTYPES or tensor.ndim > MAX_DIMS:
             header[0] = _UNDESCRIBABLE
         else:
             header[0] = tensor.ndim
-            header[1] = _DTYPES.index(tensor.dtype)
+            header[1] = DTYPES.index(tensor.dtype)
             header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
     header = broadcast(
         header if group.index == src else None,
@@ -173,7 +168,7 @@ def _broadcast_metadata(
     if header[0] == _UNDESCRIBABLE:
         raise ValueError(
             f"scatter_tensor cannot send the metadata of the tensor on rank {source} (a dtype "
-            f"outside {[str(d) for d in _DTYPES]} or more than {_MAX_DIMS} dims); pass "
+            f"outside {[str(d) for d in DTYPES]} or more than {MAX_DIMS} dims); pass "
             f"global_shape and dtype on every rank"
         )
-    return header[2 : 2 + header[0]], _DTYPES[header[1]]
+    return header[2 : 2 + header[0]], DTYPES[header[1]]

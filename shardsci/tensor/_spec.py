@@ -249,9 +249,6 @@ class ShardTensorSpec:
         """Whether any mesh axis holds a pending reduction."""
         return any(isinstance(p, Partial) for p in self.placements)
 
-    def has_partial(self) -> bool:
-        return self.partial
-
     def same_layout(self, other: ShardTensorSpec) -> bool:
         """Same mesh, placements, global shape and shard extents (dtype and hints ignored)."""
         return self is other or (

@@ -81,7 +81,7 @@ def _slice(func, args, kwargs):
 def _slice_backward(func, args, kwargs):
     grad, input_sizes, dim, start, end, step = args[:6]
     dim %= len(input_sizes)
-    if dim not in grad._spec.sharding_by_dim or grad._spec.has_partial():
+    if dim not in grad._spec.sharding_by_dim or grad._spec.partial:
         return NotImplemented
     start, end = _slice_bounds(input_sizes[dim], start, end)
     grad_sharding, group, grad_starts = dim_layout(grad._spec, dim)

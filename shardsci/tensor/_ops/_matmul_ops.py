@@ -118,7 +118,7 @@ def _local_einsum(equation: str, operands: list):
     if not sharded:
         return NotImplemented
     mesh = sharded[0]._spec.mesh
-    if any(o._spec.has_partial() or o._spec.mesh != mesh for o in sharded):
+    if any(o._spec.partial or o._spec.mesh != mesh for o in sharded):
         return NotImplemented
     letters = _sharded_letters(subscripts, operands)
     if letters is None or any(letter not in output for letter in letters):

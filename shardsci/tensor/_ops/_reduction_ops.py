@@ -158,7 +158,7 @@ def _argmax_argmin(func, args, kwargs):
     dim = arg(args, kwargs, 1, "dim")
     keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
     spec = x._spec
-    if x.has_partial() if hasattr(x, "has_partial") else spec.has_partial():
+    if spec.partial:
         x = x.redistribute(
             placements=[Replicate() if p.is_partial() else p for p in spec.placements]
         )

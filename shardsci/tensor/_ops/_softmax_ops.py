@@ -18,7 +18,7 @@ aten = torch.ops.aten
 
 
 def _along_sharded_dim(x: torch.Tensor, dim: int) -> bool:
-    return dim % x.ndim in x._spec.sharding_by_dim and not x._spec.has_partial()
+    return dim % x.ndim in x._spec.sharding_by_dim and not x._spec.partial
 
 
 @register_aten_handler(aten._softmax.default, aten._log_softmax.default)
