@@ -101,6 +101,29 @@ def _others_then(axes: tuple[int, ...], ndim: int) -> list[int]:
 
 
 def _flattened_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group over several mesh axes.
+
+    # NOTE [Groups over several mesh axes are created by every rank of the world]
+    ``new_group`` is collective over the whole world and matches calls by order, so every rank
+    must create the same groups in the same order, including ranks of other data-parallel
+    replicas whose sub-mesh holds different ranks. A sub-mesh (``mesh["h", "w"]`` of a
+    ``(dp, h, w)`` mesh) only knows its own replica's ranks, so its groups are created by
+    DeviceMesh's flattening, which enumerates the groups of every replica from the root mesh;
+    a root mesh enumerates every row of its own grid.
+    """
+    names = mesh.mesh_dim_names
+    root = mesh._get_root_mesh()
+    if names is not None:
+        chosen = tuple(names[a] for a in sorted(axes))
+        flat_name = "shardsci_" + "_".join(chosen)
+        sub = mesh if len(chosen) == mesh.ndim else mesh[chosen]
+        return sub._flatten(flat_name).get_group()
+    if root is not mesh or mesh.mesh.numel() != dist.get_world_size():
+        raise NotImplementedError(
+            f"a collective over mesh axes {axes} of an unnamed sub-mesh {mesh} cannot create "
+            f"its process group consistently on every rank; give the mesh axis names "
+            f"(init_device_mesh(..., mesh_dim_names=...))"
+        )
     grid = mesh.mesh.permute(*_others_then(axes, mesh.ndim)).reshape(-1, _size(mesh, axes))
     mine, _ = dist.new_subgroups_by_enumeration([sorted(row) for row in grid.tolist()])
     return mine
