@@ -19,11 +19,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group, exchange
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import (
@@ -156,7 +156,7 @@ class _Exchange:
     dst: ShardTensorSpec
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
-        plan = _exchange_plan(_layout_key(self.src), _layout_key(self.dst), self.src, self.dst)
+        plan = _exchange_plan(self.src, self.dst)
         if plan.group is None:
             if plan.own_source_box is None:
                 return local.new_empty(plan.out_shape)
@@ -328,7 +328,8 @@ def _reduce_with_placement(
 
 # ----------------------------------------------------------------------------- box exchange
 def _layout_key(spec: ShardTensorSpec) -> tuple:
-    return (id(spec.mesh), spec.placements, tuple(spec.shape), spec.shardings)
+    """What an exchange plan depends on, by value (NOTE [Caches are keyed by value])."""
+    return (spec.mesh, spec.placements, tuple(spec.shape), spec.shardings)
 
 
 @dataclass(frozen=True)
@@ -342,10 +343,15 @@ class _ExchangePlan:
     out_shape: tuple[int, ...]
 
 
-@lru_cache(maxsize=4096)
-def _exchange_plan(
-    src_key: tuple, dst_key: tuple, src: ShardTensorSpec, dst: ShardTensorSpec
-) -> _ExchangePlan:
+_EXCHANGE_PLANS: BoundedCache[tuple, _ExchangePlan] = BoundedCache("exchange plans", 4096)
+
+
+def _exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _ExchangePlan:
+    key = (_layout_key(src), _layout_key(dst))
+    return _EXCHANGE_PLANS.get_or_make(key, lambda: _make_exchange_plan(src, dst))
+
+
+def _make_exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _ExchangePlan:
     comm_axes = _moving_axes(src, dst)
     mesh = src.mesh
     me = mesh_coordinate(mesh)

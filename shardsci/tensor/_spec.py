@@ -26,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 
+from shardsci.tensor._caches import BoundedCache, register_cache
+
 __all__ = [
     "DimSharding",
     "ShardTensorSpec",
@@ -51,9 +53,10 @@ def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
 
 
 # Equal layouts built separately share one spec object, so the dispatch fast path can compare
-# operands' specs by identity. Entries go when their spec does; a live spec keeps its mesh
-# alive, so the mesh id in the key cannot be reused meanwhile.
+# operands' specs by identity. Keyed by value (NOTE [Caches are keyed by value]); an entry goes
+# when its spec does.
 _INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+register_cache("interned specs", _INTERNED.__len__, _INTERNED.clear)
 
 
 def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
@@ -233,9 +236,9 @@ class ShardTensorSpec:
 
     @cached_property
     def key(self) -> tuple:
-        """Everything that identifies this layout, hashable (plan caches use it)."""
+        """Everything that identifies this layout, by value (NOTE [Caches are keyed by value])."""
         return (
-            id(self.mesh),
+            self.mesh,
             self.placements,
             tuple(self.shape),
             self.stride,
@@ -353,17 +356,17 @@ def _checked_sharding(
     return DimSharding(dim, axes, sizes)
 
 
-_REPLICATED: dict[tuple, ShardTensorSpec] = {}
+_REPLICATED: BoundedCache[tuple, ShardTensorSpec] = BoundedCache("replicated specs", 1024)
 
 
 def replicated_spec(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensorSpec:
     """Spec of a plain tensor that every rank of ``mesh`` holds whole (cached)."""
-    key = (id(mesh), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+    key = (mesh, tuple(tensor.shape), tensor.stride(), tensor.dtype)
     spec = _REPLICATED.get(key)
-    if spec is None or spec.mesh is not mesh:
+    if spec is None:
         placements = [Replicate()] * mesh.ndim
         spec = ShardTensorSpec.build(
             mesh, placements, tensor.shape, tensor.dtype, stride=tensor.stride()
         )
-        _REPLICATED[key] = spec
+        _REPLICATED.put(key, spec)
     return spec
