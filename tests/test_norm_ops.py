@@ -6,6 +6,7 @@ batch sharding, 1-D meshes and 2x2 block decompositions, 1-D, 2-D and 3-D inputs
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import pytest
@@ -110,8 +111,16 @@ def _module_body(case: Sharded, name: str) -> None:
     reference = copy.deepcopy(module)
     x = torch.randn(case.shape, dtype=F64)
     what = f"{case}/{name}"
+    tiny = math.prod(case.shape[2:]) == 1  # statistics weigh as much as the shards
     check_against_reference(
-        lambda m, a: m(a), [x], [case.layout], mesh, module=module, rtol=0, what=what
+        lambda m, a: m(a),
+        [x],
+        [case.layout],
+        mesh,
+        module=module,
+        rtol=0,
+        not_a_gather="per-channel statistics of a (N, C) input" if tiny else "",
+        what=what,
     )
     with torch.no_grad():
         reference(x)

@@ -150,9 +150,6 @@ def check_against_reference(
     problems = traffic_problems(stats, traffic)
     if not not_a_gather:
         problems += _gather_problems(traffic, inputs, specs, mesh)
-    if _LOG:
-        _log("forward", label, problems)
-        problems = []
     assert_all_ranks(not problems, f"{label}forward: " + "; ".join(problems))
 
     assert_all_ranks(
@@ -168,18 +165,12 @@ def check_against_reference(
     for i, (out, expected) in enumerate(zip(sharded_out, reference_out)):
         what_out = f"{label}output {i}"
         problem = _layout_problem(out, expected_layouts[i], inputs, layouts, mesh)
-        if _LOG:
-            _log("layout", what_out, [problem, _compact(out)] if problem else [])
-            problem = ""
         assert_all_ranks(not problem, f"{what_out}: {problem}")
         _check_output(out, expected, atol, rtol, what_out)
     if grad:
         with count_traffic() as traffic, comm_counter() as stats:
             _backward(sharded_out, [_like(p, o) for p, o in zip(projections, sharded_out)])
         problems = traffic_problems(stats, traffic)
-        if _LOG:
-            _log("backward", label, problems)
-            problems = []
         assert_all_ranks(not problems, f"{label}backward: " + "; ".join(problems))
         for i, (leaf, spec, ref) in enumerate(zip(sharded_leaves, specs, reference_inputs)):
             if ref.grad is not None or leaf.grad is not None:
@@ -189,33 +180,6 @@ def check_against_reference(
             for (name, p), ref_p in zip(module.named_parameters(), reference_module.parameters()):
                 _check_grad(p.grad, ref_p.grad, atol, rtol, f"{label}grad of parameter {name}")
     return sharded_out
-
-
-import os
-
-_LOG = os.environ.get("HARNESS_REPORT")
-
-
-def _where():
-    import sys
-
-    f = sys._getframe(1)
-    while f is not None and "/tests/" not in f.f_code.co_filename:
-        f = f.f_back
-    return f"{f.f_code.co_filename.split('/')[-1]}:{f.f_lineno}:{f.f_code.co_name}" if f else "?"
-
-
-def _log(kind, what, problems):
-    if problems and __import__("torch.distributed").distributed.get_rank() == 0:
-        with open(_LOG, "a") as f:
-            f.write(f"{_where()}\t{kind}\t{what}\t{' | '.join(problems)}\n")
-
-
-def _compact(out):
-    if not isinstance(out, ShardTensor):
-        return f"PLAIN {type(out).__name__} {tuple(out.shape)}"
-    sp = out._spec
-    return f"GOT {sp.placements} " + ", ".join(f"d{x.dim}@{x.axes}:{x.sizes}" for x in sp.shardings)
 
 
 def _layout_problem(
@@ -276,13 +240,6 @@ def _gather_problems(
     counts = torch.tensor([int(lacking > 0), int(lacking > 0 and traffic.received < lacking)])
     dist.all_reduce(counts)
     lack, received_less = counts.tolist()
-    import os
-
-    if os.environ.get("HARNESS_LOG") and lack and dist.get_rank() == 0:
-        with open(os.environ["HARNESS_LOG"], "a") as f:
-            f.write(
-                f"{_where()}\t{mesh.size()}\t{lack}\t{received_less}\t{traffic.received}\t{lacking}\n"
-            )
     if mesh.size() < 3 or lack == 0 or received_less > 0:
         return []
     return [
