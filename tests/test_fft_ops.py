@@ -22,6 +22,7 @@ from shardsci.testing import (
     assert_close_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -303,7 +304,7 @@ def _placement_body() -> None:
     }
     for what, (y, dim) in expected.items():
         assert_all_ranks(y.placements == (Shard(dim),), f"{what}: got {y._spec}")
-    with shardsci.comm_counter() as stats:
+    with counted_comm() as stats:
         torch.fft.rfft2(x)
     assert_all_ranks(dict(stats.calls) == {"all_to_all": 1}, f"slab rfft2: {stats.as_dict()}")
     assert_all_ranks(torch.fft.fft(x, dim=2)._spec.shardings[0].sizes == (3, 3), "chunk sizes")
@@ -385,7 +386,7 @@ def _mixed_body() -> None:
             what=name,
         )
     batch = _sharded(x, Layout((Shard(0), Replicate()), {0: (2, 0)}), mesh)
-    with shardsci.comm_counter() as stats:
+    with counted_comm() as stats:
         spectrum = torch.fft.fft2(batch)
     assert_all_ranks(
         stats.total_received == 0 and spectrum.placements == batch.placements,
@@ -440,7 +441,7 @@ def _truncation_body(modes: int) -> int:
     )
     x.requires_grad_(True)
     kept = torch.fft.rfft(x)[..., :modes]
-    with shardsci.comm_counter() as forward:
+    with counted_comm("forward") as forward:
         spectrum = torch.fft.fft(kept, dim=2)
     rank = torch.distributed.get_rank()
     mode_sizes = spectrum._spec.sharding_by_dim[3].sizes
@@ -450,7 +451,7 @@ def _truncation_body(modes: int) -> int:
         f"received {forward.as_dict()}, expected {expected} bytes in one all-to-all",
     )
     loss = (spectrum.abs() ** 2).sum().full_tensor()
-    with shardsci.comm_counter() as backward:
+    with counted_comm("backward") as backward:
         loss.backward()
     assert_all_ranks(
         backward.calls["all_to_all"] == 1
@@ -533,7 +534,7 @@ def _details_body() -> None:
     x = torch.randn(2, 3, 11, 6, dtype=torch.complex128)
     # Complex tensors travel as raw bytes: 16 per element, exact values and gradients.
     sharded = _sharded(x, layout, mesh)
-    with shardsci.comm_counter() as stats:
+    with counted_comm() as stats:
         moved = sharded.redistribute(placements=[Shard(3)])
     rank = torch.distributed.get_rank()
     expected = 16 * 2 * 3 * (11 - (7, 4)[rank]) * (3, 3)[rank]

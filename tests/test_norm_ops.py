@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from shardsci.tensor import comm_counter
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
     Layout,
@@ -24,6 +23,7 @@ from shardsci.testing import (
     assert_close_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -252,9 +252,9 @@ def _collectives_body(affine: bool) -> None:
     torch.manual_seed(0)
     module = nn.GroupNorm(2, 4, affine=affine, dtype=F64)
     x = _sharded(torch.randn(case.shape, dtype=F64), case).requires_grad_()
-    with comm_counter() as forward:
+    with counted_comm("forward") as forward:
         y = module(x).to_local()
-    with comm_counter() as backward:
+    with counted_comm("backward") as backward:
         (y * torch.randn_like(y)).sum().backward()
     expected_backward = {"all_reduce": 1 + (4 if affine else 0)}
     assert_all_ranks(dict(forward.calls) == {"all_gather": 1}, f"forward: {dict(forward.calls)}")

@@ -21,13 +21,14 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from shardsci.tensor import ShardTensor, ShardTensorSpec, comm_counter
+from shardsci.tensor import ShardTensor, ShardTensorSpec
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._api import redistribute as redistribute_to_spec
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
     assert_close_all_ranks,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -262,7 +263,7 @@ def _check_move(
     and its layout."""
     mesh_shape, me = tuple(mesh.shape), tuple(mesh.get_coordinate())
     label = f"{_show(src)} -> {move}"
-    with comm_counter() as stats:
+    with counted_comm(label) as stats:
         y = _apply(x, move, mesh)
     if dst is None:
         dst = _expected_layout(src, move, shape, mesh_shape)
@@ -495,7 +496,7 @@ def _literal_bytes_body() -> None:
     problems = []
     for name, x, placements, calls, received in checks:
         sizes = {0: list(rows)} if placements == [S0] else None
-        with comm_counter() as stats:
+        with counted_comm(name) as stats:
             x.redistribute(mesh, placements, sharding_shapes=sizes)
         counted_calls = {k: v for k, v in stats.calls.items() if v}
         if counted_calls != calls or stats.total_received != received:
