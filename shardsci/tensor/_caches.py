@@ -93,12 +93,11 @@ class BoundedCache(Generic[K, V]):
         return len(self._entries)
 
 
-def cached(maxsize: int) -> Callable[[F], F]:
-    """``functools.lru_cache(maxsize)``, registered under the function's qualified name."""
+def cached(name: str, maxsize: int) -> Callable[[F], F]:
+    """``functools.lru_cache(maxsize)``, registered as ``name``; arguments are the key."""
 
     def decorate(fn: F) -> F:
         wrapped = functools.lru_cache(maxsize=maxsize)(fn)
-        name = f"{fn.__module__}.{fn.__qualname__}"
         register_cache(name, lambda: wrapped.cache_info().currsize, wrapped.cache_clear)
         return wrapped  # type: ignore[return-value]
 
