@@ -121,12 +121,12 @@ _SMALL = {
 
 
 @pytest.mark.parametrize(
-    "iterations", [pytest.param(80, id="80"), pytest.param(800, id="800", marks=pytest.mark.slow)]
+    "iterations", [pytest.param(50, id="50"), pytest.param(800, id="800", marks=pytest.mark.slow)]
 )
 def test_a_long_run_over_new_layouts_and_meshes_keeps_caches_and_memory_bounded(
     iterations: int,
 ) -> None:
-    """80 iterations (1000 dispatches) outgrow every lowered bound five times over; the slow
+    """50 iterations (650 dispatches) outgrow every lowered bound three times over; the slow
     variant runs 10000 dispatches (``pytest -m slow tests/test_caches.py``)."""
     run_on_ranks(2, _long_run_body, iterations, timeout_s=600)
 
