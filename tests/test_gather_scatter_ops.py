@@ -95,6 +95,9 @@ OPS = {
     "amax_owned": lambda x, e, src, dst: x.scatter_reduce(
         0, _dst_expanded(dst, e), e * x[src], "amax", include_self=False
     ),
+    "amax_in_place": lambda x, e, src, dst: torch.zeros_like(x).scatter_reduce_(
+        0, _dst_expanded(dst, e), e * x[src], "amax", include_self=False
+    ),
     "amin_owned": lambda x, e, src, dst: x.scatter_reduce(0, _dst_expanded(dst, e), e, "amin"),
 }
 

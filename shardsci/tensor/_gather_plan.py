@@ -17,7 +17,9 @@ rank sends to each other rank, and the index rewritten into positions of the ran
 Building a plan costs one exchange of counts and one of requested row numbers. Plans are
 cached per index *storage* (with the view's offset, shape, stride and version), so
 ``edge_index[0]`` taken anew in every forward finds the plan built by the first; the entries
-go when the storage does. A sharded index's plan is a collective: every rank must hit or miss
+go when the storage does. Two views of one storage with the same geometry hold the same
+elements, even when empty (torch strides an empty dim by 1, so the rows of a ``(2, 0)`` index
+start at different offsets). A sharded index's plan is a collective: every rank must hit or miss
 together, which holds when every rank runs the same program on corresponding tensors (as in
 SPMD training). A replicated index (a plain tensor, or a replicated ShardTensor) is the same
 on every rank, so its plan is computed locally, without communication.
@@ -57,7 +59,9 @@ class GatherPlan:
         index order, ``(sum_r halo_counts[r][me],)``.
     local_index : Tensor
         The index with every value replaced by its position in ``[owned | halo]`` rows; halo
-        rows are ordered by global position.
+        rows are ordered by global position (negative values are read from the end).
+    negative : tuple of int, optional
+        ``(rank, value)``: the first rank holding a negative index value, and the value.
     """
 
     group: AxisGroup
@@ -65,6 +69,7 @@ class GatherPlan:
     halo_counts: tuple[tuple[int, ...], ...]
     send_rows: torch.Tensor
     local_index: torch.Tensor
+    negative: tuple[int, int] | None
 
     @property
     def halo(self) -> int:
@@ -99,9 +104,16 @@ def gather_plan(
     replicated : bool
         Whether every rank holds the same ``index`` (then no communication is needed).
     wrap_negative : bool
-        Read ``-k`` as ``extent - k`` (Python indexing), else negative values are out of range.
+        Read ``-k`` as ``extent - k`` (Python indexing); else a negative value raises (on
+        every rank: the plan knows every rank's negative values).
     what : str
         Names the operation in error messages.
+
+    Raises
+    ------
+    IndexError
+        On every rank, for a value outside ``[-extent, extent)`` on any rank, or a negative
+        one without ``wrap_negative``.
     """
     key = (
         index.storage_offset(),
@@ -112,7 +124,6 @@ def gather_plan(
         id(group.group),
         sizes,
         replicated,
-        wrap_negative,
     )
     storage = index.untyped_storage()
     entries = _PLANS.get(id(storage))
@@ -121,7 +132,9 @@ def gather_plan(
         weakref.finalize(storage, _PLANS.pop, id(storage), None)
     plan = entries.get(key)
     if plan is None:
-        plan = entries[key] = _build(index, sizes, group, replicated, wrap_negative, what)
+        plan = entries[key] = _build(index, sizes, group, replicated, what)
+    if plan.negative is not None and not wrap_negative:
+        _raise_out_of_range(what, *plan.negative, sum(sizes), len(plan.halo_counts))
     return plan
 
 
@@ -135,33 +148,33 @@ def _build(
     sizes: tuple[int, ...],
     group: AxisGroup,
     replicated: bool,
-    wrap_negative: bool,
     what: str,
 ) -> GatherPlan:
     extent = sum(sizes)
     starts = torch.tensor([sum(sizes[:k]) for k in range(len(sizes) + 1)], dtype=torch.int64)
     me = group.index
     compact, expand_to = _compact(index)
-    values = compact.reshape(-1).to(torch.int64).cpu()
-    if wrap_negative:
-        values = torch.where(values < 0, values + extent, values)
-    bad = (values < 0) | (values >= extent)
-    first_bad = int(compact.reshape(-1)[bad.nonzero()[0, 0]]) if bad.any() else 0
-    wanted = torch.unique(values[~bad]) if bad.any() else torch.unique(values)
+    given = compact.reshape(-1).to(torch.int64).cpu()
+    report = _report(given, extent)
+    values = torch.where(given < 0, given + extent, given)
+    wanted = torch.unique(values[(values >= 0) & (values < extent)])
     owners = torch.searchsorted(starts[1:], wanted, right=True)
     if replicated:
-        _raise_if_bad([(int(bad.sum()), first_bad)], extent, what)
+        reports = [report]
         per_owner = torch.bincount(owners, minlength=group.size).tolist()
         halo_counts = tuple(
             tuple(0 if k == r else per_owner[k] for k in range(group.size))
             for r in range(group.size)
         )
-        mine = wanted[owners == me] - starts[me]
-        send_rows = mine.repeat(group.size - 1)
+        send_rows = (wanted[owners == me] - starts[me]).repeat(group.size - 1)
     else:
-        halo_counts, send_rows = _exchange_requests(
-            wanted, owners, group, starts, extent, (int(bad.sum()), first_bad), what
-        )
+        halo_counts, reports = _exchange_counts(owners, group, report)
+    for rank, (count, value, _, _) in enumerate(reports):
+        if count:
+            _raise_out_of_range(what, rank, value, extent, len(reports))
+    if not replicated:
+        send_rows = _exchange_requests(wanted, owners, group, starts, halo_counts)
+    negative = next(((r, v) for r, (_, _, count, v) in enumerate(reports) if count), None)
     halo_ids = wanted[owners != me]
     offset, owned = int(starts[me]), sizes[me]
     positions = torch.where(
@@ -170,7 +183,7 @@ def _build(
         owned + torch.searchsorted(halo_ids, values),
     )
     local_index = positions.reshape(compact.shape).to(index.device).expand(expand_to)
-    return GatherPlan(group, owned, halo_counts, send_rows.to(index.device), local_index)
+    return GatherPlan(group, owned, halo_counts, send_rows.to(index.device), local_index, negative)
 
 
 def _compact(index: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
@@ -182,53 +195,65 @@ def _compact(index: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
     return narrowed, index.shape
 
 
-def _exchange_requests(
-    wanted: torch.Tensor,
-    owners: torch.Tensor,
-    group: AxisGroup,
-    starts: torch.Tensor,
-    extent: int,
-    bad: tuple[int, int],
-    what: str,
-) -> tuple[tuple[tuple[int, ...], ...], torch.Tensor]:
-    """Every rank's halo counts (with its out-of-range report), then the rows it requests."""
+def _report(values: torch.Tensor, extent: int) -> tuple[int, int, int, int]:
+    """(values outside [-extent, extent), the first of them, negative values, the first)."""
+    outside = (values < -extent) | (values >= extent)
+    negative = (values < 0) & ~outside
+    return (
+        int(outside.sum()),
+        int(values[outside][0]) if outside.any() else 0,
+        int(negative.sum()),
+        int(values[negative][0]) if negative.any() else 0,
+    )
+
+
+def _exchange_counts(
+    owners: torch.Tensor, group: AxisGroup, report: tuple[int, int, int, int]
+) -> tuple[tuple[tuple[int, ...], ...], list[tuple[int, ...]]]:
+    """Every rank's halo counts by owner, and every rank's report on its values."""
     size, me = group.size, group.index
     counts = torch.bincount(owners, minlength=size)
     counts[me] = 0
-    report = torch.cat([counts, torch.tensor(bad, dtype=torch.int64)])
     rows = exchange(
         group,
-        [report] * size,
-        lambda src, dst: (size + 2,),
+        [torch.cat([counts, torch.tensor(report, dtype=torch.int64)])] * size,
+        lambda src, dst: (size + len(report),),
         dtype=torch.int64,
         device=torch.device("cpu"),
         kind="gather_plan",
     )
     table = [row.tolist() for row in rows]
-    _raise_if_bad([(row[size], row[size + 1]) for row in table], extent, what)
-    halo_counts = tuple(tuple(row[:size]) for row in table)
-    requests = [wanted[owners == k] for k in range(size)]
+    return tuple(tuple(row[:size]) for row in table), [tuple(row[size:]) for row in table]
+
+
+def _exchange_requests(
+    wanted: torch.Tensor,
+    owners: torch.Tensor,
+    group: AxisGroup,
+    starts: torch.Tensor,
+    halo_counts: tuple[tuple[int, ...], ...],
+) -> torch.Tensor:
+    """Send each owner the rows this rank wants from it; return the local positions of the
+    rows the others want from this rank, grouped by requester."""
+    me = group.index
     received = exchange(
         group,
-        requests,
+        [wanted[owners == k] for k in range(group.size)],
         lambda src, dst: (halo_counts[src][dst],),
         dtype=torch.int64,
         device=torch.device("cpu"),
         kind="gather_plan",
     )
-    others = [received[r] - starts[me] for r in range(size) if r != me]
-    send_rows = torch.cat(others) if others else torch.empty(0, dtype=torch.int64)
-    return halo_counts, send_rows
+    others = [received[r] - starts[me] for r in range(group.size) if r != me]
+    return torch.cat(others) if others else torch.empty(0, dtype=torch.int64)
 
 
-def _raise_if_bad(reports: list[tuple[int, int]], extent: int, what: str) -> None:
-    for rank, (count, value) in enumerate(reports):
-        if count:
-            where = f" on rank {rank} of the group" if len(reports) > 1 else ""
-            raise IndexError(
-                f"{what}: index value {value}{where} is out of range for a dim of size "
-                f"{extent} ({count} such value(s)); expected values in [0, {extent})"
-            )
+def _raise_out_of_range(what: str, rank: int, value: int, extent: int, ranks: int) -> None:
+    where = f" on rank {rank} of the group" if ranks > 1 else ""
+    raise IndexError(
+        f"{what}: index value {value}{where} is out of range for a dim of size {extent}; "
+        f"expected values in [0, {extent})"
+    )
 
 
 # ---------------------------------------------------------------------------- exchanges

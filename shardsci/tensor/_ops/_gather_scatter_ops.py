@@ -265,9 +265,12 @@ def _scatter(
     reduce: str,
     include_self: bool,
     what: str,
+    *,
+    in_place: bool,
     alpha: float = 1,
 ) -> object:
-    """Out-of-place ``index_add`` (1-D index) or ``scatter_reduce`` into a sharded dim."""
+    """``index_add`` (1-D index) or ``scatter_reduce`` into a sharded dim; ``in_place`` writes
+    the result into the destination and returns it."""
     if indexed.index_spec is None or not _index_sharded_on(
         indexed, 0 if what == "index_add" else indexed.dim
     ):
@@ -277,6 +280,10 @@ def _scatter(
     if values is None:
         return NotImplemented
     destination = indexed.x.to_local()
+    if in_place:
+        # The local ops may save the destination for backward (amax compares with it); the
+        # copy below must not overwrite what they saved.
+        destination = destination.clone()
     plan = indexed.plan(what=what)
 
     def local_scatter(into: torch.Tensor, index: torch.Tensor, ones: bool = False):
@@ -303,7 +310,8 @@ def _scatter(
         out = _combined(destination, total, counts, reduce, include_self)
     else:
         return NotImplemented
-    return from_local_spec(out, indexed.x._spec.with_dtype(out.dtype))
+    result = from_local_spec(out, indexed.x._spec.with_dtype(out.dtype))
+    return indexed.x.copy_(result) if in_place else result
 
 
 def _combined(
@@ -322,13 +330,6 @@ def _combined(
     return torch.where(counts > 0, total / counts.clamp(min=1), destination)
 
 
-def _in_place(destination: ShardTensor, result: object) -> object:
-    if result is NotImplemented:
-        return result
-    destination.copy_(result)
-    return destination
-
-
 @register_function_handler(torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_)
 def _index_add(func, args, kwargs):
     if "out" in kwargs:
@@ -337,8 +338,15 @@ def _index_add(func, args, kwargs):
     if indexed is None or indexed.index.ndim != 1:
         return NotImplemented
     source = arg(args, kwargs, 3, "source")
-    result = _scatter(indexed, source, "sum", True, "index_add", alpha=kwargs.get("alpha", 1))
-    return _in_place(args[0], result) if func is torch.Tensor.index_add_ else result
+    return _scatter(
+        indexed,
+        source,
+        "sum",
+        True,
+        "index_add",
+        in_place=func is torch.Tensor.index_add_,
+        alpha=kwargs.get("alpha", 1),
+    )
 
 
 @register_function_handler(torch.scatter_add, torch.Tensor.scatter_add, torch.Tensor.scatter_add_)
@@ -348,8 +356,9 @@ def _scatter_add(func, args, kwargs):
     indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
     if indexed is None:
         return NotImplemented
-    result = _scatter(indexed, arg(args, kwargs, 3, "src"), "sum", True, "scatter_add")
-    return _in_place(args[0], result) if func is torch.Tensor.scatter_add_ else result
+    source = arg(args, kwargs, 3, "src")
+    in_place = func is torch.Tensor.scatter_add_
+    return _scatter(indexed, source, "sum", True, "scatter_add", in_place=in_place)
 
 
 @register_function_handler(
@@ -363,5 +372,6 @@ def _scatter_reduce(func, args, kwargs):
         return NotImplemented
     reduce = arg(args, kwargs, 4, "reduce")
     include_self = arg(args, kwargs, 5, "include_self", True)
-    result = _scatter(indexed, arg(args, kwargs, 3, "src"), reduce, include_self, "scatter_reduce")
-    return _in_place(args[0], result) if func is torch.Tensor.scatter_reduce_ else result
+    source = arg(args, kwargs, 3, "src")
+    in_place = func is torch.Tensor.scatter_reduce_
+    return _scatter(indexed, source, reduce, include_self, "scatter_reduce", in_place=in_place)
