@@ -85,9 +85,8 @@ def _metis(edge_index: torch.Tensor, num_nodes: int, parts: int, seed: int) -> t
     xadj = np.zeros(num_nodes + 1, dtype=np.int64)
     np.add.at(xadj, pairs[:, 0] + 1, 1)
     options = pymetis.Options(seed=seed)
-    _, membership = pymetis.part_graph(
-        parts, xadj=np.cumsum(xadj), adjncy=pairs[:, 1], options=options
-    )
+    adjacency = pymetis.CSRAdjacency(np.cumsum(xadj), pairs[:, 1])
+    _, membership = pymetis.part_graph(parts, adjacency, options=options)
     return torch.as_tensor(np.asarray(membership), dtype=torch.int64)
 
 
@@ -107,17 +106,24 @@ def _bisect(
     _bisect(coordinates, order[split:], first + left, parts - left, out)
 
 
-def _check_edge_index(edge_index: torch.Tensor, num_nodes: int) -> None:
+def _check_edge_index(
+    edge_index: torch.Tensor, num_nodes: int, covered_by: str | None = None
+) -> None:
     if edge_index.ndim != 2 or edge_index.shape[0] != 2 or edge_index.is_floating_point():
         raise ValueError(
             f"edge_index must be an integer tensor of shape (2, E), got {edge_index.dtype} of "
             f"shape {tuple(edge_index.shape)}"
         )
     if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= num_nodes):
-        bad = edge_index[(edge_index < 0) | (edge_index >= num_nodes)][0]
+        bad = int(edge_index[(edge_index < 0) | (edge_index >= num_nodes)][0])
+        if covered_by is not None and bad >= 0:
+            raise ValueError(
+                f"{covered_by} does not cover every node: edge_index holds node {bad}, but "
+                f"the partition gives parts to nodes [0, {num_nodes}) only"
+            )
         raise ValueError(
-            f"edge_index holds node {int(bad)}, outside the graph's {num_nodes} nodes; "
-            f"expected node ids in [0, {num_nodes})"
+            f"edge_index holds node {bad}, outside the graph's {num_nodes} nodes; expected "
+            f"node ids in [0, {num_nodes})"
         )
 
 
@@ -147,7 +153,14 @@ class GraphPartition:
     edge_index: torch.Tensor
 
     @classmethod
-    def build(cls, edge_index: torch.Tensor, parts: torch.Tensor, num_parts: int) -> GraphPartition:
+    def build(
+        cls,
+        edge_index: torch.Tensor,
+        parts: torch.Tensor,
+        num_parts: int,
+        *,
+        num_nodes: int | None = None,
+    ) -> GraphPartition:
         """Number a graph by ``parts``.
 
         Parameters
@@ -155,14 +168,29 @@ class GraphPartition:
         edge_index : Tensor
             ``(2, E)`` source and destination of every edge, original node ids.
         parts : Tensor
-            ``(N,)`` the part of every node, in ``[0, num_parts)``; N is the node count.
+            ``(N,)`` the part of every node, in ``[0, num_parts)``.
         num_parts : int
             P, e.g. the ranks along the mesh axis that will hold the graph.
+        num_nodes : int, optional
+            N, checked against ``parts``; default ``len(parts)``.
+
+        Raises
+        ------
+        ValueError
+            If ``parts`` does not give every node one part in ``[0, num_parts)`` (too few or
+            too many entries, a part outside the range, an edge at a node it does not cover)
+            or ``edge_index`` is malformed. Every rank holds the same inputs, so every rank
+            raises.
         """
         parts = torch.as_tensor(parts)
         _check_parts(parts, num_parts)
+        if num_nodes is not None and parts.shape[0] != num_nodes:
+            raise ValueError(
+                f"the partition does not cover every node: parts gives {parts.shape[0]} "
+                f"node(s) a part, the graph has {num_nodes}"
+            )
         num_nodes = parts.shape[0]
-        _check_edge_index(edge_index, num_nodes)
+        _check_edge_index(edge_index, num_nodes, covered_by="the partition")
         edge_index = edge_index.to(torch.int64).cpu()
         parts = parts.to(torch.int64).cpu()
         node_order = torch.argsort(parts, stable=True)
