@@ -98,6 +98,12 @@ OPS = {
     "amax_in_place": lambda x, e, src, dst: torch.zeros_like(x).scatter_reduce_(
         0, _dst_expanded(dst, e), e * x[src], "amax", include_self=False
     ),
+    "amax_remote": lambda x, e, src, dst: x.scatter_reduce(
+        0, _dst_expanded(src, e), e, "amax", include_self=False
+    ),
+    "amin_remote_ties": lambda x, e, src, dst: x.round().scatter_reduce(
+        0, _dst_expanded(src, e), e - e.detach() + e.detach().round().clamp(-1, 1), "amin"
+    ),
     "amin_owned": lambda x, e, src, dst: x.scatter_reduce(0, _dst_expanded(dst, e), e, "amin"),
 }
 

@@ -38,7 +38,15 @@ import torch
 
 from shardsci.tensor._collectives import AxisGroup, exchange
 
-__all__ = ["GatherPlan", "gather_plan", "halo_extend", "halo_reduce"]
+__all__ = [
+    "GatherPlan",
+    "extended_rows",
+    "gather_plan",
+    "halo_extend",
+    "halo_reduce",
+    "rows_sent_home",
+    "summed_rows",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -277,10 +285,12 @@ def _halo_rows(
     return [received[k] for k in range(size) if k != me]
 
 
-def _returned_rows(halo: torch.Tensor, plan: GatherPlan, dim: int, kind: str) -> torch.Tensor:
-    """Send each halo row back to its owner; return what arrives, in ``send_rows`` order."""
+def rows_sent_home(extended: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+    """Send each halo row of ``extended`` (``[owned | halo]`` rows along ``dim``) back to its
+    owner; return the rows that arrive, along ``dim`` in ``plan.send_rows`` order. Not
+    differentiable."""
     me, size = plan.group.index, plan.group.size
-    rows = halo.movedim(dim, 0)
+    rows = extended.narrow(dim, plan.owned, plan.halo).movedim(dim, 0)
     trailing = tuple(rows.shape[1:])
     splits = [plan.halo_counts[me][k] if k != me else 0 for k in range(size)]
     outgoing = list(rows.split(splits))
@@ -290,46 +300,47 @@ def _returned_rows(halo: torch.Tensor, plan: GatherPlan, dim: int, kind: str) ->
         lambda src, dst: (plan.halo_counts[src][dst], *trailing),
         dtype=rows.dtype,
         device=rows.device,
-        kind=kind,
+        kind="scatter",
     )
     return torch.cat([received[r] for r in range(size) if r != me]).movedim(0, dim)
 
 
-def _extend(owned: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+def extended_rows(owned: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+    """``owned`` rows followed by the halo rows other ranks send. Not differentiable."""
     halo = [rows.movedim(0, dim) for rows in _halo_rows(owned, plan, dim, "gather")]
     return torch.cat([owned, *halo], dim)
 
 
-def _reduce(extended: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+def summed_rows(extended: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+    """The owned rows of ``extended`` plus the halo rows other ranks hold for them (the
+    adjoint of :func:`extended_rows`). Not differentiable."""
     owned = extended.narrow(dim, 0, plan.owned)
-    halo = extended.narrow(dim, plan.owned, plan.halo)
-    arrived = _returned_rows(halo, plan, dim, "scatter")
-    return owned.index_add(dim, plan.send_rows, arrived)
+    return owned.index_add(dim, plan.send_rows, rows_sent_home(extended, plan, dim))
 
 
 class _HaloExtend(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, owned: torch.Tensor, plan: GatherPlan, dim: int, replicated: bool):  # type: ignore[override]
         ctx.plan, ctx.dim, ctx.replicated = plan, dim, replicated
-        return _extend(owned, plan, dim)
+        return extended_rows(owned, plan, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         if ctx.replicated:
             # Every rank holds the whole output gradient: the owner's share is complete.
             return grad.narrow(ctx.dim, 0, ctx.plan.owned), None, None, None
-        return _reduce(grad.contiguous(), ctx.plan, ctx.dim), None, None, None
+        return summed_rows(grad.contiguous(), ctx.plan, ctx.dim), None, None, None
 
 
 class _HaloReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, extended: torch.Tensor, plan: GatherPlan, dim: int):  # type: ignore[override]
         ctx.plan, ctx.dim = plan, dim
-        return _reduce(extended, plan, dim)
+        return summed_rows(extended, plan, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        return _extend(grad.contiguous(), ctx.plan, ctx.dim), None, None
+        return extended_rows(grad.contiguous(), ctx.plan, ctx.dim), None, None
 
 
 def halo_extend(

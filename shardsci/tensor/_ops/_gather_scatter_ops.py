@@ -9,10 +9,12 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   index; a rank receives only the distinct remote rows its index names, once per plan use;
 - a replicated index (a plain tensor) gives a replicated output; each rank broadcasts only the
   selected rows it owns;
-- scatters write through the index into the rows this rank owns plus its halo, and the halo
-  rows travel back to their owners; sum and mean combine across ranks (mean also sends the
-  counts, in the same message), other reductions run locally when every index value is owned
-  by the rank that holds it (as for a graph's destinations) and otherwise decline.
+- scatters run locally when every index value is owned by the rank that holds it (as for a
+  graph's destinations); otherwise they write through the index into the rows this rank owns
+  plus its halo, and the halo rows travel back to their owners, where sum and mean add them
+  (mean also sends the counts, in the same message) and amax/amin take their extremum (its
+  backward shares the gradient among ties on all ranks, as torch does). ``prod`` and integer
+  reductions into remote rows decline.
 These run above autograd: they compose the plan's differentiable exchanges with local torch
 ops, so the backward of a gather is a scatter-sum of the same plan and vice versa. Anything
 else (boolean masks, several tensor indices, an index sharded over other axes, a destination
@@ -22,13 +24,22 @@ sharded on other dims too) declines to the default path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._collectives import AxisGroup
-from shardsci.tensor._gather_plan import GatherPlan, gather_plan, halo_extend, halo_reduce
+from shardsci.tensor._gather_plan import (
+    GatherPlan,
+    extended_rows,
+    gather_plan,
+    halo_extend,
+    halo_reduce,
+    rows_sent_home,
+    summed_rows,
+)
 from shardsci.tensor._ops._common import arg, dim_layout, replicated_local
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
@@ -279,6 +290,9 @@ def _scatter(
     values = _source_local(indexed, source, dim)
     if values is None:
         return NotImplemented
+    if what != "index_add":
+        # scatter reads only the part of the source its index covers
+        values = values[tuple(slice(0, n) for n in indexed.index.shape)]
     destination = indexed.x.to_local()
     if in_place:
         # The local ops may save the destination for backward (amax compares with it); the
@@ -299,6 +313,8 @@ def _scatter(
             out = destination.scatter_reduce(
                 dim, plan.local_index, values, reduce, include_self=include_self
             )
+    elif reduce in ("amax", "amin") and destination.is_floating_point():
+        out = _ScatterExtremum.apply(destination, values, plan, dim, reduce, include_self)
     elif reduce in ("sum", "mean") and destination.is_floating_point():
         total, counts = _scatter_into_owned(
             indexed,
@@ -312,6 +328,65 @@ def _scatter(
         return NotImplemented
     result = from_local_spec(out, indexed.x._spec.with_dtype(out.dtype))
     return indexed.x.copy_(result) if in_place else result
+
+
+class _ScatterExtremum(torch.autograd.Function):
+    """``scatter_reduce`` amax/amin into owned rows from values that may target other ranks'
+    rows: each rank reduces its values per target row, the partial extrema of halo rows travel
+    to their owners (one exchange), and the backward shares each gradient evenly among all
+    values equal to the result, on whichever rank they are, as torch does (counting a
+    destination element equal to the result even when it is not included)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        destination: torch.Tensor,
+        values: torch.Tensor,
+        plan: GatherPlan,
+        dim: int,
+        reduce: str,
+        include_self: bool,
+    ) -> torch.Tensor:
+        index = plan.local_index
+        shape = list(destination.shape)
+        shape[dim] = plan.owned + plan.halo
+        identity = float("-inf") if reduce == "amax" else float("inf")
+        partial = destination.new_full(shape, identity).scatter_reduce(dim, index, values, reduce)
+        counts = destination.new_zeros(shape).scatter_add(dim, index, torch.ones_like(values))
+        arrived = rows_sent_home(torch.stack([partial, counts], -1), plan, dim)
+        owned = partial.narrow(dim, 0, plan.owned).index_reduce(
+            dim, plan.send_rows, arrived[..., 0], reduce
+        )
+        touched = summed_rows(counts, plan, dim) > 0
+        if include_self:
+            owned = (
+                torch.maximum(owned, destination)
+                if reduce == "amax"
+                else torch.minimum(owned, destination)
+            )
+        result = torch.where(touched, owned, destination)
+        ctx.save_for_backward(destination, values, result, touched)
+        ctx.plan, ctx.dim, ctx.include_self = plan, dim, include_self
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        destination, values, result, touched = ctx.saved_tensors
+        plan, dim, index = ctx.plan, ctx.dim, ctx.plan.local_index
+        result_rows = extended_rows(result, plan, dim)
+        value_is_result = values == result_rows.gather(dim, index)
+        ties = summed_rows(
+            torch.zeros_like(result_rows).scatter_add(dim, index, value_is_result.to(grad.dtype)),
+            plan,
+            dim,
+        )
+        self_is_result = (destination == result).to(grad.dtype)
+        shared = grad / (ties + self_is_result)
+        grad_values = value_is_result * extended_rows(shared, plan, dim).gather(dim, index)
+        grad_destination = self_is_result * shared
+        if not ctx.include_self:
+            grad_destination = torch.where(touched, 0.0, grad_destination)
+        return grad_destination, grad_values, None, None, None, None
 
 
 def _combined(
