@@ -45,7 +45,7 @@ BLOCKS = 6
 def _inputs(spacing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Edge index, node features ``(N, 3)`` and edge features ``(E, 3)`` of the mesh."""
     mesh = cylinder_mesh(
-        CylinderFlowConfig().cylinders, MeshConfig(spacing=spacing, wall_spacing=spacing / 2)
+        CylinderFlowConfig().circles, MeshConfig(spacing=spacing, wall_spacing=spacing / 2)
     )
     edge_index = mesh.edge_index
     generator = torch.Generator().manual_seed(0)

@@ -87,12 +87,12 @@ def mlp(
 def aggregate(
     messages: torch.Tensor, dst: torch.Tensor, nodes: torch.Tensor, how: str
 ) -> torch.Tensor:
-    """Combine ``messages`` ``(E, H)`` at their destinations ``dst`` ``(E,)`` into ``(N, H)``,
-    shaped and laid out like ``nodes``."""
+    """Combine ``messages`` ``(E, *B, H)`` at their destinations ``dst`` ``(E,)`` into
+    ``(N, *B, H)``, shaped and laid out like ``nodes``."""
     out = torch.zeros_like(nodes)
     if how == "sum":
         return out.index_add_(0, dst, messages)
-    index = dst.unsqueeze(-1).expand_as(messages)
+    index = dst.reshape(-1, *[1] * (messages.ndim - 1)).expand_as(messages)
     return out.scatter_reduce_(0, index, messages, _SCATTER_REDUCE[how], include_self=False)
 
 
@@ -108,7 +108,7 @@ class ProcessorBlock(nn.Module):
     def forward(
         self, nodes: torch.Tensor, edges: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(N, H)`` nodes and ``(E, H)`` edges in, the same shapes out."""
+        """``(N, *B, H)`` nodes and ``(E, *B, H)`` edges in, the same shapes out."""
         messages = self.edge_mlp(torch.cat([edges, nodes[src], nodes[dst]], dim=-1))
         incoming = aggregate(messages, dst, nodes, self.aggregation)
         nodes = nodes + self.node_mlp(torch.cat([nodes, incoming], dim=-1))
@@ -146,16 +146,16 @@ class MeshGraphNet(nn.Module):
         Parameters
         ----------
         node_features
-            ``(N, F_v)``.
+            ``(N, *B, F_v)``: optional batch dims B hold several samples on one mesh.
         edge_features
-            ``(E, F_e)``, one row per column of ``edge_index``.
+            ``(E, *B, F_e)``, one row per column of ``edge_index``, the same batch dims.
         edge_index
             ``(2, E)`` integer source and destination node of every edge, in ``[0, N)``.
 
         Returns
         -------
         torch.Tensor
-            ``(N, F_out)``.
+            ``(N, *B, F_out)``.
 
         Raises
         ------
@@ -176,17 +176,19 @@ class MeshGraphNet(nn.Module):
 
     def _check_inputs(self, nodes: torch.Size, edges: torch.Size, edge_index: torch.Size) -> None:
         config = self.config
-        if len(nodes) != 2 or nodes[1] != config.node_in:
+        if len(nodes) < 2 or nodes[-1] != config.node_in:
             raise ValueError(
-                f"MeshGraphNet expects node features (N, {config.node_in}), got shape "
+                f"MeshGraphNet expects node features (N, *B, {config.node_in}), got shape "
                 f"{tuple(nodes)}"
             )
         if len(edge_index) != 2 or edge_index[0] != 2:
             raise ValueError(
                 f"MeshGraphNet expects edge_index (2, E), got shape {tuple(edge_index)}"
             )
-        if len(edges) != 2 or edges[1] != config.edge_in or edges[0] != edge_index[1]:
+        batch = tuple(nodes[1:-1])
+        if tuple(edges) != (edge_index[1], *batch, config.edge_in):
+            expected = (edge_index[1], *batch, config.edge_in)
             raise ValueError(
-                f"MeshGraphNet expects edge features ({edge_index[1]}, {config.edge_in}) for "
-                f"{edge_index[1]} edges, got shape {tuple(edges)}"
+                f"MeshGraphNet expects edge features {expected} for {edge_index[1]} edges and "
+                f"node features {tuple(nodes)}, got shape {tuple(edges)}"
             )

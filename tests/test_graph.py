@@ -128,7 +128,7 @@ def _bad_edge_index_body() -> None:
     )
     assert_raises_all_ranks(
         ValueError,
-        r"expects node features \(N, 3\), got shape \(40, 2\)",
+        r"expects node features \(N, \*B, 3\), got shape \(40, 2\)",
         lambda: model(x[:, :2], e, graph.edge_index),
     )
 

@@ -28,7 +28,7 @@ SMALL = MeshDataConfig(
 
 
 def test_mesh_has_one_hole_per_cylinder() -> None:
-    cylinders = CylinderFlowConfig().cylinders
+    cylinders = CylinderFlowConfig().circles
     mesh = cylinder_mesh(cylinders, MeshConfig())
     undirected = mesh.edge_index.shape[1] // 2
     euler = mesh.positions.shape[0] - undirected + mesh.triangles.shape[0]
@@ -68,7 +68,7 @@ def test_rejects_unstable_settings() -> None:
     with pytest.raises(ValueError, match=r"dt=0.05 is too large for penalty_time=0.005"):
         CylinderFlowConfig(dt=0.05)
     with pytest.raises(ValueError, match=r"cylinder \(x=1.9, y=0.5, r=0.1\) must lie inside"):
-        CylinderFlowConfig(cylinders=((1.9, 0.5, 0.1),))
+        CylinderFlowConfig(cylinders=(1.9, 0.5, 0.1))
 
 
 @pytest.fixture(scope="module")

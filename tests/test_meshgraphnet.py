@@ -76,9 +76,9 @@ def test_rejects_mismatched_inputs() -> None:
     positions, edge_index = _mesh_graph()
     nodes, edges = _features(positions, edge_index)
     model = MeshGraphNet(**TINY).double()
-    with pytest.raises(ValueError, match=r"edge features \(\d+, 3\) for \d+ edges, got shape"):
+    with pytest.raises(ValueError, match=r"edge features \(\d+, 3\) for \d+ edges and node"):
         model(nodes, edges[:-1], edge_index)
-    with pytest.raises(ValueError, match=r"node features \(N, 3\), got shape \(40, 2\)"):
+    with pytest.raises(ValueError, match=r"node features \(N, \*B, 3\), got shape \(40, 2\)"):
         model(nodes[:, :2], edges, edge_index)
 
 
@@ -97,12 +97,15 @@ def test_permutation_equivariant() -> None:
 
 
 # ---------------------------------------------------------------------------- partitioned
-def _sharded_body(parts_name: str, aggregation: str) -> None:
+def _sharded_body(parts_name: str, aggregation: str, batch: int) -> None:
     world = 2 if parts_name == "metis-2" else 4
     mesh = get_mesh((world,))
     positions, edge_index = _mesh_graph()
     partition = GraphPartition.build(edge_index, _parts(parts_name, positions, edge_index), world)
     nodes, edges = _features(positions, edge_index)
+    if batch:
+        nodes = torch.stack([nodes, nodes.flip(1)], 1)[:, :batch]
+        edges = torch.stack([edges, -edges], 1)[:, :batch]
     torch.manual_seed(0)
     model = MeshGraphNet(**TINY, aggregation=aggregation).double()
     node_layout = Layout((Shard(0),), {0: partition.node_sizes})
@@ -119,11 +122,18 @@ def _sharded_body(parts_name: str, aggregation: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("parts_name", "aggregation"),
-    [("metis-2", "sum"), ("metis-2", "mean"), ("rcb-empty", "sum"), ("rcb-empty", "max")],
+    ("parts_name", "aggregation", "batch"),
+    [
+        ("metis-2", "sum", 0),
+        ("metis-2", "mean", 2),
+        ("rcb-empty", "sum", 0),
+        ("rcb-empty", "max", 2),
+    ],
 )
-def test_partitioned_equals_single_device(parts_name: str, aggregation: str) -> None:
-    run_on_ranks(2 if parts_name == "metis-2" else 4, _sharded_body, parts_name, aggregation)
+def test_partitioned_equals_single_device(parts_name: str, aggregation: str, batch: int) -> None:
+    """Sharded == single device; ``batch`` > 0 adds a batch dim of that many samples."""
+    world = 2 if parts_name == "metis-2" else 4
+    run_on_ranks(world, _sharded_body, parts_name, aggregation, batch)
 
 
 def _graph_api_body() -> dict[str, int]:

@@ -51,8 +51,8 @@ class CylinderFlowConfig:
     """Grid points along y."""
     viscosity: float = 2e-3
     """ν; with unit inflow and radius 0.1 the Reynolds number 2rU/ν is 100."""
-    cylinders: tuple[Cylinder, ...] = ((0.4, 0.45, 0.1), (0.85, 0.62, 0.08))
-    """Obstacles (x, y, radius)."""
+    cylinders: tuple[float, ...] = (0.4, 0.45, 0.1, 0.85, 0.62, 0.08)
+    """Obstacles, one (x, y, radius) triple after another."""
     penalty_time: float = 5e-3
     """η: the time over which the velocity inside an obstacle decays to 0."""
     edge_width: float = 1.5
@@ -79,7 +79,12 @@ class CylinderFlowConfig:
                 f"dt={self.dt:g} is too large for penalty_time={self.penalty_time:g}: explicit "
                 f"RK4 needs dt / penalty_time <= 2.5 (NOTE [Time stepping of the cylinder flow])"
             )
-        for x, y, r in self.cylinders:
+        if len(self.cylinders) % 3:
+            raise ValueError(
+                f"CylinderFlowConfig.cylinders holds (x, y, radius) triples, got "
+                f"{len(self.cylinders)} numbers"
+            )
+        for x, y, r in self.circles:
             if not (
                 r > 0 and r < x < self.length - self.sponge_width - r and r < y < self.height - r
             ):
@@ -87,6 +92,12 @@ class CylinderFlowConfig:
                     f"cylinder (x={x}, y={y}, r={r}) must lie inside the box, before the sponge "
                     f"(x < {self.length - self.sponge_width:g})"
                 )
+
+    @property
+    def circles(self) -> tuple[Cylinder, ...]:
+        """The obstacles as (x, y, radius) triples."""
+        c = self.cylinders
+        return tuple((c[k], c[k + 1], c[k + 2]) for k in range(0, len(c), 3))
 
     @property
     def spacing(self) -> tuple[float, float]:
@@ -197,7 +208,7 @@ def obstacle_mask(x: torch.Tensor, y: torch.Tensor, config: CylinderFlowConfig) 
     """χ: 1 inside the cylinders, 0 outside, a tanh edge of ``edge_width`` grid spacings."""
     width = config.edge_width * min(config.spacing)
     mask = torch.zeros(torch.broadcast_shapes(x.shape, y.shape), dtype=x.dtype)
-    for cx, cy, r in config.cylinders:
+    for cx, cy, r in config.circles:
         distance = torch.sqrt((x - cx) ** 2 + (y - cy) ** 2) - r
         mask = torch.maximum(mask, 0.5 * (1 - torch.tanh(2 * distance / width)))
     return mask

@@ -66,7 +66,7 @@ def generate(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
     """Simulate ``config`` and write the dataset to ``path`` (atomically: a partial file is
     never left under that name)."""
     path = Path(path)
-    mesh = cylinder_mesh(config.flow.cylinders, config.mesh)
+    mesh = cylinder_mesh(config.flow.circles, config.mesh)
     solver = CylinderFlow(config.flow)
     generator = torch.Generator().manual_seed(config.seed)
     low, high = config.inflow_range
