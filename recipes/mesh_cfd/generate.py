@@ -62,6 +62,25 @@ class MeshDataConfig:
         return self.record_every * self.flow.dt
 
 
+def ensure_dataset(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
+    """Return ``path``, generating it first if it is absent or holds other data than
+    ``config`` (its ``config`` attribute differs). Call it on one rank only."""
+    path = Path(path)
+    if path.exists():
+        try:
+            with h5py.File(path, "r") as file:
+                stored = file.attrs.get("config")
+        except OSError:
+            stored = None
+        if stored == _config_json(config):
+            return path
+    return generate(path, config)
+
+
+def _config_json(config: MeshDataConfig) -> str:
+    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+
+
 def generate(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
     """Simulate ``config`` and write the dataset to ``path`` (atomically: a partial file is
     never left under that name)."""
@@ -102,6 +121,6 @@ def generate(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
         file.attrs["record_dt"] = config.record_dt
         file.attrs["channels"] = list(CHANNELS)
         file.attrs["node_types"] = list(NODE_TYPES)
-        file.attrs["config"] = json.dumps(dataclasses.asdict(config))
+        file.attrs["config"] = _config_json(config)
     os.replace(partial, path)
     return path
