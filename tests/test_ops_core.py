@@ -226,17 +226,6 @@ PER_DIM_LAYOUTS: dict[str, Callable[[Case, int], Layout]] = {
     "argmax_dim": _reduction(Replicate()),
     "argmin_dim": _reduction(Replicate(), keepdim=True),
 }
-# index_select along a sharded dim gathers the whole input (no handler yet: graph helper).
-_GATHERS = {
-    ("index_sharded", name)
-    for name in (
-        "4r-40/33/30/28",
-        "4r-0/3/4/2",
-        "4r-dim1-2/0/5/1",
-        "2x2-nested",
-        "2x2-replicate-shard",
-    )
-}
 # Candidates (value, index) of a (3, 4) result from four ranks outweigh a 6-row input.
 _HEAVY_CANDIDATES = {("argmax_dim", "2x2-nested", 0), ("argmin_dim", "2x2-nested", 0)}
 
@@ -274,19 +263,8 @@ def _per_dim_body(case: Case, name: str, dim: int) -> None:
     )
 
 
-def _xfail_gathers(name: str, case: Case) -> object:
-    marks = ()
-    if (name, case.name) in _GATHERS:
-        marks = pytest.mark.xfail(
-            reason="index_select along a sharded dim gathers the whole input on every rank",
-            strict=True,
-        )
-    return pytest.param(case, name, marks=marks, id=f"{name}-{case}")
-
-
-@pytest.mark.parametrize(
-    ("case", "name"), [_xfail_gathers(n, c) for c in CASES for n in [*UNARY, *NO_GRAD]]
-)
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("name", [*UNARY, *NO_GRAD])
 def test_unary(case: Case, name: str) -> None:
     run_on_ranks(case.world, _unary_body, case, name)
 

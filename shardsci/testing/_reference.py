@@ -75,7 +75,7 @@ class Layout:
 
 
 # What an output's layout is stated as: a Layout, a function of its global shape, or None.
-ExpectedLayout = Layout | Callable[[tuple[int, ...]], Layout] | None
+ExpectedLayout = Layout | Callable[[tuple[int, ...]], Layout | None] | None
 
 
 def check_against_reference(
@@ -108,9 +108,9 @@ def check_against_reference(
         gradients are compared too.
     out_layouts : sequence, optional
         The layout each output must have (NOTE [An output's layout is stated]), one per
-        output: a Layout, a function of the output's global shape returning one, or None
-        (as when no sequence is given) for the default: the first sharded input's layout, for
-        an output of its shape.
+        output: a Layout, a function of the output's global shape returning one (or None), or
+        None (as when no sequence is given) for the default: the first sharded input's layout,
+        for an output of its shape.
     grad : bool
         Also compare gradients (floating-point inputs and outputs only).
     not_a_gather : str
@@ -193,6 +193,8 @@ def _layout_problem(
     sharded = [(x, layout) for x, layout in zip(inputs, layouts) if layout is not None]
     if not isinstance(out, torch.Tensor) or not sharded:
         return ""
+    if stated is not None and not isinstance(stated, Layout):
+        stated = stated(tuple(out.shape))
     if stated is None:
         first, layout = sharded[0]
         if tuple(out.shape) != tuple(first.shape):
@@ -201,8 +203,6 @@ def _layout_problem(
                 f"{tuple(first.shape)}: state its layout (out_layouts=...)"
             )
         stated = layout
-    elif not isinstance(stated, Layout):
-        stated = stated(tuple(out.shape))
     try:
         expected = stated.spec(mesh, out)
     except ValueError as exc:
