@@ -47,8 +47,8 @@ def target_spec(
 
     Shard sizes come from ``sizes`` (tensor dim -> flat extents) when given, else stay as in
     ``src`` for a dim sharded over the same axes, else come from the hints (the sizes the dim
-    had when it was last sharded over those axes, in that order), else follow ``torch.chunk``
-    over the axes in increasing order.
+    had when it was last sharded over those axes, in that order: NOTE [Shard-size hints]),
+    else follow ``torch.chunk`` over the axes in increasing order.
     """
     placements = tuple(placements)
     ndim = src.ndim

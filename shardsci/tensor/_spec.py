@@ -119,9 +119,8 @@ class ShardTensorSpec:
     shardings : tuple of DimSharding
         One entry per sharded tensor dim, ordered by dim.
     hints : tuple of DimSharding
-        Extents this tensor's dims had when they were last sharded; redistribution reuses them
-        when a dim is sharded again over the same axes, so ``Shard(i) -> Shard(j) -> Shard(i)``
-        restores uneven sizes. Not part of equality.
+        Shard sizes this tensor's dims had when last sharded, oldest first (NOTE [Shard-size
+        hints]). Part of the cache key, not of ``same_layout``.
     """
 
     mesh: DeviceMesh
@@ -297,6 +296,28 @@ class ShardTensorSpec:
         )
 
 
+# NOTE [Shard-size hints]
+# Uneven shard sizes are chosen once (by the user, the data, or an op's ownership rule) and
+# must survive layout changes that forget them: ``Shard(i) -> Shard(j) -> Shard(i)``,
+# downsample then upsample, a forward FFT then its inverse, a slice then its backward. So a
+# spec carries ``hints``: the DimShardings its dims had before, oldest first, at most
+# ``_MAX_HINTS``, one per (axes, sizes). Writers: every op that derives an output spec from its
+# inputs' passes their hints on (``merged_hints``: the inputs' hints and current shardings,
+# newest last) -- the default path (``_propagation``), views, matmul/einsum, windowed ops,
+# FFTs, slices; redistribution keeps the newest per (dim, set of axes) (``_updated_hints``).
+# Readers, each taking a hint only when its axes (and extent) match what it must size:
+# - ``_redistribute.target_spec``: a dim sharded again over the same set of axes takes the
+#   newest hint's sizes and axis order (a current sharding wins over a hint);
+# - ``_propagation._reference_sizes``: operands aligned over axes no operand is currently
+#   sharded over take the sizes an operand remembers for those axes and extent (the oldest
+#   match);
+# - ``_ops/_windows.owned_sizes``: an upsampling window (transposed conv, interpolation) whose
+#   output extent a newest hint remembers takes those sizes (the layout before downsampling);
+# - ``_ops/_fft_ops``: a moved dim takes the sizes last remembered for that dim, axes and
+#   extent; an inverse transform returns to the layout the hints remember;
+# - ``_ops/_index_ops``: a slice's backward writes into the remembered forward layout when its
+#   counts match; ``select_backward`` finds the forward's sharding among the newest hints.
+# Hints are not part of ``same_layout``: two specs with the same shards are the same layout.
 _MAX_HINTS = 8
 
 
