@@ -27,15 +27,15 @@ FORBIDDEN = {
 }
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imported_names(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``path``."""
+def _imported_names(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path`` (a file under ``root``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    package = _module_name(path)
+    package = _module_name(path, root)
     if path.name != "__init__.py":
         package = package.rpartition(".")[0]
     found = []
@@ -69,7 +69,7 @@ def static_violations(package: str, root: Path = ROOT) -> list[str]:
     """``file:line imports name`` for every forbidden import in ``package``'s sources."""
     violations = []
     for path in sorted((root / package).rglob("*.py")):
-        for line, name in _imported_names(path):
+        for line, name in _imported_names(path, root):
             if name.split(".")[0] in FORBIDDEN[package]:
                 violations.append(f"{path.relative_to(root)}:{line} imports {name}")
     return violations
