@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from shardsci import ShardTensor, comm_counter
+from shardsci import ShardTensor
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
     Layout,
     check_against_reference,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -174,7 +175,7 @@ def _bytes_body(graph: Graph) -> dict[str, int]:
     x = from_local_spec(x_spec.narrow(x_whole).clone().requires_grad_(), x_spec)
     index = from_local_spec(src_spec.narrow(src), src_spec)
     x[index]  # builds and caches the plan
-    with comm_counter() as stats:
+    with counted_comm("gather") as stats:
         y = x[index]
         y.to_local().sum().backward()
     return {
