@@ -22,8 +22,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 from recipes.cfd.data import CFDData
 from recipes.cfd.evaluate import relative_l2, rollout_errors
@@ -31,6 +29,7 @@ from recipes.cfd.plots import save_comparison
 from shardsci import ShardTensor
 from shardsci.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from shardsci.distributed import device_for_local_rank, init_distributed
+from shardsci.parallel import parallelize
 from shardsci.training import (
     MetricLogger,
     ParallelConfig,
@@ -82,14 +81,16 @@ class _Run:
 
     # ------------------------------------------------------------------ setup
     def _parallel(self, model: nn.Module) -> nn.Module:
-        if self.layout.dp_size == 1:
-            return model
-        if self.train_cfg.parallel == "ddp":
-            return DistributedDataParallel(model, process_group=self.layout.dp_group)
-        if self.train_cfg.parallel == "fsdp2":
-            return fully_shard(model, mesh=self.layout.dp_mesh)
-        raise ValueError(
-            f"train.parallel must be 'ddp' or 'fsdp2', got {self.train_cfg.parallel!r}"
+        if self.train_cfg.parallel not in ("ddp", "fsdp2"):
+            raise ValueError(
+                f"train.parallel must be 'ddp' or 'fsdp2', got {self.train_cfg.parallel!r}"
+            )
+        return parallelize(
+            model,
+            self.layout.mesh,
+            dp_axis=self.layout.config.data_parallel,
+            domain_axes=self.layout.domain_axes,
+            dp_mode=self.train_cfg.parallel,
         )
 
     def _resume(self) -> int:

@@ -7,7 +7,8 @@ autograd Functions (``from_local``, ``to_local``, ``redistribute``), whose backw
 move gradients to the layout of the forward input: Shard stays Shard (same sizes), Replicate
 stays Replicate, Partial becomes Replicate. A plain tensor that requires grad and meets a
 ShardTensor (a module's weight) enters as ``from_local(w, mesh, [Replicate()] * ndim)``, so its
-gradient is the sum over shards, reduced once by that Function's backward.
+gradient is the sum over shards (NOTE [Where the gradient of a replicated parameter is summed]
+in ``_promotion``).
 """
 
 from __future__ import annotations
@@ -313,4 +314,3 @@ def _checked_user_placements(
 
 
 _dispatch.bind_tensor_type(ShardTensor)
-_function_dispatch.bind_promotion(ShardTensor, _FromLocal.apply)

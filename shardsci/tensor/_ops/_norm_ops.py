@@ -70,8 +70,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group, exchange
 from shardsci.tensor._ops._common import sharding_axes
+from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
-from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
+from shardsci.tensor._spec import ShardTensorSpec
 
 _REQUIRED = object()
 
@@ -255,7 +256,7 @@ def _local_parameter(
     if isinstance(p, ShardTensor):
         whole = p
     elif p.requires_grad and torch.is_grad_enabled():
-        whole = from_local_spec(p, replicated_spec(p, spec.mesh))
+        whole = promote_replicated(p, spec.mesh)
     else:
         return sliced.narrow(p)
     return redistribute(whole, sliced).to_local(grad_placements=grad_placements)
