@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-from shardsci.tensor._halo import domain_range, extend_dim, pad_locally, start_extend
+from shardsci.tensor._halo import Extension, extend, extension, start_extend
+from shardsci.tensor._halo_plan import domain_range
 from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, mesh_coordinate
 
@@ -32,6 +34,7 @@ __all__ = [
     "output_spec",
     "overlapped_windows",
     "owned_sizes",
+    "window_plan",
 ]
 
 
@@ -147,6 +150,39 @@ def owned_sizes(
     return tuple(sizes)
 
 
+@lru_cache(maxsize=4096)
+def window_plan(
+    spec: ShardTensorSpec,
+    windows: tuple[tuple[int, WindowLike], ...],
+    boundary: tuple[tuple[int, str], ...],
+) -> tuple[Extension, dict[int, tuple[int, ...]], dict[int, tuple[int, int]]]:
+    """The extension that gathers, along each windowed dim, the input cells this rank's
+    outputs read; the output shard sizes of sharded dims; this rank's output ranges.
+
+    Cached per layout and windows: nothing of it is recomputed per call.
+    """
+    bounds = dict(boundary)
+    out_sizes: dict[int, tuple[int, ...]] = {}
+    out_ranges: dict[int, tuple[int, int]] = {}
+    requests = []
+    for dim, window in windows:
+        extent = spec.shape[dim]
+        out_extent = window.output_extent(extent)
+        sharding = spec.sharding_by_dim.get(dim)
+        if sharding is None:
+            requests.append((dim, (window.input_range(0, out_extent, extent),), bounds[dim]))
+            out_ranges[dim] = (0, out_extent)
+            continue
+        sizes = owned_sizes(window, sharding, out_extent, spec.hints)
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        ranges = tuple(window.input_range(a, a + n, extent) for a, n in zip(starts, sizes))
+        requests.append((dim, ranges, bounds[dim]))
+        index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+        out_sizes[dim] = sizes
+        out_ranges[dim] = (starts[index], starts[index] + sizes[index])
+    return extension(spec, tuple(requests)), out_sizes, out_ranges
+
+
 def gather_windows(
     local: torch.Tensor,
     spec: ShardTensorSpec,
@@ -174,30 +210,10 @@ def gather_windows(
     out_ranges : dict
         Windowed dim -> this rank's output range ``[first, stop)``.
     """
-    out_sizes: dict[int, tuple[int, ...]] = {}
-    out_ranges: dict[int, tuple[int, int]] = {}
-    real: list[tuple[int, int, int]] = []
-    for dim in sorted(windows):
-        window = windows[dim]
-        extent = spec.shape[dim]
-        out_extent = window.output_extent(extent)
-        sharding = spec.sharding_by_dim.get(dim)
-        if sharding is None:
-            lo, hi = window.input_range(0, out_extent, extent)
-            local = pad_locally(local, dim, -lo, hi - extent, boundary[dim], fill)
-            out_ranges[dim] = (0, out_extent)
-        else:
-            sizes = owned_sizes(window, sharding, out_extent, spec.hints)
-            starts = [sum(sizes[:k]) for k in range(len(sizes))]
-            ranges = [window.input_range(a, a + n, extent) for a, n in zip(starts, sizes)]
-            local = extend_dim(local, spec, dim, ranges, boundary[dim], fill, real)
-            index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
-            out_sizes[dim] = sizes
-            out_ranges[dim] = (starts[index], starts[index] + sizes[index])
-            lo, hi = ranges[index]
-        if boundary[dim] == "zeros":
-            real.append(domain_range(dim, lo, hi, extent))
-    return local, out_sizes, out_ranges
+    ext, out_sizes, out_ranges = window_plan(
+        spec, tuple(sorted(windows.items())), tuple(sorted(boundary.items()))
+    )
+    return extend(local, ext, fill), out_sizes, out_ranges
 
 
 def output_spec(
@@ -238,23 +254,23 @@ def overlapped_windows(
     """
     others = {d: w for d, w in windows.items() if d != dim}
     local, _, out_ranges = gather_windows(local, spec, others, boundary, fill)
-    real = [
-        domain_range(
-            d, *w.input_range(0, w.output_extent(spec.shape[d]), spec.shape[d]), spec.shape[d]
-        )
-        for d, w in others.items()
-        if boundary[d] == "zeros"
-    ]
+    prior_real = []
+    for d, w in others.items():
+        lo, hi = w.input_range(0, w.output_extent(spec.shape[d]), spec.shape[d])
+        _, start, stop = domain_range(d, lo, hi, spec.shape[d])
+        if boundary[d] == "zeros" and (start, stop) != (0, hi - lo):
+            prior_real.append((d, start, stop - start))
     window = windows[dim]
     sharding = spec.sharding_by_dim[dim]
     extent = spec.shape[dim]
     sizes = owned_sizes(window, sharding, window.output_extent(extent), spec.hints)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    ranges = [window.input_range(a, a + n, extent) for a, n in zip(starts, sizes)]
+    ranges = tuple(window.input_range(a, a + n, extent) for a, n in zip(starts, sizes))
     index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
     first, stop = starts[index], starts[index] + sizes[index]
     out_ranges[dim] = (first, stop)
-    shard, finish = start_extend(local, spec, dim, ranges, boundary[dim], fill, real)
+    ext = extension(spec, ((dim, ranges, boundary[dim]),), tuple(prior_real))
+    shard, finish = start_extend(local, ext, fill)
     own = sum(sharding.sizes[:index])
     inner_first = max(first, window.first_inside(own))
     inner_stop = min(stop, window.last_inside(own + sharding.sizes[index]))
