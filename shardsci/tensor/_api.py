@@ -14,6 +14,7 @@ in ``_promotion``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -42,7 +43,10 @@ class ShardTensor(torch.Tensor):
 
     _local: torch.Tensor
     _spec: ShardTensorSpec
-    __slots__ = ("_local", "_spec")
+    _halo: Any
+    """Cells around this shard gathered with it, for the next windowed op (NOTE [A padded
+    tensor carries the halo its convolution reads] in ``_ops/_windows.py``), or None."""
+    __slots__ = ("_halo", "_local", "_spec")
 
     @staticmethod
     def __new__(
@@ -58,6 +62,7 @@ class ShardTensor(torch.Tensor):
         )
         result._local = local
         result._spec = spec
+        result._halo = None
         return result
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -271,23 +276,29 @@ class _ToLocal(torch.autograd.Function):
         ctx: Any, x: ShardTensor, grad_placements: tuple[Placement, ...] | None
     ) -> torch.Tensor:
         spec = x._spec
-        if grad_placements is None:
-            ctx.grad_spec = grad_spec(spec)
-        else:
-            ctx.grad_spec = ShardTensorSpec.build(
-                spec.mesh,
-                grad_placements,
-                spec.shape,
-                spec.dtype,
-                {s.dim: s.sizes for s in spec.shardings},
-                stride=spec.stride,
-                order={s.dim: s.axes for s in spec.shardings},
-            )
+        ctx.grad_spec = (
+            grad_spec(spec) if grad_placements is None else _as_placed(spec, grad_placements)
+        )
         return x._local.view_as(x._local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardTensor, None]:  # type: ignore[override]
         return ShardTensor(grad, ctx.grad_spec.with_dtype(grad.dtype)), None
+
+
+@lru_cache(maxsize=4096)
+def _as_placed(spec: ShardTensorSpec, placements: tuple[Placement, ...]) -> ShardTensorSpec:
+    """``spec`` with other placements, the same shard sizes (cached: ``to_local`` with
+    gradient placements is on the path of every weight's use)."""
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        spec.shape,
+        spec.dtype,
+        {s.dim: s.sizes for s in spec.shardings},
+        stride=spec.stride,
+        order={s.dim: s.axes for s in spec.shardings},
+    )
 
 
 # ---------------------------------------------------------------------------- validation

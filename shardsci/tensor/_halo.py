@@ -42,6 +42,7 @@ __all__ = [
     "extend",
     "extension",
     "halo_exchange",
+    "narrowed",
     "pad_locally",
     "start_extend",
 ]
@@ -190,7 +191,8 @@ def _domain_part(dim, plan, group, me, boundary, extent, wanted) -> Narrowing:
 
 
 # ---------------------------------------------------------------------------- steps
-def _narrowed(t: torch.Tensor, narrowings: Sequence[Narrowing]) -> torch.Tensor:
+def narrowed(t: torch.Tensor, narrowings: Sequence[Narrowing]) -> torch.Tensor:
+    """``t`` narrowed along each ``(dim, start, length)`` (a view)."""
     for dim, start, length in narrowings:
         t = t.narrow(dim, start, length)
     return t
@@ -199,9 +201,9 @@ def _narrowed(t: torch.Tensor, narrowings: Sequence[Narrowing]) -> torch.Tensor:
 def _view(t: torch.Tensor, step: _Step, start: int, length: int, real: bool) -> torch.Tensor:
     """Cells ``[start, start + length)`` of ``t`` along the step's dim, over its region (or
     only the region's domain cells)."""
-    t = _narrowed(t, step.region)
+    t = narrowed(t, step.region)
     if real:
-        t = _narrowed(t, step.real)
+        t = narrowed(t, step.real)
     return t.narrow(step.dim, start, length)
 
 
@@ -260,7 +262,7 @@ def _fill(buffer: torch.Tensor, step: _Step, pending: PendingMessages | None, fi
         cursor[run.source] += run.cells
         if step.real:
             target.fill_(fill)
-            target = _narrowed(target, step.real)
+            target = narrowed(target, step.real)
         _place(target, cells, run, dim)
 
 
@@ -332,7 +334,7 @@ def _grad_buffer(grad: torch.Tensor, ext: Extension) -> torch.Tensor:
     if ext.wanted_is_whole:
         return grad.clone(memory_format=torch.contiguous_format)
     buffer = grad.new_zeros(ext.buffer_shape(grad.shape))
-    _narrowed(buffer, ext.wanted).copy_(grad)
+    narrowed(buffer, ext.wanted).copy_(grad)
     return buffer
 
 
@@ -342,10 +344,10 @@ class _Extend(torch.autograd.Function):
     def forward(ctx: Any, local: torch.Tensor, ext: Extension, fill: float) -> torch.Tensor:  # type: ignore[override]
         ctx.ext = ext
         buffer = local.new_empty(ext.buffer_shape(local.shape))
-        _narrowed(buffer, ext.own).copy_(local)
+        narrowed(buffer, ext.own).copy_(local)
         for step in ext.steps:
             _fill(buffer, step, _post(buffer, step.origin, step), fill)
-        return _narrowed(buffer, ext.wanted)
+        return narrowed(buffer, ext.wanted)
 
     @staticmethod
     @once_differentiable
@@ -354,7 +356,7 @@ class _Extend(torch.autograd.Function):
         buffer = _grad_buffer(grad, ext)
         for step in reversed(ext.steps):
             _add_received(buffer, step.origin, step, _post_adjoint(buffer, step))
-        return _narrowed(buffer, ext.own), None, None
+        return narrowed(buffer, ext.own), None, None
 
 
 def extend(local: torch.Tensor, ext: Extension, fill: float = 0.0) -> torch.Tensor:
@@ -407,16 +409,16 @@ class _Finish(torch.autograd.Function):
         ctx.ext, ctx.state = ext, state
         pending, state.forward = state.forward, None
         buffer = shard.new_empty(ext.buffer_shape(shard.shape))
-        _narrowed(buffer, ext.own).copy_(shard)
+        narrowed(buffer, ext.own).copy_(shard)
         _fill(buffer, ext.steps[0], pending, fill)
-        return _narrowed(buffer, ext.wanted)
+        return narrowed(buffer, ext.wanted)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         buffer = _grad_buffer(grad, ctx.ext)
         ctx.state.backward = _post_adjoint(buffer, ctx.ext.steps[0])
-        return _narrowed(buffer, ctx.ext.own), None, None, None
+        return narrowed(buffer, ctx.ext.own), None, None, None
 
 
 def start_extend(

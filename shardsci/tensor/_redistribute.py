@@ -98,7 +98,7 @@ def redistribute_local(
 
     Collective over the mesh: every rank must call it with the same ``src`` and ``dst``.
     """
-    if src.same_layout(dst):
+    if src.same_layout(dst) or math.prod(src.mesh_shape) == 1:
         return local
     if src.mesh != dst.mesh or src.shape != dst.shape:
         raise ValueError(f"cannot redistribute {src} to {dst}: mesh or global shape differ")
