@@ -132,24 +132,29 @@ def test_weights_used_twice_and_outside_sharded_ops(dp_mode) -> None:
     run_on_ranks(4, _step_body, (2, 2), (H, 0), "shared", torch.float64, dp_mode, regularised)
 
 
-def _collectives_body() -> dict[str, int]:
+def _collectives_body() -> tuple[dict[str, int], dict[str, int]]:
     mesh = get_mesh((1, 2), ("dp", "domain"))
     model = parallelize(_model("unet", torch.float32), mesh, dp_axis="dp", domain_axes=["domain"])
     (x, y) = next(_sharded_batch(mesh, torch.float32, (8, 8)))
-    loss = _loss(model, x, y, False)
-    with shardsci.comm_counter() as stats:
+    with shardsci.comm_counter() as forward:
+        loss = _loss(model, x, y, False)
+    with shardsci.comm_counter() as backward:
         loss.backward()
-    return dict(stats.calls)
+    return dict(forward.calls), dict(backward.calls)
 
 
-def test_gradients_are_reduced_in_one_collective_per_bucket() -> None:
-    """Backward of the tiny UNet at 2 ranks: one all-reduce for its single bucket (under
-    1 MiB), the GroupNorm input-gradient reductions, halo adjoints; no per-parameter
-    reduction."""
-    calls = run_on_ranks(2, _collectives_body)[0]
-    norms = sum(isinstance(m, nn.GroupNorm) for m in UNet(**TINY_UNET).modules())
-    assert calls.get("grad_all_reduce") == 1, calls
-    assert calls.get("all_reduce", 0) == norms, calls
+def test_a_step_issues_one_collective_per_layer_and_bucket() -> None:
+    """The tiny UNet at 2 ranks: each 3x3 convolution one halo exchange forward and one
+    backward (none for the first one's input, which needs no gradient; none for pooling,
+    upsampling and the 1x1 head), each GroupNorm one all-gather forward and one all-reduce
+    backward, the loss one all-reduce, and one all-reduce for the gradients' single bucket
+    (under 1 MiB): no per-parameter reduction."""
+    forward, backward = run_on_ranks(2, _collectives_body)[0]
+    modules = list(UNet(**TINY_UNET).modules())
+    convs = sum(isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3) for m in modules)
+    norms = sum(isinstance(m, nn.GroupNorm) for m in modules)
+    assert forward == {"halo": convs, "all_gather": norms, "all_reduce": 1}, forward
+    assert backward == {"halo": convs - 1, "all_reduce": norms, "grad_all_reduce": 1}, backward
 
 
 # ---------------------------------------------------------------------------- accumulation

@@ -227,7 +227,4 @@ def _pad(func, args, kwargs):
     if mode == "constant" or not any(d in spec.sharding_by_dim for d in windows):
         extended, out_sizes, _ = gather_windows(x.to_local(), spec, windows, boundary, value or 0.0)
         return from_local_spec(extended, output_spec(spec, shape, out_sizes, extended.dtype))
-    extended, out_sizes, halo = pad_with_halo(x, windows, boundary, 0.0)
-    padded = from_local_spec(extended, output_spec(spec, shape, out_sizes, extended.dtype))
-    padded._halo = halo
-    return padded
+    return pad_with_halo(x, windows, boundary, shape)

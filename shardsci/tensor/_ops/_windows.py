@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import torch
 
-from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._halo import Extension, extend, extension, narrowed, start_extend
 from shardsci.tensor._halo_plan import domain_range
 from shardsci.tensor._ops._common import connected_empty
@@ -248,7 +248,8 @@ class Halo:
     origins : dict
         Padded dim -> the padded coordinate of this rank's first buffer cell.
     version : int
-        ``buffer._version`` when it was filled.
+        The padded tensor's version counter when it was made (in-place ops on a
+        ShardTensor count there, not on its local tensor).
     grad_enabled : bool
         The grad mode it was filled under.
     """
@@ -259,9 +260,10 @@ class Halo:
     version: int
     grad_enabled: bool
 
-    def cells_for(self, ext: Extension) -> torch.Tensor | None:
-        """The cells ``ext`` would gather for this rank, if every rank's lie in its buffer."""
-        if self.buffer._version != self.version or torch.is_grad_enabled() != self.grad_enabled:
+    def cells_for(self, padded: ShardTensor, ext: Extension) -> torch.Tensor | None:
+        """The cells ``ext`` would gather from ``padded`` for this rank, if every rank's lie in
+        its buffer."""
+        if padded._version != self.version or torch.is_grad_enabled() != self.grad_enabled:
             return None
         if set(self.covers) - {step.dim for step in ext.steps}:
             return None
@@ -318,25 +320,18 @@ def _pad_plan(
 
 
 def pad_with_halo(
-    x: ShardTensor, windows: dict[int, Window], boundary: dict[int, str], fill: float
-) -> tuple[torch.Tensor, dict[int, tuple[int, ...]], Halo]:
-    """``F.pad`` of this rank's shard along ``windows`` (size-1 windows), with the halo a
-    convolution of the padded tensor reads (NOTE above).
-
-    Returns
-    -------
-    padded : Tensor
-        This rank's padded shard, a view of the halo's buffer.
-    out_sizes : dict
-        Sharded dim -> shard sizes of the padded tensor.
-    halo : Halo
-    """
+    x: ShardTensor, windows: dict[int, Window], boundary: dict[int, str], shape: Sequence[int]
+) -> ShardTensor:
+    """``F.pad`` of ``x`` along ``windows`` (size-1 windows) to the global ``shape``, carrying
+    the halo a convolution of the padded tensor reads (NOTE above)."""
     ext, out_sizes, padded, covers, origins = _pad_plan(
         x._spec, tuple(sorted(windows.items())), tuple(sorted(boundary.items()))
     )
-    buffer = extend(x.to_local(), ext, fill)
-    halo = Halo(buffer, covers, origins, buffer._version, torch.is_grad_enabled())
-    return narrowed(buffer, padded), out_sizes, halo
+    buffer = extend(x.to_local(), ext)
+    local = narrowed(buffer, padded)
+    result = from_local_spec(local, output_spec(x._spec, shape, out_sizes, local.dtype))
+    result._halo = Halo(buffer, covers, origins, result._version, torch.is_grad_enabled())
+    return result
 
 
 def gather_windows_of(
@@ -349,7 +344,7 @@ def gather_windows_of(
         spec, tuple(sorted(windows.items())), tuple(sorted(boundary.items()))
     )
     if x._halo is not None:
-        cells = x._halo.cells_for(ext)
+        cells = x._halo.cells_for(x, ext)
         if cells is not None:
             return cells, out_sizes, out_ranges
     return extend(x.to_local(), ext, fill), out_sizes, out_ranges
