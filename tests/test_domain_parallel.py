@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import shardsci
 from models import UNet
-from shardsci.parallel import parallelize
+from shardsci.parallel import domain_parallel
 from shardsci.testing import (
     assert_all_ranks,
     assert_close_all_ranks,
@@ -103,7 +103,7 @@ def _assert_grads(model, expected, dtype) -> None:
 def _step_body(mesh_shape, h_sizes, name, dtype, dp_mode, regularised) -> None:
     mesh = get_mesh(mesh_shape, ("dp", "domain"))
     expected = _reference_grads(name, dtype, regularised)
-    model = parallelize(
+    model = domain_parallel(
         _model(name, dtype), mesh, dp_axis="dp", domain_axes=["domain"], dp_mode=dp_mode
     )
     (x, y) = next(_sharded_batch(mesh, dtype, h_sizes))
@@ -134,7 +134,9 @@ def test_weights_used_twice_and_outside_sharded_ops(dp_mode) -> None:
 
 def _collectives_body() -> tuple[dict[str, int], dict[str, int]]:
     mesh = get_mesh((1, 2), ("dp", "domain"))
-    model = parallelize(_model("unet", torch.float32), mesh, dp_axis="dp", domain_axes=["domain"])
+    model = domain_parallel(
+        _model("unet", torch.float32), mesh, dp_axis="dp", domain_axes=["domain"]
+    )
     (x, y) = next(_sharded_batch(mesh, torch.float32, (8, 8)))
     with shardsci.comm_counter() as forward:
         loss = _loss(model, x, y, False)
@@ -162,7 +164,7 @@ def _no_sync_body(dp_mode: str) -> None:
     mesh = get_mesh((2, 2), ("dp", "domain"))
     dtype = torch.float64
     expected = _reference_grads("unet", dtype, False, batches=3)
-    model = parallelize(
+    model = domain_parallel(
         _model("unet", dtype), mesh, dp_axis="dp", domain_axes=["domain"], dp_mode=dp_mode
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -196,7 +198,7 @@ def _readers_body() -> None:
     _loss(reference, x, y, False).backward()
     reference_norm = nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
 
-    model = parallelize(_model("unet", dtype), mesh, dp_axis="dp", domain_axes=["domain"])
+    model = domain_parallel(_model("unet", dtype), mesh, dp_axis="dp", domain_axes=["domain"])
     (xs, ys) = next(_sharded_batch(mesh, dtype, (3, 13)))
     captured = torch.autograd.grad(_loss(model, xs, ys, False), list(model.parameters()))
     for got, want in zip(captured, full):

@@ -1,4 +1,4 @@
-"""``parallelize``: one call that makes a model train data- and domain-parallel on a mesh.
+"""``domain_parallel``: one call that makes a model train data- and domain-parallel on a mesh.
 
 # NOTE [Why shardsci reduces gradients itself instead of DDP]
 Under a domain decomposition a parameter's gradient is a sum over the domain ranks; under
@@ -38,14 +38,14 @@ from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._promotion import gradient_sink
 
-__all__ = ["ParallelModule", "parallelize"]
+__all__ = ["ParallelModule", "domain_parallel"]
 
 DataParallelMode = Literal["ddp", "fsdp2"]
 _MIB = 1024 * 1024
 
 
 class ParallelModule(nn.Module):
-    """Mixed into a model's class by :func:`parallelize` (as FSDP2 mixes in ``FSDPModule``):
+    """Mixed into a model's class by :func:`domain_parallel` (as FSDP2 mixes in ``FSDPModule``):
     the model keeps its class, parameters and state-dict names, and gains ``no_sync``."""
 
     _shardsci_sink: Any
@@ -64,7 +64,7 @@ class ParallelModule(nn.Module):
             yield
 
 
-def parallelize(
+def domain_parallel(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
