@@ -224,7 +224,8 @@ def _pad(func, args, kwargs):
     shape = list(x.shape)
     for dim, window in windows.items():
         shape[dim] = window.output_extent(x.shape[dim])
-    if mode == "constant" or not any(d in spec.sharding_by_dim for d in windows):
+    sharded = any(d in spec.sharding_by_dim for d in windows)
+    if mode == "constant" or not sharded or halo_overlap_enabled():
         extended, out_sizes, _ = gather_windows(x.to_local(), spec, windows, boundary, value or 0.0)
         return from_local_spec(extended, output_spec(spec, shape, out_sizes, extended.dtype))
     return pad_with_halo(x, windows, boundary, shape)

@@ -233,6 +233,8 @@ def gather_windows(
 # unchanged (its version counter) and under the grad mode it was made in; every rank decides
 # from the layouts alone (and SPMD in-place ops), so all take the same path. The cost: a
 # circular, reflect or replicate pad that no windowed op follows moves the faces for nothing.
+# Under ``overlap_halos()`` the pad gathers only what it needs, and the convolution overlaps
+# the faces' exchange with its interior instead.
 
 
 @dataclass(frozen=True, eq=False)
