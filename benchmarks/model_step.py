@@ -16,6 +16,10 @@ round (``_common.interleaved_steps``); figures are medians with quartiles, min a
 timed steps. Beside wall time each record gives the CPU time of the slowest rank
 (``time.process_time``): on a shared machine it moves far less than wall time.
 
+The summary gives per model and size the speed-ups at 2 and 4 ranks, the 1-rank ShardTensor's
+cost (medians of wall time; ``_cpu``: of CPU time) and, for the UNet from 128² on, whether
+issue 7's targets are met.
+
 Checks: before timing, every ShardTensor variant's output and gradients are compared on rank 0
 with the plain step on the whole problem (``max_rel_error`` over output and gradients; the
 run fails above ``TOLERANCE``), and one step's collectives are counted per kind
@@ -181,7 +185,8 @@ def report(name: str, size: int, rounds: int, steps: int) -> dict[str, float]:
 
     wall = interleaved_steps(list(VARIANTS), rounds, run)
     base = spread(wall["torch_1_thread"])["median"]
-    ratios = {}
+    cpu_base = spread(cpu["torch_1_thread"])["median"]
+    ratios = {f"{variant}_cpu": cpu_base / spread(cpu[variant])["median"] for variant in VARIANTS}
     for variant, (ranks, threads, _) in VARIANTS.items():
         seconds = spread(wall[variant])
         ratios[variant] = base / seconds["median"]
@@ -203,6 +208,18 @@ def report(name: str, size: int, rounds: int, steps: int) -> dict[str, float]:
     return ratios
 
 
+def _goals(size: int, ratios: dict[str, float]) -> dict[str, bool]:
+    """Issue 7's targets for the UNet at this size (wall-clock medians): 2 ranks at least 1.0x
+    (128²) or 1.8x (256² and up) one process with one thread; ShardTensor on 1 rank at most
+    1.03x plain torch from 128² on."""
+    if size < 128:
+        return {}
+    return {
+        "goal_speedup_2_ranks_met": ratios["shardtensor_2"] >= (1.0 if size < 256 else 1.8),
+        "goal_shardtensor_1_rank_met": 1 / ratios["shardtensor_1"] <= 1.03,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -221,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
                     "speedup_2_ranks": round(ratios["shardtensor_2"], 3),
                     "speedup_4_ranks": round(ratios["shardtensor_4"], 3),
                     "shardtensor_1_rank_cost": round(1 / ratios["shardtensor_1"], 3),
+                    "speedup_2_ranks_cpu": round(ratios["shardtensor_2_cpu"], 3),
+                    "shardtensor_1_rank_cpu_cost": round(1 / ratios["shardtensor_1_cpu"], 3),
+                    **_goals(size, ratios),
                 }
     emit(
         "summary",
