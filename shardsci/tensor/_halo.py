@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import torch
@@ -89,6 +89,20 @@ class _Step:
     def shift(self) -> int:
         """The buffer position of the first wanted cell."""
         return self.plan.ranges[self.me][0] - self.origin
+
+    @cached_property
+    def peers(self) -> tuple[tuple[int, tuple[Run, ...], tuple[Run, ...]], ...]:
+        """``(member, runs this rank provides it, runs it provides this rank)`` for every other
+        member with either: a rank's messages, found once per plan, not per exchange."""
+        if self.group is None:
+            return ()
+        result = []
+        for other in range(self.group.size):
+            if other != self.me:
+                to, from_ = self.plan.sent(self.me, other), self.plan.sent(other, self.me)
+                if to or from_:
+                    result.append((other, to, from_))
+        return tuple(result)
 
 
 @dataclass(frozen=True)
@@ -216,18 +230,12 @@ def _message_shape(t: torch.Tensor, step: _Step, cells: int) -> list[int]:
 def _post(source: torch.Tensor, origin: int, step: _Step) -> PendingMessages | None:
     """Send every member the cells of this rank it wants (taken from ``source``, whose first
     cell along the dim is global ``origin``) and post the receives of this rank's."""
-    if step.group is None:
-        return None
-    plan, me, dim = step.plan, step.me, step.dim
+    dim = step.dim
     sends, receives = [], []
-    for other in range(step.group.size):
-        if other == me:
-            continue
-        outgoing = plan.sent(me, other)
+    for other, outgoing, incoming in step.peers:
         if outgoing:
             parts = [_view(source, step, r.start - origin, r.cells, real=True) for r in outgoing]
             sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
-        incoming = plan.sent(other, me)
         if incoming:
             receives.append((other, _message_shape(source, step, sum(r.cells for r in incoming))))
     if not sends and not receives:
@@ -254,7 +262,7 @@ def _fill(buffer: torch.Tensor, step: _Step, pending: PendingMessages | None, fi
             remote.append((run, target))
     if pending is None:
         return
-    senders = [k for k in range(step.group.size) if k != me and plan.sent(k, me)]
+    senders = [other for other, _, incoming in step.peers if incoming]
     messages = dict(zip(senders, pending.wait()))
     cursor = dict.fromkeys(messages, 0)
     for run, target in remote:
@@ -288,20 +296,14 @@ def _post_adjoint(grad: torch.Tensor, step: _Step) -> PendingMessages | None:
             placed = _view(grad, step, run.position + step.shift, run.length, real=False)
             source = _view(grad, step, run.start - step.origin, run.cells, real=False)
             source.add_(_run_grad(placed, run, dim))
-    if step.group is None:
-        return None
     sends, receives = [], []
-    for other in range(step.group.size):
-        if other == me:
-            continue
-        provided = plan.sent(other, me)
+    for other, used, provided in step.peers:
         if provided:
             parts = [
                 _run_grad(_view(grad, step, r.position + step.shift, r.length, True), r, dim)
                 for r in provided
             ]
             sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
-        used = plan.sent(me, other)
         if used:
             receives.append((other, _message_shape(grad, step, sum(r.cells for r in used))))
     if not sends and not receives:
@@ -318,11 +320,11 @@ def _add_received(
     others computed for them."""
     if pending is None:
         return
-    plan, me, dim = step.plan, step.me, step.dim
-    receivers = [k for k in range(step.group.size) if k != me and plan.sent(me, k)]
-    for other, message in zip(receivers, pending.wait()):
+    dim = step.dim
+    receivers = [used for _, used, _ in step.peers if used]
+    for used, message in zip(receivers, pending.wait()):
         position = 0
-        for run in plan.sent(me, other):
+        for run in used:
             _view(grad, step, run.start - origin, run.cells, real=True).add_(
                 message.narrow(dim, position, run.cells)
             )

@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -95,9 +96,11 @@ class _Statistics:
     counts: tuple[int, ...]
 
     @staticmethod
-    def over(spec: ShardTensorSpec, reduced: Sequence[int], scale: int = 1) -> _Statistics:
+    @lru_cache(maxsize=4096)
+    def over(spec: ShardTensorSpec, reduced: tuple[int, ...], scale: int = 1) -> _Statistics:
         """Rows of ``spec`` reduced over tensor dims ``reduced`` (and ``scale`` more elements
-        per row from a split unsharded dim, GroupNorm's channels of a group)."""
+        per row from a split unsharded dim, GroupNorm's channels of a group); cached per
+        layout."""
         shardings = [s for s in spec.shardings if s.dim in reduced]
         whole = scale * math.prod(spec.shape[d] for d in reduced if d not in spec.sharding_by_dim)
         axes = tuple(sorted(a for s in shardings for a in s.axes))
