@@ -1,12 +1,14 @@
-"""A layer's halo is one batched exchange: a circular convolution (``F.pad``, then the
-convolution) exchanges once forward and once backward, at the face lower bound; the padded
-tensor's halo is used only while it is valid (NOTE [A padded tensor carries the halo its
-convolution reads])."""
+"""The collectives of a training step's layers: a layer's halo is one batched exchange (a
+circular convolution, ``F.pad`` then the convolution, exchanges once forward and once
+backward, at the face lower bound), the padded tensor's halo is used only while it is valid
+(NOTE [A padded tensor carries the halo its convolution reads]), and equal shards are gathered
+with the native all-gather."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -100,3 +102,30 @@ def _mutated_view_body() -> None:
 
 def test_an_in_place_change_of_the_padded_tensor_is_seen() -> None:
     run_on_ranks(4, _mutated_view_body)
+
+
+def _native_gather_body(sizes: tuple[int, ...]) -> int:
+    """Gathering a tensor sharded in equal pieces uses the native all-gather (NCCL's tuned
+    algorithms on GPUs); unequal pieces the exact exchange. Returns the native calls."""
+    calls = [0]
+    original = dist.all_gather_single
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    mesh = get_mesh((4,))
+    whole = torch.randn(sum(sizes), 3, dtype=F64)
+    x = shardsci.distribute_tensor(whole, mesh, [Shard(0)], {0: sizes})
+    dist.all_gather_single = counting
+    try:
+        got = x.full_tensor()
+    finally:
+        dist.all_gather_single = original
+    assert_close_all_ranks(got, whole, atol=0, rtol=0, what="gathered")
+    return calls[0]
+
+
+@pytest.mark.parametrize(("sizes", "native"), [((3, 3, 3, 3), 1), ((5, 3, 4, 0), 0)])
+def test_equal_shards_gather_natively(sizes, native) -> None:
+    assert run_on_ranks(4, _native_gather_body, sizes) == [native] * 4

@@ -278,16 +278,16 @@ def all_gather(tensor: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     The native collective (NCCL's tuned algorithms on GPUs); pieces of different sizes go
     through ``exchange``.
     """
-    piece = tensor.contiguous()
     if group.size == 1:
-        return piece.unsqueeze(0)
-    gathered = piece.new_empty(group.size * piece.numel())
-    dist.all_gather_single(gathered, piece.reshape(-1), group=group.group)
-    gathered = gathered.view(group.size, *piece.shape)
-    nbytes = (group.size - 1) * piece.numel() * piece.element_size()
+        return tensor.unsqueeze(0)
+    payload = _as_bytes(tensor)
+    gathered = payload.new_empty(group.size * payload.numel())
+    dist.all_gather_single(gathered, payload, group=group.group)
+    nbytes = (group.size - 1) * payload.numel()
     record_comm("all_gather", nbytes, nbytes)
+    stacked = _from_bytes(gathered, tensor.dtype, (group.size, *tensor.shape))
     order = list(group.group_ranks)
-    return gathered if order == sorted(order) else gathered[order]
+    return stacked if order == sorted(order) else stacked[order]
 
 
 def broadcast(

@@ -24,7 +24,7 @@ from functools import lru_cache
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group, exchange
+from shardsci.tensor._collectives import AxisGroup, all_gather, all_reduce, axis_group, exchange
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import (
     DimSharding,
@@ -161,6 +161,8 @@ class _Exchange:
             if plan.own_source_box is None:
                 return local.new_empty(plan.out_shape)
             return _narrow_box(local, plan.own_source_box)
+        if plan.gathers_equal_shards:
+            return _assemble(list(all_gather(local, plan.group).unbind(0)), plan, local)
         pieces = [None if box is None else _narrow_box(local, box) for box in plan.send_boxes]
         received = exchange(
             plan.group,
@@ -340,6 +342,9 @@ class _ExchangePlan:
     recv_boxes: tuple[Box | None, ...]  # per member: region of the output it fills
     shapes: tuple[tuple[tuple[int, ...], ...], ...]  # shapes[src][dst]
     out_shape: tuple[int, ...]
+    # Every member sends its whole shard to every other, and the shards have one shape: the
+    # native all-gather (NCCL's tuned algorithms), decided from the global layouts.
+    gathers_equal_shards: bool = False
 
 
 @lru_cache(maxsize=4096)
@@ -371,7 +376,14 @@ def _exchange_plan(
         for s in range(group.size)
     )
     kind = _exchange_kind(dst, comm_axes)
-    return _ExchangePlan(group, kind, None, send_boxes, recv_boxes, shapes, out_shape)
+    whole = [_box_shape(box) for box in source_boxes]
+    gathers = (
+        kind == "all_gather"
+        and len(set(whole)) == 1
+        and 0 not in whole[0]
+        and all(shapes[s][d] == whole[s] for s in range(group.size) for d in range(group.size))
+    )
+    return _ExchangePlan(group, kind, None, send_boxes, recv_boxes, shapes, out_shape, gathers)
 
 
 def _moving_axes(src: ShardTensorSpec, dst: ShardTensorSpec) -> tuple[int, ...]:
