@@ -215,3 +215,17 @@ def _readers_body() -> None:
 
 def test_autograd_grad_and_clipping_see_whole_gradients() -> None:
     run_on_ranks(2, _readers_body)
+
+
+def _twice_body() -> None:
+    mesh = get_mesh((1, 2), ("dp", "domain"))
+    model = domain_parallel(
+        _model("unet", torch.float64), mesh, dp_axis="dp", domain_axes=["domain"]
+    )
+    assert_raises_all_ranks(
+        ValueError, "already parallelised", domain_parallel, model, mesh, domain_axes=["domain"]
+    )
+
+
+def test_a_model_is_parallelised_once() -> None:
+    run_on_ranks(2, _twice_body)

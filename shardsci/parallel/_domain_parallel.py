@@ -98,6 +98,11 @@ def domain_parallel(
     bucket_mb, first_bucket_mb : float
         Bucket capacities of the ``"ddp"`` reducer, in MiB.
     """
+    if isinstance(model, ParallelModule):
+        raise ValueError(
+            f"{type(model).__name__} is already parallelised (domain_parallel was called on it "
+            f"before); its gradients would be reduced twice"
+        )
     names = _checked_axes(mesh, dp_axis, domain_axes, dp_mode)
     dp_size = mesh.size(names.index(dp_axis)) if dp_axis is not None else 1
     domain_size = math.prod(mesh.size(names.index(a)) for a in domain_axes)
@@ -159,12 +164,11 @@ _MIXED: dict[type, type] = {}
 
 def _mixed_in(model: nn.Module, sink: Any, no_sync: Any) -> nn.Module:
     cls = type(model)
-    if not isinstance(model, ParallelModule):
-        mixed = _MIXED.get(cls)
-        if mixed is None:
-            mixed = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {})
-            _MIXED[cls] = mixed
-        model.__class__ = mixed
+    mixed = _MIXED.get(cls)
+    if mixed is None:
+        mixed = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {})
+        _MIXED[cls] = mixed
+    model.__class__ = mixed
     model._shardsci_sink = sink
     model._shardsci_no_sync = no_sync
     return model
