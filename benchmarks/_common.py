@@ -89,7 +89,9 @@ def spread(samples: list[float], digits: int = 4) -> dict[str, float]:
     """Median and spread of step times: ``median``, ``q1``, ``q3`` (quartiles), ``min``,
     ``max``, ``n``."""
     ordered = sorted(samples)
-    q1, _, q3 = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else ordered * 3
+    q1, _, q3 = (
+        statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
+    )
     return {
         "median": round(statistics.median(ordered), digits),
         "q1": round(q1, digits),
