@@ -25,6 +25,7 @@ from shardsci.tensor._caches import cached
 from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._torch_compat import _make_wrapper_subclass
 
 __all__ = ["ShardTensor", "from_local_spec", "grad_spec", "redistribute"]
 
@@ -52,7 +53,7 @@ class ShardTensor(torch.Tensor):
     def __new__(
         cls, local: torch.Tensor, spec: ShardTensorSpec, *, requires_grad: bool = False
     ) -> ShardTensor:
-        result = torch.Tensor._make_wrapper_subclass(
+        result = _make_wrapper_subclass(
             cls,
             spec.shape,
             strides=spec.stride,

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch._ops import OpOverload
 
 from shardsci.tensor import _propagation
 from shardsci.tensor._propagation import Plan, flatten_args, plan_for, unflatten_args
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
 from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._torch_compat import OpOverload
 
 __all__ = ["bind_tensor_type", "dispatch", "run_with_propagation"]
 

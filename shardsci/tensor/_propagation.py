@@ -23,12 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch._ops import OpOverload
-from torch.distributed.tensor import DTensor, Partial, Shard
-from torch.distributed.tensor import _redistribute as _dtensor_redistribute
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding, RuntimeSchemaInfo
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import Partial, Shard
 
 from shardsci.tensor._caches import BoundedCache, register_cache
 from shardsci.tensor._spec import (
@@ -40,10 +35,21 @@ from shardsci.tensor._spec import (
     nested_chunk_sizes,
     replicated_spec,
 )
+from shardsci.tensor._torch_compat import (
+    DispatchKey,
+    DTensorSpec,
+    OpOverload,
+    OpSchema,
+    OutputSharding,
+    RuntimeSchemaInfo,
+    _dispatch_has_kernel_for_dispatch_key,
+    _StridedShard,
+)
+from shardsci.tensor._torch_compat import dtensor_redistribute as _dtensor_redistribute
+from shardsci.tensor._torch_compat import sharding_propagator as _PROPAGATOR
 
 __all__ = ["Plan", "flatten_args", "plan_for", "unflatten_args"]
 
-_PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
 _MAX_PLANS = 4096
 _ShardTensor: type = torch.Tensor  # bound by ``_api`` through ``_dispatch.bind_tensor_type``
 
@@ -297,9 +303,7 @@ def _schema_info(func: OpOverload, kwargs: dict) -> RuntimeSchemaInfo:
 
 
 def _can_decompose(func: OpOverload) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
-    )
+    return _dispatch_has_kernel_for_dispatch_key(func.name(), DispatchKey.CompositeImplicitAutograd)
 
 
 def _has_uneven_average(output_spec: object, specs: list[ShardTensorSpec | None]) -> bool:

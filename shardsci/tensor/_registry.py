@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch._ops import OpOverload, OpOverloadPacket
+from shardsci.tensor._torch_compat import OpOverload, OpOverloadPacket
 
 __all__ = [
     "aten_handler_for",
