@@ -83,6 +83,19 @@ class ShardTensor(torch.Tensor):
 
     # ------------------------------------------------------------------ layout queries
     @property
+    def local(self) -> torch.Tensor:
+        """This rank's shard as stored, outside autograd: for aten handlers (they run below
+        autograd) and for reading. Code above autograd (function handlers, models) uses
+        :meth:`to_local`, whose result is differentiable."""
+        return self._local
+
+    @property
+    def spec(self) -> ShardTensorSpec:
+        """The layout, the same on every rank: global shape, stride and dtype, placements,
+        and the shard sizes of every sharded dim."""
+        return self._spec
+
+    @property
     def placements(self) -> tuple[Placement, ...]:
         return self._spec.placements
 
