@@ -6,6 +6,7 @@ there against the single-process reference on uneven and empty shards.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from pathlib import Path
@@ -158,10 +159,9 @@ def _counting(handler, calls):
     return counted
 
 
-def _example_on_ranks(sizes: tuple[int, ...]) -> None:
-    mesh = get_mesh((len(sizes),))
-    x = torch.randn(sum(sizes), 6, dtype=torch.float64)
-    rows = Layout((Shard(0),), {0: sizes})
+def _example_on_ranks(mesh_shape: tuple[int, ...], layouts: list[Layout]) -> None:
+    mesh = get_mesh(mesh_shape)
+    x = torch.randn(9, 6, dtype=torch.float64)
     with scoped_handlers():
         namespace: dict = {}
         exec(_example_source(), namespace)  # registers the example, as a user's module would
@@ -170,24 +170,28 @@ def _example_on_ranks(sizes: tuple[int, ...]) -> None:
             _counting(namespace["sharded_normalize"], calls)
         )
         cases = {
-            "sharded dim": lambda t: F.normalize(t, dim=0),
-            "local dim": lambda t: F.normalize(t, p=3.0, dim=1, eps=1e-3),
-            "p=1, negative dim": lambda t: F.normalize(t, 1.0, -2),
+            "dim 0": lambda t: F.normalize(t, dim=0),
+            "dim 1, p=3": lambda t: F.normalize(t, p=3.0, dim=1, eps=1e-3),
+            "p=1, dim -2": lambda t: F.normalize(t, 1.0, -2),
         }
-        for what, fn in cases.items():
-            check_against_reference(fn, [x], [rows], mesh, what=what)
-        assert_all_ranks(calls == [True] * len(cases), f"handler calls {calls}")
-        check_against_reference(lambda t: F.normalize(t, p=float("inf"), dim=0), [x], [rows], mesh)
+        for layout in layouts:
+            for what, fn in cases.items():
+                check_against_reference(fn, [x], [layout], mesh, what=f"{what} on {layout}")
+        assert_all_ranks(calls == [True] * (3 * len(layouts)), f"handler calls {calls}")
+        check_against_reference(lambda t: F.normalize(t, p=math.inf, dim=0), [x], layouts[:1], mesh)
         assert_all_ranks(calls[-1] is False, "p=inf must be declined")
     assert_all_ranks(function_handler_for(F.normalize) is None, "the handler outlived its scope")
 
 
 def test_the_howto_example_matches_the_reference_on_two_uneven_ranks():
-    run_on_ranks(2, _example_on_ranks, (5, 4))
+    run_on_ranks(2, _example_on_ranks, (2,), [Layout((Shard(0),), {0: (5, 4)})])
 
 
-def test_the_howto_example_matches_the_reference_with_an_empty_shard():
-    run_on_ranks(4, _example_on_ranks, (3, 0, 4, 2))
+def test_the_howto_example_matches_the_reference_on_empty_shards_and_a_2x2_mesh():
+    run_on_ranks(4, _example_on_ranks, (4,), [Layout((Shard(0),), {0: (3, 0, 4, 2)})])
+    blocks = Layout((Shard(0), Shard(1)), {0: (5, 4), 1: (2, 4)})
+    rows_over_both_axes = Layout((Shard(0), Shard(0)), {0: (2, 1, 0, 6)})
+    run_on_ranks(4, _example_on_ranks, (2, 2), [blocks, rows_over_both_axes])
 
 
 def _public_local_spec_and_checked_result() -> None:
