@@ -39,6 +39,16 @@ class _Parameter:
     keyword_only: bool
 
 
+class _Signature:
+    """A callee's parameters, arranged for binding a call in a few dict operations."""
+
+    def __init__(self, parameters: tuple[_Parameter, ...]) -> None:
+        self.positional = tuple(p.name for p in parameters if not p.keyword_only)
+        self.names = frozenset(p.name for p in parameters)
+        self.defaults = {p.name: p.default for p in parameters if p.default is not _REQUIRED}
+        self.required = tuple(p.name for p in parameters if p.default is _REQUIRED)
+
+
 class Arguments(dict):
     """Bound arguments: every parameter of the callee by name, defaults filled in. Read as a
     mapping (``a["dim"]``) or by attribute (``a.dim``)."""
@@ -79,34 +89,32 @@ def bind(
     >>> a = bind(torch.ops.aten.cumsum.default, (x, 1), {})  # doctest: +SKIP
     >>> a.self, a.dim, a.dtype  # doctest: +SKIP
     """
-    parameters = _parameters(signature if signature is not None else func)
-    kwargs = kwargs or {}
-    name = _name(func)
-    positional = [p for p in parameters if not p.keyword_only]
-    if len(args) > len(positional):
+    sig = _signature(signature if signature is not None else func)
+    if len(args) > len(sig.positional):
         raise TypeError(
-            f"{name}() takes {len(positional)} positional arguments but {len(args)} were given"
+            f"{_name(func)}() takes {len(sig.positional)} positional arguments but "
+            f"{len(args)} were given"
         )
-    bound = Arguments(zip((p.name for p in positional), args))
-    known = {p.name for p in parameters}
-    for key in kwargs:
-        if key not in known:
-            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
-        if key in bound:
-            raise TypeError(f"{name}() got multiple values for argument {key!r}")
-    for p in parameters[len(args) :] if len(args) <= len(positional) else ():
-        if p.name in bound:
-            continue
-        if p.name in kwargs:
-            bound[p.name] = kwargs[p.name]
-        elif p.default is _REQUIRED:
-            raise TypeError(f"{name}() missing required argument {p.name!r}")
-        else:
-            bound[p.name] = p.default
+    bound = Arguments(sig.defaults)
+    bound.update(zip(sig.positional, args))
+    if kwargs:
+        for key in kwargs:
+            if key not in sig.names:
+                raise TypeError(f"{_name(func)}() got an unexpected keyword argument {key!r}")
+            if key in sig.positional[: len(args)]:
+                raise TypeError(f"{_name(func)}() got multiple values for argument {key!r}")
+        bound.update(kwargs)
+    for name in sig.required:
+        if name not in bound:
+            raise TypeError(f"{_name(func)}() missing required argument {name!r}")
     return bound
 
 
 @cached("handler signatures", 1024)
+def _signature(func: Callable) -> _Signature:
+    return _Signature(_parameters(func))
+
+
 def _parameters(func: Callable) -> tuple[_Parameter, ...]:
     if isinstance(func, OpOverload):
         return _from_schema(func._schema)
