@@ -18,10 +18,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._ops import OpOverload
+from torch.distributed.tensor import Replicate
+from torch.utils._mode_utils import no_dispatch
 
 from shardsci.tensor import _propagation
 from shardsci.tensor._propagation import Plan, flatten_args, plan_for, unflatten_args
-from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
 from shardsci.tensor._spec import ShardTensorSpec
 
@@ -63,9 +65,12 @@ def _route(func: OpOverload) -> _Route:
 
 
 def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: dict | None = None):
+    func = _MATERIALIZED_VIEWS.get(func, func)
     route = _ROUTES.get(func) or _route(func)
     if kwargs is None:
         kwargs = {}
+    if func in _IN_PLACE_VIEWS:
+        return _in_place_view(func, args, kwargs)
     if route.dim_argument is not None:
         args, kwargs = _explicit_reduction_dims(func, args, kwargs)
     if route.handler is not None:
@@ -77,6 +82,47 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
         if result is not NotImplemented:
             return result
     return run_with_propagation(func, args, kwargs)
+
+
+# NOTE [Shards never carry a conjugate or negative bit]
+# ``x.conj()`` of a complex tensor is a lazy view: a bit on the tensor says "read me
+# conjugated". A ShardTensor's wrapper cannot carry the bit for its shard (ops on the wrapper
+# would then conjugate once more, and redistribution reads raw bytes), so the lazy views
+# are materialised on the shard: ``conj`` of a ShardTensor is ``conj_physical``, a copy.
+_MATERIALIZED_VIEWS = {
+    aten._conj.default: aten.conj_physical.default,
+    aten._neg_view.default: aten.neg.default,
+}
+
+
+# NOTE [In-place ops that change a ShardTensor's shape]
+# ``x.squeeze_(0)`` (which ``torch.matmul`` of a vector uses) changes the shape of ``x``
+# itself. Running it on the shard would leave the wrapper's shape and spec as they were, so
+# the out-of-place twin computes the new shard and spec, which replace ``x``'s, and the
+# op then runs on the wrapper's metadata alone (as a meta op, touching no data).
+_IN_PLACE_VIEWS = {
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+    aten.as_strided_.default: aten.as_strided.default,
+}
+
+
+def _in_place_view(func: OpOverload, args: tuple, kwargs: dict):
+    x = args[0]
+    result = _IN_PLACE_VIEWS[func](*args, **kwargs)
+    x._local, x._spec = result._local, result._spec
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    return x
 
 
 # NOTE [An empty dim list reduces every dim]
@@ -131,9 +177,30 @@ _LAYOUT_PRESERVING = {
 }
 
 
+# Ops whose result ignores the input's values. On a tensor with a pending reduction (Partial)
+# they make a replicated tensor: DTensor keeps ``empty_like`` Partial, so ATen's ``1 - x``
+# (``empty_like(x).fill_(1).sub_(x)``) would count the 1 once per rank.
+_VALUE_FREE = {
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+}
+
+
 def _is_fast_pointwise(func: OpOverload) -> bool:
+    """Layout-preserving ops, and pointwise ops that return tensors (``aten.equal``, tagged
+    pointwise, returns one bool for the whole tensor)."""
+    schema = func._schema
+    returns_tensors = bool(schema.returns) and all(
+        isinstance(r.type, torch.TensorType) for r in schema.returns
+    )
     return func in _LAYOUT_PRESERVING or (
-        torch.Tag.pointwise in func.tags and not any(a.is_out for a in func._schema.arguments)
+        torch.Tag.pointwise in func.tags
+        and returns_tensors
+        and not any(a.is_out for a in schema.arguments)
     )
 
 
@@ -154,13 +221,20 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
             return NotImplemented
         else:
             local_args.append(arg)
-    if spec is None or spec.partial:
+    if spec is None or (spec.partial and func not in _VALUE_FREE):
         return NotImplemented
     if kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return NotImplemented
+    filled = spec.partial
+    if filled:
+        spec = target_spec(spec, [Replicate() if p.is_partial() else p for p in spec.placements])
     out = func(*local_args, **kwargs)
     if mutates:
+        if filled:
+            args[0]._spec = spec
         return args[0]
+    if isinstance(out, tuple):
+        return tuple(_ShardTensor(o, spec.with_dtype(o.dtype)) for o in out)
     return _ShardTensor(out, spec if out.dtype == spec.dtype else spec.with_dtype(out.dtype))
 
 
@@ -204,12 +278,23 @@ def run_with_propagation(
         if stride_index is not None:
             local_args[stride_index] = stride
     local_kwargs = {k: _local_of(v) for k, v in kwargs.items()} if kwargs else {}
-    out = (local_impl or plan.op)(*local_args, **local_kwargs)
+    if plan.empty_outputs:
+        out = _empty_outputs(plan.outputs)
+    else:
+        out = (local_impl or plan.op)(*local_args, **local_kwargs)
     if plan.returns_destination:
         return args[0]
     result = _wrap(out, plan.outputs, plan, func)
     plan.checked = True
     return result
+
+
+def _empty_outputs(specs: object) -> object:
+    """This rank's outputs when they are all empty (NOTE [No kernel sees an empty shard it
+    cannot reduce] in ``_propagation``)."""
+    if isinstance(specs, (tuple, list)):
+        return type(specs)(_empty_outputs(s) for s in specs)
+    return torch.empty(specs.local_shape(), dtype=specs.dtype)
 
 
 def _moved(leaf: torch.Tensor, source: ShardTensorSpec, target: ShardTensorSpec | None):

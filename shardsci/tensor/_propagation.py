@@ -77,6 +77,9 @@ class Plan:
         The output specs, in the structure of the op's result (None for non-tensors).
     returns_destination : bool
         An in-place op: the result is its first argument.
+    empty_outputs : bool
+        Every output of this rank is an empty tensor: the local op is skipped (NOTE [No
+        kernel sees an empty shard it cannot reduce]).
     checked : bool
         Whether the local outputs have been checked against ``outputs`` (first run only).
     """
@@ -90,6 +93,7 @@ class Plan:
     shape_argument: tuple | None = None
     outputs: object = None
     returns_destination: bool = False
+    empty_outputs: bool = False
     checked: bool = field(default=False)
 
 
@@ -170,14 +174,15 @@ def _make_plan(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -
             f"average of their means); it needs a shardsci handler"
         )
     op, suggested, values, extra_args = _suggestion(func, sharding, leaves, sources)
-    targets = _aligned_targets(sources, suggested)
+    targets = _aligned_targets(func, sources, suggested)
     if _mutates_first_argument(func) and not sources[0].same_layout(targets[0]):
         return Plan("copy_back", func)
     sizes_by_axes = _sizes_by_axes(targets)
     shape_argument = None
-    if sharding.use_val_from_redistribute_schema:
+    if sharding.use_val_from_redistribute_schema or op in _PROPAGATOR.op_to_shape_and_stride_idx:
         shape_argument = _local_shape_argument(op, sharding.output_spec, sizes_by_axes, func)
     hints = merged_hints(*(s.hints + s.shardings for s in sources if s is not None))
+    outputs = _output_specs(sharding.output_spec, sizes_by_axes, mesh, func, hints)
     return Plan(
         "run",
         op,
@@ -186,9 +191,25 @@ def _make_plan(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -
         tuple(None if s is not None else v for v, s in zip(values, sources)),
         tuple(extra_args),
         shape_argument,
-        _output_specs(sharding.output_spec, sizes_by_axes, mesh, func, hints),
+        outputs,
         returns_destination=_mutates_first_argument(func),
+        empty_outputs=not _mutates_first_argument(func) and _all_empty(outputs),
     )
+
+
+# NOTE [No kernel sees an empty shard it cannot reduce]
+# A rank whose shard is empty must not call a kernel that rejects empty input (aminmax over
+# an empty dim raises, a CPU attention kernel dies of SIGFPE): the other ranks would wait for
+# it in their next collective. Where every output of the rank is empty, the plan skips the
+# kernel and returns empty tensors of the planned shapes. Where an empty shard still has
+# outputs (reductions over the sharded dim), the op's handler supplies the identity of the
+# reduction instead (``_reduction_ops``).
+def _all_empty(outputs: object) -> bool:
+    if isinstance(outputs, ShardTensorSpec):
+        return math.prod(outputs.local_shape()) == 0
+    if isinstance(outputs, (tuple, list)) and outputs:
+        return all(_all_empty(o) for o in outputs)
+    return False
 
 
 def _mutates_first_argument(func: OpOverload) -> bool:
@@ -251,6 +272,9 @@ def _propagate(
             f"shardsci: {func} has no sharding rule; register a handler with "
             f"shardsci.register_aten_handler({func})"
         ) from None
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        # DTensor's rules raise for inputs they cannot place, without naming the op.
+        raise type(exc)(f"{func}: {exc}") from exc
 
 
 def _schema_info(func: OpOverload, kwargs: dict) -> RuntimeSchemaInfo:
@@ -313,10 +337,10 @@ def _suggestion(
 
 # ---------------------------------------------------------------------------- alignment
 def _aligned_targets(
-    specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
+    func: OpOverload, specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
 ) -> list[ShardTensorSpec | None]:
     """Our target spec for each operand: DTensor's placements, sizes aligned across operands."""
-    reference = _reference_sizes(specs, targets)
+    reference = _reference_sizes(func, specs, targets)
     result: list[ShardTensorSpec | None] = []
     for spec, target in zip(specs, targets):
         if spec is None:
@@ -342,7 +366,7 @@ def _order_of_spec(spec: ShardTensorSpec) -> dict[int, tuple[int, ...]]:
 
 
 def _reference_sizes(
-    specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
+    func: OpOverload, specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
 ) -> dict[tuple[int, ...], tuple[int, ...]]:
     """Mesh axes -> shard sizes all operands sharded over them will share.
 
@@ -359,7 +383,7 @@ def _reference_sizes(
             extent = spec.shape[dim]
             if wanted.setdefault(axes, extent) != extent:
                 raise NotImplementedError(
-                    f"operands sharded over mesh axes {axes} have different extents "
+                    f"{func}: operands sharded over mesh axes {axes} have different extents "
                     f"({wanted[axes]} and {extent}) along their sharded dims"
                 )
             current = spec.sharding_by_dim.get(dim)

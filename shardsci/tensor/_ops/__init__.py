@@ -2,6 +2,7 @@
 
 from shardsci.tensor._ops import (
     _conv_ops,  # noqa: F401
+    _elementwise_ops,  # noqa: F401
     _fft_ops,  # noqa: F401
     _index_ops,  # noqa: F401
     _interpolate_ops,  # noqa: F401
@@ -10,6 +11,7 @@ from shardsci.tensor._ops import (
     _norm_ops,  # noqa: F401
     _pool_ops,  # noqa: F401
     _reduction_ops,  # noqa: F401
+    _scalar_ops,  # noqa: F401
     _scan_ops,  # noqa: F401
     _softmax_ops,  # noqa: F401
     _view_ops,  # noqa: F401

@@ -120,6 +120,16 @@ def _amax_amin(func, args, kwargs):
     return run_with_propagation(func, args, kwargs, local_impl=local)
 
 
+@register_aten_handler(aten.aminmax.default)
+def _aminmax(func, args, kwargs):
+    """``(amin, amax)`` through their handlers (the local aminmax rejects an empty shard)."""
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim")
+    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
+    dims = [] if dim is None else [dim]
+    return aten.amin.default(x, dims, keepdim), aten.amax.default(x, dims, keepdim)
+
+
 @register_aten_handler(aten.max.default, aten.min.default)
 def _max_min(func, args, kwargs):
     reduce = aten.amax.default if func is aten.max.default else aten.amin.default

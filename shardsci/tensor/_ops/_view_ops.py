@@ -31,8 +31,8 @@ from torch.distributed.tensor._ops._view_ops import (
     view_groups,
 )
 
-from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._api import ShardTensor, redistribute
+from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
 
@@ -163,3 +163,30 @@ def _output_spec(
         for a in sharding.axes:
             placements[a] = Shard(head)
     return ShardTensorSpec.build(spec.mesh, placements, out_shape, spec.dtype, sizes, order=order)
+
+
+@register_aten_handler(aten.squeeze, aten.squeeze_copy)
+def _squeeze(func, args, kwargs):
+    """Squeeze the dims of global extent 1, named explicitly: on the shards, a bare
+    ``squeeze()`` would also drop a sharded dim whose shard happens to hold one element. A
+    sharded dim of extent 1 lives on one rank: it is replicated (the owner broadcasts its
+    element) before it is squeezed; DTensor refuses to squeeze a sharded dim."""
+    x = args[0]
+    if func._overloadname == "default":
+        dims = range(x.ndim)
+    else:
+        dims = [args[1]] if isinstance(args[1], int) else args[1]
+    squeezed = sorted({d % x.ndim for d in dims if x.ndim and x.shape[d % x.ndim] == 1})
+    if not squeezed:
+        return aten.alias.default(x) if func in _VIEWS else aten.clone.default(x)
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim in squeezed else p for p in x._spec.placements
+    ]
+    if placements != list(x._spec.placements):
+        x = redistribute(x, target_spec(x._spec, placements))
+    elif func._overloadname == "dims" and list(dims) == squeezed:
+        return NotImplemented
+    return func.overloadpacket.dims(x, squeezed)
+
+
+_VIEWS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
