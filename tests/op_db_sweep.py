@@ -149,16 +149,26 @@ def _samples(key: str, scan: int | None) -> tuple:
 def selected_samples(key: str, layout: SweepLayout, limit: int | None) -> list[tuple]:
     """``(index, sample, layout of its first tensor or None)`` for the samples of op ``key``
     to run on ``layout``: every sample (``limit`` None), else the first ``limit`` whose first
-    tensor can be sharded that way, among the first ``4 * limit + 4``."""
-    chosen = []
-    for index, sample in enumerate(_samples(key, None if limit is None else 4 * limit + 4)):
-        first, _ = _first_tensor(sample)
-        sharded = None if first is None else layout.layout_for(first.shape)
-        if limit is None or sharded is not None:
-            chosen.append((index, sample, sharded))
-        if limit is not None and len(chosen) == limit:
-            break
-    return chosen
+    tensor can be sharded that way, among the first ``4 * limit + 4`` (the first 64 when those
+    hold none: some ops' first samples are all scalars or empty)."""
+    if limit is None:
+        return [(i, s, _layout_of(s, layout)) for i, s in enumerate(_samples(key, None))]
+    for scan in (4 * limit + 4, 64):
+        chosen = []
+        for index, sample in enumerate(_samples(key, scan)):
+            sharded = _layout_of(sample, layout)
+            if sharded is not None:
+                chosen.append((index, sample, sharded))
+            if len(chosen) == limit:
+                return chosen
+        if chosen:
+            return chosen
+    return []
+
+
+def _layout_of(sample, layout: SweepLayout) -> Layout | None:
+    first, _ = _first_tensor(sample)
+    return None if first is None else layout.layout_for(first.shape)
 
 
 @dataclass(frozen=True)

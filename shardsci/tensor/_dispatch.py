@@ -22,7 +22,14 @@ from torch.distributed.tensor import Replicate
 from torch.utils._mode_utils import no_dispatch
 
 from shardsci.tensor import _propagation
-from shardsci.tensor._propagation import Plan, flatten_args, plan_for, unflatten_args
+from shardsci.tensor._propagation import (
+    Plan,
+    decomposition,
+    flatten_args,
+    functional_twin,
+    plan_for,
+    unflatten_args,
+)
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
 from shardsci.tensor._spec import ShardTensorSpec
@@ -261,7 +268,7 @@ def run_with_propagation(
         need only a different local kernel, e.g. one that copes with empty shards.
     """
     leaves, structure = flatten_args(args)
-    plan = plan_for(func, leaves, structure, kwargs)
+    plan = plan_for(func, leaves, structure, kwargs, local_impl)
     if plan.action == "decompose":
         return _decompose(func, args, kwargs)
     if plan.action == "copy_back":
@@ -307,23 +314,32 @@ def _local_of(value: object) -> object:
 
 
 def _decompose(func: OpOverload, args: tuple, kwargs: dict):
-    result = func.decompose(*args, **kwargs)
+    """NOTE [An op without a sharding rule runs its decomposition] in ``_propagation``."""
+    result = decomposition(func)(*args, **kwargs)
     if result is NotImplemented:
         raise NotImplementedError(f"shardsci: cannot decompose {func}")
     return result
 
 
 def _in_place_through_copy(func: OpOverload, args: tuple, kwargs: dict):
-    """Run the out-of-place op, then copy the result into the destination's own layout."""
-    name = func.overloadpacket.__name__.rstrip("_")
-    functional = getattr(getattr(aten, name), func._overloadname, None)
-    if functional is None:
-        raise NotImplementedError(
-            f"in-place {func} would need to move its destination {args[0]._spec}, and it has "
-            f"no out-of-place twin; redistribute the destination first"
-        )
+    """Run the out-of-place op, then copy the result into the destination's own layout
+    (``copy_``'s result is its source, broadcast)."""
     destination = args[0]
-    result = functional(*args, **kwargs)
+    if func is aten.copy_.default:
+        result = args[1]
+        if result.shape != destination.shape:
+            result = aten.expand.default(result, list(destination.shape))
+        if type(result) is not _ShardTensor:
+            destination._local.copy_(destination._spec.narrow(result))
+            return destination
+    else:
+        functional = functional_twin(func)
+        if functional is None:
+            raise NotImplementedError(
+                f"in-place {func} would need to move its destination {destination._spec}, and "
+                f"it has no out-of-place twin; redistribute the destination first"
+            )
+        result = functional(*args, **kwargs)
     target = destination._spec.with_dtype(result.dtype)
     destination._local.copy_(redistribute_local(result._local, result._spec, target))
     return destination

@@ -13,9 +13,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import Replicate
 
+from shardsci.tensor._api import ShardTensor, redistribute
 from shardsci.tensor._ops._common import arg
 from shardsci.tensor._ops._elementwise_ops import elementwise
+from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_aten_handler
 
 aten = torch.ops.aten
@@ -101,3 +104,23 @@ def _with_reduction(func, args: tuple, kwargs: dict, reduction: int) -> tuple[tu
     given = bound["reduction"]
     bound["reduction"] = reduction
     return tuple(bound.values()), given
+
+
+@register_aten_handler(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_loss_forward(func, args, kwargs):
+    """A mean over shards of any size: the sum of the picked log-probabilities and the total
+    weight, each summed over the shards, then divided (DTensor averages local means)."""
+    bound = _bound(func, args, kwargs)
+    x = bound["self"]
+    if bound["reduction"] != _MEAN or not isinstance(x, ShardTensor) or not x._spec.shardings:
+        return NotImplemented
+    summed, total_weight = func(*_with_reduction(func, args, kwargs, _SUM)[0])
+    total_weight = _replicated(total_weight)
+    return aten.div.Tensor(summed, total_weight), total_weight
+
+
+def _replicated(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, ShardTensor) or not t._spec.partial:
+        return t
+    placements = [Replicate() if p.is_partial() else p for p in t._spec.placements]
+    return redistribute(t, target_spec(t._spec, placements))

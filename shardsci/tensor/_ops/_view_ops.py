@@ -32,6 +32,7 @@ from torch.distributed.tensor._ops._view_ops import (
 )
 
 from shardsci.tensor._api import ShardTensor, redistribute
+from shardsci.tensor._dispatch import run_with_propagation
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
@@ -190,3 +191,54 @@ def _squeeze(func, args, kwargs):
 
 
 _VIEWS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
+
+
+@register_aten_handler(aten.view_as_complex.default)
+def _view_as_complex(func, args, kwargs):
+    """On a shard whose (real, imaginary) pairs are not adjacent in memory (a moved or sliced
+    shard), on a contiguous copy: the view needs unit stride in the last dim."""
+    x = args[0]
+    if not _pairs_adjacent(x._spec.stride, 0):
+        spec = x._spec
+        contiguous = ShardTensorSpec.build(
+            spec.mesh,
+            spec.placements,
+            spec.shape,
+            spec.dtype,
+            {s.dim: s.sizes for s in spec.shardings},
+            order={s.dim: s.axes for s in spec.shardings},
+            hints=spec.hints,
+        )
+        x = ShardTensor(x._local.contiguous(), contiguous)
+    return run_with_propagation(func, (x,), kwargs, local_impl=_complex_view)
+
+
+def _pairs_adjacent(stride: tuple[int, ...], offset: int) -> bool:
+    return stride[-1] == 1 and offset % 2 == 0 and all(s % 2 == 0 for s in stride[:-1])
+
+
+def _complex_view(t: torch.Tensor) -> torch.Tensor:
+    if not _pairs_adjacent(t.stride(), t.storage_offset()):
+        t = t.contiguous()
+    return aten.view_as_complex.default(t)
+
+
+@register_aten_handler(aten.unbind.int)
+def _unbind(func, args, kwargs):
+    """Along a sharded dim each slice lives on one rank: the dim is replicated first (one
+    all-gather), which DTensor refuses to do."""
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % max(x.ndim, 1)
+    if dim not in x._spec.sharding_by_dim:
+        return NotImplemented
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in x._spec.placements
+    ]
+    return func(redistribute(x, target_spec(x._spec, placements)), dim)
+
+
+@register_aten_handler(aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default)
+def _unsafe_split(func, args, kwargs):
+    """The same as ``split``, which has the rules."""
+    twin = aten.split.Tensor if func is aten.unsafe_split.Tensor else aten.split_with_sizes.default
+    return twin(*args, **kwargs)
