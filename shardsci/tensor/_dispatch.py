@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate
 from torch.utils._mode_utils import no_dispatch
 
 from shardsci.tensor import _propagation
+from shardsci.tensor._caches import register_cache
 from shardsci.tensor._propagation import (
     Plan,
     decomposition,
@@ -58,6 +59,8 @@ class _Route(NamedTuple):
 
 _ROUTES: dict[OpOverload, _Route] = {}
 on_registration(_ROUTES.clear)
+# Keyed by aten overloads, a finite set, so unbounded; registered to be cleared with the rest.
+register_cache("dispatch routes", _ROUTES.__len__, _ROUTES.clear)
 
 
 def _route(func: OpOverload) -> _Route:

@@ -32,7 +32,6 @@ from torch.distributed.tensor._ops._view_ops import (
 )
 
 from shardsci.tensor._api import ShardTensor, redistribute
-from shardsci.tensor._dispatch import run_with_propagation
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
@@ -193,36 +192,6 @@ def _squeeze(func, args, kwargs):
 _VIEWS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
-@register_aten_handler(aten.view_as_complex.default)
-def _view_as_complex(func, args, kwargs):
-    """On a shard whose (real, imaginary) pairs are not adjacent in memory (a moved or sliced
-    shard), on a contiguous copy: the view needs unit stride in the last dim."""
-    x = args[0]
-    if not _pairs_adjacent(x._spec.stride, 0):
-        spec = x._spec
-        contiguous = ShardTensorSpec.build(
-            spec.mesh,
-            spec.placements,
-            spec.shape,
-            spec.dtype,
-            {s.dim: s.sizes for s in spec.shardings},
-            order={s.dim: s.axes for s in spec.shardings},
-            hints=spec.hints,
-        )
-        x = ShardTensor(x._local.contiguous(), contiguous)
-    return run_with_propagation(func, (x,), kwargs, local_impl=_complex_view)
-
-
-def _pairs_adjacent(stride: tuple[int, ...], offset: int) -> bool:
-    return stride[-1] == 1 and offset % 2 == 0 and all(s % 2 == 0 for s in stride[:-1])
-
-
-def _complex_view(t: torch.Tensor) -> torch.Tensor:
-    if not _pairs_adjacent(t.stride(), t.storage_offset()):
-        t = t.contiguous()
-    return aten.view_as_complex.default(t)
-
-
 @register_aten_handler(aten.unbind.int)
 def _unbind(func, args, kwargs):
     """Along a sharded dim each slice lives on one rank: the dim is replicated first (one
@@ -242,3 +211,40 @@ def _unsafe_split(func, args, kwargs):
     """The same as ``split``, which has the rules."""
     twin = aten.split.Tensor if func is aten.unsafe_split.Tensor else aten.split_with_sizes.default
     return twin(*args, **kwargs)
+
+
+@register_aten_handler(aten.view_as_real.default, aten.view_as_complex.default)
+def _complex_view(func, args, kwargs):
+    """``view_as_real`` / ``view_as_complex`` (``.real``, ``.imag``) keep every dim's sharding:
+    they add or drop a trailing dim of two reals, which is never sharded."""
+    x = args[0]
+    spec = x._spec
+    to_real = func is aten.view_as_real.default
+    if not to_real and spec.ndim - 1 in spec.sharding_by_dim:
+        return NotImplemented
+    local = x._local
+    if not to_real and not _pairs_adjacent(local.stride(), local.storage_offset()):
+        local = local.contiguous()  # a moved or sliced shard: pairs not adjacent in memory
+    local = func(local)
+    if to_real:
+        shape, stride = (*spec.shape, 2), (*(2 * s for s in spec.stride), 1)
+    elif _pairs_adjacent(spec.stride, 0):
+        shape, stride = tuple(spec.shape[:-1]), tuple(s // 2 for s in spec.stride[:-1])
+    else:
+        shape, stride = tuple(spec.shape[:-1]), None
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        shape,
+        local.dtype,
+        {s.dim: s.sizes for s in spec.shardings},
+        stride=stride,
+        order={s.dim: s.axes for s in spec.shardings},
+        hints=spec.hints,
+    )
+    return ShardTensor(local, out_spec)
+
+
+def _pairs_adjacent(stride: tuple[int, ...], offset: int) -> bool:
+    """Whether a view as complex numbers is possible: (real, imaginary) pairs adjacent."""
+    return stride[-1] == 1 and offset % 2 == 0 and all(s % 2 == 0 for s in stride[:-1])
