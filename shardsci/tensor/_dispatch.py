@@ -216,22 +216,27 @@ def _is_fast_pointwise(func: OpOverload) -> bool:
 
 def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: bool):
     """Pointwise ops on operands that share one layout (no Partial axis) and scalars: run on
-    the local shards, keep the layout. Anything else returns NotImplemented."""
-    spec = None
+    the local shards, keep the layout. A 0-d ShardTensor operand (``y * y.mean()``) is a
+    scalar: one with a pending reduction is reduced (an all-reduce of one element) rather
+    than the large operand moved. Anything else returns NotImplemented."""
+    spec = _reference_layout(args)
+    if spec is None:
+        return NotImplemented
     local_args = []
     for arg in args:
         if type(arg) is _ShardTensor:
             arg_spec = arg._spec
-            if spec is None:
-                spec = arg_spec
-            elif arg_spec is not spec and not arg_spec.same_layout(spec):
+            if arg_spec is spec or arg_spec.same_layout(spec):
+                local_args.append(arg._local)
+            elif arg.ndim == 0 and spec.ndim != 0 and not mutates and arg_spec.mesh == spec.mesh:
+                local_args.append(_scalar_local(arg))
+            else:
                 return NotImplemented
-            local_args.append(arg._local)
         elif isinstance(arg, torch.Tensor) and arg.ndim != 0:
             return NotImplemented
         else:
             local_args.append(arg)
-    if spec is None or (spec.partial and func not in _VALUE_FREE):
+    if spec.partial and func not in _VALUE_FREE:
         return NotImplemented
     if kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return NotImplemented
@@ -246,6 +251,26 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
     if isinstance(out, tuple):
         return tuple(_ShardTensor(o, spec.with_dtype(o.dtype)) for o in out)
     return _ShardTensor(out, spec if out.dtype == spec.dtype else spec.with_dtype(out.dtype))
+
+
+def _reference_layout(args: tuple) -> ShardTensorSpec | None:
+    """The layout of the first ShardTensor operand that is not 0-d (else of the first)."""
+    first = None
+    for arg in args:
+        if type(arg) is _ShardTensor:
+            if arg.ndim != 0:
+                return arg._spec
+            first = first or arg._spec
+    return first
+
+
+def _scalar_local(scalar) -> torch.Tensor:
+    """A 0-d ShardTensor's value, its pending reductions done."""
+    spec = scalar._spec
+    if not spec.partial:
+        return scalar._local
+    whole = target_spec(spec, [Replicate()] * spec.mesh.ndim)
+    return redistribute_local(scalar._local, spec, whole)
 
 
 def _mutates_first_argument(func: OpOverload) -> bool:

@@ -599,7 +599,7 @@ def _remembered(
 ) -> tuple[int, ...] | None:
     for spec in specs:
         if spec is not None:
-            for hint in spec.hints:
+            for hint in reversed(spec.hints):  # newest first, as every hint reader
                 if hint.axes == axes and hint.extent == extent:
                     return hint.sizes
     return None
