@@ -205,16 +205,6 @@ def _mean_dim_partial(c: Case, dim: int) -> Partial:
     return Partial("avg") if sizes[0] > 0 and len(set(sizes)) == 1 else Partial("sum")
 
 
-# Reductions over a sharded dim that also shard a freed or replicated mesh axis (values are
-# right; the layout differs from the input's: reported).
-_RESHARDED = {
-    ("std_dim", "2x2-block", 0): parse("S1,S0; 0=1/3; 1=2/1"),
-    ("std_dim", "2x2-block", 1): parse("S0,S0; 0=2/1/1/1"),
-    ("std_dim", "2x2-replicate-shard", 1): parse("S0,S1; 0=2/1; 1=2/2"),
-    ("var_dim", "2x2-replicate-shard", 1): parse("S0,P; 0=2/1"),
-    ("softmax", "2x2-replicate-shard", 1): parse("S0,S1; 0=2/1; 1=4/1"),
-    ("log_softmax", "2x2-replicate-shard", 1): parse("S0,S1; 0=2/1; 1=4/1"),
-}
 PER_DIM_LAYOUTS: dict[str, Callable[[Case, int], Layout]] = {
     "sum_dim": _reduction(Partial("sum")),
     "mean_dim": _reduction(_mean_dim_partial, keepdim=True),
@@ -248,9 +238,7 @@ def _unary_body(case: Case, name: str) -> None:
 def _per_dim_body(case: Case, name: str, dim: int) -> None:
     mesh = get_mesh(case.mesh)
     table = PER_DIM if name in PER_DIM else NO_GRAD_PER_DIM
-    expected = _RESHARDED.get((name, case.name, dim)) or PER_DIM_LAYOUTS.get(
-        name, lambda c, d: c.layout
-    )(case, dim)
+    expected = PER_DIM_LAYOUTS.get(name, lambda c, d: c.layout)(case, dim)
     check_against_reference(
         table[name](dim),
         [_x(case)],

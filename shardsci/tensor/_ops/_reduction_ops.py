@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._dispatch import run_with_propagation
-from shardsci.tensor._ops._common import arg, normalized_dims, sharded_among
+from shardsci.tensor._ops._common import arg, normalized_dims, reduced_now, sharded_among
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import ShardTensorSpec
 
@@ -43,7 +43,7 @@ def _mean(func, args, kwargs):
 # ---------------------------------------------------------------------------- var / std
 def _variance_and_mean(x: ShardTensor, dims: tuple[int, ...], correction: float, keepdim: bool):
     count = math.prod(x.shape[d] for d in dims)
-    mean = aten.div.Scalar(aten.sum.dim_IntList(x, list(dims), True), count)
+    mean = reduced_now(aten.div.Scalar(aten.sum.dim_IntList(x, list(dims), True), count))
     centered = aten.sub.Tensor(x, mean)
     if centered.dtype.is_complex:
         centered = aten.abs.default(centered)
@@ -68,7 +68,7 @@ def _var_std(func, args, kwargs):
     if not sharded_among(x._spec, dims):
         return NotImplemented
     variance, _ = _variance_and_mean(x, dims, correction, keepdim)
-    return variance if func is aten.var.correction else aten.sqrt.default(variance)
+    return variance if func is aten.var.correction else aten.sqrt.default(reduced_now(variance))
 
 
 @register_aten_handler(aten.var_mean.correction, aten.std_mean.correction)
@@ -77,7 +77,9 @@ def _var_std_mean(func, args, kwargs):
     if not sharded_among(x._spec, dims):
         return NotImplemented
     variance, mean = _variance_and_mean(x, dims, correction, keepdim)
-    spread = variance if func is aten.var_mean.correction else aten.sqrt.default(variance)
+    spread = (
+        variance if func is aten.var_mean.correction else aten.sqrt.default(reduced_now(variance))
+    )
     return spread, mean
 
 

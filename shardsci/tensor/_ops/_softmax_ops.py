@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._ops._common import reduced_now
 from shardsci.tensor._registry import register_aten_handler
 
 aten = torch.ops.aten
@@ -34,9 +35,9 @@ def _softmax(func, args, kwargs):
         return NotImplemented
     if half_to_float:
         x = aten._to_copy.default(x, dtype=torch.float32)
-    shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
+    shifted = aten.sub.Tensor(x, reduced_now(aten.amax.default(x, [dim], True)))
     exponentials = aten.exp.default(shifted)
-    total = aten.sum.dim_IntList(exponentials, [dim], True)
+    total = reduced_now(aten.sum.dim_IntList(exponentials, [dim], True))
     if func is aten._softmax.default:
         return aten.div.Tensor(exponentials, total)
     return aten.sub.Tensor(shifted, aten.log.default(total))
@@ -47,7 +48,7 @@ def _softmax_backward(func, args, kwargs):
     grad, output, dim, input_dtype = args
     if not _along_sharded_dim(grad, output, dim=dim):
         return NotImplemented
-    weighted = aten.sum.dim_IntList(aten.mul.Tensor(grad, output), [dim], True)
+    weighted = reduced_now(aten.sum.dim_IntList(aten.mul.Tensor(grad, output), [dim], True))
     result = aten.mul.Tensor(output, aten.sub.Tensor(grad, weighted))
     return aten._to_copy.default(result, dtype=input_dtype)
 
@@ -57,6 +58,6 @@ def _log_softmax_backward(func, args, kwargs):
     grad, output, dim, input_dtype = args
     if not _along_sharded_dim(grad, output, dim=dim):
         return NotImplemented
-    total = aten.sum.dim_IntList(grad, [dim], True)
+    total = reduced_now(aten.sum.dim_IntList(grad, [dim], True))
     result = aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(output), total))
     return aten._to_copy.default(result, dtype=input_dtype)
