@@ -167,23 +167,37 @@ def selected_samples(key: str, layout: SweepLayout, limit: int | None) -> list[t
 
 
 def _layout_of(sample, layout: SweepLayout) -> Layout | None:
+    """None also for a sparse first tensor: ShardTensors shard strided tensors only."""
     first, _ = _first_tensor(sample)
-    return None if first is None else layout.layout_for(first.shape)
+    if first is None or first.layout != torch.strided:
+        return None
+    return layout.layout_for(first.shape)
 
 
 @dataclass(frozen=True)
 class Expectations:
     """What ``op_db_unsupported.py`` says: ops that may raise a clear error (with why), and
-    ops whose output values are random or uninitialised (only shapes are compared)."""
+    ops whose output values are random or uninitialised (only shapes are compared), always or
+    in some samples."""
 
     unsupported: dict[str, str]
     unchecked_values: dict[str, str]
+    random_when: dict[str, Callable[[object], bool]]
 
     @classmethod
     def load(cls) -> Expectations:
         from tests import op_db_unsupported
 
-        return cls(op_db_unsupported.UNSUPPORTED, op_db_unsupported.VALUES_NOT_COMPARED)
+        return cls(
+            op_db_unsupported.UNSUPPORTED,
+            op_db_unsupported.VALUES_NOT_COMPARED,
+            op_db_unsupported.RANDOM_WHEN,
+        )
+
+    def compares_values(self, key: str, sample) -> bool:
+        if key in self.unchecked_values:
+            return False
+        return not (key in self.random_when and self.random_when[key](sample))
 
 
 # ---------------------------------------------------------------------------- one case
@@ -423,13 +437,13 @@ def sweep_body(
     limit: int | None,
     resume_after: tuple[str, int] | None,
     log_path: str,
-    unchecked_values: frozenset[str],
     pattern: str | None,
 ) -> None:
     """Run the cases of a chunk of the database after ``resume_after`` on this rank (see
     the NOTE above)."""
     layout = LAYOUTS[layout_name]
     mesh = get_mesh(layout.mesh)
+    expectations = Expectations.load()
     group = _agreement_group()
     rank = dist.get_rank()
     with open(log_path, "a") as log:
@@ -439,7 +453,8 @@ def sweep_body(
                 log.write(json.dumps({"begin": True, **case}) + "\n")
                 log.flush()
             begun = time.perf_counter()
-            verdict = _local_verdict(key, sample, sharded, mesh, key not in unchecked_values)
+            compare = expectations.compares_values(key, sample)
+            verdict = _local_verdict(key, sample, sharded, mesh, compare)
             seconds = time.perf_counter() - begun
             verdicts = _agree(verdict, group, f"{key} sample {index}")
             if rank == 0:
@@ -479,7 +494,6 @@ def sweep(
     layout: SweepLayout,
     chunk: tuple[int, int] = (0, 1),
     limit: int | None = None,
-    unchecked_values: frozenset[str] = frozenset(),
     pattern: str | None = None,
 ) -> list[dict]:
     """Every case of a chunk of the database on ``layout``: one record per case with its
@@ -498,7 +512,6 @@ def sweep(
                     limit,
                     resume_after,
                     str(log_path),
-                    unchecked_values,
                     pattern,
                     timeout_s=3600.0,
                 )
@@ -566,12 +579,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--records", type=Path, default=None, help="write every case here")
     args = parser.parse_args(argv)
     expectations = Expectations.load()
-    unchecked = frozenset(expectations.unchecked_values)
     layouts = LAYOUTS.values() if args.layout == "all" else [LAYOUTS[args.layout]]
     everything = []
     try:
         for layout in layouts:
-            records = sweep(layout, (0, 1), args.samples, unchecked, args.ops)
+            records = sweep(layout, (0, 1), args.samples, args.ops)
             for r in records:
                 r["layout"] = layout.name
             everything.extend(records)

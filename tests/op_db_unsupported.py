@@ -3,6 +3,8 @@ short of a correct result. Keys are OpInfo names (``name`` or ``name.variant``),
 ``torch.testing._internal.common_methods_invocations.op_db``.
 """
 
+from collections.abc import Callable
+
 #: Ops that may raise an error on sharded input: the same error on every rank, naming the op.
 #: The value says why. The sweep fails on an error of an op not listed here, and (the full
 #: sweep) on a listed op that no longer raises.
@@ -38,4 +40,14 @@ VALUES_NOT_COMPARED: dict[str, str] = {
     "randn": "random",
     "randn_like": "random",
     "uniform": "random",
+}
+
+#: Ops whose outputs are random in the samples a predicate picks (dropout inside): only those
+#: samples' values go uncompared.
+RANDOM_WHEN: dict[str, Callable[[object], bool]] = {
+    "nn.functional.scaled_dot_product_attention": lambda s: s.kwargs.get("dropout_p", 0.0) > 0,
+    # multi_head_attention_forward(query, key, value, ..., add_zero_attn, dropout_p, ...)
+    "nn.functional.multi_head_attention_forward": (
+        lambda s: s.kwargs.get("training", True) and s.args[9] > 0
+    ),
 }

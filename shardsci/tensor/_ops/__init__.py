@@ -2,6 +2,7 @@
 
 from shardsci.tensor._ops import (
     _batched_ops,  # noqa: F401
+    _composite_ops,  # noqa: F401
     _conv_ops,  # noqa: F401
     _elementwise_ops,  # noqa: F401
     _embedding_ops,  # noqa: F401

@@ -17,8 +17,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 
 from shardsci.tensor._api import ShardTensor, redistribute
-from shardsci.tensor._ops._common import sharding_axes
-from shardsci.tensor._redistribute import target_spec
+from shardsci.tensor._ops._common import reduced_now, sharding_axes
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import ShardTensorSpec
 
@@ -76,7 +75,7 @@ def _run_on_shards(func, args: tuple, kwargs: dict):
     reference = next((t for t in tensors if isinstance(t, ShardTensor) and t.shape == shape), None)
     if reference is None:
         return NotImplemented
-    spec = _reduced(reference)._spec
+    spec = reduced_now(reference)._spec
     local_args = []
     for a in args:
         local = _local_like(a, spec, shape) if isinstance(a, torch.Tensor) else a
@@ -90,24 +89,16 @@ def _local_like(t: torch.Tensor, spec: ShardTensorSpec, shape: torch.Size):
     """This rank's block of ``t`` broadcast to ``shape`` and laid out as ``spec``."""
     if isinstance(t, ShardTensor):
         if t.shape == shape:
-            t = _reduced(t)
+            t = reduced_now(t)
             return (
                 t if t._spec.same_layout(spec) else redistribute(t, spec.with_dtype(t.dtype))
             )._local
         if t._spec.shardings:
             return NotImplemented
-        t = _reduced(t)._local
+        t = reduced_now(t)._local
     if t.ndim == 0:
         return t
     return spec.narrow(t.expand(shape))
-
-
-def _reduced(t: ShardTensor) -> ShardTensor:
-    """``t`` with its pending reductions done (Partial axes made Replicate)."""
-    if not t._spec.partial:
-        return t
-    placements = [Replicate() if p.is_partial() else p for p in t._spec.placements]
-    return redistribute(t, target_spec(t._spec, placements))
 
 
 @register_aten_handler(aten._prelu_kernel_backward.default)

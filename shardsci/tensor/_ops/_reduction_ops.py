@@ -9,6 +9,9 @@
   in torch; here empty shards contribute the reduction's identity.
 - ``argmax``/``argmin`` over a sharded dim: DTensor gathers the whole tensor; here ranks
   exchange only their best (value, global index) pairs.
+- ``histc``: DTensor has no rule; here each rank counts its own elements (over the global
+  range, found by one all-reduce of min and max when the call leaves it to the data): the
+  counts are partial sums over the axes that shard the input.
 """
 
 from __future__ import annotations
@@ -16,12 +19,18 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._dispatch import run_with_propagation
-from shardsci.tensor._ops._common import arg, normalized_dims, reduced_now, sharded_among
+from shardsci.tensor._ops._common import (
+    arg,
+    normalized_dims,
+    reduced_now,
+    sharded_among,
+    sharding_axes,
+)
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import ShardTensorSpec
 
@@ -73,9 +82,8 @@ def _var_std(func, args, kwargs):
 
 @register_aten_handler(aten.var_mean.correction, aten.std_mean.correction)
 def _var_std_mean(func, args, kwargs):
+    """Composed on every layout: DTensor has no rule for the pair."""
     x, dims, correction, keepdim = _variance_args(func, args, kwargs)
-    if not sharded_among(x._spec, dims):
-        return NotImplemented
     variance, mean = _variance_and_mean(x, dims, correction, keepdim)
     spread = (
         variance if func is aten.var_mean.correction else aten.sqrt.default(reduced_now(variance))
@@ -323,3 +331,19 @@ def _first_best_by_index(values, indices, valid, largest: bool) -> int:
         pool = (clean == best) & valid
     masked = indices.masked_fill(~pool, torch.iinfo(torch.int64).max)
     return int(masked.argmin())
+
+
+# ---------------------------------------------------------------------------- histc
+@register_aten_handler(aten.histc.default)
+def _histc(func, args, kwargs):
+    x = args[0]
+    bins = arg(args, kwargs, 1, "bins", 100)
+    low, high = arg(args, kwargs, 2, "min", 0), arg(args, kwargs, 3, "max", 0)
+    if low == high == 0 and x.numel() != 0:  # the data's own range, as torch takes it
+        low = reduced_now(aten.amin.default(x, [], False))._local.item()
+        high = reduced_now(aten.amax.default(x, [], False))._local.item()
+    counts = func(x._local, bins, low, high)
+    axes = sharding_axes(x._spec)
+    placements = [Partial() if a in axes else Replicate() for a in range(x._spec.mesh.ndim)]
+    spec = ShardTensorSpec.build(x._spec.mesh, placements, counts.shape, counts.dtype)
+    return ShardTensor(counts, spec)
