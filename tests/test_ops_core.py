@@ -348,3 +348,26 @@ def _matmul_body(case: Case, name: str) -> None:
 @pytest.mark.parametrize("name", ["linear", "layer_norm_module", "matmul_plain", "einsum", "bmm"])
 def test_matmul_and_modules(case: Case, name: str) -> None:
     run_on_ranks(case.world, _matmul_body, case, name)
+
+
+# ---------------------------------------------------------------------------- strides
+def _clone_strides_body() -> None:
+    from torch.distributed.tensor import Shard
+
+    from shardsci.tensor._api import from_local_spec
+
+    mesh = get_mesh((2,))
+    x = torch.randn(4, 3, 2, dtype=torch.float64)
+    spec = Layout((Shard(1),), {1: (1, 2)}).spec(mesh, x)
+    sharded = from_local_spec(spec.narrow(x).clone(), spec).transpose(0, 1)
+    for memory_format in (torch.contiguous_format, torch.preserve_format):
+        expected = x.transpose(0, 1).clone(memory_format=memory_format).stride()
+        got = sharded.clone(memory_format=memory_format).stride()
+        if got != expected:
+            raise AssertionError(f"clone({memory_format}) has strides {got}, torch {expected}")
+
+
+def test_clone_to_a_memory_format_has_its_strides() -> None:
+    """A contiguous clone of a transposed ShardTensor is contiguous (a later ``view`` of it,
+    as in multi-head attention, relies on that)."""
+    run_on_ranks(2, _clone_strides_body)

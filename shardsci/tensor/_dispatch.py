@@ -240,6 +240,8 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
         return NotImplemented
     if kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return NotImplemented
+    if kwargs.get("memory_format", torch.preserve_format) is not torch.preserve_format:
+        return NotImplemented  # the output's strides are not the input's
     filled = spec.partial
     if filled:
         spec = target_spec(spec, [Replicate() if p.is_partial() else p for p in spec.placements])

@@ -1,7 +1,7 @@
 """Elementwise ops that DTensor has no sharding rule for: the backward passes of activations
 (hardtanh, hardswish, hardsigmoid, hard/soft shrink, elu, leaky_relu, softplus, rrelu,
-log_sigmoid), ``log_sigmoid_forward``, ``hardswish``, ``complex``, ``polar``, prelu and ``normal`` with
-tensor means or deviations (each rank draws its own elements, as dropout does).
+log_sigmoid), ``log_sigmoid_forward``, ``hardswish``, ``complex``, ``polar``, prelu, ``normal`` with
+tensor means or deviations and ``cauchy`` (each rank draws its own elements, as dropout does).
 
 Each output element depends only on the input elements at the same index, so the op runs on
 the shards once every tensor argument is laid out like the output: a ShardTensor of the
@@ -45,6 +45,7 @@ _ELEMENTWISE = (
     aten.normal.Tensor_Tensor,
     aten.normal.Tensor_float,
     aten.normal.float_Tensor,
+    aten.cauchy.default,
 )
 
 
