@@ -74,8 +74,12 @@ def _run_on_shards(func, args: tuple, kwargs: dict):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
     reference = next((t for t in tensors if isinstance(t, ShardTensor) and t.shape == shape), None)
-    if reference is None:
-        return NotImplemented
+    if reference is None:  # every ShardTensor is broadcast: the first, expanded, sets the layout
+        first = next((t for t in tensors if isinstance(t, ShardTensor)), None)
+        if first is None:
+            return NotImplemented
+        reference = aten.expand.default(first, list(shape))
+        args = tuple(reference if a is first else a for a in args)
     spec = reduced_now(reference)._spec
     local_args = []
     for a in args:

@@ -9,6 +9,8 @@
   in torch; here empty shards contribute the reduction's identity.
 - ``argmax``/``argmin`` over a sharded dim: DTensor gathers the whole tensor; here ranks
   exchange only their best (value, global index) pairs.
+- ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
+  before it shifts the shards, so the result keeps the input's other shardings.
 - ``histc``: DTensor has no rule; here each rank counts its own elements (over the global
   range, found by one all-reduce of min and max when the call leaves it to the data): the
   counts are partial sums over the axes that shard the input.
@@ -331,6 +333,23 @@ def _first_best_by_index(values, indices, valid, largest: bool) -> int:
         pool = (clean == best) & valid
     masked = indices.masked_fill(~pool, torch.iinfo(torch.int64).max)
     return int(masked.argmin())
+
+
+# ---------------------------------------------------------------------------- logsumexp
+@register_aten_handler(aten.logsumexp.default)
+def _logsumexp(func, args, kwargs):
+    """``max + log(sum(exp(x - max)))``, the max taken as 0 where it is infinite (as torch)."""
+    x = args[0]
+    dims = normalized_dims(arg(args, kwargs, 1, "dim"), x.ndim)
+    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
+    if not x.dtype.is_floating_point or not sharded_among(x._spec, dims):
+        return NotImplemented
+    peak = reduced_now(aten.amax.default(x, list(dims), True))
+    peak = aten.masked_fill.Scalar(peak, aten.isinf.default(peak), 0)
+    total = aten.sum.dim_IntList(aten.exp.default(aten.sub.Tensor(x, peak)), list(dims), keepdim)
+    if not keepdim:
+        peak = aten.squeeze.dims(peak, list(dims))
+    return aten.add.Tensor(aten.log.default(reduced_now(total)), peak)
 
 
 # ---------------------------------------------------------------------------- histc
