@@ -17,7 +17,10 @@ arguments replicated (passed as plain tensors). A case is
 
 Ops that may raise (clear) errors are listed, with the reason, in ``op_db_unsupported.py``;
 ``tests/test_op_db.py`` holds the sweep to that list. ``python -m tests.op_db_sweep`` runs the
-whole database and prints the counts per layout (see ``--help``).
+whole database and prints the counts per layout (see ``--help``); the summary the README cites,
+``docs/op_db_sweep.json`` and ``.md``, is written by::
+
+    OMP_NUM_THREADS=1 python -m tests.op_db_sweep --samples 3 --summary docs/op_db_sweep
 """
 
 from __future__ import annotations
@@ -571,12 +574,60 @@ def stale(records: list[dict], expectations: Expectations) -> list[str]:
     return sorted(op for op in expectations.unsupported if op in ran and op not in failed)
 
 
+def write_summary(path: Path, records: list[dict], samples: int | None, pattern: str | None):
+    """``path.json`` and ``path.md``: the counts per layout of ``records`` and how they were
+    produced."""
+    layouts = {}
+    for name in LAYOUTS:
+        mine = [r for r in records if r["layout"] == name]
+        if mine:
+            tally = counts(mine)
+            correct = tally["correct"] / tally["cases"] if tally["cases"] else 1.0
+            layouts[name] = {**tally, "correct_fraction": round(correct, 4)}
+    command = (
+        "OMP_NUM_THREADS=1 python -m tests.op_db_sweep"
+        + (f" --samples {samples}" if samples is not None else "")
+        + (f" --ops '{pattern}'" if pattern else "")
+        + f" --summary {path}"
+    )
+    summary = {
+        "command": command,
+        "torch": torch.__version__,
+        "ops": len({r["op"] for r in records}),
+        "samples_per_op": samples or "all",
+        "layouts": layouts,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    rows = [
+        f"| {name} | {t['cases']} | {t['correct']} ({100 * t['correct_fraction']:.1f} %) | "
+        f"{t['error']} | {t['wrong']} | {t['some-ranks']} | {t['unclear']} | {t['skipped']} |"
+        for name, t in layouts.items()
+    ]
+    path.with_suffix(".md").write_text(
+        "# PyTorch's OpInfo database on ShardTensors\n\n"
+        f"{summary['ops']} OpInfo entries (float64, CPU), the first "
+        f"{summary['samples_per_op']} samples of each, torch {torch.__version__}; the first "
+        "tensor argument sharded (2r-uneven: 2 ranks, uneven; 4r-empty: 4 ranks, rank 0 "
+        "empty; 2x2-uneven: two dims over a 2x2 mesh), compared with one process, forward and "
+        "the sharded input's gradient (see `tests/op_db_sweep.py`). *error*: the same clear "
+        "error on every rank, for ops listed with a reason in `tests/op_db_unsupported.py`.\n\n"
+        "| layout | cases | correct | error | wrong | some ranks | unclear | skipped |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        + "\n".join(rows)
+        + f"\n\nRegenerate: `{command}`\n"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=[*LAYOUTS, "all"], default="all")
     parser.add_argument("--samples", type=int, default=None, help="samples per op (default all)")
     parser.add_argument("--ops", default=None, help="regex on op keys (default all)")
     parser.add_argument("--records", type=Path, default=None, help="write every case here")
+    parser.add_argument(
+        "--summary", type=Path, default=None, help="write the counts to PATH.json and PATH.md"
+    )
     args = parser.parse_args(argv)
     expectations = Expectations.load()
     layouts = LAYOUTS.values() if args.layout == "all" else [LAYOUTS[args.layout]]
@@ -596,6 +647,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         shutdown_pools()
     if args.records:
         args.records.write_text("".join(json.dumps(r) + "\n" for r in everything))
+    if args.summary:
+        write_summary(args.summary, everything, args.samples, args.ops)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,28 @@ short of a correct result. Keys are OpInfo names (``name`` or ``name.variant``),
 
 from collections.abc import Callable
 
+_ADAPTIVE = (
+    "an output size that does not divide a sharded dim's extent: adaptive windows of "
+    "different lengths that overlap (the error says which output sizes work)"
+)
+_CHUNKED_LOSS = "a torch_nn custom op without a decomposition; no handler yet"
+
 #: Ops that may raise an error on sharded input: the same error on every rank, naming the op.
 #: The value says why. The sweep fails on an error of an op not listed here, and (the full
 #: sweep) on a listed op that no longer raises.
-UNSUPPORTED: dict[str, str] = {}
+UNSUPPORTED: dict[str, str] = {
+    "nn.functional.adaptive_avg_pool1d": _ADAPTIVE,
+    "nn.functional.adaptive_avg_pool2d": _ADAPTIVE,
+    "nn.functional.adaptive_avg_pool3d": _ADAPTIVE,
+    "nn.functional.adaptive_max_pool1d": _ADAPTIVE,
+    "nn.functional.adaptive_max_pool2d": _ADAPTIVE,
+    "nn.functional.adaptive_max_pool3d": _ADAPTIVE,
+    "nn.functional.linear_cross_entropy.chunked": _CHUNKED_LOSS,
+    "nn.functional.linear_cross_entropy.chunked_none": _CHUNKED_LOSS,
+    "resize_": "changes the storage in place; a shard cannot grow into its neighbour's elements",
+    "resize_as_": "changes the storage in place; a shard cannot grow into its neighbour's elements",
+    "to_sparse": "ShardTensors shard strided tensors only",
+}
 
 #: Ops whose outputs are random or uninitialised: the sharded run draws other numbers than one
 #: process does, so only shapes, dtypes and shard sizes are compared.

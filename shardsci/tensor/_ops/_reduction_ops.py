@@ -11,9 +11,9 @@
   exchange only their best (value, global index) pairs.
 - ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
   before it shifts the shards, so the result keeps the input's other shardings.
-- ``histc``: DTensor has no rule; here each rank counts its own elements (over the global
-  range, found by one all-reduce of min and max when the call leaves it to the data): the
-  counts are partial sums over the axes that shard the input.
+- ``histc``, ``histogram``: DTensor has no rule; here each rank counts its own elements
+  (over the global range, found by all-reduces of min and max when the call leaves it to the
+  data): the counts are partial sums over the axes that shard the input.
 """
 
 from __future__ import annotations
@@ -352,17 +352,66 @@ def _logsumexp(func, args, kwargs):
     return aten.add.Tensor(aten.log.default(reduced_now(total)), peak)
 
 
-# ---------------------------------------------------------------------------- histc
+# ---------------------------------------------------------------------------- histograms
+def _global_range(x: ShardTensor) -> tuple[float, float]:
+    """The smallest and largest element of ``x`` (one all-reduce each)."""
+    low = reduced_now(aten.amin.default(x, [], False))._local.item()
+    high = reduced_now(aten.amax.default(x, [], False))._local.item()
+    return low, high
+
+
+def _counted_per_rank(x: ShardTensor, counts: torch.Tensor) -> ShardTensor:
+    """Counts of this rank's elements: a partial sum over the axes that shard ``x``."""
+    axes = sharding_axes(x._spec)
+    placements = [Partial() if a in axes else Replicate() for a in range(x._spec.mesh.ndim)]
+    return ShardTensor(
+        counts, ShardTensorSpec.build(x._spec.mesh, placements, counts.shape, counts.dtype)
+    )
+
+
 @register_aten_handler(aten.histc.default)
 def _histc(func, args, kwargs):
     x = args[0]
     bins = arg(args, kwargs, 1, "bins", 100)
     low, high = arg(args, kwargs, 2, "min", 0), arg(args, kwargs, 3, "max", 0)
     if low == high == 0 and x.numel() != 0:  # the data's own range, as torch takes it
-        low = reduced_now(aten.amin.default(x, [], False))._local.item()
-        high = reduced_now(aten.amax.default(x, [], False))._local.item()
-    counts = func(x._local, bins, low, high)
-    axes = sharding_axes(x._spec)
-    placements = [Partial() if a in axes else Replicate() for a in range(x._spec.mesh.ndim)]
-    spec = ShardTensorSpec.build(x._spec.mesh, placements, counts.shape, counts.dtype)
-    return ShardTensor(counts, spec)
+        low, high = _global_range(x)
+    return _counted_per_rank(x, func(x._local, bins, low, high))
+
+
+@register_aten_handler(aten.histogram.bin_ct, aten.histogram.bins_tensor)
+def _histogram(func, args, kwargs):
+    """Each rank counts its elements against the same edges (from the global range when the
+    call gives none); a density needs the global counts, so it is all-reduced first."""
+    x, bins = args[0], arg(args, kwargs, 1, "bins", 100)
+    weight, density = kwargs.get("weight"), bool(kwargs.get("density", False))
+    if isinstance(bins, ShardTensor) and bins._spec.shardings:
+        return NotImplemented
+    bins = bins._local if isinstance(bins, ShardTensor) else bins
+    if isinstance(weight, ShardTensor):
+        if not weight._spec.same_layout(x._spec.with_dtype(weight.dtype)):
+            return NotImplemented
+        weight = weight._local
+    elif weight is not None:
+        weight = x._spec.narrow(weight)
+    local = {"weight": weight}
+    if func is aten.histogram.bin_ct:
+        span = kwargs.get("range")
+        if span is None and x.numel() != 0:
+            span = list(_global_range(x))
+        local["range"] = span
+    counts, edges = func(x._local, bins, **local)
+    counts = _counted_per_rank(x, counts)
+    edges = _replicated(x, edges)
+    if not density:
+        return counts, edges
+    total = reduced_now(counts)._local
+    return _replicated(x, total / (total.sum() * edges._local.diff())), edges
+
+
+def _replicated(x: ShardTensor, value: torch.Tensor) -> ShardTensor:
+    """``value``, the same on every rank, as a replicated ShardTensor on ``x``'s mesh."""
+    mesh = x._spec.mesh
+    return ShardTensor(
+        value, ShardTensorSpec.build(mesh, [Replicate()] * mesh.ndim, value.shape, value.dtype)
+    )
