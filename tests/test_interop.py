@@ -9,20 +9,38 @@ import torch
 from torch.distributed.tensor import Shard
 
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+from tests.expected_layouts import parse
 
-# (equation, operand shapes, layout of the first operand): a batch-sharded linear map, a
-# spectral convolution's mode-wise channel mix sharded along a mode dim (complex weights, as
-# in neural-operator code), a three-operand chain that opt_einsum splits into pairwise
-# contractions, and a contraction over the sharded dim.
+# (equation, operand shapes, layout of the first operand, layout of the result): a
+# batch-sharded linear map, a spectral convolution's mode-wise channel mix sharded along a mode
+# dim (complex weights, as in neural-operator code; the result viewed as real), a three-operand
+# chain that opt_einsum splits into pairwise contractions, and a contraction over the sharded
+# dim (a partial sum, no communication).
 CONTRACTIONS = {
-    "batch_linear": ("bij,jk->bik", [(7, 3, 4), (4, 5)], Layout((Shard(0),), {0: (5, 2)})),
+    "batch_linear": (
+        "bij,jk->bik",
+        [(7, 3, 4), (4, 5)],
+        Layout((Shard(0),), {0: (5, 2)}),
+        parse("S0; 0=5/2"),
+    ),
     "spectral_mix": (
         "bixy,ioxy->boxy",
         [(2, 3, 9, 4), (3, 5, 9, 4)],
         Layout((Shard(2),), {2: (2, 7)}),
+        parse("S2; 2=2/7"),
     ),
-    "chain": ("ab,bc,cd->ad", [(9, 4), (4, 6), (6, 3)], Layout((Shard(0),), {0: (6, 3)})),
-    "contract_sharded": ("ij,jk->ik", [(9, 4), (4, 6)], Layout((Shard(1),), {1: (1, 3)})),
+    "chain": (
+        "ab,bc,cd->ad",
+        [(9, 4), (4, 6), (6, 3)],
+        Layout((Shard(0),), {0: (6, 3)}),
+        parse("S0; 0=6/3"),
+    ),
+    "contract_sharded": (
+        "ij,jk->ik",
+        [(9, 4), (4, 6)],
+        Layout((Shard(1),), {1: (1, 3)}),
+        parse("P"),
+    ),
 }
 
 
@@ -34,7 +52,7 @@ def _operands(shapes: list[tuple[int, ...]], complex_weights: bool) -> list[torc
 
 
 def _contraction_body(name: str, library: str) -> None:
-    equation, shapes, layout = CONTRACTIONS[name]
+    equation, shapes, layout, result = CONTRACTIONS[name]
     mesh = get_mesh((2,))
     operands = _operands(shapes, complex_weights=name == "spectral_mix")
     contract = opt_einsum.contract if library == "opt_einsum" else torch.einsum
@@ -44,7 +62,9 @@ def _contraction_body(name: str, library: str) -> None:
         return torch.view_as_real(out) if out.is_complex() else out
 
     layouts = [layout] + [None] * (len(operands) - 1)
-    check_against_reference(fn, operands, layouts, mesh, what=f"{library} {equation}")
+    check_against_reference(
+        fn, operands, layouts, mesh, out_layouts=[result], what=f"{library} {equation}"
+    )
 
 
 @pytest.mark.parametrize("library", ["opt_einsum", "torch"])
