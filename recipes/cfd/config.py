@@ -33,7 +33,7 @@ class CFDDataConfig:
 
 @dataclass
 class CFDEvalConfig:
-    """The ``eval`` group of the CFD recipe: what each evaluation (every ``train.eval_every``
+    """The ``eval`` group of the CFD recipe (``configs/eval/cfd.yaml``): what each evaluation (every ``train.eval_every``
     steps, and at the end) measures on the held-out trajectories.
 
     Attributes
@@ -53,6 +53,6 @@ class CFDEvalConfig:
 SCHEMAS: dict[tuple[str, str], type] = {
     **MODEL_SCHEMAS,
     ("data", "ns2d_schema"): CFDDataConfig,
-    ("recipe", "cfd_eval_schema"): CFDEvalConfig,
+    ("eval", "cfd_schema"): CFDEvalConfig,
 }
 """The recipe's Hydra schemas, ``(group, name) -> dataclass`` (``Recipe.schemas``)."""

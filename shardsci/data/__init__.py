@@ -7,8 +7,16 @@ target) batches split over data-parallel ranks.
 """
 
 from shardsci.data._field import ShardedHDF5Field
+from shardsci.data._files import DataError
 from shardsci.data._hdf5 import HDF5Source
 from shardsci.data._pairs import NextStepPairs, PairBatch
 from shardsci.data._stats import FieldStatistics
 
-__all__ = ["FieldStatistics", "HDF5Source", "NextStepPairs", "PairBatch", "ShardedHDF5Field"]
+__all__ = [
+    "DataError",
+    "FieldStatistics",
+    "HDF5Source",
+    "NextStepPairs",
+    "PairBatch",
+    "ShardedHDF5Field",
+]

@@ -5,6 +5,8 @@
 - ``RunConfig`` and the generic groups' configs (``TrainConfig``, ``ParallelConfig``,
   ``LoggerConfig``, ``LauncherConfig``), ``schema_of``/``config_from`` between a component's
   config dataclass and its Hydra schema.
+- ``check_run``: every check the config allows, before any rank starts; ``reported``: user
+  errors as one line (NOTE [Errors for people]).
 - ``start_run`` (process group, mesh, run directory) and ``Trainer`` (the loop: DDP/FSDP2 via
   ``parallelize``, precision, data-parallel means, checkpoints with the scheduler, resume).
 - ``ParallelLayout``: which mesh axes do what; ``run_local_ranks``: start ranks here.
@@ -12,8 +14,16 @@
 Nothing here knows a recipe's data or model.
 """
 
+from shardsci.training._checks import check_run, max_local_ranks
 from shardsci.training._data_parallel import DataParallel, dp_mean, dp_sample_mean, parallelize
-from shardsci.training._layout import ParallelConfig, ParallelLayout, mesh_world_size
+from shardsci.training._errors import (
+    EXIT_USER_ERROR,
+    TRACEBACK_VAR,
+    USER_ERRORS,
+    ConfigError,
+    reported,
+)
+from shardsci.training._layout import LayoutPlan, ParallelConfig, ParallelLayout, mesh_world_size
 from shardsci.training._loggers import LoggerConfig, LoggerKind, MetricLogger, WandbMode
 from shardsci.training._precision import Precision, autocast
 from shardsci.training._progress import Progress
@@ -38,10 +48,15 @@ from shardsci.training._spawn import run_local_ranks
 from shardsci.training._trainer import Task, TrainConfig, Trainer
 
 __all__ = [
+    "EXIT_USER_ERROR",
+    "TRACEBACK_VAR",
+    "USER_ERRORS",
     "AdamWConfig",
+    "ConfigError",
     "DataParallel",
     "LauncherConfig",
     "LauncherKind",
+    "LayoutPlan",
     "LoggerConfig",
     "LoggerKind",
     "MetricLogger",
@@ -58,6 +73,7 @@ __all__ = [
     "Trainer",
     "WandbMode",
     "autocast",
+    "check_run",
     "config_from",
     "config_type_of",
     "discover_recipes",
@@ -65,12 +81,14 @@ __all__ = [
     "dp_sample_mean",
     "get_recipe",
     "instantiate",
+    "max_local_ranks",
     "mesh_world_size",
     "parallelize",
     "plain",
     "recipe_names",
     "register_recipe",
     "register_run_schemas",
+    "reported",
     "run_local_ranks",
     "schema_of",
     "start_run",

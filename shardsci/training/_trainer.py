@@ -53,7 +53,8 @@ class TrainConfig:
     log_every, eval_every : int
         Steps between metric logs and between evaluations.
     checkpoint_every : int
-        Steps between checkpoints; the final state is always saved.
+        Steps between checkpoints (0: none but the final one); the final state is always
+        saved.
     resume : str
         ``"auto"`` (the latest complete checkpoint in the run directory, if any), ``"never"``, or
         a checkpoint path.
@@ -72,6 +73,26 @@ class TrainConfig:
     checkpoint_every: int = 100
     resume: str = "auto"
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first setting out of range."""
+        at_least = {
+            "steps": (self.steps, 0),
+            "global_batch": (self.global_batch, 1),
+            "log_every": (self.log_every, 1),
+            "eval_every": (self.eval_every, 1),
+            "checkpoint_every": (self.checkpoint_every, 0),
+            "schedule.warmup_steps": (self.schedule.warmup_steps, 0),
+        }
+        for name, (value, lowest) in at_least.items():
+            if value < lowest:
+                raise ValueError(f"train.{name}={value}: expected an integer >= {lowest}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"train.grad_clip={self.grad_clip}: expected a positive norm or null")
+        if not 0 <= self.schedule.min_ratio <= 1:
+            raise ValueError(
+                f"train.schedule.min_ratio={self.schedule.min_ratio}: expected 0 <= min_ratio <= 1"
+            )
 
 
 class Task(Protocol):
