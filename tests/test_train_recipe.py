@@ -1,28 +1,36 @@
 """The main job end to end: ``python train.py +recipe=cfd ...`` on a tiny problem.
 
 Runs the real entry point in subprocesses (local ranks forked by ``train.py``, or SLURM jobs),
-on a 32x32 dataset of 6 trajectories generated once for the module.
+on a 32x32 dataset of 6 trajectories generated once for the module and then handed to the runs
+as a file of the user's: read as it is, and the same bytes after every run. One run generates
+its data itself (``data.generate=force``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 import train  # noqa: F401  registers the config schemas and the recipes
+from recipes.cfd.generate import CREATED_BY, DatasetConfig, generate_dataset
+from recipes.cfd.navier_stokes import SolverConfig
 from shardsci.checkpoint import load_checkpoint
 from shardsci.testing.slurm import SlurmUnavailable, ensure_local_cluster, submit_and_wait
 from shardsci.training import instantiate
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_DATA = DatasetConfig(solver=SolverConfig(resolution=32), n_train=4, n_test=2, n_snapshots=6)
 TINY = [
     "logger=none",
     "train.log_every=1",
@@ -30,17 +38,19 @@ TINY = [
     "train.global_batch=8",
     "eval.samples=8",
     "eval.rollout_steps=1",
-    "data.dataset.solver.resolution=32",
-    "data.dataset.n_train=4",
-    "data.dataset.n_test=2",
-    "data.dataset.n_snapshots=6",
 ]
 RUN_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data") / "ns_tiny.h5"
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``TINY_DATA`` as a file of the user's (no ``created_by``): no run may change it."""
+    path = generate_dataset(tmp_path_factory.mktemp("data") / "ns_tiny.h5", TINY_DATA)
+    with h5py.File(path, "r+") as file:
+        del file.attrs["created_by"]
+    checksum = hashlib.sha256(path.read_bytes()).hexdigest()
+    yield path
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == checksum, "a run changed user data"
 
 
 def _train(dataset: Path, run_dir: Path, mesh: str, *overrides: str) -> subprocess.CompletedProcess:
@@ -67,9 +77,23 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_a_short_run_leaves_what_people_need(dataset: Path, tmp_path: Path) -> None:
+def test_a_short_run_leaves_what_people_need(tmp_path: Path) -> None:
+    """Generating its data on the way (rank 0 writes, the others wait)."""
+    generated = [
+        "data.generate=force",
+        f"data.dataset.solver.resolution={TINY_DATA.solver.resolution}",
+        f"data.dataset.n_train={TINY_DATA.n_train}",
+        f"data.dataset.n_test={TINY_DATA.n_test}",
+        f"data.dataset.n_snapshots={TINY_DATA.n_snapshots}",
+    ]
     _train(
-        dataset, tmp_path, "2x2", "train.steps=4", "train.eval_every=2", "train.checkpoint_every=2"
+        tmp_path / "generated.h5",
+        tmp_path,
+        "2x2",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
+        *generated,
     )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["step"] == 4
@@ -81,6 +105,9 @@ def test_a_short_run_leaves_what_people_need(dataset: Path, tmp_path: Path) -> N
     }
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000004"
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    with h5py.File(tmp_path / "generated.h5", "r") as file:
+        assert file["vorticity"].shape == TINY_DATA.shape
+        assert file.attrs["created_by"] == CREATED_BY
 
 
 MESHES = ["1", "2x1", "1x2", "2x2", "4x2"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from recipes.cfd.generate import DatasetConfig
 from recipes.models import MODEL_SCHEMAS
+from shardsci.data import GenerateMode
 from shardsci.training import schema_of
 
 __all__ = ["SCHEMAS", "CFDDataConfig", "CFDEvalConfig"]
@@ -21,13 +22,19 @@ class CFDDataConfig:
     Attributes
     ----------
     path : str
-        The HDF5 file of trajectories; generated on first use (or regenerated when its
-        metadata does not match ``dataset``).
+        The HDF5 file of trajectories (``data/README.md``): a file of yours, read as it is if
+        it follows the schema; or one shardsci generates, under ``data/generated/``.
+    generate : GenerateMode
+        ``auto``: generate a missing file, or regenerate an outdated one of ours, under
+        ``data/generated/`` only; ``never``: only read; ``force``: regenerate (never over a
+        file of yours). NOTE [Whose data file is it] in ``shardsci/data/_files.py``.
     dataset : DatasetConfig
-        How the trajectories are generated (solver, resolution, counts).
+        How the trajectories are generated (solver, resolution, counts); a file of yours is
+        what it is, and these settings do not apply to it.
     """
 
     path: str = "data/generated/ns2d.h5"
+    generate: GenerateMode = GenerateMode.auto
     dataset: DatasetSchema = field(default_factory=DatasetSchema)  # type: ignore[valid-type]
 
 
