@@ -86,7 +86,9 @@ def test_the_mesh_is_checked_against_the_fields_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SHARDSCI_MAX_LOCAL_RANKS", "64")
-    with pytest.raises(ConfigError, match="splits H over 64 ranks, but the fields have 32 cells along H"):
+    with pytest.raises(
+        ConfigError, match="splits H over 64 ranks, but the fields have 32 cells along H"
+    ):
         train.launch(
             _compose(tmp_path, "mesh=1x64", "data.dataset.solver.resolution=32", "model.depth=2")
         )
