@@ -66,7 +66,14 @@ def launch(cfg: DictConfig, multirun: bool = False) -> int:
     if env.launcher != "single" or plan.world_size == 1:
         run(cfg)
         return 0
-    return run_local_ranks(plan.world_size, run, cfg)
+    OmegaConf.resolve(cfg)  # one run directory for every rank, resolved here
+    return run_local_ranks(
+        plan.world_size,
+        run,
+        cfg,
+        grace_s=cfg.launcher.grace_s,
+        max_restarts=cfg.launcher.max_restarts,
+    )
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")

@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from shardsci.checkpoint import CheckpointError, resolve_resume
 from shardsci.distributed import LaunchEnv, mesh_axis_sizes
 from shardsci.training._errors import ConfigError
+from shardsci.training._launcher import LauncherKind
 from shardsci.training._layout import LayoutPlan, ParallelConfig
 from shardsci.training._recipes import Recipe
-from shardsci.training._run_config import LauncherKind
 from shardsci.training._schema import config_from, config_type_of
 from shardsci.training._trainer import TrainConfig
 
@@ -95,9 +95,15 @@ def _check_launcher(cfg: DictConfig, env: LaunchEnv, multirun: bool) -> None:
             "in multirun mode: add -m (python train.py -m +recipe=... launcher=slurm), or use "
             "sbatch scripts/slurm/train.sbatch"
         )
-    timeout = cfg.launcher.timeout_s
-    if not timeout > 0:
-        raise ConfigError(f"launcher.timeout_s={timeout}: expected a positive number of seconds")
+    for name in ("timeout_s", "grace_s"):
+        if not cfg.launcher[name] > 0:
+            raise ConfigError(
+                f"launcher.{name}={cfg.launcher[name]}: expected a positive number of seconds"
+            )
+    if cfg.launcher.max_restarts < 0:
+        raise ConfigError(
+            f"launcher.max_restarts={cfg.launcher.max_restarts}: expected an integer >= 0"
+        )
 
 
 def _plan(cfg: DictConfig, env: LaunchEnv) -> LayoutPlan:

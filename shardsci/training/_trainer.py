@@ -10,24 +10,27 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from shardsci.tensor import ShardTensor
-from shardsci.training._data_parallel import DataParallel, dp_mean, parallelize
+from shardsci.training._data_parallel import DataParallel, parallelize
 from shardsci.training._loggers import MetricLogger
 from shardsci.training._precision import Precision, autocast
 from shardsci.training._progress import Progress
 from shardsci.training._run import RunContext
 from shardsci.training._schedule import ScheduleConfig, warmup_cosine
 from shardsci.training._schema import instantiate, plain
+from shardsci.training._signals import STOP_SIGNALS, StopRequests, exit_status
 
 __all__ = ["Task", "TrainConfig", "Trainer"]
 
@@ -148,7 +151,8 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         """Train to ``train.steps``; the final metrics (on every rank), also in
-        ``metrics.json``."""
+        ``metrics.json``. A stop signal ends the run after an agreed step, with a checkpoint
+        of it, by ``SystemExit(128 + signum)`` (NOTE [Stopping a run on a signal])."""
         config, run = self.config, self.run
         progress = Progress(
             config.steps,
@@ -159,17 +163,22 @@ class Trainer:
         progress.write(f"mesh: {run.layout.describe()}; run directory: {run.run_dir}")
         started = time.perf_counter()
         loss = math.nan
-        while self.step < config.steps:
-            loss = self._optimiser_step()
-            self.step += 1
-            cells_per_s = progress.step(loss)
-            if self.step % config.log_every == 0:
-                lr = self.scheduler.get_last_lr()[0]
-                self.logger.log({"loss": loss, "lr": lr, "cells_per_s": cells_per_s}, self.step)
-            if self.step % config.eval_every == 0 and self.step < config.steps:
-                progress.write(self.task.describe(self._evaluate()))
-            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                self._save()
+        with StopRequests() as requests:
+            while self.step < config.steps:
+                loss, stop = self._optimiser_step(requests)
+                self.step += 1
+                cells_per_s = progress.step(loss)
+                if self.step % config.log_every == 0:
+                    lr = self.scheduler.get_last_lr()[0]
+                    metrics = {"loss": loss, "lr": lr, "cells_per_s": cells_per_s}
+                    self.logger.log(metrics, self.step)
+                if stop is not None:
+                    progress.close()
+                    self._stop(stop)
+                if self.step % config.eval_every == 0 and self.step < config.steps:
+                    progress.write(self.task.describe(self._evaluate()))
+                if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                    self._save()
         progress.close()
         if self._saved_step != self.step:
             self._save()
@@ -182,18 +191,49 @@ class Trainer:
         self.logger.finish()
         return metrics
 
-    def _optimiser_step(self) -> float:
+    def _optimiser_step(self, requests: StopRequests) -> tuple[float, signal.Signals | None]:
+        """One step; the loss averaged over data-parallel replicas, and the stop signal all
+        ranks agreed on (None: go on)."""
         batch = self.task.batch(self.step)
         with autocast(self.config.precision, self.run.device):
             terms = self.task.losses(self.trained, batch)
-        loss = sum(_whole(term).float() for term in terms.values())
+        terms = {name: _whole(term).float() for name, term in terms.items()}
+        loss = sum(terms.values())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        agreed = self._agree([*terms.values()], requests.pending())
         if self.config.grad_clip:
             nn.utils.clip_grad_norm_(self.trained.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        return float(dp_mean(loss, self.run.layout))
+        mean_terms, stops = agreed[: len(terms)], agreed[len(terms) :]
+        stop = next((s for s, n in zip(STOP_SIGNALS, stops.tolist()) if n > 0), None)
+        return float(mean_terms.sum()), stop
+
+    def _agree(self, terms: list[torch.Tensor], pending: list[float]) -> torch.Tensor:
+        """One all-reduce over every rank: the loss terms averaged over data-parallel
+        replicas, and per stop signal the number of ranks that received it.
+
+        Every rank of a replica holds the same (whole) loss terms, so their sum over the world
+        divided by the world size is the mean over replicas.
+        """
+        device = self.run.device
+        means = torch.stack([t.detach().to(device, torch.float64) for t in terms])
+        counts = torch.tensor(pending, dtype=torch.float64, device=device)
+        values = torch.cat([means / dist.get_world_size(), counts])
+        dist.all_reduce(values)
+        return values.cpu()
+
+    def _stop(self, signum: signal.Signals) -> None:
+        """Save the state of this step on every rank and leave with ``128 + signum``."""
+        self._save()
+        if self.run.leader:
+            print(
+                f"stopped by {signum.name} after step {self.step}; checkpoint saved in "
+                f"{self.checkpoints}",
+                flush=True,
+            )
+        raise SystemExit(exit_status(signum))
 
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:
