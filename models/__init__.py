@@ -1,5 +1,6 @@
 """Model zoo: plain single-device ``nn.Module``\\ s that shardsci runs domain-parallel unchanged."""
 
+from models.meshgraphnet import MeshGraphNet, MeshGraphNetConfig
 from models.unet import UNet, UNetConfig
 
-__all__ = ["UNet", "UNetConfig"]
+__all__ = ["MeshGraphNet", "MeshGraphNetConfig", "UNet", "UNetConfig"]

@@ -47,8 +47,10 @@ def _schema_of(config_type: type, target: str | None) -> type:
             fields.append((f.name, kind, field(default_factory=kind)))
         elif f.default is not dataclasses.MISSING:
             default = kind[f.default] if _is_choice(kind) else f.default
-            default = list(default) if isinstance(default, tuple) else default
-            fields.append((f.name, kind, field(default=default)))
+            if isinstance(default, tuple):
+                fields.append((f.name, kind, field(default_factory=lambda d=default: list(d))))
+            else:
+                fields.append((f.name, kind, field(default=default)))
         else:
             fields.append((f.name, kind, field(default_factory=f.default_factory)))
     schema = dataclasses.make_dataclass(f"{config_type.__name__}Schema", fields)
