@@ -120,8 +120,11 @@ def _split_as_text(file: h5py.File) -> None:
 @pytest.mark.parametrize(
     ("corrupt", "message"),
     [
-        (_wrong_rank, r"has shape \(3, 3, 16\), 3 dims; expected dataset 'vorticity' of shape "
-         r"\(trajectory, time, H, W\) and dtype float32 or float64"),
+        (
+            _wrong_rank,
+            r"dataset 'vorticity' of shape \(3, 3, 16\) has 3 dims; expected datasets "
+            r"'vorticity' \(trajectory, time, H, W\) float32/float64; attributes n_train",
+        ),
         (_wrong_dtype, "has dtype int32; expected"),
         (_no_dataset, "has no dataset 'vorticity'"),
         (_no_split, "lacks the attribute 'n_test'"),
@@ -220,3 +223,60 @@ def test_a_file_of_another_solver_version_is_refused_before_training(
     ):
         _launch(tmp_path / "run", path)
     assert not started
+
+
+# ---------------------------------------------------------------------------- mesh CFD recipe
+def _mesh_file(path: Path, nodes: int = 5, edge_end: int = 4, field_nodes: int = 5) -> Path:
+    """A user's mesh file: 5 nodes, 2 triangles, 3 trajectories of 3 records of (u, v, w)."""
+    with h5py.File(path, "w") as file:
+        file["positions"] = np.random.default_rng(0).random((nodes, 2))
+        file["triangles"] = np.array([[0, 1, 2], [1, 3, 2]])
+        file["edge_index"] = np.array([[0, 1, 1, 2, 3, 2], [1, 0, 2, 1, 2, edge_end]])
+        file["node_type"] = np.zeros(nodes, np.int64)
+        file["fields"] = np.zeros((3, 3, field_nodes, 3), np.float32)
+    return path
+
+
+def _launch_mesh_cfd(run_dir: Path, path: Path, *overrides: str) -> None:
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=[
+                "+recipe=mesh_cfd", f"run_dir={run_dir}", f"data.path={path}",
+                "data.test_trajectories=1", "eval.rollout_steps=1", *overrides,
+            ],
+        )  # fmt: skip
+    train.launch(cfg)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ({}, None),
+        ({"field_nodes": 4}, "has 4 along node, but another dataset has 5"),
+        ({"edge_end": 7}, "edge_index holds node ids from 0 to 7, expected 0 to 4"),
+    ],
+)
+def test_the_mesh_recipe_reads_a_users_mesh_file_or_refuses_it_untouched(
+    tmp_path: Path, started: list[str], shape: dict[str, int], message: str | None
+) -> None:
+    path = _mesh_file(tmp_path / "mesh.h5", **shape)
+    before = _checksum(path)
+    if message is None:
+        _launch_mesh_cfd(tmp_path / "run", path)
+        assert started == [str(path)]
+    else:
+        with pytest.raises(ConfigError, match=message):
+            _launch_mesh_cfd(tmp_path / "run", path)
+        assert not started
+    with pytest.raises(ConfigError, match=r"data\.generate=force would overwrite"):
+        _launch_mesh_cfd(tmp_path / "run", path, "data.generate=force")
+    assert _checksum(path) == before
+
+
+def test_the_mesh_recipe_does_not_generate_over_a_misspelt_path(
+    tmp_path: Path, started: list[str]
+) -> None:
+    with pytest.raises(ConfigError, match="does not exist; data is generated only under"):
+        _launch_mesh_cfd(tmp_path / "run", tmp_path / "cylindres.h5")
+    assert list(tmp_path.iterdir()) == [] and not started

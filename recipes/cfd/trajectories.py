@@ -22,7 +22,7 @@ from recipes.cfd.generate import (
     generate_dataset,
     outdated_reason,
 )
-from shardsci.data import DataError, HDF5Schema, check_hdf5, generation_reason
+from shardsci.data import DataError, DatasetSpec, HDF5Schema, check_hdf5, generation_reason
 from shardsci.training import config_from
 
 __all__ = ["SCHEMA", "Trajectories", "plan", "prepare", "read"]
@@ -30,9 +30,7 @@ __all__ = ["SCHEMA", "Trajectories", "plan", "prepare", "read"]
 logger = logging.getLogger(__name__)
 
 SCHEMA = HDF5Schema(
-    dataset=DATASET_NAME,
-    dims=("trajectory", "time", "H", "W"),
-    dtypes=("float32", "float64"),
+    datasets=(DatasetSpec(DATASET_NAME, ("trajectory", "time", "H", "W"), ("float32", "float64")),),
     attributes={"n_train": int, "n_test": int},
     min_sizes={"trajectory": 2, "time": 2},
 )
@@ -87,14 +85,14 @@ def read(path: Path) -> Trajectories:
     """The trajectories of the file at ``path``, validated against ``SCHEMA``."""
     contents = check_hdf5(path, SCHEMA)
     n_train, n_test = contents.attributes["n_train"], contents.attributes["n_test"]
-    count = contents.size(SCHEMA, "trajectory")
+    count = contents.sizes["trajectory"]
     if n_train < 1 or n_test < 1 or n_train + n_test != count:
         raise DataError(
             f"data file {path}: attributes n_train={n_train} and n_test={n_test} must be >= 1 "
             f"and add up to the {count} trajectories of dataset {DATASET_NAME!r}"
         )
-    height, width = contents.size(SCHEMA, "H"), contents.size(SCHEMA, "W")
-    return Trajectories(path, n_train, n_test, contents.size(SCHEMA, "time"), height, width)
+    sizes = contents.sizes
+    return Trajectories(path, n_train, n_test, sizes["time"], sizes["H"], sizes["W"])
 
 
 def prepare(config: DictConfig) -> Trajectories:

@@ -35,6 +35,7 @@ __all__ = [
     "CREATED_BY",
     "GENERATED_DIR",
     "DataError",
+    "DatasetSpec",
     "GenerateMode",
     "HDF5Contents",
     "HDF5Schema",
@@ -71,48 +72,61 @@ class GenerateMode(enum.Enum):
 
 
 @dataclass(frozen=True)
-class HDF5Schema:
-    """What a run reads from an HDF5 file.
+class DatasetSpec:
+    """One dataset a run reads.
 
     Attributes
     ----------
-    dataset : str
+    name : str
         The dataset's path in the file.
-    dims : tuple of str
-        A name per dim of the dataset (its rank is their number), for messages.
+    dims : tuple of str or int
+        Per dim, a name (every dataset naming it must have the same size along it) or the
+        exact size.
     dtypes : tuple of str
-        Accepted numpy dtypes of the dataset, e.g. ``("float32", "float64")``.
+        Accepted numpy dtypes, e.g. ``("float32", "float64")``.
+    """
+
+    name: str
+    dims: tuple[str | int, ...]
+    dtypes: tuple[str, ...]
+
+    def describe(self) -> str:
+        dims = ", ".join(str(d) for d in self.dims)
+        return f"{self.name!r} ({dims}) {'/'.join(self.dtypes)}"
+
+
+@dataclass(frozen=True)
+class HDF5Schema:
+    """What a run reads from an HDF5 file (documented in ``data/README.md``).
+
+    Attributes
+    ----------
+    datasets : tuple of DatasetSpec
     attributes : mapping
         Required file attributes and their kinds: ``int``, ``float`` or ``str``.
     min_sizes : mapping
-        Smallest size of a dim, by name (1 for the others).
+        Smallest size of a named dim (1 for the others).
     """
 
-    dataset: str
-    dims: tuple[str, ...]
-    dtypes: tuple[str, ...]
+    datasets: tuple[DatasetSpec, ...]
     attributes: Mapping[str, type] = field(default_factory=dict)
     min_sizes: Mapping[str, int] = field(default_factory=dict)
 
     def describe(self) -> str:
-        dims = ", ".join(self.dims)
+        datasets = "; ".join(spec.describe() for spec in self.datasets)
         attributes = ", ".join(f"{k} ({t.__name__})" for k, t in self.attributes.items())
-        return (
-            f"dataset {self.dataset!r} of shape ({dims}) and dtype {' or '.join(self.dtypes)}"
-            + (f", attributes {attributes}" if attributes else "")
-        )
+        return f"datasets {datasets}" + (f"; attributes {attributes}" if attributes else "")
 
 
 @dataclass(frozen=True)
 class HDF5Contents:
-    """What ``check_hdf5`` found: the dataset's shape and dtype, the file's attributes."""
+    """What ``check_hdf5`` found: every dataset's shape and dtype, the size of every named
+    dim, the file's attributes."""
 
-    shape: tuple[int, ...]
-    dtype: str
+    shapes: Mapping[str, tuple[int, ...]]
+    dtypes: Mapping[str, str]
+    sizes: Mapping[str, int]
     attributes: Mapping[str, Any]
-
-    def size(self, schema: HDF5Schema, dim: str) -> int:
-        return self.shape[schema.dims.index(dim)]
 
 
 def read_attributes(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -136,35 +150,44 @@ def check_hdf5(path: str | os.PathLike[str], schema: HDF5Schema) -> HDF5Contents
     ------
     DataError
         Naming the file and the first mismatch: not readable as HDF5 (missing, truncated,
-        another format), no such dataset, another rank, dtype or too small a dim, a required
-        attribute missing or of another kind.
+        another format), a dataset missing or of another rank, dtype, size (a fixed one, one
+        shared with another dataset, or below its minimum), a required attribute missing or
+        of another kind.
     """
     path = Path(path)
     attributes = read_attributes(path)
     expected = f"expected {schema.describe()} (see data/README.md)"
     try:
         with h5py.File(path, "r") as file:
-            if schema.dataset not in file or not isinstance(file[schema.dataset], h5py.Dataset):
-                raise DataError(f"data file {path} has no dataset {schema.dataset!r}; {expected}")
-            dataset = file[schema.dataset]
-            shape, dtype = tuple(dataset.shape), np.dtype(dataset.dtype)
+            found = {
+                spec.name: (tuple(file[spec.name].shape), np.dtype(file[spec.name].dtype).name)
+                for spec in schema.datasets
+                if isinstance(file.get(spec.name), h5py.Dataset)
+            }
     except OSError as error:
         raise DataError(f"data file {path} cannot be read as HDF5 ({_reason(error)})") from None
-    if len(shape) != len(schema.dims):
-        raise DataError(
-            f"data file {path}: dataset {schema.dataset!r} has shape {shape}, {len(shape)} dims; "
-            f"{expected}"
-        )
-    for name, size in zip(schema.dims, shape):
-        if size < schema.min_sizes.get(name, 1):
+    sizes: dict[str, int] = {}
+    for spec in schema.datasets:
+        if spec.name not in found:
+            raise DataError(f"data file {path} has no dataset {spec.name!r}; {expected}")
+        shape, dtype = found[spec.name]
+        where = f"data file {path}: dataset {spec.name!r} of shape {shape}"
+        if len(shape) != len(spec.dims):
+            raise DataError(f"{where} has {len(shape)} dims; {expected}")
+        if dtype not in spec.dtypes:
+            raise DataError(f"{where} has dtype {dtype}; {expected}")
+        for dim, size in zip(spec.dims, shape):
+            if isinstance(dim, int) and size != dim:
+                raise DataError(f"{where} should have {dim} where it has {size}; {expected}")
+            if isinstance(dim, str) and sizes.setdefault(dim, size) != size:
+                raise DataError(
+                    f"{where} has {size} along {dim}, but another dataset has {sizes[dim]}"
+                )
+    for dim, lowest in schema.min_sizes.items():
+        if sizes.get(dim, lowest) < lowest:
             raise DataError(
-                f"data file {path}: dataset {schema.dataset!r} of shape {shape} has {size} along "
-                f"{name}, expected at least {schema.min_sizes.get(name, 1)}"
+                f"data file {path} has {sizes[dim]} {dim}(s), expected at least {lowest}"
             )
-    if dtype.name not in schema.dtypes:
-        raise DataError(
-            f"data file {path}: dataset {schema.dataset!r} has dtype {dtype.name}; {expected}"
-        )
     for name, kind in schema.attributes.items():
         if name not in attributes:
             raise DataError(f"data file {path} lacks the attribute {name!r}; {expected}")
@@ -173,7 +196,9 @@ def check_hdf5(path: str | os.PathLike[str], schema: HDF5Schema) -> HDF5Contents
                 f"data file {path}: attribute {name!r} is {attributes[name]!r}, expected "
                 f"{kind.__name__}"
             )
-    return HDF5Contents(shape, dtype.name, attributes)
+    shapes = {name: shape for name, (shape, _) in found.items()}
+    dtypes = {name: dtype for name, (_, dtype) in found.items()}
+    return HDF5Contents(shapes, dtypes, sizes, attributes)
 
 
 def is_ours(attributes: Mapping[str, Any], generator: str) -> bool:
