@@ -22,6 +22,7 @@ from shardsci.training._errors import (
     TRACEBACK_VAR,
     USER_ERRORS,
     ConfigError,
+    NonFiniteLoss,
     reported,
 )
 from shardsci.training._launcher import LauncherConfig, LauncherKind, run_local_ranks
@@ -41,7 +42,7 @@ from shardsci.training._run_config import AdamWConfig, RunConfig, register_run_s
 from shardsci.training._schedule import ScheduleConfig, warmup_cosine
 from shardsci.training._schema import config_from, config_type_of, instantiate, plain, schema_of
 from shardsci.training._signals import STOP_SIGNALS, StopRequests, exit_status
-from shardsci.training._trainer import Task, TrainConfig, Trainer
+from shardsci.training._trainer import NonFinite, Task, TrainConfig, Trainer
 
 __all__ = [
     "EXIT_USER_ERROR",
@@ -57,6 +58,8 @@ __all__ = [
     "LoggerConfig",
     "LoggerKind",
     "MetricLogger",
+    "NonFinite",
+    "NonFiniteLoss",
     "ParallelConfig",
     "ParallelLayout",
     "Precision",

@@ -18,13 +18,14 @@ from collections.abc import Iterator
 
 from shardsci.checkpoint import CheckpointError
 from shardsci.data import DataError
-from shardsci.distributed import LaunchError
+from shardsci.distributed import CollectiveTimeout, LaunchError
 
 __all__ = [
     "EXIT_USER_ERROR",
     "TRACEBACK_VAR",
     "USER_ERRORS",
     "ConfigError",
+    "NonFiniteLoss",
     "reported",
     "traceback_requested",
 ]
@@ -40,7 +41,19 @@ class ConfigError(ValueError):
     """The run's configuration cannot work; found before any rank starts."""
 
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, DataError, LaunchError, CheckpointError)
+class NonFiniteLoss(ArithmeticError):
+    """A training step's loss is NaN or infinite (``train.nonfinite=stop``); the message names
+    the step and the field."""
+
+
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError,
+    NonFiniteLoss,
+    DataError,
+    LaunchError,
+    CheckpointError,
+    CollectiveTimeout,
+)
 """Exceptions whose message is all a user needs (NOTE [Errors for people])."""
 
 

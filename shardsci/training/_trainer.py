@@ -8,6 +8,7 @@ scheduler and resume on any mesh, a final checkpoint), ``metrics.json`` at the e
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import signal
@@ -24,6 +25,7 @@ from torch import nn
 from shardsci.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from shardsci.tensor import ShardTensor
 from shardsci.training._data_parallel import DataParallel, parallelize
+from shardsci.training._errors import NonFiniteLoss
 from shardsci.training._loggers import MetricLogger
 from shardsci.training._precision import Precision, autocast
 from shardsci.training._progress import Progress
@@ -32,7 +34,16 @@ from shardsci.training._schedule import ScheduleConfig, warmup_cosine
 from shardsci.training._schema import instantiate, plain
 from shardsci.training._signals import STOP_SIGNALS, StopRequests, exit_status
 
-__all__ = ["Task", "TrainConfig", "Trainer"]
+__all__ = ["NonFinite", "Task", "TrainConfig", "Trainer"]
+
+
+class NonFinite(enum.Enum):
+    """What a step whose loss is NaN or infinite does (``train.nonfinite``)."""
+
+    stop = "stop"
+    """Stop the run with an error naming the step and the field."""
+    skip = "skip"
+    """Skip the update (the step still counts), with a warning naming the step and the field."""
 
 
 @dataclass
@@ -61,6 +72,8 @@ class TrainConfig:
     resume : str
         ``"auto"`` (the latest complete checkpoint in the run directory, if any), ``"never"``, or
         a checkpoint path.
+    nonfinite : NonFinite
+        A step whose loss is NaN or infinite: ``stop`` the run, or ``skip`` its update.
     schedule : ScheduleConfig
         The learning-rate schedule.
     """
@@ -75,6 +88,7 @@ class TrainConfig:
     eval_every: int = 100
     checkpoint_every: int = 100
     resume: str = "auto"
+    nonfinite: NonFinite = NonFinite.stop
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     def check(self) -> None:
@@ -202,13 +216,32 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         agreed = self._agree([*terms.values()], requests.pending())
-        if self.config.grad_clip:
-            nn.utils.clip_grad_norm_(self.trained.parameters(), self.config.grad_clip)
-        self.optimizer.step()
+        means = dict(zip(terms, agreed[: len(terms)].tolist()))
+        stop = next((s for s, n in zip(STOP_SIGNALS, agreed[len(terms) :].tolist()) if n > 0), None)
+        if self._finite(means):
+            if self.config.grad_clip:
+                nn.utils.clip_grad_norm_(self.trained.parameters(), self.config.grad_clip)
+            self.optimizer.step()
         self.scheduler.step()
-        mean_terms, stops = agreed[: len(terms)], agreed[len(terms) :]
-        stop = next((s for s, n in zip(STOP_SIGNALS, stops.tolist()) if n > 0), None)
-        return float(mean_terms.sum()), stop
+        return sum(means.values()), stop
+
+    def _finite(self, means: Mapping[str, float]) -> bool:
+        """Whether the step's loss terms (equal on every rank) are finite; if not, stop the
+        run or skip the update (``train.nonfinite``), naming the step and the fields."""
+        bad = {name: value for name, value in means.items() if not math.isfinite(value)}
+        if not bad:
+            return True
+        fields = ", ".join(f"{name!r} is {value}" for name, value in bad.items())
+        what = f"step {self.step + 1}: the loss of field {fields}"
+        if self.config.nonfinite is NonFinite.stop:
+            raise NonFiniteLoss(
+                f"{what}; stopped (train.nonfinite=stop). Lower optim.lr, check the data, or "
+                f"set train.nonfinite=skip to skip such steps"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.run.leader:
+            print(f"{what}; update skipped (train.nonfinite=skip)", flush=True)
+        return False
 
     def _agree(self, terms: list[torch.Tensor], pending: list[float]) -> torch.Tensor:
         """One all-reduce over every rank: the loss terms averaged over data-parallel
