@@ -198,7 +198,7 @@ HANG_TIMEOUT_S = 10
     ("mesh", "stopped"),
     [
         ("1x2", 1),  # domain-parallel: the ranks meet in shardsci's collectives
-        # data-parallel, in DDP's collectives; the stopped rank hosts the rendezvous store
+        # data-parallel, in the gradient reduction; the stopped rank hosts the rendezvous store
         pytest.param("2x1", 0, marks=pytest.mark.slow),
     ],
 )

@@ -123,7 +123,7 @@ def test_the_model_beats_persistence(dataset: Path, tmp_path: Path) -> None:
     assert metrics["eval_relative_l2"] <= (1 - PERSISTENCE_MARGIN) * persistence, metrics
 
 
-MESHES = ["1", "2x1", "1x2", "2x2", "4x2"]
+MESHES = ["1", "2x1", "1x2", "2x2", "4x2", "2x2x2"]
 
 
 def test_the_loss_curve_and_parameters_do_not_depend_on_the_mesh(

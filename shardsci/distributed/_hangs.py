@@ -8,8 +8,9 @@ rank that meets a timeout (``is_collective_timeout``) raises ``CollectiveTimeout
 (``explain_timeout``), whose message names:
 
 - the collective and its caller, from the traceback (the last ``torch.distributed`` function
-  called, and the frame outside torch that called it; a collective issued from C++, such as
-  DDP's gradient all-reduce, is named by the Python call it happened under);
+  called, and the frame outside torch that called it; a collective issued from C++ or
+  waited for there (autograd's engine, an asynchronous collective's ``wait``) is named by the
+  innermost torch function and the last call outside torch, with its source line);
 - the ranks that did not join: every rank that timed out writes its rank to the rendezvous
   store and waits ``report_wait_s(timeout_s)`` (a tenth of the timeout, 5 to 30 s) for the
   others; the ranks whose key is missing are the ones that stopped participating. If the
@@ -71,7 +72,7 @@ def explain_timeout(error: RuntimeError, timeout_s: float) -> CollectiveTimeout:
 
 def _collective_call(trace: TracebackType | None) -> str:
     """``the collective all_reduce called by f (file.py:12)`` from the innermost
-    torch.distributed frame; for a collective issued from C++ (autograd, DDP's reducer, an
+    torch.distributed frame; for a collective issued from C++ (autograd's engine, an
     asynchronous collective's ``wait``), the innermost torch function and the last call outside
     torch: ``a collective issued in torch's _pre_forward under `model(x)` in f (file.py:12)``."""
     frames = traceback.extract_tb(trace)
