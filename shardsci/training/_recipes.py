@@ -24,10 +24,13 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from shardsci.training._layout import LayoutPlan
+
 __all__ = ["Recipe", "discover_recipes", "get_recipe", "recipe_names", "register_recipe"]
 
-RecipeCheck = Callable[[DictConfig, int], None]
-"""``check(cfg, world_size)``: raise ``ValueError`` with one clear line if ``cfg`` cannot run."""
+RecipeCheck = Callable[[DictConfig, LayoutPlan], None]
+"""``check(cfg, plan)``: raise ``ValueError`` with one clear line if ``cfg`` cannot run on the
+mesh ``plan`` (NOTE [Config errors before any rank starts])."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,9 @@ class Recipe:
         ``(group, name) -> dataclass``: Hydra schemas of the recipe's config groups, stored in
         the ConfigStore (``configs/<group>/<option>.yaml`` names them in its defaults list).
     check : callable or None
-        ``check(cfg, world_size)``, run in the launching process before any rank starts:
-        raise ``ValueError`` naming what is wrong with ``cfg`` and what is expected.
+        ``check(cfg, plan)``, run in the launching process before any rank starts, after the
+        generic checks: raise ``ValueError`` naming what is wrong with ``cfg`` and what is
+        expected (the data's shape against the mesh and the model, the data file, ...).
     """
 
     name: str

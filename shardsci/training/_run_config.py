@@ -8,42 +8,18 @@ fails when the config is composed.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from shardsci.training._launcher import LauncherConfig
 from shardsci.training._layout import ParallelConfig
 from shardsci.training._loggers import LoggerConfig
 from shardsci.training._trainer import TrainConfig
 
-__all__ = ["AdamWConfig", "LauncherConfig", "LauncherKind", "RunConfig", "register_run_schemas"]
-
-
-class LauncherKind(enum.Enum):
-    """How the ranks of a run are started (``launcher.kind``)."""
-
-    local = "local"
-    """Without torchrun or SLURM variables, ``train.py`` starts the mesh's ranks here."""
-    slurm = "slurm"
-    """Hydra's submitit launcher submits the job (``python train.py -m ... launcher=slurm``)."""
-
-
-@dataclass
-class LauncherConfig:
-    """How the ranks are started (the ``launcher`` group).
-
-    Attributes
-    ----------
-    kind : LauncherKind
-    timeout_s : float
-        Timeout of every collective: a rank left waiting fails with a message after this long.
-    """
-
-    kind: LauncherKind = LauncherKind.local
-    timeout_s: float = 600.0
+__all__ = ["AdamWConfig", "RunConfig", "register_run_schemas"]
 
 
 @dataclass
