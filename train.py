@@ -48,6 +48,10 @@ discover_recipes("recipes")
 def main(cfg: DictConfig) -> None:
     if cfg.recipe is None:
         raise SystemExit("choose a recipe, e.g. python train.py +recipe=cfd")
+    if cfg.dry_run:
+        from shardsci.planning import dry_run
+
+        sys.exit(dry_run(cfg))
     run = get_recipe(cfg.recipe).load_run()
     launched = detect_launch_env().launcher != "single"
     world_size = mesh_world_size(str(cfg.mesh))

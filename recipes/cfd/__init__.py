@@ -9,4 +9,11 @@
 from recipes.cfd.config import SCHEMAS
 from shardsci.training import Recipe, register_recipe
 
-RECIPE = register_recipe(Recipe(name="cfd", run="recipes.cfd.train:run", schemas=SCHEMAS))
+RECIPE = register_recipe(
+    Recipe(
+        name="cfd",
+        run="recipes.cfd.train:run",
+        schemas=SCHEMAS,
+        plan="recipes.cfd.plan:planned_task",
+    )
+)

@@ -1,0 +1,282 @@
+"""Plan a run without running it: ``python train.py +recipe=cfd mesh=64x8 dry_run=true``.
+
+The recipe supplies its model and data-free batches (``Recipe.plan``); one steady-state
+training step is simulated per rank class (NOTE [A dry run executes the library on one
+simulated rank at a time]) and watched (NOTE [How a dry run observes the library], NOTE
+[What the memory figures count]). Whatever would stop the run becomes a problem naming what
+and where: a data-parallel split the batch does not allow, a layer that leaves ranks without
+cells, a step that fails, memory over a stated device budget.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from shardsci.distributed import LaunchEnv
+from shardsci.planning._observe import LayerRecord, describe_sizes
+from shardsci.planning._plan import (
+    DataParallelPlan,
+    RankClassPlan,
+    RunPlan,
+    class_plan,
+    layer_plans,
+)
+from shardsci.planning._rank_classes import rank_classes
+from shardsci.planning._step import (
+    StepFailed,
+    StepMeasurement,
+    measure_step,
+    steady_state,
+    training_step,
+)
+from shardsci.planning._world import META, simulated_rank
+from shardsci.training import (
+    DataParallel,
+    ParallelConfig,
+    ParallelLayout,
+    Recipe,
+    RunContext,
+    TrainConfig,
+    config_from,
+    get_recipe,
+    instantiate,
+    mesh_world_size,
+)
+
+__all__ = ["plan_run"]
+
+_GIB = 2**30
+_DDP_BUCKET_CAP_MIB = 25
+
+
+@dataclass
+class _Simulation:
+    """One simulated rank: its watched step and what only the first simulation provides."""
+
+    measured: StepMeasurement
+    coordinate: list[int]
+    classes: list[list[int]]
+    axes: str
+    dp_size: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan:
+    """Dry-run the composed run config ``cfg`` (recipe, mesh, model, data, train, optim).
+
+    Parameters
+    ----------
+    device_memory_gib : float, optional
+        Memory of one device; a rank class whose peak exceeds it is a problem.
+
+    Raises
+    ------
+    ValueError
+        If the recipe has no plan or the mesh leaves an axis size to infer.
+    """
+    started, cpu_started = time.perf_counter(), time.process_time()
+    recipe = get_recipe(cfg.recipe)
+    world_size = mesh_world_size(str(cfg.mesh))
+    if world_size is None:
+        raise ValueError(f"a dry run needs every mesh axis size, got mesh={cfg.mesh}")
+    if recipe.plan is None:
+        raise ValueError(f"recipe {recipe.name!r} cannot be dry-run: it registers no plan")
+    train: TrainConfig = OmegaConf.to_object(cfg.train)
+    parallel = config_from(ParallelConfig, cfg.parallel)
+    problems: list[str] = []
+    notes: list[str] = []
+    simulations: list[_Simulation] = []
+    try:
+        first = _simulate(cfg, recipe, 0, world_size, train, parallel, None)
+        simulations.append(first)
+        for ranks in first.classes[1:]:
+            state = (first.model, first.optimizer)
+            simulations.append(_simulate(cfg, recipe, ranks[0], world_size, train, parallel, state))
+    except StepFailed as failure:
+        problems.append(str(failure))
+    if not simulations:
+        return _failed_plan(cfg, recipe, world_size, problems, started, cpu_started)
+    first = simulations[0]
+    classes = [
+        class_plan(ranks, sim.coordinate, sim.measured)
+        for ranks, sim in zip(first.classes, simulations)
+    ]
+    per_replica = _samples_per_replica(train, first.dp_size, problems)
+    problems += _empty_shard_problems(first.measured.observer.layers.values())
+    if device_memory_gib is not None:
+        problems += _budget_problems(classes, device_memory_gib)
+    if train.precision.value != "fp32":
+        notes.append(
+            f"train.precision={train.precision.value}: the dry run plans activations in "
+            f"float32 (autocast does not act on meta tensors), an upper bound"
+        )
+    return RunPlan(
+        recipe=recipe.name,
+        mesh=str(cfg.mesh),
+        axes=first.axes,
+        world_size=world_size,
+        model=type(first.model).__name__,
+        parameters=sum(p.numel() for p in first.model.parameters()),
+        samples_per_replica=per_replica,
+        classes=classes,
+        layers=layer_plans(first.measured.observer),
+        data_parallel=_data_parallel_plan(first, train),
+        problems=problems,
+        notes=notes,
+        simulated_ranks=len(simulations),
+        wall_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu_started,
+    )
+
+
+def _simulate(
+    cfg: DictConfig,
+    recipe: Recipe,
+    rank: int,
+    world_size: int,
+    train: TrainConfig,
+    parallel: ParallelConfig,
+    state: tuple[nn.Module, torch.optim.Optimizer] | None,
+) -> _Simulation:
+    """Simulate ``rank``'s step. The model and the optimiser in steady state are the same on
+    every rank (parameters are replicated on the domain axes): ``state`` reuses the first
+    simulation's."""
+    with simulated_rank(rank, world_size):
+        layout = ParallelLayout.build(str(cfg.mesh), parallel, device_type="cpu")
+        env = LaunchEnv(rank, world_size, rank, world_size, "dry-run", 0, "single")
+        context = RunContext(env, layout, Path(str(cfg.run_dir)))
+        with torch.device(META):
+            model, task = recipe.load_plan()(cfg, context, META)
+        if state is None:
+            optimizer = instantiate(cfg.optim)(model.parameters())
+            steady_state(model, optimizer)
+        else:
+            model, optimizer = state
+        measured = measure_step(
+            model,
+            optimizer,
+            task,
+            lambda: training_step(model, optimizer, task, 1, train, "cpu"),
+            META.type,
+        )
+        specs = [spec for record in measured.observer.layers.values() for spec in record.specs]
+        return _Simulation(
+            measured=measured,
+            coordinate=list(layout.mesh.get_coordinate() or []),
+            classes=rank_classes(layout.mesh, specs) if rank == 0 else [],
+            axes=layout.describe(),
+            dp_size=layout.dp_size,
+            model=model,
+            optimizer=optimizer,
+        )
+
+
+# ---------------------------------------------------------------------------- problems
+def _samples_per_replica(train: TrainConfig, dp_size: int, problems: list[str]) -> int:
+    if train.global_batch % dp_size == 0:
+        return train.global_batch // dp_size
+    planned = max(1, train.global_batch // dp_size)
+    problems.append(
+        f"train.global_batch={train.global_batch} does not split over the {dp_size} "
+        f"data-parallel replicas: expected a multiple of {dp_size} (planned with {planned} "
+        f"sample{'s' if planned > 1 else ''} per replica)"
+    )
+    return planned
+
+
+def _empty_shard_problems(records: object) -> list[str]:
+    """The first layer whose output leaves ranks without cells, and how many do."""
+    offenders = [
+        (record, spec, sharding)
+        for record in records  # type: ignore[attr-defined]
+        for spec in record.specs
+        for sharding in spec.shardings
+        if 0 in sharding.sizes
+    ]
+    if not offenders:
+        return []
+    record, spec, sharding = offenders[0]
+    empty = sharding.sizes.count(0)
+    axes = spec.mesh.mesh_dim_names or sharding.axes
+    names = ", ".join(str(axes[a]) for a in sharding.axes) if spec.mesh.mesh_dim_names else axes
+    usable = len(sharding.sizes) - empty
+    others = len({r.name for r, _, _ in offenders}) - 1
+    return [
+        f"layer {_layer_name(record)} leaves {empty} of {len(sharding.sizes)} ranks along mesh "
+        f"axes ({names}) without cells: its output {tuple(spec.shape)} has {spec.shape[sharding.dim]} "
+        f"cells in dim {sharding.dim}, split {describe_sizes(sharding.sizes)}; use at most "
+        f"{usable} ranks on those axes or a larger field"
+        + (f" ({others} later layers too)" if others else "")
+    ]
+
+
+def _layer_name(record: LayerRecord) -> str:
+    return f"{record.name or '(model)'} ({record.kind})"
+
+
+def _budget_problems(classes: list[RankClassPlan], budget_gib: float) -> list[str]:
+    problems = []
+    for number, plan in enumerate(classes, start=1):
+        if plan.memory.peak > budget_gib * _GIB:
+            problems.append(
+                f"rank class {number} (rank {plan.representative}, {plan.ranks} ranks) needs "
+                f"{plan.memory.peak / _GIB:.2f} GiB at its peak ({plan.memory.peak_at}), over "
+                f"the device budget of {budget_gib:g} GiB"
+            )
+    return problems
+
+
+# ---------------------------------------------------------------------------- data parallel
+def _data_parallel_plan(first: _Simulation, train: TrainConfig) -> DataParallelPlan | None:
+    replicas = first.dp_size
+    if replicas == 1:
+        return None
+    parameters = [p for p in first.model.parameters() if p.requires_grad]
+    gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
+    buckets = 0
+    if train.parallel is DataParallel.ddp:
+        caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, _DDP_BUCKET_CAP_MIB * 2**20]
+        assignment = dist._compute_bucket_assignment_by_size(list(reversed(parameters)), caps)
+        buckets = len(assignment[0])
+    return DataParallelPlan(
+        replicas=replicas,
+        mode=train.parallel.value,
+        gradient_bytes=gradient_bytes,
+        all_reduce_sent=2 * (replicas - 1) * gradient_bytes // replicas,
+        buckets=buckets,
+        bucket_memory=gradient_bytes if train.parallel is DataParallel.ddp else 0,
+    )
+
+
+def _failed_plan(
+    cfg: DictConfig,
+    recipe: Recipe,
+    world_size: int,
+    problems: list[str],
+    started: float,
+    cpu_started: float,
+) -> RunPlan:
+    return RunPlan(
+        recipe=recipe.name,
+        mesh=str(cfg.mesh),
+        axes="",
+        world_size=world_size,
+        model="",
+        parameters=0,
+        samples_per_replica=0,
+        classes=[],
+        layers=[],
+        data_parallel=None,
+        problems=problems,
+        notes=[],
+        wall_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu_started,
+    )
