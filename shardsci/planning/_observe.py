@@ -5,10 +5,8 @@ Nothing in ``shardsci.tensor`` knows about the dry run. A ``StepObserver`` watch
 from outside, while it runs:
 - global module forward hooks keep the stack of the model's modules being run (the *layer*
   of anything that happens) and record each module's output layout;
-- every collective reaches ``record_comm`` (NOTE [What a byte count means]) and every layout
-  change ``redistribute_local``; for the observer's lifetime the names bound to these two
-  functions in every loaded ``shardsci`` module are wrapped (and restored on exit), so an
-  event is seen wherever in the library it comes from, a module added later included;
+- every collective and every layout change is tapped (NOTE [Taps on record_comm and
+  redistribute_local]);
 - in the backward pass the layer is that of the autograd node running
   (``torch._C._current_autograd_node``): each module's forward hook labels, innermost module
   first, the nodes that its call added to the graph.
@@ -16,7 +14,6 @@ from outside, while it runs:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +29,7 @@ from torch.optim.optimizer import (
 from torch.utils._pytree import tree_leaves
 
 from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
+from shardsci.tensor._taps import tapped
 
 __all__ = [
     "CommEvent",
@@ -141,8 +139,8 @@ class StepObserver:
         ]
         try:
             with (
-                _wrapped(_comm_stats.record_comm, self._record_comm),
-                _wrapped(_redistribute.redistribute_local, self._redistribute),
+                tapped(_comm_stats.record_comm, self._record_comm),
+                tapped(_redistribute.redistribute_local, self._redistribute),
             ):
                 yield self
         finally:
@@ -208,31 +206,6 @@ class StepObserver:
             return original(local, src, dst)
         finally:
             self._open.pop()
-
-
-# ---------------------------------------------------------------------------- wrapping
-@contextmanager
-def _wrapped(function: Callable, observer: Callable) -> Iterator[None]:
-    """Replace ``function`` by ``observer(function, *args)`` wherever a loaded shardsci module
-    binds it, for the duration of the block."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return observer(function, *args, **kwargs)
-
-    bound = [
-        (module, attribute)
-        for name, module in list(sys.modules.items())
-        if name.startswith("shardsci.") and module is not None
-        for attribute, value in list(vars(module).items())
-        if value is function
-    ]
-    for module, attribute in bound:
-        setattr(module, attribute, wrapper)
-    try:
-        yield
-    finally:
-        for module, attribute in bound:
-            setattr(module, attribute, function)
 
 
 # ---------------------------------------------------------------------------- layouts

@@ -10,6 +10,9 @@ from shardsci.tensor._spec import ShardTensorSpec
 
 # Importing the handler families registers them.
 from shardsci.tensor import _ops  # noqa: F401  isort: skip
+from shardsci.tensor._torch_compile import keep_dynamo_out  # isort: skip
+
+keep_dynamo_out(ShardTensor)
 
 __all__ = [
     "CommStats",
