@@ -92,3 +92,54 @@ def test_predictions_match_measured_runs(world_size: int, mesh: list[str], tmp_p
         assert abs(memory.peak - figures["peak"]) <= 0.1 * figures["peak"], (
             f"rank {rank}: predicted peak {memory.peak} B, measured {figures['peak']} B"
         )
+
+
+# ---------------------------------------------------------------------------- the dry run alone
+def test_a_downsampling_that_leaves_ranks_without_cells_is_named(tmp_path: Path) -> None:
+    """16 rows over 4 ranks: the third pooling leaves 2 rows, so 2 ranks hold none."""
+    overrides = [*SMALL, "mesh=4", "parallel=slab", "data.dataset.solver.resolution=16"]
+    plan = plan_run(_compose([*overrides, f"run_dir={tmp_path}"]))
+    assert plan.problems == [
+        "layer downs.2.pool (AvgPool2d) leaves ranks without cells: its output (2, 64, 2, 2) "
+        "has 2 cells in dim 2 over 4 ranks of mesh axes (domain), split 1,0,1,0, so 2 ranks "
+        "hold none; use at most 2 ranks there or a larger field (and 10 later layers)"
+    ]
+
+
+def test_too_many_ranks_for_the_field_and_a_batch_that_does_not_split(tmp_path: Path) -> None:
+    overrides = [*SMALL, "mesh=2x4", "model.depth=1", "data.dataset.solver.resolution=2"]
+    plan = plan_run(_compose([*overrides, "train.global_batch=3", f"run_dir={tmp_path}"]))
+    assert plan.problems == [
+        "train.global_batch=3 does not split over the 2 data-parallel replicas: expected a "
+        "multiple of 2 (planned with 1 sample per replica)",
+        "the input (1, 1, 2, 2) has 2 cells in dim 2 over 4 ranks of mesh axes (domain), "
+        "split 1(x2),0(x2), so 2 ranks hold none; use at most 2 ranks there or a larger field: "
+        "too many ranks for the field",
+    ]
+
+
+def test_cli_prints_the_report_and_writes_json_and_checks_the_budget(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = CONFIGS.parent
+    command = [
+        sys.executable,
+        "train.py",
+        *SMALL,
+        "mesh=2x2",
+        "parallel=block",
+        "model.depth=1",
+        "dry_run=true",
+        "device_memory_gib=0.001",
+        f"run_dir={tmp_path}",
+    ]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "rank class 1: 1 rank(s) like rank 0" in done.stdout
+    assert "per layer" in done.stdout and "encoder.0.conv" in done.stdout
+    assert "over the device budget of 0.001 GiB" in done.stdout
+    plan = json.loads((tmp_path / "dry_run.json").read_text())
+    assert [c["members"] for c in plan["classes"]] == [[0], [1], [2], [3]]
+    assert plan["classes"][0]["collectives"]["halo"]["calls"] > 0

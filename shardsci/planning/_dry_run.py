@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.distributed import LaunchEnv
-from shardsci.planning._observe import LayerRecord, describe_sizes
+from shardsci.planning._observe import describe_sizes
 from shardsci.planning._plan import (
     DataParallelPlan,
     RankClassPlan,
@@ -37,6 +37,8 @@ from shardsci.planning._step import (
     training_step,
 )
 from shardsci.planning._world import META, simulated_rank
+from shardsci.tensor import ShardTensorSpec
+from shardsci.tensor._spec import DimSharding
 from shardsci.training import (
     DataParallel,
     ParallelConfig,
@@ -110,7 +112,7 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
         for ranks, sim in zip(first.classes, simulations)
     ]
     per_replica = _samples_per_replica(train, first.dp_size, problems)
-    problems += _empty_shard_problems(first.measured.observer.layers.values())
+    problems += _empty_shard_problems(first.measured)
     if device_memory_gib is not None:
         problems += _budget_problems(classes, device_memory_gib)
     if train.precision.value != "fp32":
@@ -192,11 +194,16 @@ def _samples_per_replica(train: TrainConfig, dp_size: int, problems: list[str]) 
     return planned
 
 
-def _empty_shard_problems(records: object) -> list[str]:
-    """The first layer whose output leaves ranks without cells, and how many do."""
+def _empty_shard_problems(measured: StepMeasurement) -> list[str]:
+    """The input, or else the first layer (to finish), whose output leaves ranks without
+    cells."""
+    for spec in measured.batch_specs:
+        for sharding in spec.shardings:
+            if 0 in sharding.sizes:
+                return [f"the input {_cells_text(spec, sharding)}: too many ranks for the field"]
     offenders = [
         (record, spec, sharding)
-        for record in records  # type: ignore[attr-defined]
+        for record in measured.observer.layers.values()
         for spec in record.specs
         for sharding in spec.shardings
         if 0 in sharding.sizes
@@ -204,22 +211,23 @@ def _empty_shard_problems(records: object) -> list[str]:
     if not offenders:
         return []
     record, spec, sharding = offenders[0]
-    empty = sharding.sizes.count(0)
-    axes = spec.mesh.mesh_dim_names or sharding.axes
-    names = ", ".join(str(axes[a]) for a in sharding.axes) if spec.mesh.mesh_dim_names else axes
-    usable = len(sharding.sizes) - empty
-    others = len({r.name for r, _, _ in offenders}) - 1
+    later = len({r.name for r, _, _ in offenders}) - 1
     return [
-        f"layer {_layer_name(record)} leaves {empty} of {len(sharding.sizes)} ranks along mesh "
-        f"axes ({names}) without cells: its output {tuple(spec.shape)} has {spec.shape[sharding.dim]} "
-        f"cells in dim {sharding.dim}, split {describe_sizes(sharding.sizes)}; use at most "
-        f"{usable} ranks on those axes or a larger field"
-        + (f" ({others} later layers too)" if others else "")
+        f"layer {record.name or '(model)'} ({record.kind}) leaves ranks without cells: its "
+        f"output {_cells_text(spec, sharding)}" + (f" (and {later} later layers)" if later else "")
     ]
 
 
-def _layer_name(record: LayerRecord) -> str:
-    return f"{record.name or '(model)'} ({record.kind})"
+def _cells_text(spec: ShardTensorSpec, sharding: DimSharding) -> str:
+    names = spec.mesh.mesh_dim_names
+    axes = ", ".join(names[a] if names else str(a) for a in sharding.axes)
+    usable = sum(1 for size in sharding.sizes if size)
+    return (
+        f"{tuple(spec.shape)} has {spec.shape[sharding.dim]} cells in dim {sharding.dim} over "
+        f"{len(sharding.sizes)} ranks of mesh axes ({axes}), split "
+        f"{describe_sizes(sharding.sizes)}, so {sharding.sizes.count(0)} ranks hold none; "
+        f"use at most {usable} ranks there or a larger field"
+    )
 
 
 def _budget_problems(classes: list[RankClassPlan], budget_gib: float) -> list[str]:

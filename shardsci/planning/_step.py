@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardsci.planning._memory import Category, LiveMemory
 from shardsci.planning._observe import StepObserver
-from shardsci.tensor import CommStats, ShardTensor, comm_counter
+from shardsci.tensor import CommStats, ShardTensor, ShardTensorSpec, comm_counter
 from shardsci.training import Task, TrainConfig, autocast
 
 __all__ = ["StepFailed", "StepMeasurement", "measure_step", "steady_state", "training_step"]
@@ -81,6 +81,8 @@ class StepMeasurement:
         Live tensor memory and its peak (NOTE [What the memory figures count]).
     parameters, gradients, optimizer : int
         Bytes of parameters, of their gradients after the step, of the optimiser state.
+    batch_specs : list of ShardTensorSpec
+        Layouts of the batch's ShardTensors.
     """
 
     comm: CommStats
@@ -89,6 +91,7 @@ class StepMeasurement:
     parameters: int
     gradients: int
     optimizer: int
+    batch_specs: list[ShardTensorSpec]
 
 
 def measure_step(
@@ -119,10 +122,13 @@ def measure_step(
         optimizer.register_step_post_hook(lambda *_: _set_category(memory, Category.activations)),
     ]
     original_batch = task.batch
+    batch_specs: list[ShardTensorSpec] = []
 
     def labelled_batch(step: int) -> Any:
         batch = original_batch(step)
-        memory.add((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), Category.batch)
+        tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        memory.add(tensors, Category.batch)
+        batch_specs.extend(t._spec for t in tensors if isinstance(t, ShardTensor))
         return batch
 
     task.batch = labelled_batch  # type: ignore[method-assign]
@@ -149,6 +155,7 @@ def measure_step(
         parameters=_nbytes(parameters),
         gradients=_nbytes(p.grad for p in parameters),
         optimizer=_nbytes(_optimizer_tensors(optimizer)),
+        batch_specs=batch_specs,
     )
 
 

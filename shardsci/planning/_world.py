@@ -2,8 +2,9 @@
 
 # NOTE [A dry run executes the library on one simulated rank at a time]
 The dry run does not model shardsci: it runs it. The default process group is torch's fake
-backend (every collective returns at once, having moved nothing) registered for the CPU and
-the ``meta`` device, so a DeviceMesh of any shape can be built for any rank; the model, its
+process group (every collective returns at once, having moved nothing), registered as a
+backend for the CPU, CUDA and ``meta`` devices, so a DeviceMesh of any shape can be built for
+any rank; the model, its
 optimiser state and the batch live on the ``meta`` device, where every op computes shapes,
 strides and dtypes but no values and allocates nothing. The library's own code decides every
 halo, redistribution and reduction, and records every collective's bytes exactly as it does on
@@ -20,13 +21,20 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import FakeProcessGroup
 
 __all__ = ["META", "simulated_rank"]
 
 META = torch.device("meta")
 """Where a dry run's tensors live: shapes and dtypes without storage."""
 
-_BACKEND = "cpu:fake,meta:fake"
+_BACKEND = "shardsci_dry_run"
+
+
+def _fake_process_group(common_options, backend_options):
+    return FakeProcessGroup._create_internal(
+        common_options.group_rank, common_options.group_size, backend_options
+    )
 
 
 @contextlib.contextmanager
@@ -38,9 +46,13 @@ def simulated_rank(rank: int, world_size: int) -> Iterator[None]:
     RuntimeError
         If a real default process group exists (a dry run must not touch a real job).
     """
-    # Importing the module registers the "fake" backend with torch.distributed.
-    from torch.testing._internal.distributed import fake_pg  # noqa: F401
-
+    if _BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            _BACKEND,
+            _fake_process_group,
+            extended_api=True,
+            devices=["cpu", "cuda", "meta"],
+        )
     if dist.is_initialized():
         raise RuntimeError(
             "a dry run needs a process without a default process group; this one is already "
