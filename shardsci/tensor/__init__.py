@@ -1,6 +1,7 @@
 """ShardTensor: tensors sharded over a DeviceMesh with arbitrary shard sizes."""
 
 from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._caches import cache_sizes, clear_caches
 from shardsci.tensor._comm_stats import CommStats, comm_counter
 from shardsci.tensor._halo import halo_exchange
 from shardsci.tensor._options import overlap_halos
@@ -18,6 +19,8 @@ __all__ = [
     "CommStats",
     "ShardTensor",
     "ShardTensorSpec",
+    "cache_sizes",
+    "clear_caches",
     "comm_counter",
     "distribute_tensor",
     "halo_exchange",
