@@ -19,6 +19,10 @@ the same code and issue the same collectives. Parameters enter a region through
 in eager mode. The regions of one module class share one compiled function that takes the
 module as an argument, so instances with equal structure share compiled code: dynamo guards on
 their structure, not their identity.
+
+Under a TorchDispatchMode (a memory tracker, a traffic count, a profiler) regions run eagerly:
+dynamo refuses to trace while one is active, and a mode is there to see every op, which
+compiled code would hide from it.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
+from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 from torch.utils._pytree import tree_leaves, tree_map
 
 from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._ops._common import replicated_local
+from shardsci.tensor._spec import DimSharding, merged_hints
 from shardsci.tensor._taps import tapped
 
 __all__ = ["compile_regions", "region_summary"]
@@ -153,13 +159,21 @@ class _RegionState:
             out, local = _probe(forward, shards, args, kwargs)
             self.local[key] = local
             return out
-        if not self.local[key] or _has_small_shards(shards[0]._spec):
+        if (
+            not self.local[key]
+            or _has_small_shards(shards[0]._spec)
+            or any_torch_dispatch_mode_on_stack()
+        ):
             return forward(*args, **kwargs)
-        return self._run_local(module, shards[0]._spec, args, kwargs)
+        return self._run_local(module, [t._spec for t in shards], args, kwargs)
 
     def _run_local(
-        self, module: nn.Module, spec: ShardTensorSpec, args: tuple, kwargs: dict
+        self, module: nn.Module, specs: list[ShardTensorSpec], args: tuple, kwargs: dict
     ) -> Any:
+        spec = specs[0]
+        # Outputs remember what the inputs remember, as every op's output does (NOTE
+        # [Shard-size hints]): an upsampling after the region finds the sizes to return to.
+        hints = merged_hints(*(s.hints + s.shardings for s in specs))
         partial_axes = {a for s in spec.shardings for a in s.axes}
         state = {
             name: replicated_local(p, spec.mesh, partial_axes)
@@ -170,7 +184,7 @@ class _RegionState:
             lambda value: _local(value, spec, partial_axes), (args, kwargs)
         )
         out = self.compiled(module)(module, state, local_args, local_kwargs)
-        return tree_map(lambda value: _sharded(value, spec), out)
+        return tree_map(lambda value: _sharded(value, spec, hints), out)
 
 
 # ---------------------------------------------------------------------------- locality
@@ -253,7 +267,7 @@ def _local(value: Any, spec: ShardTensorSpec, partial_axes: set[int]) -> Any:
     return value
 
 
-def _sharded(value: Any, spec: ShardTensorSpec) -> Any:
+def _sharded(value: Any, spec: ShardTensorSpec, hints: tuple[DimSharding, ...]) -> Any:
     """A region's local output as its ShardTensor: the inputs' placements and extents."""
     if not isinstance(value, torch.Tensor):
         return value
@@ -267,5 +281,6 @@ def _sharded(value: Any, spec: ShardTensorSpec) -> Any:
         value.dtype,
         {s.dim: s.sizes for s in spec.shardings},
         order={s.dim: s.axes for s in spec.shardings},
+        hints=hints,
     )
     return from_local_spec(value, out_spec)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FakeProcessGroup
 
+from shardsci.tensor import clear_caches
+
 __all__ = ["META", "simulated_rank"]
 
 META = torch.device("meta")
@@ -58,8 +60,12 @@ def simulated_rank(rank: int, world_size: int) -> Iterator[None]:
             "a dry run needs a process without a default process group; this one is already "
             f"rank {dist.get_rank()} of {dist.get_world_size()}"
         )
+    # Cached plans hold the process groups they were made with (NOTE [Caches are keyed by
+    # value]): each simulated rank gets a new world, so none may outlive it.
+    clear_caches()
     dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        clear_caches()
