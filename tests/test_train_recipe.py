@@ -84,7 +84,7 @@ def test_a_short_run_leaves_what_people_need(dataset: Path, tmp_path: Path) -> N
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
 
 
-MESHES = ["1", "2x1", "1x2", "2x2", "4x2"]
+MESHES = ["1", "2x1", "1x2", "2x2", "4x2", "2x2x2"]
 
 
 def test_the_loss_curve_and_parameters_do_not_depend_on_the_mesh(

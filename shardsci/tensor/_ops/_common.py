@@ -8,9 +8,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
-from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._collectives import AxisGroup, axis_group
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec, replicated_spec
+from shardsci.tensor._promotion import promote_replicated
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 __all__ = [
     "arg",
@@ -65,14 +66,14 @@ def replicated_local(
 ) -> torch.Tensor | None:
     """A replicated operand (plain tensor or replicated ShardTensor) for a local computation
     whose output is sharded over ``partial_axes``: its local gradient there is a partial sum,
-    summed once over those axes (NOTE [Autograd interaction between torch.Tensor and
-    ShardTensor]). Tensors that need no gradient pass through."""
+    summed over those axes (NOTE [Where the gradient of a replicated parameter is summed]).
+    Tensors that need no gradient pass through."""
     if t is None:
         return None
     if not isinstance(t, ShardTensor):
         if not t.requires_grad or not torch.is_grad_enabled():
             return t
-        t = from_local_spec(t, replicated_spec(t, mesh))
+        t = promote_replicated(t, mesh)
     elif not all(isinstance(p, Replicate) for p in t.placements):
         raise NotImplementedError(f"expected a replicated operand, got {t.placements}")
     placements = [Partial() if a in partial_axes else Replicate() for a in range(mesh.ndim)]

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
+from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
-from shardsci.tensor._spec import ShardTensorSpec, merged_hints, replicated_spec
+from shardsci.tensor._spec import ShardTensorSpec, merged_hints
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def _local_operand(
     if not isinstance(operand, ShardTensor):
         if not operand.requires_grad and not any(c in letters for c in subscript):
             return operand
-        operand = from_local_spec(operand, replicated_spec(operand, mesh))
+        operand = promote_replicated(operand, mesh)
     wanted = {d: letters[c] for d, c in enumerate(subscript) if c in letters}
     if wanted:
         operand = redistribute(operand, _sliced_spec(operand._spec, wanted))

@@ -312,7 +312,7 @@ def _whole_windows(
         if stop > first:
             missing = (stop - first - 1) * window.stride + window.span - extended.shape[dim]
             if missing > 0:
-                extended = pad_locally(extended, dim, 0, missing, "zeros", fill)
+                extended = pad_locally(extended, dim, 0, missing, fill)
     return extended
 
 
