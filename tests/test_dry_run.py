@@ -54,6 +54,7 @@ def _measured_step(overrides: list[str]) -> dict:
         "parameters": measured.parameters,
         "gradients": measured.gradients,
         "optimizer": measured.optimizer,
+        "grad_buckets": measured.grad_buckets,
     }
 
 
@@ -67,8 +68,9 @@ def _class_of(plan: RunPlan, rank: int):
         (2, ["mesh=2", "parallel=slab"]),
         (4, ["mesh=2x2", "parallel=block"]),
         (8, ["mesh=8", "parallel=slab", "data.dataset.solver.resolution=72"]),
+        (8, ["mesh=2x4", "data.dataset.solver.resolution=72"]),
     ],
-    ids=["2-slab", "2x2-block", "8-slab-uneven"],
+    ids=["2-slab", "2x2-block", "8-slab-uneven", "8-dp2-x-slab4"],
 )
 def test_predictions_match_measured_runs(world_size: int, mesh: list[str], tmp_path: Path) -> None:
     overrides = [*SMALL, *mesh, f"run_dir={tmp_path}"]
@@ -84,10 +86,11 @@ def test_predictions_match_measured_runs(world_size: int, mesh: list[str], tmp_p
         assert figures["comm"]["sent"] == sent, f"rank {rank}"
         assert figures["comm"]["received"] == received, f"rank {rank}"
         memory = predicted.memory
-        assert (memory.parameters, memory.gradients, memory.optimizer) == (
+        assert (memory.parameters, memory.gradients, memory.optimizer, memory.grad_buckets) == (
             figures["parameters"],
             figures["gradients"],
             figures["optimizer"],
+            figures["grad_buckets"],
         ), f"rank {rank}"
         assert abs(memory.peak - figures["peak"]) <= 0.1 * figures["peak"], (
             f"rank {rank}: predicted peak {memory.peak} B, measured {figures['peak']} B"

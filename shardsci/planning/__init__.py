@@ -16,7 +16,7 @@ from shardsci.planning._dry_run import plan_run
 from shardsci.planning._memory import Category, LiveMemory
 from shardsci.planning._plan import (
     CollectiveFigures,
-    DataParallelPlan,
+    GradientReductionPlan,
     LayerPlan,
     MemoryPlan,
     RankClassPlan,
@@ -29,7 +29,7 @@ __all__ = [
     "PLAN_FILE",
     "Category",
     "CollectiveFigures",
-    "DataParallelPlan",
+    "GradientReductionPlan",
     "LayerPlan",
     "LiveMemory",
     "MemoryPlan",

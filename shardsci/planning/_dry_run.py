@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.distributed import LaunchEnv
 from shardsci.planning._observe import describe_sizes
 from shardsci.planning._plan import (
-    DataParallelPlan,
+    GradientReductionPlan,
     RankClassPlan,
     RunPlan,
     class_plan,
@@ -32,6 +31,7 @@ from shardsci.planning._rank_classes import rank_classes
 from shardsci.planning._step import (
     StepFailed,
     StepMeasurement,
+    gradient_reducer,
     measure_step,
     steady_state,
     training_step,
@@ -40,7 +40,6 @@ from shardsci.planning._world import META, simulated_rank
 from shardsci.tensor import ShardTensorSpec
 from shardsci.tensor._spec import DimSharding
 from shardsci.training import (
-    DataParallel,
     ParallelConfig,
     ParallelLayout,
     Recipe,
@@ -50,12 +49,12 @@ from shardsci.training import (
     get_recipe,
     instantiate,
     mesh_world_size,
+    parallelize,
 )
 
 __all__ = ["plan_run"]
 
 _GIB = 2**30
-_DDP_BUCKET_CAP_MIB = 25
 
 
 @dataclass
@@ -67,6 +66,7 @@ class _Simulation:
     classes: list[list[int]]
     axes: str
     dp_size: int
+    model_name: str
     model: nn.Module
     optimizer: torch.optim.Optimizer
 
@@ -97,11 +97,10 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
     notes: list[str] = []
     simulations: list[_Simulation] = []
     try:
-        first = _simulate(cfg, recipe, 0, world_size, train, parallel, None)
+        first = _simulate(cfg, recipe, 0, world_size, train, parallel)
         simulations.append(first)
         for ranks in first.classes[1:]:
-            state = (first.model, first.optimizer)
-            simulations.append(_simulate(cfg, recipe, ranks[0], world_size, train, parallel, state))
+            simulations.append(_simulate(cfg, recipe, ranks[0], world_size, train, parallel))
     except StepFailed as failure:
         problems.append(str(failure))
     if not simulations:
@@ -125,12 +124,12 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
         mesh=str(cfg.mesh),
         axes=first.axes,
         world_size=world_size,
-        model=type(first.model).__name__,
+        model=first.model_name,
         parameters=sum(p.numel() for p in first.model.parameters()),
         samples_per_replica=per_replica,
         classes=classes,
         layers=layer_plans(first.measured.observer),
-        data_parallel=_data_parallel_plan(first, train),
+        gradient_reduction=_gradient_reduction_plan(first, train),
         problems=problems,
         notes=notes,
         simulated_ranks=len(simulations),
@@ -146,22 +145,19 @@ def _simulate(
     world_size: int,
     train: TrainConfig,
     parallel: ParallelConfig,
-    state: tuple[nn.Module, torch.optim.Optimizer] | None,
 ) -> _Simulation:
-    """Simulate ``rank``'s step. The model and the optimiser in steady state are the same on
-    every rank (parameters are replicated on the domain axes): ``state`` reuses the first
-    simulation's."""
+    """Simulate ``rank``'s step: its model, parallelised as the trainer does it (its gradient
+    reducer is this rank's), and its optimiser, in steady state."""
     with simulated_rank(rank, world_size):
         layout = ParallelLayout.build(str(cfg.mesh), parallel, device_type="cpu")
         env = LaunchEnv(rank, world_size, rank, world_size, "dry-run", 0, "single")
         context = RunContext(env, layout, Path(str(cfg.run_dir)))
         with torch.device(META):
             model, task = recipe.load_plan()(cfg, context, META)
-        if state is None:
-            optimizer = instantiate(cfg.optim)(model.parameters())
-            steady_state(model, optimizer)
-        else:
-            model, optimizer = state
+        model_name = type(model).__name__
+        model = parallelize(model, layout, train.parallel)
+        optimizer = instantiate(cfg.optim)(model.parameters())
+        steady_state(model, optimizer)
         measured = measure_step(
             model,
             optimizer,
@@ -176,6 +172,7 @@ def _simulate(
             classes=rank_classes(layout.mesh, specs) if rank == 0 else [],
             axes=layout.describe(),
             dp_size=layout.dp_size,
+            model_name=model_name,
             model=model,
             optimizer=optimizer,
         )
@@ -242,25 +239,19 @@ def _budget_problems(classes: list[RankClassPlan], budget_gib: float) -> list[st
     return problems
 
 
-# ---------------------------------------------------------------------------- data parallel
-def _data_parallel_plan(first: _Simulation, train: TrainConfig) -> DataParallelPlan | None:
-    replicas = first.dp_size
-    if replicas == 1:
-        return None
-    parameters = [p for p in first.model.parameters() if p.requires_grad]
-    gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
-    buckets = 0
-    if train.parallel is DataParallel.ddp:
-        caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, _DDP_BUCKET_CAP_MIB * 2**20]
-        assignment = dist._compute_bucket_assignment_by_size(list(reversed(parameters)), caps)
-        buckets = len(assignment[0])
-    return DataParallelPlan(
-        replicas=replicas,
+# ---------------------------------------------------------------------------- gradients
+def _gradient_reduction_plan(first: _Simulation, train: TrainConfig) -> GradientReductionPlan:
+    reducer = gradient_reducer(first.model)
+    group = reducer.reduction.size if reducer is not None else 1
+    return GradientReductionPlan(
         mode=train.parallel.value,
-        gradient_bytes=gradient_bytes,
-        all_reduce_sent=2 * (replicas - 1) * gradient_bytes // replicas,
-        buckets=buckets,
-        bucket_memory=gradient_bytes if train.parallel is DataParallel.ddp else 0,
+        replicas=first.dp_size,
+        ranks=group,
+        gradient_bytes=sum(
+            p.numel() * p.element_size() for p in first.model.parameters() if p.requires_grad
+        ),
+        buckets=len(reducer.buckets) if reducer is not None else 0,
+        bucket_memory=first.measured.grad_buckets,
     )
 
 
@@ -282,7 +273,7 @@ def _failed_plan(
         samples_per_replica=0,
         classes=[],
         layers=[],
-        data_parallel=None,
+        gradient_reduction=None,
         problems=problems,
         notes=[],
         wall_s=time.perf_counter() - started,

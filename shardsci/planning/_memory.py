@@ -5,7 +5,7 @@ Memory is the bytes of the storages of live tensors on the tracked device, what
 ``torch.cuda.memory_allocated`` reports on a GPU without its rounding to 512-byte blocks:
 every storage an aten op creates on that device while a ``LiveMemory`` is active counts from
 its creation until it is freed, plus the storages registered as already live (parameters,
-gradients, optimiser state, the batch). ShardTensors are wrappers and own nothing: the
+gradients, optimiser state, the batch, the gradient reducer's buckets). ShardTensors are wrappers and own nothing: the
 tracker lets them dispatch and counts the storages of the local tensors their ops create.
 Tensors made to compute shapes hold no memory and are skipped: those of sharding propagation
 (made under a FakeTensorMode) and shape probes (NOTE [Shape probes hold no memory]); a dry
@@ -41,6 +41,9 @@ class Category(enum.Enum):
     gradients = "gradients"
     optimizer = "optimizer"
     batch = "batch"
+    grad_buckets = "grad_buckets"
+    """The gradient reducer's flat buffers: one more copy of the gradients, held for the
+    whole run (NOTE [A reducer's gradients are final or absent])."""
     activations = "activations"
     """Everything the step creates that is none of the above: activations saved for the
     backward pass, temporaries, halo buffers, messages."""

@@ -17,7 +17,7 @@ from shardsci.planning._step import StepMeasurement
 
 __all__ = [
     "CollectiveFigures",
-    "DataParallelPlan",
+    "GradientReductionPlan",
     "LayerPlan",
     "MemoryPlan",
     "RankClassPlan",
@@ -48,6 +48,7 @@ class MemoryPlan:
     parameters: int
     gradients: int
     optimizer: int
+    grad_buckets: int
     batch: int
     peak_activations: int
     peak: int
@@ -104,18 +105,19 @@ class LayerPlan:
 
 
 @dataclass
-class DataParallelPlan:
-    """Gradient averaging over the data-parallel axis, from the parameter sizes.
+class GradientReductionPlan:
+    """How parameter gradients are reduced (NOTE [Why shardsci reduces gradients itself
+    instead of DDP]): summed over the domain ranks and averaged over the ``replicas``, in
+    ``buckets`` all-reduces per step over the ``ranks`` of the combined group, launched during
+    backward; their calls and bytes are every rank class's ``grad_all_reduce`` collectives.
+    The buckets hold one more copy of the gradients for the whole run (``bucket_memory``, in
+    every class's peak). With ``mode="fsdp2"`` FSDP2 reduce-scatters over dp itself (torch's
+    collectives, not in the counts) and there are no buckets."""
 
-    DDP all-reduces every gradient once per step in buckets of at most ``bucket_cap_mib``
-    (bandwidth-optimal ring cost per rank, as NOTE [What a byte count means]) and keeps one
-    bucket copy of the gradients; these collectives are torch's, outside ``comm_counter``.
-    """
-
-    replicas: int
     mode: str
+    replicas: int
+    ranks: int
     gradient_bytes: int
-    all_reduce_sent: int
     buckets: int
     bucket_memory: int
 
@@ -133,7 +135,7 @@ class RunPlan:
     samples_per_replica: int
     classes: list[RankClassPlan]
     layers: list[LayerPlan]
-    data_parallel: DataParallelPlan | None
+    gradient_reduction: GradientReductionPlan | None
     problems: list[str]
     notes: list[str]
     simulated_ranks: int = 0
@@ -162,6 +164,7 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
             parameters=measured.parameters,
             gradients=measured.gradients,
             optimizer=measured.optimizer,
+            grad_buckets=measured.grad_buckets,
             batch=memory.peak_live[Category.batch],
             peak_activations=memory.peak_activations,
             peak=memory.peak,

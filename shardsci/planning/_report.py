@@ -41,16 +41,17 @@ def format_plan(plan: RunPlan) -> str:
     ]
     for number, rank_class in enumerate(plan.classes, start=1):
         lines += ["", *_class_lines(number, rank_class)]
-    if plan.data_parallel is not None:
-        dp = plan.data_parallel
+    reduction = plan.gradient_reduction
+    if reduction is not None and reduction.ranks > 1:
         lines += [
             "",
-            f"data parallel ({dp.mode}, {dp.replicas} replicas, torch collectives): gradients "
-            f"{bytes_text(dp.gradient_bytes)} all-reduced per step, {bytes_text(dp.all_reduce_sent)} "
-            f"sent per rank"
+            f"gradient reduction ({reduction.mode}; summed over the domain, averaged over "
+            f"{reduction.replicas} replica(s); {reduction.ranks} ranks per group): "
+            f"{bytes_text(reduction.gradient_bytes)} of gradients"
             + (
-                f" in ~{dp.buckets} buckets; bucket copy {bytes_text(dp.bucket_memory)}"
-                if dp.buckets
+                f" in {reduction.buckets} bucket(s), {bytes_text(reduction.bucket_memory)} in "
+                f"all, one grad_all_reduce each"
+                if reduction.buckets
                 else ""
             ),
         ]
@@ -72,7 +73,8 @@ def _class_lines(number: int, plan: RankClassPlan) -> list[str]:
         f"rank class {number}: {plan.ranks} rank(s) like rank {plan.representative} "
         f"(coordinate {tuple(plan.coordinate)}; ranks {examples})",
         f"  memory: parameters {bytes_text(memory.parameters)}, gradients "
-        f"{bytes_text(memory.gradients)}, optimiser {bytes_text(memory.optimizer)}, batch "
+        f"{bytes_text(memory.gradients)}, optimiser {bytes_text(memory.optimizer)}, gradient "
+        f"buckets {bytes_text(memory.grad_buckets)}, batch "
         f"{bytes_text(memory.batch)}, peak activations {bytes_text(memory.peak_activations)}; "
         f"peak {bytes_text(memory.peak)} in the {memory.peak_at}",
         "  collectives per step: "

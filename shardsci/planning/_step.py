@@ -4,7 +4,10 @@
 ``training_step`` does what ``Trainer._optimiser_step`` does to tensors (batch, forward under
 autocast, the loss as a plain scalar, zero_grad, backward, gradient clipping, optimiser step)
 without the trainer's bookkeeping (scheduler, logging, the data-parallel mean of the loss),
-which moves no field data. ``measure_step`` watches any step function the same way, so
+which moves no field data (the loss's mean over replicas, torch's collective, is not in
+``comm_counter`` in either). The model it steps is parallelised as the trainer's
+(``parallelize``): its gradient reducer issues the step's ``grad_all_reduce`` buckets.
+``measure_step`` watches any step function the same way, so
 ``tests/test_dry_run.py`` measures ``Trainer._optimiser_step`` itself on real ranks and
 compares it with the dry run's prediction: a change to one step that is not made to the
 other fails that test.
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from shardsci.parallel._reducer import GradientReducer
 from shardsci.planning._memory import Category, LiveMemory
 from shardsci.planning._observe import StepObserver
 from shardsci.tensor import CommStats, ShardTensor, ShardTensorSpec, comm_counter
@@ -81,6 +85,8 @@ class StepMeasurement:
         Live tensor memory and its peak (NOTE [What the memory figures count]).
     parameters, gradients, optimizer : int
         Bytes of parameters, of their gradients after the step, of the optimiser state.
+    grad_buckets : int
+        Bytes of the gradient reducer's buckets (``domain_parallel``), 0 without one.
     batch_specs : list of ShardTensorSpec
         Layouts of the batch's ShardTensors.
     """
@@ -91,6 +97,7 @@ class StepMeasurement:
     parameters: int
     gradients: int
     optimizer: int
+    grad_buckets: int
     batch_specs: list[ShardTensorSpec]
 
 
@@ -112,6 +119,8 @@ def measure_step(
     memory.add(parameters, Category.parameters)
     memory.add((p.grad for p in parameters), Category.gradients)
     memory.add(_optimizer_tensors(optimizer), Category.optimizer)
+    buckets = _bucket_buffers(model)
+    memory.add(buckets, Category.grad_buckets)
     hooks = [
         p.register_post_accumulate_grad_hook(lambda p: memory.add([p.grad], Category.gradients))
         for p in parameters
@@ -132,6 +141,19 @@ def measure_step(
         return batch
 
     task.batch = labelled_batch  # type: ignore[method-assign]
+    reducer = gradient_reducer(model)
+    if reducer is not None:
+        # The reducer writes the step's gradients at the end of backward.
+        write_gradients = reducer._write_gradients
+
+        def labelled_gradients() -> None:
+            previous, memory.category = memory.category, Category.gradients
+            try:
+                write_gradients()
+            finally:
+                memory.category = previous
+
+        reducer._write_gradients = labelled_gradients  # type: ignore[method-assign]
     try:
         with observer.watching(), comm_counter() as comm, memory:
             try:
@@ -145,6 +167,8 @@ def measure_step(
                 ) from error
     finally:
         del task.batch
+        if reducer is not None:
+            del reducer._write_gradients
         for hook in hooks:
             hook.remove()
     memory.add(_optimizer_tensors(optimizer), Category.optimizer)
@@ -155,8 +179,20 @@ def measure_step(
         parameters=_nbytes(parameters),
         gradients=_nbytes(p.grad for p in parameters),
         optimizer=_nbytes(_optimizer_tensors(optimizer)),
+        grad_buckets=_nbytes(buckets),
         batch_specs=batch_specs,
     )
+
+
+def gradient_reducer(model: nn.Module) -> GradientReducer | None:
+    """The bucketed gradient reducer of a model of ``domain_parallel``, if it has one."""
+    sink = getattr(model, "_shardsci_sink", None)
+    return sink if isinstance(sink, GradientReducer) else None
+
+
+def _bucket_buffers(model: nn.Module) -> list[torch.Tensor]:
+    reducer = gradient_reducer(model)
+    return [bucket.buffer for bucket in reducer.buckets] if reducer is not None else []
 
 
 def _set_category(memory: LiveMemory, category: Category) -> None:
