@@ -24,7 +24,7 @@ from shardsci.tensor import _dispatch, _function_dispatch
 from shardsci.tensor._caches import cached
 from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
 from shardsci.tensor._torch_compat import _make_wrapper_subclass
 
 __all__ = ["ShardTensor", "from_local_spec", "grad_spec", "redistribute"]
@@ -252,9 +252,17 @@ def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
 
 
 def _as_shard_tensor(grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """A gradient as a ShardTensor. A plain one comes from a backward formula that builds a
+    fresh tensor of the global shape (``zeros(sizes)``), the same on every rank: it is read
+    as replicated."""
     if isinstance(grad, ShardTensor):
         return grad
-    raise TypeError(f"expected a ShardTensor gradient for {spec}, got a plain tensor")
+    if grad.shape == spec.shape:
+        return ShardTensor(grad, replicated_spec(grad, spec.mesh))
+    raise TypeError(
+        f"expected a gradient of shape {tuple(spec.shape)} for {spec}, got a plain tensor "
+        f"of shape {tuple(grad.shape)}"
+    )
 
 
 class _Redistribute(torch.autograd.Function):

@@ -122,6 +122,13 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     ),
     # --- the dispatcher, autograd engine and tensor subclassing
     "OpOverload": _at("torch._ops:OpOverload", "the type of an aten overload"),
+    "decomposition_table": _at(
+        "torch._decomp:decomposition_table",
+        "running an op without a sharding rule as its aten decomposition",
+    ),
+    "no_dispatch": _at(
+        "torch.utils._mode_utils:no_dispatch", "calling a kernel below every dispatch mode"
+    ),
     "OpOverloadPacket": _at("torch._ops:OpOverloadPacket", "the type of an aten op's overloads"),
     "_make_wrapper_subclass": _at(
         "torch:Tensor._make_wrapper_subclass", "creating a ShardTensor wrapper subclass"

@@ -40,6 +40,7 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
 from shardsci.tensor._ops._windows import gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._shape_probe import shape_probe
 
 _MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area")
 _SELECTING = ("nearest", "nearest-exact")  # also defined for integer tensors
@@ -329,10 +330,13 @@ def _output_shape(func, x, size, scale_factor, mode, align_corners, recompute, a
     torch's meta kernels reject empty ones (its real kernels accept them), and the output
     keeps them as they are."""
     leading = x.shape[:2]
-    probe = torch.empty((*(max(n, 1) for n in leading), *x.shape[2:]), dtype=x.dtype, device="meta")
-    shape = _probed_shape(
-        func, probe, size, scale_factor, mode, align_corners, recompute, antialias
-    )
+    with shape_probe():
+        probe = torch.empty(
+            (*(max(n, 1) for n in leading), *x.shape[2:]), dtype=x.dtype, device="meta"
+        )
+        shape = _probed_shape(
+            func, probe, size, scale_factor, mode, align_corners, recompute, antialias
+        )
     return torch.Size((*leading, *shape[2:]))
 
 

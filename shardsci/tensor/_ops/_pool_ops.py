@@ -32,6 +32,7 @@ from shardsci.tensor._halo import pad_locally
 from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._shape_probe import shape_probe
 
 # The callables __torch_function__ receives: nn.MaxPoolNd and F.max_poolNd arrive as the
 # ``boolean_dispatch`` wrapper (F.max_poolNd) or, with ``return_indices=True``, as
@@ -100,9 +101,10 @@ def _poolable(x: object) -> bool:
 def _global_output_shape(func: Callable, x: ShardTensor, args: tuple, kwargs: dict) -> list[int]:
     """Run torch's op on a meta tensor of the global shape: it raises torch's error for bad
     arguments on every rank, before any collective, and gives the global output shape."""
-    meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
     rest = {k: v for k, v in kwargs.items() if k != "input"}
-    result = func(meta, *args[1:], **rest)
+    with shape_probe():
+        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        result = func(meta, *args[1:], **rest)
     return list((result[0] if isinstance(result, tuple) else result).shape)
 
 
@@ -210,7 +212,10 @@ def _divisors(
     for dim, window in windows.items():
         extent = shape[dim]
         first, stop = out_ranges[dim]
-        starts = torch.arange(first, stop, dtype=torch.int64) * window.stride - window.pad_left
+        starts = (
+            torch.arange(first, stop, dtype=torch.int64, device=like.device) * window.stride
+            - window.pad_left
+        )
         ends = torch.clamp(starts + window.kernel, max=extent + window.pad_right)
         if not count_include_pad:
             starts, ends = starts.clamp(min=0), ends.clamp(max=extent)
