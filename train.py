@@ -60,6 +60,10 @@ def launch(cfg: DictConfig, multirun: bool = False) -> int:
         recipe = get_recipe(cfg.recipe)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if cfg.dry_run:  # one process, any mesh: nothing to check against this machine's ranks
+        from shardsci.planning import dry_run
+
+        return dry_run(cfg)
     env = detect_launch_env()
     plan = check_run(cfg, recipe, env, multirun)
     run = recipe.load_run()

@@ -11,5 +11,11 @@ from recipes.cfd.config import SCHEMAS
 from shardsci.training import Recipe, register_recipe
 
 RECIPE = register_recipe(
-    Recipe(name="cfd", run="recipes.cfd.train:run", schemas=SCHEMAS, check=check)
+    Recipe(
+        name="cfd",
+        run="recipes.cfd.train:run",
+        schemas=SCHEMAS,
+        check=check,
+        plan="recipes.cfd.plan:planned_task",
+    )
 )

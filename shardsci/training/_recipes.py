@@ -51,12 +51,17 @@ class Recipe:
         ``check(cfg, plan)``, run in the launching process before any rank starts, after the
         generic checks: raise ``ValueError`` naming what is wrong with ``cfg`` and what is
         expected (the data's shape against the mesh and the model, the data file, ...).
+    plan : str or None
+        ``"package.module:function"`` for ``dry_run=true`` (``shardsci.planning``):
+        ``function(cfg, context, device)`` returns the model and a ``Task`` whose batches have
+        the shapes and layouts of the real ones, made without reading data, on ``device``.
     """
 
     name: str
     run: str
     schemas: Mapping[tuple[str, str], type] = field(default_factory=dict)
     check: RecipeCheck | None = None
+    plan: str | None = None
 
     def __post_init__(self) -> None:
         module, _, function = self.run.partition(":")
@@ -68,8 +73,18 @@ class Recipe:
 
     def load_run(self) -> Callable[[DictConfig], Mapping[str, float]]:
         """Import and return the function every rank runs."""
-        module, _, function = self.run.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return _load(self.run)
+
+    def load_plan(self) -> Callable[..., Any]:
+        """Import and return the dry run's ``plan`` function (see ``plan``)."""
+        if self.plan is None:
+            raise ValueError(f"recipe {self.name!r} has no plan for a dry run")
+        return _load(self.plan)
+
+
+def _load(path: str) -> Callable[..., Any]:
+    module, _, function = path.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 _RECIPES: dict[str, Recipe] = {}

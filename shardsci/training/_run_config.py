@@ -48,6 +48,11 @@ class RunConfig:
         Ranks per mesh axis: ``"1"``, ``"8"``, ``"4x2"``, ``"2x2x2"``; ``-1`` infers one axis.
     model, data, eval : recipe schemas
         Chosen by the recipe's config (``configs/recipe/<name>.yaml``).
+    dry_run : bool
+        Plan the run instead of running it (``shardsci.planning``): memory, collectives and
+        layouts per rank class, in one process, without data.
+    device_memory_gib : float or None
+        Memory of one device; a dry run reports a rank whose peak exceeds it.
     """
 
     recipe: str | None = None
@@ -61,6 +66,8 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dry_run: bool = False
+    device_memory_gib: float | None = None
 
 
 def register_run_schemas() -> None:
