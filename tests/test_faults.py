@@ -45,6 +45,14 @@ from recipes.cfd.navier_stokes import SolverConfig
 from shardsci.checkpoint import load_checkpoint
 from shardsci.distributed import detect_launch_env, report_wait_s
 from shardsci.testing import run_on_ranks
+from shardsci.testing.slurm import (
+    FINAL_STATES,
+    job_state,
+    local_cluster_or_skip,
+    signal_job,
+    submit,
+    wait_for_job,
+)
 from shardsci.training import (
     NonFiniteLoss,
     ParallelConfig,
@@ -489,3 +497,49 @@ def test_a_bad_data_file_is_one_line_before_any_rank_starts(
     assert re.fullmatch(rf"error: data file {path}{message}.*\n", run.stderr), run.stderr
     assert path.read_bytes() == before
     assert not [p.name for p in (tmp_path / "run").iterdir() if p.name not in HYDRA_FILES]
+
+
+# ---------------------------------------------------------------------------- (b) under SLURM
+@pytest.mark.slow
+def test_slurm_preemption_checkpoints_and_the_requeued_job_ends_at_the_same_result(
+    dataset: Path, tmp_path: Path, uninterrupted: dict
+) -> None:
+    """``scancel --signal=TERM`` (what ``sbatch --signal=TERM@<s>`` sends before preemption)
+    reaches every task of ``scripts/slurm/train.sbatch``; they stop after an agreed step with
+    a checkpoint, and the job submitted again (a requeued job) resumes from it."""
+    local_cluster_or_skip()
+    run_dir = tmp_path / "run"
+    overrides = _resumable(dataset, run_dir, "train.checkpoint_every=0")[2:]  # mesh=2x1 on
+
+    def submit_job(name: str) -> int:
+        return submit(
+            ROOT / "scripts" / "slurm" / "train.sbatch",
+            options=[
+                "--ntasks=2", f"--output={tmp_path}/{name}-%j.out", f"--chdir={ROOT}",
+                f"--export=ALL,SHARDSCI_PYTHON={sys.executable}",
+            ],
+            arguments=overrides,
+            cwd=ROOT,
+        )  # fmt: skip
+
+    first = submit_job("first")
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while max(_logged_steps(run_dir), default=0) < 2:
+            assert job_state(first) in ("PENDING", "RUNNING", "CONFIGURING"), job_state(first)
+            assert time.monotonic() < deadline, "no training step within the startup timeout"
+            time.sleep(0.1)
+        signal_job(first, "TERM")
+        preempted = wait_for_job(first, RUN_TIMEOUT_S)
+    finally:
+        if job_state(first) not in FINAL_STATES:
+            signal_job(first, "KILL")
+    stopped_at = max(_logged_steps(run_dir))
+    assert stopped_at < STEPS, "the job ended before SIGTERM reached it"
+    assert f"stopped by SIGTERM after step {stopped_at}" in preempted.stdout, preempted.stdout
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{stopped_at:06d}"
+    requeued = wait_for_job(submit_job("requeued"), RUN_TIMEOUT_S)
+    assert (requeued.state, requeued.exit_code) == ("COMPLETED", 0), requeued.stdout[-3000:]
+    assert _resumed_at(requeued.stdout) == [stopped_at]
+    _assert_same_state(run_dir, uninterrupted)
