@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -39,11 +40,19 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import train  # noqa: F401  registers the config schemas and the recipes
-from recipes.cfd.generate import DatasetConfig, generate_dataset
+from recipes.cfd.generate import CREATED_BY, DatasetConfig, generate_dataset
 from recipes.cfd.navier_stokes import SolverConfig
 from shardsci.checkpoint import load_checkpoint
 from shardsci.distributed import detect_launch_env, report_wait_s
 from shardsci.testing import run_on_ranks
+from shardsci.testing.slurm import (
+    FINAL_STATES,
+    job_state,
+    local_cluster_or_skip,
+    signal_job,
+    submit,
+    wait_for_job,
+)
 from shardsci.training import (
     NonFiniteLoss,
     ParallelConfig,
@@ -68,10 +77,12 @@ TINY = [
 ]
 
 
+TINY_DATA = DatasetConfig(solver=SolverConfig(resolution=32), n_train=4, n_test=2, n_snapshots=6)
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = DatasetConfig(solver=SolverConfig(resolution=32), n_train=4, n_test=2, n_snapshots=6)
-    path = generate_dataset(tmp_path_factory.mktemp("data") / "ns.h5", config)
+    path = generate_dataset(tmp_path_factory.mktemp("data") / "ns.h5", TINY_DATA)
     with h5py.File(path, "r+") as file:
         del file.attrs["created_by"]  # a file of the user's: read as it is
     return path
@@ -428,5 +439,107 @@ def test_sigterm_checkpoints_and_the_requeued_run_ends_at_the_same_result(
     assert latest == f"step_{stopped_at:06d}"
     requeued = runs(arguments, tmp_path / "requeued")
     assert requeued.wait() == 0, requeued.stderr[-3000:]
+    assert _resumed_at(requeued.stdout) == [stopped_at]
+    _assert_same_state(run_dir, uninterrupted)
+
+
+# ---------------------------------------------------------------------------- (e) a bad data file
+HYDRA_FILES = {".hydra", "train.log"}
+"""What Hydra writes in the run directory before any code of ours runs."""
+
+
+def _truncated(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _integers(path: Path) -> None:
+    with h5py.File(path, "r+") as file:
+        shape = file["vorticity"].shape
+        del file["vorticity"]
+        file["vorticity"] = np.zeros(shape, np.int32)
+
+
+def _another_solver(path: Path) -> None:
+    """A file of ours (from ``recipes/cfd/generate.py``) that an older solver wrote."""
+    with h5py.File(path, "r+") as file:
+        file.attrs["created_by"] = CREATED_BY
+        file.attrs["solver_version"] = "shardsci-ns2d-ifrk4-v0"
+
+
+DESCRIBES_TINY = [
+    f"data.dataset.solver.resolution={TINY_DATA.solver.resolution}",
+    f"data.dataset.n_train={TINY_DATA.n_train}",
+    f"data.dataset.n_test={TINY_DATA.n_test}",
+    f"data.dataset.n_snapshots={TINY_DATA.n_snapshots}",
+]
+"""``data.dataset`` describing the test's dataset, as a file of ours must be described."""
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_truncated, r" cannot be read as HDF5 \(truncated file"),
+        (_integers, r": dataset 'vorticity' of shape \(6, 6, 32, 32\) has dtype int32; expected"),
+        (_another_solver, r" .*: attribute 'solver_version' is 'shardsci-ns2d-ifrk4-v0', expected"),
+    ],
+)
+def test_a_bad_data_file_is_one_line_before_any_rank_starts(
+    dataset: Path, tmp_path: Path, runs, damage: Callable[[Path], None], message: str
+) -> None:
+    """Through the real entry point; the rest of the cases are in tests/test_user_data.py."""
+    path = tmp_path / "mine.h5"
+    path.write_bytes(dataset.read_bytes())
+    damage(path)
+    before = path.read_bytes()
+    arguments = _train_py(path, tmp_path / "run", "2x1", "train.steps=2", *DESCRIBES_TINY)
+    run = runs(arguments, tmp_path / "log")
+    assert run.wait() == 2, run.stderr[-3000:]
+    assert re.fullmatch(rf"error: data file {path}{message}.*\n", run.stderr), run.stderr
+    assert path.read_bytes() == before
+    assert not [p.name for p in (tmp_path / "run").iterdir() if p.name not in HYDRA_FILES]
+
+
+# ---------------------------------------------------------------------------- (b) under SLURM
+@pytest.mark.slow
+def test_slurm_preemption_checkpoints_and_the_requeued_job_ends_at_the_same_result(
+    dataset: Path, tmp_path: Path, uninterrupted: dict
+) -> None:
+    """``scancel --signal=TERM`` (what ``sbatch --signal=TERM@<s>`` sends before preemption)
+    reaches every task of ``scripts/slurm/train.sbatch``; they stop after an agreed step with
+    a checkpoint, and the job submitted again (a requeued job) resumes from it."""
+    local_cluster_or_skip()
+    run_dir = tmp_path / "run"
+    overrides = _resumable(dataset, run_dir, "train.checkpoint_every=0")[2:]  # mesh=2x1 on
+
+    def submit_job(name: str) -> int:
+        return submit(
+            ROOT / "scripts" / "slurm" / "train.sbatch",
+            options=[
+                "--ntasks=2", f"--output={tmp_path}/{name}-%j.out", f"--chdir={ROOT}",
+                f"--export=ALL,SHARDSCI_PYTHON={sys.executable}",
+            ],
+            arguments=overrides,
+            cwd=ROOT,
+        )  # fmt: skip
+
+    first = submit_job("first")
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while max(_logged_steps(run_dir), default=0) < 2:
+            assert job_state(first) in ("PENDING", "RUNNING", "CONFIGURING"), job_state(first)
+            assert time.monotonic() < deadline, "no training step within the startup timeout"
+            time.sleep(0.1)
+        signal_job(first, "TERM")
+        preempted = wait_for_job(first, RUN_TIMEOUT_S)
+    finally:
+        if job_state(first) not in FINAL_STATES:
+            signal_job(first, "KILL")
+    stopped_at = max(_logged_steps(run_dir))
+    assert stopped_at < STEPS, "the job ended before SIGTERM reached it"
+    assert f"stopped by SIGTERM after step {stopped_at}" in preempted.stdout, preempted.stdout
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{stopped_at:06d}"
+    requeued = wait_for_job(submit_job("requeued"), RUN_TIMEOUT_S)
+    assert (requeued.state, requeued.exit_code) == ("COMPLETED", 0), requeued.stdout[-3000:]
     assert _resumed_at(requeued.stdout) == [stopped_at]
     _assert_same_state(run_dir, uninterrupted)

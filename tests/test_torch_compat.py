@@ -367,7 +367,6 @@ SMOKE: dict[str, Callable[[object], None]] = {
         _torch_compat._meta_in_tls_dispatch_include
     ),
     "_current_autograd_node": _current_node,
-    "_get_default_store": callable,  # type: ignore[dict-item]
     "dynamo_config": _dynamo_config,
     "trace_rules": _has("add"),
     "mark_dynamic": _mark_dynamic,

@@ -27,11 +27,12 @@ import os
 import threading
 import time
 import traceback
+from datetime import timedelta
 from types import TracebackType
 
 import torch.distributed as dist
 
-from shardsci.tensor._torch_compat import _get_default_store
+from shardsci.distributed._launch import detect_launch_env
 
 __all__ = ["CollectiveTimeout", "explain_timeout", "is_collective_timeout", "report_wait_s"]
 
@@ -93,16 +94,26 @@ def _collective_call(trace: TracebackType | None) -> str:
 def _absent_ranks(rank: int, world_size: int, wait_s: float) -> str:
     """Which ranks did not also time out and report in, as a phrase for the message.
 
-    The store is asked from a daemon thread: a store whose server is stopped (SIGSTOP) accepts
-    the connection and never answers, whatever the store's own timeout says.
+    The rendezvous store (at ``MASTER_ADDR:MASTER_PORT`` under every launcher) is asked
+    through a client of its own, from a daemon thread: a store whose server is stopped
+    (SIGSTOP) accepts the connection and never answers, whatever the store's timeout says.
+    Keys are per restart (``TORCHELASTIC_RESTART_COUNT``): torchrun's agent keeps its store.
     """
-    store = _get_default_store()
-    keys = [f"{_PRESENT}{r}" for r in range(world_size)]
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    keys = [f"{_PRESENT}{attempt}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + wait_s
     answer: list[list[int]] = []
 
     def ask() -> None:
         with contextlib.suppress(RuntimeError):
+            env = detect_launch_env()
+            store = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                world_size,
+                is_master=False,
+                timeout=timedelta(seconds=wait_s),
+            )
             store.set(keys[rank], "1")
             absent = list(range(world_size))
             while absent and time.monotonic() < deadline:

@@ -177,10 +177,6 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     "_current_autograd_node": _at(
         "torch._C:_current_autograd_node", "which autograd node a backward op belongs to"
     ),
-    "_get_default_store": _at(
-        "torch.distributed.distributed_c10d:_get_default_store",
-        "asking the rendezvous store which ranks are still present",
-    ),
     # --- torch.compile and the dry-run planner
     "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
     "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),

@@ -6,7 +6,8 @@ and starts the cluster, or reuses a running one; when that fails it raises
 all. Tests call ``local_cluster_or_skip()``: a test is skipped where SLURM cannot be installed;
 where it can but the cluster does not come up, it is skipped too, unless
 ``SHARDSCI_REQUIRE_SLURM=1`` (set by ``.ci/run``) makes that a failure, so a broken SLURM path
-cannot leave CI green. ``submit_and_wait(script, timeout_s)``
+cannot leave CI green. ``submit_and_wait(script, timeout_s)`` (or ``submit`` then
+``wait_for_job``, with ``signal_job`` in between)
 submits a batch script with ``sbatch``, polls ``scontrol show job`` until the job ends and
 returns its state, exit code and output files.
 
@@ -189,7 +190,14 @@ def submit_and_wait(
     TimeoutError
         If the job has not ended after ``timeout_s`` seconds; it is cancelled first.
     """
-    job_id = _submit(Path(script_path), options, arguments, cwd)
+    return wait_for_job(
+        submit(script_path, options=options, arguments=arguments, cwd=cwd), timeout_s
+    )
+
+
+def wait_for_job(job_id: int, timeout_s: float) -> JobResult:
+    """Wait for job ``job_id`` to end (cancelling it after ``timeout_s`` seconds, with a
+    ``TimeoutError``) and collect its output, as ``submit_and_wait`` does."""
     deadline = time.monotonic() + timeout_s
     fields = _job_fields(job_id)
     while fields["JobState"] not in FINAL_STATES:
@@ -210,13 +218,15 @@ def submit_and_wait(
     )
 
 
-def _submit(
-    script: Path,
-    options: Sequence[str],
-    arguments: Sequence[str],
-    cwd: str | os.PathLike[str] | None,
+def submit(
+    script_path: str | os.PathLike[str],
+    *,
+    options: Sequence[str] = (),
+    arguments: Sequence[str] = (),
+    cwd: str | os.PathLike[str] | None = None,
 ) -> int:
-    """Submit ``script`` with ``sbatch --parsable``; the job id."""
+    """Submit a batch script with ``sbatch --parsable`` (see ``submit_and_wait``); the job id."""
+    script = Path(script_path)
     if not script.is_file():
         raise SlurmJobError(f"batch script {script} does not exist")
     command = ["sbatch", "--parsable", *options, str(script.resolve()), *arguments]
@@ -225,6 +235,17 @@ def _submit(
     if not job_id.isdigit():
         raise SlurmJobError(f"sbatch answered {answer!r}, expected a job id")
     return int(job_id)
+
+
+def signal_job(job_id: int, signal: str) -> None:
+    """Send ``signal`` (``"TERM"``) to every task of the job's steps, as SLURM does before
+    preempting a job submitted with ``--signal``: ``scancel --signal``."""
+    _run_slurm(["scancel", f"--signal={signal}", str(job_id)])
+
+
+def job_state(job_id: int) -> str:
+    """The job's state now (``PENDING``, ``RUNNING``, one of ``FINAL_STATES``, ...)."""
+    return _job_fields(job_id)["JobState"]
 
 
 def _job_fields(job_id: int) -> dict[str, str]:
