@@ -228,6 +228,32 @@ def _tree_map(fn: Callable) -> None:
     assert fn(lambda x: x + 1, {"a": [1, (2,)]}) == {"a": [2, (3,)]}
 
 
+def _tree_leaves(fn: Callable) -> None:
+    assert fn({"a": [1, (2,)]}) == [1, 2]
+
+
+def _decompositions(table: object) -> None:
+    assert torch.ops.aten.native_batch_norm_backward.default in table  # type: ignore[operator]
+
+
+def _no_dispatch(fn: Callable) -> None:
+    with fn():
+        assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))
+
+
+def _meta_query(fn: Callable) -> None:
+    assert isinstance(fn(), bool)
+
+
+def _meta_switch(fn: Callable) -> None:
+    before = _torch_compat._meta_in_tls_dispatch_include()
+    fn(not before)
+    try:
+        assert _torch_compat._meta_in_tls_dispatch_include() is (not before)
+    finally:
+        fn(before)
+
+
 def _propagator(propagator: object) -> None:
     _has(
         "propagate_op_sharding_non_cached",
@@ -282,6 +308,11 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "TorchDispatchMode": _dispatch_mode,
     "is_traceable_wrapper_subclass_type": _wrapper_subclass_query,
     "tree_map": _tree_map,
+    "tree_leaves": _tree_leaves,
+    "decomposition_table": _decompositions,
+    "no_dispatch": _no_dispatch,
+    "_meta_in_tls_dispatch_include": _meta_query,
+    "_set_meta_in_tls_dispatch_include": _meta_switch,
     "_resolve_process_group": callable,  # type: ignore[dict-item]
     "LocalTensorMode": _takes("ranks"),
     "_map_to_rank_local_val": _takes("val", "rank"),

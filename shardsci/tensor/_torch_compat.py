@@ -161,6 +161,15 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "letting tensor subclasses through a dispatch mode",
     ),
     "tree_map": _at("torch.utils._pytree:tree_map", "mapping over nested results"),
+    "tree_leaves": _at("torch.utils._pytree:tree_leaves", "the tensors among nested arguments"),
+    "_meta_in_tls_dispatch_include": _at(
+        "torch._C:_meta_in_tls_dispatch_include",
+        "whether ops run as meta ops (an in-place view replays on a wrapper's metadata)",
+    ),
+    "_set_meta_in_tls_dispatch_include": _at(
+        "torch._C:_set_meta_in_tls_dispatch_include",
+        "running an in-place view on a wrapper's metadata alone",
+    ),
     "_resolve_process_group": _at(
         "torch.distributed.distributed_c10d:_resolve_process_group",
         "the process group a functional collective names",
