@@ -36,6 +36,7 @@ _VIEW_OF_COPY = {
     aten.t_copy.default: aten.t.default,
     aten.transpose_copy.int: aten.transpose.int,
     aten.unbind_copy.int: aten.unbind.int,
+    aten.unfold_copy.default: aten.unfold.default,
     aten.unsqueeze_copy.default: aten.unsqueeze.default,
     aten.view_copy.default: aten.view.default,
 }
