@@ -607,7 +607,8 @@ def write_summary(path: Path, records: list[dict], samples: int | None, pattern:
     path.with_suffix(".md").write_text(
         "# PyTorch's OpInfo database on ShardTensors\n\n"
         f"{summary['ops']} OpInfo entries (float64, CPU), the first "
-        f"{summary['samples_per_op']} samples of each, torch {torch.__version__}; the first "
+        f"{summary['samples_per_op']} samples of each that a layout can shard, torch "
+        f"{torch.__version__}; the first "
         "tensor argument sharded (2r-uneven: 2 ranks, uneven; 4r-empty: 4 ranks, rank 0 "
         "empty; 2x2-uneven: two dims over a 2x2 mesh), compared with one process, forward and "
         "the sharded input's gradient (see `tests/op_db_sweep.py`). *error*: the same clear "

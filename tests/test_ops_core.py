@@ -371,3 +371,20 @@ def test_clone_to_a_memory_format_has_its_strides() -> None:
     """A contiguous clone of a transposed ShardTensor is contiguous (a later ``view`` of it,
     as in multi-head attention, relies on that)."""
     run_on_ranks(2, _clone_strides_body)
+
+
+# ---------------------------------------------------------------------------- shard-size hints
+def _newest_hint_body() -> tuple[int, ...] | None:
+    from shardsci.tensor._propagation import _remembered
+    from shardsci.tensor._spec import DimSharding, ShardTensorSpec
+
+    older, newer = DimSharding(0, (0,), (1, 5)), DimSharding(1, (0,), (4, 2))
+    spec = ShardTensorSpec.build(
+        get_mesh((2,)), [Replicate()], (6, 6), torch.float64, hints=(older, newer)
+    )
+    return _remembered([spec], (0,), 6)
+
+
+def test_propagation_takes_the_newest_hint() -> None:
+    """NOTE [Shard-size hints]: every reader prefers the newest hint of an axes and extent."""
+    assert run_on_ranks(2, _newest_hint_body) == [(4, 2), (4, 2)]
