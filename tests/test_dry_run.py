@@ -146,3 +146,11 @@ def test_cli_prints_the_report_and_writes_json_and_checks_the_budget(tmp_path: P
     plan = json.loads((tmp_path / "dry_run.json").read_text())
     assert [c["members"] for c in plan["classes"]] == [[0], [1], [2], [3]]
     assert plan["classes"][0]["collectives"]["halo"]["calls"] > 0
+
+
+def test_fsdp2_over_replicas_is_refused_naming_the_alternative(tmp_path: Path) -> None:
+    from shardsci.training import ConfigError
+
+    cfg = _compose([*SMALL, "mesh=2x2", "train.parallel=fsdp2", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"fsdp2 over 2 data-parallel replicas.*parallel=ddp"):
+        plan_run(cfg)
