@@ -21,7 +21,14 @@ from recipes.cfd.plan import planned_task
 from shardsci.distributed import LaunchEnv
 from shardsci.planning import RunPlan, measure_step, plan_run
 from shardsci.testing import run_on_ranks
-from shardsci.training import ParallelConfig, ParallelLayout, RunContext, Trainer, config_from
+from shardsci.training import (
+    ParallelConfig,
+    ParallelLayout,
+    RunContext,
+    StopRequests,
+    Trainer,
+    config_from,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMALL = ["+recipe=cfd", "logger=none", "train.global_batch=2", "data.dataset.solver.resolution=32"]
@@ -43,11 +50,16 @@ def _measured_step(overrides: list[str]) -> dict:
     context = RunContext(env, layout, Path(str(cfg.run_dir)))
     model, task = planned_task(cfg, context, torch.device("cpu"))
     trainer = Trainer(context, cfg, model, task)
-    trainer._optimiser_step()
-    trainer.step += 1
-    measured = measure_step(
-        trainer.trained, trainer.optimizer, task, trainer._optimiser_step, "cpu"
-    )
+    with StopRequests() as requests:
+        trainer._optimiser_step(requests)
+        trainer.step += 1
+        measured = measure_step(
+            trainer.trained,
+            trainer.optimizer,
+            task,
+            lambda: trainer._optimiser_step(requests),
+            "cpu",
+        )
     return {
         "comm": measured.comm.as_dict(),
         "peak": measured.memory.peak,
