@@ -17,9 +17,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch._ops import OpOverload
 from torch.distributed.tensor import Replicate
-from torch.utils._mode_utils import no_dispatch
 
 from shardsci.tensor import _propagation
 from shardsci.tensor._caches import register_cache
@@ -34,6 +32,7 @@ from shardsci.tensor._propagation import (
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
 from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._torch_compat import OpOverload, no_dispatch
 
 __all__ = ["bind_tensor_type", "dispatch", "run_with_propagation"]
 

@@ -25,13 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch._decomp import decomposition_table
-from torch._ops import OpOverload
-from torch.distributed.tensor import DTensor, Partial, Shard
-from torch.distributed.tensor import _redistribute as _dtensor_redistribute
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding, RuntimeSchemaInfo
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import Partial, Shard
 
 from shardsci.tensor._caches import BoundedCache, register_cache
 from shardsci.tensor._spec import (
@@ -43,10 +37,22 @@ from shardsci.tensor._spec import (
     nested_chunk_sizes,
     replicated_spec,
 )
+from shardsci.tensor._torch_compat import (
+    DispatchKey,
+    DTensorSpec,
+    OpOverload,
+    OpSchema,
+    OutputSharding,
+    RuntimeSchemaInfo,
+    _dispatch_has_kernel_for_dispatch_key,
+    _StridedShard,
+    decomposition_table,
+)
+from shardsci.tensor._torch_compat import dtensor_redistribute as _dtensor_redistribute
+from shardsci.tensor._torch_compat import sharding_propagator as _PROPAGATOR
 
 __all__ = ["Plan", "decomposition", "flatten_args", "functional_twin", "plan_for", "unflatten_args"]
 
-_PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
 _MAX_PLANS = 4096
 _ShardTensor: type = torch.Tensor  # bound by ``_api`` through ``_dispatch.bind_tensor_type``
 
@@ -471,9 +477,7 @@ def decomposition(func: OpOverload) -> Callable[..., object] | None:
     kernel or its decomposition in ``torch._decomp.decompositions``; None when it has neither.
     (The table's ``torch._refs`` entries compute through prims, meant for tracing: run on
     ShardTensors they can return uninitialised memory.)"""
-    if torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
-    ):
+    if _dispatch_has_kernel_for_dispatch_key(func.name(), DispatchKey.CompositeImplicitAutograd):
         return func.decompose
     decompose = decomposition_table.get(func)
     if decompose is not None and decompose.__module__ == "torch._decomp.decompositions":

@@ -24,9 +24,9 @@ from functools import cached_property
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 
 from shardsci.tensor._caches import BoundedCache, register_cache
+from shardsci.tensor._torch_compat import DTensorSpec, ShardOrderEntry, TensorMeta
 
 __all__ = [
     "DimSharding",

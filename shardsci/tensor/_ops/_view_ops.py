@@ -23,18 +23,18 @@ import math
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor._ops._view_ops import (
+
+from shardsci.tensor._api import ShardTensor, redistribute
+from shardsci.tensor._redistribute import redistribute_local, target_spec
+from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
+from shardsci.tensor._torch_compat import (
     Flatten,
     InputDim,
     Split,
     infer_size,
     view_groups,
 )
-
-from shardsci.tensor._api import ShardTensor, redistribute
-from shardsci.tensor._redistribute import redistribute_local, target_spec
-from shardsci.tensor._registry import register_aten_handler
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
 
 aten = torch.ops.aten
 
