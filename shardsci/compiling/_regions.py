@@ -260,7 +260,9 @@ def _local(value: Any, spec: ShardTensorSpec, partial_axes: set[int]) -> Any:
     if isinstance(value, ShardTensor):
         local = value.to_local()
         for sharding in spec.shardings:
-            torch._dynamo.mark_dynamic(local, sharding.dim)
+            # "maybe": a backend that must specialise a sharded dim (inductor's CPU conv
+            # lowering) compiles per size, reported as recompilations, instead of raising.
+            torch._dynamo.maybe_mark_dynamic(local, sharding.dim)
         return local
     if isinstance(value, torch.Tensor):
         return replicated_local(value, spec.mesh, partial_axes)
