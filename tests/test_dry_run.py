@@ -21,7 +21,14 @@ from recipes.cfd.plan import planned_task
 from shardsci.distributed import LaunchEnv
 from shardsci.planning import RunPlan, measure_step, plan_run
 from shardsci.testing import run_on_ranks
-from shardsci.training import ParallelConfig, ParallelLayout, RunContext, Trainer, config_from
+from shardsci.training import (
+    ParallelConfig,
+    ParallelLayout,
+    RunContext,
+    StopRequests,
+    Trainer,
+    config_from,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMALL = ["+recipe=cfd", "logger=none", "train.global_batch=2", "data.dataset.solver.resolution=32"]
@@ -43,11 +50,16 @@ def _measured_step(overrides: list[str]) -> dict:
     context = RunContext(env, layout, Path(str(cfg.run_dir)))
     model, task = planned_task(cfg, context, torch.device("cpu"))
     trainer = Trainer(context, cfg, model, task)
-    trainer._optimiser_step()
-    trainer.step += 1
-    measured = measure_step(
-        trainer.trained, trainer.optimizer, task, trainer._optimiser_step, "cpu"
-    )
+    with StopRequests() as requests:
+        trainer._optimiser_step(requests)
+        trainer.step += 1
+        measured = measure_step(
+            trainer.trained,
+            trainer.optimizer,
+            task,
+            lambda: trainer._optimiser_step(requests),
+            "cpu",
+        )
     return {
         "comm": measured.comm.as_dict(),
         "peak": measured.memory.peak,
@@ -146,3 +158,11 @@ def test_cli_prints_the_report_and_writes_json_and_checks_the_budget(tmp_path: P
     plan = json.loads((tmp_path / "dry_run.json").read_text())
     assert [c["members"] for c in plan["classes"]] == [[0], [1], [2], [3]]
     assert plan["classes"][0]["collectives"]["halo"]["calls"] > 0
+
+
+def test_fsdp2_over_replicas_is_refused_naming_the_alternative(tmp_path: Path) -> None:
+    from shardsci.training import ConfigError
+
+    cfg = _compose([*SMALL, "mesh=2x2", "train.parallel=fsdp2", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"fsdp2 over 2 data-parallel replicas.*parallel=ddp"):
+        plan_run(cfg)

@@ -313,10 +313,10 @@ def _fake_process_group(cls: type) -> None:
     _has("_create_internal")(cls)
 
 
-def _mark_dynamic(fn: Callable) -> None:
+def _maybe_mark_dynamic(fn: Callable) -> None:
     t = torch.ones(3, 4)
     fn(t, 0)
-    assert 0 in t._dynamo_dynamic_indices  # type: ignore[attr-defined]
+    assert 0 in t._dynamo_weak_dynamic_indices  # type: ignore[attr-defined]
 
 
 def _fake_mode(fn: Callable) -> None:
@@ -369,7 +369,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "_current_autograd_node": _current_node,
     "dynamo_config": _dynamo_config,
     "trace_rules": _has("add"),
-    "mark_dynamic": _mark_dynamic,
+    "maybe_mark_dynamic": _maybe_mark_dynamic,
     "active_fake_mode": _fake_mode,
     "FakeProcessGroup": _fake_process_group,
 }

@@ -44,7 +44,7 @@ from shardsci.tensor._spec import DimSharding, merged_hints
 from shardsci.tensor._taps import tapped
 from shardsci.tensor._torch_compat import (
     any_torch_dispatch_mode_on_stack,
-    mark_dynamic,
+    maybe_mark_dynamic,
     tree_leaves,
     tree_map,
 )
@@ -264,7 +264,9 @@ def _local(value: Any, spec: ShardTensorSpec, partial_axes: set[int]) -> Any:
     if isinstance(value, ShardTensor):
         local = value.to_local()
         for sharding in spec.shardings:
-            mark_dynamic(local, sharding.dim)
+            # "maybe": a backend that must specialise a sharded dim (inductor's CPU conv
+            # lowering) compiles per size, reported as recompilations, instead of raising.
+            maybe_mark_dynamic(local, sharding.dim)
         return local
     if isinstance(value, torch.Tensor):
         return replicated_local(value, spec.mesh, partial_axes)

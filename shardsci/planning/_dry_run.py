@@ -40,6 +40,8 @@ from shardsci.planning._world import META, simulated_rank
 from shardsci.tensor import ShardTensorSpec
 from shardsci.tensor._spec import DimSharding
 from shardsci.training import (
+    ConfigError,
+    DataParallel,
     ParallelConfig,
     ParallelLayout,
     Recipe,
@@ -81,16 +83,17 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
 
     Raises
     ------
-    ValueError
-        If the recipe has no plan or the mesh leaves an axis size to infer.
+    ConfigError
+        If the recipe has no plan, the mesh leaves an axis size to infer, or FSDP2 would shard
+        parameters over a data-parallel axis.
     """
     started, cpu_started = time.perf_counter(), time.process_time()
     recipe = get_recipe(cfg.recipe)
     world_size = mesh_world_size(str(cfg.mesh))
     if world_size is None:
-        raise ValueError(f"a dry run needs every mesh axis size, got mesh={cfg.mesh}")
+        raise ConfigError(f"a dry run needs every mesh axis size, got mesh={cfg.mesh}")
     if recipe.plan is None:
-        raise ValueError(f"recipe {recipe.name!r} cannot be dry-run: it registers no plan")
+        raise ConfigError(f"recipe {recipe.name!r} cannot be dry-run: it registers no plan")
     train: TrainConfig = OmegaConf.to_object(cfg.train)
     parallel = config_from(ParallelConfig, cfg.parallel)
     problems: list[str] = []
@@ -150,6 +153,14 @@ def _simulate(
     reducer is this rank's), and its optimiser, in steady state."""
     with simulated_rank(rank, world_size):
         layout = ParallelLayout.build(str(cfg.mesh), parallel, device_type="cpu")
+        if train.parallel is DataParallel.fsdp2 and layout.dp_size > 1:
+            raise ConfigError(
+                f"a dry run cannot plan train.parallel=fsdp2 over {layout.dp_size} data-parallel "
+                f"replicas: FSDP2 refuses to train parameters on the meta device; plan with "
+                f"train.parallel=ddp (the same activations and halos; FSDP2 holds 1/"
+                f"{layout.dp_size} of the parameters, gradients and optimiser state and adds "
+                f"its all-gathers and reduce-scatters over dp)"
+            )
         env = LaunchEnv(rank, world_size, rank, world_size, "dry-run", 0, "single")
         context = RunContext(env, layout, Path(str(cfg.run_dir)))
         with torch.device(META):

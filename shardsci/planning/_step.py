@@ -3,9 +3,9 @@
 # NOTE [The dry run runs the trainer's step]
 ``training_step`` does what ``Trainer._optimiser_step`` does to tensors (batch, forward under
 autocast, the loss as a plain scalar, zero_grad, backward, gradient clipping, optimiser step)
-without the trainer's bookkeeping (scheduler, logging, the data-parallel mean of the loss),
-which moves no field data (the loss's mean over replicas, torch's collective, is not in
-``comm_counter`` in either). The model it steps is parallelised as the trainer's
+without the trainer's bookkeeping (scheduler, logging, the skip of a non-finite loss, the
+all-reduce that agrees on the mean loss and on stop signals), which moves no field data (that
+all-reduce of a few scalars is torch's collective, not in ``comm_counter``). The model it steps is parallelised as the trainer's
 (``parallelize``): its gradient reducer issues the step's ``grad_all_reduce`` buckets.
 ``measure_step`` watches any step function the same way, so
 ``tests/test_dry_run.py`` measures ``Trainer._optimiser_step`` itself on real ranks and

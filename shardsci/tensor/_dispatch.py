@@ -320,7 +320,8 @@ def run_with_propagation(
             local_args[stride_index] = stride
     local_kwargs = {k: _local_of(v) for k, v in kwargs.items()} if kwargs else {}
     if plan.empty_outputs:
-        out = _empty_outputs(plan.outputs)
+        device = next(t.device for t in local_leaves if isinstance(t, torch.Tensor))
+        out = _empty_outputs(plan.outputs, device)
     else:
         out = (local_impl or plan.op)(*local_args, **local_kwargs)
     if plan.returns_destination:
@@ -330,12 +331,12 @@ def run_with_propagation(
     return result
 
 
-def _empty_outputs(specs: object) -> object:
+def _empty_outputs(specs: object, device: torch.device) -> object:
     """This rank's outputs when they are all empty (NOTE [No kernel sees an empty shard it
-    cannot reduce] in ``_propagation``)."""
+    cannot reduce] in ``_propagation``), on the operands' device."""
     if isinstance(specs, (tuple, list)):
-        return type(specs)(_empty_outputs(s) for s in specs)
-    return torch.empty(specs.local_shape(), dtype=specs.dtype)
+        return type(specs)(_empty_outputs(s, device) for s in specs)
+    return torch.empty(specs.local_shape(), dtype=specs.dtype, device=device)
 
 
 def _moved(leaf: torch.Tensor, source: ShardTensorSpec, target: ShardTensorSpec | None):

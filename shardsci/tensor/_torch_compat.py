@@ -180,7 +180,9 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     # --- torch.compile and the dry-run planner
     "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
     "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),
-    "mark_dynamic": _at("torch._dynamo:mark_dynamic", "shard sizes as dynamic dims in a region"),
+    "maybe_mark_dynamic": _at(
+        "torch._dynamo:maybe_mark_dynamic", "shard sizes as dynamic dims in a region"
+    ),
     "active_fake_mode": _at("torch._guards:active_fake_mode", "the fake mode of a dry run"),
     "FakeProcessGroup": _at(
         "torch._C._distributed_c10d:FakeProcessGroup", "process groups of a dry run's fake world"
