@@ -18,7 +18,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import train  # noqa: F401  registers the config schemas and the recipes
+import shardsci.train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.checkpoint import load_checkpoint
 from shardsci.testing.slurm import SlurmUnavailable, ensure_local_cluster, submit_and_wait
 from shardsci.training import instantiate
