@@ -49,7 +49,7 @@ def _run_dir() -> str:
 OmegaConf.register_new_resolver("shardsci_run_dir", _run_dir, use_cache=True)
 OmegaConf.register_new_resolver("shardsci_world_size", lambda mesh: mesh_world_size(str(mesh)))
 register_run_schemas()
-discover_recipes("recipes")
+discover_recipes("shardsci.recipes")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://shardsci.configs", config_name="config")
