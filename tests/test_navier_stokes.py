@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.cfd import generate
-from recipes.cfd.generate import (
+from shardsci.recipes.cfd import generate
+from shardsci.recipes.cfd.generate import (
     DatasetConfig,
     ensure_dataset,
     generate_dataset,
     main,
     trajectory_split,
 )
-from recipes.cfd.navier_stokes import (
+from shardsci.recipes.cfd.navier_stokes import (
     SOLVER_VERSION,
     NavierStokes2d,
     SolverConfig,

@@ -6,7 +6,7 @@
 ``generate.py``.
 """
 
-from recipes.cfd.config import SCHEMAS
+from shardsci.recipes.cfd.config import SCHEMAS
 from shardsci.training import Recipe, register_recipe
 
-RECIPE = register_recipe(Recipe(name="cfd", run="recipes.cfd.train:run", schemas=SCHEMAS))
+RECIPE = register_recipe(Recipe(name="cfd", run="shardsci.recipes.cfd.train:run", schemas=SCHEMAS))

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from recipes.cfd.generate import DatasetConfig, ensure_dataset, trajectory_split
 from shardsci import ShardTensor
 from shardsci.data import NextStepPairs, ShardedHDF5Field
+from shardsci.recipes.cfd.generate import DatasetConfig, ensure_dataset, trajectory_split
 from shardsci.training import ParallelLayout, config_from
 
 __all__ = ["CFDData"]

@@ -40,7 +40,7 @@ from pathlib import Path
 import h5py
 import torch
 
-from recipes.cfd.navier_stokes import (
+from shardsci.recipes.cfd.navier_stokes import (
     DOMAIN_LENGTH,
     SOLVER_VERSION,
     NavierStokes2d,

@@ -6,7 +6,9 @@ solver, the mesh and the dataset generator are ``cylinder_flow.py``, ``mesh.py``
 ``generate.py``.
 """
 
-from recipes.mesh_cfd.config import SCHEMAS
+from shardsci.recipes.mesh_cfd.config import SCHEMAS
 from shardsci.training import Recipe, register_recipe
 
-RECIPE = register_recipe(Recipe(name="mesh_cfd", run="recipes.mesh_cfd.train:run", schemas=SCHEMAS))
+RECIPE = register_recipe(
+    Recipe(name="mesh_cfd", run="shardsci.recipes.mesh_cfd.train:run", schemas=SCHEMAS)
+)

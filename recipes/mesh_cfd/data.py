@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from recipes.mesh_cfd.generate import MeshDataConfig, ensure_dataset
-from recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes, read_rows
+from shardsci.recipes.mesh_cfd.generate import MeshDataConfig, ensure_dataset
+from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.training import ParallelLayout, config_from
 
 __all__ = ["Batch", "MeshData"]

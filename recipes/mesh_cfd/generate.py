@@ -28,8 +28,8 @@ import h5py
 import numpy as np
 import torch
 
-from recipes.mesh_cfd.cylinder_flow import SOLVER_VERSION, CylinderFlow, CylinderFlowConfig
-from recipes.mesh_cfd.mesh import NODE_TYPES, MeshConfig, cylinder_mesh
+from shardsci.recipes.mesh_cfd.cylinder_flow import SOLVER_VERSION, CylinderFlow, CylinderFlowConfig
+from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES, MeshConfig, cylinder_mesh
 
 CHANNELS = ("u", "v", "vorticity")
 
