@@ -4,7 +4,8 @@ The same entry point runs as ``python -m shardsci.train`` and, in a checkout, as
 train.py``. The configs ship with the package (``pkg://shardsci.configs``); a user adds config
 directories of their own with ``hydra.searchpath=[file:///abs/dir, pkg://their.package]``.
 The run directory (``outputs/<date>_<time>/`` unless ``run_dir=`` says otherwise) and every
-relative data path are relative to the directory the command is started in.
+relative data path are relative to the directory the command is started in; a run that fails
+before it has written anything leaves no run directory behind.
 
 Without torchrun or SLURM variables this process composes the config and starts the mesh's
 ranks on this machine; under torchrun or srun every rank composes the same config and runs
@@ -15,8 +16,10 @@ recipes are found: NOTE [How train.py finds recipes].
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -55,6 +58,31 @@ discover_recipes("shardsci.recipes")
 @hydra.main(version_base="1.3", config_path="pkg://shardsci.configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Run the recipe ``cfg.recipe`` on the mesh ``cfg.mesh``."""
+    try:
+        status = _run(cfg)
+    except BaseException:
+        _discard_unused_run_dir(Path(cfg.run_dir))
+        raise
+    if status:
+        _discard_unused_run_dir(Path(cfg.run_dir))
+        sys.exit(status)
+
+
+def _discard_unused_run_dir(run_dir: Path) -> None:
+    """Remove ``run_dir`` after a failure if it holds only what Hydra writes when a job starts
+    (``.hydra/``, the job's log). One process does it: global rank 0, or the process that
+    started the ranks."""
+    if os.environ.get("RANK", "0") != "0" or not run_dir.is_dir():
+        return
+    if all(
+        (entry.name == ".hydra" and entry.is_dir()) or (entry.suffix == ".log" and entry.is_file())
+        for entry in run_dir.iterdir()
+    ):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run(cfg: DictConfig) -> int:
+    """Run the job; its exit status."""
     if cfg.recipe is None:
         raise SystemExit("choose a recipe, e.g. shardsci-train +recipe=cfd")
     run = get_recipe(cfg.recipe).load_run()
@@ -62,15 +90,13 @@ def main(cfg: DictConfig) -> None:
     world_size = mesh_world_size(str(cfg.mesh))
     if launched or world_size == 1:
         run(cfg)
-        return
+        return 0
     if world_size is None:
         raise SystemExit(
             f"mesh={cfg.mesh} infers an axis from the world size; start it with torchrun or "
             f"srun, or give every axis size"
         )
-    status = run_local_ranks(world_size, run, cfg)
-    if status:
-        sys.exit(status)
+    return run_local_ranks(world_size, run, cfg)
 
 
 if __name__ == "__main__":
