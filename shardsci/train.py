@@ -7,10 +7,12 @@ The run directory (``outputs/<date>_<time>/`` unless ``run_dir=`` says otherwise
 relative data path are relative to the directory the command is started in; a run that fails
 before it has written anything leaves no run directory behind.
 
-Without torchrun or SLURM variables this process composes the config and starts the mesh's
-ranks on this machine; under torchrun or srun every rank composes the same config and runs
-its part. ``-m ... launcher=slurm`` submits the job with Hydra's submitit launcher. How
-recipes are found: NOTE [How train.py finds recipes].
+Without torchrun or SLURM variables this process composes the config, checks it (NOTE [Config
+errors before any rank starts]) and starts the mesh's ranks on this machine; under torchrun or
+srun every rank composes and checks the same config and runs its part. ``-m ...
+launcher=slurm`` submits the job with Hydra's submitit launcher. How recipes are found: NOTE
+[How train.py finds recipes]. A mistake in the config is one line on standard error and exit
+status 2 (``HYDRA_FULL_ERROR=1`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -22,18 +24,23 @@ import time
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.distributed import detect_launch_env
 from shardsci.training import (
+    ConfigError,
+    check_run,
     discover_recipes,
     get_recipe,
     mesh_world_size,
     register_run_schemas,
+    reported,
     run_local_ranks,
 )
 
-__all__ = ["main"]
+__all__ = ["launch", "main"]
 
 
 def _run_dir() -> str:
@@ -55,16 +62,47 @@ register_run_schemas()
 discover_recipes("shardsci.recipes")
 
 
+def launch(cfg: DictConfig, multirun: bool = False) -> int:
+    """Check ``cfg``, then run its recipe here (one rank, or under torchrun/srun) or on the
+    mesh's ranks started here; the run's exit status."""
+    if cfg.recipe is None:
+        raise ConfigError("no recipe chosen: add +recipe=<name>, e.g. shardsci-train +recipe=cfd")
+    try:
+        recipe = get_recipe(cfg.recipe)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if cfg.dry_run:  # one process, any mesh: nothing to check against this machine's ranks
+        from shardsci.planning import dry_run
+
+        return dry_run(cfg)
+    env = detect_launch_env()
+    plan = check_run(cfg, recipe, env, multirun)
+    run = recipe.load_run()
+    if env.launcher != "single" or plan.world_size == 1:
+        run(cfg)
+        return 0
+    OmegaConf.resolve(cfg)  # one run directory for every rank, resolved here
+    return run_local_ranks(
+        plan.world_size,
+        run,
+        cfg,
+        grace_s=cfg.launcher.grace_s,
+        max_restarts=cfg.launcher.max_restarts,
+    )
+
+
 @hydra.main(version_base="1.3", config_path="pkg://shardsci.configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Run the recipe ``cfg.recipe`` on the mesh ``cfg.mesh``."""
+    run_dir = Path(cfg.run_dir)
     try:
-        status = _run(cfg)
+        with reported():
+            status = launch(cfg, multirun=HydraConfig.get().mode is RunMode.MULTIRUN)
     except BaseException:
-        _discard_unused_run_dir(Path(cfg.run_dir))
+        _discard_unused_run_dir(run_dir)
         raise
     if status:
-        _discard_unused_run_dir(Path(cfg.run_dir))
+        _discard_unused_run_dir(run_dir)
         sys.exit(status)
 
 
@@ -79,24 +117,6 @@ def _discard_unused_run_dir(run_dir: Path) -> None:
         for entry in run_dir.iterdir()
     ):
         shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _run(cfg: DictConfig) -> int:
-    """Run the job; its exit status."""
-    if cfg.recipe is None:
-        raise SystemExit("choose a recipe, e.g. shardsci-train +recipe=cfd")
-    run = get_recipe(cfg.recipe).load_run()
-    launched = detect_launch_env().launcher != "single"
-    world_size = mesh_world_size(str(cfg.mesh))
-    if launched or world_size == 1:
-        run(cfg)
-        return 0
-    if world_size is None:
-        raise SystemExit(
-            f"mesh={cfg.mesh} infers an axis from the world size; start it with torchrun or "
-            f"srun, or give every axis size"
-        )
-    return run_local_ranks(world_size, run, cfg)
 
 
 if __name__ == "__main__":

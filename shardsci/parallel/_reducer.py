@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardsci.tensor._comm_stats import record_comm
+from shardsci.tensor._torch_compat import _current_graph_task_id, _execution_engine
 
 __all__ = ["ContributionsToGrad", "GradientReducer", "ReductionGroup"]
 
@@ -234,13 +235,13 @@ class GradientReducer(_Claims):
 
     def _begin_backward(self) -> None:
         """On the first event of a backward pass: queue its end (an engine callback)."""
-        task = torch._C._current_graph_task_id()
+        task = _current_graph_task_id()
         if task == self._task:
             return
         if self._task != -1:
             self._abandon()
         self._task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        _execution_engine.queue_callback(self._end_backward)
 
     def _abandon(self) -> None:
         """A backward pass stopped (raised) before its end: drop what it left behind."""

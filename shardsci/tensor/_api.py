@@ -24,7 +24,8 @@ from shardsci.tensor import _dispatch, _function_dispatch
 from shardsci.tensor._caches import cached
 from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
+from shardsci.tensor._torch_compat import _make_wrapper_subclass
 
 __all__ = ["ShardTensor", "from_local_spec", "grad_spec", "redistribute"]
 
@@ -52,7 +53,7 @@ class ShardTensor(torch.Tensor):
     def __new__(
         cls, local: torch.Tensor, spec: ShardTensorSpec, *, requires_grad: bool = False
     ) -> ShardTensor:
-        result = torch.Tensor._make_wrapper_subclass(
+        result = _make_wrapper_subclass(
             cls,
             spec.shape,
             strides=spec.stride,
@@ -81,6 +82,19 @@ class ShardTensor(torch.Tensor):
     __torch_function__ = classmethod(_function_dispatch.dispatch)  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ layout queries
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's shard as stored, outside autograd: for aten handlers (they run below
+        autograd) and for reading. Code above autograd (function handlers, models) uses
+        :meth:`to_local`, whose result is differentiable."""
+        return self._local
+
+    @property
+    def spec(self) -> ShardTensorSpec:
+        """The layout, the same on every rank: global shape, stride and dtype, placements,
+        and the shard sizes of every sharded dim."""
+        return self._spec
+
     @property
     def placements(self) -> tuple[Placement, ...]:
         return self._spec.placements
@@ -238,9 +252,17 @@ def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
 
 
 def _as_shard_tensor(grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """A gradient as a ShardTensor. A plain one comes from a backward formula that builds a
+    fresh tensor of the global shape (``zeros(sizes)``), the same on every rank: it is read
+    as replicated."""
     if isinstance(grad, ShardTensor):
         return grad
-    raise TypeError(f"expected a ShardTensor gradient for {spec}, got a plain tensor")
+    if grad.shape == spec.shape:
+        return ShardTensor(grad, replicated_spec(grad, spec.mesh))
+    raise TypeError(
+        f"expected a gradient of shape {tuple(spec.shape)} for {spec}, got a plain tensor "
+        f"of shape {tuple(grad.shape)}"
+    )
 
 
 class _Redistribute(torch.autograd.Function):

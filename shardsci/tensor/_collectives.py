@@ -199,7 +199,9 @@ def _anything_moves(size: int, shape_of: Callable[[int, int], Sequence[int]]) ->
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.contiguous().reshape(-1)
+    flat = tensor.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a broadcast element has stride 0
+        flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
     return flat.view(torch.uint8)

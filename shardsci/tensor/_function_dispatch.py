@@ -17,11 +17,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardsci.tensor._registry import function_handler_for
+from shardsci.tensor._torch_compat import _disabled_torch_function_impl
 
 __all__ = ["bind_promotion", "dispatch"]
 
 # Calls ``func`` with this subclass's ``__torch_function__`` disabled, in C.
-_call_below = torch._C._disabled_torch_function_impl
+_call_below = _disabled_torch_function_impl
 _ShardTensor: type = torch.Tensor
 _promote: Callable[[torch.Tensor, DeviceMesh], torch.Tensor] | None = None
 

@@ -45,6 +45,7 @@ from shardsci.tensor import _function_dispatch
 from shardsci.tensor._api import ShardTensor, _as_shard_tensor, _FromLocal, grad_spec
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._spec import ShardTensorSpec, mesh_coordinate, replicated_spec
+from shardsci.tensor._torch_compat import _will_engine_execute_node
 
 __all__ = ["GradientSink", "gradient_sink", "partial_contribution", "promote_replicated"]
 
@@ -119,7 +120,7 @@ def _builds_no_graph_into(accumulator: Any) -> bool:
     if torch.is_grad_enabled():
         return False
     try:
-        return torch._C._will_engine_execute_node(accumulator)
+        return _will_engine_execute_node(accumulator)
     except RuntimeError:  # raised for a leaf's node under torch.autograd.grad
         return False
 

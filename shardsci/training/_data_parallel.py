@@ -2,8 +2,9 @@
 
 ``parallelize`` is the one place a model is made to train on the mesh: gradients summed over
 the domain axes and averaged over the dp axis in bucketed collectives, with parameters
-replicated (DDP-like) or sharded over dp (FSDP2) (``shardsci.parallel.domain_parallel``). ``dp_mean`` and ``dp_sample_mean`` turn per-replica
-numbers into the numbers of the whole global batch, on every rank.
+replicated (DDP-like) or sharded over dp (FSDP2) (``shardsci.parallel.domain_parallel``).
+``dp_sample_mean`` turns per-sample numbers of each replica into the mean over the whole
+global batch, on every rank.
 
 Collectives here run on tensors of the process group's device (``ParallelLayout.device``):
 an NCCL group rejects CPU tensors.
@@ -20,7 +21,7 @@ from torch import nn
 from shardsci.parallel import domain_parallel
 from shardsci.training._layout import ParallelLayout
 
-__all__ = ["DataParallel", "dp_mean", "dp_sample_mean", "parallelize"]
+__all__ = ["DataParallel", "dp_sample_mean", "parallelize"]
 
 
 class DataParallel(enum.Enum):
@@ -60,26 +61,6 @@ def parallelize(model: nn.Module, layout: ParallelLayout, mode: DataParallel) ->
         domain_axes=layout.domain_axes,
         dp_mode=mode.value,
     )
-
-
-def dp_mean(values: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
-    """The mean over data-parallel replicas of ``values`` (the same on the ranks of a replica).
-
-    Parameters
-    ----------
-    values : Tensor
-        Any shape; float.
-
-    Returns
-    -------
-    Tensor
-        Same shape, float64, on ``layout.device``; equal on every rank.
-    """
-    values = values.detach().to(layout.device, torch.float64)
-    if layout.dp_group is not None:
-        dist.all_reduce(values, group=layout.dp_group)
-        values /= layout.dp_size
-    return values
 
 
 def dp_sample_mean(per_sample: torch.Tensor, layout: ParallelLayout) -> float:

@@ -8,9 +8,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
-from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._api import ShardTensor, grad_spec
 from shardsci.tensor._collectives import AxisGroup, axis_group
 from shardsci.tensor._promotion import promote_replicated
+from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "connected_empty",
     "dim_layout",
     "normalized_dims",
+    "reduced_now",
     "replicated_local",
     "sharded_among",
     "sharding_axes",
@@ -54,6 +56,17 @@ def dim_layout(spec: ShardTensorSpec, dim: int) -> tuple[DimSharding, AxisGroup,
         starts.append(running)
         running += size
     return sharding, axis_group(spec.mesh, sharding.axes), starts
+
+
+def reduced_now(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its pending reductions done (an all-reduce over its Partial axes), its
+    shards kept. Statistics (a max, a sum, a mean) are reduced so before they meet the
+    operand they came from: left Partial, the default rule would move that operand to shard
+    a dim over the reduced axes, a layout the caller never asked for."""
+    if not isinstance(t, ShardTensor) or not t._spec.partial:
+        return t
+    spec = grad_spec(t._spec)
+    return ShardTensor(redistribute_local(t._local, t._spec, spec), spec)
 
 
 def sharding_axes(spec: ShardTensorSpec) -> set[int]:

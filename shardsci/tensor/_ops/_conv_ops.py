@@ -50,8 +50,14 @@ def _parse(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) -
     return values
 
 
-def _sharded_input(x: object) -> bool:
-    return isinstance(x, ShardTensor) and not x._spec.partial and 1 not in x._spec.sharding_by_dim
+def _sharded_input(x: object, n: int) -> bool:
+    """A ShardTensor with no pending reduction whose channels (dim 1, or 0 unbatched) are
+    whole."""
+    return (
+        isinstance(x, ShardTensor)
+        and not x._spec.partial
+        and x.ndim - n - 1 not in x._spec.sharding_by_dim
+    )
 
 
 # ---------------------------------------------------------------------------- conv
@@ -61,9 +67,11 @@ def _conv(func, args, kwargs):
     x, weight, bias, stride, padding, dilation, groups = _parse(
         args, kwargs, names, (None, None, None, 1, 0, 1, 1)
     )
-    if not _sharded_input(x) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
-        return NotImplemented
     n = _CONV[func]
+    if not _sharded_input(x, n) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
+        return NotImplemented
+    if x.ndim == n + 1:  # unbatched (C, *spatial)
+        return func(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     kernel = weight.shape[2:]
     stride, dilation = _tuple(stride, n), _tuple(dilation, n)
     pads = _conv_padding(padding, kernel, dilation, n)
@@ -141,9 +149,12 @@ def _conv_transpose(func, args, kwargs):
     x, weight, bias, stride, padding, output_padding, groups, dilation = _parse(
         args, kwargs, names, (None, None, None, 1, 0, 0, 1, 1)
     )
-    if not _sharded_input(x) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
-        return NotImplemented
     n = _CONV_TRANSPOSE[func]
+    if not _sharded_input(x, n) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
+        return NotImplemented
+    if x.ndim == n + 1:  # unbatched (C, *spatial)
+        out = func(x.unsqueeze(0), weight, bias, stride, padding, output_padding, groups, dilation)
+        return out.squeeze(0)
     kernel = weight.shape[2:]
     stride, padding = _tuple(stride, n), _tuple(padding, n)
     dilation, output_padding = _tuple(dilation, n), _tuple(output_padding, n)

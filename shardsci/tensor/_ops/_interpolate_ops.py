@@ -36,24 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
-from shardsci.tensor._ops._common import arg
 from shardsci.tensor._ops._windows import gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._shape_probe import shape_probe
 
 _MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area")
 _SELECTING = ("nearest", "nearest-exact")  # also defined for integer tensors
 _NDIM = {"linear": 3, "bilinear": 4, "bicubic": 4, "trilinear": 5}
-_NAMES = (
-    "input",
-    "size",
-    "scale_factor",
-    "mode",
-    "align_corners",
-    "recompute_scale_factor",
-    "antialias",
-)
-_DEFAULTS = (None, None, None, "nearest", None, None, False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,10 +256,9 @@ def resample(
 # ---------------------------------------------------------------------------- handler
 @register_function_handler(F.interpolate)
 def _interpolate(func, args, kwargs):
-    x, size, scale_factor, mode, align_corners, recompute, antialias = (
-        arg(args, kwargs, i, name, default)
-        for i, (name, default) in enumerate(zip(_NAMES, _DEFAULTS))
-    )
+    a = bind(func, args, kwargs)
+    x, size, scale_factor, mode = a.input, a.size, a.scale_factor, a.mode
+    align_corners, recompute, antialias = a.align_corners, a.recompute_scale_factor, a.antialias
     if not isinstance(x, ShardTensor) or x._spec.partial:
         return NotImplemented
     if mode not in _SELECTING and not x.is_floating_point():
@@ -340,10 +330,13 @@ def _output_shape(func, x, size, scale_factor, mode, align_corners, recompute, a
     torch's meta kernels reject empty ones (its real kernels accept them), and the output
     keeps them as they are."""
     leading = x.shape[:2]
-    probe = torch.empty((*(max(n, 1) for n in leading), *x.shape[2:]), dtype=x.dtype, device="meta")
-    shape = _probed_shape(
-        func, probe, size, scale_factor, mode, align_corners, recompute, antialias
-    )
+    with shape_probe():
+        probe = torch.empty(
+            (*(max(n, 1) for n in leading), *x.shape[2:]), dtype=x.dtype, device="meta"
+        )
+        shape = _probed_shape(
+            func, probe, size, scale_factor, mode, align_corners, recompute, antialias
+        )
     return torch.Size((*leading, *shape[2:]))
 
 
