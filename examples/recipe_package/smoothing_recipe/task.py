@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from shardsci import distribute_tensor
-from shardsci.training import RunContext, Trainer, dp_mean, instantiate, start_run
+from shardsci import ShardTensor, distribute_tensor
+from shardsci.training import RunContext, Trainer, dp_sample_mean, instantiate, start_run
 
 _HELD_OUT_SEED = 1_000_000
 
@@ -52,8 +52,11 @@ class Smoothing:
         return {"average": F.mse_loss(model(fields), averages)}
 
     def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
-        loss = self.losses(model, self._sample(_HELD_OUT_SEED))["average"]
-        return {"eval_mse": float(dp_mean(loss.full_tensor(), self.context.layout))}
+        fields, averages = self._sample(_HELD_OUT_SEED)
+        per_sample = (model(fields) - averages).pow(2).mean(dim=(1, 2, 3))
+        if isinstance(per_sample, ShardTensor):
+            per_sample = per_sample.full_tensor()
+        return {"eval_mse": dp_sample_mean(per_sample, self.context.layout)}
 
     def describe(self, metrics: Mapping[str, Any]) -> str:
         return f"step {metrics['step']}: held-out mse {metrics['eval_mse']:.3g}"
