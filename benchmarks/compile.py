@@ -34,10 +34,10 @@ from scipy.spatial import Delaunay
 from torch import nn
 
 from benchmarks._common import emit, rank_pools
-from models import MeshGraphNet, UNet
 from shardsci import Shard, ShardTensor
 from shardsci.compiling import compile_regions, region_summary
 from shardsci.graph import GraphPartition, partition_nodes
+from shardsci.models import MeshGraphNet, UNet
 from shardsci.testing import get_mesh, run_on_ranks
 
 VARIANTS = ("eager", "regions", "torch_compile")

@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._common import emit, on_ranks, rank_pools
-from models import MeshGraphNet
-from recipes.mesh_cfd.cylinder_flow import CylinderFlowConfig
-from recipes.mesh_cfd.mesh import MeshConfig, cylinder_mesh
 from shardsci import comm_counter
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes
+from shardsci.models import MeshGraphNet
+from shardsci.recipes.mesh_cfd.cylinder_flow import CylinderFlowConfig
+from shardsci.recipes.mesh_cfd.mesh import MeshConfig, cylinder_mesh
 from shardsci.testing import get_mesh
 
 HIDDEN = 64

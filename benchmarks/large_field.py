@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks._common import emit, on_ranks, rank_pools
-from models import UNet
 from shardsci import Shard, ShardTensor, comm_counter, distribute_tensor
+from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
 from shardsci.testing import get_mesh, shutdown_pools
 

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._common import emit, interleaved_steps, on_ranks, rank_pools, spread
-from models import UNet
 from shardsci import Shard, ShardTensor, comm_counter, distribute_tensor
+from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
 from shardsci.testing import get_mesh
 

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks._common import emit, on_ranks, rank_pools
-from models import UNet
 from shardsci import Shard, ShardTensor, comm_counter, distribute_tensor
+from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
 from shardsci.testing import get_mesh
 

@@ -7,14 +7,14 @@ fails when the config is composed. Adding a model: one line in ``ZOO`` and one y
 
 from __future__ import annotations
 
-from models import MeshGraphNetConfig, UNetConfig
+from shardsci.models import MeshGraphNetConfig, UNetConfig
 from shardsci.training import schema_of
 
 __all__ = ["MODEL_SCHEMAS", "ZOO"]
 
 ZOO: dict[str, tuple[type, str]] = {
-    "unet": (UNetConfig, "models.UNet"),
-    "meshgraphnet": (MeshGraphNetConfig, "models.MeshGraphNet"),
+    "unet": (UNetConfig, "shardsci.models.UNet"),
+    "meshgraphnet": (MeshGraphNetConfig, "shardsci.models.MeshGraphNet"),
 }
 """Model option name -> (its config dataclass, the class Hydra instantiates)."""
 

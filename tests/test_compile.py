@@ -18,9 +18,9 @@ from scipy.spatial import Delaunay
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from models import MeshGraphNet, UNet
 from shardsci.compiling import compile_regions, region_summary
 from shardsci.graph import GraphPartition, partition_nodes
+from shardsci.models import MeshGraphNet, UNet
 from shardsci.tensor import ShardTensor
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-import train  # noqa: F401  registers the schemas, the resolvers and the recipes
+import shardsci.train  # noqa: F401  registers the schemas, the resolvers and the recipes
 from shardsci.distributed import mesh_axis_sizes
 from shardsci.training import (
     DataParallel,

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import shardsci
-from models import UNet
+from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
 from shardsci.testing import (
     assert_all_ranks,

@@ -1,6 +1,6 @@
 """The dry run's predictions against real runs of the same step on 2, 4 and 8 gloo ranks.
 
-Each real rank builds the CFD recipe's model and task (``recipes.cfd.plan`` on the CPU, real
+Each real rank builds the CFD recipe's model and task (``shardsci.recipes.cfd.plan`` on the CPU, real
 random data), runs one ``Trainer`` step to reach the steady state and measures the next
 ``Trainer._optimiser_step`` with ``measure_step``: its collectives (``comm_counter``) and
 its live tensor memory (NOTE [What the memory figures count]). The dry run of the same
@@ -16,10 +16,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import train  # noqa: F401  registers the config schemas and the recipes
-from recipes.cfd.plan import planned_task
+import shardsci.train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.distributed import LaunchEnv
 from shardsci.planning import RunPlan, measure_step, plan_run
+from shardsci.recipes.cfd.plan import planned_task
 from shardsci.testing import run_on_ranks
 from shardsci.training import (
     ParallelConfig,

@@ -39,11 +39,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
 
-import train  # noqa: F401  registers the config schemas and the recipes
-from recipes.cfd.generate import CREATED_BY, DatasetConfig, generate_dataset
-from recipes.cfd.navier_stokes import SolverConfig
+import shardsci.train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.checkpoint import load_checkpoint
 from shardsci.distributed import detect_launch_env, report_wait_s
+from shardsci.recipes.cfd.generate import CREATED_BY, DatasetConfig, generate_dataset
+from shardsci.recipes.cfd.navier_stokes import SolverConfig
 from shardsci.testing import run_on_ranks
 from shardsci.testing.slurm import (
     FINAL_STATES,

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import MeshGraphNet
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes
+from shardsci.models import MeshGraphNet
 from shardsci.testing import assert_raises_all_ranks, get_mesh, run_on_ranks
 from tests.test_meshgraphnet import TINY, _features, _mesh_graph
 

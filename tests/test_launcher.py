@@ -21,8 +21,8 @@ from pathlib import Path
 import h5py
 import pytest
 
-from recipes.cfd.generate import DatasetConfig, generate_dataset
-from recipes.cfd.navier_stokes import SolverConfig
+from shardsci.recipes.cfd.generate import DatasetConfig, generate_dataset
+from shardsci.recipes.cfd.navier_stokes import SolverConfig
 from shardsci.training import exit_status
 
 ROOT = Path(__file__).resolve().parents[1]

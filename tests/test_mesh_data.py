@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.mesh_cfd.cylinder_flow import CylinderFlow, CylinderFlowConfig, obstacle_mask
-from recipes.mesh_cfd.generate import MeshDataConfig, generate
-from recipes.mesh_cfd.mesh import MeshConfig, cylinder_mesh
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes, read_rows
+from shardsci.recipes.mesh_cfd.cylinder_flow import CylinderFlow, CylinderFlowConfig, obstacle_mask
+from shardsci.recipes.mesh_cfd.generate import MeshDataConfig, generate
+from shardsci.recipes.mesh_cfd.mesh import MeshConfig, cylinder_mesh
 from shardsci.testing import assert_all_ranks, get_mesh, run_on_ranks
 
 SMALL = MeshDataConfig(

@@ -8,9 +8,9 @@ import torch
 from scipy.spatial import Delaunay
 from torch.distributed.tensor import Shard
 
-from models import MeshGraphNet, MeshGraphNetConfig
 from shardsci import comm_counter
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes
+from shardsci.models import MeshGraphNet, MeshGraphNetConfig
 from shardsci.testing import (
     Layout,
     assert_all_ranks,

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.cfd import generate, trajectories
-from recipes.cfd.generate import (
+from shardsci.data import DataError, GenerateMode
+from shardsci.recipes.cfd import generate, trajectories
+from shardsci.recipes.cfd.generate import (
     DatasetConfig,
     ensure_dataset,
     generate_dataset,
     main,
 )
-from recipes.cfd.navier_stokes import (
+from shardsci.recipes.cfd.navier_stokes import (
     SOLVER_VERSION,
     NavierStokes2d,
     SolverConfig,
@@ -28,7 +29,6 @@ from recipes.cfd.navier_stokes import (
     grid_coordinates,
     random_vorticity,
 )
-from shardsci.data import DataError, GenerateMode
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import train
+import shardsci.train as train
 from shardsci.distributed import detect_launch_env
 from shardsci.training import (
     EXIT_USER_ERROR,

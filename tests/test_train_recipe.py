@@ -22,10 +22,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import train  # noqa: F401  registers the config schemas and the recipes
-from recipes.cfd.generate import CREATED_BY, DatasetConfig, generate_dataset
-from recipes.cfd.navier_stokes import SolverConfig
+import shardsci.train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.checkpoint import load_checkpoint
+from shardsci.recipes.cfd.generate import CREATED_BY, DatasetConfig, generate_dataset
+from shardsci.recipes.cfd.navier_stokes import SolverConfig
 from shardsci.testing.slurm import local_cluster_or_skip, submit_and_wait
 from shardsci.training import instantiate
 

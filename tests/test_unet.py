@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from models import UNet, UNetConfig
+from shardsci.models import UNet, UNetConfig
 
 TINY: dict[str, Any] = {"width": 8, "depth": 2, "norm_groups": 4, "blocks_per_level": 1}
 """Overrides for a UNet small enough to run many times in a fast test."""

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-import train
-from recipes.cfd.generate import SOLVER_VERSION, DatasetConfig, generate_dataset
-from recipes.cfd.navier_stokes import SolverConfig
+import shardsci.train as train
+from shardsci.recipes.cfd.generate import SOLVER_VERSION, DatasetConfig, generate_dataset
+from shardsci.recipes.cfd.navier_stokes import SolverConfig
 from shardsci.training import ConfigError, Recipe
 
 ROOT = Path(__file__).resolve().parents[1]

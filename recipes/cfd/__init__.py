@@ -6,16 +6,16 @@
 ``generate.py``.
 """
 
-from recipes.cfd.checks import check
-from recipes.cfd.config import SCHEMAS
+from shardsci.recipes.cfd.checks import check
+from shardsci.recipes.cfd.config import SCHEMAS
 from shardsci.training import Recipe, register_recipe
 
 RECIPE = register_recipe(
     Recipe(
         name="cfd",
-        run="recipes.cfd.train:run",
+        run="shardsci.recipes.cfd.train:run",
         schemas=SCHEMAS,
         check=check,
-        plan="recipes.cfd.plan:planned_task",
+        plan="shardsci.recipes.cfd.plan:planned_task",
     )
 )

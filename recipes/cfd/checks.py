@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from recipes.cfd import trajectories
-from recipes.cfd.generate import DatasetConfig
+from shardsci.recipes.cfd import trajectories
+from shardsci.recipes.cfd.generate import DatasetConfig
 from shardsci.training import LayoutPlan, config_from, instantiate
 
 __all__ = ["check"]

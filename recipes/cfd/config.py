@@ -1,13 +1,13 @@
 """Schemas of the CFD recipe's config groups: the data (from the dataset generator's
-``DatasetConfig``) and the evaluation; the models' schemas come from ``recipes.models``."""
+``DatasetConfig``) and the evaluation; the models' schemas come from ``shardsci.recipes.models``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from recipes.cfd.generate import DatasetConfig
-from recipes.models import MODEL_SCHEMAS
 from shardsci.data import GenerateMode
+from shardsci.recipes.cfd.generate import DatasetConfig
+from shardsci.recipes.models import MODEL_SCHEMAS
 from shardsci.training import schema_of
 
 __all__ = ["SCHEMAS", "CFDDataConfig", "CFDEvalConfig"]

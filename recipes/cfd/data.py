@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from recipes.cfd import trajectories
 from shardsci import ShardTensor
 from shardsci.data import NextStepPairs, ShardedHDF5Field
+from shardsci.recipes.cfd import trajectories
 from shardsci.training import ParallelLayout
 
 __all__ = ["CFDData"]

@@ -44,7 +44,8 @@ from pathlib import Path
 import h5py
 import torch
 
-from recipes.cfd.navier_stokes import (
+from shardsci.data import DataError, GenerateMode, generation_reason, replace_if_ours
+from shardsci.recipes.cfd.navier_stokes import (
     DOMAIN_LENGTH,
     SOLVER_VERSION,
     NavierStokes2d,
@@ -52,7 +53,6 @@ from recipes.cfd.navier_stokes import (
     UnstableTimeStepError,
     random_vorticity,
 )
-from shardsci.data import DataError, GenerateMode, generation_reason, replace_if_ours
 
 logger = logging.getLogger(__name__)
 

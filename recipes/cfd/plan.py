@@ -1,5 +1,5 @@
 """The CFD recipe without its data, for a dry run (``Recipe.plan``): the model and the task
-of ``recipes.cfd.train`` fed batches of the real shapes and layouts, drawn at random."""
+of ``shardsci.recipes.cfd.train`` fed batches of the real shapes and layouts, drawn at random."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from recipes.cfd.train import NextStep
 from shardsci import ShardTensor, ShardTensorSpec
+from shardsci.recipes.cfd.train import NextStep
 from shardsci.training import ParallelLayout, RunContext, instantiate
 
 __all__ = ["planned_task"]

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from recipes.cfd.data import CFDData
-from recipes.cfd.evaluate import relative_l2, rollout_errors
-from recipes.cfd.plots import save_comparison
 from shardsci import ShardTensor
+from shardsci.recipes.cfd.data import CFDData
+from shardsci.recipes.cfd.evaluate import relative_l2, rollout_errors
+from shardsci.recipes.cfd.plots import save_comparison
 from shardsci.training import RunContext, Trainer, dp_sample_mean, instantiate, start_run
 
 __all__ = ["run"]

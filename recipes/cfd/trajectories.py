@@ -15,14 +15,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from recipes.cfd.generate import (
+from shardsci.data import DataError, DatasetSpec, HDF5Schema, check_hdf5, generation_reason
+from shardsci.recipes.cfd.generate import (
     CREATED_BY,
     DATASET_NAME,
     DatasetConfig,
     generate_dataset,
     outdated_reason,
 )
-from shardsci.data import DataError, DatasetSpec, HDF5Schema, check_hdf5, generation_reason
 from shardsci.training import config_from
 
 __all__ = ["SCHEMA", "Trajectories", "plan", "prepare", "read"]

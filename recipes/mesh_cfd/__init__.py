@@ -6,10 +6,10 @@
 ``cylinder_flow.py``, ``mesh.py`` and ``generate.py``.
 """
 
-from recipes.mesh_cfd.checks import check
-from recipes.mesh_cfd.config import SCHEMAS
+from shardsci.recipes.mesh_cfd.checks import check
+from shardsci.recipes.mesh_cfd.config import SCHEMAS
 from shardsci.training import Recipe, register_recipe
 
 RECIPE = register_recipe(
-    Recipe(name="mesh_cfd", run="recipes.mesh_cfd.train:run", schemas=SCHEMAS, check=check)
+    Recipe(name="mesh_cfd", run="shardsci.recipes.mesh_cfd.train:run", schemas=SCHEMAS, check=check)
 )

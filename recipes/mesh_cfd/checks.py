@@ -9,8 +9,8 @@ import math
 
 from omegaconf import DictConfig
 
-from recipes.mesh_cfd import meshfile
-from recipes.mesh_cfd.generate import MeshDataConfig
+from shardsci.recipes.mesh_cfd import meshfile
+from shardsci.recipes.mesh_cfd.generate import MeshDataConfig
 from shardsci.training import LayoutPlan, config_from
 
 __all__ = ["check"]

@@ -1,14 +1,14 @@
 """Schemas of the mesh CFD recipe's config groups: the data (from the dataset generator's
-``MeshDataConfig``) and the evaluation; the models' schemas come from ``recipes.models``."""
+``MeshDataConfig``) and the evaluation; the models' schemas come from ``shardsci.recipes.models``."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from recipes.mesh_cfd.generate import MeshDataConfig
-from recipes.models import MODEL_SCHEMAS
 from shardsci.data import GenerateMode
+from shardsci.recipes.mesh_cfd.generate import MeshDataConfig
+from shardsci.recipes.models import MODEL_SCHEMAS
 from shardsci.training import schema_of
 
 __all__ = ["SCHEMAS", "MeshCFDDataConfig", "MeshCFDEvalConfig", "Partition"]

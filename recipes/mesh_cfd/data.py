@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from recipes.mesh_cfd import meshfile
-from recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes, read_rows
+from shardsci.recipes.mesh_cfd import meshfile
+from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.training import ParallelLayout
 
 __all__ = ["Batch", "MeshData"]

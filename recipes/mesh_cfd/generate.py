@@ -33,9 +33,9 @@ import h5py
 import numpy as np
 import torch
 
-from recipes.mesh_cfd.cylinder_flow import SOLVER_VERSION, CylinderFlow, CylinderFlowConfig
-from recipes.mesh_cfd.mesh import NODE_TYPES, MeshConfig, TriangleMesh, cylinder_mesh
 from shardsci.data import GenerateMode, generation_reason, replace_if_ours
+from shardsci.recipes.mesh_cfd.cylinder_flow import SOLVER_VERSION, CylinderFlow, CylinderFlowConfig
+from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES, MeshConfig, TriangleMesh, cylinder_mesh
 
 CHANNELS = ("u", "v", "vorticity")
 CREATED_BY = "shardsci recipes.mesh_cfd.generate"

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from scipy.spatial import Delaunay
 
-from recipes.mesh_cfd.cylinder_flow import Cylinder
+from shardsci.recipes.mesh_cfd.cylinder_flow import Cylinder
 
 NODE_TYPES = ("fluid", "wall", "inflow", "boundary")
 """Node type names, by type id."""

@@ -15,9 +15,9 @@ from pathlib import Path
 import h5py
 from omegaconf import DictConfig
 
-from recipes.mesh_cfd.generate import CREATED_BY, MeshDataConfig, generate, outdated_reason
-from recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.data import DataError, DatasetSpec, HDF5Schema, check_hdf5, generation_reason
+from shardsci.recipes.mesh_cfd.generate import CREATED_BY, MeshDataConfig, generate, outdated_reason
+from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.training import config_from
 
 __all__ = ["SCHEMA", "MeshFile", "plan", "prepare", "read"]

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from recipes.mesh_cfd.data import Batch, MeshData
-from recipes.mesh_cfd.plots import save_mesh_comparison
 from shardsci import ShardTensor
+from shardsci.recipes.mesh_cfd.data import Batch, MeshData
+from shardsci.recipes.mesh_cfd.plots import save_mesh_comparison
 from shardsci.training import RunContext, Trainer, dp_sample_mean, instantiate, start_run
 
 __all__ = ["run"]

@@ -1,13 +1,15 @@
 """Metric logging: always a JSON-lines file in the run directory, optionally wandb.
 
 wandb runs offline unless the config says otherwise (``logger.mode``), so no run ever needs
-the network; ``logger=none`` turns wandb off.
+the network; ``logger=none`` turns wandb off. wandb's own environment variables win over the
+config: ``WANDB_MODE`` over ``logger.mode``, ``WANDB_DIR`` over the run directory.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,11 +75,16 @@ class MetricLogger:
         if enabled and config.kind is LoggerKind.wandb:
             import wandb
 
+            mode = os.environ.get("WANDB_MODE") or config.mode.value
+            if mode != WandbMode.online.value:
+                # wandb's process-wide telemetry follows the global settings, not the run's
+                # mode: without this an offline run still resolves wandb's servers at exit.
+                wandb.setup(settings=wandb.Settings(mode=mode))
             self._wandb = wandb.init(
                 project=config.project,
                 entity=config.entity,
-                mode=config.mode.value,
-                dir=str(run_dir),
+                mode=mode,
+                dir=os.environ.get("WANDB_DIR") or str(run_dir),
                 config=run_config,
                 reinit="finish_previous",
             )

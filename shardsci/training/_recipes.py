@@ -6,16 +6,25 @@ the function every rank runs (``"package.module:function"``, imported when the r
 chosen, so finding recipes imports no training code), the Hydra schemas of its config groups
 (stored in Hydra's ConfigStore on registration) and an optional check of a composed config
 run once, in the launching process, before any rank starts. A recipe package registers itself
-when imported (``register_recipe`` in its ``__init__``); ``discover_recipes("recipes")``
-imports every sub-package of ``recipes``, so a new recipe is a new package there and a
-``configs/recipe/<name>.yaml``, with no edit elsewhere. Other sources of recipes (a
-``shardsci.recipes`` entry-point group, a user's package named on the command line) only have
-to import modules that call ``register_recipe``.
+when imported (``register_recipe`` in its ``__init__``). ``discover_recipes("shardsci.recipes")``
+(run by the training command, ``shardsci/train.py``) imports every sub-package of the in-repo
+``recipes/``, so a new recipe there is a new package and a ``configs/recipe/<name>.yaml``, with
+no edit elsewhere; it then loads every entry point of the group ``shardsci.recipes``, so an
+installed package of the user's own adds recipes too:
+
+    [project.entry-points."shardsci.recipes"]
+    my_task = "my_package.recipe"     # a module that registers Recipe(name="my_task", ...)
+
+The entry point's name is the recipe's name; its value is a module that registers the recipe
+when imported, or the ``Recipe`` itself. Such a package ships its configs (a
+``recipe/<name>.yaml`` and any groups of its own) in a directory the user adds to Hydra's
+search path: ``hydra.searchpath=[pkg://my_package.configs]``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +35,17 @@ from omegaconf import DictConfig
 
 from shardsci.training._layout import LayoutPlan
 
-__all__ = ["Recipe", "discover_recipes", "get_recipe", "recipe_names", "register_recipe"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Recipe",
+    "discover_recipes",
+    "get_recipe",
+    "recipe_names",
+    "register_recipe",
+]
+
+ENTRY_POINT_GROUP = "shardsci.recipes"
+"""The entry-point group installed packages declare their recipes in."""
 
 RecipeCheck = Callable[[DictConfig, LayoutPlan], None]
 """``check(cfg, plan)``: raise ``ValueError`` with one clear line if ``cfg`` cannot run on the
@@ -120,7 +139,8 @@ def recipe_names() -> list[str]:
 
 
 def discover_recipes(package: str) -> list[str]:
-    """Import every sub-package of ``package`` (each registers its recipe); the names found.
+    """Import every sub-package of ``package`` (each registers its recipe), then load the
+    ``shardsci.recipes`` entry points; the names of all registered recipes.
 
     See NOTE [How train.py finds recipes].
     """
@@ -128,4 +148,21 @@ def discover_recipes(package: str) -> list[str]:
     for module in pkgutil.iter_modules(root.__path__, prefix=f"{package}."):
         if module.ispkg:
             importlib.import_module(module.name)
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        _load_entry_point(entry)
     return recipe_names()
+
+
+def _load_entry_point(entry: importlib.metadata.EntryPoint) -> None:
+    where = f"entry point {entry.name} = {entry.value!r} (group {ENTRY_POINT_GROUP})"
+    try:
+        loaded = entry.load()
+    except Exception as error:
+        raise ImportError(f"{where} could not be imported: {error}") from error
+    if isinstance(loaded, Recipe):
+        register_recipe(loaded)
+    if entry.name not in _RECIPES:
+        raise ValueError(
+            f"{where} registered no recipe named {entry.name!r}; expected a module that calls "
+            f"register_recipe(Recipe(name={entry.name!r}, ...)), or such a Recipe"
+        )

@@ -1,7 +1,7 @@
 """Hydra schemas from config dataclasses, and config dataclasses back from composed configs.
 
 A component declares its settings once, as a (usually frozen) dataclass with ``Literal``
-choices that validates itself (``models.UNetConfig``). ``schema_of`` turns it into what
+choices that validates itself (``shardsci.models.UNetConfig``). ``schema_of`` turns it into what
 OmegaConf can type-check: a mutable dataclass whose ``Literal`` string choices are Enums, so a
 mistyped choice (``model.padding_mode=wrapp``) fails when the config is composed, and whose
 tuples are lists. ``config_from`` goes back: a composed node becomes the component's own

@@ -1,0 +1,123 @@
+"""The training command: ``shardsci-train +recipe=cfd mesh=4x2``.
+
+The same entry point runs as ``python -m shardsci.train`` and, in a checkout, as ``python
+train.py``. The configs ship with the package (``pkg://shardsci.configs``); a user adds config
+directories of their own with ``hydra.searchpath=[file:///abs/dir, pkg://their.package]``.
+The run directory (``outputs/<date>_<time>/`` unless ``run_dir=`` says otherwise) and every
+relative data path are relative to the directory the command is started in; a run that fails
+before it has written anything leaves no run directory behind.
+
+Without torchrun or SLURM variables this process composes the config, checks it (NOTE [Config
+errors before any rank starts]) and starts the mesh's ranks on this machine; under torchrun or
+srun every rank composes and checks the same config and runs its part. ``-m ...
+launcher=slurm`` submits the job with Hydra's submitit launcher. How recipes are found: NOTE
+[How train.py finds recipes]. A mistake in the config is one line on standard error and exit
+status 2 (``HYDRA_FULL_ERROR=1`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from shardsci.distributed import detect_launch_env
+from shardsci.training import (
+    ConfigError,
+    check_run,
+    discover_recipes,
+    get_recipe,
+    mesh_world_size,
+    register_run_schemas,
+    reported,
+    run_local_ranks,
+)
+
+__all__ = ["launch", "main"]
+
+
+def _run_dir() -> str:
+    """One directory for all ranks of a run: SHARDSCI_RUN_DIR, else named after the SLURM job
+    or the torchrun rendezvous, else after the time this process started."""
+    if os.environ.get("SHARDSCI_RUN_DIR"):
+        return os.environ["SHARDSCI_RUN_DIR"]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"outputs/slurm-{os.environ['SLURM_JOB_ID']}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return f"outputs/torchrun-{run_id}"
+    return time.strftime("outputs/%Y-%m-%d_%H-%M-%S")
+
+
+OmegaConf.register_new_resolver("shardsci_run_dir", _run_dir, use_cache=True)
+OmegaConf.register_new_resolver("shardsci_world_size", lambda mesh: mesh_world_size(str(mesh)))
+register_run_schemas()
+discover_recipes("shardsci.recipes")
+
+
+def launch(cfg: DictConfig, multirun: bool = False) -> int:
+    """Check ``cfg``, then run its recipe here (one rank, or under torchrun/srun) or on the
+    mesh's ranks started here; the run's exit status."""
+    if cfg.recipe is None:
+        raise ConfigError("no recipe chosen: add +recipe=<name>, e.g. shardsci-train +recipe=cfd")
+    try:
+        recipe = get_recipe(cfg.recipe)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if cfg.dry_run:  # one process, any mesh: nothing to check against this machine's ranks
+        from shardsci.planning import dry_run
+
+        return dry_run(cfg)
+    env = detect_launch_env()
+    plan = check_run(cfg, recipe, env, multirun)
+    run = recipe.load_run()
+    if env.launcher != "single" or plan.world_size == 1:
+        run(cfg)
+        return 0
+    OmegaConf.resolve(cfg)  # one run directory for every rank, resolved here
+    return run_local_ranks(
+        plan.world_size,
+        run,
+        cfg,
+        grace_s=cfg.launcher.grace_s,
+        max_restarts=cfg.launcher.max_restarts,
+    )
+
+
+@hydra.main(version_base="1.3", config_path="pkg://shardsci.configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Run the recipe ``cfg.recipe`` on the mesh ``cfg.mesh``."""
+    run_dir = Path(cfg.run_dir)
+    try:
+        with reported():
+            status = launch(cfg, multirun=HydraConfig.get().mode is RunMode.MULTIRUN)
+    except BaseException:
+        _discard_unused_run_dir(run_dir)
+        raise
+    if status:
+        _discard_unused_run_dir(run_dir)
+        sys.exit(status)
+
+
+def _discard_unused_run_dir(run_dir: Path) -> None:
+    """Remove ``run_dir`` after a failure if it holds only what Hydra writes when a job starts
+    (``.hydra/``, the job's log). One process does it: global rank 0, or the process that
+    started the ranks."""
+    if os.environ.get("RANK", "0") != "0" or not run_dir.is_dir():
+        return
+    if all(
+        (entry.name == ".hydra" and entry.is_dir()) or (entry.suffix == ".log" and entry.is_file())
+        for entry in run_dir.iterdir()
+    ):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

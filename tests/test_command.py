@@ -1,0 +1,81 @@
+"""Conventions of the training command users rely on: environment variables over config
+defaults, offline logging without network lookups, no empty run directory after a failure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+
+
+def _python(*arguments: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *arguments],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+def test_a_run_that_fails_before_training_leaves_no_run_directory(tmp_path: Path) -> None:
+    done = _python("-m", "shardsci.train", "+recipe=cfd", "mesh=-1x2", cwd=tmp_path)
+    assert done.returncode != 0 and "infers an axis" in done.stderr
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == []
+
+
+def test_hydra_full_error_shows_the_whole_traceback(tmp_path: Path) -> None:
+    done = _python(
+        "-m", "shardsci.train", "+recipe=cfd", "train.stpes=3", cwd=tmp_path, HYDRA_FULL_ERROR="1"
+    )
+    assert done.returncode != 0 and "Traceback" in done.stderr and "stpes" in done.stderr
+
+
+# Run in a fresh process: records every name lookup and connection the Python side of wandb
+# makes (the check fails on any), then logs a step with the given logger config.
+_LOG_ONE_STEP = """
+import socket, sys
+from pathlib import Path
+def record(name, real):
+    def recorded(*args, **kwargs):
+        sys.stderr.write(f"NETWORK {name} {args[:1]}\\n")
+        return real(*args, **kwargs)
+    return recorded
+for name in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr", "getfqdn",
+             "create_connection"):
+    setattr(socket, name, record(name, getattr(socket, name)))
+from shardsci.training import LoggerConfig, MetricLogger, WandbMode
+logger = MetricLogger(LoggerConfig(mode=WandbMode[sys.argv[2]]), Path(sys.argv[1]), {}, True)
+logger.log({"loss": 1.0}, step=1)
+logger.finish()
+"""
+
+
+def test_offline_wandb_makes_no_network_lookup(tmp_path: Path) -> None:
+    done = _python("-c", _LOG_ONE_STEP, str(tmp_path), "offline", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "NETWORK" not in done.stderr, done.stderr
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.parametrize("mode", ["disabled", "offline"])
+def test_wandb_environment_variables_win_over_the_config(tmp_path: Path, mode: str) -> None:
+    """The config says offline into the run directory; WANDB_MODE and WANDB_DIR say otherwise."""
+    run_dir, wandb_dir = tmp_path / "run", tmp_path / "elsewhere"
+    run_dir.mkdir()
+    wandb_dir.mkdir()
+    done = _python(
+        "-c", _LOG_ONE_STEP, str(run_dir), "offline", cwd=tmp_path,
+        WANDB_MODE=mode, WANDB_DIR=str(wandb_dir),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert not (run_dir / "wandb").exists()
+    written = list((wandb_dir / "wandb").glob("offline-run-*"))
+    assert bool(written) == (mode == "offline")
