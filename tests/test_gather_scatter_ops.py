@@ -227,3 +227,26 @@ def test_out_of_range_index_raises_on_every_rank() -> None:
     messages = run_on_ranks(2, _bad_index_body, 7)
     for message in messages:
         assert "index value 7 on rank 1 of the group is out of range for a dim of size 7" in message
+
+
+def _empty_rank_views_body() -> None:
+    """On a rank whose shard is empty, a view (``edge_index[0]``) is still a view of its base:
+    gather plans are cached per storage, and a fresh tensor on that rank alone would rebuild
+    the plan there, a collective no other rank joins."""
+    mesh = get_mesh((2,))
+    edge_index = torch.tensor([[0, 1, 2], [1, 2, 0]])
+    edges = ShardTensor.from_local(
+        edge_index[:, :3] if dist.get_rank() == 0 else edge_index[:, :0], mesh, [Shard(1)]
+    )
+    src = edges[0]
+    same_storage = src.local.untyped_storage()._cdata == edges.local.untyped_storage()._cdata
+    assert same_storage, "the view is a new tensor"
+    nodes = ShardTensor.from_local(
+        torch.randn(2 if dist.get_rank() == 0 else 1, FEATURES), mesh, [Shard(0)]
+    )
+    for _ in range(3):  # every call after the first hits the plan built with the first
+        nodes[edges[0]].to_local().sum()
+
+
+def test_a_view_of_an_empty_shard_keeps_its_base() -> None:
+    run_on_ranks(2, _empty_rank_views_body)

@@ -262,7 +262,7 @@ def _make_plan(
         shape_argument,
         outputs,
         returns_destination=_mutates_first_argument(func),
-        empty_outputs=not _mutates_first_argument(func) and _all_empty(outputs),
+        empty_outputs=not (_mutates_first_argument(func) or func.is_view) and _all_empty(outputs),
     )
 
 
@@ -356,7 +356,10 @@ def _shapes_of(out: object) -> object:
 # A rank whose shard is empty must not call a kernel that rejects empty input (aminmax over
 # an empty dim raises, a CPU attention kernel dies of SIGFPE): the other ranks would wait for
 # it in their next collective. Where every output of the rank is empty, the plan skips the
-# kernel and returns empty tensors of the planned shapes. Where an empty shard still has
+# kernel and returns empty tensors of the planned shapes; not for views, which must stay views
+# of their base's storage (a fresh tensor per call would miss every cache keyed by storage,
+# such as the gather plans of an empty rank's edges, on that rank alone: a collective the
+# others never join) and which no kernel rejects. Where an empty shard still has
 # outputs (reductions over the sharded dim), the op's handler supplies the identity of the
 # reduction instead (``_reduction_ops``).
 def _all_empty(outputs: object) -> bool:
