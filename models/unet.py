@@ -20,11 +20,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models._checks import check_choice, check_positive
 
 PaddingMode = Literal["zeros", "circular", "reflect", "replicate"]
 Activation = Literal["silu", "gelu"]
@@ -82,9 +84,9 @@ class UNetConfig:
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name, choices in _CHOICE_FIELDS.items():
-            _check_choice(name, getattr(self, name), choices)
+            check_choice(name, getattr(self, name), choices)
         if self.channel_multipliers is not None:
             object.__setattr__(self, "channel_multipliers", tuple(self.channel_multipliers))
             self._check_multipliers(self.channel_multipliers)
@@ -103,7 +105,7 @@ class UNetConfig:
                 f"depth + 1 = {self.depth + 1}"
             )
         for multiplier in multipliers:
-            _check_positive("every entry of channel_multipliers", multiplier)
+            check_positive("every entry of channel_multipliers", multiplier)
 
     def _check_channels(self) -> None:
         bad = [c for c in self.level_channels if c % self.norm_groups]
@@ -117,17 +119,6 @@ class UNetConfig:
                 f"residual=True needs out_channels <= in_channels, got out_channels="
                 f"{self.out_channels} and in_channels={self.in_channels}"
             )
-
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_choice(name: str, value: str, choices: object) -> None:
-    allowed = get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def _conv3x3(in_channels: int, out_channels: int, padding_mode: str) -> nn.Conv2d:

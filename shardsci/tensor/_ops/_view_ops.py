@@ -14,6 +14,10 @@ the view is decomposed into groups of input dims that become groups of output di
   product are first moved to the nearest ones;
 - anything else (a flatten then split that mixes dims): the axes involved are replicated
   first, so the result is right, if not cheap.
+
+``view_as_real`` / ``view_as_complex`` add / drop a trailing dim of 2 (real, imaginary) and
+keep every sharding of the other dims: local views, no communication (DTensor gathers a
+sharded last dim first, which every backward of a complex op on a W-sharded spectrum hit).
 """
 
 from __future__ import annotations
@@ -163,3 +167,28 @@ def _output_spec(
         for a in sharding.axes:
             placements[a] = Shard(head)
     return ShardTensorSpec.build(spec.mesh, placements, out_shape, spec.dtype, sizes, order=order)
+
+
+@register_aten_handler(aten.view_as_real.default, aten.view_as_complex.default)
+def _complex_view(func, args, kwargs):
+    x = args[0]
+    spec = x._spec
+    to_real = func is aten.view_as_real.default
+    if (
+        not spec.shardings
+        or spec.partial
+        or (not to_real and spec.ndim - 1 in spec.sharding_by_dim)
+    ):
+        return NotImplemented
+    local = func(x._local)
+    shape = (*spec.shape, 2) if to_real else spec.shape[:-1]
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        shape,
+        local.dtype,
+        {s.dim: s.sizes for s in spec.shardings},
+        order={s.dim: s.axes for s in spec.shardings},
+        hints=spec.hints,
+    )
+    return ShardTensor(local, out_spec)
