@@ -22,6 +22,7 @@ sharded last dim first, which every backward of a complex op on a W-sharded spec
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -60,7 +61,10 @@ def _view(func, args, kwargs):
     out_spec = _output_spec(needed, groups, out_shape)
     local_shape = list(out_spec.local_shape())
     if func is aten.view.default and local is x._local:
-        return ShardTensor(local.view(local_shape), out_spec)
+        # A view the spec's (global) strides allow can still be impossible on the local shard,
+        # whose memory layout may differ (a transposed gradient): then the shard is copied.
+        with contextlib.suppress(RuntimeError):
+            return ShardTensor(local.view(local_shape), out_spec)
     return ShardTensor(local.reshape(local_shape), out_spec)
 
 
