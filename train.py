@@ -2,12 +2,12 @@
 
 Without torchrun or SLURM variables this process composes the config and starts the mesh's
 ranks on this machine; under torchrun or srun every rank composes the same config and runs
-its part. ``-m ... launcher=slurm`` submits the job with Hydra's submitit launcher.
+its part. ``-m ... launcher=slurm`` submits the job with Hydra's submitit launcher. Recipes
+are the packages under ``recipes/`` (NOTE [How train.py finds recipes]).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
@@ -15,9 +15,14 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.cfd.config import register
 from shardsci.distributed import detect_launch_env
-from shardsci.training import mesh_world_size, run_local_ranks
+from shardsci.training import (
+    discover_recipes,
+    get_recipe,
+    mesh_world_size,
+    register_run_schemas,
+    run_local_ranks,
+)
 
 
 def _run_dir() -> str:
@@ -35,14 +40,15 @@ def _run_dir() -> str:
 
 OmegaConf.register_new_resolver("shardsci_run_dir", _run_dir, use_cache=True)
 OmegaConf.register_new_resolver("shardsci_world_size", lambda mesh: mesh_world_size(str(mesh)))
-register()
+register_run_schemas()
+discover_recipes("recipes")
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     if cfg.recipe is None:
         raise SystemExit("choose a recipe, e.g. python train.py +recipe=cfd")
-    run = importlib.import_module(f"recipes.{cfg.recipe}.train").run
+    run = get_recipe(cfg.recipe).load_run()
     launched = detect_launch_env().launcher != "single"
     world_size = mesh_world_size(str(cfg.mesh))
     if launched or world_size == 1:

@@ -1,4 +1,5 @@
-"""Every recipe x mesh x axis-role configuration composes, and a typo fails at composition."""
+"""Every recipe x mesh x axis-role x model configuration composes, and a typo fails at
+composition: a misspelt key, a value of the wrong type, a mistyped choice."""
 
 from __future__ import annotations
 
@@ -9,14 +10,27 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-import train  # noqa: F401  registers the schemas and resolvers
+import train  # noqa: F401  registers the schemas, the resolvers and the recipes
 from shardsci.distributed import mesh_axis_sizes
-from shardsci.training import ParallelConfig
+from shardsci.training import (
+    DataParallel,
+    ParallelConfig,
+    Precision,
+    config_from,
+    config_type_of,
+    get_recipe,
+    recipe_names,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(p.stem for p in (CONFIGS / "recipe").glob("*.yaml"))
 MESHES = ["1", "2", "8", "2x1", "1x2", "2x2", "4x2", "2x2x2"]
 PARALLEL = {"auto": MESHES, "block": ["2x2", "4x2"], "slab": ["1", "2", "8"]}
+RECIPE_MODELS = [
+    (recipe, model.stem)
+    for recipe in RECIPES
+    for model in sorted((CONFIGS / "recipe" / recipe / "model").glob("*.yaml"))
+]
 
 
 def _compose(*overrides: str):
@@ -25,8 +39,14 @@ def _compose(*overrides: str):
 
 
 def _resolved(cfg) -> ParallelConfig:
-    parallel = ParallelConfig(**OmegaConf.to_container(cfg.parallel, resolve=True))
+    parallel = config_from(ParallelConfig, cfg.parallel)
     return parallel.resolved(len(mesh_axis_sizes(str(cfg.mesh))))
+
+
+def test_every_recipe_config_is_a_registered_recipe() -> None:
+    assert recipe_names() == RECIPES
+    for recipe in RECIPES:
+        assert get_recipe(recipe).load_run().__name__ == "run"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -39,6 +59,24 @@ def test_every_recipe_mesh_and_axis_roles_compose(recipe: str, parallel: str, me
     resolved = _resolved(cfg)
     assert len(resolved.axis_names) == len(mesh.split("x"))
     assert OmegaConf.to_container(cfg, resolve=True)["run_dir"]
+
+
+@pytest.mark.parametrize(("recipe", "model"), RECIPE_MODELS)
+def test_every_model_of_every_recipe_composes_into_a_valid_config(recipe: str, model: str) -> None:
+    """The recipe's settings of the model (``configs/recipe/<recipe>/model/<model>.yaml``)
+    pass the model config's own checks."""
+    cfg = _compose(f"+recipe={recipe}", f"model={model}")
+    config_type = config_type_of(cfg.model)
+    assert config_type is not None, f"model={model} has no schema from schema_of"
+    config_from(config_type, cfg.model)
+
+
+def test_choices_are_enums() -> None:
+    cfg = _compose("+recipe=cfd", "train.parallel=fsdp2", "train.precision=bf16")
+    train_config = OmegaConf.to_object(cfg.train)
+    assert train_config.parallel is DataParallel.fsdp2
+    assert train_config.precision is Precision.bf16
+    assert config_from(config_type_of(cfg.model), cfg.model).padding_mode == "circular"
 
 
 def test_mesh_4x2_is_data_parallel_then_domain() -> None:
@@ -63,6 +101,16 @@ def test_block_decomposition_splits_h_and_w() -> None:
         "data.dataset.solver.resolutoin=32",
         "parallel.axis_name=[a]",
         "optim.lr=fast",
+        "eval.sample=3",
+        "train.parallel=bogus",
+        "train.precision=bf17",
+        "model.padding_mode=wrapp",
+        "model.up=bilinar",
+        "data.dataset.solver.forcing=kolmogorv",
+        "logger.kind=tensorboard",
+        "logger.mode=offlne",
+        "launcher.kind=slrm",
+        "model=unett",
     ],
 )
 def test_typos_fail_when_composing(override: str) -> None:

@@ -1,9 +1,10 @@
-"""ShardTensor composes with DDP and FSDP2 on the data-parallel mesh axis.
+"""ShardTensor composes with data parallelism (``shardsci.training.parallelize``: DDP or
+FSDP2) on the data-parallel mesh axis.
 
 A (dp=2, domain=2) mesh: each dp rank takes half of the global batch, each domain rank an
 uneven slab of the points of every sample. One optimiser step must give the parameters of
 the single-process step on the whole batch: the domain sum of weight gradients comes from
-shardsci, the data-parallel average from DDP or FSDP2.
+shardsci, the data-parallel average from the wrapper.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from torch.nn.parallel import DistributedDataParallel
 
 import shardsci
 from shardsci.testing import assert_close_all_ranks, get_mesh, run_on_ranks
+from shardsci.training import DataParallel, ParallelConfig, ParallelLayout, parallelize
 
 BATCH, POINTS, CHANNELS = 4, 10, 3
 POINT_SIZES = (7, 3)
@@ -56,16 +56,14 @@ def _body(wrapper: str) -> None:
         return shardsci.distribute_tensor(t[half], domain_mesh, [Shard(1)], {0: POINT_SIZES})
 
     model = _model()
-    if wrapper == "ddp":
-        wrapped = DistributedDataParallel(model, process_group=mesh.get_group("dp"))
-    else:
-        wrapped = fully_shard(model, mesh=mesh["dp"])
+    layout = ParallelLayout(mesh, ParallelConfig(["dp", "domain"], "dp", {"domain": "W"}))
+    wrapped = parallelize(model, layout, DataParallel[wrapper])
     _step(wrapped, sharded(inputs), sharded(targets))
     for (name, p), expected in zip(model.named_parameters(), reference.parameters()):
         value = p.full_tensor() if isinstance(p, DTensor) else p
         assert_close_all_ranks(value.detach(), expected.detach(), atol=1e-12, rtol=1e-12, what=name)
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", [m.name for m in DataParallel])
 def test_one_step_matches_single_process(wrapper: str) -> None:
     run_on_ranks(4, _body, wrapper)

@@ -14,14 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import train  # noqa: F401  registers the config schemas
+import train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.checkpoint import load_checkpoint
 from shardsci.testing.slurm import SlurmUnavailable, ensure_local_cluster, submit_and_wait
+from shardsci.training import instantiate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -29,8 +29,8 @@ TINY = [
     "train.log_every=1",
     "train.eval_every=100",
     "train.global_batch=8",
-    "train.eval_samples=8",
-    "train.rollout_steps=1",
+    "eval.samples=8",
+    "eval.rollout_steps=1",
     "data.dataset.solver.resolution=32",
     "data.dataset.n_train=4",
     "data.dataset.n_test=2",
@@ -112,7 +112,7 @@ def _parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
     recipe's model."""
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=["+recipe=cfd"])
-    model = hydra.utils.instantiate(cfg.model, _convert_="all")
+    model = instantiate(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters())
     load_checkpoint(checkpoint, model, optimizer)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -160,11 +160,11 @@ def test_a_failing_rank_ends_the_job_quickly(dataset: Path, tmp_path: Path) -> N
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "train.py", "+recipe=cfd", "mesh=2x1", f"data.path={dataset}",
-         f"run_dir={tmp_path}", *TINY, "train.parallel=bogus"],
+         f"run_dir={tmp_path}", *TINY, "model.depth=6"],
         cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode != 0
-    assert "train.parallel must be 'ddp' or 'fsdp2'" in done.stderr
+    assert "divisible" in done.stderr
     assert time.monotonic() - start < 120
 
 

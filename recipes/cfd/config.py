@@ -1,22 +1,22 @@
-"""Schemas of the CFD recipe's config groups: the model (from ``UNetConfig``), the data (from
-the dataset generator's ``DatasetConfig``) and the optimiser."""
+"""Schemas of the CFD recipe's config groups: the data (from the dataset generator's
+``DatasetConfig``) and the evaluation; the models' schemas come from ``recipes.models``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models import UNetConfig
 from recipes.cfd.generate import DatasetConfig
-from recipes.config import register_schemas, schema_of
+from recipes.models import MODEL_SCHEMAS
+from shardsci.training import schema_of
 
-__all__ = ["CFDDataConfig", "register"]
+__all__ = ["SCHEMAS", "CFDDataConfig", "CFDEvalConfig"]
 
 DatasetSchema = schema_of(DatasetConfig)
 
 
 @dataclass
 class CFDDataConfig:
-    """The ``data`` group of the CFD recipe.
+    """The ``data`` group of the CFD recipe (``configs/data/ns2d.yaml``).
 
     Attributes
     ----------
@@ -32,22 +32,27 @@ class CFDDataConfig:
 
 
 @dataclass
-class AdamWConfig:
-    """The ``optim`` group: ``torch.optim.AdamW``, instantiated partially (parameters later)."""
+class CFDEvalConfig:
+    """The ``eval`` group of the CFD recipe: what each evaluation (every ``train.eval_every``
+    steps, and at the end) measures on the held-out trajectories.
 
-    _target_: str = "torch.optim.AdamW"
-    _partial_: bool = True
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    Attributes
+    ----------
+    samples : int
+        Held-out (t, t + 1) pairs for the one-step error, spread evenly over the held-out
+        trajectories and times.
+    rollout_steps : int
+        Autoregressive steps of the rollout, from the middle snapshot of each held-out
+        trajectory.
+    """
+
+    samples: int = 32
+    rollout_steps: int = 5
 
 
-def register() -> None:
-    """Register the CFD recipe's schemas (and the run schema) with Hydra."""
-    register_schemas(
-        {
-            ("model", "unet_schema"): schema_of(UNetConfig, target="models.UNet"),
-            ("data", "ns2d_schema"): CFDDataConfig,
-            ("optim", "adamw_schema"): AdamWConfig,
-        }
-    )
+SCHEMAS: dict[tuple[str, str], type] = {
+    **MODEL_SCHEMAS,
+    ("data", "ns2d_schema"): CFDDataConfig,
+    ("recipe", "cfd_eval_schema"): CFDEvalConfig,
+}
+"""The recipe's Hydra schemas, ``(group, name) -> dataclass`` (``Recipe.schemas``)."""

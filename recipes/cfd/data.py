@@ -11,13 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recipes.cfd.generate import DatasetConfig, ensure_dataset, trajectory_split
-from recipes.cfd.navier_stokes import SolverConfig
 from shardsci import ShardTensor
 from shardsci.data import NextStepPairs, ShardedHDF5Field
-from shardsci.training import ParallelLayout
+from shardsci.training import ParallelLayout, config_from
 
 __all__ = ["CFDData"]
 
@@ -34,7 +33,9 @@ class CFDData:
     layout : ParallelLayout
         Which ranks share a batch part (data parallel) and which split its cells.
     train_cfg : DictConfig
-        ``global_batch``, ``seed``, ``eval_samples``.
+        ``global_batch``, ``seed``.
+    eval_samples : int
+        Held-out pairs of ``eval_batch``.
     device : torch.device
     """
 
@@ -43,9 +44,10 @@ class CFDData:
         config: DictConfig,
         layout: ParallelLayout,
         train_cfg: DictConfig,
+        eval_samples: int,
         device: torch.device,
     ):
-        dataset = _dataset_config(config.dataset)
+        dataset = config_from(DatasetConfig, config.dataset)
         if dist.get_rank() == 0:
             ensure_dataset(config.path, dataset)
         dist.barrier()
@@ -80,7 +82,7 @@ class CFDData:
             global_batch=train_cfg.global_batch,
             seed=train_cfg.seed,
         )
-        self.eval_samples = train_cfg.eval_samples
+        self.eval_samples = eval_samples
         self.cells_per_sample = dataset.solver.resolution**2
 
     # ------------------------------------------------------------------ batches
@@ -117,9 +119,3 @@ class CFDData:
         if not self.sharded:
             fields = fields.to_local()
         return fields.to(self.device)
-
-
-def _dataset_config(config: DictConfig) -> DatasetConfig:
-    values = OmegaConf.to_container(config, resolve=True)
-    solver = SolverConfig(**values.pop("solver"))
-    return DatasetConfig(solver=solver, **values)

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -119,6 +120,14 @@ class ParallelLayout:
         shape = parse_mesh_shape(mesh, dist.get_world_size())
         config = parallel.resolved(len(shape))
         return cls(build_mesh(shape, config.axis_names, device_type), config)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this rank's collectives (and of its model): ``cuda:<current>`` on a
+        CUDA mesh, else the CPU."""
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
 
     # ------------------------------------------------------------------ data parallelism
     @property

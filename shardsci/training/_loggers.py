@@ -6,12 +6,28 @@ the network; ``logger=none`` turns wandb off.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LoggerConfig", "MetricLogger"]
+__all__ = ["LoggerConfig", "LoggerKind", "MetricLogger", "WandbMode"]
+
+
+class LoggerKind(enum.Enum):
+    """Where metrics go besides ``metrics.jsonl`` (``logger.kind``)."""
+
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(enum.Enum):
+    """wandb's ``mode`` (``logger.mode``)."""
+
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
 
 
 @dataclass
@@ -20,20 +36,20 @@ class LoggerConfig:
 
     Attributes
     ----------
-    kind : str
-        ``"wandb"`` or ``"none"``.
+    kind : LoggerKind
+        ``wandb`` or ``none``.
     project : str
         wandb project name.
-    mode : str
-        wandb mode: ``"offline"`` (default: files under the run directory, no network),
-        ``"online"`` or ``"disabled"``.
+    mode : WandbMode
+        wandb mode: ``offline`` (default: files under the run directory, no network),
+        ``online`` or ``disabled``.
     entity : str or None
         wandb entity (team), for online runs.
     """
 
-    kind: str = "wandb"
+    kind: LoggerKind = LoggerKind.wandb
     project: str = "shardsci"
-    mode: str = "offline"
+    mode: WandbMode = WandbMode.offline
     entity: str | None = None
 
 
@@ -51,18 +67,16 @@ class MetricLogger:
     """
 
     def __init__(self, config: LoggerConfig, run_dir: Path, run_config: dict, enabled: bool):
-        if config.kind not in ("wandb", "none"):
-            raise ValueError(f"logger.kind must be 'wandb' or 'none', got {config.kind!r}")
         self._enabled = enabled
         self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
         self._wandb = None
-        if enabled and config.kind == "wandb":
+        if enabled and config.kind is LoggerKind.wandb:
             import wandb
 
             self._wandb = wandb.init(
                 project=config.project,
                 entity=config.entity,
-                mode=config.mode,
+                mode=config.mode.value,
                 dir=str(run_dir),
                 config=run_config,
                 reinit="finish_previous",

@@ -4,6 +4,7 @@ from shardsci.tensor._ops import (
     _attention_ops,  # noqa: F401
     _conv_ops,  # noqa: F401
     _fft_ops,  # noqa: F401
+    _gather_scatter_ops,  # noqa: F401
     _index_ops,  # noqa: F401
     _interpolate_ops,  # noqa: F401
     _loss_ops,  # noqa: F401

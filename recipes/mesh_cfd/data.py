@@ -1,0 +1,192 @@
+"""The mesh CFD recipe's data: velocity pairs (t, t + 1) on the cylinder mesh, in each rank's
+part of the graph.
+
+The dataset is generated on first use (rank 0, then every rank waits). Every rank reads the
+mesh's connectivity (small) and partitions it the same way (METIS or recursive coordinate
+bisection, one part per rank of the domain axis); then it reads only its own nodes' rows of
+the fields (``shardsci.graph.read_rows``). Normalisation statistics are combined from a few
+sums per rank. Without a domain axis the whole graph is one part and the tensors are plain.
+
+A sample is the mesh's node features at time t, ``(N, F_v)`` with F_v = 2 normalised velocity
+components and a 4-way node-type one-hot, and the edges' features, ``(E, 3)``: the relative
+position of the two ends and its length, in units of the mean edge length. The target is the
+normalised change of the velocity to t + 1. A batch stacks samples on a batch dim after the
+node (or edge) dim: ``(N, B, F)``.
+"""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from recipes.mesh_cfd.generate import MeshDataConfig, ensure_dataset
+from recipes.mesh_cfd.mesh import NODE_TYPES
+from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes, read_rows
+from shardsci.training import ParallelLayout, config_from
+
+__all__ = ["Batch", "MeshData"]
+
+Batch = tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""((node features, edge features, edge index), target change)."""
+
+
+class MeshData:
+    """Training and held-out samples on this rank's part of the graph.
+
+    Parameters
+    ----------
+    config : DictConfig
+        The ``data`` group (``recipes/mesh_cfd/config.py``).
+    layout : ParallelLayout
+        Which ranks share a batch part (data parallel) and which split the graph.
+    train_cfg : DictConfig
+        ``global_batch``, ``seed``.
+    device : torch.device
+    """
+
+    def __init__(
+        self, config: DictConfig, layout: ParallelLayout, train_cfg: DictConfig, device
+    ) -> None:
+        dataset = config_from(MeshDataConfig, config.dataset)
+        if dist.get_rank() == 0:
+            ensure_dataset(config.path, dataset)
+        dist.barrier()
+        self.layout, self.device = layout, device
+        self.global_batch, self.seed = int(train_cfg.global_batch), int(train_cfg.seed)
+        with h5py.File(config.path, "r") as file:
+            edge_index = torch.from_numpy(file["edge_index"][:])
+            positions = torch.from_numpy(file["positions"][:])
+            node_type = torch.from_numpy(file["node_type"][:])
+            self.triangles = torch.from_numpy(file["triangles"][:])
+            self.positions = positions
+            trajectories, self.n_times = file["fields"].shape[:2]
+        self.graph, self.partition = _partitioned(edge_index, positions, layout, config.partition)
+        self.test_trajectories = list(range(trajectories - config.test_trajectories, trajectories))
+        self.train_trajectories = list(range(trajectories - config.test_trajectories))
+        with h5py.File(config.path, "r") as file:
+            nodes = self.graph.local_nodes if self.graph else self.partition.node_order
+            velocity = read_rows(file["fields"], nodes, dim=2)[..., :2]
+        self.velocity = torch.from_numpy(np.ascontiguousarray(velocity))  # (S, T, N_k, 2)
+        self.mean, self.std, self.change_std = self._statistics()
+        self.node_type = F.one_hot(node_type[nodes], len(NODE_TYPES)).float()
+        self.edge_features = self._edge_features(positions)
+        self.cells_per_sample = positions.shape[0]
+
+    # ------------------------------------------------------------------ samples
+    def train_batch(self, step: int) -> Batch:
+        """This data-parallel rank's share of global batch ``step``: pairs drawn from the
+        training trajectories by a generator seeded with (seed, step)."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        count = len(self.train_trajectories)
+        trajectory = torch.randint(count, (self.global_batch,), generator=generator)
+        time = torch.randint(self.n_times - 1, (self.global_batch,), generator=generator)
+        pairs = [(self.train_trajectories[b], int(t)) for b, t in zip(trajectory.tolist(), time)]
+        share = self.global_batch // self.layout.dp_size
+        return self.pairs(pairs[self.layout.dp_rank * share : (self.layout.dp_rank + 1) * share])
+
+    def eval_pairs(self, samples: int) -> list[tuple[int, int]]:
+        """This data-parallel rank's share of held-out pairs, spread evenly over trajectories
+        and times (the same every evaluation)."""
+        pairs = [(b, t) for b in self.test_trajectories for t in range(self.n_times - 1)]
+        chosen = np.linspace(0, len(pairs) - 1, min(samples, len(pairs))).astype(int)
+        return [pairs[i] for i in chosen[self.layout.dp_rank :: self.layout.dp_size]]
+
+    def pairs(self, pairs: list[tuple[int, int]]) -> Batch:
+        """Inputs and normalised target change of the (trajectory, time) ``pairs``."""
+        now, after = self.velocities(pairs, 1)
+        return self.inputs(now), (after - now) / self.change_std
+
+    def velocities(self, pairs: list[tuple[int, int]], steps: int) -> list[torch.Tensor]:
+        """The velocities ``(N, B, 2)`` of ``pairs`` at t, t + 1, ..., t + steps, as node
+        tensors."""
+        b, t = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+        return [
+            self.node_tensor(self.velocity[b, t + k].transpose(0, 1).contiguous())
+            for k in range(steps + 1)
+        ]
+
+    def inputs(self, velocity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Model inputs for node velocities ``(N, B, 2)`` in physical units."""
+        batch = velocity.shape[1]
+        types = self.node_tensor(self.node_type[:, None].expand(-1, batch, -1).contiguous())
+        nodes = torch.cat([(velocity - self.mean) / self.std, types], -1)
+        edges = self.edge_tensor(self.edge_features[:, None].expand(-1, batch, -1).contiguous())
+        edge_index = self.graph.edge_index if self.graph else self.partition.edge_index
+        return nodes, edges, edge_index.to(self.device)
+
+    def advanced(self, velocity: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+        """The velocity one record later, from the model's normalised change."""
+        return velocity + change * self.change_std
+
+    # ------------------------------------------------------------------ layout
+    def node_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's node rows ``(N_k, ...)`` as the graph's node ShardTensor (or plain)."""
+        local = local.to(self.device)
+        return self.graph.nodes_from_local(local) if self.graph else local
+
+    def edge_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        local = local.to(self.device)
+        return self.graph.edges_from_local(local) if self.graph else local
+
+    def in_original_order(self, nodes: torch.Tensor) -> torch.Tensor:
+        """The whole node tensor in the file's node order (a collective over the graph's
+        ranks)."""
+        if self.graph is not None:
+            return self.graph.to_original(nodes)
+        return torch.empty_like(nodes).index_copy_(0, self.partition.node_order, nodes)
+
+    # ------------------------------------------------------------------ helpers
+    def _statistics(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-component mean and standard deviation of the training velocity, and the
+        standard deviation of its change over one record, over every node of the graph."""
+        train = self.velocity[self.train_trajectories].double()
+        change = train[:, 1:] - train[:, :-1]
+        sums = torch.stack(
+            [
+                train.sum((0, 1, 2)),
+                train.square().sum((0, 1, 2)),
+                change.square().sum((0, 1, 2)),
+                torch.tensor([train[..., 0].numel(), change[..., 0].numel()], dtype=torch.float64),
+            ]
+        )
+        if self.graph is not None:
+            dist.all_reduce(sums, group=self.graph.group.group)
+        count, change_count = sums[3]
+        mean = sums[0] / count
+        std = (sums[1] / count - mean.square()).sqrt()
+        change_std = (sums[2] / change_count).sqrt()
+        return mean.float(), std.float(), change_std.float()
+
+    def _edge_features(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(E_k, 3)``: relative position of each local edge's ends and its length, in units
+        of the mean edge length of the whole mesh."""
+        ordered = positions[self.partition.node_order]
+        src, dst = self.partition.edge_index
+        scale = (ordered[dst] - ordered[src]).norm(dim=1).mean()
+        part = self.graph.part if self.graph is not None else 0
+        src, dst = self.partition.edge_index[:, self.partition.edge_range(part)]
+        offset = (ordered[dst] - ordered[src]) / scale
+        return torch.cat([offset, offset.norm(dim=1, keepdim=True)], 1).float()
+
+
+def _partitioned(
+    edge_index: torch.Tensor, positions: torch.Tensor, layout: ParallelLayout, method: str
+) -> tuple[PartitionedGraph | None, GraphPartition]:
+    """The graph split over the layout's domain axis (None without one), and its partition."""
+    domain = layout.domain_mesh
+    if domain is not None and domain.ndim != 1:
+        raise ValueError(
+            f"the mesh CFD recipe splits its graph over one mesh axis, but the layout has "
+            f"domain axes {layout.domain_axes}; use mesh=N (parallel=slab) or mesh=DxN "
+            f"parallel=auto"
+        )
+    parts = domain.size() if domain is not None else 1
+    assignment = partition_nodes(
+        edge_index, positions.shape[0], parts, method=method, coordinates=positions
+    )
+    partition = GraphPartition.build(edge_index, assignment, parts)
+    return (PartitionedGraph(partition, domain) if domain is not None else None), partition

@@ -1,0 +1,126 @@
+"""The mesh CFD dataset: flow past cylinders sampled at the nodes of a triangle mesh, in HDF5.
+
+Every trajectory runs :class:`CylinderFlow` from small random vorticity with its own inflow
+speed, spins up until the wake sheds, then records velocity and vorticity at the mesh nodes
+every ``record_every`` steps. The file holds the mesh and the fields::
+
+    positions   (N, 2)        float64  node coordinates
+    triangles   (T, 3)        int64    counter-clockwise node ids
+    edge_index  (2, E)        int64    triangle sides, both directions
+    node_type   (N,)          int64    index into attrs["node_types"]
+    inflow      (S,)          float64  inflow speed of each trajectory
+    fields      (S, T, N, 3)  float32  u, v, ω of trajectory s at record t (contiguous, so a
+                                       rank reads only its nodes' rows)
+
+with attrs ``solver_version``, ``record_dt`` (time between records), ``channels``,
+``node_types`` and ``config`` (the JSON of the :class:`MeshDataConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from recipes.mesh_cfd.cylinder_flow import SOLVER_VERSION, CylinderFlow, CylinderFlowConfig
+from recipes.mesh_cfd.mesh import NODE_TYPES, MeshConfig, cylinder_mesh
+
+CHANNELS = ("u", "v", "vorticity")
+
+
+@dataclass(frozen=True)
+class MeshDataConfig:
+    """What to simulate and record."""
+
+    flow: CylinderFlowConfig = field(default_factory=CylinderFlowConfig)
+    """Geometry, physics and time step of the flow."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """The mesh the fields are sampled on."""
+    trajectories: int = 8
+    """Number of trajectories S."""
+    records: int = 25
+    """Records T per trajectory."""
+    record_every: int = 20
+    """Time steps between records."""
+    spin_up_steps: int = 500
+    """Steps before the first record (the wake starts shedding)."""
+    inflow_range: tuple[float, float] = (0.85, 1.15)
+    """Each trajectory's inflow speed is drawn uniformly from this range."""
+    initial_vorticity: float = 0.05
+    """Standard deviation of the random initial vorticity (breaks the wake's symmetry)."""
+    seed: int = 0
+    """Seed of inflow speeds and initial fields."""
+
+    @property
+    def record_dt(self) -> float:
+        return self.record_every * self.flow.dt
+
+
+def ensure_dataset(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
+    """Return ``path``, generating it first if it is absent or holds other data than
+    ``config`` (its ``config`` attribute differs). Call it on one rank only."""
+    path = Path(path)
+    if path.exists():
+        try:
+            with h5py.File(path, "r") as file:
+                stored = file.attrs.get("config")
+        except OSError:
+            stored = None
+        if stored == _config_json(config):
+            return path
+    return generate(path, config)
+
+
+def _config_json(config: MeshDataConfig) -> str:
+    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+
+
+def generate(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
+    """Simulate ``config`` and write the dataset to ``path`` (atomically: a partial file is
+    never left under that name)."""
+    path = Path(path)
+    mesh = cylinder_mesh(config.flow.circles, config.mesh)
+    solver = CylinderFlow(config.flow)
+    generator = torch.Generator().manual_seed(config.seed)
+    low, high = config.inflow_range
+    inflow = low + (high - low) * torch.rand(
+        config.trajectories, generator=generator, dtype=torch.float64
+    )
+    noise = torch.randn(
+        config.trajectories,
+        config.flow.nx,
+        config.flow.ny,
+        generator=generator,
+        dtype=torch.float64,
+    )
+    state = solver.advance(
+        solver.spectral(config.initial_vorticity * noise), inflow, config.spin_up_steps
+    )
+    records = []
+    for record in range(config.records):
+        if record:
+            state = solver.advance(state, inflow, config.record_every)
+        records.append(solver.sample(state, inflow, mesh.positions).float())
+    fields = torch.stack(records, 1).numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + f".partial-{os.getpid()}")
+    with h5py.File(partial, "w") as file:
+        file["positions"] = mesh.positions.numpy()
+        file["triangles"] = mesh.triangles.numpy()
+        file["edge_index"] = mesh.edge_index.numpy()
+        file["node_type"] = mesh.node_type.numpy()
+        file["inflow"] = inflow.numpy()
+        file.create_dataset("fields", data=fields, dtype=np.float32)
+        file.attrs["solver_version"] = SOLVER_VERSION
+        file.attrs["record_dt"] = config.record_dt
+        file.attrs["channels"] = list(CHANNELS)
+        file.attrs["node_types"] = list(NODE_TYPES)
+        file.attrs["config"] = _config_json(config)
+    os.replace(partial, path)
+    return path

@@ -1,0 +1,387 @@
+"""Gathers and scatters along a sharded dim: which rows each rank lacks, fetched once.
+
+# NOTE [Gathers along a sharded dim go through a cached halo plan]
+An index into a dim sharded over mesh axes names rows by their global position. For a rank,
+the rows its index names split into the rows it owns and its *halo*: the distinct rows owned
+by other ranks. A :class:`GatherPlan` records, for one index and one sharding of the indexed
+dim, the halo of every rank (a global table, identical on every rank), the owned rows this
+rank sends to each other rank, and the index rewritten into positions of the rank's
+*extended* rows ``[owned | halo]``. With it:
+- a gather (``x[idx]``, ``index_select``, ``gather``) is one exchange in which each rank
+  receives exactly its halo rows (the byte lower bound: every remote row it reads, once),
+  followed by a local gather from the extended rows (:func:`halo_extend`);
+- a scatter-sum (``index_add``, ``scatter_add``, ``scatter_reduce`` sum/mean) is a local scatter
+  into extended rows followed by the reverse exchange, each halo row added by its owner
+  (:func:`halo_reduce`); it is the exact adjoint of the gather, and each is the other's
+  backward.
+Building a plan costs one exchange of counts and one of requested row numbers. Plans are
+cached per index *storage* (with the view's offset, shape, stride and version), so
+``edge_index[0]`` taken anew in every forward finds the plan built by the first; the entries
+go when the storage does. Two views of one storage with the same geometry hold the same
+elements, even when empty (torch strides an empty dim by 1, so the rows of a ``(2, 0)`` index
+start at different offsets). A sharded index's plan is a collective: every rank must hit or miss
+together, which holds when every rank runs the same program on corresponding tensors (as in
+SPMD training). A replicated index (a plain tensor, or a replicated ShardTensor) is the same
+on every rank, so its plan is computed locally, without communication.
+
+An index value outside the indexed dim is reported in the counts exchange, the first
+collective of the plan, so every rank raises the same ``IndexError`` and none is left waiting.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardsci.tensor._collectives import AxisGroup, exchange
+
+__all__ = [
+    "GatherPlan",
+    "extended_rows",
+    "gather_plan",
+    "halo_extend",
+    "halo_reduce",
+    "rows_sent_home",
+    "summed_rows",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class GatherPlan:
+    """How one rank's index into a sharded dim reaches the rows it names.
+
+    Attributes
+    ----------
+    group : AxisGroup
+        The ranks sharding the indexed dim; row ownership follows their flat index.
+    owned : int
+        Rows of the indexed dim this rank owns.
+    halo_counts : tuple of tuple of int
+        ``halo_counts[r][k]``: rows rank ``r`` receives from rank ``k`` (0 on the diagonal),
+        the same table on every rank.
+    send_rows : Tensor
+        Local positions of the owned rows this rank sends, grouped by receiving rank in flat
+        index order, ``(sum_r halo_counts[r][me],)``.
+    local_index : Tensor
+        The index with every value replaced by its position in ``[owned | halo]`` rows; halo
+        rows are ordered by global position (negative values are read from the end).
+    negative : tuple of int, optional
+        ``(rank, value)``: the first rank holding a negative index value, and the value.
+    """
+
+    group: AxisGroup
+    owned: int
+    halo_counts: tuple[tuple[int, ...], ...]
+    send_rows: torch.Tensor
+    local_index: torch.Tensor
+    negative: tuple[int, int] | None
+
+    @property
+    def halo(self) -> int:
+        """Rows this rank receives."""
+        return sum(self.halo_counts[self.group.index])
+
+    @property
+    def moves(self) -> bool:
+        """Whether any rank receives any row (else gathers and scatters are local)."""
+        return any(any(row) for row in self.halo_counts)
+
+
+# ---------------------------------------------------------------------------- building
+def gather_plan(
+    index: torch.Tensor,
+    sizes: tuple[int, ...],
+    group: AxisGroup,
+    *,
+    replicated: bool,
+    wrap_negative: bool = False,
+    what: str = "index",
+) -> GatherPlan:
+    """The (cached) plan for this rank's ``index`` into a dim sharded with ``sizes``.
+
+    Parameters
+    ----------
+    index : Tensor
+        Integer global positions along the indexed dim; this rank's shard of a sharded index,
+        or the whole of a replicated one.
+    sizes : tuple of int
+        Extent of the indexed dim owned by each rank of ``group`` (flat index order).
+    replicated : bool
+        Whether every rank holds the same ``index`` (then no communication is needed).
+    wrap_negative : bool
+        Read ``-k`` as ``extent - k`` (Python indexing); else a negative value raises (on
+        every rank: the plan knows every rank's negative values).
+    what : str
+        Names the operation in error messages.
+
+    Raises
+    ------
+    IndexError
+        On every rank, for a value outside ``[-extent, extent)`` on any rank, or a negative
+        one without ``wrap_negative``.
+    """
+    key = (
+        index.storage_offset(),
+        tuple(index.shape),
+        index.stride(),
+        index._version,
+        index.dtype,
+        id(group.group),
+        sizes,
+        replicated,
+    )
+    storage = index.untyped_storage()
+    entries = _PLANS.get(id(storage))
+    if entries is None:
+        entries = _PLANS[id(storage)] = {}
+        weakref.finalize(storage, _PLANS.pop, id(storage), None)
+    plan = entries.get(key)
+    if plan is None:
+        plan = entries[key] = _build(index, sizes, group, replicated, what)
+    if plan.negative is not None and not wrap_negative:
+        _raise_out_of_range(what, *plan.negative, sum(sizes), len(plan.halo_counts))
+    return plan
+
+
+# id(untyped storage) -> {view geometry and layout: plan}; an entry goes with its storage, so
+# the id cannot be reused by another storage while the entry exists.
+_PLANS: dict[int, dict[tuple, GatherPlan]] = {}
+
+
+def _build(
+    index: torch.Tensor,
+    sizes: tuple[int, ...],
+    group: AxisGroup,
+    replicated: bool,
+    what: str,
+) -> GatherPlan:
+    extent = sum(sizes)
+    starts = torch.tensor([sum(sizes[:k]) for k in range(len(sizes) + 1)], dtype=torch.int64)
+    me = group.index
+    compact, expand_to = _compact(index)
+    given = compact.reshape(-1).to(torch.int64).cpu()
+    report = _report(given, extent)
+    values = torch.where(given < 0, given + extent, given)
+    wanted = torch.unique(values[(values >= 0) & (values < extent)])
+    owners = torch.searchsorted(starts[1:], wanted, right=True)
+    if replicated:
+        reports = [report]
+        per_owner = torch.bincount(owners, minlength=group.size).tolist()
+        halo_counts = tuple(
+            tuple(0 if k == r else per_owner[k] for k in range(group.size))
+            for r in range(group.size)
+        )
+        send_rows = (wanted[owners == me] - starts[me]).repeat(group.size - 1)
+    else:
+        halo_counts, reports = _exchange_counts(owners, group, report)
+    for rank, (count, value, _, _) in enumerate(reports):
+        if count:
+            _raise_out_of_range(what, rank, value, extent, len(reports))
+    if not replicated:
+        send_rows = _exchange_requests(wanted, owners, group, starts, halo_counts)
+    negative = next(((r, v) for r, (_, _, count, v) in enumerate(reports) if count), None)
+    halo_ids = wanted[owners != me]
+    offset, owned = int(starts[me]), sizes[me]
+    positions = torch.where(
+        (values >= offset) & (values < offset + owned),
+        values - offset,
+        owned + torch.searchsorted(halo_ids, values),
+    )
+    local_index = positions.reshape(compact.shape).to(index.device).expand(expand_to)
+    return GatherPlan(group, owned, halo_counts, send_rows.to(index.device), local_index, negative)
+
+
+def _compact(index: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+    """``index`` without its broadcast dims (stride 0), and the shape to expand back to."""
+    narrowed = index
+    for dim, (size, stride) in enumerate(zip(index.shape, index.stride())):
+        if stride == 0 and size > 1:
+            narrowed = narrowed.narrow(dim, 0, 1)
+    return narrowed, index.shape
+
+
+def _report(values: torch.Tensor, extent: int) -> tuple[int, int, int, int]:
+    """(values outside [-extent, extent), the first of them, negative values, the first)."""
+    outside = (values < -extent) | (values >= extent)
+    negative = (values < 0) & ~outside
+    return (
+        int(outside.sum()),
+        int(values[outside][0]) if outside.any() else 0,
+        int(negative.sum()),
+        int(values[negative][0]) if negative.any() else 0,
+    )
+
+
+def _exchange_counts(
+    owners: torch.Tensor, group: AxisGroup, report: tuple[int, int, int, int]
+) -> tuple[tuple[tuple[int, ...], ...], list[tuple[int, ...]]]:
+    """Every rank's halo counts by owner, and every rank's report on its values."""
+    size, me = group.size, group.index
+    counts = torch.bincount(owners, minlength=size)
+    counts[me] = 0
+    rows = exchange(
+        group,
+        [torch.cat([counts, torch.tensor(report, dtype=torch.int64)])] * size,
+        lambda src, dst: (size + len(report),),
+        dtype=torch.int64,
+        device=torch.device("cpu"),
+        kind="gather_plan",
+    )
+    table = [row.tolist() for row in rows]
+    return tuple(tuple(row[:size]) for row in table), [tuple(row[size:]) for row in table]
+
+
+def _exchange_requests(
+    wanted: torch.Tensor,
+    owners: torch.Tensor,
+    group: AxisGroup,
+    starts: torch.Tensor,
+    halo_counts: tuple[tuple[int, ...], ...],
+) -> torch.Tensor:
+    """Send each owner the rows this rank wants from it; return the local positions of the
+    rows the others want from this rank, grouped by requester."""
+    me = group.index
+    received = exchange(
+        group,
+        [wanted[owners == k] for k in range(group.size)],
+        lambda src, dst: (halo_counts[src][dst],),
+        dtype=torch.int64,
+        device=torch.device("cpu"),
+        kind="gather_plan",
+    )
+    others = [received[r] - starts[me] for r in range(group.size) if r != me]
+    return torch.cat(others) if others else torch.empty(0, dtype=torch.int64)
+
+
+def _raise_out_of_range(what: str, rank: int, value: int, extent: int, ranks: int) -> None:
+    where = f" on rank {rank} of the group" if ranks > 1 else ""
+    raise IndexError(
+        f"{what}: index value {value}{where} is out of range for a dim of size {extent}; "
+        f"expected values in [0, {extent})"
+    )
+
+
+# ---------------------------------------------------------------------------- exchanges
+def _halo_rows(
+    owned_rows: torch.Tensor, plan: GatherPlan, dim: int, kind: str
+) -> list[torch.Tensor]:
+    """Send each rank the owned rows it lacks; return the rows received, by source."""
+    me, size = plan.group.index, plan.group.size
+    rows = owned_rows.movedim(dim, 0)
+    trailing = tuple(rows.shape[1:])
+    splits = [plan.halo_counts[r][me] if r != me else 0 for r in range(size)]
+    outgoing = list(rows.index_select(0, plan.send_rows).split(splits))
+    received = exchange(
+        plan.group,
+        [None if r == me else outgoing[r] for r in range(size)],
+        lambda src, dst: (plan.halo_counts[dst][src], *trailing),
+        dtype=rows.dtype,
+        device=rows.device,
+        kind=kind,
+    )
+    return [received[k] for k in range(size) if k != me]
+
+
+def rows_sent_home(extended: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+    """Send each halo row of ``extended`` (``[owned | halo]`` rows along ``dim``) back to its
+    owner; return the rows that arrive, along ``dim`` in ``plan.send_rows`` order. Not
+    differentiable."""
+    me, size = plan.group.index, plan.group.size
+    rows = extended.narrow(dim, plan.owned, plan.halo).movedim(dim, 0)
+    trailing = tuple(rows.shape[1:])
+    splits = [plan.halo_counts[me][k] if k != me else 0 for k in range(size)]
+    outgoing = list(rows.split(splits))
+    received = exchange(
+        plan.group,
+        [None if k == me else outgoing[k] for k in range(size)],
+        lambda src, dst: (plan.halo_counts[src][dst], *trailing),
+        dtype=rows.dtype,
+        device=rows.device,
+        kind="scatter",
+    )
+    return torch.cat([received[r] for r in range(size) if r != me]).movedim(0, dim)
+
+
+def extended_rows(owned: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+    """``owned`` rows followed by the halo rows other ranks send. Not differentiable."""
+    halo = [rows.movedim(0, dim) for rows in _halo_rows(owned, plan, dim, "gather")]
+    return torch.cat([owned, *halo], dim)
+
+
+def summed_rows(extended: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+    """The owned rows of ``extended`` plus the halo rows other ranks hold for them (the
+    adjoint of :func:`extended_rows`). Not differentiable."""
+    owned = extended.narrow(dim, 0, plan.owned)
+    return owned.index_add(dim, plan.send_rows, rows_sent_home(extended, plan, dim))
+
+
+class _HaloExtend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, owned: torch.Tensor, plan: GatherPlan, dim: int, replicated: bool):  # type: ignore[override]
+        ctx.plan, ctx.dim, ctx.replicated = plan, dim, replicated
+        return extended_rows(owned, plan, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.replicated:
+            # Every rank holds the whole output gradient: the owner's share is complete.
+            return grad.narrow(ctx.dim, 0, ctx.plan.owned), None, None, None
+        return summed_rows(grad.contiguous(), ctx.plan, ctx.dim), None, None, None
+
+
+class _HaloReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, extended: torch.Tensor, plan: GatherPlan, dim: int):  # type: ignore[override]
+        ctx.plan, ctx.dim = plan, dim
+        return summed_rows(extended, plan, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        return extended_rows(grad.contiguous(), ctx.plan, ctx.dim), None, None
+
+
+def halo_extend(
+    owned: torch.Tensor, plan: GatherPlan, dim: int, *, replicated_output: bool = False
+) -> torch.Tensor:
+    """This rank's rows along ``dim`` followed by its halo rows. Differentiable.
+
+    Parameters
+    ----------
+    owned : Tensor
+        This rank's shard, ``plan.owned`` rows along ``dim``.
+    replicated_output : bool
+        The result feeds an output every rank holds whole, whose gradient is therefore the
+        same on every rank: the backward keeps the owned rows' gradient and sends nothing.
+        Otherwise the backward is :func:`halo_reduce`.
+
+    Returns
+    -------
+    Tensor
+        ``plan.owned + plan.halo`` rows along ``dim``; the plan's ``local_index`` indexes them.
+        When no rank receives anything, ``owned`` itself.
+    """
+    if not plan.moves:
+        return owned
+    return _HaloExtend.apply(owned, plan, dim, replicated_output)
+
+
+def halo_reduce(extended: torch.Tensor, plan: GatherPlan, dim: int) -> torch.Tensor:
+    """Owned rows plus the halo rows other ranks hold for them (added by the owner).
+    Differentiable; the adjoint of :func:`halo_extend`.
+
+    Parameters
+    ----------
+    extended : Tensor
+        ``plan.owned + plan.halo`` rows along ``dim``.
+
+    Returns
+    -------
+    Tensor
+        ``plan.owned`` rows along ``dim``.
+    """
+    if not plan.moves:
+        return extended
+    return _HaloReduce.apply(extended, plan, dim)

@@ -1,0 +1,452 @@
+"""Gathers and scatters along a sharded dim, moving only the rows an index names.
+
+``x[idx]``, ``index_select`` and ``gather`` read rows of a dim that is sharded; ``index_add``,
+``scatter_add`` and ``scatter_reduce`` (and their in-place forms) write into one. DTensor
+gathers the whole dim first. Here each call goes through a :class:`GatherPlan` (NOTE [Gathers
+along a sharded dim go through a cached halo plan] in ``_gather_plan``):
+- an index sharded over the same mesh axes as the indexed dim (the edge list of a partitioned
+  graph, sharded with the nodes that own its destinations) gives an output sharded like the
+  index; a rank receives only the distinct remote rows its index names, once per plan use;
+- a replicated index (a plain tensor) gives a replicated output; each rank broadcasts only the
+  selected rows it owns;
+- scatters run locally when every index value is owned by the rank that holds it (as for a
+  graph's destinations); otherwise they write through the index into the rows this rank owns
+  plus its halo, and the halo rows travel back to their owners, where sum and mean add them
+  (mean also sends the counts, in the same message) and amax/amin take their extremum (its
+  backward shares the gradient among ties on all ranks, as torch does). ``prod`` and integer
+  reductions into remote rows decline.
+These run above autograd: they compose the plan's differentiable exchanges with local torch
+ops, so the backward of a gather is a scatter-sum of the same plan and vice versa. Anything
+else (boolean masks, several tensor indices, an index sharded over other axes, a destination
+sharded on other dims too) declines to the default path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._collectives import AxisGroup
+from shardsci.tensor._gather_plan import (
+    GatherPlan,
+    extended_rows,
+    gather_plan,
+    halo_extend,
+    halo_reduce,
+    rows_sent_home,
+    summed_rows,
+)
+from shardsci.tensor._ops._common import arg, dim_layout, replicated_local
+from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+@dataclass(frozen=True)
+class _Indexed:
+    """A sharded operand, the dim an index addresses in it, and that index.
+
+    Attributes
+    ----------
+    dim : int
+        The indexed dim of ``x``.
+    sharding : DimSharding
+        How ``dim`` is sharded.
+    group : AxisGroup
+        The ranks sharding it.
+    index : Tensor
+        This rank's index: its shard of a sharded index, or the whole of a replicated one.
+    index_spec : ShardTensorSpec or None
+        The sharded index's layout; None for a replicated index.
+    """
+
+    x: ShardTensor
+    dim: int
+    sharding: DimSharding
+    group: AxisGroup
+    index: torch.Tensor
+    index_spec: ShardTensorSpec | None
+
+    def plan(self, *, wrap_negative: bool = False, what: str) -> GatherPlan:
+        return gather_plan(
+            self.index,
+            self.sharding.sizes,
+            self.group,
+            replicated=self.index_spec is None,
+            wrap_negative=wrap_negative,
+            what=what,
+        )
+
+    @property
+    def index_shape(self) -> tuple[int, ...]:
+        """The global shape of the index."""
+        return tuple((self.index if self.index_spec is None else self.index_spec).shape)
+
+    @property
+    def index_sharding(self) -> DimSharding | None:
+        return None if self.index_spec is None else self.index_spec.shardings[0]
+
+
+def _indexed(x: object, dim: int, index: object) -> _Indexed | None:
+    """The call's operands when this module handles them, else None (decline)."""
+    if not isinstance(x, ShardTensor) or not isinstance(index, torch.Tensor):
+        return None
+    if index.dtype not in _INDEX_DTYPES or x.ndim == 0:
+        return None
+    spec = x._spec
+    dim %= x.ndim
+    if spec.partial or len(spec.shardings) != 1 or spec.shardings[0].dim != dim:
+        return None
+    sharding, group, _ = dim_layout(spec, dim)
+    if not isinstance(index, ShardTensor):
+        return _Indexed(x, dim, sharding, group, index, None)
+    index_spec = index._spec
+    if index_spec.mesh != spec.mesh or index_spec.partial:
+        return None
+    if not index_spec.shardings:
+        return _Indexed(x, dim, sharding, group, index._local, None)
+    if len(index_spec.shardings) != 1 or index_spec.shardings[0].axes != sharding.axes:
+        return None
+    return _Indexed(x, dim, sharding, group, index._local, index_spec)
+
+
+def _output_spec(
+    indexed: _Indexed, shape: tuple[int, ...], dtype: torch.dtype, sharded_dim: int
+) -> ShardTensorSpec:
+    """Sharded like the index on ``sharded_dim`` of the output, or replicated."""
+    mesh = indexed.x._spec.mesh
+    source = indexed.index_sharding
+    if source is None:
+        return ShardTensorSpec.build(mesh, [Replicate()] * mesh.ndim, shape, dtype)
+    placements = [
+        Shard(sharded_dim) if axis in source.axes else Replicate() for axis in range(mesh.ndim)
+    ]
+    return ShardTensorSpec.build(
+        mesh,
+        placements,
+        shape,
+        dtype,
+        {sharded_dim: source.sizes},
+        order={sharded_dim: source.axes},
+    )
+
+
+def _extended_rows(indexed: _Indexed, plan: GatherPlan) -> torch.Tensor:
+    return halo_extend(
+        indexed.x.to_local(), plan, indexed.dim, replicated_output=indexed.index_spec is None
+    )
+
+
+# ---------------------------------------------------------------------------- gathers
+def _getitem_key(key: object) -> tuple[int, torch.Tensor] | None:
+    """``(dim, index)`` for a key that is one integer tensor after full slices (``x[:, idx]``)
+    and before full slices or an ellipsis; else None."""
+    if isinstance(key, torch.Tensor):
+        return 0, key
+    if not isinstance(key, tuple):
+        return None
+    positions = [i for i, k in enumerate(key) if isinstance(k, torch.Tensor)]
+    if len(positions) != 1:
+        return None
+    position = positions[0]
+    if not all(_is_full_slice(k) for k in key[:position]):
+        return None
+    if not all(_is_full_slice(k) or k is Ellipsis for k in key[position + 1 :]):
+        return None
+    return position, key[position]
+
+
+def _is_full_slice(item: object) -> bool:
+    return isinstance(item, slice) and item == slice(None)
+
+
+@register_function_handler(torch.Tensor.__getitem__)
+def _getitem(func, args, kwargs):
+    found = _getitem_key(args[1])
+    if found is None:
+        return NotImplemented
+    dim, index = found
+    indexed = _indexed(args[0], dim, index)
+    if indexed is None:
+        return NotImplemented
+    return _select_rows(indexed, "x[index]", wrap_negative=True, keep_0d_dim=False)
+
+
+@register_function_handler(torch.index_select, torch.Tensor.index_select)
+def _index_select(func, args, kwargs):
+    if "out" in kwargs:
+        return NotImplemented
+    indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
+    if indexed is None or indexed.index.ndim > 1:
+        return NotImplemented
+    return _select_rows(indexed, "index_select", wrap_negative=False, keep_0d_dim=True)
+
+
+def _select_rows(
+    indexed: _Indexed, what: str, *, wrap_negative: bool, keep_0d_dim: bool
+) -> ShardTensor:
+    """``x`` with ``dim`` replaced by the index's dims (a 0-d index keeps a size-1 dim when
+    ``keep_0d_dim``, as ``index_select`` does)."""
+    plan = indexed.plan(wrap_negative=wrap_negative, what=what)
+    rows = _extended_rows(indexed, plan)
+    dim, index = indexed.dim, plan.local_index
+    if keep_0d_dim:
+        index = index.reshape(-1)
+    out = rows[(slice(None),) * dim + (index,)]
+    index_shape = indexed.index_shape if index.ndim else ()
+    if keep_0d_dim and not index_shape:
+        index_shape = (1,)
+    shape = tuple(indexed.x.shape[:dim]) + index_shape + tuple(indexed.x.shape[dim + 1 :])
+    sharded_dim = dim + (indexed.index_sharding.dim if indexed.index_spec is not None else 0)
+    return from_local_spec(out, _output_spec(indexed, shape, out.dtype, sharded_dim))
+
+
+@register_function_handler(torch.gather, torch.Tensor.gather)
+def _gather(func, args, kwargs):
+    if "out" in kwargs:
+        return NotImplemented
+    dim = arg(args, kwargs, 1, "dim")
+    indexed = _indexed(args[0], dim, arg(args, kwargs, 2, "index"))
+    if indexed is None or not _index_sharded_on(indexed, indexed.dim):
+        return NotImplemented
+    plan = indexed.plan(what="gather")
+    out = _extended_rows(indexed, plan).gather(indexed.dim, plan.local_index)
+    spec = _output_spec(indexed, indexed.index_shape, out.dtype, indexed.dim)
+    return from_local_spec(out, spec)
+
+
+def _index_sharded_on(indexed: _Indexed, dim: int) -> bool:
+    """A replicated index, or one sharded on ``dim`` (the dim gather/scatter walk along)."""
+    return indexed.index_spec is None or indexed.index_sharding.dim == dim
+
+
+# ---------------------------------------------------------------------------- scatters
+def _source_local(indexed: _Indexed, source: object, dim: int) -> torch.Tensor | None:
+    """This rank's part of the values scattered by a sharded index: a source sharded like the
+    index along ``dim``, or this rank's slice of a replicated one; None to decline."""
+    sharding = indexed.index_sharding
+    if isinstance(source, ShardTensor) and source._spec.partial:
+        return None
+    if isinstance(source, ShardTensor) and source._spec.shardings:
+        spec = source._spec
+        if len(spec.shardings) != 1 or spec.shardings[0] != DimSharding(
+            dim, sharding.axes, sharding.sizes
+        ):
+            return None
+        return source.to_local()
+    if not isinstance(source, torch.Tensor):
+        return None
+    whole = replicated_local(source, indexed.x._spec.mesh, set(sharding.axes))
+    index_spec = indexed.index_spec
+    offset = index_spec.local_offsets()[sharding.dim]
+    return whole.narrow(dim, offset, index_spec.local_shape()[sharding.dim])
+
+
+def _scatter_into_owned(
+    indexed: _Indexed,
+    plan: GatherPlan,
+    local_scatter,
+    like: torch.Tensor,
+    *,
+    with_counts: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sum of the values scattered into each owned row (and how many values each element
+    received, with ``with_counts``): a local scatter into ``[owned | halo]`` rows, then the
+    halo rows travel to their owners (one exchange)."""
+    dim = indexed.dim
+    shape = list(like.shape)
+    shape[dim] = plan.owned + plan.halo
+    total = local_scatter(like.new_zeros(shape), plan.local_index)
+    if not with_counts:
+        return halo_reduce(total, plan, dim), None
+    with torch.no_grad():
+        counts = local_scatter(like.new_zeros(shape), plan.local_index, ones=True)
+    both = halo_reduce(torch.stack([total, counts.to(total.dtype)], -1), plan, dim)
+    return both[..., 0], both[..., 1].detach()
+
+
+def _scatter(
+    indexed: _Indexed,
+    source: object,
+    reduce: str,
+    include_self: bool,
+    what: str,
+    *,
+    in_place: bool,
+    alpha: float = 1,
+) -> object:
+    """``index_add`` (1-D index) or ``scatter_reduce`` into a sharded dim; ``in_place`` writes
+    the result into the destination and returns it."""
+    if indexed.index_spec is None or not _index_sharded_on(
+        indexed, 0 if what == "index_add" else indexed.dim
+    ):
+        return NotImplemented
+    dim = indexed.dim
+    values = _source_local(indexed, source, dim)
+    if values is None:
+        return NotImplemented
+    if what != "index_add":
+        # scatter reads only the part of the source its index covers
+        values = values[tuple(slice(0, n) for n in indexed.index.shape)]
+    destination = indexed.x.to_local()
+    if in_place:
+        # The local ops may save the destination for backward (amax compares with it); the
+        # copy below must not overwrite what they saved.
+        destination = destination.clone()
+    plan = indexed.plan(what=what)
+
+    def local_scatter(into: torch.Tensor, index: torch.Tensor, ones: bool = False):
+        src = torch.ones_like(values) if ones else values
+        if what == "index_add":
+            return into.index_add(dim, index, src, alpha=1 if ones else alpha)
+        return into.scatter_reduce(dim, index, src, "sum")
+
+    if not plan.moves:
+        if what == "index_add":
+            out = destination.index_add(dim, plan.local_index, values, alpha=alpha)
+        else:
+            out = destination.scatter_reduce(
+                dim, plan.local_index, values, reduce, include_self=include_self
+            )
+    elif reduce in ("amax", "amin") and destination.is_floating_point():
+        out = _ScatterExtremum.apply(destination, values, plan, dim, reduce, include_self)
+    elif reduce in ("sum", "mean") and destination.is_floating_point():
+        total, counts = _scatter_into_owned(
+            indexed,
+            plan,
+            local_scatter,
+            destination,
+            with_counts=reduce == "mean" or not include_self,
+        )
+        out = _combined(destination, total, counts, reduce, include_self)
+    else:
+        return NotImplemented
+    result = from_local_spec(out, indexed.x._spec.with_dtype(out.dtype))
+    return indexed.x.copy_(result) if in_place else result
+
+
+class _ScatterExtremum(torch.autograd.Function):
+    """``scatter_reduce`` amax/amin into owned rows from values that may target other ranks'
+    rows: each rank reduces its values per target row, the partial extrema of halo rows travel
+    to their owners (one exchange), and the backward shares each gradient evenly among all
+    values equal to the result, on whichever rank they are, as torch does (counting a
+    destination element equal to the result even when it is not included)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        destination: torch.Tensor,
+        values: torch.Tensor,
+        plan: GatherPlan,
+        dim: int,
+        reduce: str,
+        include_self: bool,
+    ) -> torch.Tensor:
+        index = plan.local_index
+        shape = list(destination.shape)
+        shape[dim] = plan.owned + plan.halo
+        identity = float("-inf") if reduce == "amax" else float("inf")
+        partial = destination.new_full(shape, identity).scatter_reduce(dim, index, values, reduce)
+        counts = destination.new_zeros(shape).scatter_add(dim, index, torch.ones_like(values))
+        arrived = rows_sent_home(torch.stack([partial, counts], -1), plan, dim)
+        owned = partial.narrow(dim, 0, plan.owned).index_reduce(
+            dim, plan.send_rows, arrived[..., 0], reduce
+        )
+        touched = summed_rows(counts, plan, dim) > 0
+        if include_self:
+            owned = (
+                torch.maximum(owned, destination)
+                if reduce == "amax"
+                else torch.minimum(owned, destination)
+            )
+        result = torch.where(touched, owned, destination)
+        ctx.save_for_backward(destination, values, result, touched)
+        ctx.plan, ctx.dim, ctx.include_self = plan, dim, include_self
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        destination, values, result, touched = ctx.saved_tensors
+        plan, dim, index = ctx.plan, ctx.dim, ctx.plan.local_index
+        result_rows = extended_rows(result, plan, dim)
+        value_is_result = values == result_rows.gather(dim, index)
+        ties = summed_rows(
+            torch.zeros_like(result_rows).scatter_add(dim, index, value_is_result.to(grad.dtype)),
+            plan,
+            dim,
+        )
+        self_is_result = (destination == result).to(grad.dtype)
+        shared = grad / (ties + self_is_result)
+        grad_values = value_is_result * extended_rows(shared, plan, dim).gather(dim, index)
+        grad_destination = self_is_result * shared
+        if not ctx.include_self:
+            grad_destination = torch.where(touched, 0.0, grad_destination)
+        return grad_destination, grad_values, None, None, None, None
+
+
+def _combined(
+    destination: torch.Tensor,
+    total: torch.Tensor,
+    counts: torch.Tensor | None,
+    reduce: str,
+    include_self: bool,
+) -> torch.Tensor:
+    """torch's ``scatter_reduce`` result from the destination, the sum of the values each
+    element received and their number."""
+    if reduce == "sum":
+        return destination + total if include_self else torch.where(counts > 0, total, destination)
+    if include_self:
+        return (destination + total) / (counts + 1)
+    return torch.where(counts > 0, total / counts.clamp(min=1), destination)
+
+
+@register_function_handler(torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_)
+def _index_add(func, args, kwargs):
+    if "out" in kwargs:
+        return NotImplemented
+    indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
+    if indexed is None or indexed.index.ndim != 1:
+        return NotImplemented
+    source = arg(args, kwargs, 3, "source")
+    return _scatter(
+        indexed,
+        source,
+        "sum",
+        True,
+        "index_add",
+        in_place=func is torch.Tensor.index_add_,
+        alpha=kwargs.get("alpha", 1),
+    )
+
+
+@register_function_handler(torch.scatter_add, torch.Tensor.scatter_add, torch.Tensor.scatter_add_)
+def _scatter_add(func, args, kwargs):
+    if "out" in kwargs:
+        return NotImplemented
+    indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
+    if indexed is None:
+        return NotImplemented
+    source = arg(args, kwargs, 3, "src")
+    in_place = func is torch.Tensor.scatter_add_
+    return _scatter(indexed, source, "sum", True, "scatter_add", in_place=in_place)
+
+
+@register_function_handler(
+    torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.scatter_reduce_
+)
+def _scatter_reduce(func, args, kwargs):
+    if "out" in kwargs:
+        return NotImplemented
+    indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
+    if indexed is None:
+        return NotImplemented
+    reduce = arg(args, kwargs, 4, "reduce")
+    include_self = arg(args, kwargs, 5, "include_self", True)
+    source = arg(args, kwargs, 3, "src")
+    in_place = func is torch.Tensor.scatter_reduce_
+    return _scatter(indexed, source, reduce, include_self, "scatter_reduce", in_place=in_place)

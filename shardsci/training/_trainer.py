@@ -1,0 +1,209 @@
+"""The training loop every recipe shares; the recipe supplies a ``Task``.
+
+A recipe knows its data, its loss and how to judge a model; everything else is here:
+data-parallel wrapping (``parallelize``), the optimiser and its schedule, mixed precision,
+the step loop's bookkeeping (logging, periodic evaluation, checkpoints that carry the
+scheduler and resume on any mesh, a final checkpoint), ``metrics.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from shardsci.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from shardsci.tensor import ShardTensor
+from shardsci.training._data_parallel import DataParallel, dp_mean, parallelize
+from shardsci.training._loggers import MetricLogger
+from shardsci.training._precision import Precision, autocast
+from shardsci.training._progress import Progress
+from shardsci.training._run import RunContext
+from shardsci.training._schedule import ScheduleConfig, warmup_cosine
+from shardsci.training._schema import instantiate, plain
+
+__all__ = ["Task", "TrainConfig", "Trainer"]
+
+
+@dataclass
+class TrainConfig:
+    """The training loop (the ``train`` config group).
+
+    Attributes
+    ----------
+    steps : int
+        Optimiser steps in the run.
+    global_batch : int
+        Samples per step over all data-parallel ranks (must divide by the data-parallel size).
+    precision : Precision
+        ``fp32`` or ``bf16`` (autocast of the forward pass).
+    grad_clip : float or None
+        Clip the global gradient norm to this value.
+    seed : int
+        Seeds parameter initialisation and the data order.
+    parallel : DataParallel
+        Data parallelism on the dp axis: ``ddp`` or ``fsdp2``.
+    log_every, eval_every : int
+        Steps between metric logs and between evaluations.
+    checkpoint_every : int
+        Steps between checkpoints; the final state is always saved.
+    resume : str
+        ``"auto"`` (the latest complete checkpoint in the run directory, if any), ``"never"``, or
+        a checkpoint path.
+    schedule : ScheduleConfig
+        The learning-rate schedule.
+    """
+
+    steps: int = 300
+    global_batch: int = 16
+    precision: Precision = Precision.fp32
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    parallel: DataParallel = DataParallel.ddp
+    log_every: int = 10
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    resume: str = "auto"
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+class Task(Protocol):
+    """What a recipe gives the ``Trainer``: batches, a loss, an evaluation."""
+
+    cells_per_sample: int
+    """Grid cells (or mesh nodes) of one sample, for the throughput figure."""
+
+    def batch(self, step: int) -> Any:
+        """This rank's part of global batch ``step`` (a pure function of the step, so that a
+        resumed run sees the batches an uninterrupted one would)."""
+
+    def losses(self, model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor]:
+        """The loss of ``model`` on ``batch``, one scalar term per named output field; the
+        trainer minimises their sum. ShardTensor terms are fine."""
+
+    def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
+        """Metrics of ``model`` (unwrapped, in eval mode, without gradients), equal on every
+        rank; may write files (plots) on the leader."""
+
+    def describe(self, metrics: Mapping[str, Any]) -> str:
+        """One line for people about ``metrics`` (from ``evaluate``)."""
+
+
+class Trainer:
+    """Trains ``model`` on ``task`` with the run's ``train``, ``optim`` and ``logger`` configs.
+
+    Parameters
+    ----------
+    run : RunContext
+    cfg : DictConfig
+        The composed run config.
+    model : nn.Module
+        On ``run.device``, not wrapped.
+    task : Task
+    """
+
+    def __init__(self, run: RunContext, cfg: DictConfig, model: nn.Module, task: Task):
+        self.run = run
+        self.config: TrainConfig = OmegaConf.to_object(cfg.train)
+        self.task = task
+        self.model = model
+        self.trained = parallelize(model, run.layout, self.config.parallel)
+        self.optimizer = instantiate(cfg.optim)(self.trained.parameters())
+        self.scheduler = warmup_cosine(self.optimizer, self.config.schedule, self.config.steps)
+        self.checkpoints = run.run_dir / "checkpoints"
+        self.step = self._resume()
+        self._saved_step = self.step
+        self.logger = MetricLogger(
+            OmegaConf.to_object(cfg.logger), run.run_dir, plain(cfg), run.leader
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Train to ``train.steps``; the final metrics (on every rank), also in
+        ``metrics.json``."""
+        config, run = self.config, self.run
+        progress = Progress(
+            config.steps,
+            self.step,
+            config.global_batch * self.task.cells_per_sample,
+            enabled=run.leader,
+        )
+        progress.write(f"mesh: {run.layout.describe()}; run directory: {run.run_dir}")
+        started = time.perf_counter()
+        loss = math.nan
+        while self.step < config.steps:
+            loss = self._optimiser_step()
+            self.step += 1
+            cells_per_s = progress.step(loss)
+            if self.step % config.log_every == 0:
+                lr = self.scheduler.get_last_lr()[0]
+                self.logger.log({"loss": loss, "lr": lr, "cells_per_s": cells_per_s}, self.step)
+            if self.step % config.eval_every == 0 and self.step < config.steps:
+                progress.write(self.task.describe(self._evaluate()))
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                self._save()
+        progress.close()
+        if self._saved_step != self.step:
+            self._save()
+        metrics = self._evaluate()
+        metrics["train_seconds"] = time.perf_counter() - started
+        metrics["final_loss"] = loss
+        if run.leader:
+            print(self.task.describe(metrics), flush=True)
+            (run.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        self.logger.finish()
+        return metrics
+
+    def _optimiser_step(self) -> float:
+        batch = self.task.batch(self.step)
+        with autocast(self.config.precision, self.run.device):
+            terms = self.task.losses(self.trained, batch)
+        loss = sum(_whole(term).float() for term in terms.values())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.config.grad_clip:
+            nn.utils.clip_grad_norm_(self.trained.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(dp_mean(loss, self.run.layout))
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, float]:
+        self.trained.eval()
+        metrics = {"step": self.step, **self.task.evaluate(self.model, self.step)}
+        self.trained.train()
+        self.logger.log(metrics, self.step)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self) -> None:
+        save_checkpoint(
+            self.checkpoints,
+            self.step,
+            self.trained,
+            self.optimizer,
+            extra={"step": self.step, "scheduler": self.scheduler.state_dict()},
+        )
+        self._saved_step = self.step
+
+    def _resume(self) -> int:
+        path = resolve_resume(self.checkpoints, self.config.resume)
+        if path is None:
+            return 0
+        extra = load_checkpoint(path, self.trained, self.optimizer)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        if self.run.leader:
+            print(f"resumed from {path} at step {extra['step']}", flush=True)
+        return int(extra["step"])
+
+
+def _whole(term: torch.Tensor) -> torch.Tensor:
+    """A loss term as a plain scalar tensor (a ShardTensor's global value)."""
+    return term.full_tensor() if isinstance(term, ShardTensor) else term
