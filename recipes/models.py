@@ -7,13 +7,16 @@ fails when the config is composed. Adding a model: one line in ``ZOO`` and one y
 
 from __future__ import annotations
 
-from models import MeshGraphNetConfig, UNetConfig
+from models import FNOConfig, MeshGraphNetConfig, TransolverConfig, UNetConfig, ViTConfig
 from shardsci.training import schema_of
 
 __all__ = ["MODEL_SCHEMAS", "ZOO"]
 
 ZOO: dict[str, tuple[type, str]] = {
     "unet": (UNetConfig, "models.UNet"),
+    "fno": (FNOConfig, "models.FNO"),
+    "vit": (ViTConfig, "models.ViT"),
+    "transolver": (TransolverConfig, "models.Transolver"),
     "meshgraphnet": (MeshGraphNetConfig, "models.MeshGraphNet"),
 }
 """Model option name -> (its config dataclass, the class Hydra instantiates)."""
