@@ -20,7 +20,10 @@ frequencies. :class:`SpectralConv` works in that order, and its inverse in the r
 (re-insert zeros, ``ifft``; then ``irfft`` with the grid's length, which zero-fills the
 dropped modes). On a field split along a dim other than the last, shardsci's distributed FFT
 transposes the data when it transforms the sharded dim, by then already truncated along every
-dim transformed before: the bytes moved scale with the kept modes, not the grid.
+dim transformed before: the bytes moved scale with the kept modes, not the grid. A field split
+along its last dim (W, alone or in a block) is transposed whole before ``rfft`` (which needs W
+whole) and back after ``irfft``, to the input's layout: two moves of the field per layer on top
+of the kept modes' two, so prefer splitting the leading spatial dims.
 """
 
 from __future__ import annotations
