@@ -5,14 +5,14 @@ shardsci runs this module domain-parallel, unchanged, when its input is a ``Shar
 along H and/or W, so the module holds no distributed code and uses only the ops that have
 sharded handlers: 3x3 stride-1 ``Conv2d`` with ``padding=1`` in any ``padding_mode``,
 ``GroupNorm``, ``SiLU``/``GELU``, 2x2 ``AvgPool2d``/``MaxPool2d``, ``F.interpolate`` with
-``scale_factor=2`` in ``"nearest"`` or ``"bilinear"`` mode, ``torch.cat`` along channels, and a
-final 1x1 ``Conv2d``. There is no BatchNorm (batch statistics would make data-parallel and
+``scale_factor=2`` in ``"nearest"`` or ``"bilinear"`` mode, ``torch.cat`` along channels, a
+final 1x1 ``Conv2d``, and broadcast additions of plain position terms (``coordinates``). There is no BatchNorm (batch statistics would make data-parallel and
 single-device runs differ), no dropout and no transposed convolution. Add an op here only
 together with its sharded handler.
 
-With ``padding_mode="circular"`` and ``up="nearest"`` the network commutes with periodic
-translations by multiples of ``2**depth`` pixels. ``"bilinear"`` upsampling clamps at the
-borders (``align_corners=False``), so it is not exactly periodic at the edges.
+With ``padding_mode="circular"``, ``up="nearest"`` and no ``coordinates`` the network commutes
+with periodic translations by multiples of ``2**depth`` pixels. ``"bilinear"`` upsampling clamps
+at the borders (``align_corners=False``), so it is not exactly periodic at the edges.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models._checks import check_choice, check_positive
+from models._coordinates import CoordinateEmbedding, Coordinates
 
 PaddingMode = Literal["zeros", "circular", "reflect", "replicate"]
 Activation = Literal["silu", "gelu"]
@@ -48,6 +49,7 @@ _CHOICE_FIELDS = {
     "activation": Activation,
     "down": Downsample,
     "up": Upsample,
+    "coordinates": Coordinates,
 }
 
 
@@ -81,6 +83,9 @@ class UNetConfig:
     residual: bool = False
     """Return the first ``out_channels`` input channels plus the network's output, so the
     network learns a correction (one-step prediction); needs ``out_channels <= in_channels``."""
+    coordinates: Coordinates = "none"
+    """Position features added to the top level's features (``models._coordinates``):
+    ``"periodic"`` for periodic domains with a position-dependent forcing."""
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
@@ -192,6 +197,7 @@ class UNet(nn.Module):
         self.config = dataclasses.replace(config or UNetConfig(), **overrides)
         channels = self.config.level_channels
         self.encoder = conv_stack(self.config.in_channels, channels[0], self.config)
+        self.coordinates = CoordinateEmbedding(2, channels[0], self.config.coordinates)
         self.downs = nn.ModuleList(
             Down(c_in, c_out, self.config) for c_in, c_out in itertools.pairwise(channels)
         )
@@ -221,7 +227,7 @@ class UNet(nn.Module):
             ``2**depth`` (or, with reflect padding, smaller than ``2**(depth + 1)``).
         """
         self._check_input(x.shape)
-        skips = [self.encoder(x)]
+        skips = [self.coordinates(self.encoder(x))]
         for down in self.downs:
             skips.append(down(skips[-1]))
         y = skips.pop()

@@ -2,24 +2,25 @@
 
 ``(B, C_in, H, W) -> (B, C_out, H, W)``: non-overlapping ``p x p`` patches embedded by a
 strided convolution, position features added on the patch grid, ``depth`` pre-norm transformer
-blocks (multi-head self-attention over all patches, MLP), and a transposed convolution back to
-the grid. H and W must be multiples of ``patch_size``.
+blocks (multi-head self-attention over all patches, MLP), and a linear map of each token to its
+patch's ``p x p x C_out`` cells. H and W must be multiples of ``patch_size``.
 
 NOTE [ViT op set]
 shardsci runs this module domain-parallel, unchanged, on a field split along H (and W), with
-the ops that have sharded handlers: ``Conv2d`` with stride = kernel (patches) and
-``ConvTranspose2d`` likewise (unpatchify), broadcast position terms, ``flatten``/``view`` of the
-patch grid into a token dim, ``transpose``, ``LayerNorm`` and ``Linear`` over the feature dim,
-and ``F.scaled_dot_product_attention`` over the sharded token dim (ring or all-gather of keys
-and values). A field split along H gives tokens split along their dim, in the same order.
+the ops that have sharded handlers: ``Conv2d`` with stride = kernel (patches), broadcast
+position terms, ``flatten``/``view``/``permute``/``reshape`` between the patch grid and the
+token dim, ``LayerNorm`` and ``Linear`` over the feature dim, and
+``F.scaled_dot_product_attention`` over the sharded token dim (ring or all-gather of keys and
+values). A field split along H at patch boundaries gives tokens split along their dim, in the
+same order, and comes back in the input's layout.
 
 NOTE [Tokens of a block decomposition]
 Tokens are the patches in row-major order (``p = i W_p + j``). Under a 2x2 block split
 (H over mesh axis 0, W over axis 1) no rank holds a contiguous run of that order, so
 flattening the patch grid moves W's mesh axes onto H first (one all-to-all of the patch
-embeddings, never wrong data: ``tensor/_ops/_view_ops.py``): tokens are then split over both
-axes in row-major order, and the output comes back split along H over both axes, not in the
-input's block layout. Attention is permutation-equivariant, so keeping each rank's block of
+embeddings, never wrong data: ``shardsci/tensor/_ops/_view_ops.py``): tokens are then split
+over both axes in row-major order, and the output comes back split along H over both axes, not
+in the input's block layout. Attention is permutation-equivariant, so keeping each rank's block of
 tokens in place with a recorded permutation would save that all-to-all; it is not done.
 """
 
@@ -140,7 +141,7 @@ class ViT(nn.Module):
             TransformerBlock(c.width, c.heads, c.mlp_ratio) for _ in range(c.depth)
         )
         self.norm = nn.LayerNorm(c.width)
-        self.unembed = nn.ConvTranspose2d(c.width, c.out_channels, p, stride=p)
+        self.unembed = nn.Linear(c.width, p * p * c.out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the network.
@@ -163,14 +164,19 @@ class ViT(nn.Module):
         """
         self._check_input(x.shape)
         patches = self.coordinates(self.embed(x))  # (B, D, H / p, W / p)
-        grid = patches.shape[2:]
+        batch, _, rows, cols = patches.shape
         tokens = patches.flatten(2).transpose(1, 2)  # (B, N, D), N = H W / p²
         for block in self.blocks:
             tokens = block(tokens)
-        patches = self.norm(tokens).transpose(1, 2).unflatten(2, grid)
-        y = self.unembed(patches)
+        y = self._unpatchify(self.unembed(self.norm(tokens)), batch, rows, cols)
         c = self.config
         return x[:, : c.out_channels] + y if c.residual else y
+
+    def _unpatchify(self, tokens: torch.Tensor, batch: int, rows: int, cols: int) -> torch.Tensor:
+        """``(B, N, p² C_out)`` token outputs -> the ``(B, C_out, H, W)`` field."""
+        p, channels = self.config.patch_size, self.config.out_channels
+        cells = tokens.reshape(batch, rows, cols, p, p, channels)
+        return cells.permute(0, 5, 1, 3, 2, 4).reshape(batch, channels, rows * p, cols * p)
 
     def num_parameters(self) -> int:
         """Number of trainable scalars."""

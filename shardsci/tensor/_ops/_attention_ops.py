@@ -17,6 +17,9 @@ planning on first use, 257 s with a mask) and ran the fused CPU kernel on empty 
    not sharded, else over the group of ranks along L's axes by the ring or the all-gather
    (NOTE [Ring or all-gather]). The output has the query's layout.
 
+The CPU fused kernel's two aten ops (forward, backward) are handled the same way, for the
+callers that reach them below ``__torch_function__`` (``nn.MultiheadAttention``).
+
 NOTE [Ring or all-gather]
 Both move the same bytes in the forward (each rank receives the key/value rows it lacks); the
 all-gather keeps every block for the backward, which then only returns gradients (one
@@ -24,9 +27,9 @@ reduce-scatter), where the ring passes the blocks around again ahead of the grad
 all-gather moves 2/3 of the ring's bytes over a training step in 2 collectives instead of
 3 (N - 1) messages, but holds all of K and V (and their gradients) on every rank, per attention
 layer, until the backward. So: all-gather while the gathered keys and values of a call are at
-most ``gather_limit_bytes`` (default 16 MiB, ``shardsci.attention_exchange``), the ring above that,
-where it keeps memory at one block per rank. The rule reads only global sizes and the rank's
-batch shard, so every rank of a group decides alike.
+most ``gather_limit_bytes`` (default 16 MiB, ``shardsci.attention_exchange``), the ring above
+that, where it keeps memory at one block per rank. The rule reads only global sizes and the
+rank's batch shard, which every rank of a group shares, so they decide alike.
 """
 
 from __future__ import annotations

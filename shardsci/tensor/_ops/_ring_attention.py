@@ -17,7 +17,9 @@ gradients and ``lse = -inf`` (as torch's math backend). Two ways to meet the blo
   block at a time.
 - **all-gather**: every rank receives every block at once (``S - S_r`` rows, one exchange) and
   keeps them for the backward, which returns each block's gradient to its owner in one
-  reduce-scatter (``(N - 1) S_r`` rows received). Memory: all of K and V.
+  reduce-scatter (``(N - 1) S_r`` rows received). Memory: all of K and V. (Called as the
+  fused kernel's two aten ops, from inside ``nn.MultiheadAttention``, the backward cannot keep
+  the blocks and gathers them again.)
 Scores are computed with plain matmuls in the inputs' dtype, never by a fused kernel, so empty
 blocks (a rank with no queries or no keys) are ordinary zero-size products.
 """
@@ -25,13 +27,13 @@ blocks (a rank with no queries or no keys) are ordinary zero-size products.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shardsci.tensor._collectives import AxisGroup, exchange, start_send_recv
 
-__all__ = ["AttentionPlan", "attend"]
+__all__ = ["AttentionPlan", "attend", "attention_backward", "attention_forward"]
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,8 @@ class _BackwardState:
     lse: torch.Tensor
     delta: torch.Tensor
     mask_grad: bool
+    grad_q: torch.Tensor = field(init=False)
+    grad_mask: torch.Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.grad_q = torch.zeros_like(self.q)
