@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+from tests.expected_layouts import module_anchors, pad_anchors, windowed
 from tests.layouts import SPATIAL_2D, Sharded
 
 CONV2D = {
@@ -35,8 +36,21 @@ def _conv2d_body(case: Sharded, name: str, mode: str) -> None:
     channels_out = 2 * config["groups"] if config.get("groups") else 3
     module = nn.Conv2d(channels, channels_out, padding_mode=mode, dtype=torch.float64, **config)
     x = torch.randn(case.shape, dtype=torch.float64)
+    _check_module(module, x, case)
+
+
+def _check_module(module: nn.Module, x: torch.Tensor, case: Sharded, what: str = "") -> None:
+    """Each output cell on the rank holding its window's centre (NOTE [Which rank owns an
+    output of a windowed op])."""
+    expected = windowed(case.layout, case.shape, case.mesh, module_anchors(module, x.ndim))
     check_against_reference(
-        lambda m, a: m(a), [x], [case.layout], get_mesh(case.mesh), module=module, what=name
+        lambda m, a: m(a),
+        [x],
+        [case.layout],
+        get_mesh(case.mesh),
+        module=module,
+        out_layouts=[expected],
+        what=what or type(module).__name__,
     )
 
 
@@ -71,9 +85,7 @@ def _conv_transpose_body(case: Sharded, name: str) -> None:
     config = CONV_TRANSPOSE2D[name]
     module = nn.ConvTranspose2d(case.shape[1], 4, dtype=torch.float64, **config)
     x = torch.randn(case.shape, dtype=torch.float64)
-    check_against_reference(
-        lambda m, a: m(a), [x], [case.layout], get_mesh(case.mesh), module=module, what=name
-    )
+    _check_module(module, x, case, name)
 
 
 @pytest.mark.parametrize(("case", "name"), _valid(CONV_TRANSPOSE2D), ids=lambda v: str(v))
@@ -98,6 +110,7 @@ def _pad_body(case: Sharded, name: str) -> None:
         [x],
         [case.layout],
         get_mesh(case.mesh),
+        out_layouts=[windowed(case.layout, case.shape, case.mesh, pad_anchors(pad, x.ndim))],
         what=name,
     )
 
@@ -112,13 +125,8 @@ def test_pad(case: Sharded, name: str) -> None:
 def _conv1d_body(sizes, mode) -> None:
     module = nn.Conv1d(2, 3, 3, padding=1, padding_mode=mode, dtype=torch.float64)
     x = torch.randn(2, 2, sum(sizes), dtype=torch.float64)
-    check_against_reference(
-        lambda m, a: m(a),
-        [x],
-        [Layout((Shard(2),), {2: sizes})],
-        get_mesh((len(sizes),)),
-        module=module,
-    )
+    layout = Layout((Shard(2),), {2: sizes})
+    _check_module(module, x, Sharded("1d", (len(sizes),), tuple(x.shape), layout))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -134,7 +142,7 @@ def _conv3d_body(mode, transpose) -> None:
         module = nn.Conv3d(2, 2, 3, padding=1, padding_mode=mode, dtype=torch.float64)
     x = torch.randn(1, 2, 5, 6, 4, dtype=torch.float64)
     layout = Layout((Shard(2), Shard(3)), {2: (3, 2), 3: (2, 4)})
-    check_against_reference(lambda m, a: m(a), [x], [layout], get_mesh((2, 2)), module=module)
+    _check_module(module, x, Sharded("2x2-3d", (2, 2), tuple(x.shape), layout))
 
 
 @pytest.mark.parametrize("mode", MODES)

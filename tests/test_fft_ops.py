@@ -22,9 +22,11 @@ from shardsci.testing import (
     assert_close_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
+from tests.expected_layouts import parse
 from tests.layouts import Sharded
 
 CASES = [
@@ -104,14 +106,122 @@ TRANSFORMS = {
 }
 
 
+# (case, transform, spelling) -> the spectrum's layout, by NOTE [Where a distributed FFT
+# leaves the spectrum]: the sharded dim's axes move onto the dim transformed last (else onto
+# the last untransformed dim), with torch.chunk sizes for a moved dim and the input's for a
+# dim that keeps its sharding. Absent: the input's layout.
+SPECTRUM_LAYOUTS = {
+    ("2r-H-7/4", "fft", 0): "S2; 2=7/4",
+    ("2r-H-7/4", "fft", 1): "S3; 3=3/3",
+    ("2r-H-7/4", "ifft", 0): "S3; 3=3/3",
+    ("2r-H-7/4", "rfft", 0): "S2; 2=7/4",
+    ("2r-H-7/4", "rfft", 1): "S3; 3=3/3",
+    ("2r-H-7/4", "irfft", 0): "S2; 2=7/4",
+    ("2r-H-7/4", "irfft", 1): "S3; 3=3/3",
+    ("2r-H-7/4", "fft2", 0): "S3; 3=3/3",
+    ("2r-H-7/4", "fft2", 1): "S3; 3=3/2",
+    ("2r-H-7/4", "ifft2", 0): "S3; 3=3/3",
+    ("2r-H-7/4", "ifft2", 1): "S3; 3=4/3",
+    ("2r-H-7/4", "rfft2", 0): "S3; 3=2/2",
+    ("2r-H-7/4", "rfft2", 1): "S2; 2=3/3",
+    ("2r-H-7/4", "irfft2", 0): "S2; 2=7/4",
+    ("2r-H-7/4", "irfft2", 1): "S3; 3=4/3",
+    ("2r-H-7/4", "fftn", 0): "S3; 3=4/3",
+    ("2r-H-7/4", "fftn", 1): "S3; 3=3/3",
+    ("2r-H-7/4", "ifftn", 0): "S3; 3=3/3",
+    ("2r-H-7/4", "ifftn", 1): "S3; 3=5/4",
+    ("2r-H-7/4", "rfftn", 0): "S3; 3=2/2",
+    ("2r-H-7/4", "rfftn", 1): "S3; 3=2/1",
+    ("2r-H-7/4", "irfftn", 0): "S3; 3=3/3",
+    ("2r-H-7/4", "irfftn", 1): "S3; 3=5/5",
+    ("4r-H-3/0/5/3", "fft", 0): "S2; 2=3/0/5/3",
+    ("4r-H-3/0/5/3", "fft", 1): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "ifft", 0): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "rfft", 0): "S2; 2=3/0/5/3",
+    ("4r-H-3/0/5/3", "rfft", 1): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "irfft", 0): "S2; 2=3/0/5/3",
+    ("4r-H-3/0/5/3", "irfft", 1): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "fft2", 0): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "fft2", 1): "S3; 3=2/2/1/0",
+    ("4r-H-3/0/5/3", "ifft2", 0): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "ifft2", 1): "S3; 3=2/2/2/1",
+    ("4r-H-3/0/5/3", "rfft2", 0): "S3; 3=1/1/1/1",
+    ("4r-H-3/0/5/3", "rfft2", 1): "S2; 2=2/2/2/0",
+    ("4r-H-3/0/5/3", "irfft2", 0): "S2; 2=3/0/5/3",
+    ("4r-H-3/0/5/3", "irfft2", 1): "S3; 3=2/2/2/1",
+    ("4r-H-3/0/5/3", "fftn", 0): "S3; 3=2/2/2/1",
+    ("4r-H-3/0/5/3", "fftn", 1): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "ifftn", 0): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "ifftn", 1): "S3; 3=3/3/3/0",
+    ("4r-H-3/0/5/3", "rfftn", 0): "S3; 3=1/1/1/1",
+    ("4r-H-3/0/5/3", "rfftn", 1): "S3; 3=1/1/1/0",
+    ("4r-H-3/0/5/3", "irfftn", 0): "S3; 3=2/2/2/0",
+    ("4r-H-3/0/5/3", "irfftn", 1): "S3; 3=3/3/3/1",
+    ("4r-W-even", "fft", 0): "S2; 2=2/2/1/0",
+    ("4r-W-even", "ifft", 0): "S3; 3=3/3/3/3",
+    ("4r-W-even", "ifft", 1): "S2; 2=2/2/1/0",
+    ("4r-W-even", "rfft", 0): "S2; 2=2/2/1/0",
+    ("4r-W-even", "rfft", 1): "S3; 3=3/3/3/3",
+    ("4r-W-even", "irfft", 0): "S2; 2=2/2/1/0",
+    ("4r-W-even", "irfft", 1): "S3; 3=3/3/3/3",
+    ("4r-W-even", "fft2", 0): "S2; 2=2/2/1/0",
+    ("4r-W-even", "fft2", 1): "S2; 2=2/2/2/2",
+    ("4r-W-even", "ifft2", 0): "S2; 2=2/2/1/0",
+    ("4r-W-even", "ifft2", 1): "S2; 2=4/4/4/1",
+    ("4r-W-even", "rfft2", 0): "S3; 3=1/1/1/1",
+    ("4r-W-even", "rfft2", 1): "S2; 2=1/1/1/0",
+    ("4r-W-even", "irfft2", 0): "S2; 2=2/2/1/0",
+    ("4r-W-even", "irfft2", 1): "S3; 3=2/2/2/1",
+    ("4r-W-even", "fftn", 0): "S2; 2=1/1/1/0",
+    ("4r-W-even", "fftn", 1): "S2; 2=2/2/1/0",
+    ("4r-W-even", "ifftn", 0): "S1; 1=1/1/0/0",
+    ("4r-W-even", "ifftn", 1): "S2; 2=1/1/1/1",
+    ("4r-W-even", "rfftn", 0): "S2; 2=2/2/1/0",
+    ("4r-W-even", "rfftn", 1): "S3; 3=1/1/1/0",
+    ("4r-W-even", "irfftn", 0): "S1; 1=1/1/1/0",
+    ("4r-W-even", "irfftn", 1): "S0; 0=1/0/0/0",
+    ("2x2-block", "fft", 0): "S2,S2; 2=3/3/3/2",
+    ("2x2-block", "fft", 1): "S3,S3; 3=3/2/2/2",
+    ("2x2-block", "ifft", 0): "S3,S3; 3=3/2/2/2",
+    ("2x2-block", "ifft", 1): "S2,S2; 2=3/3/3/2",
+    ("2x2-block", "rfft", 0): "S2,S2; 2=3/3/3/2",
+    ("2x2-block", "rfft", 1): "S3,S3; 3=3/2/2/2",
+    ("2x2-block", "irfft", 0): "S2,S2; 2=3/3/3/2",
+    ("2x2-block", "irfft", 1): "S3,S3; 3=3/2/2/2",
+    ("2x2-block", "fft2", 0): "S3,S3; 3=3/2/2/2",
+    ("2x2-block", "fft2", 1): "S3,S3; 3=2/1/1/1",
+    ("2x2-block", "ifft2", 0): "S3,S3; 3=3/2/2/2",
+    ("2x2-block", "ifft2", 1): "S3,S3; 3=2/2/2/1",
+    ("2x2-block", "rfft2", 0): "S3,S3; 3=1/1/1/1",
+    ("2x2-block", "rfft2", 1): "S2,S2; 2=2/1/2/1",
+    ("2x2-block", "irfft2", 0): "S2,S2; 2=3/3/3/2",
+    ("2x2-block", "irfft2", 1): "S3,S3; 3=2/2/2/1",
+    ("2x2-block", "fftn", 0): "S3,S3; 3=2/2/2/1",
+    ("2x2-block", "fftn", 1): "S3,S1; 1=1/1; 3=5/4",
+    ("2x2-block", "ifftn", 0): "S1,S2; 1=1/1; 2=6/5",
+    ("2x2-block", "ifftn", 1): "S3,S3; 3=3/2/2/2",
+    ("2x2-block", "rfftn", 0): "S1,S1; 1=1/0/1/0",
+    ("2x2-block", "rfftn", 1): "S3,S3; 3=1/1/1/0",
+    ("2x2-block", "irfftn", 0): "S1,S2; 1=2/1; 2=6/5",
+    ("2x2-block", "irfftn", 1): "S0,S2; 0=1/1; 2=6/5",
+}
+
+
 def _transform_body(case_name: str, name: str) -> None:
     case = CASE_BY_NAME[case_name]
     mesh = get_mesh(case.mesh)
     for i, (real, call) in enumerate(TRANSFORMS[name]):
         dtype = torch.float64 if real else torch.complex128
         x = torch.randn(case.shape, dtype=dtype)
+        stated = SPECTRUM_LAYOUTS.get((case.name, name, i))
+        expected = parse(stated) if stated else case.layout
         check_against_reference(
-            lambda a, call=call: _parts(call(a)), [x], [case.layout], mesh, what=f"{name}[{i}]"
+            lambda a, call=call: _parts(call(a)),
+            [x],
+            [case.layout],
+            mesh,
+            out_layouts=[expected, expected] if call(x).is_complex() else [expected],
+            what=f"{case.name} {name}[{i}]",
         )
 
 
@@ -194,7 +304,7 @@ def _placement_body() -> None:
     }
     for what, (y, dim) in expected.items():
         assert_all_ranks(y.placements == (Shard(dim),), f"{what}: got {y._spec}")
-    with shardsci.comm_counter() as stats:
+    with counted_comm() as stats:
         torch.fft.rfft2(x)
     assert_all_ranks(dict(stats.calls) == {"all_to_all": 1}, f"slab rfft2: {stats.as_dict()}")
     assert_all_ranks(torch.fft.fft(x, dim=2)._spec.shardings[0].sizes == (3, 3), "chunk sizes")
@@ -225,8 +335,13 @@ def _block_body() -> None:
         back._spec.shardings == pencil.spec(mesh, volume).shardings,
         f"pencil round trip: {back._spec}",
     )
+    spectrum_layout = parse("S3,S4; 3=3/3; 4=2/1")
     check_against_reference(
-        lambda a: _parts(torch.fft.rfftn(a, dim=(2, 3, 4))), [volume], [pencil], mesh
+        lambda a: _parts(torch.fft.rfftn(a, dim=(2, 3, 4))),
+        [volume],
+        [pencil],
+        mesh,
+        out_layouts=[spectrum_layout, spectrum_layout],
     )
     check_against_reference(
         lambda a: torch.fft.irfftn(torch.fft.rfftn(a, dim=(2, 3, 4)), s=(7, 6, 5), dim=(2, 3, 4)),
@@ -240,14 +355,24 @@ def _mixed_body() -> None:
     """Replicated mesh axes stay put, nested shardings move as one, batch sharding is free."""
     mesh = get_mesh((2, 2))
     x = torch.randn(2, 3, 11, 6, dtype=torch.float64)
+    # name -> (input layout, spectrum layout: H's axes moved onto W, chunk sizes)
     layouts = {
-        "replicate-shard": Layout((Replicate(), Shard(2)), {2: (4, 7)}),
-        "nested-H": Layout((Shard(2), Shard(2)), {2: (3, 0, 5, 3)}),
-        "batch-and-H": Layout((Shard(0), Shard(2)), {0: (1, 1), 2: (9, 2)}),
+        "replicate-shard": (Layout((Replicate(), Shard(2)), {2: (4, 7)}), "R,S3; 3=2/2"),
+        "nested-H": (Layout((Shard(2), Shard(2)), {2: (3, 0, 5, 3)}), "S3,S3; 3=1/1/1/1"),
+        "batch-and-H": (
+            Layout((Shard(0), Shard(2)), {0: (1, 1), 2: (9, 2)}),
+            "S0,S3; 0=1/1; 3=2/2",
+        ),
     }
-    for name, layout in layouts.items():
+    for name, (layout, spectrum_layout) in layouts.items():
         spectrum = check_against_reference(
-            lambda a: torch.fft.rfft2(a, norm="ortho"), [x], [layout], mesh, grad=False
+            lambda a: torch.fft.rfft2(a, norm="ortho"),
+            [x],
+            [layout],
+            mesh,
+            out_layouts=[parse(spectrum_layout)],
+            grad=False,
+            what=name,
         )[0]
         back = torch.fft.irfft2(spectrum, s=(11, 6), norm="ortho")
         assert_all_ranks(
@@ -261,7 +386,7 @@ def _mixed_body() -> None:
             what=name,
         )
     batch = _sharded(x, Layout((Shard(0), Replicate()), {0: (2, 0)}), mesh)
-    with shardsci.comm_counter() as stats:
+    with counted_comm() as stats:
         spectrum = torch.fft.fft2(batch)
     assert_all_ranks(
         stats.total_received == 0 and spectrum.placements == batch.placements,
@@ -284,9 +409,16 @@ def _signal_body() -> None:
     layout = Layout((Shard(0),), {0: (5, 0, 4, 4)})
     y = torch.fft.fft(_sharded(x, layout, mesh))
     assert_all_ranks(y._spec.shardings[0].sizes == (5, 0, 4, 4), f"1-D fft: {y._spec}")
-    check_against_reference(lambda a: _parts(torch.fft.fft(a)), [x], [layout], mesh)
+    gathered = "a 1-D signal is gathered, transformed and sliced back (by design)"
     check_against_reference(
-        lambda a: torch.fft.irfft(torch.fft.rfft(a.real), n=13), [x], [layout], mesh
+        lambda a: _parts(torch.fft.fft(a)), [x], [layout], mesh, not_a_gather=gathered
+    )
+    check_against_reference(
+        lambda a: torch.fft.irfft(torch.fft.rfft(a.real), n=13),
+        [x],
+        [layout],
+        mesh,
+        not_a_gather=gathered,
     )
 
 
@@ -309,7 +441,7 @@ def _truncation_body(modes: int) -> int:
     )
     x.requires_grad_(True)
     kept = torch.fft.rfft(x)[..., :modes]
-    with shardsci.comm_counter() as forward:
+    with counted_comm("forward") as forward:
         spectrum = torch.fft.fft(kept, dim=2)
     rank = torch.distributed.get_rank()
     mode_sizes = spectrum._spec.sharding_by_dim[3].sizes
@@ -319,7 +451,7 @@ def _truncation_body(modes: int) -> int:
         f"received {forward.as_dict()}, expected {expected} bytes in one all-to-all",
     )
     loss = (spectrum.abs() ** 2).sum().full_tensor()
-    with shardsci.comm_counter() as backward:
+    with counted_comm("backward") as backward:
         loss.backward()
     assert_all_ranks(
         backward.calls["all_to_all"] == 1
@@ -361,14 +493,28 @@ def _spectral_conv_truncate_first(x: torch.Tensor, weight: torch.Tensor) -> torc
     return torch.fft.irfft(grid, n=x.shape[-1], norm="ortho")
 
 
+# (case, layer) -> the output's layout where it is not the input's (the inverse of a spectrum
+# whose hints einsum dropped takes the cheapest layout, with torch.chunk sizes).
+SPECTRAL_CONV_LAYOUTS = {
+    ("4r-W-even", "_spectral_conv_truncate_first"): "S2; 2=2/2/1/0",
+    ("2x2-block", "_spectral_conv_truncate_first"): "S2,S2; 2=3/3/3/2",
+}
+
+
 def _spectral_conv_body(case_name: str) -> None:
     case = CASE_BY_NAME[case_name]
     mesh = get_mesh(case.mesh)
     x = torch.randn(case.shape, dtype=torch.float64)
     weight = torch.randn(case.shape[1], 4, *MODES, dtype=torch.complex128)
     for layer in (_spectral_conv_full, _spectral_conv_truncate_first):
+        stated = SPECTRAL_CONV_LAYOUTS.get((case.name, layer.__name__))
         out = check_against_reference(
-            layer, [x, weight], [case.layout, None], mesh, what=layer.__name__
+            layer,
+            [x, weight],
+            [case.layout, None],
+            mesh,
+            out_layouts=[parse(stated) if stated else case.layout],
+            what=layer.__name__,
         )[0]
         # einsum's output forgets the hints, so the inverse cannot tell which layout the
         # spectrum came from and takes the cheapest one: the input's layout for an H slab.
@@ -388,7 +534,7 @@ def _details_body() -> None:
     x = torch.randn(2, 3, 11, 6, dtype=torch.complex128)
     # Complex tensors travel as raw bytes: 16 per element, exact values and gradients.
     sharded = _sharded(x, layout, mesh)
-    with shardsci.comm_counter() as stats:
+    with counted_comm() as stats:
         moved = sharded.redistribute(placements=[Shard(3)])
     rank = torch.distributed.get_rank()
     expected = 16 * 2 * 3 * (11 - (7, 4)[rank]) * (3, 3)[rank]
@@ -396,16 +542,30 @@ def _details_body() -> None:
         stats.received["all_to_all"] == expected and torch.equal(moved.full_tensor(), x),
         f"complex redistribution: {stats.as_dict()}, expected {expected} bytes",
     )
+    w_sharded = parse("S3; 3=3/3")
     check_against_reference(
         lambda a: _parts(a.redistribute(placements=[Shard(3)]) if _is_sharded(a) else a),
         [x],
         [layout],
         mesh,
+        out_layouts=[w_sharded, w_sharded],
     )
     # Partial inputs: sums stay Partial through the (linear) transform, maxima are reduced.
     real = torch.randn(2, 3, 11, 6, dtype=torch.float64)
-    check_against_reference(lambda a: _parts(torch.fft.fft(a.sum(2))), [real], [layout], mesh)
-    check_against_reference(lambda a: _parts(torch.fft.rfft(a.amax(2))), [real], [layout], mesh)
+    check_against_reference(
+        lambda a: _parts(torch.fft.fft(a.sum(2))),
+        [real],
+        [layout],
+        mesh,
+        out_layouts=[parse("P")] * 2,
+    )
+    check_against_reference(
+        lambda a: _parts(torch.fft.rfft(a.amax(2))),
+        [real],
+        [layout],
+        mesh,
+        out_layouts=[parse("R")] * 2,
+    )
     # Bad input fails on every rank, before any collective.
     assert_raises_all_ranks(
         RuntimeError, "Invalid number of data points", lambda: torch.fft.fft(sharded, 0, 2)

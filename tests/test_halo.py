@@ -10,7 +10,13 @@ from torch.distributed.tensor import Shard
 
 import shardsci
 from shardsci.tensor._halo import halo_exchange
-from shardsci.testing import assert_all_ranks, assert_close_all_ranks, get_mesh, run_on_ranks
+from shardsci.testing import (
+    assert_all_ranks,
+    assert_close_all_ranks,
+    counted_comm,
+    get_mesh,
+    run_on_ranks,
+)
 
 MODES = {
     "zeros": "constant",
@@ -46,7 +52,7 @@ def _check(mesh_shape, shape, placements, sizes, widths, boundary) -> None:
     x = shardsci.distribute_tensor(whole, mesh, placements, by_axis)
     local = x.to_local().detach().requires_grad_(True)
     sharded = shardsci.ShardTensor.from_local(local, mesh, placements, by_axis)
-    with shardsci.comm_counter() as stats:
+    with counted_comm("halo") as stats:
         extended = halo_exchange(sharded, {d: w for d, w in widths.items()}, boundary)
     expected = _window(reference, x._spec, mesh.get_coordinate(), widths)
     assert_close_all_ranks(extended.detach(), expected.detach(), atol=0, rtol=0, what="halo")

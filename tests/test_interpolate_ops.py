@@ -25,6 +25,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.expected_layouts import ExpectedLayout, interpolation_anchors, windowed
 from tests.layouts import SPATIAL_2D, Sharded
 
 # Keyword sets for F.interpolate: up and down, integer and not, explicit sizes, each way the
@@ -48,16 +49,31 @@ MODES_2D = {
 }
 
 
+def _centred(case: Sharded, call, mode: str) -> ExpectedLayout:
+    """Each output cell on the rank holding the input cell it is centred on (NOTE [Which rank
+    owns an output of a windowed op])."""
+    spatial = range(2, len(case.shape))
+    anchors = interpolation_anchors(case.shape, spatial, call, area=mode == "area")
+    return windowed(case.layout, case.shape, case.mesh, anchors)
+
+
 def _interpolate_body(case: Sharded, mode: str, resizes: dict, variants: list) -> None:
     x = torch.randn(case.shape, dtype=torch.float64)
     mesh = get_mesh(case.mesh)
     for name, resize in resizes.items():
         for variant in variants:
+            kw = {**resize, **variant}
+            # Bicubic weights do not reproduce a ramp; they share bilinear's source coordinate.
+            linear = {"bicubic": "bilinear"}.get(mode, mode)
+            expected = _centred(
+                case, lambda a, kw=kw, m=linear: F.interpolate(a, mode=m, **kw), mode
+            )
             check_against_reference(
-                lambda a, kw={**resize, **variant}: F.interpolate(a, mode=mode, **kw),
+                lambda a, kw=kw: F.interpolate(a, mode=mode, **kw),
                 [x],
                 [case.layout],
                 mesh,
+                out_layouts=[expected],
                 what=f"{case} {mode} {name} {variant}",
             )
 
@@ -183,7 +199,18 @@ def _adjoint_body(case: Sharded, mode: str, resize: dict) -> None:
     def fn(a: torch.Tensor) -> torch.Tensor:
         return F.interpolate(a, mode=mode, **resize)
 
-    (out,) = check_against_reference(fn, [x], [case.layout], mesh, grad=False, what=mode)
+    def centre(a: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(a, mode={"bicubic": "bilinear"}.get(mode, mode), **resize)
+
+    (out,) = check_against_reference(
+        fn,
+        [x],
+        [case.layout],
+        mesh,
+        out_layouts=[_centred(case, centre, mode)],
+        grad=False,
+        what=mode,
+    )
     projection = torch.randn(out.shape, dtype=torch.float64)
     expected = torch.tensordot(projection, torch.func.jacfwd(fn)(x), dims=x.ndim)
     spec = case.layout.spec(mesh, x)
@@ -284,7 +311,11 @@ def _empty_batch_body() -> None:
     x = torch.empty(0, 1, 6, 4, dtype=torch.float64)
     layout = Layout((Shard(2),), {2: (4, 2)})
     check_against_reference(
-        lambda a: F.interpolate(a, scale_factor=2, mode="nearest"), [x], [layout], mesh
+        lambda a: F.interpolate(a, scale_factor=2, mode="nearest"),
+        [x],
+        [layout],
+        mesh,
+        out_layouts=[Layout(layout.placements, {2: (8, 4)})],
     )
 
 

@@ -117,6 +117,7 @@ def _sharded_body(parts_name: str, aggregation: str, batch: int) -> None:
         [node_layout, edge_layout, index_layout],
         mesh,
         module=model,
+        out_layouts=[node_layout],
         what=f"{parts_name} {aggregation}",
     )
 

@@ -6,6 +6,7 @@ batch sharding, 1-D meshes and 2x2 block decompositions, 1-D, 2-D and 3-D inputs
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import pytest
@@ -15,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from shardsci.tensor import comm_counter
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
     Layout,
@@ -23,6 +23,7 @@ from shardsci.testing import (
     assert_close_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -110,8 +111,16 @@ def _module_body(case: Sharded, name: str) -> None:
     reference = copy.deepcopy(module)
     x = torch.randn(case.shape, dtype=F64)
     what = f"{case}/{name}"
+    tiny = math.prod(case.shape[2:]) == 1  # statistics weigh as much as the shards
     check_against_reference(
-        lambda m, a: m(a), [x], [case.layout], mesh, module=module, rtol=0, what=what
+        lambda m, a: m(a),
+        [x],
+        [case.layout],
+        mesh,
+        module=module,
+        rtol=0,
+        not_a_gather="per-channel statistics of a (N, C) input" if tiny else "",
+        what=what,
     )
     with torch.no_grad():
         reference(x)
@@ -238,16 +247,16 @@ def test_functional_running_stats() -> None:
 # ---------------------------------------------------------------------------- communication
 def _collectives_body(affine: bool) -> None:
     """Forward: one all-gather of the statistics. Backward: one all-reduce for the input
-    gradient, and one per mesh axis for each affine parameter."""
+    gradient, and one (over both mesh axes) for each affine parameter."""
     case = SPATIAL[3]
     torch.manual_seed(0)
     module = nn.GroupNorm(2, 4, affine=affine, dtype=F64)
     x = _sharded(torch.randn(case.shape, dtype=F64), case).requires_grad_()
-    with comm_counter() as forward:
+    with counted_comm("forward") as forward:
         y = module(x).to_local()
-    with comm_counter() as backward:
+    with counted_comm("backward") as backward:
         (y * torch.randn_like(y)).sum().backward()
-    expected_backward = {"all_reduce": 1 + (4 if affine else 0)}
+    expected_backward = {"all_reduce": 1 + (2 if affine else 0)}
     assert_all_ranks(dict(forward.calls) == {"all_gather": 1}, f"forward: {dict(forward.calls)}")
     assert_all_ranks(dict(backward.calls) == expected_backward, f"backward: {dict(backward.calls)}")
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 import shardsci
-from shardsci.testing import assert_all_ranks, get_mesh, run_on_ranks
+from shardsci.testing import assert_all_ranks, counted_comm, get_mesh, run_on_ranks
 
 SIZES = (5, 0, 3, 4)  # rows per rank of a (12, 6, 4) tensor sharded on dim 0 (4 ranks)
 SHAPE = (12, 6, 4)
@@ -54,7 +54,7 @@ def _body(name: str) -> None:
         torch.randn(SHAPE, dtype=torch.float64), mesh, [Shard(0)], {0: SIZES}
     )
     local_bytes = x._local.numel() * ITEM
-    with shardsci.comm_counter() as stats:
+    with counted_comm(name) as stats:
         fn(x)
     received = stats.total_received
     assert_all_ranks(
@@ -80,7 +80,7 @@ def _realign_body() -> None:
     mine = torch.distributed.get_rank()
     start_a, start_b = sum(SIZES[:mine]), 3 * mine
     overlap = max(0, min(start_a + SIZES[mine], start_b + 3) - max(start_a, start_b))
-    with shardsci.comm_counter() as stats:
+    with counted_comm("realign") as stats:
         c = a * b
     lacking = (SIZES[mine] - overlap) * row  # the smaller operand moves to the larger's layout
     assert_all_ranks(

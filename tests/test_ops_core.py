@@ -1,14 +1,29 @@
 """Every core op on ShardTensors against the single-process reference, forward and gradients,
-float64, on even, uneven and empty shards, 1-D and 2-D meshes."""
+float64, on even, uneven and empty shards, 1-D and 2-D meshes, and the layout of each output."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Partial, Placement, Replicate
+from torch.distributed.tensor._ops._math_ops import _NormPartial
 
-from shardsci.testing import check_against_reference, get_mesh, run_on_ranks
+from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+from tests.boxes import dim_shardings
+from tests.expected_layouts import (
+    counted,
+    every_shard_even,
+    on_multiples,
+    over_sharded_axes,
+    parse,
+    reduced,
+    renamed,
+)
 from tests.layouts import CASES, Case
 
 
@@ -94,18 +109,157 @@ NO_GRAD = {
 }
 
 
+# ---------------------------------------------------------------------------- expected layouts
+# Name -> the layout of its output, from the case; absent: the input's layout. A full
+# reduction is Partial where each shard's own result combines into the answer, Replicate where
+# it was computed with communication.
+def _mean_partial(c: Case) -> Partial:
+    """A mean of unequal shards is rescaled into a Partial sum; of equal ones an average."""
+    return Partial("avg") if every_shard_even(c.layout, c.shape, c.mesh) else Partial("sum")
+
+
+def _dim_sizes(c: Case, dim: int) -> tuple[int, ...]:
+    return dim_shardings(c.layout, c.shape, c.mesh)[dim][1]
+
+
+def _with_sizes(c: Case, dim: int, sizes: tuple[int, ...]) -> Layout:
+    return Layout(c.layout.placements, {**dict(c.layout.sizes), dim: sizes})
+
+
+def _flattened(c: Case) -> Layout:
+    """``flatten(d)``: dim ``d`` absorbs the trailing dims; a block's inner sharded dim is
+    first nested onto it (each piece chunked)."""
+    d = c.sharded_dim
+    return {
+        "2x2-block": parse("S0,S0; 0=24/12/12/12"),
+        "2x2-nested": parse("S0,S0; 0=24/12/0/36"),
+    }.get(c.name) or renamed(c.layout, c.shape, c.mesh, {}, {d: math.prod(c.shape[d + 1 :])})
+
+
+def _unflattened(c: Case) -> Layout:
+    """``unflatten(d, (n / f, f))``: boundaries move to the nearest multiples of ``f``."""
+    d = c.sharded_dim
+    resized = _with_sizes(c, d, on_multiples(_dim_sizes(c, d), _factors(c.shape[d])[1]))
+    return renamed(resized, c.shape, c.mesh, {e: e + 1 for e in range(d + 1, len(c.shape))})
+
+
+def _kept(c: Case, indices: range) -> Layout:
+    d = c.sharded_dim
+    return _with_sizes(c, d, counted(_dim_sizes(c, d), indices))
+
+
+def _full(placement: Placement) -> Callable[[Case], Layout]:
+    return lambda c: over_sharded_axes(c.layout, placement)
+
+
+def _moved(dims: dict[int, int]) -> Callable[[Case], Layout]:
+    return lambda c: renamed(c.layout, c.shape, c.mesh, dims)
+
+
+UNARY_LAYOUTS: dict[str, Callable[[Case], Layout]] = {
+    "sum_all": _full(Partial("sum")),
+    "mse_sum": _full(Partial("sum")),
+    "mse_to_sin": _full(Partial("sum")),
+    "var_all": _full(Partial("sum")),
+    "mean_all": lambda c: over_sharded_axes(c.layout, _mean_partial(c)),
+    "l1_to_sin": lambda c: over_sharded_axes(c.layout, _mean_partial(c)),
+    "std_all": _full(Replicate()),
+    "norm_all": _full(_NormPartial(2)),
+    "norm_inf": _full(Partial("max")),
+    "amax_all": _full(Partial("max")),
+    "max_all": _full(Partial("max")),
+    "amin_all": _full(Partial("min")),
+    "argmax_all": _full(Replicate()),
+    "argmin_all": _full(Replicate()),
+    "transpose": _moved({0: 2, 2: 0}),
+    "permute": _moved({2: 0, 0: 1, 1: 2}),
+    "stack": _moved({0: 1, 1: 2, 2: 3}),
+    "flatten_trailing": _flattened,
+    "reshape_trailing": _flattened,
+    "unflatten_last": lambda c: c.layout,
+    "unflatten_sharded": _unflattened,
+    "slice_sharded": lambda c: _kept(c, range(1, c.shape[c.sharded_dim] - 1)),
+    "step_slice_sharded": lambda c: _kept(c, range(1, c.shape[c.sharded_dim], 2)),
+    "select_sharded": lambda c: reduced(c.layout, c.shape, c.mesh, [c.sharded_dim], Replicate()),
+    "select_other": lambda c: reduced(
+        c.layout, c.shape, c.mesh, [1 if c.sharded_dim != 1 else 2], Replicate()
+    ),
+    "index_sharded": lambda c: reduced(
+        c.layout, c.shape, c.mesh, [c.sharded_dim], Replicate(), keepdim=True
+    ),
+    "cat_self_sharded": lambda c: renamed(c.layout, c.shape, c.mesh, {}, {c.sharded_dim: 2}),
+    "cat_last": lambda c: c.layout,
+}
+
+
+def _reduction(placement: Placement | Callable[[Case, int], Placement], keepdim: bool = False):
+    def layout(c: Case, dim: int) -> Layout:
+        chosen = placement(c, dim) if callable(placement) else placement
+        return reduced(c.layout, c.shape, c.mesh, [dim], chosen, keepdim)
+
+    return layout
+
+
+def _mean_dim_partial(c: Case, dim: int) -> Partial:
+    sizes = dim_shardings(c.layout, c.shape, c.mesh).get(dim, ((), (1,)))[1]
+    return Partial("avg") if sizes[0] > 0 and len(set(sizes)) == 1 else Partial("sum")
+
+
+# Reductions over a sharded dim that also shard a freed or replicated mesh axis (values are
+# right; the layout differs from the input's: reported).
+_RESHARDED = {
+    ("std_dim", "2x2-block", 0): parse("S1,S0; 0=1/3; 1=2/1"),
+    ("std_dim", "2x2-block", 1): parse("S0,S0; 0=2/1/1/1"),
+    ("std_dim", "2x2-replicate-shard", 1): parse("S0,S1; 0=2/1; 1=2/2"),
+    ("var_dim", "2x2-replicate-shard", 1): parse("S0,P; 0=2/1"),
+    ("softmax", "2x2-replicate-shard", 1): parse("S0,S1; 0=2/1; 1=4/1"),
+    ("log_softmax", "2x2-replicate-shard", 1): parse("S0,S1; 0=2/1; 1=4/1"),
+}
+PER_DIM_LAYOUTS: dict[str, Callable[[Case, int], Layout]] = {
+    "sum_dim": _reduction(Partial("sum")),
+    "mean_dim": _reduction(_mean_dim_partial, keepdim=True),
+    "var_dim": _reduction(Partial("sum")),
+    "std_dim": _reduction(Replicate()),
+    "norm_dim": _reduction(_NormPartial(2)),
+    "amax_dim": _reduction(Partial("max")),
+    "amin_dim": _reduction(Partial("min"), keepdim=True),
+    "argmax_dim": _reduction(Replicate()),
+    "argmin_dim": _reduction(Replicate(), keepdim=True),
+}
+# Candidates (value, index) of a (3, 4) result from four ranks outweigh a 6-row input.
+_HEAVY_CANDIDATES = {("argmax_dim", "2x2-nested", 0), ("argmin_dim", "2x2-nested", 0)}
+
+
 def _unary_body(case: Case, name: str) -> None:
     mesh = get_mesh(case.mesh)
     table = UNARY if name in UNARY else NO_GRAD
-    fn = table[name](case)
-    check_against_reference(fn, [_x(case)], [case.layout], mesh, grad=name in UNARY, what=name)
+    expected = UNARY_LAYOUTS.get(name, lambda c: c.layout)(case)
+    check_against_reference(
+        table[name](case),
+        [_x(case)],
+        [case.layout],
+        mesh,
+        out_layouts=[expected],
+        grad=name in UNARY,
+        what=name,
+    )
 
 
 def _per_dim_body(case: Case, name: str, dim: int) -> None:
     mesh = get_mesh(case.mesh)
     table = PER_DIM if name in PER_DIM else NO_GRAD_PER_DIM
+    expected = _RESHARDED.get((name, case.name, dim)) or PER_DIM_LAYOUTS.get(
+        name, lambda c, d: c.layout
+    )(case, dim)
     check_against_reference(
-        table[name](dim), [_x(case)], [case.layout], mesh, grad=name in PER_DIM, what=name
+        table[name](dim),
+        [_x(case)],
+        [case.layout],
+        mesh,
+        out_layouts=[expected],
+        grad=name in PER_DIM,
+        not_a_gather="argmax candidates" if (name, case.name, dim) in _HEAVY_CANDIDATES else "",
+        what=name,
     )
 
 
@@ -171,10 +325,12 @@ def _matmul_body(case: Case, name: str) -> None:
     mesh = get_mesh(case.mesh)
     x = _x(case)
     width = case.shape[-1]
+    # The last dim is never sharded here: every output keeps the input's sharded dims.
+    kept = [case.layout]
     if name == "linear":
         module = nn.Linear(width, 5, dtype=torch.float64)
         check_against_reference(
-            lambda m, a: m(a), [x], [case.layout], mesh, module=module, what=name
+            lambda m, a: m(a), [x], [case.layout], mesh, module=module, out_layouts=kept, what=name
         )
     elif name == "layer_norm_module":
         module = nn.LayerNorm(width, dtype=torch.float64)
@@ -186,14 +342,18 @@ def _matmul_body(case: Case, name: str) -> None:
         )
     elif name == "matmul_plain":
         w = torch.randn(width, 6, dtype=torch.float64)
-        check_against_reference(torch.matmul, [x, w], [case.layout, None], mesh, what=name)
+        check_against_reference(
+            torch.matmul, [x, w], [case.layout, None], mesh, out_layouts=kept, what=name
+        )
     elif name == "einsum":
         w = torch.randn(width, 2, dtype=torch.float64)
         fn = lambda a, b: torch.einsum("ijk,kl->ijl", a, b)  # noqa: E731
-        check_against_reference(fn, [x, w], [case.layout, None], mesh, what=name)
+        check_against_reference(fn, [x, w], [case.layout, None], mesh, out_layouts=kept, what=name)
     elif name == "bmm":
         w = torch.randn(case.shape[0], width, 3, dtype=torch.float64)
-        check_against_reference(torch.bmm, [x, w], [case.layout, None], mesh, what=name)
+        check_against_reference(
+            torch.bmm, [x, w], [case.layout, None], mesh, out_layouts=kept, what=name
+        )
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -9,6 +9,7 @@ from torch.distributed.tensor import Shard
 
 import shardsci
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+from tests.expected_layouts import module_anchors, windowed
 
 CONVS = {
     "k3": dict(kernel_size=3, padding=1),
@@ -23,9 +24,17 @@ def _body(sizes, name, mode) -> None:
     module = nn.Conv2d(2, 3, padding_mode=mode, dtype=torch.float64, **CONVS[name])
     x = torch.randn(2, 2, sum(sizes), 6, dtype=torch.float64)
     layout = Layout((Shard(2),), {2: sizes})
+    mesh = (len(sizes),)
+    expected = windowed(layout, x.shape, mesh, module_anchors(module, x.ndim))
     with shardsci.overlap_halos():
         check_against_reference(
-            lambda m, a: m(a), [x], [layout], get_mesh((len(sizes),)), module=module, what=name
+            lambda m, a: m(a),
+            [x],
+            [layout],
+            get_mesh(mesh),
+            module=module,
+            out_layouts=[expected],
+            what=name,
         )
 
 

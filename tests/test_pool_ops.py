@@ -24,6 +24,13 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.expected_layouts import (
+    ExpectedLayout,
+    module_anchors,
+    renamed,
+    window_anchor,
+    windowed,
+)
 from tests.layouts import SPATIAL_2D, Sharded
 
 LAYOUT_3D = Sharded(
@@ -87,7 +94,21 @@ def _pool_body(case: Sharded, kind: str) -> None:
         if n == 1 and "divisor_override" in config:
             continue  # AvgPool1d has no divisor_override
         module = classes[n - 1](**config)
-        check_against_reference(lambda a, m=module: m(a), [x], [case.layout], mesh, what=name)
+        check_against_reference(
+            lambda a, m=module: m(a),
+            [x],
+            [case.layout],
+            mesh,
+            out_layouts=_pooled(case, module_anchors(module, x.ndim), module),
+            what=name,
+        )
+
+
+def _pooled(case: Sharded, anchors: dict, module: object = None) -> list[ExpectedLayout]:
+    """Each output (and index) cell on the rank holding its window's centre (NOTE [Which rank
+    owns an output of a windowed op])."""
+    layout = windowed(case.layout, case.shape, case.mesh, anchors)
+    return [layout] * (2 if getattr(module, "return_indices", False) else 1)
 
 
 @pytest.mark.parametrize("kind", list(POOLS))
@@ -97,22 +118,46 @@ def test_pool(case: Sharded, kind: str) -> None:
 
 
 # ---------------------------------------------------------------------------- function spellings
+# Name -> (call, its window along H (kernel, stride, padding, dilation), number of outputs).
 FUNCTIONS = {
-    "F.max_pool2d": lambda a: F.max_pool2d(a, 3, 2, 1, 1, True),
-    "F.max_pool2d-indices": lambda a: F.max_pool2d(a, 3, 2, 1, 1, True, True),
-    "F.max_pool2d_with_indices": lambda a: F.max_pool2d_with_indices(a, (3, 2), padding=(1, 0)),
-    "torch.max_pool2d": lambda a: torch.max_pool2d(a, 3, [], 1, 1, True),
-    "F.avg_pool2d": lambda a: F.avg_pool2d(a, 3, 2, 1, True, False),
-    "F.adaptive_avg_pool2d": lambda a: F.adaptive_avg_pool2d(a, (1, 3)),
-    "F.adaptive_max_pool2d-indices": lambda a: F.adaptive_max_pool2d(a, (1, None), True),
-    "unbatched": lambda a: F.max_pool2d(a[0], 3, 2, 1, return_indices=True),
+    "F.max_pool2d": (lambda a: F.max_pool2d(a, 3, 2, 1, 1, True), (3, 2, 1, 1), 1),
+    "F.max_pool2d-indices": (lambda a: F.max_pool2d(a, 3, 2, 1, 1, True, True), (3, 2, 1, 1), 2),
+    "F.max_pool2d_with_indices": (
+        lambda a: F.max_pool2d_with_indices(a, (3, 2), padding=(1, 0)),
+        (3, 3, 1, 1),
+        2,
+    ),
+    "torch.max_pool2d": (lambda a: torch.max_pool2d(a, 3, [], 1, 1, True), (3, 3, 1, 1), 1),
+    "F.avg_pool2d": (lambda a: F.avg_pool2d(a, 3, 2, 1, True, False), (3, 2, 1, 1), 1),
+    "F.adaptive_avg_pool2d": (lambda a: F.adaptive_avg_pool2d(a, (1, 3)), (11, 11, 0, 1), 1),
+    "F.adaptive_max_pool2d-indices": (
+        lambda a: F.adaptive_max_pool2d(a, (1, None), True),
+        (11, 11, 0, 1),
+        2,
+    ),
 }
 
 
 def _functions_body(case: Sharded) -> None:
+    """``case`` is sharded along H (dim 2) only."""
     x = torch.randn(case.shape, dtype=torch.float64)
-    for name, fn in FUNCTIONS.items():
-        check_against_reference(fn, [x], [case.layout], get_mesh(case.mesh), what=name)
+    mesh = get_mesh(case.mesh)
+    for name, (fn, window, outputs) in FUNCTIONS.items():
+        layout = windowed(case.layout, case.shape, case.mesh, {2: window_anchor(*window)})
+        check_against_reference(
+            fn, [x], [case.layout], mesh, out_layouts=[layout] * outputs, what=name
+        )
+    # Unbatched: H is dim 1 of the input the pool sees.
+    unbatched = renamed(case.layout, case.shape, case.mesh, {2: 1})
+    layout = windowed(unbatched, case.shape[1:], case.mesh, {1: window_anchor(3, 2, 1, 1)})
+    check_against_reference(
+        lambda a: F.max_pool2d(a[0], 3, 2, 1, return_indices=True),
+        [x],
+        [case.layout],
+        mesh,
+        out_layouts=[layout] * 2,
+        what="unbatched",
+    )
 
 
 def test_function_spellings() -> None:
@@ -130,7 +175,14 @@ def _all_inf_windows_body(case: Sharded) -> None:
         "k2-d2-s1-p1": dict(kernel_size=2, stride=1, padding=1, dilation=2),
     }.items():
         for pool in (nn.MaxPool2d(**config), nn.MaxPool2d(**config, return_indices=True)):
-            check_against_reference(pool, [x], [case.layout], get_mesh(case.mesh), what=name)
+            check_against_reference(
+                pool,
+                [x],
+                [case.layout],
+                get_mesh(case.mesh),
+                out_layouts=_pooled(case, module_anchors(pool, x.ndim), pool),
+                what=name,
+            )
 
 
 @pytest.mark.parametrize("case", [SPATIAL_2D[1], SPATIAL_2D[3]], ids=str)
@@ -183,9 +235,20 @@ def _adaptive_body(case: Sharded, sizes: list[tuple[int, ...]]) -> None:
     mesh = get_mesh(case.mesh)
     x = torch.randn(case.shape, dtype=torch.float64)
     for size in sizes:
+        # Aligned: each output averages a window of extent / size cells, no overlap.
+        spatial = range(x.ndim - len(size), x.ndim)
+        windows = {d: x.shape[d] // n for d, n in zip(spatial, size) if n is not None}
+        anchors = {d: window_anchor(k, k, 0, 1) for d, k in windows.items()}
         for module in (avg(size), max_(size), max_(size, return_indices=True)):
             what = f"{type(module).__name__}{size}"
-            check_against_reference(lambda a, m=module: m(a), [x], [case.layout], mesh, what=what)
+            check_against_reference(
+                lambda a, m=module: m(a),
+                [x],
+                [case.layout],
+                mesh,
+                out_layouts=_pooled(case, anchors, module),
+                what=what,
+            )
 
 
 @pytest.mark.parametrize(("case", "sizes"), ADAPTIVE, ids=[str(c) for c, _ in ADAPTIVE])
@@ -214,8 +277,14 @@ def _ownership_body() -> None:
     sizes = (4, 6, 2, 4)
     x = torch.randn(1, 2, sum(sizes), 5, dtype=torch.float64)
     layout = Layout((Shard(2),), {2: sizes})
-    (out,) = check_against_reference(nn.MaxPool2d(2), [x], [layout], get_mesh((4,)))
     halves = tuple(s // 2 for s in sizes)
+    (out,) = check_against_reference(
+        nn.MaxPool2d(2),
+        [x],
+        [layout],
+        get_mesh((4,)),
+        out_layouts=[Layout(layout.placements, {2: halves})],
+    )
     out_sizes = out._spec.sharding_by_dim[2].sizes
     assert_all_ranks(
         out_sizes == halves and out._local.shape[2] == halves[dist.get_rank()],

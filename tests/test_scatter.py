@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from shardsci.tensor import ShardTensor, comm_counter, distribute_tensor, scatter_tensor
+from shardsci.tensor import ShardTensor, distribute_tensor, scatter_tensor
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
     assert_close_all_ranks,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -117,7 +118,7 @@ def _scatter_problems(case: Case, mesh, value: torch.Tensor, metadata: bool) -> 
     rank, me = dist.get_rank(), tuple(mesh.get_coordinate())
     is_src = rank == case.src
     known = {"global_shape": case.shape, "dtype": case.dtype} if metadata else {}
-    with comm_counter() as stats:
+    with counted_comm() as stats:
         x = scatter_tensor(
             value if is_src else None,
             case.src,
@@ -214,7 +215,7 @@ def _distribute_body(case: Case) -> None:
     mesh = get_mesh(case.mesh)
     me = tuple(mesh.get_coordinate())
     value = _global(case).requires_grad_(True)
-    with comm_counter() as stats:
+    with counted_comm() as stats:
         x = distribute_tensor(value, mesh, case.placements, dict(case.sharding_shapes) or None)
     region = box(case.layout, case.shape, case.mesh, me)
     assert_all_ranks(

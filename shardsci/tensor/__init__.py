@@ -1,6 +1,7 @@
 """ShardTensor: tensors sharded over a DeviceMesh with arbitrary shard sizes."""
 
 from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._caches import cache_sizes, clear_caches
 from shardsci.tensor._comm_stats import CommStats, comm_counter
 from shardsci.tensor._halo import halo_exchange
 from shardsci.tensor._options import attention_exchange, overlap_halos
@@ -16,6 +17,8 @@ __all__ = [
     "ShardTensor",
     "ShardTensorSpec",
     "attention_exchange",
+    "cache_sizes",
+    "clear_caches",
     "comm_counter",
     "distribute_tensor",
     "halo_exchange",

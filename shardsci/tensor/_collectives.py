@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import mesh_coordinate
 
@@ -58,8 +59,11 @@ class AxisGroup:
     global_ranks: tuple[int, ...]
 
 
-_GROUPS: dict[tuple[int, tuple[int, ...]], AxisGroup] = {}
-_MESHES_KEPT_ALIVE: list[DeviceMesh] = []
+# Keyed by the mesh's value, which keeps the mesh (and its groups) alive while cached
+# (NOTE [Caches are keyed by value]).
+_GROUPS: BoundedCache[tuple[DeviceMesh, tuple[int, ...]], AxisGroup] = BoundedCache(
+    "axis groups", 1024
+)
 
 
 def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
@@ -68,7 +72,7 @@ def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
     A group over several axes is created on first use, collectively over the whole mesh.
     """
     axes = tuple(axes)
-    key = (id(mesh), axes)
+    key = (mesh, axes)
     found = _GROUPS.get(key)
     if found is not None:
         return found
@@ -87,9 +91,7 @@ def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
         group_ranks=tuple(members.index(r) for r in mine),
         global_ranks=tuple(mine),
     )
-    _GROUPS[key] = result
-    _MESHES_KEPT_ALIVE.append(mesh)
-    return result
+    return _GROUPS.put(key, result)
 
 
 def _size(mesh: DeviceMesh, axes: Sequence[int]) -> int:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
 
+from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import (
     AxisGroup,
     PendingMessages,
@@ -99,7 +99,7 @@ class HaloPlan:
         return [r for r in self.runs[dst] if r.source == src]
 
 
-@lru_cache(maxsize=4096)
+@cached("halo plans", 4096)
 def halo_plan(
     dim: int,
     sizes: tuple[int, ...],

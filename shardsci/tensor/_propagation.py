@@ -20,16 +20,17 @@ made once and cached: a training step's ops pay for propagation on the first ste
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch._ops import OpOverload
 from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import _redistribute as _dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardsci.tensor._caches import BoundedCache, register_cache
 from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
@@ -135,7 +136,42 @@ def _key(value: object) -> object:
 
 
 # ---------------------------------------------------------------------------- plans
-_PLANS: OrderedDict = OrderedDict()
+# Keyed by value (NOTE [Caches are keyed by value]): the op, the operands' spec keys, the
+# other arguments.
+_PLANS: BoundedCache[tuple, Plan] = BoundedCache("sharding plans", _MAX_PLANS)
+# DTensor's own propagation cache never evicts: this bounded one stands in front of it.
+_SHARDINGS: BoundedCache[OpSchema, OutputSharding] = BoundedCache(
+    "DTensor sharding propagations", _MAX_PLANS
+)
+register_cache(
+    "DTensor's propagation cache",
+    lambda: _PROPAGATOR.propagate_op_sharding.cache_info().currsize,
+    _PROPAGATOR.propagate_op_sharding.cache_clear,
+)
+# DTensor's propagation prices redistributions with planners it caches per (mesh, shape) and
+# transform lists it caches per pair of specs, and never evicts either (they hold their meshes,
+# so they outlive them too): both are emptied whenever one passes this bound.
+_MAX_PRICING_ENTRIES = 256
+_PRICING_CACHES = {
+    "DTensor's redistribute planners": (
+        lambda: len(_dtensor_redistribute._planner_cache),
+        _dtensor_redistribute.clear_redistribute_planner_cache,
+    ),
+    "DTensor's transform infos": (
+        lambda: _dtensor_redistribute._gen_transform_infos.cache_info().currsize,
+        _dtensor_redistribute._gen_transform_infos.cache_clear,
+    ),
+}
+for _name, (_size, _clear) in _PRICING_CACHES.items():
+    register_cache(_name, _size, _clear)
+
+
+def _propagated(schema: OpSchema) -> OutputSharding:
+    sharding = _PROPAGATOR.propagate_op_sharding_non_cached(schema)
+    if any(size() > _MAX_PRICING_ENTRIES for size, _ in _PRICING_CACHES.values()):
+        for _, clear in _PRICING_CACHES.values():
+            clear()
+    return sharding
 
 
 def plan_for(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -> Plan:
@@ -150,12 +186,7 @@ def plan_for(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -> 
         hash(key)
     except TypeError:
         return _make_plan(func, leaves, structure, kwargs)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _make_plan(func, leaves, structure, kwargs)
-        if len(_PLANS) > _MAX_PLANS:
-            _PLANS.popitem(last=False)
-    return plan
+    return _PLANS.get_or_make(key, lambda: _make_plan(func, leaves, structure, kwargs))
 
 
 def _make_plan(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -> Plan:
@@ -243,7 +274,7 @@ def _propagate(
         schema_info=_schema_info(func, kwargs),
     )
     try:
-        return _PROPAGATOR.propagate_op_sharding(schema)
+        return _SHARDINGS.get_or_make(schema, lambda: _propagated(schema))
     except NotImplementedError:
         if _can_decompose(func):
             return None

@@ -10,8 +10,11 @@ the axes whose sharding changes, so Shard(i) -> Shard(j) is one all-to-all, Shar
 an all-gather, Replicate -> Shard a local slice, and every rank receives exactly the bytes it
 lacks: the lower bound.
 Partial axes reduce around that exchange: to Shard(d) by a reduce-scatter along d when the
-axis is innermost for d in the target order, otherwise by an all-reduce, done on whichever side
-of the exchange holds fewer elements.
+axis is innermost for d in the target order; the others by one all-reduce over all of them
+together (one ring over N ranks moves 2 (N - 1) / N of the buffer, less than a ring per axis),
+done where the fewest elements are held: before the exchange, after it, or, when those axes
+shard nothing in the target, after the reduce-scatters. ``tests/test_redistribute.py`` checks
+every transition against the cheapest of these ways, computed from boxes alone.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group, exchange
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import (
@@ -47,8 +50,8 @@ def target_spec(
 
     Shard sizes come from ``sizes`` (tensor dim -> flat extents) when given, else stay as in
     ``src`` for a dim sharded over the same axes, else come from the hints (the sizes the dim
-    had when it was last sharded over those axes, in that order), else follow ``torch.chunk``
-    over the axes in increasing order.
+    had when it was last sharded over those axes, in that order: NOTE [Shard-size hints]),
+    else follow ``torch.chunk`` over the axes in increasing order.
     """
     placements = tuple(placements)
     ndim = src.ndim
@@ -110,15 +113,46 @@ def redistribute_local(
 
 @dataclass(frozen=True)
 class _AllReduce:
-    axis: int
-    spec: ShardTensorSpec  # the layout before, with the axis still Partial
+    """One all-reduce over the group of ``axes``: every axis Partial with the same reduce op
+    (sum and avg combine: a sum divided by the ranks along the avg axes), or a single axis."""
+
+    axes: tuple[int, ...]
+    spec: ShardTensorSpec  # the layout before, with the axes still Partial
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
-        placement = self.spec.placements[self.axis]
-        group = axis_group(self.spec.mesh, (self.axis,))
-        if placement.reduce_op in ("sum", "avg", "max", "min") and type(placement) is Partial:
-            return all_reduce(local, group, placement.reduce_op)
-        return _reduce_with_placement(local, self.axis, self.spec, group)
+        group = axis_group(self.spec.mesh, self.axes)
+        placements = [self.spec.placements[a] for a in self.axes]
+        if len(self.axes) == 1 and not _plain_partial(placements[0]):
+            return _reduce_with_placement(local, self.axes[0], self.spec, group)
+        ops = {p.reduce_op for p in placements}
+        if ops <= {"sum", "avg"} and len(ops) > 1:
+            averaged = math.prod(
+                self.spec.mesh_shape[a]
+                for a, p in zip(self.axes, placements)
+                if p.reduce_op == "avg"
+            )
+            return all_reduce(local, group, "sum") / averaged
+        return all_reduce(local, group, ops.pop())
+
+
+def _plain_partial(placement: Placement) -> bool:
+    return type(placement) is Partial and placement.reduce_op in ("sum", "avg", "max", "min")
+
+
+def _all_reduces(axes: list[int], spec: ShardTensorSpec) -> list[_AllReduce]:
+    """All-reduces over ``axes``: one over all of them when their reductions combine (one ring
+    over N ranks moves ``2 (N - 1) / N`` of the buffer, less than one ring per axis), else one
+    per axis."""
+    placements = [spec.placements[a] for a in axes]
+    ops = {p.reduce_op for p in placements}
+    combined = ops <= {"sum", "avg"} or len(ops) == 1
+    if len(axes) > 1 and all(map(_plain_partial, placements)) and combined:
+        return [_AllReduce(tuple(axes), spec)]
+    steps = []
+    for axis in axes:
+        steps.append(_AllReduce((axis,), spec))
+        spec = _with_placement(spec, axis, Replicate())
+    return steps
 
 
 @dataclass(frozen=True)
@@ -156,7 +190,7 @@ class _Exchange:
     dst: ShardTensorSpec
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
-        plan = _exchange_plan(_layout_key(self.src), _layout_key(self.dst), self.src, self.dst)
+        plan = _exchange_plan(self.src, self.dst)
         if plan.group is None:
             if plan.own_source_box is None:
                 return local.new_empty(plan.out_shape)
@@ -201,18 +235,16 @@ def _plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> list:
             landing = _with_placement(landing, axis, Replicate())
     steps: list = []
     current = src
-    if all_reduce_axes:
-        # Exchanging first shrinks the all-reduce when the landing holds fewer elements (over
-        # all ranks: the choice must not depend on this rank's shard, or ranks would run
-        # different collectives); not possible when a reduced axis is an outer axis of a
-        # nested target dim (the pieces left after dropping it are not intervals).
-        reduced_later = _drop_axes(landing, all_reduce_axes, src)
-        if reduced_later is not None and _elements_held(reduced_later) < _elements_held(src):
-            steps.append(_Exchange(current, reduced_later))
-            current = reduced_later
-        for axis in all_reduce_axes:
-            steps.append(_AllReduce(axis, current))
-            current = _with_placement(current, axis, Replicate())
+    reduce_at = _where_to_all_reduce(src, dst, landing, all_reduce_axes, scatter_axes)
+    if reduce_at is src:
+        steps += _all_reduces(all_reduce_axes, current)
+        current = _replicated(current, all_reduce_axes)
+    elif reduce_at is not None and reduce_at is not dst:
+        steps.append(_Exchange(current, reduce_at))
+        steps += _all_reduces(all_reduce_axes, reduce_at)
+        current = _replicated(reduce_at, all_reduce_axes)
+    elif reduce_at is dst:
+        landing = _drop_axes(landing, all_reduce_axes, src)
     if not current.same_layout(landing):
         steps.append(_Exchange(current, landing))
     current = landing
@@ -220,11 +252,45 @@ def _plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> list:
         after = _scatter_one(current, dst, axis)
         steps.append(_ReduceScatter(axis, dst.placements[axis].dim, current, after))
         current = after
+    if reduce_at is dst:
+        steps += _all_reduces(all_reduce_axes, current)
+        current = _replicated(current, all_reduce_axes)
     for axis, p in enumerate(dst.placements):
         if isinstance(p, Partial) and not isinstance(current.placements[axis], Partial):
             steps.append(_ToPartial(axis, p.reduce_op, current))
             current = _with_placement(current, axis, p)
     return steps
+
+
+def _where_to_all_reduce(
+    src: ShardTensorSpec,
+    dst: ShardTensorSpec,
+    landing: ShardTensorSpec,
+    axes: list[int],
+    scatter_axes: list[int],
+) -> ShardTensorSpec | None:
+    """The layout on which to all-reduce ``axes`` (None: nothing to all-reduce): the one of
+    the fewest elements (over all ranks: the choice must not depend on this rank's shard, or
+    ranks would run different collectives) among the source; the landing of the exchange
+    with those axes still Partial, unless a reduced axis is an outer axis of a nested target
+    dim (the pieces left after dropping it are not intervals); and the target itself, when
+    those axes shard nothing in it, after the reduce-scatters have shrunk the data. Ties keep
+    the earliest (returned as ``dst`` for the target)."""
+    if not axes:
+        return None
+    options = [src]
+    reduced_later = _drop_axes(landing, axes, src)
+    if reduced_later is not None:
+        options.append(reduced_later)
+    if scatter_axes and not any(isinstance(dst.placements[a], Shard) for a in axes):
+        options.append(dst)
+    return min(options, key=_elements_held)
+
+
+def _replicated(spec: ShardTensorSpec, axes: list[int]) -> ShardTensorSpec:
+    for axis in axes:
+        spec = _with_placement(spec, axis, Replicate())
+    return spec
 
 
 def _elements_held(spec: ShardTensorSpec) -> int:
@@ -328,7 +394,8 @@ def _reduce_with_placement(
 
 # ----------------------------------------------------------------------------- box exchange
 def _layout_key(spec: ShardTensorSpec) -> tuple:
-    return (id(spec.mesh), spec.placements, tuple(spec.shape), spec.shardings)
+    """What an exchange plan depends on, by value (NOTE [Caches are keyed by value])."""
+    return (spec.mesh, spec.placements, tuple(spec.shape), spec.shardings)
 
 
 @dataclass(frozen=True)
@@ -342,10 +409,15 @@ class _ExchangePlan:
     out_shape: tuple[int, ...]
 
 
-@lru_cache(maxsize=4096)
-def _exchange_plan(
-    src_key: tuple, dst_key: tuple, src: ShardTensorSpec, dst: ShardTensorSpec
-) -> _ExchangePlan:
+_EXCHANGE_PLANS: BoundedCache[tuple, _ExchangePlan] = BoundedCache("exchange plans", 4096)
+
+
+def _exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _ExchangePlan:
+    key = (_layout_key(src), _layout_key(dst))
+    return _EXCHANGE_PLANS.get_or_make(key, lambda: _make_exchange_plan(src, dst))
+
+
+def _make_exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _ExchangePlan:
     comm_axes = _moving_axes(src, dst)
     mesh = src.mesh
     me = mesh_coordinate(mesh)

@@ -26,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 
+from shardsci.tensor._caches import BoundedCache, register_cache
+
 __all__ = [
     "DimSharding",
     "ShardTensorSpec",
@@ -51,9 +53,10 @@ def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
 
 
 # Equal layouts built separately share one spec object, so the dispatch fast path can compare
-# operands' specs by identity. Entries go when their spec does; a live spec keeps its mesh
-# alive, so the mesh id in the key cannot be reused meanwhile.
+# operands' specs by identity. Keyed by value (NOTE [Caches are keyed by value]); an entry goes
+# when its spec does.
 _INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+register_cache("interned specs", _INTERNED.__len__, _INTERNED.clear)
 
 
 def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
@@ -116,9 +119,8 @@ class ShardTensorSpec:
     shardings : tuple of DimSharding
         One entry per sharded tensor dim, ordered by dim.
     hints : tuple of DimSharding
-        Extents this tensor's dims had when they were last sharded; redistribution reuses them
-        when a dim is sharded again over the same axes, so ``Shard(i) -> Shard(j) -> Shard(i)``
-        restores uneven sizes. Not part of equality.
+        Shard sizes this tensor's dims had when last sharded, oldest first (NOTE [Shard-size
+        hints]). Part of the cache key, not of ``same_layout``.
     """
 
     mesh: DeviceMesh
@@ -233,9 +235,9 @@ class ShardTensorSpec:
 
     @cached_property
     def key(self) -> tuple:
-        """Everything that identifies this layout, hashable (plan caches use it)."""
+        """Everything that identifies this layout, by value (NOTE [Caches are keyed by value])."""
         return (
-            id(self.mesh),
+            self.mesh,
             self.placements,
             tuple(self.shape),
             self.stride,
@@ -294,6 +296,28 @@ class ShardTensorSpec:
         )
 
 
+# NOTE [Shard-size hints]
+# Uneven shard sizes are chosen once (by the user, the data, or an op's ownership rule) and
+# must survive layout changes that forget them: ``Shard(i) -> Shard(j) -> Shard(i)``,
+# downsample then upsample, a forward FFT then its inverse, a slice then its backward. So a
+# spec carries ``hints``: the DimShardings its dims had before, oldest first, at most
+# ``_MAX_HINTS``, one per (axes, sizes). Writers: every op that derives an output spec from its
+# inputs' passes their hints on (``merged_hints``: the inputs' hints and current shardings,
+# newest last) -- the default path (``_propagation``), views, matmul/einsum, windowed ops,
+# FFTs, slices; redistribution keeps the newest per (dim, set of axes) (``_updated_hints``).
+# Readers, each taking a hint only when its axes (and extent) match what it must size:
+# - ``_redistribute.target_spec``: a dim sharded again over the same set of axes takes the
+#   newest hint's sizes and axis order (a current sharding wins over a hint);
+# - ``_propagation._reference_sizes``: operands aligned over axes no operand is currently
+#   sharded over take the sizes an operand remembers for those axes and extent (the oldest
+#   match);
+# - ``_ops/_windows.owned_sizes``: an upsampling window (transposed conv, interpolation) whose
+#   output extent a newest hint remembers takes those sizes (the layout before downsampling);
+# - ``_ops/_fft_ops``: a moved dim takes the sizes last remembered for that dim, axes and
+#   extent; an inverse transform returns to the layout the hints remember;
+# - ``_ops/_index_ops``: a slice's backward writes into the remembered forward layout when its
+#   counts match; ``select_backward`` finds the forward's sharding among the newest hints.
+# Hints are not part of ``same_layout``: two specs with the same shards are the same layout.
 _MAX_HINTS = 8
 
 
@@ -353,17 +377,17 @@ def _checked_sharding(
     return DimSharding(dim, axes, sizes)
 
 
-_REPLICATED: dict[tuple, ShardTensorSpec] = {}
+_REPLICATED: BoundedCache[tuple, ShardTensorSpec] = BoundedCache("replicated specs", 1024)
 
 
 def replicated_spec(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensorSpec:
     """Spec of a plain tensor that every rank of ``mesh`` holds whole (cached)."""
-    key = (id(mesh), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+    key = (mesh, tuple(tensor.shape), tensor.stride(), tensor.dtype)
     spec = _REPLICATED.get(key)
-    if spec is None or spec.mesh is not mesh:
+    if spec is None:
         placements = [Replicate()] * mesh.ndim
         spec = ShardTensorSpec.build(
             mesh, placements, tensor.shape, tensor.dtype, stride=tensor.stride()
         )
-        _REPLICATED[key] = spec
+        _REPLICATED.put(key, spec)
     return spec

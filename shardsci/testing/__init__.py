@@ -7,7 +7,9 @@ the per-rank results; ``RankFailure`` reports a failing rank's traceback. Inside
 fail together instead of leaving the others waiting in a collective. ``run_local_tensor`` runs
 a body once, in-process, on simulated ranks (``LocalTensorMode``): fast, for even shards only.
 ``check_against_reference`` compares a sharded computation, forward and gradients, with a
-single-process run on the same global data.
+single-process run on the same global data, output layouts included. ``count_traffic`` counts
+the bytes of every collective issued, at the dispatcher, independently of shardsci's own
+``comm_counter``; ``counted_comm`` runs both and fails when they disagree.
 """
 
 from shardsci.testing._collective_asserts import (
@@ -23,15 +25,20 @@ from shardsci.testing._pool import (
     run_on_ranks,
     shutdown_pools,
 )
-from shardsci.testing._reference import Layout, check_against_reference
+from shardsci.testing._reference import ExpectedLayout, Layout, check_against_reference
+from shardsci.testing._traffic import Traffic, count_traffic, counted_comm
 
 __all__ = [
+    "ExpectedLayout",
     "Layout",
     "RankFailure",
+    "Traffic",
     "assert_all_ranks",
     "assert_close_all_ranks",
     "assert_raises_all_ranks",
     "check_against_reference",
+    "count_traffic",
+    "counted_comm",
     "current_world_size",
     "get_mesh",
     "run_local_tensor",

@@ -3,11 +3,25 @@
 Run inside a rank body (see ``run_on_ranks``). Every rank builds the same global inputs (the
 pool seeds each call identically), runs ``fn`` once on plain tensors (the reference) and once
 on ShardTensors laid out as asked, and checks, on every rank together:
+- each output is a ShardTensor laid out as stated (NOTE [An output's layout is stated]),
 - each output's shards are the shapes its spec says (the true-size invariant),
+- the sharded forward gathered no input: no rank received as many bytes as it lacks of the
+  largest sharded input (the traffic of gathering it whole),
+- shardsci's byte count (``comm_counter``) agrees with an independent count of the collectives
+  issued (``count_traffic``), forward and backward: no traffic goes around it,
 - the gathered outputs equal the reference outputs,
 - the gradients of a random projection of the outputs equal the reference gradients, for every
   sharded input (its local shard of the reference gradient), every plain input and every
   module parameter (the sum over shards, compared with the single-device gradient).
+
+# NOTE [An output's layout is stated]
+Right values in the wrong layout are a bug a value check cannot see: an op that gathers its
+input, computes on the whole tensor and splits the result again (with ``torch.chunk`` sizes,
+or not at all) returns the right numbers. So every output of a sharded computation must be a
+ShardTensor on the same mesh with the placements and shard sizes the caller states
+(``out_layouts``), and where the caller states nothing, an output of the first sharded
+input's shape must keep that input's layout; any other output has no default and fails until
+its layout is stated.
 """
 
 from __future__ import annotations
@@ -17,15 +31,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
-from shardsci.tensor import ShardTensor, ShardTensorSpec
+from shardsci.tensor import ShardTensor, ShardTensorSpec, comm_counter
 from shardsci.tensor._api import from_local_spec, grad_spec
 from shardsci.testing._collective_asserts import assert_all_ranks, assert_close_all_ranks
+from shardsci.testing._traffic import Traffic, count_traffic, traffic_problems
 
-__all__ = ["Layout", "check_against_reference"]
+__all__ = ["ExpectedLayout", "Layout", "check_against_reference"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,7 @@ class Layout:
     order: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
     def spec(self, mesh: DeviceMesh, tensor: torch.Tensor) -> ShardTensorSpec:
+        """The spec of ``tensor`` (global shape and dtype) laid out this way on ``mesh``."""
         return ShardTensorSpec.build(
             mesh,
             self.placements,
@@ -57,6 +74,10 @@ class Layout:
         )
 
 
+# What an output's layout is stated as: a Layout, a function of its global shape, or None.
+ExpectedLayout = Layout | Callable[[tuple[int, ...]], Layout | None] | None
+
+
 def check_against_reference(
     fn: Callable[..., object],
     inputs: Sequence[torch.Tensor],
@@ -64,9 +85,11 @@ def check_against_reference(
     mesh: DeviceMesh,
     *,
     module: nn.Module | None = None,
+    out_layouts: Sequence[ExpectedLayout] | None = None,
     atol: float = 1e-10,
     rtol: float = 1e-10,
     grad: bool = True,
+    not_a_gather: str = "",
     what: str = "",
 ) -> list[object]:
     """Check ``fn`` on sharded inputs against ``fn`` on the whole inputs.
@@ -83,8 +106,16 @@ def check_against_reference(
     module : nn.Module, optional
         Run as given on the ShardTensors and as a deep copy for the reference; its parameter
         gradients are compared too.
+    out_layouts : sequence, optional
+        The layout each output must have (NOTE [An output's layout is stated]), one per
+        output: a Layout, a function of the output's global shape returning one (or None), or
+        None (as when no sequence is given) for the default: the first sharded input's layout,
+        for an output of its shape.
     grad : bool
         Also compare gradients (floating-point inputs and outputs only).
+    not_a_gather : str
+        Why this op legitimately receives as many bytes as a gather of its input would (a
+        tiny input whose statistics weigh as much as its shards); skips that check.
 
     Returns
     -------
@@ -114,16 +145,33 @@ def check_against_reference(
             sharded_leaves.append(leaf)
             specs.append(spec)
             sharded_inputs.append(from_local_spec(leaf, spec))
-    sharded_out = _outputs(_call(fn, module, sharded_inputs))
+    with count_traffic() as traffic, comm_counter() as stats:
+        sharded_out = _outputs(_call(fn, module, sharded_inputs))
+    problems = traffic_problems(stats, traffic)
+    if not not_a_gather:
+        problems += _gather_problems(traffic, inputs, specs, mesh)
+    assert_all_ranks(not problems, f"{label}forward: " + "; ".join(problems))
 
     assert_all_ranks(
         len(sharded_out) == len(reference_out),
         f"{label}{len(sharded_out)} outputs, reference has {len(reference_out)}",
     )
+    expected_layouts = list(out_layouts) if out_layouts is not None else []
+    assert_all_ranks(
+        len(expected_layouts) in (0, len(sharded_out)),
+        f"{label}{len(expected_layouts)} out_layouts for {len(sharded_out)} outputs",
+    )
+    expected_layouts += [None] * (len(sharded_out) - len(expected_layouts))
     for i, (out, expected) in enumerate(zip(sharded_out, reference_out)):
-        _check_output(out, expected, atol, rtol, f"{label}output {i}")
+        what_out = f"{label}output {i}"
+        problem = _layout_problem(out, expected_layouts[i], inputs, layouts, mesh)
+        assert_all_ranks(not problem, f"{what_out}: {problem}")
+        _check_output(out, expected, atol, rtol, what_out)
     if grad:
-        _backward(sharded_out, [_like(p, o) for p, o in zip(projections, sharded_out)])
+        with count_traffic() as traffic, comm_counter() as stats:
+            _backward(sharded_out, [_like(p, o) for p, o in zip(projections, sharded_out)])
+        problems = traffic_problems(stats, traffic)
+        assert_all_ranks(not problems, f"{label}backward: " + "; ".join(problems))
         for i, (leaf, spec, ref) in enumerate(zip(sharded_leaves, specs, reference_inputs)):
             if ref.grad is not None or leaf.grad is not None:
                 expected = ref.grad if spec is None or ref.grad is None else spec.narrow(ref.grad)
@@ -132,6 +180,73 @@ def check_against_reference(
             for (name, p), ref_p in zip(module.named_parameters(), reference_module.parameters()):
                 _check_grad(p.grad, ref_p.grad, atol, rtol, f"{label}grad of parameter {name}")
     return sharded_out
+
+
+def _layout_problem(
+    out: object,
+    stated: ExpectedLayout,
+    inputs: Sequence[torch.Tensor],
+    layouts: Sequence[Layout | None],
+    mesh: DeviceMesh,
+) -> str:
+    """What is wrong with ``out``'s layout (NOTE [An output's layout is stated]); "" if nothing."""
+    sharded = [(x, layout) for x, layout in zip(inputs, layouts) if layout is not None]
+    if not isinstance(out, torch.Tensor) or not sharded:
+        return ""
+    if stated is not None and not isinstance(stated, Layout):
+        stated = stated(tuple(out.shape))
+    if stated is None:
+        first, layout = sharded[0]
+        if tuple(out.shape) != tuple(first.shape):
+            return (
+                f"shape {tuple(out.shape)} differs from the sharded input's "
+                f"{tuple(first.shape)}: state its layout (out_layouts=...)"
+            )
+        stated = layout
+    try:
+        expected = stated.spec(mesh, out)
+    except ValueError as exc:
+        return f"the stated layout {stated} does not fit shape {tuple(out.shape)}: {exc}"
+    if not isinstance(out, ShardTensor):
+        return f"a plain {type(out).__name__}, expected a ShardTensor laid out as {expected}"
+    if out._spec.mesh != mesh:
+        return f"on mesh {out._spec.mesh}, expected the inputs' mesh {mesh}"
+    if out._spec.placements != expected.placements or out._spec.shardings != expected.shardings:
+        return f"laid out as {out._spec}, expected {expected}"
+    return ""
+
+
+def _gather_problems(
+    traffic: Traffic,
+    inputs: Sequence[torch.Tensor],
+    specs: Sequence[ShardTensorSpec | None],
+    mesh: DeviceMesh,
+) -> list[str]:
+    """Whether the forward looks like a gather of the largest sharded input: on three ranks or
+    more, every rank that lacks part of it received at least that many bytes. (On two ranks a
+    legitimate exchange, such as flipping an evenly split dim, moves the same bytes.)
+
+    A collective over the default process group.
+    """
+    lacking = max(
+        (
+            (x.numel() - spec.local_shape().numel()) * x.element_size()
+            for x, spec in zip(inputs, specs)
+            if spec is not None
+        ),
+        default=0,
+    )
+    # [ranks that lack something, ranks that lack something and received less]
+    counts = torch.tensor([int(lacking > 0), int(lacking > 0 and traffic.received < lacking)])
+    dist.all_reduce(counts)
+    lack, received_less = counts.tolist()
+    if mesh.size() < 3 or lack == 0 or received_less > 0:
+        return []
+    return [
+        f"every rank lacking part of the largest sharded input received at least that "
+        f"many bytes (here {traffic.received} for {lacking} lacking): an op on shards must "
+        f"not gather its input"
+    ]
 
 
 def _leaf(x: torch.Tensor, grad: bool) -> torch.Tensor:

@@ -49,12 +49,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
+from shardsci.tensor._caches import cached
 from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_function_handler
@@ -207,7 +207,7 @@ class _Transform:
 Step = _Move | _Transform
 
 
-@lru_cache(maxsize=4096)
+@cached("FFT plans", 4096)
 def _plan(
     layout: Layout, dims: tuple[int, ...], ndim: int, real_first: bool, real_last: bool
 ) -> tuple[tuple[Step, ...], Layout]:
@@ -271,7 +271,7 @@ def _frozen(axes_of: dict[int, tuple[int, ...]]) -> Layout:
     return tuple(sorted(axes_of.items()))
 
 
-@lru_cache(maxsize=1024)
+@cached("FFT inverse sources", 1024)
 def _sources(
     layout: Layout, dims: tuple[int, ...], ndim: int, real: bool
 ) -> tuple[tuple[Layout, tuple[Step, ...]], ...]:

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._caches import cached
 from shardsci.tensor._ops._common import arg
 from shardsci.tensor._ops._windows import gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
@@ -221,7 +221,7 @@ def _area(
     return index, weight.to(dtype), (starts + stops - 1) // 2
 
 
-@lru_cache(maxsize=1024)
+@cached("interpolation taps", 1024)
 def resample(
     mode: str,
     n_in: int,

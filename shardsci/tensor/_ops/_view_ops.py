@@ -175,23 +175,25 @@ def _output_spec(
 
 @register_aten_handler(aten.view_as_real.default, aten.view_as_complex.default)
 def _complex_view(func, args, kwargs):
+    """``view_as_real`` / ``view_as_complex`` (``.real``, ``.imag``) keep every dim's sharding:
+    they add or drop a trailing dim of two reals, which is never sharded."""
     x = args[0]
     spec = x._spec
     to_real = func is aten.view_as_real.default
-    if (
-        not spec.shardings
-        or spec.partial
-        or (not to_real and spec.ndim - 1 in spec.sharding_by_dim)
-    ):
+    if not to_real and spec.ndim - 1 in spec.sharding_by_dim:
         return NotImplemented
     local = func(x._local)
-    shape = (*spec.shape, 2) if to_real else spec.shape[:-1]
+    if to_real:
+        shape, stride = (*spec.shape, 2), (*(2 * s for s in spec.stride), 1)
+    else:
+        shape, stride = tuple(spec.shape[:-1]), tuple(s // 2 for s in spec.stride[:-1])
     out_spec = ShardTensorSpec.build(
         spec.mesh,
         spec.placements,
         shape,
         local.dtype,
         {s.dim: s.sizes for s in spec.shardings},
+        stride=stride,
         order={s.dim: s.axes for s in spec.shardings},
         hints=spec.hints,
     )

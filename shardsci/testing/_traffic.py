@@ -1,0 +1,355 @@
+"""Count the bytes a rank moves from the collectives it issues, independently of the library.
+
+shardsci counts its own traffic (``record_comm`` beside each collective it calls): a count
+that cannot see what goes around it. :func:`count_traffic` counts at the dispatcher instead:
+every ``torch.distributed`` collective, point-to-point message and functional collective
+reaches the dispatcher as a ``c10d`` or ``_c10d_functional`` op, whoever issues it (shardsci,
+DTensor's own redistribution, a ``funcol`` call, an autograd backward), so a
+``TorchDispatchMode`` sees them all. Bytes follow NOTE [What a byte count means] in
+``shardsci/tensor/_comm_stats.py``, worked out here from each op's buffers and group.
+
+:func:`counted_comm` runs both counts side by side and fails, on every rank, when they
+disagree: the byte tests use it so that traffic the library does not record fails them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass_type,
+)
+
+from shardsci.tensor import CommStats, comm_counter
+from shardsci.testing._collective_asserts import assert_all_ranks
+
+__all__ = ["P2P_KINDS", "Traffic", "count_traffic", "counted_comm", "traffic_problems"]
+
+# The kinds shardsci records for point-to-point batches: one record per batch, however many
+# messages (or none), so only their bytes are comparable with a count of messages.
+P2P_KINDS = frozenset({"p2p", "halo"})
+
+_NAMESPACES = ("c10d", "_c10d_functional")
+# Ops of those namespaces that move no payload.
+_SILENT = frozenset(
+    {
+        "c10d::barrier",
+        "c10d::monitored_barrier_",
+        "_c10d_functional::wait_tensor",
+        "_c10d_functional::_wrap_tensor_autograd",
+    }
+)
+
+
+@dataclass
+class Traffic:
+    """What this rank moved while :func:`count_traffic` was active.
+
+    Attributes
+    ----------
+    sent, received : int
+        Payload bytes sent to and received from other ranks.
+    collectives : Counter
+        Collective op name (``"c10d::alltoall_base_"``) -> calls.
+    messages : int
+        Point-to-point sends and receives.
+    unknown : list of str
+        Ops of the collective namespaces this counter has no byte model for.
+    largest_received : int
+        The most bytes received by one collective or message.
+    """
+
+    sent: int = 0
+    received: int = 0
+    collectives: Counter = field(default_factory=Counter)
+    messages: int = 0
+    unknown: list[str] = field(default_factory=list)
+    largest_received: int = 0
+
+    @property
+    def collective_calls(self) -> int:
+        return sum(self.collectives.values())
+
+    def _add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+        self.largest_received = max(self.largest_received, received)
+
+
+@contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Count, at the dispatcher, every collective this rank issues inside the ``with`` block.
+
+    Examples
+    --------
+    >>> with count_traffic() as traffic:  # doctest: +SKIP
+    ...     y = x.redistribute(mesh, [Replicate()])
+    >>> traffic.received  # doctest: +SKIP
+    """
+    traffic = Traffic()
+    with _TrafficMode(traffic):
+        yield traffic
+
+
+def traffic_problems(stats: CommStats, traffic: Traffic) -> list[str]:
+    """How shardsci's own count ``stats`` differs from the independent ``traffic``."""
+    problems = [f"collectives with no byte model: {traffic.unknown}"] if traffic.unknown else []
+    recorded_calls = sum(n for kind, n in stats.calls.items() if kind not in P2P_KINDS)
+    if (stats.total_sent, stats.total_received) != (traffic.sent, traffic.received):
+        problems.append(
+            f"shardsci recorded {stats.total_sent} bytes sent and {stats.total_received} "
+            f"received ({dict(stats.received)}); the collectives issued sent {traffic.sent} "
+            f"and received {traffic.received}"
+        )
+    if recorded_calls != traffic.collective_calls:
+        problems.append(
+            f"shardsci recorded {recorded_calls} collectives ({dict(stats.calls)}); "
+            f"{traffic.collective_calls} were issued ({dict(traffic.collectives)})"
+        )
+    return problems
+
+
+@contextmanager
+def counted_comm(what: str = "") -> Iterator[CommStats]:
+    """:func:`shardsci.comm_counter`, checked against :func:`count_traffic` on exit.
+
+    A collective over every rank: all ranks must leave the block normally. Raises the same
+    ``AssertionError`` on every rank if any rank's two counts disagree (traffic that went
+    around ``record_comm``, or a record without its collective).
+    """
+    with count_traffic() as traffic, comm_counter() as stats:
+        yield stats
+    problems = traffic_problems(stats, traffic)
+    label = f"{what}: " if what else ""
+    assert_all_ranks(not problems, label + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------- the mode
+class _TrafficMode(TorchDispatchMode):
+    def __init__(self, traffic: Traffic) -> None:
+        super().__init__()
+        self.traffic = traffic
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        # A wrapper subclass (ShardTensor, DTensor) goes first: its __torch_dispatch__ issues
+        # the collectives on plain tensors, which then come here. (Fake tensors, which
+        # DTensor's sharding propagation runs ops on, move nothing: they run below.)
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
+        if isinstance(func, torch._ops.OpOverload) and func.namespace in _NAMESPACES:
+            self._count(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+        name = func._schema.name
+        if name in _SILENT:
+            return
+        model = _MODELS.get(name)
+        if model is None:
+            self.traffic.unknown.append(name)
+            return
+        bound = func._schema.arguments
+        values = dict(zip((a.name for a in bound), args)) | kwargs
+        sent, received = model(values)
+        self.traffic._add(sent, received)
+        if name in _POINT_TO_POINT:
+            self.traffic.messages += 1
+        else:
+            self.traffic.collectives[name] += 1
+
+
+# ---------------------------------------------------------------------------- byte models
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _total(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(_bytes(t) for t in tensors)
+
+
+def _group(value: Any) -> dist.ProcessGroup:
+    """A process group from a c10d op's boxed argument or a functional op's group name."""
+    if isinstance(value, str):
+        return _resolve_process_group(value)
+    return dist.ProcessGroup.unbox(value)
+
+
+def _ring(nbytes: int, size: int) -> tuple[int, int]:
+    """All-reduce: the ring cost, sent and received (NOTE [What a byte count means])."""
+    moved = 2 * (size - 1) * nbytes // size
+    return moved, moved
+
+
+def _split_bytes(tensor: torch.Tensor, splits: Sequence[int], size: int) -> list[int]:
+    """Bytes per group rank of a buffer split along dim 0 (evenly when ``splits`` is empty)."""
+    if not splits:
+        return [_bytes(tensor) // size] * size
+    row = math.prod(tensor.shape[1:]) * tensor.element_size()
+    return [n * row for n in splits]
+
+
+def _all_to_all(output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, group):
+    me, size = group.rank(), group.size()
+    received = _split_bytes(output, out_splits, size)
+    sent = _split_bytes(input, in_splits, size)
+    return sum(sent) - sent[me], sum(received) - received[me]
+
+
+def _gathered(piece: int, size: int) -> tuple[int, int]:
+    """All-gather: a piece sent to, and one received from, each other rank."""
+    return (size - 1) * piece, (size - 1) * piece
+
+
+def _reduce_scattered(whole: int, size: int) -> tuple[int, int]:
+    """Reduce-scatter, as a direct exchange: every piece but one's own goes to its owner."""
+    piece = whole // size
+    return whole - piece, (size - 1) * piece
+
+
+def _broadcast(nbytes: int, root: int, group: dist.ProcessGroup) -> tuple[int, int]:
+    if group.rank() == root:
+        return (group.size() - 1) * nbytes, 0
+    return 0, nbytes
+
+
+Model = Callable[[dict[str, Any]], tuple[int, int]]
+
+
+def _c10d_all_reduce(v: dict[str, Any]) -> tuple[int, int]:
+    return _ring(_total(v["tensors"]), _group(v["process_group"]).size())
+
+
+def _c10d_all_gather(v: dict[str, Any]) -> tuple[int, int]:
+    return _gathered(_total(v["input_tensors"]), _group(v["process_group"]).size())
+
+
+def _c10d_all_gather_coalesced(v: dict[str, Any]) -> tuple[int, int]:
+    inputs = v["input_list"] if "input_list" in v else v["inputs"]
+    return _gathered(_total(inputs), _group(v["process_group"]).size())
+
+
+def _c10d_all_gather_base(v: dict[str, Any]) -> tuple[int, int]:
+    return _gathered(_bytes(v["input_tensor"]), _group(v["process_group"]).size())
+
+
+def _c10d_reduce_scatter(v: dict[str, Any]) -> tuple[int, int]:
+    size = _group(v["process_group"]).size()
+    outputs = v["output_tensors"] if "output_tensors" in v else v["outputs"]
+    return _reduce_scattered(size * _total(outputs), size)
+
+
+def _c10d_reduce_scatter_base(v: dict[str, Any]) -> tuple[int, int]:
+    return _reduce_scattered(_bytes(v["input_tensor"]), _group(v["process_group"]).size())
+
+
+def _c10d_all_to_all_base(v: dict[str, Any]) -> tuple[int, int]:
+    return _all_to_all(
+        v["output"],
+        v["input"],
+        v["output_split_sizes"],
+        v["input_split_sizes"],
+        _group(v["process_group"]),
+    )
+
+
+def _c10d_all_to_all(v: dict[str, Any]) -> tuple[int, int]:
+    me = _group(v["process_group"]).rank()
+    outputs, inputs = v["output_tensors"], v["input_tensors"]
+    return _total(inputs) - _bytes(inputs[me]), _total(outputs) - _bytes(outputs[me])
+
+
+def _c10d_broadcast(v: dict[str, Any]) -> tuple[int, int]:
+    return _broadcast(_total(v["tensors"]), v["root_rank"], _group(v["process_group"]))
+
+
+def _c10d_reduce(v: dict[str, Any]) -> tuple[int, int]:
+    group, nbytes = _group(v["process_group"]), _total(v["tensors"])
+    if group.rank() == v["root_rank"]:
+        return 0, (group.size() - 1) * nbytes
+    return nbytes, 0
+
+
+def _c10d_gather(v: dict[str, Any]) -> tuple[int, int]:
+    group, nbytes = _group(v["process_group"]), _total(v["input_tensors"])
+    if group.rank() == v["root_rank"]:
+        return 0, (group.size() - 1) * nbytes
+    return nbytes, 0
+
+
+def _c10d_scatter(v: dict[str, Any]) -> tuple[int, int]:
+    group, nbytes = _group(v["process_group"]), _total(v["output_tensors"])
+    if group.rank() == v["root_rank"]:
+        return (group.size() - 1) * nbytes, 0
+    return 0, nbytes
+
+
+def _functional_all_reduce(v: dict[str, Any]) -> tuple[int, int]:
+    tensors = v["inputs"] if "inputs" in v else [v["input"]]
+    return _ring(_total(tensors), _group(v["group_name"]).size())
+
+
+def _functional_all_gather(v: dict[str, Any]) -> tuple[int, int]:
+    tensors = v["inputs"] if "inputs" in v else [v["input"]]
+    return _gathered(_total(tensors), v["group_size"])
+
+
+def _functional_reduce_scatter(v: dict[str, Any]) -> tuple[int, int]:
+    tensors = v["inputs"] if "inputs" in v else [v["input"]]
+    return _reduce_scattered(_total(tensors), v["group_size"])
+
+
+def _functional_all_to_all(v: dict[str, Any]) -> tuple[int, int]:
+    group = _group(v["group_name"])
+    size, me = group.size(), group.rank()
+    sent = _split_bytes(v["input"], v["input_split_sizes"], size)
+    received = _split_bytes(v["input"], v["output_split_sizes"], size)
+    return sum(sent) - sent[me], sum(received) - received[me]
+
+
+def _functional_broadcast(v: dict[str, Any]) -> tuple[int, int]:
+    return _broadcast(_bytes(v["input"]), v["src"], _group(v["group_name"]))
+
+
+_MODELS: dict[str, Model] = {
+    "c10d::allreduce_": _c10d_all_reduce,
+    "c10d::allreduce_coalesced_": _c10d_all_reduce,
+    "c10d::allgather_": _c10d_all_gather,
+    "c10d::allgather_coalesced_": _c10d_all_gather_coalesced,
+    "c10d::_allgather_base_": _c10d_all_gather_base,
+    "c10d::allgather_into_tensor_coalesced_": _c10d_all_gather_coalesced,
+    "c10d::reduce_scatter_": _c10d_reduce_scatter,
+    "c10d::_reduce_scatter_base_": _c10d_reduce_scatter_base,
+    "c10d::reduce_scatter_tensor_coalesced_": _c10d_reduce_scatter,
+    "c10d::alltoall_base_": _c10d_all_to_all_base,
+    "c10d::alltoall_": _c10d_all_to_all,
+    "c10d::broadcast_": _c10d_broadcast,
+    "c10d::reduce_": _c10d_reduce,
+    "c10d::gather_": _c10d_gather,
+    "c10d::scatter_": _c10d_scatter,
+    "c10d::send": lambda v: (_total(v["tensors"]), 0),
+    "c10d::recv_": lambda v: (0, _total(v["tensors"])),
+    "c10d::recv_any_source_": lambda v: (0, _total(v["tensors"])),
+    "_c10d_functional::all_reduce": _functional_all_reduce,
+    "_c10d_functional::all_reduce_": _functional_all_reduce,
+    "_c10d_functional::all_reduce_coalesced": _functional_all_reduce,
+    "_c10d_functional::all_reduce_coalesced_": _functional_all_reduce,
+    "_c10d_functional::all_gather_into_tensor": _functional_all_gather,
+    "_c10d_functional::all_gather_into_tensor_out": _functional_all_gather,
+    "_c10d_functional::all_gather_into_tensor_coalesced": _functional_all_gather,
+    "_c10d_functional::reduce_scatter_tensor": _functional_reduce_scatter,
+    "_c10d_functional::reduce_scatter_tensor_coalesced": _functional_reduce_scatter,
+    "_c10d_functional::all_to_all_single": _functional_all_to_all,
+    "_c10d_functional::broadcast": _functional_broadcast,
+    "_c10d_functional::broadcast_": _functional_broadcast,
+}
+_POINT_TO_POINT = frozenset({"c10d::send", "c10d::recv_", "c10d::recv_any_source_"})
