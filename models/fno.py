@@ -121,6 +121,11 @@ class SpectralConv(nn.Module):
         self._equation = f"bi{letters},io{letters}->bo{letters}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # FFTs take no half precision on CPU (and powers of two only on CUDA): under bf16/fp16
+        # autocast the spectral path runs in float32 and returns the input's dtype.
+        dtype = x.dtype
+        if dtype in (torch.float16, torch.bfloat16):
+            x = x.float()
         k = len(self.modes)
         spatial = x.shape[-k:]
         spectrum = torch.fft.rfft(x, dim=-1, norm="ortho")[..., : self.modes[-1]]
@@ -139,7 +144,7 @@ class SpectralConv(nn.Module):
             mixed = torch.fft.ifft(
                 torch.cat([mixed.narrow(dim, 0, m), high], dim=dim), dim=dim, norm="ortho"
             )
-        return torch.fft.irfft(mixed, n=spatial[-1], dim=-1, norm="ortho")
+        return torch.fft.irfft(mixed, n=spatial[-1], dim=-1, norm="ortho").to(dtype)
 
 
 def _pad_front(dim: int, amount: int) -> tuple[int, ...]:

@@ -158,6 +158,19 @@ def test_gradients_reach_every_parameter(overrides: dict[str, Any]) -> None:
     assert missing == []
 
 
+def test_bf16_autocast_runs_the_spectral_path_in_float32() -> None:
+    """FFTs take no bfloat16 on CPU: under autocast the spectral convolution computes in
+    float32 and returns bfloat16, close to the float32 model."""
+    torch.manual_seed(0)
+    model = FNO(**TINY)
+    x = torch.randn(2, 1, 16, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        spectral = model.spectral[0](torch.randn(2, 6, 16, 12, dtype=torch.bfloat16))
+    assert spectral.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), model(x), atol=0.05, rtol=0.05)
+
+
 def test_overfits_a_fixed_pair() -> None:
     model = _tiny_fno(residual=True).float()
     x, target = torch.randn(2, 1, 12, 12), torch.randn(2, 1, 12, 12)

@@ -160,7 +160,7 @@ def test_a_failing_rank_ends_the_job_quickly(dataset: Path, tmp_path: Path) -> N
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "train.py", "+recipe=cfd", "mesh=2x1", f"data.path={dataset}",
-         f"run_dir={tmp_path}", *TINY, "model.depth=6"],
+         f"run_dir={tmp_path}", *TINY, "model=unet", "model.depth=6"],
         cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode != 0
