@@ -15,7 +15,14 @@ from typing import Any
 
 from shardsci.testing import run_on_ranks, shutdown_pools
 
-__all__ = ["emit", "interleaved_medians_us", "on_ranks", "rank_pools"]
+__all__ = [
+    "emit",
+    "interleaved_medians_us",
+    "interleaved_steps",
+    "on_ranks",
+    "rank_pools",
+    "spread",
+]
 
 _RANK_TIMEOUT_S = 300.0
 
@@ -61,6 +68,38 @@ def interleaved_medians_us(
             if round_index >= warmup_rounds:
                 samples[name].append(elapsed_ns / calls_per_round / 1e3)
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def interleaved_steps(
+    variants: list[str], rounds: int, run: Callable[[str], list[float]]
+) -> dict[str, list[float]]:
+    """Variant -> every timed step, from ``rounds`` rounds in which each variant runs once
+    (``run(variant)`` returns the seconds of its steps), the order reversed every round so
+    that drift in the machine's speed affects all variants alike."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    for _ in range(rounds):
+        for name in order:
+            samples[name] += run(name)
+        order.reverse()
+    return samples
+
+
+def spread(samples: list[float], digits: int = 4) -> dict[str, float]:
+    """Median and spread of step times: ``median``, ``q1``, ``q3`` (quartiles), ``min``,
+    ``max``, ``n``."""
+    ordered = sorted(samples)
+    q1, _, q3 = (
+        statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
+    )
+    return {
+        "median": round(statistics.median(ordered), digits),
+        "q1": round(q1, digits),
+        "q3": round(q3, digits),
+        "min": round(ordered[0], digits),
+        "max": round(ordered[-1], digits),
+        "n": len(ordered),
+    }
 
 
 def on_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:

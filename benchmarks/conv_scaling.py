@@ -1,19 +1,25 @@
 """Speed-up of a sharded convolution at 2 ranks, and the effect of overlapping its halos.
 
 One training step (forward and backward of an ``nn.Conv2d`` / ``nn.Conv3d``, input gradient
-included) on one global problem, timed four ways side by side (variants interleaved in every
-round, their order alternating between rounds):
+included) on one global problem, timed side by side (variants interleaved in every round,
+their order alternating between rounds):
 
-- ``one_rank_1_thread``: plain tensors on 1 rank, ``torch.set_num_threads(1)``;
-- ``one_rank_2_threads``: the same with 2 threads (context: what the machine's 2 cores give
-  without sharding);
+- ``one_rank_1_thread``: plain tensors on 1 rank, ``torch.set_num_threads(1)``, computed the
+  way the sharded convolution computes: the padding materialised (``F.pad``), then the kernel
+  with ``padding=0`` (``nn.Conv2d(padding_mode="circular")`` does this itself);
+- ``one_rank_1_thread_native`` (where it differs): the module as written, e.g.
+  ``nn.Conv3d(padding=1)``, whose kernel pads internally (context: oneDNN is slower there);
+- ``one_rank_2_threads``: like ``one_rank_1_thread`` with 2 threads (context: what the
+  machine's 2 cores give without sharding);
 - ``two_ranks``: a ShardTensor with H split evenly over a 1-D mesh of 2, 1 thread per rank;
 - ``two_ranks_overlap``: the same inside ``shardsci.overlap_halos()``.
 
-Every variant computes with one thread per process, so ``speedup`` (1 rank / 2 ranks) compares
-compute with compute: ideal 2. A step's time at 2 ranks is the slowest rank's, measured from
-a barrier. One step with overlap on and one with it off are also compared (identical outputs;
-gradients equal to float32 rounding) and their bytes counted (``comm_counter``).
+Every variant computes with one thread per process, so ``speedup`` (``one_rank_1_thread`` /
+``two_ranks``, medians) compares compute with compute on the same kernel path: ideal 2. A
+step's time at 2 ranks is the slowest rank's, measured from a barrier. Before timing, the
+2-rank step's output and gradients are compared with the 1-rank step's (``check``), and one
+step with overlap on and one with it off are compared (identical outputs; gradients equal to
+float32 rounding) and their bytes counted (``comm_counter``).
 
 Run ``python -m benchmarks.halo_and_conv conv_scaling``; the JSON fields are listed in README.md.
 """
@@ -29,21 +35,24 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from benchmarks._common import emit, on_ranks
+from benchmarks._common import emit, interleaved_steps, on_ranks, spread
 from shardsci import Shard, ShardTensor, comm_counter, overlap_halos
 from shardsci.testing import get_mesh
 
 
 @dataclass(frozen=True)
 class Case:
-    """A convolution and the global shape of its input; ``rounds`` sets how long it is timed."""
+    """A convolution and the global shape of its input; ``rounds`` sets how long it is timed;
+    ``pads_internally``: its kernel pads (so the like-for-like baseline pads first)."""
 
     module: str
     shape: tuple[int, ...]
     build: Callable[[], nn.Module]
     rounds: int
+    pads_internally: bool
 
 
 CASES = {
@@ -52,24 +61,28 @@ CASES = {
         (4, 16, 256, 256),
         lambda: nn.Conv2d(16, 16, 3, padding=1, padding_mode="circular"),
         rounds=8,
+        pads_internally=False,
     ),
     "conv3d": Case(
         "nn.Conv3d(8, 8, 3, padding=1)",
         (2, 8, 64, 64, 64),
         lambda: nn.Conv3d(8, 8, 3, padding=1),
         rounds=4,
+        pads_internally=True,
     ),
 }
-# Variant -> (ranks, threads per rank, overlap halos).
+# Variant -> (ranks, threads per rank, overlap halos, the module's own padding path).
 VARIANTS = {
-    "one_rank_1_thread": (1, 1, False),
-    "one_rank_2_threads": (1, 2, False),
-    "two_ranks": (2, 1, False),
-    "two_ranks_overlap": (2, 1, True),
+    "one_rank_1_thread": (1, 1, False, False),
+    "one_rank_1_thread_native": (1, 1, False, True),
+    "one_rank_2_threads": (1, 2, False, False),
+    "two_ranks": (2, 1, False, False),
+    "two_ranks_overlap": (2, 1, True, False),
 }
 STEPS_PER_CALL = 3
 SHARDED_DIM = 2
 GRADIENT_RTOL = 1e-5  # float32 rounding of sums over ~10^5 terms, relative to the largest entry
+CHECK_RTOL = 1e-4  # 2 ranks against 1: weight gradients summed over ~10^5-10^6 terms in halves
 
 
 # --------------------------------------------------------------------------- rank bodies
@@ -92,30 +105,45 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, ShardTensor) else t
 
 
-def _training_step(case_name: str) -> Callable[[], tuple[torch.Tensor, ...]]:
+def _prepadded(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s convolution on plain tensors the way a sharded one runs: ``F.pad``, then
+    the kernel with ``padding=0``."""
+    n = len(module.kernel_size)
+    pad = tuple(p for p in reversed(module.padding) for _ in (0, 1))
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[n]
+    return lambda x: conv(F.pad(x, pad), module.weight, module.bias, module.stride, 0)
+
+
+def _training_step(case_name: str, native: bool = False) -> Callable[[], tuple[torch.Tensor, ...]]:
     """A step on this rank's share of the case's problem: forward, ``sum`` of the local output,
-    backward. Returns the local output and the gradients (input, weight, bias)."""
+    backward. Returns the local output and the gradients (input, weight, bias). On 1 rank a
+    case whose kernel pads internally pads first (like for like), unless ``native``."""
+    torch.manual_seed(0)
     case = CASES[case_name]
     module = case.build()
     local, wrap = shard_rows(torch.randn(case.shape))
     local.requires_grad_()
+    plain = dist.get_world_size() == 1 and case.pads_internally and not native
+    forward = _prepadded(module) if plain else module
 
     def step() -> tuple[torch.Tensor, ...]:
         module.zero_grad(set_to_none=True)
         local.grad = None
-        out = _local(module(wrap(local)))
+        out = _local(forward(wrap(local)))
         out.sum().backward()
         return out.detach(), local.grad, module.weight.grad, module.bias.grad
 
     return step
 
 
-def time_steps(case_name: str, threads: int, overlap: bool, steps: int) -> list[float]:
+def time_steps(
+    case_name: str, threads: int, overlap: bool, native: bool, steps: int
+) -> list[float]:
     """Rank body: seconds per step on this rank, each started from a barrier (one warm-up)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        step = _training_step(case_name)
+        step = _training_step(case_name, native)
         times = []
         with overlap_halos() if overlap else nullcontext():
             step()
@@ -152,26 +180,56 @@ def compare_overlap(case_name: str) -> dict:
     }
 
 
+def compare_to_one_rank(case_name: str) -> float | None:
+    """Rank body (2 ranks): the sharded step's output and gradients against the 1-rank step
+    on the whole problem, on rank 0: the largest difference relative to each one's largest
+    entry."""
+    out, grad_input, grad_weight, grad_bias = _training_step(case_name)()
+    mesh = get_mesh((dist.get_world_size(),))
+    rows = {0: (out.shape[SHARDED_DIM],) * dist.get_world_size()}
+    gathered = [
+        ShardTensor.from_local(t, mesh, [Shard(SHARDED_DIM)], rows).full_tensor()
+        for t in (out, grad_input)
+    ]
+    if dist.get_rank() != 0:
+        return None
+    torch.manual_seed(0)
+    case = CASES[case_name]
+    module = case.build()
+    whole = torch.randn(case.shape).requires_grad_()
+    expected = module(whole)
+    expected.sum().backward()
+    pairs = zip(
+        [*gathered, grad_weight, grad_bias],
+        [expected.detach(), whole.grad, module.weight.grad, module.bias.grad],
+    )
+    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
+
+
 # --------------------------------------------------------------------------- reporting
+def _variants(case_name: str) -> list[str]:
+    native = CASES[case_name].pads_internally
+    return [name for name, v in VARIANTS.items() if native or not v[3]]
+
+
 def _step_seconds(case_name: str) -> dict[str, list[float]]:
     """Variant -> seconds of every timed step (slowest rank per step), variants interleaved."""
-    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    order = list(VARIANTS)
-    for _ in range(CASES[case_name].rounds):
-        for name in order:
-            ranks, threads, overlap = VARIANTS[name]
-            per_rank = on_ranks(ranks, time_steps, case_name, threads, overlap, STEPS_PER_CALL)
-            samples[name] += [max(step) for step in zip(*per_rank)]
-        order.reverse()
-    return samples
+
+    def run(name: str) -> list[float]:
+        ranks, threads, overlap, native = VARIANTS[name]
+        per_rank = on_ranks(ranks, time_steps, case_name, threads, overlap, native, STEPS_PER_CALL)
+        return [max(step) for step in zip(*per_rank)]
+
+    return interleaved_steps(_variants(case_name), CASES[case_name].rounds, run)
 
 
 def report(case_name: str) -> dict[str, float]:
-    """Emit the ``speedup`` and ``overlap`` records of one case; return its key ratios.
-
-    Medians are the figures; the fastest steps (``_min_s``, the least disturbed by other
-    processes on the machine) are given beside them.
-    """
+    """Emit the ``check``, ``speedup`` and ``overlap`` records of one case; return its key
+    ratios. Medians are the figures; quartiles, fastest and slowest steps come beside them."""
+    error = on_ranks(2, compare_to_one_rank, case_name)[0]
+    emit("check", case=case_name, max_rel_error=error, within_tolerance=error <= CHECK_RTOL)
+    if error > CHECK_RTOL:
+        raise AssertionError(f"{case_name}: 2 ranks differ from 1 rank by {error:.2e}")
     samples = _step_seconds(case_name)
     t = {name: statistics.median(times) for name, times in samples.items()}
     best = {name: min(times) for name, times in samples.items()}
@@ -183,12 +241,16 @@ def report(case_name: str) -> dict[str, float]:
         module=case.module,
         global_shape=case.shape,
         steps_timed=len(samples["two_ranks"]),
-        **{f"{name}_s": round(seconds, 4) for name, seconds in t.items()},
-        **{f"{name}_min_s": round(seconds, 4) for name, seconds in best.items()},
+        **{f"{name}_s": spread(times) for name, times in samples.items()},
         speedup=round(speedup, 3),
         parallel_efficiency=round(speedup / 2, 3),
         speedup_of_min=round(best["one_rank_1_thread"] / best["two_ranks"], 3),
         speedup_vs_2_threads=round(t["one_rank_2_threads"] / t["two_ranks"], 3),
+        **(
+            {"speedup_vs_native": round(t["one_rank_1_thread_native"] / t["two_ranks"], 3)}
+            if "one_rank_1_thread_native" in t
+            else {}
+        ),
     )
     overlap_gain = t["two_ranks"] / t["two_ranks_overlap"]
     _report_overlap(

@@ -6,6 +6,8 @@ empty) shards; models written for one device run on them unchanged.
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+# Not in __all__: for libraries that look functions up by a tensor's module (see the NOTE).
+from shardsci._array_functions import einsum, tensordot, transpose  # noqa: F401
 from shardsci.tensor import (
     CommStats,
     ShardTensor,

@@ -6,6 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardsci
+from shardsci.handlers import scoped_handlers
 from shardsci.testing import assert_all_ranks, assert_close_all_ranks, get_mesh, run_on_ranks
 
 SIZES = (0, 3, 4, 2)
@@ -65,29 +66,33 @@ _LIB.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
 _LIB.impl("twice", lambda x: torch.empty_like(x), "Meta")
 
 
-@shardsci.register_aten_handler("shardsci_test::twice")
 def _twice_handler(func, args, kwargs):
     x = args[0]
-    return shardsci.ShardTensor(x._local * 2 + 1000, x._spec)
+    return shardsci.ShardTensor(x.local * 2 + 1000, x.spec)
 
 
-@shardsci.register_function_handler(torch.Tensor.tanh)
 def _tanh_declines_unless_replicated(func, args, kwargs):
     x = args[0]
     if any(isinstance(p, Shard) for p in x.placements):
         return NotImplemented
-    return shardsci.ShardTensor(torch.full_like(x._local, 7.0), x._spec)
+    return shardsci.ShardTensor(torch.full_like(x.local, 7.0), x.spec)
 
 
 def _registry_body() -> None:
     mesh = get_mesh((2,))
     x = shardsci.distribute_tensor(torch.ones(5), mesh, [Shard(0)], {0: (5, 0)})
-    custom = torch.ops.shardsci_test.twice(x).full_tensor()
-    assert_close_all_ranks(custom, torch.full((5,), 1002.0), atol=0, rtol=0, what="by name")
-    declined = x.tanh().full_tensor()
-    assert_close_all_ranks(declined, torch.ones(5).tanh(), atol=0, rtol=0, what="declined")
-    replicated = x.redistribute(placements=[Replicate()]).tanh().full_tensor()
-    assert_close_all_ranks(replicated, torch.full((5,), 7.0), atol=0, rtol=0, what="handled")
+    with scoped_handlers():  # the handlers must not outlive this test in the rank pool
+        shardsci.register_aten_handler("shardsci_test::twice")(_twice_handler)
+        shardsci.register_function_handler(torch.Tensor.tanh)(_tanh_declines_unless_replicated)
+        custom = torch.ops.shardsci_test.twice(x).full_tensor()
+        assert_close_all_ranks(custom, torch.full((5,), 1002.0), atol=0, rtol=0, what="by name")
+        declined = x.tanh().full_tensor()
+        assert_close_all_ranks(declined, torch.ones(5).tanh(), atol=0, rtol=0, what="declined")
+        replicated = x.redistribute(placements=[Replicate()])
+        handled = replicated.tanh().full_tensor()
+        assert_close_all_ranks(handled, torch.full((5,), 7.0), atol=0, rtol=0, what="handled")
+    after = replicated.tanh().full_tensor()
+    assert_close_all_ranks(after, torch.ones(5).tanh(), atol=0, rtol=0, what="after the scope")
 
 
 def test_handlers_by_name_and_declining() -> None:

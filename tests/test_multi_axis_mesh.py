@@ -78,11 +78,6 @@ def test_nested_sharding_over_non_adjacent_axes() -> None:
     run_on_ranks(8, _softmax_over_non_adjacent_sub_mesh, timeout_s=120)
 
 
-@pytest.mark.xfail(
-    reason="a sharded tensor times a Partial scalar (y * y.mean()) gathers the sharded "
-    "operand and returns a Partial result instead of reducing the scalar",
-    strict=True,
-)
 def test_sharded_times_partial_scalar_keeps_the_sharding() -> None:
     run_on_ranks(8, _sharded_times_partial_scalar, timeout_s=120)
 

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.cfd import generate
+from recipes.cfd import generate, trajectories
 from recipes.cfd.generate import (
     DatasetConfig,
     ensure_dataset,
     generate_dataset,
     main,
-    trajectory_split,
 )
 from recipes.cfd.navier_stokes import (
     SOLVER_VERSION,
@@ -29,6 +28,7 @@ from recipes.cfd.navier_stokes import (
     grid_coordinates,
     random_vorticity,
 )
+from shardsci.data import DataError, GenerateMode
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -175,7 +175,7 @@ def test_generated_file_layout(tmp_path: Path) -> None:
     assert attrs["created_by"].startswith("shardsci")
     expected = random_vorticity(config.solver, 3, torch.Generator().manual_seed(3))
     np.testing.assert_array_equal(first, expected.float().numpy())
-    assert trajectory_split(path) == {"train": slice(0, 2), "test": slice(2, 3)}
+    assert trajectories.read(path) == trajectories.Trajectories(path, 2, 1, 3, 16, 16)
 
 
 def test_chunks_tile_large_snapshots(tmp_path: Path) -> None:
@@ -219,12 +219,22 @@ def test_ensure_dataset_reuses_a_match_and_regenerates_a_mismatch(
         assert file.attrs["viscosity"] == 2e-3
 
 
-def test_ensure_dataset_replaces_an_unreadable_file(tmp_path: Path) -> None:
-    path = tmp_path / "ns.h5"
-    path.write_bytes(b"not hdf5")
-    ensure_dataset(path, tiny_dataset())
-    with h5py.File(path, "r") as file:
-        assert file["vorticity"].shape == (3, 3, 16, 16)
+def test_ensure_dataset_never_replaces_a_file_it_did_not_write(tmp_path: Path) -> None:
+    """Not even with force, nor when the file is not HDF5 (NOTE [Whose data file is it])."""
+    garbage, foreign = tmp_path / "garbage.h5", tmp_path / "foreign.h5"
+    garbage.write_bytes(b"not hdf5")
+    with h5py.File(foreign, "w") as file:
+        file["vorticity"] = np.zeros((3, 3, 16, 16), np.float32)
+    before = {path: path.read_bytes() for path in (garbage, foreign)}
+    for mode in GenerateMode:
+        with pytest.raises(DataError, match="cannot be read as HDF5"):
+            ensure_dataset(garbage, tiny_dataset(), mode)
+    with pytest.raises(DataError, match="would overwrite"):
+        ensure_dataset(foreign, tiny_dataset(), GenerateMode.force)
+    with pytest.raises(DataError, match="refusing to overwrite"):
+        generate_dataset(foreign, tiny_dataset())
+    assert {path: path.read_bytes() for path in (garbage, foreign)} == before
+    assert sorted(tmp_path.iterdir()) == sorted(before)
 
 
 def test_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

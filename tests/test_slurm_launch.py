@@ -1,23 +1,26 @@
 """A real 8-task SLURM job on the local single-node cluster: launch detection, mesh, collectives.
 
 The cluster comes from ``scripts/slurm/local_cluster.sh`` (installed and started on first use,
-reused afterwards and left running). Where it cannot be brought up, the test is skipped with
-the reason.
+reused afterwards and left running). Where SLURM cannot be installed, the test is skipped with
+the reason; where it can but the cluster does not come up, it fails under
+``SHARDSCI_REQUIRE_SLURM=1`` (``.ci/run``) and is skipped otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from shardsci.testing import slurm
 from shardsci.testing.slurm import (
     JobResult,
     SlurmUnavailable,
-    ensure_local_cluster,
+    local_cluster_or_skip,
     submit_and_wait,
 )
 from tests.slurm_job_check import DOMAIN_SIZE, DP_SIZE, expected_report
@@ -30,11 +33,44 @@ JOB_TIMEOUT_S = 180.0
 
 @pytest.fixture(scope="module")
 def local_cluster() -> None:
-    """The local SLURM cluster, up; skips the test with the reason when it cannot be."""
-    try:
-        ensure_local_cluster()
-    except SlurmUnavailable as error:
-        pytest.skip(f"SLURM unavailable: {error.reason}")
+    """The local SLURM cluster, up (see ``local_cluster_or_skip``)."""
+    local_cluster_or_skip()
+
+
+@pytest.mark.parametrize(
+    ("installable", "required", "outcome"),
+    [
+        (False, "1", pytest.skip.Exception),
+        (True, "1", pytest.fail.Exception),
+        (True, "", pytest.skip.Exception),
+        (False, "", pytest.skip.Exception),
+    ],
+)
+def test_a_cluster_that_does_not_come_up_fails_only_when_ci_requires_slurm(
+    monkeypatch: pytest.MonkeyPatch, installable: bool, required: str, outcome: type
+) -> None:
+    """Skips stay for machines where SLURM cannot be installed."""
+
+    def broken() -> None:
+        raise SlurmUnavailable("slurmctld exited after starting", installable)
+
+    monkeypatch.setattr(slurm, "ensure_local_cluster", broken)
+    monkeypatch.setenv(slurm.REQUIRE_VAR, required)
+    with pytest.raises(outcome, match="slurmctld exited after starting"):
+        local_cluster_or_skip()
+
+
+def test_the_cluster_script_says_when_slurm_cannot_be_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exit status 3 of ``local_cluster.sh up`` (not root, no apt-get) means not installable."""
+    statuses = {3: False, 1: True}
+    for status, installable in statuses.items():
+        done = subprocess.CompletedProcess([], status, "", "local_cluster.sh: error: why\n")
+        monkeypatch.setattr(slurm, "_run", lambda *args, done=done: done)
+        with pytest.raises(SlurmUnavailable) as raised:
+            slurm.ensure_local_cluster()
+        assert (raised.value.installable, raised.value.reason) == (installable, "why")
 
 
 def _free_port() -> int:

@@ -1,29 +1,36 @@
 """The main job end to end: ``python train.py +recipe=cfd ...`` on a tiny problem.
 
 Runs the real entry point in subprocesses (local ranks forked by ``train.py``, or SLURM jobs),
-on a 32x32 dataset of 6 trajectories generated once for the module.
+on a 32x32 dataset of 6 trajectories generated once for the module and then handed to the runs
+as a file of the user's: read as it is, and the same bytes after every run. One run generates
+its data itself (``data.generate=force``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 import train  # noqa: F401  registers the config schemas and the recipes
+from recipes.cfd.generate import CREATED_BY, DatasetConfig, generate_dataset
+from recipes.cfd.navier_stokes import SolverConfig
 from shardsci.checkpoint import load_checkpoint
-from shardsci.testing.slurm import SlurmUnavailable, ensure_local_cluster, submit_and_wait
+from shardsci.testing.slurm import local_cluster_or_skip, submit_and_wait
 from shardsci.training import instantiate
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_DATA = DatasetConfig(solver=SolverConfig(resolution=32), n_train=4, n_test=2, n_snapshots=6)
 TINY = [
     "logger=none",
     "train.log_every=1",
@@ -31,17 +38,19 @@ TINY = [
     "train.global_batch=8",
     "eval.samples=8",
     "eval.rollout_steps=1",
-    "data.dataset.solver.resolution=32",
-    "data.dataset.n_train=4",
-    "data.dataset.n_test=2",
-    "data.dataset.n_snapshots=6",
 ]
 RUN_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data") / "ns_tiny.h5"
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``TINY_DATA`` as a file of the user's (no ``created_by``): no run may change it."""
+    path = generate_dataset(tmp_path_factory.mktemp("data") / "ns_tiny.h5", TINY_DATA)
+    with h5py.File(path, "r+") as file:
+        del file.attrs["created_by"]
+    checksum = hashlib.sha256(path.read_bytes()).hexdigest()
+    yield path
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == checksum, "a run changed user data"
 
 
 def _train(dataset: Path, run_dir: Path, mesh: str, *overrides: str) -> subprocess.CompletedProcess:
@@ -68,9 +77,23 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_a_short_run_leaves_what_people_need(dataset: Path, tmp_path: Path) -> None:
+def test_a_short_run_leaves_what_people_need(tmp_path: Path) -> None:
+    """Generating its data on the way (rank 0 writes, the others wait)."""
+    generated = [
+        "data.generate=force",
+        f"data.dataset.solver.resolution={TINY_DATA.solver.resolution}",
+        f"data.dataset.n_train={TINY_DATA.n_train}",
+        f"data.dataset.n_test={TINY_DATA.n_test}",
+        f"data.dataset.n_snapshots={TINY_DATA.n_snapshots}",
+    ]
     _train(
-        dataset, tmp_path, "2x2", "train.steps=4", "train.eval_every=2", "train.checkpoint_every=2"
+        tmp_path / "generated.h5",
+        tmp_path,
+        "2x2",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
+        *generated,
     )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["step"] == 4
@@ -82,9 +105,25 @@ def test_a_short_run_leaves_what_people_need(dataset: Path, tmp_path: Path) -> N
     }
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000004"
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    with h5py.File(tmp_path / "generated.h5", "r") as file:
+        assert file["vorticity"].shape == TINY_DATA.shape
+        assert file.attrs["created_by"] == CREATED_BY
 
 
-MESHES = ["1", "2x1", "1x2", "2x2", "4x2"]
+PERSISTENCE_MARGIN = 0.15
+"""The trained model's held-out one-step error must be at least this fraction below
+persistence's (predicting no change). Measured: 0.185 against 0.246 (25% below) after 30
+steps; 60 and 120 steps give 0.19 (the 4 training trajectories are learnt by heart)."""
+
+
+def test_the_model_beats_persistence(dataset: Path, tmp_path: Path) -> None:
+    _train(dataset, tmp_path, "1", "train.steps=30", "train.eval_every=30")
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    persistence = metrics["persistence_relative_l2"]
+    assert metrics["eval_relative_l2"] <= (1 - PERSISTENCE_MARGIN) * persistence, metrics
+
+
+MESHES = ["1", "2x1", "1x2", "2x2", "4x2", "2x2x2"]
 
 
 def test_the_loss_curve_and_parameters_do_not_depend_on_the_mesh(
@@ -155,26 +194,10 @@ def test_bf16_autocast_trains(dataset: Path, tmp_path: Path) -> None:
     assert all(math.isfinite(v) for v in _losses(tmp_path).values())
 
 
-def test_a_failing_rank_ends_the_job_quickly(dataset: Path, tmp_path: Path) -> None:
-    """One rank's error stops every rank with a non-zero status, not a hang."""
-    start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "train.py", "+recipe=cfd", "mesh=2x1", f"data.path={dataset}",
-         f"run_dir={tmp_path}", *TINY, "model=unet", "model.depth=6"],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-    )  # fmt: skip
-    assert done.returncode != 0
-    assert "divisible" in done.stderr
-    assert time.monotonic() - start < 120
-
-
 # ---------------------------------------------------------------------------- SLURM
 @pytest.fixture(scope="module")
 def slurm() -> None:
-    try:
-        ensure_local_cluster()
-    except SlurmUnavailable as reason:
-        pytest.skip(f"SLURM unavailable: {reason}")
+    local_cluster_or_skip()
 
 
 def test_the_recipe_runs_as_an_sbatch_job(slurm: None, dataset: Path, tmp_path: Path) -> None:

@@ -6,7 +6,16 @@
 ``generate.py``.
 """
 
+from recipes.cfd.checks import check
 from recipes.cfd.config import SCHEMAS
 from shardsci.training import Recipe, register_recipe
 
-RECIPE = register_recipe(Recipe(name="cfd", run="recipes.cfd.train:run", schemas=SCHEMAS))
+RECIPE = register_recipe(
+    Recipe(
+        name="cfd",
+        run="recipes.cfd.train:run",
+        schemas=SCHEMAS,
+        check=check,
+        plan="recipes.cfd.plan:planned_task",
+    )
+)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from recipes.cfd.generate import DatasetConfig
 from recipes.models import MODEL_SCHEMAS
+from shardsci.data import GenerateMode
 from shardsci.training import schema_of
 
 __all__ = ["SCHEMAS", "CFDDataConfig", "CFDEvalConfig"]
@@ -21,19 +22,25 @@ class CFDDataConfig:
     Attributes
     ----------
     path : str
-        The HDF5 file of trajectories; generated on first use (or regenerated when its
-        metadata does not match ``dataset``).
+        The HDF5 file of trajectories (``data/README.md``): a file of yours, read as it is if
+        it follows the schema; or one shardsci generates, under ``data/generated/``.
+    generate : GenerateMode
+        ``auto``: generate a missing file, or regenerate an outdated one of ours, under
+        ``data/generated/`` only; ``never``: only read; ``force``: regenerate (never over a
+        file of yours). NOTE [Whose data file is it] in ``shardsci/data/_files.py``.
     dataset : DatasetConfig
-        How the trajectories are generated (solver, resolution, counts).
+        How the trajectories are generated (solver, resolution, counts); a file of yours is
+        what it is, and these settings do not apply to it.
     """
 
     path: str = "data/generated/ns2d.h5"
+    generate: GenerateMode = GenerateMode.auto
     dataset: DatasetSchema = field(default_factory=DatasetSchema)  # type: ignore[valid-type]
 
 
 @dataclass
 class CFDEvalConfig:
-    """The ``eval`` group of the CFD recipe: what each evaluation (every ``train.eval_every``
+    """The ``eval`` group of the CFD recipe (``configs/eval/cfd.yaml``): what each evaluation (every ``train.eval_every``
     steps, and at the end) measures on the held-out trajectories.
 
     Attributes
@@ -54,6 +61,6 @@ class CFDEvalConfig:
 SCHEMAS: dict[tuple[str, str], type] = {
     **MODEL_SCHEMAS,
     ("data", "ns2d_schema"): CFDDataConfig,
-    ("recipe", "cfd_eval_schema"): CFDEvalConfig,
+    ("eval", "cfd_schema"): CFDEvalConfig,
 }
 """The recipe's Hydra schemas, ``(group, name) -> dataclass`` (``Recipe.schemas``)."""

@@ -1,6 +1,7 @@
 """The CFD recipe's data: vorticity pairs (t, t + 1), normalised, in each rank's slab.
 
-The trajectories are generated on first use (rank 0, then every rank waits). Each rank reads
+The trajectories are read from the user's file, or generated on first use (rank 0, then every
+rank waits; ``trajectories.py``). Each rank reads
 only its slab of every sample (``shardsci.data``); the normalisation statistics come from the
 training trajectories, combined without gathering any field. Without a domain decomposition
 the samples are read whole and used as plain tensors.
@@ -8,15 +9,17 @@ the samples are read whole and used as plain tensors.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from recipes.cfd.generate import DatasetConfig, ensure_dataset, trajectory_split
+from recipes.cfd import trajectories
 from shardsci import ShardTensor
 from shardsci.data import NextStepPairs, ShardedHDF5Field
-from shardsci.training import ParallelLayout, config_from
+from shardsci.training import ParallelLayout
 
 __all__ = ["CFDData"]
 
@@ -47,16 +50,15 @@ class CFDData:
         eval_samples: int | None,
         device: torch.device,
     ):
-        dataset = config_from(DatasetConfig, config.dataset)
         if dist.get_rank() == 0:
-            ensure_dataset(config.path, dataset)
+            trajectories.prepare(config)
         dist.barrier()
+        stored = trajectories.read(Path(config.path))
         self.layout = layout
         self.device = device
-        split = trajectory_split(config.path)
-        self.train_trajectories = range(dataset.n_train)[split["train"]]
-        self.test_trajectories = list(range(dataset.n_train + dataset.n_test)[split["test"]])
-        self.n_times = dataset.n_snapshots
+        self.train_trajectories = range(stored.n_train)
+        self.test_trajectories = list(range(stored.n_train, stored.n_train + stored.n_test))
+        self.n_times = stored.n_snapshots
         self.sharded = layout.domain_mesh is not None
         shard_dims = (
             {axis: _DATASET_DIMS[layout.config.domain[axis]] for axis in layout.domain_axes}
@@ -83,7 +85,7 @@ class CFDData:
             seed=train_cfg.seed,
         )
         self.eval_samples = eval_samples
-        self.cells_per_sample = dataset.solver.resolution**2
+        self.cells_per_sample = stored.height * stored.width
 
     # ------------------------------------------------------------------ batches
     def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,9 @@ File layout
 attributes
     Every field of :class:`~recipes.cfd.navier_stokes.SolverConfig` and of
     :class:`DatasetConfig` that determines the data, plus ``record_dt``, ``domain_length``,
-    ``solver_version``, ``created_by`` and ``created_at``.
+    ``solver_version``, ``created_by`` (which marks the file as shardsci's: NOTE [Whose data
+    file is it] in ``shardsci/data/_files.py``) and ``created_at``. ``data/README.md`` gives
+    the schema a file of the user's own must follow.
 
 Split
 -----
@@ -21,7 +23,9 @@ split sizes, so growing ``n_test`` keeps the training trajectories' initial cond
 
 Usage
 -----
-``python -m recipes.cfd.generate --out data/generated/ns_128.h5 --resolution 128``
+``python -m recipes.cfd.generate --out data/generated/ns_128.h5 --resolution 128``: writes
+the file if it is missing or an outdated one of ours (``--force``: also an up-to-date one);
+never over a file shardsci did not write.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from recipes.cfd.navier_stokes import (
     UnstableTimeStepError,
     random_vorticity,
 )
+from shardsci.data import DataError, GenerateMode, generation_reason, replace_if_ours
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +142,9 @@ def dataset_attributes(config: DatasetConfig) -> dict[str, Attribute]:
     }
 
 
-def trajectory_split(path: str | os.PathLike[str]) -> dict[str, slice]:
-    """Trajectory index ranges ``{"train": ..., "test": ...}`` of the dataset file at ``path``."""
-    with h5py.File(path, "r") as file:
-        n_train, n_test = int(file.attrs["n_train"]), int(file.attrs["n_test"])
-    return {"train": slice(0, n_train), "test": slice(n_train, n_train + n_test)}
-
-
 def generate_dataset(path: str | os.PathLike[str], config: DatasetConfig) -> Path:
-    """Integrate the trajectories of ``config`` and write them to ``path``, replacing it.
+    """Integrate the trajectories of ``config`` and write them to ``path``, replacing a file
+    of ours there, never a file of the user's (``DataError``).
 
     The file is written under a temporary name in the same directory and renamed into place
     only once complete, so an interrupted or killed run never leaves a partial file at
@@ -164,41 +163,45 @@ def generate_dataset(path: str | os.PathLike[str], config: DatasetConfig) -> Pat
             _write_dataset(file, config)
         with open(temporary, "rb") as written:
             os.fsync(written.fileno())
-        os.replace(temporary, path)
+        replace_if_ours(temporary, path, CREATED_BY)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     return path
 
 
-def ensure_dataset(path: str | os.PathLike[str], config: DatasetConfig) -> Path:
-    """Return ``path``, generating it first if it is absent or holds other data than ``config``.
+def ensure_dataset(
+    path: str | os.PathLike[str],
+    config: DatasetConfig,
+    mode: GenerateMode = GenerateMode.auto,
+    anywhere: bool = True,
+) -> Path:
+    """Return ``path``, generating it first if ``mode`` allows and it is missing or an
+    outdated file of ours (NOTE [Whose data file is it]); ``anywhere=False`` generates only
+    under ``data/generated/``.
 
     Under several ranks call this on one rank only (then synchronise): concurrent generators
     would each write the whole file.
+
+    Raises
+    ------
+    DataError
+        If the file may not be generated and cannot be read as it is.
     """
     path = Path(path)
-    mismatch = dataset_mismatch(path, config)
-    if mismatch is None:
+    reason = generation_reason(
+        path, mode, CREATED_BY, lambda stored: outdated_reason(stored, config), anywhere
+    )
+    if reason is None:
         logger.info("reusing %s", path)
         return path
-    logger.info("generating %s: %s", path, mismatch)
+    logger.info("generating %s: %s", path, reason)
     return generate_dataset(path, config)
 
 
-def dataset_mismatch(path: str | os.PathLike[str], config: DatasetConfig) -> str | None:
-    """Why the file at ``path`` does not hold the data of ``config``, or ``None`` if it does."""
-    path = Path(path)
-    if not path.exists():
-        return "no file"
-    try:
-        with h5py.File(path, "r") as file:
-            stored = dict(file.attrs)
-            shape = file[DATASET_NAME].shape if DATASET_NAME in file else None
-    except OSError as error:
-        return f"unreadable file ({error})"
-    if shape != config.shape:
-        return f"dataset {DATASET_NAME!r} has shape {shape}, expected {config.shape}"
+def outdated_reason(stored: dict[str, Attribute], config: DatasetConfig) -> str | None:
+    """Why a file of ours with attributes ``stored`` holds other data than ``config``, or None
+    if it holds the data of ``config``."""
     for name, value in dataset_attributes(config).items():
         if name not in stored:
             return f"attribute {name!r} missing"
@@ -262,7 +265,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, default=Path("data/generated/ns_128.h5"))
     parser.add_argument(
-        "--force", action="store_true", help="regenerate even if the file is up to date"
+        "--force",
+        action="store_true",
+        help="regenerate a file of ours even if it is up to date (never a file of yours)",
     )
     _add_config_options(parser, SolverConfig)
     _add_config_options(parser, DatasetConfig, skip=("solver",))
@@ -286,11 +291,11 @@ def main(argv: list[str] | None = None) -> None:
         config = _config_from_options(options)
     except ValueError as error:
         parser.error(str(error))
-    write = generate_dataset if options["force"] else ensure_dataset
+    mode = GenerateMode.force if options["force"] else GenerateMode.auto
     started = time.perf_counter()
     try:
-        path = write(options["out"], config)
-    except UnstableTimeStepError as error:
+        path = ensure_dataset(options["out"], config, mode)
+    except (UnstableTimeStepError, DataError) as error:
         parser.error(str(error))
     logger.info("%s ready in %.1f s", path, time.perf_counter() - started)
 

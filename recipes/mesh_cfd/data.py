@@ -1,7 +1,8 @@
 """The mesh CFD recipe's data: velocity pairs (t, t + 1) on the cylinder mesh, in each rank's
 part of the graph.
 
-The dataset is generated on first use (rank 0, then every rank waits). Every rank reads the
+The dataset is read from the user's file, or generated on first use (rank 0, then every rank
+waits; ``meshfile.py``). Every rank reads the
 mesh's connectivity (small) and partitions it the same way (METIS or recursive coordinate
 bisection, one part per rank of the domain axis); then it reads only its own nodes' rows of
 the fields (``shardsci.graph.read_rows``). Normalisation statistics are combined from a few
@@ -16,6 +17,8 @@ node (or edge) dim: ``(N, B, F)``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import torch
@@ -23,10 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from recipes.mesh_cfd.generate import MeshDataConfig, ensure_dataset
+from recipes.mesh_cfd import meshfile
 from recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes, read_rows
-from shardsci.training import ParallelLayout, config_from
+from shardsci.training import ParallelLayout
 
 __all__ = ["Batch", "MeshData"]
 
@@ -51,10 +54,10 @@ class MeshData:
     def __init__(
         self, config: DictConfig, layout: ParallelLayout, train_cfg: DictConfig, device
     ) -> None:
-        dataset = config_from(MeshDataConfig, config.dataset)
         if dist.get_rank() == 0:
-            ensure_dataset(config.path, dataset)
+            meshfile.prepare(config)
         dist.barrier()
+        meshfile.read(Path(config.path))
         self.layout, self.device = layout, device
         self.global_batch, self.seed = int(train_cfg.global_batch), int(train_cfg.seed)
         with h5py.File(config.path, "r") as file:
@@ -64,7 +67,9 @@ class MeshData:
             self.triangles = torch.from_numpy(file["triangles"][:])
             self.positions = positions
             trajectories, self.n_times = file["fields"].shape[:2]
-        self.graph, self.partition = _partitioned(edge_index, positions, layout, config.partition)
+        self.graph, self.partition = _partitioned(
+            edge_index, positions, layout, config.partition.value
+        )
         self.test_trajectories = list(range(trajectories - config.test_trajectories, trajectories))
         self.train_trajectories = list(range(trajectories - config.test_trajectories))
         with h5py.File(config.path, "r") as file:
@@ -154,7 +159,9 @@ class MeshData:
             ]
         )
         if self.graph is not None:
+            sums = sums.to(self.device)  # the group's device: NCCL takes no CPU tensors
             dist.all_reduce(sums, group=self.graph.group.group)
+            sums = sums.cpu()
         count, change_count = sums[3]
         mean = sums[0] / count
         std = (sums[1] / count - mean.square()).sqrt()

@@ -13,7 +13,9 @@ every ``record_every`` steps. The file holds the mesh and the fields::
                                        rank reads only its nodes' rows)
 
 with attrs ``solver_version``, ``record_dt`` (time between records), ``channels``,
-``node_types`` and ``config`` (the JSON of the :class:`MeshDataConfig`).
+``node_types``, ``config`` (the JSON of the :class:`MeshDataConfig`) and ``created_by``, which
+marks the file as shardsci's (NOTE [Whose data file is it] in ``shardsci/data/_files.py``);
+``data/README.md`` gives the schema a file of the user's own must follow.
 """
 
 from __future__ import annotations
@@ -21,17 +23,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
 import torch
 
 from recipes.mesh_cfd.cylinder_flow import SOLVER_VERSION, CylinderFlow, CylinderFlowConfig
-from recipes.mesh_cfd.mesh import NODE_TYPES, MeshConfig, cylinder_mesh
+from recipes.mesh_cfd.mesh import NODE_TYPES, MeshConfig, TriangleMesh, cylinder_mesh
+from shardsci.data import GenerateMode, generation_reason, replace_if_ours
 
 CHANNELS = ("u", "v", "vorticity")
+CREATED_BY = "shardsci recipes.mesh_cfd.generate"
 
 
 @dataclass(frozen=True)
@@ -62,19 +69,33 @@ class MeshDataConfig:
         return self.record_every * self.flow.dt
 
 
-def ensure_dataset(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
-    """Return ``path``, generating it first if it is absent or holds other data than
-    ``config`` (its ``config`` attribute differs). Call it on one rank only."""
+def ensure_dataset(
+    path: str | os.PathLike[str],
+    config: MeshDataConfig,
+    mode: GenerateMode = GenerateMode.auto,
+    anywhere: bool = True,
+) -> Path:
+    """Return ``path``, generating it first if ``mode`` allows and it is missing or an
+    outdated file of ours (NOTE [Whose data file is it]); ``anywhere=False`` generates only
+    under ``data/generated/``. Call it on one rank only."""
     path = Path(path)
-    if path.exists():
-        try:
-            with h5py.File(path, "r") as file:
-                stored = file.attrs.get("config")
-        except OSError:
-            stored = None
-        if stored == _config_json(config):
-            return path
-    return generate(path, config)
+    reason = generation_reason(
+        path, mode, CREATED_BY, lambda stored: outdated_reason(stored, config), anywhere
+    )
+    return path if reason is None else generate(path, config)
+
+
+def outdated_reason(stored: Mapping[str, Any], config: MeshDataConfig) -> str | None:
+    """Why a file of ours with attributes ``stored`` holds other data than ``config``, or
+    None if it holds the data of ``config``."""
+    if stored.get("solver_version") != SOLVER_VERSION:
+        return (
+            f"attribute 'solver_version' is {stored.get('solver_version')!r}, expected "
+            f"{SOLVER_VERSION!r}"
+        )
+    if stored.get("config") != _config_json(config):
+        return "attribute 'config' differs from data.dataset"
+    return None
 
 
 def _config_json(config: MeshDataConfig) -> str:
@@ -83,7 +104,7 @@ def _config_json(config: MeshDataConfig) -> str:
 
 def generate(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
     """Simulate ``config`` and write the dataset to ``path`` (atomically: a partial file is
-    never left under that name)."""
+    never left under that name), replacing a file of ours there, never one of the user's."""
     path = Path(path)
     mesh = cylinder_mesh(config.flow.circles, config.mesh)
     solver = CylinderFlow(config.flow)
@@ -109,8 +130,23 @@ def generate(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
         records.append(solver.sample(state, inflow, mesh.positions).float())
     fields = torch.stack(records, 1).numpy()
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + f".partial-{os.getpid()}")
-    with h5py.File(partial, "w") as file:
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        _write(partial, mesh, inflow, fields, config)
+        replace_if_ours(partial, path, CREATED_BY)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _write(
+    path: Path,
+    mesh: TriangleMesh,
+    inflow: torch.Tensor,
+    fields: np.ndarray,
+    config: MeshDataConfig,
+) -> None:
+    with h5py.File(path, "w") as file:
         file["positions"] = mesh.positions.numpy()
         file["triangles"] = mesh.triangles.numpy()
         file["edge_index"] = mesh.edge_index.numpy()
@@ -122,5 +158,4 @@ def generate(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
         file.attrs["channels"] = list(CHANNELS)
         file.attrs["node_types"] = list(NODE_TYPES)
         file.attrs["config"] = _config_json(config)
-    os.replace(partial, path)
-    return path
+        file.attrs["created_by"] = CREATED_BY

@@ -8,6 +8,8 @@
 #
 # The node advertises 8 CPUs whatever the hardware has, so `srun -n 8` runs on 2 cores.
 # Environment: SHARDSCI_SLURM_UP_TIMEOUT_S (default 60) bounds the wait for the node.
+# Exit status of `up`: 0 up; 3 SLURM cannot be installed or started here (not root, no
+# apt-get, the packages cannot be installed); 1 any other failure to bring the cluster up.
 set -euo pipefail
 
 readonly PROG=${0##*/}
@@ -48,8 +50,14 @@ die() {
     exit 1
 }
 
+# Like die, for what makes SLURM impossible here rather than broken (exit status 3).
+cannot_install() {
+    printf '%s: error: %s\n' "$PROG" "$*" >&2
+    exit 3
+}
+
 require_root() {
-    ((EUID == 0)) || die "must run as root to $1 (running as uid $EUID)"
+    ((EUID == 0)) || cannot_install "must run as root to $1 (running as uid $EUID)"
 }
 
 # Serialises the commands that change the cluster (the caller is root).
@@ -124,13 +132,14 @@ install_packages() {
     ((${#missing[@]})) || return 0
     require_root "install ${missing[*]}"
     command -v apt-get >/dev/null ||
-        die "apt-get not found: install ${missing[*]} with this system's package manager"
+        cannot_install "apt-get not found: install ${missing[*]} with this system's package manager"
     log "installing ${missing[*]} with apt-get"
     if ! output=$(apt_get install --no-install-recommends "${missing[@]}"); then
         log "apt-get install failed; refreshing the package lists with apt-get update"
-        output=$(apt_get update) || die "apt-get update failed: $(tail -n 3 <<<"$output")"
+        output=$(apt_get update) ||
+            cannot_install "apt-get update failed: $(tail -n 3 <<<"$output")"
         output=$(apt_get install --no-install-recommends "${missing[@]}") ||
-            die "apt-get install ${missing[*]} failed: $(tail -n 3 <<<"$output")"
+            cannot_install "apt-get install ${missing[*]} failed: $(tail -n 3 <<<"$output")"
     fi
 }
 

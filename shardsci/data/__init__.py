@@ -3,12 +3,48 @@
 ``ShardedHDF5Field`` reads samples of a dataset as ShardTensors, every rank of the domain mesh
 reading only its hyperslab; ``ShardedHDF5Field.statistics`` gives normalisation statistics
 combined from a few numbers per rank; ``NextStepPairs`` yields shuffled, resumable (input,
-target) batches split over data-parallel ranks.
+target) batches split over data-parallel ranks; ``check_hdf5`` validates a user's file against
+a recipe's ``HDF5Schema`` and ``generation_reason`` says whether a run may generate its data
+(NOTE [Whose data file is it]).
 """
 
 from shardsci.data._field import ShardedHDF5Field
+from shardsci.data._files import (
+    CREATED_BY,
+    GENERATED_DIR,
+    DataError,
+    DatasetSpec,
+    GenerateMode,
+    HDF5Contents,
+    HDF5Schema,
+    check_hdf5,
+    generation_reason,
+    in_generated_dir,
+    is_ours,
+    read_attributes,
+    replace_if_ours,
+)
 from shardsci.data._hdf5 import HDF5Source
 from shardsci.data._pairs import NextStepPairs, PairBatch
 from shardsci.data._stats import FieldStatistics
 
-__all__ = ["FieldStatistics", "HDF5Source", "NextStepPairs", "PairBatch", "ShardedHDF5Field"]
+__all__ = [
+    "CREATED_BY",
+    "GENERATED_DIR",
+    "DataError",
+    "DatasetSpec",
+    "FieldStatistics",
+    "GenerateMode",
+    "HDF5Contents",
+    "HDF5Schema",
+    "HDF5Source",
+    "NextStepPairs",
+    "PairBatch",
+    "ShardedHDF5Field",
+    "check_hdf5",
+    "generation_reason",
+    "in_generated_dir",
+    "is_ours",
+    "read_attributes",
+    "replace_if_ours",
+]

@@ -150,13 +150,20 @@ def _local_moments(
 def _merged_along(
     group: dist.ProcessGroup, moments: _Moments, channels: tuple[int, ...]
 ) -> _Moments:
-    packed = moments.packed()
+    packed = moments.packed().to(_group_device(group))
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, packed, group=group)
     merged = _Moments.empty(channels)
     for flat in gathered:
-        merged = merged.merged(_Moments.unpacked(flat, channels))
+        merged = merged.merged(_Moments.unpacked(flat.cpu(), channels))
     return merged
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """Where ``group``'s collectives take their tensors: NCCL only CUDA ones, gloo CPU ones."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _kept_shape(block: torch.Tensor, dims: tuple[int, ...]) -> tuple[int, ...]:

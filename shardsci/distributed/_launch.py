@@ -22,7 +22,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -429,14 +429,33 @@ def init_distributed(
         torch.cuda.set_device(device_for_local_rank(env))
     if env.master_port == 0:
         env = replace(env, master_port=_free_port())
+    timeout = timedelta(seconds=_timeout_s(timeout_s, environ))
+    rendezvous: dict[str, Any] = {"init_method": _tcp_url(env)}
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rendezvous = {"store": _agent_store(env, timeout, environ)}
     dist.init_process_group(
         backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"),
-        init_method=_tcp_url(env),
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timedelta(seconds=_timeout_s(timeout_s, environ)),
+        timeout=timeout,
+        **rendezvous,
     )
     return env
+
+
+def _agent_store(env: LaunchEnv, timeout: timedelta, environ: Mapping[str, str]) -> dist.Store:
+    """torchrun's agent store, under a prefix of its own for each restart.
+
+    The agent keeps one store for all restarts of its workers, and torch's rendezvous reuses
+    its keys as they are: after ``--max-restarts`` restarted the workers, a new rank could read
+    the address a dead rank of the previous attempt left under the same key, and gloo's
+    connection to it fails (seen with torch 2.13).
+    """
+    store = dist.TCPStore(
+        env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
+    )
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"shardsci/attempt_{attempt}/", store)
 
 
 def _check_agrees(env: LaunchEnv) -> None:

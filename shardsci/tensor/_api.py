@@ -7,7 +7,8 @@ autograd Functions (``from_local``, ``to_local``, ``redistribute``), whose backw
 move gradients to the layout of the forward input: Shard stays Shard (same sizes), Replicate
 stays Replicate, Partial becomes Replicate. A plain tensor that requires grad and meets a
 ShardTensor (a module's weight) enters as ``from_local(w, mesh, [Replicate()] * ndim)``, so its
-gradient is the sum over shards, reduced once by that Function's backward.
+gradient is the sum over shards (NOTE [Where the gradient of a replicated parameter is summed]
+in ``_promotion``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from shardsci.tensor import _dispatch, _function_dispatch
+from shardsci.tensor._caches import cached
 from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
+from shardsci.tensor._torch_compat import _make_wrapper_subclass
 
 __all__ = ["ShardTensor", "from_local_spec", "grad_spec", "redistribute"]
 
@@ -41,13 +44,16 @@ class ShardTensor(torch.Tensor):
 
     _local: torch.Tensor
     _spec: ShardTensorSpec
-    __slots__ = ("_local", "_spec")
+    _halo: Any
+    """Cells around this shard gathered with it, for the next windowed op (NOTE [A padded
+    tensor carries the halo its convolution reads] in ``_ops/_windows.py``), or None."""
+    __slots__ = ("_halo", "_local", "_spec")
 
     @staticmethod
     def __new__(
         cls, local: torch.Tensor, spec: ShardTensorSpec, *, requires_grad: bool = False
     ) -> ShardTensor:
-        result = torch.Tensor._make_wrapper_subclass(
+        result = _make_wrapper_subclass(
             cls,
             spec.shape,
             strides=spec.stride,
@@ -57,6 +63,7 @@ class ShardTensor(torch.Tensor):
         )
         result._local = local
         result._spec = spec
+        result._halo = None
         return result
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -75,6 +82,19 @@ class ShardTensor(torch.Tensor):
     __torch_function__ = classmethod(_function_dispatch.dispatch)  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ layout queries
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's shard as stored, outside autograd: for aten handlers (they run below
+        autograd) and for reading. Code above autograd (function handlers, models) uses
+        :meth:`to_local`, whose result is differentiable."""
+        return self._local
+
+    @property
+    def spec(self) -> ShardTensorSpec:
+        """The layout, the same on every rank: global shape, stride and dtype, placements,
+        and the shard sizes of every sharded dim."""
+        return self._spec
+
     @property
     def placements(self) -> tuple[Placement, ...]:
         return self._spec.placements
@@ -232,9 +252,17 @@ def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
 
 
 def _as_shard_tensor(grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """A gradient as a ShardTensor. A plain one comes from a backward formula that builds a
+    fresh tensor of the global shape (``zeros(sizes)``), the same on every rank: it is read
+    as replicated."""
     if isinstance(grad, ShardTensor):
         return grad
-    raise TypeError(f"expected a ShardTensor gradient for {spec}, got a plain tensor")
+    if grad.shape == spec.shape:
+        return ShardTensor(grad, replicated_spec(grad, spec.mesh))
+    raise TypeError(
+        f"expected a gradient of shape {tuple(spec.shape)} for {spec}, got a plain tensor "
+        f"of shape {tuple(grad.shape)}"
+    )
 
 
 class _Redistribute(torch.autograd.Function):
@@ -270,23 +298,29 @@ class _ToLocal(torch.autograd.Function):
         ctx: Any, x: ShardTensor, grad_placements: tuple[Placement, ...] | None
     ) -> torch.Tensor:
         spec = x._spec
-        if grad_placements is None:
-            ctx.grad_spec = grad_spec(spec)
-        else:
-            ctx.grad_spec = ShardTensorSpec.build(
-                spec.mesh,
-                grad_placements,
-                spec.shape,
-                spec.dtype,
-                {s.dim: s.sizes for s in spec.shardings},
-                stride=spec.stride,
-                order={s.dim: s.axes for s in spec.shardings},
-            )
+        ctx.grad_spec = (
+            grad_spec(spec) if grad_placements is None else _as_placed(spec, grad_placements)
+        )
         return x._local.view_as(x._local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardTensor, None]:  # type: ignore[override]
         return ShardTensor(grad, ctx.grad_spec.with_dtype(grad.dtype)), None
+
+
+@cached("placement changes", 4096)
+def _as_placed(spec: ShardTensorSpec, placements: tuple[Placement, ...]) -> ShardTensorSpec:
+    """``spec`` with other placements, the same shard sizes (cached: ``to_local`` with
+    gradient placements is on the path of every weight's use)."""
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        spec.shape,
+        spec.dtype,
+        {s.dim: s.sizes for s in spec.shardings},
+        stride=spec.stride,
+        order={s.dim: s.axes for s in spec.shardings},
+    )
 
 
 # ---------------------------------------------------------------------------- validation
@@ -313,4 +347,3 @@ def _checked_user_placements(
 
 
 _dispatch.bind_tensor_type(ShardTensor)
-_function_dispatch.bind_promotion(ShardTensor, _FromLocal.apply)

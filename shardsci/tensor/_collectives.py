@@ -25,6 +25,7 @@ from shardsci.tensor._spec import mesh_coordinate
 __all__ = [
     "AxisGroup",
     "PendingMessages",
+    "all_gather",
     "all_reduce",
     "axis_group",
     "broadcast",
@@ -198,7 +199,9 @@ def _anything_moves(size: int, shape_of: Callable[[int, int], Sequence[int]]) ->
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.contiguous().reshape(-1)
+    flat = tensor.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a broadcast element has stride 0
+        flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
     return flat.view(torch.uint8)
@@ -255,12 +258,13 @@ _REDUCE_OPS = {
 
 
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, reduce_op: str) -> torch.Tensor:
-    """Reduce ``tensor`` over the group; returns a new tensor (``avg`` divides by the size)."""
+    """Reduce ``tensor`` over the group; returns a new tensor (``avg`` divides by the size),
+    or ``tensor`` itself on a group of one."""
     if reduce_op not in _REDUCE_OPS:
         raise NotImplementedError(f"all-reduce with reduce op {reduce_op!r}")
-    result = tensor.clone(memory_format=torch.contiguous_format)
     if group.size == 1:
-        return result
+        return tensor
+    result = tensor.clone(memory_format=torch.contiguous_format)
     if result.dtype == torch.bool:
         result = result.to(torch.uint8)
     dist.all_reduce(result, op=_REDUCE_OPS[reduce_op], group=group.group)
@@ -270,6 +274,24 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, reduce_op: str) -> torch.
     if reduce_op == "avg":
         result = result / group.size
     return result.to(tensor.dtype)
+
+
+def all_gather(tensor: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Every member's ``tensor`` (all of one shape), stacked by flat index: ``(size, *shape)``.
+
+    The native collective (NCCL's tuned algorithms on GPUs); pieces of different sizes go
+    through ``exchange``.
+    """
+    if group.size == 1:
+        return tensor.unsqueeze(0)
+    payload = _as_bytes(tensor)
+    gathered = payload.new_empty(group.size * payload.numel())
+    dist.all_gather_single(gathered, payload, group=group.group)
+    nbytes = (group.size - 1) * payload.numel()
+    record_comm("all_gather", nbytes, nbytes)
+    stacked = _from_bytes(gathered, tensor.dtype, (group.size, *tensor.shape))
+    order = list(group.group_ranks)
+    return stacked if order == sorted(order) else stacked[order]
 
 
 def broadcast(

@@ -17,13 +17,22 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch._ops import OpOverload
+from torch.distributed.tensor import Replicate
 
 from shardsci.tensor import _propagation
-from shardsci.tensor._propagation import Plan, flatten_args, plan_for, unflatten_args
-from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._caches import register_cache
+from shardsci.tensor._propagation import (
+    Plan,
+    decomposition,
+    flatten_args,
+    functional_twin,
+    plan_for,
+    unflatten_args,
+)
+from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
 from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._torch_compat import OpOverload, no_dispatch
 
 __all__ = ["bind_tensor_type", "dispatch", "run_with_propagation"]
 
@@ -49,6 +58,8 @@ class _Route(NamedTuple):
 
 _ROUTES: dict[OpOverload, _Route] = {}
 on_registration(_ROUTES.clear)
+# Keyed by aten overloads, a finite set, so unbounded; registered to be cleared with the rest.
+register_cache("dispatch routes", _ROUTES.__len__, _ROUTES.clear)
 
 
 def _route(func: OpOverload) -> _Route:
@@ -63,9 +74,12 @@ def _route(func: OpOverload) -> _Route:
 
 
 def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: dict | None = None):
+    func = _MATERIALIZED_VIEWS.get(func, func)
     route = _ROUTES.get(func) or _route(func)
     if kwargs is None:
         kwargs = {}
+    if func in _IN_PLACE_VIEWS:
+        return _in_place_view(func, args, kwargs)
     if route.dim_argument is not None:
         args, kwargs = _explicit_reduction_dims(func, args, kwargs)
     if route.handler is not None:
@@ -77,6 +91,47 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
         if result is not NotImplemented:
             return result
     return run_with_propagation(func, args, kwargs)
+
+
+# NOTE [Shards never carry a conjugate or negative bit]
+# ``x.conj()`` of a complex tensor is a lazy view: a bit on the tensor says "read me
+# conjugated". A ShardTensor's wrapper cannot carry the bit for its shard (ops on the wrapper
+# would then conjugate once more, and redistribution reads raw bytes), so the lazy views
+# are materialised on the shard: ``conj`` of a ShardTensor is ``conj_physical``, a copy.
+_MATERIALIZED_VIEWS = {
+    aten._conj.default: aten.conj_physical.default,
+    aten._neg_view.default: aten.neg.default,
+}
+
+
+# NOTE [In-place ops that change a ShardTensor's shape]
+# ``x.squeeze_(0)`` (which ``torch.matmul`` of a vector uses) changes the shape of ``x``
+# itself. Running it on the shard would leave the wrapper's shape and spec as they were, so
+# the out-of-place twin computes the new shard and spec, which replace ``x``'s, and the
+# op then runs on the wrapper's metadata alone (as a meta op, touching no data).
+_IN_PLACE_VIEWS = {
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+    aten.as_strided_.default: aten.as_strided.default,
+}
+
+
+def _in_place_view(func: OpOverload, args: tuple, kwargs: dict):
+    x = args[0]
+    result = _IN_PLACE_VIEWS[func](*args, **kwargs)
+    x._local, x._spec = result._local, result._spec
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    return x
 
 
 # NOTE [An empty dim list reduces every dim]
@@ -131,37 +186,92 @@ _LAYOUT_PRESERVING = {
 }
 
 
+# Ops whose result ignores the input's values. On a tensor with a pending reduction (Partial)
+# they make a replicated tensor: DTensor keeps ``empty_like`` Partial, so ATen's ``1 - x``
+# (``empty_like(x).fill_(1).sub_(x)``) would count the 1 once per rank.
+_VALUE_FREE = {
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+}
+
+
 def _is_fast_pointwise(func: OpOverload) -> bool:
+    """Layout-preserving ops, and pointwise ops that return tensors (``aten.equal``, tagged
+    pointwise, returns one bool for the whole tensor)."""
+    schema = func._schema
+    returns_tensors = bool(schema.returns) and all(
+        isinstance(r.type, torch.TensorType) for r in schema.returns
+    )
     return func in _LAYOUT_PRESERVING or (
-        torch.Tag.pointwise in func.tags and not any(a.is_out for a in func._schema.arguments)
+        torch.Tag.pointwise in func.tags
+        and returns_tensors
+        and not any(a.is_out for a in schema.arguments)
     )
 
 
 def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: bool):
     """Pointwise ops on operands that share one layout (no Partial axis) and scalars: run on
-    the local shards, keep the layout. Anything else returns NotImplemented."""
-    spec = None
+    the local shards, keep the layout. A 0-d ShardTensor operand (``y * y.mean()``) is a
+    scalar: one with a pending reduction is reduced (an all-reduce of one element) rather
+    than the large operand moved. Anything else returns NotImplemented."""
+    spec = _reference_layout(args)
+    if spec is None:
+        return NotImplemented
     local_args = []
     for arg in args:
         if type(arg) is _ShardTensor:
             arg_spec = arg._spec
-            if spec is None:
-                spec = arg_spec
-            elif arg_spec is not spec and not arg_spec.same_layout(spec):
+            if arg_spec is spec or arg_spec.same_layout(spec):
+                local_args.append(arg._local)
+            elif arg.ndim == 0 and spec.ndim != 0 and not mutates and arg_spec.mesh == spec.mesh:
+                local_args.append(_scalar_local(arg))
+            else:
                 return NotImplemented
-            local_args.append(arg._local)
         elif isinstance(arg, torch.Tensor) and arg.ndim != 0:
             return NotImplemented
         else:
             local_args.append(arg)
-    if spec is None or spec.partial:
+    if spec.partial and func not in _VALUE_FREE:
         return NotImplemented
     if kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return NotImplemented
+    if kwargs.get("memory_format", torch.preserve_format) is not torch.preserve_format:
+        return NotImplemented  # the output's strides are not the input's
+    filled = spec.partial
+    if filled:
+        spec = target_spec(spec, [Replicate() if p.is_partial() else p for p in spec.placements])
     out = func(*local_args, **kwargs)
     if mutates:
+        if filled:
+            args[0]._spec = spec
         return args[0]
+    if isinstance(out, tuple):
+        return tuple(_ShardTensor(o, spec.with_dtype(o.dtype)) for o in out)
     return _ShardTensor(out, spec if out.dtype == spec.dtype else spec.with_dtype(out.dtype))
+
+
+def _reference_layout(args: tuple) -> ShardTensorSpec | None:
+    """The layout of the first ShardTensor operand that is not 0-d (else of the first)."""
+    first = None
+    for arg in args:
+        if type(arg) is _ShardTensor:
+            if arg.ndim != 0:
+                return arg._spec
+            first = first or arg._spec
+    return first
+
+
+def _scalar_local(scalar) -> torch.Tensor:
+    """A 0-d ShardTensor's value, its pending reductions done."""
+    spec = scalar._spec
+    if not spec.partial:
+        return scalar._local
+    whole = target_spec(spec, [Replicate()] * spec.mesh.ndim)
+    return redistribute_local(scalar._local, spec, whole)
 
 
 def _mutates_first_argument(func: OpOverload) -> bool:
@@ -187,7 +297,7 @@ def run_with_propagation(
         need only a different local kernel, e.g. one that copes with empty shards.
     """
     leaves, structure = flatten_args(args)
-    plan = plan_for(func, leaves, structure, kwargs)
+    plan = plan_for(func, leaves, structure, kwargs, local_impl)
     if plan.action == "decompose":
         return _decompose(func, args, kwargs)
     if plan.action == "copy_back":
@@ -204,12 +314,23 @@ def run_with_propagation(
         if stride_index is not None:
             local_args[stride_index] = stride
     local_kwargs = {k: _local_of(v) for k, v in kwargs.items()} if kwargs else {}
-    out = (local_impl or plan.op)(*local_args, **local_kwargs)
+    if plan.empty_outputs:
+        out = _empty_outputs(plan.outputs)
+    else:
+        out = (local_impl or plan.op)(*local_args, **local_kwargs)
     if plan.returns_destination:
         return args[0]
     result = _wrap(out, plan.outputs, plan, func)
     plan.checked = True
     return result
+
+
+def _empty_outputs(specs: object) -> object:
+    """This rank's outputs when they are all empty (NOTE [No kernel sees an empty shard it
+    cannot reduce] in ``_propagation``)."""
+    if isinstance(specs, (tuple, list)):
+        return type(specs)(_empty_outputs(s) for s in specs)
+    return torch.empty(specs.local_shape(), dtype=specs.dtype)
 
 
 def _moved(leaf: torch.Tensor, source: ShardTensorSpec, target: ShardTensorSpec | None):
@@ -222,23 +343,32 @@ def _local_of(value: object) -> object:
 
 
 def _decompose(func: OpOverload, args: tuple, kwargs: dict):
-    result = func.decompose(*args, **kwargs)
+    """NOTE [An op without a sharding rule runs its decomposition] in ``_propagation``."""
+    result = decomposition(func)(*args, **kwargs)
     if result is NotImplemented:
         raise NotImplementedError(f"shardsci: cannot decompose {func}")
     return result
 
 
 def _in_place_through_copy(func: OpOverload, args: tuple, kwargs: dict):
-    """Run the out-of-place op, then copy the result into the destination's own layout."""
-    name = func.overloadpacket.__name__.rstrip("_")
-    functional = getattr(getattr(aten, name), func._overloadname, None)
-    if functional is None:
-        raise NotImplementedError(
-            f"in-place {func} would need to move its destination {args[0]._spec}, and it has "
-            f"no out-of-place twin; redistribute the destination first"
-        )
+    """Run the out-of-place op, then copy the result into the destination's own layout
+    (``copy_``'s result is its source, broadcast)."""
     destination = args[0]
-    result = functional(*args, **kwargs)
+    if func is aten.copy_.default:
+        result = args[1]
+        if result.shape != destination.shape:
+            result = aten.expand.default(result, list(destination.shape))
+        if type(result) is not _ShardTensor:
+            destination._local.copy_(destination._spec.narrow(result))
+            return destination
+    else:
+        functional = functional_twin(func)
+        if functional is None:
+            raise NotImplementedError(
+                f"in-place {func} would need to move its destination {destination._spec}, and "
+                f"it has no out-of-place twin; redistribute the destination first"
+            )
+        result = functional(*args, **kwargs)
     target = destination._spec.with_dtype(result.dtype)
     destination._local.copy_(redistribute_local(result._local, result._spec, target))
     return destination

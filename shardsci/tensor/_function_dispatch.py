@@ -2,9 +2,9 @@
 
 A call reaches here before autograd records anything. Registered function handlers run
 first; otherwise plain tensors that require grad (module weights) are promoted to replicated
-ShardTensors, so that the ops below see only ShardTensors and each weight's gradient comes
-back as a plain tensor holding the sum over shards (NOTE [Autograd interaction between
-torch.Tensor and ShardTensor] in ``_api``). Everything then continues to
+ShardTensors, so that the ops below see only ShardTensors and each weight's gradient is the
+sum over shards (NOTE [Where the gradient of a replicated parameter is summed] in
+``_promotion``). Everything then continues to
 ``__torch_dispatch__``.
 """
 
@@ -17,20 +17,18 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardsci.tensor._registry import function_handler_for
-from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
+from shardsci.tensor._torch_compat import _disabled_torch_function_impl
 
 __all__ = ["bind_promotion", "dispatch"]
 
 # Calls ``func`` with this subclass's ``__torch_function__`` disabled, in C.
-_call_below = torch._C._disabled_torch_function_impl
+_call_below = _disabled_torch_function_impl
 _ShardTensor: type = torch.Tensor
-_promote: Callable[[torch.Tensor, ShardTensorSpec], torch.Tensor] | None = None
+_promote: Callable[[torch.Tensor, DeviceMesh], torch.Tensor] | None = None
 
 
-def bind_promotion(
-    cls: type, promote: Callable[[torch.Tensor, ShardTensorSpec], torch.Tensor]
-) -> None:
-    """Called once by ``_api``: the ShardTensor type and its differentiable ``from_local``."""
+def bind_promotion(cls: type, promote: Callable[[torch.Tensor, DeviceMesh], torch.Tensor]) -> None:
+    """Called once by ``_promotion``: the ShardTensor type and ``promote_replicated``."""
     global _ShardTensor, _promote
     _ShardTensor = cls
     _promote = promote
@@ -76,5 +74,5 @@ def _promoted(value: object, mesh: DeviceMesh) -> object:
     if isinstance(value, (list, tuple)):
         return type(value)(_promoted(v, mesh) for v in value)
     if _needs_promotion(value):
-        return _promote(value, replicated_spec(value, mesh))
+        return _promote(value, mesh)
     return value

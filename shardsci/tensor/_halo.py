@@ -1,216 +1,381 @@
-"""Halo exchange: extend each rank's shard by the cells of its neighbours, differentiably.
+"""Halo exchange: extend each rank's shard by its neighbours' cells and the boundary's,
+in one buffer, differentiably.
 
-# NOTE [Halos are ranges gathered across the boundary]
-Along one sharded dim each rank asks for a global index range ``[lo, hi)``: its own cells
-plus halos, possibly beyond the domain (``lo < 0``, ``hi > extent``). The range is cut into
-runs: cells inside the domain come from the ranks that own them (several, when shards are
-narrower than the halo, empty shards included); cells outside follow the boundary:
-``zeros``; ``periodic`` (index modulo the extent); ``reflect`` (mirrored about the edge cell,
-as ``F.pad(mode="reflect")``); ``replicate`` (the edge cell repeated). Every rank computes
-every rank's runs from the layout, so each pair of ranks exchanges at most one message per
-dim, point to point, holding exactly the cells the receiver lacks: for halos no wider than the
-neighbouring shards that is one message per neighbour, the face, the lower bound.
-Several dims are extended one after the other, each on the tensor already extended along the
-previous dims, so edges and corners of 2-D and 3-D block decompositions arrive with the faces
-of the later dims.
-The backward pass is the exact adjoint: each received run's gradient goes back to its owner
-(reflected runs flipped back, replicated runs summed onto the edge cell) and is added there.
+# NOTE [An extended shard is assembled in one buffer]
+An ``Extension`` takes, along each of some dims in turn, a global range of cells for every
+rank (NOTE [Halos are ranges gathered across the boundary] in ``_halo_plan``; a dim that is
+not sharded is a group of one). This rank's cells land in one buffer spanning, along each of
+these dims, its own cells and its range: the shard is copied in once, then each dim is filled
+in turn: neighbours' faces are written where they belong (one batched exchange per sharded
+dim), boundary cells are copied within the buffer (periodic, reflect, replicate) or filled.
+While a dim is filled, the dims filled before it span their whole range and the later ones
+only the own cells, so the corners of a block decomposition arrive with the faces of the later
+dims. The result is a view of the buffer: the shard is copied once, whatever the number of
+dims, and nothing is copied when no rank's range differs from its own cells.
+The backward pass is the exact adjoint in one buffer too: the gradient is copied in once, then
+the dims are taken in reverse: each received run's gradient goes back to its owner, boundary
+cells' gradients are added onto the cells they copy (reflected runs flipped back, replicated
+runs summed onto the edge cell), and the own cells are the result.
+
+# NOTE [Corners beyond a zeros boundary do not travel]
+Cells beyond a zeros boundary of a dim filled earlier are filled by every rank itself, so the
+messages of later dims carry only the range of domain cells along that dim (``_Step.real``):
+on a block with a zeros boundary no corner of zeros travels (the lower bound).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from shardsci.tensor._caches import cached
-from shardsci.tensor._collectives import (
-    AxisGroup,
-    PendingMessages,
-    axis_group,
-    start_send_recv,
-)
-from shardsci.tensor._spec import ShardTensorSpec, mesh_coordinate
+from shardsci.tensor._collectives import AxisGroup, PendingMessages, axis_group, start_send_recv
+from shardsci.tensor._halo_plan import HaloPlan, Run, domain_range, halo_plan
+from shardsci.tensor._spec import ShardTensorSpec
 
 __all__ = [
-    "BOUNDARIES",
-    "HaloPlan",
-    "domain_range",
-    "extend_dim",
+    "Extension",
+    "extend",
+    "extension",
     "halo_exchange",
-    "halo_plan",
+    "narrowed",
     "pad_locally",
     "start_extend",
 ]
 
-BOUNDARIES = ("zeros", "periodic", "reflect", "replicate")
+# (dim, start, length): a narrowing of one dim.
+Narrowing = tuple[int, int, int]
+# (dim, the range each member of the dim's group wants, boundary): one dim of an extension.
+Request = tuple[int, tuple[tuple[int, int], ...], str]
 
 
 @dataclass(frozen=True)
-class _Run:
-    """A contiguous run of the extended shard along the dim.
+class _Step:
+    """Filling one dim of the buffer.
 
     Attributes
     ----------
-    position, length : int
-        Where the run lies in the extended shard.
-    source : int or None
-        Flat group index of the owner of its cells; None for zeros.
-    start : int
-        First global index of the owner's cells it copies (ascending).
-    reversed : bool
-        Placed flipped (reflect boundary).
-    repeated : bool
-        One cell repeated ``length`` times (replicate boundary).
-    """
-
-    position: int
-    length: int
-    source: int | None
-    start: int
-    reversed: bool = False
-    repeated: bool = False
-
-    @property
-    def cells(self) -> int:
-        """Cells taken from the source."""
-        return 1 if self.repeated else self.length
-
-
-@dataclass(frozen=True)
-class HaloPlan:
-    """Every rank's runs for one dim: ``runs[k]`` builds member ``k``'s extended shard.
-
-    ``real`` lists, for dims extended before this one, the range ``(dim, start, stop)`` that
-    holds cells of the domain; outside it lie cells beyond a zeros boundary, which every rank
-    fills itself, so messages carry only the real range (the lower bound on blocks: no corner
-    of zeros travels).
+    dim : int
+    plan : HaloPlan
+        Every member's runs along ``dim``.
+    group : AxisGroup or None
+        The ranks sharding ``dim``; None when there is nobody else (not sharded, or one rank).
+    me : int
+        This rank's member index in ``plan``.
+    origin : int
+        The global index of the buffer's first cell along ``dim``.
+    region : tuple of Narrowing
+        Along the other dims of the extension, the cells this step covers (buffer
+        coordinates): the wanted range of dims filled before, the own cells of later ones.
+    real : tuple of Narrowing
+        Within ``region`` (and along dims extended before the extension), the domain cells
+        where they are not all of it (NOTE [Corners beyond a zeros boundary do not travel]):
+        what messages carry.
     """
 
     dim: int
-    offsets: tuple[int, ...]
-    runs: tuple[tuple[_Run, ...], ...]
-    extents: tuple[int, ...]
-    real: tuple[tuple[int, int, int], ...] = ()
+    plan: HaloPlan
+    group: AxisGroup | None
+    me: int
+    origin: int
+    region: tuple[Narrowing, ...]
+    real: tuple[Narrowing, ...]
 
-    def sent(self, src: int, dst: int) -> list[_Run]:
-        return [r for r in self.runs[dst] if r.source == src]
+    @property
+    def shift(self) -> int:
+        """The buffer position of the first wanted cell."""
+        return self.plan.ranges[self.me][0] - self.origin
 
-
-@cached("halo plans", 4096)
-def halo_plan(
-    dim: int,
-    sizes: tuple[int, ...],
-    ranges: tuple[tuple[int, int], ...],
-    boundary: str,
-    real: tuple[tuple[int, int, int], ...] = (),
-) -> HaloPlan:
-    """Runs for every member, from the shard sizes along ``dim`` and the wanted ranges."""
-    if boundary not in BOUNDARIES:
-        raise ValueError(f"unknown boundary {boundary!r}; expected one of {BOUNDARIES}")
-    extent = sum(sizes)
-    offsets = tuple(sum(sizes[:k]) for k in range(len(sizes)))
-    runs = tuple(tuple(_runs(lo, hi, extent, offsets, sizes, boundary)) for lo, hi in ranges)
-    return HaloPlan(dim, offsets, runs, tuple(hi - lo for lo, hi in ranges), real)
-
-
-def _runs(
-    lo: int, hi: int, extent: int, offsets: tuple[int, ...], sizes: tuple[int, ...], boundary: str
-) -> list[_Run]:
-    result: list[_Run] = []
-    position = 0
-    for start, stop, reverse, repeat in _sources(lo, hi, extent, boundary):
-        if start is None:
-            result.append(_Run(position, stop, None, 0))
-            position += stop
-            continue
-        if repeat:
-            owner = _owner(start, offsets, sizes)
-            result.append(_Run(position, stop, owner, start, repeated=True))
-            position += stop
-            continue
-        pieces = _split_by_owner(start, stop, offsets, sizes)
-        for owner, a, b in reversed(pieces) if reverse else pieces:
-            result.append(_Run(position, b - a, owner, a, reversed=reverse))
-            position += b - a
-    return result
+    @cached_property
+    def peers(self) -> tuple[tuple[int, tuple[Run, ...], tuple[Run, ...]], ...]:
+        """``(member, runs this rank provides it, runs it provides this rank)`` for every other
+        member with either: a rank's messages, found once per plan, not per exchange."""
+        if self.group is None:
+            return ()
+        result = []
+        for other in range(self.group.size):
+            if other != self.me:
+                to, from_ = self.plan.sent(self.me, other), self.plan.sent(other, self.me)
+                if to or from_:
+                    result.append((other, to, from_))
+        return tuple(result)
 
 
-def _sources(
-    lo: int, hi: int, extent: int, boundary: str
-) -> list[tuple[int | None, int, bool, bool]]:
-    """``[lo, hi)`` as source runs: (start, stop, reversed, repeated); repeated runs are
-    (cell, count, False, True) and zero runs (None, count, False, False)."""
+@dataclass(frozen=True)
+class Extension:
+    """This rank's part of an extension along some dims (see the NOTE above).
+
+    Attributes
+    ----------
+    steps : tuple of _Step
+        The dims, in the order they are filled.
+    hull : tuple of (int, int)
+        Per step, the buffer's extent along its dim.
+    own, wanted : tuple of Narrowing
+        Where the own cells and the wanted range lie in the buffer.
+    identity : bool
+        No rank wants anything but its own cells: nothing to do.
+    """
+
+    steps: tuple[_Step, ...]
+    hull: tuple[tuple[int, int], ...]
+    own: tuple[Narrowing, ...]
+    wanted: tuple[Narrowing, ...]
+    identity: bool
+
+    def buffer_shape(self, shape: Sequence[int]) -> list[int]:
+        result = list(shape)
+        for dim, extent in self.hull:
+            result[dim] = extent
+        return result
+
+    @property
+    def wanted_is_whole(self) -> bool:
+        return all(n[2] == extent for n, (_, extent) in zip(self.wanted, self.hull))
+
+
+@cached("halo extensions", 4096)
+def extension(
+    spec: ShardTensorSpec, requests: tuple[Request, ...], prior_real: tuple[Narrowing, ...] = ()
+) -> Extension:
+    """Plan this rank's extension of a shard of ``spec`` (cached per layout and request).
+
+    Parameters
+    ----------
+    requests : tuple of (dim, ranges, boundary)
+        The dims to extend, in order; ``ranges`` holds the global range every member of the
+        dim's group wants (one range when the dim is not sharded).
+    prior_real : tuple of Narrowing
+        Along dims extended beforehand (not in ``requests``), where the domain cells lie,
+        for those whose range holds cells beyond a zeros boundary.
+    """
+    dims = []
+    for dim, ranges, boundary in requests:
+        sharding = spec.sharding_by_dim.get(dim)
+        if sharding is None:
+            plan, group, me = halo_plan((spec.shape[dim],), ranges, boundary), None, 0
+        else:
+            group = axis_group(spec.mesh, sharding.axes)
+            plan, me = halo_plan(sharding.sizes, ranges, boundary), group.index
+            group = group if group.size > 1 else None
+        dims.append((dim, plan, group, me, boundary, spec.shape[dim]))
+    hull, own, wanted, origins = [], [], [], []
+    for dim, plan, _, me, _, _ in dims:
+        own_lo, own_hi = plan.offsets[me], plan.offsets[me] + plan.sizes[me]
+        lo, hi = plan.ranges[me]
+        if hi <= lo:
+            lo = hi = own_lo
+        start = min(lo, own_lo) if own_hi > own_lo else lo
+        stop = max(hi, own_hi) if own_hi > own_lo else hi
+        origins.append(start)
+        hull.append((dim, stop - start))
+        own.append((dim, own_lo - start, own_hi - own_lo))
+        wanted.append((dim, lo - start, hi - lo))
+    steps = []
+    for i, (dim, plan, group, me, _, _) in enumerate(dims):
+        region = tuple(wanted[:i]) + tuple(own[i + 1 :])
+        real = tuple(
+            part
+            for j in range(i)
+            if (part := _domain_part(*dims[j], wanted[j]))[1:] != (0, wanted[j][2])
+        )
+        steps.append(_Step(dim, plan, group, me, origins[i], region, real + prior_real))
+    return Extension(
+        tuple(steps),
+        tuple(hull),
+        tuple(own),
+        tuple(wanted),
+        all(plan.moves_nothing() for _, plan, *_ in dims),
+    )
+
+
+def _domain_part(dim, plan, group, me, boundary, extent, wanted) -> Narrowing:
+    """The domain cells of a wanted range, relative to it (all of it unless zeros)."""
+    if boundary != "zeros":
+        return (dim, 0, wanted[2])
+    lo, hi = plan.ranges[me]
     if hi <= lo:
-        return []
-    inside = (max(lo, 0), min(hi, extent))
-    left, right = max(0, min(hi, 0) - lo), max(0, hi - max(lo, extent))
-    if (left or right) and extent == 0:
-        raise ValueError("cannot pad a dim of size 0 by its boundary")
-    runs: list[tuple[int | None, int, bool, bool]] = []
-    if left:
-        runs += _outside(lo, min(hi, 0), extent, boundary)
-    if inside[0] < inside[1]:
-        runs.append((inside[0], inside[1], False, False))
-    if right:
-        runs += _outside(max(lo, extent), hi, extent, boundary)
-    return runs
+        return (dim, 0, 0)
+    _, start, stop = domain_range(dim, lo, hi, extent)
+    return (dim, start, stop - start)
 
 
-def _outside(
-    a: int, b: int, extent: int, boundary: str
-) -> list[tuple[int | None, int, bool, bool]]:
-    """Source runs for indices ``[a, b)`` entirely below 0 or at/after ``extent``."""
-    below = b <= 0
-    if boundary == "zeros":
-        return [(None, b - a, False, False)]
-    if boundary == "replicate":
-        return [(0 if below else extent - 1, b - a, False, True)]
-    if boundary == "reflect":
-        reach = -a if below else b - extent
-        if reach > extent - 1:
-            raise ValueError(
-                f"reflect padding of {reach} needs a dim longer than {reach}, got {extent}"
+# ---------------------------------------------------------------------------- steps
+def narrowed(t: torch.Tensor, narrowings: Sequence[Narrowing]) -> torch.Tensor:
+    """``t`` narrowed along each ``(dim, start, length)`` (a view)."""
+    for dim, start, length in narrowings:
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def _view(t: torch.Tensor, step: _Step, start: int, length: int, real: bool) -> torch.Tensor:
+    """Cells ``[start, start + length)`` of ``t`` along the step's dim, over its region (or
+    only the region's domain cells)."""
+    t = narrowed(t, step.region)
+    if real:
+        t = narrowed(t, step.real)
+    return t.narrow(step.dim, start, length)
+
+
+def _message_shape(t: torch.Tensor, step: _Step, cells: int) -> list[int]:
+    shape = list(_view(t, step, 0, 0, real=True).shape)
+    shape[step.dim] = cells
+    return shape
+
+
+def _post(source: torch.Tensor, origin: int, step: _Step) -> PendingMessages | None:
+    """Send every member the cells of this rank it wants (taken from ``source``, whose first
+    cell along the dim is global ``origin``) and post the receives of this rank's."""
+    dim = step.dim
+    sends, receives = [], []
+    for other, outgoing, incoming in step.peers:
+        if outgoing:
+            parts = [_view(source, step, r.start - origin, r.cells, real=True) for r in outgoing]
+            sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
+        if incoming:
+            receives.append((other, _message_shape(source, step, sum(r.cells for r in incoming))))
+    if not sends and not receives:
+        return None
+    return start_send_recv(
+        step.group, sends, receives, dtype=source.dtype, device=source.device, kind="halo"
+    )
+
+
+def _fill(buffer: torch.Tensor, step: _Step, pending: PendingMessages | None, fill: float) -> None:
+    """Fill the step's dim of ``buffer``: boundary cells now, received cells when they come."""
+    plan, me, dim = step.plan, step.me, step.dim
+    remote: list[tuple[Run, torch.Tensor]] = []
+    for run in plan.runs[me]:
+        if plan.is_direct(me, run):
+            continue
+        target = _view(buffer, step, run.position + step.shift, run.length, real=False)
+        if run.source is None:
+            target.fill_(fill)
+        elif run.source == me:
+            cells = _view(buffer, step, run.start - step.origin, run.cells, real=False)
+            _place(target, cells, run, dim)
+        else:
+            remote.append((run, target))
+    if pending is None:
+        return
+    senders = [other for other, _, incoming in step.peers if incoming]
+    messages = dict(zip(senders, pending.wait()))
+    cursor = dict.fromkeys(messages, 0)
+    for run, target in remote:
+        cells = messages[run.source].narrow(dim, cursor[run.source], run.cells)
+        cursor[run.source] += run.cells
+        if step.real:
+            target.fill_(fill)
+            target = narrowed(target, step.real)
+        _place(target, cells, run, dim)
+
+
+def _place(target: torch.Tensor, cells: torch.Tensor, run: Run, dim: int) -> None:
+    if run.reversed:
+        cells = cells.flip(dim)
+    target.copy_(cells.expand_as(target) if run.repeated else cells)
+
+
+def _run_grad(grad: torch.Tensor, run: Run, dim: int) -> torch.Tensor:
+    """The gradient of a run's source cells from the gradient of its place."""
+    if run.reversed:
+        grad = grad.flip(dim)
+    return grad.sum(dim, keepdim=True) if run.repeated else grad
+
+
+def _post_adjoint(grad: torch.Tensor, step: _Step) -> PendingMessages | None:
+    """Add boundary cells' gradients onto the cells they copy, send every other member the
+    gradient of the cells it provided, post the receives of the gradients of this rank's."""
+    plan, me, dim = step.plan, step.me, step.dim
+    for run in plan.runs[me]:
+        if run.source == me and not plan.is_direct(me, run):
+            placed = _view(grad, step, run.position + step.shift, run.length, real=False)
+            source = _view(grad, step, run.start - step.origin, run.cells, real=False)
+            source.add_(_run_grad(placed, run, dim))
+    sends, receives = [], []
+    for other, used, provided in step.peers:
+        if provided:
+            parts = [
+                _run_grad(_view(grad, step, r.position + step.shift, r.length, True), r, dim)
+                for r in provided
+            ]
+            sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
+        if used:
+            receives.append((other, _message_shape(grad, step, sum(r.cells for r in used))))
+    if not sends and not receives:
+        return None
+    return start_send_recv(
+        step.group, sends, receives, dtype=grad.dtype, device=grad.device, kind="halo"
+    )
+
+
+def _add_received(
+    grad: torch.Tensor, origin: int, step: _Step, pending: PendingMessages | None
+) -> None:
+    """Add to this rank's cells (of ``grad``, first cell ``origin``) the gradients that the
+    others computed for them."""
+    if pending is None:
+        return
+    dim = step.dim
+    receivers = [used for _, used, _ in step.peers if used]
+    for used, message in zip(receivers, pending.wait()):
+        position = 0
+        for run in used:
+            _view(grad, step, run.start - origin, run.cells, real=True).add_(
+                message.narrow(dim, position, run.cells)
             )
-        if below:
-            return [(-b + 1, -a + 1, True, False)]
-        return [(2 * extent - 1 - b, 2 * extent - 1 - a, True, False)]
-    runs = []
-    index = a
-    while index < b:
-        period = index // extent
-        stop = min(b, (period + 1) * extent)
-        runs.append((index - period * extent, stop - period * extent, False, False))
-        index = stop
-    return runs
+            position += run.cells
 
 
-def _owner(index: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int:
-    return max(k for k in range(len(sizes)) if offsets[k] <= index and sizes[k])
+def _grad_buffer(grad: torch.Tensor, ext: Extension) -> torch.Tensor:
+    """The gradient of the wanted cells in a buffer of our own, spanning the hull."""
+    if ext.wanted_is_whole:
+        return grad.clone(memory_format=torch.contiguous_format)
+    buffer = grad.new_zeros(ext.buffer_shape(grad.shape))
+    narrowed(buffer, ext.wanted).copy_(grad)
+    return buffer
 
 
-def _split_by_owner(
-    start: int, stop: int, offsets: tuple[int, ...], sizes: tuple[int, ...]
-) -> list[tuple[int, int, int]]:
-    pieces = []
-    for k, (offset, size) in enumerate(zip(offsets, sizes)):
-        a, b = max(start, offset), min(stop, offset + size)
-        if a < b:
-            pieces.append((k, a, b))
-    return pieces
+# ---------------------------------------------------------------------------- autograd
+class _Extend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, ext: Extension, fill: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.ext = ext
+        buffer = local.new_empty(ext.buffer_shape(local.shape))
+        narrowed(buffer, ext.own).copy_(local)
+        for step in ext.steps:
+            _fill(buffer, step, _post(buffer, step.origin, step), fill)
+        return narrowed(buffer, ext.wanted)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        ext = ctx.ext
+        buffer = _grad_buffer(grad, ext)
+        for step in reversed(ext.steps):
+            _add_received(buffer, step.origin, step, _post_adjoint(buffer, step))
+        return narrowed(buffer, ext.own), None, None
 
 
-# ---------------------------------------------------------------------------- execution
+def extend(local: torch.Tensor, ext: Extension, fill: float = 0.0) -> torch.Tensor:
+    """This rank's shard ``local`` extended as ``ext`` plans (``fill``: the value beyond a
+    zeros boundary, e.g. ``-inf`` for max pooling). Differentiable; ``local`` itself when
+    nothing moves."""
+    return local if ext.identity else _Extend.apply(local, ext, fill)
+
+
 # NOTE [A halo exchange in two halves]
-# Posting the messages and assembling the extended shard are separate autograd Functions,
-# ``_Post`` (returns the shard itself) and ``_Finish`` (returns the extended shard), sharing
-# an ``_InFlight`` record. Between them a caller may compute on the shard while messages are
-# in flight (the overlap option of windowed ops). Backward mirrors it: ``_Finish`` posts the
-# halo gradients to their owners and keeps the gradient of the shard's own cells; ``_Post``
-# waits for the gradients of its cells that others used and adds them. ``extend_dim`` runs
-# the two halves back to back.
+# For the overlap option of windowed ops, the exchange of one dim is split into two autograd
+# Functions sharing an ``_InFlight`` record: ``_Post`` sends this rank's cells and returns the
+# shard itself, ``_Finish`` assembles the extended shard. Between them a caller computes on
+# the shard while messages are in flight. Backward mirrors it: ``_Finish`` posts the halo
+# gradients to their owners and keeps the gradient of the own cells; ``_Post`` waits for the
+# gradients of its cells that others used and adds them.
 
 
 class _InFlight:
@@ -220,174 +385,49 @@ class _InFlight:
     backward: PendingMessages | None = None
 
 
-def _take(local: torch.Tensor, plan: HaloPlan, me: int, run: _Run) -> torch.Tensor:
-    return local.narrow(plan.dim, run.start - plan.offsets[me], run.cells)
-
-
-def _with_dim(shape: Sequence[int], dim: int, size: int) -> list[int]:
-    return [*shape[:dim], size, *shape[dim + 1 :]]
-
-
-def _real(t: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
-    """The part of ``t`` along earlier-extended dims that holds domain cells."""
-    for dim, start, stop in plan.real:
-        t = t.narrow(dim, start, stop - start)
-    return t
-
-
-def _message_shape(shape: Sequence[int], plan: HaloPlan, cells: int) -> list[int]:
-    result = _with_dim(shape, plan.dim, cells)
-    for dim, start, stop in plan.real:
-        result[dim] = stop - start
-    return result
-
-
-def _post(local: torch.Tensor, plan: HaloPlan, group: AxisGroup) -> PendingMessages:
-    """Send every neighbour the cells it needs from this shard; post the receives."""
-    me, dim = group.index, plan.dim
-    sends, receives = [], []
-    for other in range(group.size):
-        if other == me:
-            continue
-        outgoing = plan.sent(me, other)
-        if outgoing:
-            parts = [_real(_take(local, plan, me, r), plan) for r in outgoing]
-            sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
-        incoming = plan.sent(other, me)
-        if incoming:
-            cells = sum(r.cells for r in incoming)
-            receives.append((other, _message_shape(local.shape, plan, cells)))
-    return start_send_recv(
-        group, sends, receives, dtype=local.dtype, device=local.device, kind="halo"
-    )
-
-
-def _assemble(
-    local: torch.Tensor, plan: HaloPlan, group: AxisGroup, fill: float, pending: PendingMessages
-) -> torch.Tensor:
-    me, dim = group.index, plan.dim
-    senders = [other for other in range(group.size) if other != me and plan.sent(other, me)]
-    messages = dict(zip(senders, pending.wait()))
-    out = local.new_empty(_with_dim(local.shape, dim, plan.extents[me]))
-    cursor = dict.fromkeys(messages, 0)
-    for run in plan.runs[me]:
-        target = out.narrow(dim, run.position, run.length)
-        if run.source is None:
-            target.fill_(fill)
-            continue
-        if run.source == me:
-            cells = _take(local, plan, me, run)
-        else:
-            cells = messages[run.source].narrow(dim, cursor[run.source], run.cells)
-            cursor[run.source] += run.cells
-            if plan.real:
-                target.fill_(fill)
-                target = _real(target, plan)
-        if run.reversed:
-            cells = cells.flip(dim)
-        target.copy_(cells.expand_as(target) if run.repeated else cells)
-    return out
-
-
-def _run_grad(grad: torch.Tensor, dim: int, run: _Run) -> torch.Tensor:
-    piece = grad.narrow(dim, run.position, run.length)
-    if run.reversed:
-        piece = piece.flip(dim)
-    return piece.sum(dim, keepdim=True) if run.repeated else piece
-
-
-def _post_adjoint(
-    grad: torch.Tensor, plan: HaloPlan, group: AxisGroup, local_shape: Sequence[int]
-) -> tuple[torch.Tensor, PendingMessages]:
-    """Gradient of the shard's own cells, and the halo gradients posted to their owners."""
-    me, dim = group.index, plan.dim
-    own = grad.new_zeros(local_shape)
-    for run in plan.runs[me]:
-        if run.source == me:
-            _take(own, plan, me, run).add_(_run_grad(grad, dim, run))
-    sends, receives = [], []
-    for other in range(group.size):
-        if other == me:
-            continue
-        outgoing = plan.sent(other, me)
-        if outgoing:
-            parts = [_real(_run_grad(grad, dim, r), plan) for r in outgoing]
-            sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
-        incoming = plan.sent(me, other)
-        if incoming:
-            cells = sum(r.cells for r in incoming)
-            receives.append((other, _message_shape(local_shape, plan, cells)))
-    pending = start_send_recv(
-        group, sends, receives, dtype=grad.dtype, device=grad.device, kind="halo"
-    )
-    return own, pending
-
-
-def _add_received(
-    grad: torch.Tensor, plan: HaloPlan, group: AxisGroup, pending: PendingMessages
-) -> torch.Tensor:
-    """Add the gradients other ranks computed for this shard's cells."""
-    me, dim = group.index, plan.dim
-    receivers = [other for other in range(group.size) if other != me and plan.sent(me, other)]
-    received = pending.wait()
-    if not receivers:
-        return grad
-    grad = grad.clone()
-    for other, message in zip(receivers, received):
-        position = 0
-        for run in plan.sent(me, other):
-            _real(_take(grad, plan, me, run), plan).add_(message.narrow(dim, position, run.cells))
-            position += run.cells
-    return grad
-
-
 class _Post(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, local: torch.Tensor, plan: HaloPlan, group: AxisGroup, state: _InFlight
-    ) -> torch.Tensor:
-        ctx.plan, ctx.group, ctx.state = plan, group, state
-        state.forward = _post(local, plan, group)
+    def forward(ctx: Any, local: torch.Tensor, ext: Extension, state: _InFlight) -> torch.Tensor:  # type: ignore[override]
+        step = ext.steps[0]
+        ctx.step, ctx.state = step, state
+        ctx.origin = step.plan.offsets[step.me]
+        state.forward = _post(local, ctx.origin, step)
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        pending = ctx.state.backward
-        ctx.state.backward = None
-        return _add_received(grad, ctx.plan, ctx.group, pending), None, None, None
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        pending, ctx.state.backward = ctx.state.backward, None
+        if pending is not None:
+            grad = grad.clone()
+            _add_received(grad, ctx.origin, ctx.step, pending)
+        return grad, None, None
 
 
 class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        local: torch.Tensor,
-        plan: HaloPlan,
-        group: AxisGroup,
-        fill: float,
-        state: _InFlight,
+        ctx: Any, shard: torch.Tensor, ext: Extension, fill: float, state: _InFlight
     ) -> torch.Tensor:
-        ctx.plan, ctx.group, ctx.state, ctx.shape = plan, group, state, local.shape
-        pending = state.forward
-        state.forward = None
-        return _assemble(local, plan, group, fill, pending)
+        ctx.ext, ctx.state = ext, state
+        pending, state.forward = state.forward, None
+        buffer = shard.new_empty(ext.buffer_shape(shard.shape))
+        narrowed(buffer, ext.own).copy_(shard)
+        _fill(buffer, ext.steps[0], pending, fill)
+        return narrowed(buffer, ext.wanted)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
-        own, ctx.state.backward = _post_adjoint(grad.contiguous(), ctx.plan, ctx.group, ctx.shape)
-        return own, None, None, None, None
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        buffer = _grad_buffer(grad, ctx.ext)
+        ctx.state.backward = _post_adjoint(buffer, ctx.ext.steps[0])
+        return narrowed(buffer, ctx.ext.own), None, None, None
 
 
 def start_extend(
-    local: torch.Tensor,
-    spec: ShardTensorSpec,
-    dim: int,
-    ranges: Sequence[tuple[int, int]],
-    boundary: str,
-    fill: float = 0.0,
-    real: Sequence[tuple[int, int, int]] = (),
+    local: torch.Tensor, ext: Extension, fill: float = 0.0
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """Post the halo exchange of ``extend_dim``; compute on the returned shard meanwhile.
+    """Post the exchange of a one-dim extension; compute on the returned shard meanwhile.
 
     Returns
     -------
@@ -395,55 +435,16 @@ def start_extend(
         ``local`` itself (use it, not ``local``, for work done while messages fly, so that
         gradients meet in the right order).
     finish : callable
-        Waits and returns the extended shard, as ``extend_dim`` would.
+        Waits and returns the extended shard, as ``extend`` would.
     """
-    sharding = spec.sharding_by_dim[dim]
-    group = axis_group(spec.mesh, sharding.axes)
-    plan = halo_plan(dim, sharding.sizes, tuple(map(tuple, ranges)), boundary, tuple(real))
+    if len(ext.steps) != 1:
+        raise ValueError(f"start_extend takes a one-dim extension, got {len(ext.steps)} dims")
     state = _InFlight()
-    shard = _Post.apply(local, plan, group, state)
-    return shard, lambda: _Finish.apply(shard, plan, group, fill, state)
+    shard = _Post.apply(local, ext, state)
+    return shard, lambda: _Finish.apply(shard, ext, fill, state)
 
 
-def extend_dim(
-    local: torch.Tensor,
-    spec: ShardTensorSpec,
-    dim: int,
-    ranges: Sequence[tuple[int, int]],
-    boundary: str,
-    fill: float = 0.0,
-    real: Sequence[tuple[int, int, int]] = (),
-) -> torch.Tensor:
-    """This rank's cells ``[lo, hi)`` of sharded ``dim``, from whoever holds them.
-
-    Parameters
-    ----------
-    local : Tensor
-        This rank's shard, possibly already extended along other dims; differentiable.
-    spec : ShardTensorSpec
-        The layout ``local`` is a shard of (along ``dim``).
-    dim : int
-        A dim sharded in ``spec``.
-    ranges : sequence of (int, int)
-        The global range each member of the dim's group wants, by flat index; every rank
-        passes the same.
-    boundary : str
-        One of ``zeros``, ``periodic``, ``reflect``, ``replicate``.
-    fill : float
-        The value of cells beyond a ``zeros`` boundary (e.g. ``-inf`` for max pooling).
-    real : sequence of (dim, start, stop)
-        For dims of ``local`` already extended beyond a ``zeros`` boundary, where its domain
-        cells lie (``domain_range``); the rest is ``fill`` and does not travel.
-
-    Returns
-    -------
-    Tensor
-        ``local`` with ``dim`` replaced by this rank's range, ``hi - lo`` long.
-    """
-    _, finish = start_extend(local, spec, dim, ranges, boundary, fill, real)
-    return finish()
-
-
+# ---------------------------------------------------------------------------- public
 def halo_exchange(
     x: torch.Tensor,
     widths: Mapping[int, int | tuple[int, int]],
@@ -467,32 +468,16 @@ def halo_exchange(
         Shape of this rank's shard plus ``left + right`` along each dim in ``widths``.
     """
     spec = x._spec
-    local = x.to_local()
-    real: list[tuple[int, int, int]] = []
+    requests = []
     for dim in sorted(d % x.ndim for d in widths):
         left, right = _pair(widths[dim] if dim in widths else widths[dim - x.ndim])
         mode = boundary if isinstance(boundary, str) else boundary.get(dim, "zeros")
         sharding = spec.sharding_by_dim.get(dim)
-        if sharding is None:
-            local = pad_locally(local, dim, left, right, mode)
-            lo, hi = -left, spec.shape[dim] + right
-        else:
-            offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
-            ranges = [(o - left, o + s + right) for o, s in zip(offsets, sharding.sizes)]
-            local = extend_dim(local, spec, dim, ranges, mode, real=real)
-            index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
-            lo, hi = ranges[index]
-        if mode == "zeros":
-            real.append(domain_range(dim, lo, hi, spec.shape[dim]))
-    return local
-
-
-def domain_range(dim: int, lo: int, hi: int, extent: int) -> tuple[int, int, int]:
-    """``(dim, start, stop)``: where the domain cells lie in a range ``[lo, hi)`` of ``dim``
-    taken across a zeros boundary (see ``HaloPlan.real``)."""
-    start = min(max(0, -lo), hi - lo)
-    stop = max(start, hi - lo - max(0, hi - max(lo, extent)))
-    return dim, start, stop
+        sizes = sharding.sizes if sharding is not None else (spec.shape[dim],)
+        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        ranges = tuple((o - left, o + s + right) for o, s in zip(offsets, sizes))
+        requests.append((dim, ranges, mode))
+    return extend(x.to_local(), extension(spec, tuple(requests)))
 
 
 def _pair(width: int | tuple[int, int]) -> tuple[int, int]:
@@ -502,24 +487,10 @@ def _pair(width: int | tuple[int, int]) -> tuple[int, int]:
     return left, right
 
 
-_TORCH_MODES = {
-    "zeros": "constant",
-    "periodic": "circular",
-    "reflect": "reflect",
-    "replicate": "replicate",
-}
-
-
-def pad_locally(
-    local: torch.Tensor, dim: int, left: int, right: int, mode: str, fill: float = 0.0
-) -> torch.Tensor:
-    """Pad (negative: crop) an unsharded dim, whole on this rank, the way the boundary says."""
-    if mode not in _TORCH_MODES:
-        raise ValueError(f"unknown boundary {mode!r}; expected one of {BOUNDARIES}")
+def pad_locally(local: torch.Tensor, dim: int, left: int, right: int, fill: float) -> torch.Tensor:
+    """Pad a dim of ``local`` with ``fill`` on this rank alone (no neighbour involved)."""
     if left == right == 0:
         return local
     moved = local.movedim(dim, -1)
-    flat = moved.reshape(-1, 1, moved.shape[-1])
-    value = fill if mode == "zeros" else None
-    padded = torch.nn.functional.pad(flat, (left, right), mode=_TORCH_MODES[mode], value=value)
-    return padded.reshape(*moved.shape[:-1], padded.shape[-1]).movedim(-1, dim)
+    padded = torch.nn.functional.pad(moved, (left, right), value=fill)
+    return padded.movedim(-1, dim)

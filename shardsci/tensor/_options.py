@@ -26,7 +26,11 @@ def overlap_halos(enabled: bool = True) -> Iterator[None]:
     outputs; its backward likewise sends halo gradients while the interior's backward runs.
     Outputs are identical to the synchronous path; gradients agree to rounding (interior and
     edge contributions are summed in another order). Block decompositions (several sharded
-    windowed dims) run synchronously.
+    windowed dims) run synchronously. A circular, reflect or replicate padding (``F.pad``,
+    as ``nn.ConvNd(padding_mode=...)`` pads) then exchanges only the boundary cells, and the
+    convolution overlaps the exchange of the faces: two exchanges per layer, one hidden,
+    instead of the single synchronous one (NOTE [A padded tensor carries the halo its
+    convolution reads]).
     """
     previous = _OVERLAP[0]
     _OVERLAP[0] = enabled

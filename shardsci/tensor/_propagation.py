@@ -19,16 +19,13 @@ made once and cached: a training step's ops pay for propagation on the first ste
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch._ops import OpOverload
-from torch.distributed.tensor import DTensor, Partial, Shard
-from torch.distributed.tensor import _redistribute as _dtensor_redistribute
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding, RuntimeSchemaInfo
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import Partial, Shard
 
 from shardsci.tensor._caches import BoundedCache, register_cache
 from shardsci.tensor._spec import (
@@ -40,10 +37,22 @@ from shardsci.tensor._spec import (
     nested_chunk_sizes,
     replicated_spec,
 )
+from shardsci.tensor._torch_compat import (
+    DispatchKey,
+    DTensorSpec,
+    OpOverload,
+    OpSchema,
+    OutputSharding,
+    RuntimeSchemaInfo,
+    _dispatch_has_kernel_for_dispatch_key,
+    _StridedShard,
+    decomposition_table,
+)
+from shardsci.tensor._torch_compat import dtensor_redistribute as _dtensor_redistribute
+from shardsci.tensor._torch_compat import sharding_propagator as _PROPAGATOR
 
-__all__ = ["Plan", "flatten_args", "plan_for", "unflatten_args"]
+__all__ = ["Plan", "decomposition", "flatten_args", "functional_twin", "plan_for", "unflatten_args"]
 
-_PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
 _MAX_PLANS = 4096
 _ShardTensor: type = torch.Tensor  # bound by ``_api`` through ``_dispatch.bind_tensor_type``
 
@@ -78,6 +87,9 @@ class Plan:
         The output specs, in the structure of the op's result (None for non-tensors).
     returns_destination : bool
         An in-place op: the result is its first argument.
+    empty_outputs : bool
+        Every output of this rank is an empty tensor: the local op is skipped (NOTE [No
+        kernel sees an empty shard it cannot reduce]).
     checked : bool
         Whether the local outputs have been checked against ``outputs`` (first run only).
     """
@@ -91,6 +103,7 @@ class Plan:
     shape_argument: tuple | None = None
     outputs: object = None
     returns_destination: bool = False
+    empty_outputs: bool = False
     checked: bool = field(default=False)
 
 
@@ -174,8 +187,15 @@ def _propagated(schema: OpSchema) -> OutputSharding:
     return sharding
 
 
-def plan_for(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -> Plan:
-    """The cached plan for ``func`` on these operands (see the NOTE above)."""
+def plan_for(
+    func: OpOverload,
+    leaves: list,
+    structure: tuple,
+    kwargs: dict,
+    local_impl: Callable[..., object] | None = None,
+) -> Plan:
+    """The cached plan for ``func`` on these operands (see the NOTE above); ``local_impl`` is
+    the kernel a handler runs on the shards instead of the op, if any."""
     try:
         key = (
             func,
@@ -185,14 +205,27 @@ def plan_for(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -> 
         )
         hash(key)
     except TypeError:
-        return _make_plan(func, leaves, structure, kwargs)
-    return _PLANS.get_or_make(key, lambda: _make_plan(func, leaves, structure, kwargs))
+        return _make_plan(func, leaves, structure, kwargs, local_impl)
+    return _PLANS.get_or_make(key, lambda: _make_plan(func, leaves, structure, kwargs, local_impl))
 
 
-def _make_plan(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -> Plan:
+def _make_plan(
+    func: OpOverload,
+    leaves: list,
+    structure: tuple,
+    kwargs: dict,
+    local_impl: Callable[..., object] | None,
+) -> Plan:
     mesh = _common_mesh(func, leaves, kwargs)
     sources = [_spec_of(v, mesh) for v in leaves]
-    sharding = _propagate(func, leaves, structure, kwargs, sources, mesh)
+    try:
+        sharding = _propagate(func, leaves, structure, kwargs, sources, mesh)
+    except (NotImplementedError, RuntimeError):
+        # An in-place op whose destination would have to change layout (DTensor refuses), or
+        # with no rule of its own: its out-of-place twin runs and the result is copied back.
+        if _mutates_first_argument(func) and functional_twin(func) is not None:
+            return Plan("copy_back", func)
+        raise
     if sharding is None:
         return Plan("decompose", func)
     if _has_uneven_average(sharding.output_spec, sources):
@@ -201,14 +234,24 @@ def _make_plan(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -
             f"average of their means); it needs a shardsci handler"
         )
     op, suggested, values, extra_args = _suggestion(func, sharding, leaves, sources)
-    targets = _aligned_targets(sources, suggested)
+    targets = _aligned_targets(func, sources, suggested)
     if _mutates_first_argument(func) and not sources[0].same_layout(targets[0]):
         return Plan("copy_back", func)
     sizes_by_axes = _sizes_by_axes(targets)
     shape_argument = None
-    if sharding.use_val_from_redistribute_schema:
+    if sharding.use_val_from_redistribute_schema or op in _PROPAGATOR.op_to_shape_and_stride_idx:
         shape_argument = _local_shape_argument(op, sharding.output_spec, sizes_by_axes, func)
     hints = merged_hints(*(s.hints + s.shardings for s in sources if s is not None))
+    outputs = _output_specs(sharding.output_spec, sizes_by_axes, mesh, func, hints)
+    local_args = _LocalArgs(local_impl or op, op, structure, values, targets, extra_args, kwargs)
+    problem = local_args.misfit(mesh, outputs, sharding.output_spec, sizes_by_axes, func)
+    if problem is not None:
+        if decomposition(func) is not None:
+            return Plan("decompose", func)
+        raise NotImplementedError(
+            f"shardsci: {func} cannot run on the shards DTensor's rule lays out ({problem}); "
+            f"it needs a shardsci handler"
+        )
     return Plan(
         "run",
         op,
@@ -217,9 +260,117 @@ def _make_plan(func: OpOverload, leaves: list, structure: tuple, kwargs: dict) -
         tuple(None if s is not None else v for v, s in zip(values, sources)),
         tuple(extra_args),
         shape_argument,
-        _output_specs(sharding.output_spec, sizes_by_axes, mesh, func, hints),
+        outputs,
         returns_destination=_mutates_first_argument(func),
+        empty_outputs=not _mutates_first_argument(func) and _all_empty(outputs),
     )
+
+
+# NOTE [Every rank's kernel call is checked on meta tensors first]
+# A rule can place operands so that one rank's shards do not fit together (an empty shard
+# beside a full one, nested shardings in another order), and a CPU kernel given shards that
+# do not fit may raise on that rank only, or kill its process (SIGFPE in batch norm's
+# backward). When a plan is made, the op therefore runs on meta tensors with the local shapes
+# of every rank of the mesh (all computable from the global specs, so every rank reaches the
+# same verdict), and its outputs must have the planned local shapes. A plan that fails runs
+# the op's decomposition instead, or raises the same clear error on every rank.
+@dataclass(frozen=True)
+class _LocalArgs:
+    """What the local op of a plan is called with, for any rank."""
+
+    kernel: Callable[..., object]
+    op: OpOverload
+    structure: tuple
+    values: list
+    targets: list
+    extra_args: list
+    kwargs: dict
+
+    def misfit(self, mesh, outputs, output_spec, sizes_by_axes, func) -> str | None:
+        """Why the op cannot run on some rank's shards, or None (also when meta tensors
+        cannot tell: an op without a meta kernel)."""
+        tried = set()
+        for coordinate in itertools.product(*(range(n) for n in mesh.shape)):
+            shapes = tuple(
+                None if t is None else tuple(t.local_shape(coordinate)) for t in self.targets
+            )
+            shape_argument = None
+            if self.op in _PROPAGATOR.op_to_shape_and_stride_idx:
+                shape_argument = _local_shape_argument(
+                    self.op, output_spec, sizes_by_axes, func, coordinate
+                )
+            key = (shapes, repr(shape_argument))
+            if key in tried:
+                continue
+            tried.add(key)
+            try:
+                out = self._run_on_meta(shapes, shape_argument)
+            except NotImplementedError:  # no meta kernel: cannot tell
+                return None
+            except Exception as exc:
+                return f"on the rank at {coordinate}, {type(exc).__name__}: {exc}"
+            expected = _local_shapes(outputs, coordinate)
+            if expected is not None and _shapes_of(out) != expected:
+                return (
+                    f"the rank at {coordinate} would produce shards {_shapes_of(out)}, "
+                    f"its outputs' specs say {expected}"
+                )
+        return None
+
+    def _run_on_meta(self, shapes: tuple, shape_argument: tuple | None) -> object:
+        leaves = [
+            value if shape is None else torch.empty(shape, dtype=target.dtype, device="meta")
+            for value, shape, target in zip(self.values, shapes, self.targets)
+        ]
+        args = unflatten_args(leaves, self.structure)
+        args.extend(self.extra_args)
+        if shape_argument is not None:
+            index, shape, stride_index, stride = shape_argument
+            args[index] = shape
+            if stride_index is not None:
+                args[stride_index] = stride
+        kwargs = {
+            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in self.kwargs.items()
+        }
+        return self.kernel(*args, **kwargs)
+
+
+def _local_shapes(specs: object, coordinate: tuple[int, ...]) -> object:
+    if isinstance(specs, ShardTensorSpec):
+        return tuple(specs.local_shape(coordinate))
+    if isinstance(specs, (tuple, list)):
+        shapes = tuple(_local_shapes(s, coordinate) for s in specs)
+        return None if any(s is None for s in shapes) else shapes
+    return None
+
+
+def _shapes_of(out: object) -> object:
+    if isinstance(out, torch.Tensor):
+        return tuple(out.shape)
+    if isinstance(out, (tuple, list)):
+        return tuple(_shapes_of(o) for o in out)
+    return None
+
+
+# NOTE [No kernel sees an empty shard it cannot reduce]
+# A rank whose shard is empty must not call a kernel that rejects empty input (aminmax over
+# an empty dim raises, a CPU attention kernel dies of SIGFPE): the other ranks would wait for
+# it in their next collective. Where every output of the rank is empty, the plan skips the
+# kernel and returns empty tensors of the planned shapes. Where an empty shard still has
+# outputs (reductions over the sharded dim), the op's handler supplies the identity of the
+# reduction instead (``_reduction_ops``).
+def _all_empty(outputs: object) -> bool:
+    if isinstance(outputs, ShardTensorSpec):
+        return math.prod(outputs.local_shape()) == 0
+    if isinstance(outputs, (tuple, list)) and outputs:
+        return all(_all_empty(o) for o in outputs)
+    return False
+
+
+def functional_twin(func: OpOverload) -> OpOverload | None:
+    """The out-of-place op of an in-place one (``add_.Tensor`` -> ``add.Tensor``)."""
+    name = func.overloadpacket.__name__.rstrip("_")
+    return getattr(getattr(torch.ops.aten, name, None), func._overloadname, None)
 
 
 def _mutates_first_argument(func: OpOverload) -> bool:
@@ -262,6 +413,10 @@ def _propagate(
     sources: list[ShardTensorSpec | None],
     mesh,
 ) -> OutputSharding | None:
+    if not _has_rule(func):
+        if decomposition(func) is not None:
+            return None
+        raise _no_rule(func)
     schema_args = [s.dtensor_spec if s is not None else v for v, s in zip(leaves, sources)]
     schema_kwargs = {
         k: _spec_of(v, mesh).dtensor_spec if isinstance(v, torch.Tensor) else v
@@ -271,34 +426,69 @@ def _propagate(
         func,
         tuple(unflatten_args(schema_args, structure)),
         schema_kwargs,
-        schema_info=_schema_info(func, kwargs),
+        schema_info=_schema_info(func),
     )
     try:
         return _SHARDINGS.get_or_make(schema, lambda: _propagated(schema))
     except NotImplementedError:
-        if _can_decompose(func):
+        if decomposition(func) is not None:
             return None
-        raise NotImplementedError(
-            f"shardsci: {func} has no sharding rule; register a handler with "
-            f"shardsci.register_aten_handler({func})"
-        ) from None
+        raise _no_rule(func) from None
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        # DTensor's rules raise for inputs they cannot place, without naming the op.
+        raise type(exc)(f"{func}: {exc}") from exc
 
 
-def _schema_info(func: OpOverload, kwargs: dict) -> RuntimeSchemaInfo:
+def _schema_info(func: OpOverload) -> RuntimeSchemaInfo:
     """Which arguments key DTensor's propagation cache. Without this, non-tensor arguments
     (flip's dims, a reduction's keepdim) are left out of the key and a cached result for
-    other values is reused."""
+    other values is reused. Every keyword-only argument of the op keys it too, named by the
+    schema rather than by the call: DTensor's key holds the values only, so ``right=True``
+    and ``out_int32=True`` would share an entry (and ``bucketize`` an output dtype)."""
+    keywords = [a.name for a in func._schema.arguments if a.kwarg_only]
     info = _PROPAGATOR.op_to_schema_info.get(
         func
     ) or _PROPAGATOR.op_to_schema_info_for_single_dim_strategy.get(func)
-    if info is not None:
+    if info is None:
+        return RuntimeSchemaInfo(static_argnum=0, static_kwargkey=keywords or None)
+    if set(keywords) <= set(info.static_kwargkey or ()):
         return info
-    return RuntimeSchemaInfo(static_argnum=0, static_kwargkey=sorted(kwargs) or None)
+    keys = sorted(set(keywords) | set(info.static_kwargkey or ()))
+    return RuntimeSchemaInfo(info.static_argnum, keys, info.needs_pytree)
 
 
-def _can_decompose(func: OpOverload) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+# NOTE [An op without a sharding rule runs its decomposition]
+# For an op it has no rule for, DTensor traces the op's decomposition on meta tensors once per
+# combination of input placements (``DecompShardingStrategy``) to derive one: for
+# ``native_batch_norm_backward``, 11,664 combinations and minutes of CPU on the first call.
+# shardsci asks DTensor only about ops it has a rule for, and runs the decomposition of any
+# other op on the ShardTensors themselves: each op inside plans (and caches its plan) on its
+# own, in milliseconds, and those with shardsci handlers (means over uneven shards) use them.
+def _has_rule(func: OpOverload) -> bool:
+    return (
+        func in _PROPAGATOR.op_strategy_funcs
+        or func in _PROPAGATOR.op_single_dim_strategy_funcs
+        or func in _PROPAGATOR.op_to_rules
+    )
+
+
+def decomposition(func: OpOverload) -> Callable[..., object] | None:
+    """The function that computes ``func`` from other aten ops: its CompositeImplicitAutograd
+    kernel or its decomposition in ``torch._decomp.decompositions``; None when it has neither.
+    (The table's ``torch._refs`` entries compute through prims, meant for tracing: run on
+    ShardTensors they can return uninitialised memory.)"""
+    if _dispatch_has_kernel_for_dispatch_key(func.name(), DispatchKey.CompositeImplicitAutograd):
+        return func.decompose
+    decompose = decomposition_table.get(func)
+    if decompose is not None and decompose.__module__ == "torch._decomp.decompositions":
+        return decompose
+    return None
+
+
+def _no_rule(func: OpOverload) -> NotImplementedError:
+    return NotImplementedError(
+        f"shardsci: {func} has no sharding rule; register a handler with "
+        f"shardsci.register_aten_handler({func})"
     )
 
 
@@ -344,10 +534,10 @@ def _suggestion(
 
 # ---------------------------------------------------------------------------- alignment
 def _aligned_targets(
-    specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
+    func: OpOverload, specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
 ) -> list[ShardTensorSpec | None]:
     """Our target spec for each operand: DTensor's placements, sizes aligned across operands."""
-    reference = _reference_sizes(specs, targets)
+    reference = _reference_sizes(func, specs, targets)
     result: list[ShardTensorSpec | None] = []
     for spec, target in zip(specs, targets):
         if spec is None:
@@ -373,7 +563,7 @@ def _order_of_spec(spec: ShardTensorSpec) -> dict[int, tuple[int, ...]]:
 
 
 def _reference_sizes(
-    specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
+    func: OpOverload, specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
 ) -> dict[tuple[int, ...], tuple[int, ...]]:
     """Mesh axes -> shard sizes all operands sharded over them will share.
 
@@ -390,7 +580,7 @@ def _reference_sizes(
             extent = spec.shape[dim]
             if wanted.setdefault(axes, extent) != extent:
                 raise NotImplementedError(
-                    f"operands sharded over mesh axes {axes} have different extents "
+                    f"{func}: operands sharded over mesh axes {axes} have different extents "
                     f"({wanted[axes]} and {extent}) along their sharded dims"
                 )
             current = spec.sharding_by_dim.get(dim)
@@ -413,7 +603,7 @@ def _remembered(
 ) -> tuple[int, ...] | None:
     for spec in specs:
         if spec is not None:
-            for hint in spec.hints:
+            for hint in reversed(spec.hints):  # newest first, as every hint reader
                 if hint.axes == axes and hint.extent == extent:
                     return hint.sizes
     return None
@@ -484,6 +674,9 @@ def _output_spec(
     sizes = {}
     for dim, axes in order.items():
         known = sizes_by_axes.get(axes)
+        if meta.shape[dim] == 0:  # e.g. batch norm's statistics when it does not train
+            sizes[dim] = (0,) * math.prod(mesh.shape[a] for a in axes)
+            continue
         if known is None or known.extent != meta.shape[dim]:
             raise NotImplementedError(
                 f"{func}: cannot tell the shard sizes of output dim {dim} (extent "
@@ -509,8 +702,10 @@ def _local_shape_argument(
     output_spec: object,
     sizes_by_axes: dict[tuple[int, ...], DimSharding],
     func: OpOverload,
+    coordinate: tuple[int, ...] | None = None,
 ) -> tuple | None:
-    """This rank's value for a global shape argument DTensor rewrote assuming chunk sizes."""
+    """This rank's (or the rank at ``coordinate``'s) value for a global shape argument DTensor
+    rewrote assuming chunk sizes."""
     index = _PROPAGATOR.op_to_shape_and_stride_idx.get(op)
     if index is None:
         if op in _PROPAGATOR.op_to_scalar_shape_adjuster and any(
@@ -522,7 +717,8 @@ def _local_shape_argument(
         return None
     global_shape = list(output_spec.tensor_meta.shape)
     local_shape = list(global_shape)
-    coordinate = mesh_coordinate(output_spec.mesh)
+    if coordinate is None:
+        coordinate = mesh_coordinate(output_spec.mesh)
     mesh_shape = tuple(output_spec.mesh.shape)
     for dim, axes in _order_of(output_spec).items():
         known = sizes_by_axes.get(axes)

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._caches import BoundedCache
-from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group, exchange
+from shardsci.tensor._collectives import AxisGroup, all_gather, all_reduce, axis_group, exchange
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import (
     DimSharding,
@@ -101,7 +101,7 @@ def redistribute_local(
 
     Collective over the mesh: every rank must call it with the same ``src`` and ``dst``.
     """
-    if src.same_layout(dst):
+    if src.same_layout(dst) or math.prod(src.mesh_shape) == 1:
         return local
     if src.mesh != dst.mesh or src.shape != dst.shape:
         raise ValueError(f"cannot redistribute {src} to {dst}: mesh or global shape differ")
@@ -195,6 +195,8 @@ class _Exchange:
             if plan.own_source_box is None:
                 return local.new_empty(plan.out_shape)
             return _narrow_box(local, plan.own_source_box)
+        if plan.gathers_equal_shards:
+            return _assemble(list(all_gather(local, plan.group).unbind(0)), plan, local)
         pieces = [None if box is None else _narrow_box(local, box) for box in plan.send_boxes]
         received = exchange(
             plan.group,
@@ -407,6 +409,9 @@ class _ExchangePlan:
     recv_boxes: tuple[Box | None, ...]  # per member: region of the output it fills
     shapes: tuple[tuple[tuple[int, ...], ...], ...]  # shapes[src][dst]
     out_shape: tuple[int, ...]
+    # Every member sends its whole shard to every other, and the shards have one shape: the
+    # native all-gather (NCCL's tuned algorithms), decided from the global layouts.
+    gathers_equal_shards: bool = False
 
 
 _EXCHANGE_PLANS: BoundedCache[tuple, _ExchangePlan] = BoundedCache("exchange plans", 4096)
@@ -443,7 +448,14 @@ def _make_exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _Exchange
         for s in range(group.size)
     )
     kind = _exchange_kind(dst, comm_axes)
-    return _ExchangePlan(group, kind, None, send_boxes, recv_boxes, shapes, out_shape)
+    whole = [_box_shape(box) for box in source_boxes]
+    gathers = (
+        kind == "all_gather"
+        and len(set(whole)) == 1
+        and 0 not in whole[0]
+        and all(shapes[s][d] == whole[s] for s in range(group.size) for d in range(group.size))
+    )
+    return _ExchangePlan(group, kind, None, send_boxes, recv_boxes, shapes, out_shape, gathers)
 
 
 def _moving_axes(src: ShardTensorSpec, dst: ShardTensorSpec) -> tuple[int, ...]:

@@ -10,20 +10,28 @@ Two levels, matching where an op can be intercepted:
 
 A handler returns ``NotImplemented`` to decline a call (e.g. when the dim it cares about is
 not sharded): the op then takes the default path.
+
+Registering a second handler for an op warns (``DuplicateHandlerWarning``) unless
+``replace=True`` says it is meant; :func:`scoped_handlers` undoes every registration made in a
+block, so a test's handler does not outlive the test.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
-from torch._ops import OpOverload, OpOverloadPacket
+from shardsci.tensor._torch_compat import OpOverload, OpOverloadPacket
 
 __all__ = [
+    "DuplicateHandlerWarning",
     "aten_handler_for",
     "function_handler_for",
     "register_aten_handler",
     "register_function_handler",
+    "scoped_handlers",
 ]
 
 AtenHandler = Callable[[OpOverload, tuple, dict], Any]
@@ -34,6 +42,12 @@ _RESOLVED: dict[OpOverload, AtenHandler | None] = {}
 _FUNCTIONS: dict[Callable, FunctionHandler] = {}
 _ON_REGISTRATION: list[Callable[[], None]] = []
 
+K = TypeVar("K")
+
+
+class DuplicateHandlerWarning(UserWarning):
+    """An op that already has a handler was given another one without ``replace=True``."""
+
 
 def on_registration(callback: Callable[[], None]) -> None:
     """Call ``callback`` whenever an aten handler is registered (caches of routes clear)."""
@@ -41,9 +55,12 @@ def on_registration(callback: Callable[[], None]) -> None:
 
 
 def register_aten_handler(
-    *ops: OpOverload | OpOverloadPacket | str,
+    *ops: OpOverload | OpOverloadPacket | str, replace: bool = False
 ) -> Callable[[AtenHandler], AtenHandler]:
     """Register ``handler(func, args, kwargs)`` for aten overloads, packets or op names.
+
+    An op that already has another handler keeps the new one, with a
+    ``DuplicateHandlerWarning`` unless ``replace`` is True.
 
     Examples
     --------
@@ -55,28 +72,75 @@ def register_aten_handler(
         for op in ops:
             if not isinstance(op, (OpOverload, OpOverloadPacket, str)):
                 raise TypeError(f"cannot register a handler for {op!r}: not an aten op or name")
-            _ATEN[op] = handler
-        _RESOLVED.clear()
-        for callback in _ON_REGISTRATION:
-            callback()
+            _store(_ATEN, op, handler, replace)
+        _registrations_changed()
         return handler
 
     return decorate
 
 
-def register_function_handler(*funcs: Callable) -> Callable[[FunctionHandler], FunctionHandler]:
+def register_function_handler(
+    *funcs: Callable, replace: bool = False
+) -> Callable[[FunctionHandler], FunctionHandler]:
     """Register ``handler(func, args, kwargs)`` for Python-level torch functions.
 
     Register every spelling a user may call, e.g. ``torch.softmax``, ``Tensor.softmax`` and
-    ``torch.nn.functional.softmax`` (each reaches ``__torch_function__`` separately).
+    ``torch.nn.functional.softmax`` (each reaches ``__torch_function__`` separately). A
+    function that already has another handler keeps the new one, with a
+    ``DuplicateHandlerWarning`` unless ``replace`` is True.
     """
 
     def decorate(handler: FunctionHandler) -> FunctionHandler:
         for func in funcs:
-            _FUNCTIONS[func] = handler
+            _store(_FUNCTIONS, func, handler, replace)
         return handler
 
     return decorate
+
+
+@contextmanager
+def scoped_handlers() -> Iterator[None]:
+    """Undo, on leaving the block, every handler registration made inside it: new handlers
+    are removed and replaced ones come back.
+
+    Examples
+    --------
+    >>> with scoped_handlers():  # doctest: +SKIP
+    ...     register_function_handler(F.normalize)(my_normalize)
+    ...     check_against_reference(F.normalize, ...)
+    """
+    aten, functions = dict(_ATEN), dict(_FUNCTIONS)
+    try:
+        yield
+    finally:
+        _ATEN.clear()
+        _ATEN.update(aten)
+        _FUNCTIONS.clear()  # cleared in place: ``function_handler_for`` is its bound ``get``
+        _FUNCTIONS.update(functions)
+        _registrations_changed()
+
+
+def _store(registry: dict[K, Any], key: K, handler: Callable, replace: bool) -> None:
+    previous = registry.get(key)
+    if previous is not None and previous is not handler and not replace:
+        warnings.warn(
+            f"{key} already has the handler {_qualified(previous)}; {_qualified(handler)} "
+            "replaces it (pass replace=True if that is intended, or use scoped_handlers() "
+            "in tests)",
+            DuplicateHandlerWarning,
+            stacklevel=3,
+        )
+    registry[key] = handler
+
+
+def _qualified(handler: Callable) -> str:
+    return f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', handler)}"
+
+
+def _registrations_changed() -> None:
+    _RESOLVED.clear()
+    for callback in _ON_REGISTRATION:
+        callback()
 
 
 def aten_handler_for(func: OpOverload) -> AtenHandler | None:

@@ -24,9 +24,9 @@ from functools import cached_property
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 
 from shardsci.tensor._caches import BoundedCache, register_cache
+from shardsci.tensor._torch_compat import DTensorSpec, ShardOrderEntry, TensorMeta
 
 __all__ = [
     "DimSharding",
@@ -309,7 +309,7 @@ class ShardTensorSpec:
 # - ``_redistribute.target_spec``: a dim sharded again over the same set of axes takes the
 #   newest hint's sizes and axis order (a current sharding wins over a hint);
 # - ``_propagation._reference_sizes``: operands aligned over axes no operand is currently
-#   sharded over take the sizes an operand remembers for those axes and extent (the oldest
+#   sharded over take the sizes an operand remembers for those axes and extent (the newest
 #   match);
 # - ``_ops/_windows.owned_sizes``: an upsampling window (transposed conv, interpolation) whose
 #   output extent a newest hint remembers takes those sizes (the layout before downsampling);

@@ -44,10 +44,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import LocalTensorMode, _map_to_rank_local_val
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import _random as dtensor_random
-from torch.utils._pytree import tree_map
+
+from shardsci.tensor._torch_compat import (
+    LocalTensorMode,
+    _map_to_rank_local_val,
+    dtensor_random,
+    tree_map,
+)
 
 __all__ = [
     "RankFailure",

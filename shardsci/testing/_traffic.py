@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass_type,
-)
 
 from shardsci.tensor import CommStats, comm_counter
+from shardsci.tensor._torch_compat import (
+    OpOverload,
+    TorchDispatchMode,
+    _resolve_process_group,
+    is_traceable_wrapper_subclass_type,
+)
 from shardsci.testing._collective_asserts import assert_all_ranks
 
 __all__ = ["P2P_KINDS", "Traffic", "count_traffic", "counted_comm", "traffic_problems"]
@@ -146,11 +147,11 @@ class _TrafficMode(TorchDispatchMode):
         # DTensor's sharding propagation runs ops on, move nothing: they run below.)
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
-        if isinstance(func, torch._ops.OpOverload) and func.namespace in _NAMESPACES:
+        if isinstance(func, OpOverload) and func.namespace in _NAMESPACES:
             self._count(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _count(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    def _count(self, func: OpOverload, args: tuple, kwargs: dict) -> None:
         name = func._schema.name
         if name in _SILENT:
             return

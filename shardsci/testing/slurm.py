@@ -2,7 +2,11 @@
 
 ``ensure_local_cluster()`` runs ``scripts/slurm/local_cluster.sh up``, which installs, configures
 and starts the cluster, or reuses a running one; when that fails it raises
-:class:`SlurmUnavailable` with the script's reason. ``submit_and_wait(script, timeout_s)``
+:class:`SlurmUnavailable` with the script's reason and whether SLURM could be installed here at
+all. Tests call ``local_cluster_or_skip()``: a test is skipped where SLURM cannot be installed;
+where it can but the cluster does not come up, it is skipped too, unless
+``SHARDSCI_REQUIRE_SLURM=1`` (set by ``.ci/run``) makes that a failure, so a broken SLURM path
+cannot leave CI green. ``submit_and_wait(script, timeout_s)``
 submits a batch script with ``sbatch``, polls ``scontrol show job`` until the job ends and
 returns its state, exit code and output files.
 
@@ -22,6 +26,9 @@ from pathlib import Path
 
 CLUSTER_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "local_cluster.sh"
 """Script that installs, starts and stops the local cluster (``up``, ``down``, ``status``)."""
+
+REQUIRE_VAR = "SHARDSCI_REQUIRE_SLURM"
+"""Set to ``1`` to fail, not skip, SLURM tests whose cluster can be installed but not started."""
 
 UP_TIMEOUT_S = 540.0
 """Seconds ``local_cluster.sh up`` may take, package installation included (below pytest's
@@ -47,14 +54,17 @@ FINAL_STATES = frozenset(
 
 _POLL_INTERVAL_S = 0.5
 _ERROR_MARK = f"{CLUSTER_SCRIPT.name}: error: "
+_CANNOT_INSTALL_STATUS = 3
 
 
 class SlurmUnavailable(RuntimeError):
-    """The local SLURM cluster cannot be brought up here; ``reason`` says why."""
+    """The local SLURM cluster cannot be brought up here; ``reason`` says why, ``installable``
+    whether SLURM could be installed and started here at all (root, apt-get, packages)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, installable: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.installable = installable
 
 
 class SlurmJobError(RuntimeError):
@@ -99,7 +109,8 @@ def ensure_local_cluster(timeout_s: float = UP_TIMEOUT_S) -> None:
     """
     if not CLUSTER_SCRIPT.is_file():
         raise SlurmUnavailable(
-            f"{CLUSTER_SCRIPT} not found: shardsci is not installed from a source checkout"
+            f"{CLUSTER_SCRIPT} not found: shardsci is not installed from a source checkout",
+            installable=False,
         )
     try:
         done = _run(["bash", str(CLUSTER_SCRIPT), "up"], timeout_s)
@@ -108,9 +119,30 @@ def ensure_local_cluster(timeout_s: float = UP_TIMEOUT_S) -> None:
             f"'{CLUSTER_SCRIPT.name} up' did not finish within {timeout_s:g} s"
         ) from None
     except FileNotFoundError:
-        raise SlurmUnavailable(f"bash is not installed, so {CLUSTER_SCRIPT} cannot run") from None
+        raise SlurmUnavailable(
+            f"bash is not installed, so {CLUSTER_SCRIPT} cannot run", installable=False
+        ) from None
     if done.returncode != 0:
-        raise SlurmUnavailable(_script_failure(done))
+        raise SlurmUnavailable(
+            _script_failure(done), installable=done.returncode != _CANNOT_INSTALL_STATUS
+        )
+
+
+def local_cluster_or_skip() -> None:
+    """For tests: the local cluster, up; else skip the test with the reason, or fail it when
+    SLURM is installable here and ``SHARDSCI_REQUIRE_SLURM=1``."""
+    import pytest
+
+    try:
+        ensure_local_cluster()
+    except SlurmUnavailable as error:
+        if error.installable and os.environ.get(REQUIRE_VAR) == "1":
+            pytest.fail(
+                f"{REQUIRE_VAR}=1, but the local SLURM cluster could be installed here and did "
+                f"not come up: {error.reason}",
+                pytrace=False,
+            )
+        pytest.skip(f"SLURM unavailable: {error.reason}")
 
 
 def _script_failure(done: subprocess.CompletedProcess[str]) -> str:

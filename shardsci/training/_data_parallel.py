@@ -1,9 +1,10 @@
 """Data parallelism on the mesh's dp axis: wrapping the model, and means over replicas.
 
-``parallelize`` is the one place a model is wrapped for data parallelism (DDP or FSDP2 over
-the dp group); the domain sum of weight gradients comes from shardsci's autograd, the
-data-parallel average from the wrapper. ``dp_mean`` and ``dp_sample_mean`` turn per-replica
-numbers into the numbers of the whole global batch, on every rank.
+``parallelize`` is the one place a model is made to train on the mesh: gradients summed over
+the domain axes and averaged over the dp axis in bucketed collectives, with parameters
+replicated (DDP-like) or sharded over dp (FSDP2) (``shardsci.parallel.domain_parallel``).
+``dp_sample_mean`` turns per-sample numbers of each replica into the mean over the whole
+global batch, on every rank.
 
 Collectives here run on tensors of the process group's device (``ParallelLayout.device``):
 an NCCL group rejects CPU tensors.
@@ -16,19 +17,19 @@ import enum
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
+from shardsci.parallel import domain_parallel
 from shardsci.training._layout import ParallelLayout
 
-__all__ = ["DataParallel", "dp_mean", "dp_sample_mean", "parallelize"]
+__all__ = ["DataParallel", "dp_sample_mean", "parallelize"]
 
 
 class DataParallel(enum.Enum):
     """How replicas along the dp axis share the model (``train.parallel``)."""
 
     ddp = "ddp"
-    """``DistributedDataParallel``: every replica holds all parameters; gradients averaged."""
+    """Every replica holds all parameters; gradients averaged (shardsci's bucketed reducer,
+    DDP's semantics)."""
     fsdp2 = "fsdp2"
     """``fully_shard``: parameters, gradients and optimiser state sharded over the replicas."""
 
@@ -46,37 +47,20 @@ def parallelize(model: nn.Module, layout: ParallelLayout, mode: DataParallel) ->
     Returns
     -------
     nn.Module
-        The module to train (``model`` itself when the dp axis has one replica).
+        ``model`` itself, its class extended with ``no_sync()`` (NOTE [Why shardsci reduces
+        gradients itself instead of DDP] in ``shardsci/parallel/_domain_parallel.py``).
     """
-    if layout.dp_size == 1:
-        return model
-    if mode is DataParallel.ddp:
-        return DistributedDataParallel(model, process_group=layout.dp_group)
-    if mode is DataParallel.fsdp2:
-        return fully_shard(model, mesh=layout.dp_mesh)
-    raise ValueError(
-        f"data parallelism must be one of {[m.name for m in DataParallel]}, got {mode!r}"
+    if not isinstance(mode, DataParallel):
+        raise ValueError(
+            f"data parallelism must be one of {[m.name for m in DataParallel]}, got {mode!r}"
+        )
+    return domain_parallel(
+        model,
+        layout.mesh,
+        dp_axis=layout.config.data_parallel,
+        domain_axes=layout.domain_axes,
+        dp_mode=mode.value,
     )
-
-
-def dp_mean(values: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
-    """The mean over data-parallel replicas of ``values`` (the same on the ranks of a replica).
-
-    Parameters
-    ----------
-    values : Tensor
-        Any shape; float.
-
-    Returns
-    -------
-    Tensor
-        Same shape, float64, on ``layout.device``; equal on every rank.
-    """
-    values = values.detach().to(layout.device, torch.float64)
-    if layout.dp_group is not None:
-        dist.all_reduce(values, group=layout.dp_group)
-        values /= layout.dp_size
-    return values
 
 
 def dp_sample_mean(per_sample: torch.Tensor, layout: ParallelLayout) -> float:

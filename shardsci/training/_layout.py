@@ -21,7 +21,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardsci.distributed import build_mesh, mesh_axis_sizes, parse_mesh_shape
 
-__all__ = ["ParallelConfig", "ParallelLayout", "mesh_world_size"]
+__all__ = ["LayoutPlan", "ParallelConfig", "ParallelLayout", "mesh_world_size"]
 
 
 @dataclass
@@ -91,6 +91,70 @@ def mesh_world_size(mesh: str | int | Sequence[int]) -> int | None:
     return None if -1 in sizes else math.prod(sizes)
 
 
+@dataclass(frozen=True)
+class LayoutPlan:
+    """A mesh's axis sizes and roles, known before any process exists.
+
+    Attributes
+    ----------
+    shape : tuple of int
+        Ranks per mesh axis.
+    config : ParallelConfig
+        The axes' roles, resolved.
+    """
+
+    shape: tuple[int, ...]
+    config: ParallelConfig
+
+    @classmethod
+    def of(
+        cls, mesh: str | int | Sequence[int], parallel: ParallelConfig, world_size: int
+    ) -> LayoutPlan:
+        """The plan of ``mesh`` (e.g. ``"4x2"``, ``"-1x2"``) over ``world_size`` ranks.
+
+        Raises
+        ------
+        ValueError
+            If the mesh does not cover ``world_size`` ranks or ``parallel`` does not fit it;
+            the same error on every rank (it depends on the arguments only).
+        """
+        shape = parse_mesh_shape(mesh, world_size)
+        return cls(shape, parallel.resolved(len(shape)))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the size of the dp axis (1 without one)."""
+        axis = self.config.data_parallel
+        return self.shape[self.config.axis_names.index(axis)] if axis else 1
+
+    def ranks_along(self, dim: str) -> int:
+        """Ranks that split the spatial dim named ``dim`` (e.g. ``"H"``): 1 when none does."""
+        sizes = [
+            size
+            for name, size in zip(self.config.axis_names, self.shape)
+            if self.config.domain.get(name) == dim
+        ]
+        return math.prod(sizes)
+
+    def describe(self) -> str:
+        """``dp=4 (data parallel), domain=2 (splits H)``."""
+        roles = []
+        for name, size in zip(self.config.axis_names, self.shape):
+            role = (
+                "data parallel"
+                if name == self.config.data_parallel
+                else f"splits {self.config.domain[name]}"
+                if name in self.config.domain
+                else "unused"
+            )
+            roles.append(f"{name}={size} ({role})")
+        return ", ".join(roles)
+
+
 @dataclass
 class ParallelLayout:
     """The mesh of a run and the roles of its axes.
@@ -117,9 +181,8 @@ class ParallelLayout:
 
         Raised errors are the same on every rank (they depend on the arguments only).
         """
-        shape = parse_mesh_shape(mesh, dist.get_world_size())
-        config = parallel.resolved(len(shape))
-        return cls(build_mesh(shape, config.axis_names, device_type), config)
+        plan = LayoutPlan.of(mesh, parallel, dist.get_world_size())
+        return cls(build_mesh(plan.shape, plan.config.axis_names, device_type), plan.config)
 
     @property
     def device(self) -> torch.device:
@@ -177,14 +240,5 @@ class ParallelLayout:
         return placements or [Replicate()]
 
     def describe(self) -> str:
-        roles = []
-        for name, size in zip(self.config.axis_names, self.mesh.shape):
-            role = (
-                "data parallel"
-                if name == self.config.data_parallel
-                else f"splits {self.config.domain[name]}"
-                if name in self.config.domain
-                else "unused"
-            )
-            roles.append(f"{name}={size} ({role})")
-        return ", ".join(roles)
+        """``dp=4 (data parallel), domain=2 (splits H)``."""
+        return LayoutPlan(tuple(self.mesh.shape), self.config).describe()

@@ -24,10 +24,13 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from shardsci.training._layout import LayoutPlan
+
 __all__ = ["Recipe", "discover_recipes", "get_recipe", "recipe_names", "register_recipe"]
 
-RecipeCheck = Callable[[DictConfig, int], None]
-"""``check(cfg, world_size)``: raise ``ValueError`` with one clear line if ``cfg`` cannot run."""
+RecipeCheck = Callable[[DictConfig, LayoutPlan], None]
+"""``check(cfg, plan)``: raise ``ValueError`` with one clear line if ``cfg`` cannot run on the
+mesh ``plan`` (NOTE [Config errors before any rank starts])."""
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,20 @@ class Recipe:
         ``(group, name) -> dataclass``: Hydra schemas of the recipe's config groups, stored in
         the ConfigStore (``configs/<group>/<option>.yaml`` names them in its defaults list).
     check : callable or None
-        ``check(cfg, world_size)``, run in the launching process before any rank starts:
-        raise ``ValueError`` naming what is wrong with ``cfg`` and what is expected.
+        ``check(cfg, plan)``, run in the launching process before any rank starts, after the
+        generic checks: raise ``ValueError`` naming what is wrong with ``cfg`` and what is
+        expected (the data's shape against the mesh and the model, the data file, ...).
+    plan : str or None
+        ``"package.module:function"`` for ``dry_run=true`` (``shardsci.planning``):
+        ``function(cfg, context, device)`` returns the model and a ``Task`` whose batches have
+        the shapes and layouts of the real ones, made without reading data, on ``device``.
     """
 
     name: str
     run: str
     schemas: Mapping[tuple[str, str], type] = field(default_factory=dict)
     check: RecipeCheck | None = None
+    plan: str | None = None
 
     def __post_init__(self) -> None:
         module, _, function = self.run.partition(":")
@@ -64,8 +73,18 @@ class Recipe:
 
     def load_run(self) -> Callable[[DictConfig], Mapping[str, float]]:
         """Import and return the function every rank runs."""
-        module, _, function = self.run.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return _load(self.run)
+
+    def load_plan(self) -> Callable[..., Any]:
+        """Import and return the dry run's ``plan`` function (see ``plan``)."""
+        if self.plan is None:
+            raise ValueError(f"recipe {self.name!r} has no plan for a dry run")
+        return _load(self.plan)
+
+
+def _load(path: str) -> Callable[..., Any]:
+    module, _, function = path.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 _RECIPES: dict[str, Recipe] = {}

@@ -11,7 +11,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from shardsci.distributed import LaunchEnv, device_for_local_rank, init_distributed
+from shardsci.distributed import (
+    LaunchEnv,
+    device_for_local_rank,
+    explain_timeout,
+    init_distributed,
+    is_collective_timeout,
+)
 from shardsci.training._layout import ParallelConfig, ParallelLayout
 from shardsci.training._schema import config_from
 
@@ -52,7 +58,9 @@ def start_run(cfg: DictConfig) -> Iterator[RunContext]:
 
     Seeds torch with ``cfg.train.seed``. On a normal exit every rank waits for the others and
     leaves the process group; on an exception it leaves at once, so that the launcher sees the
-    failure and stops the other ranks instead of this one waiting in a collective.
+    failure and stops the other ranks instead of this one waiting in a collective. A
+    collective that timed out becomes a ``CollectiveTimeout`` naming the collective and the
+    ranks that stopped participating (NOTE [A rank that stops participating]).
     """
     env = init_distributed(timeout_s=cfg.launcher.timeout_s)
     device = device_for_local_rank(env)
@@ -62,6 +70,11 @@ def start_run(cfg: DictConfig) -> Iterator[RunContext]:
     if context.leader:
         context.run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
-    yield context
+    try:
+        yield context
+    except RuntimeError as error:
+        if is_collective_timeout(error):
+            raise explain_timeout(error, cfg.launcher.timeout_s) from error
+        raise
     dist.barrier()
     dist.destroy_process_group()

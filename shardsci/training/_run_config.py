@@ -8,42 +8,18 @@ fails when the config is composed.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from shardsci.training._launcher import LauncherConfig
 from shardsci.training._layout import ParallelConfig
 from shardsci.training._loggers import LoggerConfig
 from shardsci.training._trainer import TrainConfig
 
-__all__ = ["AdamWConfig", "LauncherConfig", "LauncherKind", "RunConfig", "register_run_schemas"]
-
-
-class LauncherKind(enum.Enum):
-    """How the ranks of a run are started (``launcher.kind``)."""
-
-    local = "local"
-    """Without torchrun or SLURM variables, ``train.py`` starts the mesh's ranks here."""
-    slurm = "slurm"
-    """Hydra's submitit launcher submits the job (``python train.py -m ... launcher=slurm``)."""
-
-
-@dataclass
-class LauncherConfig:
-    """How the ranks are started (the ``launcher`` group).
-
-    Attributes
-    ----------
-    kind : LauncherKind
-    timeout_s : float
-        Timeout of every collective: a rank left waiting fails with a message after this long.
-    """
-
-    kind: LauncherKind = LauncherKind.local
-    timeout_s: float = 600.0
+__all__ = ["AdamWConfig", "RunConfig", "register_run_schemas"]
 
 
 @dataclass
@@ -72,6 +48,11 @@ class RunConfig:
         Ranks per mesh axis: ``"1"``, ``"8"``, ``"4x2"``, ``"2x2x2"``; ``-1`` infers one axis.
     model, data, eval : recipe schemas
         Chosen by the recipe's config (``configs/recipe/<name>.yaml``).
+    dry_run : bool
+        Plan the run instead of running it (``shardsci.planning``): memory, collectives and
+        layouts per rank class, in one process, without data.
+    device_memory_gib : float or None
+        Memory of one device; a dry run reports a rank whose peak exceeds it.
     """
 
     recipe: str | None = None
@@ -85,6 +66,8 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dry_run: bool = False
+    device_memory_gib: float | None = None
 
 
 def register_run_schemas() -> None:

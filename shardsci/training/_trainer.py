@@ -8,28 +8,42 @@ scheduler and resume on any mesh, a final checkpoint), ``metrics.json`` at the e
 
 from __future__ import annotations
 
+import enum
 import json
 import math
+import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from shardsci.tensor import ShardTensor
-from shardsci.training._data_parallel import DataParallel, dp_mean, parallelize
+from shardsci.training._data_parallel import DataParallel, parallelize
+from shardsci.training._errors import NonFiniteLoss
 from shardsci.training._loggers import MetricLogger
 from shardsci.training._precision import Precision, autocast
 from shardsci.training._progress import Progress
 from shardsci.training._run import RunContext
 from shardsci.training._schedule import ScheduleConfig, warmup_cosine
 from shardsci.training._schema import instantiate, plain
+from shardsci.training._signals import STOP_SIGNALS, StopRequests, exit_status
 
-__all__ = ["Task", "TrainConfig", "Trainer"]
+__all__ = ["NonFinite", "Task", "TrainConfig", "Trainer"]
+
+
+class NonFinite(enum.Enum):
+    """What a step whose loss is NaN or infinite does (``train.nonfinite``)."""
+
+    stop = "stop"
+    """Stop the run with an error naming the step and the field."""
+    skip = "skip"
+    """Skip the update (the step still counts), with a warning naming the step and the field."""
 
 
 @dataclass
@@ -53,10 +67,13 @@ class TrainConfig:
     log_every, eval_every : int
         Steps between metric logs and between evaluations.
     checkpoint_every : int
-        Steps between checkpoints; the final state is always saved.
+        Steps between checkpoints (0: none but the final one); the final state is always
+        saved.
     resume : str
         ``"auto"`` (the latest complete checkpoint in the run directory, if any), ``"never"``, or
         a checkpoint path.
+    nonfinite : NonFinite
+        A step whose loss is NaN or infinite: ``stop`` the run, or ``skip`` its update.
     schedule : ScheduleConfig
         The learning-rate schedule.
     """
@@ -71,7 +88,28 @@ class TrainConfig:
     eval_every: int = 100
     checkpoint_every: int = 100
     resume: str = "auto"
+    nonfinite: NonFinite = NonFinite.stop
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first setting out of range."""
+        at_least = {
+            "steps": (self.steps, 0),
+            "global_batch": (self.global_batch, 1),
+            "log_every": (self.log_every, 1),
+            "eval_every": (self.eval_every, 1),
+            "checkpoint_every": (self.checkpoint_every, 0),
+            "schedule.warmup_steps": (self.schedule.warmup_steps, 0),
+        }
+        for name, (value, lowest) in at_least.items():
+            if value < lowest:
+                raise ValueError(f"train.{name}={value}: expected an integer >= {lowest}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"train.grad_clip={self.grad_clip}: expected a positive norm or null")
+        if not 0 <= self.schedule.min_ratio <= 1:
+            raise ValueError(
+                f"train.schedule.min_ratio={self.schedule.min_ratio}: expected 0 <= min_ratio <= 1"
+            )
 
 
 class Task(Protocol):
@@ -127,7 +165,8 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         """Train to ``train.steps``; the final metrics (on every rank), also in
-        ``metrics.json``."""
+        ``metrics.json``. A stop signal ends the run after an agreed step, with a checkpoint
+        of it, by ``SystemExit(128 + signum)`` (NOTE [Stopping a run on a signal])."""
         config, run = self.config, self.run
         progress = Progress(
             config.steps,
@@ -138,17 +177,22 @@ class Trainer:
         progress.write(f"mesh: {run.layout.describe()}; run directory: {run.run_dir}")
         started = time.perf_counter()
         loss = math.nan
-        while self.step < config.steps:
-            loss = self._optimiser_step()
-            self.step += 1
-            cells_per_s = progress.step(loss)
-            if self.step % config.log_every == 0:
-                lr = self.scheduler.get_last_lr()[0]
-                self.logger.log({"loss": loss, "lr": lr, "cells_per_s": cells_per_s}, self.step)
-            if self.step % config.eval_every == 0 and self.step < config.steps:
-                progress.write(self.task.describe(self._evaluate()))
-            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                self._save()
+        with StopRequests() as requests:
+            while self.step < config.steps:
+                loss, stop = self._optimiser_step(requests)
+                self.step += 1
+                cells_per_s = progress.step(loss)
+                if self.step % config.log_every == 0:
+                    lr = self.scheduler.get_last_lr()[0]
+                    metrics = {"loss": loss, "lr": lr, "cells_per_s": cells_per_s}
+                    self.logger.log(metrics, self.step)
+                if stop is not None:
+                    progress.close()
+                    self._stop(stop)
+                if self.step % config.eval_every == 0 and self.step < config.steps:
+                    progress.write(self.task.describe(self._evaluate()))
+                if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                    self._save()
         progress.close()
         if self._saved_step != self.step:
             self._save()
@@ -161,18 +205,68 @@ class Trainer:
         self.logger.finish()
         return metrics
 
-    def _optimiser_step(self) -> float:
+    def _optimiser_step(self, requests: StopRequests) -> tuple[float, signal.Signals | None]:
+        """One step; the loss averaged over data-parallel replicas, and the stop signal all
+        ranks agreed on (None: go on)."""
         batch = self.task.batch(self.step)
         with autocast(self.config.precision, self.run.device):
             terms = self.task.losses(self.trained, batch)
-        loss = sum(_whole(term).float() for term in terms.values())
+        terms = {name: _whole(term).float() for name, term in terms.items()}
+        loss = sum(terms.values())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.config.grad_clip:
-            nn.utils.clip_grad_norm_(self.trained.parameters(), self.config.grad_clip)
-        self.optimizer.step()
+        agreed = self._agree([*terms.values()], requests.pending())
+        means = dict(zip(terms, agreed[: len(terms)].tolist()))
+        stop = next((s for s, n in zip(STOP_SIGNALS, agreed[len(terms) :].tolist()) if n > 0), None)
+        if self._finite(means):
+            if self.config.grad_clip:
+                nn.utils.clip_grad_norm_(self.trained.parameters(), self.config.grad_clip)
+            self.optimizer.step()
         self.scheduler.step()
-        return float(dp_mean(loss, self.run.layout))
+        return sum(means.values()), stop
+
+    def _finite(self, means: Mapping[str, float]) -> bool:
+        """Whether the step's loss terms (equal on every rank) are finite; if not, stop the
+        run or skip the update (``train.nonfinite``), naming the step and the fields."""
+        bad = {name: value for name, value in means.items() if not math.isfinite(value)}
+        if not bad:
+            return True
+        fields = ", ".join(f"{name!r} is {value}" for name, value in bad.items())
+        what = f"step {self.step + 1}: the loss of field {fields}"
+        if self.config.nonfinite is NonFinite.stop:
+            raise NonFiniteLoss(
+                f"{what}; stopped (train.nonfinite=stop). Lower optim.lr, check the data, or "
+                f"set train.nonfinite=skip to skip such steps"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.run.leader:
+            print(f"{what}; update skipped (train.nonfinite=skip)", flush=True)
+        return False
+
+    def _agree(self, terms: list[torch.Tensor], pending: list[float]) -> torch.Tensor:
+        """One all-reduce over every rank: the loss terms averaged over data-parallel
+        replicas, and per stop signal the number of ranks that received it.
+
+        Every rank of a replica holds the same (whole) loss terms, so their sum over the world
+        divided by the world size is the mean over replicas.
+        """
+        device = self.run.device
+        means = torch.stack([t.detach().to(device, torch.float64) for t in terms])
+        counts = torch.tensor(pending, dtype=torch.float64, device=device)
+        values = torch.cat([means / dist.get_world_size(), counts])
+        dist.all_reduce(values)
+        return values.cpu()
+
+    def _stop(self, signum: signal.Signals) -> None:
+        """Save the state of this step on every rank and leave with ``128 + signum``."""
+        self._save()
+        if self.run.leader:
+            print(
+                f"stopped by {signum.name} after step {self.step}; checkpoint saved in "
+                f"{self.checkpoints}",
+                flush=True,
+            )
+        raise SystemExit(exit_status(signum))
 
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:

@@ -2,9 +2,14 @@
 
 from shardsci.tensor._ops import (
     _attention_ops,  # noqa: F401
+    _batched_ops,  # noqa: F401
+    _composite_ops,  # noqa: F401
     _conv_ops,  # noqa: F401
+    _elementwise_ops,  # noqa: F401
+    _embedding_ops,  # noqa: F401
     _fft_ops,  # noqa: F401
     _gather_scatter_ops,  # noqa: F401
+    _gathered_ops,  # noqa: F401
     _index_ops,  # noqa: F401
     _interpolate_ops,  # noqa: F401
     _loss_ops,  # noqa: F401
@@ -12,7 +17,9 @@ from shardsci.tensor._ops import (
     _norm_ops,  # noqa: F401
     _pool_ops,  # noqa: F401
     _reduction_ops,  # noqa: F401
+    _scalar_ops,  # noqa: F401
     _scan_ops,  # noqa: F401
+    _search_ops,  # noqa: F401
     _softmax_ops,  # noqa: F401
     _view_ops,  # noqa: F401
 )

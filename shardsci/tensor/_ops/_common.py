@@ -8,15 +8,18 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
-from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._api import ShardTensor, grad_spec
 from shardsci.tensor._collectives import AxisGroup, axis_group
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec, replicated_spec
+from shardsci.tensor._promotion import promote_replicated
+from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 __all__ = [
     "arg",
     "connected_empty",
     "dim_layout",
     "normalized_dims",
+    "reduced_now",
     "replicated_local",
     "sharded_among",
     "sharding_axes",
@@ -55,6 +58,17 @@ def dim_layout(spec: ShardTensorSpec, dim: int) -> tuple[DimSharding, AxisGroup,
     return sharding, axis_group(spec.mesh, sharding.axes), starts
 
 
+def reduced_now(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its pending reductions done (an all-reduce over its Partial axes), its
+    shards kept. Statistics (a max, a sum, a mean) are reduced so before they meet the
+    operand they came from: left Partial, the default rule would move that operand to shard
+    a dim over the reduced axes, a layout the caller never asked for."""
+    if not isinstance(t, ShardTensor) or not t._spec.partial:
+        return t
+    spec = grad_spec(t._spec)
+    return ShardTensor(redistribute_local(t._local, t._spec, spec), spec)
+
+
 def sharding_axes(spec: ShardTensorSpec) -> set[int]:
     """Mesh axes that shard some dim of ``spec``."""
     return {a for s in spec.shardings for a in s.axes}
@@ -65,14 +79,14 @@ def replicated_local(
 ) -> torch.Tensor | None:
     """A replicated operand (plain tensor or replicated ShardTensor) for a local computation
     whose output is sharded over ``partial_axes``: its local gradient there is a partial sum,
-    summed once over those axes (NOTE [Autograd interaction between torch.Tensor and
-    ShardTensor]). Tensors that need no gradient pass through."""
+    summed over those axes (NOTE [Where the gradient of a replicated parameter is summed]).
+    Tensors that need no gradient pass through."""
     if t is None:
         return None
     if not isinstance(t, ShardTensor):
         if not t.requires_grad or not torch.is_grad_enabled():
             return t
-        t = from_local_spec(t, replicated_spec(t, mesh))
+        t = promote_replicated(t, mesh)
     elif not all(isinstance(p, Replicate) for p in t.placements):
         raise NotImplementedError(f"expected a replicated operand, got {t.placements}")
     placements = [Partial() if a in partial_axes else Replicate() for a in range(mesh.ndim)]

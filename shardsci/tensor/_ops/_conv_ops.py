@@ -5,8 +5,10 @@ output of a windowed op]) and runs the op on them without padding. ``nn.ConvNd``
 ``padding_mode`` circular / reflect / replicate pads with ``F.pad`` first, which is a window
 of size 1 whose padding cells come from the boundary (periodic, reflect, replicate), so the
 padded tensor keeps the input's layout with the padding on the edge ranks, and the
-convolution that follows keeps it too. Weights and biases are replicated: their gradients
-are summed over the shards once (``replicated_local``).
+convolution that follows keeps it too; the pad gathers the cells that convolution reads in the
+same exchange (NOTE [A padded tensor carries the halo its convolution reads] in ``_windows``).
+Weights and biases are replicated: their gradients are summed over the shards
+(``replicated_local``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from shardsci.tensor._ops._windows import (
     TransposedWindow,
     Window,
     gather_windows,
+    gather_windows_of,
     output_spec,
     overlapped_windows,
+    pad_with_halo,
 )
 from shardsci.tensor._options import halo_overlap_enabled
 from shardsci.tensor._registry import register_function_handler
@@ -46,8 +50,14 @@ def _parse(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) -
     return values
 
 
-def _sharded_input(x: object) -> bool:
-    return isinstance(x, ShardTensor) and not x._spec.partial and 1 not in x._spec.sharding_by_dim
+def _sharded_input(x: object, n: int) -> bool:
+    """A ShardTensor with no pending reduction whose channels (dim 1, or 0 unbatched) are
+    whole."""
+    return (
+        isinstance(x, ShardTensor)
+        and not x._spec.partial
+        and x.ndim - n - 1 not in x._spec.sharding_by_dim
+    )
 
 
 # ---------------------------------------------------------------------------- conv
@@ -57,9 +67,11 @@ def _conv(func, args, kwargs):
     x, weight, bias, stride, padding, dilation, groups = _parse(
         args, kwargs, names, (None, None, None, 1, 0, 1, 1)
     )
-    if not _sharded_input(x) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
-        return NotImplemented
     n = _CONV[func]
+    if not _sharded_input(x, n) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
+        return NotImplemented
+    if x.ndim == n + 1:  # unbatched (C, *spatial)
+        return func(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     kernel = weight.shape[2:]
     stride, dilation = _tuple(stride, n), _tuple(dilation, n)
     pads = _conv_padding(padding, kernel, dilation, n)
@@ -109,9 +121,7 @@ def _run_windowed(x, windows, boundary, weight, bias, local_op, *, channels, fil
         )
         local_shape = list(out.shape)
     else:
-        extended, out_sizes, out_ranges = gather_windows(
-            x.to_local(), spec, windows, boundary, fill
-        )
+        extended, out_sizes, out_ranges = gather_windows_of(x, windows, boundary, fill)
         local_shape = list(extended.shape)
         local_shape[1] = channels
         for dim, (first, stop) in out_ranges.items():
@@ -139,9 +149,12 @@ def _conv_transpose(func, args, kwargs):
     x, weight, bias, stride, padding, output_padding, groups, dilation = _parse(
         args, kwargs, names, (None, None, None, 1, 0, 0, 1, 1)
     )
-    if not _sharded_input(x) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
-        return NotImplemented
     n = _CONV_TRANSPOSE[func]
+    if not _sharded_input(x, n) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
+        return NotImplemented
+    if x.ndim == n + 1:  # unbatched (C, *spatial)
+        out = func(x.unsqueeze(0), weight, bias, stride, padding, output_padding, groups, dilation)
+        return out.squeeze(0)
     kernel = weight.shape[2:]
     stride, padding = _tuple(stride, n), _tuple(padding, n)
     dilation, output_padding = _tuple(dilation, n), _tuple(output_padding, n)
@@ -219,8 +232,11 @@ def _pad(func, args, kwargs):
         return x
     boundary = dict.fromkeys(windows, _PAD_MODES[mode])
     spec = x._spec
-    extended, out_sizes, _ = gather_windows(x.to_local(), spec, windows, boundary, value or 0.0)
     shape = list(x.shape)
     for dim, window in windows.items():
         shape[dim] = window.output_extent(x.shape[dim])
-    return from_local_spec(extended, output_spec(spec, shape, out_sizes, extended.dtype))
+    sharded = any(d in spec.sharding_by_dim for d in windows)
+    if mode == "constant" or not sharded or halo_overlap_enabled():
+        extended, out_sizes, _ = gather_windows(x.to_local(), spec, windows, boundary, value or 0.0)
+        return from_local_spec(extended, output_spec(spec, shape, out_sizes, extended.dtype))
+    return pad_with_halo(x, windows, boundary, shape)

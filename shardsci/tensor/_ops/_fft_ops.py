@@ -58,6 +58,7 @@ from shardsci.tensor._caches import cached
 from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._shape_probe import shape_probe
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, nested_chunk_sizes
 
 # Tensor dim -> mesh axes sharding it (outermost first), sorted by dim.
@@ -154,8 +155,9 @@ class _Call:
     def parse(cls, func, kind: _Kind, x: ShardTensor, args: tuple, kwargs: dict) -> _Call:
         """Validate on a meta tensor (same error on every rank, before any collective)."""
         rest = {k: v for k, v in kwargs.items() if k != "input"}
-        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-        out = func(meta, *args[1:], **rest)
+        with shape_probe():
+            meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+            out = func(meta, *args[1:], **rest)
         names = ("n" if kind.rank == 1 else "s", "dim", "norm")
         defaults = (None, {1: -1, 2: (-2, -1), None: None}[kind.rank], None)
         given = args[1:]
@@ -416,8 +418,9 @@ def _transformed(
     if local.numel():
         out = func(local, s=lengths, dim=step.dims, norm=call.norm)
     else:  # pocketfft and MKL reject empty batches; the result is empty anyway
-        meta = torch.empty(local.shape, dtype=local.dtype, device="meta")
-        meta = func(meta, s=lengths, dim=step.dims, norm=call.norm)
+        with shape_probe():
+            meta = torch.empty(local.shape, dtype=local.dtype, device="meta")
+            meta = func(meta, s=lengths, dim=step.dims, norm=call.norm)
         like = torch.empty((), dtype=meta.dtype, device=local.device)
         out = connected_empty(list(meta.shape), like, local.real)
     spec = x._spec

@@ -185,40 +185,40 @@ def _without_dim(spec: ShardTensorSpec, dim: int, sharding: DimSharding) -> Shar
 
 @register_aten_handler(aten.select_backward.default)
 def _select_backward(func, args, kwargs):
+    """The gradient scattered into zeros of the input's shape. Its dims keep the gradient's
+    shardings; the selected dim takes the forward's remembered layout when the forward
+    selected along a sharded dim (which left the gradient replicated over those axes), else
+    stays whole (DTensor's rule misplaces the sharded dims for a negative ``dim``)."""
     grad, input_sizes, dim, index = args[:4]
     dim %= len(input_sizes)
     extent = input_sizes[dim]
+    index %= extent
+    spec = grad._spec
+    placements = [
+        Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements
+    ]
+    sizes = {s.dim + (s.dim >= dim): s.sizes for s in spec.shardings}
+    order = {s.dim + (s.dim >= dim): s.axes for s in spec.shardings}
     forward = next(
         (
             h
-            for h in reversed(grad._spec.hints)
-            if h.extent == extent
-            and all(isinstance(grad._spec.placements[a], Replicate) for a in h.axes)
+            for h in reversed(spec.hints)
+            if h.extent == extent and all(isinstance(spec.placements[a], Replicate) for a in h.axes)
         ),
         None,
     )
-    if forward is None:
-        return NotImplemented
-    index %= extent
-    placements = [
-        Shard(dim)
-        if a in forward.axes
-        else Shard(p.dim + 1)
-        if isinstance(p, Shard) and p.dim >= dim
-        else p
-        for a, p in enumerate(grad._spec.placements)
-    ]
-    sizes = {s.dim + (s.dim >= dim): s.sizes for s in grad._spec.shardings}
-    order = {s.dim + (s.dim >= dim): s.axes for s in grad._spec.shardings}
-    sizes[dim], order[dim] = forward.sizes, forward.axes
-    spec = ShardTensorSpec.build(
-        grad._spec.mesh, placements, input_sizes, grad.dtype, sizes, order=order
+    if forward is not None:
+        for axis in forward.axes:
+            placements[axis] = Shard(dim)
+        sizes[dim], order[dim] = forward.sizes, forward.axes
+    out_spec = ShardTensorSpec.build(
+        spec.mesh, placements, input_sizes, grad.dtype, sizes, order=order, hints=spec.hints
     )
-    out = grad._local.new_zeros(spec.local_shape())
-    start = spec.local_offsets()[dim]
+    out = grad._local.new_zeros(out_spec.local_shape())
+    start = out_spec.local_offsets()[dim]
     if start <= index < start + out.shape[dim]:
         out.select(dim, index - start).copy_(grad._local)
-    return ShardTensor(out, spec)
+    return ShardTensor(out, out_spec)
 
 
 # ---------------------------------------------------------------------------- flip / roll

@@ -36,24 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
-from shardsci.tensor._ops._common import arg
 from shardsci.tensor._ops._windows import gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._shape_probe import shape_probe
 
 _MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area")
 _SELECTING = ("nearest", "nearest-exact")  # also defined for integer tensors
 _NDIM = {"linear": 3, "bilinear": 4, "bicubic": 4, "trilinear": 5}
-_NAMES = (
-    "input",
-    "size",
-    "scale_factor",
-    "mode",
-    "align_corners",
-    "recompute_scale_factor",
-    "antialias",
-)
-_DEFAULTS = (None, None, None, "nearest", None, None, False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,10 +256,9 @@ def resample(
 # ---------------------------------------------------------------------------- handler
 @register_function_handler(F.interpolate)
 def _interpolate(func, args, kwargs):
-    x, size, scale_factor, mode, align_corners, recompute, antialias = (
-        arg(args, kwargs, i, name, default)
-        for i, (name, default) in enumerate(zip(_NAMES, _DEFAULTS))
-    )
+    a = bind(func, args, kwargs)
+    x, size, scale_factor, mode = a.input, a.size, a.scale_factor, a.mode
+    align_corners, recompute, antialias = a.align_corners, a.recompute_scale_factor, a.antialias
     if not isinstance(x, ShardTensor) or x._spec.partial:
         return NotImplemented
     if mode not in _SELECTING and not x.is_floating_point():
@@ -288,11 +278,48 @@ def _interpolate(func, args, kwargs):
     local, out_sizes, out_ranges = gather_windows(
         x.to_local(), spec, windows, dict.fromkeys(windows, "zeros")
     )
-    for dim, window in windows.items():
-        local = window.apply(local, dim, *out_ranges[dim])
+    if _kernel_reads_alike(mode, windows, local.shape, out_ranges, scales, dtype):
+        local = func(local, None, scale_factor, mode, align_corners, recompute, antialias)
+    else:
+        for dim, window in windows.items():
+            local = window.apply(local, dim, *out_ranges[dim])
     if not windows:
         local = local.clone()
     return from_local_spec(local, output_spec(spec, shape, out_sizes, local.dtype))
+
+
+def _kernel_reads_alike(mode, windows, local_shape, out_ranges, scales, dtype) -> bool:
+    """Whether torch's own kernel, run on the gathered cells with the same scale factors,
+    selects for this rank's outputs the cells the global interpolation does (nearest modes
+    given a scale factor; e.g. 2x upsampling of shards at even offsets): then it runs, forward
+    and backward, instead of the index gathers."""
+    if mode not in _SELECTING or not windows or any(s is None for s in scales):
+        return False
+    spatial = len(local_shape) - 2
+    return all(
+        _local_selection_matches(
+            mode, window, local_shape[dim], *out_ranges[dim], scales[dim - 2], dtype, spatial
+        )
+        for dim, window in windows.items()
+    )
+
+
+@cached("local resampling checks", 1024)
+def _local_selection_matches(
+    mode: str,
+    window: Resample,
+    n_local: int,
+    first: int,
+    stop: int,
+    scale: float,
+    dtype: torch.dtype,
+    spatial: int,
+) -> bool:
+    if stop <= first or int(n_local * scale) != stop - first:
+        return False
+    lo = window.input_range(first, stop, 0)[0]
+    local = resample(mode, n_local, stop - first, scale, False, dtype, spatial)
+    return torch.equal(local.index, window.index[first:stop] - lo)
 
 
 def _output_shape(func, x, size, scale_factor, mode, align_corners, recompute, antialias):
@@ -303,10 +330,13 @@ def _output_shape(func, x, size, scale_factor, mode, align_corners, recompute, a
     torch's meta kernels reject empty ones (its real kernels accept them), and the output
     keeps them as they are."""
     leading = x.shape[:2]
-    probe = torch.empty((*(max(n, 1) for n in leading), *x.shape[2:]), dtype=x.dtype, device="meta")
-    shape = _probed_shape(
-        func, probe, size, scale_factor, mode, align_corners, recompute, antialias
-    )
+    with shape_probe():
+        probe = torch.empty(
+            (*(max(n, 1) for n in leading), *x.shape[2:]), dtype=x.dtype, device="meta"
+        )
+        shape = _probed_shape(
+            func, probe, size, scale_factor, mode, align_corners, recompute, antialias
+        )
     return torch.Size((*leading, *shape[2:]))
 
 

@@ -1,14 +1,24 @@
-"""Losses whose DTensor rules average local means (``Partial("avg")``), wrong for unequal
-shards: here a mean is a sum over the true element count. ``l1_loss`` and friends decompose
-above dispatch into ops that are already right (``abs``, ``mean``)."""
+"""Losses on shards of any size: a mean is a sum over the true element count.
+
+DTensor's rules average local means (``Partial("avg")``), wrong for unequal shards, and have
+no rule at all for huber, smooth-L1, soft-margin and binary cross-entropy losses. Here the
+elementwise terms are computed on the shards (``_elementwise_ops``) and reduced by the sum
+and mean handlers; the backward kernels run on the shards with ``reduction="sum"`` (the
+incoming gradient is one number) and a mean is divided by the global element count.
+``l1_loss`` and friends decompose above dispatch into ops that are already right (``abs``,
+``mean``)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.distributed.tensor import Replicate
 
+from shardsci.tensor._api import ShardTensor, redistribute
 from shardsci.tensor._ops._common import arg
+from shardsci.tensor._ops._elementwise_ops import elementwise
+from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_aten_handler
 
 aten = torch.ops.aten
@@ -38,3 +48,79 @@ def _mse_loss_backward(func, args, kwargs):
 
 def _numel(x: torch.Tensor, target: torch.Tensor) -> int:
     return math.prod(torch.broadcast_shapes(x.shape, target.shape))
+
+
+_ELEMENTWISE_LOSSES = (
+    aten.huber_loss.default,
+    aten.smooth_l1_loss.default,
+    aten.soft_margin_loss.default,
+    aten.binary_cross_entropy.default,
+    aten.binary_cross_entropy_with_logits.default,
+)
+_ELEMENTWISE_LOSS_BACKWARDS = (
+    aten.huber_loss_backward.default,
+    aten.smooth_l1_loss_backward.default,
+    aten.soft_margin_loss_backward.default,
+    aten.binary_cross_entropy_backward.default,
+)
+
+
+@register_aten_handler(*_ELEMENTWISE_LOSSES)
+def _elementwise_loss(func, args, kwargs):
+    args, reduction = _with_reduction(func, args, kwargs, _NONE)
+    terms = elementwise(func, args, {})
+    if terms is NotImplemented or reduction == _NONE:
+        return terms
+    total = aten.sum.default(terms)
+    return total if reduction == _SUM else aten.div.Scalar(total, terms.numel())
+
+
+@register_aten_handler(*_ELEMENTWISE_LOSS_BACKWARDS)
+def _elementwise_loss_backward(func, args, kwargs):
+    reduction = _bound(func, args, kwargs)["reduction"]
+    args, _ = _with_reduction(func, args, kwargs, _NONE if reduction == _NONE else _SUM)
+    grad = elementwise(func, args, {})
+    if grad is NotImplemented or reduction != _MEAN:
+        return grad
+    return aten.div.Scalar(grad, grad.numel())
+
+
+def _bound(func, args: tuple, kwargs: dict) -> dict[str, object]:
+    """Every argument of ``func`` by name, defaults filled in."""
+    bound = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        elif not a.kwarg_only:
+            bound[a.name] = a.default_value
+    return bound
+
+
+def _with_reduction(func, args: tuple, kwargs: dict, reduction: int) -> tuple[tuple, int]:
+    """All positional arguments with ``reduction`` replaced, and the one it replaced."""
+    bound = _bound(func, args, kwargs)
+    given = bound["reduction"]
+    bound["reduction"] = reduction
+    return tuple(bound.values()), given
+
+
+@register_aten_handler(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_loss_forward(func, args, kwargs):
+    """A mean over shards of any size: the sum of the picked log-probabilities and the total
+    weight, each summed over the shards, then divided (DTensor averages local means)."""
+    bound = _bound(func, args, kwargs)
+    x = bound["self"]
+    if bound["reduction"] != _MEAN or not isinstance(x, ShardTensor) or not x._spec.shardings:
+        return NotImplemented
+    summed, total_weight = func(*_with_reduction(func, args, kwargs, _SUM)[0])
+    total_weight = _replicated(total_weight)
+    return aten.div.Tensor(summed, total_weight), total_weight
+
+
+def _replicated(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, ShardTensor) or not t._spec.partial:
+        return t
+    placements = [Replicate() if p.is_partial() else p for p in t._spec.placements]
+    return redistribute(t, target_spec(t._spec, placements))

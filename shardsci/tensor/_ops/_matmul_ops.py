@@ -26,8 +26,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
-from shardsci.tensor._registry import register_function_handler
-from shardsci.tensor._spec import ShardTensorSpec, merged_hints, replicated_spec
+from shardsci.tensor._ops._common import arg
+from shardsci.tensor._promotion import promote_replicated
+from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._spec import ShardTensorSpec, merged_hints
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,7 @@ def _local_operand(
     if not isinstance(operand, ShardTensor):
         if not operand.requires_grad and not any(c in letters for c in subscript):
             return operand
-        operand = from_local_spec(operand, replicated_spec(operand, mesh))
+        operand = promote_replicated(operand, mesh)
     wanted = {d: letters[c] for d, c in enumerate(subscript) if c in letters}
     if wanted:
         operand = redistribute(operand, _sliced_spec(operand._spec, wanted))
@@ -223,3 +227,15 @@ def _output_spec(
             *(o._spec.hints + o._spec.shardings for o in operands if isinstance(o, ShardTensor))
         ),
     )
+
+
+@register_aten_handler(aten.addbmm.default)
+def _addbmm(func, args, kwargs):
+    """``beta input + alpha sum_b batch1[b] @ batch2[b]``, from ops with rules."""
+    x, batch1, batch2 = args[:3]
+    beta = arg(args, kwargs, 3, "beta", 1)
+    alpha = arg(args, kwargs, 4, "alpha", 1)
+    product = aten.mul.Scalar(aten.sum.dim_IntList(aten.bmm.default(batch1, batch2), [0]), alpha)
+    if beta == 0:  # input ignored, NaN included
+        return aten.add.Tensor(aten.zeros_like.default(x), product)
+    return aten.add.Tensor(aten.mul.Scalar(x, beta), product)

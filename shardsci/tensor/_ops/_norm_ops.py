@@ -68,10 +68,12 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
-from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group, exchange
-from shardsci.tensor._ops._common import sharding_axes
+from shardsci.tensor._caches import cached
+from shardsci.tensor._collectives import AxisGroup, all_gather, all_reduce, axis_group
+from shardsci.tensor._ops._common import replicated_local, sharding_axes
+from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
-from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
+from shardsci.tensor._spec import ShardTensorSpec
 
 _REQUIRED = object()
 
@@ -94,15 +96,17 @@ class _Statistics:
     counts: tuple[int, ...]
 
     @staticmethod
-    def over(spec: ShardTensorSpec, reduced: Sequence[int], scale: int = 1) -> _Statistics:
+    @cached("normalisation statistics", 4096)
+    def over(spec: ShardTensorSpec, reduced: tuple[int, ...], scale: int = 1) -> _Statistics:
         """Rows of ``spec`` reduced over tensor dims ``reduced`` (and ``scale`` more elements
-        per row from a split unsharded dim, GroupNorm's channels of a group)."""
+        per row from a split unsharded dim, GroupNorm's channels of a group); cached per
+        layout."""
         shardings = [s for s in spec.shardings if s.dim in reduced]
         whole = scale * math.prod(spec.shape[d] for d in reduced if d not in spec.sharding_by_dim)
         axes = tuple(sorted(a for s in shardings for a in s.axes))
-        if not axes:
-            return _Statistics(None, (whole,))
-        group = axis_group(spec.mesh, axes)
+        group = axis_group(spec.mesh, axes) if axes else None
+        if group is None or group.size == 1:
+            return _Statistics(None, (whole * math.prod(spec.shape[s.dim] for s in shardings),))
         extents = [spec.mesh_shape[a] for a in axes]
         counts = []
         for flat in range(group.size):
@@ -127,20 +131,10 @@ class _Statistics:
     def moments(self, x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """Mean and biased variance of every row of the global tensor (keepdim)."""
         mean = x.sum(dims, keepdim=True) / max(self.local_count, 1)
-        m2 = (x - mean).square().sum(dims, keepdim=True)
+        m2 = (x - mean).square_().sum(dims, keepdim=True)
         if self.group is None:
             return mean, m2 / self.total
-        local = torch.stack([mean, m2])
-        gathered = torch.stack(
-            exchange(
-                self.group,
-                [local] * self.group.size,
-                lambda src, dst: local.shape,
-                dtype=local.dtype,
-                device=local.device,
-                kind="all_gather",
-            )
-        )
+        gathered = all_gather(torch.stack([mean, m2]), self.group)
         counts = torch.tensor(self.counts, dtype=x.dtype, device=x.device)
         counts = counts.reshape(-1, *[1] * mean.ndim)
         means, m2s = gathered[:, 0], gathered[:, 1]
@@ -151,6 +145,10 @@ class _Statistics:
     def row_sums(self, terms: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
         """Sums over the reduced dims of the global tensor, for stacked ``terms`` (dim 0)."""
         local = terms.sum(tuple(d + 1 for d in dims), keepdim=True)
+        return self.summed(local)
+
+    def summed(self, local: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of every rank's ``local``."""
         return local if self.group is None else all_reduce(local, self.group, "sum")
 
 
@@ -190,22 +188,104 @@ class _Normalize(torch.autograd.Function):
         return grad_x.to(ctx.dtype), None, None, None
 
 
-def _normalized(
-    x: ShardTensor, reduced: tuple[int, ...], eps: float, groups: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Statistics]:
-    """This rank's shard of ``x`` normalised over tensor dims ``reduced`` (with ``groups``,
-    also over the channels of each of that many channel groups), with the row means and
-    biased variances (keepdim, in the layout of the local view) and the statistics."""
+class _ChannelNorm(torch.autograd.Function):
+    """``(x − mean) / sqrt(var + eps) · w + b`` with per-channel ``w``, ``b``, on ``x`` viewed
+    as ``(N, G, C/G, S)`` (channel groups, flattened spatial dims), statistics over ``reduced``
+    of every shard. Also returns the mean and the biased variance (keepdim, not
+    differentiable).
+
+    Fused (NOTE [Normalisation statistics across shards]): forward reads ``x`` twice (moments,
+    then ``x · scale + shift`` with per-row, per-channel coefficients), backward three times
+    (the per-channel sums ``Σ g`` and ``Σ g x``, then ``g α + x β + γ``), instead of a pass per
+    elementwise op; the parameters' gradients are the local parts of those sums.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        reduced: tuple[int, ...],
+        stats: _Statistics,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        mean, var = stats.moments(wide, reduced)
+        inverse_std = torch.rsqrt(var + eps)
+        scale = inverse_std if weight is None else inverse_std * weight[:, :, None]
+        shift = -mean * scale
+        if bias is not None:
+            shift = shift + bias[:, :, None]
+        out_dtype = x.dtype
+        for p in (weight, bias):
+            out_dtype = out_dtype if p is None else torch.promote_types(out_dtype, p.dtype)
+        ctx.save_for_backward(x, mean, inverse_std, weight)
+        ctx.reduced, ctx.stats, ctx.has_bias = reduced, stats, bias is not None
+        ctx.mark_non_differentiable(mean, var)
+        return torch.addcmul(shift, wide, scale).to(out_dtype), mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, mean, inverse_std, weight = ctx.saved_tensors
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        grad = grad.to(wide.dtype)
+        sum_g = grad.sum(3)
+        sum_gx = torch.linalg.vecdot(grad, wide, dim=3)
+        mean3, inverse_std3 = mean[..., 0], inverse_std[..., 0]
+        sum_g_normalized = inverse_std3 * (sum_gx - mean3 * sum_g)
+        w = weight.to(wide.dtype) if weight is not None else None
+        weighted = torch.stack(
+            [sum_g, sum_g_normalized] if w is None else [w * sum_g, w * sum_g_normalized]
+        )
+        dims = tuple(d + 1 for d in ctx.reduced if d != 3)
+        sums = ctx.stats.summed(weighted.sum(dims, keepdim=True))[..., None]
+        n = ctx.stats.total
+        alpha = inverse_std if w is None else inverse_std * w[:, :, None]
+        beta = -inverse_std.square() * sums[1] / n
+        gamma = inverse_std * (mean * inverse_std * sums[1] - sums[0]) / n
+        grad_x = torch.addcmul(gamma, grad, alpha).addcmul_(wide, beta)
+        grad_w = sum_g_normalized.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = sum_g.sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x.to(x.dtype), grad_w, grad_b, None, None, None
+
+
+def _channel_normalized(
+    x: ShardTensor,
+    groups: int,
+    reduce_batch: bool,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[ShardTensor, torch.Tensor, torch.Tensor, _Statistics]:
+    """GroupNorm (``groups`` of channels), InstanceNorm (``groups`` = C) or BatchNorm
+    (``groups`` = C, ``reduce_batch``) of ``x`` with per-channel affine parameters; also the
+    row means and biased variances (``(N or 1, groups, 1, 1)``) and the statistics."""
+    spec = x._spec
+    channels = x.shape[1]
+    spatial = _spatial(x)
+    reduced_dims = ((0,) if reduce_batch else ()) + spatial
+    stats = _Statistics.over(spec, reduced_dims, scale=channels // groups)
     local = x.to_local()
-    if groups:
-        stats = _Statistics.over(x._spec, reduced, scale=x.shape[1] // groups)
-        view = local.unflatten(1, (groups, x.shape[1] // groups))
-        dims = (2, *(d + 1 for d in reduced))
-    else:
-        stats = _Statistics.over(x._spec, reduced)
-        view, dims = local, reduced
-    normalized, mean, var = _Normalize.apply(view, dims, stats, eps)
-    return normalized.reshape(local.shape), mean, var, stats
+    view = local.reshape(local.shape[0], groups, channels // groups, math.prod(local.shape[2:]))
+    w = _local_parameter(weight, spec, (1,))
+    b = _local_parameter(bias, spec, (1,))
+    shaped = [None if p is None else p.reshape(groups, channels // groups) for p in (w, b)]
+    reduced = ((0,) if reduce_batch else ()) + (2, 3)
+    out, mean, var = _ChannelNorm.apply(view, *shaped, reduced, stats, eps)
+    result = from_local_spec(out.reshape(local.shape), spec.with_dtype(out.dtype))
+    return result, mean, var, stats
+
+
+def _normalized(
+    x: ShardTensor, reduced: tuple[int, ...], eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Statistics]:
+    """This rank's shard of ``x`` normalised over tensor dims ``reduced``, with the row means
+    and biased variances (keepdim) and the statistics."""
+    stats = _Statistics.over(x._spec, reduced)
+    normalized, mean, var = _Normalize.apply(x.to_local(), reduced, stats, eps)
+    return normalized, mean, var, stats
 
 
 def _with_running_stats(
@@ -240,6 +320,8 @@ def _local_parameter(
     that shard ``dims`` (NOTE [Autograd interaction between torch.Tensor and ShardTensor])."""
     if p is None:
         return None
+    if not any(s.dim in dims for s in spec.shardings):
+        return replicated_local(p, spec.mesh, sharding_axes(spec))
     placements: list[Any] = [Replicate()] * spec.mesh.ndim
     partial = sharding_axes(spec)
     grad_placements: list[Any] = [
@@ -255,7 +337,7 @@ def _local_parameter(
     if isinstance(p, ShardTensor):
         whole = p
     elif p.requires_grad and torch.is_grad_enabled():
-        whole = from_local_spec(p, replicated_spec(p, spec.mesh))
+        whole = promote_replicated(p, spec.mesh)
     else:
         return sliced.narrow(p)
     return redistribute(whole, sliced).to_local(grad_placements=grad_placements)
@@ -363,8 +445,7 @@ def _group_norm(func, args, kwargs):
             f"{[x.shape[0] * channels // groups, groups, *x.shape[2:]]}"
         )
     _check_parameters("group_norm", (channels,), weight=weight, bias=bias)
-    normalized, *_ = _normalized(x, _spatial(x), a["eps"], groups)
-    return _affine(normalized, weight, bias, x, (1,))
+    return _channel_normalized(x, groups, False, weight, bias, a["eps"])[0]
 
 
 # ---------------------------------------------------------------------------- batch norm
@@ -401,11 +482,11 @@ def _batch_norm(func, args, kwargs):
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {list(x.shape)}"
         )
-    normalized, mean, var, stats = _normalized(x, (0, *_spatial(x)), eps)
+    out, mean, var, stats = _channel_normalized(x, x.shape[1], True, weight, bias, eps)
     n = stats.total
     _update_running(running_mean, mean, a["momentum"])
     _update_running(running_var, var * (n / (n - 1)), a["momentum"])
-    return _affine(normalized, weight, bias, x, (1,))
+    return out
 
 
 # ---------------------------------------------------------------------------- instance norm
@@ -445,13 +526,13 @@ def _instance_norm(func, args, kwargs):
         raise ValueError(
             f"Expected more than 1 spatial element when training, got input size {list(x.shape)}"
         )
-    normalized, mean, var, stats = _normalized(x, _spatial(x), eps)
+    out, mean, var, stats = _channel_normalized(x, x.shape[1], False, weight, bias, eps)
     if running_mean is not None or running_var is not None:
         n = stats.total
-        batch = _batch_mean(x, torch.stack([mean, var * (n / (n - 1))]).detach())
+        batch = _batch_mean(x, torch.stack([mean, var * (n / (n - 1))]).flatten(2))
         _update_running(running_mean, batch[0], a["momentum"])
         _update_running(running_var, batch[1], a["momentum"])
-    return _affine(normalized, weight, bias, x, (1,))
+    return out
 
 
 def _batch_mean(x: ShardTensor, per_instance: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._binding import bind
 from shardsci.tensor._halo import pad_locally
-from shardsci.tensor._ops._common import arg, connected_empty
+from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._shape_probe import shape_probe
 
 # The callables __torch_function__ receives: nn.MaxPoolNd and F.max_poolNd arrive as the
 # ``boolean_dispatch`` wrapper (F.max_poolNd) or, with ``return_indices=True``, as
@@ -57,6 +59,16 @@ _ADAPTIVE_MAX_WITH_INDICES = {
     F.adaptive_max_pool2d_with_indices: 2,
     F.adaptive_max_pool3d_with_indices: 3,
     torch.adaptive_max_pool1d: 1,
+}
+# F.max_poolNd and F.adaptive_max_poolNd are ``(*args, **kwargs)`` wrappers: their arguments
+# are bound by the signature of the function they dispatch to.
+_SIGNATURES = {
+    F.max_pool1d: F.max_pool1d_with_indices,
+    F.max_pool2d: F.max_pool2d_with_indices,
+    F.max_pool3d: F.max_pool3d_with_indices,
+    F.adaptive_max_pool1d: F.adaptive_max_pool1d_with_indices,
+    F.adaptive_max_pool2d: F.adaptive_max_pool2d_with_indices,
+    F.adaptive_max_pool3d: F.adaptive_max_pool3d_with_indices,
 }
 _LOCAL_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _LOCAL_AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -89,9 +101,10 @@ def _poolable(x: object) -> bool:
 def _global_output_shape(func: Callable, x: ShardTensor, args: tuple, kwargs: dict) -> list[int]:
     """Run torch's op on a meta tensor of the global shape: it raises torch's error for bad
     arguments on every rank, before any collective, and gives the global output shape."""
-    meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
     rest = {k: v for k, v in kwargs.items() if k != "input"}
-    result = func(meta, *args[1:], **rest)
+    with shape_probe():
+        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        result = func(meta, *args[1:], **rest)
     return list((result[0] if isinstance(result, tuple) else result).shape)
 
 
@@ -114,17 +127,18 @@ def _pooling_windows(
 # ---------------------------------------------------------------------------- max
 @register_function_handler(*_MAX, *_MAX_WITH_INDICES)
 def _max_pool(func, args, kwargs):
-    x = arg(args, kwargs, 0, "input")
+    a = bind(func, args, kwargs, signature=_SIGNATURES.get(func))
+    x = a.input
     if not _poolable(x):
         return NotImplemented
     out_shape = _global_output_shape(func, x, args, kwargs)
     n = _MAX.get(func) or _MAX_WITH_INDICES[func]
-    kernel = _per_dim(arg(args, kwargs, 1, "kernel_size"), n)
-    stride = _stride(arg(args, kwargs, 2, "stride"), kernel)
-    padding = _per_dim(arg(args, kwargs, 3, "padding", 0), n)
-    dilation = _per_dim(arg(args, kwargs, 4, "dilation", 1), n)
-    ceil_mode = bool(arg(args, kwargs, 5, "ceil_mode", False))
-    with_indices = func in _MAX_WITH_INDICES or bool(arg(args, kwargs, 6, "return_indices"))
+    kernel = _per_dim(a.kernel_size, n)
+    stride = _stride(a.stride, kernel)
+    padding = _per_dim(a.padding, n)
+    dilation = _per_dim(a.dilation, n)
+    ceil_mode = bool(a.ceil_mode)
+    with_indices = func in _MAX_WITH_INDICES or bool(a.get("return_indices"))
     windows = _pooling_windows(x, n, kernel, stride, dilation, padding, ceil_mode)
     local_max = _LOCAL_MAX[n]
 
@@ -157,17 +171,18 @@ def _first_in_bounds(
 # ---------------------------------------------------------------------------- avg
 @register_function_handler(*_AVG)
 def _avg_pool(func, args, kwargs):
-    x = arg(args, kwargs, 0, "input")
+    a = bind(func, args, kwargs)
+    x = a.input
     if not _poolable(x):
         return NotImplemented
     out_shape = _global_output_shape(func, x, args, kwargs)
     n = _AVG[func]
-    kernel = _per_dim(arg(args, kwargs, 1, "kernel_size"), n)
-    stride = _stride(arg(args, kwargs, 2, "stride"), kernel)
-    padding = _per_dim(arg(args, kwargs, 3, "padding", 0), n)
-    ceil_mode = bool(arg(args, kwargs, 4, "ceil_mode", False))
-    count_include_pad = bool(arg(args, kwargs, 5, "count_include_pad", True))
-    divisor_override = arg(args, kwargs, 6, "divisor_override")
+    kernel = _per_dim(a.kernel_size, n)
+    stride = _stride(a.stride, kernel)
+    padding = _per_dim(a.padding, n)
+    ceil_mode = bool(a.ceil_mode)
+    count_include_pad = bool(a.count_include_pad)
+    divisor_override = a.get("divisor_override")  # avg_pool1d has none
     windows = _pooling_windows(x, n, kernel, stride, (1,) * n, padding, ceil_mode)
     local_mean = _LOCAL_AVG[n]
     volume = 1
@@ -197,7 +212,10 @@ def _divisors(
     for dim, window in windows.items():
         extent = shape[dim]
         first, stop = out_ranges[dim]
-        starts = torch.arange(first, stop, dtype=torch.int64) * window.stride - window.pad_left
+        starts = (
+            torch.arange(first, stop, dtype=torch.int64, device=like.device) * window.stride
+            - window.pad_left
+        )
         ends = torch.clamp(starts + window.kernel, max=extent + window.pad_right)
         if not count_include_pad:
             starts, ends = starts.clamp(min=0), ends.clamp(max=extent)
@@ -211,7 +229,8 @@ def _divisors(
 # ---------------------------------------------------------------------------- adaptive
 @register_function_handler(*_ADAPTIVE_AVG, *_ADAPTIVE_MAX, *_ADAPTIVE_MAX_WITH_INDICES)
 def _adaptive_pool(func, args, kwargs):
-    x = arg(args, kwargs, 0, "input")
+    a = bind(func, args, kwargs, signature=_SIGNATURES.get(func))
+    x = a.input
     if not _poolable(x):
         return NotImplemented
     out_shape = _global_output_shape(func, x, args, kwargs)
@@ -228,9 +247,7 @@ def _adaptive_pool(func, args, kwargs):
             return local_avg(extended, local_shape[-n:])
 
         return _pool(x, n, windows, out_shape, local_op, 0.0)
-    with_indices = func in _ADAPTIVE_MAX_WITH_INDICES or bool(
-        arg(args, kwargs, 2, "return_indices")
-    )
+    with_indices = func in _ADAPTIVE_MAX_WITH_INDICES or bool(a.get("return_indices"))
     local_max = _LOCAL_ADAPTIVE_MAX[n]
 
     def local_max_op(extended, local_shape, out_ranges):
@@ -307,7 +324,7 @@ def _whole_windows(
         if stop > first:
             missing = (stop - first - 1) * window.stride + window.span - extended.shape[dim]
             if missing > 0:
-                extended = pad_locally(extended, dim, 0, missing, "zeros", fill)
+                extended = pad_locally(extended, dim, 0, missing, fill)
     return extended
 
 

@@ -9,6 +9,11 @@
   in torch; here empty shards contribute the reduction's identity.
 - ``argmax``/``argmin`` over a sharded dim: DTensor gathers the whole tensor; here ranks
   exchange only their best (value, global index) pairs.
+- ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
+  before it shifts the shards, so the result keeps the input's other shardings.
+- ``histc``, ``histogram``: DTensor has no rule; here each rank counts its own elements
+  (over the global range, found by all-reduces of min and max when the call leaves it to the
+  data): the counts are partial sums over the axes that shard the input.
 """
 
 from __future__ import annotations
@@ -16,12 +21,18 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._dispatch import run_with_propagation
-from shardsci.tensor._ops._common import arg, normalized_dims, sharded_among
+from shardsci.tensor._ops._common import (
+    arg,
+    normalized_dims,
+    reduced_now,
+    sharded_among,
+    sharding_axes,
+)
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import ShardTensorSpec
 
@@ -43,7 +54,7 @@ def _mean(func, args, kwargs):
 # ---------------------------------------------------------------------------- var / std
 def _variance_and_mean(x: ShardTensor, dims: tuple[int, ...], correction: float, keepdim: bool):
     count = math.prod(x.shape[d] for d in dims)
-    mean = aten.div.Scalar(aten.sum.dim_IntList(x, list(dims), True), count)
+    mean = reduced_now(aten.div.Scalar(aten.sum.dim_IntList(x, list(dims), True), count))
     centered = aten.sub.Tensor(x, mean)
     if centered.dtype.is_complex:
         centered = aten.abs.default(centered)
@@ -68,16 +79,17 @@ def _var_std(func, args, kwargs):
     if not sharded_among(x._spec, dims):
         return NotImplemented
     variance, _ = _variance_and_mean(x, dims, correction, keepdim)
-    return variance if func is aten.var.correction else aten.sqrt.default(variance)
+    return variance if func is aten.var.correction else aten.sqrt.default(reduced_now(variance))
 
 
 @register_aten_handler(aten.var_mean.correction, aten.std_mean.correction)
 def _var_std_mean(func, args, kwargs):
+    """Composed on every layout: DTensor has no rule for the pair."""
     x, dims, correction, keepdim = _variance_args(func, args, kwargs)
-    if not sharded_among(x._spec, dims):
-        return NotImplemented
     variance, mean = _variance_and_mean(x, dims, correction, keepdim)
-    spread = variance if func is aten.var_mean.correction else aten.sqrt.default(variance)
+    spread = (
+        variance if func is aten.var_mean.correction else aten.sqrt.default(reduced_now(variance))
+    )
     return spread, mean
 
 
@@ -118,6 +130,16 @@ _AMIN = _empty_safe(torch.ops.aten.amin.default, largest_identity=True)
 def _amax_amin(func, args, kwargs):
     local = _AMAX if func is aten.amax.default else _AMIN
     return run_with_propagation(func, args, kwargs, local_impl=local)
+
+
+@register_aten_handler(aten.aminmax.default)
+def _aminmax(func, args, kwargs):
+    """``(amin, amax)`` through their handlers (the local aminmax rejects an empty shard)."""
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim")
+    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
+    dims = [] if dim is None else [dim]
+    return aten.amin.default(x, dims, keepdim), aten.amax.default(x, dims, keepdim)
 
 
 @register_aten_handler(aten.max.default, aten.min.default)
@@ -311,3 +333,85 @@ def _first_best_by_index(values, indices, valid, largest: bool) -> int:
         pool = (clean == best) & valid
     masked = indices.masked_fill(~pool, torch.iinfo(torch.int64).max)
     return int(masked.argmin())
+
+
+# ---------------------------------------------------------------------------- logsumexp
+@register_aten_handler(aten.logsumexp.default)
+def _logsumexp(func, args, kwargs):
+    """``max + log(sum(exp(x - max)))``, the max taken as 0 where it is infinite (as torch)."""
+    x = args[0]
+    dims = normalized_dims(arg(args, kwargs, 1, "dim"), x.ndim)
+    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
+    if not x.dtype.is_floating_point or not sharded_among(x._spec, dims):
+        return NotImplemented
+    peak = reduced_now(aten.amax.default(x, list(dims), True))
+    peak = aten.masked_fill.Scalar(peak, aten.isinf.default(peak), 0)
+    total = aten.sum.dim_IntList(aten.exp.default(aten.sub.Tensor(x, peak)), list(dims), keepdim)
+    if not keepdim:
+        peak = aten.squeeze.dims(peak, list(dims))
+    return aten.add.Tensor(aten.log.default(reduced_now(total)), peak)
+
+
+# ---------------------------------------------------------------------------- histograms
+def _global_range(x: ShardTensor) -> tuple[float, float]:
+    """The smallest and largest element of ``x`` (one all-reduce each)."""
+    low = reduced_now(aten.amin.default(x, [], False))._local.item()
+    high = reduced_now(aten.amax.default(x, [], False))._local.item()
+    return low, high
+
+
+def _counted_per_rank(x: ShardTensor, counts: torch.Tensor) -> ShardTensor:
+    """Counts of this rank's elements: a partial sum over the axes that shard ``x``."""
+    axes = sharding_axes(x._spec)
+    placements = [Partial() if a in axes else Replicate() for a in range(x._spec.mesh.ndim)]
+    return ShardTensor(
+        counts, ShardTensorSpec.build(x._spec.mesh, placements, counts.shape, counts.dtype)
+    )
+
+
+@register_aten_handler(aten.histc.default)
+def _histc(func, args, kwargs):
+    x = args[0]
+    bins = arg(args, kwargs, 1, "bins", 100)
+    low, high = arg(args, kwargs, 2, "min", 0), arg(args, kwargs, 3, "max", 0)
+    if low == high == 0 and x.numel() != 0:  # the data's own range, as torch takes it
+        low, high = _global_range(x)
+    return _counted_per_rank(x, func(x._local, bins, low, high))
+
+
+@register_aten_handler(aten.histogram.bin_ct, aten.histogram.bins_tensor)
+def _histogram(func, args, kwargs):
+    """Each rank counts its elements against the same edges (from the global range when the
+    call gives none); a density needs the global counts, so it is all-reduced first."""
+    x, bins = args[0], arg(args, kwargs, 1, "bins", 100)
+    weight, density = kwargs.get("weight"), bool(kwargs.get("density", False))
+    if isinstance(bins, ShardTensor) and bins._spec.shardings:
+        return NotImplemented
+    bins = bins._local if isinstance(bins, ShardTensor) else bins
+    if isinstance(weight, ShardTensor):
+        if not weight._spec.same_layout(x._spec.with_dtype(weight.dtype)):
+            return NotImplemented
+        weight = weight._local
+    elif weight is not None:
+        weight = x._spec.narrow(weight)
+    local = {"weight": weight}
+    if func is aten.histogram.bin_ct:
+        span = kwargs.get("range")
+        if span is None and x.numel() != 0:
+            span = list(_global_range(x))
+        local["range"] = span
+    counts, edges = func(x._local, bins, **local)
+    counts = _counted_per_rank(x, counts)
+    edges = _replicated(x, edges)
+    if not density:
+        return counts, edges
+    total = reduced_now(counts)._local
+    return _replicated(x, total / (total.sum() * edges._local.diff())), edges
+
+
+def _replicated(x: ShardTensor, value: torch.Tensor) -> ShardTensor:
+    """``value``, the same on every rank, as a replicated ShardTensor on ``x``'s mesh."""
+    mesh = x._spec.mesh
+    return ShardTensor(
+        value, ShardTensorSpec.build(mesh, [Replicate()] * mesh.ndim, value.shape, value.dtype)
+    )

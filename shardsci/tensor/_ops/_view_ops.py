@@ -28,18 +28,18 @@ import math
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor._ops._view_ops import (
+
+from shardsci.tensor._api import ShardTensor, redistribute
+from shardsci.tensor._redistribute import redistribute_local, target_spec
+from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
+from shardsci.tensor._torch_compat import (
     Flatten,
     InputDim,
     Split,
     infer_size,
     view_groups,
 )
-
-from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._redistribute import redistribute_local
-from shardsci.tensor._registry import register_aten_handler
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
 
 aten = torch.ops.aten
 
@@ -173,6 +173,54 @@ def _output_spec(
     return ShardTensorSpec.build(spec.mesh, placements, out_shape, spec.dtype, sizes, order=order)
 
 
+@register_aten_handler(aten.squeeze, aten.squeeze_copy)
+def _squeeze(func, args, kwargs):
+    """Squeeze the dims of global extent 1, named explicitly: on the shards, a bare
+    ``squeeze()`` would also drop a sharded dim whose shard happens to hold one element. A
+    sharded dim of extent 1 lives on one rank: it is replicated (the owner broadcasts its
+    element) before it is squeezed; DTensor refuses to squeeze a sharded dim."""
+    x = args[0]
+    if func._overloadname == "default":
+        dims = range(x.ndim)
+    else:
+        dims = [args[1]] if isinstance(args[1], int) else args[1]
+    squeezed = sorted({d % x.ndim for d in dims if x.ndim and x.shape[d % x.ndim] == 1})
+    if not squeezed:
+        return aten.alias.default(x) if func in _VIEWS else aten.clone.default(x)
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim in squeezed else p for p in x._spec.placements
+    ]
+    if placements != list(x._spec.placements):
+        x = redistribute(x, target_spec(x._spec, placements))
+    elif func._overloadname == "dims" and list(dims) == squeezed:
+        return NotImplemented
+    return func.overloadpacket.dims(x, squeezed)
+
+
+_VIEWS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
+
+
+@register_aten_handler(aten.unbind.int)
+def _unbind(func, args, kwargs):
+    """Along a sharded dim each slice lives on one rank: the dim is replicated first (one
+    all-gather), which DTensor refuses to do."""
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % max(x.ndim, 1)
+    if dim not in x._spec.sharding_by_dim:
+        return NotImplemented
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in x._spec.placements
+    ]
+    return func(redistribute(x, target_spec(x._spec, placements)), dim)
+
+
+@register_aten_handler(aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default)
+def _unsafe_split(func, args, kwargs):
+    """The same as ``split``, which has the rules."""
+    twin = aten.split.Tensor if func is aten.unsafe_split.Tensor else aten.split_with_sizes.default
+    return twin(*args, **kwargs)
+
+
 @register_aten_handler(aten.view_as_real.default, aten.view_as_complex.default)
 def _complex_view(func, args, kwargs):
     """``view_as_real`` / ``view_as_complex`` (``.real``, ``.imag``) keep every dim's sharding:
@@ -182,11 +230,16 @@ def _complex_view(func, args, kwargs):
     to_real = func is aten.view_as_real.default
     if not to_real and spec.ndim - 1 in spec.sharding_by_dim:
         return NotImplemented
-    local = func(x._local)
+    local = x._local
+    if not to_real and not _pairs_adjacent(local.stride(), local.storage_offset()):
+        local = local.contiguous()  # a moved or sliced shard: pairs not adjacent in memory
+    local = func(local)
     if to_real:
         shape, stride = (*spec.shape, 2), (*(2 * s for s in spec.stride), 1)
-    else:
+    elif _pairs_adjacent(spec.stride, 0):
         shape, stride = tuple(spec.shape[:-1]), tuple(s // 2 for s in spec.stride[:-1])
+    else:
+        shape, stride = tuple(spec.shape[:-1]), None
     out_spec = ShardTensorSpec.build(
         spec.mesh,
         spec.placements,
@@ -198,3 +251,8 @@ def _complex_view(func, args, kwargs):
         hints=spec.hints,
     )
     return ShardTensor(local, out_spec)
+
+
+def _pairs_adjacent(stride: tuple[int, ...], offset: int) -> bool:
+    """Whether a view as complex numbers is possible: (real, imaginary) pairs adjacent."""
+    return stride[-1] == 1 and offset % 2 == 0 and all(s % 2 == 0 for s in stride[:-1])

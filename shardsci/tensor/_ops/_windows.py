@@ -21,17 +21,24 @@ from dataclasses import dataclass
 
 import torch
 
-from shardsci.tensor._halo import domain_range, extend_dim, pad_locally, start_extend
+from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._caches import cached
+from shardsci.tensor._halo import Extension, extend, extension, narrowed, start_extend
+from shardsci.tensor._halo_plan import domain_range
 from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, mesh_coordinate
 
 __all__ = [
+    "Halo",
     "TransposedWindow",
     "Window",
     "gather_windows",
+    "gather_windows_of",
     "output_spec",
     "overlapped_windows",
     "owned_sizes",
+    "pad_with_halo",
+    "window_plan",
 ]
 
 
@@ -147,6 +154,39 @@ def owned_sizes(
     return tuple(sizes)
 
 
+@cached("window plans", 4096)
+def window_plan(
+    spec: ShardTensorSpec,
+    windows: tuple[tuple[int, WindowLike], ...],
+    boundary: tuple[tuple[int, str], ...],
+) -> tuple[Extension, dict[int, tuple[int, ...]], dict[int, tuple[int, int]]]:
+    """The extension that gathers, along each windowed dim, the input cells this rank's
+    outputs read; the output shard sizes of sharded dims; this rank's output ranges.
+
+    Cached per layout and windows: nothing of it is recomputed per call.
+    """
+    bounds = dict(boundary)
+    out_sizes: dict[int, tuple[int, ...]] = {}
+    out_ranges: dict[int, tuple[int, int]] = {}
+    requests = []
+    for dim, window in windows:
+        extent = spec.shape[dim]
+        out_extent = window.output_extent(extent)
+        sharding = spec.sharding_by_dim.get(dim)
+        if sharding is None:
+            requests.append((dim, (window.input_range(0, out_extent, extent),), bounds[dim]))
+            out_ranges[dim] = (0, out_extent)
+            continue
+        sizes = owned_sizes(window, sharding, out_extent, spec.hints)
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        ranges = tuple(window.input_range(a, a + n, extent) for a, n in zip(starts, sizes))
+        requests.append((dim, ranges, bounds[dim]))
+        index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+        out_sizes[dim] = sizes
+        out_ranges[dim] = (starts[index], starts[index] + sizes[index])
+    return extension(spec, tuple(requests)), out_sizes, out_ranges
+
+
 def gather_windows(
     local: torch.Tensor,
     spec: ShardTensorSpec,
@@ -174,30 +214,142 @@ def gather_windows(
     out_ranges : dict
         Windowed dim -> this rank's output range ``[first, stop)``.
     """
-    out_sizes: dict[int, tuple[int, ...]] = {}
-    out_ranges: dict[int, tuple[int, int]] = {}
-    real: list[tuple[int, int, int]] = []
-    for dim in sorted(windows):
-        window = windows[dim]
+    ext, out_sizes, out_ranges = window_plan(
+        spec, tuple(sorted(windows.items())), tuple(sorted(boundary.items()))
+    )
+    return extend(local, ext, fill), out_sizes, out_ranges
+
+
+# NOTE [A padded tensor carries the halo its convolution reads]
+# ``nn.ConvNd`` with ``padding_mode`` circular, reflect or replicate pads with ``F.pad`` and
+# convolves the padded tensor with ``padding=0``: two halo exchanges per layer, one for the
+# boundary cells of the edge ranks, one for the faces between neighbours. So ``F.pad`` in these
+# modes gathers, in its one exchange, each rank's own cells widened by the pad widths on both
+# sides along sharded dims (neighbours' faces and boundary cells alike: what a window of that
+# reach reads), returns the padded shard as a view of that buffer and keeps the buffer with the
+# result (``Halo``, in ``ShardTensor._halo``). A windowed op on the padded tensor whose every
+# rank reads within the buffer (``gather_windows_of``) takes its cells from it, exchanging
+# nothing. The buffer is the one the pad filled, so it is used only while the padded tensor is
+# unchanged (its version counter) and under the grad mode it was made in; every rank decides
+# from the layouts alone (and SPMD in-place ops), so all take the same path. The cost: a
+# circular, reflect or replicate pad that no windowed op follows moves the faces for nothing.
+# Under ``overlap_halos()`` the pad gathers only what it needs, and the convolution overlaps
+# the faces' exchange with its interior instead.
+
+
+@dataclass(frozen=True, eq=False)
+class Halo:
+    """This rank's cells around a padded shard (NOTE above).
+
+    Attributes
+    ----------
+    buffer : Tensor
+        The cells, differentiable; the padded shard is a view of it.
+    covers : dict
+        Padded dim -> the range (padded coordinates) every member's buffer spans.
+    origins : dict
+        Padded dim -> the padded coordinate of this rank's first buffer cell.
+    version : int
+        The padded tensor's version counter when it was made (in-place ops on a
+        ShardTensor count there, not on its local tensor).
+    grad_enabled : bool
+        The grad mode it was filled under.
+    """
+
+    buffer: torch.Tensor
+    covers: dict[int, tuple[tuple[int, int], ...]]
+    origins: dict[int, int]
+    version: int
+    grad_enabled: bool
+
+    def cells_for(self, padded: ShardTensor, ext: Extension) -> torch.Tensor | None:
+        """The cells ``ext`` would gather from ``padded`` for this rank, if every rank's lie in
+        its buffer."""
+        if padded._version != self.version or torch.is_grad_enabled() != self.grad_enabled:
+            return None
+        if set(self.covers) - {step.dim for step in ext.steps}:
+            return None
+        cells = self.buffer
+        for step in ext.steps:
+            covered = self.covers.get(step.dim)
+            if covered is None:
+                if not step.plan.moves_nothing():
+                    return None
+                continue
+            wanted = step.plan.ranges
+            if any(
+                hi > lo and not (a <= lo and hi <= b) for (lo, hi), (a, b) in zip(wanted, covered)
+            ):
+                return None
+            lo, hi = wanted[step.me]
+            start = lo - self.origins[step.dim] if hi > lo else 0
+            cells = cells.narrow(step.dim, start, max(hi - lo, 0))
+        return cells
+
+
+@cached("pad plans", 1024)
+def _pad_plan(
+    spec: ShardTensorSpec,
+    windows: tuple[tuple[int, Window], ...],
+    boundary: tuple[tuple[int, str], ...],
+) -> tuple[Extension, dict[int, tuple[int, ...]], tuple[tuple[int, int, int], ...], dict, dict]:
+    """A pad's extension widened by the pad widths along sharded dims (NOTE above); the
+    output shard sizes; where the padded shard lies in the buffer; the ``Halo`` ranges."""
+    bounds = dict(boundary)
+    requests, out_sizes, padded, covers, origins = [], {}, [], {}, {}
+    for dim, window in windows:
         extent = spec.shape[dim]
-        out_extent = window.output_extent(extent)
         sharding = spec.sharding_by_dim.get(dim)
         if sharding is None:
-            lo, hi = window.input_range(0, out_extent, extent)
-            local = pad_locally(local, dim, -lo, hi - extent, boundary[dim], fill)
-            out_ranges[dim] = (0, out_extent)
+            ranges = (window.input_range(0, window.output_extent(extent), extent),)
+            wide, me = ranges, 0
         else:
-            sizes = owned_sizes(window, sharding, out_extent, spec.hints)
+            sizes = owned_sizes(window, sharding, window.output_extent(extent), spec.hints)
             starts = [sum(sizes[:k]) for k in range(len(sizes))]
-            ranges = [window.input_range(a, a + n, extent) for a, n in zip(starts, sizes)]
-            local = extend_dim(local, spec, dim, ranges, boundary[dim], fill, real)
-            index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+            ranges = tuple(window.input_range(a, a + n, extent) for a, n in zip(starts, sizes))
+            offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
+            wide = tuple(
+                (min(lo, o - window.pad_left), max(hi, o + n + window.pad_right)) if n else (lo, hi)
+                for (lo, hi), o, n in zip(ranges, offsets, sharding.sizes)
+            )
             out_sizes[dim] = sizes
-            out_ranges[dim] = (starts[index], starts[index] + sizes[index])
-            lo, hi = ranges[index]
-        if boundary[dim] == "zeros":
-            real.append(domain_range(dim, lo, hi, extent))
-    return local, out_sizes, out_ranges
+            me = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+        requests.append((dim, wide, bounds[dim]))
+        padded.append((dim, ranges[me][0] - wide[me][0], ranges[me][1] - ranges[me][0]))
+        covers[dim] = tuple((lo + window.pad_left, hi + window.pad_left) for lo, hi in wide)
+        origins[dim] = covers[dim][me][0]
+    return extension(spec, tuple(requests)), out_sizes, tuple(padded), covers, origins
+
+
+def pad_with_halo(
+    x: ShardTensor, windows: dict[int, Window], boundary: dict[int, str], shape: Sequence[int]
+) -> ShardTensor:
+    """``F.pad`` of ``x`` along ``windows`` (size-1 windows) to the global ``shape``, carrying
+    the halo a convolution of the padded tensor reads (NOTE above)."""
+    ext, out_sizes, padded, covers, origins = _pad_plan(
+        x._spec, tuple(sorted(windows.items())), tuple(sorted(boundary.items()))
+    )
+    buffer = extend(x.to_local(), ext)
+    local = narrowed(buffer, padded)
+    result = from_local_spec(local, output_spec(x._spec, shape, out_sizes, local.dtype))
+    result._halo = Halo(buffer, covers, origins, result._version, torch.is_grad_enabled())
+    return result
+
+
+def gather_windows_of(
+    x: ShardTensor, windows: dict[int, WindowLike], boundary: dict[int, str], fill: float = 0.0
+) -> tuple[torch.Tensor, dict[int, tuple[int, ...]], dict[int, tuple[int, int]]]:
+    """``gather_windows`` of a ShardTensor, taking the cells from the halo it carries when it
+    holds them (NOTE above)."""
+    spec = x._spec
+    ext, out_sizes, out_ranges = window_plan(
+        spec, tuple(sorted(windows.items())), tuple(sorted(boundary.items()))
+    )
+    if x._halo is not None:
+        cells = x._halo.cells_for(x, ext)
+        if cells is not None:
+            return cells, out_sizes, out_ranges
+    return extend(x.to_local(), ext, fill), out_sizes, out_ranges
 
 
 def output_spec(
@@ -207,6 +359,17 @@ def output_spec(
     dtype: torch.dtype,
 ) -> ShardTensorSpec:
     """``spec`` with a new global shape; windowed dims take ``out_sizes``, others keep theirs."""
+    return _output_spec(spec, tuple(shape), tuple(sorted(out_sizes.items())), dtype)
+
+
+@cached("window output layouts", 4096)
+def _output_spec(
+    spec: ShardTensorSpec,
+    shape: tuple[int, ...],
+    out_sizes: tuple[tuple[int, tuple[int, ...]], ...],
+    dtype: torch.dtype,
+) -> ShardTensorSpec:
+    out_sizes = dict(out_sizes)
     return ShardTensorSpec.build(
         spec.mesh,
         spec.placements,
@@ -238,23 +401,23 @@ def overlapped_windows(
     """
     others = {d: w for d, w in windows.items() if d != dim}
     local, _, out_ranges = gather_windows(local, spec, others, boundary, fill)
-    real = [
-        domain_range(
-            d, *w.input_range(0, w.output_extent(spec.shape[d]), spec.shape[d]), spec.shape[d]
-        )
-        for d, w in others.items()
-        if boundary[d] == "zeros"
-    ]
+    prior_real = []
+    for d, w in others.items():
+        lo, hi = w.input_range(0, w.output_extent(spec.shape[d]), spec.shape[d])
+        _, start, stop = domain_range(d, lo, hi, spec.shape[d])
+        if boundary[d] == "zeros" and (start, stop) != (0, hi - lo):
+            prior_real.append((d, start, stop - start))
     window = windows[dim]
     sharding = spec.sharding_by_dim[dim]
     extent = spec.shape[dim]
     sizes = owned_sizes(window, sharding, window.output_extent(extent), spec.hints)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    ranges = [window.input_range(a, a + n, extent) for a, n in zip(starts, sizes)]
+    ranges = tuple(window.input_range(a, a + n, extent) for a, n in zip(starts, sizes))
     index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
     first, stop = starts[index], starts[index] + sizes[index]
     out_ranges[dim] = (first, stop)
-    shard, finish = start_extend(local, spec, dim, ranges, boundary[dim], fill, real)
+    ext = extension(spec, ((dim, ranges, boundary[dim]),), tuple(prior_real))
+    shard, finish = start_extend(local, ext, fill)
     own = sum(sharding.sizes[:index])
     inner_first = max(first, window.first_inside(own))
     inner_stop = min(stop, window.last_inside(own + sharding.sizes[index]))

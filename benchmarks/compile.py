@@ -1,0 +1,265 @@
+"""Eager against compiled training steps of the zoo's models, at 1 and 2 ranks.
+
+Per model and world size, one training step (forward, a mean-square loss, backward, AdamW) is
+timed three ways side by side (variants interleaved in every round, order alternating, each
+step started from a barrier, a step's time the slowest rank's):
+
+- ``eager``: the model as written (plain tensors at 1 rank, ShardTensors at 2);
+- ``regions``: ``shardsci.compiling.compile_regions(model)``: the modules that compute on each
+  shard alone run compiled by inductor on the local shards (at 1 rank, on plain tensors, it
+  runs the model as written);
+- ``torch_compile``: ``torch.compile(model)``: one compiled graph per frame at 1 rank; at 2
+  ranks ShardTensor ops run eagerly (NOTE [torch.compile and ShardTensor]).
+
+Besides the times: compile time (first steps), compiled frames, graph breaks
+(``torch._dynamo.explain``), compiled regions, recompilations when only the shard sizes change
+(2 ranks: a second layout of the same global problem after the timed steps) and the largest
+difference from the eager result. Run ``python -m benchmarks.compile``; JSON lines on stdout,
+fields in README.md. Compile times are dominated by inductor's C++ compiler on a CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo.testing
+import torch.distributed as dist
+from scipy.spatial import Delaunay
+from torch import nn
+
+from benchmarks._common import emit, rank_pools
+from models import MeshGraphNet, UNet
+from shardsci import Shard, ShardTensor
+from shardsci.compiling import compile_regions, region_summary
+from shardsci.graph import GraphPartition, partition_nodes
+from shardsci.testing import get_mesh, run_on_ranks
+
+VARIANTS = ("eager", "regions", "torch_compile")
+ROUNDS = 5
+WORLD_SIZES = (1, 2)
+RANK_TIMEOUT_S = 3600.0  # inductor compiles C++ for minutes on a busy 2-core machine
+
+
+@dataclass(frozen=True)
+class Case:
+    """A zoo model and its inputs: ``inputs(world, variant)`` gives the arguments of one
+    step on this rank (``variant`` 1 is another split of the same global problem)."""
+
+    describe: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int, int], tuple]
+
+
+# --------------------------------------------------------------------------- the cases
+def _unet_inputs(world: int, variant: int) -> tuple:
+    whole = torch.randn(4, 1, 128, 128, generator=torch.Generator().manual_seed(0))
+    if world == 1:
+        return (whole,)
+    sizes = [(64, 64), (72, 56)][variant]
+    start = sum(sizes[: dist.get_rank()])
+    local = whole[:, :, start : start + sizes[dist.get_rank()]].contiguous()
+    return (ShardTensor.from_local(local, get_mesh((world,)), [Shard(2)], {0: sizes}),)
+
+
+def _mesh_graph(points: int) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.rand(points, 2, generator=torch.Generator().manual_seed(0))
+    triangles = torch.as_tensor(Delaunay(positions.numpy()).simplices)
+    pairs = torch.cat([triangles[:, [0, 1]], triangles[:, [1, 2]], triangles[:, [2, 0]]])
+    pairs = torch.unique(torch.cat([pairs, pairs.flip(1)]), dim=0)
+    return positions, pairs.t().contiguous()
+
+
+def _meshgraphnet_inputs(world: int, variant: int) -> tuple:
+    positions, edge_index = _mesh_graph(2000)
+    generator = torch.Generator().manual_seed(1)
+    nodes = torch.randn(positions.shape[0], 4, 3, generator=generator)
+    edges = torch.randn(edge_index.shape[1], 4, 3, generator=generator)
+    if world == 1:
+        return nodes, edges, edge_index
+    method = ("metis", "rcb")[variant]
+    parts = partition_nodes(edge_index, len(positions), world, method=method, coordinates=positions)
+    partition = GraphPartition.build(edge_index, parts, world)
+    mesh, rank = get_mesh((world,)), dist.get_rank()
+    node_start = sum(partition.node_sizes[:rank])
+    edge_start = sum(partition.edge_sizes[:rank])
+    node_rows = slice(node_start, node_start + partition.node_sizes[rank])
+    edge_rows = slice(edge_start, edge_start + partition.edge_sizes[rank])
+    return (
+        ShardTensor.from_local(
+            nodes[partition.node_order][node_rows].contiguous(),
+            mesh,
+            [Shard(0)],
+            {0: partition.node_sizes},
+        ),
+        ShardTensor.from_local(
+            edges[partition.edge_order][edge_rows].contiguous(),
+            mesh,
+            [Shard(0)],
+            {0: partition.edge_sizes},
+        ),
+        ShardTensor.from_local(
+            partition.edge_index[:, edge_rows].contiguous(),
+            mesh,
+            [Shard(1)],
+            {0: partition.edge_sizes},
+        ),
+    )
+
+
+CASES = {
+    "unet": Case(
+        "UNet(width=16, depth=3, norm_groups=4, circular), input (4, 1, 128, 128)",
+        lambda: UNet(width=16, depth=3, norm_groups=4, padding_mode="circular", residual=True),
+        _unet_inputs,
+    ),
+    "meshgraphnet": Case(
+        "MeshGraphNet(hidden=64, processor_blocks=6), 2000-node Delaunay mesh, batch 4",
+        lambda: MeshGraphNet(node_in=3, edge_in=3, node_out=3, hidden=64, processor_blocks=6),
+        _meshgraphnet_inputs,
+    ),
+}
+
+
+# --------------------------------------------------------------------------- rank bodies
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, ShardTensor) else t
+
+
+class _Variant:
+    """One way of running the case's model, with its own copy and optimiser."""
+
+    def __init__(self, name: str, model: nn.Module) -> None:
+        self.counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+        self.model = copy.deepcopy(model)
+        if name == "regions":
+            compile_regions(self.model, backend=self.counter)
+        self.run = (
+            torch.compile(self.model, backend=self.counter)
+            if name == "torch_compile"
+            else self.model
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, args: tuple) -> torch.Tensor:
+        out = self.run(*args)
+        loss = _whole((out * out).mean())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return _whole(out).detach()
+
+
+def time_variants(case_name: str) -> dict:
+    """Rank body: per variant, compile time, step times, frames, recompilations, agreement."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    world = dist.get_world_size()
+    case = CASES[case_name]
+    model = case.build()
+    args = case.inputs(world, 0)
+    variants = {name: _Variant(name, model) for name in VARIANTS}
+    result: dict = {name: {"step_s": []} for name in VARIANTS}
+    outputs = {}
+    for name, variant in variants.items():
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(2):  # the first call of a region decides whether it is local
+            outputs[name] = variant.step(args)
+        result[name]["first_two_steps_s"] = time.perf_counter() - start
+    order = list(VARIANTS)
+    for _ in range(ROUNDS):
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            variants[name].step(args)
+            result[name]["step_s"].append(time.perf_counter() - start)
+        order.reverse()
+    other = case.inputs(world, 1) if world > 1 else args
+    for name, variant in variants.items():
+        frames = variant.counter.frame_count
+        variant.step(other)
+        result[name]["frames"] = frames
+        result[name]["recompilations_new_shard_sizes"] = variant.counter.frame_count - frames
+        scale = outputs["eager"].abs().max().item()
+        result[name]["max_rel_diff_from_eager"] = (
+            outputs[name] - outputs["eager"]
+        ).abs().max().item() / scale
+    summary = region_summary(variants["regions"].model)
+    result["regions"]["compiled_regions"] = sum(s == "region" for s in summary.values())
+    explained = torch._dynamo.explain(copy.deepcopy(model))(*args)
+    result["torch_compile"]["graphs"] = explained.graph_count
+    result["torch_compile"]["graph_breaks"] = explained.graph_break_count
+    return result
+
+
+# --------------------------------------------------------------------------- reporting
+def report(case_name: str, world: int) -> dict[str, float]:
+    per_rank = run_on_ranks(world, time_variants, case_name, timeout_s=RANK_TIMEOUT_S)
+    first = per_rank[0]
+    steps = {
+        name: [max(times) for times in zip(*(r[name]["step_s"] for r in per_rank))]
+        for name in VARIANTS
+    }
+    median = {name: statistics.median(times) for name, times in steps.items()}
+    fields = (
+        {f"{name}_step_s": round(median[name], 4) for name in VARIANTS}
+        | {f"{name}_step_min_s": round(min(steps[name]), 4) for name in VARIANTS}
+        | {
+            f"{name}_first_two_steps_s": round(
+                max(r[name]["first_two_steps_s"] for r in per_rank), 2
+            )
+            for name in VARIANTS
+        }
+    )
+    ratios = {
+        f"ratio_{name}_to_eager": round(median[name] / median["eager"], 3) for name in VARIANTS[1:]
+    }
+    emit(
+        "compile",
+        model=case_name,
+        describe=CASES[case_name].describe,
+        world_size=world,
+        steps_timed=len(steps["eager"]),
+        **fields,
+        **ratios,
+        regions_frames=first["regions"]["frames"],
+        compiled_regions=first["regions"]["compiled_regions"],
+        torch_compile_frames=first["torch_compile"]["frames"],
+        torch_compile_graphs=first["torch_compile"]["graphs"],
+        torch_compile_graph_breaks=first["torch_compile"]["graph_breaks"],
+        recompilations_new_shard_sizes={
+            name: max(r[name]["recompilations_new_shard_sizes"] for r in per_rank)
+            for name in VARIANTS[1:]
+        },
+        max_rel_diff_from_eager={
+            name: max(r[name]["max_rel_diff_from_eager"] for r in per_rank) for name in VARIANTS[1:]
+        },
+    )
+    return {f"{case_name}_{world}_{key}": value for key, value in ratios.items()}
+
+
+def main() -> None:
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    summary: dict[str, object] = {}
+    with rank_pools():
+        for case_name in CASES:
+            for world in WORLD_SIZES:
+                summary.update(report(case_name, world))
+    emit(
+        "summary",
+        **summary,
+        load_average_before=round(load_before, 1),
+        load_average_after=round(os.getloadavg()[0], 1),
+        wall_s=round(time.perf_counter() - started, 1),
+    )
+
+
+if __name__ == "__main__":
+    main()

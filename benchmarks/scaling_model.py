@@ -1,0 +1,261 @@
+"""Weak and strong scaling of a domain-parallel UNet step on 8-512 GPUs, projected with an
+alpha-beta model fed with the communication measured on real runs.
+
+Measured here (real gloo ranks, ``comm_counter`` and a count of the point-to-point messages
+``batch_isend_irecv`` posts): one training step of ``UNet(width=32, depth=3,
+padding_mode="circular")``, batch 1, on a 3x3 block decomposition (every rank has two
+neighbours along each axis, as on any larger mesh), per rank: halo exchanges, their messages
+and bytes; statistics all-gathers and all-reduces; the gradient all-reduce's bytes. Halo bytes
+are faces, proportional to the tile's edge, so they are measured at one tile size and scaled.
+The step's convolution FLOPs come from ``torch.utils.flop_counter`` on the plain model.
+
+Projected: 8 GPUs per node, 2-D blocks over (H, W); a step costs
+``compute + halos + statistics + exposed gradient reduction``:
+- compute: FLOPs / ``sustained_flops`` (an assumption, stated below);
+- halos: every exchange is on the critical path (forward and backward), each costs one
+  message latency plus its bytes over the per-GPU link (NVLink inside one node; from 16 GPUs on,
+  some neighbour of every block is on another node, so InfiniBand);
+- statistics all-gathers (ring) and all-reduces (the cheaper of ring and tree), and the
+  gradient all-reduce's last bucket (the others overlap backward), all with NCCL's own
+  latency model (``src/graph/tuning.cc``: base latency plus a per-step latency of the link).
+
+Parameters and their sources are emitted in the ``parameters`` record. Run
+``python -m benchmarks.scaling_model`` (≈1 min: the measurement uses 9 ranks on small tiles).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks._common import emit, on_ranks, rank_pools
+from models import UNet
+from shardsci import Shard, ShardTensor, comm_counter, distribute_tensor
+from shardsci.parallel import domain_parallel
+from shardsci.testing import get_mesh
+
+MEASURED_TILE = 32  # H and W per rank in the 3x3 measurement
+GPUS = (8, 16, 32, 64, 128, 256, 512)
+PER_NODE = 8
+WEAK_TILES = (512, 2048)  # H = W per GPU, batch 1
+STRONG_FIELD = 8192  # H = W of the whole field, batch 1
+
+
+@dataclass(frozen=True)
+class Machine:
+    """H100 SXM nodes, 8 GPUs on NVLink 4 / NVSwitch, one 400 Gb/s InfiniBand NIC per GPU."""
+
+    sustained_flops: float = 100e12
+    """Assumed: 20 % of the H100 SXM's 494.7 TFLOP/s dense TF32 (NVIDIA H100 datasheet), for
+    3x3 convolutions of 32-256 channels with normalisation and activations between them."""
+    nvlink_bytes_per_s: float = 370e9
+    """Assumed achievable per GPU and direction: 82 % of NVLink 4's 450 GB/s (900 GB/s
+    bidirectional, NVIDIA H100 datasheet)."""
+    ib_bytes_per_s: float = 45e9
+    """Assumed achievable: 90 % of NDR's 50 GB/s per direction (400 Gb/s ConnectX-7 per GPU,
+    NVIDIA DGX H100 user guide)."""
+    base_latency_s: tuple[float, float] = (3.6e-6, 8.4e-6)
+    """NCCL tuning.cc, ring: base latency of the LL (small messages) and Simple protocols."""
+    nvlink_step_latency_s: tuple[float, float] = (0.47e-6, 3.4e-6)
+    """NCCL tuning.cc, ring: per-step hardware latency over NVLink, LL and Simple."""
+    net_step_latency_s: tuple[float, float] = (2.7e-6, 9.6e-6)
+    """NCCL tuning.cc, ring: per-step hardware latency over the network, LL and Simple."""
+    tree_latency_s: tuple[float, float, float] = (4.4e-6, 0.52e-6, 5.0e-6)
+    """NCCL tuning.cc, tree LL: base, per NVLink hop, per network hop."""
+    ll_bandwidth_fraction: float = 0.25
+    """NCCL tuning.cc: the LL protocol moves a quarter of the Simple protocol's bandwidth."""
+
+
+# --------------------------------------------------------------------------- measurement
+def measure_block(tile: int) -> dict:
+    """Rank body (9 ranks): one step on a 3x3 block of ``tile x tile`` shards; this rank's
+    calls and bytes by kind, and its point-to-point messages."""
+    mesh = get_mesh((1, 3, 3), ("dp", "h", "w"))
+    torch.manual_seed(0)
+    model = domain_parallel(
+        UNet(width=32, depth=3, padding_mode="circular"),
+        mesh,
+        dp_axis="dp",
+        domain_axes=["h", "w"],
+    )
+    size = 3 * tile
+    layout = {0: (tile,) * 3, 1: (tile,) * 3}
+    x, y = (
+        distribute_tensor(
+            torch.randn(1, 1, size, size), mesh[("h", "w")], [Shard(2), Shard(3)], layout
+        )
+        for _ in range(2)
+    )
+    messages = [0]
+    original = dist.batch_isend_irecv
+
+    def counting(ops):
+        messages[0] += sum(op.op is dist.isend for op in ops)
+        return original(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        with comm_counter() as stats:
+            loss = F.mse_loss(model(x), y)
+            loss = loss.full_tensor() if isinstance(loss, ShardTensor) else loss
+            loss.backward()
+    finally:
+        dist.batch_isend_irecv = original
+    return {**stats.as_dict(), "halo_messages": messages[0]}
+
+
+def flops_per_pixel() -> float:
+    """Convolution FLOPs of one training step per pixel of the field (batch 1)."""
+    model = UNet(width=32, depth=3, padding_mode="circular")
+    size = 64
+    x, y = torch.randn(1, 1, size, size), torch.randn(1, 1, size, size)
+    with FlopCounterMode(display=False) as counter:
+        F.mse_loss(model(x), y).backward()
+    return counter.get_total_flops() / size**2
+
+
+# --------------------------------------------------------------------------- model
+def _ring(machine: Machine, steps: int, inter_steps: int, nbytes: float, busbw: float) -> float:
+    """NCCL's ring time for ``steps`` steps of which ``inter_steps`` cross nodes, moving
+    ``nbytes`` per link: the cheaper of the LL (small messages) and Simple protocols."""
+    times = []
+    for p, base in enumerate(machine.base_latency_s):
+        latency = base + (steps - inter_steps) * machine.nvlink_step_latency_s[p]
+        latency += inter_steps * machine.net_step_latency_s[p]
+        bw = busbw * (machine.ll_bandwidth_fraction if p == 0 else 1.0)
+        times.append(latency + nbytes / bw)
+    return min(times)
+
+
+def _bus_bandwidth(machine: Machine, nodes: int) -> float:
+    return machine.nvlink_bytes_per_s if nodes == 1 else machine.ib_bytes_per_s
+
+
+def all_reduce_s(machine: Machine, ranks: int, nbytes: float) -> float:
+    """The cheaper of ring (``2 (P - 1)`` steps, ``2 (P - 1) / P`` of the bytes per link) and
+    tree (``2 (hops in node + log2 nodes)`` latencies, twice the bytes), LL or Simple."""
+    nodes = max(1, ranks // PER_NODE)
+    bw = _bus_bandwidth(machine, nodes)
+    ring = _ring(machine, 2 * (ranks - 1), 2 * (nodes - 1), nbytes * 2 * (ranks - 1) / ranks, bw)
+    base, hop, net = machine.tree_latency_s
+    tree = base + 2 * ((min(ranks, PER_NODE) - 1) * hop + math.log2(nodes) * net)
+    tree += 2 * nbytes / (bw * machine.ll_bandwidth_fraction)
+    return min(ring, tree)
+
+
+def all_gather_s(machine: Machine, ranks: int, piece_bytes: float) -> float:
+    """Ring all-gather (NCCL's only algorithm for it here): ``P - 1`` steps."""
+    nodes = max(1, ranks // PER_NODE)
+    bw = _bus_bandwidth(machine, nodes)
+    return _ring(machine, ranks - 1, nodes - 1, piece_bytes * (ranks - 1), bw)
+
+
+def halo_s(machine: Machine, ranks: int, exchanges: float, nbytes: float) -> float:
+    """Every exchange waits for its slowest message: NVLink on one node, else InfiniBand."""
+    nodes = max(1, ranks // PER_NODE)
+    step = machine.nvlink_step_latency_s[0] if nodes == 1 else machine.net_step_latency_s[0]
+    latency = machine.base_latency_s[0] + step
+    return exchanges * latency + nbytes / _bus_bandwidth(machine, nodes)
+
+
+def step_s(machine: Machine, measured: dict, flops: float, ranks: int, tile: float) -> dict:
+    """Seconds per step of each part on ``ranks`` GPUs with ``tile x tile`` pixels each, and
+    the total if the statistics were combined by all-reduces instead."""
+    calls, received = measured["calls"], measured["received"]
+    halo_bytes = received.get("halo", 0) * tile / MEASURED_TILE
+    # Measured on 9 ranks: an all-gather receives 8 pieces; an all-reduce is recorded at its
+    # ring cost, 2 (9 - 1) / 9 of its buffer.
+    gather_piece = received.get("all_gather", 0) / max(calls.get("all_gather", 1), 1) / 8
+    reduce_bytes = received.get("all_reduce", 0) / max(calls.get("all_reduce", 1), 1) * 9 / 16
+    gradient_bytes = measured["gradient_bytes"]
+    parts = {
+        "compute": flops * tile * tile / machine.sustained_flops,
+        "halo": halo_s(machine, ranks, calls.get("halo", 0), halo_bytes),
+        "statistics": calls.get("all_gather", 0) * all_gather_s(machine, ranks, gather_piece)
+        + calls.get("all_reduce", 0) * all_reduce_s(machine, ranks, reduce_bytes),
+        "gradients": all_reduce_s(machine, ranks, gradient_bytes),
+    }
+    parts["total"] = sum(parts.values())
+    # The alternative NOTE [Normalisation statistics across shards] weighs: two all-reduces
+    # (the sum, then the squared deviations) in place of each statistics all-gather.
+    alternative = 2 * calls.get("all_gather", 0) * all_reduce_s(machine, ranks, gather_piece)
+    parts["total_statistics_by_all_reduce"] = (
+        parts["total"] - calls.get("all_gather", 0) * all_gather_s(machine, ranks, gather_piece)
+    ) + alternative
+    return parts
+
+
+def _grid(ranks: int) -> tuple[int, int]:
+    rows = 2 ** math.ceil(math.log2(ranks) / 2)
+    return rows, ranks // rows
+
+
+def project(measured: dict, flops: float, machine: Machine) -> dict[str, float]:
+    """Emit ``weak`` and ``strong`` records; return the efficiencies at 512 GPUs."""
+    summary = {}
+    for tile in WEAK_TILES:
+        base = step_s(machine, measured, flops, 1, tile)["compute"]
+        for ranks in GPUS:
+            parts = step_s(machine, measured, flops, ranks, tile)
+            efficiency = base / parts["total"]
+            emit(
+                "weak",
+                gpus=ranks,
+                tile=tile,
+                field=[tile * n for n in _grid(ranks)],
+                step_ms={k: round(v * 1e3, 3) for k, v in parts.items()},
+                efficiency=round(efficiency, 3),
+                efficiency_statistics_by_all_reduce=round(
+                    base / parts["total_statistics_by_all_reduce"], 3
+                ),
+            )
+        summary[f"weak_{tile}_efficiency_512"] = round(efficiency, 3)
+    first = None
+    for ranks in GPUS:
+        rows, cols = _grid(ranks)
+        tile = math.sqrt((STRONG_FIELD / rows) * (STRONG_FIELD / cols))
+        parts = step_s(machine, measured, flops, ranks, tile)
+        first = first or (ranks, parts["total"])
+        efficiency = first[0] * first[1] / (ranks * parts["total"])
+        emit(
+            "strong",
+            gpus=ranks,
+            field=STRONG_FIELD,
+            tile=[STRONG_FIELD // rows, STRONG_FIELD // cols],
+            step_ms={k: round(v * 1e3, 3) for k, v in parts.items()},
+            speedup_vs_8=round(first[1] / parts["total"], 2),
+            efficiency_vs_8=round(efficiency, 3),
+        )
+    summary["strong_efficiency_512_vs_8"] = round(efficiency, 3)
+    return summary
+
+
+def main() -> None:
+    start = time.perf_counter()
+    with rank_pools():
+        per_rank = on_ranks(9, measure_block, MEASURED_TILE)
+    worst = max(per_rank, key=lambda r: sum(r["received"].values()))
+    measured = {
+        "calls": worst["calls"],
+        "received": worst["received"],
+        "halo_messages": worst["halo_messages"],
+        "gradient_bytes": sum(
+            p.numel() * 4 for p in UNet(width=32, depth=3, padding_mode="circular").parameters()
+        ),
+    }
+    flops = flops_per_pixel()
+    machine = Machine()
+    emit("measured", tile=MEASURED_TILE, mesh="3x3", **measured, flops_per_pixel=flops)
+    emit("parameters", **asdict(machine), gpus_per_node=PER_NODE)
+    summary = project(measured, flops, machine)
+    emit("summary", **summary, wall_s=round(time.perf_counter() - start, 1))
+
+
+if __name__ == "__main__":
+    main()

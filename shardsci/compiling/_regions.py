@@ -1,0 +1,286 @@
+"""Compiled local regions: ``torch.compile`` on the modules that compute on each shard alone.
+
+# NOTE [Compiled local regions]
+A module that, for the layout of its inputs, computes every output cell from the same cells
+of its inputs (Linear layers and MLPs over unsharded features, activations, 1x1
+convolutions, norms over unsharded dims) gives, run on a rank's shards, exactly that rank's
+shard of its result. ``compile_regions`` runs such modules as compiled functions of the local
+shards: the compiler sees plain tensors only, ShardTensor dispatch stays outside compiled code,
+communication happens between regions, at op boundaries, in eager code, and the sharded dims
+are dynamic, so other shard sizes (37/27 -> 32/32, another partition's node counts) reuse the
+compiled code.
+
+Which modules are local is found, not declared: the first call of a module on a layout runs
+it eagerly under taps (NOTE [Taps on record_comm and redistribute_local]); it is local when
+no collective moved a byte on any rank, no operand changed layout, and every output keeps the
+inputs' placements and shard extents. The ranks agree with one all-reduce, so they all run
+the same code and issue the same collectives. Parameters enter a region through
+``replicated_local``: their gradients are the sum over the shards, reduced once per call as
+in eager mode. The regions of one module class share one compiled function that takes the
+module as an argument, so instances with equal structure share compiled code: dynamo guards on
+their structure, not their identity.
+
+Under a TorchDispatchMode (a memory tracker, a traffic count, a profiler) regions run eagerly:
+dynamo refuses to trace while one is active, and a mode is there to see every op, which
+compiled code would hide from it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
+from torch.utils._pytree import tree_leaves, tree_map
+
+from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
+from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._ops._common import replicated_local
+from shardsci.tensor._spec import DimSharding, merged_hints
+from shardsci.tensor._taps import tapped
+
+__all__ = ["compile_regions", "region_summary"]
+
+_SMALLEST_DYNAMIC = 2
+"""Compiled code treats a sharded dim as dynamic only from this extent on (dynamo
+specialises extents 0 and 1); layouts with smaller shards run eagerly."""
+
+
+def compile_regions(model: nn.Module, **options: Any) -> nn.Module:
+    """Compile the local regions of ``model`` (NOTE [Compiled local regions]); in place.
+
+    Every module's class is swapped for a subclass whose ``forward`` decides, per layout of
+    its ShardTensor inputs, between its compiled local call and its own forward (as
+    ``fully_shard`` swaps classes); parameters, buffers and ``state_dict`` are unchanged.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any model; on plain tensors every module still runs as before.
+    **options
+        For ``torch.compile`` (``backend``, ``mode``, ...); ``fullgraph`` defaults to True:
+        a local region has no reason to break.
+
+    Returns
+    -------
+    nn.Module
+        ``model``, whose modules now run their local calls compiled.
+    """
+    compiled = _CompiledCalls({"fullgraph": True, **options})
+    for name, module in model.named_modules():
+        if not isinstance(module, _Region):
+            module.__class__ = _region_class(type(module))
+        module._shardsci_region = _RegionState(name, compiled)
+    return model
+
+
+def region_summary(model: nn.Module) -> dict[str, str]:
+    """For a model of ``compile_regions``, each module that met ShardTensors: ``"region"``
+    (it runs compiled), ``"eager"`` (it is not local on a layout it met) or ``"in region"``
+    (an enclosing module runs compiled)."""
+    summary: dict[str, str] = {}
+    for name, module in model.named_modules():
+        state = getattr(module, "_shardsci_region", None)
+        if state is None or not state.local:
+            continue
+        if any(s == "region" and _inside(name, outer) for outer, s in summary.items()):
+            summary[name] = "in region"
+        else:
+            summary[name] = "region" if all(state.local.values()) else "eager"
+    return summary
+
+
+def _inside(name: str, outer: str) -> bool:
+    return outer == "" or name.startswith(outer + ".")
+
+
+class _Region:
+    """Mixed into a module's class by ``compile_regions``."""
+
+    _shardsci_region: _RegionState
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = super().forward  # type: ignore[misc]
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        return self._shardsci_region.call(self, original, args, kwargs)  # type: ignore[arg-type]
+
+
+_REGION_CLASSES: dict[type, type] = {}
+
+
+def _region_class(kind: type) -> type:
+    if kind not in _REGION_CLASSES:
+        _REGION_CLASSES[kind] = type(f"Region{kind.__name__}", (_Region, kind), {})
+    return _REGION_CLASSES[kind]
+
+
+class _CompiledCalls:
+    """One compiled ``functional_call`` per module class (see NOTE [Compiled local regions])."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.by_class: dict[type, Callable] = {}
+
+    def __call__(self, module: nn.Module) -> Callable:
+        kind = type(module)
+        if kind not in self.by_class:
+            # A fresh code object per class: dynamo keeps one cache per code object.
+            code = _call_module.__code__.replace(co_name=f"local_{kind.__name__}")
+            function = types.FunctionType(code, _call_module.__globals__, code.co_name)
+            self.by_class[kind] = torch.compile(function, **self.options)
+        return self.by_class[kind]
+
+
+def _call_module(module: nn.Module, state: dict, args: tuple, kwargs: dict) -> Any:
+    return functional_call(module, state, args, kwargs)
+
+
+@dataclass
+class _RegionState:
+    """Per module: whether it is local on each layout met (by ``_layout_key``)."""
+
+    name: str
+    compiled: _CompiledCalls
+    local: dict[tuple, bool] = field(default_factory=dict)
+
+    def call(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        shards = [t for t in tree_leaves((args, kwargs)) if isinstance(t, ShardTensor)]
+        if not shards:
+            return forward(*args, **kwargs)
+        key = tuple(_layout_key(t._spec) for t in shards)
+        if key not in self.local:
+            out, local = _probe(forward, shards, args, kwargs)
+            self.local[key] = local
+            return out
+        if (
+            not self.local[key]
+            or _has_small_shards(shards[0]._spec)
+            or any_torch_dispatch_mode_on_stack()
+        ):
+            return forward(*args, **kwargs)
+        return self._run_local(module, [t._spec for t in shards], args, kwargs)
+
+    def _run_local(
+        self, module: nn.Module, specs: list[ShardTensorSpec], args: tuple, kwargs: dict
+    ) -> Any:
+        spec = specs[0]
+        # Outputs remember what the inputs remember, as every op's output does (NOTE
+        # [Shard-size hints]): an upsampling after the region finds the sizes to return to.
+        hints = merged_hints(*(s.hints + s.shardings for s in specs))
+        partial_axes = {a for s in spec.shardings for a in s.axes}
+        state = {
+            name: replicated_local(p, spec.mesh, partial_axes)
+            for name, p in module.named_parameters()
+        }
+        state.update(module.named_buffers())
+        local_args, local_kwargs = tree_map(
+            lambda value: _local(value, spec, partial_axes), (args, kwargs)
+        )
+        out = self.compiled(module)(module, state, local_args, local_kwargs)
+        return tree_map(lambda value: _sharded(value, spec, hints), out)
+
+
+# ---------------------------------------------------------------------------- locality
+def _probe(
+    forward: Callable, shards: list[ShardTensor], args: tuple, kwargs: dict
+) -> tuple[Any, bool]:
+    """Run ``forward`` eagerly and find out whether it was local (all ranks agreeing)."""
+    moved = [0]
+
+    def on_comm(original: Callable, kind: str, sent: int, received: int) -> None:
+        original(kind, sent, received)
+        moved[0] += sent + received
+
+    def on_layout_change(original: Callable, local: torch.Tensor, src, dst) -> torch.Tensor:
+        if not src.same_layout(dst):
+            moved[0] += 1
+        return original(local, src, dst)
+
+    with (
+        tapped(_comm_stats.record_comm, on_comm),
+        tapped(_redistribute.redistribute_local, on_layout_change),
+    ):
+        out = forward(*args, **kwargs)
+    spec = shards[0]._spec
+    local = (
+        moved[0] == 0
+        and all(_same_cells(t._spec, spec) for t in shards)
+        and all(_keeps_cells(t, spec) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    )
+    return out, _agreed(local, shards[0])
+
+
+def _layout_key(spec: ShardTensorSpec) -> tuple:
+    """A layout without its shard extents: locality does not depend on them."""
+    return (
+        id(spec.mesh),
+        spec.placements,
+        spec.ndim,
+        spec.dtype,
+        tuple((s.dim, s.axes) for s in spec.shardings),
+    )
+
+
+def _same_cells(spec: ShardTensorSpec, reference: ShardTensorSpec) -> bool:
+    return (
+        spec.mesh == reference.mesh
+        and spec.placements == reference.placements
+        and spec.ndim == reference.ndim
+        and spec.shardings == reference.shardings
+    )
+
+
+def _keeps_cells(out: torch.Tensor, reference: ShardTensorSpec) -> bool:
+    """Whether ``out`` is sharded like the inputs: same placements, dims and extents."""
+    return isinstance(out, ShardTensor) and _same_cells(out._spec, reference)
+
+
+def _agreed(local: bool, like: ShardTensor) -> bool:
+    """``local`` on every rank, or False everywhere (one all-reduce)."""
+    if not dist.is_initialized():
+        return local
+    flag = torch.tensor([int(local)], device=like._local.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _has_small_shards(spec: ShardTensorSpec) -> bool:
+    return any(min(s.sizes) < _SMALLEST_DYNAMIC for s in spec.shardings)
+
+
+# ---------------------------------------------------------------------------- shards
+def _local(value: Any, spec: ShardTensorSpec, partial_axes: set[int]) -> Any:
+    if isinstance(value, ShardTensor):
+        local = value.to_local()
+        for sharding in spec.shardings:
+            torch._dynamo.mark_dynamic(local, sharding.dim)
+        return local
+    if isinstance(value, torch.Tensor):
+        return replicated_local(value, spec.mesh, partial_axes)
+    return value
+
+
+def _sharded(value: Any, spec: ShardTensorSpec, hints: tuple[DimSharding, ...]) -> Any:
+    """A region's local output as its ShardTensor: the inputs' placements and extents."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = list(value.shape)
+    for sharding in spec.shardings:
+        shape[sharding.dim] = spec.shape[sharding.dim]
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        shape,
+        value.dtype,
+        {s.dim: s.sizes for s in spec.shardings},
+        order={s.dim: s.axes for s in spec.shardings},
+        hints=hints,
+    )
+    return from_local_spec(value, out_spec)

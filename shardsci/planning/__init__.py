@@ -1,0 +1,55 @@
+"""Dry runs: what a run on any mesh will hold and move, found on one machine in seconds.
+
+``plan_run(cfg)`` simulates one steady-state training step of a composed run config per rank
+class, on a fake process group with ``meta`` tensors, executing shardsci itself (NOTE [A dry
+run executes the library on one simulated rank at a time]); ``dry_run(cfg)`` is what
+``python train.py ... dry_run=true`` calls: it prints the report, writes ``dry_run.json`` to
+the run directory and returns the exit status. ``measure_step`` watches any step the same
+way on real ranks (how ``tests/test_dry_run.py`` checks the predictions).
+"""
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from shardsci.planning._dry_run import plan_run
+from shardsci.planning._memory import Category, LiveMemory
+from shardsci.planning._plan import (
+    CollectiveFigures,
+    GradientReductionPlan,
+    LayerPlan,
+    MemoryPlan,
+    RankClassPlan,
+    RunPlan,
+)
+from shardsci.planning._report import PLAN_FILE, format_plan, write_plan
+from shardsci.planning._step import StepMeasurement, measure_step, steady_state, training_step
+
+__all__ = [
+    "PLAN_FILE",
+    "Category",
+    "CollectiveFigures",
+    "GradientReductionPlan",
+    "LayerPlan",
+    "LiveMemory",
+    "MemoryPlan",
+    "RankClassPlan",
+    "RunPlan",
+    "StepMeasurement",
+    "dry_run",
+    "format_plan",
+    "measure_step",
+    "plan_run",
+    "steady_state",
+    "training_step",
+    "write_plan",
+]
+
+
+def dry_run(cfg: DictConfig) -> int:
+    """Plan ``cfg``, print the report, write it to the run directory; 0 when no problems."""
+    plan = plan_run(cfg, device_memory_gib=cfg.get("device_memory_gib"))
+    path = write_plan(plan, Path(str(cfg.run_dir)))
+    print(format_plan(plan))
+    print(f"plan written to {path}", flush=True)
+    return 1 if plan.problems else 0

@@ -1,0 +1,281 @@
+"""Plan a run without running it: ``python train.py +recipe=cfd mesh=64x8 dry_run=true``.
+
+The recipe supplies its model and data-free batches (``Recipe.plan``); one steady-state
+training step is simulated per rank class (NOTE [A dry run executes the library on one
+simulated rank at a time]) and watched (NOTE [How a dry run observes the library], NOTE
+[What the memory figures count]). Whatever would stop the run becomes a problem naming what
+and where: a data-parallel split the batch does not allow, a layer that leaves ranks without
+cells, a step that fails, memory over a stated device budget.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from shardsci.distributed import LaunchEnv
+from shardsci.planning._observe import describe_sizes
+from shardsci.planning._plan import (
+    GradientReductionPlan,
+    RankClassPlan,
+    RunPlan,
+    class_plan,
+    layer_plans,
+)
+from shardsci.planning._rank_classes import rank_classes
+from shardsci.planning._step import (
+    StepFailed,
+    StepMeasurement,
+    gradient_reducer,
+    measure_step,
+    steady_state,
+    training_step,
+)
+from shardsci.planning._world import META, simulated_rank
+from shardsci.tensor import ShardTensorSpec
+from shardsci.tensor._spec import DimSharding
+from shardsci.training import (
+    ParallelConfig,
+    ParallelLayout,
+    Recipe,
+    RunContext,
+    TrainConfig,
+    config_from,
+    get_recipe,
+    instantiate,
+    mesh_world_size,
+    parallelize,
+)
+
+__all__ = ["plan_run"]
+
+_GIB = 2**30
+
+
+@dataclass
+class _Simulation:
+    """One simulated rank: its watched step and what only the first simulation provides."""
+
+    measured: StepMeasurement
+    coordinate: list[int]
+    classes: list[list[int]]
+    axes: str
+    dp_size: int
+    model_name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan:
+    """Dry-run the composed run config ``cfg`` (recipe, mesh, model, data, train, optim).
+
+    Parameters
+    ----------
+    device_memory_gib : float, optional
+        Memory of one device; a rank class whose peak exceeds it is a problem.
+
+    Raises
+    ------
+    ValueError
+        If the recipe has no plan or the mesh leaves an axis size to infer.
+    """
+    started, cpu_started = time.perf_counter(), time.process_time()
+    recipe = get_recipe(cfg.recipe)
+    world_size = mesh_world_size(str(cfg.mesh))
+    if world_size is None:
+        raise ValueError(f"a dry run needs every mesh axis size, got mesh={cfg.mesh}")
+    if recipe.plan is None:
+        raise ValueError(f"recipe {recipe.name!r} cannot be dry-run: it registers no plan")
+    train: TrainConfig = OmegaConf.to_object(cfg.train)
+    parallel = config_from(ParallelConfig, cfg.parallel)
+    problems: list[str] = []
+    notes: list[str] = []
+    simulations: list[_Simulation] = []
+    try:
+        first = _simulate(cfg, recipe, 0, world_size, train, parallel)
+        simulations.append(first)
+        for ranks in first.classes[1:]:
+            simulations.append(_simulate(cfg, recipe, ranks[0], world_size, train, parallel))
+    except StepFailed as failure:
+        problems.append(str(failure))
+    if not simulations:
+        return _failed_plan(cfg, recipe, world_size, problems, started, cpu_started)
+    first = simulations[0]
+    classes = [
+        class_plan(ranks, sim.coordinate, sim.measured)
+        for ranks, sim in zip(first.classes, simulations)
+    ]
+    per_replica = _samples_per_replica(train, first.dp_size, problems)
+    problems += _empty_shard_problems(first.measured)
+    if device_memory_gib is not None:
+        problems += _budget_problems(classes, device_memory_gib)
+    if train.precision.value != "fp32":
+        notes.append(
+            f"train.precision={train.precision.value}: the dry run plans activations in "
+            f"float32 (autocast does not act on meta tensors), an upper bound"
+        )
+    return RunPlan(
+        recipe=recipe.name,
+        mesh=str(cfg.mesh),
+        axes=first.axes,
+        world_size=world_size,
+        model=first.model_name,
+        parameters=sum(p.numel() for p in first.model.parameters()),
+        samples_per_replica=per_replica,
+        classes=classes,
+        layers=layer_plans(first.measured.observer),
+        gradient_reduction=_gradient_reduction_plan(first, train),
+        problems=problems,
+        notes=notes,
+        simulated_ranks=len(simulations),
+        wall_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu_started,
+    )
+
+
+def _simulate(
+    cfg: DictConfig,
+    recipe: Recipe,
+    rank: int,
+    world_size: int,
+    train: TrainConfig,
+    parallel: ParallelConfig,
+) -> _Simulation:
+    """Simulate ``rank``'s step: its model, parallelised as the trainer does it (its gradient
+    reducer is this rank's), and its optimiser, in steady state."""
+    with simulated_rank(rank, world_size):
+        layout = ParallelLayout.build(str(cfg.mesh), parallel, device_type="cpu")
+        env = LaunchEnv(rank, world_size, rank, world_size, "dry-run", 0, "single")
+        context = RunContext(env, layout, Path(str(cfg.run_dir)))
+        with torch.device(META):
+            model, task = recipe.load_plan()(cfg, context, META)
+        model_name = type(model).__name__
+        model = parallelize(model, layout, train.parallel)
+        optimizer = instantiate(cfg.optim)(model.parameters())
+        steady_state(model, optimizer)
+        measured = measure_step(
+            model,
+            optimizer,
+            task,
+            lambda: training_step(model, optimizer, task, 1, train, "cpu"),
+            META.type,
+        )
+        specs = [spec for record in measured.observer.layers.values() for spec in record.specs]
+        return _Simulation(
+            measured=measured,
+            coordinate=list(layout.mesh.get_coordinate() or []),
+            classes=rank_classes(layout.mesh, specs) if rank == 0 else [],
+            axes=layout.describe(),
+            dp_size=layout.dp_size,
+            model_name=model_name,
+            model=model,
+            optimizer=optimizer,
+        )
+
+
+# ---------------------------------------------------------------------------- problems
+def _samples_per_replica(train: TrainConfig, dp_size: int, problems: list[str]) -> int:
+    if train.global_batch % dp_size == 0:
+        return train.global_batch // dp_size
+    planned = max(1, train.global_batch // dp_size)
+    problems.append(
+        f"train.global_batch={train.global_batch} does not split over the {dp_size} "
+        f"data-parallel replicas: expected a multiple of {dp_size} (planned with {planned} "
+        f"sample{'s' if planned > 1 else ''} per replica)"
+    )
+    return planned
+
+
+def _empty_shard_problems(measured: StepMeasurement) -> list[str]:
+    """The input, or else the first layer (to finish), whose output leaves ranks without
+    cells."""
+    for spec in measured.batch_specs:
+        for sharding in spec.shardings:
+            if 0 in sharding.sizes:
+                return [f"the input {_cells_text(spec, sharding)}: too many ranks for the field"]
+    offenders = [
+        (record, spec, sharding)
+        for record in measured.observer.layers.values()
+        for spec in record.specs
+        for sharding in spec.shardings
+        if 0 in sharding.sizes
+    ]
+    if not offenders:
+        return []
+    record, spec, sharding = offenders[0]
+    later = len({r.name for r, _, _ in offenders}) - 1
+    return [
+        f"layer {record.name or '(model)'} ({record.kind}) leaves ranks without cells: its "
+        f"output {_cells_text(spec, sharding)}" + (f" (and {later} later layers)" if later else "")
+    ]
+
+
+def _cells_text(spec: ShardTensorSpec, sharding: DimSharding) -> str:
+    names = spec.mesh.mesh_dim_names
+    axes = ", ".join(names[a] if names else str(a) for a in sharding.axes)
+    usable = sum(1 for size in sharding.sizes if size)
+    return (
+        f"{tuple(spec.shape)} has {spec.shape[sharding.dim]} cells in dim {sharding.dim} over "
+        f"{len(sharding.sizes)} ranks of mesh axes ({axes}), split "
+        f"{describe_sizes(sharding.sizes)}, so {sharding.sizes.count(0)} ranks hold none; "
+        f"use at most {usable} ranks there or a larger field"
+    )
+
+
+def _budget_problems(classes: list[RankClassPlan], budget_gib: float) -> list[str]:
+    problems = []
+    for number, plan in enumerate(classes, start=1):
+        if plan.memory.peak > budget_gib * _GIB:
+            problems.append(
+                f"rank class {number} (rank {plan.representative}, {plan.ranks} ranks) needs "
+                f"{plan.memory.peak / _GIB:.2f} GiB at its peak ({plan.memory.peak_at}), over "
+                f"the device budget of {budget_gib:g} GiB"
+            )
+    return problems
+
+
+# ---------------------------------------------------------------------------- gradients
+def _gradient_reduction_plan(first: _Simulation, train: TrainConfig) -> GradientReductionPlan:
+    reducer = gradient_reducer(first.model)
+    group = reducer.reduction.size if reducer is not None else 1
+    return GradientReductionPlan(
+        mode=train.parallel.value,
+        replicas=first.dp_size,
+        ranks=group,
+        gradient_bytes=sum(
+            p.numel() * p.element_size() for p in first.model.parameters() if p.requires_grad
+        ),
+        buckets=len(reducer.buckets) if reducer is not None else 0,
+        bucket_memory=first.measured.grad_buckets,
+    )
+
+
+def _failed_plan(
+    cfg: DictConfig,
+    recipe: Recipe,
+    world_size: int,
+    problems: list[str],
+    started: float,
+    cpu_started: float,
+) -> RunPlan:
+    return RunPlan(
+        recipe=recipe.name,
+        mesh=str(cfg.mesh),
+        axes="",
+        world_size=world_size,
+        model="",
+        parameters=0,
+        samples_per_replica=0,
+        classes=[],
+        layers=[],
+        gradient_reduction=None,
+        problems=problems,
+        notes=[],
+        wall_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu_started,
+    )

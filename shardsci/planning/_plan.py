@@ -1,0 +1,216 @@
+"""The result of a dry run: per rank class, per layer, per step; plain data, JSON-ready."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shardsci.planning._memory import Category
+from shardsci.planning._observe import (
+    OUTSIDE,
+    LayerRecord,
+    StepObserver,
+    describe_sizes,
+)
+from shardsci.planning._step import StepMeasurement
+
+__all__ = [
+    "CollectiveFigures",
+    "GradientReductionPlan",
+    "LayerPlan",
+    "MemoryPlan",
+    "RankClassPlan",
+    "RunPlan",
+    "class_plan",
+    "layer_plans",
+]
+
+
+@dataclass
+class CollectiveFigures:
+    """Collectives of one kind on one rank: calls and bytes (NOTE [What a byte count means])."""
+
+    calls: int = 0
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes of one rank (NOTE [What the memory figures count]).
+
+    ``peak`` is the largest total of live tensor memory during a steady-state step (the
+    previous step's gradients and the optimiser state included); ``peak_activations`` the
+    largest memory of everything the step itself creates but the gradients and the batch.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    grad_buckets: int
+    batch: int
+    peak_activations: int
+    peak: int
+    peak_at: str
+
+
+@dataclass
+class RankClassPlan:
+    """Ranks that do the same work, and what one of them does in a step.
+
+    Attributes
+    ----------
+    ranks : int
+        Number of ranks in the class.
+    representative : int
+        The simulated rank (the class's lowest).
+    members : list of int
+        Every rank of the class, ascending.
+    coordinate : list of int
+        The representative's mesh coordinate.
+    memory : MemoryPlan
+    collectives : dict
+        Kind -> figures, for every collective shardsci issues in the step.
+    local_shapes : dict
+        Layer -> this class's shard of the layer's output.
+    """
+
+    ranks: int
+    representative: int
+    members: list[int]
+    coordinate: list[int]
+    memory: MemoryPlan
+    collectives: dict[str, CollectiveFigures]
+    local_shapes: dict[str, list[int] | None]
+
+
+@dataclass
+class LayerPlan:
+    """One module: its output layout and the communication it causes.
+
+    ``forward``/``backward`` map a collective kind to ``[calls, bytes sent]`` of the
+    representative of the first rank class; ``redistributions`` lists the layer's layout
+    changes, equal ones counted together: ``"backward: source -> target x2, 1.5 KiB sent"``.
+    """
+
+    name: str
+    kind: str
+    shape: list[int] | None
+    placements: str
+    sizes: dict[str, str]
+    forward: dict[str, list[int]] = field(default_factory=dict)
+    backward: dict[str, list[int]] = field(default_factory=dict)
+    redistributions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GradientReductionPlan:
+    """How parameter gradients are reduced (NOTE [Why shardsci reduces gradients itself
+    instead of DDP]): summed over the domain ranks and averaged over the ``replicas``, in
+    ``buckets`` all-reduces per step over the ``ranks`` of the combined group, launched during
+    backward; their calls and bytes are every rank class's ``grad_all_reduce`` collectives.
+    The buckets hold one more copy of the gradients for the whole run (``bucket_memory``, in
+    every class's peak). With ``mode="fsdp2"`` FSDP2 reduce-scatters over dp itself (torch's
+    collectives, not in the counts) and there are no buckets."""
+
+    mode: str
+    replicas: int
+    ranks: int
+    gradient_bytes: int
+    buckets: int
+    bucket_memory: int
+
+
+@dataclass
+class RunPlan:
+    """Everything a dry run found, JSON-ready (``as_dict``)."""
+
+    recipe: str
+    mesh: str
+    axes: str
+    world_size: int
+    model: str
+    parameters: int
+    samples_per_replica: int
+    classes: list[RankClassPlan]
+    layers: list[LayerPlan]
+    gradient_reduction: GradientReductionPlan | None
+    problems: list[str]
+    notes: list[str]
+    simulated_ranks: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasurement) -> RankClassPlan:
+    """The plan of a rank class from the watched step of its representative."""
+    memory = measured.memory
+    layer, phase = memory.peak_where or ("", "")
+    collectives: dict[str, CollectiveFigures] = {}
+    for kind, calls in measured.comm.calls.items():
+        collectives[kind] = CollectiveFigures(
+            calls, measured.comm.sent[kind], measured.comm.received[kind]
+        )
+    return RankClassPlan(
+        ranks=len(ranks),
+        representative=ranks[0],
+        members=ranks,
+        coordinate=coordinate,
+        memory=MemoryPlan(
+            parameters=measured.parameters,
+            gradients=measured.gradients,
+            optimizer=measured.optimizer,
+            grad_buckets=measured.grad_buckets,
+            batch=memory.peak_live[Category.batch],
+            peak_activations=memory.peak_activations,
+            peak=memory.peak,
+            peak_at=f"{phase} of {layer or '(the model)'}",
+        ),
+        collectives=dict(sorted(collectives.items())),
+        local_shapes={
+            name: list(record.local_shape) if record.local_shape is not None else None
+            for name, record in measured.observer.layers.items()
+        },
+    )
+
+
+def layer_plans(observer: StepObserver) -> list[LayerPlan]:
+    """Per layer, in the order of the forward pass."""
+    traffic: dict[tuple[str, str], dict[str, list[int]]] = defaultdict(dict)
+    for event in observer.events:
+        figures = traffic[(event.layer, event.phase)].setdefault(event.kind, [0, 0])
+        figures[0] += 1
+        figures[1] += event.sent
+    grouped: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for move in observer.redistributions:
+        figures = grouped[(move.layer, move.phase, move.source, move.target)]
+        figures[0] += 1
+        figures[1] += move.sent
+    moves: dict[str, list[str]] = defaultdict(list)
+    for (layer, phase, source, target), (count, sent) in grouped.items():
+        moves[layer].append(f"{phase}: {source} -> {target} x{count}, {sent} B sent")
+    records = sorted(observer.layers.values(), key=lambda r: observer.order[r.name])
+    if any(layer == OUTSIDE for layer, _ in traffic) or OUTSIDE in moves:
+        records.append(LayerRecord(OUTSIDE, "loss, optimiser"))
+    return [_layer_plan(record, traffic, moves) for record in records]
+
+
+def _layer_plan(
+    record: LayerRecord,
+    traffic: dict[tuple[str, str], dict[str, list[int]]],
+    moves: dict[str, list[str]],
+) -> LayerPlan:
+    return LayerPlan(
+        name=record.name or "(model)",
+        kind=record.kind,
+        shape=list(record.shape) if record.shape is not None else None,
+        placements=record.placements,
+        sizes={str(dim): describe_sizes(sizes) for dim, sizes in record.sizes.items()},
+        forward=traffic.get((record.name, "forward"), {}),
+        backward=traffic.get((record.name, "backward"), {}),
+        redistributions=moves.get(record.name, []),
+    )

@@ -1,0 +1,217 @@
+"""One training step, watched: its collectives, layers, redistributions and memory.
+
+# NOTE [The dry run runs the trainer's step]
+``training_step`` does what ``Trainer._optimiser_step`` does to tensors (batch, forward under
+autocast, the loss as a plain scalar, zero_grad, backward, gradient clipping, optimiser step)
+without the trainer's bookkeeping (scheduler, logging, the data-parallel mean of the loss),
+which moves no field data (the loss's mean over replicas, torch's collective, is not in
+``comm_counter`` in either). The model it steps is parallelised as the trainer's
+(``parallelize``): its gradient reducer issues the step's ``grad_all_reduce`` buckets.
+``measure_step`` watches any step function the same way, so
+``tests/test_dry_run.py`` measures ``Trainer._optimiser_step`` itself on real ranks and
+compares it with the dry run's prediction: a change to one step that is not made to the
+other fails that test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from shardsci.parallel._reducer import GradientReducer
+from shardsci.planning._memory import Category, LiveMemory
+from shardsci.planning._observe import StepObserver
+from shardsci.tensor import CommStats, ShardTensor, ShardTensorSpec, comm_counter
+from shardsci.training import Task, TrainConfig, autocast
+
+__all__ = ["StepFailed", "StepMeasurement", "measure_step", "steady_state", "training_step"]
+
+
+def training_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    step: int,
+    config: TrainConfig,
+    device_type: str,
+) -> torch.Tensor:
+    """The tensor work of one ``Trainer`` step (NOTE [The dry run runs the trainer's step])."""
+    batch = task.batch(step)
+    with autocast(config.precision, torch.device(device_type)):
+        terms = task.losses(model, batch)
+    loss = sum(_whole(term).float() for term in terms.values())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.grad_clip:
+        nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    return loss
+
+
+def _whole(term: torch.Tensor) -> torch.Tensor:
+    return term.full_tensor() if isinstance(term, ShardTensor) else term
+
+
+def steady_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter a gradient and the optimiser its state, as after one step, without
+    running one: a step's peak includes the previous step's gradients (they live until
+    ``zero_grad``, after the forward pass) and the optimiser state."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+
+
+class StepFailed(RuntimeError):
+    """The watched step raised; the message names the layer and pass it failed in."""
+
+
+@dataclass
+class StepMeasurement:
+    """What one watched step did on this rank.
+
+    Attributes
+    ----------
+    comm : CommStats
+        Every collective shardsci issued (``comm_counter``).
+    observer : StepObserver
+        Layers, collective events and redistributions, by layer and phase.
+    memory : LiveMemory
+        Live tensor memory and its peak (NOTE [What the memory figures count]).
+    parameters, gradients, optimizer : int
+        Bytes of parameters, of their gradients after the step, of the optimiser state.
+    grad_buckets : int
+        Bytes of the gradient reducer's buckets (``domain_parallel``), 0 without one.
+    batch_specs : list of ShardTensorSpec
+        Layouts of the batch's ShardTensors.
+    """
+
+    comm: CommStats
+    observer: StepObserver
+    memory: LiveMemory
+    parameters: int
+    gradients: int
+    optimizer: int
+    grad_buckets: int
+    batch_specs: list[ShardTensorSpec]
+
+
+def measure_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    run: Callable[[], Any],
+    device_type: str,
+) -> StepMeasurement:
+    """Run ``run()`` (one step of ``model`` with ``optimizer`` on ``task``'s batches) watched.
+
+    Parameters, gradients and optimiser state that exist already count from the start; the
+    tensors of ``task.batch`` count as the batch; memory is that of ``device_type``.
+    """
+    observer = StepObserver(model)
+    memory = LiveMemory(device_type, where=observer.location)
+    parameters = [p for p in model.parameters()]
+    memory.add(parameters, Category.parameters)
+    memory.add((p.grad for p in parameters), Category.gradients)
+    memory.add(_optimizer_tensors(optimizer), Category.optimizer)
+    buckets = _bucket_buffers(model)
+    memory.add(buckets, Category.grad_buckets)
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p: memory.add([p.grad], Category.gradients))
+        for p in parameters
+        if p.requires_grad
+    ]
+    hooks += [
+        optimizer.register_step_pre_hook(lambda *_: _set_category(memory, Category.optimizer)),
+        optimizer.register_step_post_hook(lambda *_: _set_category(memory, Category.activations)),
+    ]
+    original_batch = task.batch
+    batch_specs: list[ShardTensorSpec] = []
+
+    def labelled_batch(step: int) -> Any:
+        batch = original_batch(step)
+        tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        memory.add(tensors, Category.batch)
+        batch_specs.extend(t._spec for t in tensors if isinstance(t, ShardTensor))
+        return batch
+
+    task.batch = labelled_batch  # type: ignore[method-assign]
+    reducer = gradient_reducer(model)
+    if reducer is not None:
+        # The reducer writes the step's gradients at the end of backward.
+        write_gradients = reducer._write_gradients
+
+        def labelled_gradients() -> None:
+            previous, memory.category = memory.category, Category.gradients
+            try:
+                write_gradients()
+            finally:
+                memory.category = previous
+
+        reducer._write_gradients = labelled_gradients  # type: ignore[method-assign]
+    try:
+        with observer.watching(), comm_counter() as comm, memory:
+            try:
+                run()
+            except Exception as error:
+                layer, phase = observer.location()
+                summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                raise StepFailed(
+                    f"the step fails in the {phase} pass of layer {layer or '(the model)'}: "
+                    f"{type(error).__name__}: {summary}"
+                ) from error
+    finally:
+        del task.batch
+        if reducer is not None:
+            del reducer._write_gradients
+        for hook in hooks:
+            hook.remove()
+    memory.add(_optimizer_tensors(optimizer), Category.optimizer)
+    return StepMeasurement(
+        comm=comm,
+        observer=observer,
+        memory=memory,
+        parameters=_nbytes(parameters),
+        gradients=_nbytes(p.grad for p in parameters),
+        optimizer=_nbytes(_optimizer_tensors(optimizer)),
+        grad_buckets=_nbytes(buckets),
+        batch_specs=batch_specs,
+    )
+
+
+def gradient_reducer(model: nn.Module) -> GradientReducer | None:
+    """The bucketed gradient reducer of a model of ``domain_parallel``, if it has one."""
+    sink = getattr(model, "_shardsci_sink", None)
+    return sink if isinstance(sink, GradientReducer) else None
+
+
+def _bucket_buffers(model: nn.Module) -> list[torch.Tensor]:
+    reducer = gradient_reducer(model)
+    return [bucket.buffer for bucket in reducer.buckets] if reducer is not None else []
+
+
+def _set_category(memory: LiveMemory, category: Category) -> None:
+    memory.category = category
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
+def _nbytes(tensors: Any) -> int:
+    storages = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            storages[id(storage)] = storage.nbytes()
+    return sum(storages.values())

@@ -1,0 +1,160 @@
+"""Ops that act on some trailing (core) dims and independently along the others, run on the
+shards when only the independent dims are sharded.
+
+Padding as aten ops (``reflection_pad*``, ``replication_pad*``; ``F.pad`` itself has a halo
+handler) and their backward, ``unfold`` along a whole dim, average-pooling backward,
+``im2col``/``col2im`` and pixel (un)shuffle with only the batch sharded, and ``renorm`` along
+the sharded dim: each
+rank computes its block of the output from its shards, with no communication, and the output
+keeps the input's shardings (the independent dims keep their positions). An op whose core
+dims are sharded is computed on gathered inputs (``_gathered_ops``), except ``unfold`` along
+a sharded dim, which gathers only a halo (a handler of its own, below). A rank whose shard is empty does not call the kernel: the output's shape comes from running
+the op on meta tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._ops._common import arg, connected_empty
+from shardsci.tensor._ops._gathered_ops import gathered
+from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
+from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._spec import ShardTensorSpec
+
+aten = torch.ops.aten
+
+# op -> the core dims of its first tensor argument, from (ndim, args, kwargs).
+_CORE: dict[object, Callable[[int, tuple, dict], set[int]]] = {}
+
+
+def _trailing(count: Callable[[tuple, dict], int]) -> Callable[[int, tuple, dict], set[int]]:
+    return lambda ndim, args, kwargs: set(range(ndim - count(args, kwargs), ndim))
+
+
+def _padded(args: tuple, kwargs: dict) -> int:
+    return len(arg(args, kwargs, 1, "padding")) // 2
+
+
+def _padded_backward(args: tuple, kwargs: dict) -> int:
+    return len(arg(args, kwargs, 2, "padding")) // 2
+
+
+for _n in (1, 2, 3):
+    _CORE[getattr(aten, f"reflection_pad{_n}d").default] = _trailing(_padded)
+    _CORE[getattr(aten, f"replication_pad{_n}d").default] = _trailing(_padded)
+    _CORE[getattr(aten, f"reflection_pad{_n}d_backward").default] = _trailing(_padded_backward)
+    _CORE[getattr(aten, f"replication_pad{_n}d_backward").default] = _trailing(_padded_backward)
+_CORE[aten.avg_pool2d_backward.default] = _trailing(lambda args, kwargs: 2)
+_CORE[aten.avg_pool3d_backward.default] = _trailing(lambda args, kwargs: 3)
+_CORE[aten.im2col.default] = lambda ndim, args, kwargs: set(range(ndim - 3, ndim))
+_CORE[aten.col2im.default] = lambda ndim, args, kwargs: set(range(ndim - 2, ndim))
+_CORE[aten.renorm.default] = lambda ndim, args, kwargs: (
+    set(range(ndim)) - {arg(args, kwargs, 2, "dim") % ndim}
+)
+_CORE[aten.pixel_shuffle.default] = _trailing(lambda args, kwargs: 3)
+_CORE[aten.pixel_unshuffle.default] = _trailing(lambda args, kwargs: 3)
+_CORE[aten.unfold.default] = lambda ndim, args, kwargs: {arg(args, kwargs, 1, "dimension") % ndim}
+_CORE[aten.unfold_copy.default] = _CORE[aten.unfold.default]
+
+
+@register_aten_handler(*_CORE)
+def _batched(func, args, kwargs):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    first = tensors[0]
+    if not isinstance(first, ShardTensor):
+        return NotImplemented
+    spec = first._spec
+    core = _CORE[func](first.ndim, args, kwargs)
+    if (
+        spec.partial
+        or any(s.dim in core for s in spec.shardings)
+        or any(not _laid_out_like(t, spec) for t in tensors[1:])
+    ):
+        return gathered(func, args, kwargs)
+    local_args = [a._local if isinstance(a, ShardTensor) else a for a in args]
+    out = _run_local(func, local_args, kwargs)
+    shape = list(out.shape)
+    for s in spec.shardings:
+        shape[s.dim] = spec.shape[s.dim]
+    return ShardTensor(out, _with_shape(spec, shape, out.dtype))
+
+
+def _laid_out_like(t: torch.Tensor, spec: ShardTensorSpec) -> bool:
+    """Another tensor argument is sharded like the first on the same dims (a backward op's
+    gradient and input), or neither is sharded nor has the sharded dims."""
+    if isinstance(t, ShardTensor):
+        return not t._spec.partial and t._spec.shardings == spec.shardings
+    return not spec.shardings
+
+
+def _run_local(func, local_args: list, kwargs: dict) -> torch.Tensor:
+    """The op on the shards; on empty shards only its shape, from meta tensors (kernels such
+    as reflection padding reject empty input)."""
+    if not any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in local_args):
+        return func(*local_args, **kwargs)
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in local_args]
+    out = func(*meta, **kwargs)
+    return torch.zeros(out.shape, dtype=out.dtype, device=local_args[0].device)
+
+
+def _with_shape(spec: ShardTensorSpec, shape: list[int], dtype: torch.dtype) -> ShardTensorSpec:
+    return ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        shape,
+        dtype,
+        {s.dim: s.sizes for s in spec.shardings},
+        order={s.dim: s.axes for s in spec.shardings},
+        hints=spec.hints,
+    )
+
+
+@register_aten_handler(aten.unfold_backward.default)
+def _unfold_backward(func, args, kwargs):
+    """The gradient of an unfold along a whole dim: on the shards, with the input's sizes made
+    this rank's."""
+    grad, input_sizes, dim, size, step = args
+    if not isinstance(grad, ShardTensor) or grad._spec.partial:
+        return NotImplemented
+    spec = grad._spec
+    dim %= len(input_sizes)
+    if dim in spec.sharding_by_dim:
+        return gathered(func, args, kwargs)
+    local_sizes = list(input_sizes)
+    for s in spec.shardings:
+        local_sizes[s.dim] = grad._local.shape[s.dim]
+    out = _run_local(func, [grad._local, local_sizes, dim, size, step], {})
+    return ShardTensor(out, _with_shape(spec, list(input_sizes), out.dtype))
+
+
+@register_function_handler(torch.Tensor.unfold)
+def _unfold_sharded(func, args, kwargs):
+    """``x.unfold(dim, size, step)`` along a sharded dim: each rank gathers the elements its
+    windows reach across the boundary (a halo), as a convolution of kernel ``size`` and stride
+    ``step`` does, and unfolds them; the windows stay sharded along ``dim``."""
+    x = args[0]
+    dim, size, step = (
+        arg(args, kwargs, i + 1, n) for i, n in enumerate(("dimension", "size", "step"))
+    )
+    if not isinstance(x, ShardTensor) or x._spec.partial:
+        return NotImplemented
+    dim %= max(x.ndim, 1)
+    if dim not in x._spec.sharding_by_dim:
+        return NotImplemented
+    spec = x._spec
+    windows = {dim: Window(size, step)}
+    extended, out_sizes, ranges = gather_windows(x.to_local(), spec, windows, {dim: "zeros"})
+    count = ranges[dim][1] - ranges[dim][0]
+    if count:
+        out = extended.unfold(dim, size, step)
+    else:
+        local_shape = [*extended.shape, size]
+        local_shape[dim] = 0
+        out = connected_empty(local_shape, extended, extended)
+    shape = [*x.shape, size]
+    shape[dim] = windows[dim].output_extent(x.shape[dim])
+    return from_local_spec(out, output_spec(spec, shape, out_sizes, out.dtype))

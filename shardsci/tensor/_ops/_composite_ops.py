@@ -1,0 +1,163 @@
+"""Ops that DTensor has no rule for and torch decomposes only through prims (meant for
+tracing, not for running on ShardTensors), composed here from ops that have rules or
+handlers: the ``*_copy`` twins of views, ``rsub``, ``addr``, ``vdot``, ``trace``, ``rot90``,
+``glu`` and its backward, ``count_nonzero``, ``channel_shuffle``, ``norm`` with an optional
+p and ``masked_fill`` with a tensor value.
+
+Each op runs its parts on the ShardTensors, so every part plans its own layout and
+communication (a view of a sharded dim, a reduction's all-reduce) exactly as when a user
+writes the composition; autograd sees the original op and its own backward formula.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardsci.tensor._ops._common import arg, normalized_dims
+from shardsci.tensor._registry import register_aten_handler
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------- copies of views
+_VIEW_OF_COPY = {
+    aten.alias_copy.default: aten.alias.default,
+    aten.diagonal_copy.default: aten.diagonal.default,
+    aten.expand_copy.default: aten.expand.default,
+    aten.narrow_copy.default: aten.narrow.default,
+    aten.permute_copy.default: aten.permute.default,
+    aten.select_copy.int: aten.select.int,
+    aten.slice_copy.Tensor: aten.slice.Tensor,
+    aten.split_copy.Tensor: aten.split.Tensor,
+    aten.split_with_sizes_copy.default: aten.split_with_sizes.default,
+    aten.squeeze_copy.default: aten.squeeze.default,
+    aten.squeeze_copy.dim: aten.squeeze.dim,
+    aten.squeeze_copy.dims: aten.squeeze.dims,
+    aten.t_copy.default: aten.t.default,
+    aten.transpose_copy.int: aten.transpose.int,
+    aten.unbind_copy.int: aten.unbind.int,
+    aten.unfold_copy.default: aten.unfold.default,
+    aten.unsqueeze_copy.default: aten.unsqueeze.default,
+    aten.view_copy.default: aten.view.default,
+}
+
+
+@register_aten_handler(*_VIEW_OF_COPY)
+def _copy_of_view(func, args, kwargs):
+    """``x.op_copy(...)`` is ``x.op(...)`` materialised, contiguous like torch's."""
+    out = _VIEW_OF_COPY[func](*args, **kwargs)
+    if isinstance(out, (list, tuple)):
+        return [_contiguous_copy(o) for o in out]
+    return _contiguous_copy(out)
+
+
+def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    return aten.clone.default(t, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------------------- arithmetic
+@register_aten_handler(aten.rsub.Tensor)
+def _rsub(func, args, kwargs):
+    x, other = args
+    return aten.sub.Tensor(other, x, alpha=kwargs.get("alpha", 1))
+
+
+@register_aten_handler(aten.addr.default)
+def _addr(func, args, kwargs):
+    """``beta * x + alpha * outer(vec1, vec2)``; ``x`` is ignored (NaNs too) when beta is 0."""
+    x, vec1, vec2 = args
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    outer = aten.mul.Tensor(aten.unsqueeze.default(vec1, 1), aten.unsqueeze.default(vec2, 0))
+    if alpha != 1:
+        outer = aten.mul.Scalar(outer, alpha)
+    if beta == 0:
+        return aten.expand.default(outer, list(x.shape)) if outer.shape != x.shape else outer
+    scaled = x if beta == 1 else aten.mul.Scalar(x, beta)
+    return aten.add.Tensor(scaled, outer)
+
+
+@register_aten_handler(aten.vdot.default)
+def _vdot(func, args, kwargs):
+    a, b = args
+    if a.dtype.is_complex:
+        a = aten.conj_physical.default(a)
+    return aten.sum.default(aten.mul.Tensor(a, b))
+
+
+@register_aten_handler(aten.trace.default)
+def _trace(func, args, kwargs):
+    return aten.sum.default(aten.diagonal.default(args[0]))
+
+
+@register_aten_handler(aten.masked_fill.Tensor)
+def _masked_fill_tensor(func, args, kwargs):
+    x, mask, value = args
+    if value.dtype != x.dtype:
+        value = aten._to_copy.default(value, dtype=x.dtype)
+    return aten.where.self(mask, value, x)
+
+
+@register_aten_handler(aten.norm.ScalarOpt_dim)
+def _norm_with_optional_p(func, args, kwargs):
+    x, p, dims = args[0], arg(args, kwargs, 1, "p"), arg(args, kwargs, 2, "dim")
+    keepdim = bool(arg(args, kwargs, 3, "keepdim", False))
+    return aten.linalg_vector_norm.default(x, 2 if p is None else p, dims, keepdim)
+
+
+@register_aten_handler(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
+def _count_nonzero(func, args, kwargs):
+    x = args[0]
+    dims = arg(args, kwargs, 1, "dim")
+    nonzero = aten.ne.Scalar(x, 0)
+    if dims is None or (not isinstance(dims, int) and len(dims) == 0):
+        return aten.sum.default(nonzero, dtype=torch.int64)
+    return aten.sum.dim_IntList(nonzero, list(normalized_dims(dims, x.ndim)), dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------- rearrangements
+@register_aten_handler(aten.rot90.default)
+def _rot90(func, args, kwargs):
+    """torch's own composition: flips and a transpose of the two dims."""
+    x = args[0]
+    k = arg(args, kwargs, 1, "k", 1) % 4
+    first, second = (d % x.ndim for d in arg(args, kwargs, 2, "dims", [0, 1]))
+    if k == 0:
+        return _contiguous_copy(x)
+    if k == 2:
+        return aten.flip.default(x, [first, second])
+    flipped = aten.flip.default(x, [second if k == 1 else first])
+    return _contiguous_copy(aten.transpose.int(flipped, first, second))
+
+
+@register_aten_handler(aten.channel_shuffle.default)
+def _channel_shuffle(func, args, kwargs):
+    x, groups = args[0], arg(args, kwargs, 1, "groups")
+    n, c, *rest = x.shape
+    grouped = aten.view.default(x, [n, groups, c // groups, *rest])
+    return aten.view.default(_contiguous_copy(aten.transpose.int(grouped, 1, 2)), list(x.shape))
+
+
+# ---------------------------------------------------------------------------- glu
+def _halves(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    half = x.shape[dim] // 2
+    return aten.narrow.default(x, dim, 0, half), aten.narrow.default(x, dim, half, half)
+
+
+@register_aten_handler(aten.glu.default)
+def _glu(func, args, kwargs):
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim", -1) % x.ndim
+    a, b = _halves(x, dim)
+    return aten.mul.Tensor(a, aten.sigmoid.default(b))
+
+
+@register_aten_handler(aten.glu_backward.default)
+def _glu_backward(func, args, kwargs):
+    """d/da = g sigmoid(b), d/db = g a sigmoid(b) (1 - sigmoid(b)), side by side along dim."""
+    grad, x, dim = args
+    dim %= x.ndim
+    a, b = _halves(x, dim)
+    gate = aten.sigmoid.default(b)
+    grad_a = aten.mul.Tensor(grad, gate)
+    grad_b = aten.mul.Tensor(aten.mul.Tensor(grad_a, a), aten.add.Scalar(aten.neg.default(gate), 1))
+    return aten.cat.default([grad_a, grad_b], dim)

@@ -1,0 +1,146 @@
+"""Replicated operands (module weights) entering a sharded computation, and where their
+gradients are summed.
+
+# NOTE [Where the gradient of a replicated parameter is summed]
+A plain tensor that requires grad and meets a ShardTensor (a module's weight) enters the
+sharded computation replicated, through ``promote_replicated``; every handler that takes such
+an operand calls it (``__torch_function__``'s generic promotion, ``replicated_local``, the
+norms' and einsum's parameters). The backward of a use hands the promotion this rank's
+contribution, a gradient that is Partial (or Shard, or Replicate) over the mesh axes: the
+weight's gradient is the sum of the contributions over the mesh. It is summed one of two ways.
+
+- **Eager** (the default): the promotion's backward redistributes its contribution to
+  Replicate at once (an all-reduce per use, issued synchronously in backward), so whatever
+  reaches the weight through autograd is complete.
+- **Deferred**: while a *gradient sink* is active and claims the weight
+  (``shardsci.parallel``'s reducer claims the parameters of the model it wraps, during that
+  model's forward), the promotion's backward converts its contribution to a partial sum
+  over the sink's mesh (``partial_contribution``: a local tensor of the weight's shape whose
+  sum over the mesh is the gradient) and hands it to the sink, returning no gradient to
+  autograd. The sink sums contributions of many weights in a few bucketed collectives
+  overlapped with backward, and writes finished gradients.
+
+The rule the deferred mode keeps: **a partial sum never reaches ``.grad``**. Contributions
+travel beside autograd, into the sink's buffers, and the sink writes ``.grad`` only with
+reduced values (NOTE [A reducer's gradients are final or absent] in
+``shardsci/parallel/_reducer.py``). A use the sink cannot finish falls back to eager, decided
+in backward where it is known: a backward that builds a graph (``create_graph=True``: the
+gradient must stay differentiable) and ``torch.autograd.grad`` (its result is captured from
+autograd, never written to ``.grad``); and, in forward, a ShardTensor on another mesh than
+the sink's, a tensor the sink does not own (a weight derived from a parameter, ``w.t()`` or a
+parametrisation: its gradient must flow back through autograd).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate
+
+from shardsci.tensor import _function_dispatch
+from shardsci.tensor._api import ShardTensor, _as_shard_tensor, _FromLocal, grad_spec
+from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._spec import ShardTensorSpec, mesh_coordinate, replicated_spec
+from shardsci.tensor._torch_compat import _will_engine_execute_node
+
+__all__ = ["GradientSink", "gradient_sink", "partial_contribution", "promote_replicated"]
+
+
+class GradientSink(Protocol):
+    """Where deferred gradient contributions go (see the NOTE above)."""
+
+    def claim(self, tensor: torch.Tensor, mesh: DeviceMesh) -> int | None:
+        """The sink's index for ``tensor`` promoted onto ``mesh``, or None (eager)."""
+
+    def accumulator(self, index: int) -> Any:
+        """The autograd ``AccumulateGrad`` node of the tensor at ``index``."""
+
+    def accept(self, index: int, contribution: torch.Tensor) -> None:
+        """Add a partial sum over the sink's mesh to the tensor at ``index``."""
+
+
+_SINK: list[GradientSink | None] = [None]
+
+
+@contextmanager
+def gradient_sink(sink: GradientSink | None) -> Iterator[None]:
+    """Promotions inside the block defer the tensors ``sink`` claims."""
+    previous = _SINK[0]
+    _SINK[0] = sink
+    try:
+        yield
+    finally:
+        _SINK[0] = previous
+
+
+def promote_replicated(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
+    """``tensor``, held whole by every rank, as a replicated ShardTensor on ``mesh``;
+    differentiable, its gradient summed over the mesh (NOTE above)."""
+    spec = replicated_spec(tensor, mesh)
+    sink = _SINK[0]
+    if sink is not None:
+        index = sink.claim(tensor, mesh)
+        if index is not None:
+            return _DeferredPromotion.apply(tensor, spec, sink, index)
+    return _FromLocal.apply(tensor, spec)
+
+
+def partial_contribution(grad: ShardTensor) -> torch.Tensor:
+    """This rank's term of a sum over the mesh that gives ``grad`` whole.
+
+    Partial axes keep the local values; Replicate axes keep them on coordinate 0 only; Shard
+    axes place the local shard at its offset in zeros. Exact: only zeros are added.
+
+    Returns
+    -------
+    Tensor
+        A local tensor of ``grad``'s global shape.
+    """
+    spec = grad._spec
+    coordinate = mesh_coordinate(spec.mesh)
+    for axis, placement in enumerate(spec.placements):
+        if isinstance(placement, Partial) and placement.reduce_op != "sum":
+            raise NotImplementedError(f"a gradient with placement {placement} on axis {axis}")
+        if isinstance(placement, Replicate) and coordinate[axis] != 0:
+            return grad._local.new_zeros(spec.shape)
+    if not spec.shardings:
+        return grad._local
+    whole = grad._local.new_zeros(spec.shape)
+    spec.narrow(whole).copy_(grad._local)
+    return whole
+
+
+def _builds_no_graph_into(accumulator: Any) -> bool:
+    """Whether the running backward accumulates into ``.grad`` through ``accumulator``
+    without building a graph (not ``create_graph``, not ``torch.autograd.grad``)."""
+    if torch.is_grad_enabled():
+        return False
+    try:
+        return _will_engine_execute_node(accumulator)
+    except RuntimeError:  # raised for a leaf's node under torch.autograd.grad
+        return False
+
+
+class _DeferredPromotion(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, tensor: torch.Tensor, spec: ShardTensorSpec, sink: GradientSink, index: int
+    ) -> ShardTensor:
+        ctx.spec, ctx.sink, ctx.index = spec, sink, index
+        return ShardTensor(tensor.view_as(tensor), spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
+        grad = _as_shard_tensor(grad, ctx.spec)
+        if not _builds_no_graph_into(ctx.sink.accumulator(ctx.index)):
+            target = grad_spec(ctx.spec).with_dtype(grad.dtype)
+            return redistribute_local(grad._local, grad._spec, target), None, None, None
+        ctx.sink.accept(ctx.index, partial_contribution(grad))
+        return None, None, None, None
+
+
+_function_dispatch.bind_promotion(ShardTensor, promote_replicated)

@@ -1,0 +1,209 @@
+"""Every private PyTorch symbol shardsci uses, resolved in one place.
+
+# NOTE [Private PyTorch symbols live in _torch_compat]
+shardsci builds on DTensor internals (its spec, sharding propagator and view rules), on
+dispatcher hooks of ``torch._C`` and on test utilities, none of which PyTorch promises to keep.
+Every such symbol is imported from this module, never from torch directly
+(``tests/test_torch_compat.py`` scans the library for private torch imports and attribute
+chains, and smoke-tests each entry of ``PRIVATE_SYMBOLS`` for the attributes and parameters
+shardsci relies on). So a PyTorch upgrade that moves or removes one fails here, at the first
+import of the name, with a ``TorchCompatError`` naming the symbol, what shardsci uses it for,
+the installed torch version and the one shardsci is tested with; the fix goes here too.
+
+Names are resolved lazily (PEP 562 ``__getattr__``): a symbol only the test harness needs
+(``LocalTensorMode``) cannot break ``import shardsci``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PRIVATE_SYMBOLS", "TESTED_TORCH", "PrivateSymbol", "TorchCompatError", "resolve"]
+
+TESTED_TORCH = "2.13.0"
+
+
+class TorchCompatError(ImportError):
+    """A private PyTorch symbol shardsci needs is missing from the installed torch."""
+
+
+@dataclass(frozen=True)
+class PrivateSymbol:
+    """Where a private symbol lives in torch and why shardsci needs it.
+
+    Attributes
+    ----------
+    module : str
+        The torch module to import.
+    path : str
+        Attribute path inside it (dotted); empty for the module itself.
+    why : str
+        What shardsci uses it for, shown when it is missing.
+    """
+
+    module: str
+    path: str
+    why: str
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.module}.{self.path}" if self.path else self.module
+
+
+def _at(location: str, why: str) -> PrivateSymbol:
+    """``"torch.x._y:Name.attr"`` -> a PrivateSymbol (module before the colon)."""
+    module, _, path = location.partition(":")
+    return PrivateSymbol(module, path, why)
+
+
+#: Exported name -> where it comes from. Names keep torch's spelling so that a grep for the
+#: torch symbol finds it here.
+PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
+    # --- DTensor internals: specs, sharding propagation, view rules
+    "DTensorSpec": _at(
+        "torch.distributed.tensor._dtensor_spec:DTensorSpec",
+        "the spec DTensor's sharding rules read and return",
+    ),
+    "ShardOrderEntry": _at(
+        "torch.distributed.tensor._dtensor_spec:ShardOrderEntry",
+        "the order of mesh axes sharding one tensor dim, in a DTensorSpec",
+    ),
+    "TensorMeta": _at(
+        "torch.distributed.tensor._dtensor_spec:TensorMeta",
+        "global shape, stride and dtype in a DTensorSpec",
+    ),
+    "OpSchema": _at(
+        "torch.distributed.tensor._op_schema:OpSchema",
+        "the input of DTensor's sharding propagation",
+    ),
+    "OutputSharding": _at(
+        "torch.distributed.tensor._op_schema:OutputSharding",
+        "the result of DTensor's sharding propagation",
+    ),
+    "RuntimeSchemaInfo": _at(
+        "torch.distributed.tensor._op_schema:RuntimeSchemaInfo",
+        "which op arguments key DTensor's sharding propagation",
+    ),
+    "_StridedShard": _at(
+        "torch.distributed.tensor.placement_types:_StridedShard",
+        "a placement DTensor's rules may return, mapped back to Shard",
+    ),
+    "sharding_propagator": _at(
+        "torch.distributed.tensor:DTensor._op_dispatcher.sharding_propagator",
+        "DTensor's sharding rules, reused for ops without a shardsci handler",
+    ),
+    "dtensor_redistribute": _at(
+        "torch.distributed.tensor._redistribute",
+        "DTensor's redistribution planner caches, cleared by clear_caches()",
+    ),
+    "Flatten": _at(
+        "torch.distributed.tensor._ops._view_ops:Flatten",
+        "a view rule: several input dims become one",
+    ),
+    "InputDim": _at(
+        "torch.distributed.tensor._ops._view_ops:InputDim",
+        "a view rule: an output dim is an input dim",
+    ),
+    "Split": _at(
+        "torch.distributed.tensor._ops._view_ops:Split",
+        "a view rule: one input dim becomes several",
+    ),
+    "infer_size": _at(
+        "torch.distributed.tensor._ops._view_ops:infer_size",
+        "the shape of a view with a -1 size",
+    ),
+    "view_groups": _at(
+        "torch.distributed.tensor._ops._view_ops:view_groups",
+        "how a view regroups input dims into output dims",
+    ),
+    # --- the dispatcher, autograd engine and tensor subclassing
+    "OpOverload": _at("torch._ops:OpOverload", "the type of an aten overload"),
+    "decomposition_table": _at(
+        "torch._decomp:decomposition_table",
+        "running an op without a sharding rule as its aten decomposition",
+    ),
+    "no_dispatch": _at(
+        "torch.utils._mode_utils:no_dispatch", "calling a kernel below every dispatch mode"
+    ),
+    "OpOverloadPacket": _at("torch._ops:OpOverloadPacket", "the type of an aten op's overloads"),
+    "_make_wrapper_subclass": _at(
+        "torch:Tensor._make_wrapper_subclass", "creating a ShardTensor wrapper subclass"
+    ),
+    "_disabled_torch_function_impl": _at(
+        "torch._C:_disabled_torch_function_impl",
+        "calling a torch function below __torch_function__",
+    ),
+    "_dispatch_has_kernel_for_dispatch_key": _at(
+        "torch._C:_dispatch_has_kernel_for_dispatch_key",
+        "whether an op decomposes (CompositeImplicitAutograd) instead of being propagated",
+    ),
+    "DispatchKey": _at("torch._C:DispatchKey", "the dispatch key of composite ops"),
+    "_current_graph_task_id": _at(
+        "torch._C:_current_graph_task_id", "telling one backward pass from the next"
+    ),
+    "_will_engine_execute_node": _at(
+        "torch._C:_will_engine_execute_node",
+        "whether this backward pass reaches a parameter's gradient accumulator",
+    ),
+    "_execution_engine": _at(
+        "torch.autograd:Variable._execution_engine",
+        "queueing a callback at the end of a backward pass",
+    ),
+    "TorchDispatchMode": _at(
+        "torch.utils._python_dispatch:TorchDispatchMode", "counting collectives at the dispatcher"
+    ),
+    "is_traceable_wrapper_subclass_type": _at(
+        "torch.utils._python_dispatch:is_traceable_wrapper_subclass_type",
+        "letting tensor subclasses through a dispatch mode",
+    ),
+    "tree_map": _at("torch.utils._pytree:tree_map", "mapping over nested results"),
+    "_resolve_process_group": _at(
+        "torch.distributed.distributed_c10d:_resolve_process_group",
+        "the process group a functional collective names",
+    ),
+    # --- the test harness
+    "LocalTensorMode": _at(
+        "torch.distributed._local_tensor:LocalTensorMode", "simulated ranks in one process"
+    ),
+    "_map_to_rank_local_val": _at(
+        "torch.distributed._local_tensor:_map_to_rank_local_val",
+        "one simulated rank's value of a result",
+    ),
+    "dtensor_random": _at(
+        "torch.distributed.tensor._random", "resetting DTensor's RNG tracker between runs"
+    ),
+}
+
+
+def resolve(name: str) -> Any:
+    """The torch object exported as ``name``, or a ``TorchCompatError`` that says what is
+    missing and why shardsci needs it."""
+    symbol = PRIVATE_SYMBOLS[name]
+    try:
+        value: Any = importlib.import_module(symbol.module)
+        for part in filter(None, symbol.path.split(".")):
+            value = getattr(value, part)
+    except (ImportError, AttributeError) as error:
+        raise TorchCompatError(
+            f"shardsci needs {symbol.qualified_name} ({symbol.why}), a private PyTorch API that "
+            f"torch {torch.__version__} does not provide ({error}); shardsci is tested with "
+            f"torch {TESTED_TORCH}: install that version, or adapt "
+            "shardsci/tensor/_torch_compat.py"
+        ) from error
+    return value
+
+
+def __getattr__(name: str) -> Any:
+    if name not in PRIVATE_SYMBOLS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = resolve(name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *PRIVATE_SYMBOLS])

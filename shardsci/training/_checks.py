@@ -1,0 +1,166 @@
+"""Everything a composed run config allows to check, checked once before any rank starts.
+
+NOTE [Config errors before any rank starts]
+A mistake that the config already shows (a mesh this machine cannot run, a batch that does not
+split over the replicas, a negative step count, ``launcher=slurm`` without ``-m``, a model
+that cannot take the data's shape, a user's file that is not what the recipe reads) is found
+by ``check_run`` in the launching process: one ``ConfigError`` (NOTE [Errors for people]),
+before a process is forked, a GPU touched or a file written. Under torchrun and srun every rank
+is a launching process and raises the same error. The ranks keep their own checks (they guard
+the library's API), but a run that passes ``check_run`` should not meet them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from shardsci.checkpoint import CheckpointError, resolve_resume
+from shardsci.distributed import LaunchEnv, mesh_axis_sizes
+from shardsci.training._errors import ConfigError
+from shardsci.training._launcher import LauncherKind
+from shardsci.training._layout import LayoutPlan, ParallelConfig
+from shardsci.training._recipes import Recipe
+from shardsci.training._schema import config_from, config_type_of
+from shardsci.training._trainer import TrainConfig
+
+__all__ = ["LOCAL_RANKS_PER_CPU", "MAX_LOCAL_RANKS_VAR", "check_run", "max_local_ranks"]
+
+MAX_LOCAL_RANKS_VAR = "SHARDSCI_MAX_LOCAL_RANKS"
+"""Overrides how many ranks ``train.py`` may start on this machine."""
+
+LOCAL_RANKS_PER_CPU = 4
+"""CPU ranks started per core at most (the quick start runs 8 on 2 cores)."""
+
+_MIN_LOCAL_CPU_RANKS = 8
+
+
+def check_run(cfg: DictConfig, recipe: Recipe, env: LaunchEnv, multirun: bool) -> LayoutPlan:
+    """Check the composed ``cfg`` of ``recipe``; return the layout the ranks will build.
+
+    Parameters
+    ----------
+    cfg : DictConfig
+        The composed run config.
+    recipe : Recipe
+        The chosen recipe; its ``check`` runs last.
+    env : LaunchEnv
+        How this process was launched (``single``: ``train.py`` will start the ranks).
+    multirun : bool
+        Whether Hydra runs in ``-m`` mode (the only mode in which its launchers run).
+
+    Raises
+    ------
+    ConfigError
+        The first problem found, in one line naming the setting and what is expected.
+    """
+    _check_launcher(cfg, env, multirun)
+    plan = _plan(cfg, env)
+    _check_train(OmegaConf.to_object(cfg.train), plan, Path(cfg.run_dir) / "checkpoints")
+    _check_component("model", cfg.model)
+    if recipe.check is not None:
+        try:
+            recipe.check(cfg, plan)
+        except (ValueError, CheckpointError) as error:
+            raise ConfigError(str(error)) from error
+    return plan
+
+
+def max_local_ranks() -> tuple[int, str]:
+    """How many ranks ``train.py`` may start on this machine, and why."""
+    if os.environ.get(MAX_LOCAL_RANKS_VAR):
+        text = os.environ[MAX_LOCAL_RANKS_VAR]
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"{MAX_LOCAL_RANKS_VAR}={text!r}: expected a positive integer")
+        return int(text), f"{MAX_LOCAL_RANKS_VAR}={text}"
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return count, f"one rank per GPU, {count} visible"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    limit = max(_MIN_LOCAL_CPU_RANKS, LOCAL_RANKS_PER_CPU * (cores or 1))
+    return (
+        limit,
+        f"{LOCAL_RANKS_PER_CPU} per CPU core, {cores} cores; {MAX_LOCAL_RANKS_VAR} sets it",
+    )
+
+
+def _check_launcher(cfg: DictConfig, env: LaunchEnv, multirun: bool) -> None:
+    if cfg.launcher.kind is LauncherKind.slurm and env.launcher == "single" and not multirun:
+        raise ConfigError(
+            "launcher=slurm submits the run through Hydra's submitit launcher, which runs only "
+            "in multirun mode: add -m (python train.py -m +recipe=... launcher=slurm), or use "
+            "sbatch scripts/slurm/train.sbatch"
+        )
+    for name in ("timeout_s", "grace_s"):
+        if not cfg.launcher[name] > 0:
+            raise ConfigError(
+                f"launcher.{name}={cfg.launcher[name]}: expected a positive number of seconds"
+            )
+    if cfg.launcher.max_restarts < 0:
+        raise ConfigError(
+            f"launcher.max_restarts={cfg.launcher.max_restarts}: expected an integer >= 0"
+        )
+
+
+def _plan(cfg: DictConfig, env: LaunchEnv) -> LayoutPlan:
+    """The layout over the ranks this launch will have; checks the mesh against them."""
+    mesh = str(cfg.mesh)
+    try:
+        sizes = mesh_axis_sizes(mesh)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error)) from error
+    launched = env.launcher != "single"
+    world_size = env.world_size if launched else _local_world_size(mesh, sizes)
+    try:
+        return LayoutPlan.of(mesh, config_from(ParallelConfig, cfg.parallel), world_size)
+    except (TypeError, ValueError) as error:
+        started = f" ({env.launcher} started {world_size} ranks)" if launched else ""
+        raise ConfigError(f"mesh={mesh}: {error}{started}") from error
+
+
+def _local_world_size(mesh: str, sizes: tuple[int, ...]) -> int:
+    if -1 in sizes:
+        raise ConfigError(
+            f"mesh={mesh} infers an axis from the world size, which only torchrun or srun set; "
+            f"give every axis size (e.g. mesh=4x2), or start the run with torchrun or srun"
+        )
+    world_size = math.prod(sizes)
+    limit, why = max_local_ranks()
+    if world_size > limit:
+        raise ConfigError(
+            f"mesh={mesh} needs {world_size} ranks, but train.py starts at most {limit} on this "
+            f"machine ({why}); run larger meshes with torchrun or srun over several nodes"
+        )
+    return world_size
+
+
+def _check_train(train: TrainConfig, plan: LayoutPlan, checkpoints: Path) -> None:
+    try:
+        train.check()
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    if train.global_batch % plan.dp_size:
+        raise ConfigError(
+            f"train.global_batch={train.global_batch} does not split over the {plan.dp_size} "
+            f"data-parallel replicas of mesh {plan.describe()}: expected a multiple of "
+            f"{plan.dp_size}"
+        )
+    try:
+        resolve_resume(checkpoints, train.resume)
+    except CheckpointError as error:
+        raise ConfigError(f"train.resume={train.resume}: {error}") from error
+
+
+def _check_component(group: str, node: DictConfig) -> None:
+    """Build the config dataclass behind ``node`` (if its schema has one): its own checks run."""
+    config_type = config_type_of(node)
+    if config_type is None:
+        return
+    try:
+        config_from(config_type, node)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{group}: {error}") from error

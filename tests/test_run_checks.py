@@ -1,0 +1,160 @@
+"""Everything the config shows is checked before any rank starts: one clear line, no fork.
+
+``train.launch`` is called in this process on composed configs with the rank starter replaced
+by a tripwire, so a check that happened only inside the ranks would trip it. One subprocess
+run checks what a user sees: one line on standard error, exit status 2, and the traceback
+only with ``HYDRA_FULL_ERROR=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import train
+from shardsci.distributed import detect_launch_env
+from shardsci.training import (
+    EXIT_USER_ERROR,
+    ConfigError,
+    Recipe,
+    check_run,
+    get_recipe,
+    max_local_ranks,
+    reported,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compose(tmp_path: Path, *overrides: str):
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return compose("config", overrides=["+recipe=cfd", f"run_dir={tmp_path}", *overrides])
+
+
+@pytest.fixture
+def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    def tripwire(*args, **kwargs):
+        raise AssertionError("ranks were started before the config was refused")
+
+    monkeypatch.setattr(train, "run_local_ranks", tripwire)
+    monkeypatch.setattr(Recipe, "load_run", lambda self: tripwire)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SHARDSCI_MAX_LOCAL_RANKS", raising=False)
+
+
+@pytest.mark.usefixtures("no_ranks")
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["mesh=1000"], r"mesh=1000 needs 1000 ranks, but train.py starts at most \d+"),
+        (["mesh=-1x2"], "infers an axis from the world size"),
+        (["mesh=2x0"], "axis 1 has size 0"),
+        (["train.steps=-5"], r"train.steps=-5: expected an integer >= 0"),
+        (["train.log_every=0"], r"train.log_every=0: expected an integer >= 1"),
+        (["train.grad_clip=-1"], "train.grad_clip=-1.0: expected a positive norm"),
+        (["mesh=3x2"], "train.global_batch=16 does not split over the 3 data-parallel"),
+        (["launcher=slurm"], "add -m"),
+        (["launcher.timeout_s=0"], "launcher.timeout_s=0.0: expected a positive"),
+        (["train.resume=/no/such/checkpoint"], "checkpoint /no/such/checkpoint does not exist"),
+        (["model=unet", "model.norm_groups=5"], "model: norm_groups=5 must divide"),
+        (
+            ["model=unet", "model.in_channels=2"],
+            r"cannot take the recipe's fields .* expects input \(B, 2",
+        ),
+        (
+            ["model=unet", "model.depth=6", "data.dataset.solver.resolution=32"],
+            "UNet with depth=6 needs H and W divisible by 64",
+        ),
+        (["data.dataset.n_snapshots=1"], r"data.dataset: DatasetConfig.n_snapshots must be >= 2"),
+        (["train.global_batch=1000"], "exceeds the 608 training pairs"),
+        (["eval.rollout_steps=20"], r"eval.rollout_steps=20: expected 1 to 19"),
+        (["eval.samples=0"], r"eval.samples=0: expected an integer >= 1"),
+    ],
+)
+def test_a_config_that_cannot_run_is_refused_before_any_rank_starts(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        train.launch(_compose(tmp_path, *overrides))
+
+
+@pytest.mark.usefixtures("no_ranks")
+def test_the_mesh_is_checked_against_the_fields_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHARDSCI_MAX_LOCAL_RANKS", "64")
+    with pytest.raises(
+        ConfigError, match="splits H over 64 ranks, but the fields have 32 cells along H"
+    ):
+        train.launch(
+            _compose(
+                tmp_path,
+                "mesh=1x64",
+                "data.dataset.solver.resolution=32",
+                "model=unet",
+                "model.depth=2",
+            )
+        )
+
+
+def test_under_torchrun_the_mesh_must_cover_the_started_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    environ = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}
+    environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    cfg = _compose(tmp_path, "mesh=4x2")
+    with pytest.raises(ConfigError, match=r"has 8 ranks but the world size is 4 \(torchrun"):
+        check_run(cfg, get_recipe("cfd"), detect_launch_env(environ), multirun=False)
+    plan = check_run(
+        _compose(tmp_path, "mesh=-1x2"), get_recipe("cfd"), detect_launch_env(environ), False
+    )
+    assert plan.shape == (2, 2)
+
+
+def test_the_local_rank_limit_can_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDSCI_MAX_LOCAL_RANKS", "3")
+    assert max_local_ranks()[0] == 3
+    monkeypatch.setenv("SHARDSCI_MAX_LOCAL_RANKS", "many")
+    with pytest.raises(ConfigError, match="expected a positive integer"):
+        max_local_ranks()
+
+
+def test_the_quick_start_passes_the_checks(tmp_path: Path) -> None:
+    plan = check_run(
+        _compose(tmp_path, "mesh=4x2"), get_recipe("cfd"), detect_launch_env({}), False
+    )
+    assert plan.world_size == 8 and plan.dp_size == 4
+
+
+def test_a_user_sees_one_line_and_no_traceback(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run(
+        [sys.executable, "train.py", "+recipe=cfd", "mesh=1000", f"run_dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    limit, why = max_local_ranks()
+    assert done.returncode == EXIT_USER_ERROR, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: mesh=1000 needs 1000 ranks, but train.py starts at most {limit} on this "
+        f"machine ({why}); run larger meshes with torchrun or srun over several nodes"
+    ]
+
+
+def test_hydra_full_error_shows_the_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as stopped, reported():
+        raise ConfigError("what is wrong; what is expected")
+    assert stopped.value.code == EXIT_USER_ERROR
+    assert capsys.readouterr().err == "error: what is wrong; what is expected\n"
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigError), reported():
+        raise ConfigError("what is wrong; what is expected")

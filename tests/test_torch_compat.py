@@ -1,0 +1,329 @@
+"""Private PyTorch symbols (NOTE [Private PyTorch symbols live in _torch_compat]): the library
+reaches them only through ``shardsci.tensor._torch_compat``, each one has a smoke test of what
+shardsci relies on, and a missing one fails with a message naming it and the torch version.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardsci.tensor import ShardTensor, _torch_compat
+from shardsci.tensor._torch_compat import PRIVATE_SYMBOLS, PrivateSymbol, TorchCompatError
+
+LIBRARY = Path(__file__).resolve().parents[1] / "shardsci"
+COMPAT = LIBRARY / "tensor" / "_torch_compat.py"
+
+
+# ---------------------------------------------------------------------------- the scan
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _chain(node: ast.Attribute) -> tuple[str, list[str]] | None:
+    """``torch._C._x`` -> ("torch", ["_C", "_x"]); None when not rooted at a name."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value  # type: ignore[assignment]
+    return (node.id, attrs[::-1]) if isinstance(node, ast.Name) else None
+
+
+def private_torch_uses(source: str) -> list[str]:
+    """``line: what`` for each private torch import or attribute chain in ``source``: a
+    module path or imported name with a leading underscore, or an attribute with one read
+    from a name bound by a torch import (``torch.ops`` excluded: aten op names such as
+    ``_softmax`` are not Python API)."""
+    tree = ast.parse(source)
+    torch_names: set[str] = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "torch":
+                    continue
+                torch_names.add(alias.asname or "torch")
+                if any(_private(p) for p in alias.name.split(".")):
+                    found.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            module = node.module or ""
+            for alias in node.names:
+                torch_names.add(alias.asname or alias.name)
+                if any(_private(p) for p in [*module.split("."), alias.name]):
+                    found.append(f"{node.lineno}: from {module} import {alias.name}")
+    for node in ast.walk(tree):
+        chain = _chain(node) if isinstance(node, ast.Attribute) else None
+        if chain is None or chain[0] not in torch_names:
+            continue
+        root, attrs = chain
+        if root == "torch" and attrs[0] == "ops":
+            continue
+        if any(_private(a) for a in attrs):
+            found.append(f"{node.lineno}: {root}.{'.'.join(attrs)}")
+    return sorted(set(found))
+
+
+def test_library_reaches_private_torch_only_through_the_compat_module():
+    uses = {
+        str(path.relative_to(LIBRARY.parent)): private_torch_uses(path.read_text())
+        for path in sorted(LIBRARY.rglob("*.py"))
+        if path != COMPAT
+    }
+    offenders = {path: found for path, found in uses.items() if found}
+    assert not offenders, (
+        f"private torch symbols used outside shardsci/tensor/_torch_compat.py: {offenders}; "
+        "add them to PRIVATE_SYMBOLS there (with a smoke test here) and import them from it"
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from torch.distributed.tensor._dtensor_spec import DTensorSpec",
+        "from torch.distributed.tensor import _redistribute",
+        "import torch.distributed._functional_collectives as funcol",
+        "import torch\ntorch._C._current_graph_task_id()",
+        "from torch.distributed.tensor import DTensor\nDTensor._op_dispatcher",
+        "import torch.distributed as dist\ndist.distributed_c10d._world",
+    ],
+)
+def test_the_scan_finds_each_kind_of_private_use(source):
+    assert private_torch_uses(source), source
+
+
+def test_the_scan_lets_public_api_and_aten_op_names_through():
+    source = (
+        "import torch\nfrom torch.distributed.tensor import Shard\n"
+        "torch.ops.aten._softmax.default\nShard(0).__class__\nx._local\n"
+    )
+    assert private_torch_uses(source) == []
+
+
+# ---------------------------------------------------------------------------- smoke tests
+def _parameters(fn: Callable) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _has(*names: str) -> Callable[[object], None]:
+    def check(value: object) -> None:
+        missing = [n for n in names if not hasattr(value, n)]
+        assert not missing, f"{value!r} lacks {missing}"
+
+    return check
+
+
+def _takes(*names: str) -> Callable[[object], None]:
+    def check(value: object) -> None:
+        params = _parameters(value)  # type: ignore[arg-type]
+        assert params[: len(names)] == list(names), f"{value!r} takes {params}"
+
+    return check
+
+
+def _view_rules(_: object) -> None:
+    c = _torch_compat
+    assert c.infer_size(12, (3, -1)) == (3, 4)
+    (flat,) = c.view_groups((2, 3), (6,))
+    assert isinstance(flat, c.Flatten)
+    assert [d.input_dim for d in flat.input_dims] == [0, 1]
+    assert all(isinstance(d, c.InputDim) for d in flat.input_dims)
+    splits = c.view_groups((6,), (2, 3))
+    assert [type(s) for s in splits] == [c.Split, c.Split]
+    assert [(s.group_shape, s.split_id) for s in splits] == [((2, 3), 0), ((2, 3), 1)]
+    assert isinstance(splits[0].input_dim, c.InputDim)
+
+
+def _shard_order_entry(cls: type) -> None:
+    entry = cls(tensor_dim=1, mesh_dims=(0, 1))
+    assert (entry.tensor_dim, entry.mesh_dims) == (1, (0, 1))
+
+
+def _tensor_meta(cls: type) -> None:
+    meta = cls(torch.Size([2, 3]), (3, 1), torch.float64)
+    assert (meta.shape, meta.stride, meta.dtype) == ((2, 3), (3, 1), torch.float64)
+
+
+def _runtime_schema_info(cls: type) -> None:
+    info = cls(static_argnum=0, static_kwargkey=["dim"])
+    assert (info.static_argnum, info.static_kwargkey) == (0, ["dim"])
+
+
+def _strided_shard(cls: type) -> None:
+    placement = cls(1, split_factor=2)
+    assert (placement.dim, placement.split_factor) == (1, 2)
+
+
+def _op_overload(cls: type) -> None:
+    assert isinstance(torch.ops.aten.add.Tensor, cls)
+
+
+def _op_overload_packet(cls: type) -> None:
+    assert isinstance(torch.ops.aten.add, cls)
+
+
+def _disabled_torch_function(impl: Callable) -> None:
+    t = torch.ones(2)
+    assert torch.equal(impl(torch.add, (torch.Tensor,), (t, t), {}), 2 * t)
+
+
+def _kernel_query(query: Callable) -> None:
+    key = _torch_compat.DispatchKey.CompositeImplicitAutograd
+    assert query("aten::linear", key)
+    assert not query("aten::add.Tensor", key)
+
+
+def _graph_task_id(fn: Callable) -> None:
+    assert fn() == -1  # outside a backward pass
+    seen = []
+    w = torch.ones(2, requires_grad=True)
+    y = w * 2
+    y.register_hook(lambda g: seen.append(fn()))
+    y.sum().backward()
+    assert seen and seen[0] >= 0
+
+
+def _will_execute(fn: Callable) -> None:
+    w = torch.ones(2, requires_grad=True)
+    accumulator = (w * 1).grad_fn.next_functions[0][0]
+    seen = []
+    y = w * 2
+    y.register_hook(lambda g: seen.append(fn(accumulator)))
+    y.sum().backward()
+    assert seen == [True]
+
+
+def _engine(engine: object) -> None:
+    done = []
+    w = torch.ones(2, requires_grad=True)
+    y = w * 2
+    y.register_hook(lambda g: engine.queue_callback(lambda: done.append(1)))  # type: ignore[attr-defined]
+    y.sum().backward()
+    assert done == [1]
+
+
+def _dispatch_mode(cls: type) -> None:
+    seen = []
+
+    class Recorder(cls):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        torch.ones(2) + 1
+    assert torch.ops.aten.add.Tensor in seen
+
+
+def _wrapper_subclass_query(fn: Callable) -> None:
+    assert fn(ShardTensor)
+    assert not fn(torch.Tensor)
+
+
+def _tree_map(fn: Callable) -> None:
+    assert fn(lambda x: x + 1, {"a": [1, (2,)]}) == {"a": [2, (3,)]}
+
+
+def _propagator(propagator: object) -> None:
+    _has(
+        "propagate_op_sharding_non_cached",
+        "op_to_schema_info",
+        "op_to_schema_info_for_single_dim_strategy",
+        "op_to_shape_and_stride_idx",
+        "op_to_scalar_shape_adjuster",
+    )(propagator)
+    _has("cache_info", "cache_clear")(propagator.propagate_op_sharding)  # type: ignore[attr-defined]
+
+
+def _redistribute_module(module: object) -> None:
+    _has("_planner_cache", "clear_redistribute_planner_cache", "_gen_transform_infos")(module)
+    len(module._planner_cache)  # type: ignore[attr-defined]
+    _has("cache_info", "cache_clear")(module._gen_transform_infos)  # type: ignore[attr-defined]
+
+
+def _make_wrapper(fn: Callable) -> None:
+    class Wrapper(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError
+
+    w = fn(Wrapper, (2, 3), strides=(3, 1), dtype=torch.float64, device="cpu")
+    assert type(w) is Wrapper and w.shape == (2, 3) and w.dtype == torch.float64
+
+
+SMOKE: dict[str, Callable[[object], None]] = {
+    "DTensorSpec": _takes("mesh", "placements", "tensor_meta", "shard_order"),
+    "ShardOrderEntry": _shard_order_entry,
+    "TensorMeta": _tensor_meta,
+    "OpSchema": _takes("op", "args_schema", "kwargs_schema", "schema_info"),
+    "OutputSharding": _takes("output_spec", "redistribute_schema", "needs_redistribute"),
+    "RuntimeSchemaInfo": _runtime_schema_info,
+    "_StridedShard": _strided_shard,
+    "sharding_propagator": _propagator,
+    "dtensor_redistribute": _redistribute_module,
+    "Flatten": _view_rules,
+    "InputDim": _view_rules,
+    "Split": _view_rules,
+    "infer_size": _view_rules,
+    "view_groups": _view_rules,
+    "OpOverload": _op_overload,
+    "OpOverloadPacket": _op_overload_packet,
+    "_make_wrapper_subclass": _make_wrapper,
+    "_disabled_torch_function_impl": _disabled_torch_function,
+    "_dispatch_has_kernel_for_dispatch_key": _kernel_query,
+    "DispatchKey": _has("CompositeImplicitAutograd"),
+    "_current_graph_task_id": _graph_task_id,
+    "_will_engine_execute_node": _will_execute,
+    "_execution_engine": _engine,
+    "TorchDispatchMode": _dispatch_mode,
+    "is_traceable_wrapper_subclass_type": _wrapper_subclass_query,
+    "tree_map": _tree_map,
+    "_resolve_process_group": callable,  # type: ignore[dict-item]
+    "LocalTensorMode": _takes("ranks"),
+    "_map_to_rank_local_val": _takes("val", "rank"),
+    "dtensor_random": _has("_rng_tracker"),
+}
+
+
+def test_every_private_symbol_has_a_smoke_test():
+    assert sorted(SMOKE) == sorted(PRIVATE_SYMBOLS)
+
+
+@pytest.mark.parametrize("name", sorted(PRIVATE_SYMBOLS))
+def test_private_symbol_behaves_as_shardsci_expects(name):
+    value = getattr(_torch_compat, name)
+    result = SMOKE[name](value)
+    assert result is None or result is True, f"{name}: smoke test returned {result!r}"
+
+
+@pytest.mark.parametrize("name", sorted(PRIVATE_SYMBOLS))
+def test_private_symbol_is_used_by_the_library(name):
+    sources = "\n".join(p.read_text() for p in LIBRARY.rglob("*.py") if p != COMPAT)
+    assert name in sources, f"{name} is in PRIVATE_SYMBOLS but no library module uses it"
+
+
+@pytest.mark.parametrize(
+    "symbol",
+    [
+        PrivateSymbol("torch.distributed.tensor._no_such_module", "Spec", "a test"),
+        PrivateSymbol("torch.distributed.tensor._dtensor_spec", "NoSuchSpec", "a test"),
+    ],
+)
+def test_a_missing_symbol_fails_naming_it_and_the_torch_version(monkeypatch, symbol):
+    monkeypatch.setitem(PRIVATE_SYMBOLS, "Missing", symbol)
+    with pytest.raises(TorchCompatError) as raised:
+        from shardsci.tensor._torch_compat import Missing  # noqa: F401
+    message = str(raised.value)
+    assert symbol.qualified_name in message
+    assert f"torch {torch.__version__}" in message
+    assert "a test" in message
+    assert isinstance(raised.value, ImportError)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'NotASymbol'"):
+        _torch_compat.NotASymbol  # noqa: B018
