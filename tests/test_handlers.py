@@ -25,9 +25,14 @@ from shardsci.handlers import (
     register_function_handler,
     scoped_handlers,
 )
-from shardsci.tensor._registry import aten_handler_for, function_handler_for
+from shardsci.tensor._registry import (
+    aten_handler_for,
+    function_handler_for,
+    registered_handlers,
+)
 from shardsci.testing import (
     Layout,
+    RankFailure,
     assert_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
@@ -217,3 +222,17 @@ def _public_local_spec_and_checked_result() -> None:
 
 def test_public_local_and_spec_and_the_checked_result_builder():
     run_on_ranks(2, _public_local_spec_and_checked_result)
+
+
+def _leaks_a_handler() -> None:
+    register_aten_handler("shardsci_test::leaked")(_first)
+
+
+def _leaked_handler_is_gone() -> bool:
+    return "shardsci_test::leaked" not in registered_handlers()
+
+
+def test_a_handler_that_outlives_its_rank_body_fails_the_test():
+    with pytest.raises(RankFailure, match=r"shardsci_test::leaked -> tests\.test_handlers\._first"):
+        run_on_ranks(2, _leaks_a_handler)
+    assert run_on_ranks(2, _leaked_handler_is_gone) == [True, True]  # the pool was replaced

@@ -255,6 +255,78 @@ def _make_wrapper(fn: Callable) -> None:
     assert type(w) is Wrapper and w.shape == (2, 3) and w.dtype == torch.float64
 
 
+def _tree_leaves(fn: Callable) -> None:
+    assert fn({"a": [1, (2,)], "b": None}) == [1, 2, None]
+
+
+def _mode_on_stack(fn: Callable) -> None:
+    assert fn() is False
+    with _torch_compat.TorchDispatchMode():
+        assert fn() is True
+
+
+def _meta_in_tls(get: Callable) -> None:
+    set_ = _torch_compat._set_meta_in_tls_dispatch_include
+    assert get() is False
+    set_(True)
+    try:
+        assert get() is True
+    finally:
+        set_(False)
+
+
+def _current_node(fn: Callable) -> None:
+    assert fn() is None  # outside a backward pass
+    seen = []
+    w = torch.ones(2, requires_grad=True)
+    y = w * 2
+    y.register_hook(lambda g: seen.append(fn()))
+    y.sum().backward()
+    assert seen and seen[0] is not None
+
+
+def _decompositions(table: object) -> None:
+    assert torch.ops.aten.addr.default in table  # type: ignore[operator]
+    x = torch.arange(3.0)
+    out = table[torch.ops.aten.addr.default](torch.zeros(3, 3), x, x)  # type: ignore[index]
+    assert torch.equal(out, torch.outer(x, x))
+
+
+def _no_dispatch(cm: Callable) -> None:
+    seen = []
+
+    class Recorder(_torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder(), cm():
+        torch.ones(2) + 1
+    assert seen == []
+
+
+def _dynamo_config(config: object) -> None:
+    assert isinstance(config.nontraceable_tensor_subclasses, set)  # type: ignore[attr-defined]
+
+
+def _fake_process_group(cls: type) -> None:
+    _has("_create_internal")(cls)
+
+
+def _mark_dynamic(fn: Callable) -> None:
+    t = torch.ones(3, 4)
+    fn(t, 0)
+    assert 0 in t._dynamo_dynamic_indices  # type: ignore[attr-defined]
+
+
+def _fake_mode(fn: Callable) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert fn() is None
+    with FakeTensorMode() as mode:
+        assert fn() is mode
+
+
 SMOKE: dict[str, Callable[[object], None]] = {
     "DTensorSpec": _takes("mesh", "placements", "tensor_meta", "shard_order"),
     "ShardOrderEntry": _shard_order_entry,
@@ -286,6 +358,21 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "LocalTensorMode": _takes("ranks"),
     "_map_to_rank_local_val": _takes("val", "rank"),
     "dtensor_random": _has("_rng_tracker"),
+    "decomposition_table": _decompositions,
+    "no_dispatch": _no_dispatch,
+    "tree_leaves": _tree_leaves,
+    "any_torch_dispatch_mode_on_stack": _mode_on_stack,
+    "_meta_in_tls_dispatch_include": _meta_in_tls,
+    "_set_meta_in_tls_dispatch_include": lambda fn: _meta_in_tls(
+        _torch_compat._meta_in_tls_dispatch_include
+    ),
+    "_current_autograd_node": _current_node,
+    "_get_default_store": callable,  # type: ignore[dict-item]
+    "dynamo_config": _dynamo_config,
+    "trace_rules": _has("add"),
+    "mark_dynamic": _mark_dynamic,
+    "active_fake_mode": _fake_mode,
+    "FakeProcessGroup": _fake_process_group,
 }
 
 

@@ -36,14 +36,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
-from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
-from torch.utils._pytree import tree_leaves, tree_map
 
 from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._ops._common import replicated_local
 from shardsci.tensor._spec import DimSharding, merged_hints
 from shardsci.tensor._taps import tapped
+from shardsci.tensor._torch_compat import (
+    any_torch_dispatch_mode_on_stack,
+    mark_dynamic,
+    tree_leaves,
+    tree_map,
+)
 
 __all__ = ["compile_regions", "region_summary"]
 
@@ -260,7 +264,7 @@ def _local(value: Any, spec: ShardTensorSpec, partial_axes: set[int]) -> Any:
     if isinstance(value, ShardTensor):
         local = value.to_local()
         for sharding in spec.shardings:
-            torch._dynamo.mark_dynamic(local, sharding.dim)
+            mark_dynamic(local, sharding.dim)
         return local
     if isinstance(value, torch.Tensor):
         return replicated_local(value, spec.mesh, partial_axes)

@@ -30,7 +30,8 @@ import traceback
 from types import TracebackType
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
+
+from shardsci.tensor._torch_compat import _get_default_store
 
 __all__ = ["CollectiveTimeout", "explain_timeout", "is_collective_timeout", "report_wait_s"]
 
@@ -95,7 +96,7 @@ def _absent_ranks(rank: int, world_size: int, wait_s: float) -> str:
     The store is asked from a daemon thread: a store whose server is stopped (SIGSTOP) accepts
     the connection and never answers, whatever the store's own timeout says.
     """
-    store = distributed_c10d._get_default_store()  # private, stable since torch 1.x
+    store = _get_default_store()
     keys = [f"{_PRESENT}{r}" for r in range(world_size)]
     deadline = time.monotonic() + wait_s
     answer: list[list[int]] = []

@@ -24,12 +24,10 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
-from torch._guards import active_fake_mode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from shardsci.tensor import ShardTensor
 from shardsci.tensor._shape_probe import probing
+from shardsci.tensor._torch_compat import TorchDispatchMode, active_fake_mode, tree_leaves
 
 __all__ = ["Category", "LiveMemory"]
 

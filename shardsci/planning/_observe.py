@@ -26,10 +26,10 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._pytree import tree_leaves
 
 from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
 from shardsci.tensor._taps import tapped
+from shardsci.tensor._torch_compat import _current_autograd_node, tree_leaves
 
 __all__ = [
     "CommEvent",
@@ -123,7 +123,7 @@ class StepObserver:
         """(layer, phase) of what runs now; phase is forward, backward or optimizer."""
         if self._in_optimizer:
             return OUTSIDE, "optimizer"
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node()
         if node is not None:
             return self._node_layers.get(id(node), OUTSIDE), "backward"
         return (self._stack[-1] if self._stack else OUTSIDE), "forward"

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from shardsci.parallel._reducer import GradientReducer
 from shardsci.planning._memory import Category, LiveMemory
 from shardsci.planning._observe import StepObserver
 from shardsci.tensor import CommStats, ShardTensor, ShardTensorSpec, comm_counter
+from shardsci.tensor._torch_compat import tree_leaves
 from shardsci.training import Task, TrainConfig, autocast
 
 __all__ = ["StepFailed", "StepMeasurement", "measure_step", "steady_state", "training_step"]

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import FakeProcessGroup
 
 from shardsci.tensor import clear_caches
+from shardsci.tensor._torch_compat import FakeProcessGroup
 
 __all__ = ["META", "simulated_rank"]
 

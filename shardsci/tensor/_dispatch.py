@@ -32,7 +32,12 @@ from shardsci.tensor._propagation import (
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
 from shardsci.tensor._spec import ShardTensorSpec
-from shardsci.tensor._torch_compat import OpOverload, no_dispatch
+from shardsci.tensor._torch_compat import (
+    OpOverload,
+    _meta_in_tls_dispatch_include,
+    _set_meta_in_tls_dispatch_include,
+    no_dispatch,
+)
 
 __all__ = ["bind_tensor_type", "dispatch", "run_with_propagation"]
 
@@ -125,12 +130,12 @@ def _in_place_view(func: OpOverload, args: tuple, kwargs: dict):
     result = _IN_PLACE_VIEWS[func](*args, **kwargs)
     x._local, x._spec = result._local, result._spec
     with no_dispatch():
-        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
-        torch._C._set_meta_in_tls_dispatch_include(True)
+        meta_in_tls = _meta_in_tls_dispatch_include()
+        _set_meta_in_tls_dispatch_include(True)
         try:
             func(*args, **kwargs)
         finally:
-            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+            _set_meta_in_tls_dispatch_include(meta_in_tls)
     return x
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "DuplicateHandlerWarning",
     "aten_handler_for",
     "function_handler_for",
+    "outliving_handlers",
     "register_aten_handler",
     "register_function_handler",
     "scoped_handlers",
@@ -118,6 +119,23 @@ def scoped_handlers() -> Iterator[None]:
         _FUNCTIONS.clear()  # cleared in place: ``function_handler_for`` is its bound ``get``
         _FUNCTIONS.update(functions)
         _registrations_changed()
+
+
+def outliving_handlers(before: dict[Any, Callable]) -> list[str]:
+    """Handlers registered (or replaced) since ``before = dict(registered_handlers())`` by
+    code outside the library, as ``"op -> module.handler"``: in a test, those outlive it
+    unless registered inside :func:`scoped_handlers`."""
+    return [
+        f"{key} -> {_qualified(handler)}"
+        for key, handler in registered_handlers().items()
+        if before.get(key) is not handler
+        and not (getattr(handler, "__module__", None) or "").startswith("shardsci.")
+    ]
+
+
+def registered_handlers() -> dict[Any, Callable]:
+    """Every registered handler by its key (aten ops and names, then torch functions)."""
+    return {**_ATEN, **_FUNCTIONS}
 
 
 def _store(registry: dict[K, Any], key: K, handler: Callable, replace: bool) -> None:

@@ -161,6 +161,34 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "letting tensor subclasses through a dispatch mode",
     ),
     "tree_map": _at("torch.utils._pytree:tree_map", "mapping over nested results"),
+    "tree_leaves": _at("torch.utils._pytree:tree_leaves", "the tensors in nested arguments"),
+    "any_torch_dispatch_mode_on_stack": _at(
+        "torch.utils._python_dispatch:any_torch_dispatch_mode_on_stack",
+        "whether a dispatch mode (fake tensors, a tracer) is active",
+    ),
+    "_meta_in_tls_dispatch_include": _at(
+        "torch._C:_meta_in_tls_dispatch_include",
+        "whether the Meta key is forced on, for an in-place view's metadata update",
+    ),
+    "_set_meta_in_tls_dispatch_include": _at(
+        "torch._C:_set_meta_in_tls_dispatch_include",
+        "forcing the Meta key on, for an in-place view's metadata update",
+    ),
+    "_current_autograd_node": _at(
+        "torch._C:_current_autograd_node", "which autograd node a backward op belongs to"
+    ),
+    "_get_default_store": _at(
+        "torch.distributed.distributed_c10d:_get_default_store",
+        "asking the rendezvous store which ranks are still present",
+    ),
+    # --- torch.compile and the dry-run planner
+    "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
+    "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),
+    "mark_dynamic": _at("torch._dynamo:mark_dynamic", "shard sizes as dynamic dims in a region"),
+    "active_fake_mode": _at("torch._guards:active_fake_mode", "the fake mode of a dry run"),
+    "FakeProcessGroup": _at(
+        "torch._C._distributed_c10d:FakeProcessGroup", "process groups of a dry run's fake world"
+    ),
     "_resolve_process_group": _at(
         "torch.distributed.distributed_c10d:_resolve_process_group",
         "the process group a functional collective names",

@@ -17,13 +17,12 @@ regions]), which compiles what each rank computes alone, on plain local tensors.
 
 from __future__ import annotations
 
-import torch._dynamo.config
-import torch._dynamo.trace_rules
+from shardsci.tensor._torch_compat import dynamo_config, trace_rules
 
 __all__ = ["keep_dynamo_out"]
 
 
 def keep_dynamo_out(cls: type) -> None:
     """Called once by ``shardsci.tensor`` with the ShardTensor class."""
-    torch._dynamo.config.nontraceable_tensor_subclasses.add(cls)
-    torch._dynamo.trace_rules.add("shardsci.tensor")
+    dynamo_config.nontraceable_tensor_subclasses.add(cls)
+    trace_rules.add("shardsci.tensor")

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardsci.tensor._registry import outliving_handlers, registered_handlers
 from shardsci.tensor._torch_compat import (
     LocalTensorMode,
     _map_to_rank_local_val,
@@ -175,15 +176,28 @@ def _run_request(request: bytes) -> bytes:
     body are reported like any other failure instead of killing the rank.
     """
     torch.manual_seed(_SEED)
+    before = registered_handlers()  # before unpickling, which may import the test module
     try:
         fn, args, kwargs = pickle.loads(request)
         result = fn(*args, **kwargs)
+        _check_no_handler_outlives(before)
     except BaseException:
         return _failure_reply()
     try:
         return _success_reply(result)
     except Exception:
         return _failure_reply("the rank body returned a value that cannot be pickled:\n")
+
+
+def _check_no_handler_outlives(before: dict[Any, Callable]) -> None:
+    """A handler a test registers would stay registered in this rank for every later test
+    (the pool outlives tests): fail the test that did it, on every rank alike."""
+    outliving = outliving_handlers(before)
+    if outliving:
+        raise RuntimeError(
+            f"handlers registered by this test outlive it in the rank pool: {outliving}; "
+            "register them inside shardsci.handlers.scoped_handlers()"
+        )
 
 
 def _success_reply(result: Any) -> bytes:

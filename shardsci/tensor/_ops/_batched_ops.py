@@ -58,7 +58,6 @@ _CORE[aten.renorm.default] = lambda ndim, args, kwargs: (
 _CORE[aten.pixel_shuffle.default] = _trailing(lambda args, kwargs: 3)
 _CORE[aten.pixel_unshuffle.default] = _trailing(lambda args, kwargs: 3)
 _CORE[aten.unfold.default] = lambda ndim, args, kwargs: {arg(args, kwargs, 1, "dimension") % ndim}
-_CORE[aten.unfold_copy.default] = _CORE[aten.unfold.default]
 
 
 @register_aten_handler(*_CORE)

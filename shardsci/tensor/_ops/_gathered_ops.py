@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Replicate
-from torch.utils._pytree import tree_map
 
 from shardsci.tensor._api import ShardTensor, redistribute
 from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import replicated_spec
+from shardsci.tensor._torch_compat import tree_leaves, tree_map
 
 __all__ = ["GATHERED", "gathered"]
 
@@ -83,11 +83,7 @@ GATHERED = (
 @register_aten_handler(*GATHERED)
 def gathered(func, args, kwargs):
     """Run ``func`` on whole tensors on every rank; outputs are replicated ShardTensors."""
-    mesh = next(
-        a._spec.mesh
-        for a in torch.utils._pytree.tree_leaves((args, kwargs))
-        if isinstance(a, ShardTensor)
-    )
+    mesh = next(a._spec.mesh for a in tree_leaves((args, kwargs)) if isinstance(a, ShardTensor))
     whole = tree_map(_whole, (args, kwargs))
     out = func(*whole[0], **whole[1])
     return tree_map(
