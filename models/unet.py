@@ -5,14 +5,14 @@ shardsci runs this module domain-parallel, unchanged, when its input is a ``Shar
 along H and/or W, so the module holds no distributed code and uses only the ops that have
 sharded handlers: 3x3 stride-1 ``Conv2d`` with ``padding=1`` in any ``padding_mode``,
 ``GroupNorm``, ``SiLU``/``GELU``, 2x2 ``AvgPool2d``/``MaxPool2d``, ``F.interpolate`` with
-``scale_factor=2`` in ``"nearest"`` or ``"bilinear"`` mode, ``torch.cat`` along channels, and a
-final 1x1 ``Conv2d``. There is no BatchNorm (batch statistics would make data-parallel and
+``scale_factor=2`` in ``"nearest"`` or ``"bilinear"`` mode, ``torch.cat`` along channels, a
+final 1x1 ``Conv2d``, and broadcast additions of plain position terms (``coordinates``). There is no BatchNorm (batch statistics would make data-parallel and
 single-device runs differ), no dropout and no transposed convolution. Add an op here only
 together with its sharded handler.
 
-With ``padding_mode="circular"`` and ``up="nearest"`` the network commutes with periodic
-translations by multiples of ``2**depth`` pixels. ``"bilinear"`` upsampling clamps at the
-borders (``align_corners=False``), so it is not exactly periodic at the edges.
+With ``padding_mode="circular"``, ``up="nearest"`` and no ``coordinates`` the network commutes
+with periodic translations by multiples of ``2**depth`` pixels. ``"bilinear"`` upsampling clamps
+at the borders (``align_corners=False``), so it is not exactly periodic at the edges.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shardsci.models._checks import check_choice, check_positive
+from shardsci.models._coordinates import CoordinateEmbedding, Coordinates
 
 PaddingMode = Literal["zeros", "circular", "reflect", "replicate"]
 Activation = Literal["silu", "gelu"]
@@ -46,6 +49,7 @@ _CHOICE_FIELDS = {
     "activation": Activation,
     "down": Downsample,
     "up": Upsample,
+    "coordinates": Coordinates,
 }
 
 
@@ -79,12 +83,15 @@ class UNetConfig:
     residual: bool = False
     """Return the first ``out_channels`` input channels plus the network's output, so the
     network learns a correction (one-step prediction); needs ``out_channels <= in_channels``."""
+    coordinates: Coordinates = "none"
+    """Position features added to the top level's features (``shardsci.models._coordinates``):
+    ``"periodic"`` for periodic domains with a position-dependent forcing."""
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name, choices in _CHOICE_FIELDS.items():
-            _check_choice(name, getattr(self, name), choices)
+            check_choice(name, getattr(self, name), choices)
         if self.channel_multipliers is not None:
             object.__setattr__(self, "channel_multipliers", tuple(self.channel_multipliers))
             self._check_multipliers(self.channel_multipliers)
@@ -103,7 +110,7 @@ class UNetConfig:
                 f"depth + 1 = {self.depth + 1}"
             )
         for multiplier in multipliers:
-            _check_positive("every entry of channel_multipliers", multiplier)
+            check_positive("every entry of channel_multipliers", multiplier)
 
     def _check_channels(self) -> None:
         bad = [c for c in self.level_channels if c % self.norm_groups]
@@ -117,17 +124,6 @@ class UNetConfig:
                 f"residual=True needs out_channels <= in_channels, got out_channels="
                 f"{self.out_channels} and in_channels={self.in_channels}"
             )
-
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_choice(name: str, value: str, choices: object) -> None:
-    allowed = get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def _conv3x3(in_channels: int, out_channels: int, padding_mode: str) -> nn.Conv2d:
@@ -201,6 +197,7 @@ class UNet(nn.Module):
         self.config = dataclasses.replace(config or UNetConfig(), **overrides)
         channels = self.config.level_channels
         self.encoder = conv_stack(self.config.in_channels, channels[0], self.config)
+        self.coordinates = CoordinateEmbedding(2, channels[0], self.config.coordinates)
         self.downs = nn.ModuleList(
             Down(c_in, c_out, self.config) for c_in, c_out in itertools.pairwise(channels)
         )
@@ -230,7 +227,7 @@ class UNet(nn.Module):
             ``2**depth`` (or, with reflect padding, smaller than ``2**(depth + 1)``).
         """
         self._check_input(x.shape)
-        skips = [self.encoder(x)]
+        skips = [self.coordinates(self.encoder(x))]
         for down in self.downs:
             skips.append(down(skips[-1]))
         y = skips.pop()

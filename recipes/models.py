@@ -7,13 +7,16 @@ fails when the config is composed. Adding a model: one line in ``ZOO`` and one y
 
 from __future__ import annotations
 
-from shardsci.models import MeshGraphNetConfig, UNetConfig
+from shardsci.models import FNOConfig, MeshGraphNetConfig, TransolverConfig, UNetConfig, ViTConfig
 from shardsci.training import schema_of
 
 __all__ = ["MODEL_SCHEMAS", "ZOO"]
 
 ZOO: dict[str, tuple[type, str]] = {
     "unet": (UNetConfig, "shardsci.models.UNet"),
+    "fno": (FNOConfig, "shardsci.models.FNO"),
+    "vit": (ViTConfig, "shardsci.models.ViT"),
+    "transolver": (TransolverConfig, "shardsci.models.Transolver"),
     "meshgraphnet": (MeshGraphNetConfig, "shardsci.models.MeshGraphNet"),
 }
 """Model option name -> (its config dataclass, the class Hydra instantiates)."""

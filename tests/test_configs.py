@@ -72,7 +72,7 @@ def test_every_model_of_every_recipe_composes_into_a_valid_config(recipe: str, m
 
 
 def test_choices_are_enums() -> None:
-    cfg = _compose("+recipe=cfd", "train.parallel=fsdp2", "train.precision=bf16")
+    cfg = _compose("+recipe=cfd", "model=unet", "train.parallel=fsdp2", "train.precision=bf16")
     train_config = OmegaConf.to_object(cfg.train)
     assert train_config.parallel is DataParallel.fsdp2
     assert train_config.precision is Precision.bf16
@@ -104,8 +104,8 @@ def test_block_decomposition_splits_h_and_w() -> None:
         "eval.sample=3",
         "train.parallel=bogus",
         "train.precision=bf17",
-        "model.padding_mode=wrapp",
-        "model.up=bilinar",
+        "model.coordinates=periodc",
+        "model.activation=gelux",
         "data.dataset.solver.forcing=kolmogorv",
         "logger.kind=tensorboard",
         "logger.mode=offlne",

@@ -31,7 +31,13 @@ from shardsci.training import (
 )
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SMALL = ["+recipe=cfd", "logger=none", "train.global_batch=2", "data.dataset.solver.resolution=32"]
+SMALL = [
+    "+recipe=cfd",
+    "model=unet",
+    "logger=none",
+    "train.global_batch=2",
+    "data.dataset.solver.resolution=32",
+]
 
 
 def _compose(overrides: list[str]):

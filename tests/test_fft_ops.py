@@ -578,3 +578,31 @@ def _details_body() -> None:
 
 def test_complex_partial_and_bad_input() -> None:
     run_on_ranks(2, _details_body)
+
+
+def _complex_views_body() -> None:
+    """view_as_real / view_as_complex keep every sharding, including the last dim's, locally."""
+    mesh = get_mesh((2,))
+    # An odd last dim: DTensor's rule gathers it.
+    layout = Layout((Shard(3),), {3: (2, 1)})
+    x = torch.randn(2, 3, 4, 3, dtype=torch.complex128)
+    sharded = _sharded(x, layout, mesh)
+    with shardsci.comm_counter() as stats:
+        real = torch.view_as_real(sharded)
+        back = torch.view_as_complex(real)
+    assert_all_ranks(
+        stats.total_received == 0
+        and real._spec.shardings == back._spec.shardings == layout.spec(mesh, x).shardings
+        and real.shape == (2, 3, 4, 3, 2),
+        f"complex views moved {stats.as_dict()} into {real._spec} and {back._spec}",
+    )
+    check_against_reference(
+        lambda a: torch.view_as_real(torch.view_as_complex(torch.view_as_real(a) * 2) * (1 + 2j)),
+        [x],
+        [layout],
+        mesh,
+    )
+
+
+def test_complex_views_stay_local() -> None:
+    run_on_ranks(2, _complex_views_body)

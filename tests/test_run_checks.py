@@ -62,10 +62,13 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
         (["launcher=slurm"], "add -m"),
         (["launcher.timeout_s=0"], "launcher.timeout_s=0.0: expected a positive"),
         (["train.resume=/no/such/checkpoint"], "checkpoint /no/such/checkpoint does not exist"),
-        (["model.norm_groups=5"], "model: norm_groups=5 must divide"),
-        (["model.in_channels=2"], r"cannot take the recipe's fields .* expects input \(B, 2"),
+        (["model=unet", "model.norm_groups=5"], "model: norm_groups=5 must divide"),
         (
-            ["model.depth=6", "data.dataset.solver.resolution=32"],
+            ["model=unet", "model.in_channels=2"],
+            r"cannot take the recipe's fields .* expects input \(B, 2",
+        ),
+        (
+            ["model=unet", "model.depth=6", "data.dataset.solver.resolution=32"],
             "UNet with depth=6 needs H and W divisible by 64",
         ),
         (["data.dataset.n_snapshots=1"], r"data.dataset: DatasetConfig.n_snapshots must be >= 2"),
@@ -90,7 +93,13 @@ def test_the_mesh_is_checked_against_the_fields_rows(
         ConfigError, match="splits H over 64 ranks, but the fields have 32 cells along H"
     ):
         train.launch(
-            _compose(tmp_path, "mesh=1x64", "data.dataset.solver.resolution=32", "model.depth=2")
+            _compose(
+                tmp_path,
+                "mesh=1x64",
+                "data.dataset.solver.resolution=32",
+                "model=unet",
+                "model.depth=2",
+            )
         )
 
 

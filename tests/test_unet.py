@@ -28,6 +28,7 @@ def _tiny_unet(seed: int = 0, **overrides: Any) -> UNet:
         ({"depth": 1, "blocks_per_level": 3, "down": "max"}, (3, 1, 6, 10), (3, 1, 6, 10)),
         ({"up": "bilinear", "activation": "gelu", "padding_mode": "reflect"}, (1, 1, 8, 8), None),
         ({"in_channels": 2, "residual": True, "padding_mode": "replicate"}, (2, 2, 4, 4), None),
+        ({"coordinates": "periodic", "padding_mode": "circular"}, (1, 1, 8, 12), None),
     ],
 )
 def test_output_shape(
@@ -87,6 +88,7 @@ def test_rejects_channels_and_rank(input_shape: tuple[int, ...]) -> None:
         ({"channel_multipliers": (1, 2)}, "has 2 entries, expected depth \\+ 1 = 3"),
         ({"channel_multipliers": (1, 0, 2)}, "every entry of channel_multipliers"),
         ({"norm_groups": 3}, "norm_groups=3 must divide"),
+        ({"coordinates": "xy"}, "coordinates must be one of"),
         ({"residual": True, "out_channels": 2}, "residual=True needs out_channels <= in_channels"),
     ],
 )

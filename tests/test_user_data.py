@@ -32,7 +32,7 @@ TINY_OVERRIDES = [
     "data.dataset.solver.resolution=16", "data.dataset.solver.dt=0.05",
     "data.dataset.solver.seed=3", "data.dataset.n_train=2", "data.dataset.n_test=1",
     "data.dataset.n_snapshots=3", "data.dataset.record_every=2",
-    "train.global_batch=4", "eval.rollout_steps=2",
+    "train.global_batch=4", "eval.rollout_steps=2", "model=unet",
 ]  # fmt: skip
 
 

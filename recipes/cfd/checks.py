@@ -31,8 +31,8 @@ def check(cfg: DictConfig, plan: LayoutPlan) -> None:
             f"train.global_batch={cfg.train.global_batch} exceeds the {pairs} training pairs "
             f"of the data ({data.describe()}); expected at most {pairs}"
         )
-    if cfg.eval.samples < 1:
-        raise ValueError(f"eval.samples={cfg.eval.samples}: expected an integer >= 1")
+    if cfg.eval.samples is not None and cfg.eval.samples < 1:
+        raise ValueError(f"eval.samples={cfg.eval.samples}: expected an integer >= 1 or null")
     if not 1 <= cfg.eval.rollout_steps < data.n_snapshots:
         raise ValueError(
             f"eval.rollout_steps={cfg.eval.rollout_steps}: expected 1 to "

@@ -45,16 +45,17 @@ class CFDEvalConfig:
 
     Attributes
     ----------
-    samples : int
+    samples : int or None
         Held-out (t, t + 1) pairs for the one-step error, spread evenly over the held-out
-        trajectories and times.
+        trajectories and times; None: every pair (the default, so the error is the mean over
+        all held-out trajectories and times).
     rollout_steps : int
         Autoregressive steps of the rollout, from the middle snapshot of each held-out
-        trajectory.
+        trajectory (or the latest start that leaves this many steps).
     """
 
-    samples: int = 32
-    rollout_steps: int = 5
+    samples: int | None = None
+    rollout_steps: int = 10
 
 
 SCHEMAS: dict[tuple[str, str], type] = {

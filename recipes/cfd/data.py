@@ -37,8 +37,8 @@ class CFDData:
         Which ranks share a batch part (data parallel) and which split its cells.
     train_cfg : DictConfig
         ``global_batch``, ``seed``.
-    eval_samples : int
-        Held-out pairs of ``eval_batch``.
+    eval_samples : int or None
+        Held-out pairs of ``eval_batch``; None: every one.
     device : torch.device
     """
 
@@ -47,7 +47,7 @@ class CFDData:
         config: DictConfig,
         layout: ParallelLayout,
         train_cfg: DictConfig,
-        eval_samples: int,
+        eval_samples: int | None,
         device: torch.device,
     ):
         if dist.get_rank() == 0:
@@ -93,10 +93,11 @@ class CFDData:
         return self._prepared(inputs), self._prepared(targets)
 
     def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data-parallel rank's share of the held-out pairs (evenly spread over the test
-        trajectories and times, the same every evaluation)."""
+        """This data-parallel rank's share of the held-out pairs (all of them, or evenly spread
+        over the test trajectories and times; the same every evaluation)."""
         pairs = [(b, t) for b in self.test_trajectories for t in range(self.n_times - 1)]
-        chosen = np.linspace(0, len(pairs) - 1, min(self.eval_samples, len(pairs))).astype(int)
+        count = len(pairs) if self.eval_samples is None else min(self.eval_samples, len(pairs))
+        chosen = np.linspace(0, len(pairs) - 1, count).astype(int)
         mine = [pairs[i] for i in chosen[self.layout.dp_rank :: self.layout.dp_size]]
         inputs, targets = self.field.read_many(mine, [(b, t + 1) for b, t in mine])
         return self._prepared(inputs), self._prepared(targets)

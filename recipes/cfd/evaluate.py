@@ -11,7 +11,7 @@ from torch import nn
 
 from shardsci import ShardTensor
 
-__all__ = ["relative_l2", "rollout_errors"]
+__all__ = ["relative_l2", "rollout"]
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -33,28 +33,20 @@ def relative_l2(prediction: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rollout_errors(
-    model: nn.Module, start: torch.Tensor, truths: list[torch.Tensor], denormalize
-) -> list[torch.Tensor]:
-    """Feed the model its own predictions for ``len(truths)`` steps from ``start``.
+def rollout(model: nn.Module, start: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Feed the model its own predictions for ``steps`` steps from ``start``.
 
     Parameters
     ----------
     start : Tensor
         ``(N, C, H, W)`` normalised fields at the first time.
-    truths : list of Tensor
-        The true normalised fields at the following times.
-    denormalize : callable
-        Normalised -> physical units (errors are relative, in physical units).
 
     Returns
     -------
     list of Tensor
-        Per step, the per-sample relative L2 errors ``(N,)``.
+        The ``steps`` predicted ``(N, C, H, W)`` fields, laid out as ``start``.
     """
-    errors = []
-    state = start
-    for truth in truths:
-        state = model(state)
-        errors.append(relative_l2(denormalize(state), denormalize(truth)))
-    return errors
+    states = [start]
+    for _ in range(steps):
+        states.append(model(states[-1]))
+    return states[1:]

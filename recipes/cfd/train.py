@@ -5,12 +5,12 @@ splits the fields' H (and W) over the others: each rank reads only its slab of e
 from HDF5 and the model (``cfg.model``, a plain module of ``models/``) runs on ShardTensors.
 ``shardsci.training.Trainer`` runs the loop; this file says what a batch, the loss and an
 evaluation are: the held-out one-step relative L2 error beside the persistence baseline
-(predicting no change), a rollout, and a PNG of prediction, truth and error.
+(predicting no change), a rollout, and a PNG of a held-out rollout: prediction, truth, error
+and the error at every step.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,8 +21,8 @@ from torch import nn
 
 from shardsci import ShardTensor
 from shardsci.recipes.cfd.data import CFDData
-from shardsci.recipes.cfd.evaluate import relative_l2, rollout_errors
-from shardsci.recipes.cfd.plots import save_comparison
+from shardsci.recipes.cfd.evaluate import relative_l2, rollout
+from shardsci.recipes.cfd.plots import save_rollout
 from shardsci.training import RunContext, Trainer, dp_sample_mean, instantiate, start_run
 
 __all__ = ["run"]
@@ -60,19 +60,22 @@ class NextStep:
     def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
         data, layout = self.data, self.context.layout
         inputs, targets = data.eval_batch()
-        prediction = model(inputs)
-        errors = relative_l2(data.denormalize(prediction), data.denormalize(targets))
+        errors = relative_l2(data.denormalize(model(inputs)), data.denormalize(targets))
         persistence = relative_l2(data.denormalize(inputs), data.denormalize(targets))
         start, truths = data.rollout_batch(self.rollout_steps)
-        rollout = rollout_errors(model, start, truths, data.denormalize)
-        self._plot(prediction, targets, step, float(errors[0]) if errors.numel() else math.nan)
+        states = rollout(model, start, len(truths))
+        physical = [(data.denormalize(s), data.denormalize(t)) for s, t in zip(states, truths)]
+        rollout_errors = [relative_l2(s, t) for s, t in physical]
+        rollout_mean = [dp_sample_mean(e, layout) for e in rollout_errors]
+        held_still = [
+            dp_sample_mean(relative_l2(data.denormalize(start), t), layout) for _, t in physical
+        ]
+        self._plot(physical, rollout_errors, rollout_mean, held_still, step)
         return {
             "eval_relative_l2": dp_sample_mean(errors, layout),
             "persistence_relative_l2": dp_sample_mean(persistence, layout),
-            **{
-                f"rollout_relative_l2_step{k + 1}": dp_sample_mean(e, layout)
-                for k, e in enumerate(rollout)
-            },
+            **{f"rollout_relative_l2_step{k + 1}": e for k, e in enumerate(rollout_mean)},
+            f"persistence_rollout_relative_l2_step{len(truths)}": held_still[-1],
         }
 
     def describe(self, metrics: Mapping[str, Any]) -> str:
@@ -84,17 +87,31 @@ class NextStep:
         )
 
     def _plot(
-        self, prediction: torch.Tensor, targets: torch.Tensor, step: int, error: float
+        self,
+        physical: list[tuple[torch.Tensor, torch.Tensor]],
+        rollout_errors: list[torch.Tensor],
+        rollout_mean: list[float],
+        held_still: list[float],
+        step: int,
     ) -> None:
-        first_prediction = self.data.denormalize(prediction[:1])
-        first_truth = self.data.denormalize(targets[:1])
-        if isinstance(first_prediction, ShardTensor):
-            first_prediction = first_prediction.full_tensor()
-            first_truth = first_truth.full_tensor()
-        if self.context.leader:
-            save_comparison(
-                self.context.run_dir / f"eval_step{step:06d}.png",
-                first_prediction[0, 0],
-                first_truth[0, 0],
-                f"step {step}: held-out sample, relative L2 {error:.3g}",
-            )
+        """The rollout of the first held-out trajectory (this run's first PNG shows it)."""
+        fields = [(s[:1, 0], t[:1, 0]) for s, t in physical]
+        if fields and isinstance(fields[0][0], ShardTensor):
+            fields = [(s.full_tensor(), t.full_tensor()) for s, t in fields]
+        if not self.context.leader or not fields:
+            return
+        steps = len(fields)
+        sample = [float(e[0]) for e in rollout_errors]
+        save_rollout(
+            self.context.run_dir / f"eval_step{step:06d}.png",
+            torch.cat([s for s, _ in fields]),
+            torch.cat([t for _, t in fields]),
+            {
+                "this trajectory": sample,
+                "held-out mean": rollout_mean,
+                "persistence (held-out mean)": held_still,
+            },
+            f"training step {step}: a {steps}-step rollout of held-out trajectory "
+            f"{self.data.test_trajectories[0]} (relative L2 {sample[0]:.3g} after 1 step, "
+            f"{sample[-1]:.3g} after {steps})",
+        )

@@ -4,7 +4,7 @@ from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._caches import cache_sizes, clear_caches
 from shardsci.tensor._comm_stats import CommStats, comm_counter
 from shardsci.tensor._halo import halo_exchange
-from shardsci.tensor._options import overlap_halos
+from shardsci.tensor._options import attention_exchange, overlap_halos
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._scatter import distribute_tensor, scatter_tensor
 from shardsci.tensor._spec import ShardTensorSpec
@@ -20,6 +20,7 @@ __all__ = [
     "CommStats",
     "ShardTensor",
     "ShardTensorSpec",
+    "attention_exchange",
     "cache_sizes",
     "clear_caches",
     "comm_counter",

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["halo_overlap_enabled", "overlap_halos"]
+__all__ = [
+    "attention_exchange",
+    "attention_exchange_choice",
+    "halo_overlap_enabled",
+    "overlap_halos",
+]
 
 _OVERLAP = [False]
 
@@ -35,3 +42,45 @@ def overlap_halos(enabled: bool = True) -> Iterator[None]:
 
 def halo_overlap_enabled() -> bool:
     return _OVERLAP[0]
+
+
+Exchange = Literal["auto", "ring", "all_gather"]
+
+
+@dataclass(frozen=True)
+class _ExchangeChoice:
+    mode: Exchange = "auto"
+    gather_limit_bytes: int = 16 * 2**20
+
+
+_EXCHANGE = [_ExchangeChoice()]
+
+
+@contextmanager
+def attention_exchange(
+    mode: Exchange = "auto", gather_limit_bytes: int = 16 * 2**20
+) -> Iterator[None]:
+    """How attention over a sharded sequence meets the key/value blocks of other ranks.
+
+    Parameters
+    ----------
+    mode : {"auto", "ring", "all_gather"}
+        ``"auto"`` follows NOTE [Ring or all-gather] (``tensor/_ops/_attention_ops.py``); the
+        others force one exchange.
+    gather_limit_bytes : int
+        ``"auto"`` gathers the keys and values of a call up to this size per rank.
+    """
+    if mode not in ("auto", "ring", "all_gather"):
+        raise ValueError(f"mode must be 'auto', 'ring' or 'all_gather', got {mode!r}")
+    if gather_limit_bytes < 0:
+        raise ValueError(f"gather_limit_bytes must be >= 0, got {gather_limit_bytes!r}")
+    previous = _EXCHANGE[0]
+    _EXCHANGE[0] = _ExchangeChoice(mode, gather_limit_bytes)
+    try:
+        yield
+    finally:
+        _EXCHANGE[0] = previous
+
+
+def attention_exchange_choice() -> _ExchangeChoice:
+    return _EXCHANGE[0]

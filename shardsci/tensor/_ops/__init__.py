@@ -1,6 +1,7 @@
 """Shard-aware op handlers, one module per op family; importing registers them."""
 
 from shardsci.tensor._ops import (
+    _attention_ops,  # noqa: F401
     _batched_ops,  # noqa: F401
     _composite_ops,  # noqa: F401
     _conv_ops,  # noqa: F401

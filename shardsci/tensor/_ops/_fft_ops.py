@@ -30,8 +30,12 @@ layouts that the forward rule maps onto the spectrum's layout they take the one 
 remember (with the output's extents, else any extents; the most recent), else the one needing
 the fewest moves, and run its forward plan backwards, each move undone and each transform
 inverted. So a forward transform followed by its inverse gives back the input's layout and
-uneven shard sizes, for the same all-to-alls. A layout no forward transform produces is
-inverted by the forward rule itself.
+uneven shard sizes, for the same all-to-alls. The spectrum's own layout is no memory of where
+it came from (any op on it, such as slicing the kept modes, remembers it again), nor is a
+transformed dim's layout at the spectrum's extent: so per-dim transforms of a D-sharded volume
+(rfft W, fft H, fft D moving D's axes onto W) are undone at the matching inverse (ifft D moves
+them back), where the data is smallest, as in an FNO's spectral convolution. A layout no
+forward transform produces is inverted by the forward rule itself.
 
 Every move is one all-to-all of the data held at that point, so modes truncated before the
 transform that moves a dim are never sent: rfft along W, keep ``m`` modes, fft along H moves
@@ -302,12 +306,14 @@ def _inverse_steps(layout: Layout, spec: ShardTensorSpec, call: _Call) -> tuple[
         steps, _ = _plan(layout, call.dims, spec.ndim, False, real)
         return steps
 
+    evidence = [h for h in spec.hints if _is_evidence(h, spec, call)]
+
     def preference(item: tuple[Layout, tuple[Step, ...]]) -> tuple:
         source, steps = item
-        sized = [_remembered_at(spec.hints, d, axes, call.out_shape[d]) for d, axes in source]
-        ages = [_remembered_at(spec.hints, d, axes) for d, axes in source]
+        sized = [_remembered_at(evidence, d, axes, call.out_shape[d]) for d, axes in source]
+        ages = [_remembered_at(evidence, d, axes) for d, axes in source]
         remembered = all(age is not None for age in ages)
-        newest = min(ages, default=len(spec.hints)) if remembered else -1
+        newest = min(ages, default=len(evidence)) if remembered else -1
         moves = sum(isinstance(s, _Move) for s in steps)
         return (all(age is not None for age in sized), remembered, newest, -moves)
 
@@ -321,6 +327,21 @@ def _inverse_steps(layout: Layout, spec: ShardTensorSpec, call: _Call) -> tuple[
     return tuple(
         _Move(previous) if isinstance(step, _Move) else step
         for step, previous in zip(reversed(steps), reversed(before))
+    )
+
+
+def _is_evidence(hint: DimSharding, spec: ShardTensorSpec, call: _Call) -> bool:
+    """Whether ``hint`` can tell which layout the spectrum ``spec`` came from.
+
+    The spectrum's own sharding cannot (any op on it, e.g. a slice of the kept modes,
+    remembers it again as the newest hint), nor a transformed dim's sharding at the spectrum's
+    extent rather than the signal's (an earlier spectrum's layout, not a signal's).
+    """
+    if hint in spec.shardings:
+        return False
+    dim = hint.dim
+    return (
+        dim not in call.dims or hint.extent == call.out_shape[dim] or hint.extent != spec.shape[dim]
     )
 
 

@@ -14,10 +14,15 @@ the view is decomposed into groups of input dims that become groups of output di
   product are first moved to the nearest ones;
 - anything else (a flatten then split that mixes dims): the axes involved are replicated
   first, so the result is right, if not cheap.
+
+``view_as_real`` / ``view_as_complex`` add / drop a trailing dim of 2 (real, imaginary) and
+keep every sharding of the other dims: local views, no communication (DTensor gathers a
+sharded last dim first, which every backward of a complex op on a W-sharded spectrum hit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -56,7 +61,10 @@ def _view(func, args, kwargs):
     out_spec = _output_spec(needed, groups, out_shape)
     local_shape = list(out_spec.local_shape())
     if func is aten.view.default and local is x._local:
-        return ShardTensor(local.view(local_shape), out_spec)
+        # A view the spec's (global) strides allow can still be impossible on the local shard,
+        # whose memory layout may differ (a transposed gradient): then the shard is copied.
+        with contextlib.suppress(RuntimeError):
+            return ShardTensor(local.view(local_shape), out_spec)
     return ShardTensor(local.reshape(local_shape), out_spec)
 
 

@@ -1,0 +1,306 @@
+"""``F.scaled_dot_product_attention`` on ShardTensors, the sequence dim sharded or not.
+
+DTensor has no sharding rule for it: the default path decomposed the op (about 20 s of CPU
+planning on first use, 257 s with a mask) and ran the fused CPU kernel on empty local queries
+(SIGFPE). Here every call on a ShardTensor is handled:
+
+1. The call is checked on meta tensors first, so bad shapes fail on every rank, before any
+   collective, with torch's own message; ``dropout_p > 0`` is refused the same way.
+2. Layouts are aligned to the query's: the query keeps its sharding of batch, head and sequence
+   (L) dims (a sharded feature dim, a Partial, or a head dim with grouped-query attention are
+   made whole first); key and value get the query's batch and head shardings and their key (S)
+   dim is sharded over the mesh axes that shard L, in their own sizes when they already are
+   (self-attention: no data moves), else ``torch.chunk``'s. A mask gets the query's shardings of
+   the dims it does not broadcast along, and keeps every key; its gradient (float masks) comes
+   back the same way.
+3. ``_ring_attention`` computes each rank's query block against every key: locally when L is
+   not sharded, else over the group of ranks along L's axes by the ring or the all-gather
+   (NOTE [Ring or all-gather]). The output has the query's layout.
+
+The CPU fused kernel's two aten ops (forward, backward) are handled the same way, for the
+callers that reach them below ``__torch_function__`` (``nn.MultiheadAttention``).
+
+NOTE [Ring or all-gather]
+Both move the same bytes in the forward (each rank receives the key/value rows it lacks); the
+all-gather keeps every block for the backward, which then only returns gradients (one
+reduce-scatter), where the ring passes the blocks around again ahead of the gradients: the
+all-gather moves 2/3 of the ring's bytes over a training step in 2 collectives instead of
+3 (N - 1) messages, but holds all of K and V (and their gradients) on every rank, per attention
+layer, until the backward. So: all-gather while the gathered keys and values of a call are at
+most ``gather_limit_bytes`` (default 16 MiB, ``shardsci.attention_exchange``), the ring above
+that, where it keeps memory at one block per rank. The rule reads only global sizes and the
+rank's batch shard, which every rank of a group shares, so they decide alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, redistribute
+from shardsci.tensor._collectives import axis_group
+from shardsci.tensor._ops._common import arg
+from shardsci.tensor._ops._ring_attention import (
+    AttentionPlan,
+    attend,
+    attention_backward,
+    attention_forward,
+)
+from shardsci.tensor._options import attention_exchange_choice
+from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._spec import ShardTensorSpec, nested_chunk_sizes, replicated_spec
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------- handlers
+@register_function_handler(F.scaled_dot_product_attention)
+def _scaled_dot_product_attention(func, args, kwargs):
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = (None, None, None, None, 0.0, False, None, False)
+    q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = (
+        arg(args, kwargs, i, name, default)
+        for i, (name, default) in enumerate(zip(names, defaults))
+    )
+    if not any(isinstance(t, ShardTensor) for t in (q, k, v, mask)):
+        return NotImplemented
+    meta = _meta(q, k, v, mask)
+    out = func(
+        *meta[:3],
+        attn_mask=meta[3],
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    _check_dropout(dropout_p)
+    call = _Aligned.build(q, k, v, mask, scale, is_causal, enable_gqa)
+    local = attend(call.q.to_local(), call.k.to_local(), call.v.to_local(), call.mask, call.plan)
+    return from_local_spec(local, call.output_spec(out.shape, local.dtype))
+
+
+# Fused kernels reached from inside composite functions (``F.multi_head_attention_forward``
+# runs with ShardTensor's ``__torch_function__`` disabled, so its SDPA call arrives here, below
+# autograd): the same computation, its forward and backward as two ops.
+_FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@register_aten_handler(_FLASH_CPU)
+def _flash_attention_cpu(func, args, kwargs):
+    q, k, v = args[:3]
+    dropout_p = arg(args, kwargs, 3, "dropout_p", 0.0)
+    is_causal = arg(args, kwargs, 4, "is_causal", False)
+    mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
+    meta_mask = _meta(mask)[0]
+    out_meta, lse_meta = func(
+        *_meta(q, k, v), dropout_p, is_causal, attn_mask=meta_mask, scale=scale
+    )
+    _check_dropout(dropout_p)
+    with torch.no_grad():
+        call = _Aligned.build(q, k, v, mask, scale, is_causal, False)
+        out, lse, _ = attention_forward(
+            call.q._local, call.k._local, call.v._local, call.mask, call.plan
+        )
+    return (
+        ShardTensor(out, call.output_spec(out_meta.shape, out.dtype)),
+        ShardTensor(lse.to(lse_meta.dtype), call.output_spec(lse_meta.shape, lse_meta.dtype)),
+    )
+
+
+@register_aten_handler(_FLASH_CPU_BACKWARD)
+def _flash_attention_cpu_backward(func, args, kwargs):
+    grad_out, q, k, v, out, lse, dropout_p, is_causal = args[:8]
+    mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
+    _check_dropout(dropout_p)
+    with torch.no_grad():
+        call = _Aligned.build(q, k, v, mask, scale, is_causal, False)
+        grad_out, out, lse = (
+            _moved(_as_shard_tensor(t, call.mesh), call.output_spec(t.shape, t.dtype))._local
+            for t in (grad_out, out, lse)
+        )
+        grads = attention_backward(
+            grad_out, call.q._local, call.k._local, call.v._local, call.mask, call.plan,
+            out, lse.to(out.dtype), None, False,
+        )  # fmt: skip
+        return tuple(
+            _returned(grad, aligned, given)
+            for grad, aligned, given in zip(grads[:3], (call.q, call.k, call.v), (q, k, v))
+        )
+
+
+def _returned(grad: torch.Tensor, aligned: ShardTensor, given: torch.Tensor) -> torch.Tensor:
+    """A gradient computed in the aligned layout, in the layout of the input it belongs to."""
+    sharded = ShardTensor(grad, aligned._spec.with_dtype(grad.dtype))
+    if isinstance(given, ShardTensor):
+        return _moved(sharded, grad_spec(given._spec))
+    return _moved(sharded, replicated_spec(grad, aligned._spec.mesh))._local
+
+
+def _meta(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [
+        None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors
+    ]
+
+
+def _check_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        raise NotImplementedError(
+            f"scaled_dot_product_attention on ShardTensors supports dropout_p=0 only, got "
+            f"dropout_p={dropout_p}: each rank would draw its own dropout mask, so the result "
+            f"would not match a single-device run; apply dropout outside the attention"
+        )
+
+
+@dataclass(frozen=True)
+class _Aligned:
+    """An attention call's operands in the layouts of the module docstring, and its plan."""
+
+    mesh: DeviceMesh
+    q: ShardTensor
+    k: ShardTensor
+    v: ShardTensor
+    mask: torch.Tensor | None
+    plan: AttentionPlan
+
+    @classmethod
+    def build(cls, q, k, v, mask, scale, is_causal, enable_gqa) -> _Aligned:
+        mesh = next(t for t in (q, k, v, mask) if isinstance(t, ShardTensor))._spec.mesh
+        q, k, v = (_as_shard_tensor(t, mesh) for t in (q, k, v))
+        repeats = q.shape[-3] // k.shape[-3] if q.ndim >= 3 and enable_gqa else 1
+        q = _query_layout(q, repeats)
+        k, v = _key_value_layouts(q, k, v)
+        local_mask = None if mask is None else _mask_local(_as_shard_tensor(mask, mesh), q)
+        return cls(mesh, q, k, v, local_mask, _plan(q, k, v, scale, is_causal, repeats))
+
+    def output_spec(self, shape: torch.Size, dtype: torch.dtype) -> ShardTensorSpec:
+        """The layout of an output (or log-sum-exp) indexed like the query's leading dims."""
+        query = self.q._spec
+        return ShardTensorSpec.build(
+            query.mesh,
+            query.placements,
+            shape,
+            dtype,
+            {s.dim: s.sizes for s in query.shardings},
+            order={s.dim: s.axes for s in query.shardings},
+            hints=query.hints,
+        )
+
+
+def _as_shard_tensor(t: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
+    if isinstance(t, ShardTensor):
+        if t._spec.mesh != mesh:
+            raise ValueError(f"attention operands live on different meshes: {t._spec.mesh}, {mesh}")
+        return t
+    return from_local_spec(t, replicated_spec(t, mesh))
+
+
+def _rebuilt(
+    x: ShardTensor,
+    placements: Sequence[Placement],
+    sizes: dict[int, tuple[int, ...]],
+    order: dict[int, tuple[int, ...]],
+) -> ShardTensor:
+    """``x`` redistributed to exactly this layout (no communication when it already is)."""
+    spec = x._spec
+    target = ShardTensorSpec.build(
+        spec.mesh, placements, spec.shape, spec.dtype, sizes, stride=spec.stride, order=order,
+        hints=spec.hints,
+    )  # fmt: skip
+    return redistribute(x, target)
+
+
+def _moved(x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
+    return redistribute(x, spec.with_dtype(x.dtype))
+
+
+def _query_layout(q: ShardTensor, repeats: int) -> ShardTensor:
+    """The query with Partial axes reduced and its feature dim (and, with grouped-query
+    attention, its head dim) whole."""
+    spec = q._spec
+    whole = {q.ndim - 1} | ({q.ndim - 3} if repeats > 1 else set())
+    kept = [s for s in spec.shardings if s.dim not in whole]
+    placements = [Replicate()] * spec.mesh.ndim
+    for s in kept:
+        for axis in s.axes:
+            placements[axis] = Shard(s.dim)
+    return _rebuilt(q, placements, {s.dim: s.sizes for s in kept}, {s.dim: s.axes for s in kept})
+
+
+def _key_value_layouts(
+    q: ShardTensor, k: ShardTensor, v: ShardTensor
+) -> tuple[ShardTensor, ShardTensor]:
+    """Keys and values sharded like the query, their key dim over the query's sequence axes."""
+    spec = q._spec
+    sequence = q.ndim - 2
+    placements = list(spec.placements)
+    sizes, order = {}, {}
+    for s in spec.shardings:
+        order[s.dim] = s.axes
+        if s.dim != sequence:
+            sizes[s.dim] = s.sizes
+            continue
+        current = k._spec.sharding_by_dim.get(sequence)
+        if current is not None and current.axes == s.axes:
+            sizes[s.dim] = current.sizes
+        elif k.shape[sequence] == q.shape[sequence]:
+            sizes[s.dim] = s.sizes
+        else:
+            mesh_shape = spec.mesh_shape
+            sizes[s.dim] = nested_chunk_sizes(k.shape[sequence], [mesh_shape[a] for a in s.axes])
+    return _rebuilt(k, placements, sizes, order), _rebuilt(v, placements, sizes, order)
+
+
+def _mask_local(mask: ShardTensor, q: ShardTensor) -> torch.Tensor:
+    """This rank's rows of the mask (every key), sharded like the query where it does not
+    broadcast; its gradient is a partial sum over the axes where it is replicated but the
+    query is not."""
+    spec = q._spec
+    offset = q.ndim - mask.ndim
+    placements: list[Placement] = [Replicate()] * spec.mesh.ndim
+    grad_placements: list[Placement] = [Replicate()] * spec.mesh.ndim
+    sizes, order = {}, {}
+    for s in spec.shardings:
+        dim = s.dim - offset
+        for axis in s.axes:
+            grad_placements[axis] = Partial()
+        if dim < 0 or mask.shape[dim] == 1:
+            continue
+        sizes[dim], order[dim] = s.sizes, s.axes
+        for axis in s.axes:
+            placements[axis] = grad_placements[axis] = Shard(dim)
+    mask = _rebuilt(mask, placements, sizes, order)
+    return mask.to_local(grad_placements=grad_placements)
+
+
+def _plan(
+    q: ShardTensor, k: ShardTensor, v: ShardTensor, scale: float | None, causal: bool, repeats: int
+) -> AttentionPlan:
+    sequence = q.ndim - 2
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    query = q._spec.sharding_by_dim.get(sequence)
+    if query is None:
+        return AttentionPlan(None, (0,), (k.shape[sequence],), 0, scale, causal, repeats, False)
+    keys = k._spec.sharding_by_dim[sequence]
+    starts = tuple(sum(keys.sizes[:i]) for i in range(len(keys.sizes)))
+    group = axis_group(q._spec.mesh, query.axes)
+    query_start = q._spec.local_offsets()[sequence]
+    return AttentionPlan(
+        group, starts, keys.sizes, query_start, scale, causal, repeats, _ring_chosen(k, v)
+    )
+
+
+def _ring_chosen(k: ShardTensor, v: ShardTensor) -> bool:
+    """NOTE [Ring or all-gather]: the bytes of every key and value this rank would hold."""
+    choice = attention_exchange_choice()
+    if choice.mode != "auto":
+        return choice.mode == "ring"
+    rows = math.prod(k._local.shape[:-2]) * k.shape[-2]
+    gathered = rows * (k.shape[-1] + v.shape[-1]) * k._local.element_size()
+    return gathered > choice.gather_limit_bytes

@@ -1,0 +1,376 @@
+"""Exact attention of a local query block over key/value blocks spread along one axis group.
+
+NOTE [Ring attention]
+Each rank of the group holds a query block (rows ``[l0, l0 + L_r)`` of the sequence) and a
+key/value block (keys ``[s0_j, s0_j + S_j)`` on flat index j). The output is the softmax over
+ALL keys, computed block by block with the log-sum-exp of each block's scores: for block j,
+``out_j = softmax(s_j) v_j`` and ``lse_j = logsumexp(s_j)``, combined as
+``lse = logaddexp(lse, lse_j)``, ``out = out e^{lse_old - lse} + out_j e^{lse_j - lse}``: the
+online softmax, exact up to rounding. Rows whose every key is masked get output 0, zero
+gradients and ``lse = -inf`` (as torch's math backend). Two ways to meet the blocks, chosen in
+``_attention_ops`` (NOTE [Ring or all-gather]):
+- **ring**: the key/value blocks travel around the group (flat index i sends to i + 1), one
+  block per step while the current one is computed; the backward passes the key/value blocks
+  around once more, with the gradient accumulators of each block travelling behind them and
+  arriving at the block's owner last. Bytes received per rank: forward ``S - S_r`` key/value
+  rows; backward ``S - S_r`` key/value rows plus ``S - S_{r-1}`` gradient rows. Memory: one
+  block at a time.
+- **all-gather**: every rank receives every block at once (``S - S_r`` rows, one exchange) and
+  keeps them for the backward, which returns each block's gradient to its owner in one
+  reduce-scatter (``(N - 1) S_r`` rows received). Memory: all of K and V. (Called as the
+  fused kernel's two aten ops, from inside ``nn.MultiheadAttention``, the backward cannot keep
+  the blocks and gathers them again.)
+Scores are computed with plain matmuls in the inputs' dtype, never by a fused kernel, so empty
+blocks (a rank with no queries or no keys) are ordinary zero-size products.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from shardsci.tensor._collectives import AxisGroup, exchange, start_send_recv
+
+__all__ = ["AttentionPlan", "attend", "attention_backward", "attention_forward"]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything about one attention call that is the same on every rank of the group.
+
+    Attributes
+    ----------
+    group : AxisGroup or None
+        The ranks whose key/value blocks this rank's queries must see; None when this rank
+        holds every key.
+    key_starts, key_sizes : tuple of int
+        Global first key and number of keys of each flat index's block.
+    query_start : int
+        Global index of this rank's first query (for ``causal``).
+    scale : float
+        Factor applied to ``q k^T``.
+    causal : bool
+        Query ``i`` sees keys ``j <= i`` (global indices, top-left aligned like torch).
+    kv_repeats : int
+        Query heads per key/value head (grouped-query attention), 1 without.
+    ring : bool
+        Ring exchange; else all-gather (NOTE [Ring attention]).
+    """
+
+    group: AxisGroup | None
+    key_starts: tuple[int, ...]
+    key_sizes: tuple[int, ...]
+    query_start: int
+    scale: float
+    causal: bool
+    kv_repeats: int
+    ring: bool
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    plan: AttentionPlan,
+) -> torch.Tensor:
+    """Differentiable attention of local ``q`` ``(*B, H_q, L_r, E)`` over the keys of the
+    whole group; ``k``, ``v`` ``(*B, H_{kv}, S_r, E / E_v)`` are this rank's blocks and
+    ``mask`` (bool: True takes part; float: added to the scores) broadcasts to
+    ``(*B, H_q, L_r, S)`` over ALL keys. Returns ``(*B, H_q, L_r, E_v)``."""
+    return _Attention.apply(q, k, v, mask, plan)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, plan):  # type: ignore[override]
+        out, lse, gathered = attention_forward(q, k, v, mask, plan)
+        ctx.save_for_backward(q, k, v, mask, out, lse, gathered)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, mask, out, lse, gathered = ctx.saved_tensors
+        wants_mask = mask is not None and mask.is_floating_point() and ctx.needs_input_grad[3]
+        grads = attention_backward(
+            grad_out, q, k, v, mask, ctx.plan, out, lse, gathered, wants_mask
+        )
+        return (*grads, None)
+
+
+def attention_forward(q, k, v, mask, plan):
+    """Output ``(*B, H_q, L_r, E_v)``, log-sum-exp ``(*B, H_q, L_r)`` and, for the
+    all-gather, the gathered keys and values (else None)."""
+    if plan.group is None or plan.group.size == 1:
+        out, lse = _block_forward(q, k, v, mask, plan, 0)
+        return out, lse, None
+    if plan.ring:
+        out, lse = _ring_forward(q, k, v, mask, plan)
+        return out, lse, None
+    kv = _all_gathered(torch.cat([k, v], dim=-1), plan)
+    width = k.shape[-1]
+    out, lse = _block_forward(q, kv[..., :width], kv[..., width:], mask, plan, 0)
+    return out, lse, kv
+
+
+def attention_backward(grad_out, q, k, v, mask, plan, out, lse, gathered, mask_grad):
+    """Gradients ``(q, k, v, mask)`` of this rank's blocks (the mask's None unless
+    ``mask_grad``); ``gathered`` as returned by :func:`attention_forward` (None: gather
+    again)."""
+    state = _BackwardState(grad_out, q, mask, plan, lse, (grad_out * out).sum(-1), mask_grad)
+    if plan.group is None or plan.group.size == 1:
+        grads = state.block(k, v, mask, 0)
+        return state.grad_q, grads.k, grads.v, grads.mask
+    if plan.ring:
+        grad_k, grad_v = _ring_backward(state, k, v)
+        return state.grad_q, grad_k, grad_v, state.grad_mask
+    width = k.shape[-1]
+    if gathered is None:
+        gathered = _all_gathered(torch.cat([k, v], dim=-1), plan)
+    grads = state.block(gathered[..., :width], gathered[..., width:], mask, 0)
+    mine = _reduce_scattered(torch.cat([grads.k, grads.v], dim=-1), plan)
+    return state.grad_q, mine[..., :width], mine[..., width:], grads.mask
+
+
+# ---------------------------------------------------------------------------- block math
+def _expanded(kv: torch.Tensor, repeats: int) -> torch.Tensor:
+    return kv if repeats == 1 else kv.repeat_interleave(repeats, dim=-3)
+
+
+def _grouped(grad: torch.Tensor, repeats: int) -> torch.Tensor:
+    """Sum the gradients of the query heads that shared one key/value head."""
+    if repeats == 1:
+        return grad
+    shape = grad.shape
+    return grad.reshape(*shape[:-3], shape[-3] // repeats, repeats, *shape[-2:]).sum(-3)
+
+
+def _mask_block(mask: torch.Tensor | None, start: int, size: int) -> torch.Tensor | None:
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    return mask.narrow(-1, start, size)
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    plan: AttentionPlan,
+    key_start: int,
+) -> torch.Tensor:
+    """Masked scaled scores ``(*B, H_q, L_r, S_j)`` of the queries against one key block."""
+    scores = torch.matmul(q, _expanded(k, plan.kv_repeats).transpose(-2, -1)) * plan.scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    if plan.causal:
+        rows = torch.arange(q.shape[-2], device=q.device) + plan.query_start
+        cols = torch.arange(k.shape[-2], device=q.device) + key_start
+        scores = scores.masked_fill(cols[None, :] > rows[:, None], -math.inf)
+    return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the rows that saw no key at 0, so ``exp(score - lse)`` is 0 there."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _block_forward(q, k, v, mask, plan, key_start):
+    """One block's (output, log-sum-exp)."""
+    scores = _scores(q, k, mask, plan, key_start)
+    lse = torch.logsumexp(scores, dim=-1)
+    probabilities = torch.exp(scores - _finite(lse)[..., None])
+    return torch.matmul(probabilities, _expanded(v, plan.kv_repeats)), lse
+
+
+def _combine(out, lse, block_out, block_lse):
+    """Merge a block's partial softmax into the running one (NOTE [Ring attention])."""
+    if out is None:
+        return block_out, block_lse
+    total = torch.logaddexp(lse, block_lse)
+    finite = _finite(total)
+    out = (
+        out * torch.exp(lse - finite)[..., None]
+        + block_out * torch.exp(block_lse - finite)[..., None]
+    )
+    return out, total
+
+
+@dataclass
+class _Grads:
+    """Gradients of one key/value block and of its mask columns."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def _block_backward(q, k, v, mask, plan, key_start, grad_out, lse, delta, grad_q, mask_grad):
+    """Add one block's contribution to ``grad_q`` (in place) and return the block's grads.
+
+    ``delta = rowsum(grad_out * out)``; ``mask_grad``: whether the mask needs a gradient.
+    """
+    scores = _scores(q, k, mask, plan, key_start)
+    probabilities = torch.exp(scores - _finite(lse)[..., None])
+    grad_v = torch.matmul(probabilities.transpose(-2, -1), grad_out)
+    grad_p = torch.matmul(grad_out, _expanded(v, plan.kv_repeats).transpose(-2, -1))
+    grad_scores = probabilities * (grad_p - delta[..., None])
+    grad_q += torch.matmul(grad_scores, _expanded(k, plan.kv_repeats)) * plan.scale
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * plan.scale
+    block_mask_grad = _reduced_to(grad_scores, mask.shape) if mask_grad else None
+    return _Grads(
+        _grouped(grad_k, plan.kv_repeats), _grouped(grad_v, plan.kv_repeats), block_mask_grad
+    )
+
+
+def _reduced_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum ``grad`` over the dims a tensor of ``shape`` was broadcast along."""
+    extra = grad.ndim - len(shape)
+    grad = grad.sum(tuple(range(extra))) if extra else grad
+    dims = tuple(d for d, n in enumerate(shape) if n == 1 and grad.shape[d] != 1)
+    return grad.sum(dims, keepdim=True) if dims else grad
+
+
+@dataclass
+class _BackwardState:
+    """What every block's backward reads, and the query's (and mask's) gradient it adds to."""
+
+    grad_out: torch.Tensor
+    q: torch.Tensor
+    mask: torch.Tensor | None
+    plan: AttentionPlan
+    lse: torch.Tensor
+    delta: torch.Tensor
+    mask_grad: bool
+    grad_q: torch.Tensor = field(init=False)
+    grad_mask: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grad_q = torch.zeros_like(self.q)
+        self.grad_mask = torch.zeros_like(self.mask) if self.mask_grad else None
+
+    def block(self, k, v, mask, key_start) -> _Grads:
+        return _block_backward(
+            self.q, k, v, mask, self.plan, key_start,
+            self.grad_out, self.lse, self.delta, self.grad_q, self.mask_grad,
+        )  # fmt: skip
+
+    def ring_block(self, owner: int, kv: torch.Tensor, width: int) -> torch.Tensor:
+        """One block of the ring; its key and value gradients concatenated like ``kv``."""
+        start, size = self.plan.key_starts[owner], self.plan.key_sizes[owner]
+        grads = self.block(
+            kv[..., :width], kv[..., width:], _mask_block(self.mask, start, size), start
+        )
+        if self.grad_mask is not None:
+            if self.grad_mask.shape[-1] == 1:
+                self.grad_mask += grads.mask
+            else:
+                self.grad_mask.narrow(-1, start, size).copy_(grads.mask)
+        return torch.cat([grads.k, grads.v], dim=-1)
+
+
+# ---------------------------------------------------------------------------- ring
+class _Shift:
+    """One hop around the ring: send a block to the next rank, receive the previous rank's.
+
+    Empty blocks travel as no message: both sides know every block's shape."""
+
+    def __init__(self, group: AxisGroup, block: torch.Tensor, incoming: tuple[int, ...]):
+        me, n = group.index, group.size
+        self.incoming = incoming
+        self.like = block
+        sends = [((me + 1) % n, block)] if block.numel() else []
+        receives = [((me - 1) % n, incoming)] if math.prod(incoming) else []
+        self.pending = start_send_recv(
+            group, sends, receives, dtype=block.dtype, device=block.device, kind="p2p"
+        )
+
+    def wait(self) -> torch.Tensor:
+        received = self.pending.wait()
+        if received:
+            return received[0]
+        return self.like.new_zeros(self.incoming)
+
+
+def _with_keys(local: torch.Tensor, size: int) -> tuple[int, ...]:
+    """Shape of a ``(*B, H, S_j, C)`` block of ``size`` keys, like ``local``."""
+    return (*local.shape[:-2], size, local.shape[-1])
+
+
+def _ring_forward(q, k, v, mask, plan):
+    group = plan.group
+    me, n = group.index, group.size
+    width = k.shape[-1]
+    kv = torch.cat([k, v], dim=-1)
+    out = lse = None
+    for step in range(n):
+        owner = (me - step) % n
+        hop = None
+        if step < n - 1:
+            hop = _Shift(group, kv, _with_keys(kv, plan.key_sizes[(owner - 1) % n]))
+        start, size = plan.key_starts[owner], plan.key_sizes[owner]
+        block_mask = _mask_block(mask, start, size)
+        block = _block_forward(q, kv[..., :width], kv[..., width:], block_mask, plan, start)
+        out, lse = _combine(out, lse, *block)
+        if hop is not None:
+            kv = hop.wait()
+    return out, lse
+
+
+def _ring_backward(state: _BackwardState, k, v):
+    """The other ranks' blocks first, in ring order, each block's gradient accumulator one hop
+    behind it; this rank's own block last, when its accumulator has come home."""
+    plan = state.plan
+    group = plan.group
+    me, n = group.index, group.size
+    width = k.shape[-1]
+    own = torch.cat([k, v], dim=-1)
+    kv = _Shift(group, own, _with_keys(own, plan.key_sizes[(me - 1) % n])).wait()
+    accumulated = None
+    for step in range(1, n):
+        owner = (me - step) % n
+        hop = None
+        if step < n - 1:
+            hop = _Shift(group, kv, _with_keys(kv, plan.key_sizes[(owner - 1) % n]))
+        grads = state.ring_block(owner, kv, width)
+        if accumulated is not None:
+            grads = grads + accumulated
+        # To the next rank, which meets block ``owner`` next, or owns it after the last step;
+        # from the previous rank, the accumulator of the block this rank meets next.
+        incoming = _with_keys(grads, plan.key_sizes[(owner - 1) % n])
+        accumulated = _Shift(group, grads, incoming).wait()
+        if hop is not None:
+            kv = hop.wait()
+    grads = state.ring_block(me, own, width) + accumulated
+    return grads[..., :width], grads[..., width:]
+
+
+# ---------------------------------------------------------------------------- all-gather
+def _all_gathered(block: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    group = plan.group
+    pieces = [block] * group.size
+    received = exchange(
+        group,
+        pieces,
+        lambda src, dst: _with_keys(block, plan.key_sizes[src]),
+        dtype=block.dtype,
+        device=block.device,
+        kind="all_gather",
+    )
+    return torch.cat(received, dim=-2)
+
+
+def _reduce_scattered(grads: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    group = plan.group
+    pieces = [grads.narrow(-2, s, n) for s, n in zip(plan.key_starts, plan.key_sizes)]
+    received = exchange(
+        group,
+        pieces,
+        lambda src, dst: _with_keys(grads, plan.key_sizes[dst]),
+        dtype=grads.dtype,
+        device=grads.device,
+        kind="reduce_scatter",
+    )
+    return sum(received[1:], received[0])

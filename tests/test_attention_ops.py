@@ -1,0 +1,275 @@
+"""``F.scaled_dot_product_attention`` with a sharded sequence, against the single-process
+reference in float64: ring and all-gather exchanges, uneven and empty shards, 1-D and 2-D
+meshes, causal, boolean and additive masks (with their gradient), grouped-query attention,
+cross-attention, batch and head shardings; the bytes each exchange moves (the ring's bound,
+NOTE [Ring attention]); the cost rule; ``nn.MultiheadAttention``; refused dropout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import shardsci
+from shardsci import attention_exchange
+from shardsci.tensor._api import from_local_spec
+from shardsci.testing import (
+    Layout,
+    assert_all_ranks,
+    assert_raises_all_ranks,
+    check_against_reference,
+    get_mesh,
+    run_on_ranks,
+)
+from tests.layouts import Sharded
+
+# (B, H, L, E) queries (and keys, values) with the sequence dim L = 2 sharded.
+CASES = [
+    Sharded("2r-7/4", (2,), (2, 3, 11, 4), Layout((Shard(2),), {2: (7, 4)})),
+    Sharded("4r-3/0/5/3", (4,), (2, 3, 11, 4), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
+    Sharded(
+        "2x2-batch-and-L",
+        (2, 2),
+        (2, 3, 11, 4),
+        Layout((Shard(0), Shard(2)), {0: (1, 1), 2: (6, 5)}),
+    ),
+    Sharded("2x2-nested-L", (2, 2), (2, 3, 11, 4), Layout((Shard(2), Shard(2)), {2: (2, 4, 0, 5)})),
+]
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+# Why attention may receive as many bytes as a gather of its keys and values.
+EVERY_KEY = "every query attends to every key: each rank receives all keys and values it lacks"
+
+# name -> (SDPA keyword arguments, mask: None, "bool", "float", "float-grad", "padding")
+VARIANTS = {
+    "plain": ({}, None),
+    "causal": ({"is_causal": True}, None),
+    "bool-mask": ({}, "bool"),
+    "additive-mask": ({"scale": 0.7}, "float"),
+    "learned-bias": ({}, "float-grad"),
+    "key-padding": ({}, "padding"),
+    "gqa-causal": ({"enable_gqa": True, "is_causal": True}, None),
+}
+
+
+def _mask(kind: str | None, shape: tuple[int, ...]) -> tuple[torch.Tensor | None, bool]:
+    """A mask for the (B, H, L, L) scores of ``shape`` (B, H, L, E) queries, and whether it is
+    passed sharded like the queries."""
+    batch, _, length, _ = shape
+    keys = length
+    if kind == "bool":
+        mask = torch.rand(length, keys) > 0.4
+        mask[3] = False  # a row that sees no key: output 0, as in torch
+        return mask, False
+    if kind == "float":
+        return torch.randn(batch, 1, length, keys, dtype=torch.float64), False
+    if kind == "float-grad":
+        return torch.randn(1, 3, length, keys, dtype=torch.float64), True
+    if kind == "padding":
+        return torch.rand(batch, 1, 1, keys) > 0.3, False
+    return None, False
+
+
+def _sdpa_body(case_name: str, variant: str, mode: str) -> None:
+    case = CASE_BY_NAME[case_name]
+    mesh = get_mesh(case.mesh)
+    kwargs, mask_kind = VARIANTS[variant]
+    shape = case.shape
+    heads = 6 if kwargs.get("enable_gqa") else shape[1]
+    q = torch.randn(shape[0], heads, *shape[2:], dtype=torch.float64)
+    k = torch.randn(shape, dtype=torch.float64)
+    v = torch.randn(*shape[:-1], 5, dtype=torch.float64)
+    mask, mask_sharded = _mask(mask_kind, shape)
+    inputs, layouts = [q, k, v], [case.layout] * 3
+    if mask is not None:
+        inputs.append(mask)
+        sequence = {2: case.layout.sizes[2]}
+        placements = tuple(p if p == Shard(2) else Replicate() for p in case.layout.placements)
+        layouts.append(
+            Layout(placements, sequence, dict(case.layout.order)) if mask_sharded else None
+        )
+
+    def attention(query, key, value, *mask):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask[0] if mask else None, **kwargs
+        )
+
+    with attention_exchange(mode):
+        check_against_reference(
+            attention,
+            inputs,
+            layouts,
+            mesh,
+            out_layouts=[case.layout],  # the queries' layout, with the values' feature width
+            not_a_gather=EVERY_KEY,
+            what=variant,
+        )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sharded_sequence(case: Sharded, variant: str) -> None:
+    run_on_ranks(case.world, _sdpa_body, case.name, variant, "ring")
+
+
+@pytest.mark.parametrize("case", CASES[1:2], ids=str)
+@pytest.mark.parametrize("variant", ["causal", "learned-bias", "gqa-causal"])
+def test_sharded_sequence_all_gather(case: Sharded, variant: str) -> None:
+    run_on_ranks(case.world, _sdpa_body, case.name, variant, "all_gather")
+
+
+# ---------------------------------------------------------------------------- other layouts
+def _layouts_body() -> None:
+    mesh = get_mesh((4,))
+    q = torch.randn(2, 3, 11, 4, dtype=torch.float64)
+    kv = torch.randn(2, 3, 9, 4, dtype=torch.float64)
+    queries = Layout((Shard(2),), {2: (3, 0, 5, 3)})
+
+    def attention(query, key, value):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+
+    cases = {
+        # Cross-attention: 9 keys in their own uneven sizes, 11 queries.
+        "cross": ([q, kv, kv], [queries, Layout((Shard(2),), {2: (2, 2, 0, 5)})] * 1 + [None]),
+        # Keys and values whole on every rank (plain tensors): no exchange at all.
+        "replicated-keys": ([q, kv, kv], [queries, None, None]),
+        # Heads sharded, sequence whole: every rank attends locally.
+        "heads": ([q, q, q], [Layout((Shard(1),), {1: (1, 0, 2, 0)})] * 3),
+        # A sharded feature dim is made whole first.
+        "features": ([q, q, q], [Layout((Shard(3),), {3: (1, 1, 2, 0)}), queries, queries]),
+    }
+    # The queries' layout, except: heads stay sharded; queries whose features were made whole
+    # (and so every token) give every rank the whole output.
+    outputs = {"heads": cases["heads"][1][0], "features": Layout((Replicate(),))}
+    for name, (inputs, layouts) in cases.items():
+        check_against_reference(
+            attention,
+            inputs,
+            layouts,
+            mesh,
+            out_layouts=[outputs.get(name, queries)],
+            not_a_gather=EVERY_KEY,
+            what=name,
+        )
+
+
+def test_cross_attention_replicated_keys_heads_and_features() -> None:
+    run_on_ranks(4, _layouts_body)
+
+
+# ---------------------------------------------------------------------------- bytes
+BYTE_CASES = {"2r": ((7, 4), (2,)), "4r-empty": ((3, 0, 5, 3), (4,)), "2x2": ((2, 4, 0, 5), (2, 2))}
+
+
+def _bytes_body(name: str, mode: str) -> None:
+    """Bytes received per rank: the ring's bound (NOTE [Ring attention])."""
+    sizes, mesh_shape = BYTE_CASES[name]
+    mesh = get_mesh(mesh_shape)
+    batch, heads, width, value_width = 2, 3, 4, 5
+    length = sum(sizes)
+    layout = Layout((Shard(2),) * len(mesh_shape), {2: sizes})
+    tensors = []
+    for last in (width, width, value_width):
+        x = torch.randn(batch, heads, length, last, dtype=torch.float64)
+        spec = layout.spec(mesh, x)
+        tensors.append(from_local_spec(spec.narrow(x).requires_grad_(True), spec))
+    with attention_exchange(mode), shardsci.comm_counter() as forward:
+        out = F.scaled_dot_product_attention(*tensors, is_causal=True)
+    loss = (out * out).sum().to_local().sum()
+    with shardsci.comm_counter() as backward:
+        loss.backward()
+    me = torch.distributed.get_rank()
+    n = len(sizes)
+    row = batch * heads * (width + value_width) * 8
+    kind = "p2p" if mode == "ring" else "all_gather"
+    expected_forward = (length - sizes[me]) * row
+    if mode == "ring":
+        expected_backward = {"p2p": (length - sizes[me] + length - sizes[(me - 1) % n]) * row}
+    else:
+        expected_backward = {"reduce_scatter": (n - 1) * sizes[me] * row}
+    assert_all_ranks(
+        dict(forward.received) == {kind: expected_forward}
+        and {k: v for k, v in backward.received.items() if k != "all_reduce"} == expected_backward,
+        f"{name} {mode}: forward {forward.as_dict()}, backward {backward.as_dict()}; expected "
+        f"{kind} {expected_forward} and {expected_backward}",
+    )
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_gather"])
+@pytest.mark.parametrize("name", list(BYTE_CASES))
+def test_bytes_at_the_ring_bound(name: str, mode: str) -> None:
+    run_on_ranks(len(BYTE_CASES[name][0]), _bytes_body, name, mode)
+
+
+def _cost_rule_body() -> None:
+    """Small keys and values are gathered; above the limit (here 0 bytes), the ring."""
+    mesh = get_mesh((2,))
+    x = torch.randn(1, 2, 9, 4, dtype=torch.float64)
+    layout = Layout((Shard(2),), {2: (5, 4)})
+    spec = layout.spec(mesh, x)
+    tokens = from_local_spec(spec.narrow(x), spec)
+    chosen = {}
+    for name, limit in {"small": 1 << 20, "large": 0}.items():
+        with attention_exchange("auto", gather_limit_bytes=limit), shardsci.comm_counter() as s:
+            F.scaled_dot_product_attention(tokens, tokens, tokens)
+        chosen[name] = set(s.calls)
+    assert_all_ranks(
+        chosen == {"small": {"all_gather"}, "large": {"p2p"}}, f"exchanges chosen: {chosen}"
+    )
+
+
+def test_cost_rule() -> None:
+    run_on_ranks(2, _cost_rule_body)
+
+
+# ---------------------------------------------------------------------------- modules, errors
+def _multihead_body(batch_first: bool) -> None:
+    mesh = get_mesh((4,))
+    module = nn.MultiheadAttention(8, 2, batch_first=batch_first).double()
+    dim = 1 if batch_first else 0
+    x = torch.randn(2, 11, 8, dtype=torch.float64)
+    if not batch_first:
+        x = x.transpose(0, 1).contiguous()
+    layout = Layout((Shard(dim),), {dim: (3, 0, 5, 3)})
+    check_against_reference(
+        lambda m, a: m(a, a, a, need_weights=False)[0],
+        [x],
+        [layout],
+        mesh,
+        module=module,
+        not_a_gather=EVERY_KEY,
+    )
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_multihead_attention(batch_first: bool) -> None:
+    run_on_ranks(4, _multihead_body, batch_first)
+
+
+def _errors_body() -> None:
+    mesh = get_mesh((2,))
+    x = torch.randn(1, 2, 9, 4, dtype=torch.float64)
+    spec = Layout((Shard(2),), {2: (9, 0)}).spec(mesh, x)
+    tokens = from_local_spec(spec.narrow(x), spec)
+    assert_raises_all_ranks(
+        NotImplementedError,
+        "dropout_p=0 only",
+        lambda: F.scaled_dot_product_attention(tokens, tokens, tokens, dropout_p=0.1),
+    )
+    wrong = torch.randn(1, 3, 9, 4, dtype=torch.float64)
+    assert_raises_all_ranks(
+        RuntimeError, "must match", lambda: F.scaled_dot_product_attention(tokens, wrong, wrong)
+    )
+    mask = torch.ones(9, 9, dtype=torch.bool)
+    assert_raises_all_ranks(
+        RuntimeError,
+        "should not be set when is_causal=True",
+        lambda: F.scaled_dot_product_attention(tokens, tokens, tokens, mask, is_causal=True),
+    )
+
+
+def test_bad_input_fails_on_every_rank() -> None:
+    run_on_ranks(2, _errors_body)
