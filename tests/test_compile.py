@@ -35,9 +35,11 @@ from shardsci.testing import (
 FAST = "aot_eager"
 
 
-def _unet() -> UNet:
+def _unet(coordinates: str = "none") -> UNet:
     torch.manual_seed(0)
-    return UNet(width=8, depth=2, norm_groups=4, padding_mode="circular").double()
+    return UNet(
+        width=8, depth=2, norm_groups=4, padding_mode="circular", coordinates=coordinates
+    ).double()
 
 
 def _probe_call(model: torch.nn.Module, whole: torch.Tensor, layout: Layout, mesh) -> None:
@@ -88,9 +90,11 @@ def _compiled_equals_eager(
         )
 
 
-def _unet_regions_body(backend: str, mesh_shape: tuple[int, ...]) -> None:
+def _unet_regions_body(
+    backend: str, mesh_shape: tuple[int, ...], coordinates: str = "none"
+) -> None:
     mesh = get_mesh(mesh_shape)
-    model = _unet()
+    model = _unet(coordinates)
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compile_regions(model, backend=counter)
     whole = torch.randn(2, 1, 64, 48, dtype=torch.float64)
@@ -123,10 +127,11 @@ def _unet_regions_body(backend: str, mesh_shape: tuple[int, ...]) -> None:
         frames[0] > 0 and frames[1] == frames[0],
         f"compiled frames after each layout: {frames} (expected no recompilation)",
     )
-    assert_all_ranks(
-        sorted(regions) == sorted([n for n, m in model.named_modules() if _is_act(m)] + ["head"]),
-        f"UNet regions: {regions}",
-    )
+    # Position features read the global shape and add a term sliced to each shard: not local.
+    # Without them (coordinates="none") the embedding is the identity, a local region.
+    local = [n for n, m in model.named_modules() if _is_act(m)] + ["head"]
+    local += ["coordinates"] if coordinates == "none" else []
+    assert_all_ranks(sorted(regions) == sorted(local), f"UNet regions: {regions}")
 
 
 def _is_act(module: torch.nn.Module) -> bool:
@@ -139,6 +144,10 @@ def test_unet_regions_equal_eager_without_recompiling_for_new_shard_sizes() -> N
 
 def test_unet_regions_on_a_2x2_mesh() -> None:
     run_on_ranks(4, _unet_regions_body, FAST, (2, 2), timeout_s=600)
+
+
+def test_position_features_are_not_a_local_region() -> None:
+    run_on_ranks(2, _unet_regions_body, FAST, (2,), "periodic", timeout_s=600)
 
 
 def _mesh_graph(points: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
