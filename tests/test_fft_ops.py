@@ -493,12 +493,9 @@ def _spectral_conv_truncate_first(x: torch.Tensor, weight: torch.Tensor) -> torc
     return torch.fft.irfft(grid, n=x.shape[-1], norm="ortho")
 
 
-# (case, layer) -> the output's layout where it is not the input's (the inverse of a spectrum
-# whose hints einsum dropped takes the cheapest layout, with torch.chunk sizes).
-SPECTRAL_CONV_LAYOUTS = {
-    ("4r-W-even", "_spectral_conv_truncate_first"): "S2; 2=2/2/1/0",
-    ("2x2-block", "_spectral_conv_truncate_first"): "S2,S2; 2=3/3/3/2",
-}
+# (case, layer) -> the output's layout where it is not the input's. None today: the inverse
+# transforms return the input's layout on every case, truncated or not.
+SPECTRAL_CONV_LAYOUTS: dict[tuple[str, str], str] = {}
 
 
 def _spectral_conv_body(case_name: str) -> None:
@@ -601,6 +598,7 @@ def _complex_views_body() -> None:
         [x],
         [layout],
         mesh,
+        out_layouts=[layout],  # the (real, imaginary) pair dim is appended, unsharded
     )
 
 
