@@ -11,6 +11,7 @@ from shardsci.planning._plan import LayerPlan, RankClassPlan, RunPlan
 __all__ = ["PLAN_FILE", "bytes_text", "format_plan", "write_plan"]
 
 PLAN_FILE = "dry_run.json"
+"""The dry run's plan, written as JSON in the run directory."""
 
 
 def write_plan(plan: RunPlan, run_dir: Path) -> Path:

@@ -74,8 +74,8 @@ class Layout:
         )
 
 
-# What an output's layout is stated as: a Layout, a function of its global shape, or None.
 ExpectedLayout = Layout | Callable[[tuple[int, ...]], Layout | None] | None
+"""What an output's layout is stated as: a Layout, a function of its global shape, or None."""
 
 
 def check_against_reference(
