@@ -11,8 +11,9 @@ Without torchrun or SLURM variables this process composes the config, checks it 
 errors before any rank starts]) and starts the mesh's ranks on this machine; under torchrun or
 srun every rank composes and checks the same config and runs its part. ``-m ...
 launcher=slurm`` submits the job with Hydra's submitit launcher. How recipes are found: NOTE
-[How train.py finds recipes]. A mistake in the config is one line on standard error and exit
-status 2 (``HYDRA_FULL_ERROR=1`` shows the traceback).
+[How train.py finds recipes]. A mistake in the config, Hydra's composition errors included
+(NOTE [Composition errors in one line]), is one line on standard error and exit status 2
+(``HYDRA_FULL_ERROR=1`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import time
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,9 +41,12 @@ from shardsci.training import (
     register_run_schemas,
     reported,
     run_local_ranks,
+    traceback_requested,
 )
 
-__all__ = ["launch", "main"]
+__all__ = ["check_composition", "launch", "main"]
+
+CONFIG_MODULE = "shardsci.configs"
 
 
 def _run_dir() -> str:
@@ -91,8 +97,50 @@ def launch(cfg: DictConfig, multirun: bool = False) -> int:
     )
 
 
-@hydra.main(version_base="1.3", config_path="pkg://shardsci.configs", config_name="config")
-def main(cfg: DictConfig) -> None:
+# NOTE [Composition errors in one line]
+# Hydra reports its own composition errors (a misspelt key, an unknown choice, a value of the
+# wrong type, an override it cannot parse) from inside ``hydra.main``, where no handler of ours
+# runs: several lines, exit status 1. So the command composes the overrides once with Hydra's
+# compose API first (about 0.15 s) and turns those errors into the one line and exit status of
+# every other config mistake. With a flag (``-m``, ``--cfg``, ``--help``...) it leaves the
+# command line to Hydra: a sweep is not one config. ``HYDRA_FULL_ERROR=1`` skips the check, so
+# Hydra's full report appears.
+
+
+def main() -> None:
+    """The command: check that the overrides compose, then run (``_run``)."""
+    with reported():
+        check_composition(sys.argv[1:])
+    _run()
+
+
+def check_composition(arguments: list[str]) -> None:
+    """Raise ``ConfigError`` with Hydra's composition error of ``arguments`` in one line; do
+    nothing when they compose, contain a flag, or a traceback is requested."""
+    if traceback_requested() or any(argument.startswith("-") for argument in arguments):
+        return
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            compose("config", overrides=arguments)
+    except HydraException as error:
+        raise ConfigError(_one_line(error)) from error
+
+
+def _one_line(error: HydraException) -> str:
+    """Hydra's composition error as one line: its first line, the cause's first line, its
+    hints; for a missing config the choices there are."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if isinstance(error, MissingConfigException):
+        choices = [name for name in error.options or () if not name.endswith("_schema")]
+        return lines[0] + (f"; expected one of: {', '.join(choices)}" if choices else "")
+    head = lines[0].rstrip(".")
+    if error.__cause__ is not None:
+        head += ": " + str(error.__cause__).splitlines()[0]
+    return "; ".join([head, *(line[0].lower() + line[1:] for line in lines[1:])])
+
+
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
+def _run(cfg: DictConfig) -> None:
     """Run the recipe ``cfg.recipe`` on the mesh ``cfg.mesh``."""
     run_dir = Path(cfg.run_dir)
     try:

@@ -147,6 +147,58 @@ def test_a_user_sees_one_line_and_no_traceback(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "train.stepz=3",
+            "Could not override 'train.stepz': Key 'stepz' not in 'TrainConfig'; to append to "
+            "your config use +train.stepz=3",
+        ),
+        ("parallel=dpp", "In 'config': Could not find 'parallel/dpp'; expected one of: auto, "
+         "block, slab"),
+        ("model=unett", "In 'recipe/cfd': Could not find 'model/unett'; expected one of: fno, "
+         "meshgraphnet, transolver, unet, vit"),
+        ("train.steps=abc", "Error merging override train.steps=abc: Value 'abc' of type 'str' "
+         "could not be converted to Integer"),
+        ("optim.lr", "Error parsing override 'optim.lr'; missing EQUAL at '<EOF>'; see "
+         "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
+    ],
+)  # fmt: skip
+def test_a_composition_error_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, override: str, line: str
+) -> None:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        train.check_composition(["+recipe=cfd", override])
+    assert str(refused.value) == line
+
+
+def test_overrides_that_compose_or_carry_a_flag_are_left_to_hydra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    train.check_composition(["+recipe=cfd", "mesh=4x2", "model=unet"])
+    train.check_composition(["-m", "+recipe=cfd", "mesh=1,2"])  # a sweep is not one config
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    train.check_composition(["+recipe=cfd", "train.stepz=3"])  # Hydra's own report follows
+
+
+def test_a_misspelt_key_is_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "+recipe=cfd", "train.stpes=3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == EXIT_USER_ERROR, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: Could not override 'train.stpes': Key 'stpes' not in 'TrainConfig'; to append "
+        "to your config use +train.stpes=3"
+    ]
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_hydra_full_error_shows_the_traceback(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

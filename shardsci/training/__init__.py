@@ -24,6 +24,7 @@ from shardsci.training._errors import (
     ConfigError,
     NonFiniteLoss,
     reported,
+    traceback_requested,
 )
 from shardsci.training._launcher import LauncherConfig, LauncherKind, run_local_ranks
 from shardsci.training._layout import LayoutPlan, ParallelConfig, ParallelLayout, mesh_world_size
@@ -93,5 +94,6 @@ __all__ = [
     "run_local_ranks",
     "schema_of",
     "start_run",
+    "traceback_requested",
     "warmup_cosine",
 ]

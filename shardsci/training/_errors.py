@@ -58,6 +58,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
 
 
 def traceback_requested() -> bool:
+    """Whether ``HYDRA_FULL_ERROR`` asks for the traceback of user errors."""
     return os.environ.get(TRACEBACK_VAR, "") not in ("", "0")
 
 
