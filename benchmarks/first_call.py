@@ -20,28 +20,38 @@ measures that first-call cost for
 
 Each case runs in the rank pool of 2 gloo ranks. On every rank: the op once on plain tensors
 (so that torch's own first-call costs of the kernels are paid before; a case whose plain call
-raises is skipped), every cache emptied by ``shardsci.clear_caches()``, then a timed first call on ShardTensors built from the
-sample, forward and, when the sharded inputs require grad, backward of the differentiable
-outputs (with gradients of ones laid out as the outputs, built outside the timing), then the
-same on fresh inputs of the same layout ``--warm`` times (the warm calls). Every timed call
-starts at a barrier, with the garbage collector off. The figures are the slowest rank's:
-``first_ms`` and ``warm_ms`` (the fastest warm call) are forward + backward, and
-``planning_ms = first_ms - warm_ms`` is what planning costs on the first call (``forward_*``
-the same for the forward alone). A case that raises the same error on every rank is reported
-with ``status: "error"`` and the time until it raised.
+raises is skipped), then ``--rounds`` rounds of: every cache emptied by
+``shardsci.clear_caches()``, a timed first call on ShardTensors built from the sample (forward
+and, when the sharded inputs require grad, backward of the differentiable outputs, with
+gradients of ones laid out as the outputs, built outside the timing), then the same on fresh
+inputs of the same layout ``--warm`` times (the warm calls). Every timed call starts at a
+barrier, with the garbage collector off. Per round, the figures are the slowest rank's:
+``first_ms`` and ``warm_ms`` (the fastest warm call) are forward + backward wall time,
+``planning_ms = first_ms - warm_ms`` is what planning costs on the first call, ``forward_*`` the
+same for the forward alone and ``*_cpu_ms`` the same in CPU time of the rank process. A case
+reports its round of least ``planning_ms`` (other processes on the machine only ever add time;
+on this shared 2-core machine one round's wall time can be several times its CPU time), the
+first round's ``first_round_planning_ms`` and the least CPU planning time of any round. A case
+that raises the same error on every rank is reported with ``status: "error"`` and the time
+until it raised.
 
 What is cleared: ``clear_caches`` empties shardsci's plans, specs and handler plans and, of
-DTensor's, the propagation LRU, the redistribution planners and the transform infos. DTensor's
-other caches are not on a ShardTensor op's path and stay: its tensor-metadata LRU (shardsci
-calls ``propagate_op_sharding_non_cached``, which computes metadata uncached), the C++ cache of
+DTensor's, the propagation LRU, the redistribution planners and the transform infos. Fake
+tensors' dispatch cache, which DTensor's propagation of output metadata fills and
+``clear_caches`` leaves (it is torch's, shared by every ``FakeTensorMode``), is switched off in
+the rank processes (``torch._dynamo.config.fake_tensor_cache_enabled``): with it, a later
+round's first call plans 10-25 % faster than a first call in a fresh process. DTensor's other
+caches are not on a ShardTensor op's path and stay: its tensor-metadata LRU (shardsci calls
+``propagate_op_sharding_non_cached``, which computes metadata uncached), the C++ cache of
 DTensor's own dispatch, and the mesh topology (one entry per mesh, filled by a warm-up op that
 every rank process runs before its first case, with DTensor's lazy imports). So is everything
 torch itself does once per process (a kernel's first meta call, a decomposition's first
-import): the first case that needs it pays for it, as the first op of a real run would.
+import): the first round of the first case that needs it pays for it, as the first op of a
+real run would, and ``first_round_planning_ms`` shows it.
 
-Run ``python -m benchmarks.first_call`` (every case, a few minutes here), ``--ops REGEX``
-(on ``group:name``, e.g. ``--ops 'suite:attention'``), ``--limit N`` (the first N cases);
-the JSON fields are listed in README.md.
+Run ``OMP_NUM_THREADS=1 python -m benchmarks.first_call`` (every case: about 2 minutes here),
+``--ops REGEX`` (on ``group:op``, e.g. ``--ops 'suite:attention|opdb:nn.functional'``),
+``--limit N`` (the first N cases); the JSON fields are listed in README.md.
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ from torch.distributed.tensor import Shard
 from benchmarks._common import emit, on_ranks, rank_pools
 from shardsci import ShardTensor, clear_caches
 from shardsci.tensor._api import from_local_spec, grad_spec
+from shardsci.tensor._torch_compat import dynamo_config
 from shardsci.testing import Layout, RankFailure, get_mesh
 from tests import op_db_sweep
 from tests.layouts import CASES, SPATIAL_2D
@@ -282,6 +293,7 @@ def _prepare_process(case: str) -> None:
     before each case sweeps only what cases left (not the database's 400,000 objects)."""
     before = len(_prepared)
     if "process" not in _prepared:
+        dynamo_config.fake_tensor_cache_enabled = False
         x = ShardTensor.from_local(torch.ones(3, 2), get_mesh((WORLD,)), [Shard(0)])
         (x.sum(0) * 2).full_tensor()
         _prepared.add("process")
