@@ -89,17 +89,18 @@ WORLD = 2
 # ---------------------------------------------------------------------------- cases
 @dataclass(frozen=True)
 class SuiteOp:
-    """A call of the test suite on global inputs, the ``Layout`` of each (None: plain)."""
+    """A call of the test suite: ``fn`` on random global inputs of ``shapes`` and ``dtype``,
+    each laid out as ``layouts`` says (None: a plain tensor); ``grad``: whether the sharded
+    inputs require grad."""
 
     fn: Callable[..., object]
     shapes: tuple[tuple[int, ...], ...]
     layouts: tuple[Layout | None, ...]
     grad: bool = True
-    dtypes: tuple[torch.dtype, ...] = (torch.float64,)
+    dtype: torch.dtype = torch.float64
 
     def inputs(self) -> list[torch.Tensor]:
-        dtypes = self.dtypes * len(self.shapes) if len(self.dtypes) == 1 else self.dtypes
-        return [torch.randn(s, dtype=d) for s, d in zip(self.shapes, dtypes)]
+        return [torch.randn(shape, dtype=self.dtype) for shape in self.shapes]
 
 
 def _suite() -> dict[str, SuiteOp]:
@@ -145,7 +146,7 @@ def _field_ops() -> dict[str, SuiteOp]:
     for name, calls in test_fft_ops.TRANSFORMS.items():
         for i, (real, fn) in enumerate(calls):
             dtype = torch.float64 if real else torch.complex128
-            ops[f"fft.{name}[{i}]"] = SuiteOp(fn, *fields, dtypes=(dtype,))
+            ops[f"fft.{name}[{i}]"] = SuiteOp(fn, *fields, dtype=dtype)
     for mode, variants in test_interpolate_ops.MODES_2D.items():
         for resize, kwargs in test_interpolate_ops.RESIZES.items():
             call = _interpolate(mode, {**variants[0], **kwargs})
