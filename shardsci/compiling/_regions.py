@@ -15,10 +15,10 @@ it eagerly under taps (NOTE [Taps on record_comm and redistribute_local]); it is
 no collective moved a byte on any rank, no operand changed layout, and every output keeps the
 inputs' placements and shard extents. The ranks agree with one all-reduce, so they all run
 the same code and issue the same collectives. Parameters enter a region through
-``replicated_local``: their gradients are the sum over the shards, reduced once per call as
-in eager mode. The regions of one module class share one compiled function that takes the
-module as an argument, so instances with equal structure share compiled code: dynamo guards on
-their structure, not their identity.
+``replicated_local``: their gradients are the sum over the shards (and over the shares of
+Partial inputs), reduced once per call as in eager mode. The regions of one module class
+share one compiled function that takes the module as an argument, so instances with equal
+structure share compiled code: dynamo guards on their structure, not their identity.
 
 Under a TorchDispatchMode (a memory tracker, a traffic count, a profiler) regions run eagerly:
 dynamo refuses to trace while one is active, and a mode is there to see every op, which
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Partial
 from torch.func import functional_call
 
 from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
@@ -178,7 +179,13 @@ class _RegionState:
         # Outputs remember what the inputs remember, as every op's output does (NOTE
         # [Shard-size hints]): an upsampling after the region finds the sizes to return to.
         hints = merged_hints(*(s.hints + s.shardings for s in specs))
-        partial_axes = {a for s in spec.shardings for a in s.axes}
+        # A weight's gradient is a partial sum over the axes that shard the inputs and over
+        # those where they are Partial: a region on Partial inputs (a Linear without bias on
+        # the Transolver's slice tokens) is linear in them, so each rank's input share
+        # contributes its own share of the weight's gradient.
+        partial_axes = {a for s in spec.shardings for a in s.axes} | {
+            a for a, p in enumerate(spec.placements) if isinstance(p, Partial)
+        }
         state = {
             name: replicated_local(p, spec.mesh, partial_axes)
             for name, p in module.named_parameters()
