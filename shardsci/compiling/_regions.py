@@ -20,6 +20,9 @@ Partial inputs), reduced once per call as in eager mode. The regions of one modu
 share one compiled function that takes the module as an argument, so instances with equal
 structure share compiled code: dynamo guards on their structure, not their identity.
 
+A region's sharded inputs reach the compiler as aliases of the local shards that are not
+views (NOTE [Region inputs are not views]).
+
 Under a TorchDispatchMode (a memory tracker, a traffic count, a profiler) regions run eagerly:
 dynamo refuses to trace while one is active, and a mode is there to see every op, which
 compiled code would hide from it.
@@ -269,7 +272,7 @@ def _has_small_shards(spec: ShardTensorSpec) -> bool:
 # ---------------------------------------------------------------------------- shards
 def _local(value: Any, spec: ShardTensorSpec, partial_axes: set[int]) -> Any:
     if isinstance(value, ShardTensor):
-        local = value.to_local()
+        local = _NotAView.apply(value.to_local())
         for sharding in spec.shardings:
             # "maybe": a backend that must specialise a sharded dim (inductor's CPU conv
             # lowering) compiles per size, reported as recompilations, instead of raising.
@@ -297,3 +300,27 @@ def _sharded(value: Any, spec: ShardTensorSpec, hints: tuple[DimSharding, ...]) 
         hints=hints,
     )
     return from_local_spec(value, out_spec)
+
+
+class _NotAView(torch.autograd.Function):
+    """``x`` as an alias that is not a view, with an identity backward.
+
+    NOTE [Region inputs are not views]
+    ``to_local`` returns a view (of the ShardTensor's local tensor, itself perhaps a view of a
+    padded or permuted buffer). Dynamo turns a view input's base into a symbolic tensor too,
+    with dynamic dims of its own: the shard dims marked on the view are static in the base,
+    and once automatic dynamic shapes make another of the base's dims symbolic (the class's
+    next instance has other channels), the guards tie the base's strides to the current shard
+    extents (``x._base.stride()[0] == 120*x._base.size()[1]``): every new shard size then
+    recompiles. Marking the same dims on the base is no cure where the base's dims do not line
+    up with the view's (a ``movedim`` to channels-last). A detached alias shares the storage
+    and the version counter and has no base, so the compiler sees the shard alone.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
