@@ -116,8 +116,40 @@ class _Region:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = super().forward  # type: ignore[misc]
         if torch.compiler.is_compiling():
+            if _is_channel_mix(self, args, kwargs):  # type: ignore[arg-type]
+                return _channel_mix(self, args[0])  # type: ignore[arg-type]
             return original(*args, **kwargs)
         return self._shardsci_region.call(self, original, args, kwargs)  # type: ignore[arg-type]
+
+
+def _is_channel_mix(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``module(*args, **kwargs)`` is a batched convolution with a kernel of one cell:
+    a matrix product over channels, cell by cell (NOTE [Pointwise convolutions in regions])."""
+    if not isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) or kwargs or len(args) != 1:
+        return False
+    ones = all(n == 1 for n in (*module.kernel_size, *module.stride, *module.dilation))
+    unpadded = isinstance(module.padding, str) or not any(module.padding)
+    return ones and unpadded and module.groups == 1 and args[0].ndim == module.weight.ndim
+
+
+def _channel_mix(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``conv(x)`` for a convolution with a kernel of one cell, as an einsum:
+    ``(B, C_{in}, *S) -> (B, C_{out}, *S)``.
+
+    NOTE [Pointwise convolutions in regions]
+    Inductor's CPU lowering of a convolution's backward fixes the strides of the input's
+    gradient (``guard_int_seq`` in ``convolution_backward_lowering``, torch 2.13), so a sharded
+    dim marked dynamic is specialised and every new shard size recompiles the region. A
+    convolution whose kernel, stride and dilation are all one cell is a matrix product over
+    channels at every cell: traced as that einsum (only inside compiled regions; eager code
+    keeps the convolution), its backward is matrix products, whose lowering keeps the dims
+    symbolic. The sums run in another order than the convolution's, equal to rounding.
+    """
+    weight = conv.weight.flatten(1)  # type: ignore[union-attr]
+    y = torch.einsum("oi,bi...->bo...", weight, x)
+    if conv.bias is None:
+        return y
+    return y + conv.bias.view(-1, *([1] * (x.ndim - 2)))  # type: ignore[union-attr]
 
 
 _REGION_CLASSES: dict[type, type] = {}
