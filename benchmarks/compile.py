@@ -11,15 +11,25 @@ step started from a barrier, a step's time the slowest rank's):
 - ``torch_compile``: ``torch.compile(model)``: one compiled graph per frame at 1 rank; at 2
   ranks ShardTensor ops run eagerly (NOTE [torch.compile and ShardTensor]).
 
+Models (``--models``): the UNet, FNO, ViT and Transolver on a ``(4, 1, 128, 128)`` field (2
+ranks: H split 64/64, then 72/56), the last three with the CFD recipe's settings
+(``configs/recipe/cfd/model/``); the MeshGraphNet on a 2000-node mesh (METIS, then RCB parts).
+Step times (wall, and CPU: ``time.process_time`` of the slowest rank, which other processes
+on a shared machine disturb far less) are reported as median, quartiles, min and max
+(``_common.spread``), the ratios to eager as the ratio of medians and the spread of the
+per-round wall-time ratios.
+
 Besides the times: compile time (first steps), compiled frames, graph breaks
 (``torch._dynamo.explain``), compiled regions, recompilations when only the shard sizes change
 (2 ranks: a second layout of the same global problem after the timed steps) and the largest
-difference from the eager result. Run ``python -m benchmarks.compile``; JSON lines on stdout,
-fields in README.md. Compile times are dominated by inductor's C++ compiler on a CPU.
+difference from the eager result. Run ``python -m benchmarks.compile [--models unet fno]
+[--worlds 1 2] [--rounds 5]``; JSON lines on stdout, fields in README.md. Compile times are
+dominated by inductor's C++ compiler on a CPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import statistics
@@ -33,16 +43,15 @@ import torch.distributed as dist
 from scipy.spatial import Delaunay
 from torch import nn
 
-from benchmarks._common import emit, rank_pools
+from benchmarks._common import emit, interleaved_steps, rank_pools, spread
 from shardsci import Shard, ShardTensor
 from shardsci.compiling import compile_regions, region_summary
 from shardsci.graph import GraphPartition, partition_nodes
-from shardsci.models import MeshGraphNet, UNet
+from shardsci.models import FNO, MeshGraphNet, Transolver, UNet, ViT
 from shardsci.testing import get_mesh, run_on_ranks
 
 VARIANTS = ("eager", "regions", "torch_compile")
 ROUNDS = 5
-WORLD_SIZES = (1, 2)
 RANK_TIMEOUT_S = 3600.0  # inductor compiles C++ for minutes on a busy 2-core machine
 
 
@@ -57,7 +66,7 @@ class Case:
 
 
 # --------------------------------------------------------------------------- the cases
-def _unet_inputs(world: int, variant: int) -> tuple:
+def _field_inputs(world: int, variant: int) -> tuple:
     whole = torch.randn(4, 1, 128, 128, generator=torch.Generator().manual_seed(0))
     if world == 1:
         return (whole,)
@@ -116,12 +125,27 @@ CASES = {
     "unet": Case(
         "UNet(width=16, depth=3, norm_groups=4, circular), input (4, 1, 128, 128)",
         lambda: UNet(width=16, depth=3, norm_groups=4, padding_mode="circular", residual=True),
-        _unet_inputs,
+        _field_inputs,
     ),
     "meshgraphnet": Case(
         "MeshGraphNet(hidden=64, processor_blocks=6), 2000-node Delaunay mesh, batch 4",
         lambda: MeshGraphNet(node_in=3, edge_in=3, node_out=3, hidden=64, processor_blocks=6),
         _meshgraphnet_inputs,
+    ),
+    "fno": Case(
+        "FNO(modes=(12, 12), width=32, layers=4, periodic), input (4, 1, 128, 128)",
+        lambda: FNO(modes=(12, 12), width=32, coordinates="periodic", residual=True),
+        _field_inputs,
+    ),
+    "vit": Case(
+        "ViT(patch_size=4, width=128, depth=4, heads=4), input (4, 1, 128, 128)",
+        lambda: ViT(patch_size=4, width=128, depth=4, heads=4, residual=True),
+        _field_inputs,
+    ),
+    "transolver": Case(
+        "Transolver(width=64, layers=4, heads=4, slices=32), input (4, 1, 128, 128)",
+        lambda: Transolver(width=64, layers=4, heads=4, slices=32, residual=True),
+        _field_inputs,
     ),
 }
 
@@ -145,6 +169,7 @@ class _Variant:
             else self.model
         )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.cpu_s: list[float] = []
 
     def step(self, args: tuple) -> torch.Tensor:
         out = self.run(*args)
@@ -152,10 +177,18 @@ class _Variant:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        return _whole(out).detach()
+        return out.detach()
+
+    def timed_step(self, args: tuple) -> list[float]:
+        """Wall seconds of one step from a barrier; its CPU seconds go to ``cpu_s``."""
+        dist.barrier()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        self.step(args)
+        self.cpu_s.append(time.process_time() - cpu_start)
+        return [time.perf_counter() - start]
 
 
-def time_variants(case_name: str) -> dict:
+def time_variants(case_name: str, rounds: int) -> dict:
     """Rank body: per variant, compile time, step times, frames, recompilations, agreement."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -164,22 +197,19 @@ def time_variants(case_name: str) -> dict:
     model = case.build()
     args = case.inputs(world, 0)
     variants = {name: _Variant(name, model) for name in VARIANTS}
-    result: dict = {name: {"step_s": []} for name in VARIANTS}
+    result: dict = {name: {} for name in VARIANTS}
     outputs = {}
     for name, variant in variants.items():
         dist.barrier()
         start = time.perf_counter()
         for _ in range(2):  # the first call of a region decides whether it is local
-            outputs[name] = variant.step(args)
+            out = variant.step(args)
         result[name]["first_two_steps_s"] = time.perf_counter() - start
-    order = list(VARIANTS)
-    for _ in range(ROUNDS):
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            variants[name].step(args)
-            result[name]["step_s"].append(time.perf_counter() - start)
-        order.reverse()
+        outputs[name] = _whole(out)
+    steps = interleaved_steps(list(VARIANTS), rounds, lambda name: variants[name].timed_step(args))
+    for name in VARIANTS:
+        result[name]["step_s"] = steps[name]
+        result[name]["cpu_s"] = variants[name].cpu_s
     other = case.inputs(world, 1) if world > 1 else args
     for name, variant in variants.items():
         frames = variant.counter.frame_count
@@ -199,26 +229,23 @@ def time_variants(case_name: str) -> dict:
 
 
 # --------------------------------------------------------------------------- reporting
-def report(case_name: str, world: int) -> dict[str, float]:
-    per_rank = run_on_ranks(world, time_variants, case_name, timeout_s=RANK_TIMEOUT_S)
+def report(case_name: str, world: int, rounds: int) -> dict[str, float]:
+    per_rank = run_on_ranks(world, time_variants, case_name, rounds, timeout_s=RANK_TIMEOUT_S)
     first = per_rank[0]
-    steps = {
-        name: [max(times) for times in zip(*(r[name]["step_s"] for r in per_rank))]
-        for name in VARIANTS
-    }
-    median = {name: statistics.median(times) for name, times in steps.items()}
-    fields = (
-        {f"{name}_step_s": round(median[name], 4) for name in VARIANTS}
-        | {f"{name}_step_min_s": round(min(steps[name]), 4) for name in VARIANTS}
-        | {
-            f"{name}_first_two_steps_s": round(
-                max(r[name]["first_two_steps_s"] for r in per_rank), 2
-            )
+    steps, cpu = (
+        {
+            name: [max(times) for times in zip(*(r[name][key] for r in per_rank))]
             for name in VARIANTS
         }
+        for key in ("step_s", "cpu_s")
     )
+    median = {name: statistics.median(times) for name, times in steps.items()}
+    cpu_median = {name: statistics.median(times) for name, times in cpu.items()}
     ratios = {
         f"ratio_{name}_to_eager": round(median[name] / median["eager"], 3) for name in VARIANTS[1:]
+    } | {
+        f"ratio_{name}_to_eager_cpu": round(cpu_median[name] / cpu_median["eager"], 3)
+        for name in VARIANTS[1:]
     }
     emit(
         "compile",
@@ -226,8 +253,21 @@ def report(case_name: str, world: int) -> dict[str, float]:
         describe=CASES[case_name].describe,
         world_size=world,
         steps_timed=len(steps["eager"]),
-        **fields,
+        **{f"{name}_step_s": spread(steps[name]) for name in VARIANTS},
+        **{f"{name}_cpu_s": spread(cpu[name]) for name in VARIANTS},
+        **{
+            f"{name}_first_two_steps_s": round(
+                max(r[name]["first_two_steps_s"] for r in per_rank), 2
+            )
+            for name in VARIANTS
+        },
         **ratios,
+        **{
+            f"ratio_{name}_to_eager_per_round": spread(
+                [t / e for t, e in zip(steps[name], steps["eager"])], digits=3
+            )
+            for name in VARIANTS[1:]
+        },
         regions_frames=first["regions"]["frames"],
         compiled_regions=first["regions"]["compiled_regions"],
         torch_compile_frames=first["torch_compile"]["frames"],
@@ -244,19 +284,26 @@ def report(case_name: str, world: int) -> dict[str, float]:
     return {f"{case_name}_{world}_{key}": value for key, value in ratios.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2], choices=[1, 2])
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    args = parser.parse_args(argv)
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
     summary: dict[str, object] = {}
     with rank_pools():
-        for case_name in CASES:
-            for world in WORLD_SIZES:
-                summary.update(report(case_name, world))
+        for case_name in args.models:
+            for world in args.worlds:
+                summary.update(report(case_name, world, args.rounds))
     emit(
         "summary",
         **summary,
+        rounds=args.rounds,
         load_average_before=round(load_before, 1),
         load_average_after=round(os.getloadavg()[0], 1),
+        cores=os.cpu_count(),
         wall_s=round(time.perf_counter() - started, 1),
     )
 

@@ -4,12 +4,17 @@ Every layout is checked twice. ``check_against_reference`` runs the model under 
 count, a TorchDispatchMode, so regions run eagerly there (NOTE [Compiled local regions]): it
 checks layouts, traffic and values of the sharded model. ``_compiled_equals_eager`` then runs
 it outside any mode, compiled, and compares outputs and every gradient with the single-device
-eager model on the same global data, float64 to 1e-10. Fast checks compile with the
-``aot_eager`` backend (AOTAutograd forward and backward graphs without code generation);
-``-m slow`` runs the same bodies with inductor's generated kernels.
+eager model on the same global data, float64 to 1e-10. The rest of the zoo (FNO 2-D, padded
+and 3-D, ViT, Transolver 2-D and 3-D; ``tests/zoo.py``) is checked the second way only, its
+sharded eager runs being ``tests/test_zoo_sharded.py``'s, on 2 ranks uneven and a 2x2 mesh
+(the 3-D variants on 2 ranks), with the modules that run eagerly named and no recompilation
+allowed for new shard sizes. Fast checks compile with the ``aot_eager`` backend (AOTAutograd forward and backward graphs
+without code generation); ``-m slow`` runs the same bodies with inductor's generated kernels.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -31,6 +36,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.zoo import MODELS
 
 FAST = "aot_eager"
 
@@ -54,11 +60,13 @@ def _compiled_equals_eager(
     layouts: list[Layout],
     mesh: DeviceMesh,
     what: str,
+    out_layout: Layout | None = None,
 ) -> None:
     """The model of ``compile_regions`` on ShardTensors, outside any dispatch mode (so its
     regions run compiled), against the same model on the whole inputs (where every module
-    runs its eager forward): output, its layout, and the gradients of a random projection of
-    it for every floating input and every parameter."""
+    runs its eager forward): output, its layout (``out_layout``, by default the first
+    input's), and the gradients of a random projection of it for every floating input and
+    every parameter."""
     wholes = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
     model.zero_grad(set_to_none=True)
     expected = model(*wholes)
@@ -72,9 +80,10 @@ def _compiled_equals_eager(
         s.narrow(x).clone().requires_grad_(x.is_floating_point()) for x, s in zip(inputs, specs)
     ]
     out = model(*(from_local_spec(leaf, s) for leaf, s in zip(leaves, specs)))
+    out_spec = (out_layout or layouts[0]).spec(mesh, expected)
     assert_all_ranks(
-        out._spec.placements == specs[0].placements and out._spec.shardings == specs[0].shardings,
-        f"{what}: output layout {out._spec} (expected the first input's placements and sizes)",
+        out._spec.placements == out_spec.placements and out._spec.shardings == out_spec.shardings,
+        f"{what}: output layout {out._spec} (expected {out_spec})",
     )
     assert_close_all_ranks(out.full_tensor(), expected, atol=1e-10, rtol=1e-10, what=what)
     (out.full_tensor() * projection).sum().backward()
@@ -148,6 +157,83 @@ def test_unet_regions_on_a_2x2_mesh() -> None:
 
 def test_position_features_are_not_a_local_region() -> None:
     run_on_ranks(2, _unet_regions_body, FAST, (2,), "periodic", timeout_s=600)
+
+
+# Per mesh, a first layout and the same placements with other shard sizes, all at patch
+# boundaries of the ViT (2 cells) and no shard under 2 cells (NOTE [Compiled local regions]).
+# On the 2x2 block the ViT's H shards hold an even number of patch rows, halved over the W
+# axis (NOTE [Tokens of a block decomposition]).
+FIELD_LAYOUTS = {
+    (2,): [Layout((Shard(2),), {2: (10, 6)}), Layout((Shard(2),), {2: (8, 8)})],
+    (2, 2): [
+        Layout((Shard(2), Shard(3)), {2: (12, 4), 3: (4, 8)}),
+        Layout((Shard(2), Shard(3)), {2: (8, 8), 3: (6, 6)}),
+    ],
+}
+VIT_BLOCK_OUTPUTS = [
+    Layout((Shard(2), Shard(2)), {2: (6, 6, 2, 2)}),
+    Layout((Shard(2), Shard(2)), {2: (4, 4, 4, 4)}),
+]
+VOLUME_LAYOUTS = {(2,): [Layout((Shard(2),), {2: (5, 3)}), Layout((Shard(2),), {2: (4, 4)})]}
+
+
+def _blocks_and_attention(blocks: int) -> list[str]:
+    return [f"blocks.{i}{part}" for i in range(blocks) for part in ("", ".attention")]
+
+
+# The modules that communicate (or change the shard extents, as the ViT's patch embedding
+# does), so run eagerly: every other module met runs compiled or inside a compiled region.
+ZOO_EAGER = {
+    "fno": ["", "coordinates", "spectral.0", "spectral.1"],
+    "fno-padded": ["", "spectral.0", "spectral.1"],
+    "fno-3d": ["", "coordinates", "spectral.0", "spectral.1"],
+    "vit": ["", "coordinates", "embed", *_blocks_and_attention(2)],
+    "transolver": ["", "coordinates", *_blocks_and_attention(2)],
+    "transolver-3d": ["", "coordinates", *_blocks_and_attention(1)],
+}
+
+
+def _zoo_regions_body(backend: str, name: str, mesh_shape: tuple[int, ...]) -> None:
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compile_regions(model, backend=counter)
+    volume = name.endswith("3d")
+    whole = torch.randn((1, 2, 8, 6, 6) if volume else (2, 2, 16, 12), dtype=torch.float64)
+    layouts = (VOLUME_LAYOUTS if volume else FIELD_LAYOUTS)[mesh_shape]
+    outputs = VIT_BLOCK_OUTPUTS if name == "vit" and len(mesh_shape) == 2 else layouts
+    _probe_call(model, whole, layouts[0], mesh)
+    frames = []
+    for first, (layout, out_layout) in zip((True, False), zip(layouts, outputs)):
+        what = f"{name} {dict(layout.sizes)}"
+        # New shard sizes must reuse the compiled code: a guard failing raises, with its reason.
+        with torch._dynamo.config.patch(error_on_recompile=not first):
+            _compiled_equals_eager(model, [whole], [layout], mesh, what, out_layout)
+        frames.append(counter.frame_count)
+    assert_all_ranks(
+        frames[0] > 0 and frames[1] == frames[0],
+        f"{name}: compiled frames after each layout: {frames} (expected no recompilation)",
+    )
+    eager = [n for n, status in region_summary(model).items() if status == "eager"]
+    assert_all_ranks(sorted(eager) == sorted(ZOO_EAGER[name]), f"{name}: eager modules {eager}")
+
+
+# The 3-D variants on 2 ranks only: Conv3d regions meet a sharded dim on the slabs, two
+# sharded dims are met on the 2-D blocks, and 2x2 pencils would add 23 s to the suite.
+ZOO_CASES = [
+    (name, mesh)
+    for name in ZOO_EAGER
+    for mesh in ((2,), (2, 2))
+    if mesh == (2,) or "3d" not in name
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh_shape"), ZOO_CASES, ids=[f"{n}-{'x'.join(map(str, m))}" for n, m in ZOO_CASES]
+)
+def test_zoo_regions_equal_eager_without_recompiling(name: str, mesh_shape: tuple) -> None:
+    run_on_ranks(math.prod(mesh_shape), _zoo_regions_body, FAST, name, mesh_shape, timeout_s=600)
 
 
 def _mesh_graph(points: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,3 +311,5 @@ def test_plain_torch_compile_runs_shardtensor_ops_eagerly() -> None:
 def test_regions_with_inductor_kernels() -> None:
     run_on_ranks(2, _unet_regions_body, "inductor", (2,), timeout_s=900)
     run_on_ranks(2, _meshgraphnet_regions_body, "inductor", timeout_s=900)
+    for name in ZOO_EAGER:
+        run_on_ranks(2, _zoo_regions_body, "inductor", name, (2,), timeout_s=900)

@@ -5,15 +5,11 @@ slabs and pencils for the models with 3-D variants), and the layout each returns
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
-from torch import nn
 from torch.distributed.tensor import Shard
 
 from shardsci import attention_exchange
-from shardsci.models import FNO, Transolver, UNet, ViT
 from shardsci.testing import (
     Layout,
     check_against_reference,
@@ -21,6 +17,7 @@ from shardsci.testing import (
     run_on_ranks,
 )
 from tests.layouts import Sharded
+from tests.zoo import MODELS
 
 # (B, C, H, W) fields; H and W multiples of 4 (the UNet's depth 2, the ViT's patches of 2).
 FIELDS = [
@@ -40,37 +37,6 @@ VOLUMES = [
 ]
 CASES = {c.name: c for c in FIELDS + VOLUMES}
 
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "unet": lambda: UNet(
-        in_channels=2, width=4, depth=2, norm_groups=2, blocks_per_level=1, coordinates="periodic"
-    ),
-    "fno": lambda: FNO(
-        in_channels=2,
-        width=4,
-        modes=(3, 3),
-        layers=2,
-        projection_channels=6,
-        coordinates="periodic",
-        residual=True,
-    ),
-    "fno-padded": lambda: FNO(
-        in_channels=2, width=4, modes=(3, 2), layers=2, projection_channels=6, padding=2
-    ),
-    "vit": lambda: ViT(in_channels=2, patch_size=2, width=8, depth=2, heads=2, mlp_ratio=2),
-    "vit-ring": lambda: ViT(in_channels=2, patch_size=2, width=8, depth=1, heads=2, mlp_ratio=2),
-    "transolver": lambda: Transolver(in_channels=2, width=8, layers=2, heads=2, slices=3),
-    "fno-3d": lambda: FNO(
-        in_channels=2,
-        width=4,
-        modes=(2, 2, 2),
-        layers=2,
-        projection_channels=6,
-        coordinates="linear",
-    ),
-    "transolver-3d": lambda: Transolver(
-        in_channels=2, spatial_dims=3, width=8, layers=1, heads=2, slices=3
-    ),
-}
 COMBINATIONS = [(m, c.name) for m in MODELS if not m.endswith("3d") for c in FIELDS] + [
     (m, c.name) for m in MODELS if m.endswith("3d") for c in VOLUMES
 ]

@@ -15,10 +15,13 @@ it eagerly under taps (NOTE [Taps on record_comm and redistribute_local]); it is
 no collective moved a byte on any rank, no operand changed layout, and every output keeps the
 inputs' placements and shard extents. The ranks agree with one all-reduce, so they all run
 the same code and issue the same collectives. Parameters enter a region through
-``replicated_local``: their gradients are the sum over the shards, reduced once per call as
-in eager mode. The regions of one module class share one compiled function that takes the
-module as an argument, so instances with equal structure share compiled code: dynamo guards on
-their structure, not their identity.
+``replicated_local``: their gradients are the sum over the shards (and over the shares of
+Partial inputs), reduced once per call as in eager mode. The regions of one module class
+share one compiled function that takes the module as an argument, so instances with equal
+structure share compiled code: dynamo guards on their structure, not their identity.
+
+A region's sharded inputs reach the compiler as aliases of the local shards that are not
+views (NOTE [Region inputs are not views]).
 
 Under a TorchDispatchMode (a memory tracker, a traffic count, a profiler) regions run eagerly:
 dynamo refuses to trace while one is active, and a mode is there to see every op, which
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Partial
 from torch.func import functional_call
 
 from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
@@ -112,8 +116,40 @@ class _Region:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = super().forward  # type: ignore[misc]
         if torch.compiler.is_compiling():
+            if _is_channel_mix(self, args, kwargs):  # type: ignore[arg-type]
+                return _channel_mix(self, args[0])  # type: ignore[arg-type]
             return original(*args, **kwargs)
         return self._shardsci_region.call(self, original, args, kwargs)  # type: ignore[arg-type]
+
+
+def _is_channel_mix(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``module(*args, **kwargs)`` is a batched convolution with a kernel of one cell:
+    a matrix product over channels, cell by cell (NOTE [Pointwise convolutions in regions])."""
+    if not isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) or kwargs or len(args) != 1:
+        return False
+    ones = all(n == 1 for n in (*module.kernel_size, *module.stride, *module.dilation))
+    unpadded = isinstance(module.padding, str) or not any(module.padding)
+    return ones and unpadded and module.groups == 1 and args[0].ndim == module.weight.ndim
+
+
+def _channel_mix(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``conv(x)`` for a convolution with a kernel of one cell, as an einsum:
+    ``(B, C_{in}, *S) -> (B, C_{out}, *S)``.
+
+    NOTE [Pointwise convolutions in regions]
+    Inductor's CPU lowering of a convolution's backward fixes the strides of the input's
+    gradient (``guard_int_seq`` in ``convolution_backward_lowering``, torch 2.13), so a sharded
+    dim marked dynamic is specialised and every new shard size recompiles the region. A
+    convolution whose kernel, stride and dilation are all one cell is a matrix product over
+    channels at every cell: traced as that einsum (only inside compiled regions; eager code
+    keeps the convolution), its backward is matrix products, whose lowering keeps the dims
+    symbolic. The sums run in another order than the convolution's, equal to rounding.
+    """
+    weight = conv.weight.flatten(1)  # type: ignore[union-attr]
+    y = torch.einsum("oi,bi...->bo...", weight, x)
+    if conv.bias is None:
+        return y
+    return y + conv.bias.view(-1, *([1] * (x.ndim - 2)))  # type: ignore[union-attr]
 
 
 _REGION_CLASSES: dict[type, type] = {}
@@ -178,7 +214,13 @@ class _RegionState:
         # Outputs remember what the inputs remember, as every op's output does (NOTE
         # [Shard-size hints]): an upsampling after the region finds the sizes to return to.
         hints = merged_hints(*(s.hints + s.shardings for s in specs))
-        partial_axes = {a for s in spec.shardings for a in s.axes}
+        # A weight's gradient is a partial sum over the axes that shard the inputs and over
+        # those where they are Partial: a region on Partial inputs (a Linear without bias on
+        # the Transolver's slice tokens) is linear in them, so each rank's input share
+        # contributes its own share of the weight's gradient.
+        partial_axes = {a for s in spec.shardings for a in s.axes} | {
+            a for a, p in enumerate(spec.placements) if isinstance(p, Partial)
+        }
         state = {
             name: replicated_local(p, spec.mesh, partial_axes)
             for name, p in module.named_parameters()
@@ -262,7 +304,7 @@ def _has_small_shards(spec: ShardTensorSpec) -> bool:
 # ---------------------------------------------------------------------------- shards
 def _local(value: Any, spec: ShardTensorSpec, partial_axes: set[int]) -> Any:
     if isinstance(value, ShardTensor):
-        local = value.to_local()
+        local = _NotAView.apply(value.to_local())
         for sharding in spec.shardings:
             # "maybe": a backend that must specialise a sharded dim (inductor's CPU conv
             # lowering) compiles per size, reported as recompilations, instead of raising.
@@ -290,3 +332,27 @@ def _sharded(value: Any, spec: ShardTensorSpec, hints: tuple[DimSharding, ...]) 
         hints=hints,
     )
     return from_local_spec(value, out_spec)
+
+
+class _NotAView(torch.autograd.Function):
+    """``x`` as an alias that is not a view, with an identity backward.
+
+    NOTE [Region inputs are not views]
+    ``to_local`` returns a view (of the ShardTensor's local tensor, itself perhaps a view of a
+    padded or permuted buffer). Dynamo turns a view input's base into a symbolic tensor too,
+    with dynamic dims of its own: the shard dims marked on the view are static in the base,
+    and once automatic dynamic shapes make another of the base's dims symbolic (the class's
+    next instance has other channels), the guards tie the base's strides to the current shard
+    extents (``x._base.stride()[0] == 120*x._base.size()[1]``): every new shard size then
+    recompiles. Marking the same dims on the base is no cure where the base's dims do not line
+    up with the view's (a ``movedim`` to channels-last). A detached alias shares the storage
+    and the version counter and has no base, so the compiler sees the shard alone.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
