@@ -81,7 +81,7 @@ VARIANTS = {
 }
 STEPS_PER_CALL = 3
 SHARDED_DIM = 2
-GRADIENT_RTOL = 1e-5  # float32 rounding of sums over ~10^5 terms, relative to the largest entry
+GRADIENT_RTOL = 1e-4  # float32 rounding of sums over ~10^5-10^6 terms (conv3d: 1.1e-5 measured)
 CHECK_RTOL = 1e-4  # 2 ranks against 1: weight gradients summed over ~10^5-10^6 terms in halves
 
 
