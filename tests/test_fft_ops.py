@@ -426,6 +426,29 @@ def test_one_dimensional_signal() -> None:
     run_on_ranks(4, _signal_body)
 
 
+def _int_arguments_body() -> None:
+    """``fftn``/``rfftn`` with one int for ``s`` and ``dim`` are the 1-D transforms (as in
+    plain torch): the same values and the same layout."""
+    mesh = get_mesh((2,))
+    x = shardsci.distribute_tensor(
+        torch.randn(2, 3, 11, 6, dtype=torch.float64), mesh, [Shard(2)], {0: (7, 4)}
+    )
+    pairs = [
+        (torch.fft.rfftn(x, dim=2), torch.fft.rfft(x, dim=2)),
+        (torch.fft.fftn(x, s=9, dim=2), torch.fft.fft(x, n=9, dim=2)),
+        (torch.fft.rfftn(x, dim=-1), torch.fft.rfft(x, dim=-1)),
+    ]
+    for nd, one in pairs:
+        assert_all_ranks(
+            nd._spec == one._spec and torch.equal(nd.full_tensor(), one.full_tensor()),
+            f"n-D transform with int arguments: {nd._spec} against the 1-D transform's {one._spec}",
+        )
+
+
+def test_int_s_and_dim_of_the_n_d_transforms() -> None:
+    run_on_ranks(2, _int_arguments_body)
+
+
 # ---------------------------------------------------------------------------- mode truncation
 TRUNCATION_SHAPE = (2, 3, 16, 16)  # (B, C, H, W), H sharded (6, 2, 4, 4) over 4 ranks
 TRUNCATION_SIZES = (6, 2, 4, 4)

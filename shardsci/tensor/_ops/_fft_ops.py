@@ -167,6 +167,9 @@ class _Call:
         )
         if kind.rank == 1:
             dims, sizes = (dims,), None if sizes is None else (sizes,)
+        # The n-D transforms also take one int for ``s`` and ``dim`` (``rfftn(x, dim=-1)``).
+        dims = (dims,) if isinstance(dims, int) else dims
+        sizes = (sizes,) if isinstance(sizes, int) else sizes
         if dims is None:
             dims = range(x.ndim) if sizes is None else range(x.ndim - len(sizes), x.ndim)
         dims = tuple(d % x.ndim for d in dims)
