@@ -9,9 +9,12 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -261,6 +264,53 @@ def _wait_until_rank_exits(world_size: int, rank: int, timeout_s: float = 60.0) 
     process = _pool._pools[world_size]._processes[rank]
     process.join(timeout_s)
     assert not process.is_alive(), f"rank {rank} did not exit within {timeout_s} s"
+
+
+def _record_pid_and_sleep(directory: str) -> None:
+    """A long body: note this rank's pid, then sleep for longer than the test waits."""
+    (Path(directory) / f"rank{dist.get_rank()}").write_text(str(os.getpid()))
+    time.sleep(300)
+
+
+# A pytest-like owner of a pool, killed while its ranks run a long body.
+_OWNER = """
+import sys
+from shardsci.testing._pool import RankPool
+from tests.test_harness import _record_pid_and_sleep
+RankPool(2).run(_record_pid_and_sleep, (sys.argv[1],), timeout_s=600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
+def test_ranks_running_a_body_die_with_the_process_that_started_the_pool(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tmp_path)], cwd=root, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*"))) < 2:
+            assert owner.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        ranks = [int(path.read_text()) for path in tmp_path.glob("rank*")]
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [pid for pid in ranks if _alive(pid)]
+    finally:
+        owner.kill()
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"ranks {alive} outlived the killed owner of their pool by 10 s"
 
 
 def test_unpicklable_body_or_result_is_a_clear_error() -> None:

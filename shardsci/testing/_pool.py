@@ -22,6 +22,12 @@ collective would read. So any failed call kills the pool; the next call on that 
 starts a fresh one. Once one rank has failed, the others get ``failure_grace_s`` to answer
 (ranks stuck in a collective the failed rank never entered would otherwise hold the test
 until ``timeout_s``).
+
+NOTE [Ranks die with the pool's owner]
+A rank reads its pipe only between bodies, so a rank running a body for minutes (a chunk of
+the op-database sweep) would outlive a pytest process killed by a signal until the body ends.
+Each rank therefore watches the process that started the pool (its own parent is the
+forkserver) and exits within ``_OWNER_POLL_S`` of its death.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ import contextlib
 import functools
 import math
 import multiprocessing
+import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -69,6 +77,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dy
 _SEED = 1234
 _STARTUP_TIMEOUT_S = 120.0
 _SHUTDOWN_GRACE_S = 5.0
+_OWNER_POLL_S = 1.0
 
 MeshKey = tuple[tuple[int, ...], tuple[str, ...] | None]
 
@@ -136,9 +145,16 @@ def _check_mesh_request(shape: tuple[int, ...], names: tuple[str, ...] | None) -
 
 
 def _worker_main(
-    rank: int, world_size: int, store_port: int, collective_timeout_s: float, conn: Connection
+    rank: int,
+    world_size: int,
+    store_port: int,
+    collective_timeout_s: float,
+    conn: Connection,
+    owner_pid: int,
 ) -> None:
-    """Entry point of one rank: join the gloo group, then serve calls until the pipe closes."""
+    """Entry point of one rank: join the gloo group, then serve calls until the pipe closes
+    or the process that started the pool is gone (NOTE [Ranks die with the pool's owner])."""
+    threading.Thread(target=_exit_without_owner, args=(owner_pid,), daemon=True).start()
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore(
@@ -157,6 +173,18 @@ def _worker_main(
     conn.send_bytes(_success_reply(None))
     _serve(conn)
     dist.destroy_process_group()
+
+
+def _exit_without_owner(owner_pid: int) -> None:
+    """Exit this rank at once when process ``owner_pid`` no longer exists."""
+    while True:
+        time.sleep(_OWNER_POLL_S)
+        try:
+            os.kill(owner_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:  # the pid exists (another user's process): keep waiting
+            pass
 
 
 def _serve(conn: Connection) -> None:
@@ -343,9 +371,10 @@ class RankPool:
 
     def _start_rank(self, rank: int, collective_timeout_s: float) -> None:
         parent_end, child_end = _forkserver().Pipe()
+        owner = os.getpid()
         process = _forkserver().Process(
             target=_worker_main,
-            args=(rank, self.world_size, self._store.port, collective_timeout_s, child_end),
+            args=(rank, self.world_size, self._store.port, collective_timeout_s, child_end, owner),
             name=f"shardsci-rank{rank}-of-{self.world_size}",
             daemon=True,
         )
