@@ -23,6 +23,7 @@ from shardsci.models.fno import SpectralConv
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._spec import chunk_sizes
 from shardsci.testing import Layout, assert_all_ranks, get_mesh, run_on_ranks
+from tests.zoo import assert_learns_a_fixed_pair
 
 TINY: dict[str, Any] = {"width": 6, "modes": (3, 3), "layers": 2, "projection_channels": 8}
 """Overrides for an FNO small enough to run many times in a fast test."""
@@ -174,15 +175,7 @@ def test_bf16_autocast_runs_the_spectral_path_in_float32() -> None:
 def test_overfits_a_fixed_pair() -> None:
     model = _tiny_fno(residual=True).float()
     x, target = torch.randn(2, 1, 12, 12), torch.randn(2, 1, 12, 12)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(40):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), target)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
+    assert_learns_a_fixed_pair(model, x, target)
 
 
 # ---------------------------------------------------------------------------- domain-parallel

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shardsci.models import Transolver, TransolverConfig, ViT, ViTConfig
+from tests.zoo import assert_learns_a_fixed_pair
 
 TINY_VIT: dict[str, Any] = {"patch_size": 2, "width": 8, "depth": 2, "heads": 2, "mlp_ratio": 2}
 TINY_TRANSOLVER: dict[str, Any] = {"width": 8, "layers": 2, "heads": 2, "slices": 4}
@@ -99,12 +100,4 @@ def test_gradients_reach_every_parameter(kind: str) -> None:
 def test_overfits_a_fixed_pair(kind: str) -> None:
     model = _model(kind, residual=True).float()
     x, target = torch.randn(2, 1, 8, 8), torch.randn(2, 1, 8, 8)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(40):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), target)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
+    assert_learns_a_fixed_pair(model, x, target)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shardsci.models import UNet, UNetConfig
+from tests.zoo import assert_learns_a_fixed_pair
 
 TINY: dict[str, Any] = {"width": 8, "depth": 2, "norm_groups": 4, "blocks_per_level": 1}
 """Overrides for a UNet small enough to run many times in a fast test."""
@@ -147,12 +148,4 @@ def test_float64() -> None:
 def test_overfits_a_fixed_pair() -> None:
     model = _tiny_unet(padding_mode="circular")
     x, target = torch.randn(2, 1, 16, 16), torch.randn(2, 1, 16, 16)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(40):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), target)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
+    assert_learns_a_fixed_pair(model, x, target)
