@@ -514,7 +514,8 @@ def test_slurm_preemption_checkpoints_and_the_requeued_job_ends_at_the_same_resu
         return submit(
             ROOT / "scripts" / "slurm" / "train.sbatch",
             options=[
-                "--ntasks=2", f"--output={tmp_path}/{name}-%j.out", f"--chdir={ROOT}",
+                "--ntasks=2", "--time=00:06:00", f"--output={tmp_path}/{name}-%j.out",
+                f"--chdir={ROOT}",
                 f"--export=ALL,SHARDSCI_PYTHON={sys.executable}",
             ],
             arguments=overrides,

@@ -9,19 +9,27 @@ the reason; where it can but the cluster does not come up, it fails under
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from shardsci.testing import slurm
 from shardsci.testing.slurm import (
+    CLUSTER_SCRIPT,
+    FINAL_STATES,
     JobResult,
     SlurmUnavailable,
+    job_state,
     local_cluster_or_skip,
+    submit,
     submit_and_wait,
+    wait_for_job,
 )
 from tests.slurm_job_check import DOMAIN_SIZE, DP_SIZE, expected_report
 
@@ -117,3 +125,73 @@ def test_sbatch_job_detects_slurm_and_reduces_over_mesh(tmp_path: Path) -> None:
     for rank, report in reports.items():
         expected = {"rank": rank, **expected_report(rank), "mismatches": []}
         assert report == expected, job
+
+
+def _process_tree(roots: list[int]) -> list[int]:
+    """``roots`` and every process descended from them, read from ``/proc``."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit():
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, grew = set(roots), True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grew = bool(children)
+    return sorted(tree)
+
+
+def _job_steps(job_id: int) -> list[int]:
+    """The pids of job ``job_id``'s ``slurmstepd`` processes on this host."""
+    found = subprocess.run(
+        ["pgrep", "-f", rf"^slurmstepd: \[{job_id}\."], capture_output=True, text=True
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.usefixtures("local_cluster")
+def test_a_restarted_cluster_cancels_saved_jobs_whose_processes_are_gone(tmp_path: Path) -> None:
+    """A machine restored from a snapshot taken while a job ran: slurmctld recovers the job as
+    running though its processes are gone, and would hold its CPUs until its time limit (a CI
+    run's 8-task job once pended 180 s behind one). ``local_cluster.sh up`` cancels it."""
+    script = tmp_path / "sleeper.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --ntasks=1\n#SBATCH --time=00:05:00\n"
+        f"#SBATCH --output={tmp_path}/sleeper.out\nexec sleep 300\n"
+    )
+    job = submit(script)
+    try:
+        _wait_until(lambda: job_state(job) == "RUNNING" and _job_steps(job), 60, "running job")
+        processes = _process_tree(_job_steps(job))
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "down"], check=True, capture_output=True)
+        for pid in processes:
+            os.kill(pid, signal.SIGKILL)
+        up = subprocess.run(["bash", str(CLUSTER_SCRIPT), "up"], capture_output=True, text=True)
+        assert up.returncode == 0, up.stderr
+        assert f"cancelling job {job}: saved as running since" in up.stderr, up.stderr
+        _wait_until(lambda: job_state(job) in FINAL_STATES, 30, "final state of the saved job")
+    finally:
+        subprocess.run(["scancel", str(job)], capture_output=True)
+
+
+@pytest.mark.usefixtures("local_cluster")
+def test_a_job_that_pends_past_its_timeout_is_cancelled_and_the_error_shows_the_queue(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "later.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --output={tmp_path}/later.out\ntrue\n")
+    job = submit(script, options=["--begin=now+1hour"])
+    with pytest.raises(TimeoutError, match=rf"(?s)still PENDING \(reason: BeginTime\).*{job} "):
+        wait_for_job(job, timeout_s=1)
+    assert job_state(job) == "CANCELLED"

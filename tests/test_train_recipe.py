@@ -40,6 +40,8 @@ TINY = [
     "eval.rollout_steps=1",
 ]
 RUN_TIMEOUT_S = 300
+JOB_TIME_LIMIT = "--time=00:06:00"
+"""A job's own limit, past RUN_TIMEOUT_S: a job whose test was killed ends by itself."""
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +210,7 @@ def test_the_recipe_runs_as_an_sbatch_job(slurm: None, dataset: Path, tmp_path: 
         timeout_s=RUN_TIMEOUT_S,
         options=[
             "--ntasks=4",
+            JOB_TIME_LIMIT,
             f"--output={tmp_path}/slurm-%j.out",
             f"--chdir={ROOT}",
             f"--export=ALL,SHARDSCI_PYTHON={sys.executable}",

@@ -282,6 +282,22 @@ wait_for() {
 
 cluster_is_up() { all_daemons_running && conf_is_current && node_usable; }
 
+# slurmctld recovers from its saved state the jobs that were running when it last stopped. If
+# the machine restarted since (or was restored from a snapshot), their processes are gone, yet
+# slurmctld holds their CPUs until their time limits and new jobs pend for "Resources". Cancels
+# each job saved as running since before `up` started slurmctld ($1, epoch seconds) that has no
+# slurmstepd on this host.
+cancel_jobs_without_processes() {
+    local before=$1 job start
+    while read -r job start; do
+        (($(date -d "$start" +%s) < before)) || continue
+        pgrep -f "^slurmstepd: \[$job\." >/dev/null && continue
+        log "cancelling job $job: saved as running since $start, but none of its processes runs"
+        timeout "$COMMAND_TIMEOUT_S" scancel "$job" || die "scancel $job failed"
+    done < <(timeout "$COMMAND_TIMEOUT_S" squeue --noheader --states=RUNNING,COMPLETING,SUSPENDED \
+        --format='%i %S')
+}
+
 # --- commands -----------------------------------------------------------------------------------
 
 reuse_if_up() {
@@ -305,10 +321,14 @@ cmd_up() {
     ensure_munge_key
     ensure_dirs
     clear_stale_cluster_name
+    local started_at
+    started_at=$(date +%s)
+    is_running slurmctld && started_at=0
     start_daemons
     wait_for "node $HOST to become idle" "$UP_TIMEOUT_S" node_ready ||
         die "node $HOST is '$(node_state)', not idle, ${UP_TIMEOUT_S} s after starting:" \
             "$(log_tail "${LOG_FILE[slurmctld]}")"
+    cancel_jobs_without_processes "$started_at"
     log "cluster '$CLUSTER_NAME' is up on $HOST: node $(node_state), $CPUS CPUs"
 }
 

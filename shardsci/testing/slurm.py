@@ -197,15 +197,18 @@ def submit_and_wait(
 
 def wait_for_job(job_id: int, timeout_s: float) -> JobResult:
     """Wait for job ``job_id`` to end (cancelling it after ``timeout_s`` seconds, with a
-    ``TimeoutError``) and collect its output, as ``submit_and_wait`` does."""
+    ``TimeoutError`` that shows the queue, so a job pending behind another says which) and
+    collect its output, as ``submit_and_wait`` does."""
     deadline = time.monotonic() + timeout_s
     fields = _job_fields(job_id)
     while fields["JobState"] not in FINAL_STATES:
         if time.monotonic() > deadline:
+            queue = _run_slurm(["squeue", "--format=%i %j %T %M %C %R"])
             _run_slurm(["scancel", str(job_id)])
             raise TimeoutError(
                 f"SLURM job {job_id} was still {fields['JobState']} (reason: "
-                f"{fields.get('Reason', '?')}) after {timeout_s:g} s; cancelled it"
+                f"{fields.get('Reason', '?')}) after {timeout_s:g} s; cancelled it. The queue "
+                f"before that:\n{queue}"
             )
         time.sleep(_POLL_INTERVAL_S)
         fields = _job_fields(job_id)
