@@ -12,8 +12,8 @@ _ADAPTIVE = (
 _CHUNKED_LOSS = "a torch_nn custom op without a decomposition; no handler yet"
 
 #: Ops that may raise an error on sharded input: the same error on every rank, naming the op.
-#: The value says why. The sweep fails on an error of an op not listed here, and (the full
-#: sweep) on a listed op that no longer raises.
+#: The value says why. The sweep fails on an error of an op not listed here, and
+#: ``test_every_op_listed_as_unsupported_still_raises`` on a listed op that no longer raises.
 UNSUPPORTED: dict[str, str] = {
     "nn.functional.adaptive_avg_pool1d": _ADAPTIVE,
     "nn.functional.adaptive_avg_pool2d": _ADAPTIVE,

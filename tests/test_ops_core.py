@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Partial, Placement, Replicate
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
@@ -388,3 +388,33 @@ def _newest_hint_body() -> tuple[int, ...] | None:
 def test_propagation_takes_the_newest_hint() -> None:
     """NOTE [Shard-size hints]: every reader prefers the newest hint of an axes and extent."""
     assert run_on_ranks(2, _newest_hint_body) == [(4, 2), (4, 2)]
+
+
+# ---------------------------------------------------------------------------- views of empty tensors
+def _empty_views_body(mesh_shape: tuple[int, ...]) -> None:
+    mesh = get_mesh(mesh_shape)
+    if len(mesh_shape) == 1:
+        x = torch.zeros(4, 0, dtype=torch.float64)
+        sharded = Layout((Shard(0),), {0: (1, 3)})
+        cases = [  # (view, the output's layout)
+            (lambda t: t.unflatten(1, (2, 0, 0, 0)), sharded),
+            (lambda t: t.reshape(2, 2, 0), None),  # dim 0 is split: no group keeps it
+            (lambda t: t.reshape(0, 4), Layout((Replicate(),))),
+        ]
+    else:
+        x = torch.zeros(4, 6, 0, dtype=torch.float64)
+        sharded = Layout((Shard(0), Shard(1)), {0: (3, 1), 1: (2, 4)})
+        cases = [
+            (lambda t: t.unflatten(2, (3, 0)), sharded),
+            (lambda t: t.reshape(4, 0, 6), Layout((Shard(0), Replicate()), {0: (3, 1)})),
+        ]
+    for fn, out in cases:
+        out_layouts = [out if out is not None else Layout((Replicate(),))]
+        check_against_reference(fn, [x], [sharded], mesh, out_layouts=out_layouts)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_views_of_empty_tensors_end(mesh_shape: tuple[int, ...]) -> None:
+    """NOTE [Views of empty tensors]: torch's view rule never returns on ``(4, 0) -> (4, 2, 0,
+    0, 0)`` (``unflatten`` of an empty dim); the op-database sweep hung there."""
+    run_on_ranks(math.prod(mesh_shape), _empty_views_body, mesh_shape, timeout_s=60)

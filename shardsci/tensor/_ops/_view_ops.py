@@ -50,10 +50,11 @@ Group = tuple[tuple[int, ...], tuple[int, ...]]
 def _view(func, args, kwargs):
     x = args[0]
     spec = x._spec
-    if not spec.shardings:
+    numel = math.prod(spec.shape)
+    if not spec.shardings and numel:
         return NotImplemented
-    out_shape = tuple(infer_size(math.prod(spec.shape), list(args[1])))
-    groups = _groups(view_groups(tuple(spec.shape), out_shape))
+    out_shape = tuple(infer_size(numel, list(args[1])))
+    groups = _view_groups(tuple(spec.shape), out_shape)
     needed = _layout_for_view(spec, groups, out_shape)
     local = x._local
     if not needed.same_layout(spec):
@@ -66,6 +67,29 @@ def _view(func, args, kwargs):
         with contextlib.suppress(RuntimeError):
             return ShardTensor(local.view(local_shape), out_spec)
     return ShardTensor(local.reshape(local_shape), out_spec)
+
+
+# NOTE [Views of empty tensors]
+# torch's view_groups (DTensor's rule for every view) never returns on some views of a tensor
+# with no elements: (4, 0) -> (4, 2, 0, 0) loops forever (torch 2.13), so DTensor hangs there
+# whatever the placements; torch.unflatten of an empty dim reaches it. An empty tensor's view
+# moves no data, so its groups are chosen here instead: dims of equal extent at the front and
+# at the back are forwarded one to one, and the dims between them belong to no group, so any
+# sharding of theirs is replicated, which moves nothing.
+def _view_groups(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[Group]:
+    """(input dims, output dims) pairs of a view from ``in_shape`` to ``out_shape``."""
+    if math.prod(in_shape):
+        return _groups(view_groups(in_shape, out_shape))
+    common = min(len(in_shape), len(out_shape))
+    lead = 0
+    while lead < common and in_shape[lead] == out_shape[lead]:
+        lead += 1
+    trail = 0
+    while trail < common - lead and in_shape[-1 - trail] == out_shape[-1 - trail]:
+        trail += 1
+    front = [((d,), (d,)) for d in range(lead)]
+    back = [((len(in_shape) - k,), (len(out_shape) - k,)) for k in range(trail, 0, -1)]
+    return front + back
 
 
 def _groups(rule: tuple) -> list[Group]:
