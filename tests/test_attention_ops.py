@@ -140,10 +140,21 @@ def _layouts_body() -> None:
         "heads": ([q, q, q], [Layout((Shard(1),), {1: (1, 0, 2, 0)})] * 3),
         # A sharded feature dim is made whole first.
         "features": ([q, q, q], [Layout((Shard(3),), {3: (1, 1, 2, 0)}), queries, queries]),
+        # A 3-D query broadcast against 4-D keys and values, sharded over heads or tokens.
+        "broadcast-heads": ([q[0], kv, kv], [Layout((Shard(0),), {0: (1, 0, 2, 0)}), None, None]),
+        "broadcast-tokens": (
+            [q[0], kv, kv],
+            [Layout((Shard(1),), {1: (3, 0, 5, 3)}), Layout((Shard(2),), {2: (2, 2, 0, 5)}), None],
+        ),
     }
     # The queries' layout, except: heads stay sharded; queries whose features were made whole
-    # (and so every token) give every rank the whole output.
-    outputs = {"heads": cases["heads"][1][0], "features": Layout((Replicate(),))}
+    # (and so every token) give every rank the whole output; a broadcast query's dims move one
+    # place right.
+    outputs = {
+        "heads": cases["heads"][1][0],
+        "features": Layout((Replicate(),)),
+        "broadcast-heads": cases["heads"][1][0],
+    }
     for name, (inputs, layouts) in cases.items():
         check_against_reference(
             attention,

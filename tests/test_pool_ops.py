@@ -294,3 +294,33 @@ def _ownership_body() -> None:
 
 def test_stride2_pool_halves_even_shards() -> None:
     run_on_ranks(4, _ownership_body)
+
+
+UNBATCHED_3D = Sharded("4r-W-0/3/1/1", (4,), (2, 6, 6, 5), Layout((Shard(3),), {3: (0, 3, 1, 1)}))
+
+
+def _unbatched_ceil_body() -> None:
+    x = torch.randn(UNBATCHED_3D.shape, dtype=torch.float64)
+    # W: 5 cells on shards (0, 3, 1, 1); windows of 3 at stride 2 start at 0 and 2, centred
+    # on cells 1 (rank 1) and 3 (rank 2).
+    out = Layout((Shard(3),), {3: (0, 1, 1, 0)})
+    for name, module in {
+        "max": nn.MaxPool3d(3, stride=(2, 1, 2), ceil_mode=True),
+        "max-indices": nn.MaxPool3d(3, stride=(2, 1, 2), ceil_mode=True, return_indices=True),
+        "avg": nn.AvgPool3d(3, stride=(2, 1, 2), ceil_mode=True),
+    }.items():
+        check_against_reference(
+            lambda a, m=module: m(a),
+            [x],
+            [UNBATCHED_3D.layout],
+            get_mesh(UNBATCHED_3D.mesh),
+            out_layouts=[out] * (2 if name == "max-indices" else 1),
+            what=name,
+        )
+
+
+def test_ceil_mode_3d_pooling_of_an_unbatched_input() -> None:
+    """Ceil-mode windows padded past the input on a rank: the padded block keeps the input's
+    layout (max_pool3d refuses a 4-D input whose strides look channels-last; the op-database
+    sweep caught ranks raising there while the others waited)."""
+    run_on_ranks(4, _unbatched_ceil_body)

@@ -488,9 +488,17 @@ def _pair(width: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def pad_locally(local: torch.Tensor, dim: int, left: int, right: int, fill: float) -> torch.Tensor:
-    """Pad a dim of ``local`` with ``fill`` on this rank alone (no neighbour involved)."""
+    """Pad a dim of ``local`` with ``fill`` on this rank alone (no neighbour involved). The
+    result is laid out like ``local`` (contiguous when it is): kernels such as max_pool3d on an
+    unbatched input refuse a tensor whose strides look channels-last."""
     if left == right == 0:
         return local
-    moved = local.movedim(dim, -1)
-    padded = torch.nn.functional.pad(moved, (left, right), value=fill)
-    return padded.movedim(-1, dim)
+    parts = []
+    for width in (left, None, right):
+        if width is None:
+            parts.append(local)
+        elif width:
+            shape = list(local.shape)
+            shape[dim] = width
+            parts.append(local.new_full(shape, fill))
+    return torch.cat(parts, dim)

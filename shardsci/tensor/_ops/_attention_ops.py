@@ -80,9 +80,22 @@ def _scaled_dot_product_attention(func, args, kwargs):
         enable_gqa=enable_gqa,
     )
     _check_dropout(dropout_p)
+    q, k, v = _broadcast_batch_dims(q, k, v, enable_gqa)
     call = _Aligned.build(q, k, v, mask, scale, is_causal, enable_gqa)
     local = attend(call.q.to_local(), call.k.to_local(), call.v.to_local(), call.mask, call.plan)
     return from_local_spec(local, call.output_spec(out.shape, local.dtype))
+
+
+def _broadcast_batch_dims(q, k, v, enable_gqa: bool) -> tuple:
+    """Query, key and value expanded to the same batch dims, as SDPA broadcasts them (a 3-D
+    query against 4-D keys): the layouts below index dims from the front. With grouped-query
+    attention the head dims stay as they are."""
+    per_item = 3 if enable_gqa and min(t.ndim for t in (q, k, v)) >= 3 else 2
+    batch = torch.broadcast_shapes(*(t.shape[:-per_item] for t in (q, k, v)))
+    return tuple(
+        t if t.shape[:-per_item] == batch else t.expand(*batch, *t.shape[-per_item:])
+        for t in (q, k, v)
+    )
 
 
 # Fused kernels reached from inside composite functions (``F.multi_head_attention_forward``
