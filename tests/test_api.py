@@ -97,3 +97,29 @@ def _registry_body() -> None:
 
 def test_handlers_by_name_and_declining() -> None:
     run_on_ranks(2, _registry_body)
+
+
+def _autograd_grad_body() -> None:
+    mesh = get_mesh((2,))
+    sizes = (3, 2)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    weight = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    rank = mesh.get_local_rank()
+    offset = (0, 3)[rank]
+    local = x[offset : offset + sizes[rank]].clone().requires_grad_()
+    sharded = shardsci.ShardTensor.from_local(local, mesh, [Shard(0)], {0: sizes})
+    loss = (sharded * weight).sin().sum()
+    got_local, got_weight = torch.autograd.grad(loss, [local, weight])
+    whole = x.clone().requires_grad_()
+    reference = weight.detach().clone().requires_grad_()
+    want_x, want_weight = torch.autograd.grad((whole * reference).sin().sum(), [whole, reference])
+    exact = dict(atol=1e-12, rtol=1e-12)
+    assert_close_all_ranks(got_local, want_x[offset : offset + sizes[rank]], **exact, what="input")
+    assert_close_all_ranks(got_weight, want_weight, **exact, what="weight")
+
+
+def test_autograd_grad_of_a_sharded_loss_reaches_plain_tensor_inputs() -> None:
+    """``torch.autograd.grad(loss, [local_shard, weight])``, as a physics-informed loss takes
+    derivatives: plain tensors among the inputs are graph nodes, not operands to promote (a
+    promoted copy is a node nothing depends on, and autograd.grad raised)."""
+    run_on_ranks(2, _autograd_grad_body)

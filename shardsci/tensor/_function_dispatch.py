@@ -2,7 +2,7 @@
 
 A call reaches here before autograd records anything. Registered function handlers run
 first; otherwise plain tensors that require grad (module weights) are promoted to replicated
-ShardTensors, so that the ops below see only ShardTensors and each weight's gradient is the
+ShardTensors (not in ``torch.autograd.grad`` and ``backward``, which only walk the graph), so that the ops below see only ShardTensors and each weight's gradient is the
 sum over shards (NOTE [Where the gradient of a replicated parameter is summed] in
 ``_promotion``). Everything then continues to
 ``__torch_dispatch__``.
@@ -40,11 +40,16 @@ def dispatch(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: di
         result = handler(func, args, kwargs or {})
         if result is not NotImplemented:
             return result
-    if torch.is_grad_enabled() and _promotion_needed(args, kwargs):
+    if torch.is_grad_enabled() and func not in _GRAPH_WALKS and _promotion_needed(args, kwargs):
         mesh = _mesh_of(args, kwargs)
         args = tuple(_promoted(a, mesh) for a in args)
         kwargs = {k: _promoted(v, mesh) for k, v in (kwargs or {}).items()}
     return _call_below(func, types, args, kwargs or {})
+
+
+# Their tensor arguments are nodes of the graph to differentiate, not operands: a promoted copy
+# of ``inputs`` would be a new node that no output depends on, and its gradient None.
+_GRAPH_WALKS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
 
 
 def _needs_promotion(x: object) -> bool:
