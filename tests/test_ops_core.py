@@ -418,3 +418,24 @@ def test_views_of_empty_tensors_end(mesh_shape: tuple[int, ...]) -> None:
     """NOTE [Views of empty tensors]: torch's view rule never returns on ``(4, 0) -> (4, 2, 0,
     0, 0)`` (``unflatten`` of an empty dim); the op-database sweep hung there."""
     run_on_ranks(math.prod(mesh_shape), _empty_views_body, mesh_shape, timeout_s=60)
+
+
+def _expand_a_sharded_unit_dim_body() -> None:
+    mesh = get_mesh((4,))
+    x = torch.randn(1, 3, dtype=torch.float64)
+    one_owner = Layout((Shard(0),), {0: (0, 1, 0, 0)})
+    for name, fn in {
+        "expand": lambda t: t.expand(2, 5, 3),
+        "broadcast_to": lambda t: torch.broadcast_to(t, (5, 3)),
+        "kept": lambda t: t.expand(1, 3) * 2,
+    }.items():
+        out = one_owner if name == "kept" else Layout((Replicate(),))
+        check_against_reference(
+            fn, [x], [one_owner], mesh, out_layouts=[out], what=name,
+            not_a_gather="every rank's expansion is made of the owner's one row",
+        )  # fmt: skip
+
+
+def test_expanding_a_sharded_dim_of_extent_one() -> None:
+    """The one rank holding the element broadcasts it (DTensor's rule raised a KeyError)."""
+    run_on_ranks(4, _expand_a_sharded_unit_dim_body)

@@ -224,6 +224,25 @@ def _squeeze(func, args, kwargs):
 _VIEWS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
+@register_aten_handler(aten.expand.default)
+def _expand(func, args, kwargs):
+    """A sharded dim of extent 1 that the expansion broadcasts lives on one rank: it is
+    replicated first (the owner broadcasts its element). DTensor's rule fails there with a
+    KeyError (torch 2.13)."""
+    x, size = args[0], list(args[1])
+    lead = len(size) - x.ndim
+    broadcast = {
+        d for d in x._spec.sharding_by_dim if x.shape[d] == 1 and size[lead + d] not in (1, -1)
+    }
+    if not broadcast:
+        return NotImplemented
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim in broadcast else p
+        for p in x._spec.placements
+    ]
+    return func(redistribute(x, target_spec(x._spec, placements)), *args[1:], **kwargs)
+
+
 @register_aten_handler(aten.unbind.int)
 def _unbind(func, args, kwargs):
     """Along a sharded dim each slice lives on one rank: the dim is replicated first (one
