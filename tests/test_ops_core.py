@@ -401,6 +401,14 @@ def _empty_views_body(mesh_shape: tuple[int, ...]) -> None:
             (lambda t: t.reshape(2, 2, 0), None),  # dim 0 is split: no group keeps it
             (lambda t: t.reshape(0, 4), Layout((Replicate(),))),
         ]
+        # A dim of no cells padded with a constant (the padding of the sharded dim goes to the
+        # edge ranks).
+        y = torch.randn(0, 3, 3, dtype=torch.float64)
+        check_against_reference(
+            lambda t: F.pad(t, (1, 1, 1, 1, 1, 1), value=1.0),
+            [y], [Layout((Shard(1),), {1: (1, 2)})], mesh,
+            out_layouts=[Layout((Shard(1),), {1: (2, 3)})], what="pad",
+        )  # fmt: skip
     else:
         x = torch.zeros(4, 6, 0, dtype=torch.float64)
         sharded = Layout((Shard(0), Shard(1)), {0: (3, 1), 1: (2, 4)})
@@ -416,7 +424,8 @@ def _empty_views_body(mesh_shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
 def test_views_of_empty_tensors_end(mesh_shape: tuple[int, ...]) -> None:
     """NOTE [Views of empty tensors]: torch's view rule never returns on ``(4, 0) -> (4, 2, 0,
-    0, 0)`` (``unflatten`` of an empty dim); the op-database sweep hung there."""
+    0, 0)`` (``unflatten`` of an empty dim); the op-database sweep hung there. And a dim of no
+    cells can be padded with a constant (it raised "cannot pad a dim of size 0")."""
     run_on_ranks(math.prod(mesh_shape), _empty_views_body, mesh_shape, timeout_s=60)
 
 

@@ -150,8 +150,8 @@ def _sources(
         return []
     inside = (max(lo, 0), min(hi, extent))
     left, right = max(0, min(hi, 0) - lo), max(0, hi - max(lo, extent))
-    if (left or right) and extent == 0:
-        raise ValueError("cannot pad a dim of size 0 by its boundary")
+    if (left or right) and extent == 0 and boundary != "zeros":
+        raise ValueError(f"cannot pad a dim of size 0 by its boundary ({boundary})")
     runs: list[tuple[int | None, int, bool, bool]] = []
     if left:
         runs += _outside(lo, min(hi, 0), extent, boundary)
