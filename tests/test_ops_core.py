@@ -448,3 +448,28 @@ def _expand_a_sharded_unit_dim_body() -> None:
 def test_expanding_a_sharded_dim_of_extent_one() -> None:
     """The one rank holding the element broadcasts it (DTensor's rule raised a KeyError)."""
     run_on_ranks(4, _expand_a_sharded_unit_dim_body)
+
+
+def _prelu_body(mesh_shape: tuple[int, ...]) -> None:
+    mesh = get_mesh(mesh_shape)
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    if len(mesh_shape) == 1:  # channels over 4 ranks, one of them empty; then the last dim
+        layouts = [Layout((Shard(1),), {1: (0, 3, 1, 1)}), Layout((Shard(2),), {2: (3, 0, 2, 1)})]
+    else:  # channels and the last dim over a 2x2 mesh
+        layouts = [Layout((Shard(1), Shard(2)), {1: (2, 3), 2: (5, 1)})]
+    for layout in layouts:
+        for channels in (5, 1):
+            module = nn.PReLU(channels, dtype=torch.float64)
+            with torch.no_grad():
+                module.weight.uniform_(-1, 1)
+            check_against_reference(
+                lambda m, t: m(t), [x], [layout], mesh, module=module, what=f"{channels}"
+            )
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_prelu_weight_gradient_with_sharded_channels(mesh_shape: tuple[int, ...]) -> None:
+    """Each weight's gradient sums over the cells it scales: with channels sharded, each rank
+    holds its channels' sums (the kernel's gradient could not be summed to the weight's shape
+    on a rank holding some channels)."""
+    run_on_ranks(math.prod(mesh_shape), _prelu_body, mesh_shape)

@@ -14,7 +14,7 @@ but not of the output's shape) are declined.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, redistribute
 from shardsci.tensor._ops._common import reduced_now, sharding_axes
@@ -108,8 +108,9 @@ def _local_like(t: torch.Tensor, spec: ShardTensorSpec, shape: torch.Size):
 
 @register_aten_handler(aten._prelu_kernel_backward.default)
 def _prelu_backward(func, args, kwargs):
-    """The input's gradient is elementwise; the weight's sums over the elements its weight
-    scales, here over this rank's: a partial sum over the axes that shard the input."""
+    """The input's gradient is elementwise; the weight's sums over the elements each weight
+    scales, here over this rank's: partial over the axes that shard dims the weight is
+    broadcast along, sharded like the input along the dims it spans (channels)."""
     grad, x, weight = args
     if isinstance(weight, ShardTensor) and weight._spec.shardings:
         return NotImplemented
@@ -117,10 +118,20 @@ def _prelu_backward(func, args, kwargs):
     if ran is NotImplemented:
         return NotImplemented
     (grad_input, grad_weight), spec = ran
-    axes = sharding_axes(spec)
-    placements = [Partial() if a in axes else Replicate() for a in range(spec.mesh.ndim)]
-    weight_spec = ShardTensorSpec.build(spec.mesh, placements, weight.shape, grad_weight.dtype)
+    lead = spec.ndim - weight.ndim
+    spanned = {
+        s.dim - lead: s for s in spec.shardings if s.dim >= lead and weight.shape[s.dim - lead] > 1
+    }
+    partial_axes = set(sharding_axes(spec)) - {a for s in spanned.values() for a in s.axes}
+    placements = [Partial() if a in partial_axes else Replicate() for a in range(spec.mesh.ndim)]
+    for dim, s in spanned.items():
+        for a in s.axes:
+            placements[a] = Shard(dim)
+    weight_spec = ShardTensorSpec.build(
+        spec.mesh, placements, weight.shape, grad_weight.dtype,
+        {d: s.sizes for d, s in spanned.items()}, order={d: s.axes for d, s in spanned.items()},
+    )  # fmt: skip
     return (
         ShardTensor(grad_input, spec.with_dtype(grad_input.dtype)),
-        ShardTensor(grad_weight.sum_to_size(weight.shape), weight_spec),
+        ShardTensor(grad_weight.sum_to_size(weight_spec.local_shape()), weight_spec),
     )
