@@ -473,3 +473,19 @@ def test_prelu_weight_gradient_with_sharded_channels(mesh_shape: tuple[int, ...]
     holds its channels' sums (the kernel's gradient could not be summed to the weight's shape
     on a rank holding some channels)."""
     run_on_ranks(math.prod(mesh_shape), _prelu_body, mesh_shape)
+
+
+def _broadcast_matmul_body() -> None:
+    a = torch.randn(5, 10, dtype=torch.float64)
+    b = torch.randn(5, 10, 5, dtype=torch.float64)
+    check_against_reference(
+        torch.matmul, [a, b], [Layout((Shard(1),), {1: (0, 4, 3, 3)}), None], get_mesh((4,)),
+        out_layouts=[Layout((Replicate(),))],
+        not_a_gather="the contraction's partial sums (125 cells) outweigh the input (50 cells)",
+    )  # fmt: skip
+
+
+def test_a_matrix_times_a_batch_contracting_the_sharded_dim() -> None:
+    """Its backward views a replicated gradient that each rank holds in a layout the view
+    cannot take (the shard is then copied, as for sharded views); it raised."""
+    run_on_ranks(4, _broadcast_matmul_body)

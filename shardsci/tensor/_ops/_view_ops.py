@@ -51,9 +51,13 @@ def _view(func, args, kwargs):
     x = args[0]
     spec = x._spec
     numel = math.prod(spec.shape)
-    if not spec.shardings and numel:
-        return NotImplemented
     out_shape = tuple(infer_size(numel, list(args[1])))
+    if not spec.shardings and numel:
+        if func is not aten.view.default or _viewable(x._local, out_shape):
+            return NotImplemented
+        # Every rank holds the whole tensor, in a memory layout the view cannot take (as below).
+        out_spec = ShardTensorSpec.build(spec.mesh, spec.placements, out_shape, spec.dtype)
+        return ShardTensor(x._local.reshape(out_shape), out_spec)
     groups = _view_groups(tuple(spec.shape), out_shape)
     needed = _layout_for_view(spec, groups, out_shape)
     local = x._local
@@ -67,6 +71,14 @@ def _view(func, args, kwargs):
         with contextlib.suppress(RuntimeError):
             return ShardTensor(local.view(local_shape), out_spec)
     return ShardTensor(local.reshape(local_shape), out_spec)
+
+
+def _viewable(local: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    try:
+        local.view(shape)
+    except RuntimeError:
+        return False
+    return True
 
 
 # NOTE [Views of empty tensors]
