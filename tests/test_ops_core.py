@@ -489,3 +489,29 @@ def test_a_matrix_times_a_batch_contracting_the_sharded_dim() -> None:
     """Its backward views a replicated gradient that each rank holds in a layout the view
     cannot take (the shard is then copied, as for sharded views); it raised."""
     run_on_ranks(4, _broadcast_matmul_body)
+
+
+def _all_over_dims_body(mesh_shape: tuple[int, ...]) -> None:
+    mesh = get_mesh(mesh_shape)
+    x = torch.randn(3, 5, dtype=torch.float64).sign().clamp(min=0)
+    x[1] = 1  # a row where every element holds
+    if len(mesh_shape) == 1:
+        layout, rows = (
+            Layout((Shard(0),), {0: (0, 1, 2, 0)}),
+            Layout((Shard(0),), {0: (0, 1, 2, 0)}),
+        )
+    else:
+        layout = Layout((Shard(0), Shard(1)), {0: (1, 2), 1: (4, 1)})
+        rows = Layout((Shard(0), Replicate()), {0: (1, 2)})
+    whole = Layout((Replicate(),) * len(mesh_shape))
+    for dims, keepdim, out in [((0, 1), False, whole), ((0, -1), True, whole), ((1,), False, rows)]:
+        check_against_reference(
+            lambda t, d=dims, k=keepdim: torch.all(t > 0, dim=d, keepdim=k), [x], [layout], mesh,
+            out_layouts=[out], grad=False, what=f"dims {dims} keepdim {keepdim}",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_all_over_several_dims(mesh_shape: tuple[int, ...]) -> None:
+    """``torch.all(x, dim=(...))`` had no rule (DTensor has one for ``any`` only)."""
+    run_on_ranks(math.prod(mesh_shape), _all_over_dims_body, mesh_shape)

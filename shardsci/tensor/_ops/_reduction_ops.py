@@ -142,6 +142,18 @@ def _aminmax(func, args, kwargs):
     return aten.amin.default(x, dims, keepdim), aten.amax.default(x, dims, keepdim)
 
 
+@register_aten_handler(aten.all.dims)
+def _all_dims(func, args, kwargs):
+    """``all`` over several dims is ``not any(not x)`` over them; DTensor has a rule for
+    ``any.dims`` and none for ``all.dims``."""
+    x = args[0]
+    dims = arg(args, kwargs, 1, "dim")
+    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
+    return aten.logical_not.default(
+        aten.any.dims(aten.logical_not.default(x), dims, keepdim=keepdim)
+    )
+
+
 @register_aten_handler(aten.max.default, aten.min.default)
 def _max_min(func, args, kwargs):
     reduce = aten.amax.default if func is aten.max.default else aten.amin.default
