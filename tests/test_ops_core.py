@@ -515,3 +515,25 @@ def _all_over_dims_body(mesh_shape: tuple[int, ...]) -> None:
 def test_all_over_several_dims(mesh_shape: tuple[int, ...]) -> None:
     """``torch.all(x, dim=(...))`` had no rule (DTensor has one for ``any`` only)."""
     run_on_ranks(math.prod(mesh_shape), _all_over_dims_body, mesh_shape)
+
+
+def _native_group_norm_body() -> None:
+    cases = [  # (N, C, HxW), groups, channel shards
+        ((1, 2), 1, (1, 1)),
+        ((2, 4, 3), 1, (1, 3)),
+        ((2, 4, 3), 2, (1, 3)),
+    ]
+    for shape, groups, sizes in cases:
+        n, c, hw = shape[0], shape[1], math.prod(shape[2:])
+        check_against_reference(
+            lambda t, a=(n, c, hw, groups): torch.native_group_norm(t, None, None, *a, 1e-5),
+            [torch.randn(shape, dtype=torch.float64)], [Layout((Shard(1),), {1: sizes})],
+            get_mesh((2,)), out_layouts=[Layout((Replicate(),))] * 3,
+            what=f"{shape} in {groups} groups", not_a_gather="the channels are made whole first",
+        )  # fmt: skip
+
+
+def test_native_group_norm_with_sharded_channels() -> None:
+    """Gradients through all three outputs (normalised input, mean, rstd) match one process;
+    the ones through mean and rstd were wrong with channel shards."""
+    run_on_ranks(2, _native_group_norm_body)

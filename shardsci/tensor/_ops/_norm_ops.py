@@ -448,6 +448,22 @@ def _group_norm(func, args, kwargs):
     return _channel_normalized(x, groups, False, weight, bias, a["eps"])[0]
 
 
+@register_function_handler(torch.native_group_norm)
+def _native_group_norm(func, args, kwargs):
+    """aten's group norm called directly (``F.group_norm`` has the handler above) with its
+    channels sharded: DTensor's rule accepts that, and the input gradient through the mean and
+    rstd outputs came out wrong (one group over two channel shards; the op-database sweep), so
+    the channels are made whole first, above autograd."""
+    x = args[0] if args else kwargs["input"]
+    if not isinstance(x, ShardTensor) or x.ndim < 2 or 1 not in x._spec.sharding_by_dim:
+        return NotImplemented
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim == 1 else p for p in x._spec.placements
+    ]
+    whole = x.redistribute(placements=placements)
+    return func(whole, *args[1:], **kwargs) if args else func(**{**kwargs, "input": whole})
+
+
 # ---------------------------------------------------------------------------- batch norm
 _BATCH_NORM = _spellings(
     F.batch_norm, torch.batch_norm,
