@@ -537,3 +537,22 @@ def test_native_group_norm_with_sharded_channels() -> None:
     """Gradients through all three outputs (normalised input, mean, rstd) match one process;
     the ones through mean and rstd were wrong with channel shards."""
     run_on_ranks(2, _native_group_norm_body)
+
+
+def _norms_without_identity_body() -> None:
+    x = torch.randn(3, 4, dtype=torch.float64)
+    layout = Layout((Shard(0),), {0: (0, 1, 2, 0)})
+    pending = {float("inf"): Partial("max"), -float("inf"): Partial("min")}
+    for order in (-2.1, -1, float("inf"), -float("inf")):
+        whole = Layout((pending.get(order, _NormPartial(order)),))
+        for dim, out in [(None, whole), (1, layout), (0, whole)]:
+            check_against_reference(
+                lambda t, o=order, d=dim: torch.linalg.vector_norm(t, o, dim=d),
+                [x], [layout], get_mesh((4,)), out_layouts=[out], what=f"ord {order} dim {dim}",
+            )  # fmt: skip
+
+
+def test_norms_without_an_identity_on_empty_shards() -> None:
+    """Negative and infinite orders: torch refuses them on an empty tensor, so a rank holding
+    no rows contributes the value that adds nothing (it raised)."""
+    run_on_ranks(4, _norms_without_identity_body)

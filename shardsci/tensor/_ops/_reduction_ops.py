@@ -168,13 +168,16 @@ def _max_min(func, args, kwargs):
 
 @register_aten_handler(aten.linalg_vector_norm.default)
 def _vector_norm(func, args, kwargs):
+    """Infinite and negative orders have no identity, so torch refuses them on an empty
+    shard: there the shard's norm is the value that adds nothing when shards are combined
+    (0 for inf, inf for -inf and negative orders: ``inf ** p = 0``)."""
     order = arg(args, kwargs, 1, "ord", 2)
-    if not math.isinf(order):
+    if not math.isinf(order) and order >= 0:
         return NotImplemented
 
     def local(x, ord=2, dim=None, keepdim=False, *, dtype=None):
         dims = normalized_dims(dim, x.ndim)
-        if not any(x.shape[d] == 0 for d in dims):
+        if x.numel():
             return aten.linalg_vector_norm.default(x, ord, dim, keepdim, dtype=dtype)
         shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
         if not keepdim:
