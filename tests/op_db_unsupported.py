@@ -10,6 +10,10 @@ _ADAPTIVE = (
     "different lengths that overlap (the error says which output sizes work)"
 )
 _CHUNKED_LOSS = "a torch_nn custom op without a decomposition; no handler yet"
+_LOW_RANK = (
+    "batched samples: aten.linalg_solve_triangular on a sharded batch gets shard sizes from "
+    "DTensor's rule that its kernel does not produce; no handler yet"
+)
 
 #: Ops that may raise an error on sharded input: the same error on every rank, naming the op.
 #: The value says why. The sweep fails on an error of an op not listed here, and
@@ -27,9 +31,27 @@ UNSUPPORTED: dict[str, str] = {
         "would depend on the layout; the error says so"
     ),
     "nn.functional.linear_cross_entropy.chunked_none": _CHUNKED_LOSS,
-    "svd_lowrank": (
-        "batched samples (4 on): aten.linalg_solve_triangular on a sharded batch gets shard sizes "
-        "from DTensor's rule that its kernel does not produce; no handler yet"
+    "svd_lowrank": _LOW_RANK,
+    "pca_lowrank": _LOW_RANK,
+    "__getitem__": (
+        "a boolean mask as the index (sample 14): the result's shard sizes depend on the values "
+        "(aten.nonzero), which DTensor cannot propagate; no handler yet"
+    ),
+    "linalg.ldl_solve": (
+        "a factorisation and a right-hand side of different extents sharded over the same axis "
+        "(samples 4-5): they cannot be aligned shard by shard; no handler yet"
+    ),
+    "native_group_norm": (
+        "torch.native_group_norm itself on an unevenly sharded batch (samples 16-19): DTensor's "
+        "rule assumes even shards; F.group_norm, which models call, has its own handler"
+    ),
+    "nn.functional.group_norm": (
+        "channels sharded unevenly (2x2 layout, samples 16-19): declined, then DTensor's rule "
+        "assumes even shards; make the channels whole first"
+    ),
+    "masked.logsumexp": (
+        "keepdim over an unsharded dim with the reduced dim's output of extent 1 sharded by "
+        "DTensor's rule (samples 18-19, 4 ranks with an empty shard); no handler yet"
     ),
     "resize_": "changes the storage in place; a shard cannot grow into its neighbour's elements",
     "resize_as_": "changes the storage in place; a shard cannot grow into its neighbour's elements",
