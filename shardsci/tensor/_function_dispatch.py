@@ -2,10 +2,10 @@
 
 A call reaches here before autograd records anything. Registered function handlers run
 first; otherwise plain tensors that require grad (module weights) are promoted to replicated
-ShardTensors (not in ``torch.autograd.grad`` and ``backward``, which only walk the graph), so that the ops below see only ShardTensors and each weight's gradient is the
+ShardTensors, so that the ops below see only ShardTensors and each weight's gradient is the
 sum over shards (NOTE [Where the gradient of a replicated parameter is summed] in
-``_promotion``). Everything then continues to
-``__torch_dispatch__``.
+``_promotion``); not in ``torch.autograd.grad`` and ``backward``, which only walk the graph.
+Everything then continues to ``__torch_dispatch__``.
 """
 
 from __future__ import annotations

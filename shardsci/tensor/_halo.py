@@ -493,12 +493,10 @@ def pad_locally(local: torch.Tensor, dim: int, left: int, right: int, fill: floa
     unbatched input refuse a tensor whose strides look channels-last."""
     if left == right == 0:
         return local
-    parts = []
-    for width in (left, None, right):
-        if width is None:
-            parts.append(local)
-        elif width:
-            shape = list(local.shape)
-            shape[dim] = width
-            parts.append(local.new_full(shape, fill))
-    return torch.cat(parts, dim)
+
+    def filled(width: int) -> list[torch.Tensor]:
+        shape = list(local.shape)
+        shape[dim] = width
+        return [local.new_full(shape, fill)] if width else []
+
+    return torch.cat([*filled(left), local, *filled(right)], dim)
