@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardsci.tensor._api import ShardTensor, grad_spec
+from shardsci.tensor._api import ShardTensor, grad_spec, redistribute
 from shardsci.tensor._collectives import AxisGroup, axis_group
 from shardsci.tensor._promotion import promote_replicated
-from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 __all__ = [
@@ -56,6 +56,15 @@ def dim_layout(spec: ShardTensorSpec, dim: int) -> tuple[DimSharding, AxisGroup,
         starts.append(running)
         running += size
     return sharding, axis_group(spec.mesh, sharding.axes), starts
+
+
+def with_dims_whole(x: ShardTensor, dims: Collection[int]) -> ShardTensor:
+    """``x`` with the shardings of ``dims`` replicated, the rest of its layout kept.
+    Differentiable; no communication when none of ``dims`` is sharded."""
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim in dims else p for p in x._spec.placements
+    ]
+    return redistribute(x, target_spec(x._spec, placements))
 
 
 def reduced_now(t: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, all_gather, all_reduce, axis_group
-from shardsci.tensor._ops._common import replicated_local, sharding_axes
+from shardsci.tensor._ops._common import replicated_local, sharding_axes, with_dims_whole
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec
@@ -457,10 +457,7 @@ def _native_group_norm(func, args, kwargs):
     x = args[0] if args else kwargs["input"]
     if not isinstance(x, ShardTensor) or x.ndim < 2 or 1 not in x._spec.sharding_by_dim:
         return NotImplemented
-    placements = [
-        Replicate() if isinstance(p, Shard) and p.dim == 1 else p for p in x._spec.placements
-    ]
-    whole = x.redistribute(placements=placements)
+    whole = with_dims_whole(x, {1})
     return func(whole, *args[1:], **kwargs) if args else func(**{**kwargs, "input": whole})
 
 

@@ -29,8 +29,9 @@ import math
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from shardsci.tensor._api import ShardTensor, redistribute
-from shardsci.tensor._redistribute import redistribute_local, target_spec
+from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._ops._common import with_dims_whole
+from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
 from shardsci.tensor._torch_compat import (
@@ -223,11 +224,8 @@ def _squeeze(func, args, kwargs):
     squeezed = sorted({d % x.ndim for d in dims if x.ndim and x.shape[d % x.ndim] == 1})
     if not squeezed:
         return aten.alias.default(x) if func in _VIEWS else aten.clone.default(x)
-    placements = [
-        Replicate() if isinstance(p, Shard) and p.dim in squeezed else p for p in x._spec.placements
-    ]
-    if placements != list(x._spec.placements):
-        x = redistribute(x, target_spec(x._spec, placements))
+    if any(d in x._spec.sharding_by_dim for d in squeezed):
+        x = with_dims_whole(x, squeezed)
     elif func._overloadname == "dims" and list(dims) == squeezed:
         return NotImplemented
     return func.overloadpacket.dims(x, squeezed)
@@ -248,11 +246,7 @@ def _expand(func, args, kwargs):
     }
     if not broadcast:
         return NotImplemented
-    placements = [
-        Replicate() if isinstance(p, Shard) and p.dim in broadcast else p
-        for p in x._spec.placements
-    ]
-    return func(redistribute(x, target_spec(x._spec, placements)), *args[1:], **kwargs)
+    return func(with_dims_whole(x, broadcast), *args[1:], **kwargs)
 
 
 @register_aten_handler(aten.unbind.int)
@@ -263,10 +257,7 @@ def _unbind(func, args, kwargs):
     dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % max(x.ndim, 1)
     if dim not in x._spec.sharding_by_dim:
         return NotImplemented
-    placements = [
-        Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in x._spec.placements
-    ]
-    return func(redistribute(x, target_spec(x._spec, placements)), dim)
+    return func(with_dims_whole(x, {dim}), dim)
 
 
 @register_aten_handler(aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default)
