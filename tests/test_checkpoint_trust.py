@@ -36,12 +36,19 @@ from shardsci.checkpoint import (
 )
 from shardsci.checkpoint import _metadata as _metadata_module
 from shardsci.checkpoint._metadata import METADATA_GLOBALS
+from shardsci.models import MeshGraphNet
 from shardsci.testing import assert_all_ranks, assert_raises_all_ranks, run_on_ranks
+from shardsci.training import ScheduleConfig, warmup_cosine
 from tests.test_checkpoint import (
     CHANNELS,
+    LR,
+    Wrapped,
+    _assert_states_close,
+    _full_state,
     _train_step,
     _wrapped,
 )
+from tests.zoo import MODELS
 
 STEP = 1
 Damage = Callable[[Path], None]
@@ -389,3 +396,64 @@ def test_every_allowed_name_resolves_and_nothing_else_does() -> None:
     for module, name in [("torch", "load"), ("builtins", "eval"), ("os", "system")]:
         with pytest.raises(pickle.UnpicklingError, match=rf"{module}\.{name}"):
             _global(module, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real checkpoints still load: every zoo model, and one written before the allowlists
+# ---------------------------------------------------------------------------------------------
+
+
+ZOO = [*MODELS, "meshgraphnet"]
+
+
+def _zoo(seed: int) -> Wrapped:
+    """Every zoo model, small, in one module, and its AdamW after one step on gradients
+    ``parameters / 2``: one checkpoint holds each model's entries as its own checkpoint would
+    (under the model's name), at the cost of one save and one load."""
+    torch.manual_seed(seed)
+    models = {name: factory() for name, factory in MODELS.items()}
+    models["meshgraphnet"] = MeshGraphNet(
+        node_in=6, edge_in=3, node_out=2, hidden=8, processor_blocks=2
+    )
+    zoo = nn.ModuleDict(models)
+    optimizer = torch.optim.AdamW(zoo.parameters(), lr=LR)
+    for parameter in zoo.parameters():
+        parameter.grad = parameter.detach() / 2
+    optimizer.step()
+    return zoo, optimizer, 0, 1
+
+
+def _save_zoo(directory: str) -> None:
+    # Replicated on both ranks, as over a domain axis: DCP writes each entry once, from
+    # either rank, into that rank's shard file.
+    save_checkpoint(directory, STEP, *_zoo(seed=3)[:2], {"step": STEP})
+
+
+def test_every_zoo_model_loads_on_another_mesh(tmp_path: Path) -> None:
+    run_on_ranks(2, _save_zoo, str(tmp_path))
+    checkpoint = tmp_path / f"step_{STEP:06d}"
+    assert len(list(checkpoint.glob("*.distcp"))) == 2
+    expected = _full_state(_zoo(seed=3))
+    assert {name.split(".")[1] for name in expected if name.startswith("model.")} == set(ZOO)
+    model, optimizer, *_ = loaded = _zoo(seed=4)
+    assert load_checkpoint(checkpoint, model, optimizer) == {"step": STEP}
+    _assert_states_close(_full_state(loaded), expected, "zoo", 0.0)
+
+
+BEFORE = Path(__file__).parent / "data" / "checkpoint_f74f112"
+"""A checkpoint written by ``save_checkpoint`` at commit f74f112, before the allowlists, as the
+trainer wrote them (step and scheduler state in ``extra``): ``_wrapped("plain", (1, 1),
+seed=0)``, ``warmup_cosine(optimizer, ScheduleConfig(), 10)``, ``_train_step(wrapped, 1)``,
+one scheduler step, then ``save_checkpoint(directory, 1, model, optimizer, {"step": 1,
+"scheduler": scheduler.state_dict()})``."""
+
+
+def test_a_checkpoint_written_before_the_allowlists_loads_bit_for_bit() -> None:
+    wrapped = _wrapped("plain", (1, 1), seed=0)
+    scheduler = warmup_cosine(wrapped[1], ScheduleConfig(), 10)
+    _train_step(wrapped, 1)
+    scheduler.step()
+    model, optimizer, *_ = loaded = _wrapped("plain", (1, 1), seed=1, lr=10 * LR)
+    extra = load_checkpoint(BEFORE, model, optimizer)
+    assert extra == {"step": 1, "scheduler": scheduler.state_dict()}
+    _assert_states_close(_full_state(loaded), _full_state(wrapped), "before", 0.0)
