@@ -23,7 +23,7 @@ __all__ = ["EXTRA_FILE", "encode_extra", "read_extra"]
 EXTRA_FILE = "extra.pt"
 """Name of the file, written by rank 0, that holds the step and the caller's ``extra``."""
 
-PLAIN_VALUES = (
+_PLAIN_VALUES = (
     "tensors and plain values (numbers, strings, bytes, None; lists, tuples, sets and dicts of "
     "them)"
 )
@@ -48,7 +48,7 @@ def encode_extra(step: int, extra: dict[str, Any]) -> bytes:
     except Exception as exc:
         hint = _NUMPY_HINT if "numpy" in str(exc) else ""
         raise CheckpointError(
-            f"extra must hold only {PLAIN_VALUES}, which load without running code; "
+            f"extra must hold only {_PLAIN_VALUES}, which load without running code; "
             f"{reason(exc)}{hint}"
         ) from exc
     return payload.getvalue()
@@ -68,7 +68,7 @@ def read_extra(checkpoint: Path) -> dict[str, Any]:
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint file {file} cannot be read: {reason(exc)}; expected the step and extra "
-            f"that save_checkpoint writes, {PLAIN_VALUES} only"
+            f"that save_checkpoint writes, {_PLAIN_VALUES} only"
         ) from exc
     if not (
         isinstance(stored, dict)

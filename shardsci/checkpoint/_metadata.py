@@ -19,7 +19,9 @@ file, and each is read so that an object of any other kind is refused before it 
   classes (``StorageMeta.checkpoint_id`` is the ``Path`` the writer was given; Python 3.13
   names their module ``pathlib._local``). That is the whole of what torch 2.13's
   ``FileSystemWriter`` pickles, found by logging ``find_class`` over checkpoints of every zoo
-  model and both recipes (``tests/test_checkpoint_trust.py`` keeps that true). Each allowed
+  model, replicated and FSDP2-sharded, and of both recipes' runs; the tests that load real
+  checkpoints (``tests/test_checkpoint_trust.py``, the recipes' resume tests) keep it true,
+  and a checkpoint written before the allowlist loads (``tests/data/``). Each allowed
   name, called by the pickle with any arguments, only builds a value (a dataclass, a size, a
   path) or looks one up; none imports or runs anything else. The unpickled metadata is then
   checked for the shape DCP gives it (entries, chunks inside their tensor, every chunk's data
@@ -27,8 +29,10 @@ file, and each is read so that an object of any other kind is refused before it 
   so a crafted one cannot make DCP read outside the checkpoint directory.
 
 The names are strings, as a pickle names them: they are checked against the pickle's own
-text before anything is imported, and a torch upgrade that renames one makes loading refuse
-the checkpoint naming the class (and the test above fail), never load it unchecked. Nothing in
+text before anything is imported, and the library never uses the private ones as Python
+symbols (so they are not in ``_torch_compat``). A torch upgrade that renames one makes loading
+refuse the checkpoint naming the class, never load it unchecked, and fails the tests above and
+the one that resolves every allowed name. Nothing in
 a checkpoint names code to run: ``extra`` comes back as plain data, and a run config stored in
 it is never instantiated (its ``_target_`` stays a string) unless the caller does so.
 """
