@@ -335,6 +335,10 @@ def test_damaged_checkpoints_and_other_models_are_refused_in_one_line_on_every_r
         with pytest.raises(CheckpointError, match=pattern):
             resolve_resume(tmp_path, path)
     assert resolve_resume(tmp_path, unreadable) == unreadable  # its shards are not read here
+    model, optimizer, *_ = _wrapped("plain", (1, 1), seed=1)
+    weights_only = save_checkpoint(tmp_path / "weights", STEP, model, None)
+    with pytest.raises(CheckpointError, match="holds no state of the optimiser: it was saved"):
+        load_checkpoint(weights_only, model, optimizer)
     run_on_ranks(2, _load_damaged_on_ranks, checkpoint, damaged, unreadable)
 
 

@@ -112,6 +112,11 @@ def check_state_matches(
             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
         }
         what = "the model" if part == "model" else "the optimiser"
+        if wanted and not any(key.startswith(prefix) for key in metadata.state_dict_metadata):
+            raise CheckpointError(
+                f"checkpoint {checkpoint} holds no state of {what}: it was saved without one; "
+                f"load it without one"
+            )
         problems = _differences(saved, wanted, what)
         if problems:
             raise CheckpointError(
