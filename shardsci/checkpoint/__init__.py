@@ -6,8 +6,14 @@ in ``_layout.py``): a save killed mid-write leaves the previous checkpoint intac
 next save removes the half-written one. ``latest_checkpoint(directory)`` finds the newest
 committed checkpoint, ``resolve_resume(directory, resume)`` applies a ``"auto"``/``"never"``/
 path setting, and ``load_checkpoint(path, model, optimizer)`` restores the state into a
-plain, DDP- or FSDP2-wrapped model on any number of ranks and returns ``extra``. Errors are
-``CheckpointError``, raised on every rank of the group.
+plain, DDP- or FSDP2-wrapped model on any number of ranks and returns ``extra``.
+
+Loading runs no code from the checkpoint, whoever wrote it (NOTE [What a checkpoint may hold]
+in ``_metadata.py``). ``check_checkpoint(path, model, optimizer)``, which ``load_checkpoint``
+runs first, refuses a checkpoint holding anything but what ``save_checkpoint`` writes, one
+truncated or missing a shard, or one of another model or optimiser. Errors are
+``CheckpointError``, one line naming the file and what was expected, raised on every rank of
+the group.
 
 Example
 -------
@@ -16,12 +22,14 @@ Example
 >>> save_checkpoint(run_dir / "checkpoints", step, model, optimizer, {"step": step})  # doctest: +SKIP
 """
 
-from shardsci.checkpoint._dcp import load_checkpoint, save_checkpoint
-from shardsci.checkpoint._layout import CheckpointError, latest_checkpoint
+from shardsci.checkpoint._dcp import check_checkpoint, load_checkpoint, save_checkpoint
+from shardsci.checkpoint._errors import CheckpointError
+from shardsci.checkpoint._layout import latest_checkpoint
 from shardsci.checkpoint._resume import resolve_resume
 
 __all__ = [
     "CheckpointError",
+    "check_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
     "resolve_resume",

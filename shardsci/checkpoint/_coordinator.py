@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from shardsci.checkpoint._layout import CheckpointError
+from shardsci.checkpoint._errors import CheckpointError
 
 __all__ = ["on_coordinator"]
 

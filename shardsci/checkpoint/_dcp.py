@@ -26,8 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -36,18 +35,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardsci.checkpoint._coordinator import on_coordinator
-from shardsci.checkpoint._layout import (
-    CheckpointError,
-    begin_save,
-    check_complete,
-    commit_save,
-    read_extra,
+from shardsci.checkpoint._errors import CheckpointError, reason
+from shardsci.checkpoint._layout import begin_save, commit_save
+from shardsci.checkpoint._reader import CheckedReader, RestrictedPlanner
+from shardsci.checkpoint._verify import (
+    CheckedFiles,
+    check_state_matches,
+    tensor_entries,
+    verify_files,
 )
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["check_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 _MODEL, _OPTIM = "model", "optim"
-_LISTED_KEYS = 5
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
@@ -81,7 +81,9 @@ def save_checkpoint(
         The optimiser of ``model``'s parameters, or None to save the model only.
     extra
         Small run state, e.g. ``{"step": ..., "scheduler": sched.state_dict(), "rng": ...,
-        "config": ...}``: anything ``torch.save`` can write. Only rank 0's is saved.
+        "config": ...}``: tensors and plain values only (what ``torch.load(weights_only=True)``
+        reads; numpy arrays as tensors), so that loading it runs no code. Only rank 0's is
+        saved; it is loaded as plain data (a config in it is never instantiated).
     process_group
         The group of ranks that hold the state; None for the default group.
     keep_last
@@ -100,7 +102,8 @@ def save_checkpoint(
     TypeError
         If ``extra`` is not a dict.
     CheckpointError
-        On every rank, if any stage of the save failed; the checkpoint is then not committed.
+        On every rank, if ``extra`` holds anything but tensors and plain values, or any stage
+        of the save failed; the checkpoint is then not committed.
     """
     _check_save_arguments(step, keep_last, extra)
     root = Path(directory)
@@ -132,6 +135,9 @@ def load_checkpoint(
 
     Collective over ``process_group``. The model may be wrapped and sharded differently, on
     a different number of ranks, than when it was saved: each rank reads the chunks it needs.
+    The checkpoint first passes ``check_checkpoint``, and no file of it is unpickled outside
+    an allowlist (NOTE [What a checkpoint may hold] in ``_metadata.py``): a checkpoint from
+    anyone runs no code here.
 
     Parameters
     ----------
@@ -139,7 +145,8 @@ def load_checkpoint(
         A complete checkpoint directory, e.g. from ``latest_checkpoint`` or
         ``resolve_resume``.
     model
-        A plain, DDP- or FSDP2-wrapped module with the saved parameter names and shapes.
+        A plain, DDP- or FSDP2-wrapped module with the saved parameter names, shapes and
+        dtypes.
     optimizer
         The optimiser to restore (same kind and parameter groups as when saved), or None
         to load the model only.
@@ -154,21 +161,19 @@ def load_checkpoint(
     Raises
     ------
     CheckpointError
-        On every rank, if ``path`` is not a complete checkpoint, its model entries do not
-        match ``model`` (missing or unexpected names, other shapes), or DCP fails to read it
-        (e.g. optimiser state of another kind).
+        On every rank, with one line naming the file or the entries at fault: as
+        ``check_checkpoint``, or if a shard file's contents cannot be read as tensors and
+        plain values.
     """
     checkpoint = Path(path)
     state = _state_dict(model, optimizer)
-    expected = {name: _global_shape(value) for name, value in state[_MODEL].items()}
-    extra = on_coordinator(
-        lambda: _open(checkpoint, expected), process_group, f"opening checkpoint {checkpoint}"
-    )
+    checked = _checked(checkpoint, state, process_group)
     _run_dcp(
         dcp.load,
         state,
         f"reading checkpoint {checkpoint}",
-        storage_reader=FileSystemReader(checkpoint),
+        storage_reader=CheckedReader(checkpoint, checked.metadata),
+        planner=RestrictedPlanner(),
         process_group=process_group,
     )
     if optimizer is None:
@@ -177,7 +182,64 @@ def load_checkpoint(
         set_state_dict(
             model, optimizer, model_state_dict=state[_MODEL], optim_state_dict=state[_OPTIM]
         )
-    return extra
+    return checked.extra
+
+
+def check_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Check that ``path`` is a checkpoint that loads, without loading it; return ``extra``.
+
+    The check ``load_checkpoint`` makes first (so resuming a run and any command loading
+    weights make it too). Collective over ``process_group``: rank 0 reads the checkpoint's
+    ``.metadata`` and ``extra.pt`` through allowlists and the sizes of its shard files, and
+    every rank raises what it found. Without a process group it runs here alone.
+
+    Parameters
+    ----------
+    path
+        The checkpoint directory.
+    model, optimizer
+        If given, the checkpoint must hold their tensors, with the same names, global shapes
+        and dtypes, and no others; ``optimizer`` only with ``model``.
+    process_group
+        The group of ranks that will load it; None for the default group.
+
+    Returns
+    -------
+    dict
+        The ``extra`` given to ``save_checkpoint``, on every rank.
+
+    Raises
+    ------
+    CheckpointError
+        On every rank, with one line naming the file and what was expected, if the checkpoint
+        is incomplete, a file holds anything but what DCP and ``save_checkpoint`` write
+        (nothing from it is run), a shard file is missing or truncated, or the checkpoint is
+        of another model or optimiser.
+    """
+    if model is None and optimizer is not None:
+        raise ValueError("check_checkpoint: an optimizer is checked only together with its model")
+    state = _state_dict(model, optimizer) if model is not None else {}
+    return _checked(Path(path), state, process_group).extra
+
+
+def _checked(
+    checkpoint: Path, state: dict[str, Any], process_group: ProcessGroup | None
+) -> CheckedFiles:
+    """``verify_files`` and ``check_state_matches`` on rank 0, their result on every rank."""
+    expected = {part: tensor_entries(value) for part, value in state.items()}
+
+    def verify() -> CheckedFiles:
+        checked = verify_files(checkpoint)
+        check_state_matches(checkpoint, checked.metadata, expected)
+        return checked
+
+    return on_coordinator(verify, process_group, f"checking checkpoint {checkpoint}")
 
 
 def _check_save_arguments(step: int, keep_last: int | None, extra: dict[str, Any] | None) -> None:
@@ -196,9 +258,10 @@ def _run_dcp(
 ) -> None:
     """Run ``dcp.save`` or ``dcp.load`` on ``state``; raise its failure as ``CheckpointError``.
 
-    DCP raises ``CheckpointException`` on every rank when any rank failed. Without a default
-    process group it runs in this process alone, which is intended here, so its warning that
-    it assumes so is silenced.
+    DCP raises ``CheckpointException`` on every rank when any rank failed, with every failed
+    rank's exception and traceback; the error keeps one line, the lowest failed rank's. Without
+    a default process group it runs in this process alone, which is intended here, so its
+    warning that it assumes so is silenced.
     """
     no_dist = not dist.is_initialized()
     with warnings.catch_warnings():
@@ -207,7 +270,17 @@ def _run_dcp(
         try:
             operation(state, no_dist=no_dist, **kwargs)
         except CheckpointException as exc:
-            raise CheckpointError(f"{what} failed: {exc}") from exc
+            raise CheckpointError(_one_line(what, exc.failures)) from exc
+
+
+def _one_line(what: str, failures: dict[int, Any]) -> str:
+    """``what`` failed, with the lowest failed rank's error: DCP gives ``(exception,
+    traceback)`` per rank."""
+    first, *others = sorted(failures)
+    error = failures[first][0]
+    detail = str(error) if isinstance(error, CheckpointError) else reason(error)
+    also = f" (and on ranks {', '.join(map(str, others))})" if others else ""
+    return f"{what} failed on rank {first}{also}: {detail}"
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -216,51 +289,3 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
         return {_MODEL: get_model_state_dict(model)}
     model_state, optim_state = get_state_dict(model, optimizer)
     return {_MODEL: model_state, _OPTIM: optim_state}
-
-
-def _global_shape(value: Any) -> tuple[int, ...] | None:
-    """The global shape of a state-dict tensor (a DTensor's is its unsharded one), else None."""
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def _open(checkpoint: Path, expected: dict[str, tuple[int, ...] | None]) -> dict[str, Any]:
-    """Check that ``checkpoint`` is complete and matches the model; return its ``extra``."""
-    check_complete(checkpoint)
-    metadata = FileSystemReader(checkpoint).read_metadata()
-    _check_model_matches(checkpoint, metadata, expected)
-    return read_extra(checkpoint)
-
-
-def _check_model_matches(
-    checkpoint: Path, metadata: Metadata, expected: dict[str, tuple[int, ...] | None]
-) -> None:
-    """Raise ``CheckpointError`` naming every model entry that the checkpoint lacks or adds,
-    or that it holds with another shape."""
-    prefix = _MODEL + "."
-    saved = {
-        key.removeprefix(prefix): entry
-        for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith(prefix)
-    }
-    problems = []
-    missing = sorted(expected.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - expected.keys())
-    if missing:
-        problems.append(f"missing {_list(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_list(unexpected)}")
-    for name in sorted(expected.keys() & saved.keys()):
-        entry, shape = saved[name], expected[name]
-        saved_shape = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
-        if saved_shape is not None and shape is not None and saved_shape != shape:
-            problems.append(f"{name} is {saved_shape} in the checkpoint, {shape} in the model")
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} does not match the model: " + "; ".join(problems)
-        )
-
-
-def _list(names: list[str]) -> str:
-    shown = ", ".join(names[:_LISTED_KEYS])
-    more = len(names) - _LISTED_KEYS
-    return f"{shown} (and {more} more)" if more > 0 else shown

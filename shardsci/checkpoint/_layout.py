@@ -39,43 +39,32 @@ then falls back to the newest complete checkpoint on disk.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
+from shardsci.checkpoint._errors import CheckpointError
+from shardsci.checkpoint._extra import EXTRA_FILE, encode_extra
+from shardsci.checkpoint._metadata import DCP_METADATA
 
 __all__ = [
-    "CheckpointError",
     "begin_save",
     "check_complete",
     "commit_save",
     "complete_checkpoints",
     "latest_checkpoint",
-    "read_extra",
     "step_name",
 ]
 
 LATEST = "latest"
 """Name of the pointer file holding the directory name of the newest committed checkpoint."""
 
-EXTRA_FILE = "extra.pt"
-"""Name of the file, written by rank 0, that holds the step and the caller's ``extra``."""
-
-DCP_METADATA = ".metadata"
-"""Name of the file DCP's coordinator writes last, once every rank's shards are written."""
-
 _COMPLETE = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|trash)")
 _TMP_SUFFIX = ".tmp"
 _TRASH_SUFFIX = ".trash"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; raised on every rank of the group."""
 
 
 def step_name(step: int) -> str:
@@ -150,16 +139,6 @@ def check_complete(path: Path) -> None:
         )
 
 
-def read_extra(path: Path) -> dict[str, Any]:
-    """Return the caller's ``extra`` stored in checkpoint ``path``.
-
-    ``extra.pt`` is unpickled without restriction (``weights_only=False``) so that RNG states
-    such as numpy's load back; DCP's own ``.metadata`` is a pickle too, so a checkpoint is
-    trusted input either way: load only checkpoints that your own runs wrote.
-    """
-    return torch.load(path / EXTRA_FILE, weights_only=False)["extra"]
-
-
 # ---------------------------------------------------------------------------------------------
 # Writing (rank 0 only)
 # ---------------------------------------------------------------------------------------------
@@ -171,23 +150,16 @@ def begin_save(directory: Path, step: int, extra: dict[str, Any]) -> Path:
     Raises
     ------
     CheckpointError
-        If ``extra`` cannot be serialised with ``torch.save``.
+        If ``extra`` holds anything but tensors and plain values (``encode_extra``).
     """
-    payload = io.BytesIO()
-    try:
-        torch.save({"step": step, "extra": extra}, payload)
-    except Exception as exc:
-        raise CheckpointError(
-            f"extra must be torch.save-able (plain containers, numbers, strings, tensors); "
-            f"saving it raised {type(exc).__name__}: {exc}"
-        ) from exc
+    payload = encode_extra(step, extra)
     if not directory.is_dir():
         directory.mkdir(parents=True)
         _fsync(directory.parent)
     _remove_leftovers(directory)
     staging = directory / (step_name(step) + _TMP_SUFFIX)
     staging.mkdir()
-    (staging / EXTRA_FILE).write_bytes(payload.getvalue())
+    (staging / EXTRA_FILE).write_bytes(payload)
     return staging
 
 
