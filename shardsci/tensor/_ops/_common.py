@@ -23,7 +23,6 @@ __all__ = [
     "normalized_dims",
     "reduced_now",
     "replicated_local",
-    "sharded_among",
     "sharding_axes",
 ]
 
@@ -108,11 +107,6 @@ def normalized_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, .
     if isinstance(dims, int):
         dims = (dims,)
     return tuple(sorted({d % ndim if ndim else d for d in dims}))
-
-
-def sharded_among(spec: ShardTensorSpec, dims: Sequence[int]) -> list[int]:
-    """The dims in ``dims`` that are sharded."""
-    return [s.dim for s in spec.shardings if s.dim in dims]
 
 
 def dim_layout(spec: ShardTensorSpec, dim: int) -> tuple[DimSharding, AxisGroup, list[int]]:
