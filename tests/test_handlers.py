@@ -130,6 +130,20 @@ def test_an_unknown_argument_name_is_an_attribute_error():
         bind(aten.cumsum.default, (torch.ones(2), 0), {}).dims  # noqa: B018
 
 
+def test_library_handlers_read_their_arguments_only_through_bind():
+    """No positional reads (``args[0]``, ``x, y = args``) and no other binder in the library's
+    handlers: a keyword argument would be missed, or read from the wrong position."""
+    positional = re.compile(r"\bargs\[|^\s*[\w, ]+=\s*args\s*$|\b(_parse|_bound|_bind|arg)\(")
+    ops = Path(__file__).resolve().parents[1] / "shardsci" / "tensor" / "_ops"
+    found = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in sorted(ops.glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if positional.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
 # ---------------------------------------------------------------------------- accepts
 def _accepts_body() -> list[str]:
     """Each condition of ``accepts`` on a (B, C, W) tensor sharded along W on 2 ranks."""

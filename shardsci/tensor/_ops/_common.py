@@ -17,7 +17,6 @@ from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 __all__ = [
     "accepts",
-    "arg",
     "connected_empty",
     "dim_layout",
     "normalized_dims",
@@ -25,13 +24,6 @@ __all__ = [
     "replicated_local",
     "sharding_axes",
 ]
-
-
-def arg(args: tuple, kwargs: dict, index: int, name: str, default: object = None) -> object:
-    """An op argument by position or keyword."""
-    if len(args) > index:
-        return args[index]
-    return kwargs.get(name, default)
 
 
 def accepts(
