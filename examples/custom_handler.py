@@ -12,6 +12,7 @@ import torch.distributed as dist
 import shardsci
 from shardsci import Shard
 from shardsci.distributed import build_mesh, init_distributed
+from shardsci.handlers import accepts, bind
 
 
 @torch.library.custom_op("demo::scale_by_max", mutates_args=())
@@ -21,7 +22,9 @@ def scale_by_max(x: torch.Tensor) -> torch.Tensor:
 
 @shardsci.register_aten_handler("demo::scale_by_max")
 def scale_by_max_on_shards(func, args, kwargs):
-    (x,) = args
+    x = bind(func, args, kwargs).x  # by the op's schema: scale_by_max(Tensor x)
+    if not accepts(x):  # a Partial input's maximum is not the maximum of its shards
+        return NotImplemented
     local = x.to_local()
     largest = local.abs().amax() if local.numel() else local.new_zeros(())  # empty shards too
     for axis, placement in enumerate(x.placements):

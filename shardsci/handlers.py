@@ -11,7 +11,11 @@ complete example, is ``docs/handlers.md``. The pieces:
   (:class:`DuplicateHandlerWarning`) unless ``replace=True``.
 - :func:`scoped_handlers`: registrations made inside the block are undone when it ends, so a
   test's handler does not outlive the test.
-- :func:`bind`: the call's arguments by parameter name, defaults filled in.
+- :func:`bind`: the call's arguments by parameter name, defaults filled in; the one way a
+  handler reads them.
+- :func:`accepts`: whether the handler takes the call, from the layouts of its arguments
+  (which must be ShardTensors, which dims must be sharded or whole, Partial inputs, dtypes,
+  replicated parameters); the one way a handler decides to decline, alike on every rank.
 - ``x.local`` (the shard, outside autograd), ``x.to_local()`` (the shard, differentiable) and
   ``x.spec`` (the :class:`ShardTensorSpec` layout, the same on every rank) of a ShardTensor.
 - :func:`sum_over_shards`: a differentiable sum of per-shard partial results over the ranks
@@ -30,6 +34,7 @@ from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._api import from_local_spec as _from_local_spec
 from shardsci.tensor._binding import Arguments, bind
 from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group
+from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._registry import (
     DuplicateHandlerWarning,
     register_aten_handler,
@@ -43,6 +48,7 @@ __all__ = [
     "DuplicateHandlerWarning",
     "ShardTensor",
     "ShardTensorSpec",
+    "accepts",
     "bind",
     "from_local_spec",
     "register_aten_handler",

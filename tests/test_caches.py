@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import shardsci
-from shardsci.tensor import _collectives, _propagation, _redistribute, _spec
+from shardsci.tensor import _collectives, _gather_plan, _propagation, _redistribute, _spec
+from shardsci.tensor._gather_plan import gather_plan
 from shardsci.testing import assert_all_ranks, run_on_ranks
 
 BOUND = 16
@@ -148,3 +149,99 @@ def _equal_meshes_body() -> tuple[bool, bool, int]:
 def test_equal_meshes_built_separately_share_cache_entries() -> None:
     for distinct, shared, groups in run_on_ranks(2, _equal_meshes_body):
         assert distinct and shared and groups == 1
+
+
+# ---------------------------------------------------------------------------- gather plans
+def _line_group() -> _collectives.AxisGroup:
+    """Rank 0 of two along one axis: enough for a replicated index, whose plan is local."""
+    return _collectives.AxisGroup(
+        group=None, size=2, index=0, group_ranks=(0, 1), global_ranks=(0, 1)
+    )
+
+
+def _gather_plans() -> int:
+    return shardsci.cache_sizes()["gather plans"]
+
+
+def test_gather_plans_are_reused_bounded_per_storage_and_cleared() -> None:
+    shardsci.clear_caches()
+    group = _line_group()
+    index = torch.tensor([4, 0, 1, 3])
+    plan = gather_plan(index, (3, 2), group, replicated=True)
+    assert gather_plan(index[:], (3, 2), group, replicated=True) is plan  # a view, same geometry
+    for value in range(40):  # in-place writes: each version replaces the plan
+        index[0] = value % 5
+        halo = len({v for v in index.tolist() if v >= 3})
+        assert gather_plan(index, (3, 2), group, replicated=True).halo == halo
+    assert _gather_plans() == 1
+    views = torch.arange(64)
+    for start in range(40):  # ever-new views of one storage
+        gather_plan(views[start:], (40, 24), group, replicated=True)
+    assert _gather_plans() <= 1 + _gather_plan._PLANS_PER_STORAGE
+    shardsci.clear_caches()
+    assert _gather_plans() == 0
+
+
+def _index_on(storage: torch.UntypedStorage, values: list[int]) -> torch.Tensor:
+    """An int64 index on ``storage``: version 1 whatever the storage, so that only the
+    storage tells two such indices apart."""
+    storage.copy_(torch.tensor(values).untyped_storage())
+    return torch.empty(0, dtype=torch.int64).set_(storage, 0, (len(values),))
+
+
+def test_a_storage_never_finds_the_plans_of_a_dead_one_at_its_id() -> None:
+    shardsci.clear_caches()
+    group = _line_group()
+    index = _index_on(torch.UntypedStorage(16), [3, 4])
+    dead = id(index.untyped_storage())
+    assert gather_plan(index, (3, 2), group, replicated=True).halo == 2
+    del index
+    storages = [torch.UntypedStorage(16) for _ in range(1000)]  # one takes the dead one's id
+    assert _gather_plans() == 0  # the plans went with their storage
+    reused = next((s for s in storages if id(s) == dead), None)
+    if reused is None:
+        pytest.skip("no new storage took the dead one's id")
+    index = _index_on(reused, [0, 1])  # same geometry and version, other values
+    assert gather_plan(index, (3, 2), group, replicated=True).halo == 0
+
+
+# ---------------------------------------------------------------------------- registry
+def test_clear_caches_empties_the_resolved_handlers() -> None:
+    from shardsci.tensor import _registry
+
+    _registry.aten_handler_for(torch.ops.aten.cumsum.default)
+    assert shardsci.cache_sizes()["resolved aten handlers"] >= 1
+    shardsci.clear_caches()
+    assert not _registry._RESOLVED
+
+
+# ---------------------------------------------------------------------------- regions
+def _region_verdicts_body() -> dict[str, int]:
+    """A module met on equal meshes built separately keeps one verdict; its verdicts stay
+    within their bound and ``clear_caches`` empties them."""
+    from shardsci.compiling import _regions, compile_regions
+
+    shardsci.clear_caches()
+    saved, _regions._LAYOUTS_PER_MODULE = _regions._LAYOUTS_PER_MODULE, 4
+    try:
+        model = compile_regions(torch.nn.SiLU())
+    finally:
+        _regions._LAYOUTS_PER_MODULE = saved
+    data = torch.randn(2, 3, dtype=torch.float64)
+    for _ in range(2):  # shards of one row run eagerly: no compilation
+        model(shardsci.distribute_tensor(data, init_device_mesh("cpu", (2,)), [Shard(0)]))
+    counts = {"equal meshes": shardsci.cache_sizes()["local-region verdicts"]}
+    mesh = init_device_mesh("cpu", (2,))
+    for ndim in range(1, 5):
+        for dim in range(ndim):
+            whole = torch.randn([2] * ndim, dtype=torch.float64)
+            model(shardsci.distribute_tensor(whole, mesh, [Shard(dim)]))
+    counts["after 10 layouts"] = shardsci.cache_sizes()["local-region verdicts"]
+    shardsci.clear_caches()
+    counts["cleared"] = shardsci.cache_sizes()["local-region verdicts"]
+    return counts
+
+
+def test_region_verdicts_are_keyed_by_the_mesh_value_bounded_and_cleared() -> None:
+    for counts in run_on_ranks(2, _region_verdicts_body):
+        assert counts == {"equal meshes": 1, "after 10 layouts": 4, "cleared": 0}

@@ -1,7 +1,9 @@
-"""The handler-author API (``shardsci.handlers``): argument binding, duplicate-registration
-warnings, scoped registration, the public ``local``/``spec`` of a ShardTensor, the checked
-``from_local_spec``, and the how-to's example handler (``docs/handlers.md``), run as written
-there against the single-process reference on uneven and empty shards.
+"""The handler-author API (``shardsci.handlers``): argument binding, the ``accepts`` guard,
+duplicate-registration warnings, scoped registration, the public ``local``/``spec`` of a
+ShardTensor, the checked ``from_local_spec``, and the how-to's example handler
+(``docs/handlers.md``), run as written there against the single-process reference on uneven
+and empty shards; and that every handler of the library binds with ``bind`` and declines
+through ``accepts``.
 """
 
 from __future__ import annotations
@@ -13,18 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.handlers import (
     DuplicateHandlerWarning,
     ShardTensor,
+    accepts,
     bind,
     from_local_spec,
     register_aten_handler,
     register_function_handler,
     scoped_handlers,
 )
+from shardsci.tensor._binding import replaced
 from shardsci.tensor._registry import (
     aten_handler_for,
     function_handler_for,
@@ -95,9 +100,90 @@ def test_bind_rejects_a_bad_call_naming_the_callee(args, kwargs, message):
         bind(F.avg_pool2d, args, kwargs)
 
 
+def test_bind_collects_variadic_operands_and_reads_out_of_a_builtin():
+    x = torch.ones(2)
+
+    def einsum(equation, *operands): ...
+
+    a = bind(torch.einsum, ("i,i->", x, x), {}, signature=einsum)
+    assert a.equation == "i,i->" and a.operands == (x, x)
+    assert bind(torch.einsum, ("i->",), {}, signature=einsum).operands == ()
+    with pytest.raises(TypeError, match=r"einsum\(\) got an unexpected keyword argument 'x'"):
+        bind(torch.einsum, ("i->",), {"x": x}, signature=einsum)
+    # torch.index_select has an out= variant: out is a keyword of the builtin.
+    assert bind(torch.index_select, (x, 0, x.long()), {}).out is None
+    assert bind(torch.index_select, (x, 0, x.long()), {"out": x}).out is x
+
+
+def test_replaced_rewrites_an_argument_where_the_caller_passed_it():
+    x, y = torch.ones(2), torch.zeros(2)
+    assert replaced(F.avg_pool1d, (x, 2), {}, {"input": y}) == ((y, 2), {})
+    assert replaced(F.avg_pool1d, (), {"input": x}, {"input": y}) == ((), {"input": y})
+    args, kwargs = replaced(F.avg_pool1d, (x, 2), {}, {"padding": 1})
+    assert args == (x, 2) and kwargs == {"padding": 1}
+    with pytest.raises(TypeError, match="avg_pool1d\\(\\) has no argument 'pad'"):
+        replaced(F.avg_pool1d, (x, 2), {}, {"pad": 1})
+
+
 def test_an_unknown_argument_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no argument named 'dims'"):
         bind(aten.cumsum.default, (torch.ones(2), 0), {}).dims  # noqa: B018
+
+
+def test_library_handlers_read_their_arguments_only_through_bind():
+    """No positional reads (``args[0]``, ``x, y = args``) and no other binder in the library's
+    handlers: a keyword argument would be missed, or read from the wrong position."""
+    positional = re.compile(r"\bargs\[|^\s*[\w, ]+=\s*args\s*$|\b(_parse|_bound|_bind|arg)\(")
+    ops = Path(__file__).resolve().parents[1] / "shardsci" / "tensor" / "_ops"
+    found = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in sorted(ops.glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if positional.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+# ---------------------------------------------------------------------------- accepts
+def _accepts_body() -> list[str]:
+    """Each condition of ``accepts`` on a (B, C, W) tensor sharded along W on 2 ranks."""
+    mesh = get_mesh((2,))
+    whole = torch.randn(2, 3, 4, dtype=torch.float64)
+    x = ShardTensor.from_local(whole.chunk(2, -1)[dist.get_rank()], mesh, [Shard(2)])
+    partial = ShardTensor.from_local(whole, mesh, [Partial()])
+    weight = ShardTensor.from_local(torch.ones(3), mesh, [Replicate()])
+    integers = ShardTensor.from_local(torch.ones(2, 2, dtype=torch.int64), mesh, [Shard(1)])
+    plain = torch.ones(3)
+    cases = {
+        "a ShardTensor": (accepts(x), True),
+        "plain tensors and None only": (accepts(plain, None), False),
+        "a ShardTensor among plain operands": (accepts(plain, x), True),
+        "the sharded dim": (accepts(x, sharded=[2]), True),
+        "the sharded dim from the end": (accepts(x, sharded=[-1]), True),
+        "whole dims as sharded": (accepts(x, sharded=[0, 1]), False),
+        "no dims as sharded": (accepts(x, sharded=[]), False),
+        "a dim it lacks as sharded": (accepts(x, sharded=[5]), False),
+        "sharded in another operand": (accepts(plain, x, sharded=[2]), True),
+        "a whole dim as whole": (accepts(x, whole=[1]), True),
+        "the sharded dim as whole": (accepts(x, whole=[-1]), False),
+        "a dim it lacks as whole": (accepts(x, whole=[3]), False),
+        "a Partial operand": (accepts(partial), False),
+        "a Partial operand, partial=True": (accepts(partial, partial=True), True),
+        "a Partial parameter": (accepts(x, replicated=[partial]), False),
+        "a Partial parameter, partial=True": (accepts(x, replicated=[partial], partial=True), True),
+        "integers, floating=True": (accepts(integers, floating=True), False),
+        "floats, floating=True": (accepts(x, floating=True), True),
+        "replicated parameters": (accepts(x, replicated=[weight, None, plain]), True),
+        "a sharded parameter": (accepts(x, replicated=[x]), False),
+        "plain statistics": (accepts(x, plain=[plain, None]), True),
+        "ShardTensor statistics": (accepts(x, plain=[weight]), False),
+    }
+    return [f"{what}: {got}" for what, (got, expected) in cases.items() if got != expected]
+
+
+def test_accepts_decides_from_layouts():
+    for wrong in run_on_ranks(2, _accepts_body):
+        assert not wrong, wrong
 
 
 # ---------------------------------------------------------------------------- registration

@@ -31,6 +31,7 @@ compiled code would hide from it.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from torch.func import functional_call
 
 from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
 from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._caches import BoundedCache, cached, register_cache
 from shardsci.tensor._ops._common import replicated_local
 from shardsci.tensor._spec import DimSharding, merged_hints
 from shardsci.tensor._taps import tapped
@@ -152,13 +154,9 @@ def _channel_mix(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y + conv.bias.view(-1, *([1] * (x.ndim - 2)))  # type: ignore[union-attr]
 
 
-_REGION_CLASSES: dict[type, type] = {}
-
-
+@cached("region classes", 1024)
 def _region_class(kind: type) -> type:
-    if kind not in _REGION_CLASSES:
-        _REGION_CLASSES[kind] = type(f"Region{kind.__name__}", (_Region, kind), {})
-    return _REGION_CLASSES[kind]
+    return type(f"Region{kind.__name__}", (_Region, kind), {})
 
 
 class _CompiledCalls:
@@ -182,28 +180,34 @@ def _call_module(module: nn.Module, state: dict, args: tuple, kwargs: dict) -> A
     return functional_call(module, state, args, kwargs)
 
 
-@dataclass
+_LAYOUTS_PER_MODULE = 64
+"""The verdicts a module keeps (NOTE [Caches are keyed by value]): the layouts it met last."""
+
+
+@dataclass(eq=False)
 class _RegionState:
     """Per module: whether it is local on each layout met (by ``_layout_key``)."""
 
     name: str
     compiled: _CompiledCalls
-    local: dict[tuple, bool] = field(default_factory=dict)
+    local: BoundedCache[tuple, bool] = field(
+        default_factory=lambda: BoundedCache(None, _LAYOUTS_PER_MODULE)
+    )
+
+    def __post_init__(self) -> None:
+        _STATES.add(self)
 
     def call(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         shards = [t for t in tree_leaves((args, kwargs)) if isinstance(t, ShardTensor)]
         if not shards:
             return forward(*args, **kwargs)
         key = tuple(_layout_key(t._spec) for t in shards)
-        if key not in self.local:
+        local = self.local.get(key)
+        if local is None:
             out, local = _probe(forward, shards, args, kwargs)
-            self.local[key] = local
+            self.local.put(key, local)
             return out
-        if (
-            not self.local[key]
-            or _has_small_shards(shards[0]._spec)
-            or any_torch_dispatch_mode_on_stack()
-        ):
+        if not local or _has_small_shards(shards[0]._spec) or any_torch_dispatch_mode_on_stack():
             return forward(*args, **kwargs)
         return self._run_local(module, [t._spec for t in shards], args, kwargs)
 
@@ -231,6 +235,20 @@ class _RegionState:
         )
         out = self.compiled(module)(module, state, local_args, local_kwargs)
         return tree_map(lambda value: _sharded(value, spec, hints), out)
+
+
+# Every module's verdicts, registered as one cache; a module's go with it.
+_STATES: weakref.WeakSet[_RegionState] = weakref.WeakSet()
+
+
+def _clear_verdicts() -> None:
+    for state in list(_STATES):
+        state.local.clear()
+
+
+register_cache(
+    "local-region verdicts", lambda: sum(len(s.local) for s in list(_STATES)), _clear_verdicts
+)
 
 
 # ---------------------------------------------------------------------------- locality
@@ -266,7 +284,7 @@ def _probe(
 def _layout_key(spec: ShardTensorSpec) -> tuple:
     """A layout without its shard extents: locality does not depend on them."""
     return (
-        id(spec.mesh),
+        spec.mesh,
         spec.placements,
         spec.ndim,
         spec.dtype,

@@ -8,11 +8,15 @@ signature:
 - an aten overload (``aten.cumsum.default``): its schema;
 - a Python function (``F.interpolate``): ``inspect.signature``;
 - a torch builtin (``torch.max_pool2d``, ``F.avg_pool2d``): the schema of the aten op of the
-  same name when it has one overload, its ``self`` named ``input`` as torch documents it;
+  same name when it has one overload (not counting ``out=`` variants, which add a keyword
+  ``out=None``), its ``self`` named ``input`` as torch documents it;
 - anything else, or to override the above: ``signature=``, a Python function whose parameters
-  are the callee's (``lambda input, kernel_size, stride=None: None``).
+  are the callee's (``lambda input, kernel_size, stride=None: None``); a ``*name`` parameter
+  collects the remaining positional arguments as a tuple (``torch.einsum``'s operands).
 
 Bad calls raise Python's own ``TypeError`` wording, naming the callee, on every rank alike.
+:func:`replaced` rewrites a call with some arguments changed, each where the caller passed it,
+for a handler that runs the op again on other inputs (made whole, or on the meta device).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from shardsci.tensor._caches import cached
 from shardsci.tensor._torch_compat import OpOverload
 
-__all__ = ["Arguments", "bind"]
+__all__ = ["Arguments", "bind", "replaced"]
 
 _REQUIRED = inspect.Parameter.empty
 
@@ -37,16 +41,21 @@ class _Parameter:
     name: str
     default: Any  # _REQUIRED when the caller must pass it
     keyword_only: bool
+    variadic: bool = False  # ``*name``: the remaining positional arguments
 
 
 class _Signature:
     """A callee's parameters, arranged for binding a call in a few dict operations."""
 
     def __init__(self, parameters: tuple[_Parameter, ...]) -> None:
-        self.positional = tuple(p.name for p in parameters if not p.keyword_only)
-        self.names = frozenset(p.name for p in parameters)
-        self.defaults = {p.name: p.default for p in parameters if p.default is not _REQUIRED}
-        self.required = tuple(p.name for p in parameters if p.default is _REQUIRED)
+        named = [p for p in parameters if not p.variadic]
+        self.positional = tuple(p.name for p in named if not p.keyword_only)
+        self.variadic = next((p.name for p in parameters if p.variadic), None)
+        self.names = frozenset(p.name for p in named)
+        self.defaults = {p.name: p.default for p in named if p.default is not _REQUIRED}
+        if self.variadic is not None:
+            self.defaults[self.variadic] = ()
+        self.required = tuple(p.name for p in named if p.default is _REQUIRED)
 
 
 class Arguments(dict):
@@ -90,12 +99,14 @@ def bind(
     >>> a.self, a.dim, a.dtype  # doctest: +SKIP
     """
     sig = _signature(signature if signature is not None else func)
-    if len(args) > len(sig.positional):
-        raise TypeError(
-            f"{_name(func)}() takes {len(sig.positional)} positional arguments but "
-            f"{len(args)} were given"
-        )
     bound = Arguments(sig.defaults)
+    if len(args) > len(sig.positional):
+        if sig.variadic is None:
+            raise TypeError(
+                f"{_name(func)}() takes {len(sig.positional)} positional arguments but "
+                f"{len(args)} were given"
+            )
+        bound[sig.variadic] = tuple(args[len(sig.positional) :])
     bound.update(zip(sig.positional, args))
     if kwargs:
         for key in kwargs:
@@ -110,6 +121,42 @@ def bind(
     return bound
 
 
+def replaced(
+    func: Callable,
+    args: tuple,
+    kwargs: dict,
+    values: dict[str, Any],
+    *,
+    signature: Callable | None = None,
+) -> tuple[tuple, dict]:
+    """The call's ``(args, kwargs)`` with the arguments named in ``values`` replaced, each
+    where the caller passed it: by position, else by keyword.
+
+    Parameters
+    ----------
+    func, args, kwargs, signature
+        As for :func:`bind`.
+    values : dict
+        Parameter name -> the value to pass instead.
+
+    Examples
+    --------
+    >>> args, kwargs = replaced(func, args, kwargs, {"input": whole})  # doctest: +SKIP
+    >>> func(*args, **kwargs)  # doctest: +SKIP
+    """
+    sig = _signature(signature if signature is not None else func)
+    args, kwargs = list(args), dict(kwargs)
+    for name, value in values.items():
+        if name not in sig.names:
+            raise TypeError(f"{_name(func)}() has no argument {name!r}")
+        position = sig.positional.index(name) if name in sig.positional else len(args)
+        if position < len(args):
+            args[position] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
 @cached("handler signatures", 1024)
 def _signature(func: Callable) -> _Signature:
     return _Signature(_parameters(func))
@@ -122,14 +169,21 @@ def _parameters(func: Callable) -> tuple[_Parameter, ...]:
         signature = inspect.signature(func)
     except (TypeError, ValueError):
         return _from_builtin(func)
-    kinds = {p.kind for p in signature.parameters.values()}
-    if kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+    kinds = [p.kind for p in signature.parameters.values()]
+    if inspect.Parameter.VAR_KEYWORD in kinds or (
+        kinds and kinds[0] is inspect.Parameter.VAR_POSITIONAL
+    ):
         raise TypeError(
             f"cannot bind the arguments of {_name(func)}: its signature {signature} hides the "
             "parameter names; pass signature=<a function with its parameters>"
         )
     return tuple(
-        _Parameter(p.name, p.default, p.kind is inspect.Parameter.KEYWORD_ONLY)
+        _Parameter(
+            p.name,
+            p.default,
+            p.kind is inspect.Parameter.KEYWORD_ONLY,
+            p.kind is inspect.Parameter.VAR_POSITIONAL,
+        )
         for p in signature.parameters.values()
     )
 
@@ -156,7 +210,10 @@ def _from_builtin(func: Callable) -> tuple[_Parameter, ...]:
             f"not one aten schema ({len(functional)} without out=); pass "
             "signature=<a function with its parameters>"
         )
-    return _from_schema(functional[0], {"self": "input"})
+    parameters = _from_schema(functional[0], {"self": "input"})
+    if len(functional) < len(schemas) and not any(p.name == "out" for p in parameters):
+        parameters += (_Parameter("out", None, keyword_only=True),)  # the out= variant's
+    return parameters
 
 
 def _name(func: Callable) -> str:

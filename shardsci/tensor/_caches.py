@@ -20,7 +20,10 @@ these rules:
   holding dead groups: call :func:`clear_caches` after it.
 - Every cache is a least-recently-used cache with a bound on its entries
   (:class:`BoundedCache`, or a function decorated with :func:`cached`), so a long run over
-  ever-changing layouts and new meshes holds at most that many entries of each.
+  ever-changing layouts and new meshes holds at most that many entries of each. Caches that
+  belong to an object (a module's verdicts in ``compiling._regions``, an index storage's
+  gather plans in ``_gather_plan``) are bounded each, go with their object, and are
+  registered as one family.
 - :func:`clear_caches` empties them all; :func:`cache_sizes` reports their sizes.
 """
 
@@ -53,19 +56,21 @@ class BoundedCache(Generic[K, V]):
 
     Parameters
     ----------
-    name : str
-        Shown by :func:`cache_sizes`; unique.
+    name : str or None
+        Shown by :func:`cache_sizes`; unique. None for one cache of a family that its owner
+        registers as a whole (:func:`register_cache`).
     maxsize : int
         Entries kept; the least recently used one goes first.
     """
 
-    def __init__(self, name: str, maxsize: int) -> None:
+    def __init__(self, name: str | None, maxsize: int) -> None:
         if maxsize <= 0:
             raise ValueError(f"maxsize must be positive, got {maxsize}")
         self.name = name
         self.maxsize = maxsize
         self._entries: OrderedDict[K, V] = OrderedDict()
-        register_cache(name, self.__len__, self.clear)
+        if name is not None:
+            register_cache(name, self.__len__, self.clear)
 
     def get(self, key: K) -> V | None:
         """The entry for ``key`` (now the most recently used), or None."""
@@ -85,6 +90,9 @@ class BoundedCache(Generic[K, V]):
     def get_or_make(self, key: K, make: Callable[[], V]) -> V:
         value = self.get(key)
         return value if value is not None else self.put(key, make())
+
+    def values(self) -> list[V]:
+        return list(self._entries.values())
 
     def clear(self) -> None:
         self._entries.clear()

@@ -15,14 +15,26 @@ rank sends to each other rank, and the index rewritten into positions of the ran
   (:func:`halo_reduce`); it is the exact adjoint of the gather, and each is the other's
   backward.
 Building a plan costs one exchange of counts and one of requested row numbers. Plans are
-cached per index *storage* (with the view's offset, shape, stride and version), so
-``edge_index[0]`` taken anew in every forward finds the plan built by the first; the entries
-go when the storage does. Two views of one storage with the same geometry hold the same
-elements, even when empty (torch strides an empty dim by 1, so the rows of a ``(2, 0)`` index
-start at different offsets). A sharded index's plan is a collective: every rank must hit or miss
-together, which holds when every rank runs the same program on corresponding tensors (as in
-SPMD training). A replicated index (a plain tensor, or a replicated ShardTensor) is the same
-on every rank, so its plan is computed locally, without communication.
+cached per index *storage* (with the view's offset, shape, stride and dtype, and the layout
+indexed), for the storage's current version, so ``edge_index[0]`` taken anew in every forward
+finds the plan built by the first. Two views of one storage with the same geometry hold the
+same elements, even when empty (torch strides an empty dim by 1, so the rows of a ``(2, 0)``
+index start at different offsets). A sharded index's plan is a collective: every rank must hit
+or miss together, which holds when every rank runs the same program on corresponding tensors
+(as in SPMD training). So the storage, not the index's values, is the key: equal values
+on one rank and different ones on another would make the ranks disagree. A replicated index
+(a plain tensor, or a replicated ShardTensor) is the same on every rank, so its plan is
+computed locally, without communication.
+
+The cache follows NOTE [Caches are keyed by value] (``_caches``) with one twist: each storage
+has its own bounded cache of plans, held through a weak reference to the storage (by
+identity while it lives; a storage allocated where a dead one was, with the same ``id``,
+never finds the dead one's plans), and its plans go when it dies. An in-place write to the
+index (a new version) replaces its plan. So whether a call hits depends only on the calls
+made with that storage, the same on every rank, never on when a rank's garbage collector
+freed another storage: a cache shared by all storages would evict by a count that collected
+storages change at different moments on different ranks, and a rank that missed alone would
+wait in the plan's exchange.
 
 An index value outside the indexed dim is reported in the counts exchange, the first
 collective of the plan, so every rank raises the same ``IndexError`` and none is left waiting.
@@ -30,12 +42,13 @@ collective of the plan, so every rank raises the same ``IndexError`` and none is
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+from shardsci.tensor._caches import BoundedCache, register_cache
 from shardsci.tensor._collectives import AxisGroup, exchange
 
 __all__ = [
@@ -123,32 +136,37 @@ def gather_plan(
         On every rank, for a value outside ``[-extent, extent)`` on any rank, or a negative
         one without ``wrap_negative``.
     """
+    storage = index.untyped_storage()
+    plans = _PLANS.get(storage)
+    if plans is None:
+        plans = _PLANS[storage] = BoundedCache(None, _PLANS_PER_STORAGE)
     key = (
         index.storage_offset(),
         tuple(index.shape),
         index.stride(),
-        index._version,
         index.dtype,
-        id(group.group),
+        group,
         sizes,
         replicated,
     )
-    storage = index.untyped_storage()
-    entries = _PLANS.get(id(storage))
-    if entries is None:
-        entries = _PLANS[id(storage)] = {}
-        weakref.finalize(storage, _PLANS.pop, id(storage), None)
-    plan = entries.get(key)
-    if plan is None:
-        plan = entries[key] = _build(index, sizes, group, replicated, what)
+    found = plans.get(key)
+    if found is not None and found[0] == index._version:
+        plan = found[1]
+    else:
+        plan = _build(index, sizes, group, replicated, what)
+        plans.put(key, (index._version, plan))
     if plan.negative is not None and not wrap_negative:
         _raise_out_of_range(what, *plan.negative, sum(sizes), len(plan.halo_counts))
     return plan
 
 
-# id(untyped storage) -> {view geometry and layout: plan}; an entry goes with its storage, so
-# the id cannot be reused by another storage while the entry exists.
-_PLANS: dict[int, dict[tuple, GatherPlan]] = {}
+_PLANS_PER_STORAGE = 16
+"""Plans kept per index storage: its views (``edge_index[0]``, ``[1]``) times the layouts
+they index."""
+
+# storage (weakly) -> {(view geometry, dtype, layout): (the storage's version, plan)}; NOTE above.
+_PLANS = WeakIdKeyDictionary()
+register_cache("gather plans", lambda: sum(len(p) for p in _PLANS.values()), _PLANS.clear)
 
 
 def _build(

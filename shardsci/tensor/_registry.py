@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from shardsci.tensor._caches import register_cache
 from shardsci.tensor._torch_compat import OpOverload, OpOverloadPacket
 
 __all__ = [
@@ -39,9 +40,12 @@ AtenHandler = Callable[[OpOverload, tuple, dict], Any]
 FunctionHandler = Callable[[Callable, tuple, dict], Any]
 
 _ATEN: dict[OpOverload | OpOverloadPacket | str, AtenHandler] = {}
-_RESOLVED: dict[OpOverload, AtenHandler | None] = {}
 _FUNCTIONS: dict[Callable, FunctionHandler] = {}
 _ON_REGISTRATION: list[Callable[[], None]] = []
+# The handler (or None) of each aten overload met: keyed by overloads, a finite set, so
+# unbounded (as dispatch's routes); emptied by every registration and by ``clear_caches``.
+_RESOLVED: dict[OpOverload, AtenHandler | None] = {}
+register_cache("resolved aten handlers", _RESOLVED.__len__, _RESOLVED.clear)
 
 K = TypeVar("K")
 

@@ -44,8 +44,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, redistribute
+from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group
-from shardsci.tensor._ops._common import arg
+from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._ring_attention import (
     AttentionPlan,
     attend,
@@ -62,13 +63,10 @@ aten = torch.ops.aten
 # ---------------------------------------------------------------------------- handlers
 @register_function_handler(F.scaled_dot_product_attention)
 def _scaled_dot_product_attention(func, args, kwargs):
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults = (None, None, None, None, 0.0, False, None, False)
-    q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = (
-        arg(args, kwargs, i, name, default)
-        for i, (name, default) in enumerate(zip(names, defaults))
-    )
-    if not any(isinstance(t, ShardTensor) for t in (q, k, v, mask)):
+    a = bind(func, args, kwargs)
+    q, k, v, mask = a.query, a.key, a.value, a.attn_mask
+    dropout_p, is_causal, scale, enable_gqa = a.dropout_p, a.is_causal, a.scale, a.enable_gqa
+    if not accepts(q, k, v, mask, partial=True):
         return NotImplemented
     meta = _meta(q, k, v, mask)
     out = func(
@@ -107,10 +105,9 @@ _FLASH_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.
 
 @register_aten_handler(_FLASH_CPU)
 def _flash_attention_cpu(func, args, kwargs):
-    q, k, v = args[:3]
-    dropout_p = arg(args, kwargs, 3, "dropout_p", 0.0)
-    is_causal = arg(args, kwargs, 4, "is_causal", False)
-    mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
+    a = bind(func, args, kwargs)
+    q, k, v, mask, scale = a.query, a.key, a.value, a.attn_mask, a.scale
+    dropout_p, is_causal = a.dropout_p, a.is_causal
     meta_mask = _meta(mask)[0]
     out_meta, lse_meta = func(
         *_meta(q, k, v), dropout_p, is_causal, attn_mask=meta_mask, scale=scale
@@ -129,8 +126,9 @@ def _flash_attention_cpu(func, args, kwargs):
 
 @register_aten_handler(_FLASH_CPU_BACKWARD)
 def _flash_attention_cpu_backward(func, args, kwargs):
-    grad_out, q, k, v, out, lse, dropout_p, is_causal = args[:8]
-    mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
+    a = bind(func, args, kwargs)
+    grad_out, q, k, v, out, lse = a.grad_out, a.query, a.key, a.value, a.out, a.logsumexp
+    mask, scale, dropout_p, is_causal = a.attn_mask, a.scale, a.dropout_p, a.is_causal
     _check_dropout(dropout_p)
     with torch.no_grad():
         call = _Aligned.build(q, k, v, mask, scale, is_causal, False)

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
-from shardsci.tensor._ops._common import arg, connected_empty
+from shardsci.tensor._binding import Arguments, bind
+from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
@@ -27,47 +28,41 @@ from shardsci.tensor._spec import ShardTensorSpec
 
 aten = torch.ops.aten
 
-# op -> the core dims of its first tensor argument, from (ndim, args, kwargs).
-_CORE: dict[object, Callable[[int, tuple, dict], set[int]]] = {}
+# op -> the core dims of its first tensor argument, from (ndim, the call bound).
+_CORE: dict[object, Callable[[int, Arguments], set[int]]] = {}
 
 
-def _trailing(count: Callable[[tuple, dict], int]) -> Callable[[int, tuple, dict], set[int]]:
-    return lambda ndim, args, kwargs: set(range(ndim - count(args, kwargs), ndim))
+def _trailing(count: Callable[[Arguments], int]) -> Callable[[int, Arguments], set[int]]:
+    return lambda ndim, a: set(range(ndim - count(a), ndim))
 
 
-def _padded(args: tuple, kwargs: dict) -> int:
-    return len(arg(args, kwargs, 1, "padding")) // 2
-
-
-def _padded_backward(args: tuple, kwargs: dict) -> int:
-    return len(arg(args, kwargs, 2, "padding")) // 2
+def _padded(a: Arguments) -> int:
+    return len(a.padding) // 2
 
 
 for _n in (1, 2, 3):
     _CORE[getattr(aten, f"reflection_pad{_n}d").default] = _trailing(_padded)
     _CORE[getattr(aten, f"replication_pad{_n}d").default] = _trailing(_padded)
-    _CORE[getattr(aten, f"reflection_pad{_n}d_backward").default] = _trailing(_padded_backward)
-    _CORE[getattr(aten, f"replication_pad{_n}d_backward").default] = _trailing(_padded_backward)
-_CORE[aten.avg_pool2d_backward.default] = _trailing(lambda args, kwargs: 2)
-_CORE[aten.avg_pool3d_backward.default] = _trailing(lambda args, kwargs: 3)
-_CORE[aten.im2col.default] = lambda ndim, args, kwargs: set(range(ndim - 3, ndim))
-_CORE[aten.col2im.default] = lambda ndim, args, kwargs: set(range(ndim - 2, ndim))
-_CORE[aten.renorm.default] = lambda ndim, args, kwargs: (
-    set(range(ndim)) - {arg(args, kwargs, 2, "dim") % ndim}
-)
-_CORE[aten.pixel_shuffle.default] = _trailing(lambda args, kwargs: 3)
-_CORE[aten.pixel_unshuffle.default] = _trailing(lambda args, kwargs: 3)
-_CORE[aten.unfold.default] = lambda ndim, args, kwargs: {arg(args, kwargs, 1, "dimension") % ndim}
+    _CORE[getattr(aten, f"reflection_pad{_n}d_backward").default] = _trailing(_padded)
+    _CORE[getattr(aten, f"replication_pad{_n}d_backward").default] = _trailing(_padded)
+_CORE[aten.avg_pool2d_backward.default] = _trailing(lambda a: 2)
+_CORE[aten.avg_pool3d_backward.default] = _trailing(lambda a: 3)
+_CORE[aten.im2col.default] = _trailing(lambda a: 3)
+_CORE[aten.col2im.default] = _trailing(lambda a: 2)
+_CORE[aten.renorm.default] = lambda ndim, a: set(range(ndim)) - {a.dim % ndim}
+_CORE[aten.pixel_shuffle.default] = _trailing(lambda a: 3)
+_CORE[aten.pixel_unshuffle.default] = _trailing(lambda a: 3)
+_CORE[aten.unfold.default] = lambda ndim, a: {a.dimension % ndim}
 
 
 @register_aten_handler(*_CORE)
 def _batched(func, args, kwargs):
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]  # the first is the input
     first = tensors[0]
-    if not isinstance(first, ShardTensor):
+    if not accepts(first, partial=True):
         return NotImplemented
     spec = first._spec
-    core = _CORE[func](first.ndim, args, kwargs)
+    core = _CORE[func](first.ndim, bind(func, args, kwargs))
     if (
         spec.partial
         or any(s.dim in core for s in spec.shardings)
@@ -116,11 +111,12 @@ def _with_shape(spec: ShardTensorSpec, shape: list[int], dtype: torch.dtype) -> 
 def _unfold_backward(func, args, kwargs):
     """The gradient of an unfold along a whole dim: on the shards, with the input's sizes made
     this rank's."""
-    grad, input_sizes, dim, size, step = args
-    if not isinstance(grad, ShardTensor) or grad._spec.partial:
+    a = bind(func, args, kwargs)
+    grad, input_sizes, size, step = a.grad_in, a.input_sizes, a.size, a.step
+    if not accepts(grad):
         return NotImplemented
     spec = grad._spec
-    dim %= len(input_sizes)
+    dim = a.dim % len(input_sizes)
     if dim in spec.sharding_by_dim:
         return gathered(func, args, kwargs)
     local_sizes = list(input_sizes)
@@ -135,14 +131,10 @@ def _unfold_sharded(func, args, kwargs):
     """``x.unfold(dim, size, step)`` along a sharded dim: each rank gathers the elements its
     windows reach across the boundary (a halo), as a convolution of kernel ``size`` and stride
     ``step`` does, and unfolds them; the windows stay sharded along ``dim``."""
-    x = args[0]
-    dim, size, step = (
-        arg(args, kwargs, i + 1, n) for i, n in enumerate(("dimension", "size", "step"))
-    )
-    if not isinstance(x, ShardTensor) or x._spec.partial:
-        return NotImplemented
-    dim %= max(x.ndim, 1)
-    if dim not in x._spec.sharding_by_dim:
+    a = bind(func, args, kwargs)
+    x, size, step = a.input, a.size, a.step
+    dim = a.dimension % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim]):
         return NotImplemented
     spec = x._spec
     windows = {dim: Window(size, step)}

@@ -1,8 +1,9 @@
-"""Small helpers shared by the op handler families."""
+"""Small helpers shared by the op handler families, and :func:`accepts`, the one guard by
+which a handler takes or declines a call."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,22 +16,80 @@ from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 __all__ = [
-    "arg",
+    "accepts",
     "connected_empty",
     "dim_layout",
     "normalized_dims",
     "reduced_now",
     "replicated_local",
-    "sharded_among",
     "sharding_axes",
 ]
 
 
-def arg(args: tuple, kwargs: dict, index: int, name: str, default: object = None) -> object:
-    """An op argument by position or keyword."""
-    if len(args) > index:
-        return args[index]
-    return kwargs.get(name, default)
+def accepts(
+    *operands: object,
+    sharded: Iterable[int] | None = None,
+    whole: Iterable[int] = (),
+    partial: bool = False,
+    floating: bool = False,
+    replicated: Iterable[object] = (),
+    plain: Iterable[object] = (),
+) -> bool:
+    """Whether a handler takes a call, from the layouts of its arguments alone.
+
+    A handler returns ``NotImplemented`` (the op takes the default path) when this is False.
+    It reads specs and dtypes, which every rank shares, never a shard, so every rank decides
+    alike and none enters a collective that another skips. Conditions on argument values (a
+    padding mode, a norm's order) join it in the same ``if``.
+
+    Parameters
+    ----------
+    *operands
+        The tensors the handler computes on; ``None`` and plain tensors are allowed, but at
+        least one must be a ShardTensor.
+    sharded : iterable of int, optional
+        The dims the handler is for (a reduction along them, a slice of one): at least one of
+        them must be sharded in some ShardTensor operand. Negative dims count from the end; a
+        dim an operand lacks is not sharded in it.
+    whole : iterable of int
+        Dims no ShardTensor operand may shard (a convolution's channels); every ShardTensor
+        operand must have them. Negative dims count from the end.
+    partial : bool
+        Also take ShardTensors with a pending reduction (``Partial`` placements), among the
+        operands and ``replicated``: for handlers linear in them, or that reduce them first.
+    floating : bool
+        Take only floating-point ShardTensor operands.
+    replicated : iterable
+        Parameters (weights, biases): each ``None``, a plain tensor, or a ShardTensor that
+        shards no dim.
+    plain : iterable
+        Arguments that must not be ShardTensors (running statistics updated in place).
+
+    Examples
+    --------
+    >>> a = bind(func, args, kwargs)  # doctest: +SKIP
+    >>> if not accepts(a.input, whole=[1], replicated=[a.weight, a.bias]):  # doctest: +SKIP
+    ...     return NotImplemented
+    """
+    tensors = [t for t in operands if isinstance(t, ShardTensor)]
+    sharded, whole = None if sharded is None else tuple(sharded), tuple(whole)
+    if not tensors or (sharded is not None and not any(_shards(t._spec, sharded) for t in tensors)):
+        return False
+    for t in tensors:
+        spec = t._spec
+        if (spec.partial and not partial) or (floating and not t.dtype.is_floating_point):
+            return False
+        if not all(-spec.ndim <= d < spec.ndim for d in whole) or _shards(spec, whole):
+            return False
+    for t in replicated:
+        if isinstance(t, ShardTensor) and (t._spec.shardings or (t._spec.partial and not partial)):
+            return False
+    return not any(isinstance(t, ShardTensor) for t in plain)
+
+
+def _shards(spec: ShardTensorSpec, dims: tuple[int, ...]) -> bool:
+    """Whether ``spec`` shards one of ``dims`` (negative from the end; a dim it lacks is not)."""
+    return any(-spec.ndim <= d < spec.ndim and d % spec.ndim in spec.sharding_by_dim for d in dims)
 
 
 def normalized_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
@@ -40,11 +99,6 @@ def normalized_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, .
     if isinstance(dims, int):
         dims = (dims,)
     return tuple(sorted({d % ndim if ndim else d for d in dims}))
-
-
-def sharded_among(spec: ShardTensorSpec, dims: Sequence[int]) -> list[int]:
-    """The dims in ``dims`` that are sharded."""
-    return [s.dim for s in spec.shardings if s.dim in dims]
 
 
 def dim_layout(spec: ShardTensorSpec, dim: int) -> tuple[DimSharding, AxisGroup, list[int]]:

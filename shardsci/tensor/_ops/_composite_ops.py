@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from shardsci.tensor._ops._common import arg, normalized_dims
+from shardsci.tensor._binding import bind
+from shardsci.tensor._ops._common import normalized_dims
 from shardsci.tensor._registry import register_aten_handler
 
 aten = torch.ops.aten
@@ -58,16 +59,16 @@ def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- arithmetic
 @register_aten_handler(aten.rsub.Tensor)
 def _rsub(func, args, kwargs):
-    x, other = args
-    return aten.sub.Tensor(other, x, alpha=kwargs.get("alpha", 1))
+    a = bind(func, args, kwargs)
+    return aten.sub.Tensor(a.other, a.self, alpha=a.alpha)
 
 
 @register_aten_handler(aten.addr.default)
 def _addr(func, args, kwargs):
     """``beta * x + alpha * outer(vec1, vec2)``; ``x`` is ignored (NaNs too) when beta is 0."""
-    x, vec1, vec2 = args
-    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-    outer = aten.mul.Tensor(aten.unsqueeze.default(vec1, 1), aten.unsqueeze.default(vec2, 0))
+    a = bind(func, args, kwargs)
+    x, beta, alpha = a.self, a.beta, a.alpha
+    outer = aten.mul.Tensor(aten.unsqueeze.default(a.vec1, 1), aten.unsqueeze.default(a.vec2, 0))
     if alpha != 1:
         outer = aten.mul.Scalar(outer, alpha)
     if beta == 0:
@@ -78,36 +79,36 @@ def _addr(func, args, kwargs):
 
 @register_aten_handler(aten.vdot.default)
 def _vdot(func, args, kwargs):
-    a, b = args
-    if a.dtype.is_complex:
-        a = aten.conj_physical.default(a)
-    return aten.sum.default(aten.mul.Tensor(a, b))
+    a = bind(func, args, kwargs)
+    x = aten.conj_physical.default(a.self) if a.self.dtype.is_complex else a.self
+    return aten.sum.default(aten.mul.Tensor(x, a.other))
 
 
 @register_aten_handler(aten.trace.default)
 def _trace(func, args, kwargs):
-    return aten.sum.default(aten.diagonal.default(args[0]))
+    return aten.sum.default(aten.diagonal.default(bind(func, args, kwargs).self))
 
 
 @register_aten_handler(aten.masked_fill.Tensor)
 def _masked_fill_tensor(func, args, kwargs):
-    x, mask, value = args
+    a = bind(func, args, kwargs)
+    x, value = a.self, a.value
     if value.dtype != x.dtype:
         value = aten._to_copy.default(value, dtype=x.dtype)
-    return aten.where.self(mask, value, x)
+    return aten.where.self(a.mask, value, x)
 
 
 @register_aten_handler(aten.norm.ScalarOpt_dim)
 def _norm_with_optional_p(func, args, kwargs):
-    x, p, dims = args[0], arg(args, kwargs, 1, "p"), arg(args, kwargs, 2, "dim")
-    keepdim = bool(arg(args, kwargs, 3, "keepdim", False))
-    return aten.linalg_vector_norm.default(x, 2 if p is None else p, dims, keepdim)
+    a = bind(func, args, kwargs)
+    p = 2 if a.p is None else a.p
+    return aten.linalg_vector_norm.default(a.self, p, a.dim, bool(a.keepdim))
 
 
 @register_aten_handler(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
 def _count_nonzero(func, args, kwargs):
-    x = args[0]
-    dims = arg(args, kwargs, 1, "dim")
+    a = bind(func, args, kwargs)
+    x, dims = a.self, a.dim
     nonzero = aten.ne.Scalar(x, 0)
     if dims is None or (not isinstance(dims, int) and len(dims) == 0):
         return aten.sum.default(nonzero, dtype=torch.int64)
@@ -118,9 +119,9 @@ def _count_nonzero(func, args, kwargs):
 @register_aten_handler(aten.rot90.default)
 def _rot90(func, args, kwargs):
     """torch's own composition: flips and a transpose of the two dims."""
-    x = args[0]
-    k = arg(args, kwargs, 1, "k", 1) % 4
-    first, second = (d % x.ndim for d in arg(args, kwargs, 2, "dims", [0, 1]))
+    a = bind(func, args, kwargs)
+    x, k = a.self, a.k % 4
+    first, second = (d % x.ndim for d in a.dims)
     if k == 0:
         return _contiguous_copy(x)
     if k == 2:
@@ -131,7 +132,8 @@ def _rot90(func, args, kwargs):
 
 @register_aten_handler(aten.channel_shuffle.default)
 def _channel_shuffle(func, args, kwargs):
-    x, groups = args[0], arg(args, kwargs, 1, "groups")
+    a = bind(func, args, kwargs)
+    x, groups = a.self, a.groups
     n, c, *rest = x.shape
     grouped = aten.view.default(x, [n, groups, c // groups, *rest])
     return aten.view.default(_contiguous_copy(aten.transpose.int(grouped, 1, 2)), list(x.shape))
@@ -145,19 +147,18 @@ def _halves(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @register_aten_handler(aten.glu.default)
 def _glu(func, args, kwargs):
-    x = args[0]
-    dim = arg(args, kwargs, 1, "dim", -1) % x.ndim
-    a, b = _halves(x, dim)
-    return aten.mul.Tensor(a, aten.sigmoid.default(b))
+    a = bind(func, args, kwargs)
+    first, second = _halves(a.self, a.dim % a.self.ndim)
+    return aten.mul.Tensor(first, aten.sigmoid.default(second))
 
 
 @register_aten_handler(aten.glu_backward.default)
 def _glu_backward(func, args, kwargs):
     """d/da = g sigmoid(b), d/db = g a sigmoid(b) (1 - sigmoid(b)), side by side along dim."""
-    grad, x, dim = args
-    dim %= x.ndim
-    a, b = _halves(x, dim)
+    bound = bind(func, args, kwargs)
+    dim = bound.dim % bound.self.ndim
+    a, b = _halves(bound.self, dim)
     gate = aten.sigmoid.default(b)
-    grad_a = aten.mul.Tensor(grad, gate)
+    grad_a = aten.mul.Tensor(bound.grad_output, gate)
     grad_b = aten.mul.Tensor(aten.mul.Tensor(grad_a, a), aten.add.Scalar(aten.neg.default(gate), 1))
     return aten.cat.default([grad_a, grad_b], dim)

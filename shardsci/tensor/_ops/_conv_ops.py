@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from shardsci.tensor._api import ShardTensor, from_local_spec
-from shardsci.tensor._ops._common import connected_empty, replicated_local, sharding_axes
+from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._binding import bind
+from shardsci.tensor._ops._common import (
+    accepts,
+    connected_empty,
+    replicated_local,
+    sharding_axes,
+)
 from shardsci.tensor._ops._windows import (
     TransposedWindow,
     Window,
@@ -43,32 +49,20 @@ def _tuple(value: int | tuple[int, ...] | list[int], n: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
 
 
-def _parse(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) -> list:
-    values = list(args) + [
-        kwargs.get(n, d) for n, d in zip(names[len(args) :], defaults[len(args) :])
-    ]
-    return values
-
-
-def _sharded_input(x: object, n: int) -> bool:
-    """A ShardTensor with no pending reduction whose channels (dim 1, or 0 unbatched) are
-    whole."""
-    return (
-        isinstance(x, ShardTensor)
-        and not x._spec.partial
-        and x.ndim - n - 1 not in x._spec.sharding_by_dim
-    )
+def _convolution(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """The parameters of ``F.conv1d/2d/3d`` (builtins with two aten schemas: int and string
+    padding)."""
 
 
 # ---------------------------------------------------------------------------- conv
+# The input's channels are dim 1, or dim 0 unbatched: dim -(n + 1) of an n-d convolution.
 @register_function_handler(*_CONV)
 def _conv(func, args, kwargs):
-    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-    x, weight, bias, stride, padding, dilation, groups = _parse(
-        args, kwargs, names, (None, None, None, 1, 0, 1, 1)
-    )
+    a = bind(func, args, kwargs, signature=_convolution)
+    x, weight, bias, stride = a.input, a.weight, a.bias, a.stride
+    padding, dilation, groups = a.padding, a.dilation, a.groups
     n = _CONV[func]
-    if not _sharded_input(x, n) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
+    if not accepts(x, whole=[-(n + 1)], replicated=[weight]):
         return NotImplemented
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         return func(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
@@ -93,10 +87,6 @@ def _conv_padding(
         totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
         return [(t // 2, t - t // 2) for t in totals]
     return [(p, p) for p in _tuple(padding, n)]
-
-
-def _replicated(t: ShardTensor) -> bool:
-    return not t._spec.shardings and not t._spec.partial
 
 
 def _run_windowed(x, windows, boundary, weight, bias, local_op, *, channels, fill=0.0):
@@ -145,12 +135,11 @@ def _run_windowed(x, windows, boundary, weight, bias, local_op, *, channels, fil
 # ---------------------------------------------------------------------------- conv_transpose
 @register_function_handler(*_CONV_TRANSPOSE)
 def _conv_transpose(func, args, kwargs):
-    names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
-    x, weight, bias, stride, padding, output_padding, groups, dilation = _parse(
-        args, kwargs, names, (None, None, None, 1, 0, 0, 1, 1)
-    )
+    a = bind(func, args, kwargs)
+    x, weight, bias, stride, padding = a.input, a.weight, a.bias, a.stride, a.padding
+    output_padding, groups, dilation = a.output_padding, a.groups, a.dilation
     n = _CONV_TRANSPOSE[func]
-    if not _sharded_input(x, n) or (isinstance(weight, ShardTensor) and not _replicated(weight)):
+    if not accepts(x, whole=[-(n + 1)], replicated=[weight]):
         return NotImplemented
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         out = func(x.unsqueeze(0), weight, bias, stride, padding, output_padding, groups, dilation)
@@ -215,19 +204,17 @@ def _placed(full, windows, out_ranges, spec):
 # ---------------------------------------------------------------------------- pad
 @register_function_handler(F.pad)
 def _pad(func, args, kwargs):
-    x, pad, mode, value = _parse(
-        args, kwargs, ("input", "pad", "mode", "value"), (None, None, "constant", None)
-    )
-    if not isinstance(x, ShardTensor) or x._spec.partial or mode not in _PAD_MODES:
+    a = bind(func, args, kwargs)
+    x, mode, value = a.input, a.mode, a.value
+    pairs = [(a.pad[2 * i], a.pad[2 * i + 1]) for i in range(len(a.pad) // 2)]
+    cropped = any(left < 0 or right < 0 for left, right in pairs)
+    if not accepts(x) or mode not in _PAD_MODES or cropped:
         return NotImplemented
-    pairs = [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]
-    windows = {}
-    for i, (left, right) in enumerate(pairs):
-        dim = x.ndim - 1 - i
-        if left < 0 or right < 0:
-            return NotImplemented
-        if left or right:
-            windows[dim] = Window(1, pad_left=left, pad_right=right)
+    windows = {
+        x.ndim - 1 - i: Window(1, pad_left=left, pad_right=right)
+        for i, (left, right) in enumerate(pairs)
+        if left or right
+    }
     if not windows:
         return x
     boundary = dict.fromkeys(windows, _PAD_MODES[mode])

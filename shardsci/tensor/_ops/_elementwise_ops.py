@@ -17,7 +17,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, redistribute
-from shardsci.tensor._ops._common import reduced_now, sharding_axes
+from shardsci.tensor._binding import bind
+from shardsci.tensor._ops._common import accepts, reduced_now, sharding_axes
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import ShardTensorSpec
 
@@ -111,8 +112,9 @@ def _prelu_backward(func, args, kwargs):
     """The input's gradient is elementwise; the weight's sums over the elements each weight
     scales, here over this rank's: partial over the axes that shard dims the weight is
     broadcast along, sharded like the input along the dims it spans (channels)."""
-    grad, x, weight = args
-    if isinstance(weight, ShardTensor) and weight._spec.shardings:
+    a = bind(func, args, kwargs)
+    grad, x, weight = a.grad_output, a.self, a.weight
+    if not accepts(grad, x, weight, partial=True, replicated=[weight]):
         return NotImplemented
     ran = _run_on_shards(func, (grad, x, weight), kwargs)
     if ran is NotImplemented:

@@ -14,7 +14,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 
 from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._ops._common import arg, sharding_axes
+from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._ops._common import accepts, sharding_axes
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import ShardTensorSpec
@@ -30,27 +31,33 @@ def _whole_table(weight: torch.Tensor) -> torch.Tensor | None:
 
 @register_aten_handler(aten.embedding.default)
 def _embedding(func, args, kwargs):
-    weight, indices = args[0], args[1]
+    a = bind(func, args, kwargs)
+    weight, indices = a.weight, a.indices
     table = _whole_table(weight)
     if table is None:
         return gathered(func, args, kwargs)
-    if not isinstance(indices, ShardTensor) or indices._spec.partial:
+    if not accepts(indices):
         return NotImplemented
-    out = func(table, indices._local, *args[2:], **kwargs)
+    args, kwargs = replaced(func, args, kwargs, {"weight": table, "indices": indices._local})
+    out = func(*args, **kwargs)
     spec = indices._spec
     return ShardTensor(out, _extended(spec, [*spec.shape, weight.shape[-1]], out.dtype))
 
 
 @register_aten_handler(aten.embedding_dense_backward.default)
 def _embedding_backward(func, args, kwargs):
-    grad, indices = args[0], args[1]
-    if arg(args, kwargs, 4, "scale_grad_by_freq", False):
+    a = bind(func, args, kwargs)
+    grad, indices = a.grad_output, a.indices
+    if a.scale_grad_by_freq:
         return gathered(func, args, kwargs)
-    if not isinstance(indices, ShardTensor) or indices._spec.partial:
+    if not accepts(indices):
         return NotImplemented
     spec = indices._spec
     local_grad = grad._local if isinstance(grad, ShardTensor) else _narrowed(spec, grad)
-    out = func(local_grad, indices._local, *args[2:], **kwargs)
+    args, kwargs = replaced(
+        func, args, kwargs, {"grad_output": local_grad, "indices": indices._local}
+    )
+    out = func(*args, **kwargs)
     axes = sharding_axes(spec)
     placements = [Partial() if a in axes else Replicate() for a in range(spec.mesh.ndim)]
     return ShardTensor(out, ShardTensorSpec.build(spec.mesh, placements, out.shape, out.dtype))

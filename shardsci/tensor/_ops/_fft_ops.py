@@ -54,8 +54,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
+from shardsci.tensor._binding import Arguments, bind, replaced
 from shardsci.tensor._caches import cached
-from shardsci.tensor._ops._common import connected_empty
+from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._shape_probe import shape_probe
@@ -111,11 +112,12 @@ _LINEAR_PARTIALS = ("sum", "avg")
 # ---------------------------------------------------------------------------- handler
 @register_function_handler(*_FUNCTIONS)
 def _fft(func, args, kwargs):
-    x = args[0] if args else kwargs.get("input")
-    if not isinstance(x, ShardTensor) or kwargs.get("out") is not None:
+    a = bind(func, args, kwargs)
+    x = a.input
+    if not accepts(x, partial=True) or a.out is not None:
         return NotImplemented
     kind = _FUNCTIONS[func]
-    call = _Call.parse(func, kind, x, args, kwargs)
+    call = _Call.parse(func, kind, a, args, kwargs)
     if not call.dims:
         return NotImplemented
     x = _linear_partials_only(x)
@@ -152,19 +154,15 @@ class _Call:
     norm: str | None
 
     @classmethod
-    def parse(cls, func, kind: _Kind, x: ShardTensor, args: tuple, kwargs: dict) -> _Call:
-        """Validate on a meta tensor (same error on every rank, before any collective)."""
-        rest = {k: v for k, v in kwargs.items() if k != "input"}
+    def parse(cls, func, kind: _Kind, a: Arguments, args: tuple, kwargs: dict) -> _Call:
+        """Validate on a meta tensor (same error on every rank, before any collective);
+        ``a`` is the call bound, ``args`` and ``kwargs`` as given."""
+        x = a.input
         with shape_probe():
             meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-            out = func(meta, *args[1:], **rest)
-        names = ("n" if kind.rank == 1 else "s", "dim", "norm")
-        defaults = (None, {1: -1, 2: (-2, -1), None: None}[kind.rank], None)
-        given = args[1:]
-        sizes, dims, norm = (
-            given[i] if i < len(given) else rest.get(name, default)
-            for i, (name, default) in enumerate(zip(names, defaults))
-        )
+            args, kwargs = replaced(func, args, kwargs, {"input": meta})
+            out = func(*args, **kwargs)
+        sizes, dims, norm = a.n if kind.rank == 1 else a.s, a.dim, a.norm
         if kind.rank == 1:
             dims, sizes = (dims,), None if sizes is None else (sizes,)
         # The n-D transforms also take one int for ``s`` and ``dim`` (``rfftn(x, dim=-1)``).

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import AxisGroup
 from shardsci.tensor._gather_plan import (
     GatherPlan,
@@ -40,7 +41,7 @@ from shardsci.tensor._gather_plan import (
     rows_sent_home,
     summed_rows,
 )
-from shardsci.tensor._ops._common import arg, dim_layout, replicated_local
+from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
@@ -93,15 +94,16 @@ class _Indexed:
 
 
 def _indexed(x: object, dim: int, index: object) -> _Indexed | None:
-    """The call's operands when this module handles them, else None (decline)."""
-    if not isinstance(x, ShardTensor) or not isinstance(index, torch.Tensor):
+    """The call's operands when this module handles them, else None (decline): ``x`` sharded
+    along ``dim`` only, and an integer index, replicated or sharded over the same axes."""
+    if not isinstance(index, torch.Tensor) or index.dtype not in _INDEX_DTYPES:
         return None
-    if index.dtype not in _INDEX_DTYPES or x.ndim == 0:
+    if not isinstance(x, torch.Tensor) or x.ndim == 0:
+        return None
+    dim %= x.ndim
+    if not accepts(x, sharded=[dim], whole=[d for d in range(x.ndim) if d != dim]):
         return None
     spec = x._spec
-    dim %= x.ndim
-    if spec.partial or len(spec.shardings) != 1 or spec.shardings[0].dim != dim:
-        return None
     sharding, group, _ = dim_layout(spec, dim)
     if not isinstance(index, ShardTensor):
         return _Indexed(x, dim, sharding, group, index, None)
@@ -167,11 +169,12 @@ def _is_full_slice(item: object) -> bool:
 
 @register_function_handler(torch.Tensor.__getitem__)
 def _getitem(func, args, kwargs):
-    found = _getitem_key(args[1])
+    a = bind(func, args, kwargs)
+    found = _getitem_key(a.key)
     if found is None:
         return NotImplemented
     dim, index = found
-    indexed = _indexed(args[0], dim, index)
+    indexed = _indexed(a.self, dim, index)
     if indexed is None:
         return NotImplemented
     return _select_rows(indexed, "x[index]", wrap_negative=True, keep_0d_dim=False)
@@ -179,9 +182,8 @@ def _getitem(func, args, kwargs):
 
 @register_function_handler(torch.index_select, torch.Tensor.index_select)
 def _index_select(func, args, kwargs):
-    if "out" in kwargs:
-        return NotImplemented
-    indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
+    a = bind(func, args, kwargs)  # out= is the functions' keyword; the in-place methods have none
+    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None or indexed.index.ndim > 1:
         return NotImplemented
     return _select_rows(indexed, "index_select", wrap_negative=False, keep_0d_dim=True)
@@ -208,10 +210,8 @@ def _select_rows(
 
 @register_function_handler(torch.gather, torch.Tensor.gather)
 def _gather(func, args, kwargs):
-    if "out" in kwargs:
-        return NotImplemented
-    dim = arg(args, kwargs, 1, "dim")
-    indexed = _indexed(args[0], dim, arg(args, kwargs, 2, "index"))
+    a = bind(func, args, kwargs)
+    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None or not _index_sharded_on(indexed, indexed.dim):
         return NotImplemented
     plan = indexed.plan(what="gather")
@@ -407,46 +407,31 @@ def _combined(
 
 @register_function_handler(torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_)
 def _index_add(func, args, kwargs):
-    if "out" in kwargs:
-        return NotImplemented
-    indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
+    a = bind(func, args, kwargs)
+    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None or indexed.index.ndim != 1:
         return NotImplemented
-    source = arg(args, kwargs, 3, "source")
-    return _scatter(
-        indexed,
-        source,
-        "sum",
-        True,
-        "index_add",
-        in_place=func is torch.Tensor.index_add_,
-        alpha=kwargs.get("alpha", 1),
-    )
+    in_place = func is torch.Tensor.index_add_
+    return _scatter(indexed, a.source, "sum", True, "index_add", in_place=in_place, alpha=a.alpha)
 
 
 @register_function_handler(torch.scatter_add, torch.Tensor.scatter_add, torch.Tensor.scatter_add_)
 def _scatter_add(func, args, kwargs):
-    if "out" in kwargs:
-        return NotImplemented
-    indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
+    a = bind(func, args, kwargs)
+    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None:
         return NotImplemented
-    source = arg(args, kwargs, 3, "src")
     in_place = func is torch.Tensor.scatter_add_
-    return _scatter(indexed, source, "sum", True, "scatter_add", in_place=in_place)
+    return _scatter(indexed, a.src, "sum", True, "scatter_add", in_place=in_place)
 
 
 @register_function_handler(
     torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.scatter_reduce_
 )
 def _scatter_reduce(func, args, kwargs):
-    if "out" in kwargs:
-        return NotImplemented
-    indexed = _indexed(args[0], arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index"))
+    a = bind(func, args, kwargs)
+    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None:
         return NotImplemented
-    reduce = arg(args, kwargs, 4, "reduce")
-    include_self = arg(args, kwargs, 5, "include_self", True)
-    source = arg(args, kwargs, 3, "src")
     in_place = func is torch.Tensor.scatter_reduce_
-    return _scatter(indexed, source, reduce, include_self, "scatter_reduce", in_place=in_place)
+    return _scatter(indexed, a.src, a.reduce, a.include_self, "scatter_reduce", in_place=in_place)

@@ -18,9 +18,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group, broadcast
 from shardsci.tensor._intervals import gather_intervals
-from shardsci.tensor._ops._common import arg, dim_layout
+from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import (
@@ -51,14 +52,12 @@ def _slice_bounds(extent: int, start: int | None, end: int | None) -> tuple[int,
 
 @register_aten_handler(aten.slice.Tensor)
 def _slice(func, args, kwargs):
-    x = args[0]
-    dim = arg(args, kwargs, 1, "dim", 0) % x.ndim
-    if dim not in x._spec.sharding_by_dim:
+    a = bind(func, args, kwargs)
+    x, step = a.self, a.step
+    dim = a.dim % x.ndim
+    if not accepts(x, sharded=[dim], partial=True):
         return NotImplemented
-    step = arg(args, kwargs, 4, "step", 1)
-    start, end = _slice_bounds(
-        x.shape[dim], arg(args, kwargs, 2, "start"), arg(args, kwargs, 3, "end")
-    )
+    start, end = _slice_bounds(x.shape[dim], a.start, a.end)
     sharding, group, starts = dim_layout(x._spec, dim)
     counts = tuple(
         _selected_count(o, min(o + s, end), start, step) for o, s in zip(starts, sharding.sizes)
@@ -79,11 +78,12 @@ def _slice(func, args, kwargs):
 
 @register_aten_handler(aten.slice_backward.default)
 def _slice_backward(func, args, kwargs):
-    grad, input_sizes, dim, start, end, step = args[:6]
-    dim %= len(input_sizes)
-    if dim not in grad._spec.sharding_by_dim or grad._spec.partial:
+    a = bind(func, args, kwargs)
+    grad, input_sizes, step = a.grad_output, a.input_sizes, a.step
+    dim = a.dim % len(input_sizes)
+    if not accepts(grad, sharded=[dim]):
         return NotImplemented
-    start, end = _slice_bounds(input_sizes[dim], start, end)
+    start, end = _slice_bounds(input_sizes[dim], a.start, a.end)
     grad_sharding, group, grad_starts = dim_layout(grad._spec, dim)
     sizes = _layout_holding(grad._spec, grad_sharding, input_sizes[dim], start, end, step)
     spec = _resized(grad._spec, dim, sizes, extent=input_sizes[dim])
@@ -148,10 +148,12 @@ def _resized(
 # ---------------------------------------------------------------------------- select
 @register_aten_handler(aten.select.int)
 def _select(func, args, kwargs):
-    x, dim, index = args[0], args[1] % args[0].ndim, args[2]
-    if dim not in x._spec.sharding_by_dim:
+    a = bind(func, args, kwargs)
+    x = a.self
+    dim = a.dim % x.ndim
+    if not accepts(x, sharded=[dim], partial=True):
         return NotImplemented
-    index %= x.shape[dim]
+    index = a.index % x.shape[dim]
     sharding, group, starts = dim_layout(x._spec, dim)
     owner = max(k for k in range(group.size) if starts[k] <= index and sharding.sizes[k])
     shape = [n for d, n in enumerate(x._local.shape) if d != dim]
@@ -189,10 +191,11 @@ def _select_backward(func, args, kwargs):
     shardings; the selected dim takes the forward's remembered layout when the forward
     selected along a sharded dim (which left the gradient replicated over those axes), else
     stays whole (DTensor's rule misplaces the sharded dims for a negative ``dim``)."""
-    grad, input_sizes, dim, index = args[:4]
-    dim %= len(input_sizes)
+    a = bind(func, args, kwargs)
+    grad, input_sizes = a.grad_output, a.input_sizes
+    dim = a.dim % len(input_sizes)
     extent = input_sizes[dim]
-    index %= extent
+    index = a.index % extent
     spec = grad._spec
     placements = [
         Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements
@@ -224,12 +227,13 @@ def _select_backward(func, args, kwargs):
 # ---------------------------------------------------------------------------- flip / roll
 @register_aten_handler(aten.flip.default)
 def _flip(func, args, kwargs):
-    x, dims = args[0], [d % args[0].ndim for d in args[1]]
-    sharded = [d for d in dims if d in x._spec.sharding_by_dim]
-    if not sharded:
+    a = bind(func, args, kwargs)
+    x = a.self
+    dims = [d % x.ndim for d in a.dims]
+    if not accepts(x, sharded=dims, partial=True):
         return NotImplemented
     local = x._local.flip(dims)
-    for dim in sharded:
+    for dim in [d for d in dims if d in x._spec.sharding_by_dim]:
         local = _unflip_owners(local, x._spec, dim)
     return ShardTensor(local, x._spec)
 
@@ -249,13 +253,13 @@ def _unflip_owners(local: torch.Tensor, spec: ShardTensorSpec, dim: int) -> torc
 
 @register_aten_handler(aten.roll.default)
 def _roll(func, args, kwargs):
-    x = args[0]
-    shifts = list(arg(args, kwargs, 1, "shifts"))
-    dims = [d % x.ndim for d in arg(args, kwargs, 2, "dims", [])]
-    if not dims or not any(d in x._spec.sharding_by_dim for d in dims):
+    a = bind(func, args, kwargs)
+    x = a.self
+    dims = [d % x.ndim for d in a.dims]
+    if not accepts(x, sharded=dims, partial=True):
         return NotImplemented
     local = x._local
-    for shift, dim in zip(shifts, dims):
+    for shift, dim in zip(a.shifts, dims):
         if dim not in x._spec.sharding_by_dim:
             local = local.roll(shift, dim)
             continue
@@ -287,15 +291,17 @@ def _roll_sharded(local: torch.Tensor, spec: ShardTensorSpec, dim: int, shift: i
 # ---------------------------------------------------------------------------- cat
 @register_aten_handler(aten.cat.default)
 def _cat(func, args, kwargs):
-    tensors = [t for t in args[0] if not (t.ndim == 1 and t.shape[0] == 0)]
-    dim = arg(args, kwargs, 1, "dim", 0)
+    a = bind(func, args, kwargs)
+    tensors = [t for t in a.tensors if not (t.ndim == 1 and t.shape[0] == 0)]
     first = next((t for t in tensors if isinstance(t, ShardTensor)), None)
-    if first is None or not tensors:
+    if first is None:
         return NotImplemented
-    dim %= first.ndim
-    sharding = first._spec.sharding_by_dim.get(dim)
-    if sharding is None or any(t.dtype != first.dtype for t in tensors):
+    dim = a.dim % first.ndim
+    if not accepts(first, sharded=[dim], partial=True) or any(
+        t.dtype != first.dtype for t in tensors
+    ):
         return NotImplemented
+    sharding = first._spec.sharding_by_dim[dim]
     pieces = [_sharded_like(t, first._spec, dim) for t in tensors]
     if any(p is None for p in pieces):
         return NotImplemented

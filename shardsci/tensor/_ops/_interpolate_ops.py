@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
+from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._windows import gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._shape_probe import shape_probe
@@ -259,10 +260,9 @@ def _interpolate(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, size, scale_factor, mode = a.input, a.size, a.scale_factor, a.mode
     align_corners, recompute, antialias = a.align_corners, a.recompute_scale_factor, a.antialias
-    if not isinstance(x, ShardTensor) or x._spec.partial:
+    # Only the selecting modes take integers; torch's kernels raise their own error for others.
+    if not accepts(x, floating=mode not in _SELECTING):
         return NotImplemented
-    if mode not in _SELECTING and not x.is_floating_point():
-        return NotImplemented  # torch's kernels raise their own error
     shape = _output_shape(func, x, size, scale_factor, mode, align_corners, recompute, antialias)
     spatial = range(2, x.ndim)
     scales = _kernel_scales(scale_factor, recompute, mode, len(spatial))

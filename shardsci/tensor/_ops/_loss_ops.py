@@ -16,7 +16,8 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from shardsci.tensor._api import ShardTensor, redistribute
-from shardsci.tensor._ops._common import arg
+from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._elementwise_ops import elementwise
 from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_aten_handler
@@ -28,22 +29,21 @@ _NONE, _MEAN, _SUM = 0, 1, 2
 
 @register_aten_handler(aten.mse_loss.default)
 def _mse_loss(func, args, kwargs):
-    x, target = args[0], args[1]
-    reduction = arg(args, kwargs, 2, "reduction", _MEAN)
-    difference = aten.sub.Tensor(x, target)
+    a = bind(func, args, kwargs)
+    difference = aten.sub.Tensor(a.self, a.target)
     squares = aten.mul.Tensor(difference, difference)
-    if reduction == _NONE:
+    if a.reduction == _NONE:
         return squares
     total = aten.sum.default(squares)
-    return total if reduction == _SUM else aten.div.Scalar(total, _numel(x, target))
+    return total if a.reduction == _SUM else aten.div.Scalar(total, _numel(a.self, a.target))
 
 
 @register_aten_handler(aten.mse_loss_backward.default)
 def _mse_loss_backward(func, args, kwargs):
-    grad, x, target = args[0], args[1], args[2]
-    reduction = arg(args, kwargs, 3, "reduction", _MEAN)
-    scale = 2.0 if reduction != _MEAN else 2.0 / _numel(x, target)
-    return aten.mul.Tensor(aten.mul.Scalar(aten.sub.Tensor(x, target), scale), grad)
+    a = bind(func, args, kwargs)
+    scale = 2.0 if a.reduction != _MEAN else 2.0 / _numel(a.self, a.target)
+    difference = aten.sub.Tensor(a.self, a.target)
+    return aten.mul.Tensor(aten.mul.Scalar(difference, scale), a.grad_output)
 
 
 def _numel(x: torch.Tensor, target: torch.Tensor) -> int:
@@ -67,8 +67,8 @@ _ELEMENTWISE_LOSS_BACKWARDS = (
 
 @register_aten_handler(*_ELEMENTWISE_LOSSES)
 def _elementwise_loss(func, args, kwargs):
-    args, reduction = _with_reduction(func, args, kwargs, _NONE)
-    terms = elementwise(func, args, {})
+    reduction = bind(func, args, kwargs).reduction
+    terms = elementwise(func, *replaced(func, args, kwargs, {"reduction": _NONE}))
     if terms is NotImplemented or reduction == _NONE:
         return terms
     total = aten.sum.default(terms)
@@ -77,44 +77,23 @@ def _elementwise_loss(func, args, kwargs):
 
 @register_aten_handler(*_ELEMENTWISE_LOSS_BACKWARDS)
 def _elementwise_loss_backward(func, args, kwargs):
-    reduction = _bound(func, args, kwargs)["reduction"]
-    args, _ = _with_reduction(func, args, kwargs, _NONE if reduction == _NONE else _SUM)
-    grad = elementwise(func, args, {})
+    reduction = bind(func, args, kwargs).reduction
+    summed = _NONE if reduction == _NONE else _SUM
+    grad = elementwise(func, *replaced(func, args, kwargs, {"reduction": summed}))
     if grad is NotImplemented or reduction != _MEAN:
         return grad
     return aten.div.Scalar(grad, grad.numel())
-
-
-def _bound(func, args: tuple, kwargs: dict) -> dict[str, object]:
-    """Every argument of ``func`` by name, defaults filled in."""
-    bound = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            bound[a.name] = args[i]
-        elif a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-        elif not a.kwarg_only:
-            bound[a.name] = a.default_value
-    return bound
-
-
-def _with_reduction(func, args: tuple, kwargs: dict, reduction: int) -> tuple[tuple, int]:
-    """All positional arguments with ``reduction`` replaced, and the one it replaced."""
-    bound = _bound(func, args, kwargs)
-    given = bound["reduction"]
-    bound["reduction"] = reduction
-    return tuple(bound.values()), given
 
 
 @register_aten_handler(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 def _nll_loss_forward(func, args, kwargs):
     """A mean over shards of any size: the sum of the picked log-probabilities and the total
     weight, each summed over the shards, then divided (DTensor averages local means)."""
-    bound = _bound(func, args, kwargs)
-    x = bound["self"]
-    if bound["reduction"] != _MEAN or not isinstance(x, ShardTensor) or not x._spec.shardings:
+    a = bind(func, args, kwargs)
+    if a.reduction != _MEAN or not accepts(a.self, sharded=range(a.self.ndim), partial=True):
         return NotImplemented
-    summed, total_weight = func(*_with_reduction(func, args, kwargs, _SUM)[0])
+    args, kwargs = replaced(func, args, kwargs, {"reduction": _SUM})
+    summed, total_weight = func(*args, **kwargs)
     total_weight = _replicated(total_weight)
     return aten.div.Tensor(summed, total_weight), total_weight
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
-from shardsci.tensor._ops._common import arg
+from shardsci.tensor._binding import bind
+from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec, merged_hints
@@ -45,10 +46,9 @@ class _Letter:
 # ---------------------------------------------------------------------------- handlers
 @register_function_handler(F.linear)
 def _linear(func, args, kwargs):
-    x = args[0]
-    weight = args[1] if len(args) > 1 else kwargs["weight"]
-    bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    if not isinstance(x, ShardTensor) or x.ndim == 0:
+    a = bind(func, args, kwargs)
+    x, weight, bias = a.input, a.weight, a.bias
+    if x.ndim == 0 or not accepts(x, partial=True):
         return NotImplemented
     batch = string.ascii_lowercase[: x.ndim - 1]
     equation = f"{batch}i,oi->{batch}o"
@@ -58,32 +58,51 @@ def _linear(func, args, kwargs):
     return out + bias
 
 
+def _matmul_operator(input, other):
+    """The parameters of ``x @ y`` (``Tensor.__matmul__``, a builtin slot)."""
+
+
+def _matrix_product(input, mat2, out_dtype=None, *, out=None):
+    """The parameters of ``torch.mm`` and ``torch.bmm``: builtins with two aten schemas, with
+    and without an output dtype."""
+
+
+_MATMUL_SIGNATURES = {torch.Tensor.__matmul__: _matmul_operator}
+
+
 @register_function_handler(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 def _matmul(func, args, kwargs):
-    a, b = args[0], args[1]
-    equation = _matmul_equation(a.ndim, b.ndim, a.shape, b.shape)
+    a = bind(func, args, kwargs, signature=_MATMUL_SIGNATURES.get(func))
+    x, y = a.input, a.other
+    equation = _matmul_equation(x.ndim, y.ndim, x.shape, y.shape)
     if equation is None:
         return NotImplemented
-    return _local_einsum(equation, [a, b])
+    return _local_einsum(equation, [x, y])
 
 
 @register_function_handler(torch.mm, torch.Tensor.mm)
 def _mm(func, args, kwargs):
-    return _local_einsum("nk,km->nm", [args[0], args[1]])
+    a = bind(func, args, kwargs, signature=_matrix_product)
+    return _local_einsum("nk,km->nm", [a.input, a.mat2])
 
 
 @register_function_handler(torch.bmm, torch.Tensor.bmm)
 def _bmm(func, args, kwargs):
-    return _local_einsum("bnk,bkm->bnm", [args[0], args[1]])
+    a = bind(func, args, kwargs, signature=_matrix_product)
+    return _local_einsum("bnk,bkm->bnm", [a.input, a.mat2])
+
+
+def _einsum_parameters(equation, *operands):
+    """The parameters of ``torch.einsum``, whose operands may also come as one list."""
 
 
 @register_function_handler(torch.einsum)
 def _einsum(func, args, kwargs):
-    equation = args[0]
-    operands = (
-        list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    )
-    if "->" not in equation or "." in equation or kwargs:
+    a = bind(func, args, kwargs, signature=_einsum_parameters)
+    equation, operands = a.equation, list(a.operands)
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if "->" not in equation or "." in equation:
         return NotImplemented
     return _local_einsum(equation.replace(" ", ""), operands)
 
@@ -118,11 +137,11 @@ def _local_einsum(equation: str, operands: list):
         len(s) != o.ndim for s, o in zip(subscripts, operands)
     ):
         return NotImplemented
-    sharded = [o for o in operands if isinstance(o, ShardTensor)]
-    if not sharded:
+    if not accepts(*operands):
         return NotImplemented
+    sharded = [o for o in operands if isinstance(o, ShardTensor)]
     mesh = sharded[0]._spec.mesh
-    if any(o._spec.partial or o._spec.mesh != mesh for o in sharded):
+    if any(o._spec.mesh != mesh for o in sharded):
         return NotImplemented
     letters = _sharded_letters(subscripts, operands)
     if letters is None or any(letter not in output for letter in letters):
@@ -232,10 +251,9 @@ def _output_spec(
 @register_aten_handler(aten.addbmm.default)
 def _addbmm(func, args, kwargs):
     """``beta input + alpha sum_b batch1[b] @ batch2[b]``, from ops with rules."""
-    x, batch1, batch2 = args[:3]
-    beta = arg(args, kwargs, 3, "beta", 1)
-    alpha = arg(args, kwargs, 4, "alpha", 1)
-    product = aten.mul.Scalar(aten.sum.dim_IntList(aten.bmm.default(batch1, batch2), [0]), alpha)
-    if beta == 0:  # input ignored, NaN included
-        return aten.add.Tensor(aten.zeros_like.default(x), product)
-    return aten.add.Tensor(aten.mul.Scalar(x, beta), product)
+    a = bind(func, args, kwargs)
+    product = aten.bmm.default(a.batch1, a.batch2)
+    product = aten.mul.Scalar(aten.sum.dim_IntList(product, [0]), a.alpha)
+    if a.beta == 0:  # input ignored, NaN included
+        return aten.add.Tensor(aten.zeros_like.default(a.self), product)
+    return aten.add.Tensor(aten.mul.Scalar(a.self, a.beta), product)

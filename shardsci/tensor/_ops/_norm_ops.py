@@ -58,7 +58,7 @@ The input gradient is differentiable once (no double backward).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +68,18 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
+from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, all_gather, all_reduce, axis_group
-from shardsci.tensor._ops._common import replicated_local, sharding_axes, with_dims_whole
+from shardsci.tensor._ops._common import (
+    accepts,
+    replicated_local,
+    sharding_axes,
+    with_dims_whole,
+)
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec
-
-_REQUIRED = object()
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -364,30 +368,6 @@ def _affine(
 
 
 # ---------------------------------------------------------------------------- arguments
-def _bind(args: tuple, kwargs: dict, signature: dict[str, object]) -> dict[str, Any]:
-    """Arguments by name, for a signature given as name -> default (``_REQUIRED``); torch has
-    already rejected unknown names."""
-    bound = dict(zip(signature, args))
-    for name, default in list(signature.items())[len(args) :]:
-        bound[name] = kwargs.get(name, default)
-        if bound[name] is _REQUIRED:
-            raise TypeError(f"missing required argument {name!r}")
-    return bound
-
-
-def _supported(x: object, *others: object, channel_dim: bool = True) -> bool:
-    """Whether the handlers here take the call: a ShardTensor input without Partial axes (and
-    an unsharded channel dim), running statistics as plain tensors, replicated parameters."""
-    if not isinstance(x, ShardTensor) or x._spec.partial:
-        return False
-    if channel_dim and (x.ndim < 2 or 1 in x._spec.sharding_by_dim):
-        return False
-    return all(
-        not isinstance(t, ShardTensor) or (not t._spec.shardings and not t._spec.partial)
-        for t in others
-    )
-
-
 def _check_parameters(what: str, expected: Sequence[int], **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and tuple(t.shape) != tuple(expected):
@@ -407,31 +387,13 @@ def _spatial(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(2, x.ndim))
 
 
-def _spellings(
-    python: Callable, native: Callable, names: tuple[str, ...], native_names: tuple[str, ...],
-    defaults: dict[str, object],
-) -> dict[Callable, dict[str, object]]:  # fmt: skip
-    """The signatures of ``F.x`` and ``torch.x`` (whose arguments come in another order)."""
-    return {
-        func: {name: defaults.get(name, _REQUIRED) for name in signature}
-        for func, signature in ((python, names), (native, native_names))
-    }
-
-
 # ---------------------------------------------------------------------------- group norm
-_GROUP_NORM = _spellings(
-    F.group_norm, torch.group_norm,
-    ("input", "num_groups", "weight", "bias", "eps"),
-    ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled"),
-    {"weight": None, "bias": None, "eps": 1e-5, "cudnn_enabled": True},
-)  # fmt: skip
-
-
-@register_function_handler(*_GROUP_NORM)
+# Each layer has two spellings, ``F.x`` and ``torch.x``, whose arguments come in another order.
+@register_function_handler(F.group_norm, torch.group_norm)
 def _group_norm(func, args, kwargs):
-    a = _bind(args, kwargs, _GROUP_NORM[func])
-    x, groups, weight, bias = a["input"], a["num_groups"], a["weight"], a["bias"]
-    if not _supported(x, weight, bias):
+    a = bind(func, args, kwargs)
+    x, groups, weight, bias = a.input, a.num_groups, a.weight, a.bias
+    if not accepts(x, whole=[1], replicated=[weight, bias]):
         return NotImplemented
     channels = x.shape[1]
     if groups <= 0 or channels % groups:
@@ -445,7 +407,7 @@ def _group_norm(func, args, kwargs):
             f"{[x.shape[0] * channels // groups, groups, *x.shape[2:]]}"
         )
     _check_parameters("group_norm", (channels,), weight=weight, bias=bias)
-    return _channel_normalized(x, groups, False, weight, bias, a["eps"])[0]
+    return _channel_normalized(x, groups, False, weight, bias, a.eps)[0]
 
 
 @register_function_handler(torch.native_group_norm)
@@ -454,33 +416,22 @@ def _native_group_norm(func, args, kwargs):
     channels sharded: DTensor's rule accepts that, and the input gradient through the mean and
     rstd outputs came out wrong (one group over two channel shards; the op-database sweep), so
     the channels are made whole first, above autograd."""
-    x = args[0] if args else kwargs["input"]
-    if not isinstance(x, ShardTensor) or x.ndim < 2 or 1 not in x._spec.sharding_by_dim:
+    x = bind(func, args, kwargs).input
+    if not accepts(x, sharded=[1], partial=True):
         return NotImplemented
-    whole = with_dims_whole(x, {1})
-    return func(whole, *args[1:], **kwargs) if args else func(**{**kwargs, "input": whole})
+    args, kwargs = replaced(func, args, kwargs, {"input": with_dims_whole(x, {1})})
+    return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- batch norm
-_BATCH_NORM = _spellings(
-    F.batch_norm, torch.batch_norm,
-    ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
-    ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
-     "cudnn_enabled"),
-    {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
-)  # fmt: skip
-
-
-@register_function_handler(*_BATCH_NORM)
+@register_function_handler(F.batch_norm, torch.batch_norm)
 def _batch_norm(func, args, kwargs):
-    a = _bind(args, kwargs, _BATCH_NORM[func])
-    x, weight, bias = a["input"], a["weight"], a["bias"]
-    running_mean, running_var = a["running_mean"], a["running_var"]
-    if not _supported(x, weight, bias) or any(
-        isinstance(t, ShardTensor) for t in (running_mean, running_var)
-    ):
+    a = bind(func, args, kwargs)
+    x, weight, bias = a.input, a.weight, a.bias
+    running_mean, running_var = a.running_mean, a.running_var
+    if not accepts(x, whole=[1], replicated=[weight, bias], plain=[running_mean, running_var]):
         return NotImplemented
-    training, eps = a["training"], a["eps"]
+    training, eps = a.training, a.eps
     _check_eps("batch_norm", eps, training)
     _check_parameters(
         "batch_norm", (x.shape[1],), weight=weight, bias=bias,
@@ -497,38 +448,25 @@ def _batch_norm(func, args, kwargs):
         )
     out, mean, var, stats = _channel_normalized(x, x.shape[1], True, weight, bias, eps)
     n = stats.total
-    _update_running(running_mean, mean, a["momentum"])
-    _update_running(running_var, var * (n / (n - 1)), a["momentum"])
+    _update_running(running_mean, mean, a.momentum)
+    _update_running(running_var, var * (n / (n - 1)), a.momentum)
     return out
 
 
 # ---------------------------------------------------------------------------- instance norm
-_INSTANCE_NORM = _spellings(
-    F.instance_norm, torch.instance_norm,
-    ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum",
-     "eps"),
-    ("input", "weight", "bias", "running_mean", "running_var", "use_input_stats", "momentum",
-     "eps", "cudnn_enabled"),
-    {"running_mean": None, "running_var": None, "weight": None, "bias": None,
-     "use_input_stats": True, "momentum": 0.1, "eps": 1e-5},
-)  # fmt: skip
-
-
-@register_function_handler(*_INSTANCE_NORM)
+@register_function_handler(F.instance_norm, torch.instance_norm)
 def _instance_norm(func, args, kwargs):
-    a = _bind(args, kwargs, _INSTANCE_NORM[func])
-    x, weight, bias = a["input"], a["weight"], a["bias"]
-    running_mean, running_var = a["running_mean"], a["running_var"]
-    if not _supported(x, weight, bias) or any(
-        isinstance(t, ShardTensor) for t in (running_mean, running_var)
-    ):
+    a = bind(func, args, kwargs)
+    x, weight, bias = a.input, a.weight, a.bias
+    running_mean, running_var = a.running_mean, a.running_var
+    if not accepts(x, whole=[1], replicated=[weight, bias], plain=[running_mean, running_var]):
         return NotImplemented
-    eps = a["eps"]
+    eps = a.eps
     _check_parameters(
         "instance_norm", (x.shape[1],), weight=weight, bias=bias,
         running_mean=running_mean, running_var=running_var,
     )  # fmt: skip
-    if not a["use_input_stats"]:
+    if not a.use_input_stats:
         if running_mean is None or running_var is None:
             raise RuntimeError(
                 "Expected running_mean and running_var to be defined when use_input_stats is false"
@@ -543,8 +481,8 @@ def _instance_norm(func, args, kwargs):
     if running_mean is not None or running_var is not None:
         n = stats.total
         batch = _batch_mean(x, torch.stack([mean, var * (n / (n - 1))]).flatten(2))
-        _update_running(running_mean, batch[0], a["momentum"])
-        _update_running(running_var, batch[1], a["momentum"])
+        _update_running(running_mean, batch[0], a.momentum)
+        _update_running(running_var, batch[1], a.momentum)
     return out
 
 
@@ -559,21 +497,13 @@ def _batch_mean(x: ShardTensor, per_instance: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- layer norm
-_LAYER_NORM = _spellings(
-    F.layer_norm, torch.layer_norm,
-    ("input", "normalized_shape", "weight", "bias", "eps"),
-    ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"),
-    {"weight": None, "bias": None, "eps": 1e-5, "cudnn_enable": True},
-)  # fmt: skip
-
-
-@register_function_handler(*_LAYER_NORM)
+@register_function_handler(F.layer_norm, torch.layer_norm)
 def _layer_norm(func, args, kwargs):
-    a = _bind(args, kwargs, _LAYER_NORM[func])
-    x, weight, bias = a["input"], a["weight"], a["bias"]
-    if not _supported(x, weight, bias, channel_dim=False):
+    a = bind(func, args, kwargs)
+    x, weight, bias = a.input, a.weight, a.bias
+    if not accepts(x, replicated=[weight, bias]):
         return NotImplemented
-    shape = a["normalized_shape"]
+    shape = a.normalized_shape
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if not 0 < len(shape) <= x.ndim or tuple(x.shape[x.ndim - len(shape) :]) != shape:
         raise RuntimeError(
@@ -582,5 +512,5 @@ def _layer_norm(func, args, kwargs):
         )
     _check_parameters("layer_norm", shape, weight=weight, bias=bias)
     dims = tuple(range(x.ndim - len(shape), x.ndim))
-    normalized, *_ = _normalized(x, dims, a["eps"])
+    normalized, *_ = _normalized(x, dims, a.eps)
     return _affine(normalized, weight, bias, x, dims)

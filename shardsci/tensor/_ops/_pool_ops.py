@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
-from shardsci.tensor._binding import bind
+from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._halo import pad_locally
-from shardsci.tensor._ops._common import connected_empty
+from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._shape_probe import shape_probe
@@ -94,17 +94,15 @@ def _stride(
     return _per_dim(value, len(kernel))
 
 
-def _poolable(x: object) -> bool:
-    return isinstance(x, ShardTensor) and not x._spec.partial and x.dtype.is_floating_point
-
-
 def _global_output_shape(func: Callable, x: ShardTensor, args: tuple, kwargs: dict) -> list[int]:
     """Run torch's op on a meta tensor of the global shape: it raises torch's error for bad
     arguments on every rank, before any collective, and gives the global output shape."""
-    rest = {k: v for k, v in kwargs.items() if k != "input"}
     with shape_probe():
         meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-        result = func(meta, *args[1:], **rest)
+        args, kwargs = replaced(
+            func, args, kwargs, {"input": meta}, signature=_SIGNATURES.get(func)
+        )
+        result = func(*args, **kwargs)
     return list((result[0] if isinstance(result, tuple) else result).shape)
 
 
@@ -129,7 +127,7 @@ def _pooling_windows(
 def _max_pool(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_SIGNATURES.get(func))
     x = a.input
-    if not _poolable(x):
+    if not accepts(x, floating=True):
         return NotImplemented
     out_shape = _global_output_shape(func, x, args, kwargs)
     n = _MAX.get(func) or _MAX_WITH_INDICES[func]
@@ -173,7 +171,7 @@ def _first_in_bounds(
 def _avg_pool(func, args, kwargs):
     a = bind(func, args, kwargs)
     x = a.input
-    if not _poolable(x):
+    if not accepts(x, floating=True):
         return NotImplemented
     out_shape = _global_output_shape(func, x, args, kwargs)
     n = _AVG[func]
@@ -231,7 +229,7 @@ def _divisors(
 def _adaptive_pool(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_SIGNATURES.get(func))
     x = a.input
-    if not _poolable(x):
+    if not accepts(x, floating=True):
         return NotImplemented
     out_shape = _global_output_shape(func, x, args, kwargs)
     n = _ADAPTIVE_AVG.get(func) or _ADAPTIVE_MAX.get(func) or _ADAPTIVE_MAX_WITH_INDICES[func]

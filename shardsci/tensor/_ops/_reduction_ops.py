@@ -24,13 +24,13 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._dispatch import run_with_propagation
 from shardsci.tensor._ops._common import (
-    arg,
+    accepts,
     normalized_dims,
     reduced_now,
-    sharded_among,
     sharding_axes,
 )
 from shardsci.tensor._registry import register_aten_handler
@@ -42,12 +42,13 @@ aten = torch.ops.aten
 # ---------------------------------------------------------------------------- mean
 @register_aten_handler(aten.mean.default, aten.mean.dim)
 def _mean(func, args, kwargs):
-    x = args[0]
-    dims = normalized_dims(arg(args, kwargs, 1, "dim") if func is aten.mean.dim else None, x.ndim)
-    if not any(not x._spec.sharding_by_dim[d].is_even() for d in sharded_among(x._spec, dims)):
+    a = bind(func, args, kwargs)
+    x = a.self
+    dims = normalized_dims(a.get("dim"), x.ndim)  # mean.default has no dim: every dim
+    uneven = [s.dim for s in x._spec.shardings if s.dim in dims and not s.is_even()]
+    if not accepts(x, sharded=uneven, partial=True):
         return NotImplemented
-    keepdim = bool(arg(args, kwargs, 2, "keepdim", False)) if func is aten.mean.dim else False
-    total = aten.sum.dim_IntList(x, list(dims), keepdim, dtype=kwargs.get("dtype"))
+    total = aten.sum.dim_IntList(x, list(dims), bool(a.get("keepdim", False)), dtype=a.dtype)
     return aten.div.Scalar(total, math.prod(x.shape[d] for d in dims))
 
 
@@ -66,17 +67,15 @@ def _variance_and_mean(x: ShardTensor, dims: tuple[int, ...], correction: float,
 
 
 def _variance_args(func, args, kwargs):
-    x = args[0]
-    dims = normalized_dims(arg(args, kwargs, 1, "dim"), x.ndim)
-    correction = kwargs.get("correction")
-    correction = 1 if correction is None else correction
-    return x, dims, correction, bool(kwargs.get("keepdim", False))
+    a = bind(func, args, kwargs)
+    correction = 1 if a.correction is None else a.correction
+    return a.self, normalized_dims(a.dim, a.self.ndim), correction, bool(a.keepdim)
 
 
 @register_aten_handler(aten.var.correction, aten.std.correction)
 def _var_std(func, args, kwargs):
     x, dims, correction, keepdim = _variance_args(func, args, kwargs)
-    if not sharded_among(x._spec, dims):
+    if not accepts(x, sharded=dims, partial=True):
         return NotImplemented
     variance, _ = _variance_and_mean(x, dims, correction, keepdim)
     return variance if func is aten.var.correction else aten.sqrt.default(reduced_now(variance))
@@ -135,23 +134,18 @@ def _amax_amin(func, args, kwargs):
 @register_aten_handler(aten.aminmax.default)
 def _aminmax(func, args, kwargs):
     """``(amin, amax)`` through their handlers (the local aminmax rejects an empty shard)."""
-    x = args[0]
-    dim = arg(args, kwargs, 1, "dim")
-    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
-    dims = [] if dim is None else [dim]
-    return aten.amin.default(x, dims, keepdim), aten.amax.default(x, dims, keepdim)
+    a = bind(func, args, kwargs)
+    dims, keepdim = [] if a.dim is None else [a.dim], bool(a.keepdim)
+    return aten.amin.default(a.self, dims, keepdim), aten.amax.default(a.self, dims, keepdim)
 
 
 @register_aten_handler(aten.all.dims)
 def _all_dims(func, args, kwargs):
     """``all`` over several dims is ``not any(not x)`` over them; DTensor has a rule for
     ``any.dims`` and none for ``all.dims``."""
-    x = args[0]
-    dims = arg(args, kwargs, 1, "dim")
-    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
-    return aten.logical_not.default(
-        aten.any.dims(aten.logical_not.default(x), dims, keepdim=keepdim)
-    )
+    a = bind(func, args, kwargs)
+    anywhere = aten.any.dims(aten.logical_not.default(a.self), a.dim, keepdim=bool(a.keepdim))
+    return aten.logical_not.default(anywhere)
 
 
 @register_aten_handler(aten.max.default, aten.min.default)
@@ -171,8 +165,8 @@ def _vector_norm(func, args, kwargs):
     """Infinite and negative orders have no identity, so torch refuses them on an empty
     shard: there the shard's norm is the value that adds nothing when shards are combined
     (0 for inf, inf for -inf and negative orders: ``inf ** p = 0``)."""
-    order = arg(args, kwargs, 1, "ord", 2)
-    if not math.isinf(order) and order >= 0:
+    a = bind(func, args, kwargs)
+    if not accepts(a.self, partial=True) or (not math.isinf(a.ord) and a.ord >= 0):
         return NotImplemented
 
     def local(x, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -191,21 +185,18 @@ def _vector_norm(func, args, kwargs):
 # ---------------------------------------------------------------------------- argmax / argmin
 @register_aten_handler(aten.argmax.default, aten.argmin.default)
 def _argmax_argmin(func, args, kwargs):
-    x = args[0]
-    dim = arg(args, kwargs, 1, "dim")
-    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
-    spec = x._spec
-    if spec.partial:
+    a = bind(func, args, kwargs)
+    x, dim = a.self, a.dim
+    if x._spec.partial:
         x = x.redistribute(
-            placements=[Replicate() if p.is_partial() else p for p in spec.placements]
+            placements=[Replicate() if p.is_partial() else p for p in x._spec.placements]
         )
-        spec = x._spec
     if dim is None:
         return _flat_arg_extreme(x, func is aten.argmax.default)
     dim %= max(x.ndim, 1)
-    if dim not in spec.sharding_by_dim:
+    if not accepts(x, sharded=[dim]):
         return NotImplemented
-    return _arg_extreme_along(x, dim, keepdim, func is aten.argmax.default)
+    return _arg_extreme_along(x, dim, bool(a.keepdim), func is aten.argmax.default)
 
 
 def _best_of(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -354,10 +345,10 @@ def _first_best_by_index(values, indices, valid, largest: bool) -> int:
 @register_aten_handler(aten.logsumexp.default)
 def _logsumexp(func, args, kwargs):
     """``max + log(sum(exp(x - max)))``, the max taken as 0 where it is infinite (as torch)."""
-    x = args[0]
-    dims = normalized_dims(arg(args, kwargs, 1, "dim"), x.ndim)
-    keepdim = bool(arg(args, kwargs, 2, "keepdim", False))
-    if not x.dtype.is_floating_point or not sharded_among(x._spec, dims):
+    a = bind(func, args, kwargs)
+    x, keepdim = a.self, bool(a.keepdim)
+    dims = normalized_dims(a.dim, x.ndim)
+    if not accepts(x, sharded=dims, partial=True, floating=True):
         return NotImplemented
     peak = reduced_now(aten.amax.default(x, list(dims), True))
     peak = aten.masked_fill.Scalar(peak, aten.isinf.default(peak), 0)
@@ -386,32 +377,32 @@ def _counted_per_rank(x: ShardTensor, counts: torch.Tensor) -> ShardTensor:
 
 @register_aten_handler(aten.histc.default)
 def _histc(func, args, kwargs):
-    x = args[0]
-    bins = arg(args, kwargs, 1, "bins", 100)
-    low, high = arg(args, kwargs, 2, "min", 0), arg(args, kwargs, 3, "max", 0)
+    a = bind(func, args, kwargs)
+    x, low, high = a.self, a.min, a.max
     if low == high == 0 and x.numel() != 0:  # the data's own range, as torch takes it
         low, high = _global_range(x)
-    return _counted_per_rank(x, func(x._local, bins, low, high))
+    return _counted_per_rank(x, func(x._local, a.bins, low, high))
 
 
 @register_aten_handler(aten.histogram.bin_ct, aten.histogram.bins_tensor)
 def _histogram(func, args, kwargs):
     """Each rank counts its elements against the same edges (from the global range when the
     call gives none); a density needs the global counts, so it is all-reduced first."""
-    x, bins = args[0], arg(args, kwargs, 1, "bins", 100)
-    weight, density = kwargs.get("weight"), bool(kwargs.get("density", False))
-    if isinstance(bins, ShardTensor) and bins._spec.shardings:
+    a = bind(func, args, kwargs)
+    x, bins, weight, density = a.self, a.bins, a.weight, bool(a.density)
+    if not accepts(x, bins, weight, partial=True, replicated=[bins]) or (
+        isinstance(weight, ShardTensor)
+        and not weight._spec.same_layout(x._spec.with_dtype(weight.dtype))
+    ):
         return NotImplemented
     bins = bins._local if isinstance(bins, ShardTensor) else bins
     if isinstance(weight, ShardTensor):
-        if not weight._spec.same_layout(x._spec.with_dtype(weight.dtype)):
-            return NotImplemented
         weight = weight._local
     elif weight is not None:
         weight = x._spec.narrow(weight)
     local = {"weight": weight}
     if func is aten.histogram.bin_ct:
-        span = kwargs.get("range")
+        span = a.range
         if span is None and x.numel() != 0:
             span = list(_global_range(x))
         local["range"] = span

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._ops._common import arg
+from shardsci.tensor._binding import bind
 from shardsci.tensor._registry import register_aten_handler
 
 aten = torch.ops.aten
@@ -28,22 +28,19 @@ def _value(t: torch.Tensor) -> bool | int | float | complex:
 
 @register_aten_handler(aten._local_scalar_dense.default)
 def _item(func, args, kwargs):
-    return _value(args[0])
+    return _value(bind(func, args, kwargs).self)
 
 
 @register_aten_handler(aten.equal.default)
 def _equal(func, args, kwargs):
-    a, b = args[0], args[1]
-    if a.shape != b.shape:
+    a = bind(func, args, kwargs)
+    if a.self.shape != a.other.shape:
         return False
-    return bool(_value(aten.all.default(aten.eq.Tensor(a, b))))
+    return bool(_value(aten.all.default(aten.eq.Tensor(a.self, a.other))))
 
 
 @register_aten_handler(aten.allclose.default)
 def _allclose(func, args, kwargs):
-    a, b = args[0], args[1]
-    rtol = arg(args, kwargs, 2, "rtol", 1e-5)
-    atol = arg(args, kwargs, 3, "atol", 1e-8)
-    equal_nan = arg(args, kwargs, 4, "equal_nan", False)
-    close = aten.isclose.default(a, b, rtol, atol, equal_nan)
+    a = bind(func, args, kwargs)
+    close = aten.isclose.default(a.self, a.other, a.rtol, a.atol, a.equal_nan)
     return bool(_value(aten.all.default(close)))

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import exchange
-from shardsci.tensor._ops._common import arg, dim_layout
+from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._registry import register_aten_handler
 
 aten = torch.ops.aten
@@ -20,11 +21,12 @@ aten = torch.ops.aten
 
 @register_aten_handler(aten.cumsum.default)
 def _cumsum(func, args, kwargs):
-    x = args[0]
-    dim = arg(args, kwargs, 1, "dim") % max(x.ndim, 1)
-    if dim not in x._spec.sharding_by_dim:
+    a = bind(func, args, kwargs)
+    x = a.self
+    dim = a.dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim], partial=True):
         return NotImplemented
-    local = torch.cumsum(x._local, dim, dtype=kwargs.get("dtype"))
+    local = torch.cumsum(x._local, dim, dtype=a.dtype)
     _, group, _ = dim_layout(x._spec, dim)
     if local.shape[dim]:
         total = local.narrow(dim, local.shape[dim] - 1, 1)

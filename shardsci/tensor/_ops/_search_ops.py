@@ -18,6 +18,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, redistribute
+from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_aten_handler
@@ -28,8 +30,9 @@ aten = torch.ops.aten
 
 @register_aten_handler(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
 def _searchsorted(func, args, kwargs):
-    sequence, values = args[0], args[1]
-    if kwargs.get("sorter") is None and not _partial(sequence) and not _partial(values):
+    a = bind(func, args, kwargs)
+    sequence, values = a.sorted_sequence, a.self
+    if a.sorter is None and not _partial(sequence) and not _partial(values):
         if isinstance(sequence, ShardTensor) and not isinstance(values, ShardTensor):
             found = _search_sharded_sequence(func, sequence, values, kwargs)
             if found is not None:
@@ -60,13 +63,17 @@ def _partial(t: object) -> bool:
 
 @register_aten_handler(aten.isin.Tensor_Tensor)
 def _isin(func, args, kwargs):
-    elements, test = args[0], args[1]
-    if not isinstance(elements, ShardTensor) or elements._spec.partial:
+    a = bind(func, args, kwargs)
+    elements, test = a.elements, a.test_elements
+    if not accepts(elements):
         return NotImplemented
     if isinstance(test, ShardTensor):
         whole = [Replicate()] * test._spec.mesh.ndim
         test = redistribute(test, target_spec(test._spec, whole))._local
-    out = func(elements._local, test, *args[2:], **kwargs)
+    args, kwargs = replaced(
+        func, args, kwargs, {"elements": elements._local, "test_elements": test}
+    )
+    out = func(*args, **kwargs)
     return ShardTensor(out, elements._spec.with_dtype(out.dtype))
 
 

@@ -12,28 +12,20 @@ from __future__ import annotations
 
 import torch
 
-from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._ops._common import reduced_now
+from shardsci.tensor._binding import bind
+from shardsci.tensor._ops._common import accepts, reduced_now
 from shardsci.tensor._registry import register_aten_handler
 
 aten = torch.ops.aten
 
 
-def _along_sharded_dim(*tensors: torch.Tensor, dim: int) -> bool:
-    """Whether a ShardTensor among ``tensors`` (the others may be plain) is sharded along
-    ``dim``, none with a pending reduction."""
-    sharded = [t for t in tensors if isinstance(t, ShardTensor)]
-    return any(dim % t.ndim in t._spec.sharding_by_dim for t in sharded) and not any(
-        t._spec.partial for t in sharded
-    )
-
-
 @register_aten_handler(aten._softmax.default, aten._log_softmax.default)
 def _softmax(func, args, kwargs):
-    x, dim, half_to_float = args
-    if not _along_sharded_dim(x, dim=dim):
+    a = bind(func, args, kwargs)
+    x, dim = a.self, a.dim
+    if not accepts(x, sharded=[dim]):
         return NotImplemented
-    if half_to_float:
+    if a.half_to_float:
         x = aten._to_copy.default(x, dtype=torch.float32)
     shifted = aten.sub.Tensor(x, reduced_now(aten.amax.default(x, [dim], True)))
     exponentials = aten.exp.default(shifted)
@@ -45,19 +37,21 @@ def _softmax(func, args, kwargs):
 
 @register_aten_handler(aten._softmax_backward_data.default)
 def _softmax_backward(func, args, kwargs):
-    grad, output, dim, input_dtype = args
-    if not _along_sharded_dim(grad, output, dim=dim):
+    a = bind(func, args, kwargs)
+    grad, output, dim = a.grad_output, a.output, a.dim
+    if not accepts(grad, output, sharded=[dim]):
         return NotImplemented
     weighted = reduced_now(aten.sum.dim_IntList(aten.mul.Tensor(grad, output), [dim], True))
     result = aten.mul.Tensor(output, aten.sub.Tensor(grad, weighted))
-    return aten._to_copy.default(result, dtype=input_dtype)
+    return aten._to_copy.default(result, dtype=a.input_dtype)
 
 
 @register_aten_handler(aten._log_softmax_backward_data.default)
 def _log_softmax_backward(func, args, kwargs):
-    grad, output, dim, input_dtype = args
-    if not _along_sharded_dim(grad, output, dim=dim):
+    a = bind(func, args, kwargs)
+    grad, output, dim = a.grad_output, a.output, a.dim
+    if not accepts(grad, output, sharded=[dim]):
         return NotImplemented
     total = reduced_now(aten.sum.dim_IntList(grad, [dim], True))
     result = aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(output), total))
-    return aten._to_copy.default(result, dtype=input_dtype)
+    return aten._to_copy.default(result, dtype=a.input_dtype)

@@ -30,7 +30,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._ops._common import with_dims_whole
+from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._ops._common import accepts, with_dims_whole
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
@@ -49,10 +50,11 @@ Group = tuple[tuple[int, ...], tuple[int, ...]]
 
 @register_aten_handler(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(func, args, kwargs):
-    x = args[0]
+    a = bind(func, args, kwargs)
+    x = a.self
     spec = x._spec
     numel = math.prod(spec.shape)
-    out_shape = tuple(infer_size(numel, list(args[1])))
+    out_shape = tuple(infer_size(numel, list(a["shape" if "shape" in a else "size"])))
     if not spec.shardings and numel:
         if func is not aten.view.default or _viewable(x._local, out_shape):
             return NotImplemented
@@ -216,11 +218,12 @@ def _squeeze(func, args, kwargs):
     ``squeeze()`` would also drop a sharded dim whose shard happens to hold one element. A
     sharded dim of extent 1 lives on one rank: it is replicated (the owner broadcasts its
     element) before it is squeezed; DTensor refuses to squeeze a sharded dim."""
-    x = args[0]
+    a = bind(func, args, kwargs)
+    x = a.self
     if func._overloadname == "default":
         dims = range(x.ndim)
     else:
-        dims = [args[1]] if isinstance(args[1], int) else args[1]
+        dims = [a.dim] if isinstance(a.dim, int) else a.dim
     squeezed = sorted({d % x.ndim for d in dims if x.ndim and x.shape[d % x.ndim] == 1})
     if not squeezed:
         return aten.alias.default(x) if func in _VIEWS else aten.clone.default(x)
@@ -239,23 +242,25 @@ def _expand(func, args, kwargs):
     """A sharded dim of extent 1 that the expansion broadcasts lives on one rank: it is
     replicated first (the owner broadcasts its element). DTensor's rule fails there with a
     KeyError (torch 2.13)."""
-    x, size = args[0], list(args[1])
-    lead = len(size) - x.ndim
-    broadcast = {
-        d for d in x._spec.sharding_by_dim if x.shape[d] == 1 and size[lead + d] not in (1, -1)
-    }
-    if not broadcast:
+    a = bind(func, args, kwargs)
+    x = a.self
+    # The sizes of x's dims (torch rejects fewer sizes than dims: the default path says so).
+    sizes = a.size[len(a.size) - x.ndim :] if len(a.size) >= x.ndim else []
+    broadcast = [d for d, n in enumerate(sizes) if x.shape[d] == 1 and n not in (1, -1)]
+    if not accepts(x, sharded=broadcast, partial=True):
         return NotImplemented
-    return func(with_dims_whole(x, broadcast), *args[1:], **kwargs)
+    args, kwargs = replaced(func, args, kwargs, {"self": with_dims_whole(x, broadcast)})
+    return func(*args, **kwargs)
 
 
 @register_aten_handler(aten.unbind.int)
 def _unbind(func, args, kwargs):
     """Along a sharded dim each slice lives on one rank: the dim is replicated first (one
     all-gather), which DTensor refuses to do."""
-    x = args[0]
-    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % max(x.ndim, 1)
-    if dim not in x._spec.sharding_by_dim:
+    a = bind(func, args, kwargs)
+    x = a.self
+    dim = a.dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim], partial=True):
         return NotImplemented
     return func(with_dims_whole(x, {dim}), dim)
 
@@ -271,10 +276,10 @@ def _unsafe_split(func, args, kwargs):
 def _complex_view(func, args, kwargs):
     """``view_as_real`` / ``view_as_complex`` (``.real``, ``.imag``) keep every dim's sharding:
     they add or drop a trailing dim of two reals, which is never sharded."""
-    x = args[0]
+    x = bind(func, args, kwargs).self
     spec = x._spec
     to_real = func is aten.view_as_real.default
-    if not to_real and spec.ndim - 1 in spec.sharding_by_dim:
+    if not accepts(x, whole=[] if to_real else [-1], partial=True):
         return NotImplemented
     local = x._local
     if not to_real and not _pairs_adjacent(local.stride(), local.storage_offset()):
