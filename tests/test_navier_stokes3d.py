@@ -1,12 +1,16 @@
 """The 3-D Navier–Stokes solver of the cfd3d recipe: against exact solutions (an ABC flow, the
 Taylor–Green vortex's initial tendency and Brachet's enstrophy series), its order in dt, its
 conservation laws, and on ShardTensors (slab, pencil, 2x2x2 block; uneven and empty shards)
-against one process, with no rank ever holding the whole grid."""
+against one process, with no rank ever holding the whole grid; and its HDF5 dataset, generated
+in one process or on several ranks."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -15,7 +19,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from shardsci import ShardTensorSpec
+from shardsci.data import DataError, GenerateMode
+from shardsci.recipes.cfd3d.generate import (
+    CREATED_BY,
+    DatasetConfig,
+    ensure_dataset,
+    generate_dataset,
+)
 from shardsci.recipes.cfd3d.navier_stokes import (
+    SOLVER_VERSION,
     NavierStokes3d,
     SolverConfig,
     UnstableTimeStepError,
@@ -272,3 +284,77 @@ def _sharded_body(name: str) -> None:
 def test_sharded_run_matches_one_process(name: str) -> None:
     world = math.prod(LAYOUTS[name][0])
     run_on_ranks(world, _sharded_body, name, timeout_s=300)
+
+
+# ---------------------------------------------------------------------------- the dataset
+def tiny_dataset(**overrides: int) -> DatasetConfig:
+    """Three 8³ trajectories of three snapshots, integrated in float64."""
+    solver = SolverConfig(
+        resolution=8, dt=2e-3, ic_max_wavenumber=2, forcing_wavenumber=1.5, seed=3
+    )
+    fields = {"n_train": 2, "n_test": 1, "n_snapshots": 3, "record_every": 2, "warmup_steps": 1}
+    return DatasetConfig(solver=solver, **{**fields, **overrides})
+
+
+def test_generated_file_layout(tmp_path: Path) -> None:
+    config = tiny_dataset(warmup_steps=0)
+    path = generate_dataset(tmp_path / "ns3d.h5", config)
+    with h5py.File(path, "r") as file:
+        velocity = file["velocity"]
+        assert velocity.shape == (3, 3, 3, 8, 8, 8) and velocity.dtype == np.float32
+        assert velocity.chunks is None and velocity.attrs["complete"]
+        attrs = dict(file.attrs)
+        first = velocity[:, 0]
+    assert attrs["resolution"] == 8 and attrs["forcing"] == "band" and attrs["seed"] == 3
+    assert attrs["record_dt"] == 4e-3 and attrs["solver_version"] == SOLVER_VERSION
+    assert attrs["created_by"] == CREATED_BY and attrs["n_test"] == 1
+    expected = random_velocity(config.solver, 3, torch.Generator().manual_seed(3))
+    np.testing.assert_allclose(first, expected.float().numpy(), rtol=0, atol=1e-6)
+    assert [p.name for p in tmp_path.iterdir()] == ["ns3d.h5"]  # no temporary file left
+
+
+def test_batching_does_not_change_the_data(tmp_path: Path) -> None:
+    one = generate_dataset(tmp_path / "one.h5", tiny_dataset(batch_size=1))
+    all_ = generate_dataset(tmp_path / "all.h5", tiny_dataset(batch_size=3))
+    with h5py.File(one, "r") as a, h5py.File(all_, "r") as b:
+        np.testing.assert_allclose(a["velocity"][:], b["velocity"][:], rtol=0, atol=1e-6)
+
+
+def test_ensure_dataset_reuses_regenerates_and_never_overwrites_a_users_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ns3d.h5"
+    ensure_dataset(path, tiny_dataset())
+    created = path.stat().st_mtime_ns
+    assert ensure_dataset(path, tiny_dataset()) == path and path.stat().st_mtime_ns == created
+    ensure_dataset(path, tiny_dataset(n_snapshots=4))
+    with h5py.File(path, "r") as file:
+        assert file["velocity"].shape[1] == 4
+    users = tmp_path / "users.h5"
+    with h5py.File(users, "w") as file:
+        file.create_dataset("velocity", data=np.zeros((1, 2, 3, 8, 8, 8), np.float32))
+    before = users.read_bytes()
+    with pytest.raises(DataError, match="shardsci did not write"):
+        ensure_dataset(users, tiny_dataset(), GenerateMode.force)
+    assert users.read_bytes() == before
+
+
+def _generate_on_ranks_body(directory: str) -> None:
+    mesh = get_mesh((2, 2))
+    path = Path(directory) / "sharded.h5"
+    with count_traffic() as traffic:
+        generate_dataset(path, tiny_dataset(), mesh, (Shard(2), Shard(3)))
+    allowed = {"c10d::alltoall_base_", "c10d::allreduce_", "c10d::broadcast_"}
+    assert_all_ranks(
+        set(traffic.collectives) <= allowed, f"collectives {dict(traffic.collectives)}"
+    )
+
+
+def test_generation_on_ranks_writes_the_single_process_data(tmp_path: Path) -> None:
+    run_on_ranks(4, _generate_on_ranks_body, str(tmp_path))
+    single = generate_dataset(tmp_path / "single.h5", tiny_dataset())
+    with h5py.File(tmp_path / "sharded.h5", "r") as a, h5py.File(single, "r") as b:
+        assert a["velocity"].attrs["complete"]
+        # float64 integration, float32 storage: at most a rounding apart.
+        np.testing.assert_allclose(a["velocity"][:], b["velocity"][:], rtol=0, atol=1e-6)
+        assert dict(a.attrs).keys() == dict(b.attrs).keys()

@@ -304,7 +304,7 @@ class NavierStokes3d:
     def vorticity(self, velocity: torch.Tensor) -> torch.Tensor:
         """ω = ∇ × u of ``velocity`` ``(B, 3, N, N, N)``, same shape."""
         u_hat, grid = self._to_spectral(velocity, project=False)
-        return self._to_physical(grid.curl(u_hat))
+        return self._to_physical(torch.cat(grid.curl(u_hat), dim=1))
 
     def divergence(self, velocity: torch.Tensor) -> torch.Tensor:
         """∇·u of ``velocity`` ``(B, 3, N, N, N)`` (spectral derivative), ``(B, N, N, N)``."""
@@ -386,7 +386,7 @@ class NavierStokes3d:
 
     def _explicit_rhs(self, u_hat: torch.Tensor, grid: SpectralGrid) -> torch.Tensor:
         """Spectral P[u × ω] + f, the part of the right-hand side stepped explicitly."""
-        fields = self._to_physical(torch.cat([u_hat, grid.curl(u_hat)], dim=1))
+        fields = self._to_physical(torch.cat([u_hat, *grid.curl(u_hat)], dim=1))
         u, omega = vector_components(fields[:, :3]), vector_components(fields[:, 3:])
         lamb_hat = torch.fft.rfftn(cross(u, omega), dim=SPATIAL_DIMS)
         rhs = grid.project(grid.scale(lamb_hat, grid.dealias))

@@ -175,18 +175,16 @@ class SpectralGrid:
             [c - self.scale(along_k, k_i) for c, k_i in zip(components, self.wavevector)], dim=1
         )
 
-    def curl(self, field_hat: torch.Tensor) -> torch.Tensor:
-        """Spectral curl i k × û of ``(B, 3, N, N, M)``."""
+    def curl(self, field_hat: torch.Tensor) -> list[torch.Tensor]:
+        """Components ``(B, 1, N, N, M)`` of the spectral curl i k × û of ``(B, 3, N, N, M)``
+        (concatenate them on dim 1 for the vector)."""
         c_x, c_y, c_z = vector_components(field_hat)
         ik_x, ik_y, ik_z = (1j * k_i for k_i in self.wavevector)
-        return torch.cat(
-            [
-                self.scale(c_z, ik_y) - self.scale(c_y, ik_z),
-                self.scale(c_x, ik_z) - self.scale(c_z, ik_x),
-                self.scale(c_y, ik_x) - self.scale(c_x, ik_y),
-            ],
-            dim=1,
-        )
+        return [
+            self.scale(c_z, ik_y) - self.scale(c_y, ik_z),
+            self.scale(c_x, ik_z) - self.scale(c_z, ik_x),
+            self.scale(c_y, ik_x) - self.scale(c_x, ik_y),
+        ]
 
     def divergence(self, field_hat: torch.Tensor) -> torch.Tensor:
         """Spectral divergence i k·û of ``(B, 3, N, N, M)``, ``(B, 1, N, N, M)``."""
