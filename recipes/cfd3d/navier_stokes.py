@@ -97,7 +97,7 @@ class SolverConfig:
     is η = (ν³/ε)^{1/4} = 0.019 and k_max η = 1.2 at N = 32 (:attr:`resolved_scales`)."""
     dt: float = 2.5e-3
     """Time step, in time units. Only advection limits it (see ``max_cfl``): the default flow
-    at N = 32 runs at CFL numbers 0.4-0.6 (0.73 at dt = 0.003 was the largest seen)."""
+    at N = 32 stays below CFL 0.52 (the default dataset); halve dt when N doubles."""
     forcing: Forcing = "band"
     """``"band"``: constant-power forcing of the modes 0 < |n| ≤ ``forcing_wavenumber`` (NOTE
     [Band forcing at constant power]); ``"none"``: decaying flow."""
@@ -192,10 +192,11 @@ def random_velocity(
     The field holds only the modes with |n| ≤ n_ic (``config.ic_max_wavenumber``): their
     coefficients, ``(3, 2n_ic+1, 2n_ic+1, 2n_ic+1)`` per field, are drawn on the CPU from
     ``generator`` one field at a time, made Hermitian and divergence-free, and scaled so that
-    the root-mean-square velocity component √(⟨|u|²⟩/3) is exactly ``config.ic_rms``. So field ``i`` is the
-    same whatever the batching, the device, the resolution (up to the grid it is sampled on)
-    and the layout. Each rank evaluates the modes on its own block only (three small
-    contractions, one per spatial dim): no rank holds more than its block.
+    the root-mean-square velocity component √(⟨|u|²⟩/3) is exactly ``config.ic_rms``. So field
+    ``i`` is the same whatever the batching, the device, the resolution (up to the grid it is
+    sampled on) and the layout. Each rank evaluates the modes on its own block only (three
+    small contractions, one per spatial dim), with no communication: no rank holds more than
+    its block.
 
     Parameters
     ----------
@@ -221,7 +222,7 @@ def random_velocity(
     if layout is None:
         return _evaluate_modes(modes, config, (0,) * 5, shape)
     local = _evaluate_modes(modes, config, layout.local_offsets(), layout.local_shape())
-    return ShardTensor.from_local(local, layout.mesh, layout.placements, "infer", shape=shape)
+    return ShardTensor(local, layout.with_dtype(local.dtype))
 
 
 def _random_modes(config: SolverConfig, generator: torch.Generator) -> torch.Tensor:
