@@ -2,9 +2,10 @@
 
 One ``(1, 3, N, N, N)`` float64 field of the cfd3d solver (``recipes/cfd3d``): the random
 initial velocity drawn block by block, then ``--steps`` integrating-factor RK4 steps of the
-band-forced flow, once in one process on plain tensors and once on 8 ranks as a 2x2x2 block
-(D, H, W each split evenly) through shardsci's distributed FFT, one thread per rank, each in
-freshly started rank processes. The first step is timed on its own (it includes the sharding
+band-forced flow, once in one process on plain tensors and once on 8 ranks, as a 2x2x2 block
+(D, H, W each split evenly; ``--layout block``, the default) or as a slab (D split 8 ways;
+``--layout slab``), through shardsci's distributed FFT, one thread per rank, each in freshly
+started rank processes. The first step is timed on its own (it includes the sharding
 plans made once per process), then the others.
 
 Memory is the **peak resident set size** of each rank process (``ru_maxrss``) minus its RSS
@@ -13,7 +14,7 @@ multipliers, the transposes' buffers and the allocator's retained blocks. ``idea
 1-rank figure / 8. The two runs must agree: each field's energy and ⟨u_i³⟩ are compared
 (``max_rel_difference``).
 
-Run ``python -m benchmarks.ns3d_generation [--sizes 64 128] [--steps 3]``.
+Run ``python -m benchmarks.ns3d_generation [--sizes 64 128] [--steps 3] [--layout slab]``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from shardsci.recipes.cfd3d.navier_stokes import NavierStokes3d, SolverConfig, r
 from shardsci.testing import get_mesh, shutdown_pools
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-MESH = (2, 2, 2)
+LAYOUTS = {
+    "block": ((2, 2, 2), (Shard(2), Shard(3), Shard(4))),
+    "slab": ((8,), (Shard(2),)),
+}
 
 
 def _rss_bytes() -> int:
@@ -41,15 +45,15 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * _PAGE
 
 
-def generate_field(n: int, steps: int) -> dict:
+def generate_field(n: int, steps: int, layout_name: str) -> dict:
     """Rank body: draw one field and integrate it; peak RSS over the body's start, times, and
     checksums of the result."""
     start_rss = _rss_bytes()
     config = SolverConfig(resolution=n, dt=0.08 / n)  # the default CFL number at every n
     layout = None
     if dist.get_world_size() > 1:
-        mesh = get_mesh(MESH)
-        placements = (Shard(2), Shard(3), Shard(4))
+        mesh_shape, placements = LAYOUTS[layout_name]
+        mesh = get_mesh(mesh_shape)
         layout = ShardTensorSpec.build(mesh, placements, (1, 3, n, n, n), config.torch_dtype)
     solver = NavierStokes3d(config)
     dist.barrier()
@@ -81,17 +85,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="block")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is timed apart)")
     start = time.perf_counter()
-    world = int(torch.tensor(MESH).prod())
+    mesh_shape = LAYOUTS[args.layout][0]
+    world = int(torch.tensor(mesh_shape).prod())
     with rank_pools():
         for n in args.sizes:
             runs = {}
             for ranks in (1, world):
                 shutdown_pools()  # fresh processes: ru_maxrss is a lifetime peak
-                runs[ranks] = on_ranks(ranks, generate_field, n, args.steps)
+                runs[ranks] = on_ranks(ranks, generate_field, n, args.steps, args.layout)
             one = runs[1][0]
             difference = max(
                 abs(a - b) / max(abs(a), 1e-30)
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                     "ns3d_generation",
                     size=n,
                     ranks=ranks,
-                    mesh="plain tensors" if ranks == 1 else "x".join(map(str, MESH)),
+                    mesh="plain tensors" if ranks == 1 else "x".join(map(str, mesh_shape)),
                     memory_measure="peak RSS minus RSS at start, per rank process",
                     peak_bytes=[r["peak_bytes"] for r in per_rank],
                     peak_in_fields=round(peak / one["field_bytes"], 2),
