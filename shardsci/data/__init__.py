@@ -5,7 +5,9 @@ reading only its hyperslab; ``ShardedHDF5Field.statistics`` gives normalisation 
 combined from a few numbers per rank; ``NextStepPairs`` yields shuffled, resumable (input,
 target) batches split over data-parallel ranks; ``check_hdf5`` validates a user's file against
 a recipe's ``HDF5Schema`` and ``generation_reason`` says whether a run may generate its data
-(NOTE [Whose data file is it]).
+(NOTE [Whose data file is it]). ``ShardedHDF5Writer`` (and ``write_sharded_hdf5``) writes a
+ShardTensor to one new HDF5 file, every rank its own block, no rank holding the whole field
+(NOTE [Writing one HDF5 file from many ranks]).
 """
 
 from shardsci.data._field import ShardedHDF5Field
@@ -27,6 +29,7 @@ from shardsci.data._files import (
 from shardsci.data._hdf5 import HDF5Source
 from shardsci.data._pairs import NextStepPairs, PairBatch
 from shardsci.data._stats import FieldStatistics
+from shardsci.data._writer import ShardedHDF5Writer, on_first_rank, write_sharded_hdf5
 
 __all__ = [
     "CREATED_BY",
@@ -41,10 +44,13 @@ __all__ = [
     "NextStepPairs",
     "PairBatch",
     "ShardedHDF5Field",
+    "ShardedHDF5Writer",
     "check_hdf5",
     "generation_reason",
     "in_generated_dir",
     "is_ours",
+    "on_first_rank",
     "read_attributes",
     "replace_if_ours",
+    "write_sharded_hdf5",
 ]
