@@ -3,9 +3,9 @@
 ``ShardedHDF5Field`` reads samples of a dataset as ShardTensors, every rank of the domain mesh
 reading only its hyperslab; ``ShardedHDF5Field.statistics`` gives normalisation statistics
 combined from a few numbers per rank; ``NextStepPairs`` yields shuffled, resumable (input,
-target) batches split over data-parallel ranks; ``check_hdf5`` validates a user's file against
-a recipe's ``HDF5Schema`` and ``generation_reason`` says whether a run may generate its data
-(NOTE [Whose data file is it]).
+target) batches split over data-parallel ranks, and ``HeldOutPairs`` the evaluation's pairs
+and rollout starts; ``check_hdf5`` validates a user's file against a recipe's ``HDF5Schema`` and
+``generation_reason`` says whether a run may generate its data (NOTE [Whose data file is it]).
 """
 
 from shardsci.data._field import ShardedHDF5Field
@@ -25,7 +25,7 @@ from shardsci.data._files import (
     replace_if_ours,
 )
 from shardsci.data._hdf5 import HDF5Source
-from shardsci.data._pairs import NextStepPairs, PairBatch
+from shardsci.data._pairs import HeldOutPairs, NextStepPairs, PairBatch
 from shardsci.data._stats import FieldStatistics
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "HDF5Contents",
     "HDF5Schema",
     "HDF5Source",
+    "HeldOutPairs",
     "NextStepPairs",
     "PairBatch",
     "ShardedHDF5Field",
