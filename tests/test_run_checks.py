@@ -84,6 +84,24 @@ def test_a_config_that_cannot_run_is_refused_before_any_rank_starts(
 
 
 @pytest.mark.usefixtures("no_ranks")
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.global_batch=1000"], "exceeds the 144 training pairs"),
+        (["mesh=2x2", "parallel=block"], "the mesh has 2 axes besides data parallelism but the "
+         r"fields have 1 spatial dims \['node'\]"),
+    ],
+)  # fmt: skip
+def test_the_mesh_cfd_recipe_is_checked_before_any_rank_starts(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["+recipe=mesh_cfd", f"run_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        train.launch(cfg)
+
+
+@pytest.mark.usefixtures("no_ranks")
 def test_the_mesh_is_checked_against_the_fields_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

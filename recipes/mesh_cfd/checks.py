@@ -1,7 +1,7 @@
 """What the mesh CFD recipe checks before any rank starts (NOTE [Config errors before any rank
 starts]): the data file (a user's against the schema, or whether it may be generated), the
-DeviceMesh's domain axis against the graph's nodes, the held-out split and the evaluation
-against the trajectories. That the DeviceMesh has at most one domain axis follows from the
+DeviceMesh's domain axis against the graph's nodes, the held-out split, the batch against the
+training pairs and the evaluation against the trajectories. That the DeviceMesh has at most one domain axis follows from the
 recipe's one spatial dim (``ParallelPlan``)."""
 
 from __future__ import annotations
@@ -29,6 +29,13 @@ def check(cfg: DictConfig, plan: ParallelPlan) -> None:
         raise ValueError(
             f"data.test_trajectories={test}: expected 1 to {stored.trajectories - 1} (the data "
             f"has {stored.trajectories} trajectories)"
+        )
+    pairs = (stored.trajectories - test) * (stored.times - 1)
+    if cfg.train.global_batch > pairs:
+        raise ValueError(
+            f"train.global_batch={cfg.train.global_batch} exceeds the {pairs} training pairs of "
+            f"the data ({stored.trajectories - test} training trajectories of {stored.times} "
+            f"records); expected at most {pairs}"
         )
     if cfg.eval.samples < 1:
         raise ValueError(f"eval.samples={cfg.eval.samples}: expected an integer >= 1")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from shardsci.data import HeldOutPairs
+from shardsci.data import HeldOutPairs, NextStepPairs
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes, read_rows
 from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.training import Parallelism, RunContext
@@ -54,8 +54,7 @@ class MeshData:
 
     def __init__(self, cfg: DictConfig, run: RunContext) -> None:
         config, parallelism = cfg.data, run.parallelism
-        self.parallelism, self.device = parallelism, run.device
-        self.global_batch, self.seed = int(cfg.train.global_batch), int(cfg.train.seed)
+        self.device = run.device
         with h5py.File(config.path, "r") as file:
             edge_index = torch.from_numpy(file["edge_index"][:])
             positions = torch.from_numpy(file["positions"][:])
@@ -70,11 +69,16 @@ class MeshData:
             velocity = read_rows(file["fields"], nodes, dim=2)[..., :2]
         test = config.test_trajectories
         self.train_trajectories = list(range(trajectories - test))
-        self.held_out = HeldOutPairs(
-            tuple(range(trajectories - test, trajectories)),
+        dp = {"dp_rank": parallelism.dp_rank, "dp_size": parallelism.dp_size}
+        self.training_pairs = NextStepPairs(
+            tuple(self.train_trajectories),
             self.n_times,
-            parallelism.dp_rank,
-            parallelism.dp_size,
+            cfg.train.global_batch,
+            cfg.train.seed,
+            **dp,
+        )
+        self.held_out = HeldOutPairs(
+            tuple(range(trajectories - test, trajectories)), self.n_times, **dp
         )
         self.velocity = torch.from_numpy(np.ascontiguousarray(velocity))  # (S, T, N_k, 2)
         self.mean, self.std, self.change_std = self._statistics()
@@ -84,28 +88,18 @@ class MeshData:
 
     # ------------------------------------------------------------------ samples
     def train_batch(self, step: int) -> Batch:
-        """This data-parallel rank's share of global batch ``step``: pairs drawn from the
-        training trajectories by a generator seeded with (seed, step)."""
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        count = len(self.train_trajectories)
-        trajectory = torch.randint(count, (self.global_batch,), generator=generator)
-        time = torch.randint(self.n_times - 1, (self.global_batch,), generator=generator)
-        pairs = [(self.train_trajectories[b], int(t)) for b, t in zip(trajectory.tolist(), time)]
-        share = self.global_batch // self.parallelism.dp_size
-        rank = self.parallelism.dp_rank
-        return self.pairs(pairs[rank * share : (rank + 1) * share])
+        """This data-parallel rank's share of global batch ``step`` (``NextStepPairs``)."""
+        return self.batch_of(self.training_pairs.batch(step).inputs)
 
-    def pairs(self, pairs: list[tuple[int, int]] | np.ndarray) -> Batch:
-        """Inputs and normalised target change of the (trajectory, time) ``pairs``."""
+    def batch_of(self, pairs: np.ndarray) -> Batch:
+        """Inputs and normalised target change of the (trajectory, time) ``pairs`` ``(b, 2)``."""
         now, after = self.velocities(pairs, 1)
         return self.inputs(now), (after - now) / self.change_std
 
-    def velocities(
-        self, pairs: list[tuple[int, int]] | np.ndarray, steps: int
-    ) -> list[torch.Tensor]:
-        """The velocities ``(N, B, 2)`` of the (trajectory, time) ``pairs`` at t, t + 1, ...,
-        t + steps, as node tensors."""
-        b, t = torch.tensor([int(p[0]) for p in pairs]), torch.tensor([int(p[1]) for p in pairs])
+    def velocities(self, pairs: np.ndarray, steps: int) -> list[torch.Tensor]:
+        """The velocities ``(N, B, 2)`` of the (trajectory, time) ``pairs`` ``(b, 2)`` at t,
+        t + 1, ..., t + steps, as node tensors."""
+        b, t = torch.from_numpy(pairs[:, 0]), torch.from_numpy(pairs[:, 1])
         return [
             self.node_tensor(self.velocity[b, t + k].transpose(0, 1).contiguous())
             for k in range(steps + 1)
