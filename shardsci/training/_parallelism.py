@@ -57,9 +57,9 @@ class ParallelConfig:
     domain: dict[str, str] | None = None
 
 
-def mesh_world_size(mesh: MeshSpec) -> int | None:
+def mesh_world_size(shape: MeshSpec) -> int | None:
     """Ranks of a mesh shape such as ``"4x2"``; None when an axis is ``-1`` (inferred)."""
-    sizes = mesh_axis_sizes(mesh)
+    sizes = mesh_axis_sizes(shape)
     return None if -1 in sizes else math.prod(sizes)
 
 
@@ -91,13 +91,13 @@ class ParallelPlan:
     @classmethod
     def of(
         cls,
-        mesh: MeshSpec,
+        mesh_shape: MeshSpec,
         parallel: ParallelConfig,
         spatial_dims: Sequence[str],
         world_size: int | None = None,
     ) -> ParallelPlan:
-        """The plan of the mesh shape ``mesh`` (``"4x2"``, ``"-1x2"``) with axis roles
-        ``parallel``, for fields with ``spatial_dims``.
+        """The plan of the mesh shape ``mesh_shape`` (``cfg.mesh``: ``"4x2"``, ``"-1x2"``) with
+        axis roles ``parallel``, for fields with ``spatial_dims``.
 
         Parameters
         ----------
@@ -113,14 +113,14 @@ class ParallelPlan:
             the arguments only).
         """
         if world_size is None:
-            shape = mesh_axis_sizes(mesh)
+            shape = mesh_axis_sizes(mesh_shape)
             if -1 in shape:
                 raise ValueError(
-                    f"mesh={mesh} infers an axis from the world size, which only torchrun or "
-                    f"srun set; give every axis size (e.g. mesh=4x2)"
+                    f"mesh={mesh_shape} infers an axis from the world size, which only torchrun "
+                    f"or srun set; give every axis size (e.g. mesh=4x2)"
                 )
         else:
-            shape = parse_mesh_shape(mesh, world_size)
+            shape = parse_mesh_shape(mesh_shape, world_size)
         names, dp_axis, domain = _resolve_roles(parallel, len(shape), tuple(spatial_dims))
         return cls(shape, names, dp_axis, domain, tuple(spatial_dims))
 
