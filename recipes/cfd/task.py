@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from shardsci.recipes.cfd.data import CFDData
+from shardsci.recipes.cfd.data import random_vorticity, vorticity
 from shardsci.recipes.cfd.plots import save_rollout
-from shardsci.recipes.cfd.random_fields import RandomFields
 from shardsci.training import (
+    NextStepFields,
+    RandomFields,
     RunContext,
     describe_forecast,
     dp_sample_mean,
@@ -35,19 +36,18 @@ FIELD = "vorticity"
 
 def next_step(cfg: DictConfig, run: RunContext) -> NextStep:
     """The task on this rank's part of the data (``Recipe.task``)."""
-    return NextStep(CFDData(cfg, run), run, cfg.eval.rollout_steps)
+    return NextStep(vorticity(cfg, run), run, cfg.eval.rollout_steps)
 
 
 def random_next_step(cfg: DictConfig, run: RunContext) -> NextStep:
     """The task on random fields of the data's shapes and layouts (``Recipe.dry_run_task``)."""
-    fields = RandomFields(run, cfg.data.dataset.solver.resolution, int(cfg.train.global_batch))
-    return NextStep(fields, run, cfg.eval.rollout_steps)
+    return NextStep(random_vorticity(cfg, run), run, cfg.eval.rollout_steps)
 
 
 class NextStep:
     """The task: predict the vorticity one record interval ahead (see ``Task``)."""
 
-    def __init__(self, data: CFDData | RandomFields, run: RunContext, rollout_steps: int):
+    def __init__(self, data: NextStepFields | RandomFields, run: RunContext, rollout_steps: int):
         self.data = data
         self.run = run
         self.rollout_steps = rollout_steps

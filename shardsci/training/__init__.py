@@ -16,6 +16,8 @@ evaluation.
   DDP/FSDP2 via ``parallelize``, precision, data-parallel means, checkpoints with the scheduler,
   resume), which takes one ``training_step`` per step, the dry run's step too (NOTE [One
   training step]).
+- ``NextStepFields`` (and ``RandomFields`` for dry runs): the batches, held-out pairs and
+  rollouts of a field stored as ``(trajectory, time, [C,] *spatial)``, each rank reading its slab.
 - ``whole_tensor``: a small sharded result as a plain tensor; ``dp_sample_mean``: a per-sample
   figure averaged over the global batch; ``relative_l2``, ``rollout``, ``describe_forecast``:
   the evaluation of a next-step model.
@@ -34,6 +36,7 @@ from shardsci.training._errors import (
     reported,
     traceback_requested,
 )
+from shardsci.training._fields import CHANNELS, NextStepFields, RandomFields
 from shardsci.training._forecast import describe_forecast, relative_l2, rollout
 from shardsci.training._launcher import LauncherConfig, LauncherKind, run_local_ranks, run_ranks
 from shardsci.training._loggers import LoggerConfig, LoggerKind, MetricLogger, WandbMode
@@ -64,6 +67,7 @@ from shardsci.training._trainer import NonFinite, TrainConfig, Trainer
 from shardsci.training._whole import whole_tensor
 
 __all__ = [
+    "CHANNELS",
     "EXIT_USER_ERROR",
     "RENAMED_KEYS",
     "STOP_SIGNALS",
@@ -77,6 +81,7 @@ __all__ = [
     "LoggerConfig",
     "LoggerKind",
     "MetricLogger",
+    "NextStepFields",
     "NonFinite",
     "NonFiniteLoss",
     "ParallelConfig",
@@ -84,6 +89,7 @@ __all__ = [
     "Parallelism",
     "Precision",
     "Progress",
+    "RandomFields",
     "Recipe",
     "RunConfig",
     "RunContext",
