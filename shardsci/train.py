@@ -8,8 +8,9 @@ relative data path are relative to the directory the command is started in; a ru
 before it has written anything leaves no run directory behind.
 
 Without torchrun or SLURM variables this process composes the config, checks it (NOTE [Config
-errors before any rank starts]) and starts the mesh's ranks on this machine; under torchrun or
-srun every rank composes and checks the same config and runs its part. ``-m ...
+errors before any rank starts]), plans the run once (NOTE [A run is planned once]) and starts
+the plan's ranks on this machine; under torchrun or srun every rank composes, checks and plans
+the same config and runs its part. ``-m ...
 launcher=slurm`` submits the job with Hydra's submitit launcher. How recipes are found: NOTE
 [How train.py finds recipes]. A mistake in the config, Hydra's composition errors included
 (NOTE [Composition errors in one line]), is one line on standard error and exit status 2

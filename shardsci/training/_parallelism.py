@@ -27,8 +27,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from shardsci.distributed import build_mesh, mesh_axis_sizes, parse_mesh_shape
-from shardsci.distributed._mesh import MeshSpec, resolve_axis_names
+from shardsci.distributed import (
+    MeshSpec,
+    build_mesh,
+    mesh_axis_sizes,
+    parse_mesh_shape,
+    resolve_axis_names,
+)
 
 __all__ = ["ParallelConfig", "ParallelPlan", "Parallelism", "mesh_world_size"]
 
