@@ -24,7 +24,7 @@ from shardsci.recipes.cfd.navier_stokes import SolverConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "logger=none", "train.steps=1", "train.global_batch=2", "train.eval_every=100",
+    "logger=none", "train.steps=0", "train.global_batch=2", "train.eval_every=100",
     "train.checkpoint_every=0", "eval.samples=2", "eval.rollout_steps=1", "model=fno",
     "model.modes=[4,4]", "model.width=4", "model.layers=1", "model.projection_channels=4",
 ]  # fmt: skip
