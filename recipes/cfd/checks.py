@@ -5,12 +5,11 @@ the trajectories, the model against the field's shape."""
 
 from __future__ import annotations
 
-import torch
 from omegaconf import DictConfig
 
 from shardsci.recipes.cfd import trajectories
 from shardsci.recipes.cfd.generate import DatasetConfig
-from shardsci.training import ParallelPlan, config_from, instantiate
+from shardsci.training import ParallelPlan, check_model_input, config_from
 
 __all__ = ["check"]
 
@@ -36,20 +35,4 @@ def check(cfg: DictConfig, plan: ParallelPlan) -> None:
             f"eval.rollout_steps={cfg.eval.rollout_steps}: expected 1 to "
             f"{data.n_snapshots - 1} (the data has {data.n_snapshots} snapshots per trajectory)"
         )
-    _check_model(cfg.model, data)
-
-
-def _check_model(model: DictConfig, data: trajectories.Trajectories) -> None:
-    """Run the model once on the meta device (shapes only, no memory, no compute) on a field
-    of the data's shape ``(1, 1, H, W)``."""
-    shape = (1, 1, data.height, data.width)
-    try:
-        with torch.device("meta"):
-            instantiate(model)(torch.empty(shape))
-    except NotImplementedError:
-        return  # an op without a meta kernel: nothing learnt, the ranks will tell
-    except (ValueError, RuntimeError) as error:
-        raise ValueError(
-            f"model {model._target_} cannot take the recipe's fields of shape (batch, 1, "
-            f"{data.height}, {data.width}): {error}"
-        ) from error
+    check_model_input(cfg.model, (1, data.height, data.width))

@@ -25,7 +25,12 @@ evaluation.
 Nothing here knows a recipe's data or model.
 """
 
-from shardsci.training._checks import check_run, max_local_ranks, plan_parallelism
+from shardsci.training._checks import (
+    check_model_input,
+    check_run,
+    max_local_ranks,
+    plan_parallelism,
+)
 from shardsci.training._data_parallel import DataParallelMode, dp_sample_mean, parallelize
 from shardsci.training._errors import (
     EXIT_USER_ERROR,
@@ -100,6 +105,7 @@ __all__ = [
     "Trainer",
     "WandbMode",
     "autocast",
+    "check_model_input",
     "check_renamed_keys",
     "check_run",
     "config_from",

@@ -24,12 +24,13 @@ from shardsci.training._errors import ConfigError
 from shardsci.training._launcher import LauncherKind
 from shardsci.training._parallelism import ParallelConfig, ParallelPlan
 from shardsci.training._recipes import Recipe
-from shardsci.training._schema import config_from, config_type_of
+from shardsci.training._schema import config_from, config_type_of, instantiate
 from shardsci.training._trainer import TrainConfig
 
 __all__ = [
     "LOCAL_RANKS_PER_CPU",
     "MAX_LOCAL_RANKS_VAR",
+    "check_model_input",
     "check_run",
     "max_local_ranks",
     "plan_parallelism",
@@ -74,6 +75,25 @@ def check_run(cfg: DictConfig, recipe: Recipe, env: LaunchEnv, multirun: bool) -
         except (ValueError, CheckpointError) as error:
             raise ConfigError(str(error)) from error
     return plan
+
+
+def check_model_input(model: DictConfig, sample_shape: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` if the model of the config node ``model`` cannot take a batch of
+    fields of ``sample_shape`` (``(C, *spatial)``): it runs once on the meta device (shapes
+    only, no memory, no compute). For a recipe's ``check``; a model with an op that has no meta
+    kernel passes (the ranks will tell)."""
+    shape = (1, *sample_shape)
+    try:
+        with torch.device("meta"):
+            instantiate(model)(torch.empty(shape))
+    except NotImplementedError:
+        return
+    except (ValueError, RuntimeError) as error:
+        fields = ", ".join(str(n) for n in sample_shape)
+        raise ValueError(
+            f"model {model._target_} cannot take the recipe's fields of shape (batch, {fields}): "
+            f"{error}"
+        ) from error
 
 
 def max_local_ranks() -> tuple[int, str]:
