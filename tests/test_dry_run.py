@@ -1,7 +1,7 @@
 """The dry run's predictions against real runs of the same step on 2, 4 and 8 gloo ranks.
 
-Each real rank builds the CFD recipe's model and task (``shardsci.recipes.cfd.plan`` on the CPU, real
-random data), runs one ``Trainer`` step to reach the steady state and measures the next
+Each real rank builds the CFD recipe's model and the dry run's task (``random_next_step`` on the
+CPU, real random data), runs one ``Trainer`` step to reach the steady state and measures the next
 ``Trainer._optimiser_step`` with ``measure_step``: its collectives (``comm_counter``) and
 its live tensor memory (NOTE [What the memory figures count]). The dry run of the same
 config, in this process on a fake process group and ``meta`` tensors, must predict for every
@@ -19,18 +19,21 @@ from hydra import compose, initialize_config_dir
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.distributed import LaunchEnv
 from shardsci.planning import RunPlan, measure_step, plan_run
-from shardsci.recipes.cfd.plan import planned_task
+from shardsci.recipes.cfd.task import random_next_step
 from shardsci.testing import run_on_ranks
 from shardsci.training import (
     ParallelConfig,
-    ParallelLayout,
+    Parallelism,
+    ParallelPlan,
     RunContext,
     StopRequests,
     Trainer,
     config_from,
+    instantiate,
 )
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CPU = torch.device("cpu")
 SMALL = [
     "+recipe=cfd",
     "model=unet",
@@ -51,10 +54,10 @@ def _measured_step(overrides: list[str]) -> dict:
 
     cfg = _compose(overrides)
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = ParallelLayout.build(str(cfg.mesh), config_from(ParallelConfig, cfg.parallel), "cpu")
+    plan = ParallelPlan.of(str(cfg.mesh), config_from(ParallelConfig, cfg.parallel), ("H", "W"))
     env = LaunchEnv(rank, world, rank, world, "127.0.0.1", 0, "single")
-    context = RunContext(env, layout, Path(str(cfg.run_dir)))
-    model, task = planned_task(cfg, context, torch.device("cpu"))
+    context = RunContext(env, Parallelism.build(plan, "cpu"), Path(str(cfg.run_dir)), CPU)
+    model, task = instantiate(cfg.model), random_next_step(cfg, context)
     trainer = Trainer(context, cfg, model, task)
     with StopRequests() as requests:
         trainer._optimiser_step(requests)
@@ -169,6 +172,6 @@ def test_cli_prints_the_report_and_writes_json_and_checks_the_budget(tmp_path: P
 def test_fsdp2_over_replicas_is_refused_naming_the_alternative(tmp_path: Path) -> None:
     from shardsci.training import ConfigError
 
-    cfg = _compose([*SMALL, "mesh=2x2", "train.parallel=fsdp2", f"run_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"fsdp2 over 2 data-parallel replicas.*parallel=ddp"):
+    cfg = _compose([*SMALL, "mesh=2x2", "train.dp_mode=fsdp2", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"fsdp2 over 2 data-parallel replicas.*dp_mode=ddp"):
         plan_run(cfg)
