@@ -97,7 +97,7 @@ SMOKES = {
 SLOW_SMOKES = {
     "compile": Smoke("--models unet --worlds 1 2 --rounds 1 --size 32 --backend eager"),
     "recipe_throughput": Smoke(
-        "--meshes 1 1x2 --rounds 1 --steps 2 --resolution 16 --batch 2",
+        "--meshes 1 1x2 --rounds 1 --steps 2 --resolution 32 --batch 2",
         {"GOALS": lambda _: {"1x2": 1e9}},
         ("mesh 1x2 at least",),
     ),
