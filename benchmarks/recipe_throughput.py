@@ -40,6 +40,7 @@ def steps_per_second(mesh: str, run_dir: Path, args: argparse.Namespace) -> floa
         "+recipe=cfd",
         f"mesh={mesh}",
         f"train.steps={args.steps}",
+        f"train.log_every={args.steps}",  # the figure is the last step's: all steps
         f"train.global_batch={args.batch}",
         f"data.dataset.solver.resolution={args.resolution}",
         "logger=none",
