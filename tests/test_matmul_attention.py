@@ -124,8 +124,23 @@ def _forms_body(mode: str) -> None:
         # x sharded on its columns: the Gram matrix x^T x by torch.mm, sharded by rows.
         "x.t() @ x": (lambda a: torch.mm(a.t(), a), [x], [on[1]], gram),
         "bmm": (lambda a, b: torch.bmm(a, b.transpose(1, 2)), [q3, k3], [on[1]] * 2, on[1]),
-        # (B, H, L, E) @ (H, E, L): the keys broadcast over the batch.
+        # (B, H, L, E) @ (H, E, L) and @ (1, H, E, L): the keys broadcast over the batch;
+        # (B, H, L, L) @ (1, 1, L, E): the values over batch and heads.
         "broadcast": (lambda a, b: a @ b.transpose(-2, -1), [q, heads_k], [on[2], on[1]], on[2]),
+        "broadcast size 1": (
+            lambda a, b: torch.matmul(a, b.transpose(-2, -1)),
+            [q, heads_k[None]],
+            [on[2]] * 2,
+            on[2],
+        ),
+        "broadcast values": (lambda a, b: a @ b, [attn, v[:1, :1]], [on[2]] * 2, on[2]),
+        # Cross-attention: 9 keys in their own sizes, 11 queries; an einsum with "...".
+        "cross": (
+            lambda a, b: torch.einsum("...xd,...yd", a, b),
+            [q, torch.randn(2, 3, 9, 4, dtype=torch.float64)],
+            [on[2], Layout((Shard(2),), {2: (2, 2, 0, 5)})],
+            on[2],
+        ),
         # Letters in another order, the output transposed: sharded where q's rows go.
         "einsum xbhd,ybhd->bhyx": (
             lambda a, b: torch.einsum("xbhd,ybhd->bhyx", a, b),

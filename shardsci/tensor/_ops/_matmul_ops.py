@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import string
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -97,11 +98,10 @@ def _matmul(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_MATMUL_SIGNATURES.get(func))
     if getattr(a, "out", None) is not None:
         return NotImplemented
-    matmul = _matmul_as_einsum(a.input, a.other)
-    if matmul is None:
+    equation = _matmul_as_einsum(a.input, a.other)
+    if equation is None:
         return NotImplemented
-    equation, x, y = matmul
-    return _sharded_einsum(equation, [x, y])
+    return _sharded_einsum(equation, [a.input, a.other])
 
 
 @register_function_handler(torch.mm, torch.Tensor.mm)
@@ -127,42 +127,54 @@ def _einsum_parameters(equation, *operands):
 @register_function_handler(torch.einsum)
 def _einsum(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_einsum_parameters)
-    equation, operands = a.equation, list(a.operands)
+    operands = list(a.operands)
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
-    if "->" not in equation or "." in equation:
+    equation = _explicit(a.equation, operands)
+    if equation is None:
         return NotImplemented
-    return _sharded_einsum(equation.replace(" ", ""), operands)
+    return _sharded_einsum(equation, operands)
 
 
-def _matmul_as_einsum(
-    x: torch.Tensor, y: torch.Tensor
-) -> tuple[str, torch.Tensor, torch.Tensor] | None:
-    """``x @ y`` as an einsum of ``x`` and ``y``: batch dims aligned from the right, a dim of
-    size 1 facing a larger one expanded (a view), as ``torch.matmul`` broadcasts them; None
-    when the batch dims do not broadcast (the default path raises torch's error)."""
+def _explicit(equation: str, operands: list) -> str | None:
+    """``equation`` with its output written out (torch's implicit form: the ``...`` dims, then
+    the letters used once, in alphabetical order) and each ``...`` replaced by letters the
+    equation does not use, aligned from the right; None for an equation torch would reject."""
+    equation = equation.replace(" ", "")
+    inputs, arrow, output = equation.partition("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != len(operands) or not all(isinstance(o, torch.Tensor) for o in operands):
+        return None
+    if not arrow:
+        counts = Counter(c for c in inputs if c.isalpha())
+        once = "".join(sorted(c for c, n in counts.items() if n == 1))
+        output = ("..." if "..." in inputs else "") + once
+    widths = [o.ndim - len(s) + 3 if "..." in s else 0 for s, o in zip(subscripts, operands)]
+    if min(widths) < 0 or ("..." in output and "..." not in inputs):
+        return None
+    unused = "".join(c for c in string.ascii_letters if c not in equation)
+    dims = unused[: max(widths)]
+    subscripts = [s.replace("...", dims[len(dims) - w :]) for s, w in zip(subscripts, widths)]
+    equation = ",".join(subscripts) + "->" + output.replace("...", dims)
+    return (
+        equation if all(c.isalpha() for c in equation.replace(",", "").replace("->", "")) else None
+    )
+
+
+def _matmul_as_einsum(x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """``x @ y`` as an einsum: batch dims aligned from the right (a dim of size 1 broadcasts,
+    in einsum as in matmul); None when they do not broadcast (torch's error on the default
+    path)."""
     if x.ndim == 0 or y.ndim == 0:
         return None
     x_batch, y_batch = x.shape[:-2], y.shape[:-2]
     try:
-        batch = torch.broadcast_shapes(x_batch, y_batch)
+        batch = string.ascii_uppercase[: len(torch.broadcast_shapes(x_batch, y_batch))]
     except RuntimeError:
         return None
-    letters = string.ascii_lowercase[: len(batch)]
-    x, x_letters = _broadcast_batch(x, batch, letters)
-    y, y_letters = _broadcast_batch(y, batch, letters)
     rows, columns = ("n" if x.ndim > 1 else ""), ("m" if y.ndim > 1 else "")
-    return f"{x_letters}{rows}k,{y_letters}k{columns}->{letters}{rows}{columns}", x, y
-
-
-def _broadcast_batch(t: torch.Tensor, batch: torch.Size, letters: str) -> tuple[torch.Tensor, str]:
-    """``t`` with its batch dims of size 1 expanded to ``batch``'s (the trailing ones it has),
-    and the letters of its batch dims."""
-    own = t.shape[:-2]
-    target = batch[len(batch) - len(own) :]
-    if own != target:
-        t = t.expand(*target, *t.shape[-2:])
-    return t, letters[len(letters) - len(own) :]
+    x_letters, y_letters = batch[len(batch) - len(x_batch) :], batch[len(batch) - len(y_batch) :]
+    return f"{x_letters}{rows}k,{y_letters}k{columns}->{batch}{rows}{columns}"
 
 
 # ---------------------------------------------------------------------------- the product
@@ -229,10 +241,19 @@ def _ring_pair(subscripts: list[str], output: str, operands: list) -> _Ring | No
     if first not in output and second not in output:
         return None
     staying = 0 if first in output else 1
+    moving = 1 - staying
     rows, letter = (first, second) if staying == 0 else (second, first)
-    if rows in subscripts[1 - staying]:
+    if rows in subscripts[moving] or _broadcasts(letter, subscripts, operands, staying, moving):
         return None
-    return _Ring(staying, 1 - staying, rows, letter, axes)
+    return _Ring(staying, moving, rows, letter, axes)
+
+
+def _broadcasts(letter: str, subscripts: list[str], operands: list, a: int, b: int) -> bool:
+    """Whether operand ``a`` has ``letter`` at size 1 against operand ``b``'s extent."""
+    if letter not in subscripts[a]:
+        return False
+    extent = operands[b].shape[subscripts[b].index(letter)]
+    return operands[a].shape[subscripts[a].index(letter)] != extent
 
 
 def _sharded_letters(
@@ -258,12 +279,23 @@ def _sharded_letters(
                 return None
     for i, (subscript, operand) in enumerate(zip(subscripts, operands)):
         if isinstance(operand, ShardTensor) and not _is_replicated(operand):
-            whole = set(subscript) - {subscript[s.dim] for s in operand._spec.shardings}
+            whole = {subscript[d] for d in _sliceable(subscript, operand, letters)}
+            whole -= {subscript[s.dim] for s in operand._spec.shardings}
             if ring is not None and i == ring.staying:
                 whole.discard(ring.letter)
-            if any(c in letters for c in whole):
+            if whole:
                 return None
     return letters
+
+
+def _sliceable(subscript: str, operand: torch.Tensor, letters: dict[str, _Letter]) -> dict:
+    """Dim -> sharding, for the dims of ``operand`` along a sharded letter (not those of size
+    1 that broadcast against it)."""
+    return {
+        d: letters[c]
+        for d, c in enumerate(subscript)
+        if c in letters and operand.shape[d] == sum(letters[c].sizes)
+    }
 
 
 def _check_on_meta(equation: str, operands: list) -> None:
@@ -305,11 +337,11 @@ def _local_operand(
     """This rank's part of one operand, with the gradient placements of the module docstring."""
     if isinstance(operand, ShardTensor) and not _is_replicated(operand):
         return operand.to_local(grad_placements=_grad_placements(operand._spec, output_axes))
+    wanted = _sliceable(subscript, operand, letters)
     if not isinstance(operand, ShardTensor):
-        if not operand.requires_grad and not any(c in letters for c in subscript):
+        if not operand.requires_grad and not wanted:
             return operand
         operand = promote_replicated(operand, mesh)
-    wanted = {d: letters[c] for d, c in enumerate(subscript) if c in letters}
     if wanted:
         operand = redistribute(operand, _sliced_spec(operand._spec, wanted))
     return operand.to_local(grad_placements=_grad_placements(operand._spec, output_axes))
@@ -347,7 +379,10 @@ def _output_spec(
     mesh,
 ) -> ShardTensorSpec:
     """Sharded along the letters the output keeps, Partial over the axes of those it sums."""
-    extents = {c: o.shape[d] for o, s in zip(operands, subscripts) for d, c in enumerate(s)}
+    extents: dict[str, int] = {}
+    for o, subscript in zip(operands, subscripts):
+        for d, c in enumerate(subscript):
+            extents[c] = max(extents.get(c, 1), o.shape[d])  # a dim of size 1 broadcasts
     placements: list[Placement] = [Replicate()] * mesh.ndim
     shardings = {}
     for c, letter in letters.items():

@@ -87,14 +87,16 @@ class ProductPlan:
     ) -> torch.Tensor:
         """The gradient, of ``shape``, of the operand indexed by ``target_sub`` given the
         output's gradient and the other operand. Letters only the target has (summed in the
-        forward) get the same gradient at every index."""
+        forward) get the same gradient at every index; a dim of size 1 that broadcast gets
+        the sum over the dim it met."""
         kept = "".join(c for c in target_sub if c in self.output or c in other_sub)
         result = torch.einsum(f"{self.output},{other_sub}->{kept}", grad, other.conj())
-        if kept == target_sub:
-            return result
         for dim, c in enumerate(target_sub):
             if c not in kept:
                 result = result.unsqueeze(dim)
+        broadcast = [d for d, n in enumerate(shape) if n == 1 and result.shape[d] != 1]
+        if broadcast:  # a dim of size 1 that met a larger one
+            result = result.sum(broadcast, keepdim=True)
         return result.expand(shape)
 
 
