@@ -195,6 +195,8 @@ def _sharded_einsum(equation: str, operands: list):
     letters = _sharded_letters(subscripts, operands, ring)
     if letters is None:
         return NotImplemented
+    if ring is not None:
+        _check_on_meta(equation, operands)
     output_axes = {a for letter in letters.values() for a in letter.axes}
     sliced = {c: s for c, s in letters.items() if ring is None or c != ring.letter}
     locals_ = [
@@ -203,7 +205,6 @@ def _sharded_einsum(equation: str, operands: list):
     if ring is None:
         out = torch.einsum(equation, *locals_)
     else:
-        _check_on_meta(equation, operands)
         plan = _product_plan(ring, subscripts, output, operands, letters)
         out = ring_product(locals_[ring.staying], locals_[ring.moving], plan)
     return from_local_spec(out, _output_spec(output, sliced, out, operands, subscripts, mesh))
