@@ -165,6 +165,15 @@ def _forms_body(mode: str) -> None:
             Layout((Partial(),)),
         ),
         "F.linear": (lambda a, w: F.linear(a, w), [q, weight], [on[2], None], on[2]),
+        # Only one operand needs a gradient: the backward ring carries no accumulators, or
+        # computes none for the staying operand.
+        "detached keys": (
+            lambda a, b: a @ b.detach().transpose(-2, -1),
+            [q, q],
+            [on[2]] * 2,
+            on[2],
+        ),
+        "detached rows": (lambda a, b: a.detach() @ b, [attn, v], [on[2]] * 2, on[2]),
     }
     for name, (fn, inputs, layouts, out) in checks.items():
         with attention_exchange(mode):
