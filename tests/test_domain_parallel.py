@@ -21,6 +21,7 @@ from shardsci.testing import (
     assert_all_ranks,
     assert_close_all_ranks,
     assert_raises_all_ranks,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -138,9 +139,9 @@ def _collectives_body() -> tuple[dict[str, int], dict[str, int]]:
         _model("unet", torch.float32), mesh, dp_axis="dp", domain_axes=["domain"]
     )
     (x, y) = next(_sharded_batch(mesh, torch.float32, (8, 8)))
-    with shardsci.comm_counter() as forward:
+    with counted_comm() as forward:
         loss = _loss(model, x, y, False)
-    with shardsci.comm_counter() as backward:
+    with counted_comm() as backward:
         loss.backward()
     return dict(forward.calls), dict(backward.calls)
 
