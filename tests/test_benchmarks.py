@@ -5,8 +5,9 @@ Each runs in this process on the suite's rank pools (their shutdown at the bench
 switched off), with a goal made unreachable by patching what the benchmark compares with (a
 threshold or a lower bound, read in this process only); a benchmark without goals must exit
 0 under ``--check``. The figures of such tiny runs mean nothing. A real run of the CFD recipe
-(``recipe_throughput``) and the compiled steps (``compile``) cost more than the rest together:
-those two are ``slow``; ``recipe_throughput``'s goals are also checked here on stubbed runs.
+(``recipe_throughput``), the compiled steps (``compile``) and eight 3-D solver ranks
+(``ns3d_generation``) cost more than the rest together: those three are ``slow``;
+``recipe_throughput``'s goals are also checked here on stubbed runs.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ SMOKES = {
     ),
 }
 SLOW_SMOKES = {
+    "ns3d_generation": Smoke(
+        "--sizes 16 --steps 2 --layout slab",
+        {"AGREEMENT": lambda _: -1.0},
+        ("16³: 8 ranks agree with 1",),
+    ),
     "compile": Smoke("--models unet --worlds 1 2 --rounds 1 --size 32 --backend eager"),
     "recipe_throughput": Smoke(
         "--meshes 1 1x2 --rounds 1 --steps 2 --resolution 32 --batch 2",
