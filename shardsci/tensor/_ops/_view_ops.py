@@ -11,7 +11,9 @@ the view is decomposed into groups of input dims that become groups of output di
   how flattening H and W of a 2-D block decomposition works;
 - split (one dim into several): the outermost output dim is sharded, sizes divided by the
   product of the inner output dims; shard boundaries that do not fall on multiples of that
-  product are first moved to the nearest ones;
+  product are first moved to the nearest ones. A split that undoes a flatten returns to the
+  layout the flatten came from (NOTE [An unflatten returns to the layout before the
+  flatten]);
 - anything else (a flatten then split that mixes dims): the axes involved are replicated
   first, so the result is right, if not cheap.
 
@@ -34,7 +36,7 @@ from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._ops._common import accepts, with_dims_whole
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes, merged_hints
 from shardsci.tensor._torch_compat import (
     Flatten,
     InputDim,
@@ -66,8 +68,12 @@ def _view(func, args, kwargs):
     local = x._local
     if not needed.same_layout(spec):
         local = redistribute_local(local, spec, needed)
-    out_spec = _output_spec(needed, groups, out_shape)
+    out_spec = _output_spec(needed, groups, out_shape, _carried_hints(spec, groups))
     local_shape = list(out_spec.local_shape())
+    restored = _unflattened(spec, groups, out_spec)
+    if restored is not None:
+        local = redistribute_local(local.reshape(local_shape), out_spec, restored)
+        return ShardTensor(local, restored)
     if func is aten.view.default and local is x._local:
         # A view the spec's (global) strides allow can still be impossible on the local shard,
         # whose memory layout may differ (a transposed gradient): then the shard is copied.
@@ -193,7 +199,10 @@ def _on_multiples(sizes: tuple[int, ...], step: int) -> tuple[int, ...]:
 
 
 def _output_spec(
-    spec: ShardTensorSpec, groups: list[Group], out_shape: tuple[int, ...]
+    spec: ShardTensorSpec,
+    groups: list[Group],
+    out_shape: tuple[int, ...],
+    hints: tuple[DimSharding, ...],
 ) -> ShardTensorSpec:
     placements = list(spec.placements)
     sizes: dict[int, tuple[int, ...]] = {}
@@ -209,7 +218,115 @@ def _output_spec(
         order[head] = sharding.axes
         for a in sharding.axes:
             placements[a] = Shard(head)
-    return ShardTensorSpec.build(spec.mesh, placements, out_shape, spec.dtype, sizes, order=order)
+    return ShardTensorSpec.build(
+        spec.mesh, placements, out_shape, spec.dtype, sizes, order=order, hints=hints
+    )
+
+
+def _carried_hints(spec: ShardTensorSpec, groups: list[Group]) -> tuple[DimSharding, ...]:
+    """The input's hints and shardings, each renumbered to the first output dim of its group
+    (NOTE [Shard-size hints]); those of dims in no group are dropped."""
+    first_out = {d: out_dims[0] for in_dims, out_dims in groups for d in in_dims}
+    return tuple(
+        DimSharding(first_out[h.dim], h.axes, h.sizes)
+        for h in merged_hints(spec.hints, spec.shardings)
+        if h.dim in first_out
+    )
+
+
+# NOTE [An unflatten returns to the layout before the flatten]
+# Code written for one device flattens the spatial dims to apply a per-position op and
+# unflattens them again: ``x.reshape(B, C, -1)``, a 1x1 ``conv1d``, ``y.reshape(B, C, H, W)``
+# (neuraloperator's channel MLP), or ``x.view(B, C, H * W).transpose(1, 2)`` around attention
+# (diffusers). Flattening an H x W block decomposition moves W's mesh axes onto H (the flatten
+# rule above); splitting the flat dim again would leave H sharded over all those axes, slabs
+# instead of the input's blocks. So a split of a sharded dim first asks which layouts of its
+# output dims the flatten rule maps onto the dim's layout, as an inverse FFT does (NOTE [Where
+# a distributed FFT leaves the spectrum]): the outermost output dim keeps a prefix of the mesh
+# axes, each further output dim takes the next axes, and every output dim given axes must be
+# remembered with them at its extent (NOTE [Shard-size hints]: the flatten passed the input's
+# shardings on), the outermost one with the very sizes whose flatten gives the dim's. The
+# first such layout, the outermost dim keeping the most axes, is restored, one all-to-all
+# that undoes the flatten's; without one the split keeps every axis on the outermost dim (no
+# communication). So the module returns its input's layout (NOTE [Which rank owns an output
+# of a windowed op] in ``_windows``) at the cost of one all-to-all each way.
+def _unflattened(
+    source: ShardTensorSpec, groups: list[Group], out_spec: ShardTensorSpec
+) -> ShardTensorSpec | None:
+    """The layout before the flatten that ``source``'s split dims came from (NOTE above), or
+    None when no split restores one."""
+    placements = list(out_spec.placements)
+    sizes = {s.dim: s.sizes for s in out_spec.shardings}
+    order = {s.dim: s.axes for s in out_spec.shardings}
+    restored = False
+    for in_dims, out_dims in groups:
+        sharding = source.sharding_by_dim.get(in_dims[0])
+        if len(in_dims) != 1 or len(out_dims) < 2 or sharding is None:
+            continue
+        extents = [out_spec.shape[d] for d in out_dims]
+        layout = _flattened_from(sharding, extents, out_spec.mesh_shape, out_spec.hints)
+        if layout is None:
+            continue
+        restored = True
+        del sizes[out_dims[0]], order[out_dims[0]]
+        for dim, (axes, dim_sizes) in zip(out_dims, layout):
+            if axes:
+                sizes[dim], order[dim] = dim_sizes, axes
+                for axis in axes:
+                    placements[axis] = Shard(dim)
+    if not restored:
+        return None
+    return ShardTensorSpec.build(
+        out_spec.mesh,
+        placements,
+        out_spec.shape,
+        out_spec.dtype,
+        sizes,
+        order=order,
+        hints=out_spec.hints,
+    )
+
+
+def _flattened_from(
+    sharding: DimSharding,
+    extents: list[int],
+    mesh_shape: tuple[int, ...],
+    hints: tuple[DimSharding, ...],
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """(axes, sizes) per output dim of a layout whose flatten gives ``sharding``, remembered
+    in ``hints``, the outermost dim keeping the most axes; None if there is none besides
+    ``sharding`` on the outermost dim."""
+    axes, inner = sharding.axes, math.prod(extents[1:])
+    for cut in _cuts(len(axes), len(extents)):
+        parts = [axes[a:b] for a, b in itertools.pairwise(cut)]
+        layout = [(part, _remembered(hints, part, extent)) for part, extent in zip(parts, extents)]
+        if any(part and dim_sizes is None for part, dim_sizes in layout):
+            continue
+        head = layout[0][1] or (extents[0],)
+        count = math.prod(mesh_shape[a] for a in axes[len(parts[0]) :])
+        if tuple(x * inner for s in head for x in chunk_sizes(s, count)) == sharding.sizes:
+            return layout
+    return None
+
+
+def _cuts(count: int, parts: int) -> list[tuple[int, ...]]:
+    """Ways to cut ``count`` axes into ``parts`` consecutive runs (boundaries, 0 to count),
+    the first run longest first, not all in the first run."""
+    inner = itertools.combinations_with_replacement(range(count + 1), parts - 1)
+    cuts = [(0, *c, count) for c in inner if c[0] < count]
+    return sorted(cuts, key=lambda c: [-b for b in c])
+
+
+def _remembered(
+    hints: tuple[DimSharding, ...], axes: tuple[int, ...], extent: int
+) -> tuple[int, ...] | None:
+    """The newest sizes remembered for ``axes`` at ``extent``, whatever the dim."""
+    if not axes:
+        return ()
+    for hint in reversed(hints):
+        if hint.axes == axes and hint.extent == extent:
+            return hint.sizes
+    return None
 
 
 @register_aten_handler(aten.squeeze, aten.squeeze_copy)
