@@ -12,15 +12,19 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
 from shardsci.testing import (
     Layout,
+    assert_all_ranks,
     check_against_reference,
+    count_traffic,
     get_mesh,
     run_on_ranks,
 )
+from tests.expected_layouts import ExpectedLayout, windowed
 from tests.layouts import Sharded
 
 # (B, C, H, W) fields: H split unevenly, W split unevenly, H with an empty shard, 2x2 blocks
@@ -84,3 +88,112 @@ def test_unflatten_returns_to_the_input_layout(case: Sharded) -> None:
     """An op on the flattened spatial dims, unflattened again, returns the input's layout
     (on 2x2 blocks it returned H-slabs over all four ranks)."""
     run_on_ranks(case.world, _views_body, case)
+
+
+# ---------------------------------------------------------------------------- pixel shuffle
+def _shuffled(case: Sharded, r: int) -> Callable[[tuple[int, ...]], Layout]:
+    """Pixel shuffle by ``r``: output row ``i`` from input row ``i // r``; output channel ``c``
+    from input channels ``[c r^2, (c + 1) r^2)`` (anchored at the middle one)."""
+    n = len(case.shape)
+    spatial = lambda j: j // r  # noqa: E731
+    return windowed(
+        case.layout,
+        case.shape,
+        case.mesh,
+        {n - 3: lambda c: c * r * r + (r * r - 1) // 2, n - 2: spatial, n - 1: spatial},
+    )
+
+
+def _unshuffled(case: Sharded, r: int) -> Callable[[tuple[int, ...]], Layout]:
+    """Pixel unshuffle by ``r``: output row ``j`` reads input rows ``[j r, (j + 1) r)`` and is
+    anchored at ``j r + (r - 1) // 2``; output channel ``c`` from input channel ``c // r^2``."""
+    n = len(case.shape)
+    spatial = lambda j: j * r + (r - 1) // 2  # noqa: E731
+    return windowed(
+        case.layout,
+        case.shape,
+        case.mesh,
+        {n - 3: lambda c: c // (r * r), n - 2: spatial, n - 1: spatial},
+    )
+
+
+def espcn() -> nn.Module:
+    """An ESPCN-style super-resolution head (Shi et al. 2016): convolutions, then a sub-pixel
+    shuffle by 2."""
+    return nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 4, 3, padding=1), nn.PixelShuffle(2)
+    ).double()
+
+
+def _pixel_shuffle_body(case: Sharded) -> None:
+    mesh = get_mesh(case.mesh)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    runs: dict[str, tuple[Callable, nn.Module | None, ExpectedLayout]] = {
+        "espcn": (lambda m, a: m(a), espcn(), _shuffled(case, 2)),
+        "shuffle-2": (lambda a: F.pixel_shuffle(a, 2), None, _shuffled(case, 2)),
+        "unshuffle-2": (lambda a: F.pixel_unshuffle(a, 2), None, _unshuffled(case, 2)),
+        "unshuffle-then-shuffle": (
+            lambda a: F.pixel_shuffle(F.pixel_unshuffle(a, 2), 2),
+            None,
+            None,  # back to the input's layout: the unshuffle's input is remembered
+        ),
+    }
+    for name, (fn, module, expected) in runs.items():
+        check_against_reference(
+            fn, [x], [case.layout], mesh, module=module, out_layouts=[expected], what=name
+        )
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_pixel_shuffle_keeps_placements(case: Sharded) -> None:
+    """Pixel (un)shuffle with H or W sharded keeps the input's placements, sizes by the
+    window rule (it returned a Replicate output, gathered on every rank)."""
+    run_on_ranks(case.world, _pixel_shuffle_body, case)
+
+
+CHANNELS = Sharded(
+    "2x2-C-1/2xW", (2, 2), (2, 3, 6, 6), Layout((Shard(1), Shard(3)), {1: (1, 2), 3: (5, 1)})
+)
+SHUFFLE_3 = Sharded("2r-C-9/9", (2,), (1, 18, 3, 2), Layout((Shard(1),), {1: (4, 14)}))
+
+
+def _channels_body(case: Sharded, op: str, r: int) -> None:
+    mesh = get_mesh(case.mesh)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    fn = F.pixel_shuffle if op == "shuffle" else F.pixel_unshuffle
+    expected = (_shuffled if op == "shuffle" else _unshuffled)(case, r)
+    check_against_reference(lambda a: fn(a, r), [x], [case.layout], mesh, out_layouts=[expected])
+
+
+@pytest.mark.parametrize(
+    ("case", "op", "r"), [(CHANNELS, "unshuffle", 2), (SHUFFLE_3, "shuffle", 3)], ids=str
+)
+def test_pixel_shuffle_with_sharded_channels(case: Sharded, op: str, r: int) -> None:
+    """Channels are a window too: unshuffle spreads each channel over ``r^2``; shuffle
+    realigns channel boundaries that are not multiples of ``r^2``."""
+    run_on_ranks(case.world, _channels_body, case, op, r)
+
+
+def _realignment_body() -> None:
+    mesh = get_mesh((2,))
+    x = torch.randn(1, 2, 10, 4, dtype=torch.float64)
+    spec = Layout((Shard(2),), {2: (5, 5)}).spec(mesh, x)
+    from shardsci.tensor._api import from_local_spec
+
+    sharded = from_local_spec(spec.narrow(x), spec)
+    with count_traffic() as traffic:
+        out = F.pixel_unshuffle(sharded, 2)
+    # Output row 2 reads input rows 4 and 5 and belongs to rank 0 (its anchor, row 4): rank 0
+    # receives input row 5 (2 channels x 4 cells), rank 1 nothing, and nothing else moves.
+    expected = [2 * 4 * 8, 0][mesh.get_coordinate()[0]]
+    assert_all_ranks(
+        traffic.received == expected,
+        f"received {traffic.received} bytes, the rows lacked are {expected}",
+    )
+    assert_all_ranks(out._spec.shardings[0].sizes == (3, 2), f"layout {out._spec}")
+
+
+def test_unshuffle_realigns_at_the_byte_bound() -> None:
+    """Shard boundaries that are not multiples of the factor move only the rows a rank lacks,
+    not a gather."""
+    run_on_ranks(2, _realignment_body)

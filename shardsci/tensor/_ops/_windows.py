@@ -30,6 +30,7 @@ from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, me
 
 __all__ = [
     "Halo",
+    "Subdivide",
     "TransposedWindow",
     "Window",
     "gather_windows",
@@ -131,7 +132,27 @@ class TransposedWindow:
         return max(lo, 0), max(min(hi, extent), max(lo, 0))
 
 
-WindowLike = Window | TransposedWindow
+@dataclass(frozen=True)
+class Subdivide:
+    """One dim of an op that splits each input cell into ``factor`` output cells: output ``i``
+    is made from input ``i // factor`` alone (pixel shuffle's H and W, pixel unshuffle's
+    channels). Each rank's outputs are its own cells' by default: no cell moves."""
+
+    factor: int
+
+    def output_extent(self, extent: int) -> int:
+        return extent * self.factor
+
+    def first_owned(self, position: int) -> int:
+        return position * self.factor
+
+    def input_range(self, first: int, stop: int, extent: int) -> tuple[int, int]:
+        if stop <= first:
+            return (0, 0)
+        return first // self.factor, (stop - 1) // self.factor + 1
+
+
+WindowLike = Window | TransposedWindow | Subdivide
 
 
 def owned_sizes(
