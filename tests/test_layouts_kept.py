@@ -16,15 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
+    assert_raises_all_ranks,
     check_against_reference,
     count_traffic,
     get_mesh,
     run_on_ranks,
 )
-from tests.expected_layouts import ExpectedLayout, windowed
+from tests.expected_layouts import ExpectedLayout, module_anchors, windowed
 from tests.layouts import Sharded
 
 # (B, C, H, W) fields: H split unevenly, W split unevenly, H with an empty shard, 2x2 blocks
@@ -178,8 +180,6 @@ def _realignment_body() -> None:
     mesh = get_mesh((2,))
     x = torch.randn(1, 2, 10, 4, dtype=torch.float64)
     spec = Layout((Shard(2),), {2: (5, 5)}).spec(mesh, x)
-    from shardsci.tensor._api import from_local_spec
-
     sharded = from_local_spec(spec.narrow(x), spec)
     with count_traffic() as traffic:
         out = F.pixel_unshuffle(sharded, 2)
@@ -197,3 +197,51 @@ def test_unshuffle_realigns_at_the_byte_bound() -> None:
     """Shard boundaries that are not multiples of the factor move only the rows a rank lacks,
     not a gather."""
     run_on_ranks(2, _realignment_body)
+
+
+# ---------------------------------------------------------------------------- integer pooling
+def _integer_pool_body(case: Sharded) -> None:
+    from tests.test_pool_ops import AVG_POOL, MAX_POOL
+
+    mesh = get_mesh(case.mesh)
+    x = torch.randint(-50, 50, case.shape)
+    runs = [
+        *((f"max-{name}-int32", nn.MaxPool2d(**c), torch.int32) for name, c in MAX_POOL.items()),
+        *((f"avg-{name}-int64", nn.AvgPool2d(**c), torch.int64) for name, c in AVG_POOL.items()),
+    ]
+    for name, module, dtype in runs:
+        anchors = module_anchors(module, x.ndim)
+        layout = windowed(case.layout, case.shape, case.mesh, anchors)
+        check_against_reference(
+            lambda a, m=module: m(a),
+            [x.to(dtype)],
+            [case.layout],
+            mesh,
+            out_layouts=[layout] * (2 if getattr(module, "return_indices", False) else 1),
+            what=name,
+        )
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_integer_pooling_keeps_placements(case: Sharded) -> None:
+    """Max and average pooling of integer fields (a label map) are windowed like floating
+    ones (they returned Replicate outputs); averages truncate as torch's do."""
+    run_on_ranks(case.world, _integer_pool_body, case)
+
+
+def _integer_pool_1d_body() -> None:
+    mesh = get_mesh((2,))
+    x = torch.randint(-50, 50, (2, 3, 9))
+    layout = Layout((Shard(2),), {2: (7, 2)})
+    module = nn.MaxPool1d(3, stride=2, padding=1, return_indices=True)
+    expected = windowed(layout, x.shape, (2,), module_anchors(module, x.ndim))
+    check_against_reference(module, [x], [layout], mesh, out_layouts=[expected] * 2)
+    spec = layout.spec(mesh, x)
+    sharded = from_local_spec(spec.narrow(x), spec)
+    assert_raises_all_ranks(NotImplementedError, "max_pool1d", F.max_pool1d, sharded, 2)
+
+
+def test_integer_1d_max_pooling_as_torch() -> None:
+    """torch max-pools integers in 1-d only when it returns indices: that call keeps its
+    layout, the other raises torch's error on every rank (not a result, nor on some ranks)."""
+    run_on_ranks(2, _integer_pool_1d_body)
