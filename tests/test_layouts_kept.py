@@ -26,7 +26,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
-from tests.expected_layouts import ExpectedLayout, module_anchors, windowed
+from tests.expected_layouts import ExpectedLayout, module_anchors, pad_anchors, windowed
 from tests.layouts import Sharded
 
 # (B, C, H, W) fields: H split unevenly, W split unevenly, H with an empty shard, 2x2 blocks
@@ -245,3 +245,37 @@ def test_integer_1d_max_pooling_as_torch() -> None:
     """torch max-pools integers in 1-d only when it returns indices: that call keeps its
     layout, the other raises torch's error on every rank (not a result, nor on some ranks)."""
     run_on_ranks(2, _integer_pool_1d_body)
+
+
+# ---------------------------------------------------------------------------- cropping pads
+CROPS = {
+    "crop": ((-1, -2, -3, -1), 0.0),
+    "crop-and-pad": ((2, -1, -2, 3), 0.5),
+    "crop-one-side": ((-1, 0, 0, -2), 0.0),
+}
+
+
+def _crop_body(case: Sharded) -> None:
+    mesh = get_mesh(case.mesh)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    for name, (pad, value) in CROPS.items():
+        check_against_reference(
+            lambda a, p=pad, v=value: F.pad(a, p, value=v),
+            [x],
+            [case.layout],
+            mesh,
+            out_layouts=[windowed(case.layout, case.shape, case.mesh, pad_anchors(pad, x.ndim))],
+            what=name,
+        )
+    sharded = case.layout.spec(mesh, x)
+    sharded = from_local_spec(sharded.narrow(x), sharded)
+    for pad in [(1, 2, 3), (-4, -3)]:
+        assert_raises_all_ranks(RuntimeError, "Padding length|negative", F.pad, sharded, pad)
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_cropping_pad_keeps_placements(case: Sharded) -> None:
+    """A constant pad with negative amounts crops like a slice, each output cell on the rank
+    holding the input cell it copies (it went to the default path); a pad list torch refuses
+    raises torch's error on every rank (an odd-length one returned a result)."""
+    run_on_ranks(case.world, _crop_body, case)
