@@ -279,6 +279,15 @@ class ShardTensorSpec:
     def with_dtype(self, dtype: torch.dtype) -> ShardTensorSpec:
         return self if dtype == self.dtype else replace(self, dtype=dtype)
 
+    def remembering(self, *groups: tuple[DimSharding, ...]) -> ShardTensorSpec:
+        """This layout with the hints of other specs of the same layout merged after its own
+        (NOTE [Shard-size hints]), interned."""
+        hints = merged_hints(self.hints, *groups)
+        if hints == self.hints:
+            return self
+        spec = replace(self, hints=hints)
+        return _INTERNED.setdefault(spec.key, spec)
+
     @cached_property
     def dtensor_spec(self) -> DTensorSpec:
         """The DTensor view of this spec, for DTensor's sharding propagation."""
@@ -317,6 +326,8 @@ class ShardTensorSpec:
 #   extent; an inverse transform returns to the layout the hints remember;
 # - ``_ops/_index_ops``: a slice's backward writes into the remembered forward layout when its
 #   counts match; ``select_backward`` finds the forward's sharding among the newest hints.
+# The dispatch fast path (operands of one layout) merges every operand's hints after the first
+# operand's (``ShardTensorSpec.remembering``), so a product keeps the memory of either factor.
 # Hints are not part of ``same_layout``: two specs with the same shards are the same layout.
 _MAX_HINTS = 8
 
