@@ -8,15 +8,38 @@ from __future__ import annotations
 import re
 
 import torch
-from torch.distributed.tensor import Replicate
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
     Layout,
     assert_raises_all_ranks,
+    check_against_reference,
     get_mesh,
     run_on_ranks,
 )
+
+
+def _sharded_bias_body() -> None:
+    mesh = get_mesh((2,))
+    x = torch.randn(2, 3, 7, 5, dtype=torch.float64)
+    bias = torch.randn(4, dtype=torch.float64)
+    weight = torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    field, channels = Layout((Shard(2),), {2: (5, 2)}), Layout((Shard(0),), {0: (1, 3)})
+    for name, fn in {
+        "conv": lambda a, b: F.conv2d(a, weight, b, padding=1),
+        "conv-transpose": lambda a, b: F.conv_transpose2d(a, weight.transpose(0, 1), b, padding=1),
+    }.items():
+        check_against_reference(
+            fn, [x, bias], [field, channels], mesh, out_layouts=[field], what=name
+        )
+
+
+def test_sharded_conv_bias_keeps_the_layout() -> None:
+    """A bias sharded over its channels is made whole (a few numbers) and the output keeps
+    the input's layout (it raised from the handler; declined, the output was Replicate)."""
+    run_on_ranks(2, _sharded_bias_body)
 
 
 def _zero_dim_body() -> None:

@@ -25,6 +25,7 @@ from shardsci.tensor._ops._common import (
     connected_empty,
     replicated_local,
     sharding_axes,
+    with_dims_whole,
 )
 from shardsci.tensor._ops._windows import (
     TransposedWindow,
@@ -58,6 +59,18 @@ def _convolution(input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     padding)."""
 
 
+def _pending(bias: torch.Tensor | None) -> bool:
+    return isinstance(bias, ShardTensor) and bias._spec.partial
+
+
+def _whole(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias sharded over its channels, made whole (``C_out`` numbers, not a field), so that
+    the output keeps the input's layout; declined, it would be computed whole on every rank."""
+    if isinstance(bias, ShardTensor) and bias._spec.shardings:
+        return with_dims_whole(bias, {0})
+    return bias
+
+
 # ---------------------------------------------------------------------------- conv
 # The input's channels are dim 1, or dim 0 unbatched: dim -(n + 1) of an n-d convolution.
 @register_function_handler(*_CONV)
@@ -66,8 +79,9 @@ def _conv(func, args, kwargs):
     x, weight, bias, stride = a.input, a.weight, a.bias, a.stride
     padding, dilation, groups = a.padding, a.dilation, a.groups
     n = _CONV[func]
-    if not accepts(x, whole=[-(n + 1)], replicated=[weight]):
+    if not accepts(x, whole=[-(n + 1)], replicated=[weight]) or _pending(bias):
         return NotImplemented
+    bias = _whole(bias)
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         return func(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     kernel = weight.shape[2:]
@@ -143,8 +157,9 @@ def _conv_transpose(func, args, kwargs):
     x, weight, bias, stride, padding = a.input, a.weight, a.bias, a.stride, a.padding
     output_padding, groups, dilation = a.output_padding, a.groups, a.dilation
     n = _CONV_TRANSPOSE[func]
-    if not accepts(x, whole=[-(n + 1)], replicated=[weight]):
+    if not accepts(x, whole=[-(n + 1)], replicated=[weight]) or _pending(bias):
         return NotImplemented
+    bias = _whole(bias)
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         out = func(x.unsqueeze(0), weight, bias, stride, padding, output_padding, groups, dilation)
         return out.squeeze(0)
