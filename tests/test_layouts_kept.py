@@ -1,7 +1,8 @@
-"""Outputs keep their input's layout (NOTE [Which rank owns an output of a windowed op] in
-``shardsci/tensor/_ops/_windows.py``): each op or module fixed for it, against one process in
-float64, forward and gradients, on an uneven 1-D split, one with an empty shard and an uneven
-2x2 block decomposition, with the output's placements and shard sizes stated.
+"""Outputs keep their input's layout (NOTE [Outputs keep their input's layout] and NOTE
+[Which rank owns an output of a windowed op] in ``shardsci/tensor/_ops/_windows.py``): each
+op or module fixed for it, against one process in float64, forward and gradients, on an
+uneven 1-D split, one with an empty shard and an uneven 2x2 block decomposition, with the
+output's placements and shard sizes stated.
 
 The configurations of a layout run in one rank call (``what`` names the failing one).
 """

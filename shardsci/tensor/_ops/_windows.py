@@ -1,5 +1,21 @@
 """Sliding-window ops along sharded dims: who owns which output, which input it needs.
 
+# NOTE [Outputs keep their input's layout]
+An op or module whose output has its input's spatial dims returns the input's placements and
+shard sizes, unless the user redistributes: pointwise ops, 'same' convolutions and pads
+(``_conv_ops``; a crop by negative pads is a slice), views that flatten and unflatten again
+(``_view_ops``: an unflatten returns to the layout remembered before the flatten), products
+whose operands remember different layouts (the dispatch fast path merges their memory,
+NOTE [Shard-size hints] in ``_spec``), FFT round trips (``_fft_ops``). A resampling op (pixel
+shuffle and unshuffle, interpolation, a strided or transposed convolution, pooling of any
+dtype torch pools) keeps the placements, with the sizes that the window rule below gives.
+Where an operand other than the field is sharded (a bias over its channels), that operand is
+made whole, a few numbers, never the field. Ops no handler takes follow DTensor's rules
+(``_propagation``), which may still replicate.
+Checked by ``tests/test_layouts_kept.py``, ``tests/test_layout_memory.py`` and every op test
+that states ``out_layouts`` (NOTE [An output's layout is stated] in
+``shardsci/testing/_reference.py``).
+
 # NOTE [Which rank owns an output of a windowed op]
 Output ``j`` of a window with kernel ``k``, stride ``s``, dilation ``d`` and left padding
 ``p`` reads input cells ``j s - p + m d`` for ``m < k``. It is owned by the rank whose input
