@@ -59,3 +59,36 @@ def test_spectral_filter_returns_to_the_input_layout(case: Sharded) -> None:
     """``irfftn(m * rfftn(x))`` returns ``x``'s layout whichever operand of the product
     remembers it (with the mask first it came back with torch.chunk's sizes)."""
     run_on_ranks(case.world, _filter_body, case)
+
+
+# ---------------------------------------------------------------------------- unbind, stack
+def _moved(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` sharded along ``dim`` over the mesh's one axis (sizes chosen by the library), or
+    ``t`` itself when plain."""
+    return t.redistribute(t.device_mesh, [Shard(dim)]) if isinstance(t, ShardTensor) else t
+
+
+def _unbind_then_back(x: torch.Tensor) -> list[torch.Tensor]:
+    return [_moved(piece, 0) for piece in _moved(x, 2).unbind(0)]
+
+
+def _stack_then_back(x: torch.Tensor) -> torch.Tensor:
+    return _moved(torch.stack(_moved(x, 2).unbind(0), dim=1), 0)
+
+
+def _unbind_stack_body() -> None:
+    mesh = get_mesh((2,))
+    x = torch.randn(3, 8, 6, dtype=torch.float64)
+    layout = Layout((Shard(1),), {1: (6, 2)})
+    back = Layout((Shard(0),), {0: (6, 2)})
+    check_against_reference(
+        _unbind_then_back, [x], [layout], mesh, out_layouts=[back] * 3, what="unbind"
+    )
+    check_against_reference(_stack_then_back, [x], [layout], mesh, out_layouts=[back], what="stack")
+
+
+def test_unbind_and_stack_renumber_the_layout_memory() -> None:
+    """A dim sharded 6/2, moved away, then unbound from (or stacked into) a tensor that loses
+    (gains) a dim before it, returns to 6/2 when sharded again (the memory kept the old dim's
+    number: torch.chunk's 4/4)."""
+    run_on_ranks(2, _unbind_stack_body)

@@ -17,6 +17,9 @@ the view is decomposed into groups of input dims that become groups of output di
 - anything else (a flatten then split that mixes dims): the axes involved are replicated
   first, so the result is right, if not cheap.
 
+``unbind`` and ``stack`` remove / insert a dim: local unbinds and stacks (a sharded dim is
+unbound after an all-gather), the layout and its memory renumbered.
+
 ``view_as_real`` / ``view_as_complex`` add / drop a trailing dim of 2 (real, imaginary) and
 keep every sharding of the other dims: local views, no communication (DTensor gathers a
 sharded last dim first, which every backward of a complex op on a W-sharded spectrum hit).
@@ -373,13 +376,76 @@ def _expand(func, args, kwargs):
 @register_aten_handler(aten.unbind.int)
 def _unbind(func, args, kwargs):
     """Along a sharded dim each slice lives on one rank: the dim is replicated first (one
-    all-gather), which DTensor refuses to do."""
+    all-gather), which DTensor refuses to do. The pieces' layout and memory are renumbered
+    past the removed dim (NOTE [Shard-size hints]; the default rule keeps the old numbers)."""
     a = bind(func, args, kwargs)
     x = a.self
-    dim = a.dim % max(x.ndim, 1)
-    if not accepts(x, sharded=[dim], partial=True):
+    if not accepts(x, partial=True) or x.ndim == 0:
         return NotImplemented
-    return func(with_dims_whole(x, {dim}), dim)
+    dim = a.dim % x.ndim
+    x = with_dims_whole(x, {dim})
+    spec = x._spec
+    kept = [d for d in range(spec.ndim) if d != dim]
+    out_spec = _renumbered(
+        spec,
+        {d: k for k, d in enumerate(kept)},
+        [spec.shape[d] for d in kept],
+        stride=[spec.stride[d] for d in kept],
+    )
+    return tuple(ShardTensor(piece, out_spec) for piece in x._local.unbind(dim))
+
+
+@register_aten_handler(aten.stack.default)
+def _stack(func, args, kwargs):
+    """Tensors of one layout stacked along a new dim: local stacks, the layout and every
+    operand's memory renumbered past the new dim (the default rule keeps the old numbers)."""
+    a = bind(func, args, kwargs)
+    tensors = list(a.tensors)
+    first = tensors[0] if tensors else None
+    if not isinstance(first, ShardTensor) or not all(
+        isinstance(t, ShardTensor) and t._spec.same_layout(first._spec) for t in tensors
+    ):
+        return NotImplemented
+    spec = first._spec
+    dim = a.dim % (spec.ndim + 1)
+    shape = list(spec.shape)
+    shape.insert(dim, len(tensors))
+    local = torch.stack([t._local for t in tensors], dim)
+    out_spec = _renumbered(
+        spec,
+        {d: d + (d >= dim) for d in range(spec.ndim)},
+        shape,
+        hints=merged_hints(*(t._spec.hints for t in tensors)),
+    )
+    return ShardTensor(local, out_spec.with_dtype(local.dtype))
+
+
+def _renumbered(
+    spec: ShardTensorSpec,
+    new_dim: dict[int, int],
+    shape: list[int],
+    *,
+    stride: list[int] | None = None,
+    hints: tuple[DimSharding, ...] | None = None,
+) -> ShardTensorSpec:
+    """``spec`` with dim ``d`` now called ``new_dim[d]`` in a tensor of ``shape``: placements,
+    sizes, axis order and hints (``spec``'s or ``hints``); a hint of a dim not in ``new_dim``
+    is dropped. Every sharded dim must be in ``new_dim``."""
+    placements = [Shard(new_dim[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        shape,
+        spec.dtype,
+        {new_dim[s.dim]: s.sizes for s in spec.shardings},
+        stride=stride,
+        order={new_dim[s.dim]: s.axes for s in spec.shardings},
+        hints=tuple(
+            DimSharding(new_dim[h.dim], h.axes, h.sizes)
+            for h in (spec.hints if hints is None else hints)
+            if h.dim in new_dim
+        ),
+    )
 
 
 @register_aten_handler(aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default)
