@@ -312,7 +312,8 @@ class ShardTensorSpec:
 # spec carries ``hints``: the DimShardings its dims had before, oldest first, at most
 # ``_MAX_HINTS``, one per (axes, sizes). Writers: every op that derives an output spec from its
 # inputs' passes their hints on (``merged_hints``: the inputs' hints and current shardings,
-# newest last) -- the default path (``_propagation``), views, matmul/einsum, windowed ops,
+# newest last) -- the default path (``_propagation``), views (``unbind`` and ``stack``
+# renumbered past the dim they remove or insert), matmul/einsum, windowed ops,
 # FFTs, slices; redistribution keeps the newest per (dim, set of axes) (``_updated_hints``).
 # Readers, each taking a hint only when its axes (and extent) match what it must size:
 # - ``_redistribute.target_spec``: a dim sharded again over the same set of axes takes the
