@@ -107,15 +107,16 @@ _WRONG_LAYOUT = Bug(
     "wrong",
     r"^output \d+: layout: ",
 )
-#: Adaptive pooling on a channel dim sharded with empty shards: the kernel rejects an empty
-#: non-spatial dim on the ranks whose shard is empty, while the others wait in a collective
-#: (tensor/_ops/_pool_ops.py).
+#: Pooling on a channel (or other non-spatial) dim sharded with empty shards: the kernel
+#: rejects an empty non-spatial dim on the ranks whose shard is empty, forward or backward,
+#: while the others wait in a collective (tensor/_ops/_pool_ops.py).
 _EMPTY_CHANNELS = Bug(
     "raises on some ranks",
-    "adaptive pooling with an empty shard on a non-spatial dim raises on the ranks holding it "
-    "while the others wait (issue 20)",
+    "pooling with an empty shard on a non-spatial dim raises on the ranks holding it while the "
+    "others wait (issue 20)",
     "some-ranks",
-    r"Expected (input|grad_output) to have non-zero size for non-batch dimensions",
+    r"Expected (input|grad_output) to have non-zero size for non-batch dimensions"
+    r"|Expected 3D or 4D \(batch mode\) tensor with optional 0 dim batch size",
 )
 
 
@@ -132,10 +133,34 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
     ),
     "nn.functional.adaptive_avg_pool2d": (
         Accepted(
+            r"^NotImplementedError: adaptive_avg_pool2d on a ShardTensor sharded along dim 1: the extent 8 is not",
+            _ADAPTIVE,
+            (1,),
+            ("2x2-uneven", "2x2-last"),
+        ),
+        Accepted(
             r"^NotImplementedError: adaptive_avg_pool2d on a ShardTensor sharded along dim 2: the extent 8 is not",
             _ADAPTIVE,
             (0,),
-            ("2x2-uneven",),
+            ("2x2-uneven", "2x2-last"),
+        ),
+        Accepted(
+            r"^NotImplementedError: adaptive_avg_pool2d on a ShardTensor sharded along dim 2: the extent 8 is not",
+            _ADAPTIVE,
+            (1,),
+            ("4r-empty", "4r-random"),
+        ),
+        Accepted(
+            r"^NotImplementedError: adaptive_avg_pool2d on a ShardTensor sharded along dim 3: the extent 8 is not",
+            _ADAPTIVE,
+            (0,),
+            ("4r-empty",),
+        ),
+        Accepted(
+            r"^NotImplementedError: adaptive_avg_pool2d on a ShardTensor sharded along dim 3: the extent 8 is not",
+            _ADAPTIVE,
+            (2,),
+            ("4r-empty", "2x2-last"),
         ),
     ),
     "nn.functional.adaptive_avg_pool3d": (
@@ -209,6 +234,10 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "addmm": (_GATHERED.cases((0,), ("4r-empty",)),),
     "addmm.decomposed": (_GATHERED.cases((0,), ("4r-random",)),),
     "argsort": (_GATHERED.cases((0,), ("4r-empty",)),),
+    "as_strided": (
+        _GATHERED.cases((0,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),
+    ),
     "as_strided_scatter": (_GATHERED.cases((0,), ("4r-empty",)),),
     "block_diag": (_GATHERED.cases((3,), ("2x2-uneven",)),),
     "cholesky": (_GATHERED.cases((0,), ("2r-uneven",)),),
@@ -256,6 +285,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "linalg.pinv": (_GATHERED.cases((0,), ("2x2-uneven",)),),
     "linalg.pinv.hermitian": (_GATHERED.cases((0,), ("2x2-last",)),),
     "linalg.qr": (_GATHERED.cases((0,), ("4r-empty",)),),
+    "linalg.solve": (_GATHERED.cases((0,), ("4r-random",)),),
     "lu": (_GATHERED.cases((0,), ("4r-empty",)),),
     "lu_solve": (_GATHERED.cases((0,), ("4r-random",)),),
     "lu_unpack": (_GATHERED.cases((0,), ("2x2-uneven",)),),
@@ -268,7 +298,9 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "native_batch_norm": (_GATHERED.cases((0,), ("2r-uneven",)),),
     "native_group_norm": (_GATHERED.cases((0,), ("4r-random",)),),
     "native_layer_norm": (_GATHERED.cases((0,), ("2x2-uneven",)),),
+    "nn.functional.adaptive_avg_pool2d": (_EMPTY_CHANNELS.cases((0, 2), ("4r-random",)),),
     "nn.functional.adaptive_max_pool3d": (_EMPTY_CHANNELS.cases((0,), ("4r-random",)),),
+    "nn.functional.avg_pool1d": (_EMPTY_CHANNELS.cases((0,), ("4r-random",)),),
     "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven",)),),
     "nn.functional.conv1d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random",)),),
