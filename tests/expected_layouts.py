@@ -6,11 +6,16 @@
 - :func:`windowed` gives each output cell of a windowed op (convolution, pooling, padding,
   interpolation) to the rank holding the input cell it is anchored on (NOTE [Which rank owns
   an output of a windowed op] in ``shardsci/tensor/_ops/_windows.py``).
+- :func:`cell_owners` states the layout of any op's output by what each output cell depends
+  on (NOTE [An output cell belongs to the shard it depends on]): the op-database sweep's
+  expectation.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,7 +23,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from shardsci.testing import ExpectedLayout, Layout
-from tests.boxes import dim_shardings
+from tests.boxes import box, coordinates, dim_shardings
 
 _PLACEMENTS: dict[str, Placement] = {
     "R": Replicate(),
@@ -219,10 +224,240 @@ def on_multiples(sizes: Sequence[int], step: int) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip([0, *boundaries[:-1]], boundaries))
 
 
+# ---------------------------------------------------------------------------- dependencies
+# NOTE [An output cell belongs to the shard it depends on]
+# Which rank should hold an output cell of an op nobody wrote a rule for? The one holding the
+# input it is computed from: then the op needs no communication for that cell, and no rank
+# holds what another already holds. ``cell_owners`` finds, on one process, which shard of a
+# sharded input dim each output cell depends on: it perturbs the input one shard's block at a
+# time and sees which output cells change. A cell that changes with exactly one block is
+# *owned* by that block's coordinate along the axis; one that changes with none or with
+# several (a reduction over the sharded dim, a window straddling two shards) is not.
+# An output dim ``e`` *carries* the axis when every index along ``e`` has at most one owner
+# among its owned cells and the owners never decrease along ``e``; the output must then be
+# sharded along ``e`` on that axis with every owned cell on its owner's shard (cells of no
+# owner may go to either neighbour). That is the window rule for convolutions and pooling, the
+# renaming rule for views, and "keep the sizes" for elementwise ops, found without knowing
+# the op. An output of the input's shape keeps the input's sizes (NOTE [An output's layout is
+# stated] in ``shardsci/testing/_reference.py``) unless another dim alone carries the axis
+# (a transpose): dependencies that only move the boundaries within the same dim (a roll, a
+# masked scan whose masked cells depend on nothing) do not override it. Where no dim (or
+# more than one) carries the axis of an output of another shape, nothing is stated. The probe
+# runs the op on one process only: the library's answer plays no part in the expectation.
+
+
+@dataclass(frozen=True)
+class AxisRule:
+    """What one mesh axis of an output must look like.
+
+    Attributes
+    ----------
+    axis : int
+        The mesh axis.
+    dim : int
+        The output dim the axis must shard.
+    owners : tuple of (int or None)
+        Per index along ``dim``: the coordinate along ``axis`` that must hold it (None: any).
+    rule : str
+        ``"depends"`` (found by :func:`cell_owners`) or ``"same-shape"`` (the input's sizes).
+    """
+
+    axis: int
+    dim: int
+    owners: tuple[int | None, ...]
+    rule: str
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: whether ``a`` and ``b`` differ (NaN equals NaN)."""
+    same = a == b
+    if a.is_floating_point() or a.is_complex():
+        same = same | (a.isnan() & b.isnan())
+    return ~same
+
+
+#: How each block is moved to see what depends on it: up, down and both ways at random (a
+#: maximum or a clamp may not notice one of them).
+_DIRECTIONS = ("up", "down", "random")
+
+
+def _perturbed(
+    x: torch.Tensor, dim: int, start: int, size: int, direction: str, seed: int
+) -> torch.Tensor:
+    """``x`` with its block ``[start, start + size)`` along ``dim`` moved by one to two times
+    its own magnitude plus one, in ``direction``."""
+    generator = torch.Generator().manual_seed(seed)
+    block = x.narrow(dim, start, size)
+    step = 1 + torch.rand(block.shape, dtype=block.real.dtype, generator=generator)
+    if direction == "down":
+        step = -step
+    elif direction == "random":
+        step = step * torch.randn(block.shape, dtype=block.dtype, generator=generator).sgn()
+    moved = x.detach().clone()
+    moved.narrow(dim, start, size).add_(step * (block.abs() + 1))
+    return moved
+
+
+def cell_owners(
+    call: Callable[[torch.Tensor], Sequence[object]],
+    x: torch.Tensor,
+    dim: int,
+    sizes: Sequence[int],
+) -> list[dict[int, tuple[int | None, ...]]] | None:
+    """Per output of ``call(x)``: output dim -> the owner of each index along it, for every
+    output dim that carries the sharding of ``x``'s ``dim`` into ``sizes`` (NOTE [An output
+    cell belongs to the shard it depends on]). None when ``x`` cannot be perturbed (not
+    floating point), ``call`` raises on a perturbed input, or an output changes shape.
+
+    ``call`` must be deterministic (reseed its random ops) and return a flat sequence.
+    """
+    if not (x.is_floating_point() or x.is_complex()):
+        return None
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    try:
+        with torch.no_grad():
+            base = list(call(x))
+            # per block: per output, the cells that changed with any move of the block
+            changed: list[list[torch.Tensor | None]] = []
+            for k, (start, size) in enumerate(zip(starts, sizes)):
+                seen: list[torch.Tensor | None] = [None] * len(base)
+                for direction in _DIRECTIONS if size else ():
+                    moved = list(call(_perturbed(x, dim, start, size, direction, seed=k + 1)))
+                    if len(moved) != len(base):
+                        return None
+                    for i, (m, b) in enumerate(zip(moved, base)):
+                        if isinstance(b, torch.Tensor) and b.layout == torch.strided:
+                            if not isinstance(m, torch.Tensor) or m.shape != b.shape:
+                                return None
+                            diff = _differs(m, b)
+                            seen[i] = diff if seen[i] is None else seen[i] | diff
+                changed.append(seen)
+    except Exception:
+        return None
+    result = []
+    for i, b in enumerate(base):
+        if not isinstance(b, torch.Tensor) or b.layout != torch.strided:
+            result.append({})
+            continue
+        per_block = [
+            torch.zeros(b.shape, dtype=torch.bool) if seen[i] is None else seen[i]
+            for seen in changed
+        ]
+        result.append(_carrying_dims(per_block, b.shape))
+    return result
+
+
+def _carrying_dims(
+    per_block: Sequence[torch.Tensor], shape: Sequence[int]
+) -> dict[int, tuple[int | None, ...]]:
+    """Output dim -> owners along it, for the dims that carry the axis (see the NOTE)."""
+    if not per_block or math.prod(shape) == 0:
+        return {}
+    stacked = torch.stack(list(per_block))  # (blocks, *shape)
+    single = stacked.sum(0) == 1
+    owner = torch.where(single, stacked.to(torch.int64).argmax(0), -1)
+    carrying = {}
+    for e in range(len(shape)):
+        along = owner.movedim(e, 0).reshape(shape[e], -1)
+        highest = along.max(1).values
+        lowest = torch.where(along >= 0, along, len(per_block)).min(1).values
+        if bool(((highest >= 0) & (lowest != highest)).any()):
+            continue  # an index along e with cells of two owners
+        owners = tuple(int(o) if o >= 0 else None for o in highest.tolist())
+        known = [o for o in owners if o is not None]
+        if known and known == sorted(known):
+            carrying[e] = owners
+    return carrying
+
+
+def axis_rules(
+    owners_per_axis: Mapping[int, dict[int, tuple[int | None, ...]]],
+    input_layout: Layout,
+    input_shape: Sequence[int],
+    output_shape: Sequence[int],
+    mesh: Sequence[int],
+) -> list[AxisRule]:
+    """The rules one output's axes must follow, for each axis sharding the input dim ``d``:
+
+    - an output of the input's shape keeps ``d``'s sizes (the rule of NOTE [An output's
+      layout is stated]), unless its cells depend on the shards along another dim alone (a
+      transpose): then that dim carries the axis;
+    - any other output is sharded along the dim that alone carries the axis (with two or
+      more owners, or the only one with any), if there is one; else nothing is stated.
+    """
+    rules = []
+    shardings = dim_shardings(input_layout, input_shape, mesh)
+    same_shape = tuple(output_shape) == tuple(input_shape)
+    for axis, p in enumerate(input_layout.placements):
+        if not isinstance(p, Shard):
+            continue
+        dim = p.dim % len(input_shape)
+        carrying = owners_per_axis.get(axis, {})
+        spread = [e for e, o in carrying.items() if len({x for x in o if x is not None}) > 1]
+        chosen = spread if spread else list(carrying)
+        carried = chosen[0] if len(chosen) == 1 else None
+        axes, sizes = shardings[dim]
+        if same_shape and carried in (None, dim) and axes == (axis,):
+            owners = tuple(k for k, n in enumerate(sizes) for _ in range(n))
+            rules.append(AxisRule(axis, dim, owners, "same-shape"))
+        elif carried is not None:
+            rules.append(AxisRule(axis, carried, carrying[carried], "depends"))
+    return rules
+
+
+def held_where(
+    rules: Sequence[AxisRule],
+    placements: Sequence[Placement],
+    sizes: Mapping[int, Sequence[int]],
+    order: Mapping[int, Sequence[int]],
+    shape: Sequence[int],
+    mesh: Sequence[int],
+) -> str:
+    """What breaks ``rules`` in an output laid out as ``placements``/``sizes``/``order``
+    (read off the output's spec); "" if nothing."""
+    actual = Layout(tuple(placements), dict(sizes), dict(order))
+    for rule in rules:
+        p = placements[rule.axis]
+        if not (isinstance(p, Shard) and p.dim % len(shape) == rule.dim):
+            return (
+                f"mesh axis {rule.axis} is {p}; expected Shard({rule.dim}) ({rule.rule}: "
+                f"{_owners_text(rule.owners)})"
+            )
+        for coordinate in coordinates(mesh):
+            start, stop = box(actual, shape, mesh, coordinate)[rule.dim]
+            misplaced = [
+                j
+                for j in range(start, stop)
+                if rule.owners[j] is not None and rule.owners[j] != coordinate[rule.axis]
+            ]
+            if misplaced:
+                return (
+                    f"the rank at {coordinate} holds dim {rule.dim} indices {misplaced[:6]} "
+                    f"owned by coordinates {[rule.owners[j] for j in misplaced[:6]]} of mesh "
+                    f"axis {rule.axis} ({rule.rule}: {_owners_text(rule.owners)})"
+                )
+    return ""
+
+
+def _owners_text(owners: Sequence[int | None]) -> str:
+    """``0x3 ?x1 1x4``: runs of owners along a dim (``?``: any)."""
+    runs: list[list] = []
+    for o in owners:
+        if runs and runs[-1][0] == o:
+            runs[-1][1] += 1
+        else:
+            runs.append([o, 1])
+    return " ".join(f"{'?' if o is None else o}x{n}" for o, n in runs)
+
+
 __all__ = [
+    "AxisRule",
     "ExpectedLayout",
+    "axis_rules",
+    "cell_owners",
     "counted",
     "every_shard_even",
+    "held_where",
     "interpolation_anchors",
     "module_anchors",
     "on_multiples",

@@ -1,21 +1,26 @@
 """PyTorch's OpInfo database on ShardTensors: every sample, sharded, against one process.
 
 Each case is one OpInfo sample (float64, CPU) run twice on every rank: on plain tensors (the
-reference) and with its first tensor argument sharded as a layout says, the other tensor
-arguments replicated (passed as plain tensors). A case is
+reference) and with its first tensor argument sharded as a layout says (``SWEEP_LAYOUTS`` in
+``tests/op_db_layouts.py``), the other tensor arguments passed as plain tensors. A case is
 
-- ``correct``: outputs (values, dtypes, shapes, each shard the size its spec says) and the
-  gradient of the sharded input match the reference;
+- ``ok``: every output has the reference's values, dtype and shape, each shard the size its
+  spec says, and the layout its cells' dependencies state (NOTE [An output cell belongs to the
+  shard it depends on] in ``tests/expected_layouts.py``); and the gradient of every
+  differentiable tensor argument (the sharded one and the plain ones) matches;
+- ``not-checked``: as ``ok`` as far as it was checked, but something was not: the values of a
+  random or uninitialised output (``op_db_unsupported.VALUES_NOT_COMPARED``), or the gradients
+  when the reference's own backward raised;
 - ``error``: every rank raised the same type of error, with a message that names the op;
-- ``wrong``: it ran everywhere and some output or gradient differs (silently wrong);
+- ``wrong``: it ran everywhere and some output, layout or gradient differs (silently wrong);
 - ``unclear``: every rank raised, but the message does not say which op failed;
 - ``some-ranks``: only some ranks raised, they raised different errors, or a rank died or
   hung (found by a deadline on a separate process group, see NOTE [Agreeing on a case's
-  outcome]);
+  outcome] in ``tests/agreement.py``);
 - ``skipped``: not applicable to the layout (no dim large enough to shard) or the reference
   itself raised.
 
-Ops that may raise (clear) errors are listed, with the reason, in ``op_db_unsupported.py``;
+Errors are accepted only where ``op_db_unsupported.py`` lists them, by op, sample and message;
 ``tests/test_op_db.py`` holds the sweep to that list. ``python -m tests.op_db_sweep`` runs the
 whole database and prints the counts per layout (see ``--help``); the summary the README cites,
 ``docs/op_db_sweep.json`` and ``.md``, is written by::
@@ -29,95 +34,31 @@ import argparse
 import functools
 import itertools
 import json
-import math
+import random
 import re
 import sys
 import tempfile
 import time
 import warnings
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
 
 from shardsci.testing import Layout, RankFailure, get_mesh, run_on_ranks
+from tests.agreement import agree
+from tests.boxes import dim_shardings
+from tests.expected_layouts import AxisRule, axis_rules, cell_owners, held_where
+from tests.op_db_layouts import SWEEP_LAYOUTS, SweepLayout
 
-OUTCOMES = ("correct", "error", "wrong", "unclear", "some-ranks", "skipped")
+LAYOUTS = SWEEP_LAYOUTS
+OUTCOMES = ("ok", "not-checked", "error", "wrong", "some-ranks", "unclear", "skipped")
 _ATOL = 1e-7
 _RTOL = 1e-7
-_AGREEMENT_TIMEOUT_S = 30.0
-
-
-# ---------------------------------------------------------------------------- layouts
-def _two_uneven(extent: int) -> tuple[int, int]:
-    """Two non-empty shards of different sizes that are not ``torch.chunk``'s, where
-    possible: 5 -> (2, 3), 4 -> (1, 3), 2 -> (1, 1)."""
-    first = extent // 2 if extent % 2 else max(extent // 2 - 1, 1)
-    return first, extent - first
-
-
-def _four_with_empty_first(extent: int) -> tuple[int, int, int, int]:
-    """Rank 0 empty, the rest split unevenly: 5 -> (0, 3, 1, 1), 2 -> (0, 2, 0, 0)."""
-    third = extent // 3
-    return 0, extent - 2 * third, third, third
-
-
-@dataclass(frozen=True)
-class SweepLayout:
-    """How a sample's first tensor argument is sharded.
-
-    Attributes
-    ----------
-    name : str
-        Shown in reports.
-    mesh : tuple of int
-        Mesh shape; the world size is its product.
-    """
-
-    name: str
-    mesh: tuple[int, ...]
-
-    @property
-    def world(self) -> int:
-        return math.prod(self.mesh)
-
-    def layout_for(self, shape: Sequence[int]) -> Layout | None:
-        """The layout of a tensor of ``shape``, or None when it has no dims to shard so."""
-        if self.name == "2r-uneven":
-            dim = next((d for d, n in enumerate(shape) if n >= 2), None)
-            return None if dim is None else Layout((Shard(dim),), {dim: _two_uneven(shape[dim])})
-        if self.name == "4r-empty":
-            dims = [d for d, n in enumerate(shape) if n >= 3] or [
-                d for d, n in enumerate(shape) if n >= 1
-            ]
-            if not dims:
-                return None
-            dim = dims[-1]
-            return Layout((Shard(dim),), {dim: _four_with_empty_first(shape[dim])})
-        dims = [d for d, n in enumerate(shape) if n >= 2][:2]
-        if len(dims) < 2:
-            return None
-        sizes = {d: _two_uneven(shape[d]) for d in dims}
-        return Layout((Shard(dims[0]), Shard(dims[1])), sizes)
-
-
-#: 2 ranks, the first dim of extent >= 2 split unevenly (not ``torch.chunk`` sizes); 4 ranks,
-#: the last dim of extent >= 3 split with rank 0 empty; a 2x2 mesh, the first two dims of
-#: extent >= 2 each split unevenly.
-LAYOUTS = {
-    layout.name: layout
-    for layout in (
-        SweepLayout("2r-uneven", (2,)),
-        SweepLayout("4r-empty", (4,)),
-        SweepLayout("2x2-uneven", (2, 2)),
-    )
-}
 
 
 # ---------------------------------------------------------------------------- the database
@@ -137,16 +78,56 @@ def database() -> dict[str, object]:
     return {op_key(op): op for op in op_db if torch.float64 in op.supported_dtypes("cpu")}
 
 
-@functools.lru_cache(maxsize=8)
-def _samples(key: str, scan: int | None) -> tuple:
-    """The first ``scan`` samples of an op (all with None), generated identically on every
-    rank (seeded by the op's key)."""
-    op = database()[key]
-    torch.manual_seed(sum(key.encode()))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        samples = op.sample_inputs("cpu", torch.float64, requires_grad=op.supports_autograd)
-        return tuple(itertools.islice(samples, scan))
+class _SampleStream:
+    """The samples of one op, generated on demand, each the same on every rank and in every
+    run (sample ``i`` depends only on the op's key and ``i``).
+
+    As ``OpInfo.sample_inputs`` does, the random generators are reseeded before each sample;
+    unlike it, the generator function is called directly: ``sample_inputs`` looks for the
+    calling unittest with ``inspect.stack()``, which reads the source of every frame (a
+    quarter of a second an op, deep in a rank pool)."""
+
+    def __init__(self, key: str) -> None:
+        op = database()[key]
+        self.key = key
+        self._samples: list = []
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.default_generator.manual_seed(sum(key.encode()))
+            generated = op.sample_inputs_func(op, "cpu", torch.float64, op.supports_autograd)
+            self._iterator = iter(generated)
+
+    def first(self, n: int | None) -> list:
+        """The first ``n`` samples (all with None), fewer if the op has fewer."""
+        while n is None or len(self._samples) < n:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _reseed(_SAMPLE_SEED)
+                sample = next(self._iterator, None)
+            if sample is None:
+                break
+            self._samples.append(sample)
+        return self._samples[:n]
+
+
+_SAMPLE_SEED = 1234  # torch.testing._internal.common_utils.SEED
+
+
+def _reseed(seed: int) -> None:
+    """``common_utils.set_rng_seed`` for the CPU: torch's generator, ``random``, numpy."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)
+
+
+_stream: list[_SampleStream] = []  # the current op's, alone: a sweep takes the ops in turn
+
+
+def _samples(key: str, n: int | None) -> list:
+    """The first ``n`` samples of op ``key`` (all with None)."""
+    if not _stream or _stream[0].key != key:
+        _stream[:] = [_SampleStream(key)]
+    return _stream[0].first(n)
 
 
 def selected_samples(key: str, layout: SweepLayout, limit: int | None) -> list[tuple]:
@@ -155,37 +136,40 @@ def selected_samples(key: str, layout: SweepLayout, limit: int | None) -> list[t
     tensor can be sharded that way, among the first ``4 * limit + 4`` (the first 64 when those
     hold none: some ops' first samples are all scalars or empty)."""
     if limit is None:
-        return [(i, s, _layout_of(s, layout)) for i, s in enumerate(_samples(key, None))]
-    for scan in (4 * limit + 4, 64):
-        chosen = []
-        for index, sample in enumerate(_samples(key, scan)):
-            sharded = _layout_of(sample, layout)
-            if sharded is not None:
-                chosen.append((index, sample, sharded))
+        return [(i, s, _layout_of(key, i, s, layout)) for i, s in enumerate(_samples(key, None))]
+    chosen = []
+    for index in itertools.count():
+        if index == 64 or (chosen and index == 4 * limit + 4):
+            break
+        samples = _samples(key, index + 1)
+        if len(samples) <= index:
+            break
+        sharded = _layout_of(key, index, samples[index], layout)
+        if sharded is not None:
+            chosen.append((index, samples[index], sharded))
             if len(chosen) == limit:
-                return chosen
-        if chosen:
-            return chosen
-    return []
+                break
+    return chosen
 
 
-def _layout_of(sample, layout: SweepLayout) -> Layout | None:
+def _layout_of(key: str, index: int, sample, layout: SweepLayout) -> Layout | None:
     """None also for a sparse first tensor: ShardTensors shard strided tensors only."""
     first, _ = _first_tensor(sample)
     if first is None or first.layout != torch.strided:
         return None
-    return layout.layout_for(first.shape)
+    return layout.layout_for(first.shape, salt=f"{key}/{index}")
 
 
 @dataclass(frozen=True)
 class Expectations:
-    """What ``op_db_unsupported.py`` says: ops that may raise a clear error (with why), and
-    ops whose output values are random or uninitialised (only shapes are compared), always or
-    in some samples."""
+    """What ``op_db_unsupported.py`` says: the errors an op may raise and the cases of known
+    bugs (by sample, layout and message, with why), and ops whose output values are random
+    or uninitialised (only shapes and layouts are compared), always or in some samples."""
 
-    unsupported: dict[str, str]
+    unsupported: dict[str, tuple]
     unchecked_values: dict[str, str]
     random_when: dict[str, Callable[[object], bool]]
+    known_bugs: dict[str, tuple] = field(default_factory=dict)
 
     @classmethod
     def load(cls) -> Expectations:
@@ -195,15 +179,34 @@ class Expectations:
             op_db_unsupported.UNSUPPORTED,
             op_db_unsupported.VALUES_NOT_COMPARED,
             op_db_unsupported.RANDOM_WHEN,
+            op_db_unsupported.KNOWN_BUGS,
         )
 
-    def compares_values(self, key: str, sample) -> bool:
+    def entries(self, op: str) -> tuple:
+        return (*self.unsupported.get(op, ()), *self.known_bugs.get(op, ()))
+
+    def hangs(self, op: str, sample: int, layout: str) -> bool:
+        """Whether a known bug leaves some ranks waiting in this case (a timeout and a fresh
+        pool: a minute or more)."""
+        case = {"sample": sample, "layout": layout}
+        return any(
+            e.outcome == "some-ranks" and e.applies(case) for e in self.known_bugs.get(op, ())
+        )
+
+    def why_values_unchecked(self, key: str, sample) -> str | None:
+        """Why the values of this sample's outputs cannot be compared, or None."""
         if key in self.unchecked_values:
-            return False
-        return not (key in self.random_when and self.random_when[key](sample))
+            return f"values {self.unchecked_values[key]}"
+        if key in self.random_when and self.random_when[key](sample):
+            return "values random in this sample"
+        return None
+
+    def accepting(self, record: dict) -> object | None:
+        """The entry (unsupported or known bug) that accepts this case, or None."""
+        return next((e for e in self.entries(record["op"]) if e.accepts(record)), None)
 
 
-# ---------------------------------------------------------------------------- one case
+# ---------------------------------------------------------------------------- arguments
 def _first_tensor(sample) -> tuple[torch.Tensor | None, Callable]:
     """The sample's first tensor argument and a function putting a replacement in its
     place: ``rebuild(x) -> (input, args)``."""
@@ -217,29 +220,61 @@ def _first_tensor(sample) -> tuple[torch.Tensor | None, Callable]:
     return None, lambda x: (sample.input, sample.args)
 
 
-def _copied(value: object) -> object:
-    """Fresh, gradient-free copies of the tensors in ``value`` (sharded runs and the reference
-    must not share storage or autograd history)."""
+def _is_sequence(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
+
+
+def _tensors_in(value: object) -> list[torch.Tensor]:
+    """The tensors in ``value`` (nested lists, tuples and dicts), in a fixed order."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_copied(v) for v in value)
+        return [value]
+    if _is_sequence(value):
+        return [t for v in value for t in _tensors_in(v)]
     if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
+
+
+def _with_tensors(value: object, tensors: Iterator[torch.Tensor]) -> object:
+    """``value`` with its tensors replaced, in ``_tensors_in``'s order, by ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        return next(tensors)
+    if _is_sequence(value):
+        return type(value)(_with_tensors(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _with_tensors(v, tensors) for k, v in value.items()}
     return value
+
+
+def _rest(sample, rebuild: Callable, x: torch.Tensor) -> tuple:
+    """``(the input's other elements, args, kwargs)``: where the other tensor arguments are."""
+    inputs, args = rebuild(x)
+    rest = list(inputs[1:]) if isinstance(inputs, (list, tuple)) else []
+    return rest, args, sample.kwargs
+
+
+def other_tensors(sample) -> list[torch.Tensor]:
+    """Every tensor argument of the sample but the first, in a fixed order."""
+    first, rebuild = _first_tensor(sample)
+    if first is None:
+        return []
+    return _tensors_in(_rest(sample, rebuild, first))
 
 
 def _differentiable(x: torch.Tensor) -> bool:
     return x.is_floating_point() or x.is_complex()
 
 
-def _call(op, sample, rebuild: Callable, x: torch.Tensor) -> object:
-    """Run the op with ``x`` in place of the first tensor argument, fresh copies of the
-    others."""
-    inputs, args = rebuild(x)
+def _call(op, sample, rebuild: Callable, x: torch.Tensor, others=None) -> object:
+    """Run the op with ``x`` in place of the first tensor argument and ``others`` in place of
+    the other tensor arguments (default: fresh, gradient-free copies)."""
+    if others is None:
+        others = [t.detach().clone() for t in other_tensors(sample)]
+    inputs, _ = rebuild(x)
+    rest, args, kwargs = _with_tensors(_rest(sample, rebuild, x), iter(others))
     if isinstance(inputs, (list, tuple)):
-        inputs = type(inputs)([inputs[0], *(_copied(v) for v in inputs[1:])])
-    return op(inputs, *_copied(args), **_copied(sample.kwargs))
+        inputs = type(inputs)([inputs[0], *rest])
+    return op(inputs, *args, **kwargs)
 
 
 def _flat_outputs(out: object) -> list:
@@ -248,53 +283,164 @@ def _flat_outputs(out: object) -> list:
     return [out]
 
 
-def run_case(op, sample, layout: Layout, mesh, compare_values: bool) -> str | None:
-    """Run one case on this rank; return what differs from the reference (None: nothing).
+# ---------------------------------------------------------------------------- one case
+@dataclass(frozen=True)
+class CaseResult:
+    """What one rank saw of a case that ran.
 
-    Raises whatever the sharded run raises.
+    Attributes
+    ----------
+    problem : str or None
+        What differs from the reference (None: nothing found).
+    unchecked : str or None
+        What could not be checked, and why.
+    layout : str
+        How the outputs' layouts were stated: each output's rules (``depends``,
+        ``same-shape``, ``-`` for an axis no rule states); on rank 0, which checks them.
     """
-    from shardsci.tensor._api import from_local_spec, grad_spec
+
+    problem: str | None
+    unchecked: str | None = None
+    layout: str = ""
+
+
+def _leaf(x: torch.Tensor, grad: bool) -> torch.Tensor:
+    return x.detach().clone().requires_grad_(grad and _differentiable(x))
+
+
+# NOTE [Every rank runs a case's collectives]
+# A rank that finds a problem must not stop early: its peers would wait in the next collective
+# of the case (a full_tensor, the backward). So each check that can differ between ranks (a
+# shard size, a value, the layout, which rank 0 alone checks) is recorded, every rank goes
+# on through the same collectives, and the ranks stop together only after agreeing that some
+# rank found a problem (``_on_any_rank``).
+def run_case(op, sample, layout: Layout, mesh, unchecked_values: str | None) -> CaseResult:
+    """Run one case on this rank against the reference (see the module docstring and NOTE
+    [Every rank runs a case's collectives]).
+
+    Raises whatever the sharded run raises; returns ``CaseResult("skip: ...")`` when the
+    reference itself raises.
+    """
+    from shardsci.tensor._api import from_local_spec
 
     first, rebuild = _first_tensor(sample)
-    grad = op.supports_autograd and _differentiable(first)
-    reference_leaf = first.detach().clone().requires_grad_(grad)
+    grad = op.supports_autograd
+    others = other_tensors(sample)
+    reference_leaves = [_leaf(first, grad), *(_leaf(t, grad and t.requires_grad) for t in others)]
     try:
-        expected = _call(op, sample, rebuild, reference_leaf)
+        expected = _call(op, sample, rebuild, reference_leaves[0], reference_leaves[1:])
     except Exception:
-        return "skip: the reference raised"
+        return CaseResult("skip: the reference raised")
     spec = layout.spec(mesh, first)
-    local_leaf = spec.narrow(first.detach()).clone().requires_grad_(grad)
-    actual = _call(op, sample, rebuild, from_local_spec(local_leaf, spec))
+    local = _leaf(spec.narrow(first.detach()), grad)
+    leaves = [local, *(_leaf(t, grad and t.requires_grad) for t in others)]
+    actual = _call(op, sample, rebuild, from_local_spec(local, spec), leaves[1:])
 
     expected_flat, actual_flat = _flat_outputs(expected), _flat_outputs(actual)
     if len(expected_flat) != len(actual_flat):
-        return f"{len(actual_flat)} outputs, reference has {len(expected_flat)}"
-    for i, (a, e) in enumerate(zip(actual_flat, expected_flat)):
-        problem = _compare_output(a, e, compare_values)
-        if problem:
-            return f"output {i}: {problem}"
-    if not grad or not compare_values:
-        return None
+        return CaseResult(f"{len(actual_flat)} outputs, reference has {len(expected_flat)}")
+    # A layout is the same on every rank (NOTE [Shard sizes are a global, rank-independent
+    # table] in shardsci/tensor/_spec.py): rank 0 alone works out and checks the rules.
+    rules = [[] for _ in expected_flat]
+    if dist.get_rank() == 0:
+        rules = _layout_rules(op, sample, rebuild, first, layout, tuple(mesh.shape), expected_flat)
+    stated = " ".join(_rules_text(r, layout) for r in rules)
+    found = [
+        f"output {i}: {problem}"
+        for i, (a, e) in enumerate(zip(actual_flat, expected_flat))
+        for problem in _compare_output(a, e, rules[i], tuple(mesh.shape), not unchecked_values)
+    ]
+    if _on_any_rank(any(": shard of shape" in f for f in found)):  # no backward through them
+        return CaseResult(" | ".join(found) or None, layout=stated)
+    unchecked = unchecked_values
+    if unchecked is None and any(leaf.requires_grad for leaf in reference_leaves):
+        problems, unchecked = _gradient_problems(
+            sample, expected, actual, leaves, reference_leaves, spec
+        )
+        found += problems
+    return CaseResult(" | ".join(found) or None, unchecked, stated)
+
+
+def _gradient_problems(
+    sample, expected, actual, leaves: list, reference_leaves: list, spec
+) -> tuple[list[str], str | None]:
+    """What differs in the gradient of every differentiable tensor argument, after a
+    backward of a random projection of the outputs; and why no gradient was checked, if
+    none was (the reference's backward raised)."""
     process = sample.output_process_fn_grad
     expected_terms = _differentiable_outputs(_flat_outputs(process(expected)))
     actual_terms = _differentiable_outputs(_flat_outputs(process(actual)))
     if not expected_terms:
-        return None
+        return [], None
     generator = torch.Generator().manual_seed(7)
     projections = [torch.randn(e.shape, dtype=e.dtype, generator=generator) for e in expected_terms]
     try:
         _loss(expected_terms, projections).backward()
-    except Exception:
-        return None
-    sharded_projections = [
-        _laid_out_like(p, a, from_local_spec, grad_spec) for p, a in zip(projections, actual_terms)
-    ]
+    except Exception as exc:
+        return [], f"gradients: the reference's backward raised {type(exc).__name__}"
+    sharded_projections = [_laid_out_like(p, a) for p, a in zip(projections, actual_terms)]
     _loss(actual_terms, sharded_projections).backward()
-    expected_grad = reference_leaf.grad
-    expected_grad = spec.narrow(torch.zeros_like(first) if expected_grad is None else expected_grad)
-    actual_grad = torch.zeros_like(local_leaf) if local_leaf.grad is None else local_leaf.grad
-    problem = _mismatch(actual_grad, expected_grad)
-    return f"input gradient: {problem}" if problem else None
+    found = []
+    for i, (leaf, reference) in enumerate(zip(leaves, reference_leaves)):
+        if not reference.requires_grad:
+            continue
+        expected_grad = _zero_if_none(reference.grad, reference)
+        if i == 0:
+            expected_grad = spec.narrow(expected_grad)
+        problem = _mismatch(_whole(_zero_if_none(leaf.grad, leaf)), expected_grad)
+        if problem:
+            which = "the sharded input" if i == 0 else f"tensor argument {i}"
+            found.append(f"gradient of {which}: {problem}")
+    return found, None
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank: a collective every rank calls at the same point."""
+    count = torch.tensor([int(flag)])
+    dist.all_reduce(count)
+    return bool(count.item())
+
+
+def _zero_if_none(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    from shardsci.tensor import ShardTensor
+
+    return t.full_tensor() if isinstance(t, ShardTensor) else t
+
+
+def _layout_rules(
+    op, sample, rebuild, first: torch.Tensor, layout: Layout, mesh: tuple, expected: list
+) -> list[list[AxisRule]]:
+    """Per output: the rules its layout must follow (NOTE [An output cell belongs to the
+    shard it depends on])."""
+    shardings = dim_shardings(layout, first.shape, mesh)
+
+    def call(x: torch.Tensor) -> list:
+        # Random ops draw the same numbers for every probe. (The CPU generator only:
+        # torch.manual_seed also queues the seeding of every accelerator, at 3 ms a call.)
+        torch.default_generator.manual_seed(0)
+        return _flat_outputs(_call(op, sample, rebuild, x))
+
+    owners_per_axis: dict[int, list[dict]] = {}
+    for dim, (axes, sizes) in shardings.items():
+        if len(axes) == 1:
+            owners_per_axis[axes[0]] = cell_owners(call, first.detach(), dim, sizes) or []
+    rules = []
+    for i, e in enumerate(expected):
+        if not isinstance(e, torch.Tensor):
+            rules.append([])
+            continue
+        per_axis = {a: owners[i] for a, owners in owners_per_axis.items() if i < len(owners)}
+        rules.append(axis_rules(per_axis, layout, first.shape, e.shape, mesh))
+    return rules
+
+
+def _rules_text(rules: list[AxisRule], layout: Layout) -> str:
+    by_axis = {r.axis: r.rule for r in rules}
+    return "/".join(by_axis.get(a, "-") for a in range(len(layout.placements)))
 
 
 def _differentiable_outputs(outputs: list) -> list[torch.Tensor]:
@@ -315,8 +461,9 @@ def _loss(outputs: list[torch.Tensor], projections: list) -> torch.Tensor:
     return total
 
 
-def _laid_out_like(projection, out, from_local_spec, grad_spec):
+def _laid_out_like(projection: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     from shardsci.tensor import ShardTensor
+    from shardsci.tensor._api import from_local_spec, grad_spec
 
     if not isinstance(out, ShardTensor):
         return projection
@@ -324,27 +471,51 @@ def _laid_out_like(projection, out, from_local_spec, grad_spec):
     return from_local_spec(spec.narrow(projection), spec)
 
 
-def _compare_output(actual: object, expected: object, compare_values: bool) -> str | None:
+def _compare_output(
+    actual: object, expected: object, rules: list[AxisRule], mesh: tuple, values: bool
+) -> list[str]:
+    """What differs in one output: its layout and its values, both checked; every rank makes
+    the same collectives (NOTE [Every rank runs a case's collectives])."""
     from shardsci.tensor import ShardTensor
 
     if not isinstance(expected, torch.Tensor):
         if isinstance(actual, torch.Tensor):
-            return f"a tensor where the reference returned {expected!r}"
-        return None if actual == expected or actual is expected else f"{actual!r} != {expected!r}"
+            return [f"a tensor where the reference returned {expected!r}"]
+        same = actual == expected or actual is expected
+        return [] if same else [f"{actual!r} != {expected!r}"]
     if not isinstance(actual, torch.Tensor):
-        return f"{actual!r} where the reference returned a tensor"
+        return [f"{actual!r} where the reference returned a tensor"]
+    found = []
     if isinstance(actual, ShardTensor):
         local, claimed = tuple(actual._local.shape), tuple(actual._spec.local_shape())
-        if local != claimed:
-            return f"shard of shape {local} where its spec says {claimed} ({actual._spec})"
+        wrong_shard = local != claimed
+        if _on_any_rank(wrong_shard):  # a gather of wrong shards could hang: stop together
+            wrong = f"shard of shape {local} where its spec says {claimed} ({actual._spec})"
+            return [wrong] if wrong_shard else []
+        layout = _layout_problem(actual, rules, mesh)
+        if layout:
+            found.append(f"layout: {layout}")
         with torch.no_grad():
             actual = actual.full_tensor()
+    elif rules:
+        found.append("layout: a plain tensor where the input's shards state a sharded output")
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        return (
+        found.append(
             f"shape {tuple(actual.shape)} {actual.dtype}, reference "
             f"{tuple(expected.shape)} {expected.dtype}"
         )
-    return _mismatch(actual, expected) if compare_values else None
+    elif values and (mismatch := _mismatch(actual, expected)):
+        found.append(mismatch)
+    return found
+
+
+def _layout_problem(actual, rules: list[AxisRule], mesh: tuple) -> str:
+    spec = actual._spec
+    if spec.mesh_shape != mesh:
+        return f"on a mesh of shape {spec.mesh_shape}, the input's is {mesh}"
+    sizes = {s.dim: s.sizes for s in spec.shardings}
+    order = {s.dim: s.axes for s in spec.shardings}
+    return held_where(rules, spec.placements, sizes, order, tuple(actual.shape), mesh)
 
 
 def _mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
@@ -358,129 +529,118 @@ def _mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
 
 
 # ---------------------------------------------------------------------------- on the ranks
-# NOTE [Agreeing on a case's outcome]
-# After each case every rank reports what it saw (ran, with or without a mismatch; raised;
-# skipped) in an all-gather on a process group of its own, with a deadline. A case that
-# raised on some ranks only leaves the others waiting in one of the op's collectives, on
-# the mesh's groups: they never reach the agreement, which times out on the ranks that did,
-# and those end the pool call naming the case. Because the agreement never shares a group
-# with the op's collectives, a rank stuck there cannot be fed the agreement's messages. Rank
-# 0 logs each case before running it and its outcome after, to a file the parent reads, so a
-# case during which a rank died or hung is known even though the pool call returns nothing.
-_agreement: dict[int, object] = {}
-
-
-def _agreement_group():
-    world = dist.get_world_size()
-    if world not in _agreement:
-        _agreement[world] = dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=_AGREEMENT_TIMEOUT_S)
-        )
-    return _agreement[world]
+# Rank 0 logs each case before running it and its outcome after, to a file the parent reads,
+# so a case during which a rank died or hung is known even though the pool call returns
+# nothing (NOTE [Agreeing on a case's outcome] in tests/agreement.py).
+Position = tuple[str, int, int]  # (op key, index of the layout in the call's list, sample)
+_KNOWN_HANG = "a known bug hangs some ranks here: only the full sweep runs it"
 
 
 def _cases(
-    layout: SweepLayout,
+    layouts: Sequence[SweepLayout],
     chunk: tuple[int, int],
     limit: int | None,
     pattern: str | None,
-    resume_after: tuple[str, int] | None,
-) -> Iterator[tuple[str, int, object, Layout | None]]:
-    """``(op key, sample index, sample, layout)`` of every case of this chunk of the database
-    (ops whose key matches ``pattern``) after ``resume_after``, in order."""
+    resume_after: Position | None,
+    dealt: bool = False,
+) -> Iterator[tuple[Position, SweepLayout, object, Layout | None]]:
+    """``(position, layout, sample, layout of its first tensor)`` of every case of this chunk
+    of the database (ops whose key matches ``pattern``) after ``resume_after``, op by op and,
+    for each op, layout by layout (its samples are generated once, its caches stay warm).
+    ``dealt``: each op on one layout only, the ``LAYOUTS`` in turn."""
     keys = sorted(k for k in database() if pattern is None or re.search(pattern, k))
-    for key in keys[chunk[0] :: chunk[1]]:
+    names = list(LAYOUTS)
+    for number, key in enumerate(keys):
+        if number % chunk[1] != chunk[0]:
+            continue
         if resume_after is not None and key < resume_after[0]:
             continue
-        for index, sample, sharded in selected_samples(key, layout, limit):
-            if resume_after is None or (key, index) > resume_after:
-                yield key, index, sample, sharded
+        for i, layout in enumerate(layouts):
+            if dealt and names[number % len(names)] != layout.name:
+                continue
+            for index, sample, sharded in selected_samples(key, layout, limit):
+                if resume_after is None or (key, i, index) > resume_after:
+                    yield (key, i, index), layout, sample, sharded
 
 
-def _local_verdict(key: str, sample, sharded: Layout | None, mesh, compare_values: bool):
-    """This rank's view of one case: ``("ran", mismatch or None)``, ``("raised", type,
-    message)`` or ``("skip", why)``."""
+def verdict_of_case(
+    key: str, sample, sharded: Layout | None, mesh, unchecked: str | None
+) -> tuple[tuple, str]:
+    """This rank's view of one case: ``("ran", problem, unchecked)``, ``("raised", type,
+    message)`` or ``("skip", why)``; and the layout rules it checked (rank 0's: kept out of
+    the verdict, so that the ranks' verdicts agree when nothing differs)."""
     if sharded is None:
-        return ("skip", "no tensor dim to shard in this layout")
+        return ("skip", "no tensor dim to shard in this layout"), ""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            problem = run_case(database()[key], sample, sharded, mesh, compare_values)
+            result = run_case(database()[key], sample, sharded, mesh, unchecked)
     except Exception as exc:
         message = " ".join(str(exc).split())
-        return ("raised", type(exc).__name__, message[:500])
-    if problem and problem.startswith("skip: "):
-        return ("skip", problem[len("skip: ") :])
-    return ("ran", problem)
-
-
-def _agree(verdict: tuple, group, where: str) -> list[tuple]:
-    """Every rank's verdict. One all-gather of a fingerprint when all ran cleanly; the
-    verdicts themselves only when they differ or report something."""
-    code = 0 if verdict == ("ran", None) else 1 + zlib.crc32(repr(verdict).encode())
-    world = dist.get_world_size(group)
-    fingerprints = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    try:
-        dist.all_gather(fingerprints, torch.tensor([code]), group=group)
-        if all(f.item() == 0 for f in fingerprints):
-            return [verdict] * world
-        verdicts: list = [None] * world
-        dist.all_gather_object(verdicts, verdict, group=group)
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"{where}: not every rank reached the agreement within "
-            f"{_AGREEMENT_TIMEOUT_S:.0f} s; this rank saw {verdict}"
-        ) from exc
-    return verdicts
+        return ("raised", type(exc).__name__, message[:500]), ""
+    if result.problem and result.problem.startswith("skip: "):
+        return ("skip", result.problem[len("skip: ") :]), ""
+    return ("ran", result.problem, result.unchecked), result.layout
 
 
 def sweep_body(
-    layout_name: str,
+    layout_names: Sequence[str],
     chunk: tuple[int, int],
     limit: int | None,
-    resume_after: tuple[str, int] | None,
+    resume_after: Position | None,
     log_path: str,
     pattern: str | None,
+    dealt: bool = False,
 ) -> None:
-    """Run the cases of a chunk of the database after ``resume_after`` on this rank (see
-    the NOTE above)."""
-    layout = LAYOUTS[layout_name]
-    mesh = get_mesh(layout.mesh)
+    """Run the cases of a chunk of the database after ``resume_after`` on this rank, on each
+    of ``layout_names`` (their meshes of this world size; ``dealt``: see ``_cases``)."""
+    layouts = [LAYOUTS[name] for name in layout_names]
     expectations = Expectations.load()
-    group = _agreement_group()
     rank = dist.get_rank()
     with open(log_path, "a") as log:
-        for key, index, sample, sharded in _cases(layout, chunk, limit, pattern, resume_after):
-            case = {"op": key, "sample": index}
+        for position, layout, sample, sharded in _cases(
+            layouts, chunk, limit, pattern, resume_after, dealt
+        ):
+            key, _, index = position
+            case = {"op": key, "sample": index, "layout": layout.name, "position": position}
             if rank == 0:
                 log.write(json.dumps({"begin": True, **case}) + "\n")
                 log.flush()
             begun = time.perf_counter()
-            compare = expectations.compares_values(key, sample)
-            verdict = _local_verdict(key, sample, sharded, mesh, compare)
+            unchecked = expectations.why_values_unchecked(key, sample)
+            if limit is not None and expectations.hangs(key, index, layout.name):
+                verdict, stated = ("skip", _KNOWN_HANG), ""
+            else:
+                mesh = get_mesh(layout.mesh)
+                verdict, stated = verdict_of_case(key, sample, sharded, mesh, unchecked)
             seconds = time.perf_counter() - begun
-            verdicts = _agree(verdict, group, f"{key} sample {index}")
+            verdicts = agree(verdict, f"{key} sample {index} on {layout.name}")
             if rank == 0:
                 outcome, detail = classify(database()[key].name, verdicts)
-                record = {**case, "outcome": outcome, "detail": detail}
+                record = {**case, "outcome": outcome, "detail": detail, "layout_rules": stated}
                 log.write(json.dumps({**record, "seconds": round(seconds, 4)}) + "\n")
                 log.flush()
 
 
 def classify(name: str, verdicts: list[tuple]) -> tuple[str, str]:
-    """One case's outcome from every rank's verdict (see the module docstring)."""
+    """One case's outcome and its detail, from every rank's verdict (see the module
+    docstring)."""
     kinds = {v[0] for v in verdicts}
     if kinds == {"skip"}:
         return "skipped", verdicts[0][1]
     if kinds == {"ran"}:
         problems = [(r, v[1]) for r, v in enumerate(verdicts) if v[1]]
-        if not problems:
-            return "correct", ""
-        return "wrong", "; ".join(f"rank {r}: {p}" for r, p in problems)
+        if problems:
+            return "wrong", "; ".join(f"rank {r}: {p}" for r, p in problems)
+        unchecked = sorted({v[2] for v in verdicts if v[2]})
+        if unchecked:
+            return "not-checked", "; ".join(unchecked)
+        return "ok", ""
     if kinds == {"raised"} and len({v[1] for v in verdicts}) == 1:
         message = f"{verdicts[0][1]}: {verdicts[0][2]}"
         return ("error" if names_op(name, verdicts[0][2]) else "unclear"), message
-    return "some-ranks", "; ".join(f"rank {r}: {v[1:]}" for r, v in enumerate(verdicts))
+    detail = "; ".join(f"rank {r}: {v[1:]}" for r, v in enumerate(verdicts))
+    return "some-ranks", detail
 
 
 def names_op(name: str, message: str) -> bool:
@@ -494,13 +654,20 @@ def names_op(name: str, message: str) -> bool:
 
 # ---------------------------------------------------------------------------- in the parent
 def sweep(
-    layout: SweepLayout,
+    layouts: Sequence[SweepLayout],
     chunk: tuple[int, int] = (0, 1),
     limit: int | None = None,
     pattern: str | None = None,
+    dealt: bool = False,
 ) -> list[dict]:
-    """Every case of a chunk of the database on ``layout``: one record per case with its
-    ``op``, ``sample``, ``outcome``, ``detail`` and ``seconds`` (on rank 0)."""
+    """Every case of a chunk of the database on ``layouts`` (meshes of one world size, run
+    in one pool; ``dealt``: each op on one layout, see ``_cases``): one record per case with
+    its ``op``, ``sample``, ``layout``, ``outcome``, ``detail``, ``layout_rules`` and
+    ``seconds`` (on rank 0)."""
+    worlds = {layout.world for layout in layouts}
+    if len(worlds) != 1:
+        raise ValueError(f"one sweep runs layouts of one world size, got {sorted(worlds)}")
+    names = [layout.name for layout in layouts]
     with tempfile.TemporaryDirectory(prefix="shardsci-op-db-") as tmp:
         log_path = Path(tmp) / "cases.jsonl"
         log_path.touch()
@@ -508,14 +675,15 @@ def sweep(
         while True:
             try:
                 run_on_ranks(
-                    layout.world,
+                    layouts[0].world,
                     sweep_body,
-                    layout.name,
+                    names,
                     chunk,
                     limit,
                     resume_after,
                     str(log_path),
                     pattern,
+                    dealt,
                     timeout_s=3600.0,
                 )
                 break
@@ -524,16 +692,24 @@ def sweep(
         return [r for r in _read(log_path) if "outcome" in r]
 
 
+def by_world() -> dict[int, list[SweepLayout]]:
+    """The sweep layouts grouped by world size (one pool call each)."""
+    groups: dict[int, list[SweepLayout]] = {}
+    for layout in LAYOUTS.values():
+        groups.setdefault(layout.world, []).append(layout)
+    return groups
+
+
 def _read(log_path: Path) -> list[dict]:
     return [json.loads(line) for line in log_path.read_text().splitlines() if line]
 
 
-def _record_failure(log_path: Path, failure: RankFailure) -> tuple[str, int]:
-    """Log the case a failed pool call was running as ``some-ranks``; return it."""
+def _record_failure(log_path: Path, failure: RankFailure) -> Position:
+    """Log the case a failed pool call was running as ``some-ranks``; return its position."""
     records = _read(log_path)
     if not records or "begin" not in records[-1]:
         raise failure
-    case = {"op": records[-1]["op"], "sample": records[-1]["sample"]}
+    case = {k: records[-1][k] for k in ("op", "sample", "layout", "position")}
     lines = [
         line
         for line in str(failure).splitlines()
@@ -542,36 +718,72 @@ def _record_failure(log_path: Path, failure: RankFailure) -> tuple[str, int]:
     detail = "a rank died or hung: " + " | ".join(lines)[:1500]
     with open(log_path, "a") as log:
         record = {**case, "outcome": "some-ranks", "detail": detail, "seconds": None}
-        log.write(json.dumps(record) + "\n")
-    return case["op"], case["sample"]
+        log.write(json.dumps({**record, "layout_rules": ""}) + "\n")
+    return tuple(case["position"])
 
 
 def counts(records: list[dict]) -> dict[str, int]:
-    """Cases per outcome, plus ``cases``: those not skipped."""
+    """Cases per outcome, plus ``cases`` (those not skipped), ``wrong_values`` (wrong cases
+    with a wrong value or gradient, not only a wrong layout) and ``layout_unstated`` (cases
+    that ran with some output axis no layout rule states)."""
     tally = Counter(r["outcome"] for r in records)
     result = {"cases": sum(n for o, n in tally.items() if o != "skipped")}
     result.update({o: tally.get(o, 0) for o in OUTCOMES})
+    result["wrong_values"] = sum(1 for r in records if wrong_values(r))
+    result["layout_unstated"] = sum(
+        1
+        for r in records
+        if r["outcome"] in ("ok", "not-checked") and "-" in re.split(r"[ /]", r["layout_rules"])
+    )
     return result
 
 
+_NOT_OK = ("wrong", "unclear", "some-ranks", "error")
+
+
+def wrong_values(record: dict) -> bool:
+    """Whether a wrong case has a wrong value, shard or gradient (not only a wrong layout)."""
+    if record["outcome"] != "wrong":
+        return False
+    problems = re.split(r" \| |; rank \d+: |^rank \d+: ", record["detail"])
+    return any(p and not re.match(r"output \d+: layout: ", p) for p in problems)
+
+
 def problems(records: list[dict], expectations: Expectations) -> list[str]:
-    """Every case the sweep must not accept: wrong, unclear, some-ranks, and errors of ops
-    that are not listed as unsupported."""
+    """Every case the sweep must not accept: wrong, unclear, some-ranks and error cases that
+    no entry of ``op_db_unsupported.py`` accepts (another op, sample, layout or message)."""
     found = []
     for r in records:
-        where = f"{r['op']} sample {r['sample']}: {r['outcome']}: {r['detail']}"
-        if r["outcome"] in ("wrong", "unclear", "some-ranks"):
-            found.append(where)
-        elif r["outcome"] == "error" and r["op"] not in expectations.unsupported:
-            found.append(f"{where} (not listed in op_db_unsupported.py)")
+        if r["outcome"] in _NOT_OK and expectations.accepting(r) is None:
+            where = f"{r['op']} sample {r['sample']} on {r['layout']}"
+            found.append(f"{where}: {r['outcome']}: {r['detail']}")
     return found
 
 
 def stale(records: list[dict], expectations: Expectations) -> list[str]:
-    """Ops listed as unsupported that raised no error in any case of ``records``."""
-    ran = {r["op"] for r in records}
-    failed = {r["op"] for r in records if r["outcome"] == "error"}
-    return sorted(op for op in expectations.unsupported if op in ran and op not in failed)
+    """Entries of ``op_db_unsupported.py`` that accepted none of the cases of ``records``
+    they apply to (an error that went away, a bug that was fixed: narrow or drop them)."""
+    found = []
+    for op in sorted({r["op"] for r in records}):
+        mine = [r for r in records if r["op"] == op and r["detail"] != _KNOWN_HANG]
+        for entry in expectations.entries(op):
+            applying = [r for r in mine if entry.applies(r)]
+            if applying and not any(entry.accepts(r) for r in applying):
+                found.append(f"{op}: {entry}")
+    return found
+
+
+_COLUMNS = (
+    ("ok", "ok"),
+    ("not-checked", "not checked"),
+    ("error", "clear error"),
+    ("wrong", "wrong"),
+    ("wrong_values", "of which values"),
+    ("some-ranks", "some ranks"),
+    ("unclear", "unclear"),
+    ("skipped", "skipped"),
+    ("layout_unstated", "layout unstated"),
+)
 
 
 def write_summary(path: Path, records: list[dict], samples: int | None, pattern: str | None):
@@ -581,9 +793,7 @@ def write_summary(path: Path, records: list[dict], samples: int | None, pattern:
     for name in LAYOUTS:
         mine = [r for r in records if r["layout"] == name]
         if mine:
-            tally = counts(mine)
-            correct = tally["correct"] / tally["cases"] if tally["cases"] else 1.0
-            layouts[name] = {**tally, "correct_fraction": round(correct, 4)}
+            layouts[name] = counts(mine)
     command = (
         "OMP_NUM_THREADS=1 python -m tests.op_db_sweep"
         + (f" --samples {samples}" if samples is not None else "")
@@ -600,21 +810,27 @@ def write_summary(path: Path, records: list[dict], samples: int | None, pattern:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     rows = [
-        f"| {name} | {t['cases']} | {t['correct']} ({100 * t['correct_fraction']:.1f} %) | "
-        f"{t['error']} | {t['wrong']} | {t['some-ranks']} | {t['unclear']} | {t['skipped']} |"
+        f"| {name} | {t['cases']} | " + " | ".join(str(t[key]) for key, _ in _COLUMNS) + " |"
         for name, t in layouts.items()
     ]
+    described = "; ".join(f"{n}: {LAYOUTS[n].description}" for n in layouts)
     path.with_suffix(".md").write_text(
         "# PyTorch's OpInfo database on ShardTensors\n\n"
         f"{summary['ops']} OpInfo entries (float64, CPU), the first "
         f"{summary['samples_per_op']} samples of each that a layout can shard, torch "
-        f"{torch.__version__}; the first "
-        "tensor argument sharded (2r-uneven: 2 ranks, uneven; 4r-empty: 4 ranks, rank 0 "
-        "empty; 2x2-uneven: two dims over a 2x2 mesh), compared with one process, forward and "
-        "the sharded input's gradient (see `tests/op_db_sweep.py`). *error*: the same clear "
-        "error on every rank, for ops listed with a reason in `tests/op_db_unsupported.py`.\n\n"
-        "| layout | cases | correct | error | wrong | some ranks | unclear | skipped |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        f"{torch.__version__}; the first tensor argument sharded ({described}), the others "
+        "plain; compared with one process: values, shard sizes, each output's layout (NOTE "
+        "[An output cell belongs to the shard it depends on] in `tests/expected_layouts.py`) "
+        "and the gradient of every differentiable tensor argument (see "
+        "`tests/op_db_sweep.py`). *clear error*: the same error naming the op on every rank, "
+        "each accepted by op, sample and message in `tests/op_db_unsupported.py`. *not "
+        "checked*: random or uninitialised values, or a reference whose backward raised. "
+        "*layout unstated*: ok or not-checked cases with an output axis no rule states "
+        "(a reduction or contraction over the sharded dim).\n\n"
+        "| layout | cases | " + " | ".join(title for _, title in _COLUMNS) + " |\n"
+        "| --- | --- |"
+        + " --- |" * len(_COLUMNS)
+        + "\n"
         + "\n".join(rows)
         + f"\n\nRegenerate: `{command}`\n"
     )
@@ -631,23 +847,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     expectations = Expectations.load()
-    layouts = LAYOUTS.values() if args.layout == "all" else [LAYOUTS[args.layout]]
+    groups = by_world() if args.layout == "all" else {0: [LAYOUTS[args.layout]]}
     everything = []
     try:
-        for layout in layouts:
-            records = sweep(layout, (0, 1), args.samples, args.ops)
-            for r in records:
-                r["layout"] = layout.name
+        for layouts in groups.values():
+            records = sweep(layouts, (0, 1), args.samples, args.ops)
             everything.extend(records)
-            print(json.dumps({"layout": layout.name, **counts(records)}), flush=True)
+            for layout in layouts:
+                mine = [r for r in records if r["layout"] == layout.name]
+                print(json.dumps({"layout": layout.name, **counts(mine)}), flush=True)
             for line in problems(records, expectations):
                 print("  " + line, flush=True)
+            if args.records:
+                args.records.write_text("".join(json.dumps(r) + "\n" for r in everything))
     finally:
         from shardsci.testing import shutdown_pools
 
         shutdown_pools()
-    if args.records:
-        args.records.write_text("".join(json.dumps(r) + "\n" for r in everything))
     if args.summary:
         write_summary(args.summary, everything, args.samples, args.ops)
 

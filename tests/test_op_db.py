@@ -1,11 +1,24 @@
 """PyTorch's OpInfo database on uneven and empty shards, against one process.
 
-Every case must give the reference's result (forward and the sharded input's gradient) or
-raise the same clear error on every rank, and an op may raise only if
-``op_db_unsupported.py`` lists it (see ``tests/op_db_sweep.py``). The fast sweep, always on,
-runs every op once: the first sample each layout can shard, the ops dealt out in turn to the
-three layouts (about 3 minutes on 2 busy cores). The full sweep (``pytest -m slow
-tests/test_op_db.py``) runs every sample of every op on every layout.
+Every case must give the reference's result (values, shard sizes, the layout its cells'
+dependencies state, and the gradient of every differentiable tensor argument) or raise the
+same clear error on every rank, an error ``op_db_unsupported.py`` accepts for that op, sample
+and message; the cases of known shardsci bugs are listed there too, by op, sample, layout and
+message, and fail the sweep once they no longer show the bug (see ``tests/op_db_sweep.py``).
+
+- Always on (``test_op_db``): the first sample of every op, each op on one of the five
+  layouts in turn.
+- ``-m slow``: every op's first sample on every layout
+  (``pytest -m slow tests/test_op_db.py -k first_sample``, about five times the fast sweep),
+  every sample of every op on every layout (``-k every_sample``), and the check that every
+  entry of the lists still matches a case (``-k still_matches``). The same sweeps, with counts
+  per layout: ``python -m tests.op_db_sweep --samples 1`` (see its ``--help``).
+
+The sweep itself is checked here too: an op implemented as "gather everything, compute, lay
+the result out again" fails it by its layout; a handler that drops a plain argument's
+gradient fails it; an error the list does not accept for that sample or message, or raised
+on some ranks only, fails it; random values and a reference whose backward raises are
+counted as not checked, never as correct.
 """
 
 from __future__ import annotations
@@ -13,49 +26,243 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
+from torch.testing._internal.opinfo.core import SampleInput
 
-from tests.op_db_sweep import LAYOUTS, Expectations, counts, database, problems, stale, sweep
+from shardsci.testing import get_mesh, run_on_ranks
+from tests.agreement import agree
+from tests.op_db_sweep import (
+    LAYOUTS,
+    Expectations,
+    by_world,
+    classify,
+    counts,
+    database,
+    other_tensors,
+    problems,
+    run_case,
+    selected_samples,
+    stale,
+    sweep,
+    verdict_of_case,
+)
+from tests.op_db_unsupported import Accepted
 
 FAST_SAMPLES = 1
 FULL_CHUNKS = 12
 
 
-def _check(layout: str, chunk: int, chunks: int, limit: int | None) -> None:
-    records = sweep(LAYOUTS[layout], (chunk, chunks), limit)
-    found = problems(records, Expectations.load())
-    summary = counts(records)
-    assert not found, f"{layout} {summary}: {len(found)} problems:\n" + "\n".join(found[:40])
+def _check(world: int, chunk: int, chunks: int, limit: int | None, dealt: bool = False) -> None:
+    """The sweep's cases on the layouts of ``world`` ranks: none wrong, unclear or on some
+    ranks only, every error listed for its sample, and every entry that applies matched."""
+    records = sweep(by_world()[world], (chunk, chunks), limit, dealt=dealt)
+    expectations = Expectations.load()
+    found = problems(records, expectations)
+    found += [f"{entry}: matched no case it applies to" for entry in stale(records, expectations)]
+    summary = {r["layout"]: counts([x for x in records if x["layout"] == r["layout"]])
+               for r in records}  # fmt: skip
+    assert not found, f"{summary}: {len(found)} problems:\n" + "\n".join(found[:40])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_op_db(layout: str) -> None:
-    _check(layout, list(LAYOUTS).index(layout), len(LAYOUTS), FAST_SAMPLES)
+@pytest.mark.parametrize("world", by_world())
+def test_op_db(world: int) -> None:
+    """Every op's first sample, on one of the five layouts in turn (the suite's budget)."""
+    _check(world, 0, 1, FAST_SAMPLES, dealt=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", by_world())
+def test_op_db_first_sample_every_layout(world: int) -> None:
+    _check(world, 0, 1, FAST_SAMPLES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", range(FULL_CHUNKS))
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_op_db_every_sample(layout: str, chunk: int) -> None:
-    _check(layout, chunk, FULL_CHUNKS, None)
+@pytest.mark.parametrize("world", by_world())
+def test_op_db_every_sample(world: int, chunk: int) -> None:
+    _check(world, chunk, FULL_CHUNKS, None)
 
 
 @pytest.mark.slow
-def test_every_op_listed_as_unsupported_still_raises() -> None:
-    """The list stays honest: each op in ``op_db_unsupported.UNSUPPORTED`` still raises its
-    clear error on some sample of some layout (every sample, every layout; an op may raise on
-    one layout only, as adaptive pooling does where its windows straddle shards)."""
+def test_every_entry_of_the_lists_still_matches() -> None:
+    """The lists stay honest: each entry of ``op_db_unsupported.UNSUPPORTED`` and
+    ``KNOWN_BUGS`` still matches a case it applies to (every sample, every layout, all at
+    once: an op may raise on one layout only, as adaptive pooling does where its windows
+    straddle shards)."""
     expectations = Expectations.load()
-    listed = "^(" + "|".join(re.escape(op) for op in expectations.unsupported) + ")$"
-    records = [r for layout in LAYOUTS.values() for r in sweep(layout, pattern=listed)]
+    ops = {*expectations.unsupported, *expectations.known_bugs}
+    listed = "^(" + "|".join(re.escape(op) for op in ops) + ")$"
+    records = [r for layouts in by_world().values() for r in sweep(layouts, pattern=listed)]
     found = problems(records, expectations)
-    found += [
-        f"{op}: listed as unsupported but raised nothing" for op in stale(records, expectations)
-    ]
+    found += [f"{entry}: matched no case" for entry in stale(records, expectations)]
     assert not found, "\n".join(found)
 
 
 def test_expectations_name_real_ops() -> None:
     expectations = Expectations.load()
     known = database()
-    listed = [*expectations.unsupported, *expectations.unchecked_values, *expectations.random_when]
+    listed = [
+        *expectations.unsupported,
+        *expectations.known_bugs,
+        *expectations.unchecked_values,
+        *expectations.random_when,
+    ]
     assert not [k for k in listed if k not in known], "unknown OpInfo names in the list"
+
+
+# ---------------------------------------------------------------------------- the sweep fails
+def _gathering_sin(how: str):
+    """``torch.sin`` the lazy way: gather, compute on the whole tensor, lay the result out
+    again: as a plain tensor, replicated, or re-split with ``torch.chunk`` sizes."""
+    from shardsci.handlers import ShardTensorSpec, from_local_spec
+    from shardsci.tensor._spec import replicated_spec
+
+    def handler(func, args, kwargs):
+        x = args[0]
+        whole = torch.sin(x.full_tensor())
+        if how == "plain":
+            return whole
+        mesh = x.spec.mesh
+        if how == "replicated":
+            spec = replicated_spec(whole, mesh)
+        else:
+            spec = ShardTensorSpec.build(mesh, x.spec.placements, whole.shape, whole.dtype)
+        return from_local_spec(spec.narrow(whole), spec)
+
+    return handler
+
+
+def _gathering_fallback_body(how: str) -> tuple[str, str]:
+    from shardsci.handlers import register_function_handler, scoped_handlers
+
+    layout = LAYOUTS["2r-uneven"]
+    mesh = get_mesh(layout.mesh)
+    _, sample, sharded = selected_samples("sin", layout, 1)[0]
+    with scoped_handlers():
+        register_function_handler(torch.sin, replace=True)(_gathering_sin(how))
+        verdict, _ = verdict_of_case("sin", sample, sharded, mesh, None)
+    outcome, detail = classify("sin", agree(verdict, f"sin gathered ({how})"))
+    return outcome, detail
+
+
+@pytest.mark.parametrize("how", ["plain", "replicated", "chunk"])
+def test_a_gathering_fallback_fails_the_sweep(how: str) -> None:
+    """Registered for one op, a fallback that gathers makes its case wrong, by its layout
+    (the values are right). A fallback that re-splits exactly as it should is not visible to
+    the sweep; ``check_against_reference``'s traffic check catches it
+    (``tests/test_reference_checker.py``)."""
+    outcome, detail = run_on_ranks(2, _gathering_fallback_body, how)[0]
+    assert outcome == "wrong", (outcome, detail)
+    assert ": layout: " in detail, detail
+
+
+def _mul_dropping_the_other_gradient(func, args, kwargs):
+    """``torch.mul`` whose plain second operand gets no gradient (detached, then the
+    ordinary path)."""
+    x, y = args
+    if isinstance(y, torch.Tensor) and y.requires_grad:
+        return torch.mul(x, y.detach(), **kwargs)
+    return NotImplemented
+
+
+def _other_gradient_dropped_body() -> tuple[str, str]:
+    from shardsci.handlers import register_function_handler, scoped_handlers
+
+    layout = LAYOUTS["2r-uneven"]
+    mesh = get_mesh(layout.mesh)
+    index, sample, sharded = selected_samples("mul", layout, 1)[0]
+    assert [t.requires_grad for t in other_tensors(sample)] == [True], index
+    with scoped_handlers():
+        register_function_handler(torch.mul, replace=True)(_mul_dropping_the_other_gradient)
+        verdict, _ = verdict_of_case("mul", sample, sharded, mesh, None)
+    return classify("mul", agree(verdict, "mul without the other gradient"))
+
+
+def test_a_wrong_gradient_of_a_plain_argument_fails_the_sweep() -> None:
+    """The gradient of every differentiable tensor argument is checked, not only the sharded
+    one's: a handler that drops the plain operand's gradient makes the case wrong."""
+    outcome, detail = run_on_ranks(2, _other_gradient_dropped_body)[0]
+    assert outcome == "wrong", (outcome, detail)
+    assert "gradient of tensor argument 1" in detail, detail
+    assert "gradient of the sharded input" not in detail, detail
+
+
+class _RaisingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        raise RuntimeError("no backward here")
+
+
+class _FakeOp:
+    """The parts of an OpInfo that ``run_case`` reads: ``x * 2`` on plain tensors, with a
+    backward that raises (the reference's); ShardTensors take the ordinary product."""
+
+    supports_autograd = True
+
+    def __call__(self, x):
+        from shardsci.tensor import ShardTensor
+
+        return x * 2 if isinstance(x, ShardTensor) else _RaisingBackward.apply(x)
+
+
+def _reference_backward_raises_body() -> tuple:
+    layout = LAYOUTS["2r-uneven"]
+    x = torch.randn(5, 3, dtype=torch.float64)
+    result = run_case(
+        _FakeOp(), SampleInput(x), layout.layout_for(x.shape), get_mesh(layout.mesh), None
+    )
+    return result.problem, result.unchecked
+
+
+def test_a_reference_whose_backward_raises_is_not_checked() -> None:
+    problem, unchecked = run_on_ranks(2, _reference_backward_raises_body)[0]
+    assert problem is None
+    assert unchecked == "gradients: the reference's backward raised RuntimeError"
+
+
+def test_a_case_with_something_unchecked_is_not_counted_correct() -> None:
+    """Random values (dropout) or a reference whose backward raised: ``not-checked`` on the
+    ranks' agreement, never ``ok``; a problem on one rank makes the case wrong."""
+    unchecked = ("ran", None, "values random in this sample")
+    assert classify("dropout", [unchecked, unchecked]) == (
+        "not-checked",
+        "values random in this sample",
+    )
+    assert classify("sin", [("ran", None, None)] * 2) == ("ok", "")
+    outcome, detail = classify("sin", [("ran", None, None), ("ran", "output 0: layout: x", None)])
+    assert (outcome, detail) == ("wrong", "rank 1: output 0: layout: x")
+
+
+def _record(outcome: str, detail: str, sample: int = 3, layout: str = "4r-empty") -> dict:
+    return {"op": "op", "sample": sample, "layout": layout, "outcome": outcome, "detail": detail}
+
+
+def test_the_lists_accept_only_their_samples_layouts_and_messages() -> None:
+    entry = Accepted(r"ValueError: .*windows of different", "why", samples=(3, 4))
+    expectations = Expectations({"op": (entry,)}, {}, {})
+    accepted = _record("error", "ValueError: op: windows of different lengths")
+    assert problems([accepted], expectations) == []
+    for record in (
+        _record("error", "ValueError: op: windows of different lengths", sample=5),
+        _record("error", "RuntimeError: op: something else"),
+        _record("some-ranks", "rank 0: ('raised', 'ValueError', 'windows of different')"),
+    ):
+        assert len(problems([record], expectations)) == 1, record
+    assert stale([accepted], expectations) == []
+    other = _record("error", "RuntimeError: op: something else")
+    assert stale([other], expectations) == [f"op: {entry}"]
+
+
+def test_a_known_bug_is_accepted_until_it_is_fixed() -> None:
+    """Like a strict xfail: a known bug's entry accepts its cases, and fails the sweep once
+    none of the cases it applies to shows the bug."""
+    bug = Accepted(r": layout: mesh axis 0 is R;", "gathers", outcome="wrong")
+    expectations = Expectations({}, {}, {}, {"op": (bug,)})
+    wrong = _record("wrong", "rank 0: output 0: layout: mesh axis 0 is R; expected Shard(0)")
+    assert problems([wrong], expectations) == []
+    assert stale([wrong], expectations) == []
+    assert stale([_record("ok", "")], expectations) == [f"op: {bug}"]

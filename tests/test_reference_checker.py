@@ -1,8 +1,10 @@
 """The reference checker fails for the right reasons.
 
 Deliberate errors (a forward off by 1e-7 relative, a wrong gradient, a weight gradient not
-summed over shards, a wrong layout, a plain result, traffic shardsci does not count, a shard
-whose size is not its spec's) each make ``check_against_reference`` fail, naming the problem.
+summed over shards, a running statistic taken over one shard, a wrong layout, a plain result,
+traffic shardsci does not count, a shard whose size is not its spec's) each make
+``check_against_reference`` fail, naming the problem; several at once are all reported, each
+under its aspect.
 And for every op family, an implementation that gathers its input, computes on the whole
 tensor and lays the result out again (as a plain tensor, replicated, re-split with
 ``torch.chunk`` sizes, or re-split exactly as it should be) fails: the first three by their
@@ -31,6 +33,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from shardsci.testing._reference import ReferenceMismatch
 from tests.expected_layouts import module_anchors, renamed, window_anchor, windowed
 from tests.layouts import SPATIAL_2D, Sharded
 
@@ -84,6 +87,21 @@ class _LocalWeight(nn.Module):
         return x * self.weight
 
 
+class _LocalRunningMean(nn.Module):
+    """``sin(x)``, keeping a running mean of the channels over this rank's shard only (a
+    batch-norm statistic that was never reduced over the shards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(3, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = x.to_local() if _sharded(x) else x
+        with torch.no_grad():
+            self.running_mean += local.detach().sum(dim=(0, 2, 3)) / x.shape[2]
+        return x.sin()
+
+
 def _shrunk(x: ShardTensor) -> ShardTensor:
     """Rank 0's shard loses a row its spec still counts."""
     local = x.to_local()
@@ -120,6 +138,10 @@ ERRORS: dict[str, tuple[Callable[[Sharded, torch.Tensor], str], str]] = {
     "weight gradient not summed over shards": (
         lambda c, x: _check(c, lambda m, a: m(a), [x], [c.layout], module=_LocalWeight()),
         "grad of parameter weight: Tensor-likes are not close",
+    ),
+    "running statistic over one shard": (
+        lambda c, x: _check(c, lambda m, a: m(a), [x], [c.layout], module=_LocalRunningMean()),
+        "buffer running_mean: Tensor-likes are not close",
     ),
     "wrong layout": (
         lambda c, x: _check(
@@ -172,6 +194,29 @@ def test_a_deliberate_error_fails_the_checker(name: str) -> None:
     messages = run_on_ranks(2, _error_body, name)
     assert messages[0] == messages[1]
     assert ERRORS[name][1] in messages[0], messages[0]
+
+
+def _several_errors_body() -> tuple[list[str], str]:
+    """A result off by 1e-7 (so its gradient too) and laid out along W: all three are
+    reported, each with its aspect."""
+
+    def wrong(a: torch.Tensor) -> torch.Tensor:
+        if not _sharded(a):
+            return a.sin()
+        return (a.sin() * (1 + 1e-7)).redistribute(placements=[Shard(3)])
+
+    x = torch.randn(TWO_RANKS.shape, dtype=F64)
+    try:
+        check_against_reference(wrong, [x], [TWO_RANKS.layout], get_mesh(TWO_RANKS.mesh))
+    except ReferenceMismatch as exc:
+        return sorted(exc.aspects), str(exc)
+    return [], ""
+
+
+def test_every_problem_is_reported_with_its_aspect() -> None:
+    aspects, message = run_on_ranks(2, _several_errors_body)[0]
+    assert aspects == ["gradients", "layout", "values"], message
+    assert "output 0: laid out as" in message and "Tensor-likes are not close" in message
 
 
 # ---------------------------------------------------------------------------- gathering fallbacks

@@ -12,7 +12,14 @@ on ShardTensors laid out as asked, and checks, on every rank together:
 - the gathered outputs equal the reference outputs,
 - the gradients of a random projection of the outputs equal the reference gradients, for every
   sharded input (its local shard of the reference gradient), every plain input and every
-  module parameter (the sum over shards, compared with the single-device gradient).
+  module parameter (the sum over shards, compared with the single-device gradient),
+- the module's buffers (batch-norm running statistics and counters) equal the reference
+  module's after the run.
+
+Every problem found is reported, not only the first: a wrong layout does not hide wrong values.
+They are raised together, on every rank alike, as one ``ReferenceMismatch`` whose ``problems``
+name the aspect each concerns (``traffic``, ``layout``, ``values``, ``gradients``,
+``buffers``), so a test can tell a kept layout with wrong values from the reverse.
 
 # NOTE [An output's layout is stated]
 Right values in the wrong layout are a bug a value check cannot see: an op that gathers its
@@ -41,7 +48,10 @@ from shardsci.tensor._api import from_local_spec, grad_spec
 from shardsci.testing._collective_asserts import assert_all_ranks, assert_close_all_ranks
 from shardsci.testing._traffic import Traffic, count_traffic, traffic_problems
 
-__all__ = ["ExpectedLayout", "Layout", "check_against_reference"]
+__all__ = ["ASPECTS", "ExpectedLayout", "Layout", "ReferenceMismatch", "check_against_reference"]
+
+#: What a problem found by ``check_against_reference`` concerns.
+ASPECTS = ("outputs", "traffic", "layout", "values", "gradients", "buffers")
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,47 @@ class Layout:
 
 ExpectedLayout = Layout | Callable[[tuple[int, ...]], Layout | None] | None
 """What an output's layout is stated as: a Layout, a function of its global shape, or None."""
+
+
+class ReferenceMismatch(AssertionError):
+    """Every problem ``check_against_reference`` found, the same on every rank.
+
+    Attributes
+    ----------
+    problems : tuple of (str, str)
+        ``(aspect, message)`` per problem, aspect one of ``ASPECTS``.
+    """
+
+    def __init__(self, problems: Sequence[tuple[str, str]]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("\n".join(message for _, message in self.problems))
+
+    @property
+    def aspects(self) -> frozenset[str]:
+        """The aspects with at least one problem."""
+        return frozenset(aspect for aspect, _ in self.problems)
+
+
+class _Findings:
+    """Collects the agreed failures of collective assertions instead of stopping at the first.
+
+    Each assertion is a collective that raises on every rank or on none, so every rank records
+    the same problems and goes on through the same collectives.
+    """
+
+    def __init__(self) -> None:
+        self.problems: list[tuple[str, str]] = []
+
+    def check(self, aspect: str, assertion: Callable[..., object], *args: object) -> None:
+        """Run the collective ``assertion(*args)``; record its failure under ``aspect``."""
+        try:
+            assertion(*args)
+        except AssertionError as exc:
+            self.problems.append((aspect, str(exc)))
+
+    def raise_any(self) -> None:
+        if self.problems:
+            raise ReferenceMismatch(self.problems)
 
 
 def check_against_reference(
@@ -123,6 +174,7 @@ def check_against_reference(
         The sharded outputs, for further checks by the caller.
     """
     label = f"{what}: " if what else ""
+    findings = _Findings()
     reference_inputs = [_leaf(x, grad) for x in inputs]
     reference_module = copy.deepcopy(module) if module is not None else None
     reference_out = _outputs(_call(fn, reference_module, reference_inputs))
@@ -150,35 +202,42 @@ def check_against_reference(
     problems = traffic_problems(stats, traffic)
     if not not_a_gather:
         problems += _gather_problems(traffic, inputs, specs, mesh)
-    assert_all_ranks(not problems, f"{label}forward: " + "; ".join(problems))
+    findings.check(
+        "traffic", assert_all_ranks, not problems, f"{label}forward: {'; '.join(problems)}"
+    )
 
-    assert_all_ranks(
-        len(sharded_out) == len(reference_out),
-        f"{label}{len(sharded_out)} outputs, reference has {len(reference_out)}",
-    )
-    expected_layouts = list(out_layouts) if out_layouts is not None else []
-    assert_all_ranks(
-        len(expected_layouts) in (0, len(sharded_out)),
-        f"{label}{len(expected_layouts)} out_layouts for {len(sharded_out)} outputs",
-    )
-    expected_layouts += [None] * (len(sharded_out) - len(expected_layouts))
+    count = f"{label}{len(sharded_out)} outputs, reference has {len(reference_out)}"
+    findings.check("outputs", assert_all_ranks, len(sharded_out) == len(reference_out), count)
+    expected_layouts = list(out_layouts or [None] * len(sharded_out))
+    stated = f"{label}{len(expected_layouts)} out_layouts for {len(sharded_out)} outputs"
+    findings.check("outputs", assert_all_ranks, len(expected_layouts) == len(sharded_out), stated)
+    findings.raise_any()  # nothing below can be compared output by output
     for i, (out, expected) in enumerate(zip(sharded_out, reference_out)):
         what_out = f"{label}output {i}"
         problem = _layout_problem(out, expected_layouts[i], inputs, layouts, mesh)
-        assert_all_ranks(not problem, f"{what_out}: {problem}")
-        _check_output(out, expected, atol, rtol, what_out)
+        findings.check("layout", assert_all_ranks, not problem, f"{what_out}: {problem}")
+        findings.check("values", _check_output, out, expected, atol, rtol, what_out)
     if grad:
         with count_traffic() as traffic, comm_counter() as stats:
             _backward(sharded_out, [_like(p, o) for p, o in zip(projections, sharded_out)])
         problems = traffic_problems(stats, traffic)
-        assert_all_ranks(not problems, f"{label}backward: " + "; ".join(problems))
+        backward = f"{label}backward: {'; '.join(problems)}"
+        findings.check("traffic", assert_all_ranks, not problems, backward)
         for i, (leaf, spec, ref) in enumerate(zip(sharded_leaves, specs, reference_inputs)):
             if ref.grad is not None or leaf.grad is not None:
                 expected = ref.grad if spec is None or ref.grad is None else spec.narrow(ref.grad)
-                _check_grad(leaf.grad, expected, atol, rtol, f"{label}grad of input {i}")
+                what_grad = f"{label}grad of input {i}"
+                findings.check(
+                    "gradients", _check_close, leaf.grad, expected, atol, rtol, what_grad
+                )
         if module is not None:
             for (name, p), ref_p in zip(module.named_parameters(), reference_module.parameters()):
-                _check_grad(p.grad, ref_p.grad, atol, rtol, f"{label}grad of parameter {name}")
+                what_grad = f"{label}grad of parameter {name}"
+                findings.check("gradients", _check_close, p.grad, ref_p.grad, atol, rtol, what_grad)
+    if module is not None:
+        for (name, b), ref_b in zip(module.named_buffers(), reference_module.buffers()):
+            findings.check("buffers", _check_close, b, ref_b, atol, rtol, f"{label}buffer {name}")
+    findings.raise_any()
     return sharded_out
 
 
@@ -309,15 +368,20 @@ def _check_output(out: object, expected: object, atol: float, rtol: float, what:
     assert_close_all_ranks(out.detach(), expected.detach(), atol=atol, rtol=rtol, what=what)
 
 
-def _check_grad(
+def _check_close(
     actual: torch.Tensor | None, expected: torch.Tensor | None, atol: float, rtol: float, what: str
 ) -> None:
+    """A gradient or buffer of the sharded run (whole, or a ShardTensor) against the
+    reference's; both missing is fine."""
     assert_all_ranks(
         (actual is None) == (expected is None),
         f"{what}: one of sharded ({actual is not None}) and reference "
-        f"({expected is not None}) gradients is missing",
+        f"({expected is not None}) is missing",
     )
     if actual is not None:
-        if isinstance(actual, ShardTensor):
-            actual = actual.full_tensor()
-        assert_close_all_ranks(actual, expected, atol=atol, rtol=rtol, what=what)
+        with torch.no_grad():
+            if isinstance(actual, ShardTensor):
+                actual = actual.full_tensor()
+            assert_close_all_ranks(
+                actual.detach(), expected.detach(), atol=atol, rtol=rtol, what=what
+            )
