@@ -12,7 +12,6 @@ run resumes at any step by computing that step's batch, reading nothing it skips
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardsci.data._field import ShardedHDF5Field, axis_index
 from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._caches import cached
 from shardsci.tensor._spec import mesh_coordinate
 
 __all__ = ["HeldOutPairs", "NextStepPairs", "PairBatch"]
@@ -224,6 +224,6 @@ class HeldOutPairs:
         return np.asarray([(b, start) for b in mine], dtype=np.int64).reshape(-1, 2)
 
 
-@functools.lru_cache(maxsize=2)
+@cached("epoch permutations", 2)
 def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)

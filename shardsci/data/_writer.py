@@ -198,6 +198,8 @@ class ShardedHDF5Writer:
     def write(self, field: torch.Tensor, index: Sequence[Index] | Index = ()) -> None:
         """Write ``field`` into ``dataset[index]``; each rank writes only its own block.
 
+        Not collective, unless ``field`` has a ``Partial`` placement (it is reduced first).
+
         Parameters
         ----------
         field : Tensor
@@ -206,8 +208,6 @@ class ShardedHDF5Writer:
         index : int, slice or sequence of them
             Selection on the leading dims (unit-step slices); an int drops its dim, the dims
             after the index are whole. ``()``: the whole dataset.
-
-        Not collective, unless ``field`` has a ``Partial`` placement (it is reduced first).
         """
         self._check_open()
         offsets, extents = self._selection(index)

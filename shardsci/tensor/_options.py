@@ -60,15 +60,18 @@ _EXCHANGE = [_ExchangeChoice()]
 def attention_exchange(
     mode: Exchange = "auto", gather_limit_bytes: int = 16 * 2**20
 ) -> Iterator[None]:
-    """How attention over a sharded sequence meets the key/value blocks of other ranks.
+    """How attention over a sharded sequence meets the key/value blocks of other ranks, and
+    a product of two operands sharded on different dims over the same mesh axes (``q @ k^T``
+    with tokens sharded in both) meets the other operand's blocks.
 
     Parameters
     ----------
     mode : {"auto", "ring", "all_gather"}
-        ``"auto"`` follows NOTE [Ring or all-gather] (``tensor/_ops/_attention_ops.py``); the
+        ``"auto"`` follows NOTE [Ring or all-gather] (``tensor/_ops/_ring.py``); the
         others force one exchange.
     gather_limit_bytes : int
-        ``"auto"`` gathers the keys and values of a call up to this size per rank.
+        ``"auto"`` gathers the keys and values (the other operand) of a call up to this size
+        per rank.
     """
     if mode not in ("auto", "ring", "all_gather"):
         raise ValueError(f"mode must be 'auto', 'ring' or 'all_gather', got {mode!r}")
