@@ -1,12 +1,13 @@
-"""A UNet for 2-D fields ``(B, C, H, W)``, written for one device.
+"""A UNet for 2-D fields ``(B, C, H, W)`` and 3-D fields ``(B, C, D, H, W)``, written for one
+device.
 
 NOTE [UNet op set]
 shardsci runs this module domain-parallel, unchanged, when its input is a ``ShardTensor`` split
-along H and/or W, so the module holds no distributed code and uses only the ops that have
-sharded handlers: 3x3 stride-1 ``Conv2d`` with ``padding=1`` in any ``padding_mode``,
-``GroupNorm``, ``SiLU``/``GELU``, 2x2 ``AvgPool2d``/``MaxPool2d``, ``F.interpolate`` with
-``scale_factor=2`` in ``"nearest"`` or ``"bilinear"`` mode, ``torch.cat`` along channels, a
-final 1x1 ``Conv2d``, and broadcast additions of plain position terms (``coordinates``). There is no BatchNorm (batch statistics would make data-parallel and
+along its spatial dims, so the module holds no distributed code and uses only the ops that have
+sharded handlers: 3x3 (3x3x3) stride-1 ``Conv2d`` (``Conv3d``) with ``padding=1`` in any
+``padding_mode``, ``GroupNorm``, ``SiLU``/``GELU``, 2x2 (2x2x2) average or max pooling,
+``F.interpolate`` with ``scale_factor=2`` in ``"nearest"`` or ``"bilinear"`` (``"trilinear"``)
+mode, ``torch.cat`` along channels, a final 1x1 convolution, and broadcast additions of plain position terms (``coordinates``). There is no BatchNorm (batch statistics would make data-parallel and
 single-device runs differ), no dropout and no transposed convolution. Add an op here only
 together with its sharded handler.
 
@@ -35,7 +36,14 @@ Downsample = Literal["avg", "max"]
 Upsample = Literal["nearest", "bilinear"]
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": nn.SiLU, "gelu": nn.GELU}
-_POOLS: dict[str, type[nn.Module]] = {"avg": nn.AvgPool2d, "max": nn.MaxPool2d}
+_CONVS: dict[int, type[nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
+_POOLS: dict[tuple[str, int], type[nn.Module]] = {
+    ("avg", 2): nn.AvgPool2d,
+    ("max", 2): nn.MaxPool2d,
+    ("avg", 3): nn.AvgPool3d,
+    ("max", 3): nn.MaxPool3d,
+}
+_MULTILINEAR = {2: "bilinear", 3: "trilinear"}
 _POSITIVE_FIELDS = (
     "in_channels",
     "out_channels",
@@ -64,7 +72,8 @@ class UNetConfig:
     width: int = 32
     """Channels at the top (full-resolution) level."""
     depth: int = 3
-    """Number of down/up levels; H and W of the input must be divisible by ``2**depth``."""
+    """Number of down/up levels; every spatial dim of the input must be divisible by
+    ``2**depth``."""
     channel_multipliers: tuple[int, ...] | None = None
     """Channels of level ``l`` (0 = top, ``depth`` = bottom) as a multiple of ``width``, one per
     level (``depth + 1`` entries); ``None`` doubles at every level: ``(1, 2, 4, ...)``."""
@@ -77,21 +86,26 @@ class UNetConfig:
     activation: Activation = "silu"
     """Nonlinearity after every GroupNorm."""
     down: Downsample = "avg"
-    """2x2 pooling between levels: ``"avg"`` or ``"max"``."""
+    """2x pooling between levels (2x2 or 2x2x2): ``"avg"`` or ``"max"``."""
     up: Upsample = "nearest"
-    """Interpolation mode of the 2x upsampling that precedes each up-convolution."""
+    """Interpolation mode of the 2x upsampling that precedes each up-convolution
+    (``"bilinear"`` is trilinear in 3-D)."""
     residual: bool = False
     """Return the first ``out_channels`` input channels plus the network's output, so the
     network learns a correction (one-step prediction); needs ``out_channels <= in_channels``."""
     coordinates: Coordinates = "none"
     """Position features added to the top level's features (``shardsci.models._coordinates``):
     ``"periodic"`` for periodic domains with a position-dependent forcing."""
+    spatial_dims: int = 2
+    """Number of spatial dims of the fields: 2 (``(B, C, H, W)``) or 3 (``(B, C, D, H, W)``)."""
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
             check_positive(name, getattr(self, name))
         for name, choices in _CHOICE_FIELDS.items():
             check_choice(name, getattr(self, name), choices)
+        if self.spatial_dims not in _CONVS:
+            raise ValueError(f"spatial_dims must be 2 or 3, got {self.spatial_dims!r}")
         if self.channel_multipliers is not None:
             object.__setattr__(self, "channel_multipliers", tuple(self.channel_multipliers))
             self._check_multipliers(self.channel_multipliers)
@@ -126,8 +140,9 @@ class UNetConfig:
             )
 
 
-def _conv3x3(in_channels: int, out_channels: int, padding_mode: str) -> nn.Conv2d:
-    return nn.Conv2d(in_channels, out_channels, 3, padding=1, padding_mode=padding_mode)
+def _conv3x3(in_channels: int, out_channels: int, config: UNetConfig) -> nn.Module:
+    conv = _CONVS[config.spatial_dims]
+    return conv(in_channels, out_channels, 3, padding=1, padding_mode=config.padding_mode)
 
 
 class ConvBlock(nn.Module):
@@ -135,7 +150,7 @@ class ConvBlock(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, config: UNetConfig) -> None:
         super().__init__()
-        self.conv = _conv3x3(in_channels, out_channels, config.padding_mode)
+        self.conv = _conv3x3(in_channels, out_channels, config)
         self.norm = nn.GroupNorm(config.norm_groups, out_channels)
         self.act = _ACTIVATIONS[config.activation]()
 
@@ -152,11 +167,11 @@ def conv_stack(in_channels: int, out_channels: int, config: UNetConfig) -> nn.Se
 
 
 class Down(nn.Module):
-    """2x2 pooling, then a conv stack; ``(B, C_in, H, W) -> (B, C_out, H/2, W/2)``."""
+    """2x pooling, then a conv stack; ``(B, C_in, *S) -> (B, C_out, *S/2)``."""
 
     def __init__(self, in_channels: int, out_channels: int, config: UNetConfig) -> None:
         super().__init__()
-        self.pool = _POOLS[config.down](2)
+        self.pool = _POOLS[config.down, config.spatial_dims](2)
         self.convs = conv_stack(in_channels, out_channels, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,8 +186,8 @@ class Up(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, config: UNetConfig) -> None:
         super().__init__()
-        self.mode = config.up
-        self.conv = _conv3x3(in_channels, out_channels, config.padding_mode)
+        self.mode = _MULTILINEAR[config.spatial_dims] if config.up == "bilinear" else config.up
+        self.conv = _conv3x3(in_channels, out_channels, config)
         self.convs = conv_stack(2 * out_channels, out_channels, config)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
@@ -181,7 +196,8 @@ class Up(nn.Module):
 
 
 class UNet(nn.Module):
-    """UNet mapping ``(B, C_{in}, H, W)`` to ``(B, C_{out}, H, W)``; see NOTE [UNet op set].
+    """UNet mapping ``(B, C_{in}, *S)`` to ``(B, C_{out}, *S)``, ``S = (H, W)`` or ``(D, H,
+    W)`` (``spatial_dims``); see NOTE [UNet op set].
 
     Parameters
     ----------
@@ -197,14 +213,15 @@ class UNet(nn.Module):
         self.config = dataclasses.replace(config or UNetConfig(), **overrides)
         channels = self.config.level_channels
         self.encoder = conv_stack(self.config.in_channels, channels[0], self.config)
-        self.coordinates = CoordinateEmbedding(2, channels[0], self.config.coordinates)
+        dims = self.config.spatial_dims
+        self.coordinates = CoordinateEmbedding(dims, channels[0], self.config.coordinates)
         self.downs = nn.ModuleList(
             Down(c_in, c_out, self.config) for c_in, c_out in itertools.pairwise(channels)
         )
         self.ups = nn.ModuleList(
             Up(c_in, c_out, self.config) for c_in, c_out in itertools.pairwise(reversed(channels))
         )
-        self.head = nn.Conv2d(channels[0], self.config.out_channels, 1)
+        self.head = _CONVS[dims](channels[0], self.config.out_channels, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the network.
@@ -212,19 +229,20 @@ class UNet(nn.Module):
         Parameters
         ----------
         x
-            Input field ``(B, C_{in}, H, W)``; H and W divisible by ``2**depth``.
+            Input field ``(B, C_{in}, *S)``; every spatial dim divisible by ``2**depth``.
 
         Returns
         -------
         torch.Tensor
-            Output field ``(B, C_{out}, H, W)``; with ``residual``, ``x[:, :C_{out}]`` plus the
+            Output field ``(B, C_{out}, *S)``; with ``residual``, ``x[:, :C_{out}]`` plus the
             network's correction.
 
         Raises
         ------
         ValueError
-            If ``x`` is not 4-D, has the wrong channel count, or H or W is not divisible by
-            ``2**depth`` (or, with reflect padding, smaller than ``2**(depth + 1)``).
+            If ``x`` does not have ``2 + spatial_dims`` dims, has the wrong channel count, or a
+            spatial dim is not divisible by ``2**depth`` (or, with reflect padding, smaller
+            than ``2**(depth + 1)``).
         """
         self._check_input(x.shape)
         skips = [self.coordinates(self.encoder(x))]
@@ -242,15 +260,17 @@ class UNet(nn.Module):
 
     def _check_input(self, shape: torch.Size) -> None:
         config = self.config
-        if len(shape) != 4 or shape[1] != config.in_channels:
+        dims = ("D", "H", "W")[-config.spatial_dims :]
+        if len(shape) != 2 + config.spatial_dims or shape[1] != config.in_channels:
             raise ValueError(
-                f"UNet expects input (B, {config.in_channels}, H, W), got shape {tuple(shape)}"
+                f"UNet expects input (B, {config.in_channels}, {', '.join(dims)}), got shape "
+                f"{tuple(shape)}"
             )
         divisor = 2**config.depth
         # Reflect padding needs at least 2 pixels per dim at the bottom level.
         minimum = 2 * divisor if config.padding_mode == "reflect" else divisor
-        if any(n % divisor or n < minimum for n in shape[-2:]):
+        if any(n % divisor or n < minimum for n in shape[2:]):
             raise ValueError(
-                f"UNet with depth={config.depth} needs H and W divisible by {divisor} and at "
-                f"least {minimum}, got input shape {tuple(shape)}"
+                f"UNet with depth={config.depth} needs {', '.join(dims[:-1])} and {dims[-1]} "
+                f"divisible by {divisor} and at least {minimum}, got input shape {tuple(shape)}"
             )

@@ -23,6 +23,7 @@ NOT_A_PAGE = {
     "tensor": "its public names are re-exported by `shardsci` and rendered there",
     "configs": "YAML, the Hydra config groups' defaults",
     "train": "the console script `shardsci-train`",
+    "predict": "the console script `shardsci-predict`",
 }
 
 

@@ -3,8 +3,9 @@ imports neither the recipes nor the library (its models are plain ``nn.Module``s
 
 The zoo and the recipes are installed inside the ``shardsci`` package (``shardsci.models``,
 ``shardsci.recipes``; NOTE [How shardsci's top-level directories are installed]), so "the
-library" is ``shardsci`` without them, without its configs and without the training command
-``shardsci.train``, which sits above the recipes as ``train.py`` did.
+library" is ``shardsci`` without them, without its configs and without the commands ``shardsci.train``
+and ``shardsci.predict`` (and what they share, ``shardsci._commands``), which sit above the
+recipes as ``train.py`` did.
 
 Checked twice: statically, every import statement (top-level or inside a function, relative
 ones resolved, ``importlib.import_module`` / ``__import__`` of a literal name) of every source
@@ -25,7 +26,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-APPLICATION = ("shardsci.models", "shardsci.recipes", "shardsci.configs", "shardsci.train")
+APPLICATION = (
+    "shardsci.models",
+    "shardsci.recipes",
+    "shardsci.configs",
+    "shardsci.train",
+    "shardsci.predict",
+    "shardsci._commands",
+)
 """Modules inside the ``shardsci`` package that are not the library."""
 
 # package -> (its source directory, the packages it must not import)

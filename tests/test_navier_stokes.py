@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from shardsci.data import DataError, GenerateMode
-from shardsci.recipes.cfd import generate, trajectories
+from shardsci.recipes.cfd import generate
+from shardsci.recipes.cfd.data import TRAJECTORIES
 from shardsci.recipes.cfd.generate import (
     DatasetConfig,
     ensure_dataset,
@@ -29,6 +30,7 @@ from shardsci.recipes.cfd.navier_stokes import (
     grid_coordinates,
     random_vorticity,
 )
+from shardsci.training import Trajectories
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -175,7 +177,7 @@ def test_generated_file_layout(tmp_path: Path) -> None:
     assert attrs["created_by"].startswith("shardsci")
     expected = random_vorticity(config.solver, 3, torch.Generator().manual_seed(3))
     np.testing.assert_array_equal(first, expected.float().numpy())
-    assert trajectories.read(path) == trajectories.Trajectories(path, 2, 1, 3, 16, 16)
+    assert TRAJECTORIES.read(path) == Trajectories(path, 2, 1, 3, {"H": 16, "W": 16})
 
 
 def test_chunks_tile_large_snapshots(tmp_path: Path) -> None:

@@ -3,11 +3,11 @@
 ``python train.py +recipe=cfd mesh=4x2``; its configs are ``configs/recipe/cfd.yaml`` (and
 ``configs/recipe/cfd/model/<model>.yaml``, this recipe's settings of each zoo model),
 ``configs/data/ns2d.yaml``; the solver and dataset generator are ``navier_stokes.py`` and
-``generate.py``; the task is ``task.py``.
+``generate.py``; the data and the task are ``data.py`` and ``task.py``.
 """
 
-from shardsci.recipes.cfd.checks import check
 from shardsci.recipes.cfd.config import SCHEMAS
+from shardsci.recipes.cfd.task import VORTICITY
 from shardsci.training import Recipe, register_recipe
 
 RECIPE = register_recipe(
@@ -16,8 +16,10 @@ RECIPE = register_recipe(
         task="shardsci.recipes.cfd.task:next_step",
         spatial_dims=("H", "W"),
         schemas=SCHEMAS,
-        check=check,
-        prepare="shardsci.recipes.cfd.trajectories:prepare",
+        check=VORTICITY.check,
+        prepare="shardsci.recipes.cfd.task:prepare",
         dry_run_task="shardsci.recipes.cfd.task:random_next_step",
+        predict_task="shardsci.recipes.cfd.task:predict",
+        predict_check=VORTICITY.predict_check,
     )
 )

@@ -1,5 +1,6 @@
 """Schemas of the CFD recipe's config groups: the data (from the dataset generator's
-``DatasetConfig``) and the evaluation; the models' schemas come from ``shardsci.recipes.models``."""
+``DatasetConfig``) and the evaluation (``shardsci.training.NextStepEvalConfig``); the models'
+schemas come from ``shardsci.recipes.models``."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from dataclasses import dataclass, field
 from shardsci.data import GenerateMode
 from shardsci.recipes.cfd.generate import DatasetConfig
 from shardsci.recipes.models import MODEL_SCHEMAS
-from shardsci.training import schema_of
+from shardsci.training import NextStepEvalConfig, schema_of
 
-__all__ = ["SCHEMAS", "CFDDataConfig", "CFDEvalConfig"]
+__all__ = ["SCHEMAS", "CFDDataConfig"]
 
 DatasetSchema = schema_of(DatasetConfig)
 
@@ -38,29 +39,9 @@ class CFDDataConfig:
     dataset: DatasetSchema = field(default_factory=DatasetSchema)  # type: ignore[valid-type]
 
 
-@dataclass
-class CFDEvalConfig:
-    """The ``eval`` group of the CFD recipe (``configs/eval/cfd.yaml``): what each evaluation (every ``train.eval_every``
-    steps, and at the end) measures on the held-out trajectories.
-
-    Attributes
-    ----------
-    samples : int or None
-        Held-out (t, t + 1) pairs for the one-step error, spread evenly over the held-out
-        trajectories and times; None: every pair (the default, so the error is the mean over
-        all held-out trajectories and times).
-    rollout_steps : int
-        Autoregressive steps of the rollout, from the middle snapshot of each held-out
-        trajectory (or the latest start that leaves this many steps).
-    """
-
-    samples: int | None = None
-    rollout_steps: int = 10
-
-
 SCHEMAS: dict[tuple[str, str], type] = {
     **MODEL_SCHEMAS,
     ("data", "ns2d_schema"): CFDDataConfig,
-    ("eval", "cfd_schema"): CFDEvalConfig,
+    ("eval", "cfd_schema"): NextStepEvalConfig,
 }
 """The recipe's Hydra schemas, ``(group, name) -> dataclass`` (``Recipe.schemas``)."""

@@ -23,19 +23,17 @@ split sizes, so growing ``n_test`` keeps the training trajectories' initial cond
 
 Usage
 -----
-``python -m recipes.cfd.generate --out data/generated/ns_128.h5 --resolution 128``: writes
-the file if it is missing or an outdated one of ours (``--force``: also an up-to-date one);
-never over a file shardsci did not write.
+``python -m shardsci.recipes.cfd.generate --out data/generated/ns_128.h5 --resolution 128``:
+writes the file if it is missing or an outdated one of ours (``--force``: also an up-to-date
+one); never over a file shardsci did not write (``recipes/_generator_command.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
 import time
-import typing
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -44,7 +42,8 @@ from pathlib import Path
 import h5py
 import torch
 
-from shardsci.data import DataError, GenerateMode, generation_reason, replace_if_ours
+from shardsci.data import GenerateMode, generation_reason, replace_if_ours
+from shardsci.recipes._generator_command import run_generator
 from shardsci.recipes.cfd.navier_stokes import (
     DOMAIN_LENGTH,
     SOLVER_VERSION,
@@ -239,65 +238,16 @@ def _write_trajectories(dataset: h5py.Dataset, config: DatasetConfig) -> None:
         logger.info("trajectories %d/%d done, %.1f s", stop, config.n_trajectories, elapsed)
 
 
-def _add_config_options(
-    parser: argparse.ArgumentParser, config_class: type, skip: tuple[str, ...] = ()
-) -> None:
-    """Add a ``--field-name`` option for each scalar field of the dataclass ``config_class``."""
-    hints = typing.get_type_hints(config_class)
-    for config_field in dataclasses.fields(config_class):
-        if config_field.name in skip:
-            continue
-        hint = hints[config_field.name]
-        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-        parser.add_argument(
-            f"--{config_field.name.replace('_', '-')}",
-            type=str if choices else hint,
-            choices=choices,
-            default=config_field.default,
-            help=f"{config_class.__name__}.{config_field.name} (default: %(default)s)",
-        )
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="Generate (or reuse, when up to date) a Navier–Stokes vorticity dataset. "
-        "Each option sets the same-named field of SolverConfig or DatasetConfig.",
-    )
-    parser.add_argument("--out", type=Path, default=Path("data/generated/ns_128.h5"))
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="regenerate a file of ours even if it is up to date (never a file of yours)",
-    )
-    _add_config_options(parser, SolverConfig)
-    _add_config_options(parser, DatasetConfig, skip=("solver",))
-    return parser
-
-
-def _config_from_options(options: dict[str, typing.Any]) -> DatasetConfig:
-    """The :class:`DatasetConfig` of parsed options named like the config fields."""
-    solver_names = {f.name for f in dataclasses.fields(SolverConfig)}
-    solver = SolverConfig(**{name: options[name] for name in solver_names})
-    dataset_names = {f.name for f in dataclasses.fields(DatasetConfig)} - {"solver"}
-    return DatasetConfig(solver=solver, **{name: options[name] for name in dataset_names})
-
-
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point; ``argv`` defaults to ``sys.argv[1:]``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    parser = _parser()
-    options = vars(parser.parse_args(argv))
-    try:
-        config = _config_from_options(options)
-    except ValueError as error:
-        parser.error(str(error))
-    mode = GenerateMode.force if options["force"] else GenerateMode.auto
-    started = time.perf_counter()
-    try:
-        path = ensure_dataset(options["out"], config, mode)
-    except (UnstableTimeStepError, DataError) as error:
-        parser.error(str(error))
-    logger.info("%s ready in %.1f s", path, time.perf_counter() - started)
+    run_generator(
+        argv,
+        description="Generate (or reuse, when up to date) a Navier–Stokes vorticity dataset.",
+        default_out=Path("data/generated/ns_128.h5"),
+        default=DatasetConfig(),
+        ensure=ensure_dataset,
+        errors=(UnstableTimeStepError,),
+    )
 
 
 if __name__ == "__main__":

@@ -39,17 +39,16 @@ a file shardsci did not write.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
 import time
-import typing
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,13 +56,13 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardsci import ShardTensorSpec
 from shardsci.data import (
-    DataError,
     GenerateMode,
     ShardedHDF5Writer,
     generation_reason,
     on_first_rank,
     replace_if_ours,
 )
+from shardsci.recipes._generator_command import run_generator
 from shardsci.recipes.cfd3d.navier_stokes import (
     DOMAIN_LENGTH,
     SOLVER_VERSION,
@@ -245,7 +244,7 @@ def ensure_dataset(
     return generate_dataset(path, config, mesh, placements)
 
 
-def outdated_reason(stored: typing.Mapping[str, typing.Any], config: DatasetConfig) -> str | None:
+def outdated_reason(stored: Mapping[str, Any], config: DatasetConfig) -> str | None:
     """Why a file of ours with attributes ``stored`` holds other data than ``config``, or None
     if it holds the data of ``config``."""
     for name, value in dataset_attributes(config).items():
@@ -309,72 +308,16 @@ def _is_first_rank(mesh: DeviceMesh | None) -> bool:
     return mesh is None or all(c == 0 for c in (mesh.get_coordinate() or [1]))
 
 
-def _add_config_options(
-    parser: argparse.ArgumentParser, config_class: type, skip: tuple[str, ...] = ()
-) -> None:
-    """Add a ``--field-name`` option for each scalar field of the dataclass ``config_class``.
-    (The same helper as ``recipes/cfd/generate.py``'s: to be shared once the recipes'
-    refactor lands; issue 19.)"""
-    hints = typing.get_type_hints(config_class)
-    for config_field in dataclasses.fields(config_class):
-        if config_field.name in skip:
-            continue
-        hint = hints[config_field.name]
-        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-        parser.add_argument(
-            f"--{config_field.name.replace('_', '-')}",
-            type=str if choices else hint,
-            choices=choices,
-            default=None,
-            help=f"{config_class.__name__}.{config_field.name}",
-        )
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="Generate (or reuse, when up to date) a 3-D forced-turbulence velocity "
-        "dataset. Each option sets the same-named field of SolverConfig or DatasetConfig "
-        "(defaults: DatasetConfig()).",
-    )
-    parser.add_argument("--out", type=Path, default=Path("data/generated/ns3d_32.h5"))
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="regenerate a file of ours even if it is up to date (never a file of yours)",
-    )
-    _add_config_options(parser, SolverConfig)
-    _add_config_options(parser, DatasetConfig, skip=("solver",))
-    return parser
-
-
-def _config_from_options(options: dict[str, typing.Any]) -> DatasetConfig:
-    """``DatasetConfig()`` with the fields the options set."""
-    default = DatasetConfig()
-    solver_names = {f.name for f in dataclasses.fields(SolverConfig)}
-    solver = dataclasses.replace(
-        default.solver, **{k: options[k] for k in solver_names if options[k] is not None}
-    )
-    dataset_names = {f.name for f in dataclasses.fields(DatasetConfig)} - {"solver"}
-    chosen = {k: options[k] for k in dataset_names if options[k] is not None}
-    return dataclasses.replace(default, solver=solver, **chosen)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point; ``argv`` defaults to ``sys.argv[1:]``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    parser = _parser()
-    options = vars(parser.parse_args(argv))
-    try:
-        config = _config_from_options(options)
-    except ValueError as error:
-        parser.error(str(error))
-    mode = GenerateMode.force if options["force"] else GenerateMode.auto
-    started = time.perf_counter()
-    try:
-        path = ensure_dataset(options["out"], config, mode)
-    except (UnstableTimeStepError, DataError) as error:
-        parser.error(str(error))
-    logger.info("%s ready in %.1f s", path, time.perf_counter() - started)
+    run_generator(
+        argv,
+        description="Generate (or reuse, when up to date) a 3-D forced-turbulence velocity dataset.",
+        default_out=Path("data/generated/ns3d_32.h5"),
+        default=DatasetConfig(),
+        ensure=ensure_dataset,
+        errors=(UnstableTimeStepError,),
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,15 @@ evaluation.
   resume), which takes one ``training_step`` per step, the dry run's step too (NOTE [One
   training step]).
 - ``NextStepFields`` (and ``RandomFields`` for dry runs): the batches, held-out pairs and
-  rollouts of a field stored as ``(trajectory, time, [C,] *spatial)``, each rank reading its slab.
+  rollouts of a field stored as ``(trajectory, time, [C,] *spatial)``, each rank reading its
+  slab, normalised by a ``Normalization``; ``TrajectorySource``: such a file, ours or the
+  user's, and its generation; ``NextStepProblem``: what a recipe that learns to advance such a
+  field needs (its ``NextStepTask``, dry-run task, checks and data preparation), the recipe
+  naming only its data and how to picture a sample (``save_rollout``).
+- ``PredictConfig``, ``check_prediction``, ``predict_recipe``: ``shardsci-predict``, a trained
+  model rolled out from new initial fields at any resolution it takes, on any mesh, the
+  prediction written without gathering it (NOTE [What a prediction reads from a checkpoint]);
+  a recipe's ``PredictTask`` supplies the fields.
 - ``whole_tensor``: a small sharded result as a plain tensor; ``dp_sample_mean``: a per-sample
   figure averaged over the global batch; ``relative_l2``, ``rollout``, ``describe_forecast``:
   the evaluation of a next-step model.
@@ -26,6 +34,8 @@ Nothing here knows a recipe's data or model.
 """
 
 from shardsci.training._checks import (
+    check_component,
+    check_launcher,
     check_model_input,
     check_run,
     max_local_ranks,
@@ -41,17 +51,27 @@ from shardsci.training._errors import (
     reported,
     traceback_requested,
 )
-from shardsci.training._fields import CHANNELS, NextStepFields, RandomFields
+from shardsci.training._fields import CHANNELS, NextStepFields, Normalization, RandomFields
 from shardsci.training._forecast import describe_forecast, relative_l2, rollout
 from shardsci.training._launcher import LauncherConfig, LauncherKind, run_local_ranks, run_ranks
 from shardsci.training._loggers import LoggerConfig, LoggerKind, MetricLogger, WandbMode
+from shardsci.training._next_step import NextStepEvalConfig, NextStepProblem, NextStepTask
 from shardsci.training._parallelism import (
     ParallelConfig,
     Parallelism,
     ParallelPlan,
     mesh_world_size,
 )
+from shardsci.training._plots import save_rollout
 from shardsci.training._precision import Precision, autocast
+from shardsci.training._predict import (
+    PredictConfig,
+    PredictTask,
+    check_prediction,
+    describe_prediction,
+    predict_recipe,
+    resolve_checkpoint,
+)
 from shardsci.training._progress import Progress
 from shardsci.training._recipes import (
     Recipe,
@@ -66,9 +86,10 @@ from shardsci.training._run_config import AdamWConfig, RunConfig, register_run_s
 from shardsci.training._schedule import ScheduleConfig, warmup_cosine
 from shardsci.training._schema import config_from, config_type_of, instantiate, plain, schema_of
 from shardsci.training._signals import STOP_SIGNALS, StopRequests, exit_status
-from shardsci.training._step import Task, training_step
+from shardsci.training._step import Task, prediction_state, training_step
 from shardsci.training._train import train_recipe
 from shardsci.training._trainer import NonFinite, TrainConfig, Trainer
+from shardsci.training._trajectories import Trajectories, TrajectorySource
 from shardsci.training._whole import whole_tensor
 
 __all__ = [
@@ -86,13 +107,19 @@ __all__ = [
     "LoggerConfig",
     "LoggerKind",
     "MetricLogger",
+    "NextStepEvalConfig",
     "NextStepFields",
+    "NextStepProblem",
+    "NextStepTask",
     "NonFinite",
     "NonFiniteLoss",
+    "Normalization",
     "ParallelConfig",
     "ParallelPlan",
     "Parallelism",
     "Precision",
+    "PredictConfig",
+    "PredictTask",
     "Progress",
     "RandomFields",
     "Recipe",
@@ -103,14 +130,20 @@ __all__ = [
     "Task",
     "TrainConfig",
     "Trainer",
+    "Trajectories",
+    "TrajectorySource",
     "WandbMode",
     "autocast",
+    "check_component",
+    "check_launcher",
     "check_model_input",
+    "check_prediction",
     "check_renamed_keys",
     "check_run",
     "config_from",
     "config_type_of",
     "describe_forecast",
+    "describe_prediction",
     "discover_recipes",
     "dp_sample_mean",
     "exit_status",
@@ -121,15 +154,19 @@ __all__ = [
     "parallelize",
     "plain",
     "plan_parallelism",
+    "predict_recipe",
+    "prediction_state",
     "prepare_data",
     "recipe_names",
     "register_recipe",
     "register_run_schemas",
     "relative_l2",
     "reported",
+    "resolve_checkpoint",
     "rollout",
     "run_local_ranks",
     "run_ranks",
+    "save_rollout",
     "schema_of",
     "start_run",
     "traceback_requested",

@@ -30,6 +30,8 @@ from shardsci.training._trainer import TrainConfig
 __all__ = [
     "LOCAL_RANKS_PER_CPU",
     "MAX_LOCAL_RANKS_VAR",
+    "check_component",
+    "check_launcher",
     "check_model_input",
     "check_run",
     "max_local_ranks",
@@ -65,10 +67,10 @@ def check_run(cfg: DictConfig, recipe: Recipe, env: LaunchEnv, multirun: bool) -
     ConfigError
         The first problem found, in one line naming the setting and what is expected.
     """
-    _check_launcher(cfg, env, multirun)
+    check_launcher(cfg, env, multirun)
     plan = plan_parallelism(cfg, recipe, env)
     _check_train(OmegaConf.to_object(cfg.train), plan, Path(cfg.run_dir) / "checkpoints")
-    _check_component("model", cfg.model)
+    check_component("model", cfg.model)
     if recipe.check is not None:
         try:
             recipe.check(cfg, plan)
@@ -114,7 +116,8 @@ def max_local_ranks() -> tuple[int, str]:
     )
 
 
-def _check_launcher(cfg: DictConfig, env: LaunchEnv, multirun: bool) -> None:
+def check_launcher(cfg: DictConfig, env: LaunchEnv, multirun: bool) -> None:
+    """Raise ``ConfigError`` if the ``launcher`` settings cannot start the run."""
     if cfg.launcher.kind is LauncherKind.slurm and env.launcher == "single" and not multirun:
         raise ConfigError(
             "launcher=slurm submits the run through Hydra's submitit launcher, which runs only "
@@ -185,8 +188,9 @@ def _check_train(train: TrainConfig, plan: ParallelPlan, checkpoints: Path) -> N
         raise ConfigError(f"train.resume={train.resume}: {error}") from error
 
 
-def _check_component(group: str, node: DictConfig) -> None:
-    """Build the config dataclass behind ``node`` (if its schema has one): its own checks run."""
+def check_component(group: str, node: DictConfig) -> None:
+    """Build the config dataclass behind ``node`` (if its schema has one): its own checks run;
+    ``ConfigError`` naming ``group`` if they fail."""
     config_type = config_type_of(node)
     if config_type is None:
         return

@@ -22,12 +22,53 @@ from shardsci.data import HeldOutPairs, NextStepPairs, ShardedHDF5Field
 from shardsci.tensor import ShardTensor, ShardTensorSpec
 from shardsci.training._run import RunContext
 
-__all__ = ["CHANNELS", "NextStepFields", "RandomFields"]
+__all__ = ["CHANNELS", "NextStepFields", "Normalization", "RandomFields"]
 
 CHANNELS = "C"
 """The name of a field's channel dim (absent from a dataset of a scalar field)."""
 
 _INDEX_DIMS = ("trajectory", "time")
+
+
+class Normalization:
+    """The per-channel mean and standard deviation a model's fields are normalised with: the
+    statistics of its training data.
+
+    Parameters
+    ----------
+    mean, std : Tensor
+        0-d for a scalar field stored without a channel dim, else ``(C,)``; any float dtype.
+    spatial_ndim : int
+        Spatial dims of the fields ``(N, C, *spatial)`` it is applied to.
+    """
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor, spatial_ndim: int) -> None:
+        self.mean_tensor = torch.as_tensor(mean, dtype=torch.float64)
+        self.std_tensor = torch.as_tensor(std, dtype=torch.float64)
+        self.mean, self.std = self._broadcastable(spatial_ndim)
+
+    def normalize(self, t: torch.Tensor) -> torch.Tensor:
+        """Fields in the data's units -> normalised."""
+        return (t - self.mean) / self.std
+
+    def denormalize(self, t: torch.Tensor) -> torch.Tensor:
+        """Normalised fields back in the data's units."""
+        return t * self.std + self.mean
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """``{"mean": ..., "std": ...}`` as float64 tensors, for a checkpoint's ``extra``."""
+        return {"mean": self.mean_tensor, "std": self.std_tensor}
+
+    def _broadcastable(
+        self, spatial_ndim: int
+    ) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """A scalar field's statistics as Python numbers; per-channel ones as ``(C, 1, ...)``
+        float32 tensors that broadcast over ``(N, C, *spatial)``."""
+        if self.mean_tensor.ndim == 0:
+            return float(self.mean_tensor), float(self.std_tensor)
+        shape = (-1,) + (1,) * spatial_ndim
+        mean, std = self.mean_tensor, self.std_tensor
+        return mean.float().reshape(shape), std.float().reshape(shape)
 
 
 class NextStepFields:
@@ -72,19 +113,14 @@ class NextStepFields:
         self.device = run.device
         self.sharded = parallelism.domain_mesh is not None
         self.has_channels = CHANNELS in dims
-        self.field = ShardedHDF5Field(
-            path,
-            dataset,
-            parallelism.domain_mesh if self.sharded else parallelism.mesh,
-            parallelism.split_dims(dims) if self.sharded else {},
-            index_dims=2,
-            spatial_dims=[d for d, name in enumerate(dims) if d >= 2 and name != CHANNELS],
-            dtype=torch.float32,
-        )
+        self.field = trajectory_field(run, path, dataset, dims)
+        self.path = Path(path)
         self.n_times = self.field.shape[1]
         self.test_trajectories = list(test)
         statistics = self.field.statistics([(b, t) for b in train for t in range(self.n_times)])
-        self.mean, self.std = self._broadcastable(statistics.mean, statistics.std)
+        self.normalization = Normalization(
+            statistics.mean, statistics.std, len(self.field.spatial_dims)
+        )
         dp = {"dp_rank": parallelism.dp_rank, "dp_size": parallelism.dp_size}
         self.pairs = NextStepPairs(tuple(train), self.n_times, global_batch, seed, **dp)
         self.held_out = HeldOutPairs(tuple(test), self.n_times, **dp)
@@ -114,27 +150,12 @@ class NextStepFields:
     # ------------------------------------------------------------------ units
     def denormalize(self, t: torch.Tensor) -> torch.Tensor:
         """Normalised fields back in the file's units."""
-        return t * self.std + self.mean
+        return self.normalization.denormalize(t)
 
     def _prepared(self, samples: ShardTensor) -> torch.Tensor:
         """Samples as read -> normalised ``(N, C, *spatial)`` on the device; plain tensors
         when the fields are not split."""
-        fields = (samples - self.mean) / self.std
-        if not self.has_channels:
-            fields = fields.unsqueeze(1)
-        if not self.sharded:
-            fields = fields.to_local()
-        return fields.to(self.device)
-
-    def _broadcastable(
-        self, mean: torch.Tensor, std: torch.Tensor
-    ) -> tuple[float | torch.Tensor, float | torch.Tensor]:
-        """A scalar field's statistics as Python numbers; per-channel ones as ``(C, 1, ...)``
-        float32 tensors that broadcast over ``(N, C, *spatial)``."""
-        if not self.has_channels:
-            return float(mean), float(std)
-        shape = (-1,) + (1,) * len(self.field.spatial_dims)
-        return mean.float().reshape(shape), std.float().reshape(shape)
+        return prepared(samples, self.normalization, self.has_channels, self.sharded, self.device)
 
 
 class RandomFields:
@@ -173,6 +194,42 @@ class RandomFields:
         spec = ShardTensorSpec.build(mesh, placements, self.shape, torch.float32)
         local = torch.randn(spec.local_shape(), device=device)
         return ShardTensor.from_local(local, mesh, placements, "chunk", shape=self.shape)
+
+
+def trajectory_field(
+    run: RunContext, path: str | Path, dataset: str, dims: Sequence[str]
+) -> ShardedHDF5Field:
+    """The dataset ``(trajectory, time, [C,] *spatial)`` at ``path``, read as float32 in the
+    slabs the run's ``Parallelism`` gives this rank (whole when nothing is split)."""
+    parallelism = run.parallelism
+    sharded = parallelism.domain_mesh is not None
+    return ShardedHDF5Field(
+        path,
+        dataset,
+        parallelism.domain_mesh if sharded else parallelism.mesh,
+        parallelism.split_dims(dims) if sharded else {},
+        index_dims=2,
+        spatial_dims=[d for d, name in enumerate(dims) if d >= 2 and name != CHANNELS],
+        dtype=torch.float32,
+    )
+
+
+def prepared(
+    samples: ShardTensor,
+    normalization: Normalization | None,
+    has_channels: bool,
+    sharded: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """Samples as read from a field -> ``(N, C, *spatial)`` on ``device``, normalised (unless
+    ``normalization`` is None): a channel dim added to a scalar field's, plain tensors when the
+    fields are not split."""
+    fields = samples if normalization is None else normalization.normalize(samples)
+    if not has_channels:
+        fields = fields.unsqueeze(1)
+    if not sharded:
+        fields = fields.to_local()
+    return fields.to(device)
 
 
 def _later(pairs: np.ndarray, steps: int) -> np.ndarray:

@@ -34,6 +34,8 @@ from shardsci.distributed import (
     parse_mesh_shape,
     resolve_axis_names,
 )
+from shardsci.tensor import ShardTensor, ShardTensorSpec
+from shardsci.tensor._api import from_local_spec
 
 __all__ = ["ParallelConfig", "ParallelPlan", "Parallelism", "mesh_world_size"]
 
@@ -321,6 +323,41 @@ class Parallelism:
     def field_placements(self, dims: Sequence[str]) -> list[Placement]:
         """Placements on ``domain_mesh`` of a field whose dims are named ``dims``."""
         return [Shard(d) for d in self.split_dims(dims).values()] or [Replicate()]
+
+    def mesh_placements(self, dims: Sequence[str]) -> list[Placement]:
+        """Placements on the whole ``mesh`` of a field whose dims are named ``dims``: the domain
+        axes split their dims, the data-parallel axis replicates (every replica holds it)."""
+        split = self.split_dims(dims)
+        return [
+            Shard(split[axis]) if axis in split else Replicate() for axis in self.plan.axis_names
+        ]
+
+    def on_whole_mesh(self, fields: torch.Tensor, batch_sizes: Sequence[int]) -> ShardTensor:
+        """This replica's part of a batch, ``(b, ...)`` (a ShardTensor on ``domain_mesh``, or a
+        plain tensor when nothing is split), as one ShardTensor over the whole ``mesh``: dim 0
+        split over the data-parallel axis into ``batch_sizes`` (one per replica, in order, this
+        replica's ``b``), the other dims as they were. The local block itself, no
+        communication: what a writer of the whole batch takes (``ShardedHDF5Writer``).
+        """
+        if len(batch_sizes) != self.dp_size or batch_sizes[self.dp_rank] != fields.shape[0]:
+            raise ValueError(
+                f"batch sizes {tuple(batch_sizes)} of {self.dp_size} replicas: replica "
+                f"{self.dp_rank} holds {fields.shape[0]} samples"
+            )
+        shape = (sum(batch_sizes), *fields.shape[1:])
+        placements: list[Placement] = [Replicate()] * self.mesh.ndim
+        sizes: dict[int, tuple[int, ...]] = {}
+        if self.plan.dp_axis is not None:
+            placements[self.plan.axis_names.index(self.plan.dp_axis)] = Shard(0)
+            sizes[0] = tuple(batch_sizes)
+        if isinstance(fields, ShardTensor):
+            spec = fields.spec
+            for axis, placement in zip(self.domain_axes, spec.placements):
+                placements[self.plan.axis_names.index(axis)] = placement
+            sizes.update({s.dim: s.sizes for s in spec.shardings})
+            fields = fields.to_local()
+        spec = ShardTensorSpec.build(self.mesh, placements, shape, fields.dtype, sizes)
+        return from_local_spec(fields, spec)
 
     def describe(self) -> str:
         """``dp=4 (data parallel), domain=2 (splits H)``."""

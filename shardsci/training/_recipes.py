@@ -7,8 +7,10 @@ its ``Task`` on every rank (``"package.module:function"``, imported when the rec
 so finding recipes imports no training code), the Hydra schemas of its config groups (stored in
 Hydra's ConfigStore on registration), an optional check of a composed config run once, in the
 launching process, before any rank starts, an optional data preparation run on rank 0 while
-the others wait, and an optional data-free task for dry runs. Everything else about a run (the
-mesh, the model from ``cfg.model``, the loop) is ``shardsci.training``'s (``train_recipe``). A
+the others wait, an optional data-free task for dry runs, and, for a recipe that predicts, the
+task and check of ``shardsci-predict``. Everything else about a run (the mesh, the model from
+``cfg.model``, the loop, the rollout) is ``shardsci.training``'s (``train_recipe``,
+``predict_recipe``). A
 recipe package registers itself when imported (``register_recipe`` in its ``__init__``).
 ``discover_recipes("shardsci.recipes")`` (run by the training command, ``shardsci/train.py``)
 imports every sub-package of the in-repo ``recipes/``, so a new recipe there is a new package
@@ -54,6 +56,10 @@ RecipeCheck = Callable[[DictConfig, ParallelPlan], None]
 """``check(cfg, plan)``: raise ``ValueError`` with one clear line if ``cfg`` cannot run on the
 mesh ``plan`` (NOTE [Config errors before any rank starts])."""
 
+PredictCheck = Callable[[DictConfig, ParallelPlan, Mapping[str, Any]], None]
+"""``predict_check(cfg, plan, state)``: as ``RecipeCheck`` for a prediction, ``state`` the
+checkpoint's ``prediction_state`` (NOTE [What a prediction reads from a checkpoint])."""
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -84,6 +90,15 @@ class Recipe:
         ``"package.module:function"`` for ``dry_run=true`` (``shardsci.planning``): like
         ``task``, but its batches have the shapes and layouts of the real ones, made without
         reading data, on ``run.device`` (the ``meta`` device).
+    predict_task : str or None
+        ``"package.module:function"`` for ``shardsci-predict``; ``function(cfg, run, state)``
+        runs on every rank, with ``state`` the checkpoint's ``prediction_state``, and returns
+        the ``PredictTask`` (initial fields, truth, units; it may generate the truth first,
+        collectively). None: the recipe cannot predict.
+    predict_check : callable or None
+        ``predict_check(cfg, plan, state)``, run before any rank of a prediction starts, after
+        the generic checks (the checkpoint against the model, the output path): the
+        resolution against the model and the mesh, the truth's file.
     """
 
     name: str
@@ -93,10 +108,17 @@ class Recipe:
     check: RecipeCheck | None = None
     prepare: str | None = None
     dry_run_task: str | None = None
+    predict_task: str | None = None
+    predict_check: PredictCheck | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "spatial_dims", tuple(self.spatial_dims))
-        paths = {"task": self.task, "prepare": self.prepare, "dry_run_task": self.dry_run_task}
+        paths = {
+            "task": self.task,
+            "prepare": self.prepare,
+            "dry_run_task": self.dry_run_task,
+            "predict_task": self.predict_task,
+        }
         for what, path in paths.items():
             module, _, function = (path or "m:f").partition(":")
             if not (self.name.isidentifier() and module and function.isidentifier()):
@@ -123,6 +145,12 @@ class Recipe:
         if self.dry_run_task is None:
             raise ValueError(f"recipe {self.name!r} has no dry_run_task for a dry run")
         return _load(self.dry_run_task)
+
+    def load_predict_task(self) -> Callable[..., Any]:
+        """Import and return the prediction's task function (see ``predict_task``)."""
+        if self.predict_task is None:
+            raise ValueError(f"recipe {self.name!r} has no predict_task: it cannot predict")
+        return _load(self.predict_task)
 
 
 def _load(path: str) -> Callable[..., Any]:

@@ -1,7 +1,7 @@
 """The schema of a whole run: what ``configs/config.yaml`` composes onto.
 
 Generic groups are typed here (``train``, ``parallel``, ``logger``, ``launcher``, ``optim``
-options); the recipe-owned groups (``model``, ``data``, ``eval``) are typed by the schemas the
+options, and ``predict`` for ``shardsci-predict``); the recipe-owned groups (``model``, ``data``, ``eval``) are typed by the schemas the
 recipe registers (NOTE [How train.py finds recipes]). Choices are Enums, so a mistyped choice
 fails when the config is composed.
 """
@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from shardsci.training._launcher import LauncherConfig
 from shardsci.training._loggers import LoggerConfig
 from shardsci.training._parallelism import ParallelConfig
+from shardsci.training._predict import PredictConfig
 from shardsci.training._trainer import TrainConfig
 
 __all__ = ["AdamWConfig", "RunConfig", "register_run_schemas"]
@@ -56,6 +57,8 @@ class RunConfig:
         layouts per rank class, in one process, without data.
     device_memory_gib : float or None
         Memory of one device; a dry run reports a rank whose peak exceeds it.
+    predict : PredictConfig or None
+        ``shardsci-predict``'s settings (``configs/predict.yaml``); None in training.
     """
 
     recipe: str | None = None
@@ -71,6 +74,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     dry_run: bool = False
     device_memory_gib: float | None = None
+    predict: Any = None
 
 
 def register_run_schemas() -> None:
@@ -78,3 +82,4 @@ def register_run_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
     store.store(group="optim", name="adamw_schema", node=AdamWConfig)
+    store.store(group="predict", name="predict_schema", node=PredictConfig)

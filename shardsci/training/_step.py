@@ -22,7 +22,7 @@ from torch import nn
 from shardsci.training._precision import Precision, autocast
 from shardsci.training._whole import whole_tensor
 
-__all__ = ["Task", "training_step"]
+__all__ = ["Task", "prediction_state", "training_step"]
 
 
 class Task(Protocol):
@@ -45,6 +45,18 @@ class Task(Protocol):
 
     def describe(self, metrics: Mapping[str, Any]) -> str:
         """One line for people about ``metrics`` (from ``evaluate``)."""
+
+    # Optional: ``prediction_state() -> dict``, what using the model needs besides its weights
+    # (the normalisation of its fields, the physics of its data), tensors and plain values
+    # only; the trainer saves it with every checkpoint (``prediction_state`` below).
+
+
+def prediction_state(task: Task) -> dict[str, Any]:
+    """``task.prediction_state()``, or ``{}`` for a task without one: what a checkpoint stores
+    under ``extra["prediction"]`` for ``shardsci-predict`` (NOTE [What a prediction reads from
+    a checkpoint] in ``_predict.py``)."""
+    state = getattr(task, "prediction_state", None)
+    return {} if state is None else state()
 
 
 def training_step(

@@ -3,7 +3,8 @@
 A recipe knows its data, its loss and how to judge a model; everything else is here:
 data-parallel wrapping (``parallelize``), the optimiser and its schedule, mixed precision,
 the step loop's bookkeeping (logging, periodic evaluation, checkpoints that carry the
-scheduler and resume on any mesh, a final checkpoint), ``metrics.json`` at the end.
+scheduler and the task's ``prediction_state`` and resume on any mesh, a final checkpoint),
+``metrics.json`` at the end.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from shardsci.training._run import RunContext
 from shardsci.training._schedule import ScheduleConfig, warmup_cosine
 from shardsci.training._schema import instantiate, plain
 from shardsci.training._signals import STOP_SIGNALS, StopRequests, exit_status
-from shardsci.training._step import Task, training_step
+from shardsci.training._step import Task, prediction_state, training_step
 
 __all__ = ["NonFinite", "TrainConfig", "Trainer"]
 
@@ -135,6 +136,7 @@ class Trainer:
         self.optimizer = instantiate(cfg.optim)(self.trained.parameters())
         self.scheduler = warmup_cosine(self.optimizer, self.config.schedule, self.config.steps)
         self.checkpoints = run.run_dir / "checkpoints"
+        self.prediction = prediction_state(task)
         self.step = self._resume()
         self._saved_step = self.step
         self.logger = MetricLogger(
@@ -268,7 +270,11 @@ class Trainer:
             self.step,
             self.trained,
             self.optimizer,
-            extra={"step": self.step, "scheduler": self.scheduler.state_dict()},
+            extra={
+                "step": self.step,
+                "scheduler": self.scheduler.state_dict(),
+                "prediction": self.prediction,
+            },
         )
         self._saved_step = self.step
 

@@ -1,0 +1,196 @@
+"""The 3-D CFD recipe (``+recipe=cfd3d``): its decompositions and axis roles, the checks that
+refuse a configuration before any rank starts, the 3-D UNet it selects with ``model=unet``
+against one process, and (``-m slow``) a short run of the command on a 2x2x2 block.
+
+Every configuration is checked in this process with the rank starter replaced by a tripwire
+(as ``tests/test_run_checks.py`` does); none writes a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from torch.distributed.tensor import Shard
+
+import shardsci.train as train
+from shardsci.checkpoint import latest_checkpoint
+from shardsci.checkpoint._extra import read_extra
+from shardsci.models import UNet
+from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+from shardsci.training import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_DATA = [
+    "data.dataset.solver.resolution=8",
+    "data.dataset.solver.dt=0.01",
+    "data.dataset.solver.ic_max_wavenumber=2",
+    "data.dataset.solver.forcing_wavenumber=1.5",
+    "data.dataset.n_train=2",
+    "data.dataset.n_test=1",
+    "data.dataset.n_snapshots=4",
+    "data.dataset.record_every=2",
+    "data.dataset.warmup_steps=2",
+    "eval.rollout_steps=2",
+]
+"""8³, 3 trajectories of 4 snapshots (a rollout of 2 steps): generated in about a second."""
+SMALL_FNO = [
+    "model.modes=[2,2,2]",
+    "model.width=4",
+    "model.layers=1",
+    "model.projection_channels=4",
+]
+"""An FNO that takes 8³ (the default's 8 modes per dim need 16³ or more)."""
+
+
+def _compose(tmp_path: Path, *overrides: str):
+    recipe = [
+        "+recipe=cfd3d", f"run_dir={tmp_path}", f"data.path={tmp_path}/v.h5", "data.generate=force"
+    ]  # fmt: skip
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return compose("config", overrides=[*recipe, *overrides])
+
+
+@pytest.fixture
+def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    def tripwire(*args, **kwargs):
+        raise AssertionError("ranks were started before the config was refused")
+
+    monkeypatch.setattr(train, "run_ranks", tripwire)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SHARDSCI_MAX_LOCAL_RANKS", raising=False)
+
+
+@pytest.mark.usefixtures("no_ranks")
+@pytest.mark.parametrize(
+    ("overrides", "roles"),
+    [
+        (["mesh=2x2x2"], "domain_d=2 (splits D), domain_h=2 (splits H), domain_w=2 (splits W)"),
+        (["mesh=2x2"], "domain_d=2 (splits D), domain_h=2 (splits H)"),
+        (["mesh=8"], "domain=8 (splits D)"),
+        (["mesh=2x4", "parallel=auto"], "dp=2 (data parallel), domain=4 (splits D)"),
+        (["mesh=2x2x2", "parallel=auto"],
+         "dp=2 (data parallel), domain_d=2 (splits D), domain_h=2 (splits H)"),
+    ],
+)  # fmt: skip
+def test_block_pencil_and_slab_roles_are_planned_before_any_rank_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], roles: str
+) -> None:
+    """The recipe's default ``parallel=block``: every mesh axis splits D, H, W in order. The
+    plan is what ``launch`` hands to the ranks (here, the tripwire's arguments)."""
+    planned = []
+    monkeypatch.setattr(train, "run_ranks", lambda cfg, plan, env, body: planned.append(plan))
+    assert train.launch(_compose(tmp_path, *TINY_DATA, *SMALL_FNO, *overrides)) is None
+    assert planned[0].describe() == roles
+    assert list(tmp_path.iterdir()) == []  # nothing generated before the ranks start
+
+
+@pytest.mark.usefixtures("no_ranks")
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["mesh=2x2x2x1"], r"the mesh has 4 axes besides data parallelism but the fields have 3 "
+         r"spatial dims \['D', 'H', 'W'\]"),
+        (["mesh=1x1x16", "data.dataset.solver.resolution=8"],
+         "splits W over 16 ranks, but the fields have 8 cells along W"),
+        (["model=vit"], r"model shardsci.models.ViT cannot take the recipe's fields of shape "
+         r"\(batch, 3, 8, 8, 8\)"),
+        (["model=unet", "data.dataset.solver.resolution=10"],
+         "needs D, H and W divisible by 4"),
+        (["model=fno", "model.modes=[2,2]"], "cannot take the recipe's fields"),
+        (["train.global_batch=7"], "exceeds the 6 training pairs"),
+        (["data.dataset.solver.resolution=6"], r"data.dataset: SolverConfig.ic_max_wavenumber "
+         r"must be in \[1, N/3\)"),
+    ],
+)  # fmt: skip
+def test_a_3d_config_that_cannot_run_is_one_line_before_any_rank_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], message: str
+) -> None:
+    monkeypatch.setenv("SHARDSCI_MAX_LOCAL_RANKS", "16")
+    with pytest.raises(ConfigError, match=message):
+        train.launch(_compose(tmp_path, *TINY_DATA, *overrides))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_combination_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
+    """Through the real command: no traceback, no rank, no run directory."""
+    done = subprocess.run(
+        [sys.executable, "train.py", "+recipe=cfd3d", "mesh=2x2x2x1", f"run_dir={tmp_path}/run"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: mesh=2x2x2x1: the mesh has 4 axes besides data parallelism but the fields have "
+        "3 spatial dims ['D', 'H', 'W']; use fewer axes"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+# (B, C, D, H, W) volumes, D, H and W multiples of 2 (a UNet of depth 1).
+VOLUMES = {
+    "2r-D-5/3": (2, (2,), (1, 2, 8, 6, 4), Layout((Shard(2),), {2: (5, 3)})),
+    "2x2-pencil-6/2-1/5": (
+        4, (2, 2), (1, 2, 8, 6, 4), Layout((Shard(2), Shard(3)), {2: (6, 2), 3: (1, 5)})
+    ),
+}  # fmt: skip
+
+
+def _unet_3d_body(case: str) -> None:
+    _, mesh_shape, shape, layout = VOLUMES[case]
+    torch.manual_seed(0)
+    module = UNet(
+        in_channels=2, width=4, depth=1, norm_groups=2, blocks_per_level=1, spatial_dims=3,
+        padding_mode="circular", up="bilinear", coordinates="periodic", residual=True,
+    ).double()  # fmt: skip
+    check_against_reference(
+        lambda m, a: m(a),
+        [torch.randn(shape, dtype=torch.float64)],
+        [layout],
+        get_mesh(mesh_shape),
+        module=module,
+        out_layouts=[layout],
+        not_a_gather="a model's layers exchange wider features than its input, layer after layer",
+        what="unet-3d",
+    )
+
+
+@pytest.mark.parametrize("case", VOLUMES)
+def test_the_3d_unet_on_shard_tensors_equals_one_process(case: str) -> None:
+    """``model=unet`` of this recipe: conv3d (circular), GroupNorm, 2x2x2 pooling, trilinear
+    upsampling; forward, every parameter gradient and the output's layout, float64."""
+    run_on_ranks(VOLUMES[case][0], _unet_3d_body, case)
+
+
+@pytest.mark.slow
+def test_the_command_trains_on_a_2x2x2_block(tmp_path: Path) -> None:
+    """``python train.py +recipe=cfd3d mesh=2x2x2`` on 8³: generates its data on rank 0, trains,
+    evaluates against persistence, draws the held-out rollout's mid-plane, and checkpoints
+    what a prediction needs (the normalisation and the data's physics). About 40 s here at a
+    load average of 20 (8 ranks on 2 cores)."""
+    command = [
+        sys.executable, "train.py", "+recipe=cfd3d", "mesh=2x2x2", "logger=none",
+        f"run_dir={tmp_path}/run", f"data.path={tmp_path}/v.h5", "data.generate=force",
+        "train.steps=2", "train.global_batch=2", *TINY_DATA, *SMALL_FNO,
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["step"] == 2 and 0 < metrics["eval_relative_l2"] < 2
+    assert 0 < metrics["persistence_relative_l2"] < 1
+    assert {"rollout_relative_l2_step1", "rollout_relative_l2_step2"} <= metrics.keys()
+    assert (run / "eval_step000002.png").stat().st_size > 10_000
+    state = read_extra(latest_checkpoint(run / "checkpoints"))["prediction"]
+    assert state["mean"].shape == state["std"].shape == (3,)
+    assert state["data_attributes"]["resolution"] == 8
