@@ -7,6 +7,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
+from shardsci.tensor._gather_guard import may_gather_keys_and_values
+
 __all__ = [
     "attention_exchange",
     "attention_exchange_choice",
@@ -51,6 +55,14 @@ Exchange = Literal["auto", "ring", "all_gather"]
 class _ExchangeChoice:
     mode: Exchange = "auto"
     gather_limit_bytes: int = 16 * 2**20
+
+    def may_gather(self, keys: torch.Tensor, values: torch.Tensor, nbytes: int) -> bool:
+        """Whether ``"auto"`` all-gathers these keys and values (ShardTensors, sharded along
+        the sequence dim), ``nbytes`` of them per rank: up to the limit, and where the gather
+        policy lets it (NOTE [Gathers an op was not asked to make])."""
+        return nbytes <= self.gather_limit_bytes and may_gather_keys_and_values(
+            keys.spec, values.spec, keys.ndim - 2, nbytes
+        )
 
 
 _EXCHANGE = [_ExchangeChoice()]

@@ -314,4 +314,4 @@ def _ring_chosen(k: ShardTensor, v: ShardTensor) -> bool:
         return choice.mode == "ring"
     rows = math.prod(k._local.shape[:-2]) * k.shape[-2]
     gathered = rows * (k.shape[-1] + v.shape[-1]) * k._local.element_size()
-    return gathered > choice.gather_limit_bytes
+    return not choice.may_gather(k, v, gathered)
