@@ -306,3 +306,35 @@ def test_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "error"
+
+
+# ---------------------------------------------------------------------------- the default path
+def _reduced_first_body(mesh_shape: tuple[int, ...]) -> None:
+    """NOTE [A pending sum is reduced rather than an operand gathered]."""
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    whole = torch.randn(SHAPE, dtype=torch.float64, requires_grad=True)
+    sizes = {0: (7, 5)} if len(mesh_shape) == 1 else {0: (8, 4), 1: (2, 4)}
+    placements = [Shard(2), Shard(3)][: len(mesh_shape)]
+    x = distribute_tensor(whole.detach(), mesh, placements, sizes).requires_grad_()
+    patterns = {
+        "x * sum": lambda t: t * t.sum(2, keepdim=True),
+        "x - mean": lambda t: t - t.mean(2, keepdim=True),
+        "x * amax": lambda t: t * t.amax(2, keepdim=True),
+    }
+    for name, pattern in patterns.items():
+        with gather_policy("error"):
+            out = pattern(x)
+            (grad,) = torch.autograd.grad(out.square().sum(), x)
+        expected = pattern(whole)
+        (expected_grad,) = torch.autograd.grad(expected.square().sum(), whole)
+        assert_all_ranks(out.spec.same_layout(x.spec.with_dtype(out.dtype)), f"{name}: {out.spec}")
+        assert_close_all_ranks(out.full_tensor(), expected, atol=1e-12, rtol=0, what=name)
+        assert_close_all_ranks(grad.full_tensor(), expected_grad, atol=1e-12, rtol=0, what=name)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["2r", "2x2"])
+def test_a_pending_sum_is_reduced_rather_than_an_operand_gathered(
+    mesh_shape: tuple[int, ...],
+) -> None:
+    run_on_ranks(len(mesh_shape) * 2, _reduced_first_body, mesh_shape)

@@ -71,6 +71,7 @@ __all__ = [
     "check_redistribution",
     "dispatching",
     "gather_policy",
+    "gathers",
     "may_gather_keys_and_values",
     "record_gathers",
 ]
@@ -294,11 +295,9 @@ def check_redistribution(src: ShardTensorSpec, dst: ShardTensorSpec) -> None:
     ops = _THREAD.ops
     if not ops or (_POLICY[0] == "allow" and not _RECORDERS):
         return
-    if _pieces(dst) >= _pieces(src) or ops[-1] is _ASKED or ops[-1] in _VALUE_READS:
+    if not gathers(src, dst) or ops[-1] is _ASKED or ops[-1] in _VALUE_READS:
         return
     total = _bytes_of(src)
-    if not total:  # no elements: nothing to hold (views of empty tensors replicate them)
-        return
     _enforce(_gather(ops, "a tensor", src, dst, total, _largest_shard(src), _largest_shard(dst)))
 
 
@@ -396,6 +395,12 @@ def forget_warnings() -> None:
 
 
 # ---------------------------------------------------------------------------- sizes
+def gathers(src: ShardTensorSpec, dst: ShardTensorSpec) -> bool:
+    """Whether moving a tensor from layout ``src`` to ``dst`` gathers it: fewer pieces after,
+    and elements to hold (views of empty tensors replicate them, moving nothing)."""
+    return _pieces(dst) < _pieces(src) and math.prod(src.shape) > 0
+
+
 def _pieces(spec: ShardTensorSpec) -> int:
     """How many pieces the mesh splits the tensor into."""
     return math.prod(len(s.sizes) for s in spec.shardings)
