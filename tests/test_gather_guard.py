@@ -32,7 +32,7 @@ from shardsci import (
     gather_policy,
     record_gathers,
 )
-from shardsci.tensor import _gather_guard
+from shardsci.tensor import _dispatch, _function_dispatch, _gather_guard
 from shardsci.testing import (
     assert_all_ranks,
     assert_close_all_ranks,
@@ -155,6 +155,60 @@ def _asked_for_body(mesh_shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["2r", "2x2"])
 def test_what_the_user_asks_for_is_not_a_gather(mesh_shape: tuple[int, ...]) -> None:
     run_on_ranks(len(mesh_shape) * 2, _asked_for_body, mesh_shape)
+
+
+# ---------------------------------------------------------------------------- every route
+def _routes_body() -> dict[str, list[tuple[str, bool]]]:
+    """Every route an op may take runs with that op innermost on the dispatch stack, so any
+    redistribution it makes is checked: function handlers (indexing), aten handlers (cdist),
+    the pointwise fast path (add of one layout), the default path (sort)."""
+    _, x = _field(2)
+    seen: dict[str, list[tuple[str, bool]]] = {}
+
+    def watched(route: str, function):
+        def run(func, *args, **kwargs):
+            innermost = (_gather_guard.dispatching() or [None])[-1]
+            seen.setdefault(route, []).append((str(func), innermost is func))
+            return function(func, *args, **kwargs)
+
+        return run
+
+    def watched_lookup(route: str, lookup):
+        def find(func):
+            handler = lookup(func)
+            return None if handler is None else watched(route, handler)
+
+        return find
+
+    patches = [
+        (_function_dispatch, "function_handler_for", "function handler"),
+        (_dispatch, "aten_handler_for", "aten handler"),
+        (_dispatch, "_pointwise_fast_path", "fast path"),
+        (_dispatch, "run_with_propagation", "default path"),
+    ]
+    originals = [getattr(module, name) for module, name, _ in patches]
+    for (module, name, route), original in zip(patches, originals):
+        wrap = watched_lookup if name.endswith("handler_for") else watched
+        setattr(module, name, wrap(route, original))
+    _dispatch._ROUTES.clear()  # routes cache the aten handler looked up
+    try:
+        torch.cdist(x[0, 0].t(), x[0, 1].t())
+        _ = x + x
+        torch.sort(x, dim=2)
+    finally:
+        for (module, name, _), original in zip(patches, originals):
+            setattr(module, name, original)
+        _dispatch._ROUTES.clear()
+    return seen
+
+
+def test_every_route_of_an_op_runs_with_the_op_on_the_dispatch_stack() -> None:
+    seen = run_on_ranks(2, _routes_body)[0]
+    assert set(seen) == {"function handler", "aten handler", "fast path", "default path"}, seen
+    missing = {route: [f for f, ok in calls if not ok] for route, calls in seen.items()}
+    assert not any(missing.values()), f"routes run without their op on the stack: {missing}"
+    assert ("aten._cdist_forward.default", True) in seen["aten handler"], seen
+    assert ("aten.add.Tensor", True) in seen["fast path"], seen
 
 
 # ---------------------------------------------------------------------------- warned, recorded

@@ -9,7 +9,7 @@ Order of business for an aten op:
 4. the default path: a cached plan (NOTE [The default path: DTensor decides placements,
    shardsci decides sizes] in ``_propagation``) moves the operands, runs the op on the
    local shards and wraps the results.
-Around 2 and 4 the op is on the stack of ops being dispatched, which tells a redistribution
+Around 2 to 4 the op is on the stack of ops being dispatched, which tells a redistribution
 that an op, not the user, asks for it (NOTE [Gathers an op was not asked to make]).
 """
 
@@ -90,22 +90,17 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
         return _in_place_view(func, args, kwargs)
     if route.dim_argument is not None:
         args, kwargs = _explicit_reduction_dims(func, args, kwargs)
-    if route.handler is not None:
-        ops = dispatching()  # NOTE [Gathers an op was not asked to make]
-        ops.append(func)
-        try:
-            result = route.handler(func, args, kwargs)
-        finally:
-            ops.pop()
-        if result is not NotImplemented:
-            return result
-    if route.fast:
-        result = _pointwise_fast_path(func, args, kwargs, route.mutates)
-        if result is not NotImplemented:
-            return result
-    ops = dispatching()
+    ops = dispatching()  # NOTE [Gathers an op was not asked to make]
     ops.append(func)
     try:
+        if route.handler is not None:
+            result = route.handler(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        if route.fast:
+            result = _pointwise_fast_path(func, args, kwargs, route.mutates)
+            if result is not NotImplemented:
+                return result
         return run_with_propagation(func, args, kwargs)
     finally:
         ops.pop()

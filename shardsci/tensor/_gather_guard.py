@@ -13,8 +13,9 @@ holds), a slice (``Replicate -> Shard``), and collectives on data that is not a 
 of an operand (the statistics a norm or a scan exchanges, a halo, the rows an index reaches).
 
 Who asked. A gather counts when an op makes it, as its fallback: while an op is dispatched (an
-aten or function handler runs, or the default path moves operands to the placements DTensor's
-rule wants, which covers a handler's decline that ends in a replicated output). Not counted:
+aten or function handler runs, the pointwise fast path runs, or the default path moves operands
+to the placements DTensor's rule wants, which covers a handler's decline that ends in a
+replicated output). Not counted:
 - ``x.full_tensor()``, ``x.redistribute(...)`` and ``x.to_dtensor()`` called outside any op:
   the user asked;
 - an op whose result is one Python value for the whole tensor (``x.item()``): the user asked;
@@ -32,8 +33,9 @@ instead (same result, no gather); ``attention_exchange("all_gather")`` is asked 
 
 Where it is decided. ``_redistribute.redistribute_local``, which every layout change passes
 through, calls :func:`check_redistribution` before any data moves; ``_dispatch`` and
-``_function_dispatch`` push the op being dispatched on a per-thread stack around handlers and
-the default path (never on the pointwise fast path, which moves nothing); attention asks
+``_function_dispatch`` push the op being dispatched on a per-thread stack around every route
+it may take (handlers, the pointwise fast path, whose one move, a 0-d operand's pending sum
+reduced, gathers nothing today, and the default path); attention asks
 :func:`may_gather_keys_and_values`. The verdict reads only specs, the op stack and the policy,
 which all ranks share (the policy must be set alike on every rank: the environment variable or
 the same code), so under ``"error"`` every rank raises the same :class:`GatherError` at the
