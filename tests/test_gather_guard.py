@@ -32,6 +32,9 @@ from shardsci import (
     gather_policy,
     record_gathers,
 )
+from shardsci.planning import RunPlan, format_plan
+from shardsci.planning._observe import StepObserver
+from shardsci.planning._plan import layer_plans
 from shardsci.tensor import _dispatch, _function_dispatch, _gather_guard
 from shardsci.testing import (
     assert_all_ranks,
@@ -279,6 +282,55 @@ def test_records_name_the_op_module_backward_and_bytes() -> None:
         ("aten._cdist_backward.default", "CdistBackward0"),
     ], cdist
     assert all(r[1] is None and r[4] == 12 * 6 * 8 for r in cdist), cdist
+
+
+# ---------------------------------------------------------------------------- the dry run
+class _Distances(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cdist(a, b)
+
+
+class _SortedDistances(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sort = _Sorter()
+        self.distances = _Distances()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.distances(self.sort(x)[0, 0], x[0, 1])
+
+
+def _listed_body() -> tuple[dict[str, list[str]], str]:
+    _, x = _field(2, requires_grad=True)
+    model = _SortedDistances()
+    observer = StepObserver(model)
+    with gather_policy("allow"), observer.watching():
+        model(x).sum().backward()
+    layers = layer_plans(observer)
+    plan = RunPlan("-", "2", "domain", 2, "-", 0, 1, [], layers, None, [], [])
+    return {layer.name: layer.gathers for layer in layers}, format_plan(plan)
+
+
+def test_the_dry_run_lists_gathers_per_layer() -> None:
+    """The dry run's observer puts each gather in its layer and pass, backward included, and
+    its report lists them (NOTE [How a dry run observes the library])."""
+    gathers, report = run_on_ranks(2, _listed_body)[0]
+    field = "float64 (2, 4, 12, 6) [0: S(2)] d2=7,5 -> [0: R] x1, 4608 B per rank"
+    rows = "float64 (12, 6) [0: S(0)] d0=7,5 -> [0: R]"
+    assert gathers == {
+        "(model)": [],
+        "sort": [f"forward: aten.sort.default gathered {field}"],
+        "distances": [
+            f"forward: aten._cdist_forward.default gathered {rows} x1, 576 B per rank",
+            # one cdist_backward per operand's gradient (both require grad), each gathers
+            f"backward: aten._cdist_backward.default gathered {rows} x2, 576 B per rank",
+        ],
+    }, gathers
+    assert (
+        "gathers: 3 kind(s) of gather an op made without being asked; "
+        "shardsci.gather_policy('error') or SHARDSCI_GATHER=error refuses them:\n"
+        f"  sort (_Sorter): forward: aten.sort.default gathered {field}\n"
+    ) in report, report
 
 
 # ---------------------------------------------------------------------------- attention

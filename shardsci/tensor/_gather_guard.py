@@ -370,6 +370,7 @@ def _enforce(gather: Gather) -> None:
 
 
 def _record(gather: Gather) -> None:
+    # Tapped by the dry run's observer (NOTE [How a dry run observes the library]).
     for recorder in _RECORDERS:
         recorder.append(gather)
 
