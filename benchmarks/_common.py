@@ -1,26 +1,43 @@
-"""What every benchmark shares: JSON-lines output, per-call timing, running on N gloo ranks.
+"""What every benchmark shares: JSON-lines output, goals and ``--check``, per-call timing,
+running on N gloo ranks.
 
 Records go to stdout, one JSON object per line, so ``python -m benchmarks.<name> | jq`` or a
 plain ``json.loads`` per line reads them; anything else a benchmark says goes to stderr.
+
+# NOTE [A benchmark's goals and --check]
+A benchmark that states a goal (a speed-up, a memory ratio, bytes at the lower bound, its
+result agreeing with one process) reports each as a ``Goal`` in its ``summary`` record
+(``goals``: statement and ``met``; ``goals_met``: all of them). Every benchmark takes
+``--check``: then a missed goal makes it exit with status 1 after the summary, naming the goal
+on stderr, so that a script or CI run fails where a reader of the JSON would have to look. A
+benchmark without goals exits 0 under ``--check``. ``tests/test_benchmarks.py`` runs each at a
+tiny size, once with a goal made unreachable.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from shardsci.testing import run_on_ranks, shutdown_pools
 
 __all__ = [
+    "Goal",
     "emit",
+    "emit_summary",
     "interleaved_medians_us",
     "interleaved_steps",
     "on_ranks",
+    "parse_arguments",
     "rank_pools",
+    "restart_pools",
     "spread",
 ]
 
@@ -30,6 +47,40 @@ _RANK_TIMEOUT_S = 300.0
 def emit(record: str, **fields: Any) -> None:
     """Print one JSON object, ``{"record": record, **fields}``, on its own line of stdout."""
     print(json.dumps({"record": record, **fields}), flush=True)
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A target a benchmark states and whether this run met it (NOTE [A benchmark's goals and
+    --check])."""
+
+    statement: str
+    met: bool
+
+
+def parse_arguments(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """``parser``'s arguments plus ``--check``."""
+    parser.add_argument(
+        "--check", action="store_true", help="exit with status 1 when a goal is missed"
+    )
+    return parser.parse_args(argv)
+
+
+def emit_summary(goals: Sequence[Goal], check: bool, **fields: Any) -> None:
+    """Emit the ``summary`` record: ``fields``, ``goals`` and ``goals_met``. With ``check``,
+    a missed goal then ends the run with status 1, naming it on stderr."""
+    emit(
+        "summary",
+        **fields,
+        goals=[{"goal": goal.statement, "met": bool(goal.met)} for goal in goals],
+        goals_met=all(goal.met for goal in goals),
+    )
+    missed = [goal.statement for goal in goals if not goal.met]
+    if check and missed:
+        print(f"--check: goal missed: {'; '.join(missed)}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def interleaved_medians_us(
@@ -114,3 +165,9 @@ def rank_pools() -> Iterator[None]:
         yield
     finally:
         shutdown_pools()
+
+
+def restart_pools() -> None:
+    """Stop the rank pools, so that the next :func:`on_ranks` starts fresh processes (for a
+    figure over a process's lifetime, such as its peak resident set size)."""
+    shutdown_pools()

@@ -22,9 +22,11 @@ per-round wall-time ratios.
 Besides the times: compile time (first steps), compiled frames, graph breaks
 (``torch._dynamo.explain``), compiled regions, recompilations when only the shard sizes change
 (2 ranks: a second layout of the same global problem after the timed steps) and the largest
-difference from the eager result. Run ``python -m benchmarks.compile [--models unet fno]
-[--worlds 1 2] [--rounds 5]``; JSON lines on stdout, fields in README.md. Compile times are
-dominated by inductor's C++ compiler on a CPU.
+difference from the eager result. No goal is stated: the ratios are reported. Run ``python -m
+benchmarks.compile [--models unet fno] [--worlds 1 2] [--rounds 5] [--size 128] [--backend
+inductor]`` (``--size``: H = W of the field models' input; ``--backend eager`` traces with
+dynamo but compiles nothing, for a quick run); JSON lines on stdout, fields in README.md.
+Compile times are dominated by inductor's C++ compiler on a CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +45,14 @@ import torch.distributed as dist
 from scipy.spatial import Delaunay
 from torch import nn
 
-from benchmarks._common import emit, interleaved_steps, rank_pools, spread
+from benchmarks._common import (
+    emit,
+    emit_summary,
+    interleaved_steps,
+    parse_arguments,
+    rank_pools,
+    spread,
+)
 from shardsci import Shard, ShardTensor
 from shardsci.compiling import compile_regions, region_summary
 from shardsci.graph import GraphPartition, partition_nodes
@@ -57,20 +66,22 @@ RANK_TIMEOUT_S = 3600.0  # inductor compiles C++ for minutes on a busy 2-core ma
 
 @dataclass(frozen=True)
 class Case:
-    """A zoo model and its inputs: ``inputs(world, variant)`` gives the arguments of one
-    step on this rank (``variant`` 1 is another split of the same global problem)."""
+    """A zoo model and its inputs: ``inputs(world, variant, size)`` gives the arguments of
+    one step on this rank (``variant`` 1 is another split of the same global problem; ``size``
+    the H = W of a field, which a mesh's inputs ignore)."""
 
     describe: str
     build: Callable[[], nn.Module]
-    inputs: Callable[[int, int], tuple]
+    inputs: Callable[[int, int, int], tuple]
 
 
 # --------------------------------------------------------------------------- the cases
-def _field_inputs(world: int, variant: int) -> tuple:
-    whole = torch.randn(4, 1, 128, 128, generator=torch.Generator().manual_seed(0))
+def _field_inputs(world: int, variant: int, size: int) -> tuple:
+    whole = torch.randn(4, 1, size, size, generator=torch.Generator().manual_seed(0))
     if world == 1:
         return (whole,)
-    sizes = [(64, 64), (72, 56)][variant]
+    half, shift = size // 2, size // 16
+    sizes = [(half, size - half), (half + shift, size - half - shift)][variant]
     start = sum(sizes[: dist.get_rank()])
     local = whole[:, :, start : start + sizes[dist.get_rank()]].contiguous()
     return (ShardTensor.from_local(local, get_mesh((world,)), [Shard(2)], {0: sizes}),)
@@ -84,7 +95,7 @@ def _mesh_graph(points: int) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, pairs.t().contiguous()
 
 
-def _meshgraphnet_inputs(world: int, variant: int) -> tuple:
+def _meshgraphnet_inputs(world: int, variant: int, size: int) -> tuple:
     positions, edge_index = _mesh_graph(2000)
     generator = torch.Generator().manual_seed(1)
     nodes = torch.randn(positions.shape[0], 4, 3, generator=generator)
@@ -158,8 +169,8 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 class _Variant:
     """One way of running the case's model, with its own copy and optimiser."""
 
-    def __init__(self, name: str, model: nn.Module) -> None:
-        self.counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    def __init__(self, name: str, model: nn.Module, backend: str) -> None:
+        self.counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
         self.model = copy.deepcopy(model)
         if name == "regions":
             compile_regions(self.model, backend=self.counter)
@@ -188,15 +199,15 @@ class _Variant:
         return [time.perf_counter() - start]
 
 
-def time_variants(case_name: str, rounds: int) -> dict:
+def time_variants(case_name: str, rounds: int, size: int, backend: str) -> dict:
     """Rank body: per variant, compile time, step times, frames, recompilations, agreement."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     world = dist.get_world_size()
     case = CASES[case_name]
     model = case.build()
-    args = case.inputs(world, 0)
-    variants = {name: _Variant(name, model) for name in VARIANTS}
+    args = case.inputs(world, 0, size)
+    variants = {name: _Variant(name, model, backend) for name in VARIANTS}
     result: dict = {name: {} for name in VARIANTS}
     outputs = {}
     for name, variant in variants.items():
@@ -210,7 +221,7 @@ def time_variants(case_name: str, rounds: int) -> dict:
     for name in VARIANTS:
         result[name]["step_s"] = steps[name]
         result[name]["cpu_s"] = variants[name].cpu_s
-    other = case.inputs(world, 1) if world > 1 else args
+    other = case.inputs(world, 1, size) if world > 1 else args
     for name, variant in variants.items():
         frames = variant.counter.frame_count
         variant.step(other)
@@ -229,8 +240,16 @@ def time_variants(case_name: str, rounds: int) -> dict:
 
 
 # --------------------------------------------------------------------------- reporting
-def report(case_name: str, world: int, rounds: int) -> dict[str, float]:
-    per_rank = run_on_ranks(world, time_variants, case_name, rounds, timeout_s=RANK_TIMEOUT_S)
+def report(case_name: str, world: int, args: argparse.Namespace) -> dict[str, float]:
+    per_rank = run_on_ranks(
+        world,
+        time_variants,
+        case_name,
+        args.rounds,
+        args.size,
+        args.backend,
+        timeout_s=RANK_TIMEOUT_S,
+    )
     first = per_rank[0]
     steps, cpu = (
         {
@@ -251,6 +270,8 @@ def report(case_name: str, world: int, rounds: int) -> dict[str, float]:
         "compile",
         model=case_name,
         describe=CASES[case_name].describe,
+        field_size=args.size,
+        backend=args.backend,
         world_size=world,
         steps_timed=len(steps["eager"]),
         **{f"{name}_step_s": spread(steps[name]) for name in VARIANTS},
@@ -289,16 +310,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2], choices=[1, 2])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
-    args = parser.parse_args(argv)
+    parser.add_argument("--size", type=int, default=128, help="H = W of a field model's input")
+    parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    args = parse_arguments(parser, argv)
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
     summary: dict[str, object] = {}
     with rank_pools():
         for case_name in args.models:
             for world in args.worlds:
-                summary.update(report(case_name, world, args.rounds))
-    emit(
-        "summary",
+                summary.update(report(case_name, world, args))
+    emit_summary(
+        [],
+        args.check,
         **summary,
         rounds=args.rounds,
         load_average_before=round(load_before, 1),

@@ -19,9 +19,11 @@ Every variant computes with one thread per process, so ``speedup`` (``one_rank_1
 step's time at 2 ranks is the slowest rank's, measured from a barrier. Before timing, the
 2-rank step's output and gradients are compared with the 1-rank step's (``check``), and one
 step with overlap on and one with it off are compared (identical outputs; gradients equal to
-float32 rounding) and their bytes counted (``comm_counter``).
+float32 rounding) and their bytes counted (``shardsci.testing.count_traffic``). No goal is
+stated: the speed-ups are reported.
 
-Run ``python -m benchmarks.halo_and_conv conv_scaling``; the JSON fields are listed in README.md.
+Run ``python -m benchmarks.halo_and_conv conv_scaling [--shrink N] [--rounds N]`` (``--shrink``
+divides every spatial extent, for a quick run); the JSON fields are listed in README.md.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks._common import emit, interleaved_steps, on_ranks, spread
-from shardsci import Shard, ShardTensor, comm_counter, overlap_halos
-from shardsci.testing import get_mesh
+from benchmarks._common import Goal, emit, interleaved_steps, on_ranks, spread
+from shardsci import Shard, ShardTensor, overlap_halos
+from shardsci.testing import count_traffic, get_mesh
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,26 @@ CASES = {
         pads_internally=True,
     ),
 }
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A case of ``CASES`` with its spatial extents divided by ``shrink`` (what the rank
+    bodies receive)."""
+
+    case_name: str
+    shrink: int = 1
+
+    @property
+    def case(self) -> Case:
+        return CASES[self.case_name]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        batch, channels, *spatial = self.case.shape
+        return (batch, channels, *(extent // self.shrink for extent in spatial))
+
+
 # Variant -> (ranks, threads per rank, overlap halos, the module's own padding path).
 VARIANTS = {
     "one_rank_1_thread": (1, 1, False, False),
@@ -114,14 +136,16 @@ def _prepadded(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: conv(F.pad(x, pad), module.weight, module.bias, module.stride, 0)
 
 
-def _training_step(case_name: str, native: bool = False) -> Callable[[], tuple[torch.Tensor, ...]]:
+def _training_step(
+    problem: Problem, native: bool = False
+) -> Callable[[], tuple[torch.Tensor, ...]]:
     """A step on this rank's share of the case's problem: forward, ``sum`` of the local output,
     backward. Returns the local output and the gradients (input, weight, bias). On 1 rank a
     case whose kernel pads internally pads first (like for like), unless ``native``."""
     torch.manual_seed(0)
-    case = CASES[case_name]
+    case = problem.case
     module = case.build()
-    local, wrap = shard_rows(torch.randn(case.shape))
+    local, wrap = shard_rows(torch.randn(problem.shape))
     local.requires_grad_()
     plain = dist.get_world_size() == 1 and case.pads_internally and not native
     forward = _prepadded(module) if plain else module
@@ -137,13 +161,13 @@ def _training_step(case_name: str, native: bool = False) -> Callable[[], tuple[t
 
 
 def time_steps(
-    case_name: str, threads: int, overlap: bool, native: bool, steps: int
+    problem: Problem, threads: int, overlap: bool, native: bool, steps: int
 ) -> list[float]:
     """Rank body: seconds per step on this rank, each started from a barrier (one warm-up)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        step = _training_step(case_name, native)
+        step = _training_step(problem, native)
         times = []
         with overlap_halos() if overlap else nullcontext():
             step()
@@ -157,17 +181,17 @@ def time_steps(
     return times
 
 
-def compare_overlap(case_name: str) -> dict:
+def compare_overlap(problem: Problem) -> dict:
     """Rank body: one step with halos overlapped and one without: equal? bytes moved?
 
     Outputs must be bitwise equal. Gradients may differ by float32 rounding: the overlapped
     step computes the weight gradient as a sum over pieces (interior, edges) and adds the
     input gradient's halo contributions in another order.
     """
-    step = _training_step(case_name)
-    with comm_counter() as plain:
+    step = _training_step(problem)
+    with count_traffic() as plain:
         reference = step()
-    with comm_counter() as overlapped, overlap_halos():
+    with count_traffic() as overlapped, overlap_halos():
         result = step()
     return {
         "output_equal": torch.equal(reference[0], result[0]),
@@ -177,14 +201,16 @@ def compare_overlap(case_name: str) -> dict:
         ),
         "received": plain.as_dict()["received"],
         "overlap_received": overlapped.as_dict()["received"],
+        "exchanges": plain.p2p_rounds,
+        "overlap_exchanges": overlapped.p2p_rounds,
     }
 
 
-def compare_to_one_rank(case_name: str) -> float | None:
+def compare_to_one_rank(problem: Problem) -> float | None:
     """Rank body (2 ranks): the sharded step's output and gradients against the 1-rank step
     on the whole problem, on rank 0: the largest difference relative to each one's largest
     entry."""
-    out, grad_input, grad_weight, grad_bias = _training_step(case_name)()
+    out, grad_input, grad_weight, grad_bias = _training_step(problem)()
     mesh = get_mesh((dist.get_world_size(),))
     rows = {0: (out.shape[SHARDED_DIM],) * dist.get_world_size()}
     gathered = [
@@ -194,9 +220,8 @@ def compare_to_one_rank(case_name: str) -> float | None:
     if dist.get_rank() != 0:
         return None
     torch.manual_seed(0)
-    case = CASES[case_name]
-    module = case.build()
-    whole = torch.randn(case.shape).requires_grad_()
+    module = problem.case.build()
+    whole = torch.randn(problem.shape).requires_grad_()
     expected = module(whole)
     expected.sum().backward()
     pairs = zip(
@@ -212,34 +237,34 @@ def _variants(case_name: str) -> list[str]:
     return [name for name, v in VARIANTS.items() if native or not v[3]]
 
 
-def _step_seconds(case_name: str) -> dict[str, list[float]]:
+def _step_seconds(problem: Problem, rounds: int) -> dict[str, list[float]]:
     """Variant -> seconds of every timed step (slowest rank per step), variants interleaved."""
 
     def run(name: str) -> list[float]:
         ranks, threads, overlap, native = VARIANTS[name]
-        per_rank = on_ranks(ranks, time_steps, case_name, threads, overlap, native, STEPS_PER_CALL)
+        per_rank = on_ranks(ranks, time_steps, problem, threads, overlap, native, STEPS_PER_CALL)
         return [max(step) for step in zip(*per_rank)]
 
-    return interleaved_steps(_variants(case_name), CASES[case_name].rounds, run)
+    return interleaved_steps(_variants(problem.case_name), rounds, run)
 
 
-def report(case_name: str) -> dict[str, float]:
+def report(problem: Problem, rounds: int) -> dict[str, float]:
     """Emit the ``check``, ``speedup`` and ``overlap`` records of one case; return its key
     ratios. Medians are the figures; quartiles, fastest and slowest steps come beside them."""
-    error = on_ranks(2, compare_to_one_rank, case_name)[0]
+    case_name = problem.case_name
+    error = on_ranks(2, compare_to_one_rank, problem)[0]
     emit("check", case=case_name, max_rel_error=error, within_tolerance=error <= CHECK_RTOL)
     if error > CHECK_RTOL:
         raise AssertionError(f"{case_name}: 2 ranks differ from 1 rank by {error:.2e}")
-    samples = _step_seconds(case_name)
+    samples = _step_seconds(problem, rounds)
     t = {name: statistics.median(times) for name, times in samples.items()}
     best = {name: min(times) for name, times in samples.items()}
     speedup = t["one_rank_1_thread"] / t["two_ranks"]
-    case = CASES[case_name]
     emit(
         "speedup",
         case=case_name,
-        module=case.module,
-        global_shape=case.shape,
+        module=problem.case.module,
+        global_shape=problem.shape,
         steps_timed=len(samples["two_ranks"]),
         **{f"{name}_s": spread(times) for name, times in samples.items()},
         speedup=round(speedup, 3),
@@ -254,7 +279,7 @@ def report(case_name: str) -> dict[str, float]:
     )
     overlap_gain = t["two_ranks"] / t["two_ranks_overlap"]
     _report_overlap(
-        case_name,
+        problem,
         {
             "two_ranks_s": round(t["two_ranks"], 4),
             "two_ranks_overlap_s": round(t["two_ranks_overlap"], 4),
@@ -265,37 +290,46 @@ def report(case_name: str) -> dict[str, float]:
     return {f"{case_name}_speedup": speedup, f"{case_name}_overlap_speedup": overlap_gain}
 
 
-def _report_overlap(case_name: str, timings: dict[str, float]) -> None:
+def _report_overlap(problem: Problem, timings: dict[str, float]) -> None:
     """Emit the ``overlap`` record: ``timings`` and the agreement and bytes of one step with
     and without overlapped halos. Raises if the results disagree beyond float32 rounding."""
-    checks = on_ranks(2, compare_overlap, case_name)
+    checks = on_ranks(2, compare_overlap, problem)
     emit(
         "overlap",
-        case=case_name,
+        case=problem.case_name,
         **timings,
         output_equal=all(c["output_equal"] for c in checks),
         gradients_bitwise_equal=all(c["gradients_bitwise_equal"] for c in checks),
         gradient_max_rel_diff=max(c["gradient_max_rel_diff"] for c in checks),
         received_bytes_per_step=[c["received"] for c in checks],
         overlap_received_bytes_per_step=[c["overlap_received"] for c in checks],
+        exchanges_per_step=[c["exchanges"] for c in checks],
+        overlap_exchanges_per_step=[c["overlap_exchanges"] for c in checks],
     )
     agree = all(c["output_equal"] for c in checks) and all(
         c["gradient_max_rel_diff"] <= GRADIENT_RTOL for c in checks
     )
     if not agree:
-        raise AssertionError(f"{case_name}: overlap_halos() changed the result: {checks}")
+        raise AssertionError(f"{problem}: overlap_halos() changed the result: {checks}")
 
 
-def run() -> dict[str, object]:
-    """Emit every case (on the running rank pools); return the part's summary fields.
+def run(shrink: int = 1, rounds: int | None = None) -> tuple[dict[str, object], list[Goal]]:
+    """Emit every case (on the running rank pools), its spatial extents divided by
+    ``shrink``, timed in ``rounds`` rounds (default: the case's); return the part's summary
+    fields and goals (none).
 
     Timings depend on what else runs on the machine: the load average is reported with them.
     """
     load_before = os.getloadavg()[0]
-    ratios = {key: value for name in CASES for key, value in report(name).items()}
-    return {
+    ratios = {
+        key: value
+        for name, case in CASES.items()
+        for key, value in report(Problem(name, shrink), rounds or case.rounds).items()
+    }
+    fields = {
         **{key: round(value, 3) for key, value in ratios.items()},
         "load_average_before": round(load_before, 1),
         "load_average_after": round(os.getloadavg()[0], 1),
         "cores": os.cpu_count(),
     }
+    return fields, []

@@ -1,12 +1,14 @@
 """Weak and strong scaling of a domain-parallel UNet step on 8-512 GPUs, projected with an
 alpha-beta model fed with the communication measured on real runs.
 
-Measured here (real gloo ranks, ``comm_counter`` and a count of the point-to-point messages
-``batch_isend_irecv`` posts): one training step of ``UNet(width=32, depth=3,
+Measured here (real gloo ranks, the collectives and messages torch runs counted by
+``shardsci.testing.count_traffic``): one training step of ``UNet(width=32, depth=3,
 padding_mode="circular")``, batch 1, on a 3x3 block decomposition (every rank has two
-neighbours along each axis, as on any larger mesh), per rank: halo exchanges, their messages
-and bytes; statistics all-gathers and all-reduces; the gradient all-reduce's bytes. Halo bytes
-are faces, proportional to the tile's edge, so they are measured at one tile size and scaled.
+neighbours along each axis, as on any larger mesh), per rank: halo exchanges (rounds of
+point-to-point messages posted together), their messages and bytes; statistics all-gathers
+and all-reduces; the gradient all-reduces (those a step under ``no_sync()`` does not issue)
+and their bytes. Halo bytes are faces, proportional to the tile's edge, so they are measured
+at one tile size and scaled.
 The step's convolution FLOPs come from ``torch.utils.flop_counter`` on the plain model.
 
 Projected: 8 GPUs per node, 2-D blocks over (H, W); a step costs
@@ -19,28 +21,30 @@ Projected: 8 GPUs per node, 2-D blocks over (H, W); a step costs
   gradient all-reduce's last bucket (the others overlap backward), all with NCCL's own
   latency model (``src/graph/tuning.cc``: base latency plus a per-step latency of the link).
 
-Parameters and their sources are emitted in the ``parameters`` record. Run
-``python -m benchmarks.scaling_model`` (≈1 min: the measurement uses 9 ranks on small tiles).
+Parameters and their sources are emitted in the ``parameters`` record. No goal is stated: the
+projection is reported. Run ``python -m benchmarks.scaling_model [--tile 32]`` (≈1 min: the
+measurement uses 9 ranks on small tiles).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks._common import emit, on_ranks, rank_pools
-from shardsci import Shard, ShardTensor, comm_counter, distribute_tensor
+from benchmarks._common import emit, emit_summary, on_ranks, parse_arguments, rank_pools
+from shardsci import Shard, ShardTensor, distribute_tensor
 from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
-from shardsci.testing import get_mesh
+from shardsci.testing import count_traffic, get_mesh
 
-MEASURED_TILE = 32  # H and W per rank in the 3x3 measurement
+MEASURED_TILE = 32  # H and W per rank in the 3x3 measurement (default)
 GPUS = (8, 16, 32, 64, 128, 256, 512)
 PER_NODE = 8
 WEAK_TILES = (512, 2048)  # H = W per GPU, batch 1
@@ -74,8 +78,10 @@ class Machine:
 
 # --------------------------------------------------------------------------- measurement
 def measure_block(tile: int) -> dict:
-    """Rank body (9 ranks): one step on a 3x3 block of ``tile x tile`` shards; this rank's
-    calls and bytes by kind, and its point-to-point messages."""
+    """Rank body (9 ranks): one step on a 3x3 block of ``tile x tile`` shards: this rank's
+    collectives and bytes received by kind (``p2p_rounds``: halo exchanges) under
+    ``no_sync()``, and the gradient all-reduces: what the same step with gradient reduction
+    issues beyond that."""
     mesh = get_mesh((1, 3, 3), ("dp", "h", "w"))
     torch.manual_seed(0)
     model = domain_parallel(
@@ -92,22 +98,25 @@ def measure_block(tile: int) -> dict:
         )
         for _ in range(2)
     )
-    messages = [0]
-    original = dist.batch_isend_irecv
 
-    def counting(ops):
-        messages[0] += sum(op.op is dist.isend for op in ops)
-        return original(ops)
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss = loss.full_tensor() if isinstance(loss, ShardTensor) else loss
+        loss.backward()
 
-    dist.batch_isend_irecv = counting
-    try:
-        with comm_counter() as stats:
-            loss = F.mse_loss(model(x), y)
-            loss = loss.full_tensor() if isinstance(loss, ShardTensor) else loss
-            loss.backward()
-    finally:
-        dist.batch_isend_irecv = original
-    return {**stats.as_dict(), "halo_messages": messages[0]}
+    with model.no_sync(), count_traffic() as without_gradients:
+        step()
+    with count_traffic() as with_gradients:
+        step()
+    counts = without_gradients.as_dict()
+    calls, received = Counter(counts["calls"]), Counter(counts["received"])
+    calls["p2p_rounds"] = counts["p2p_rounds"]
+    calls["gradient_all_reduce"] = with_gradients.calls_by_kind["all_reduce"] - calls["all_reduce"]
+    received["gradient_all_reduce"] = (
+        with_gradients.received_by_kind["all_reduce"] - received["all_reduce"]
+    )
+    return {"calls": dict(calls), "received": dict(received)}
 
 
 def flops_per_pixel() -> float:
@@ -168,15 +177,15 @@ def step_s(machine: Machine, measured: dict, flops: float, ranks: int, tile: flo
     """Seconds per step of each part on ``ranks`` GPUs with ``tile x tile`` pixels each, and
     the total if the statistics were combined by all-reduces instead."""
     calls, received = measured["calls"], measured["received"]
-    halo_bytes = received.get("halo", 0) * tile / MEASURED_TILE
-    # Measured on 9 ranks: an all-gather receives 8 pieces; an all-reduce is recorded at its
+    halo_bytes = received.get("p2p", 0) * tile / measured["tile"]
+    # Measured on 9 ranks: an all-gather receives 8 pieces; an all-reduce is counted at its
     # ring cost, 2 (9 - 1) / 9 of its buffer.
     gather_piece = received.get("all_gather", 0) / max(calls.get("all_gather", 1), 1) / 8
     reduce_bytes = received.get("all_reduce", 0) / max(calls.get("all_reduce", 1), 1) * 9 / 16
     gradient_bytes = measured["gradient_bytes"]
     parts = {
         "compute": flops * tile * tile / machine.sustained_flops,
-        "halo": halo_s(machine, ranks, calls.get("halo", 0), halo_bytes),
+        "halo": halo_s(machine, ranks, calls.get("p2p_rounds", 0), halo_bytes),
         "statistics": calls.get("all_gather", 0) * all_gather_s(machine, ranks, gather_piece)
         + calls.get("all_reduce", 0) * all_reduce_s(machine, ranks, reduce_bytes),
         "gradients": all_reduce_s(machine, ranks, gradient_bytes),
@@ -236,25 +245,30 @@ def project(measured: dict, flops: float, machine: Machine) -> dict[str, float]:
     return summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tile", type=int, default=MEASURED_TILE, help="H and W per rank when measuring"
+    )
+    args = parse_arguments(parser, argv)
     start = time.perf_counter()
     with rank_pools():
-        per_rank = on_ranks(9, measure_block, MEASURED_TILE)
+        per_rank = on_ranks(9, measure_block, args.tile)
     worst = max(per_rank, key=lambda r: sum(r["received"].values()))
     measured = {
+        "tile": args.tile,
         "calls": worst["calls"],
         "received": worst["received"],
-        "halo_messages": worst["halo_messages"],
         "gradient_bytes": sum(
             p.numel() * 4 for p in UNet(width=32, depth=3, padding_mode="circular").parameters()
         ),
     }
     flops = flops_per_pixel()
     machine = Machine()
-    emit("measured", tile=MEASURED_TILE, mesh="3x3", **measured, flops_per_pixel=flops)
+    emit("measured", mesh="3x3", **measured, flops_per_pixel=flops)
     emit("parameters", **asdict(machine), gpus_per_node=PER_NODE)
     summary = project(measured, flops, machine)
-    emit("summary", **summary, wall_s=round(time.perf_counter() - start, 1))
+    emit_summary([], args.check, **summary, wall_s=round(time.perf_counter() - start, 1))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ relative data path are relative to the directory the command is started in; a ru
 before it has written anything leaves no run directory behind.
 
 Without torchrun or SLURM variables this process composes the config, checks it (NOTE [Config
-errors before any rank starts]) and starts the mesh's ranks on this machine; under torchrun or
-srun every rank composes and checks the same config and runs its part. ``-m ...
+errors before any rank starts]), plans the run once (NOTE [A run is planned once]) and starts
+the plan's ranks on this machine; under torchrun or srun every rank composes, checks and plans
+the same config and runs its part. ``-m ...
 launcher=slurm`` submits the job with Hydra's submitit launcher. How recipes are found: NOTE
 [How train.py finds recipes]. A mistake in the config, Hydra's composition errors included
 (NOTE [Composition errors in one line]), is one line on standard error and exit status 2
@@ -34,15 +35,18 @@ from omegaconf import DictConfig, OmegaConf
 from shardsci.distributed import detect_launch_env
 from shardsci.training import (
     ConfigError,
+    check_renamed_keys,
     check_run,
     discover_recipes,
     get_recipe,
     mesh_world_size,
     register_run_schemas,
     reported,
-    run_local_ranks,
+    run_ranks,
     traceback_requested,
+    train_recipe,
 )
+from shardsci.training._renamed import renamed_key_hint
 
 __all__ = ["check_composition", "launch", "main"]
 
@@ -69,8 +73,9 @@ discover_recipes("shardsci.recipes")
 
 
 def launch(cfg: DictConfig, multirun: bool = False) -> int:
-    """Check ``cfg``, then run its recipe here (one rank, or under torchrun/srun) or on the
-    mesh's ranks started here; the run's exit status."""
+    """Check ``cfg`` and plan its run once (NOTE [A run is planned once]), then train its
+    recipe here (one rank, or under torchrun/srun) or on the plan's ranks started here; the
+    run's exit status."""
     if cfg.recipe is None:
         raise ConfigError("no recipe chosen: add +recipe=<name>, e.g. shardsci-train +recipe=cfd")
     try:
@@ -83,18 +88,7 @@ def launch(cfg: DictConfig, multirun: bool = False) -> int:
         return dry_run(cfg)
     env = detect_launch_env()
     plan = check_run(cfg, recipe, env, multirun)
-    run = recipe.load_run()
-    if env.launcher != "single" or plan.world_size == 1:
-        run(cfg)
-        return 0
-    OmegaConf.resolve(cfg)  # one run directory for every rank, resolved here
-    return run_local_ranks(
-        plan.world_size,
-        run,
-        cfg,
-        grace_s=cfg.launcher.grace_s,
-        max_restarts=cfg.launcher.max_restarts,
-    )
+    return run_ranks(cfg, plan, env, train_recipe)
 
 
 # NOTE [Composition errors in one line]
@@ -104,7 +98,8 @@ def launch(cfg: DictConfig, multirun: bool = False) -> int:
 # compose API first (about 0.15 s) and turns those errors into the one line and exit status of
 # every other config mistake. With a flag (``-m``, ``--cfg``, ``--help``...) it leaves the
 # command line to Hydra: a sweep is not one config. ``HYDRA_FULL_ERROR=1`` skips the check, so
-# Hydra's full report appears.
+# Hydra's full report appears. A renamed key (``RENAMED_KEYS``) is one line naming the new key,
+# sweeps included.
 
 
 def main() -> None:
@@ -117,6 +112,7 @@ def main() -> None:
 def check_composition(arguments: list[str]) -> None:
     """Raise ``ConfigError`` with Hydra's composition error of ``arguments`` in one line; do
     nothing when they compose, contain a flag, or a traceback is requested."""
+    check_renamed_keys([a for a in arguments if not a.startswith("-")])
     if traceback_requested() or any(argument.startswith("-") for argument in arguments):
         return
     try:
@@ -136,7 +132,10 @@ def _one_line(error: HydraException) -> str:
     head = lines[0].rstrip(".")
     if error.__cause__ is not None:
         head += ": " + str(error.__cause__).splitlines()[0]
-    return "; ".join([head, *(line[0].lower() + line[1:] for line in lines[1:])])
+    hint = renamed_key_hint(f"{error}\n{error.__cause__}")
+    return "; ".join(
+        [head, *(line[0].lower() + line[1:] for line in lines[1:]), *filter(None, [hint])]
+    )
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-import shardsci
 from shardsci import attention_exchange
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
@@ -21,6 +20,7 @@ from shardsci.testing import (
     assert_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -187,10 +187,10 @@ def _bytes_body(name: str, mode: str) -> None:
         x = torch.randn(batch, heads, length, last, dtype=torch.float64)
         spec = layout.spec(mesh, x)
         tensors.append(from_local_spec(spec.narrow(x).requires_grad_(True), spec))
-    with attention_exchange(mode), shardsci.comm_counter() as forward:
+    with attention_exchange(mode), counted_comm() as forward:
         out = F.scaled_dot_product_attention(*tensors, is_causal=True)
     loss = (out * out).sum().to_local().sum()
-    with shardsci.comm_counter() as backward:
+    with counted_comm() as backward:
         loss.backward()
     me = torch.distributed.get_rank()
     n = len(sizes)
@@ -224,7 +224,7 @@ def _cost_rule_body() -> None:
     tokens = from_local_spec(spec.narrow(x), spec)
     chosen = {}
     for name, limit in {"small": 1 << 20, "large": 0}.items():
-        with attention_exchange("auto", gather_limit_bytes=limit), shardsci.comm_counter() as s:
+        with attention_exchange("auto", gather_limit_bytes=limit), counted_comm() as s:
             F.scaled_dot_product_attention(tokens, tokens, tokens)
         chosen[name] = set(s.calls)
     assert_all_ranks(

@@ -11,10 +11,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import shardsci.train  # noqa: F401  registers the schemas, the resolvers and the recipes
-from shardsci.distributed import mesh_axis_sizes
 from shardsci.training import (
-    DataParallel,
+    DataParallelMode,
     ParallelConfig,
+    ParallelPlan,
     Precision,
     config_from,
     config_type_of,
@@ -38,15 +38,15 @@ def _compose(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def _resolved(cfg) -> ParallelConfig:
+def _plan(cfg) -> ParallelPlan:
     parallel = config_from(ParallelConfig, cfg.parallel)
-    return parallel.resolved(len(mesh_axis_sizes(str(cfg.mesh))))
+    return ParallelPlan.of(str(cfg.mesh), parallel, get_recipe(cfg.recipe).spatial_dims)
 
 
 def test_every_recipe_config_is_a_registered_recipe() -> None:
     assert recipe_names() == RECIPES
     for recipe in RECIPES:
-        assert get_recipe(recipe).load_run().__name__ == "run"
+        assert callable(get_recipe(recipe).load_task())
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -54,11 +54,19 @@ def test_every_recipe_config_is_a_registered_recipe() -> None:
     ("parallel", "mesh"), [(p, m) for p, meshes in PARALLEL.items() for m in meshes]
 )
 def test_every_recipe_mesh_and_axis_roles_compose(recipe: str, parallel: str, mesh: str) -> None:
+    """... and plans, unless the mesh has more domain axes than the recipe's fields have
+    spatial dims: then one clear error."""
     cfg = _compose(f"+recipe={recipe}", f"mesh={mesh}", f"parallel={parallel}")
     assert cfg.recipe == recipe and str(cfg.mesh) == mesh
-    resolved = _resolved(cfg)
-    assert len(resolved.axis_names) == len(mesh.split("x"))
     assert OmegaConf.to_container(cfg, resolve=True)["run_dir"]
+    axes = len(mesh.split("x"))
+    splitting = axes - (parallel == "auto")
+    if splitting > len(get_recipe(recipe).spatial_dims):
+        with pytest.raises(ValueError, match="axes besides data parallelism but the fields have"):
+            _plan(cfg)
+        return
+    plan = _plan(cfg)
+    assert len(plan.axis_names) == axes and len(plan.domain) == splitting
 
 
 @pytest.mark.parametrize(("recipe", "model"), RECIPE_MODELS)
@@ -72,24 +80,48 @@ def test_every_model_of_every_recipe_composes_into_a_valid_config(recipe: str, m
 
 
 def test_choices_are_enums() -> None:
-    cfg = _compose("+recipe=cfd", "model=unet", "train.parallel=fsdp2", "train.precision=bf16")
+    cfg = _compose("+recipe=cfd", "model=unet", "train.dp_mode=fsdp2", "train.precision=bf16")
     train_config = OmegaConf.to_object(cfg.train)
-    assert train_config.parallel is DataParallel.fsdp2
+    assert train_config.dp_mode is DataParallelMode.fsdp2
     assert train_config.precision is Precision.bf16
     assert config_from(config_type_of(cfg.model), cfg.model).padding_mode == "circular"
 
 
 def test_mesh_4x2_is_data_parallel_then_domain() -> None:
-    resolved = _resolved(_compose("+recipe=cfd", "mesh=4x2"))
-    assert resolved.axis_names == ["dp", "domain"]
-    assert resolved.data_parallel == "dp"
-    assert resolved.domain == {"domain": "H"}
+    plan = _plan(_compose("+recipe=cfd", "mesh=4x2"))
+    assert plan.axis_names == ("dp", "domain")
+    assert plan.dp_axis == "dp"
+    assert plan.domain == {"domain": "H"}
 
 
 def test_block_decomposition_splits_h_and_w() -> None:
-    resolved = _resolved(_compose("+recipe=cfd", "mesh=2x2", "parallel=block"))
-    assert resolved.data_parallel is None
-    assert resolved.domain == {"domain_h": "H", "domain_w": "W"}
+    plan = _plan(_compose("+recipe=cfd", "mesh=2x2", "parallel=block"))
+    assert plan.dp_axis is None
+    assert plan.domain == {"domain_h": "H", "domain_w": "W"}
+
+
+D_H_W = ("D", "H", "W")
+
+
+@pytest.mark.parametrize(
+    ("parallel", "mesh", "names", "domain"),
+    [
+        ("slab", "8", ("domain",), {"domain": "D"}),
+        ("block", "2x4", ("domain_d", "domain_h"), {"domain_d": "D", "domain_h": "H"}),
+        ("block", "2x2x2", ("domain_d", "domain_h", "domain_w"), dict(zip(
+            ("domain_d", "domain_h", "domain_w"), D_H_W))),
+        ("auto", "2x2x2", ("dp", "domain_d", "domain_h"), {"domain_d": "D", "domain_h": "H"}),
+        ("auto", "4x2", ("dp", "domain"), {"domain": "D"}),
+    ],
+)  # fmt: skip
+def test_axis_roles_of_a_3d_field_split_d_then_h_then_w(
+    parallel: str, mesh: str, names: tuple[str, ...], domain: dict[str, str]
+) -> None:
+    """Slab, pencil (block on two axes) and 2x2x2 block decompositions of a (D, H, W) field."""
+    cfg = _compose("+recipe=cfd", f"mesh={mesh}", f"parallel={parallel}")
+    plan = ParallelPlan.of(mesh, config_from(ParallelConfig, cfg.parallel), D_H_W)
+    assert (plan.axis_names, dict(plan.domain)) == (names, domain)
+    assert plan.ranks_along("D") == plan.size(names[-len(domain)])
 
 
 @pytest.mark.parametrize(
@@ -102,7 +134,7 @@ def test_block_decomposition_splits_h_and_w() -> None:
         "parallel.axis_name=[a]",
         "optim.lr=fast",
         "eval.sample=3",
-        "train.parallel=bogus",
+        "train.dp_mode=bogus",
         "train.precision=bf17",
         "model.coordinates=periodc",
         "model.activation=gelux",
@@ -124,10 +156,13 @@ def test_typos_fail_when_composing(override: str) -> None:
         (ParallelConfig(["dp", "x"], "dp", {"y": "H"}), 2, "parallel.domain maps 'y'"),
         (ParallelConfig(["dp", "x"], "dp", {}), 2, r"mesh axes \['x'\] are neither"),
         (ParallelConfig(["a", "b"], "dp", None), 2, "parallel.data_parallel 'dp' is not"),
-        (ParallelConfig(None, "dp", None), 4, "the mesh has 4 axes"),
+        (ParallelConfig(None, "dp", None), 4, "the mesh has 3 axes besides data parallelism"),
         (ParallelConfig(["a", "b"], None, {"a": "H", "b": "H"}), 2, "two axes to one"),
+        (ParallelConfig(["a", "b"], None, {"a": "H", "b": "D"}), 2, r"to 'D', but the fields"),
+        (ParallelConfig(["a", "a"], None, None), 2, "parallel.axis_names: .* repeats a"),
+        (ParallelConfig(["dp"], "dp", None), 2, r"the mesh has 2 axes but parallel.axis_names"),
     ],
 )
 def test_inconsistent_axis_roles_are_a_clear_error(config, ndim, message) -> None:
     with pytest.raises(ValueError, match=message):
-        config.resolved(ndim)
+        ParallelPlan.of("x".join(["1"] * ndim), config, ("H", "W"))

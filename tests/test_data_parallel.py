@@ -17,7 +17,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 import shardsci
 from shardsci.testing import assert_close_all_ranks, get_mesh, run_on_ranks
-from shardsci.training import DataParallel, ParallelConfig, ParallelLayout, parallelize
+from shardsci.training import (
+    DataParallelMode,
+    ParallelConfig,
+    Parallelism,
+    ParallelPlan,
+    parallelize,
+)
 
 BATCH, POINTS, CHANNELS = 4, 10, 3
 POINT_SIZES = (7, 3)
@@ -56,14 +62,14 @@ def _body(wrapper: str) -> None:
         return shardsci.distribute_tensor(t[half], domain_mesh, [Shard(1)], {0: POINT_SIZES})
 
     model = _model()
-    layout = ParallelLayout(mesh, ParallelConfig(["dp", "domain"], "dp", {"domain": "W"}))
-    wrapped = parallelize(model, layout, DataParallel[wrapper])
+    plan = ParallelPlan.of("2x2", ParallelConfig(["dp", "domain"], "dp"), ("points",))
+    wrapped = parallelize(model, Parallelism(plan, mesh), DataParallelMode[wrapper])
     _step(wrapped, sharded(inputs), sharded(targets))
     for (name, p), expected in zip(model.named_parameters(), reference.parameters()):
         value = p.full_tensor() if isinstance(p, DTensor) else p
         assert_close_all_ranks(value.detach(), expected.detach(), atol=1e-12, rtol=1e-12, what=name)
 
 
-@pytest.mark.parametrize("wrapper", [m.name for m in DataParallel])
+@pytest.mark.parametrize("wrapper", [m.name for m in DataParallelMode])
 def test_one_step_matches_single_process(wrapper: str) -> None:
     run_on_ranks(4, _body, wrapper)

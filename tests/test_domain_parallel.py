@@ -8,6 +8,8 @@ reductions bucketed (NOTE [A reducer's gradients are final or absent]).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from shardsci.testing import (
     assert_all_ranks,
     assert_close_all_ranks,
     assert_raises_all_ranks,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -138,9 +141,9 @@ def _collectives_body() -> tuple[dict[str, int], dict[str, int]]:
         _model("unet", torch.float32), mesh, dp_axis="dp", domain_axes=["domain"]
     )
     (x, y) = next(_sharded_batch(mesh, torch.float32, (8, 8)))
-    with shardsci.comm_counter() as forward:
+    with counted_comm() as forward:
         loss = _loss(model, x, y, False)
-    with shardsci.comm_counter() as backward:
+    with counted_comm() as backward:
         loss.backward()
     return dict(forward.calls), dict(backward.calls)
 
@@ -229,3 +232,29 @@ def _twice_body() -> None:
 
 def test_a_model_is_parallelised_once() -> None:
     run_on_ranks(2, _twice_body)
+
+
+def _eager_sums_body(wrapped: bool) -> list[str]:
+    from shardsci.tensor import _promotion
+
+    _promotion._EAGER_SUMS_SAID[0] = False  # once per process: this pool's ranks run on
+    mesh = get_mesh((1, 2), ("dp", "domain"))
+    model = _model("shared", torch.float64)
+    if wrapped:
+        model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
+    (x, y) = next(_sharded_batch(mesh, torch.float64, (8, 8)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _loss(model, x, y, False).backward()
+            with torch.no_grad():
+                model(x)
+    return [str(w.message) for w in caught if "all-reduced once per use" in str(w.message)]
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_an_unwrapped_model_is_told_once_on_rank_0_what_its_gradients_cost(wrapped) -> None:
+    said = run_on_ranks(2, _eager_sums_body, wrapped)
+    expected = [0, 0] if wrapped else [1, 0]
+    assert [len(s) for s in said] == expected, said
+    assert wrapped or "domain_parallel(model, mesh" in said[0][0]

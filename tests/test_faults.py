@@ -56,7 +56,8 @@ from shardsci.testing.slurm import (
 from shardsci.training import (
     NonFiniteLoss,
     ParallelConfig,
-    ParallelLayout,
+    Parallelism,
+    ParallelPlan,
     RunConfig,
     RunContext,
     Trainer,
@@ -285,8 +286,8 @@ def _fit_toy(run_dir: str, nonfinite: str, bad_step: int, bad: float, bad_ranks:
             },
         }
     )  # fmt: skip
-    layout = ParallelLayout.build("2", ParallelConfig(), device_type="cpu")
-    context = RunContext(detect_launch_env(), layout, Path(run_dir))
+    parallelism = Parallelism.build(ParallelPlan.of("2", ParallelConfig(), ("H", "W")), "cpu")
+    context = RunContext(detect_launch_env(), parallelism, Path(run_dir), torch.device("cpu"))
     model = nn.Linear(3, 3).double()
     task = _Toy(model, bad_step, bad, bad_ranks)
     try:

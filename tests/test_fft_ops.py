@@ -607,7 +607,7 @@ def _complex_views_body() -> None:
     layout = Layout((Shard(3),), {3: (2, 1)})
     x = torch.randn(2, 3, 4, 3, dtype=torch.complex128)
     sharded = _sharded(x, layout, mesh)
-    with shardsci.comm_counter() as stats:
+    with counted_comm() as stats:
         real = torch.view_as_real(sharded)
         back = torch.view_as_complex(real)
     assert_all_ranks(

@@ -17,12 +17,11 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-import shardsci
 from shardsci.models import FNO, FNOConfig
 from shardsci.models.fno import SpectralConv
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._spec import chunk_sizes
-from shardsci.testing import Layout, assert_all_ranks, get_mesh, run_on_ranks
+from shardsci.testing import Layout, assert_all_ranks, counted_comm, get_mesh, run_on_ranks
 from tests.zoo import assert_learns_a_fixed_pair
 
 TINY: dict[str, Any] = {"width": 6, "modes": (3, 3), "layers": 2, "projection_channels": 8}
@@ -200,7 +199,7 @@ def _spectral_bytes_body(name: str) -> None:
     x = torch.randn(shape, dtype=torch.float64)
     spec = layout.spec(mesh, x)
     sharded = from_local_spec(spec.narrow(x).requires_grad_(True), spec)
-    with shardsci.comm_counter() as forward:
+    with counted_comm() as forward:
         y = layer(sharded)
     # The last dim's kept modes are split (torch.chunk) over the ranks while the first
     # spatial dim is whole; the dims between hold 2 m modes each.
@@ -217,7 +216,7 @@ def _spectral_bytes_body(name: str) -> None:
         y._spec.same_layout(spec.with_dtype(y.dtype)), f"{name}: output layout {y._spec}"
     )
     loss = (y * y).sum().full_tensor()
-    with shardsci.comm_counter() as backward:
+    with counted_comm() as backward:
         loss.backward()
     weight_share = layer.weight.numel() // modes[-1] * 8 * mode_share
     assert_all_ranks(
@@ -242,7 +241,7 @@ def _block_body() -> None:
     layout = Layout((Shard(2), Shard(3)), {2: (5, 3), 3: (2, 4)})
     x = torch.randn(1, 2, 8, 6, dtype=torch.float64)
     spec = layout.spec(mesh, x)
-    with shardsci.comm_counter() as forward:
+    with counted_comm() as forward:
         y = layer(from_local_spec(spec.narrow(x), spec))
     assert_all_ranks(
         dict(forward.calls) == {"all_to_all": 4} and y._spec.same_layout(spec),

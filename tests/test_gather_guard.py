@@ -365,6 +365,37 @@ def test_attention_takes_the_ring_rather_than_gather_under_error() -> None:
     ), messages[0]
 
 
+def _product_body() -> list[str]:
+    """``q @ k^T`` with the tokens of both sharded: the moving operand is tiny, so ``"auto"``
+    would gather it whole."""
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 10, 4, dtype=torch.float64) for _ in range(2))
+    sq, sk = (distribute_tensor(t, mesh, [Shard(1)], {0: (6, 4)}) for t in (q, k))
+    _gather_guard.forget_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for policy in ("error", "warn"):
+            with gather_policy(policy), count_traffic() as traffic:
+                out = sq @ sk.transpose(-2, -1)
+            assert_all_ranks(
+                (traffic.messages > 0) == (policy == "error"),
+                f"{policy}: {traffic.messages} messages, {dict(traffic.collectives)}",
+            )
+            assert_close_all_ranks(
+                out.full_tensor(), q @ k.transpose(-2, -1), atol=1e-12, rtol=0, what=policy
+            )
+    return [str(w.message) for w in caught if w.category is GatherWarning]
+
+
+def test_a_product_of_token_sharded_operands_takes_the_ring_under_error() -> None:
+    """The product's automatic exchange asks the guard as attention's does: the ring under
+    ``"error"``, the gather said under ``"warn"``."""
+    (messages, _) = run_on_ranks(2, _product_body)
+    assert len(messages) == 1, messages
+    assert "gathered the moving operand of a product" in messages[0], messages[0]
+
+
 # ---------------------------------------------------------------------------- the zoo
 def _mesh_graph_net_body(parts: str, aggregation: str, batch: int) -> None:
     from tests.test_meshgraphnet import _sharded_body

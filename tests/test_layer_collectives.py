@@ -19,6 +19,7 @@ from shardsci.testing import (
     assert_all_ranks,
     assert_close_all_ranks,
     check_against_reference,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -38,9 +39,9 @@ def _one_exchange_body(mode: str) -> None:
     conv = _conv(mode)
     whole = torch.randn(B, C, sum(SIZES), W, dtype=F64)
     x = shardsci.distribute_tensor(whole, mesh, [Shard(2)], {0: SIZES}).requires_grad_()
-    with shardsci.comm_counter() as forward:
+    with counted_comm() as forward:
         y = conv(x)
-    with shardsci.comm_counter() as backward:
+    with counted_comm() as backward:
         y.to_local().sum().backward()
     rank = mesh.get_local_rank()
     neighbours = 2 if mode == "circular" else (rank > 0) + (rank < len(SIZES) - 1)

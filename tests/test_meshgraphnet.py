@@ -8,13 +8,13 @@ import torch
 from scipy.spatial import Delaunay
 from torch.distributed.tensor import Shard
 
-from shardsci import comm_counter
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes
 from shardsci.models import MeshGraphNet, MeshGraphNetConfig
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
     check_against_reference,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -146,7 +146,7 @@ def _graph_api_body() -> dict[str, int]:
     torch.manual_seed(0)
     model = MeshGraphNet(**TINY).double()
     reference = model(nodes, edges, edge_index)
-    with comm_counter() as stats:
+    with counted_comm() as stats:
         out = model(graph.nodes(nodes), graph.edges(edges), graph.edge_index)
         out.to_local().sum().backward()
     assert_all_ranks(

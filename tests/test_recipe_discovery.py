@@ -20,9 +20,9 @@ def entry_points(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "probe_recipe.py").write_text(
         "from shardsci.training import Recipe, register_recipe\n"
-        "AS_OBJECT = Recipe(name='as_object', run='probe_recipe:run')\n"
-        "register_recipe(Recipe(name='as_module', run='probe_recipe:run'))\n"
-        "def run(cfg):\n    return {}\n"
+        "AS_OBJECT = Recipe(name='as_object', task='probe_recipe:task', spatial_dims=('H',))\n"
+        "register_recipe(Recipe(name='as_module', task='probe_recipe:task', spatial_dims=('H',)))\n"
+        "def task(cfg, run):\n    return None\n"
     )
 
     def install(**points: str) -> None:
@@ -40,7 +40,7 @@ def test_a_module_or_a_recipe_object_registers(entry_points) -> None:
     entry_points(as_module="probe_recipe", as_object="probe_recipe:AS_OBJECT")
     names = discover_recipes("shardsci.recipes")
     assert {"as_module", "as_object", "cfd"} <= set(names)
-    assert get_recipe("as_object").load_run().__module__ == "probe_recipe"
+    assert get_recipe("as_object").load_task().__module__ == "probe_recipe"
 
 
 def test_an_entry_point_that_registers_another_name_is_a_clear_error(entry_points) -> None:

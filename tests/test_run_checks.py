@@ -1,7 +1,8 @@
 """Everything the config shows is checked before any rank starts: one clear line, no fork.
 
-``train.launch`` is called in this process on composed configs with the rank starter replaced
-by a tripwire, so a check that happened only inside the ranks would trip it. One subprocess
+``train.launch`` is called in this process on composed configs with the rank starter
+(``run_ranks``) replaced by a tripwire, so a check that happened only inside the ranks would
+trip it. One subprocess
 run checks what a user sees: one line on standard error, exit status 2, and the traceback
 only with ``HYDRA_FULL_ERROR=1``.
 """
@@ -21,7 +22,6 @@ from shardsci.distributed import detect_launch_env
 from shardsci.training import (
     EXIT_USER_ERROR,
     ConfigError,
-    Recipe,
     check_run,
     get_recipe,
     max_local_ranks,
@@ -41,8 +41,7 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     def tripwire(*args, **kwargs):
         raise AssertionError("ranks were started before the config was refused")
 
-    monkeypatch.setattr(train, "run_local_ranks", tripwire)
-    monkeypatch.setattr(Recipe, "load_run", lambda self: tripwire)
+    monkeypatch.setattr(train, "run_ranks", tripwire)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("SHARDSCI_MAX_LOCAL_RANKS", raising=False)
@@ -82,6 +81,24 @@ def test_a_config_that_cannot_run_is_refused_before_any_rank_starts(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         train.launch(_compose(tmp_path, *overrides))
+
+
+@pytest.mark.usefixtures("no_ranks")
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.global_batch=1000"], "exceeds the 144 training pairs"),
+        (["mesh=2x2", "parallel=block"], "the mesh has 2 axes besides data parallelism but the "
+         r"fields have 1 spatial dims \['node'\]"),
+    ],
+)  # fmt: skip
+def test_the_mesh_cfd_recipe_is_checked_before_any_rank_starts(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["+recipe=mesh_cfd", f"run_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        train.launch(cfg)
 
 
 @pytest.mark.usefixtures("no_ranks")
@@ -171,6 +188,29 @@ def test_a_composition_error_is_one_line(
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(ConfigError) as refused:
         train.check_composition(["+recipe=cfd", override])
+    assert str(refused.value) == line
+
+
+@pytest.mark.parametrize(
+    ("arguments", "line"),
+    [
+        (["+recipe=cfd", "train.parallel=fsdp2"],
+         "train.parallel was renamed train.dp_mode: write train.dp_mode=fsdp2"),
+        (["-m", "+recipe=cfd", "train.parallel=ddp,fsdp2"],
+         "train.parallel was renamed train.dp_mode: write train.dp_mode=ddp,fsdp2"),
+        ([f"hydra.searchpath=[file://{ROOT}/tests/configs]", "+recipe=old_keys"],
+         "In 'recipe/old_keys': ConfigKeyError raised while composing config:; key 'parallel' "
+         "not in 'TrainConfig'; full_key: train.parallel; reference_type=TrainConfig; "
+         "object_type=TrainConfig; train.parallel was renamed train.dp_mode"),
+    ],
+)  # fmt: skip
+def test_a_renamed_key_names_the_new_one(
+    monkeypatch: pytest.MonkeyPatch, arguments: list[str], line: str
+) -> None:
+    """On the command line (sweeps too) and in a config file."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        train.check_composition(arguments)
     assert str(refused.value) == line
 
 

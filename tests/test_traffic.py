@@ -1,5 +1,6 @@
 """The independent traffic count: every kind of collective is seen and sized, whoever issues
-it, and ``counted_comm`` fails when traffic goes around shardsci's own count."""
+it, under its kind; messages are grouped in rounds and the order of events is logged; and
+``counted_comm`` fails when traffic goes around shardsci's own count."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def _functional_all_to_all_backward() -> None:
 
 
 CASES: dict[str, tuple[Callable[[], None], Callable[[int], tuple[int, int]], int, int]] = {
-    # name -> (body, expected (sent, received) on rank r, collectives, messages)
+    # name -> (body, expected (sent, received) on rank r, collectives, messages); the kind
+    # they are counted under is in KIND_OF
     "all_reduce": (
         lambda: dist.all_reduce(torch.ones(10, dtype=torch.float64)),
         lambda r: (2 * 3 * 80 // 4,) * 2,
@@ -125,6 +127,20 @@ CASES: dict[str, tuple[Callable[[], None], Callable[[int], tuple[int, int]], int
 }
 
 
+KIND_OF = {
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_list": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "p2p": "p2p",
+    "funcol_all_reduce": "all_reduce",
+    "funcol_all_gather": "all_gather",
+    "funcol_all_to_all_and_its_backward": "all_to_all",
+}
+
+
 def _count_body(name: str) -> None:
     body, expected, collectives, messages = CASES[name]
     with count_traffic() as traffic:
@@ -136,11 +152,46 @@ def _count_body(name: str) -> None:
         f"{name}: (sent, received, collectives, messages) = {got}, expected {want} "
         f"(unknown ops {traffic.unknown})",
     )
+    kind = KIND_OF[name]
+    by_kind = traffic.as_dict()
+    want_by_kind = {
+        "sent": {kind: want[0]},
+        "received": {kind: want[1]},
+        "calls": {kind: collectives + messages},
+        "p2p_rounds": int(messages > 0),
+    }
+    assert_all_ranks(by_kind == want_by_kind, f"{name}: {by_kind}, expected {want_by_kind}")
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_kind_of_collective_is_counted_with_its_bytes(name: str) -> None:
     run_on_ranks(4, _count_body, name)
+
+
+# ---------------------------------------------------------------------------- rounds and the log
+def _two_batches_and_a_read() -> dict:
+    r = _rank()
+    with count_traffic(watch={"aten::mul"}) as traffic:
+        for _ in range(2):
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % 4),
+                    dist.P2POp(dist.irecv, received := torch.empty(3), (r - 1) % 4),
+                ]
+            )
+            torch.ones(2) * 2  # computed while the messages fly
+            for work in works:
+                work.wait()
+            received.sum()  # the first read of the message
+    return {"rounds": traffic.p2p_rounds, "log": [tuple(e) for e in traffic.log]}
+
+
+def test_rounds_of_messages_and_the_order_of_events() -> None:
+    post, mul = ("post", "c10d::send", None), ("op", "aten::mul", None)
+    one = [post, ("post", "c10d::recv_", 0), mul, ("read", "aten::sum", 0)]
+    two = [post, ("post", "c10d::recv_", 1), mul, ("read", "aten::sum", 1)]
+    for result in run_on_ranks(4, _two_batches_and_a_read):
+        assert result == {"rounds": 2, "log": one + two}
 
 
 # ---------------------------------------------------------------------------- counted_comm

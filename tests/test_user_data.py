@@ -2,9 +2,9 @@
 or refuses it in one line before any rank starts, never writes over it, and generates data only
 where the user asked for generated data.
 
-Runs ``train.launch`` in this process with the rank starter replaced by a recorder: a refused
-config never reaches it, an accepted one does. Every user file's checksum is compared before
-and after.
+Runs ``train.launch`` in this process with the rank starter (``run_ranks``) replaced by a
+recorder: a refused config never reaches it, an accepted one does. Every user file's checksum is
+compared before and after.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 import shardsci.train as train
 from shardsci.recipes.cfd.generate import SOLVER_VERSION, DatasetConfig, generate_dataset
 from shardsci.recipes.cfd.navier_stokes import SolverConfig
-from shardsci.training import ConfigError, Recipe
+from shardsci.training import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = DatasetConfig(
@@ -59,7 +59,7 @@ def _checksum(path: Path) -> str:
 def started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records the runs that passed the checks, instead of running them."""
     runs: list[str] = []
-    monkeypatch.setattr(Recipe, "load_run", lambda self: lambda cfg: runs.append(cfg.data.path))
+    monkeypatch.setattr(train, "run_ranks", lambda cfg, *_: runs.append(cfg.data.path))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     return runs

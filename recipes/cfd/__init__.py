@@ -3,7 +3,7 @@
 ``python train.py +recipe=cfd mesh=4x2``; its configs are ``configs/recipe/cfd.yaml`` (and
 ``configs/recipe/cfd/model/<model>.yaml``, this recipe's settings of each zoo model),
 ``configs/data/ns2d.yaml``; the solver and dataset generator are ``navier_stokes.py`` and
-``generate.py``.
+``generate.py``; the task is ``task.py``.
 """
 
 from shardsci.recipes.cfd.checks import check
@@ -13,9 +13,11 @@ from shardsci.training import Recipe, register_recipe
 RECIPE = register_recipe(
     Recipe(
         name="cfd",
-        run="shardsci.recipes.cfd.train:run",
+        task="shardsci.recipes.cfd.task:next_step",
+        spatial_dims=("H", "W"),
         schemas=SCHEMAS,
         check=check,
-        plan="shardsci.recipes.cfd.plan:planned_task",
+        prepare="shardsci.recipes.cfd.trajectories:prepare",
+        dry_run_task="shardsci.recipes.cfd.task:random_next_step",
     )
 )

@@ -5,26 +5,23 @@ the trajectories, the model against the field's shape."""
 
 from __future__ import annotations
 
-import torch
 from omegaconf import DictConfig
 
 from shardsci.recipes.cfd import trajectories
 from shardsci.recipes.cfd.generate import DatasetConfig
-from shardsci.training import LayoutPlan, config_from, instantiate
+from shardsci.training import ParallelPlan, check_model_input, config_from
 
 __all__ = ["check"]
 
-_FIELD_DIMS = ("H", "W")
 
-
-def check(cfg: DictConfig, plan: LayoutPlan) -> None:
+def check(cfg: DictConfig, plan: ParallelPlan) -> None:
     """Raise ``ValueError`` naming the first setting of ``cfg`` that cannot run on ``plan``."""
     try:
         config_from(DatasetConfig, cfg.data.dataset)
     except (TypeError, ValueError) as error:
         raise ValueError(f"data.dataset: {error}") from error
-    data = trajectories.plan(cfg.data)[0]
-    _check_mesh(plan, data)
+    data = trajectories.inspect(cfg.data)[0]
+    plan.check_fits({"H": data.height, "W": data.width}, data.describe())
     pairs = data.n_train * (data.n_snapshots - 1)
     if cfg.train.global_batch > pairs:
         raise ValueError(
@@ -38,37 +35,4 @@ def check(cfg: DictConfig, plan: LayoutPlan) -> None:
             f"eval.rollout_steps={cfg.eval.rollout_steps}: expected 1 to "
             f"{data.n_snapshots - 1} (the data has {data.n_snapshots} snapshots per trajectory)"
         )
-    _check_model(cfg.model, data)
-
-
-def _check_mesh(plan: LayoutPlan, data: trajectories.Trajectories) -> None:
-    for axis, dim in plan.config.domain.items():
-        if dim not in _FIELD_DIMS:
-            raise ValueError(
-                f"parallel.domain maps mesh axis {axis!r} to {dim!r}, but the vorticity fields "
-                f"have spatial dims {list(_FIELD_DIMS)}"
-            )
-    for dim, size in zip(_FIELD_DIMS, (data.height, data.width)):
-        ranks = plan.ranks_along(dim)
-        if ranks > size:
-            raise ValueError(
-                f"the mesh ({plan.describe()}) splits {dim} over {ranks} ranks, but the fields "
-                f"have {size} cells along {dim} ({data.describe()}); expected at most {size} "
-                f"ranks along {dim}"
-            )
-
-
-def _check_model(model: DictConfig, data: trajectories.Trajectories) -> None:
-    """Run the model once on the meta device (shapes only, no memory, no compute) on a field
-    of the data's shape ``(1, 1, H, W)``."""
-    shape = (1, 1, data.height, data.width)
-    try:
-        with torch.device("meta"):
-            instantiate(model)(torch.empty(shape))
-    except NotImplementedError:
-        return  # an op without a meta kernel: nothing learnt, the ranks will tell
-    except (ValueError, RuntimeError) as error:
-        raise ValueError(
-            f"model {model._target_} cannot take the recipe's fields of shape (batch, 1, "
-            f"{data.height}, {data.width}): {error}"
-        ) from error
+    check_model_input(cfg.model, (1, data.height, data.width))

@@ -1,7 +1,7 @@
 """Write, and reuse, HDF5 files of Navier–Stokes vorticity trajectories for the CFD recipe.
 
-File layout
------------
+File contents
+-------------
 ``vorticity``
     ``(B, T, N, N)`` float32, snapshot ``t`` of trajectory ``b`` at time
     ``(warmup_steps + t * record_every) * dt``. Chunked ``(1, 1, min(N, 128), min(N, 128))`` and

@@ -25,7 +25,7 @@ from shardsci.recipes.cfd.generate import (
 )
 from shardsci.training import config_from
 
-__all__ = ["SCHEMA", "Trajectories", "plan", "prepare", "read"]
+__all__ = ["SCHEMA", "Trajectories", "inspect", "prepare", "read"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Trajectories:
         )
 
 
-def plan(config: DictConfig) -> tuple[Trajectories, str | None]:
+def inspect(config: DictConfig) -> tuple[Trajectories, str | None]:
     """What a run with the ``data`` config ``config`` will read, and why its file must be
     generated first (None: it is read as it is). Reads metadata only, writes nothing.
 
@@ -95,10 +95,9 @@ def read(path: Path) -> Trajectories:
     return Trajectories(path, n_train, n_test, sizes["time"], sizes["H"], sizes["W"])
 
 
-def prepare(config: DictConfig) -> Trajectories:
-    """Generate the file if the run must (on one rank only), then read what it holds."""
-    trajectories, reason = plan(config)
+def prepare(cfg: DictConfig) -> None:
+    """Generate the run's data file if it must (``Recipe.prepare``: on one rank only)."""
+    trajectories, reason = inspect(cfg.data)
     if reason is not None:
         logger.info("generating %s: %s", trajectories.path, reason)
-        generate_dataset(trajectories.path, config_from(DatasetConfig, config.dataset))
-    return read(trajectories.path)
+        generate_dataset(trajectories.path, config_from(DatasetConfig, cfg.data.dataset))

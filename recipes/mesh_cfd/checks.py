@@ -1,48 +1,41 @@
 """What the mesh CFD recipe checks before any rank starts (NOTE [Config errors before any rank
 starts]): the data file (a user's against the schema, or whether it may be generated), the
-mesh's domain axes against the graph, the held-out split and the evaluation against the
-trajectories."""
+DeviceMesh's domain axis against the graph's nodes, the held-out split, the batch against the
+training pairs and the evaluation against the trajectories. That the DeviceMesh has at most one domain axis follows from the
+recipe's one spatial dim (``ParallelPlan``)."""
 
 from __future__ import annotations
-
-import math
 
 from omegaconf import DictConfig
 
 from shardsci.recipes.mesh_cfd import meshfile
 from shardsci.recipes.mesh_cfd.generate import MeshDataConfig
-from shardsci.training import LayoutPlan, config_from
+from shardsci.training import ParallelPlan, config_from
 
 __all__ = ["check"]
 
 
-def check(cfg: DictConfig, plan: LayoutPlan) -> None:
+def check(cfg: DictConfig, plan: ParallelPlan) -> None:
     """Raise ``ValueError`` naming the first setting of ``cfg`` that cannot run on ``plan``."""
     try:
         config_from(MeshDataConfig, cfg.data.dataset)
     except (TypeError, ValueError) as error:
         raise ValueError(f"data.dataset: {error}") from error
-    stored = meshfile.plan(cfg.data)[0]
-    domain = [
-        size for name, size in zip(plan.config.axis_names, plan.shape) if name in plan.config.domain
-    ]
-    if len(domain) > 1 and math.prod(domain) > 1:
-        raise ValueError(
-            f"the mesh CFD recipe splits its graph over one mesh axis, but the mesh "
-            f"({plan.describe()}) has {len(domain)} domain axes; use mesh=N (parallel=slab) or "
-            f"mesh=DxN parallel=auto"
-        )
-    parts = math.prod(domain)
-    if stored.nodes is not None and parts > stored.nodes:
-        raise ValueError(
-            f"the mesh ({plan.describe()}) splits the graph into {parts} parts, but it has "
-            f"{stored.nodes} nodes; expected at most {stored.nodes} parts"
-        )
+    stored = meshfile.inspect(cfg.data)[0]
+    if stored.nodes is not None:
+        plan.check_fits({meshfile.NODES: stored.nodes}, f"a triangle mesh of {stored.nodes} nodes")
     test = cfg.data.test_trajectories
     if not 1 <= test < stored.trajectories:
         raise ValueError(
             f"data.test_trajectories={test}: expected 1 to {stored.trajectories - 1} (the data "
             f"has {stored.trajectories} trajectories)"
+        )
+    pairs = (stored.trajectories - test) * (stored.times - 1)
+    if cfg.train.global_batch > pairs:
+        raise ValueError(
+            f"train.global_batch={cfg.train.global_batch} exceeds the {pairs} training pairs of "
+            f"the data ({stored.trajectories - test} training trajectories of {stored.times} "
+            f"records); expected at most {pairs}"
         )
     if cfg.eval.samples < 1:
         raise ValueError(f"eval.samples={cfg.eval.samples}: expected an integer >= 1")

@@ -1,12 +1,13 @@
-"""The mesh CFD recipe's data: velocity pairs (t, t + 1) on the cylinder mesh, in each rank's
-part of the graph.
+"""The mesh CFD recipe's data: velocity pairs (t, t + 1) on the cylinders' triangle mesh, in
+each rank's part of its graph.
 
-The dataset is read from the user's file, or generated on first use (rank 0, then every rank
-waits; ``meshfile.py``). Every rank reads the
-mesh's connectivity (small) and partitions it the same way (METIS or recursive coordinate
-bisection, one part per rank of the domain axis); then it reads only its own nodes' rows of
-the fields (``shardsci.graph.read_rows``). Normalisation statistics are combined from a few
-sums per rank. Without a domain axis the whole graph is one part and the tensors are plain.
+The dataset is read from the user's file, or from ours, generated before (``Recipe.prepare`` on
+rank 0: ``meshfile.prepare``). Every rank reads the triangle mesh's connectivity (small) and
+partitions its graph the same way (METIS or recursive coordinate bisection, one part per rank
+of the DeviceMesh's domain axis); then it reads only its own nodes' rows of the fields
+(``shardsci.graph.read_rows``), all in one opening of the file. Normalisation statistics are
+combined from a few sums per rank. Without a domain axis the whole graph is one part and the
+tensors are plain.
 
 A sample is the mesh's node features at time t, ``(N, F_v)`` with F_v = 2 normalised velocity
 components and a 4-way node-type one-hot, and the edges' features, ``(E, 3)``: the relative
@@ -17,8 +18,6 @@ node (or edge) dim: ``(N, B, F)``.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import h5py
 import numpy as np
 import torch
@@ -26,15 +25,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from shardsci.data import HeldOutPairs, NextStepPairs
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes, read_rows
-from shardsci.recipes.mesh_cfd import meshfile
 from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES
-from shardsci.training import ParallelLayout
+from shardsci.training import Parallelism, RunContext
 
-__all__ = ["Batch", "MeshData"]
+__all__ = ["SAMPLE_DIM", "Batch", "MeshData"]
 
 Batch = tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """((node features, edge features, edge index), target change)."""
+
+SAMPLE_DIM = 1
+"""The batch dim of node and edge tensors ``(N, B, F)``."""
 
 
 class MeshData:
@@ -42,24 +44,17 @@ class MeshData:
 
     Parameters
     ----------
-    config : DictConfig
-        The ``data`` group (``recipes/mesh_cfd/config.py``).
-    layout : ParallelLayout
-        Which ranks share a batch part (data parallel) and which split the graph.
-    train_cfg : DictConfig
-        ``global_batch``, ``seed``.
-    device : torch.device
+    cfg : DictConfig
+        The run config: ``data`` (``recipes/mesh_cfd/config.py``), ``train.global_batch``,
+        ``train.seed``.
+    run : RunContext
+        This rank's place in the run: which ranks share a batch part (data parallel) and which
+        split the graph.
     """
 
-    def __init__(
-        self, config: DictConfig, layout: ParallelLayout, train_cfg: DictConfig, device
-    ) -> None:
-        if dist.get_rank() == 0:
-            meshfile.prepare(config)
-        dist.barrier()
-        meshfile.read(Path(config.path))
-        self.layout, self.device = layout, device
-        self.global_batch, self.seed = int(train_cfg.global_batch), int(train_cfg.seed)
+    def __init__(self, cfg: DictConfig, run: RunContext) -> None:
+        config, parallelism = cfg.data, run.parallelism
+        self.device = run.device
         with h5py.File(config.path, "r") as file:
             edge_index = torch.from_numpy(file["edge_index"][:])
             positions = torch.from_numpy(file["positions"][:])
@@ -67,14 +62,24 @@ class MeshData:
             self.triangles = torch.from_numpy(file["triangles"][:])
             self.positions = positions
             trajectories, self.n_times = file["fields"].shape[:2]
-        self.graph, self.partition = _partitioned(
-            edge_index, positions, layout, config.partition.value
-        )
-        self.test_trajectories = list(range(trajectories - config.test_trajectories, trajectories))
-        self.train_trajectories = list(range(trajectories - config.test_trajectories))
-        with h5py.File(config.path, "r") as file:
+            self.graph, self.partition = _partitioned(
+                edge_index, positions, parallelism, config.partition.value
+            )
             nodes = self.graph.local_nodes if self.graph else self.partition.node_order
             velocity = read_rows(file["fields"], nodes, dim=2)[..., :2]
+        test = config.test_trajectories
+        self.train_trajectories = list(range(trajectories - test))
+        dp = {"dp_rank": parallelism.dp_rank, "dp_size": parallelism.dp_size}
+        self.training_pairs = NextStepPairs(
+            tuple(self.train_trajectories),
+            self.n_times,
+            cfg.train.global_batch,
+            cfg.train.seed,
+            **dp,
+        )
+        self.held_out = HeldOutPairs(
+            tuple(range(trajectories - test, trajectories)), self.n_times, **dp
+        )
         self.velocity = torch.from_numpy(np.ascontiguousarray(velocity))  # (S, T, N_k, 2)
         self.mean, self.std, self.change_std = self._statistics()
         self.node_type = F.one_hot(node_type[nodes], len(NODE_TYPES)).float()
@@ -83,32 +88,18 @@ class MeshData:
 
     # ------------------------------------------------------------------ samples
     def train_batch(self, step: int) -> Batch:
-        """This data-parallel rank's share of global batch ``step``: pairs drawn from the
-        training trajectories by a generator seeded with (seed, step)."""
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        count = len(self.train_trajectories)
-        trajectory = torch.randint(count, (self.global_batch,), generator=generator)
-        time = torch.randint(self.n_times - 1, (self.global_batch,), generator=generator)
-        pairs = [(self.train_trajectories[b], int(t)) for b, t in zip(trajectory.tolist(), time)]
-        share = self.global_batch // self.layout.dp_size
-        return self.pairs(pairs[self.layout.dp_rank * share : (self.layout.dp_rank + 1) * share])
+        """This data-parallel rank's share of global batch ``step`` (``NextStepPairs``)."""
+        return self.batch_of(self.training_pairs.batch(step).inputs)
 
-    def eval_pairs(self, samples: int) -> list[tuple[int, int]]:
-        """This data-parallel rank's share of held-out pairs, spread evenly over trajectories
-        and times (the same every evaluation)."""
-        pairs = [(b, t) for b in self.test_trajectories for t in range(self.n_times - 1)]
-        chosen = np.linspace(0, len(pairs) - 1, min(samples, len(pairs))).astype(int)
-        return [pairs[i] for i in chosen[self.layout.dp_rank :: self.layout.dp_size]]
-
-    def pairs(self, pairs: list[tuple[int, int]]) -> Batch:
-        """Inputs and normalised target change of the (trajectory, time) ``pairs``."""
+    def batch_of(self, pairs: np.ndarray) -> Batch:
+        """Inputs and normalised target change of the (trajectory, time) ``pairs`` ``(b, 2)``."""
         now, after = self.velocities(pairs, 1)
         return self.inputs(now), (after - now) / self.change_std
 
-    def velocities(self, pairs: list[tuple[int, int]], steps: int) -> list[torch.Tensor]:
-        """The velocities ``(N, B, 2)`` of ``pairs`` at t, t + 1, ..., t + steps, as node
-        tensors."""
-        b, t = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+    def velocities(self, pairs: np.ndarray, steps: int) -> list[torch.Tensor]:
+        """The velocities ``(N, B, 2)`` of the (trajectory, time) ``pairs`` ``(b, 2)`` at t,
+        t + 1, ..., t + steps, as node tensors."""
+        b, t = torch.from_numpy(pairs[:, 0]), torch.from_numpy(pairs[:, 1])
         return [
             self.node_tensor(self.velocity[b, t + k].transpose(0, 1).contiguous())
             for k in range(steps + 1)
@@ -127,7 +118,7 @@ class MeshData:
         """The velocity one record later, from the model's normalised change."""
         return velocity + change * self.change_std
 
-    # ------------------------------------------------------------------ layout
+    # ------------------------------------------------------------------ node and edge tensors
     def node_tensor(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's node rows ``(N_k, ...)`` as the graph's node ShardTensor (or plain)."""
         local = local.to(self.device)
@@ -181,16 +172,12 @@ class MeshData:
 
 
 def _partitioned(
-    edge_index: torch.Tensor, positions: torch.Tensor, layout: ParallelLayout, method: str
+    edge_index: torch.Tensor, positions: torch.Tensor, parallelism: Parallelism, method: str
 ) -> tuple[PartitionedGraph | None, GraphPartition]:
-    """The graph split over the layout's domain axis (None without one), and its partition."""
-    domain = layout.domain_mesh
-    if domain is not None and domain.ndim != 1:
-        raise ValueError(
-            f"the mesh CFD recipe splits its graph over one mesh axis, but the layout has "
-            f"domain axes {layout.domain_axes}; use mesh=N (parallel=slab) or mesh=DxN "
-            f"parallel=auto"
-        )
+    """The graph split over the DeviceMesh's domain axis (None without one), and its
+    partition. The recipe's one spatial dim (``Recipe.spatial_dims``) makes that at most one
+    axis."""
+    domain = parallelism.domain_mesh
     parts = domain.size() if domain is not None else 1
     assignment = partition_nodes(
         edge_index, positions.shape[0], parts, method=method, coordinates=positions

@@ -20,20 +20,24 @@ from shardsci.recipes.mesh_cfd.generate import CREATED_BY, MeshDataConfig, gener
 from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES
 from shardsci.training import config_from
 
-__all__ = ["SCHEMA", "MeshFile", "plan", "prepare", "read"]
+__all__ = ["NODES", "SCHEMA", "MeshFile", "inspect", "prepare", "read"]
+
+NODES = "node"
+"""The dim of the triangle mesh's nodes: the recipe's one spatial dim, which the DeviceMesh's
+domain axis splits."""
 
 _INTS = ("int32", "int64")
 _FLOATS = ("float32", "float64")
 
 SCHEMA = HDF5Schema(
     datasets=(
-        DatasetSpec("positions", ("node", 2), _FLOATS),
+        DatasetSpec("positions", (NODES, 2), _FLOATS),
         DatasetSpec("triangles", ("triangle", 3), _INTS),
         DatasetSpec("edge_index", (2, "edge"), _INTS),
-        DatasetSpec("node_type", ("node",), _INTS),
-        DatasetSpec("fields", ("trajectory", "time", "node", "channel"), _FLOATS),
+        DatasetSpec("node_type", (NODES,), _INTS),
+        DatasetSpec("fields", ("trajectory", "time", NODES, "channel"), _FLOATS),
     ),
-    min_sizes={"trajectory": 2, "time": 2, "channel": 2, "node": 1},
+    min_sizes={"trajectory": 2, "time": 2, "channel": 2, NODES: 1},
 )
 """What the recipe reads from a file (``data/README.md``)."""
 
@@ -49,7 +53,7 @@ class MeshFile:
     nodes: int | None
 
 
-def plan(config: DictConfig) -> tuple[MeshFile, str | None]:
+def inspect(config: DictConfig) -> tuple[MeshFile, str | None]:
     """What a run with the ``data`` config ``config`` will read, and why its file must be
     generated first (None: it is read as it is). Reads metadata only, writes nothing.
 
@@ -80,17 +84,16 @@ def read(path: Path) -> MeshFile:
             f"data file {path}: node_type holds values from {node_type.min()} to "
             f"{node_type.max()}, expected 0 to {len(NODE_TYPES) - 1} ({', '.join(NODE_TYPES)})"
         )
-    if edge_index.size and not 0 <= edge_index.min() <= edge_index.max() < sizes["node"]:
+    if edge_index.size and not 0 <= edge_index.min() <= edge_index.max() < sizes[NODES]:
         raise DataError(
             f"data file {path}: edge_index holds node ids from {edge_index.min()} to "
-            f"{edge_index.max()}, expected 0 to {sizes['node'] - 1}"
+            f"{edge_index.max()}, expected 0 to {sizes[NODES] - 1}"
         )
-    return MeshFile(path, sizes["trajectory"], sizes["time"], sizes["node"])
+    return MeshFile(path, sizes["trajectory"], sizes["time"], sizes[NODES])
 
 
-def prepare(config: DictConfig) -> MeshFile:
-    """Generate the file if the run must (on one rank only), then read what it holds."""
-    stored, reason = plan(config)
+def prepare(cfg: DictConfig) -> None:
+    """Generate the run's data file if it must (``Recipe.prepare``: on one rank only)."""
+    stored, reason = inspect(cfg.data)
     if reason is not None:
-        generate(stored.path, config_from(MeshDataConfig, config.dataset))
-    return read(stored.path)
+        generate(stored.path, config_from(MeshDataConfig, cfg.data.dataset))

@@ -17,6 +17,19 @@ asked for generated data, and never over a file it did not write:
   ``HDF5Schema`` (dataset name, rank, dtype, attributes); any mismatch is one ``DataError``
   naming it. Nothing here opens a file for writing, and generators write a temporary file
   that replaces the target only if the target is missing or ours (``replace_if_ours``).
+
+NOTE [A data file's metadata is read once per process]
+A run asks about its data file several times: the launcher's checks (is the file ours, is it
+outdated, does it follow the schema), rank 0's preparation, every rank's reader. Each question
+is answered from ``read_metadata``, which opens the file once per process and keeps what it
+found (the attributes, every dataset's shape and dtype) under the file's identity and version:
+its resolved path, device, inode, size, and modification and change times. Ranks forked by
+``train.py`` inherit the launcher's entry and open the file only to read data; a file replaced in
+between (generated into a temporary file and renamed over the target: a new inode) is read
+again. An edit in place that keeps the size, within one tick of the file system's clock after
+this process read the file, would go unseen here; shardsci never edits a data file in place.
+The entries live in one of shardsci's bounded caches (``clear_caches`` empties it);
+``tests/test_planned_once.py`` counts the openings per process of a real run.
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from shardsci.tensor._caches import BoundedCache
+
 __all__ = [
     "CREATED_BY",
     "GENERATED_DIR",
@@ -38,12 +53,14 @@ __all__ = [
     "DatasetSpec",
     "GenerateMode",
     "HDF5Contents",
+    "HDF5Metadata",
     "HDF5Schema",
     "check_hdf5",
     "generation_reason",
     "in_generated_dir",
     "is_ours",
     "read_attributes",
+    "read_metadata",
     "replace_if_ours",
 ]
 
@@ -129,18 +146,63 @@ class HDF5Contents:
     attributes: Mapping[str, Any]
 
 
-def read_attributes(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The file attributes of the HDF5 file at ``path``, read-only; ``DataError`` if it cannot
-    be read as HDF5 (missing, truncated, not HDF5)."""
+@dataclass(frozen=True)
+class HDF5Metadata:
+    """What an HDF5 file holds, without its data.
+
+    Attributes
+    ----------
+    shapes : mapping
+        Every dataset's path in the file -> its shape.
+    dtypes : mapping
+        Every dataset's path -> its numpy dtype's name.
+    attributes : mapping
+        The file's attributes, as Python scalars and strings.
+    """
+
+    shapes: Mapping[str, tuple[int, ...]]
+    dtypes: Mapping[str, str]
+    attributes: Mapping[str, Any]
+
+
+_METADATA: BoundedCache[tuple, HDF5Metadata] = BoundedCache("HDF5 file metadata", maxsize=64)
+
+
+def read_metadata(path: str | os.PathLike[str]) -> HDF5Metadata:
+    """The metadata of the HDF5 file at ``path``, read once per process and version of the
+    file (NOTE [A data file's metadata is read once per process]); ``DataError`` if it cannot be
+    read as HDF5 (missing, truncated, not HDF5)."""
     path = Path(path)
     if not path.is_file():
         problem = "is not a file" if path.exists() else "does not exist"
         raise DataError(f"data file {path} {problem}")
+    stat = path.stat()
+    version = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    key = (str(path.resolve()), *version)
+    return _METADATA.get_or_make(key, lambda: _read_metadata(path))
+
+
+def _read_metadata(path: Path) -> HDF5Metadata:
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+
+    def visit(name: str, item: Any) -> None:
+        if isinstance(item, h5py.Dataset):
+            shapes[name], dtypes[name] = tuple(item.shape), np.dtype(item.dtype).name
+
     try:
         with h5py.File(path, "r") as file:
-            return {name: _plain(value) for name, value in file.attrs.items()}
+            attributes = {name: _plain(value) for name, value in file.attrs.items()}
+            file.visititems(visit)
     except OSError as error:
         raise DataError(f"data file {path} cannot be read as HDF5 ({_reason(error)})") from None
+    return HDF5Metadata(shapes, dtypes, attributes)
+
+
+def read_attributes(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file attributes of the HDF5 file at ``path`` (``read_metadata``); ``DataError`` if it
+    cannot be read as HDF5 (missing, truncated, not HDF5)."""
+    return dict(read_metadata(path).attributes)
 
 
 def check_hdf5(path: str | os.PathLike[str], schema: HDF5Schema) -> HDF5Contents:
@@ -155,17 +217,14 @@ def check_hdf5(path: str | os.PathLike[str], schema: HDF5Schema) -> HDF5Contents
         of another kind.
     """
     path = Path(path)
-    attributes = read_attributes(path)
+    metadata = read_metadata(path)
+    attributes = metadata.attributes
     expected = f"expected {schema.describe()} (see data/README.md)"
-    try:
-        with h5py.File(path, "r") as file:
-            found = {
-                spec.name: (tuple(file[spec.name].shape), np.dtype(file[spec.name].dtype).name)
-                for spec in schema.datasets
-                if isinstance(file.get(spec.name), h5py.Dataset)
-            }
-    except OSError as error:
-        raise DataError(f"data file {path} cannot be read as HDF5 ({_reason(error)})") from None
+    found = {
+        spec.name: (metadata.shapes[name], metadata.dtypes[name])
+        for spec in schema.datasets
+        if (name := spec.name.lstrip("/")) in metadata.shapes
+    }
     sizes: dict[str, int] = {}
     for spec in schema.datasets:
         if spec.name not in found:
@@ -198,7 +257,7 @@ def check_hdf5(path: str | os.PathLike[str], schema: HDF5Schema) -> HDF5Contents
             )
     shapes = {name: shape for name, (shape, _) in found.items()}
     dtypes = {name: dtype for name, (_, dtype) in found.items()}
-    return HDF5Contents(shapes, dtypes, sizes, attributes)
+    return HDF5Contents(shapes, dtypes, sizes, dict(attributes))
 
 
 def is_ours(attributes: Mapping[str, Any], generator: str) -> bool:

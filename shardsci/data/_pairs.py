@@ -1,4 +1,5 @@
-"""Shuffled (input, target) pairs of snapshots for next-step training, split over dp ranks.
+"""Pairs of snapshots for next-step training (shuffled, resumable) and for evaluation (the
+same every time), split over data-parallel ranks.
 
 NOTE [Every batch is a pure function of (seed, step)]
 Epoch ``e`` visits all pairs in the order of a permutation drawn from ``(seed, e)``; global
@@ -11,7 +12,6 @@ run resumes at any step by computing that step's batch, reading nothing it skips
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,9 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardsci.data._field import ShardedHDF5Field, axis_index
 from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._caches import cached
 from shardsci.tensor._spec import mesh_coordinate
 
-__all__ = ["NextStepPairs", "PairBatch"]
+__all__ = ["HeldOutPairs", "NextStepPairs", "PairBatch"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,69 @@ class NextStepPairs:
             step += 1
 
 
-@functools.lru_cache(maxsize=2)
+@dataclass(frozen=True)
+class HeldOutPairs:
+    """The held-out pairs of an evaluation and the starts of its rollouts, the same at every
+    evaluation, split over data-parallel ranks.
+
+    Attributes
+    ----------
+    trajectories : tuple of int
+        The held-out trajectories.
+    n_times : int
+        Snapshots per trajectory.
+    dp_rank, dp_size : int
+        This rank's position along the data-parallel ranks, and their number.
+    """
+
+    trajectories: tuple[int, ...]
+    n_times: int
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trajectories", tuple(int(b) for b in self.trajectories))
+        if self.n_times < 2 or not self.trajectories:
+            raise ValueError(
+                f"held-out pairs need a trajectory and 2 snapshots; got trajectories "
+                f"{self.trajectories}, n_times={self.n_times}"
+            )
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} is not in [0, dp_size={self.dp_size})")
+
+    def pairs(self, samples: int | None) -> np.ndarray:
+        """This rank's share of ``samples`` (t, t + 1) pairs spread evenly over the held-out
+        trajectories and times (None: every pair); shares differ by one pair at most.
+
+        Returns
+        -------
+        ndarray of int, (b, 2)
+            The inputs' (trajectory, time); the targets are at time + 1.
+        """
+        every = [(b, t) for b in self.trajectories for t in range(self.n_times - 1)]
+        count = len(every) if samples is None else min(samples, len(every))
+        chosen = np.linspace(0, len(every) - 1, count).astype(int)
+        mine = [every[i] for i in chosen[self.dp_rank :: self.dp_size]]
+        return np.asarray(mine, dtype=np.int64).reshape(-1, 2)
+
+    def rollout_starts(self, steps: int) -> np.ndarray:
+        """This rank's share of the held-out trajectories, each from its middle snapshot (or
+        the latest one that leaves ``steps`` snapshots after it).
+
+        Returns
+        -------
+        ndarray of int, (b, 2)
+            The starts' (trajectory, time); step ``k`` of a rollout is at time + k.
+        """
+        if not 1 <= steps < self.n_times:
+            raise ValueError(
+                f"a rollout of {steps} steps needs 1 <= steps < n_times={self.n_times}"
+            )
+        start = min(self.n_times // 2, self.n_times - 1 - steps)
+        mine = self.trajectories[self.dp_rank :: self.dp_size]
+        return np.asarray([(b, start) for b in mine], dtype=np.int64).reshape(-1, 2)
+
+
+@cached("epoch permutations", 2)
 def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)

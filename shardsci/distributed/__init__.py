@@ -14,12 +14,19 @@ from shardsci.distributed._launch import (
     device_for_local_rank,
     init_distributed,
 )
-from shardsci.distributed._mesh import build_mesh, mesh_axis_sizes, parse_mesh_shape
+from shardsci.distributed._mesh import (
+    MeshSpec,
+    build_mesh,
+    mesh_axis_sizes,
+    parse_mesh_shape,
+    resolve_axis_names,
+)
 
 __all__ = [
     "CollectiveTimeout",
     "LaunchEnv",
     "LaunchError",
+    "MeshSpec",
     "build_mesh",
     "detect_launch_env",
     "device_for_local_rank",
@@ -29,4 +36,5 @@ __all__ = [
     "mesh_axis_sizes",
     "parse_mesh_shape",
     "report_wait_s",
+    "resolve_axis_names",
 ]

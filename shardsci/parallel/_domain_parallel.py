@@ -159,6 +159,9 @@ def _domain_mesh(mesh: DeviceMesh, domain_axes: tuple[str, ...]) -> DeviceMesh |
     return mesh[domain_axes] if len(domain_axes) > 1 else mesh[domain_axes[0]]
 
 
+# One mixed-in class per model class, for the life of the process (as FSDP2 keeps its
+# FSDP<Model> classes): a registry, not a cache, since a model class mixed in twice must get
+# the same class back (pickling, isinstance), and model classes are few.
 _MIXED: dict[type, type] = {}
 
 

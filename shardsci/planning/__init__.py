@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from shardsci.planning._dry_run import plan_run
+from shardsci.planning._measure import StepMeasurement, measure_step, steady_state
 from shardsci.planning._memory import Category, LiveMemory
 from shardsci.planning._plan import (
     CollectiveFigures,
@@ -23,7 +24,6 @@ from shardsci.planning._plan import (
     RunPlan,
 )
 from shardsci.planning._report import PLAN_FILE, format_plan, write_plan
-from shardsci.planning._step import StepMeasurement, measure_step, steady_state, training_step
 
 __all__ = [
     "PLAN_FILE",
@@ -41,7 +41,6 @@ __all__ = [
     "measure_step",
     "plan_run",
     "steady_state",
-    "training_step",
     "write_plan",
 ]
 

@@ -1,7 +1,9 @@
 """Plan a run without running it: ``python train.py +recipe=cfd mesh=64x8 dry_run=true``.
 
-The recipe supplies its model and data-free batches (``Recipe.plan``); one steady-state
-training step is simulated per rank class (NOTE [A dry run executes the library on one
+The run is planned as a real one is (``ParallelPlan``, once; NOTE [A run is planned once]); the
+model is ``cfg.model`` and the recipe supplies data-free batches (``Recipe.dry_run_task``); one
+steady-state training step, the trainer's (NOTE [One training step]), is simulated per rank
+class (NOTE [A dry run executes the library on one
 simulated rank at a time]) and watched (NOTE [How a dry run observes the library], NOTE
 [What the memory figures count]), the gathers its ops make without being asked listed per
 layer (NOTE [Gathers an op was not asked to make]). Whatever would stop the run becomes a
@@ -13,14 +15,23 @@ included), memory over a stated device budget.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.distributed import LaunchEnv
+from shardsci.planning._measure import (
+    StepFailed,
+    StepMeasurement,
+    gradient_reducer,
+    measure_step,
+    steady_state,
+)
 from shardsci.planning._observe import describe_sizes
 from shardsci.planning._plan import (
     GradientReductionPlan,
@@ -30,30 +41,24 @@ from shardsci.planning._plan import (
     layer_plans,
 )
 from shardsci.planning._rank_classes import rank_classes
-from shardsci.planning._step import (
-    StepFailed,
-    StepMeasurement,
-    gradient_reducer,
-    measure_step,
-    steady_state,
-    training_step,
-)
 from shardsci.planning._world import META, simulated_rank
 from shardsci.tensor import ShardTensorSpec, gather_policy
 from shardsci.tensor._spec import DimSharding
 from shardsci.training import (
     ConfigError,
-    DataParallel,
+    DataParallelMode,
     ParallelConfig,
-    ParallelLayout,
+    Parallelism,
+    ParallelPlan,
     Recipe,
     RunContext,
+    Task,
     TrainConfig,
     config_from,
     get_recipe,
     instantiate,
-    mesh_world_size,
     parallelize,
+    training_step,
 )
 
 __all__ = ["plan_run"]
@@ -68,7 +73,6 @@ class _Simulation:
     measured: StepMeasurement
     coordinate: list[int]
     classes: list[list[int]]
-    axes: str
     dp_size: int
     model_name: str
     model: nn.Module
@@ -86,30 +90,32 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
     Raises
     ------
     ConfigError
-        If the recipe has no plan, the mesh leaves an axis size to infer, or FSDP2 would shard
-        parameters over a data-parallel axis.
+        If the recipe has no ``dry_run_task``, the mesh cannot be planned (an axis size left
+        to infer, axis roles that do not fit), or FSDP2 would shard parameters over a
+        data-parallel axis.
     """
     started, cpu_started = time.perf_counter(), time.process_time()
     recipe = get_recipe(cfg.recipe)
-    world_size = mesh_world_size(str(cfg.mesh))
-    if world_size is None:
-        raise ConfigError(f"a dry run needs every mesh axis size, got mesh={cfg.mesh}")
-    if recipe.plan is None:
-        raise ConfigError(f"recipe {recipe.name!r} cannot be dry-run: it registers no plan")
+    if recipe.dry_run_task is None:
+        raise ConfigError(f"recipe {recipe.name!r} cannot be dry-run: it registers no dry_run_task")
+    try:
+        parallel = config_from(ParallelConfig, cfg.parallel)
+        plan = ParallelPlan.of(str(cfg.mesh), parallel, recipe.spatial_dims)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"a dry run needs a mesh it can plan: {error}") from error
     train: TrainConfig = OmegaConf.to_object(cfg.train)
-    parallel = config_from(ParallelConfig, cfg.parallel)
     problems: list[str] = []
     notes: list[str] = []
     simulations: list[_Simulation] = []
     try:
-        first = _simulate(cfg, recipe, 0, world_size, train, parallel)
+        first = _simulate(cfg, recipe, 0, plan, train)
         simulations.append(first)
         for ranks in first.classes[1:]:
-            simulations.append(_simulate(cfg, recipe, ranks[0], world_size, train, parallel))
+            simulations.append(_simulate(cfg, recipe, ranks[0], plan, train))
     except StepFailed as failure:
         problems.append(str(failure))
     if not simulations:
-        return _failed_plan(cfg, recipe, world_size, problems, started, cpu_started)
+        return _failed_plan(cfg, recipe, plan.world_size, problems, started, cpu_started)
     first = simulations[0]
     classes = [
         class_plan(ranks, sim.coordinate, sim.measured)
@@ -127,8 +133,8 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
     return RunPlan(
         recipe=recipe.name,
         mesh=str(cfg.mesh),
-        axes=first.axes,
-        world_size=world_size,
+        axes=plan.describe(),
+        world_size=plan.world_size,
         model=first.model_name,
         parameters=sum(p.numel() for p in first.model.parameters()),
         samples_per_replica=per_replica,
@@ -144,48 +150,38 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
 
 
 def _simulate(
-    cfg: DictConfig,
-    recipe: Recipe,
-    rank: int,
-    world_size: int,
-    train: TrainConfig,
-    parallel: ParallelConfig,
+    cfg: DictConfig, recipe: Recipe, rank: int, plan: ParallelPlan, train: TrainConfig
 ) -> _Simulation:
     """Simulate ``rank``'s step: its model, parallelised as the trainer does it (its gradient
     reducer is this rank's), and its optimiser, in steady state."""
-    with simulated_rank(rank, world_size):
-        layout = ParallelLayout.build(str(cfg.mesh), parallel, device_type="cpu")
-        if train.parallel is DataParallel.fsdp2 and layout.dp_size > 1:
+    with simulated_rank(rank, plan.world_size):
+        parallelism = Parallelism.build(plan, device_type="cpu")
+        if train.dp_mode is DataParallelMode.fsdp2 and plan.dp_size > 1:
             raise ConfigError(
-                f"a dry run cannot plan train.parallel=fsdp2 over {layout.dp_size} data-parallel "
+                f"a dry run cannot plan train.dp_mode=fsdp2 over {plan.dp_size} data-parallel "
                 f"replicas: FSDP2 refuses to train parameters on the meta device; plan with "
-                f"train.parallel=ddp (the same activations and halos; FSDP2 holds 1/"
-                f"{layout.dp_size} of the parameters, gradients and optimiser state and adds "
+                f"train.dp_mode=ddp (the same activations and halos; FSDP2 holds 1/"
+                f"{plan.dp_size} of the parameters, gradients and optimiser state and adds "
                 f"its all-gathers and reduce-scatters over dp)"
             )
-        env = LaunchEnv(rank, world_size, rank, world_size, "dry-run", 0, "single")
-        context = RunContext(env, layout, Path(str(cfg.run_dir)))
+        env = LaunchEnv(rank, plan.world_size, rank, plan.world_size, "dry-run", 0, "single")
+        context = RunContext(env, parallelism, Path(str(cfg.run_dir)), META)
         with torch.device(META):
-            model, task = recipe.load_plan()(cfg, context, META)
+            model = instantiate(cfg.model)
+            task = recipe.load_dry_run_task()(cfg, context)
         model_name = type(model).__name__
-        model = parallelize(model, layout, train.parallel)
+        model = parallelize(model, parallelism, train.dp_mode)
         optimizer = instantiate(cfg.optim)(model.parameters())
         steady_state(model, optimizer)
+        step = planned_step(model, optimizer, task, train, parallelism.device)
         with gather_policy(_simulated_policy()):
-            measured = measure_step(
-                model,
-                optimizer,
-                task,
-                lambda: training_step(model, optimizer, task, 1, train, "cpu"),
-                META.type,
-            )
+            measured = measure_step(model, optimizer, task, step, META.type)
         specs = [spec for record in measured.observer.layers.values() for spec in record.specs]
         return _Simulation(
             measured=measured,
-            coordinate=list(layout.mesh.get_coordinate() or []),
-            classes=rank_classes(layout.mesh, specs) if rank == 0 else [],
-            axes=layout.describe(),
-            dp_size=layout.dp_size,
+            coordinate=list(parallelism.mesh.get_coordinate() or []),
+            classes=rank_classes(parallelism.mesh, specs) if rank == 0 else [],
+            dp_size=plan.dp_size,
             model_name=model_name,
             model=model,
             optimizer=optimizer,
@@ -197,6 +193,21 @@ def _simulated_policy() -> str:
     gather stops the step there, and attention takes the ring as it will), else ``"allow"``:
     the report lists every gather per layer rather than warn about it."""
     return "error" if gather_policy.current() == "error" else "allow"
+
+
+def planned_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    train: TrainConfig,
+    device: torch.device,
+) -> Callable[[], Any]:
+    """The step a dry run simulates: the trainer's ``training_step`` of batch 1, with the run's
+    precision and clipping (NOTE [One training step]). Autocast acts on no meta tensor; it is
+    entered for ``device``, the mesh's device."""
+    return lambda: training_step(
+        model, optimizer, task, 1, train.precision, train.grad_clip, device
+    )
 
 
 # ---------------------------------------------------------------------------- problems
@@ -265,7 +276,7 @@ def _gradient_reduction_plan(first: _Simulation, train: TrainConfig) -> Gradient
     reducer = gradient_reducer(first.model)
     group = reducer.reduction.size if reducer is not None else 1
     return GradientReductionPlan(
-        mode=train.parallel.value,
+        mode=train.dp_mode.value,
         replicas=first.dp_size,
         ranks=group,
         gradient_bytes=sum(

@@ -6,6 +6,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shardsci.planning._measure import StepMeasurement
 from shardsci.planning._memory import Category
 from shardsci.planning._observe import (
     OUTSIDE,
@@ -15,7 +16,6 @@ from shardsci.planning._observe import (
     _layout_text,
     describe_sizes,
 )
-from shardsci.planning._step import StepMeasurement
 
 __all__ = [
     "CollectiveFigures",

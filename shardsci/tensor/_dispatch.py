@@ -235,11 +235,14 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
     if spec is None:
         return NotImplemented
     local_args = []
+    memory = []  # other operands' hints (NOTE [Shard-size hints])
     for arg in args:
         if type(arg) is _ShardTensor:
             arg_spec = arg._spec
             if arg_spec is spec or arg_spec.same_layout(spec):
                 local_args.append(arg._local)
+                if arg_spec.hints != spec.hints:
+                    memory.append(arg_spec.hints)
             elif arg.ndim == 0 and spec.ndim != 0 and not mutates and arg_spec.mesh == spec.mesh:
                 local_args.append(_scalar_local(arg))
             else:
@@ -262,6 +265,8 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
         if filled:
             args[0]._spec = spec
         return args[0]
+    if memory:
+        spec = spec.remembering(*memory)
     if isinstance(out, tuple):
         return tuple(_ShardTensor(o, spec.with_dtype(o.dtype)) for o in out)
     return _ShardTensor(out, spec if out.dtype == spec.dtype else spec.with_dtype(out.dtype))

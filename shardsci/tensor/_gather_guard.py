@@ -36,7 +36,7 @@ through, calls :func:`check_redistribution` before any data moves; ``_dispatch``
 ``_function_dispatch`` push the op being dispatched on a per-thread stack around every route
 it may take (handlers, the pointwise fast path, whose one move, a 0-d operand's pending sum
 reduced, gathers nothing today, and the default path); attention asks
-:func:`may_gather_keys_and_values`. The verdict reads only specs, the op stack and the policy,
+:func:`may_gather_blocks` (so does a product of two token-sharded operands). The verdict reads only specs, the op stack and the policy,
 which all ranks share (the policy must be set alike on every rank: the environment variable or
 the same code), so under ``"error"`` every rank raises the same :class:`GatherError` at the
 same redistribution, before its collective, and none is left waiting.
@@ -51,7 +51,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -74,7 +74,7 @@ __all__ = [
     "dispatching",
     "gather_policy",
     "gathers",
-    "may_gather_keys_and_values",
+    "may_gather_blocks",
     "record_gathers",
 ]
 
@@ -303,31 +303,32 @@ def check_redistribution(src: ShardTensorSpec, dst: ShardTensorSpec) -> None:
     _enforce(_gather(ops, "a tensor", src, dst, total, _largest_shard(src), _largest_shard(dst)))
 
 
-def may_gather_keys_and_values(
-    keys: ShardTensorSpec, values: ShardTensorSpec, sequence_dim: int, nbytes: int
+def may_gather_blocks(
+    operands: Sequence[tuple[ShardTensorSpec, int]], what: str, nbytes: int
 ) -> bool:
-    """Whether attention's automatic exchange may all-gather these keys and values, sharded
-    along ``sequence_dim``, ``nbytes`` of them per rank once gathered (NOTE [Ring or
-    all-gather] in ``_ops/_attention_ops``): not under ``"error"``, where the ring runs
-    instead; otherwise yes, reported as any gather."""
+    """Whether an automatic exchange (attention's keys and values, a product's moving
+    operand: NOTE [Ring or all-gather] in ``_ops/_ring``) may all-gather ``operands``, each
+    a spec and the dim it is sharded along, ``nbytes`` of them per rank once gathered: not
+    under ``"error"``, where the ring runs instead; otherwise yes, reported as any gather."""
     policy = _POLICY[0]
     if policy == "error":
         return False
     if policy == "warn" or _RECORDERS:
-        axes = keys.sharding_by_dim[sequence_dim].axes
-        placements = [Replicate() if a in axes else p for a, p in enumerate(keys.placements)]
-        kept = [s for s in keys.shardings if s.dim != sequence_dim]
+        spec, dim = operands[0]
+        axes = spec.sharding_by_dim[dim].axes
+        placements = [Replicate() if a in axes else p for a, p in enumerate(spec.placements)]
+        kept = [s for s in spec.shardings if s.dim != dim]
         whole = ShardTensorSpec.build(
-            keys.mesh,
+            spec.mesh,
             placements,
-            keys.shape,
-            keys.dtype,
+            spec.shape,
+            spec.dtype,
             {s.dim: s.sizes for s in kept},
             order={s.dim: s.axes for s in kept},
         )
-        before = _largest_shard(keys) + _largest_shard(values)
-        total = _bytes_of(keys) + _bytes_of(values)
-        _enforce(_gather(_THREAD.ops, "the keys and values", keys, whole, total, before, nbytes))
+        before = sum(_largest_shard(o) for o, _ in operands)
+        total = sum(_bytes_of(o) for o, _ in operands)
+        _enforce(_gather(_THREAD.ops, what, spec, whole, total, before, nbytes))
     return True
 
 

@@ -7,10 +7,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
-from shardsci.tensor._gather_guard import may_gather_keys_and_values
-
 __all__ = [
     "attention_exchange",
     "attention_exchange_choice",
@@ -56,14 +52,6 @@ class _ExchangeChoice:
     mode: Exchange = "auto"
     gather_limit_bytes: int = 16 * 2**20
 
-    def may_gather(self, keys: torch.Tensor, values: torch.Tensor, nbytes: int) -> bool:
-        """Whether ``"auto"`` all-gathers these keys and values (ShardTensors, sharded along
-        the sequence dim), ``nbytes`` of them per rank: up to the limit, and where the gather
-        policy lets it (NOTE [Gathers an op was not asked to make])."""
-        return nbytes <= self.gather_limit_bytes and may_gather_keys_and_values(
-            keys.spec, values.spec, keys.ndim - 2, nbytes
-        )
-
 
 _EXCHANGE = [_ExchangeChoice()]
 
@@ -72,15 +60,18 @@ _EXCHANGE = [_ExchangeChoice()]
 def attention_exchange(
     mode: Exchange = "auto", gather_limit_bytes: int = 16 * 2**20
 ) -> Iterator[None]:
-    """How attention over a sharded sequence meets the key/value blocks of other ranks.
+    """How attention over a sharded sequence meets the key/value blocks of other ranks, and
+    a product of two operands sharded on different dims over the same mesh axes (``q @ k^T``
+    with tokens sharded in both) meets the other operand's blocks.
 
     Parameters
     ----------
     mode : {"auto", "ring", "all_gather"}
-        ``"auto"`` follows NOTE [Ring or all-gather] (``tensor/_ops/_attention_ops.py``); the
+        ``"auto"`` follows NOTE [Ring or all-gather] (``tensor/_ops/_ring.py``); the
         others force one exchange.
     gather_limit_bytes : int
-        ``"auto"`` gathers the keys and values of a call up to this size per rank.
+        ``"auto"`` gathers the keys and values (the other operand) of a call up to this size
+        per rank.
     """
     if mode not in ("auto", "ring", "all_gather"):
         raise ValueError(f"mode must be 'auto', 'ring' or 'all_gather', got {mode!r}")

@@ -33,11 +33,14 @@ parametrisation: its gradient must flow back through autograd).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
@@ -64,6 +67,8 @@ class GradientSink(Protocol):
 
 
 _SINK: list[GradientSink | None] = [None]
+# Whether this process has said that parameter gradients are summed one use at a time.
+_EAGER_SUMS_SAID = [False]
 
 
 @contextmanager
@@ -86,7 +91,26 @@ def promote_replicated(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
         index = sink.claim(tensor, mesh)
         if index is not None:
             return _DeferredPromotion.apply(tensor, spec, sink, index)
+    elif isinstance(tensor, nn.Parameter) and tensor.requires_grad and mesh.size() > 1:
+        _say_eager_sums_once()
     return _FromLocal.apply(tensor, spec)
+
+
+def _say_eager_sums_once() -> None:
+    """Warn, once per process and on rank 0 only, that a model trained without
+    ``domain_parallel`` pays an all-reduce per use of every parameter in backward."""
+    if _EAGER_SUMS_SAID[0] or not torch.is_grad_enabled():
+        return
+    _EAGER_SUMS_SAID[0] = True
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    warnings.warn(
+        "shardsci: a parameter's gradient is all-reduced once per use, synchronously in "
+        "backward, because the model is not wrapped; wrap it with "
+        "shardsci.parallel.domain_parallel(model, mesh, domain_axes=...) to sum every "
+        "parameter's gradient in a few bucketed all-reduces overlapped with backward",
+        stacklevel=3,
+    )
 
 
 def partial_contribution(grad: ShardTensor) -> torch.Tensor:

@@ -279,6 +279,15 @@ class ShardTensorSpec:
     def with_dtype(self, dtype: torch.dtype) -> ShardTensorSpec:
         return self if dtype == self.dtype else replace(self, dtype=dtype)
 
+    def remembering(self, *groups: tuple[DimSharding, ...]) -> ShardTensorSpec:
+        """This layout with the hints of other specs of the same layout merged after its own
+        (NOTE [Shard-size hints]), interned."""
+        hints = merged_hints(self.hints, *groups)
+        if hints == self.hints:
+            return self
+        spec = replace(self, hints=hints)
+        return _INTERNED.setdefault(spec.key, spec)
+
     @cached_property
     def dtensor_spec(self) -> DTensorSpec:
         """The DTensor view of this spec, for DTensor's sharding propagation."""
@@ -303,7 +312,8 @@ class ShardTensorSpec:
 # spec carries ``hints``: the DimShardings its dims had before, oldest first, at most
 # ``_MAX_HINTS``, one per (axes, sizes). Writers: every op that derives an output spec from its
 # inputs' passes their hints on (``merged_hints``: the inputs' hints and current shardings,
-# newest last) -- the default path (``_propagation``), views, matmul/einsum, windowed ops,
+# newest last) -- the default path (``_propagation``), views (``unbind`` and ``stack``
+# renumbered past the dim they remove or insert), matmul/einsum, windowed ops,
 # FFTs, slices; redistribution keeps the newest per (dim, set of axes) (``_updated_hints``).
 # Readers, each taking a hint only when its axes (and extent) match what it must size:
 # - ``_redistribute.target_spec``: a dim sharded again over the same set of axes takes the
@@ -317,6 +327,8 @@ class ShardTensorSpec:
 #   extent; an inverse transform returns to the layout the hints remember;
 # - ``_ops/_index_ops``: a slice's backward writes into the remembered forward layout when its
 #   counts match; ``select_backward`` finds the forward's sharding among the newest hints.
+# The dispatch fast path (operands of one layout) merges every operand's hints after the first
+# operand's (``ShardTensorSpec.remembering``), so a product keeps the memory of either factor.
 # Hints are not part of ``same_layout``: two specs with the same shards are the same layout.
 _MAX_HINTS = 8
 

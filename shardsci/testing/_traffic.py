@@ -6,7 +6,14 @@ every ``torch.distributed`` collective, point-to-point message and functional co
 reaches the dispatcher as a ``c10d`` or ``_c10d_functional`` op, whoever issues it (shardsci,
 DTensor's own redistribution, a ``funcol`` call, an autograd backward), so a
 ``TorchDispatchMode`` sees them all. Bytes follow NOTE [What a byte count means] in
-``shardsci/tensor/_comm_stats.py``, worked out here from each op's buffers and group.
+``shardsci/tensor/_comm_stats.py``, worked out here from each op's buffers and group, and are
+also kept by the kind of collective torch ran (``KINDS``: what was issued, which need not be
+what the library calls it: an uneven all-gather is issued as an all-to-all).
+
+With ``watch``, the counter also keeps the order of events (``Traffic.log``): each collective
+and message as it is posted, the first op that reads each received message (which cannot run
+before the message arrived), and every call of the watched ops. That is how a test sees
+whether compute ran while messages were in flight, without timing anything.
 
 :func:`counted_comm` runs both counts side by side and fails, on every rank, when they
 disagree: the byte tests use it so that traffic the library does not record fails them.
@@ -16,10 +23,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,10 +37,19 @@ from shardsci.tensor._torch_compat import (
     TorchDispatchMode,
     _resolve_process_group,
     is_traceable_wrapper_subclass_type,
+    tree_leaves,
 )
 from shardsci.testing._collective_asserts import assert_all_ranks
 
-__all__ = ["P2P_KINDS", "Traffic", "count_traffic", "counted_comm", "traffic_problems"]
+__all__ = [
+    "KINDS",
+    "P2P_KINDS",
+    "Event",
+    "Traffic",
+    "count_traffic",
+    "counted_comm",
+    "traffic_problems",
+]
 
 # The kinds shardsci records for point-to-point batches: one record per batch, however many
 # messages (or none), so only their bytes are comparable with a count of messages.
@@ -51,6 +67,27 @@ _SILENT = frozenset(
 )
 
 
+class Event(NamedTuple):
+    """One entry of :attr:`Traffic.log`.
+
+    Attributes
+    ----------
+    what : str
+        ``"post"`` (a collective or message issued), ``"read"`` (the first op reading a
+        received message) or ``"op"`` (a call of a watched op).
+    op : str
+        The op's name: ``"c10d::send"``, ``"c10d::recv_"``, a collective's, or an aten op's
+        (``"aten::convolution"``).
+    message : int or None
+        For a receive's post and its read: the index of that receive among this counter's
+        receives, so that a read can be matched with its post.
+    """
+
+    what: str
+    op: str
+    message: int | None = None
+
+
 @dataclass
 class Traffic:
     """What this rank moved while :func:`count_traffic` was active.
@@ -63,41 +100,76 @@ class Traffic:
         Collective op name (``"c10d::alltoall_base_"``) -> calls.
     messages : int
         Point-to-point sends and receives.
+    sent_by_kind, received_by_kind : Counter
+        Kind of collective issued (``KINDS``; ``"p2p"`` for messages) -> bytes.
+    calls_by_kind : Counter
+        Kind -> collectives issued; for ``"p2p"``, messages.
+    p2p_rounds : int
+        Runs of messages posted back to back, with no other op between them: one per batch
+        of ``batch_isend_irecv`` (all of whose messages are in flight together).
     unknown : list of str
         Ops of the collective namespaces this counter has no byte model for.
     largest_received : int
         The most bytes received by one collective or message.
+    log : list of Event
+        The order of events, kept only when :func:`count_traffic` watches ops.
     """
 
     sent: int = 0
     received: int = 0
     collectives: Counter = field(default_factory=Counter)
     messages: int = 0
+    sent_by_kind: Counter = field(default_factory=Counter)
+    received_by_kind: Counter = field(default_factory=Counter)
+    calls_by_kind: Counter = field(default_factory=Counter)
+    p2p_rounds: int = 0
     unknown: list[str] = field(default_factory=list)
     largest_received: int = 0
+    log: list[Event] = field(default_factory=list)
 
     @property
     def collective_calls(self) -> int:
         return sum(self.collectives.values())
 
-    def _add(self, sent: int, received: int) -> None:
+    def as_dict(self) -> dict[str, Any]:
+        """The counts by kind, as plain dicts (what a rank body returns):
+        ``{"sent": {kind: bytes}, "received": {kind: bytes}, "calls": {kind: n},
+        "p2p_rounds": n}``."""
+        return {
+            "sent": dict(self.sent_by_kind),
+            "received": dict(self.received_by_kind),
+            "calls": dict(self.calls_by_kind),
+            "p2p_rounds": self.p2p_rounds,
+        }
+
+    def _add(self, kind: str, sent: int, received: int) -> None:
         self.sent += sent
         self.received += received
+        self.sent_by_kind[kind] += sent
+        self.received_by_kind[kind] += received
+        self.calls_by_kind[kind] += 1
         self.largest_received = max(self.largest_received, received)
 
 
 @contextmanager
-def count_traffic() -> Iterator[Traffic]:
+def count_traffic(watch: Collection[str] = ()) -> Iterator[Traffic]:
     """Count, at the dispatcher, every collective this rank issues inside the ``with`` block.
+
+    Parameters
+    ----------
+    watch : collection of str
+        Names of ops (``"aten::convolution"``, without overload) whose calls go into
+        ``Traffic.log`` in order with the posts and the reads of received messages. Without
+        it no log is kept. Watching holds every received message until the block exits.
 
     Examples
     --------
     >>> with count_traffic() as traffic:  # doctest: +SKIP
     ...     y = x.redistribute(mesh, [Replicate()])
-    >>> traffic.received  # doctest: +SKIP
+    >>> traffic.received, traffic.received_by_kind["all_to_all"]  # doctest: +SKIP
     """
     traffic = Traffic()
-    with _TrafficMode(traffic):
+    with _TrafficMode(traffic, frozenset(watch)):
         yield traffic
 
 
@@ -136,9 +208,15 @@ def counted_comm(what: str = "") -> Iterator[CommStats]:
 
 # ---------------------------------------------------------------------------- the mode
 class _TrafficMode(TorchDispatchMode):
-    def __init__(self, traffic: Traffic) -> None:
+    def __init__(self, traffic: Traffic, watch: frozenset[str]) -> None:
         super().__init__()
         self.traffic = traffic
+        self.watch = watch
+        self.after_message = False
+        # Received messages not read yet (watching only): storage address -> (its index,
+        # the buffer, held so that no other tensor gets its address meanwhile).
+        self.unread: dict[int, tuple[int, torch.Tensor]] = {}
+        self.receives = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -147,26 +225,63 @@ class _TrafficMode(TorchDispatchMode):
         # DTensor's sharding propagation runs ops on, move nothing: they run below.)
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
+        message = False
         if isinstance(func, OpOverload) and func.namespace in _NAMESPACES:
-            self._count(func, args, kwargs)
+            message = self._count(func, args, kwargs)
+        elif self.watch:
+            self._observe(func, args, kwargs)
+        self.after_message = message
         return func(*args, **kwargs)
 
-    def _count(self, func: OpOverload, args: tuple, kwargs: dict) -> None:
+    def _count(self, func: OpOverload, args: tuple, kwargs: dict) -> bool:
+        """Count one op of the collective namespaces; whether it was a message."""
         name = func._schema.name
         if name in _SILENT:
-            return
-        model = _MODELS.get(name)
-        if model is None:
+            return False
+        if name not in _MODELS:
             self.traffic.unknown.append(name)
-            return
+            return False
+        kind, model = _MODELS[name]
         bound = func._schema.arguments
         values = dict(zip((a.name for a in bound), args)) | kwargs
         sent, received = model(values)
-        self.traffic._add(sent, received)
-        if name in _POINT_TO_POINT:
+        point_to_point = kind == "p2p"
+        self.traffic._add(kind, sent, received)
+        if point_to_point:
             self.traffic.messages += 1
+            self.traffic.p2p_rounds += not self.after_message
         else:
             self.traffic.collectives[name] += 1
+        if self.watch:
+            index = None
+            if name in _RECEIVES:
+                index = self.receives
+                self.receives += 1
+                for buffer in values["tensors"]:
+                    if buffer.numel():
+                        self.unread[buffer.untyped_storage().data_ptr()] = (index, buffer)
+            self.traffic.log.append(Event("post", name, index))
+        return point_to_point
+
+    def _observe(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Log the first read of a received message and the calls of watched ops."""
+        name = func._schema.name
+        if name in self.watch:
+            self.traffic.log.append(Event("op", name))
+        if not self.unread or getattr(func, "is_view", False):
+            return
+        bound = func._schema.arguments
+        values = dict(zip((a.name for a in bound), args)) | kwargs
+        read = [
+            values[a.name]
+            for a in bound
+            if a.name in values and not (a.alias_info is not None and a.alias_info.is_write)
+        ]
+        for tensor in tree_leaves(read):
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                entry = self.unread.pop(tensor.untyped_storage().data_ptr(), None)
+                if entry is not None:
+                    self.traffic.log.append(Event("read", name, entry[0]))
 
 
 # ---------------------------------------------------------------------------- byte models
@@ -321,36 +436,43 @@ def _functional_broadcast(v: dict[str, Any]) -> tuple[int, int]:
     return _broadcast(_bytes(v["input"]), v["src"], _group(v["group_name"]))
 
 
-_MODELS: dict[str, Model] = {
-    "c10d::allreduce_": _c10d_all_reduce,
-    "c10d::allreduce_coalesced_": _c10d_all_reduce,
-    "c10d::allgather_": _c10d_all_gather,
-    "c10d::allgather_coalesced_": _c10d_all_gather_coalesced,
-    "c10d::_allgather_base_": _c10d_all_gather_base,
-    "c10d::allgather_into_tensor_coalesced_": _c10d_all_gather_coalesced,
-    "c10d::reduce_scatter_": _c10d_reduce_scatter,
-    "c10d::_reduce_scatter_base_": _c10d_reduce_scatter_base,
-    "c10d::reduce_scatter_tensor_coalesced_": _c10d_reduce_scatter,
-    "c10d::alltoall_base_": _c10d_all_to_all_base,
-    "c10d::alltoall_": _c10d_all_to_all,
-    "c10d::broadcast_": _c10d_broadcast,
-    "c10d::reduce_": _c10d_reduce,
-    "c10d::gather_": _c10d_gather,
-    "c10d::scatter_": _c10d_scatter,
-    "c10d::send": lambda v: (_total(v["tensors"]), 0),
-    "c10d::recv_": lambda v: (0, _total(v["tensors"])),
-    "c10d::recv_any_source_": lambda v: (0, _total(v["tensors"])),
-    "_c10d_functional::all_reduce": _functional_all_reduce,
-    "_c10d_functional::all_reduce_": _functional_all_reduce,
-    "_c10d_functional::all_reduce_coalesced": _functional_all_reduce,
-    "_c10d_functional::all_reduce_coalesced_": _functional_all_reduce,
-    "_c10d_functional::all_gather_into_tensor": _functional_all_gather,
-    "_c10d_functional::all_gather_into_tensor_out": _functional_all_gather,
-    "_c10d_functional::all_gather_into_tensor_coalesced": _functional_all_gather,
-    "_c10d_functional::reduce_scatter_tensor": _functional_reduce_scatter,
-    "_c10d_functional::reduce_scatter_tensor_coalesced": _functional_reduce_scatter,
-    "_c10d_functional::all_to_all_single": _functional_all_to_all,
-    "_c10d_functional::broadcast": _functional_broadcast,
-    "_c10d_functional::broadcast_": _functional_broadcast,
+_MODELS: dict[str, tuple[str, Model]] = {
+    "c10d::allreduce_": ("all_reduce", _c10d_all_reduce),
+    "c10d::allreduce_coalesced_": ("all_reduce", _c10d_all_reduce),
+    "c10d::allgather_": ("all_gather", _c10d_all_gather),
+    "c10d::allgather_coalesced_": ("all_gather", _c10d_all_gather_coalesced),
+    "c10d::_allgather_base_": ("all_gather", _c10d_all_gather_base),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", _c10d_all_gather_coalesced),
+    "c10d::reduce_scatter_": ("reduce_scatter", _c10d_reduce_scatter),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", _c10d_reduce_scatter_base),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", _c10d_reduce_scatter),
+    "c10d::alltoall_base_": ("all_to_all", _c10d_all_to_all_base),
+    "c10d::alltoall_": ("all_to_all", _c10d_all_to_all),
+    "c10d::broadcast_": ("broadcast", _c10d_broadcast),
+    "c10d::reduce_": ("reduce", _c10d_reduce),
+    "c10d::gather_": ("gather", _c10d_gather),
+    "c10d::scatter_": ("scatter", _c10d_scatter),
+    "c10d::send": ("p2p", lambda v: (_total(v["tensors"]), 0)),
+    "c10d::recv_": ("p2p", lambda v: (0, _total(v["tensors"]))),
+    "c10d::recv_any_source_": ("p2p", lambda v: (0, _total(v["tensors"]))),
+    "_c10d_functional::all_reduce": ("all_reduce", _functional_all_reduce),
+    "_c10d_functional::all_reduce_": ("all_reduce", _functional_all_reduce),
+    "_c10d_functional::all_reduce_coalesced": ("all_reduce", _functional_all_reduce),
+    "_c10d_functional::all_reduce_coalesced_": ("all_reduce", _functional_all_reduce),
+    "_c10d_functional::all_gather_into_tensor": ("all_gather", _functional_all_gather),
+    "_c10d_functional::all_gather_into_tensor_out": ("all_gather", _functional_all_gather),
+    "_c10d_functional::all_gather_into_tensor_coalesced": ("all_gather", _functional_all_gather),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", _functional_reduce_scatter),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": (
+        "reduce_scatter",
+        _functional_reduce_scatter,
+    ),
+    "_c10d_functional::all_to_all_single": ("all_to_all", _functional_all_to_all),
+    "_c10d_functional::broadcast": ("broadcast", _functional_broadcast),
+    "_c10d_functional::broadcast_": ("broadcast", _functional_broadcast),
 }
-_POINT_TO_POINT = frozenset({"c10d::send", "c10d::recv_", "c10d::recv_any_source_"})
+_RECEIVES = frozenset({"c10d::recv_", "c10d::recv_any_source_"})
+
+KINDS: dict[str, str] = {name: kind for name, (kind, _) in _MODELS.items()}
+"""Collective or message op name -> its kind (those of NOTE [What a byte count means]; messages
+are ``"p2p"``)."""

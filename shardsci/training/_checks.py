@@ -12,7 +12,6 @@ the library's API), but a run that passes ``check_run`` should not meet them.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -20,15 +19,22 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.checkpoint import CheckpointError, resolve_resume
-from shardsci.distributed import LaunchEnv, mesh_axis_sizes
+from shardsci.distributed import LaunchEnv
 from shardsci.training._errors import ConfigError
 from shardsci.training._launcher import LauncherKind
-from shardsci.training._layout import LayoutPlan, ParallelConfig
+from shardsci.training._parallelism import ParallelConfig, ParallelPlan
 from shardsci.training._recipes import Recipe
-from shardsci.training._schema import config_from, config_type_of
+from shardsci.training._schema import config_from, config_type_of, instantiate
 from shardsci.training._trainer import TrainConfig
 
-__all__ = ["LOCAL_RANKS_PER_CPU", "MAX_LOCAL_RANKS_VAR", "check_run", "max_local_ranks"]
+__all__ = [
+    "LOCAL_RANKS_PER_CPU",
+    "MAX_LOCAL_RANKS_VAR",
+    "check_model_input",
+    "check_run",
+    "max_local_ranks",
+    "plan_parallelism",
+]
 
 MAX_LOCAL_RANKS_VAR = "SHARDSCI_MAX_LOCAL_RANKS"
 """Overrides how many ranks ``train.py`` may start on this machine."""
@@ -39,8 +45,9 @@ LOCAL_RANKS_PER_CPU = 4
 _MIN_LOCAL_CPU_RANKS = 8
 
 
-def check_run(cfg: DictConfig, recipe: Recipe, env: LaunchEnv, multirun: bool) -> LayoutPlan:
-    """Check the composed ``cfg`` of ``recipe``; return the layout the ranks will build.
+def check_run(cfg: DictConfig, recipe: Recipe, env: LaunchEnv, multirun: bool) -> ParallelPlan:
+    """Check the composed ``cfg`` of ``recipe``; return the run's plan, the one the ranks
+    build their mesh from (NOTE [A run is planned once]).
 
     Parameters
     ----------
@@ -59,7 +66,7 @@ def check_run(cfg: DictConfig, recipe: Recipe, env: LaunchEnv, multirun: bool) -
         The first problem found, in one line naming the setting and what is expected.
     """
     _check_launcher(cfg, env, multirun)
-    plan = _plan(cfg, env)
+    plan = plan_parallelism(cfg, recipe, env)
     _check_train(OmegaConf.to_object(cfg.train), plan, Path(cfg.run_dir) / "checkpoints")
     _check_component("model", cfg.model)
     if recipe.check is not None:
@@ -68,6 +75,25 @@ def check_run(cfg: DictConfig, recipe: Recipe, env: LaunchEnv, multirun: bool) -
         except (ValueError, CheckpointError) as error:
             raise ConfigError(str(error)) from error
     return plan
+
+
+def check_model_input(model: DictConfig, sample_shape: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` if the model of the config node ``model`` cannot take a batch of
+    fields of ``sample_shape`` (``(C, *spatial)``): it runs once on the meta device (shapes
+    only, no memory, no compute). For a recipe's ``check``; a model with an op that has no meta
+    kernel passes (the ranks will tell)."""
+    shape = (1, *sample_shape)
+    try:
+        with torch.device("meta"):
+            instantiate(model)(torch.empty(shape))
+    except NotImplementedError:
+        return
+    except (ValueError, RuntimeError) as error:
+        fields = ", ".join(str(n) for n in sample_shape)
+        raise ValueError(
+            f"model {model._target_} cannot take the recipe's fields of shape (batch, {fields}): "
+            f"{error}"
+        ) from error
 
 
 def max_local_ranks() -> tuple[int, str]:
@@ -106,39 +132,43 @@ def _check_launcher(cfg: DictConfig, env: LaunchEnv, multirun: bool) -> None:
         )
 
 
-def _plan(cfg: DictConfig, env: LaunchEnv) -> LayoutPlan:
-    """The layout over the ranks this launch will have; checks the mesh against them."""
+def plan_parallelism(cfg: DictConfig, recipe: Recipe, env: LaunchEnv) -> ParallelPlan:
+    """The plan of ``cfg.mesh`` and ``cfg.parallel`` for ``recipe``'s fields over the ranks this
+    launch will have: torchrun's or srun's, or those ``train.py`` starts here (checked against
+    what this machine allows). The one place a run's mesh is parsed and its axis roles resolved
+    (NOTE [A run is planned once]).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``mesh=...`` and what does not fit.
+    """
     mesh = str(cfg.mesh)
-    try:
-        sizes = mesh_axis_sizes(mesh)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(str(error)) from error
     launched = env.launcher != "single"
-    world_size = env.world_size if launched else _local_world_size(mesh, sizes)
     try:
-        return LayoutPlan.of(mesh, config_from(ParallelConfig, cfg.parallel), world_size)
+        parallel = config_from(ParallelConfig, cfg.parallel)
+        world_size = env.world_size if launched else None
+        plan = ParallelPlan.of(mesh, parallel, recipe.spatial_dims, world_size)
     except (TypeError, ValueError) as error:
-        started = f" ({env.launcher} started {world_size} ranks)" if launched else ""
-        raise ConfigError(f"mesh={mesh}: {error}{started}") from error
+        started = f" ({env.launcher} started {env.world_size} ranks)" if launched else ""
+        message = str(error)
+        prefix = "" if message.startswith(f"mesh={mesh}") else f"mesh={mesh}: "
+        raise ConfigError(f"{prefix}{message}{started}") from error
+    if not launched:
+        _check_local_ranks(mesh, plan.world_size)
+    return plan
 
 
-def _local_world_size(mesh: str, sizes: tuple[int, ...]) -> int:
-    if -1 in sizes:
-        raise ConfigError(
-            f"mesh={mesh} infers an axis from the world size, which only torchrun or srun set; "
-            f"give every axis size (e.g. mesh=4x2), or start the run with torchrun or srun"
-        )
-    world_size = math.prod(sizes)
+def _check_local_ranks(mesh: str, world_size: int) -> None:
     limit, why = max_local_ranks()
     if world_size > limit:
         raise ConfigError(
             f"mesh={mesh} needs {world_size} ranks, but train.py starts at most {limit} on this "
             f"machine ({why}); run larger meshes with torchrun or srun over several nodes"
         )
-    return world_size
 
 
-def _check_train(train: TrainConfig, plan: LayoutPlan, checkpoints: Path) -> None:
+def _check_train(train: TrainConfig, plan: ParallelPlan, checkpoints: Path) -> None:
     try:
         train.check()
     except ValueError as error:

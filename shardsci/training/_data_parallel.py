@@ -6,8 +6,8 @@ replicated (DDP-like) or sharded over dp (FSDP2) (``shardsci.parallel.domain_par
 ``dp_sample_mean`` turns per-sample numbers of each replica into the mean over the whole
 global batch, on every rank.
 
-Collectives here run on tensors of the process group's device (``ParallelLayout.device``):
-an NCCL group rejects CPU tensors.
+Collectives here run on tensors of the process group's device (``Parallelism.device``): an
+NCCL group rejects CPU tensors.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardsci.parallel import domain_parallel
-from shardsci.training._layout import ParallelLayout
+from shardsci.training._parallelism import Parallelism
 
-__all__ = ["DataParallel", "dp_sample_mean", "parallelize"]
+__all__ = ["DataParallelMode", "dp_sample_mean", "parallelize"]
 
 
-class DataParallel(enum.Enum):
-    """How replicas along the dp axis share the model (``train.parallel``)."""
+class DataParallelMode(enum.Enum):
+    """How replicas along the dp axis share the model (``train.dp_mode``)."""
 
     ddp = "ddp"
     """Every replica holds all parameters; gradients averaged (shardsci's bucketed reducer,
@@ -34,15 +34,17 @@ class DataParallel(enum.Enum):
     """``fully_shard``: parameters, gradients and optimiser state sharded over the replicas."""
 
 
-def parallelize(model: nn.Module, layout: ParallelLayout, mode: DataParallel) -> nn.Module:
-    """``model`` wrapped for data parallelism over ``layout``'s dp axis (itself without one).
+def parallelize(model: nn.Module, parallelism: Parallelism, mode: DataParallelMode) -> nn.Module:
+    """``model`` wrapped for data parallelism over the dp axis of ``parallelism`` (itself
+    without one).
 
     Parameters
     ----------
     model : nn.Module
-        On its device already; fed ShardTensors when the layout splits the fields.
-    layout : ParallelLayout
-    mode : DataParallel
+        On its device already; fed ShardTensors when the mesh splits the fields.
+    parallelism : Parallelism
+        The run's mesh and its axis roles.
+    mode : DataParallelMode
 
     Returns
     -------
@@ -50,20 +52,20 @@ def parallelize(model: nn.Module, layout: ParallelLayout, mode: DataParallel) ->
         ``model`` itself, its class extended with ``no_sync()`` (NOTE [Why shardsci reduces
         gradients itself instead of DDP] in ``shardsci/parallel/_domain_parallel.py``).
     """
-    if not isinstance(mode, DataParallel):
+    if not isinstance(mode, DataParallelMode):
         raise ValueError(
-            f"data parallelism must be one of {[m.name for m in DataParallel]}, got {mode!r}"
+            f"data parallelism must be one of {[m.name for m in DataParallelMode]}, got {mode!r}"
         )
     return domain_parallel(
         model,
-        layout.mesh,
-        dp_axis=layout.config.data_parallel,
-        domain_axes=layout.domain_axes,
+        parallelism.mesh,
+        dp_axis=parallelism.plan.dp_axis,
+        domain_axes=parallelism.domain_axes,
         dp_mode=mode.value,
     )
 
 
-def dp_sample_mean(per_sample: torch.Tensor, layout: ParallelLayout) -> float:
+def dp_sample_mean(per_sample: torch.Tensor, parallelism: Parallelism) -> float:
     """The mean over the samples of every data-parallel replica.
 
     Parameters
@@ -72,8 +74,8 @@ def dp_sample_mean(per_sample: torch.Tensor, layout: ParallelLayout) -> float:
         ``(N,)``: this replica's values, one per sample; ``N`` may differ between replicas,
         and be 0.
     """
-    per_sample = per_sample.detach().to(layout.device, torch.float64)
+    per_sample = per_sample.detach().to(parallelism.device, torch.float64)
     totals = torch.stack([per_sample.sum(), per_sample.new_tensor(per_sample.numel())])
-    if layout.dp_group is not None:
-        dist.all_reduce(totals, group=layout.dp_group)
+    if parallelism.dp_group is not None:
+        dist.all_reduce(totals, group=parallelism.dp_group)
     return float(totals[0] / totals[1])

@@ -4,7 +4,8 @@ NOTE [Ranks forked by train.py behave like torchrun's]
 ``python train.py mesh=4x2`` without torchrun or SLURM variables forks its ranks from the
 process that composed and checked the config (cheap after ``import torch``; safe because that
 process has run no torch op, holds no open HDF5 file, has touched no GPU and runs no store
-thread), gives each rank the variables torchrun would set, and behaves like torchrun:
+thread), gives each rank the variables torchrun would set and the run's checked plan as it is
+(``run_ranks``; NOTE [A run is planned once]), and behaves like torchrun:
 
 - SIGTERM or SIGINT to this process is forwarded to every rank (NOTE [Stopping a run on a
   signal]: the ranks stop after an agreed step and save a checkpoint); ranks still alive
@@ -50,11 +51,14 @@ from types import FrameType
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
+from shardsci.distributed import LaunchEnv
 from shardsci.training._errors import EXIT_USER_ERROR, USER_ERRORS, traceback_requested
+from shardsci.training._parallelism import ParallelPlan
 from shardsci.training._signals import STOP_SIGNALS, exit_on_stop_signals, exit_status
 
-__all__ = ["LauncherConfig", "LauncherKind", "run_local_ranks"]
+__all__ = ["LauncherConfig", "LauncherKind", "run_local_ranks", "run_ranks"]
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2
@@ -92,6 +96,30 @@ class LauncherConfig:
     timeout_s: float = 600.0
     grace_s: float = 30.0
     max_restarts: int = 0
+
+
+def run_ranks(
+    cfg: DictConfig,
+    plan: ParallelPlan,
+    env: LaunchEnv,
+    body: Callable[[DictConfig, ParallelPlan], Any],
+) -> int:
+    """Run ``body(cfg, plan)`` on every rank of ``plan``: here, when torchrun or srun started
+    this process or the plan has one rank; else on ranks forked here, which take ``plan`` as it
+    is (NOTE [A run is planned once]). The run's exit status.
+    """
+    if env.launcher != "single" or plan.world_size == 1:
+        body(cfg, plan)
+        return 0
+    OmegaConf.resolve(cfg)  # one run directory for every rank, resolved here
+    return run_local_ranks(
+        plan.world_size,
+        body,
+        cfg,
+        plan,
+        grace_s=cfg.launcher.grace_s,
+        max_restarts=cfg.launcher.max_restarts,
+    )
 
 
 def run_local_ranks(

@@ -2,15 +2,18 @@
 
 NOTE [How train.py finds recipes]
 A recipe is a ``Recipe``: a name (``+recipe=<name>`` selects ``configs/recipe/<name>.yaml``),
-the function every rank runs (``"package.module:function"``, imported when the recipe is
-chosen, so finding recipes imports no training code), the Hydra schemas of its config groups
-(stored in Hydra's ConfigStore on registration) and an optional check of a composed config
-run once, in the launching process, before any rank starts. A recipe package registers itself
-when imported (``register_recipe`` in its ``__init__``). ``discover_recipes("shardsci.recipes")``
-(run by the training command, ``shardsci/train.py``) imports every sub-package of the in-repo
-``recipes/``, so a new recipe there is a new package and a ``configs/recipe/<name>.yaml``, with
-no edit elsewhere; it then loads every entry point of the group ``shardsci.recipes``, so an
-installed package of the user's own adds recipes too:
+the spatial dims of its fields (what the mesh's domain axes may split), the function that makes
+its ``Task`` on every rank (``"package.module:function"``, imported when the recipe is chosen,
+so finding recipes imports no training code), the Hydra schemas of its config groups (stored in
+Hydra's ConfigStore on registration), an optional check of a composed config run once, in the
+launching process, before any rank starts, an optional data preparation run on rank 0 while
+the others wait, and an optional data-free task for dry runs. Everything else about a run (the
+mesh, the model from ``cfg.model``, the loop) is ``shardsci.training``'s (``train_recipe``). A
+recipe package registers itself when imported (``register_recipe`` in its ``__init__``).
+``discover_recipes("shardsci.recipes")`` (run by the training command, ``shardsci/train.py``)
+imports every sub-package of the in-repo ``recipes/``, so a new recipe there is a new package
+and a ``configs/recipe/<name>.yaml``, with no edit elsewhere; it then loads every entry point of
+the group ``shardsci.recipes``, so an installed package of the user's own adds recipes too:
 
     [project.entry-points."shardsci.recipes"]
     my_task = "my_package.recipe"     # a module that registers Recipe(name="my_task", ...)
@@ -33,7 +36,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from shardsci.training._layout import LayoutPlan
+from shardsci.training._parallelism import ParallelPlan
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -47,22 +50,26 @@ __all__ = [
 ENTRY_POINT_GROUP = "shardsci.recipes"
 """The entry-point group installed packages declare their recipes in."""
 
-RecipeCheck = Callable[[DictConfig, LayoutPlan], None]
+RecipeCheck = Callable[[DictConfig, ParallelPlan], None]
 """``check(cfg, plan)``: raise ``ValueError`` with one clear line if ``cfg`` cannot run on the
 mesh ``plan`` (NOTE [Config errors before any rank starts])."""
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """A training task that ``train.py`` can run.
+    """A task that ``train.py`` can run: what its data, loss and evaluation are.
 
     Attributes
     ----------
     name : str
         Selected by ``+recipe=<name>``.
-    run : str
-        ``"package.module:function"``; ``function(cfg)`` runs on every rank and returns the
-        final metrics.
+    task : str
+        ``"package.module:function"``; ``function(cfg, run)`` runs on every rank, with ``run``
+        the rank's ``RunContext``, and returns the ``Task``: its batches (this rank's part),
+        losses and evaluation. The model is ``cfg.model``, instantiated by the library.
+    spatial_dims : tuple of str
+        The fields' spatial dims, outermost first (``("H", "W")``, ``("D", "H", "W")``, the
+        nodes of a graph): what the mesh's domain axes split (``ParallelPlan``).
     schemas : mapping
         ``(group, name) -> dataclass``: Hydra schemas of the recipe's config groups, stored in
         the ConfigStore (``configs/<group>/<option>.yaml`` names them in its defaults list).
@@ -70,35 +77,52 @@ class Recipe:
         ``check(cfg, plan)``, run in the launching process before any rank starts, after the
         generic checks: raise ``ValueError`` naming what is wrong with ``cfg`` and what is
         expected (the data's shape against the mesh and the model, the data file, ...).
-    plan : str or None
-        ``"package.module:function"`` for ``dry_run=true`` (``shardsci.planning``):
-        ``function(cfg, context, device)`` returns the model and a ``Task`` whose batches have
-        the shapes and layouts of the real ones, made without reading data, on ``device``.
+    prepare : str or None
+        ``"package.module:function"``; ``function(cfg)`` runs on global rank 0 before any rank
+        makes its task, while the others wait (generating a missing data file).
+    dry_run_task : str or None
+        ``"package.module:function"`` for ``dry_run=true`` (``shardsci.planning``): like
+        ``task``, but its batches have the shapes and layouts of the real ones, made without
+        reading data, on ``run.device`` (the ``meta`` device).
     """
 
     name: str
-    run: str
+    task: str
+    spatial_dims: tuple[str, ...]
     schemas: Mapping[tuple[str, str], type] = field(default_factory=dict)
     check: RecipeCheck | None = None
-    plan: str | None = None
+    prepare: str | None = None
+    dry_run_task: str | None = None
 
     def __post_init__(self) -> None:
-        module, _, function = self.run.partition(":")
-        if not (self.name.isidentifier() and module and function.isidentifier()):
+        object.__setattr__(self, "spatial_dims", tuple(self.spatial_dims))
+        paths = {"task": self.task, "prepare": self.prepare, "dry_run_task": self.dry_run_task}
+        for what, path in paths.items():
+            module, _, function = (path or "m:f").partition(":")
+            if not (self.name.isidentifier() and module and function.isidentifier()):
+                raise ValueError(
+                    f"Recipe(name={self.name!r}, {what}={path!r}): expected an identifier as "
+                    f"the name and 'package.module:function' as {what}"
+                )
+        if not self.spatial_dims or not all(isinstance(d, str) for d in self.spatial_dims):
             raise ValueError(
-                f"Recipe(name={self.name!r}, run={self.run!r}): expected an identifier as the "
-                f"name and 'package.module:function' as run"
+                f"Recipe(name={self.name!r}, spatial_dims={self.spatial_dims!r}): expected the "
+                f"names of the fields' spatial dims, e.g. ('H', 'W')"
             )
 
-    def load_run(self) -> Callable[[DictConfig], Mapping[str, float]]:
-        """Import and return the function every rank runs."""
-        return _load(self.run)
+    def load_task(self) -> Callable[..., Any]:
+        """Import and return the function that makes the task on every rank (see ``task``)."""
+        return _load(self.task)
 
-    def load_plan(self) -> Callable[..., Any]:
-        """Import and return the dry run's ``plan`` function (see ``plan``)."""
-        if self.plan is None:
-            raise ValueError(f"recipe {self.name!r} has no plan for a dry run")
-        return _load(self.plan)
+    def load_prepare(self) -> Callable[[DictConfig], Any] | None:
+        """Import and return the data preparation (see ``prepare``), if any."""
+        return None if self.prepare is None else _load(self.prepare)
+
+    def load_dry_run_task(self) -> Callable[..., Any]:
+        """Import and return the dry run's task function (see ``dry_run_task``)."""
+        if self.dry_run_task is None:
+            raise ValueError(f"recipe {self.name!r} has no dry_run_task for a dry run")
+        return _load(self.dry_run_task)
 
 
 def _load(path: str) -> Callable[..., Any]:

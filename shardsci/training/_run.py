@@ -1,4 +1,5 @@
-"""What every rank of a training run sets up first: process group, mesh, run directory, seed."""
+"""What every rank of a run sets up first: process group, the run's mesh from its plan, run
+directory, seed; and the data preparation that one rank does while the others wait."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from shardsci.distributed import (
     init_distributed,
     is_collective_timeout,
 )
-from shardsci.training._layout import ParallelConfig, ParallelLayout
-from shardsci.training._schema import config_from
+from shardsci.training._parallelism import Parallelism, ParallelPlan
+from shardsci.training._recipes import Recipe
 
-__all__ = ["RunContext", "start_run"]
+__all__ = ["RunContext", "prepare_data", "start_run"]
 
 
 @dataclass(frozen=True)
@@ -32,19 +33,18 @@ class RunContext:
     ----------
     env : LaunchEnv
         Rank, world size, launcher.
-    layout : ParallelLayout
-        The mesh and the roles of its axes.
+    parallelism : Parallelism
+        The run's DeviceMesh and what its axes do (NOTE [A run is planned once]).
     run_dir : Path
         One directory for every rank of the run (created by the leader).
+    device : torch.device
+        Where this rank's model and batches live (its GPU, the CPU, or ``meta`` in a dry run).
     """
 
     env: LaunchEnv
-    layout: ParallelLayout
+    parallelism: Parallelism
     run_dir: Path
-
-    @property
-    def device(self) -> torch.device:
-        return self.layout.device
+    device: torch.device
 
     @property
     def leader(self) -> bool:
@@ -53,8 +53,9 @@ class RunContext:
 
 
 @contextlib.contextmanager
-def start_run(cfg: DictConfig) -> Iterator[RunContext]:
-    """Join the run's process group and build its mesh (``cfg.mesh``, ``cfg.parallel``).
+def start_run(cfg: DictConfig, plan: ParallelPlan) -> Iterator[RunContext]:
+    """Join the run's process group and build the mesh of ``plan`` (NOTE [A run is planned
+    once]).
 
     Seeds torch with ``cfg.train.seed``. On a normal exit every rank waits for the others and
     leaves the process group; on an exception it leaves at once, so that the launcher sees the
@@ -64,9 +65,8 @@ def start_run(cfg: DictConfig) -> Iterator[RunContext]:
     """
     env = init_distributed(timeout_s=cfg.launcher.timeout_s)
     device = device_for_local_rank(env)
-    parallel = config_from(ParallelConfig, cfg.parallel)
-    layout = ParallelLayout.build(str(cfg.mesh), parallel, device_type=device.type)
-    context = RunContext(env, layout, Path(cfg.run_dir))
+    parallelism = Parallelism.build(plan, device_type=device.type)
+    context = RunContext(env, parallelism, Path(cfg.run_dir), device)
     if context.leader:
         context.run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
@@ -78,3 +78,14 @@ def start_run(cfg: DictConfig) -> Iterator[RunContext]:
         raise
     dist.barrier()
     dist.destroy_process_group()
+
+
+def prepare_data(recipe: Recipe, cfg: DictConfig) -> None:
+    """Run the recipe's data preparation (``Recipe.prepare``: generating a missing file, say)
+    on global rank 0 while every other rank waits for it; nothing without one."""
+    prepare = recipe.load_prepare()
+    if prepare is None:
+        return
+    if dist.get_rank() == 0:
+        prepare(cfg)
+    dist.barrier()

@@ -15,8 +15,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from shardsci.training._launcher import LauncherConfig
-from shardsci.training._layout import ParallelConfig
 from shardsci.training._loggers import LoggerConfig
+from shardsci.training._parallelism import ParallelConfig
 from shardsci.training._trainer import TrainConfig
 
 __all__ = ["AdamWConfig", "RunConfig", "register_run_schemas"]
@@ -45,7 +45,10 @@ class RunConfig:
     run_dir : str
         One directory for every rank's files.
     mesh : str
-        Ranks per mesh axis: ``"1"``, ``"8"``, ``"4x2"``, ``"2x2x2"``; ``-1`` infers one axis.
+        The shape of the run's DeviceMesh, ranks per axis: ``"1"``, ``"8"``, ``"4x2"``,
+        ``"2x2x2"``; ``-1`` infers one axis (under torchrun or srun).
+    parallel : ParallelConfig
+        What each mesh axis does (the ``parallel`` group: ``auto``, ``slab``, ``block``).
     model, data, eval : recipe schemas
         Chosen by the recipe's config (``configs/recipe/<name>.yaml``).
     dry_run : bool

@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,18 +23,18 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from shardsci.tensor import ShardTensor
-from shardsci.training._data_parallel import DataParallel, parallelize
+from shardsci.training._data_parallel import DataParallelMode, parallelize
 from shardsci.training._errors import NonFiniteLoss
 from shardsci.training._loggers import MetricLogger
-from shardsci.training._precision import Precision, autocast
+from shardsci.training._precision import Precision
 from shardsci.training._progress import Progress
 from shardsci.training._run import RunContext
 from shardsci.training._schedule import ScheduleConfig, warmup_cosine
 from shardsci.training._schema import instantiate, plain
 from shardsci.training._signals import STOP_SIGNALS, StopRequests, exit_status
+from shardsci.training._step import Task, training_step
 
-__all__ = ["NonFinite", "Task", "TrainConfig", "Trainer"]
+__all__ = ["NonFinite", "TrainConfig", "Trainer"]
 
 
 class NonFinite(enum.Enum):
@@ -62,8 +62,9 @@ class TrainConfig:
         Clip the global gradient norm to this value.
     seed : int
         Seeds parameter initialisation and the data order.
-    parallel : DataParallel
-        Data parallelism on the dp axis: ``ddp`` or ``fsdp2``.
+    dp_mode : DataParallelMode
+        How the replicas along the data-parallel axis share the model: ``ddp`` (replicated
+        parameters) or ``fsdp2`` (sharded). Was ``train.parallel``.
     log_every, eval_every : int
         Steps between metric logs and between evaluations.
     checkpoint_every : int
@@ -83,7 +84,7 @@ class TrainConfig:
     precision: Precision = Precision.fp32
     grad_clip: float | None = 1.0
     seed: int = 0
-    parallel: DataParallel = DataParallel.ddp
+    dp_mode: DataParallelMode = DataParallelMode.ddp
     log_every: int = 10
     eval_every: int = 100
     checkpoint_every: int = 100
@@ -112,28 +113,6 @@ class TrainConfig:
             )
 
 
-class Task(Protocol):
-    """What a recipe gives the ``Trainer``: batches, a loss, an evaluation."""
-
-    cells_per_sample: int
-    """Grid cells (or mesh nodes) of one sample, for the throughput figure."""
-
-    def batch(self, step: int) -> Any:
-        """This rank's part of global batch ``step`` (a pure function of the step, so that a
-        resumed run sees the batches an uninterrupted one would)."""
-
-    def losses(self, model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor]:
-        """The loss of ``model`` on ``batch``, one scalar term per named output field; the
-        trainer minimises their sum. ShardTensor terms are fine."""
-
-    def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
-        """Metrics of ``model`` (unwrapped, in eval mode, without gradients), equal on every
-        rank; may write files (plots) on the leader."""
-
-    def describe(self, metrics: Mapping[str, Any]) -> str:
-        """One line for people about ``metrics`` (from ``evaluate``)."""
-
-
 class Trainer:
     """Trains ``model`` on ``task`` with the run's ``train``, ``optim`` and ``logger`` configs.
 
@@ -152,7 +131,7 @@ class Trainer:
         self.config: TrainConfig = OmegaConf.to_object(cfg.train)
         self.task = task
         self.model = model
-        self.trained = parallelize(model, run.layout, self.config.parallel)
+        self.trained = parallelize(model, run.parallelism, self.config.dp_mode)
         self.optimizer = instantiate(cfg.optim)(self.trained.parameters())
         self.scheduler = warmup_cosine(self.optimizer, self.config.schedule, self.config.steps)
         self.checkpoints = run.run_dir / "checkpoints"
@@ -174,7 +153,7 @@ class Trainer:
             config.global_batch * self.task.cells_per_sample,
             enabled=run.leader,
         )
-        progress.write(f"mesh: {run.layout.describe()}; run directory: {run.run_dir}")
+        progress.write(f"mesh: {run.parallelism.describe()}; run directory: {run.run_dir}")
         started = time.perf_counter()
         loss = math.nan
         with StopRequests() as requests:
@@ -206,24 +185,30 @@ class Trainer:
         return metrics
 
     def _optimiser_step(self, requests: StopRequests) -> tuple[float, signal.Signals | None]:
-        """One step; the loss averaged over data-parallel replicas, and the stop signal all
-        ranks agreed on (None: go on)."""
-        batch = self.task.batch(self.step)
-        with autocast(self.config.precision, self.run.device):
-            terms = self.task.losses(self.trained, batch)
-        terms = {name: _whole(term).float() for name, term in terms.items()}
-        loss = sum(terms.values())
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        agreed = self._agree([*terms.values()], requests.pending())
-        means = dict(zip(terms, agreed[: len(terms)].tolist()))
-        stop = next((s for s, n in zip(STOP_SIGNALS, agreed[len(terms) :].tolist()) if n > 0), None)
-        if self._finite(means):
-            if self.config.grad_clip:
-                nn.utils.clip_grad_norm_(self.trained.parameters(), self.config.grad_clip)
-            self.optimizer.step()
+        """One step (``training_step``); the loss averaged over data-parallel replicas, and the
+        stop signal all ranks agreed on (None: go on)."""
+        agreed: dict[str, Any] = {}
+
+        def decide(terms: Mapping[str, torch.Tensor]) -> bool:
+            values = self._agree([*terms.values()], requests.pending())
+            agreed["means"] = dict(zip(terms, values[: len(terms)].tolist()))
+            counts = values[len(terms) :].tolist()
+            agreed["stop"] = next((s for s, n in zip(STOP_SIGNALS, counts) if n > 0), None)
+            return self._finite(agreed["means"])
+
+        config = self.config
+        training_step(
+            self.trained,
+            self.optimizer,
+            self.task,
+            self.step,
+            config.precision,
+            config.grad_clip,
+            self.run.device,
+            decide,
+        )
         self.scheduler.step()
-        return sum(means.values()), stop
+        return sum(agreed["means"].values()), agreed["stop"]
 
     def _finite(self, means: Mapping[str, float]) -> bool:
         """Whether the step's loss terms (equal on every rank) are finite; if not, stop the
@@ -250,7 +235,7 @@ class Trainer:
         Every rank of a replica holds the same (whole) loss terms, so their sum over the world
         divided by the world size is the mean over replicas.
         """
-        device = self.run.device
+        device = self.run.parallelism.device
         means = torch.stack([t.detach().to(device, torch.float64) for t in terms])
         counts = torch.tensor(pending, dtype=torch.float64, device=device)
         values = torch.cat([means / dist.get_world_size(), counts])
@@ -296,8 +281,3 @@ class Trainer:
         if self.run.leader:
             print(f"resumed from {path} at step {extra['step']}", flush=True)
         return int(extra["step"])
-
-
-def _whole(term: torch.Tensor) -> torch.Tensor:
-    """A loss term as a plain scalar tensor (a ShardTensor's global value)."""
-    return term.full_tensor() if isinstance(term, ShardTensor) else term

@@ -13,7 +13,8 @@ from smoothing_recipe.task import FieldsConfig
 RECIPE = register_recipe(
     Recipe(
         name="smoothing",
-        run="smoothing_recipe.task:run",
+        task="smoothing_recipe.task:smoothing",
+        spatial_dims=("H", "W"),
         schemas={
             ("smoother", "stencil_schema"): schema_of(
                 StencilNetConfig, target="smoothing_recipe.model.StencilNet"

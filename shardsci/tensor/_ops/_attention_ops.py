@@ -15,21 +15,10 @@ planning on first use, 257 s with a mask) and ran the fused CPU kernel on empty 
    back the same way.
 3. ``_ring_attention`` computes each rank's query block against every key: locally when L is
    not sharded, else over the group of ranks along L's axes by the ring or the all-gather
-   (NOTE [Ring or all-gather]). The output has the query's layout.
+   (NOTE [Ring or all-gather], in ``_ring``). The output has the query's layout.
 
 The CPU fused kernel's two aten ops (forward, backward) are handled the same way, for the
 callers that reach them below ``__torch_function__`` (``nn.MultiheadAttention``).
-
-NOTE [Ring or all-gather]
-Both move the same bytes in the forward (each rank receives the key/value rows it lacks); the
-all-gather keeps every block for the backward, which then only returns gradients (one
-reduce-scatter), where the ring passes the blocks around again ahead of the gradients: the
-all-gather moves 2/3 of the ring's bytes over a training step in 2 collectives instead of
-3 (N - 1) messages, but holds all of K and V (and their gradients) on every rank, per attention
-layer, until the backward. So: all-gather while the gathered keys and values of a call are at
-most ``gather_limit_bytes`` (default 16 MiB, ``shardsci.attention_exchange``), the ring above
-that, where it keeps memory at one block per rank. The rule reads only global sizes and the
-rank's batch shard, which every rank of a group shares, so they decide alike.
 """
 
 from __future__ import annotations
@@ -47,13 +36,13 @@ from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, redist
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._ops._common import accepts
+from shardsci.tensor._ops._ring import ring_chosen
 from shardsci.tensor._ops._ring_attention import (
     AttentionPlan,
     attend,
     attention_backward,
     attention_forward,
 )
-from shardsci.tensor._options import attention_exchange_choice
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec, nested_chunk_sizes, replicated_spec
 
@@ -308,10 +297,9 @@ def _plan(
 
 
 def _ring_chosen(k: ShardTensor, v: ShardTensor) -> bool:
-    """NOTE [Ring or all-gather]: the bytes of every key and value this rank would hold."""
-    choice = attention_exchange_choice()
-    if choice.mode != "auto":
-        return choice.mode == "ring"
+    """NOTE [Ring or all-gather], for the bytes of every key and value this rank would hold."""
     rows = math.prod(k._local.shape[:-2]) * k.shape[-2]
     gathered = rows * (k.shape[-1] + v.shape[-1]) * k._local.element_size()
-    return not choice.may_gather(k, v, gathered)
+    return ring_chosen(
+        gathered, [(k._spec, k.ndim - 2), (v._spec, v.ndim - 2)], "the keys and values"
+    )

@@ -3,13 +3,14 @@ shards when only the independent dims are sharded.
 
 Padding as aten ops (``reflection_pad*``, ``replication_pad*``; ``F.pad`` itself has a halo
 handler) and their backward, ``unfold`` along a whole dim, average-pooling backward,
-``im2col``/``col2im`` and pixel (un)shuffle with only the batch sharded, and ``renorm`` along
-the sharded dim: each
+``im2col``/``col2im`` with only the batch sharded, and ``renorm`` along the sharded dim: each
 rank computes its block of the output from its shards, with no communication, and the output
 keeps the input's shardings (the independent dims keep their positions). An op whose core
-dims are sharded is computed on gathered inputs (``_gathered_ops``), except ``unfold`` along
-a sharded dim, which gathers only a halo (a handler of its own, below). A rank whose shard is empty does not call the kernel: the output's shape comes from running
-the op on meta tensors.
+dims are sharded is computed on gathered inputs (``_gathered_ops``), except two with
+handlers of their own, below, that gather at most a halo: ``unfold`` along a sharded dim,
+and pixel (un)shuffle, which keep the input's placements with the sizes of the window rule
+(NOTE [Which rank owns an output of a windowed op] in ``_windows``). A rank whose shard is
+empty does not call the kernel: the output's shape comes from running the op on meta tensors.
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import Arguments, bind
 from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._ops._gathered_ops import gathered
-from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
+from shardsci.tensor._ops._windows import (
+    Subdivide,
+    Window,
+    WindowLike,
+    gather_windows,
+    output_spec,
+)
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._shape_probe import shape_probe
 from shardsci.tensor._spec import ShardTensorSpec
 
 aten = torch.ops.aten
@@ -50,8 +58,6 @@ _CORE[aten.avg_pool3d_backward.default] = _trailing(lambda a: 3)
 _CORE[aten.im2col.default] = _trailing(lambda a: 3)
 _CORE[aten.col2im.default] = _trailing(lambda a: 2)
 _CORE[aten.renorm.default] = lambda ndim, a: set(range(ndim)) - {a.dim % ndim}
-_CORE[aten.pixel_shuffle.default] = _trailing(lambda a: 3)
-_CORE[aten.pixel_unshuffle.default] = _trailing(lambda a: 3)
 _CORE[aten.unfold.default] = lambda ndim, a: {a.dimension % ndim}
 
 
@@ -149,3 +155,43 @@ def _unfold_sharded(func, args, kwargs):
     shape = [*x.shape, size]
     shape[dim] = windows[dim].output_extent(x.shape[dim])
     return from_local_spec(out, output_spec(spec, shape, out_sizes, out.dtype))
+
+
+@register_aten_handler(aten.pixel_shuffle.default, aten.pixel_unshuffle.default)
+def _pixel_shuffle(func, args, kwargs):
+    """Pixel shuffle by ``r``, ``(*, C r^2, H, W) -> (*, C, H r, W r)``, and its inverse, on
+    the shards: each of the last three dims is a window (NOTE [Which rank owns an output of a
+    windowed op] in ``_windows``). Shuffle: output row ``i`` comes from input row ``i // r``
+    (``Subdivide``), so shard sizes along H and W grow by ``r`` with no communication, and
+    output channel ``c`` reads input channels ``[c r^2, (c + 1) r^2)``. Unshuffle: output row
+    ``j`` reads input rows ``[j r, (j + 1) r)`` and belongs to the owner of row ``j r + (r -
+    1) // 2``; shard boundaries that are multiples of ``r`` move nothing, others are realigned
+    by a halo exchange of the rows a rank lacks. Leading dims keep their shardings. The
+    backward of each is the other, through this handler."""
+    a = bind(func, args, kwargs)
+    x = a.self
+    if not accepts(x, partial=True) or x.ndim < 3:
+        return NotImplemented
+    spec = x._spec
+    shuffle = func is aten.pixel_shuffle.default
+    r = a.upscale_factor if shuffle else a.downscale_factor
+    with shape_probe():
+        shape = func(torch.empty(spec.shape, dtype=spec.dtype, device="meta"), r).shape
+    core = range(x.ndim - 3, x.ndim)
+    spatial: WindowLike = Subdivide(r) if shuffle else Window(r, r)
+    channels: WindowLike = Window(r * r, r * r) if shuffle else Subdivide(r * r)
+    windows = {d: channels if d == x.ndim - 3 else spatial for d in core}
+    windows = {d: w for d, w in windows.items() if d in spec.sharding_by_dim}
+    extended, out_sizes, ranges = gather_windows(
+        x._local, spec, windows, dict.fromkeys(windows, "zeros")
+    )
+    out_spec = output_spec(spec, shape, out_sizes, spec.dtype)
+    if extended.numel() == 0:
+        return ShardTensor(extended.new_zeros(out_spec.local_shape()), out_spec)
+    out = func(extended, r)
+    for dim, window in windows.items():
+        first, stop = ranges[dim]
+        lo = window.input_range(first, stop, spec.shape[dim])[0]
+        start = lo * window.factor if isinstance(window, Subdivide) else lo // window.stride
+        out = out.narrow(dim, first - start, stop - first)
+    return ShardTensor(out, out_spec)

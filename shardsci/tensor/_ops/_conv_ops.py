@@ -7,21 +7,25 @@ of size 1 whose padding cells come from the boundary (periodic, reflect, replica
 padded tensor keeps the input's layout with the padding on the edge ranks, and the
 convolution that follows keeps it too; the pad gathers the cells that convolution reads in the
 same exchange (NOTE [A padded tensor carries the halo its convolution reads] in ``_windows``).
+A constant pad by negative amounts crops: a slice of the cropped dims (placements kept), then
+the pad by the positive amounts.
 Weights and biases are replicated: their gradients are summed over the shards
 (``replicated_local``).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
-from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
 from shardsci.tensor._ops._common import (
     accepts,
     connected_empty,
     replicated_local,
     sharding_axes,
+    with_dims_whole,
 )
 from shardsci.tensor._ops._windows import (
     TransposedWindow,
@@ -34,6 +38,7 @@ from shardsci.tensor._ops._windows import (
 )
 from shardsci.tensor._options import halo_overlap_enabled
 from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._shape_probe import shape_probe
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _CONV_TRANSPOSE = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
@@ -54,6 +59,18 @@ def _convolution(input, weight, bias=None, stride=1, padding=0, dilation=1, grou
     padding)."""
 
 
+def _pending(bias: torch.Tensor | None) -> bool:
+    return isinstance(bias, ShardTensor) and bias._spec.partial
+
+
+def _whole(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias sharded over its channels, made whole (``C_out`` numbers, not a field), so that
+    the output keeps the input's layout; declined, it would be computed whole on every rank."""
+    if isinstance(bias, ShardTensor) and bias._spec.shardings:
+        return with_dims_whole(bias, {0})
+    return bias
+
+
 # ---------------------------------------------------------------------------- conv
 # The input's channels are dim 1, or dim 0 unbatched: dim -(n + 1) of an n-d convolution.
 @register_function_handler(*_CONV)
@@ -62,8 +79,9 @@ def _conv(func, args, kwargs):
     x, weight, bias, stride = a.input, a.weight, a.bias, a.stride
     padding, dilation, groups = a.padding, a.dilation, a.groups
     n = _CONV[func]
-    if not accepts(x, whole=[-(n + 1)], replicated=[weight]):
+    if not accepts(x, whole=[-(n + 1)], replicated=[weight]) or _pending(bias):
         return NotImplemented
+    bias = _whole(bias)
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         return func(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     kernel = weight.shape[2:]
@@ -139,8 +157,9 @@ def _conv_transpose(func, args, kwargs):
     x, weight, bias, stride, padding = a.input, a.weight, a.bias, a.stride, a.padding
     output_padding, groups, dilation = a.output_padding, a.groups, a.dilation
     n = _CONV_TRANSPOSE[func]
-    if not accepts(x, whole=[-(n + 1)], replicated=[weight]):
+    if not accepts(x, whole=[-(n + 1)], replicated=[weight]) or _pending(bias):
         return NotImplemented
+    bias = _whole(bias)
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         out = func(x.unsqueeze(0), weight, bias, stride, padding, output_padding, groups, dilation)
         return out.squeeze(0)
@@ -206,17 +225,23 @@ def _placed(full, windows, out_ranges, spec):
 def _pad(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, mode, value = a.input, a.mode, a.value
-    pairs = [(a.pad[2 * i], a.pad[2 * i + 1]) for i in range(len(a.pad) // 2)]
-    cropped = any(left < 0 or right < 0 for left, right in pairs)
-    if not accepts(x) or mode not in _PAD_MODES or cropped:
+    if not accepts(x) or mode not in _PAD_MODES:
         return NotImplemented
+    with shape_probe():  # torch's error for a bad pad list, on every rank before any collective
+        func(torch.empty(x.shape, dtype=x.dtype, device="meta"), a.pad, mode, value)
+    pairs = [(a.pad[2 * i], a.pad[2 * i + 1]) for i in range(len(a.pad) // 2)]
+    if any(left < 0 or right < 0 for left, right in pairs):
+        if mode != "constant":
+            return NotImplemented
+        x = _cropped(x, pairs)
+        pairs = [(max(left, 0), max(right, 0)) for left, right in pairs]
     windows = {
         x.ndim - 1 - i: Window(1, pad_left=left, pad_right=right)
         for i, (left, right) in enumerate(pairs)
         if left or right
     }
     if not windows:
-        return x
+        return x.clone()  # torch's pad returns a new tensor, never its input or a view
     boundary = dict.fromkeys(windows, _PAD_MODES[mode])
     spec = x._spec
     shape = list(x.shape)
@@ -227,3 +252,15 @@ def _pad(func, args, kwargs):
         extended, out_sizes, _ = gather_windows(x.to_local(), spec, windows, boundary, value or 0.0)
         return from_local_spec(extended, output_spec(spec, shape, out_sizes, extended.dtype))
     return pad_with_halo(x, windows, boundary, shape)
+
+
+def _cropped(x: ShardTensor, pairs: list[tuple[int, int]]) -> ShardTensor:
+    """The negative parts of a constant pad: a slice of each cropped dim, which keeps the
+    input's placements, every output cell on the rank holding the input cell it copies (the
+    window rule of a pad, anchor ``j - left``)."""
+    for i, (left, right) in enumerate(pairs):
+        dim = x.ndim - 1 - i
+        begin, end = max(-left, 0), x.shape[dim] - max(-right, 0)
+        if begin or end < x.shape[dim]:
+            x = x.narrow(dim, begin, end - begin)
+    return x

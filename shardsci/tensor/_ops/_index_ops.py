@@ -54,9 +54,9 @@ def _slice_bounds(extent: int, start: int | None, end: int | None) -> tuple[int,
 def _slice(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, step = a.self, a.step
-    dim = a.dim % x.ndim
-    if not accepts(x, sharded=[dim], partial=True):
+    if not accepts(x, sharded=[a.dim], partial=True):  # a 0-d x: torch's error, default path
         return NotImplemented
+    dim = a.dim % x.ndim
     start, end = _slice_bounds(x.shape[dim], a.start, a.end)
     sharding, group, starts = dim_layout(x._spec, dim)
     counts = tuple(
@@ -150,9 +150,9 @@ def _resized(
 def _select(func, args, kwargs):
     a = bind(func, args, kwargs)
     x = a.self
-    dim = a.dim % x.ndim
-    if not accepts(x, sharded=[dim], partial=True):
+    if not accepts(x, sharded=[a.dim], partial=True):  # a 0-d x: torch's error, default path
         return NotImplemented
+    dim = a.dim % x.ndim
     index = a.index % x.shape[dim]
     sharding, group, starts = dim_layout(x._spec, dim)
     owner = max(k for k in range(group.size) if starts[k] <= index and sharding.sizes[k])

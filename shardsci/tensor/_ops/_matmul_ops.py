@@ -1,24 +1,44 @@
-"""linear, matmul, mm, bmm and einsum with the sharded dims in batch positions.
+"""linear, matmul, mm, bmm and einsum on the operands' shards.
 
-When every sharded dim of every operand is a batch dim (it appears in the output and is not
-summed over), each rank computes its block of the output from its shards alone. DTensor
-instead reshapes matmul's batch dims together, which moves a sharding on an inner batch dim
-(an all-to-all) and changes the output layout. Here the product runs on the local shards:
-- ShardTensor operands sharded on the same letter must agree on its shard sizes (else the
-  default path realigns them);
+Each product runs on the local shards, with the output laid out from the operands' letters
+(einsum letters; matmul and friends are written as einsums). For each letter sharded over
+some mesh axes (in every ShardTensor operand that shards it, over the same axes with the same
+shard sizes):
+- a letter the output keeps (a batch dim, the rows) stays sharded in the output. DTensor
+  instead reshapes matmul's batch dims together, which moves a sharding on an inner batch dim
+  (an all-to-all) and changes the output layout;
+- a letter the product sums over (the contracted dim sharded in both operands, with the same
+  boundaries) leaves each rank a partial sum: the output is ``Partial`` over its axes, summed
+  when the next op needs it (no data moves here);
 - a replicated operand (plain tensor or replicated ShardTensor) that contains a sharded letter
-  is sliced to this rank's shard of it;
-- a replicated operand's local gradient is the part its shard of the output contributes, so it
-  is read as ``Partial`` over the mesh axes that shard the output and summed once, in
-  ``from_local``'s backward (NOTE [Autograd interaction between torch.Tensor and
-  ShardTensor]).
-Anything else (a sharded contracted dim, broadcasting batch dims, Partial inputs) declines
-to the default path.
+  is sliced to this rank's shard of it; its local gradient is the part its shard of the output
+  contributes, so it is read as ``Partial`` over the mesh axes that shard the output and
+  summed once, in ``from_local``'s backward (NOTE [Autograd interaction between torch.Tensor
+  and ShardTensor]);
+- two operands sharding different letters over the same mesh axes follow the NOTE below.
+Anything else declines to the default path: operands sharding one letter with different
+boundaries (it realigns them), a letter sharded over different axes, several such conflicts,
+Partial inputs, ``...`` in an equation.
+
+NOTE [A product of token-sharded operands is sharded by query rows]
+When two operands shard different letters over the same mesh axes (``q @ k^T`` and
+``einsum("blxd,blyd->blxy", q, k)`` with tokens sharded in both; ``attn @ v`` with attn's rows
+and v's tokens sharded; ``x.t() @ x`` with x's columns sharded), the output keeps the rows of
+one operand, sharded as in that operand (its placements and shard sizes), and holds the other
+letter whole: the rows of the operand whose letter the output keeps, the first operand's
+(q's) when it keeps both. Every rank meets every block of the other operand (k, v) by the ring
+or the all-gather of NOTE [Ring product], chosen by the cost rule of NOTE [Ring or all-gather]
+(``shardsci.attention_exchange``): no rank gathers it by a redistribution, and in the ring
+none holds it whole. Declined (default path): a letter the staying operand has sharded
+elsewhere, the staying rows in the moving operand, a letter twice in one subscript, more
+than two operands, both letters summed over.
 """
 
 from __future__ import annotations
 
+import math
 import string
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +47,10 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
+from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._ops._common import accepts
+from shardsci.tensor._ops._ring import Blocks, ring_chosen
+from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec, merged_hints
@@ -52,7 +75,7 @@ def _linear(func, args, kwargs):
         return NotImplemented
     batch = string.ascii_lowercase[: x.ndim - 1]
     equation = f"{batch}i,oi->{batch}o"
-    out = _local_einsum(equation, [x, weight])
+    out = _sharded_einsum(equation, [x, weight])
     if out is NotImplemented or bias is None:
         return out
     return out + bias
@@ -73,23 +96,28 @@ _MATMUL_SIGNATURES = {torch.Tensor.__matmul__: _matmul_operator}
 @register_function_handler(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 def _matmul(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_MATMUL_SIGNATURES.get(func))
-    x, y = a.input, a.other
-    equation = _matmul_equation(x.ndim, y.ndim, x.shape, y.shape)
+    if getattr(a, "out", None) is not None:
+        return NotImplemented
+    equation = _matmul_as_einsum(a.input, a.other)
     if equation is None:
         return NotImplemented
-    return _local_einsum(equation, [x, y])
+    return _sharded_einsum(equation, [a.input, a.other])
 
 
 @register_function_handler(torch.mm, torch.Tensor.mm)
 def _mm(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_matrix_product)
-    return _local_einsum("nk,km->nm", [a.input, a.mat2])
+    if a.out_dtype is not None or a.out is not None:
+        return NotImplemented
+    return _sharded_einsum("nk,km->nm", [a.input, a.mat2])
 
 
 @register_function_handler(torch.bmm, torch.Tensor.bmm)
 def _bmm(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_matrix_product)
-    return _local_einsum("bnk,bkm->bnm", [a.input, a.mat2])
+    if a.out_dtype is not None or a.out is not None:
+        return NotImplemented
+    return _sharded_einsum("bnk,bkm->bnm", [a.input, a.mat2])
 
 
 def _einsum_parameters(equation, *operands):
@@ -99,38 +127,58 @@ def _einsum_parameters(equation, *operands):
 @register_function_handler(torch.einsum)
 def _einsum(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_einsum_parameters)
-    equation, operands = a.equation, list(a.operands)
+    operands = list(a.operands)
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
-    if "->" not in equation or "." in equation:
+    equation = _explicit(a.equation, operands)
+    if equation is None:
         return NotImplemented
-    return _local_einsum(equation.replace(" ", ""), operands)
+    return _sharded_einsum(equation, operands)
 
 
-def _matmul_equation(
-    a_ndim: int, b_ndim: int, a_shape: torch.Size, b_shape: torch.Size
-) -> str | None:
-    """The einsum form of ``a @ b`` when no batch dims broadcast, else None."""
-    letters = iter(string.ascii_lowercase[:20])
-    if a_ndim == 0 or b_ndim == 0:
+def _explicit(equation: str, operands: list) -> str | None:
+    """``equation`` with its output written out (torch's implicit form: the ``...`` dims, then
+    the letters used once, in alphabetical order) and each ``...`` replaced by letters the
+    equation does not use, aligned from the right; None for an equation torch would reject."""
+    equation = equation.replace(" ", "")
+    inputs, arrow, output = equation.partition("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != len(operands) or not all(isinstance(o, torch.Tensor) for o in operands):
         return None
-    if b_ndim == 1:
-        batch = "".join(next(letters) for _ in range(a_ndim - 1))
-        return f"{batch}k,k->{batch}" if a_ndim > 1 else "k,k->"
-    if a_ndim == 1:
-        batch = "".join(next(letters) for _ in range(b_ndim - 2))
-        return f"k,{batch}km->{batch}m"
-    if b_ndim == 2:
-        batch = "".join(next(letters) for _ in range(a_ndim - 2))
-        return f"{batch}nk,km->{batch}nm"
-    if a_ndim != b_ndim or a_shape[:-2] != b_shape[:-2]:
+    if not arrow:
+        counts = Counter(c for c in inputs if c.isalpha())
+        once = "".join(sorted(c for c, n in counts.items() if n == 1))
+        output = ("..." if "..." in inputs else "") + once
+    widths = [o.ndim - len(s) + 3 if "..." in s else 0 for s, o in zip(subscripts, operands)]
+    if min(widths) < 0 or ("..." in output and "..." not in inputs):
         return None
-    batch = "".join(next(letters) for _ in range(a_ndim - 2))
-    return f"{batch}nk,{batch}km->{batch}nm"
+    unused = "".join(c for c in string.ascii_letters if c not in equation)
+    dims = unused[: max(widths)]
+    subscripts = [s.replace("...", dims[len(dims) - w :]) for s, w in zip(subscripts, widths)]
+    equation = ",".join(subscripts) + "->" + output.replace("...", dims)
+    return (
+        equation if all(c.isalpha() for c in equation.replace(",", "").replace("->", "")) else None
+    )
 
 
-# ---------------------------------------------------------------------------- the local product
-def _local_einsum(equation: str, operands: list):
+def _matmul_as_einsum(x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """``x @ y`` as an einsum: batch dims aligned from the right (a dim of size 1 broadcasts,
+    in einsum as in matmul); None when they do not broadcast (torch's error on the default
+    path)."""
+    if x.ndim == 0 or y.ndim == 0:
+        return None
+    x_batch, y_batch = x.shape[:-2], y.shape[:-2]
+    try:
+        batch = string.ascii_uppercase[: len(torch.broadcast_shapes(x_batch, y_batch))]
+    except RuntimeError:
+        return None
+    rows, columns = ("n" if x.ndim > 1 else ""), ("m" if y.ndim > 1 else "")
+    x_letters, y_letters = batch[len(batch) - len(x_batch) :], batch[len(batch) - len(y_batch) :]
+    return f"{x_letters}{rows}k,{y_letters}k{columns}->{batch}{rows}{columns}"
+
+
+# ---------------------------------------------------------------------------- the product
+def _sharded_einsum(equation: str, operands: list):
     inputs, output = equation.split("->")
     subscripts = inputs.split(",")
     if len(subscripts) != len(operands) or any(
@@ -143,19 +191,79 @@ def _local_einsum(equation: str, operands: list):
     mesh = sharded[0]._spec.mesh
     if any(o._spec.mesh != mesh for o in sharded):
         return NotImplemented
-    letters = _sharded_letters(subscripts, operands)
-    if letters is None or any(letter not in output for letter in letters):
+    ring = _ring_pair(subscripts, output, operands)
+    letters = _sharded_letters(subscripts, operands, ring)
+    if letters is None:
         return NotImplemented
+    if ring is not None:
+        _check_on_meta(equation, operands)
     output_axes = {a for letter in letters.values() for a in letter.axes}
+    sliced = {c: s for c, s in letters.items() if ring is None or c != ring.letter}
     locals_ = [
-        _local_operand(o, s, letters, output_axes, mesh) for o, s in zip(operands, subscripts)
+        _local_operand(o, s, sliced, output_axes, mesh) for o, s in zip(operands, subscripts)
     ]
-    out = torch.einsum(equation, *locals_)
-    return from_local_spec(out, _output_spec(output, letters, out, operands, subscripts, mesh))
+    if ring is None:
+        out = torch.einsum(equation, *locals_)
+    else:
+        plan = _product_plan(ring, subscripts, output, operands, letters)
+        out = ring_product(locals_[ring.staying], locals_[ring.moving], plan)
+    return from_local_spec(out, _output_spec(output, sliced, out, operands, subscripts, mesh))
 
 
-def _sharded_letters(subscripts: list[str], operands: list) -> dict[str, _Letter] | None:
-    """Letter -> its sharding, or None when operands disagree on a letter's sharding."""
+@dataclass(frozen=True)
+class _Ring:
+    """Two operands sharding different letters over the same mesh axes (NOTE [A product of
+    token-sharded operands is sharded by query rows])."""
+
+    staying: int
+    moving: int
+    rows: str
+    letter: str
+    axes: tuple[int, ...]
+
+
+def _ring_pair(subscripts: list[str], output: str, operands: list) -> _Ring | None:
+    """The ring product resolving the operands' one conflict over a group of mesh axes;
+    None when they have none, or it is not one a ring product resolves."""
+    if len(operands) != 2 or not all(isinstance(o, ShardTensor) for o in operands):
+        return None
+    by_axes = [
+        {s.axes: subscript[s.dim] for s in o._spec.shardings}
+        for subscript, o in zip(subscripts, operands)
+    ]
+    conflicts = [
+        (axes, letter, by_axes[1][axes])
+        for axes, letter in by_axes[0].items()
+        if axes in by_axes[1] and by_axes[1][axes] != letter
+    ]
+    if len(conflicts) != 1 or any(len(set(s)) != len(s) for s in subscripts):
+        return None
+    axes, first, second = conflicts[0]
+    if first not in output and second not in output:
+        return None
+    staying = 0 if first in output else 1
+    moving = 1 - staying
+    rows, letter = (first, second) if staying == 0 else (second, first)
+    if rows in subscripts[moving] or _broadcasts(letter, subscripts, operands, staying, moving):
+        return None
+    return _Ring(staying, moving, rows, letter, axes)
+
+
+def _broadcasts(letter: str, subscripts: list[str], operands: list, a: int, b: int) -> bool:
+    """Whether operand ``a`` has ``letter`` at size 1 against operand ``b``'s extent."""
+    if letter not in subscripts[a]:
+        return False
+    extent = operands[b].shape[subscripts[b].index(letter)]
+    return operands[a].shape[subscripts[a].index(letter)] != extent
+
+
+def _sharded_letters(
+    subscripts: list[str], operands: list, ring: _Ring | None
+) -> dict[str, _Letter] | None:
+    """Letter -> its sharding; None when operands disagree on a letter's sharding, letters
+    share a mesh axis (other than ``ring``'s two), or a sharded operand has a letter whole
+    that another shards (other than ``ring``'s staying operand, which has the moving
+    operand's letter whole)."""
     letters: dict[str, _Letter] = {}
     for subscript, operand in zip(subscripts, operands):
         if not isinstance(operand, ShardTensor):
@@ -164,12 +272,60 @@ def _sharded_letters(subscripts: list[str], operands: list) -> dict[str, _Letter
             letter = _Letter(s.axes, s.sizes)
             if letters.setdefault(subscript[s.dim], letter) != letter:
                 return None
-    for subscript, operand in zip(subscripts, operands):
-        if isinstance(operand, ShardTensor):
-            unsharded = set(subscript) - {subscript[s.dim] for s in operand._spec.shardings}
-            if any(letter in letters for letter in unsharded) and not _is_replicated(operand):
+    owners: dict[int, str] = {}
+    for c, letter in letters.items():
+        for axis in letter.axes:
+            owner = owners.setdefault(axis, c)
+            if owner != c and (ring is None or {owner, c} != {ring.rows, ring.letter}):
+                return None
+    for i, (subscript, operand) in enumerate(zip(subscripts, operands)):
+        if isinstance(operand, ShardTensor) and not _is_replicated(operand):
+            whole = {subscript[d] for d in _sliceable(subscript, operand, letters)}
+            whole -= {subscript[s.dim] for s in operand._spec.shardings}
+            if ring is not None and i == ring.staying:
+                whole.discard(ring.letter)
+            if whole:
                 return None
     return letters
+
+
+def _sliceable(subscript: str, operand: torch.Tensor, letters: dict[str, _Letter]) -> dict:
+    """Dim -> sharding, for the dims of ``operand`` along a sharded letter (not those of size
+    1 that broadcast against it)."""
+    return {
+        d: letters[c]
+        for d, c in enumerate(subscript)
+        if c in letters and operand.shape[d] == sum(letters[c].sizes)
+    }
+
+
+def _check_on_meta(equation: str, operands: list) -> None:
+    """Raise torch's error for operands that do not fit ``equation`` on every rank, before
+    any rank starts exchanging blocks."""
+    torch.einsum(equation, *(torch.empty(o.shape, dtype=o.dtype, device="meta") for o in operands))
+
+
+def _product_plan(
+    ring: _Ring, subscripts: list[str], output: str, operands: list, letters: dict
+) -> ProductPlan:
+    moving = operands[ring.moving]
+    sharding = letters[ring.letter]
+    dim = subscripts[ring.moving].index(ring.letter)
+    gathered = list(moving._local.shape)
+    gathered[dim] = moving.shape[dim]
+    return ProductPlan(
+        staying=subscripts[ring.staying],
+        moving=subscripts[ring.moving],
+        output=output,
+        moving_first=ring.moving == 0,
+        letter=ring.letter,
+        blocks=Blocks(axis_group(moving._spec.mesh, ring.axes), sharding.sizes, dim),
+        ring=ring_chosen(
+            math.prod(gathered) * moving._local.element_size(),
+            [(moving._spec, dim)],
+            "the moving operand of a product",
+        ),
+    )
 
 
 def _is_replicated(t: ShardTensor) -> bool:
@@ -183,14 +339,14 @@ def _local_operand(
     output_axes: set[int],
     mesh,
 ) -> torch.Tensor:
-    """This rank's part of one operand, with the gradient placements of the NOTE above."""
+    """This rank's part of one operand, with the gradient placements of the module docstring."""
     if isinstance(operand, ShardTensor) and not _is_replicated(operand):
         return operand.to_local(grad_placements=_grad_placements(operand._spec, output_axes))
+    wanted = _sliceable(subscript, operand, letters)
     if not isinstance(operand, ShardTensor):
-        if not operand.requires_grad and not any(c in letters for c in subscript):
+        if not operand.requires_grad and not wanted:
             return operand
         operand = promote_replicated(operand, mesh)
-    wanted = {d: letters[c] for d, c in enumerate(subscript) if c in letters}
     if wanted:
         operand = redistribute(operand, _sliced_spec(operand._spec, wanted))
     return operand.to_local(grad_placements=_grad_placements(operand._spec, output_axes))
@@ -227,9 +383,17 @@ def _output_spec(
     subscripts: list[str],
     mesh,
 ) -> ShardTensorSpec:
-    extents = {c: o.shape[d] for o, s in zip(operands, subscripts) for d, c in enumerate(s)}
+    """Sharded along the letters the output keeps, Partial over the axes of those it sums."""
+    extents: dict[str, int] = {}
+    for o, subscript in zip(operands, subscripts):
+        for d, c in enumerate(subscript):
+            extents[c] = max(extents.get(c, 1), o.shape[d])  # a dim of size 1 broadcasts
     placements: list[Placement] = [Replicate()] * mesh.ndim
     shardings = {}
+    for c, letter in letters.items():
+        if c not in output:
+            for axis in letter.axes:
+                placements[axis] = Partial()
     for position, c in enumerate(output):
         if c in letters:
             for axis in letters[c].axes:

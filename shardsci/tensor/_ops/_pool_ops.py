@@ -11,6 +11,10 @@ completed with more padding cells, so every local window is whole:
 - average pooling pads with zeros and takes window sums; the divisor is torch's, a product
   over the pooled dims of the window's length clipped to the padded input
   (``count_include_pad``) or to the input (without), or ``divisor_override``.
+- integer tensors pool alike where torch's kernel takes their dtype (max pooling pads with
+  the dtype's lowest value; average pooling divides exact integer window sums, truncating as
+  torch does), so an integer field (a label map) keeps its layout too; a dtype torch's
+  kernel refuses raises torch's error on every rank.
 - adaptive pooling of a sharded dim whose extent is a multiple of the output size is a
   pooling with kernel = stride = extent / size; other sharded extents are declined (their
   windows differ in length and overlap). Unsharded pooled dims are pooled adaptively in place.
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._caches import cached
 from shardsci.tensor._halo import pad_locally
 from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
@@ -122,21 +127,57 @@ def _pooling_windows(
     }
 
 
+def _poolable(x: object, kernel: Callable, n: int, with_indices: bool = False) -> bool:
+    """Whether the handler takes ``x``: any ShardTensor. A dtype that torch's local
+    ``kernel`` refuses raises torch's error here, on every rank before any collective (the
+    default path would dispatch torch's op in pieces, some of which take dtypes the op
+    refuses as a whole)."""
+    if not accepts(x):
+        return False
+    if not x.dtype.is_floating_point:
+        refusal = _kernel_refusal(kernel, n, x.dtype, x.device.type, with_indices)
+        if refusal is not None:
+            kind, message = refusal
+            raise kind(message)
+    return True
+
+
+@cached("pooling kernels' dtypes", 256)
+def _kernel_refusal(
+    kernel: Callable, n: int, dtype: torch.dtype, device: str, with_indices: bool
+) -> tuple[type[Exception], str] | None:
+    """The error torch's ``kernel`` raises on ``dtype`` on ``device``, or None: one cell,
+    kernel 1, with indices where the call asks for them (torch max-pools integers in 1-d only
+    then). The same answer on every rank, where a shard would raise only on ranks whose
+    shard is not empty, and a meta tensor not at all."""
+    indices = {"return_indices": True} if with_indices else {}
+    try:
+        kernel(torch.zeros((1, 1) + (1,) * n, dtype=dtype, device=device), 1, **indices)
+    except (RuntimeError, NotImplementedError) as error:
+        return type(error), str(error)
+    return None
+
+
+def _lowest(dtype: torch.dtype) -> float:
+    """The value that never wins a max: ``-inf``, or an integer dtype's minimum."""
+    return float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
 # ---------------------------------------------------------------------------- max
 @register_function_handler(*_MAX, *_MAX_WITH_INDICES)
 def _max_pool(func, args, kwargs):
     a = bind(func, args, kwargs, signature=_SIGNATURES.get(func))
     x = a.input
-    if not accepts(x, floating=True):
+    n = _MAX.get(func) or _MAX_WITH_INDICES.get(func)
+    with_indices = func in _MAX_WITH_INDICES or bool(a.get("return_indices"))
+    if not _poolable(x, _LOCAL_MAX[n], n, with_indices):
         return NotImplemented
     out_shape = _global_output_shape(func, x, args, kwargs)
-    n = _MAX.get(func) or _MAX_WITH_INDICES[func]
     kernel = _per_dim(a.kernel_size, n)
     stride = _stride(a.stride, kernel)
     padding = _per_dim(a.padding, n)
     dilation = _per_dim(a.dilation, n)
     ceil_mode = bool(a.ceil_mode)
-    with_indices = func in _MAX_WITH_INDICES or bool(a.get("return_indices"))
     windows = _pooling_windows(x, n, kernel, stride, dilation, padding, ceil_mode)
     local_max = _LOCAL_MAX[n]
 
@@ -149,7 +190,7 @@ def _max_pool(func, args, kwargs):
         values = extended.flatten(-n).gather(-1, indices.flatten(-n)).view_as(values)
         return (values, indices) if with_indices else values
 
-    return _pool(x, n, windows, out_shape, local_op, float("-inf"), with_indices)
+    return _pool(x, n, windows, out_shape, local_op, _lowest(x.dtype), with_indices)
 
 
 def _first_in_bounds(
@@ -171,10 +212,10 @@ def _first_in_bounds(
 def _avg_pool(func, args, kwargs):
     a = bind(func, args, kwargs)
     x = a.input
-    if not accepts(x, floating=True):
+    n = _AVG[func]
+    if not _poolable(x, _LOCAL_AVG[n], n):
         return NotImplemented
     out_shape = _global_output_shape(func, x, args, kwargs)
-    n = _AVG[func]
     kernel = _per_dim(a.kernel_size, n)
     stride = _stride(a.stride, kernel)
     padding = _per_dim(a.padding, n)
@@ -188,6 +229,12 @@ def _avg_pool(func, args, kwargs):
         volume *= k
 
     def local_op(extended, local_shape, out_ranges):
+        if not extended.is_floating_point():
+            sums = _window_sums(extended, windows)
+            divisors = divisor_override or _divisors(
+                windows, out_ranges, x.shape, count_include_pad, sums
+            )
+            return torch.div(sums, divisors, rounding_mode="trunc")
         means = local_mean(extended, kernel, stride, 0, False, True)
         if divisor_override:
             return means * (volume / divisor_override)
@@ -195,6 +242,14 @@ def _avg_pool(func, args, kwargs):
         return means * (volume / divisors)
 
     return _pool(x, n, windows, out_shape, local_op, 0.0)
+
+
+def _window_sums(extended: torch.Tensor, windows: dict[int, Window]) -> torch.Tensor:
+    """Exact sums over each whole local window (integer tensors: torch's average of
+    integers truncates one exact sum, which a mean times a count would not reproduce)."""
+    for dim, window in windows.items():
+        extended = extended.unfold(dim, window.kernel, window.stride).sum(-1)
+    return extended
 
 
 def _divisors(

@@ -7,19 +7,12 @@ ALL keys, computed block by block with the log-sum-exp of each block's scores: f
 ``out_j = softmax(s_j) v_j`` and ``lse_j = logsumexp(s_j)``, combined as
 ``lse = logaddexp(lse, lse_j)``, ``out = out e^{lse_old - lse} + out_j e^{lse_j - lse}``: the
 online softmax, exact up to rounding. Rows whose every key is masked get output 0, zero
-gradients and ``lse = -inf`` (as torch's math backend). Two ways to meet the blocks, chosen in
-``_attention_ops`` (NOTE [Ring or all-gather]):
-- **ring**: the key/value blocks travel around the group (flat index i sends to i + 1), one
-  block per step while the current one is computed; the backward passes the key/value blocks
-  around once more, with the gradient accumulators of each block travelling behind them and
-  arriving at the block's owner last. Bytes received per rank: forward ``S - S_r`` key/value
-  rows; backward ``S - S_r`` key/value rows plus ``S - S_{r-1}`` gradient rows. Memory: one
-  block at a time.
-- **all-gather**: every rank receives every block at once (``S - S_r`` rows, one exchange) and
-  keeps them for the backward, which returns each block's gradient to its owner in one
-  reduce-scatter (``(N - 1) S_r`` rows received). Memory: all of K and V. (Called as the
-  fused kernel's two aten ops, from inside ``nn.MultiheadAttention``, the backward cannot keep
-  the blocks and gathers them again.)
+gradients and ``lse = -inf`` (as torch's math backend). The key/value blocks travel
+(concatenated, one block per rank) by the ring or the all-gather of ``_ring``, chosen in
+``_attention_ops`` (NOTE [Ring or all-gather]): in the ring's backward, each block's gradient
+accumulator is the sum of every query block's contribution to its keys and values. (Called as
+the fused kernel's two aten ops, from inside ``nn.MultiheadAttention``, the all-gather's
+backward cannot keep the blocks and gathers them again.)
 Scores are computed with plain matmuls in the inputs' dtype, never by a fused kernel, so empty
 blocks (a rank with no queries or no keys) are ordinary zero-size products.
 """
@@ -31,7 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardsci.tensor._collectives import AxisGroup, exchange, start_send_recv
+from shardsci.tensor._collectives import AxisGroup
+from shardsci.tensor._ops._ring import (
+    Blocks,
+    all_gather_blocks,
+    circulate,
+    circulate_gradients,
+    reduce_scatter_blocks,
+)
 
 __all__ = ["AttentionPlan", "attend", "attention_backward", "attention_forward"]
 
@@ -56,7 +56,7 @@ class AttentionPlan:
     kv_repeats : int
         Query heads per key/value head (grouped-query attention), 1 without.
     ring : bool
-        Ring exchange; else all-gather (NOTE [Ring attention]).
+        Ring exchange; else all-gather (NOTE [Ring or all-gather]).
     """
 
     group: AxisGroup | None
@@ -67,6 +67,11 @@ class AttentionPlan:
     causal: bool
     kv_repeats: int
     ring: bool
+
+    @property
+    def blocks(self) -> Blocks:
+        """The key/value blocks ``(*B, H_{kv}, S_j, E + E_v)`` of the group (a plan with one)."""
+        return Blocks(self.group, self.key_sizes, -2)
 
 
 def attend(
@@ -110,7 +115,7 @@ def attention_forward(q, k, v, mask, plan):
     if plan.ring:
         out, lse = _ring_forward(q, k, v, mask, plan)
         return out, lse, None
-    kv = _all_gathered(torch.cat([k, v], dim=-1), plan)
+    kv = all_gather_blocks(torch.cat([k, v], dim=-1), plan.blocks)
     width = k.shape[-1]
     out, lse = _block_forward(q, kv[..., :width], kv[..., width:], mask, plan, 0)
     return out, lse, kv
@@ -129,9 +134,9 @@ def attention_backward(grad_out, q, k, v, mask, plan, out, lse, gathered, mask_g
         return state.grad_q, grad_k, grad_v, state.grad_mask
     width = k.shape[-1]
     if gathered is None:
-        gathered = _all_gathered(torch.cat([k, v], dim=-1), plan)
+        gathered = all_gather_blocks(torch.cat([k, v], dim=-1), plan.blocks)
     grads = state.block(gathered[..., :width], gathered[..., width:], mask, 0)
-    mine = _reduce_scattered(torch.cat([grads.k, grads.v], dim=-1), plan)
+    mine = reduce_scatter_blocks(torch.cat([grads.k, grads.v], dim=-1), plan.blocks)
     return state.grad_q, mine[..., :width], mine[..., width:], grads.mask
 
 
@@ -272,105 +277,22 @@ class _BackwardState:
 
 
 # ---------------------------------------------------------------------------- ring
-class _Shift:
-    """One hop around the ring: send a block to the next rank, receive the previous rank's.
-
-    Empty blocks travel as no message: both sides know every block's shape."""
-
-    def __init__(self, group: AxisGroup, block: torch.Tensor, incoming: tuple[int, ...]):
-        me, n = group.index, group.size
-        self.incoming = incoming
-        self.like = block
-        sends = [((me + 1) % n, block)] if block.numel() else []
-        receives = [((me - 1) % n, incoming)] if math.prod(incoming) else []
-        self.pending = start_send_recv(
-            group, sends, receives, dtype=block.dtype, device=block.device, kind="p2p"
-        )
-
-    def wait(self) -> torch.Tensor:
-        received = self.pending.wait()
-        if received:
-            return received[0]
-        return self.like.new_zeros(self.incoming)
-
-
-def _with_keys(local: torch.Tensor, size: int) -> tuple[int, ...]:
-    """Shape of a ``(*B, H, S_j, C)`` block of ``size`` keys, like ``local``."""
-    return (*local.shape[:-2], size, local.shape[-1])
-
-
 def _ring_forward(q, k, v, mask, plan):
-    group = plan.group
-    me, n = group.index, group.size
     width = k.shape[-1]
-    kv = torch.cat([k, v], dim=-1)
     out = lse = None
-    for step in range(n):
-        owner = (me - step) % n
-        hop = None
-        if step < n - 1:
-            hop = _Shift(group, kv, _with_keys(kv, plan.key_sizes[(owner - 1) % n]))
+    for owner, kv in circulate(torch.cat([k, v], dim=-1), plan.blocks):
         start, size = plan.key_starts[owner], plan.key_sizes[owner]
         block_mask = _mask_block(mask, start, size)
         block = _block_forward(q, kv[..., :width], kv[..., width:], block_mask, plan, start)
         out, lse = _combine(out, lse, *block)
-        if hop is not None:
-            kv = hop.wait()
     return out, lse
 
 
 def _ring_backward(state: _BackwardState, k, v):
-    """The other ranks' blocks first, in ring order, each block's gradient accumulator one hop
-    behind it; this rank's own block last, when its accumulator has come home."""
-    plan = state.plan
-    group = plan.group
-    me, n = group.index, group.size
     width = k.shape[-1]
-    own = torch.cat([k, v], dim=-1)
-    kv = _Shift(group, own, _with_keys(own, plan.key_sizes[(me - 1) % n])).wait()
-    accumulated = None
-    for step in range(1, n):
-        owner = (me - step) % n
-        hop = None
-        if step < n - 1:
-            hop = _Shift(group, kv, _with_keys(kv, plan.key_sizes[(owner - 1) % n]))
-        grads = state.ring_block(owner, kv, width)
-        if accumulated is not None:
-            grads = grads + accumulated
-        # To the next rank, which meets block ``owner`` next, or owns it after the last step;
-        # from the previous rank, the accumulator of the block this rank meets next.
-        incoming = _with_keys(grads, plan.key_sizes[(owner - 1) % n])
-        accumulated = _Shift(group, grads, incoming).wait()
-        if hop is not None:
-            kv = hop.wait()
-    grads = state.ring_block(me, own, width) + accumulated
+    grads = circulate_gradients(
+        torch.cat([k, v], dim=-1),
+        state.plan.blocks,
+        lambda owner, kv: state.ring_block(owner, kv, width),
+    )
     return grads[..., :width], grads[..., width:]
-
-
-# ---------------------------------------------------------------------------- all-gather
-def _all_gathered(block: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    group = plan.group
-    pieces = [block] * group.size
-    received = exchange(
-        group,
-        pieces,
-        lambda src, dst: _with_keys(block, plan.key_sizes[src]),
-        dtype=block.dtype,
-        device=block.device,
-        kind="all_gather",
-    )
-    return torch.cat(received, dim=-2)
-
-
-def _reduce_scattered(grads: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    group = plan.group
-    pieces = [grads.narrow(-2, s, n) for s, n in zip(plan.key_starts, plan.key_sizes)]
-    received = exchange(
-        group,
-        pieces,
-        lambda src, dst: _with_keys(grads, plan.key_sizes[dst]),
-        dtype=grads.dtype,
-        device=grads.device,
-        kind="reduce_scatter",
-    )
-    return sum(received[1:], received[0])

@@ -11,9 +11,14 @@ the view is decomposed into groups of input dims that become groups of output di
   how flattening H and W of a 2-D block decomposition works;
 - split (one dim into several): the outermost output dim is sharded, sizes divided by the
   product of the inner output dims; shard boundaries that do not fall on multiples of that
-  product are first moved to the nearest ones;
+  product are first moved to the nearest ones. A split that undoes a flatten returns to the
+  layout the flatten came from (NOTE [An unflatten returns to the layout before the
+  flatten]);
 - anything else (a flatten then split that mixes dims): the axes involved are replicated
   first, so the result is right, if not cheap.
+
+``unbind`` and ``stack`` remove / insert a dim: local unbinds and stacks (a sharded dim is
+unbound after an all-gather), the layout and its memory renumbered.
 
 ``view_as_real`` / ``view_as_complex`` add / drop a trailing dim of 2 (real, imaginary) and
 keep every sharding of the other dims: local views, no communication (DTensor gathers a
@@ -34,7 +39,7 @@ from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._ops._common import accepts, with_dims_whole
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes, merged_hints
 from shardsci.tensor._torch_compat import (
     Flatten,
     InputDim,
@@ -66,8 +71,12 @@ def _view(func, args, kwargs):
     local = x._local
     if not needed.same_layout(spec):
         local = redistribute_local(local, spec, needed)
-    out_spec = _output_spec(needed, groups, out_shape)
+    out_spec = _output_spec(needed, groups, out_shape, _carried_hints(spec, groups))
     local_shape = list(out_spec.local_shape())
+    restored = _unflattened(spec, groups, out_spec)
+    if restored is not None:
+        local = redistribute_local(local.reshape(local_shape), out_spec, restored)
+        return ShardTensor(local, restored)
     if func is aten.view.default and local is x._local:
         # A view the spec's (global) strides allow can still be impossible on the local shard,
         # whose memory layout may differ (a transposed gradient): then the shard is copied.
@@ -193,7 +202,10 @@ def _on_multiples(sizes: tuple[int, ...], step: int) -> tuple[int, ...]:
 
 
 def _output_spec(
-    spec: ShardTensorSpec, groups: list[Group], out_shape: tuple[int, ...]
+    spec: ShardTensorSpec,
+    groups: list[Group],
+    out_shape: tuple[int, ...],
+    hints: tuple[DimSharding, ...],
 ) -> ShardTensorSpec:
     placements = list(spec.placements)
     sizes: dict[int, tuple[int, ...]] = {}
@@ -209,7 +221,115 @@ def _output_spec(
         order[head] = sharding.axes
         for a in sharding.axes:
             placements[a] = Shard(head)
-    return ShardTensorSpec.build(spec.mesh, placements, out_shape, spec.dtype, sizes, order=order)
+    return ShardTensorSpec.build(
+        spec.mesh, placements, out_shape, spec.dtype, sizes, order=order, hints=hints
+    )
+
+
+def _carried_hints(spec: ShardTensorSpec, groups: list[Group]) -> tuple[DimSharding, ...]:
+    """The input's hints and shardings, each renumbered to the first output dim of its group
+    (NOTE [Shard-size hints]); those of dims in no group are dropped."""
+    first_out = {d: out_dims[0] for in_dims, out_dims in groups for d in in_dims}
+    return tuple(
+        DimSharding(first_out[h.dim], h.axes, h.sizes)
+        for h in merged_hints(spec.hints, spec.shardings)
+        if h.dim in first_out
+    )
+
+
+# NOTE [An unflatten returns to the layout before the flatten]
+# Code written for one device flattens the spatial dims to apply a per-position op and
+# unflattens them again: ``x.reshape(B, C, -1)``, a 1x1 ``conv1d``, ``y.reshape(B, C, H, W)``
+# (neuraloperator's channel MLP), or ``x.view(B, C, H * W).transpose(1, 2)`` around attention
+# (diffusers). Flattening an H x W block decomposition moves W's mesh axes onto H (the flatten
+# rule above); splitting the flat dim again would leave H sharded over all those axes, slabs
+# instead of the input's blocks. So a split of a sharded dim first asks which layouts of its
+# output dims the flatten rule maps onto the dim's layout, as an inverse FFT does (NOTE [Where
+# a distributed FFT leaves the spectrum]): the outermost output dim keeps a prefix of the mesh
+# axes, each further output dim takes the next axes, and every output dim given axes must be
+# remembered with them at its extent (NOTE [Shard-size hints]: the flatten passed the input's
+# shardings on), the outermost one with the very sizes whose flatten gives the dim's. The
+# first such layout, the outermost dim keeping the most axes, is restored, one all-to-all
+# that undoes the flatten's; without one the split keeps every axis on the outermost dim (no
+# communication). So the module returns its input's layout (NOTE [Which rank owns an output
+# of a windowed op] in ``_windows``) at the cost of one all-to-all each way.
+def _unflattened(
+    source: ShardTensorSpec, groups: list[Group], out_spec: ShardTensorSpec
+) -> ShardTensorSpec | None:
+    """The layout before the flatten that ``source``'s split dims came from (NOTE above), or
+    None when no split restores one."""
+    placements = list(out_spec.placements)
+    sizes = {s.dim: s.sizes for s in out_spec.shardings}
+    order = {s.dim: s.axes for s in out_spec.shardings}
+    restored = False
+    for in_dims, out_dims in groups:
+        sharding = source.sharding_by_dim.get(in_dims[0])
+        if len(in_dims) != 1 or len(out_dims) < 2 or sharding is None:
+            continue
+        extents = [out_spec.shape[d] for d in out_dims]
+        layout = _flattened_from(sharding, extents, out_spec.mesh_shape, out_spec.hints)
+        if layout is None:
+            continue
+        restored = True
+        del sizes[out_dims[0]], order[out_dims[0]]
+        for dim, (axes, dim_sizes) in zip(out_dims, layout):
+            if axes:
+                sizes[dim], order[dim] = dim_sizes, axes
+                for axis in axes:
+                    placements[axis] = Shard(dim)
+    if not restored:
+        return None
+    return ShardTensorSpec.build(
+        out_spec.mesh,
+        placements,
+        out_spec.shape,
+        out_spec.dtype,
+        sizes,
+        order=order,
+        hints=out_spec.hints,
+    )
+
+
+def _flattened_from(
+    sharding: DimSharding,
+    extents: list[int],
+    mesh_shape: tuple[int, ...],
+    hints: tuple[DimSharding, ...],
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """(axes, sizes) per output dim of a layout whose flatten gives ``sharding``, remembered
+    in ``hints``, the outermost dim keeping the most axes; None if there is none besides
+    ``sharding`` on the outermost dim."""
+    axes, inner = sharding.axes, math.prod(extents[1:])
+    for cut in _cuts(len(axes), len(extents)):
+        parts = [axes[a:b] for a, b in itertools.pairwise(cut)]
+        layout = [(part, _remembered(hints, part, extent)) for part, extent in zip(parts, extents)]
+        if any(part and dim_sizes is None for part, dim_sizes in layout):
+            continue
+        head = layout[0][1] or (extents[0],)
+        count = math.prod(mesh_shape[a] for a in axes[len(parts[0]) :])
+        if tuple(x * inner for s in head for x in chunk_sizes(s, count)) == sharding.sizes:
+            return layout
+    return None
+
+
+def _cuts(count: int, parts: int) -> list[tuple[int, ...]]:
+    """Ways to cut ``count`` axes into ``parts`` consecutive runs (boundaries, 0 to count),
+    the first run longest first, not all in the first run."""
+    inner = itertools.combinations_with_replacement(range(count + 1), parts - 1)
+    cuts = [(0, *c, count) for c in inner if c[0] < count]
+    return sorted(cuts, key=lambda c: [-b for b in c])
+
+
+def _remembered(
+    hints: tuple[DimSharding, ...], axes: tuple[int, ...], extent: int
+) -> tuple[int, ...] | None:
+    """The newest sizes remembered for ``axes`` at ``extent``, whatever the dim."""
+    if not axes:
+        return ()
+    for hint in reversed(hints):
+        if hint.axes == axes and hint.extent == extent:
+            return hint.sizes
+    return None
 
 
 @register_aten_handler(aten.squeeze, aten.squeeze_copy)
@@ -256,13 +376,76 @@ def _expand(func, args, kwargs):
 @register_aten_handler(aten.unbind.int)
 def _unbind(func, args, kwargs):
     """Along a sharded dim each slice lives on one rank: the dim is replicated first (one
-    all-gather), which DTensor refuses to do."""
+    all-gather), which DTensor refuses to do. The pieces' layout and memory are renumbered
+    past the removed dim (NOTE [Shard-size hints]; the default rule keeps the old numbers)."""
     a = bind(func, args, kwargs)
     x = a.self
-    dim = a.dim % max(x.ndim, 1)
-    if not accepts(x, sharded=[dim], partial=True):
+    if not accepts(x, partial=True) or x.ndim == 0:
         return NotImplemented
-    return func(with_dims_whole(x, {dim}), dim)
+    dim = a.dim % x.ndim
+    x = with_dims_whole(x, {dim})
+    spec = x._spec
+    kept = [d for d in range(spec.ndim) if d != dim]
+    out_spec = _renumbered(
+        spec,
+        {d: k for k, d in enumerate(kept)},
+        [spec.shape[d] for d in kept],
+        stride=[spec.stride[d] for d in kept],
+    )
+    return tuple(ShardTensor(piece, out_spec) for piece in x._local.unbind(dim))
+
+
+@register_aten_handler(aten.stack.default)
+def _stack(func, args, kwargs):
+    """Tensors of one layout stacked along a new dim: local stacks, the layout and every
+    operand's memory renumbered past the new dim (the default rule keeps the old numbers)."""
+    a = bind(func, args, kwargs)
+    tensors = list(a.tensors)
+    first = tensors[0] if tensors else None
+    if not isinstance(first, ShardTensor) or not all(
+        isinstance(t, ShardTensor) and t._spec.same_layout(first._spec) for t in tensors
+    ):
+        return NotImplemented
+    spec = first._spec
+    dim = a.dim % (spec.ndim + 1)
+    shape = list(spec.shape)
+    shape.insert(dim, len(tensors))
+    local = torch.stack([t._local for t in tensors], dim)
+    out_spec = _renumbered(
+        spec,
+        {d: d + (d >= dim) for d in range(spec.ndim)},
+        shape,
+        hints=merged_hints(*(t._spec.hints for t in tensors)),
+    )
+    return ShardTensor(local, out_spec.with_dtype(local.dtype))
+
+
+def _renumbered(
+    spec: ShardTensorSpec,
+    new_dim: dict[int, int],
+    shape: list[int],
+    *,
+    stride: list[int] | None = None,
+    hints: tuple[DimSharding, ...] | None = None,
+) -> ShardTensorSpec:
+    """``spec`` with dim ``d`` now called ``new_dim[d]`` in a tensor of ``shape``: placements,
+    sizes, axis order and hints (``spec``'s or ``hints``); a hint of a dim not in ``new_dim``
+    is dropped. Every sharded dim must be in ``new_dim``."""
+    placements = [Shard(new_dim[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        shape,
+        spec.dtype,
+        {new_dim[s.dim]: s.sizes for s in spec.shardings},
+        stride=stride,
+        order={new_dim[s.dim]: s.axes for s in spec.shardings},
+        hints=tuple(
+            DimSharding(new_dim[h.dim], h.axes, h.sizes)
+            for h in (spec.hints if hints is None else hints)
+            if h.dim in new_dim
+        ),
+    )
 
 
 @register_aten_handler(aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default)

@@ -1,5 +1,21 @@
 """Sliding-window ops along sharded dims: who owns which output, which input it needs.
 
+# NOTE [Outputs keep their input's layout]
+An op or module whose output has its input's spatial dims returns the input's placements and
+shard sizes, unless the user redistributes: pointwise ops, 'same' convolutions and pads
+(``_conv_ops``; a crop by negative pads is a slice), views that flatten and unflatten again
+(``_view_ops``: an unflatten returns to the layout remembered before the flatten), products
+whose operands remember different layouts (the dispatch fast path merges their memory,
+NOTE [Shard-size hints] in ``_spec``), FFT round trips (``_fft_ops``). A resampling op (pixel
+shuffle and unshuffle, interpolation, a strided or transposed convolution, pooling of any
+dtype torch pools) keeps the placements, with the sizes that the window rule below gives.
+Where an operand other than the field is sharded (a bias over its channels), that operand is
+made whole, a few numbers, never the field. Ops no handler takes follow DTensor's rules
+(``_propagation``), which may still replicate.
+Checked by ``tests/test_layouts_kept.py``, ``tests/test_layout_memory.py`` and every op test
+that states ``out_layouts`` (NOTE [An output's layout is stated] in
+``shardsci/testing/_reference.py``).
+
 # NOTE [Which rank owns an output of a windowed op]
 Output ``j`` of a window with kernel ``k``, stride ``s``, dilation ``d`` and left padding
 ``p`` reads input cells ``j s - p + m d`` for ``m < k``. It is owned by the rank whose input
@@ -30,6 +46,7 @@ from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, me
 
 __all__ = [
     "Halo",
+    "Subdivide",
     "TransposedWindow",
     "Window",
     "gather_windows",
@@ -131,7 +148,27 @@ class TransposedWindow:
         return max(lo, 0), max(min(hi, extent), max(lo, 0))
 
 
-WindowLike = Window | TransposedWindow
+@dataclass(frozen=True)
+class Subdivide:
+    """One dim of an op that splits each input cell into ``factor`` output cells: output ``i``
+    is made from input ``i // factor`` alone (pixel shuffle's H and W, pixel unshuffle's
+    channels). Each rank's outputs are its own cells' by default: no cell moves."""
+
+    factor: int
+
+    def output_extent(self, extent: int) -> int:
+        return extent * self.factor
+
+    def first_owned(self, position: int) -> int:
+        return position * self.factor
+
+    def input_range(self, first: int, stop: int, extent: int) -> tuple[int, int]:
+        if stop <= first:
+            return (0, 0)
+        return first // self.factor, (stop - 1) // self.factor + 1
+
+
+WindowLike = Window | TransposedWindow | Subdivide
 
 
 def owned_sizes(

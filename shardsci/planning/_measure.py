@@ -1,16 +1,12 @@
 """One training step, watched: its collectives, layers, redistributions and memory.
 
-# NOTE [The dry run runs the trainer's step]
-``training_step`` does what ``Trainer._optimiser_step`` does to tensors (batch, forward under
-autocast, the loss as a plain scalar, zero_grad, backward, gradient clipping, optimiser step)
-without the trainer's bookkeeping (scheduler, logging, the skip of a non-finite loss, the
-all-reduce that agrees on the mean loss and on stop signals), which moves no field data (that
-all-reduce of a few scalars is torch's collective, not in ``comm_counter``). The model it steps is parallelised as the trainer's
-(``parallelize``): its gradient reducer issues the step's ``grad_all_reduce`` buckets.
-``measure_step`` watches any step function the same way, so
-``tests/test_dry_run.py`` measures ``Trainer._optimiser_step`` itself on real ranks and
-compares it with the dry run's prediction: a change to one step that is not made to the
-other fails that test.
+``measure_step`` watches any step function; the dry run watches ``training_step``, the
+``Trainer``'s own step (NOTE [One training step]) on a simulated rank, and
+``tests/test_dry_run.py`` watches ``Trainer._optimiser_step`` on real ranks and compares the two.
+The model stepped is parallelised as the trainer's (``parallelize``): its gradient reducer issues
+the step's ``grad_all_reduce`` buckets. The trainer's all-reduce of a few scalars that agrees on
+the mean loss and on stop signals is torch's collective, not in ``comm_counter``, and moves no
+field data.
 """
 
 from __future__ import annotations
@@ -27,34 +23,9 @@ from shardsci.planning._memory import Category, LiveMemory
 from shardsci.planning._observe import StepObserver
 from shardsci.tensor import CommStats, ShardTensor, ShardTensorSpec, comm_counter
 from shardsci.tensor._torch_compat import tree_leaves
-from shardsci.training import Task, TrainConfig, autocast
+from shardsci.training import Task
 
-__all__ = ["StepFailed", "StepMeasurement", "measure_step", "steady_state", "training_step"]
-
-
-def training_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    task: Task,
-    step: int,
-    config: TrainConfig,
-    device_type: str,
-) -> torch.Tensor:
-    """The tensor work of one ``Trainer`` step (NOTE [The dry run runs the trainer's step])."""
-    batch = task.batch(step)
-    with autocast(config.precision, torch.device(device_type)):
-        terms = task.losses(model, batch)
-    loss = sum(_whole(term).float() for term in terms.values())
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if config.grad_clip:
-        nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-    optimizer.step()
-    return loss
-
-
-def _whole(term: torch.Tensor) -> torch.Tensor:
-    return term.full_tensor() if isinstance(term, ShardTensor) else term
+__all__ = ["StepFailed", "StepMeasurement", "measure_step", "steady_state"]
 
 
 def steady_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -1,12 +1,9 @@
-"""The CFD recipe's run: learn the next vorticity field of 2-D Navier-Stokes, domain-parallel.
+"""The CFD recipe's task: predict the vorticity one record interval ahead, domain-parallel.
 
-Every rank runs ``run(cfg)``. The mesh (``cfg.mesh``) puts data parallelism on one axis and
-splits the fields' H (and W) over the others: each rank reads only its slab of every sample
-from HDF5 and the model (``cfg.model``, a plain module of ``models/``) runs on ShardTensors.
-``shardsci.training.Trainer`` runs the loop; this file says what a batch, the loss and an
-evaluation are: the held-out one-step relative L2 error beside the persistence baseline
-(predicting no change), a rollout, and a PNG of a held-out rollout: prediction, truth, error
-and the error at every step.
+``shardsci.training`` runs it (``train_recipe``: the mesh, the model ``cfg.model``, the loop);
+this file says what a batch, the loss and an evaluation are: the held-out one-step relative L2
+error beside the persistence baseline (predicting no change), a rollout, and a PNG of a held-out
+rollout: prediction, truth, error and the error at every step.
 """
 
 from __future__ import annotations
@@ -19,32 +16,40 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from shardsci import ShardTensor
-from shardsci.recipes.cfd.data import CFDData
-from shardsci.recipes.cfd.evaluate import relative_l2, rollout
+from shardsci.recipes.cfd.data import random_vorticity, vorticity
 from shardsci.recipes.cfd.plots import save_rollout
-from shardsci.training import RunContext, Trainer, dp_sample_mean, instantiate, start_run
+from shardsci.training import (
+    NextStepFields,
+    RandomFields,
+    RunContext,
+    describe_forecast,
+    dp_sample_mean,
+    relative_l2,
+    rollout,
+    whole_tensor,
+)
 
-__all__ = ["run"]
+__all__ = ["NextStep", "next_step", "random_next_step"]
 
 FIELD = "vorticity"
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    """Train on this rank's part of the mesh; returns the final metrics (on every rank)."""
-    with start_run(cfg) as context:
-        data = CFDData(cfg.data, context.layout, cfg.train, cfg.eval.samples, context.device)
-        model = instantiate(cfg.model).to(context.device)
-        task = NextStep(data, context, cfg.eval.rollout_steps)
-        return Trainer(context, cfg, model, task).fit()
+def next_step(cfg: DictConfig, run: RunContext) -> NextStep:
+    """The task on this rank's part of the data (``Recipe.task``)."""
+    return NextStep(vorticity(cfg, run), run, cfg.eval.rollout_steps)
+
+
+def random_next_step(cfg: DictConfig, run: RunContext) -> NextStep:
+    """The task on random fields of the data's shapes and layouts (``Recipe.dry_run_task``)."""
+    return NextStep(random_vorticity(cfg, run), run, cfg.eval.rollout_steps)
 
 
 class NextStep:
     """The task: predict the vorticity one record interval ahead (see ``Task``)."""
 
-    def __init__(self, data: CFDData, context: RunContext, rollout_steps: int):
+    def __init__(self, data: NextStepFields | RandomFields, run: RunContext, rollout_steps: int):
         self.data = data
-        self.context = context
+        self.run = run
         self.rollout_steps = rollout_steps
         self.cells_per_sample = data.cells_per_sample
 
@@ -58,7 +63,7 @@ class NextStep:
         return {FIELD: F.mse_loss(model(inputs).float(), targets)}
 
     def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
-        data, layout = self.data, self.context.layout
+        data, parallelism = self.data, self.run.parallelism
         inputs, targets = data.eval_batch()
         errors = relative_l2(data.denormalize(model(inputs)), data.denormalize(targets))
         persistence = relative_l2(data.denormalize(inputs), data.denormalize(targets))
@@ -66,25 +71,21 @@ class NextStep:
         states = rollout(model, start, len(truths))
         physical = [(data.denormalize(s), data.denormalize(t)) for s, t in zip(states, truths)]
         rollout_errors = [relative_l2(s, t) for s, t in physical]
-        rollout_mean = [dp_sample_mean(e, layout) for e in rollout_errors]
+        rollout_mean = [dp_sample_mean(e, parallelism) for e in rollout_errors]
         held_still = [
-            dp_sample_mean(relative_l2(data.denormalize(start), t), layout) for _, t in physical
+            dp_sample_mean(relative_l2(data.denormalize(start), t), parallelism)
+            for _, t in physical
         ]
         self._plot(physical, rollout_errors, rollout_mean, held_still, step)
         return {
-            "eval_relative_l2": dp_sample_mean(errors, layout),
-            "persistence_relative_l2": dp_sample_mean(persistence, layout),
+            "eval_relative_l2": dp_sample_mean(errors, parallelism),
+            "persistence_relative_l2": dp_sample_mean(persistence, parallelism),
             **{f"rollout_relative_l2_step{k + 1}": e for k, e in enumerate(rollout_mean)},
             f"persistence_rollout_relative_l2_step{len(truths)}": held_still[-1],
         }
 
     def describe(self, metrics: Mapping[str, Any]) -> str:
-        rollout = [v for k, v in metrics.items() if k.startswith("rollout")]
-        return (
-            f"step {metrics['step']}: held-out relative L2 {metrics['eval_relative_l2']:.4f} "
-            f"(persistence {metrics['persistence_relative_l2']:.4f}), "
-            f"rollout {' '.join(f'{v:.3f}' for v in rollout)}"
-        )
+        return describe_forecast(metrics)
 
     def _plot(
         self,
@@ -95,15 +96,13 @@ class NextStep:
         step: int,
     ) -> None:
         """The rollout of the first held-out trajectory (this run's first PNG shows it)."""
-        fields = [(s[:1, 0], t[:1, 0]) for s, t in physical]
-        if fields and isinstance(fields[0][0], ShardTensor):
-            fields = [(s.full_tensor(), t.full_tensor()) for s, t in fields]
-        if not self.context.leader or not fields:
+        fields = [(whole_tensor(s[:1, 0]), whole_tensor(t[:1, 0])) for s, t in physical]
+        if not self.run.leader or not fields:
             return
         steps = len(fields)
         sample = [float(e[0]) for e in rollout_errors]
         save_rollout(
-            self.context.run_dir / f"eval_step{step:06d}.png",
+            self.run.run_dir / f"eval_step{step:06d}.png",
             torch.cat([s for s, _ in fields]),
             torch.cat([t for _, t in fields]),
             {

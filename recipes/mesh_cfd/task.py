@@ -1,0 +1,98 @@
+"""The mesh CFD recipe's task: predict the velocity of flow past cylinders one record ahead,
+on a triangle mesh whose graph is split over the DeviceMesh's domain axis.
+
+``shardsci.training`` runs it (``train_recipe``: the DeviceMesh, the model ``cfg.model``, the
+loop); this file says what a batch, the loss and an evaluation are: the held-out one-step
+relative L2 error of the velocity beside the persistence baseline (predicting no change), a
+rollout, and a PNG of the predicted cross-stream velocity drawn on the triangle mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from shardsci.recipes.mesh_cfd.data import SAMPLE_DIM, Batch, MeshData
+from shardsci.recipes.mesh_cfd.plots import save_mesh_comparison
+from shardsci.training import (
+    RunContext,
+    describe_forecast,
+    dp_sample_mean,
+    relative_l2,
+    rollout,
+)
+
+__all__ = ["NextVelocity", "next_velocity"]
+
+
+def next_velocity(cfg: DictConfig, run: RunContext) -> NextVelocity:
+    """The task on this rank's part of the graph (``Recipe.task``)."""
+    return NextVelocity(MeshData(cfg, run), run, cfg.eval.samples, cfg.eval.rollout_steps)
+
+
+class NextVelocity:
+    """The task: predict the velocity one record interval ahead (see ``Task``)."""
+
+    def __init__(self, data: MeshData, run: RunContext, samples: int, rollout_steps: int):
+        self.data = data
+        self.run = run
+        self.samples = samples
+        self.rollout_steps = rollout_steps
+        self.cells_per_sample = data.cells_per_sample
+
+    def batch(self, step: int) -> Batch:
+        return self.data.train_batch(step)
+
+    def losses(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        inputs, change = batch
+        return {"velocity": F.mse_loss(model(*inputs).float(), change)}
+
+    def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
+        data, parallelism = self.data, self.run.parallelism
+
+        def advance(velocity: torch.Tensor) -> torch.Tensor:
+            return data.advanced(velocity, model(*data.inputs(velocity)))
+
+        now, after = data.velocities(data.held_out.pairs(self.samples), 1)
+        prediction = advance(now)
+        errors = relative_l2(prediction, after, SAMPLE_DIM)
+        persistence = relative_l2(now, after, SAMPLE_DIM)
+        truths = data.velocities(
+            data.held_out.rollout_starts(self.rollout_steps), self.rollout_steps
+        )
+        states = rollout(advance, truths[0], self.rollout_steps)
+        self._plot(prediction, after, step, float(errors[0]) if errors.numel() else float("nan"))
+        return {
+            "eval_relative_l2": dp_sample_mean(errors, parallelism),
+            "persistence_relative_l2": dp_sample_mean(persistence, parallelism),
+            **{
+                f"rollout_relative_l2_step{k + 1}": dp_sample_mean(
+                    relative_l2(state, truth, SAMPLE_DIM), parallelism
+                )
+                for k, (state, truth) in enumerate(zip(states, truths[1:]))
+            },
+        }
+
+    def describe(self, metrics: Mapping[str, Any]) -> str:
+        return describe_forecast(metrics)
+
+    def _plot(self, prediction: torch.Tensor, truth: torch.Tensor, step: int, error: float) -> None:
+        """The cross-stream velocity v of this replica's first held-out sample."""
+        if prediction.shape[SAMPLE_DIM] == 0:
+            return
+        predicted_v = self.data.in_original_order(prediction[:, 0, 1])
+        true_v = self.data.in_original_order(truth[:, 0, 1])
+        if self.run.leader:
+            save_mesh_comparison(
+                self.run.run_dir / f"eval_step{step:06d}.png",
+                self.data.positions,
+                self.data.triangles,
+                predicted_v,
+                true_v,
+                f"step {step}: held-out cross-stream velocity v, relative L2 of (u, v) {error:.3g}",
+            )

@@ -1,0 +1,170 @@
+"""Every benchmark runs at a tiny size: its records are JSON lines ending with a ``summary``, and
+under ``--check`` a missed goal exits with status 1 (NOTE [A benchmark's goals and --check]).
+
+Each runs in this process on the suite's rank pools (their shutdown at the benchmark's end is
+switched off), with a goal made unreachable by patching what the benchmark compares with (a
+threshold or a lower bound, read in this process only); a benchmark without goals must exit
+0 under ``--check``. The figures of such tiny runs mean nothing. A real run of the CFD recipe
+(``recipe_throughput``), the compiled steps (``compile``) and eight 3-D solver ranks
+(``ns3d_generation``) cost more than the rest together: those three are ``slow``;
+``recipe_throughput``'s goals are also checked here on stubbed runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from benchmarks import _common
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """A tiny run of ``benchmarks.<module>``: its arguments (as typed in a shell), what to patch
+    on the module (or on another benchmark module, ``"module:name"``) to miss a goal, and the
+    goals it then misses (statements' beginnings; none for a benchmark without goals)."""
+
+    arguments: str
+    patches: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    missed: tuple[str, ...] = ()
+
+
+def _one_byte_more(bound: Callable) -> Callable:
+    """``bound`` with one byte more to receive on every rank: no run meets it."""
+
+    def more(*args: Any) -> Any:
+        sent, received = bound(*args)
+        return sent, [n + 1 for n in received]
+
+    return more
+
+
+def _one_halo_byte_more(bound: Callable) -> Callable:
+    def more(*args: Any) -> dict[str, list[int]]:
+        bounds = bound(*args)
+        return {**bounds, "received": [n + 1 for n in bounds["received"]]}
+
+    return more
+
+
+SMOKES = {
+    "dispatch_overhead": Smoke(
+        "--rounds 3 --warmup 1",
+        {"GOAL_RATIO": lambda _: 0.0},
+        ("ShardTensor pointwise op time",),
+    ),
+    "communication_volume": Smoke(
+        r"--cases '^Shard\(2\)->Shard\(3\)$|round trip'",
+        {"redistribution_bound": _one_byte_more},
+        ("every case at the byte lower bound",),
+    ),
+    "halo_and_conv": Smoke(
+        "--shrink 16 --rounds 1",
+        {
+            "halo_bytes:lower_bounds": _one_halo_byte_more,
+            # At 16 rows a 3x3 convolution's halo rows are an eighth of a rank's input.
+            "activation_memory:GOAL_RATIO": lambda _: 10.0,
+        },
+        ("every halo exchange correct and at the byte lower bound",),
+    ),
+    "model_step": Smoke(
+        "--sizes 32 --rounds 1 --steps 1",
+        {"GOALS": lambda _: {0: (1e9, 0.0)}},
+        ("unet 32²: 2 ranks at least", "unet 32²: ShardTensor on 1 rank at most"),
+    ),
+    "large_field": Smoke(
+        "--size 32 --ranks 2",
+        {"AGREEMENT": lambda _: -1.0},
+        ("2 ranks agree with 1 rank",),
+    ),
+    "scaling_model": Smoke("--tile 8"),
+    "graph_halo": Smoke(
+        "--spacing 0.1 --steps 1 --warmup 0 --worlds 1 2",
+        {"lower_bound_bytes": lambda bound: lambda nodes: bound(nodes) + 1},
+        ("halo bytes per layer at the lower bound",),
+    ),
+    "first_call": Smoke(
+        "--limit 1 --rounds 1 --warm 1",
+        {"GOAL_MS": lambda _: -1.0},
+        ("no op plans for more than",),
+    ),
+}
+SLOW_SMOKES = {
+    "ns3d_generation": Smoke(
+        "--sizes 16 --steps 2 --layout slab",
+        {"AGREEMENT": lambda _: -1.0},
+        ("16³: 8 ranks agree with 1",),
+    ),
+    "compile": Smoke("--models unet --worlds 1 2 --rounds 1 --size 32 --backend eager"),
+    "recipe_throughput": Smoke(
+        "--meshes 1 1x2 --rounds 1 --steps 2 --resolution 32 --batch 2",
+        {"GOALS": lambda _: {"1x2": 1e9}},
+        ("mesh 1x2 at least",),
+    ),
+}
+
+
+def _patch(monkeypatch: pytest.MonkeyPatch, module: Any, patches: dict) -> None:
+    for target, change in patches.items():
+        owner, name = target.split(":") if ":" in target else (None, target)
+        where = importlib.import_module(f"benchmarks.{owner}") if owner else module
+        monkeypatch.setattr(where, name, change(getattr(where, name)))
+
+
+def _run(name: str, smoke: Smoke, monkeypatch, capsys) -> list[dict]:
+    """Run the smoke with ``--check``; its records. Asserts the exit status and the goals."""
+    monkeypatch.setattr(_common, "shutdown_pools", lambda: None)  # keep the suite's pools
+    module = importlib.import_module(f"benchmarks.{name}")
+    _patch(monkeypatch, module, smoke.patches)
+    argv = [*shlex.split(smoke.arguments), "--check"]
+    if smoke.missed:
+        with pytest.raises(SystemExit) as exit_status:
+            module.main(argv)
+        assert exit_status.value.code == 1
+    else:
+        module.main(argv)
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    summary = records[-1]
+    assert summary["record"] == "summary", summary
+    missed = [goal["goal"] for goal in summary["goals"] if not goal["met"]]
+    assert summary["goals_met"] == (not missed)
+    assert len(missed) == len(smoke.missed), missed
+    for statement, beginning in zip(missed, smoke.missed):
+        assert statement.startswith(beginning), missed
+        assert statement in err
+    return records
+
+
+@pytest.mark.parametrize("name", list(SMOKES))
+def test_benchmark_runs_tiny_and_check_fails_on_a_missed_goal(name, monkeypatch, capsys):
+    records = _run(name, SMOKES[name], monkeypatch, capsys)
+    assert len(records) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_SMOKES))
+def test_slow_benchmark_runs_tiny(name, monkeypatch, capsys):
+    records = _run(name, SLOW_SMOKES[name], monkeypatch, capsys)
+    assert len(records) > 1
+
+
+def test_recipe_throughput_goals_on_stubbed_runs(monkeypatch, capsys):
+    """mesh 1x2 at half mesh 1's steps per second misses issue 7's 0.7x (its real runs are
+    in the slow test)."""
+    from benchmarks import recipe_throughput
+
+    rates = {"1": 2.0, "1x2": 1.0, "4x2": 1.0}
+    monkeypatch.setattr(
+        recipe_throughput, "steps_per_second", lambda mesh, run_dir, args: rates[mesh]
+    )
+    smoke = Smoke("--meshes 1 1x2 4x2 --rounds 2", {}, ("mesh 1x2 at least",))
+    records = _run("recipe_throughput", smoke, monkeypatch, capsys)
+    ratios = {r["mesh"]: r["ratio_to_first"] for r in records if r["record"] != "summary"}
+    assert ratios == {"1": 1.0, "1x2": 0.5, "4x2": 0.5}
