@@ -10,6 +10,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardsci._array_functions import einsum, tensordot, transpose  # noqa: F401
 from shardsci.tensor import (
     CommStats,
+    Gather,
+    GatherError,
+    GatherWarning,
     ShardTensor,
     ShardTensorSpec,
     attention_exchange,
@@ -17,8 +20,10 @@ from shardsci.tensor import (
     clear_caches,
     comm_counter,
     distribute_tensor,
+    gather_policy,
     halo_exchange,
     overlap_halos,
+    record_gathers,
     register_aten_handler,
     register_function_handler,
     scatter_tensor,
@@ -26,6 +31,9 @@ from shardsci.tensor import (
 
 __all__ = [
     "CommStats",
+    "Gather",
+    "GatherError",
+    "GatherWarning",
     "Partial",
     "Replicate",
     "Shard",
@@ -36,8 +44,10 @@ __all__ = [
     "clear_caches",
     "comm_counter",
     "distribute_tensor",
+    "gather_policy",
     "halo_exchange",
     "overlap_halos",
+    "record_gathers",
     "register_aten_handler",
     "register_function_handler",
     "scatter_tensor",

@@ -1,5 +1,6 @@
 """The mesh CFD recipe end to end: ``python train.py +recipe=mesh_cfd ...`` on a tiny dataset,
-its outputs, and a resume from a checkpoint written at another rank count.
+its outputs, and a resume from a checkpoint written at another rank count, under
+``SHARDSCI_GATHER=error`` (no op may gather a sharded tensor it was not asked to).
 
 Slow (three runs of train.py, about a minute on a quiet 2-core machine): run with
 ``pytest -m slow tests/test_mesh_cfd_recipe.py``."""
@@ -53,7 +54,7 @@ def _train(
         *TINY,
         *overrides,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDSCI_GATHER": "error"}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )

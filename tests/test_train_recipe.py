@@ -3,7 +3,8 @@
 Runs the real entry point in subprocesses (local ranks forked by ``train.py``, or SLURM jobs),
 on a 32x32 dataset of 6 trajectories generated once for the module and then handed to the runs
 as a file of the user's: read as it is, and the same bytes after every run. One run generates
-its data itself (``data.generate=force``).
+its data itself (``data.generate=force``). Local and torchrun runs are under
+``SHARDSCI_GATHER=error`` (no op may gather a sharded tensor it was not asked to).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _train(dataset: Path, run_dir: Path, mesh: str, *overrides: str) -> subproce
         *TINY,
         *overrides,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDSCI_GATHER": "error"}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
@@ -183,7 +184,7 @@ def test_the_recipe_runs_under_torchrun(dataset: Path, tmp_path: Path) -> None:
         "train.py", "+recipe=cfd", "mesh=1x2", f"data.path={dataset}", f"run_dir={tmp_path}",
         *TINY, "train.steps=2",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDSCI_GATHER": "error"}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )

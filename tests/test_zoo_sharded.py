@@ -1,6 +1,7 @@
 """Every zoo model on ShardTensors equals its single-device run: forward and every parameter
 gradient, float64, on 2 ranks uneven, 4 ranks with an empty shard and a 2x2 block (and 3-D
-slabs and pencils for the models with 3-D variants), and the layout each returns.
+slabs and pencils for the models with 3-D variants), and the layout each returns, under
+``gather_policy("error")``: no op gathers a sharded tensor behind the model's back.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from shardsci import attention_exchange
+from shardsci import attention_exchange, gather_policy
 from shardsci.testing import (
     Layout,
     check_against_reference,
@@ -66,8 +67,11 @@ def _model_body(model: str, case_name: str) -> None:
     expected = case.layout
     if model.startswith("vit"):
         expected = VIT_OUTPUTS.get(case_name, expected)
-    # Tiny keys and values are gathered (NOTE [Ring or all-gather]); "vit-ring" forces the ring.
-    with attention_exchange("ring" if model == "vit-ring" else "auto"):
+    # No op may gather behind the model's back (NOTE [Gathers an op was not asked to make]).
+    # Under "error" attention takes the ring: "vit" asks for the all-gather of its tiny keys
+    # and values (NOTE [Ring or all-gather]) so that both exchanges run.
+    exchange = {"vit": "all_gather", "vit-ring": "ring"}.get(model, "auto")
+    with gather_policy("error"), attention_exchange(exchange):
         check_against_reference(
             lambda m, a: m(a),
             [x],

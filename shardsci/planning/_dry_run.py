@@ -5,9 +5,11 @@ model is ``cfg.model`` and the recipe supplies data-free batches (``Recipe.dry_r
 steady-state training step, the trainer's (NOTE [One training step]), is simulated per rank
 class (NOTE [A dry run executes the library on one
 simulated rank at a time]) and watched (NOTE [How a dry run observes the library], NOTE
-[What the memory figures count]). Whatever would stop the run becomes a problem naming what
-and where: a data-parallel split the batch does not allow, a layer that leaves ranks without
-cells, a step that fails, memory over a stated device budget.
+[What the memory figures count]), the gathers its ops make without being asked listed per
+layer (NOTE [Gathers an op was not asked to make]). Whatever would stop the run becomes a
+problem naming what and where: a data-parallel split the batch does not allow, a layer that
+leaves ranks without cells, a step that fails (a gather under gather policy ``"error"``
+included), memory over a stated device budget.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from shardsci.planning._plan import (
 )
 from shardsci.planning._rank_classes import rank_classes
 from shardsci.planning._world import META, simulated_rank
-from shardsci.tensor import ShardTensorSpec
+from shardsci.tensor import ShardTensorSpec, gather_policy
 from shardsci.tensor._spec import DimSharding
 from shardsci.training import (
     ConfigError,
@@ -172,7 +174,8 @@ def _simulate(
         optimizer = instantiate(cfg.optim)(model.parameters())
         steady_state(model, optimizer)
         step = planned_step(model, optimizer, task, train, parallelism.device)
-        measured = measure_step(model, optimizer, task, step, META.type)
+        with gather_policy(_simulated_policy()):
+            measured = measure_step(model, optimizer, task, step, META.type)
         specs = [spec for record in measured.observer.layers.values() for spec in record.specs]
         return _Simulation(
             measured=measured,
@@ -183,6 +186,13 @@ def _simulate(
             model=model,
             optimizer=optimizer,
         )
+
+
+def _simulated_policy() -> str:
+    """The gather policy a simulated step runs under: the run's own when it is ``"error"`` (a
+    gather stops the step there, and attention takes the ring as it will), else ``"allow"``:
+    the report lists every gather per layer rather than warn about it."""
+    return "error" if gather_policy.current() == "error" else "allow"
 
 
 def planned_step(

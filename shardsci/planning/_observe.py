@@ -6,7 +6,9 @@ from outside, while it runs:
 - global module forward hooks keep the stack of the model's modules being run (the *layer*
   of anything that happens) and record each module's output layout;
 - every collective and every layout change is tapped (NOTE [Taps on record_comm and
-  redistribute_local]);
+  redistribute_local]), and so is every gather an op makes without being asked (the gather
+  guard's ``_record``, NOTE [Gathers an op was not asked to make]), recorded whatever the
+  policy in force;
 - in the backward pass the layer is that of the autograd node running
   (``torch._C._current_autograd_node``): each module's forward hook labels, innermost module
   first, the nodes that its call added to the graph.
@@ -27,12 +29,14 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _redistribute
+from shardsci.tensor import ShardTensor, ShardTensorSpec, _comm_stats, _gather_guard, _redistribute
+from shardsci.tensor._gather_guard import Gather
 from shardsci.tensor._taps import tapped
 from shardsci.tensor._torch_compat import _current_autograd_node, tree_leaves
 
 __all__ = [
     "CommEvent",
+    "GatherEvent",
     "LayerRecord",
     "Redistribution",
     "StepObserver",
@@ -53,6 +57,15 @@ class CommEvent:
     received: int
     layer: str
     phase: str
+
+
+@dataclass(frozen=True)
+class GatherEvent:
+    """One gather an op made without being asked, and where."""
+
+    layer: str
+    phase: str
+    gather: Gather
 
 
 @dataclass
@@ -104,7 +117,8 @@ class StepObserver:
     """Watches ``model`` while a step runs (see NOTE [How a dry run observes the library]).
 
     Run the step inside ``watching()``; afterwards ``layers`` (with ``order``, the order in
-    which the forward pass entered them), ``events`` and ``redistributions`` describe it.
+    which the forward pass entered them), ``events``, ``redistributions`` and ``gathers``
+    describe it.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -113,6 +127,7 @@ class StepObserver:
         self.order: dict[str, int] = {}
         self.events: list[CommEvent] = []
         self.redistributions: list[Redistribution] = []
+        self.gathers: list[GatherEvent] = []
         self._stack: list[str] = []
         self._node_layers: dict[int, str] = {}
         self._open: list[Redistribution] = []
@@ -141,6 +156,8 @@ class StepObserver:
             with (
                 tapped(_comm_stats.record_comm, self._record_comm),
                 tapped(_redistribute.redistribute_local, self._redistribute),
+                tapped(_gather_guard._record, self._record_gather),
+                _gather_guard.record_gathers(),  # so that the guard records under "allow" too
             ):
                 yield self
         finally:
@@ -192,6 +209,10 @@ class StepObserver:
             move.sent += sent
             move.received += received
             move.collectives += 1
+
+    def _record_gather(self, original: Callable, gather: Gather) -> None:
+        original(gather)
+        self.gathers.append(GatherEvent(*self.location(), gather))
 
     def _redistribute(
         self, original: Callable, local: torch.Tensor, src: ShardTensorSpec, dst: ShardTensorSpec

@@ -10,8 +10,10 @@ from shardsci.planning._measure import StepMeasurement
 from shardsci.planning._memory import Category
 from shardsci.planning._observe import (
     OUTSIDE,
+    GatherEvent,
     LayerRecord,
     StepObserver,
+    _layout_text,
     describe_sizes,
 )
 
@@ -91,7 +93,11 @@ class LayerPlan:
 
     ``forward``/``backward`` map a collective kind to ``[calls, bytes sent]`` of the
     representative of the first rank class; ``redistributions`` lists the layer's layout
-    changes, equal ones counted together: ``"backward: source -> target x2, 1.5 KiB sent"``.
+    changes, equal ones counted together: ``"backward: source -> target x2, 1.5 KiB sent"``;
+    ``gathers`` those of them (and attention's gathers of keys and values) that an op made
+    without being asked (NOTE [Gathers an op was not asked to make]), equal ones counted
+    together: ``"forward: aten.sort.default gathered float32 (8, 64, 512, 512) [domain:
+    S(2)] -> [domain: R] x1, 536870912 B per rank"`` (bytes the most loaded rank holds after).
     """
 
     name: str
@@ -102,6 +108,7 @@ class LayerPlan:
     forward: dict[str, list[int]] = field(default_factory=dict)
     backward: dict[str, list[int]] = field(default_factory=dict)
     redistributions: list[str] = field(default_factory=list)
+    gathers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -193,16 +200,38 @@ def layer_plans(observer: StepObserver) -> list[LayerPlan]:
     moves: dict[str, list[str]] = defaultdict(list)
     for (layer, phase, source, target), (count, sent) in grouped.items():
         moves[layer].append(f"{phase}: {source} -> {target} x{count}, {sent} B sent")
+    gathers = _gathers_by_layer(observer.gathers)
     records = sorted(observer.layers.values(), key=lambda r: observer.order[r.name])
-    if any(layer == OUTSIDE for layer, _ in traffic) or OUTSIDE in moves:
+    if any(layer == OUTSIDE for layer, _ in traffic) or OUTSIDE in moves or OUTSIDE in gathers:
         records.append(LayerRecord(OUTSIDE, "loss, optimiser"))
-    return [_layer_plan(record, traffic, moves) for record in records]
+    return [_layer_plan(record, traffic, moves, gathers) for record in records]
+
+
+def _gathers_by_layer(events: list[GatherEvent]) -> dict[str, list[str]]:
+    counted: dict[tuple[str, str], int] = defaultdict(int)
+    for event in events:
+        g = event.gather
+        op = g.op if g.within is None else f"{g.op} (inside {g.within})"
+        what = "" if g.what == "a tensor" else f"{g.what}, keys "
+        counted[
+            (
+                event.layer,
+                f"{event.phase}: {op} gathered {what}{str(g.source.dtype).removeprefix('torch.')} "
+                f"{tuple(g.source.shape)} {_layout_text(g.source)} -> {_layout_text(g.target)}",
+                g.bytes_per_rank,
+            )
+        ] += 1
+    found: dict[str, list[str]] = defaultdict(list)
+    for (layer, text, per_rank), count in counted.items():
+        found[layer].append(f"{text} x{count}, {per_rank} B per rank")
+    return found
 
 
 def _layer_plan(
     record: LayerRecord,
     traffic: dict[tuple[str, str], dict[str, list[int]]],
     moves: dict[str, list[str]],
+    gathers: dict[str, list[str]],
 ) -> LayerPlan:
     return LayerPlan(
         name=record.name or "(model)",
@@ -213,4 +242,5 @@ def _layer_plan(
         forward=traffic.get((record.name, "forward"), {}),
         backward=traffic.get((record.name, "backward"), {}),
         redistributions=moves.get(record.name, []),
+        gathers=gathers.get(record.name, []),
     )

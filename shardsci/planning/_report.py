@@ -58,6 +58,7 @@ def format_plan(plan: RunPlan) -> str:
         ]
     if plan.layers:
         lines += ["", *_layer_table(plan.layers, plan.classes[0] if plan.classes else None)]
+        lines += ["", *_gather_lines(plan.layers)]
     for note in plan.notes:
         lines += [f"note: {note}"]
     if plan.problems:
@@ -125,6 +126,19 @@ def _layer_table(layers: Sequence[LayerPlan], first: RankClassPlan | None) -> li
     return [
         "per layer (local shapes and traffic of rank class 1; bytes sent):",
         *("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows),
+    ]
+
+
+def _gather_lines(layers: Sequence[LayerPlan]) -> list[str]:
+    """Per layer, the gathers its ops made without being asked: the same on every rank, since
+    the guard decides from global layouts (NOTE [Gathers an op was not asked to make])."""
+    found = [(layer, text) for layer in layers for text in layer.gathers]
+    if not found:
+        return ["gathers: none (no op gathered a sharded tensor that it was not asked to)"]
+    return [
+        f"gathers: {len(found)} kind(s) of gather an op made without being asked; "
+        f"shardsci.gather_policy('error') or SHARDSCI_GATHER=error refuses them:",
+        *(f"  {layer.name} ({layer.kind}): {text}" for layer, text in found),
     ]
 
 

@@ -3,6 +3,13 @@
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._caches import cache_sizes, clear_caches
 from shardsci.tensor._comm_stats import CommStats, comm_counter
+from shardsci.tensor._gather_guard import (
+    Gather,
+    GatherError,
+    GatherWarning,
+    gather_policy,
+    record_gathers,
+)
 from shardsci.tensor._halo import halo_exchange
 from shardsci.tensor._options import attention_exchange, overlap_halos
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
@@ -18,6 +25,9 @@ keep_dynamo_out(ShardTensor)
 
 __all__ = [
     "CommStats",
+    "Gather",
+    "GatherError",
+    "GatherWarning",
     "ShardTensor",
     "ShardTensorSpec",
     "attention_exchange",
@@ -25,8 +35,10 @@ __all__ = [
     "clear_caches",
     "comm_counter",
     "distribute_tensor",
+    "gather_policy",
     "halo_exchange",
     "overlap_halos",
+    "record_gathers",
     "register_aten_handler",
     "register_function_handler",
     "scatter_tensor",

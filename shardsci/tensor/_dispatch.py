@@ -9,6 +9,8 @@ Order of business for an aten op:
 4. the default path: a cached plan (NOTE [The default path: DTensor decides placements,
    shardsci decides sizes] in ``_propagation``) moves the operands, runs the op on the
    local shards and wraps the results.
+Around 2 to 4 the op is on the stack of ops being dispatched, which tells a redistribution
+that an op, not the user, asks for it (NOTE [Gathers an op was not asked to make]).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.distributed.tensor import Replicate
 
 from shardsci.tensor import _propagation
 from shardsci.tensor._caches import register_cache
+from shardsci.tensor._gather_guard import asked_for, dispatching
 from shardsci.tensor._propagation import (
     Plan,
     decomposition,
@@ -87,15 +90,20 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
         return _in_place_view(func, args, kwargs)
     if route.dim_argument is not None:
         args, kwargs = _explicit_reduction_dims(func, args, kwargs)
-    if route.handler is not None:
-        result = route.handler(func, args, kwargs)
-        if result is not NotImplemented:
-            return result
-    if route.fast:
-        result = _pointwise_fast_path(func, args, kwargs, route.mutates)
-        if result is not NotImplemented:
-            return result
-    return run_with_propagation(func, args, kwargs)
+    ops = dispatching()  # NOTE [Gathers an op was not asked to make]
+    ops.append(func)
+    try:
+        if route.handler is not None:
+            result = route.handler(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        if route.fast:
+            result = _pointwise_fast_path(func, args, kwargs, route.mutates)
+            if result is not NotImplemented:
+                return result
+        return run_with_propagation(func, args, kwargs)
+    finally:
+        ops.pop()
 
 
 # NOTE [Shards never carry a conjugate or negative bit]
@@ -312,10 +320,11 @@ def run_with_propagation(
         return _decompose(func, args, kwargs)
     if plan.action == "copy_back":
         return _in_place_through_copy(func, args, kwargs)
-    local_leaves = [
-        value if source is None else _moved(leaf, source, target)
-        for leaf, value, source, target in zip(leaves, plan.values, plan.sources, plan.targets)
-    ]
+    if plan.returns_destination:
+        with asked_for():  # operands go to the layout of the destination, which the user chose
+            local_leaves = _moved_leaves(leaves, plan)
+    else:
+        local_leaves = _moved_leaves(leaves, plan)
     local_args = unflatten_args(local_leaves, structure)
     local_args.extend(plan.extra_args)
     if plan.shape_argument is not None:
@@ -342,6 +351,14 @@ def _empty_outputs(specs: object, device: torch.device) -> object:
     if isinstance(specs, (tuple, list)):
         return type(specs)(_empty_outputs(s, device) for s in specs)
     return torch.empty(specs.local_shape(), dtype=specs.dtype, device=device)
+
+
+def _moved_leaves(leaves: list, plan: Plan) -> list:
+    """Each argument as the local op takes it: a tensor's shard in the plan's target layout."""
+    return [
+        value if source is None else _moved(leaf, source, target)
+        for leaf, value, source, target in zip(leaves, plan.values, plan.sources, plan.targets)
+    ]
 
 
 def _moved(leaf: torch.Tensor, source: ShardTensorSpec, target: ShardTensorSpec | None):
@@ -381,7 +398,8 @@ def _in_place_through_copy(func: OpOverload, args: tuple, kwargs: dict):
             )
         result = functional(*args, **kwargs)
     target = destination._spec.with_dtype(result.dtype)
-    destination._local.copy_(redistribute_local(result._local, result._spec, target))
+    with asked_for():  # the destination's own layout
+        destination._local.copy_(redistribute_local(result._local, result._spec, target))
     return destination
 
 

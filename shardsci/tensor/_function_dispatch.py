@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardsci.tensor._gather_guard import dispatching
 from shardsci.tensor._registry import function_handler_for
 from shardsci.tensor._torch_compat import _disabled_torch_function_impl
 
@@ -37,7 +38,12 @@ def bind_promotion(cls: type, promote: Callable[[torch.Tensor, DeviceMesh], torc
 def dispatch(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
     handler = function_handler_for(func)
     if handler is not None:
-        result = handler(func, args, kwargs or {})
+        ops = dispatching()  # NOTE [Gathers an op was not asked to make]
+        ops.append(func)
+        try:
+            result = handler(func, args, kwargs or {})
+        finally:
+            ops.pop()
         if result is not NotImplemented:
             return result
     if torch.is_grad_enabled() and func not in _GRAPH_WALKS and _promotion_needed(args, kwargs):

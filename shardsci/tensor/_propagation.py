@@ -25,9 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._caches import BoundedCache, register_cache
+from shardsci.tensor._gather_guard import gathers
 from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
@@ -228,13 +229,16 @@ def _make_plan(
         raise
     if sharding is None:
         return Plan("decompose", func)
+    op, suggested, values, extra_args = _suggestion(func, sharding, leaves, sources)
+    targets = _aligned_targets(func, sources, suggested)
+    reduced_first = _reduced_first(func, leaves, structure, kwargs, sources, targets, mesh)
+    if reduced_first is not None:
+        sharding, (op, suggested, values, extra_args), targets = reduced_first
     if _has_uneven_average(sharding.output_spec, sources):
         raise NotImplementedError(
             f"{func} averages over unevenly sharded dims (a mean of unequal shards is not the "
             f"average of their means); it needs a shardsci handler"
         )
-    op, suggested, values, extra_args = _suggestion(func, sharding, leaves, sources)
-    targets = _aligned_targets(func, sources, suggested)
     if _mutates_first_argument(func) and not sources[0].same_layout(targets[0]):
         return Plan("copy_back", func)
     sizes_by_axes = _sizes_by_axes(targets)
@@ -263,6 +267,59 @@ def _make_plan(
         outputs,
         returns_destination=_mutates_first_argument(func),
         empty_outputs=not (_mutates_first_argument(func) or func.is_view) and _all_empty(outputs),
+    )
+
+
+# NOTE [A pending sum is reduced rather than an operand gathered]
+# DTensor's rules may meet an operand with a pending reduction (Partial: ``x.sum(2,
+# keepdim=True)`` over a sharded dim) by gathering the other, sharded, operand: ``mul`` is
+# linear in each, so ``Replicate * Partial`` is a valid ``Partial`` result, and ``x - x.mean(2,
+# keepdim=True)`` gathers ``x`` the same way. Every rank would then hold the whole field, and the
+# output would be a whole-shaped pending sum. So when a plan gathers a sharded operand (NOTE
+# [Gathers an op was not asked to make] in ``_gather_guard``) while another operand is Partial,
+# the rule is asked again with the pending reductions done first (an all-reduce of a tensor
+# every rank holds whole-shaped already), and that plan is taken when it gathers nothing: the
+# output keeps the sharded operand's layout. In-place ops keep their destination's rule.
+def _reduced_first(
+    func: OpOverload,
+    leaves: list,
+    structure: tuple,
+    kwargs: dict,
+    sources: list[ShardTensorSpec | None],
+    targets: list[ShardTensorSpec | None],
+    mesh,
+) -> tuple[OutputSharding, tuple, list[ShardTensorSpec | None]] | None:
+    """The propagation, suggestion and targets of the plan with Partial operands reduced
+    first, when the plan given gathers an operand and that one gathers none; else None."""
+    if _mutates_first_argument(func) or not any(s is not None and s.partial for s in sources):
+        return None
+    if not any(s is not None and gathers(s, t) for s, t in zip(sources, targets)):
+        return None
+    reduced = [s if s is None or not s.partial else _reduced(s) for s in sources]
+    try:
+        sharding = _propagate(func, leaves, structure, kwargs, reduced, mesh)
+    except (NotImplementedError, RuntimeError, ValueError, IndexError, TypeError):
+        return None
+    if sharding is None:
+        return None
+    suggestion = _suggestion(func, sharding, leaves, reduced)
+    reduced_targets = _aligned_targets(func, reduced, suggestion[1])
+    if any(s is not None and gathers(s, t) for s, t in zip(sources, reduced_targets)):
+        return None
+    return sharding, suggestion, reduced_targets
+
+
+def _reduced(spec: ShardTensorSpec) -> ShardTensorSpec:
+    """``spec`` with its pending reductions done: Partial axes replicated, shards kept."""
+    return ShardTensorSpec.build(
+        spec.mesh,
+        [Replicate() if isinstance(p, Partial) else p for p in spec.placements],
+        spec.shape,
+        spec.dtype,
+        {s.dim: s.sizes for s in spec.shardings},
+        stride=spec.stride,
+        order={s.dim: s.axes for s in spec.shardings},
+        hints=spec.hints,
     )
 
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._collectives import AxisGroup, all_gather, all_reduce, axis_group, exchange
 from shardsci.tensor._comm_stats import record_comm
+from shardsci.tensor._gather_guard import check_redistribution
 from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
@@ -99,12 +100,15 @@ def redistribute_local(
 ) -> torch.Tensor:
     """Move this rank's shard of ``src`` to its shard of ``dst`` (same mesh and shape).
 
-    Collective over the mesh: every rank must call it with the same ``src`` and ``dst``.
+    Collective over the mesh: every rank must call it with the same ``src`` and ``dst``. A
+    gather an op makes is put to the gather policy first, before any data moves (NOTE
+    [Gathers an op was not asked to make] in ``_gather_guard``).
     """
     if src.same_layout(dst) or math.prod(src.mesh_shape) == 1:
         return local
     if src.mesh != dst.mesh or src.shape != dst.shape:
         raise ValueError(f"cannot redistribute {src} to {dst}: mesh or global shape differ")
+    check_redistribution(src, dst)
     steps = _plan(src, dst)
     for step in steps:
         local = step.run(local)

@@ -299,4 +299,7 @@ def _plan(
 def _ring_chosen(k: ShardTensor, v: ShardTensor) -> bool:
     """NOTE [Ring or all-gather], for the bytes of every key and value this rank would hold."""
     rows = math.prod(k._local.shape[:-2]) * k.shape[-2]
-    return ring_chosen(rows * (k.shape[-1] + v.shape[-1]) * k._local.element_size())
+    gathered = rows * (k.shape[-1] + v.shape[-1]) * k._local.element_size()
+    return ring_chosen(
+        gathered, [(k._spec, k.ndim - 2), (v._spec, v.ndim - 2)], "the keys and values"
+    )

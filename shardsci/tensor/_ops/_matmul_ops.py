@@ -320,7 +320,11 @@ def _product_plan(
         moving_first=ring.moving == 0,
         letter=ring.letter,
         blocks=Blocks(axis_group(moving._spec.mesh, ring.axes), sharding.sizes, dim),
-        ring=ring_chosen(math.prod(gathered) * moving._local.element_size()),
+        ring=ring_chosen(
+            math.prod(gathered) * moving._local.element_size(),
+            [(moving._spec, dim)],
+            "the moving operand of a product",
+        ),
     )
 
 

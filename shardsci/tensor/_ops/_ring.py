@@ -29,13 +29,15 @@ other mesh axes, which every rank of a group shares, so the ranks of a group dec
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from shardsci.tensor._collectives import AxisGroup, exchange, start_send_recv
+from shardsci.tensor._gather_guard import may_gather_blocks
 from shardsci.tensor._options import attention_exchange_choice
+from shardsci.tensor._spec import ShardTensorSpec
 
 __all__ = [
     "Blocks",
@@ -78,13 +80,19 @@ class Blocks:
         return tuple(shape)
 
 
-def ring_chosen(gathered_bytes: int) -> bool:
-    """NOTE [Ring or all-gather]: the ring, unless forced otherwise or the operand this rank
-    would hold gathered (``gathered_bytes``) is within the gather limit."""
+def ring_chosen(
+    gathered_bytes: int, operands: Sequence[tuple[ShardTensorSpec, int]], what: str
+) -> bool:
+    """NOTE [Ring or all-gather]: the ring, unless forced otherwise or the operands this rank
+    would hold gathered (``gathered_bytes``; each a spec and the dim it is sharded along) are
+    within the gather limit and the gather policy allows the gather (NOTE [Gathers an op was
+    not asked to make]: under ``"error"`` the ring runs instead)."""
     choice = attention_exchange_choice()
     if choice.mode != "auto":
         return choice.mode == "ring"
-    return gathered_bytes > choice.gather_limit_bytes
+    return gathered_bytes > choice.gather_limit_bytes or not may_gather_blocks(
+        operands, what, gathered_bytes
+    )
 
 
 class _Shift:

@@ -1,0 +1,533 @@
+"""The gather guard: what a rank may be made to hold of a tensor without asking.
+
+# NOTE [Gathers an op was not asked to make]
+What counts. A redistribution *gathers* when it leaves the tensor split into fewer pieces: the
+product of the sizes of the mesh axes that shard its dims shrinks (a dim sharded over an axis
+becomes replicated over it, and no other axis splits the tensor in its place). Every rank then
+holds a larger share of it: the whole sharded extent on a 1-D mesh, half instead of a quarter
+on a 2x2 mesh going to slabs. It counts whatever its size; messages give the bytes so that the
+user can judge. Not gathers: a move that keeps the number of pieces (``Shard(i) -> Shard(j)``,
+a 2x2 block to slabs split over both axes, a rebalance of uneven sizes: each rank's share
+stays), a pending reduction done (``Partial -> Replicate``: an all-reduce of what each rank
+holds), a slice (``Replicate -> Shard``), and collectives on data that is not a sharded extent
+of an operand (the statistics a norm or a scan exchanges, a halo, the rows an index reaches).
+
+Who asked. A gather counts when an op makes it, as its fallback: while an op is dispatched (an
+aten or function handler runs, the pointwise fast path runs, or the default path moves operands
+to the placements DTensor's rule wants, which covers a handler's decline that ends in a
+replicated output). Not counted:
+- ``x.full_tensor()``, ``x.redistribute(...)`` and ``x.to_dtensor()`` called outside any op:
+  the user asked;
+- an op whose result is one Python value for the whole tensor (``x.item()``): the user asked;
+- an in-place op's operands moved to its destination's layout, and its result copied into
+  it (``buffer.copy_(x)`` into a replicated buffer: the user chose the destination, which
+  every rank holds whole already);
+- the backward of a redistribution and of shardsci's autograd Functions, run by the autograd
+  engine outside any op: they return gradients to the layouts of their forward inputs, which
+  were chosen in the forward. Backward *ops* (``index_add``, ``masked_select_backward``) are
+  dispatched like any op and counted.
+Attention's keys and values are the one sharded extent gathered by a collective of its own
+rather than by a redistribution: an all-gather chosen by ``attention_exchange("auto")`` counts
+(each rank holds all of K and V until the backward); under ``"error"`` the ring is taken
+instead (same result, no gather); ``attention_exchange("all_gather")`` is asked for.
+
+Where it is decided. ``_redistribute.redistribute_local``, which every layout change passes
+through, calls :func:`check_redistribution` before any data moves; ``_dispatch`` and
+``_function_dispatch`` push the op being dispatched on a per-thread stack around every route
+it may take (handlers, the pointwise fast path, whose one move, a 0-d operand's pending sum
+reduced, gathers nothing today, and the default path); attention asks
+:func:`may_gather_blocks` (so does a product of two token-sharded operands). The verdict reads only specs, the op stack and the policy,
+which all ranks share (the policy must be set alike on every rank: the environment variable or
+the same code), so under ``"error"`` every rank raises the same :class:`GatherError` at the
+same redistribution, before its collective, and none is left waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._torch_compat import _current_autograd_node
+
+__all__ = [
+    "ENVIRONMENT_VARIABLE",
+    "Gather",
+    "GatherError",
+    "GatherWarning",
+    "asked_for",
+    "check_redistribution",
+    "dispatching",
+    "gather_policy",
+    "gathers",
+    "may_gather_blocks",
+    "record_gathers",
+]
+
+Policy = Literal["allow", "warn", "error"]
+_POLICIES = ("allow", "warn", "error")
+ENVIRONMENT_VARIABLE = "SHARDSCI_GATHER"
+
+
+class GatherError(RuntimeError):
+    """An op would gather a sharded tensor under ``gather_policy("error")``; raised on every
+    rank before the collective."""
+
+
+class GatherWarning(UserWarning):
+    """An op gathered a sharded tensor under ``gather_policy("warn")``; said once per op and
+    call site."""
+
+
+# ---------------------------------------------------------------------------- the policy
+def _checked(mode: object, source: str) -> Policy:
+    if mode not in _POLICIES:
+        raise ValueError(f"{source} must be 'allow', 'warn' or 'error', got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def _from_environment() -> Policy:
+    value = os.environ.get(ENVIRONMENT_VARIABLE, "").strip().lower()
+    return _checked(value, f"the environment variable {ENVIRONMENT_VARIABLE}") if value else "warn"
+
+
+_POLICY: list[Policy] = [_from_environment()]
+
+
+class gather_policy:  # lower case: called like a function, as torch.no_grad
+    """What an op may do when it would gather a sharded tensor that the user did not ask for.
+
+    ``gather_policy(mode)`` sets the policy for the process at once; used as a context manager
+    (``with gather_policy("error"): ...``), it restores the previous policy on exit, so blocks
+    nest. The initial policy comes from the environment variable ``SHARDSCI_GATHER``, else
+    ``"warn"``. What counts as a gather: NOTE [Gathers an op was not asked to make] in
+    ``shardsci/tensor/_gather_guard.py``; in short, a redistribution made by an op (not by
+    ``full_tensor()`` or ``redistribute()``) that leaves a tensor split into fewer pieces, so
+    that each rank holds more of it.
+
+    Parameters
+    ----------
+    mode : {"allow", "warn", "error"}
+        ``"allow"``: gather silently. ``"warn"``: gather, and say once per op and call site
+        which op gathered how many bytes of which tensor, in which module and source line
+        (a :class:`GatherWarning`). ``"error"``: raise that as a :class:`GatherError` on every
+        rank before the collective runs (and take attention's ring rather than gather its
+        keys and values).
+
+    Examples
+    --------
+    >>> with shardsci.gather_policy("error"):  # doctest: +SKIP
+    ...     loss = model(x).square().mean()  # raises where an op would gather
+    """
+
+    def __init__(self, mode: Policy) -> None:
+        self._previous = _POLICY[0]
+        _POLICY[0] = _checked(mode, "gather_policy's mode")
+
+    def __enter__(self) -> gather_policy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _POLICY[0] = self._previous
+
+    @staticmethod
+    def current() -> Policy:
+        """The policy in force."""
+        return _POLICY[0]
+
+
+# ---------------------------------------------------------------------------- ops in dispatch
+class _Dispatching(threading.local):
+    def __init__(self) -> None:
+        self.ops: list[object] = []
+
+
+_THREAD = _Dispatching()
+# On the op stack: what follows is asked for (``asked_for``).
+_ASKED = object()
+
+
+def dispatching() -> list[object]:
+    """This thread's stack of ops being dispatched, innermost last: dispatch pushes an op
+    before its handler or default path runs and pops it after (NOTE [Gathers an op was not
+    asked to make])."""
+    return _THREAD.ops
+
+
+@contextmanager
+def asked_for() -> Iterator[None]:
+    """Redistributions inside the block are the user's request, not an op's fallback (into
+    an in-place op's destination layout)."""
+    ops = _THREAD.ops
+    ops.append(_ASKED)
+    try:
+        yield
+    finally:
+        ops.pop()
+
+
+# Ops whose result is one Python value for the whole tensor: reading it is the user's request.
+_VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense.default})
+
+
+# ---------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class Gather:
+    """One gather an op made, or would have made, without being asked.
+
+    Attributes
+    ----------
+    op : str
+        The op that gathered, e.g. ``"aten.index_select.default"``.
+    within : str or None
+        The outermost op being dispatched when it is another (``F.interpolate`` running
+        ``aten._unsafe_index``), else None.
+    module : str or None
+        The ``nn.Module`` whose forward was running, as a path from the outermost one with the
+        innermost's class, e.g. ``"ViT.blocks.0.attention (Attention)"``; None outside modules.
+    backward_of : str or None
+        The autograd node whose backward ran the op, e.g. ``"IndexSelectBackward0"``.
+    call_site : str or None
+        ``"path:line"`` of the innermost frame outside torch and shardsci's library (the zoo,
+        ``shardsci.models``, counts as the user's code).
+    what : str
+        What was gathered: ``"a tensor"``, or ``"the keys and values"`` (attention's; the
+        shape and layout are the keys').
+    source, target : ShardTensorSpec
+        The layout before and after.
+    total_bytes : int
+        Bytes of the whole tensor (of keys and values together for attention).
+    bytes_per_rank : int
+        Bytes the most loaded rank holds after the gather.
+    bytes_per_rank_before : int
+        Bytes the most loaded rank held before it.
+    """
+
+    op: str
+    within: str | None
+    module: str | None
+    backward_of: str | None
+    call_site: str | None
+    what: str
+    source: ShardTensorSpec
+    target: ShardTensorSpec
+    total_bytes: int
+    bytes_per_rank: int
+    bytes_per_rank_before: int
+
+    def message(self, refused: bool) -> str:
+        """One line: which op gathers how many bytes of which tensor, where, and what to do."""
+        src = self.source
+        op = self.op if self.within is None else f"{self.op} (inside {self.within})"
+        described = f"{_dtype_name(src.dtype)} tensor of shape {tuple(src.shape)}"
+        described = (
+            f"a {described}" if self.what == "a tensor" else f"{self.what} (keys: {described})"
+        )
+        where = "".join(
+            f"{label}{value}"
+            for label, value in (
+                (" in module ", self.module),
+                (" in the backward of ", self.backward_of),
+                (", called from ", self.call_site),
+            )
+            if value is not None
+        )
+        head = (
+            f"{op} {'would gather' if refused else 'gathered'} {described} laid out "
+            f"{_layout(src)} into {_layout(self.target)}: each rank "
+            f"{'would hold' if refused else 'holds'} up to {_bytes(self.bytes_per_rank)}, up "
+            f"to {_bytes(self.bytes_per_rank_before)} before ({_bytes(self.total_bytes)} in "
+            f"all){where}"
+        )
+        if refused:
+            return (
+                f"shardsci refused a gather (gather policy 'error'): {head}. Redistribute the "
+                f"tensor yourself before the op if you mean it (x.redistribute(...) and "
+                f"x.full_tensor() are never refused), or allow it with "
+                f"shardsci.gather_policy('warn' or 'allow') or {ENVIRONMENT_VARIABLE}"
+            )
+        return (
+            f"shardsci: {head}. Said once per op and call site; "
+            f"shardsci.gather_policy('error') or {ENVIRONMENT_VARIABLE}=error refuses such "
+            f"gathers, 'allow' silences them"
+        )
+
+
+_RECORDERS: list[list[Gather]] = []
+
+
+@contextmanager
+def record_gathers() -> Iterator[list[Gather]]:
+    """Collect every :class:`Gather` an op makes inside the block, whatever the policy (under
+    ``"error"`` the gather that raises is recorded first). For tools that list gathers per
+    layer (a dry run) and for tests.
+
+    Examples
+    --------
+    >>> with shardsci.gather_policy("allow"), shardsci.record_gathers() as gathers:  # doctest: +SKIP
+    ...     model(x)
+    >>> [(g.op, g.module, g.bytes_per_rank) for g in gathers]  # doctest: +SKIP
+    """
+    gathers: list[Gather] = []
+    _RECORDERS.append(gathers)
+    try:
+        yield gathers
+    finally:
+        _RECORDERS.remove(gathers)
+
+
+# ---------------------------------------------------------------------------- the checks
+def check_redistribution(src: ShardTensorSpec, dst: ShardTensorSpec) -> None:
+    """Apply the policy to a layout change about to run (``redistribute_local``, before any
+    data moves): nothing unless an op is being dispatched and the change gathers."""
+    ops = _THREAD.ops
+    if not ops or (_POLICY[0] == "allow" and not _RECORDERS):
+        return
+    if not gathers(src, dst) or ops[-1] is _ASKED or ops[-1] in _VALUE_READS:
+        return
+    total = _bytes_of(src)
+    _enforce(_gather(ops, "a tensor", src, dst, total, _largest_shard(src), _largest_shard(dst)))
+
+
+def may_gather_blocks(
+    operands: Sequence[tuple[ShardTensorSpec, int]], what: str, nbytes: int
+) -> bool:
+    """Whether an automatic exchange (attention's keys and values, a product's moving
+    operand: NOTE [Ring or all-gather] in ``_ops/_ring``) may all-gather ``operands``, each
+    a spec and the dim it is sharded along, ``nbytes`` of them per rank once gathered: not
+    under ``"error"``, where the ring runs instead; otherwise yes, reported as any gather."""
+    policy = _POLICY[0]
+    if policy == "error":
+        return False
+    if policy == "warn" or _RECORDERS:
+        spec, dim = operands[0]
+        axes = spec.sharding_by_dim[dim].axes
+        placements = [Replicate() if a in axes else p for a, p in enumerate(spec.placements)]
+        kept = [s for s in spec.shardings if s.dim != dim]
+        whole = ShardTensorSpec.build(
+            spec.mesh,
+            placements,
+            spec.shape,
+            spec.dtype,
+            {s.dim: s.sizes for s in kept},
+            order={s.dim: s.axes for s in kept},
+        )
+        before = sum(_largest_shard(o) for o, _ in operands)
+        total = sum(_bytes_of(o) for o, _ in operands)
+        _enforce(_gather(_THREAD.ops, what, spec, whole, total, before, nbytes))
+    return True
+
+
+def _gather(
+    ops: list[object],
+    what: str,
+    src: ShardTensorSpec,
+    dst: ShardTensorSpec,
+    total: int,
+    before: int,
+    after: int,
+) -> Gather:
+    frame = sys._getframe()
+    named = [o for o in ops if o is not _ASKED]
+    op = _op_name(named[-1]) if named else "an op"
+    within = _op_name(named[0]) if len(named) > 1 and named[0] is not named[-1] else None
+    node = _current_autograd_node()
+    return Gather(
+        op,
+        within,
+        _module_path(frame),
+        None if node is None else node.name(),
+        _call_site(frame),
+        what,
+        src,
+        dst,
+        total,
+        after,
+        before,
+    )
+
+
+def _enforce(gather: Gather) -> None:
+    _record(gather)
+    policy = _POLICY[0]
+    if policy == "error":
+        raise GatherError(gather.message(refused=True))
+    if policy == "warn":
+        _warn_once(gather)
+
+
+def _record(gather: Gather) -> None:
+    # Tapped by the dry run's observer (NOTE [How a dry run observes the library]).
+    for recorder in _RECORDERS:
+        recorder.append(gather)
+
+
+# (op, call site) pairs warned about: finite (ops times source lines), so unbounded.
+_WARNED: set[tuple[str, str | None]] = set()
+
+
+def _warn_once(gather: Gather) -> None:
+    key = (gather.op, gather.call_site)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    message = gather.message(refused=False)
+    if gather.call_site is None:
+        warnings.warn(message, GatherWarning, stacklevel=2)
+        return
+    filename, _, line = gather.call_site.rpartition(":")
+    warnings.warn_explicit(message, GatherWarning, filename, int(line))
+
+
+def forget_warnings() -> None:
+    """Warn again about every (op, call site): for tests."""
+    _WARNED.clear()
+
+
+# ---------------------------------------------------------------------------- sizes
+def gathers(src: ShardTensorSpec, dst: ShardTensorSpec) -> bool:
+    """Whether moving a tensor from layout ``src`` to ``dst`` gathers it: fewer pieces after,
+    and elements to hold (views of empty tensors replicate them, moving nothing)."""
+    return _pieces(dst) < _pieces(src) and math.prod(src.shape) > 0
+
+
+def _pieces(spec: ShardTensorSpec) -> int:
+    """How many pieces the mesh splits the tensor into."""
+    return math.prod(len(s.sizes) for s in spec.shardings)
+
+
+def _largest_shard(spec: ShardTensorSpec) -> int:
+    """Bytes of the largest shard of ``spec`` on any rank (a mesh axis shards at most one dim,
+    so the largest extents of different dims meet on one rank)."""
+    elements = 1
+    for dim, extent in enumerate(spec.shape):
+        sharding = spec.sharding_by_dim.get(dim)
+        elements *= max(sharding.sizes) if sharding is not None else extent
+    return elements * spec.dtype.itemsize
+
+
+def _bytes_of(spec: ShardTensorSpec) -> int:
+    return math.prod(spec.shape) * spec.dtype.itemsize
+
+
+# ---------------------------------------------------------------------------- where
+# Where a user finds the torch functions that have function handlers, by their public names
+# (``F.scaled_dot_product_attention`` is defined in torch._C._nn, ``torch.fft.rfftn`` is named
+# ``fft_rfftn`` there); filled on the first gather reported.
+_NAMESPACES = {
+    "torch.nn.functional": torch.nn.functional,
+    "torch": torch,
+    "torch.Tensor": torch.Tensor,
+    "torch.fft": torch.fft,
+    "torch.linalg": torch.linalg,
+    "torch.special": torch.special,
+}
+_PUBLIC_NAMES: dict[object, str] = {}
+
+
+def _op_name(op: object) -> str:
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    if not _PUBLIC_NAMES:
+        for prefix, namespace in reversed(_NAMESPACES.items()):
+            for name in dir(namespace) if namespace is torch.Tensor else vars(namespace):
+                value = getattr(namespace, name)
+                if callable(value) and (not name.startswith("_") or name.startswith("__")):
+                    with contextlib.suppress(TypeError):  # unhashable
+                        _PUBLIC_NAMES[value] = f"{prefix}.{name}"
+    try:
+        return _PUBLIC_NAMES[op]
+    except (KeyError, TypeError):
+        return f"{getattr(op, '__module__', None) or '?'}.{getattr(op, '__qualname__', op)}"
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _module_path(frame: FrameType | None) -> str | None:
+    """The modules whose forward is running, outermost first, as a dotted path of their
+    names in their parents, ending with the innermost's class."""
+    modules: list[nn.Module] = []
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module):
+                modules.append(module)
+        frame = frame.f_back
+    if not modules:
+        return None
+    modules.reverse()
+    names = [type(modules[0]).__name__]
+    for parent, child in itertools.pairwise(modules):
+        name = next((n for n, m in parent.named_modules() if m is child and n), None)
+        names.append(name or f"<{type(child).__name__}>")
+    return f"{'.'.join(names)} ({type(modules[-1]).__name__})"
+
+
+_TORCH_DIR = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+_SHARDSCI_DIR = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir)) + os.sep
+# The zoo is model code written for one device, like a user's (installed as shardsci.models).
+_ZOO_DIR = os.path.join(_SHARDSCI_DIR, "models") + os.sep
+_LIBRARY_FILE: dict[str, bool] = {}
+
+
+def _in_library(filename: str) -> bool:
+    known = _LIBRARY_FILE.get(filename)
+    if known is None:
+        path = os.path.realpath(filename)
+        known = path.startswith(_TORCH_DIR) or (
+            path.startswith(_SHARDSCI_DIR) and not path.startswith(_ZOO_DIR)
+        )
+        _LIBRARY_FILE[filename] = known
+    return known
+
+
+def _call_site(frame: FrameType | None) -> str | None:
+    """``"path:line"`` of the innermost frame outside torch and shardsci's library, the path
+    relative to the working directory when under it."""
+    while frame is not None and _in_library(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    path = os.path.realpath(frame.f_code.co_filename)
+    relative = os.path.relpath(path)
+    return f"{path if relative.startswith(os.pardir) else relative}:{frame.f_lineno}"
+
+
+# ---------------------------------------------------------------------------- text
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layout(spec: ShardTensorSpec) -> str:
+    placements = "(" + "".join(f"{_placement(p)}, " for p in spec.placements)[:-2]
+    placements += ",)" if len(spec.placements) == 1 else ")"
+    sizes = "; ".join(
+        f"dim {s.dim} in {'/'.join(map(str, s.sizes))}" for s in spec.shardings if len(s.sizes) > 1
+    )
+    return f"{placements} [{sizes}]" if sizes else placements
+
+
+def _placement(placement: object) -> str:
+    return f"Shard({placement.dim})" if isinstance(placement, Shard) else repr(placement)
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
