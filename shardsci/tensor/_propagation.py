@@ -712,9 +712,7 @@ def _local_shape_argument(
     rewrote assuming chunk sizes."""
     index = _PROPAGATOR.op_to_shape_and_stride_idx.get(op)
     if index is None:
-        if op in scalar_shape_adjusters() and any(
-            not s.is_even() for s in sizes_by_axes.values()
-        ):
+        if op in scalar_shape_adjusters() and any(not s.is_even() for s in sizes_by_axes.values()):
             raise NotImplementedError(f"{func} on unevenly sharded inputs needs a shardsci handler")
         return None
     if not isinstance(output_spec, DTensorSpec) or output_spec.tensor_meta is None:
