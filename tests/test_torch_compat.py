@@ -429,3 +429,10 @@ def test_scalar_shape_adjusters_by_torch_version():
 
 def test_the_installed_torch_is_a_tested_one():
     assert ".".join(map(str, _torch_compat.torch_release())) in _torch_compat.TESTED_TORCH
+
+
+def test_all_gather_single_by_torch_version():
+    """torch 2.13's all_gather_single is 2.11's and 2.12's all_gather_into_tensor."""
+    expected = "all_gather_single" if _torch_compat.torch_release() >= (2, 13) else None
+    gather = _torch_compat.all_gather_single()
+    assert gather.__name__ == (expected or "all_gather_into_tensor")

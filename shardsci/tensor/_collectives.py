@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import mesh_coordinate
+from shardsci.tensor._torch_compat import all_gather_single
 
 __all__ = [
     "AxisGroup",
@@ -290,7 +291,7 @@ def all_gather(tensor: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         return tensor.unsqueeze(0)
     payload = _as_bytes(tensor)
     gathered = payload.new_empty(group.size * payload.numel())
-    dist.all_gather_single(gathered, payload, group=group.group)
+    all_gather_single()(gathered, payload, group=group.group)
     nbytes = (group.size - 1) * payload.numel()
     record_comm("all_gather", nbytes, nbytes)
     stacked = _from_bytes(gathered, tensor.dtype, (group.size, *tensor.shape))

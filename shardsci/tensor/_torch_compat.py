@@ -35,6 +35,7 @@ __all__ = [
     "TESTED_TORCH",
     "PrivateSymbol",
     "TorchCompatError",
+    "all_gather_single",
     "resolve",
     "scalar_shape_adjusters",
     "torch_release",
@@ -258,6 +259,18 @@ def scalar_shape_adjusters() -> Mapping[Any, Callable]:
     if torch_release() < (2, 13):
         return {}
     return resolve("sharding_propagator").op_to_scalar_shape_adjuster
+
+
+def all_gather_single() -> Callable[..., Any]:
+    """``torch.distributed.all_gather_single(output, input, group=...)``: every member's
+    ``input`` concatenated into ``output`` (c10d's ``_allgather_base_``).
+
+    New in torch 2.13; torch 2.11 and 2.12 name the same collective, with the same
+    signature, ``all_gather_into_tensor``.
+    """
+    if torch_release() < (2, 13):
+        return torch.distributed.all_gather_into_tensor
+    return torch.distributed.all_gather_single
 
 
 def __getattr__(name: str) -> Any:
