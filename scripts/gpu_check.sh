@@ -7,7 +7,7 @@
 # borrows) and nothing can be fetched: the project's other dependencies travel as wheels in
 # .whl/ (README, "Torch versions"), installed with --no-deps --no-index into DIR/site, and
 # shardsci itself is used from this checkout (PYTHONPATH), so pip never touches torch.
-# Steps, each under its own time limit (about 7 minutes in all on one H100, within 8):
+# Steps, each under its own time limit (8 minutes in all, wheels included; not yet timed on a GPU):
 #   1. environment: nvidia-smi, torch, CUDA, NCCL                        (DIR/environment.json)
 #   2. pytest -m gpu tests/test_gpu.py: ShardTensors, halos, collectives,
 #      every zoo model's float64 step against plain torch, NCCL world of one (DIR/gpu_tests.xml)
@@ -53,7 +53,7 @@ run() {  # run NAME SECONDS COMMAND...: one step under a time limit, its status 
 mkdir -p "$out"
 cd "$root"
 if compgen -G ".whl/*.whl" >/dev/null; then
-    run wheels 120 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    run wheels 30 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target "$out/site" .whl/*.whl
     export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -65,17 +65,17 @@ cuda = torch.cuda.is_available()
 print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda,
     "device": torch.cuda.get_device_name(0) if cuda else None,
     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}))'
-run environment 60 bash -c "$python -c '$environment' >'$out/environment.json' && \
+run environment 30 bash -c "$python -c '$environment' >'$out/environment.json' && \
     (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >'$out/nvidia-smi.csv' || true)"
 
 test_env=()
 [[ "$device" == cpu ]] && test_env=(env SHARDSCI_TEST_DEVICE=cpu)
-run gpu_tests 240 "${test_env[@]}" "$python" -m pytest -q -p no:cacheprovider -m gpu \
+run gpu_tests 210 "${test_env[@]}" "$python" -m pytest -q -p no:cacheprovider -m gpu \
     tests/test_gpu.py --junitxml="$out/gpu_tests.xml"
 
 size=64
 [[ "$device" == cpu ]] && size=16
-run models 180 bash -c "$python scripts/gpu_check.py --device $device --size $size \
+run models 210 bash -c "$python scripts/gpu_check.py --device $device --size $size \
     --repeats 10 >'$out/models.json'"
 
 if [[ $dry_run -eq 1 ]]; then
