@@ -234,7 +234,6 @@ def _propagator(propagator: object) -> None:
         "op_to_schema_info",
         "op_to_schema_info_for_single_dim_strategy",
         "op_to_shape_and_stride_idx",
-        "op_to_scalar_shape_adjuster",
     )(propagator)
     _has("cache_info", "cache_clear")(propagator.propagate_op_sharding)  # type: ignore[attr-defined]
 
@@ -413,3 +412,27 @@ def test_a_missing_symbol_fails_naming_it_and_the_torch_version(monkeypatch, sym
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'NotASymbol'"):
         _torch_compat.NotASymbol  # noqa: B018
+
+
+def test_scalar_shape_adjusters_by_torch_version():
+    """torch 2.13 rewrites native_group_norm's scalar shape arguments (its table holds it);
+    2.11 and 2.12 have no table and rewrite none."""
+    adjusters = _torch_compat.scalar_shape_adjusters()
+    group_norm = torch.ops.aten.native_group_norm.default
+    if _torch_compat.torch_release() >= (2, 13):
+        assert group_norm in adjusters
+        assert adjusters is _torch_compat.sharding_propagator.op_to_scalar_shape_adjuster
+    else:
+        assert adjusters == {}
+        assert not hasattr(_torch_compat.sharding_propagator, "op_to_scalar_shape_adjuster")
+
+
+def test_the_installed_torch_is_a_tested_one():
+    assert ".".join(map(str, _torch_compat.torch_release())) in _torch_compat.TESTED_TORCH
+
+
+def test_all_gather_single_by_torch_version():
+    """torch 2.13's all_gather_single is 2.11's and 2.12's all_gather_into_tensor."""
+    expected = "all_gather_single" if _torch_compat.torch_release() >= (2, 13) else None
+    gather = _torch_compat.all_gather_single()
+    assert gather.__name__ == (expected or "all_gather_into_tensor")

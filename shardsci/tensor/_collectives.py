@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import mesh_coordinate
+from shardsci.tensor._torch_compat import all_gather_single
 
 __all__ = [
     "AxisGroup",
@@ -170,7 +171,7 @@ def exchange(
             else torch.empty(received_shapes[src], dtype=dtype, device=device)
             for src in range(group.size)
         ]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     send_bytes = [0] * group.size
     recv_bytes = [0] * group.size
     send_buffers = []
@@ -182,7 +183,11 @@ def exchange(
     for src in range(group.size):
         if src != me:
             recv_bytes[group.group_ranks[src]] = math.prod(received_shapes[src]) * itemsize
-    send = torch.cat(send_buffers) if send_buffers else torch.empty(0, dtype=torch.uint8)
+    send = (
+        torch.cat(send_buffers)
+        if send_buffers
+        else torch.empty(0, dtype=torch.uint8, device=device)
+    )
     recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send.to(device), recv_bytes, send_bytes, group=group.group)
     record_comm(kind, sum(send_bytes), sum(recv_bytes))
@@ -209,7 +214,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _from_bytes(buffer: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     if dtype.is_complex:
-        real = buffer.view(torch.empty((), dtype=dtype).real.dtype)
+        real = buffer.view(dtype.to_real())
         return torch.view_as_complex(real.reshape(-1, 2)).reshape(shape)
     return buffer.view(dtype).reshape(shape)
 
@@ -286,7 +291,7 @@ def all_gather(tensor: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         return tensor.unsqueeze(0)
     payload = _as_bytes(tensor)
     gathered = payload.new_empty(group.size * payload.numel())
-    dist.all_gather_single(gathered, payload, group=group.group)
+    all_gather_single()(gathered, payload, group=group.group)
     nbytes = (group.size - 1) * payload.numel()
     record_comm("all_gather", nbytes, nbytes)
     stacked = _from_bytes(gathered, tensor.dtype, (group.size, *tensor.shape))
@@ -361,7 +366,7 @@ def start_send_recv(
         ops.append(
             dist.P2POp(dist.isend, payload, group=group.group, group_peer=group.group_ranks[dst])
         )
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     buffers = []
     for src, shape in receives:
         buffer = torch.empty(math.prod(shape) * itemsize, dtype=torch.uint8, device=device)

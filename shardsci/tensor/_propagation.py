@@ -48,6 +48,7 @@ from shardsci.tensor._torch_compat import (
     _dispatch_has_kernel_for_dispatch_key,
     _StridedShard,
     decomposition_table,
+    scalar_shape_adjusters,
 )
 from shardsci.tensor._torch_compat import dtensor_redistribute as _dtensor_redistribute
 from shardsci.tensor._torch_compat import sharding_propagator as _PROPAGATOR
@@ -768,9 +769,7 @@ def _local_shape_argument(
     rewrote assuming chunk sizes."""
     index = _PROPAGATOR.op_to_shape_and_stride_idx.get(op)
     if index is None:
-        if op in _PROPAGATOR.op_to_scalar_shape_adjuster and any(
-            not s.is_even() for s in sizes_by_axes.values()
-        ):
+        if op in scalar_shape_adjusters() and any(not s.is_even() for s in sizes_by_axes.values()):
             raise NotImplementedError(f"{func} on unevenly sharded inputs needs a shardsci handler")
         return None
     if not isinstance(output_spec, DTensorSpec) or output_spec.tensor_meta is None:

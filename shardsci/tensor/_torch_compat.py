@@ -12,19 +12,37 @@ the installed torch version and the one shardsci is tested with; the fix goes he
 
 Names are resolved lazily (PEP 562 ``__getattr__``): a symbol only the test harness needs
 (``LocalTensorMode``) cannot break ``import shardsci``.
+
+# NOTE [Which torch versions are tested]
+shardsci installs on the torch releases in ``TESTED_TORCH`` (the pin in pyproject.toml is
+their range). 2.13 is the CI's; 2.11 (the GPU machines' CUDA 13 build, which also runs on the
+CPU) and 2.12 are tested with ``scripts/test_torch_versions.sh VENV``, which runs the suite in
+a virtual environment holding that torch. Where a private symbol differs between them, a
+function below absorbs it, its docstring naming the versions that need it.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PRIVATE_SYMBOLS", "TESTED_TORCH", "PrivateSymbol", "TorchCompatError", "resolve"]
+__all__ = [
+    "PRIVATE_SYMBOLS",
+    "TESTED_TORCH",
+    "PrivateSymbol",
+    "TorchCompatError",
+    "all_gather_single",
+    "resolve",
+    "scalar_shape_adjusters",
+    "torch_release",
+]
 
-TESTED_TORCH = "2.13.0"
+TESTED_TORCH = ("2.11", "2.12", "2.13")
+"""The torch releases the suite passes on (NOTE [Which torch versions are tested])."""
 
 
 class TorchCompatError(ImportError):
@@ -217,10 +235,42 @@ def resolve(name: str) -> Any:
         raise TorchCompatError(
             f"shardsci needs {symbol.qualified_name} ({symbol.why}), a private PyTorch API that "
             f"torch {torch.__version__} does not provide ({error}); shardsci is tested with "
-            f"torch {TESTED_TORCH}: install that version, or adapt "
+            f"torch {', '.join(TESTED_TORCH)}: install one of those, or adapt "
             "shardsci/tensor/_torch_compat.py"
         ) from error
     return value
+
+
+def torch_release() -> tuple[int, int]:
+    """The installed torch's (major, minor): ``(2, 11)`` for ``2.11.0+cu130``."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# ---------------------------------------------------------------------------- version differences
+def scalar_shape_adjusters() -> Mapping[Any, Callable]:
+    """DTensor's ops whose scalar shape arguments (``native_group_norm``'s N, C and HxW) its
+    sharding propagation rewrites to a shard's values, op -> rewriter.
+
+    torch 2.13 keeps them in ``ShardingPropagator.op_to_scalar_shape_adjuster``. torch 2.11 and
+    2.12 have no such table and rewrite no scalar shape argument (they have no sharding rule
+    for ``native_group_norm``, the one op 2.13 registers there): none.
+    """
+    if torch_release() < (2, 13):
+        return {}
+    return resolve("sharding_propagator").op_to_scalar_shape_adjuster
+
+
+def all_gather_single() -> Callable[..., Any]:
+    """``torch.distributed.all_gather_single(output, input, group=...)``: every member's
+    ``input`` concatenated into ``output`` (c10d's ``_allgather_base_``).
+
+    New in torch 2.13; torch 2.11 and 2.12 name the same collective, with the same
+    signature, ``all_gather_into_tensor``.
+    """
+    if torch_release() < (2, 13):
+        return torch.distributed.all_gather_into_tensor
+    return torch.distributed.all_gather_single
 
 
 def __getattr__(name: str) -> Any:
