@@ -42,13 +42,13 @@ def test_a_downsampling_that_leaves_ranks_without_cells_is_named(tmp_path: Path)
 
 
 def test_too_many_ranks_for_the_field_and_a_batch_that_does_not_split(tmp_path: Path) -> None:
-    overrides = [*SMALL, "mesh=2x4", "model.depth=1", "data.dataset.solver.resolution=2"]
+    overrides = [*SMALL, "mesh=2x8", "model.depth=1", "data.dataset.solver.resolution=4"]
     plan = plan_run(_compose([*overrides, "train.global_batch=3", f"run_dir={tmp_path}"]))
     assert plan.problems == [
         "train.global_batch=3 does not split over the 2 data-parallel replicas: expected a "
         "multiple of 2 (planned with 1 sample per replica)",
-        "the input (1, 1, 2, 2) has 2 cells in dim 2 over 4 ranks of mesh axes (domain), "
-        "split 1(x2),0(x2), so 2 ranks hold none; use at most 2 ranks there or a larger field: "
+        "the input (1, 1, 4, 4) has 4 cells in dim 2 over 8 ranks of mesh axes (domain), "
+        "split 1(x4),0(x4), so 4 ranks hold none; use at most 4 ranks there or a larger field: "
         "too many ranks for the field",
     ]
 
