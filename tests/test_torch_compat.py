@@ -366,6 +366,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
         _torch_compat._meta_in_tls_dispatch_include
     ),
     "_current_autograd_node": _current_node,
+    "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
     "dynamo_config": _dynamo_config,
     "trace_rules": _has("add"),
     "maybe_mark_dynamic": _maybe_mark_dynamic,

@@ -62,7 +62,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._spec import ShardTensorSpec
-from shardsci.tensor._torch_compat import _current_autograd_node
+from shardsci.tensor._torch_compat import Module_call_impl, OpOverload, _current_autograd_node
 
 __all__ = [
     "ENVIRONMENT_VARIABLE",
@@ -440,7 +440,7 @@ _PUBLIC_NAMES: dict[object, str] = {}
 
 
 def _op_name(op: object) -> str:
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return str(op)
     if not _PUBLIC_NAMES:
         for prefix, namespace in reversed(_NAMESPACES.items()):
@@ -455,7 +455,7 @@ def _op_name(op: object) -> str:
         return f"{getattr(op, '__module__', None) or '?'}.{getattr(op, '__qualname__', op)}"
 
 
-_CALL_IMPL = nn.Module._call_impl.__code__
+_CALL_IMPL = Module_call_impl.__code__
 
 
 def _module_path(frame: FrameType | None) -> str | None:

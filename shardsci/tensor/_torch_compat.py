@@ -195,6 +195,10 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     "_current_autograd_node": _at(
         "torch._C:_current_autograd_node", "which autograd node a backward op belongs to"
     ),
+    "Module_call_impl": _at(
+        "torch.nn.modules.module:Module._call_impl",
+        "the frame of a module's call, for naming the module an unasked-for gather ran in",
+    ),
     # --- torch.compile and the dry-run planner
     "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
     "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),
