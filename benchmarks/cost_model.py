@@ -146,8 +146,14 @@ def _link(machine: Machine, ranks: int) -> tuple[float, float]:
 
 
 def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float) -> float:
-    """A ring of ``steps`` steps moving ``nbytes`` per link: the cheaper of LL and Simple."""
-    step, bandwidth = _link(machine, ranks)
+    """A ring of ``steps`` steps moving ``nbytes`` per link: the cheaper of LL and Simple.
+    The ring visits the ranks node by node, so of its steps only the share ``nodes / P``
+    crosses the network (NCCL's tuning.cc counts intra- and inter-node steps apart); its
+    bandwidth is the slowest link's."""
+    nodes = _nodes(machine, ranks)
+    _, bandwidth = _link(machine, ranks)
+    crossing = nodes / ranks if nodes > 1 else 0.0
+    step = (1 - crossing) * machine.nvlink_step_latency_s + crossing * machine.net_step_latency_s
     latency = machine.base_latency_s + steps * step
     ll = latency + nbytes / (bandwidth * machine.ll_bandwidth_fraction)
     simple = machine.simple_latency_factor * latency + nbytes / bandwidth

@@ -84,10 +84,11 @@ def test_fit_reports_a_law_it_cannot_express():
 def test_collective_costs():
     machine = Machine()
     assert all_reduce_s(machine, 1, 1e9) == 0.0
-    # A large buffer: the ring's Simple protocol, 2 (P - 1) / P of it over InfiniBand and
-    # 2 (P - 1) network steps.
+    # A large buffer: the ring's Simple protocol, 2 (P - 1) / P of it over InfiniBand, and
+    # 2 (P - 1) steps of which 64 in 512 (one per node) cross the network.
     large = all_reduce_s(machine, 512, 1e9)
-    latency = machine.base_latency_s + 2 * 511 * machine.net_step_latency_s
+    step = (448 * machine.nvlink_step_latency_s + 64 * machine.net_step_latency_s) / 512
+    latency = machine.base_latency_s + 2 * 511 * step
     expected = (
         machine.simple_latency_factor * latency + 2 * 511 / 512 * 1e9 / machine.ib_bytes_per_s
     )
@@ -95,7 +96,7 @@ def test_collective_costs():
     # A small one: the tree's log2 P latency, far below the ring's 2 (P - 1) steps.
     small = all_reduce_s(machine, 512, 8.0)
     assert small < 2 * 511 * machine.net_step_latency_s / 10
-    assert all_gather_s(machine, 512, 8.0) > 511 * machine.net_step_latency_s
+    assert all_gather_s(machine, 512, 8.0) > 511 * machine.nvlink_step_latency_s
 
 
 def test_step_grows_by_the_fitted_laws():
