@@ -515,14 +515,22 @@ def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
 # --------------------------------------------------------------------------- projection
 def choose_exchange(models: dict[str, Fitted], ranks: int, shape: tuple[float, ...]) -> str:
     """NOTE [Ring or all-gather] at ``ranks``: ring when the keys and values one attention
-    call gathers exceed ``gather_limit_bytes``. Those are the all-gather bytes the
-    ``all_gather`` exchange adds over the ring's, per call, times ``P / (P - 1)``."""
+    call gathers exceed ``gather_limit_bytes``. Those are the collectives' bytes the
+    ``all_gather`` exchange adds over the ring's (an uneven all-gather is issued as an
+    all-to-all), per added call, times ``P / (P - 1)``."""
     if set(models) != {"all_gather", "ring"}:
         return next(iter(models))
-    gather, ring = models["all_gather"], models["ring"]
-    added = gather.bytes("all_gather", ranks, shape) - ring.bytes("all_gather", ranks, shape)
-    calls = gather.count("all_gather", ranks) - ring.count("all_gather", ranks)
-    whole = added / max(calls, 1.0) * ranks / max(ranks - 1, 1)
+    kinds = [k for k in models["all_gather"].received if k not in P2P]
+
+    def collectives(fitted: Fitted) -> tuple[float, float]:
+        nbytes = sum(fitted.bytes(k, ranks, shape) for k in kinds)
+        return nbytes, sum(fitted.count(k, ranks) for k in kinds)
+
+    (gathered, gather_calls), (ringed, ring_calls) = (
+        collectives(models["all_gather"]),
+        collectives(models["ring"]),
+    )
+    whole = (gathered - ringed) / max(gather_calls - ring_calls, 1.0) * ranks / max(ranks - 1, 1)
     limit = attention_exchange_choice().gather_limit_bytes
     return "ring" if ranks > 1 and whole > limit else "all_gather"
 
