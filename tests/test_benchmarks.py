@@ -84,11 +84,6 @@ SMOKES = {
         ("2 ranks agree with 1 rank",),
     ),
     "scaling_model": Smoke("--tile 8"),
-    "host_overhead": Smoke(
-        "--models unet --worlds 1 --rounds 1 --steps 1",
-        {"GOAL_RATIO": lambda _: 0.0},
-        ("unet on 1 rank(s): ShardTensor step at most",),
-    ),
     # The projection on a synthetic measurement (its fit and measurement: test_cost_model.py).
     "cost_model": Smoke(
         "--models fno",
@@ -110,6 +105,12 @@ SMOKES = {
     ),
 }
 SLOW_SMOKES = {
+    # 123 s at load average ~50 (two models built, one step each, a 1-rank pool).
+    "host_overhead": Smoke(
+        "--models unet --worlds 1 --rounds 1 --steps 1",
+        {"GOAL_RATIO": lambda _: 0.0},
+        ("unet on 1 rank(s): ShardTensor step at most",),
+    ),
     "compile": Smoke("--models unet --worlds 1 2 --rounds 1 --size 32 --backend eager"),
     "recipe_throughput": Smoke(
         "--meshes 1 1x2 --rounds 1 --steps 2 --resolution 32 --batch 2",
