@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from benchmarks import _common
+from tests.test_cost_model import synthetic_measurement
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,15 @@ SMOKES = {
         ("2 ranks agree with 1 rank",),
     ),
     "scaling_model": Smoke("--tile 8"),
+    # The projection on a synthetic measurement (its fit and measurement: test_cost_model.py).
+    "cost_model": Smoke(
+        "--models fno",
+        {
+            "measure_model": lambda _: lambda name: synthetic_measurement(),
+            "WEAK_GOAL": lambda _: 2.0,
+        },
+        ("fno: weak-scaling efficiency at 512 GPUs",),
+    ),
     "graph_halo": Smoke(
         "--spacing 0.1 --steps 1 --warmup 0 --worlds 1 2",
         {"lower_bound_bytes": lambda bound: lambda nodes: bound(nodes) + 1},
@@ -100,6 +110,12 @@ SLOW_SMOKES = {
         "--sizes 16 --steps 2 --layout slab",
         {"AGREEMENT": lambda _: -1.0},
         ("16³: 8 ranks agree with 1",),
+    ),
+    # 123 s at load average ~50 (two models built, one step each, a 1-rank pool).
+    "host_overhead": Smoke(
+        "--models unet --worlds 1 --rounds 1 --steps 1",
+        {"GOAL_RATIO": lambda _: 0.0},
+        ("unet on 1 rank(s): ShardTensor step at most",),
     ),
     "compile": Smoke("--models unet --worlds 1 2 --rounds 1 --size 32 --backend eager"),
     "recipe_throughput": Smoke(

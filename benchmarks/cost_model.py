@@ -1,0 +1,722 @@
+"""Weak and strong scaling of every zoo model's training step on up to 512 GPUs, projected from
+one measured small step per model.
+
+# NOTE [The cost model]
+Measured here, per model, on real gloo ranks (``measure``): one training step (forward, a
+mean-square loss, backward, gradients reduced by ``domain_parallel``) at several small local
+shapes, its traffic counted by ``shardsci.testing.count_traffic`` per collective kind (calls,
+bytes received by the busiest rank, rounds of point-to-point messages), and the gradient
+all-reduces apart (the step's traffic beyond the same step under ``no_sync()``). Each kind's
+bytes are fitted over the shapes as a linear function of the model's size basis (``basis``: a
+field's local rows, columns and their product; a graph's square root of nodes per rank, and
+nodes), which holds faces (halos), volumes (attention keys and values), spectra truncated along
+one dim (the FNO's transposes) and constants (statistics, the loss) alike; the fit must
+reproduce every measured shape (``FIT_TOLERANCE``). FLOPs come from ``torch.utils.flop_counter``
+on the plain model at three sizes, fitted as a polynomial in the pixel (or node) count, so that
+global attention's quadratic term is kept; so is the step's memory traffic (every non-view op's
+tensor arguments and results: kernels unfused), and compute is the longer of FLOPs at
+``sustained_flops`` and memory traffic at ``memory_bytes_per_s`` (FFTs count as traffic only:
+the flop counter has no formula for them). Host time per step is ``ops x host_us_per_op``, the
+ops the ShardTensor step dispatches (``benchmarks.host_overhead``).
+
+Projected (``project``) on ``Machine`` (every parameter with its source; ``--set
+name=value`` overrides any), per rank: ``max(host, compute + communication)``, host time
+assumed to overlap the device's work (kernels launched ahead), so the projection is optimistic
+where the host stalls on a collective. Communication, every kind on the critical path:
+
+- halos (point-to-point rounds, ``p2p``): each round one message latency plus its bytes;
+- all-reduces (statistics, the loss): the cheaper of ring and tree (NCCL's latency model);
+- all-gathers and reduce-scatters: rings, ``P - 1`` steps, ``(P - 1) x piece`` bytes;
+- all-to-alls (the FNO's transposes): ``P - 1`` messages, ``(P - 1) / P`` of the local volume;
+- gradients: one all-reduce of every parameter's bytes (not overlapped with the backward:
+  conservative).
+
+Bytes at ``P`` ranks follow from bytes at the measured ``P_m``: an all-reduce's buffer is
+``received x P_m / (2 (P_m - 1))``, an all-gather's piece ``received / (P_m - 1)``, an
+all-to-all's volume ``received x P_m / (P_m - 1)``. Attention over a sharded sequence (the ViT)
+is measured both as an all-gather and as a ring; at ``P`` the library's rule (NOTE [Ring or
+all-gather]: the gathered keys and values above ``gather_limit_bytes``) picks which is costed.
+A link inside a node is NVLink; from ``2 x gpus_per_node`` ranks on, some neighbour of every
+rank is on another node (InfiniBand).
+
+Decompositions: the UNet in 2-D blocks of ``t x t`` (measured on 2x2); the FNO, ViT and
+Transolver in slabs along H (measured on 2 ranks; at ``P`` ranks a square field of
+``N = t sqrt(P)`` has ``N / P`` rows per rank); the MeshGraphNet in METIS parts of ``n``
+nodes of a 2-D Delaunay mesh (measured on 2 ranks). Weak-scaling efficiency at ``P``: the
+step's compute over its projected time (the model's work per rank over what the step costs);
+strong: ``P_0 T(P_0) / (P T(P))`` from ``P_0 = 8``.
+
+Goals (issue 22): weak-scaling efficiency at least 0.9 at 512 GPUs at each model's
+recommended tile (``RECOMMENDED``). Run ``python -m benchmarks.cost_model [--models unet fno]
+[--set host_us_per_op=0] [--check]`` (≈2 min here); JSON lines on stdout, fields in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks._common import Goal, emit, emit_summary, on_ranks, parse_arguments, rank_pools
+from benchmarks.compile import CASES, _mesh_graph
+from benchmarks.host_overhead import _OpCounter
+from shardsci import Shard, ShardTensor, attention_exchange
+from shardsci.graph import GraphPartition, partition_nodes
+from shardsci.parallel import domain_parallel
+from shardsci.tensor._options import attention_exchange_choice
+from shardsci.testing import count_traffic, get_mesh
+
+GPUS = (8, 16, 32, 64, 128, 256, 512)
+FIT_TOLERANCE = 0.02  # of the largest measured bytes of a kind
+WEAK_GOAL = 0.9
+STRONG_FLOOR = 0.5
+
+
+@dataclass(frozen=True)
+class Machine:
+    """H100 SXM nodes, 8 GPUs on NVLink 4 / NVSwitch, one 400 Gb/s InfiniBand NIC per GPU."""
+
+    sustained_flops: float = 100e12
+    """Assumed: 20 % of the H100 SXM's 494.7 TFLOP/s dense TF32 (NVIDIA H100 datasheet)."""
+    memory_bytes_per_s: float = 2.7e12
+    """Assumed: 80 % of the H100 SXM's 3.35 TB/s HBM3 (H100 datasheet). A step's compute is
+    the longer of its FLOPs at ``sustained_flops`` and its memory traffic at this rate."""
+    nvlink_bytes_per_s: float = 370e9
+    """Assumed achievable per GPU and direction: 82 % of NVLink 4's 450 GB/s (H100 datasheet)."""
+    ib_bytes_per_s: float = 45e9
+    """Assumed achievable: 90 % of NDR's 50 GB/s per direction (DGX H100 user guide)."""
+    base_latency_s: float = 3.6e-6
+    """NCCL ``src/graph/tuning.cc``, ring LL: base latency of a collective or message."""
+    nvlink_step_latency_s: float = 0.47e-6
+    """NCCL tuning.cc, ring LL: per-step latency over NVLink."""
+    net_step_latency_s: float = 2.7e-6
+    """NCCL tuning.cc, ring LL: per-step latency over the network."""
+    tree_base_latency_s: float = 4.4e-6
+    """NCCL tuning.cc, tree LL: base latency."""
+    ll_bandwidth_fraction: float = 0.25
+    """NCCL tuning.cc: the LL protocol moves a quarter of the Simple protocol's bandwidth; the
+    Simple protocol's latencies are those above times ``simple_latency_factor``."""
+    simple_latency_factor: float = 3.0
+    """NCCL tuning.cc: Simple's base 8.4 µs and NVLink step 3.4 µs against LL's 3.6 and 0.47
+    (the network step 9.6 against 2.7): about 3x, rounded."""
+    gpus_per_node: int = 8
+    """DGX H100 / HGX H100."""
+    host_us_per_op: float = 53.0
+    """Measured here (``benchmarks.host_overhead``, UNet, 1 rank, 16² tile): a ShardTensor
+    step's CPU time (``time.process_time``, which the machine's load disturbs less than wall
+    time) over the aten ops it dispatches; the ViT and Transolver measure 83-104 µs. A
+    cluster's host core may be faster: override with ``--set host_us_per_op=...``."""
+
+
+def override(machine: Machine, settings: list[str]) -> Machine:
+    """``machine`` with ``name=value`` settings applied; one clear line for a bad one."""
+    known = {f.name: f.type for f in fields(Machine)}
+    changes = {}
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        if name not in known or not value:
+            raise SystemExit(f"--set {setting!r}: expected name=value, name one of {list(known)}")
+        changes[name] = int(value) if known[name] in (int, "int") else float(value)
+    return dataclasses.replace(machine, **changes)
+
+
+# --------------------------------------------------------------------------- collectives
+def _nodes(machine: Machine, ranks: int) -> int:
+    return max(1, math.ceil(ranks / machine.gpus_per_node))
+
+
+def _link(machine: Machine, ranks: int) -> tuple[float, float]:
+    """(per-step latency, bytes/s) of the slowest link a ring over ``ranks`` crosses."""
+    if _nodes(machine, ranks) == 1:
+        return machine.nvlink_step_latency_s, machine.nvlink_bytes_per_s
+    return machine.net_step_latency_s, machine.ib_bytes_per_s
+
+
+def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float) -> float:
+    """A ring of ``steps`` steps moving ``nbytes`` per link: the cheaper of LL and Simple.
+    The ring visits the ranks node by node, so of its steps only the share ``nodes / P``
+    crosses the network (NCCL's tuning.cc counts intra- and inter-node steps apart); its
+    bandwidth is the slowest link's."""
+    nodes = _nodes(machine, ranks)
+    _, bandwidth = _link(machine, ranks)
+    crossing = nodes / ranks if nodes > 1 else 0.0
+    step = (1 - crossing) * machine.nvlink_step_latency_s + crossing * machine.net_step_latency_s
+    latency = machine.base_latency_s + steps * step
+    ll = latency + nbytes / (bandwidth * machine.ll_bandwidth_fraction)
+    simple = machine.simple_latency_factor * latency + nbytes / bandwidth
+    return min(ll, simple)
+
+
+def all_reduce_s(machine: Machine, ranks: int, nbytes: float) -> float:
+    """Ring (``2 (P - 1)`` steps, ``2 (P - 1) / P`` of the buffer per link) or tree (``2 log2
+    P`` hops, twice the buffer at LL bandwidth), whichever is cheaper."""
+    if ranks == 1:
+        return 0.0
+    ring = _ring_s(machine, 2 * (ranks - 1), ranks, nbytes * 2 * (ranks - 1) / ranks)
+    step, bandwidth = _link(machine, ranks)
+    tree = machine.tree_base_latency_s + 2 * math.log2(ranks) * step
+    tree += 2 * nbytes / (bandwidth * machine.ll_bandwidth_fraction)
+    return min(ring, tree)
+
+
+def all_gather_s(machine: Machine, ranks: int, piece: float) -> float:
+    """Ring all-gather (or reduce-scatter) of ``piece`` bytes per rank: ``P - 1`` steps."""
+    return 0.0 if ranks == 1 else _ring_s(machine, ranks - 1, ranks, piece * (ranks - 1))
+
+
+def all_to_all_s(machine: Machine, ranks: int, volume: float) -> float:
+    """``P - 1`` messages posted together, ``(P - 1) / P`` of the local ``volume``; bytes
+    to ranks on other nodes go over InfiniBand."""
+    if ranks == 1:
+        return 0.0
+    local = min(ranks, machine.gpus_per_node) - 1
+    remote = ranks - 1 - local
+    piece = volume / ranks
+    latency = machine.base_latency_s + local * machine.nvlink_step_latency_s
+    latency += remote * machine.net_step_latency_s
+    return latency + piece * (local / machine.nvlink_bytes_per_s + remote / machine.ib_bytes_per_s)
+
+
+def halo_s(machine: Machine, ranks: int, rounds: float, nbytes: float) -> float:
+    """Every round of messages waits for its slowest: NVLink on one node, else InfiniBand."""
+    if ranks == 1:
+        return 0.0
+    step, bandwidth = _link(machine, 2 * ranks if ranks >= 2 * machine.gpus_per_node else ranks)
+    return rounds * (machine.base_latency_s + step) + nbytes / bandwidth
+
+
+# --------------------------------------------------------------------------- the models
+@dataclass(frozen=True)
+class Geometry:
+    """How a model is split: the ``meshes`` and local ``shapes`` it is measured at, the size
+    ``basis`` its bytes are fitted on, the local shape at ``P`` ranks for weak scaling at a
+    tile ``t`` (``weak(P, t)``) and strong scaling of a whole field ``N`` (``strong(P, N)``),
+    and the ``pixels`` (or nodes) of a local shape."""
+
+    meshes: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[int, ...], ...]
+    basis: Callable[[tuple[float, ...]], list[float]]
+    weak: Callable[[int, float], tuple[float, ...]]
+    strong: Callable[[int, float], tuple[float, ...]]
+    pixels: Callable[[tuple[float, ...]], float]
+
+
+def _field_basis(shape: tuple[float, ...]) -> list[float]:
+    rows, cols = shape
+    return [1.0, rows, cols, rows * cols]
+
+
+def _graph_basis(shape: tuple[float, ...]) -> list[float]:
+    (nodes,) = shape
+    return [1.0, math.sqrt(nodes), nodes]
+
+
+_SLAB = Geometry(
+    meshes=((2,), (4,)),
+    shapes=((16, 32), (32, 32), (16, 64), (32, 64)),
+    basis=_field_basis,
+    weak=lambda p, t: (t / math.sqrt(p), t * math.sqrt(p)),
+    strong=lambda p, n: (n / p, n),
+    pixels=lambda s: s[0] * s[1],
+)
+_BLOCK = Geometry(
+    meshes=((2, 2), (2, 4)),
+    shapes=((16, 16), (32, 16), (16, 32), (32, 32)),
+    basis=_field_basis,
+    weak=lambda p, t: (t, t),
+    strong=lambda p, n: (n / math.sqrt(p), n / math.sqrt(p)),
+    pixels=lambda s: s[0] * s[1],
+)
+_GRAPH = Geometry(
+    meshes=((2,), (4,)),
+    shapes=((100,), (400,), (1600,)),
+    basis=_graph_basis,
+    weak=lambda p, t: (t,),
+    strong=lambda p, n: (n / p,),
+    pixels=lambda s: s[0],
+)
+GEOMETRY = {
+    "unet": _BLOCK,
+    "fno": _SLAB,
+    "vit": _SLAB,
+    "transolver": _SLAB,
+    "meshgraphnet": _GRAPH,
+}
+# The tile per GPU the goal is stated at (H = W, or nodes) and the largest field of the strong
+# scaling projection (H = W, or nodes).
+RECOMMENDED = {"unet": 512, "fno": 512, "vit": 512, "transolver": 512, "meshgraphnet": 100_000}
+LARGEST = {"unet": 8192, "fno": 8192, "vit": 8192, "transolver": 8192, "meshgraphnet": 50_000_000}
+GRAPH_BATCH = 1
+P2P = ("p2p", "p2p_rounds")
+
+
+def laws(kind: str, ranks: int) -> list[float]:
+    """How a kind's bytes grow with the ranks ``P`` of its group: a collective's with ``P - 1``
+    (a piece per rank: statistics, keys and values) or ``(P - 1) / P`` (a fixed whole: an
+    all-reduced buffer, a transposed volume); messages' stay fixed (halos) or grow with
+    ``P - 1`` (a ring)."""
+    if kind in P2P:
+        return [1.0, ranks - 1.0]
+    return [ranks - 1.0, (ranks - 1.0) / ranks]
+
+
+def call_laws(ranks: int) -> list[float]:
+    """How a kind's calls (or rounds of messages) grow with ``P``: fixed, or ``P - 1`` (a
+    ring's rounds)."""
+    return [1.0, ranks - 1.0]
+
+
+# --------------------------------------------------------------------------- measurement
+def _graph_inputs(nodes_per_rank: int, mesh) -> tuple:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(0)
+    points = nodes_per_rank * world
+    positions, edge_index = _mesh_graph(points)
+    nodes = torch.randn(points, GRAPH_BATCH, 3, generator=generator)
+    edges = torch.randn(edge_index.shape[1], GRAPH_BATCH, 3, generator=generator)
+    parts = partition_nodes(edge_index, points, world, method="metis", coordinates=positions)
+    partition = GraphPartition.build(edge_index, parts, world)
+    node_start = sum(partition.node_sizes[:rank])
+    edge_start = sum(partition.edge_sizes[:rank])
+    node_rows = slice(node_start, node_start + partition.node_sizes[rank])
+    edge_rows = slice(edge_start, edge_start + partition.edge_sizes[rank])
+    return tuple(
+        ShardTensor.from_local(t.contiguous(), mesh, [Shard(dim)], {0: sizes})
+        for t, dim, sizes in (
+            (nodes[partition.node_order][node_rows], 0, partition.node_sizes),
+            (edges[partition.edge_order][edge_rows], 0, partition.edge_sizes),
+            (partition.edge_index[:, edge_rows], 1, partition.edge_sizes),
+        )
+    )
+
+
+def _field_inputs(shape: tuple[int, ...], mesh) -> tuple:
+    """``(1, 1, rows x mesh rows, cols x mesh cols)``, split into ``shape`` blocks."""
+    grid = tuple(mesh.shape) + (1,) * (2 - mesh.ndim)
+    rows, cols = shape
+    whole = torch.randn(
+        1, 1, rows * grid[0], cols * grid[1], generator=torch.Generator().manual_seed(0)
+    )
+    i, j = (*mesh.get_coordinate(), 0)[:2]
+    local = whole[:, :, i * rows : (i + 1) * rows, j * cols : (j + 1) * cols].contiguous()
+    placements = [Shard(2), Shard(3)][: mesh.ndim]
+    layout = {0: (rows,) * grid[0], 1: (cols,) * grid[1]}
+    return (
+        ShardTensor.from_local(local, mesh, placements, {k: layout[k] for k in range(mesh.ndim)}),
+    )
+
+
+def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exchange: str) -> dict:
+    """Rank body: one step's traffic at this local ``shape`` by kind (``count_traffic``;
+    ``gradient_all_reduce``: what the step issues beyond the same step under ``no_sync()``),
+    attention exchanged by ``exchange``, and the ops the step dispatches."""
+    torch.set_num_threads(1)
+    axes = ("h", "w")[: len(mesh_shape)]
+    full = get_mesh((1, *mesh_shape), ("dp", *axes))
+    torch.manual_seed(0)
+    model = domain_parallel(CASES[name].build(), full, dp_axis="dp", domain_axes=list(axes))
+    mesh = full[axes] if len(axes) > 1 else full[axes[0]]
+    args = _graph_inputs(shape[0], mesh) if name == "meshgraphnet" else _field_inputs(shape, mesh)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        out = model(*args)
+        loss = (out * out).mean()
+        (loss.full_tensor() if isinstance(loss, ShardTensor) else loss).backward()
+
+    with attention_exchange(exchange):
+        step()
+        with model.no_sync(), count_traffic() as without:
+            step()
+        with count_traffic() as with_gradients:
+            step()
+        with _OpCounter() as counter:
+            step()
+    counts = without.as_dict()
+    calls, received = Counter(counts["calls"]), Counter(counts["received"])
+    calls["p2p_rounds"] = counts["p2p_rounds"]
+    calls["gradient_all_reduce"] = with_gradients.calls_by_kind["all_reduce"] - calls["all_reduce"]
+    received["gradient_all_reduce"] = (
+        with_gradients.received_by_kind["all_reduce"] - received["all_reduce"]
+    )
+    return {
+        "calls": dict(calls),
+        "received": dict(received),
+        "ops": sum(counter.ops.values()),
+    }
+
+
+class _MemoryTraffic(TorchDispatchMode):
+    """Bytes every non-view op reads and writes (its tensor arguments and results): the
+    memory traffic of a step whose ops each run as one kernel, without fusion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        if not getattr(func, "is_view", False):
+            for t in tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def work(name: str, size: int) -> tuple[float, float]:
+    """FLOPs (``torch.utils.flop_counter``) and memory traffic (``_MemoryTraffic``) of one
+    plain training step at ``size``: H = W of a ``(1, 1, H, W)`` field, or a graph's nodes."""
+    torch.manual_seed(0)
+    model = CASES[name].build()
+    if name == "meshgraphnet":
+        _, edge_index = _mesh_graph(size)
+        args: tuple = (
+            torch.randn(size, GRAPH_BATCH, 3),
+            torch.randn(edge_index.shape[1], GRAPH_BATCH, 3),
+            edge_index,
+        )
+    else:
+        args = (torch.randn(1, 1, size, size),)
+    with FlopCounterMode(display=False) as counter, _MemoryTraffic() as traffic:
+        out = model(*args)
+        (out * out).mean().backward()
+    return float(counter.get_total_flops()), float(traffic.bytes)
+
+
+FLOP_SIZES = {"meshgraphnet": (200, 400, 800), "field": (32, 64, 128)}
+
+
+def _solve(rows: list[list[float]], values: list[float]) -> list[float]:
+    """Least squares ``rows @ x = values`` in float64."""
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
+    return torch.linalg.lstsq(a, b, driver="gelsd").solution.squeeze(1).tolist()
+
+
+def _kron(a: list[float], b: list[float]) -> list[float]:
+    return [x * y for x in a for y in b]
+
+
+@dataclass
+class Fitted:
+    """One model's step, measured and fitted (NOTE [The cost model]): per kind, ``calls``
+    (coefficients of ``call_laws``) and ``received`` bytes (of ``basis ⊗ laws``) of the busiest
+    rank; FLOPs and memory traffic ``c + a p + b p²`` of a whole field of ``p`` pixels
+    (nodes); the aten ops of the ShardTensor step."""
+
+    model: str
+    calls: dict[str, list[float]]
+    received: dict[str, list[float]]
+    flops: list[float]
+    memory: list[float]
+    ops: int
+
+    def count(self, kind: str, ranks: int) -> float:
+        return max(0.0, sum(c * x for c, x in zip(self.calls.get(kind, []), call_laws(ranks))))
+
+    def bytes(self, kind: str, ranks: int, shape: tuple[float, ...]) -> float:
+        row = _kron(GEOMETRY[self.model].basis(shape), laws(kind, ranks))
+        return max(0.0, sum(c * x for c, x in zip(self.received.get(kind, []), row)))
+
+    def per_rank(self, coefficients: list[float], ranks: int, shape: tuple[float, ...]) -> float:
+        """FLOPs (``self.flops``) or memory bytes (``self.memory``) per rank: the whole
+        field's over the ranks, plus the constant (the parameters' share) on every rank."""
+        constant, linear, quadratic = coefficients
+        whole = GEOMETRY[self.model].pixels(shape) * ranks
+        return constant + (linear * whole + quadratic * whole**2) / ranks
+
+
+def _polynomial(pixels: list[float], values: list[float]) -> list[float]:
+    """``[c, a, b]`` of ``c + a p + b p²`` fitted to ``values`` at ``pixels``; ``b = 0`` where
+    the quadratic term would be negative, and then ``c = 0`` where the constant would be."""
+    coefficients = _solve([[1.0, p, p * p] for p in pixels], values)
+    if coefficients[2] < 0:
+        coefficients = [*_solve([[1.0, p] for p in pixels], values), 0.0]
+    if coefficients[0] < 0:
+        coefficients = [0.0, _solve([[p] for p in pixels], values)[0], 0.0]
+    return coefficients
+
+
+def fit(
+    name: str,
+    runs: list[dict],
+    flop_sizes: list[int],
+    flop_values: list[float],
+    memory_values: list[float] | None = None,
+) -> tuple:
+    """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``ops``) and
+    the FLOPs (and memory traffic) at ``flop_sizes``; and per kind the worst misfit over the runs, relative to the
+    kind's largest measured bytes."""
+    basis = GEOMETRY[name].basis
+    kinds = sorted({k for r in runs for k in (*r["received"], *r["calls"])})
+    calls, received, misfit = {}, {}, {}
+    for kind in kinds:
+        calls[kind] = _solve(
+            [call_laws(r["ranks"]) for r in runs], [float(r["calls"].get(kind, 0)) for r in runs]
+        )
+        if kind == "p2p_rounds":
+            continue
+        rows = [_kron(basis(r["shape"]), laws(kind, r["ranks"])) for r in runs]
+        values = [float(r["received"].get(kind, 0)) for r in runs]
+        received[kind] = _solve(rows, values)
+        fitted = [sum(c * x for c, x in zip(received[kind], row)) for row in rows]
+        misfit[kind] = max(abs(f - v) for f, v in zip(fitted, values)) / max(max(values), 1.0)
+    pixels = [s if name == "meshgraphnet" else s * s for s in flop_sizes]
+    flops = _polynomial(pixels, flop_values)
+    memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
+    ops = min(r["ops"] for r in runs)
+    return Fitted(name, calls, received, flops, memory, ops), misfit
+
+
+def measure_model(name: str) -> dict:
+    """Every run of ``name`` (each exchange, mesh and shape) and its FLOPs, as JSON."""
+    geometry = GEOMETRY[name]
+    exchanges = ("all_gather", "ring") if name == "vit" else ("auto",)
+    runs: dict[str, list[dict]] = {}
+    for exchange in exchanges:
+        runs[exchange] = []
+        for mesh_shape in geometry.meshes:
+            for shape in geometry.shapes:
+                per_rank = on_ranks(
+                    math.prod(mesh_shape), measure, name, mesh_shape, shape, exchange
+                )
+                busiest = max(per_rank, key=lambda r: sum(r["received"].values()))
+                runs[exchange].append(
+                    {"ranks": math.prod(mesh_shape), "shape": list(shape), **busiest}
+                )
+    sizes = FLOP_SIZES.get(name, FLOP_SIZES["field"])
+    flops, memory = zip(*(work(name, s) for s in sizes))
+    return {"runs": runs, "flop_sizes": list(sizes), "flops": flops, "memory_bytes": memory}
+
+
+def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
+    """Exchange -> ``Fitted``; and the misfits."""
+    result, misfits = {}, {}
+    for exchange, runs in measured["runs"].items():
+        result[exchange], misfits[exchange] = fit(
+            name, runs, measured["flop_sizes"], measured["flops"], measured.get("memory_bytes")
+        )
+    return result, misfits
+
+
+# --------------------------------------------------------------------------- projection
+def choose_exchange(models: dict[str, Fitted], ranks: int, shape: tuple[float, ...]) -> str:
+    """NOTE [Ring or all-gather] at ``ranks``: ring when the keys and values one attention
+    call gathers exceed ``gather_limit_bytes``. Those are the collectives' bytes the
+    ``all_gather`` exchange adds over the ring's (an uneven all-gather is issued as an
+    all-to-all), per added call, times ``P / (P - 1)``."""
+    if set(models) != {"all_gather", "ring"}:
+        return next(iter(models))
+    kinds = [k for k in models["all_gather"].received if k not in P2P]
+
+    def collectives(fitted: Fitted) -> tuple[float, float]:
+        nbytes = sum(fitted.bytes(k, ranks, shape) for k in kinds)
+        return nbytes, sum(fitted.count(k, ranks) for k in kinds)
+
+    (gathered, gather_calls), (ringed, ring_calls) = (
+        collectives(models["all_gather"]),
+        collectives(models["ring"]),
+    )
+    whole = (gathered - ringed) / max(gather_calls - ring_calls, 1.0) * ranks / max(ranks - 1, 1)
+    limit = attention_exchange_choice().gather_limit_bytes
+    return "ring" if ranks > 1 and whole > limit else "all_gather"
+
+
+def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...]) -> dict:
+    """Seconds per step of each part (NOTE [The cost model]) at ``ranks`` with local
+    ``shape``; ``total``: ``max(host, device)``."""
+    parts = {
+        "compute": max(
+            fitted.per_rank(fitted.flops, ranks, shape) / machine.sustained_flops,
+            fitted.per_rank(fitted.memory, ranks, shape) / machine.memory_bytes_per_s,
+        )
+    }
+    if ranks > 1:
+        for kind in fitted.received:
+            n, nbytes = fitted.count(kind, ranks), fitted.bytes(kind, ranks, shape)
+            if kind == "p2p":
+                rounds = fitted.count("p2p_rounds", ranks)
+                parts[kind] = halo_s(machine, ranks, rounds, nbytes)
+            elif kind in ("all_reduce", "gradient_all_reduce"):
+                buffer = nbytes / max(n, 1.0) * ranks / (2 * (ranks - 1))
+                parts[kind] = n * all_reduce_s(machine, ranks, buffer)
+            elif kind == "all_to_all":
+                volume = nbytes / max(n, 1.0) * ranks / (ranks - 1)
+                parts[kind] = n * all_to_all_s(machine, ranks, volume)
+            else:  # all_gather, reduce_scatter and the rest: rings of P - 1 steps
+                parts[kind] = n * all_gather_s(machine, ranks, nbytes / max(n, 1.0) / (ranks - 1))
+    parts["device"] = sum(parts.values())
+    parts["host"] = fitted.ops * machine.host_us_per_op * 1e-6
+    parts["total"] = max(parts["host"], parts["device"])
+    return parts
+
+
+def best_step(machine: Machine, models: dict[str, Fitted], ranks: int, shape) -> tuple[str, dict]:
+    exchange = choose_exchange(models, ranks, shape)
+    return exchange, step_s(machine, models[exchange], ranks, shape)
+
+
+def hybrid_step(machine: Machine, models: dict[str, Fitted], ranks: int, tile: float) -> dict:
+    """A step at ``ranks`` GPUs as data parallelism over groups of one node's GPUs, each
+    group splitting one sample's field (``tile`` per GPU): the domain's collectives at
+    ``gpus_per_node`` ranks on NVLink, the gradients all-reduced over all ``ranks``."""
+    name = next(iter(models.values())).model
+    group = min(ranks, machine.gpus_per_node)
+    shape = GEOMETRY[name].weak(group, tile)
+    exchange, parts = best_step(machine, models, group, shape)
+    fitted = models[exchange]
+    if "gradient_all_reduce" in parts:
+        calls = fitted.count("gradient_all_reduce", group)
+        nbytes = fitted.bytes("gradient_all_reduce", group, shape)
+        buffer = nbytes / max(calls, 1.0) * group / (2 * (group - 1))
+        gradients = calls * all_reduce_s(machine, ranks, buffer)
+        parts["device"] += gradients - parts["gradient_all_reduce"]
+        parts["gradient_all_reduce"] = gradients
+        parts["total"] = max(parts["host"], parts["device"])
+    return parts
+
+
+def weak_efficiency(machine: Machine, models: dict[str, Fitted], ranks: int, tile: float) -> float:
+    name = next(iter(models.values())).model
+    _, parts = best_step(machine, models, ranks, GEOMETRY[name].weak(ranks, tile))
+    return parts["compute"] / parts["total"] if parts["total"] > 0 else 0.0
+
+
+def smallest_tile(machine: Machine, models: dict[str, Fitted], ranks: int, target: float):
+    """The smallest tile keeping ``target`` at ``ranks``: powers of 2 from 16 to 2^15 (of 10
+    from 10^2 to 10^8 nodes for a graph); ``None`` if none does."""
+    name = next(iter(models.values())).model
+    candidates = (
+        [10**k for k in range(2, 9)] if name == "meshgraphnet" else [2**k for k in range(4, 16)]
+    )
+    for tile in candidates:
+        if weak_efficiency(machine, models, ranks, tile) >= target:
+            return tile
+    return None
+
+
+def _ms(parts: dict) -> dict:
+    return {k: round(v * 1e3, 4) for k, v in parts.items()}
+
+
+def project(machine: Machine, models: dict[str, Fitted]) -> dict:
+    """Emit ``weak`` and ``strong`` records of one model; return its summary."""
+    fitted = next(iter(models.values()))
+    name, geometry = fitted.model, GEOMETRY[fitted.model]
+    tile = RECOMMENDED[name]
+    for ranks in GPUS:
+        shape = geometry.weak(ranks, tile)
+        exchange, parts = best_step(machine, models, ranks, shape)
+        emit(
+            "weak",
+            model=name,
+            gpus=ranks,
+            tile=tile,
+            local_shape=[round(s, 1) for s in shape],
+            attention=exchange if len(models) > 1 else None,
+            step_ms=_ms(parts),
+            efficiency=round(parts["compute"] / parts["total"], 3),
+        )
+    weak = parts["compute"] / parts["total"]
+    no_host = dataclasses.replace(machine, host_us_per_op=0.0)
+    first, strong_limit, efficiency = None, None, 1.0
+    for ranks in GPUS:
+        shape = geometry.strong(ranks, LARGEST[name])
+        _, parts = best_step(machine, models, ranks, shape)
+        first = first or (ranks, parts["total"])
+        efficiency = first[0] * first[1] / (ranks * parts["total"])
+        if efficiency < STRONG_FLOOR and strong_limit is None:
+            strong_limit = ranks
+        emit(
+            "strong",
+            model=name,
+            gpus=ranks,
+            field=LARGEST[name],
+            local_shape=[round(s, 1) for s in shape],
+            step_ms=_ms(parts),
+            efficiency_vs_8=round(efficiency, 3),
+        )
+    # What the host would have to cost for it to hide behind the device at 512 GPUs; and
+    # the data-parallel alternative of domain groups of one node.
+    _, device = best_step(no_host, models, 512, geometry.weak(512, tile))
+    hybrid, hybrid_no_host = (hybrid_step(m, models, 512, tile) for m in (machine, no_host))
+    emit("hybrid", model=name, gpus=512, tile=tile, step_ms=_ms(hybrid))
+    return {
+        "weak_efficiency_512": round(weak, 3),
+        "weak_efficiency_512_without_host": round(weak_efficiency(no_host, models, 512, tile), 3),
+        "tile_for_0.9": smallest_tile(machine, models, 512, WEAK_GOAL),
+        "tile_for_0.9_without_host": smallest_tile(no_host, models, 512, WEAK_GOAL),
+        "weak_efficiency_512_dp_over_nodes": round(hybrid["compute"] / hybrid["total"], 3),
+        "weak_efficiency_512_dp_over_nodes_without_host": round(
+            hybrid_no_host["compute"] / hybrid_no_host["total"], 3
+        ),
+        "strong_efficiency_512": round(efficiency, 3),
+        "strong_below_0.5_at_gpus": strong_limit,
+        "host_ms_per_step": round(fitted.ops * machine.host_us_per_op * 1e-3, 2),
+        "host_us_per_op_to_hide": round(device["device"] / fitted.ops * 1e6, 2),
+        "ops_per_step": fitted.ops,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(GEOMETRY), choices=list(GEOMETRY))
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="NAME=VALUE", help="override a Machine field"
+    )
+    parser.add_argument("--load", help="project from this file's measurements (from --save)")
+    parser.add_argument("--save", help="write the measurements to this JSON file")
+    args = parse_arguments(parser, argv)
+    machine = override(Machine(), args.set)
+    start = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    emit("parameters", **asdict(machine))
+    saved = json.loads(Path(args.load).read_text()) if args.load else {}
+    summary, goals, measured_all = {}, [], {}
+    with rank_pools():
+        for name in args.models:
+            measured = saved.get(name) or measure_model(name)
+            measured_all[name] = measured
+            models, misfits = fitted_models(name, measured)
+            emit(
+                "measured",
+                model=name,
+                **measured,
+                misfit=misfits,
+                fitted={k: asdict(v) for k, v in models.items()},
+            )
+            summary[name] = project(machine, models)
+            goals.append(
+                Goal(
+                    f"{name}: weak-scaling efficiency at 512 GPUs at least {WEAK_GOAL} at "
+                    f"{RECOMMENDED[name]} per GPU",
+                    summary[name]["weak_efficiency_512"] >= WEAK_GOAL,
+                )
+            )
+    if args.save:
+        Path(args.save).write_text(json.dumps(measured_all))
+    emit_summary(
+        goals,
+        args.check,
+        **summary,
+        load_average_before=round(load_before, 1),
+        load_average_after=round(os.getloadavg()[0], 1),
+        wall_s=round(time.perf_counter() - start, 1),
+    )
+
+
+if __name__ == "__main__":
+    main()

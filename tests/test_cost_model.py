@@ -1,0 +1,156 @@
+"""The cost model (``benchmarks.cost_model``, NOTE [The cost model]): its collective costs, its
+fit of a step's traffic over shapes and rank counts, the attention exchange it picks, and
+(``slow``) its fitted laws against a measured step at a rank count it was not fitted on.
+
+Run the slow check with ``pytest -m slow tests/test_cost_model.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import cost_model
+from benchmarks.cost_model import (
+    GEOMETRY,
+    Machine,
+    all_gather_s,
+    all_reduce_s,
+    choose_exchange,
+    fit,
+    laws,
+    override,
+    step_s,
+)
+from shardsci import attention_exchange
+
+# Per kind, true bytes as a function of (ranks P, rows r, cols c): a halo of the faces, fixed
+# in P; statistics all-gathered, a fixed piece per rank; a transposed volume of kept modes.
+TRUTH = {
+    "p2p": lambda p, r, c: 2 * 4 * c * 4.0,
+    "all_gather": lambda p, r, c: (p - 1) * 64.0,
+    "all_to_all": lambda p, r, c: (p - 1) / p * r * 12 * 32 * 8.0,
+    "all_reduce": lambda p, r, c: 2 * (p - 1) / p * 4096.0,
+}
+CALLS = {"p2p": 8, "p2p_rounds": 4, "all_gather": 5, "all_to_all": 16, "all_reduce": 2}
+
+
+def synthetic_runs(ranks=(2, 4), shapes=GEOMETRY["fno"].shapes) -> list[dict]:
+    """Runs as ``measure`` reports them, from ``TRUTH``."""
+    return [
+        {
+            "ranks": p,
+            "shape": list(shape),
+            "calls": dict(CALLS),
+            "received": {kind: bytes_(p, *shape) for kind, bytes_ in TRUTH.items()},
+            "ops": 1000,
+        }
+        for p in ranks
+        for shape in shapes
+    ]
+
+
+def synthetic_measurement() -> dict:
+    """A model's measurement (``measure_model``'s JSON) without running anything."""
+    sizes = [32, 64, 128]
+    return {
+        "runs": {"auto": synthetic_runs()},
+        "flop_sizes": sizes,
+        "flops": [5e4 * s * s for s in sizes],
+    }
+
+
+def test_fit_recovers_the_laws_at_other_rank_counts_and_shapes():
+    fitted, misfit = fit(
+        "fno", synthetic_runs(), [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)]
+    )
+    assert max(misfit.values()) < 1e-9
+    for p, shape in ((512, (7.5, 2000.0)), (64, (100.0, 300.0))):
+        for kind, bytes_ in TRUTH.items():
+            assert fitted.bytes(kind, p, shape) == pytest.approx(bytes_(p, *shape), rel=1e-6)
+        assert fitted.count("all_to_all", p) == pytest.approx(16)
+    assert fitted.per_rank(fitted.flops, 8, (32.0, 32.0)) == pytest.approx(5e4 * 32 * 32, rel=1e-6)
+
+
+def test_fit_reports_a_law_it_cannot_express():
+    runs = synthetic_runs(ranks=(2, 4, 8))
+    for run in runs:  # bytes growing like P²: neither a piece per rank nor a fixed whole
+        run["received"]["all_gather"] = run["ranks"] ** 2 * 64.0
+    _, misfit = fit("fno", runs, [32, 64], [1.0, 4.0])
+    assert misfit["all_gather"] > 0.01
+
+
+def test_collective_costs():
+    machine = Machine()
+    assert all_reduce_s(machine, 1, 1e9) == 0.0
+    # A large buffer: the ring's Simple protocol, 2 (P - 1) / P of it over InfiniBand, and
+    # 2 (P - 1) steps of which 64 in 512 (one per node) cross the network.
+    large = all_reduce_s(machine, 512, 1e9)
+    step = (448 * machine.nvlink_step_latency_s + 64 * machine.net_step_latency_s) / 512
+    latency = machine.base_latency_s + 2 * 511 * step
+    expected = (
+        machine.simple_latency_factor * latency + 2 * 511 / 512 * 1e9 / machine.ib_bytes_per_s
+    )
+    assert large == pytest.approx(expected)
+    # A small one: the tree's log2 P latency, far below the ring's 2 (P - 1) steps.
+    small = all_reduce_s(machine, 512, 8.0)
+    assert small < 2 * 511 * machine.net_step_latency_s / 10
+    assert all_gather_s(machine, 512, 8.0) > 511 * machine.nvlink_step_latency_s
+
+
+def test_step_grows_by_the_fitted_laws():
+    fitted, _ = fit("fno", synthetic_runs(), [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    machine = Machine(host_us_per_op=0.0)
+    shape = GEOMETRY["fno"].weak(64, 512)
+    small, large = step_s(machine, fitted, 8, shape), step_s(machine, fitted, 512, shape)
+    assert large["all_gather"] > 50 * small["all_gather"]  # P - 1 steps and pieces
+    assert large["total"] == large["device"] > large["compute"]
+    with_host = step_s(Machine(host_us_per_op=100.0), fitted, 512, shape)
+    assert with_host["total"] == pytest.approx(max(0.1, large["device"]))
+
+
+def test_attention_exchange_chosen_by_the_librarys_rule():
+    gathered, ring = synthetic_runs(), synthetic_runs()
+    for run in gathered:  # one attention all-gather of the local keys and values, r c 128 B
+        run["received"]["all_gather"] += (
+            (run["ranks"] - 1) * run["shape"][0] * run["shape"][1] * 128
+        )
+        run["calls"]["all_gather"] += 1
+    models = {
+        "all_gather": fit("vit", gathered, [32, 64], [1.0, 4.0])[0],
+        "ring": fit("vit", ring, [32, 64], [1.0, 4.0])[0],
+    }
+    shape = (16.0, 512.0)  # 8192 * 128 B = 1 MiB per rank
+    with attention_exchange(gather_limit_bytes=8 * 2**20 - 1):
+        assert choose_exchange(models, 8, shape) == "ring"  # 8 MiB gathered
+        assert choose_exchange(models, 4, shape) == "all_gather"
+    with attention_exchange(gather_limit_bytes=2**30):
+        assert choose_exchange(models, 512, shape) == "all_gather"
+
+
+def test_override_names_what_it_takes():
+    assert override(Machine(), ["ib_bytes_per_s=25e9", "gpus_per_node=4"]).gpus_per_node == 4
+    with pytest.raises(SystemExit, match="expected name=value, name one of"):
+        override(Machine(), ["ib_bandwidth=1"])
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured 2026-11-27: on 8 ranks at (16, 48) the FNO's 16 all-to-alls receive "
+    "9,830,400 bytes on the busiest rank, 14x the 688,128 that the 2- and 4-rank laws predict "
+    "(not yet explained: the 12 kept W modes do not divide over 8 ranks)",
+)
+def test_fitted_laws_predict_a_measured_step_at_8_ranks():
+    """The FNO fitted on 2 and 4 ranks predicts, per kind, the bytes and calls of the busiest
+    rank of a real step on 8 ranks (``count_traffic``) at a shape it was not measured at."""
+    measured = cost_model.measure_model("fno")
+    (fitted,), _ = zip(*[cost_model.fit("fno", r, [32], [1.0]) for r in measured["runs"].values()])
+    shape = (16, 48)
+    per_rank = cost_model.on_ranks(8, cost_model.measure, "fno", (8,), shape, "auto")
+    busiest = max(per_rank, key=lambda r: sum(r["received"].values()))
+    for kind, nbytes in busiest["received"].items():
+        assert fitted.bytes(kind, 8, shape) == pytest.approx(nbytes, rel=0.02, abs=64), kind
+        assert fitted.count(kind, 8) == pytest.approx(busiest["calls"][kind], abs=0.5), kind
+    assert math.isclose(sum(laws("all_gather", 8)), 7 + 7 / 8)
