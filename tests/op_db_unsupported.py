@@ -118,6 +118,18 @@ _EMPTY_CHANNELS = Bug(
     r"Expected (input|grad_output) to have non-zero size for non-batch dimensions"
     r"|Expected 3D or 4D \(batch mode\) tensor with optional 0 dim batch size",
 )
+#: Reflection / replication padding with an empty shard on a dim it does not pad (channels):
+#: ``_run_local`` in tensor/_ops/_batched_ops.py takes an empty shard's output shape from meta
+#: tensors, but the meta functions check the same "non-zero dimensions" as the kernels, so
+#: the ranks holding an empty shard raise while the others go on to the next collective.
+_EMPTY_SHARD_PADDING = Bug(
+    "raises on some ranks",
+    "reflection/replication padding with an empty shard on a non-padded dim raises on the "
+    "ranks holding it (the meta shape probe of _batched_ops._run_local) while the others wait",
+    "some-ranks",
+    r"Expected 3D or 4D \(batch mode\) tensor with possibly 0 batch size and other non-zero "
+    r"dimensions for input",
+)
 
 
 #: The errors each op may raise on sharded input. The sweep fails on an error no entry
@@ -128,7 +140,7 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
             r"^NotImplementedError: adaptive_avg_pool1d on a ShardTensor sharded along dim 2: the extent 8 is not",
             _ADAPTIVE,
             (0,),
-            ("4r-random",),
+            ("4r-empty", "4r-random", "2x2-uneven", "2x2-last"),
         ),
     ),
     "nn.functional.adaptive_avg_pool2d": (
@@ -165,10 +177,24 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
     ),
     "nn.functional.adaptive_avg_pool3d": (
         Accepted(
+            r"^NotImplementedError: adaptive_avg_pool3d on a ShardTensor sharded along dim 2: the extent 8 is not",
+            _ADAPTIVE,
+            (0,),
+            ("2x2-uneven",),
+        ),
+        Accepted(
             r"^NotImplementedError: adaptive_avg_pool3d on a ShardTensor sharded along dim 3: the extent 8 is not",
             _ADAPTIVE,
             (0,),
-            ("2x2-last",),
+            ("4r-random", "2x2-last"),
+        ),
+    ),
+    "nn.functional.adaptive_max_pool1d": (
+        Accepted(
+            r"^NotImplementedError: adaptive_max_pool1d_with_indices on a ShardTensor sharded along dim 2: the",
+            _ADAPTIVE,
+            (0,),
+            ("4r-empty", "4r-random", "2x2-last"),
         ),
     ),
     "nn.functional.adaptive_max_pool2d": (
@@ -176,23 +202,35 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
             r"^NotImplementedError: adaptive_max_pool2d_with_indices on a ShardTensor sharded along dim 3: the",
             _ADAPTIVE,
             (0,),
-            ("4r-empty",),
+            ("4r-empty", "2x2-last"),
         ),
     ),
     "nn.functional.linear_cross_entropy.chunked": (
         Accepted(
             r"^NotImplementedError: shardsci: torch_nn\._linear_cross_entropy_batch_chunked\.default has no sharding",
             _CHUNKED_LOSS,
+            (0,),
+            ("2r-uneven", "4r-empty", "4r-random"),
+        ),
+        Accepted(
+            r"^NotImplementedError: shardsci: torch_nn\._linear_cross_entropy_batch_chunked\.default has no sharding",
+            _CHUNKED_LOSS,
             (1,),
-            ("2x2-uneven",),
+            ("2x2-uneven", "2x2-last"),
         ),
     ),
     "nn.functional.linear_cross_entropy.chunked_none": (
         Accepted(
             r"^NotImplementedError: shardsci: torch_nn\._linear_cross_entropy_batch_chunked_no_reduction\.default",
             _CHUNKED_LOSS,
+            (0,),
+            ("2r-uneven", "4r-empty", "4r-random"),
+        ),
+        Accepted(
+            r"^NotImplementedError: shardsci: torch_nn\._linear_cross_entropy_batch_chunked_no_reduction\.default",
+            _CHUNKED_LOSS,
             (1,),
-            ("2x2-last",),
+            ("2x2-uneven", "2x2-last"),
         ),
     ),
     "resize_": (
@@ -200,7 +238,7 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
             r"^NotImplementedError: shardsci: aten\.resize\.default has no sharding rule; register a handler with",
             _RESIZE,
             (0,),
-            ("4r-empty",),
+            ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last"),
         ),
     ),
     "resize_as_": (
@@ -208,7 +246,7 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
             r"^NotImplementedError: shardsci: aten\.resize\.default has no sharding rule; register a handler with",
             _RESIZE,
             (0,),
-            ("4r-random",),
+            ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last"),
         ),
     ),
     "to_sparse": (
@@ -216,7 +254,7 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
             r"^NotImplementedError: shardsci: aten\._to_sparse\.default has no sharding rule; register a handler",
             _NOT_STRIDED,
             (0,),
-            ("2r-uneven",),
+            ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last"),
         ),
     ),
 }
@@ -225,125 +263,357 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
 #: every op's first sample on every layout: like strict xfails, each fails the sweep once
 #: none of the cases it applies to shows its bug.
 KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
-    "_batch_norm_with_update": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "_chunk_cat": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "_native_batch_norm_legit": (_GATHERED.cases((0,), ("4r-random",)),),
-    "_segment_reduce.lengths": (_GATHERED.cases((30,), ("2x2-uneven",)),),
-    "_segment_reduce.offsets": (_GATHERED.cases((30,), ("2x2-last",)),),
-    "_unsafe_masked_index_put_accumulate": (_GATHERED.cases((0,), ("4r-random",)),),
-    "addmm": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "addmm.decomposed": (_GATHERED.cases((0,), ("4r-random",)),),
-    "argsort": (_GATHERED.cases((0,), ("4r-empty",)),),
+    "__getitem__": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
+    "_batch_norm_with_update": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "_chunk_cat": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "2x2-uneven", "2x2-last")),),
+    "_native_batch_norm_legit": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "_segment_reduce.lengths": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((30,), ("2x2-uneven", "2x2-last")),
+    ),
+    "_segment_reduce.offsets": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((30,), ("2x2-uneven", "2x2-last")),
+    ),
+    "_unsafe_masked_index_put_accumulate": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "addmm": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
+    "addmm.decomposed": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
+    "argsort": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((1,), ("2x2-uneven",)),
+    ),
     "as_strided": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random")),
         _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),
     ),
-    "as_strided_scatter": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "block_diag": (_GATHERED.cases((3,), ("2x2-uneven",)),),
-    "cholesky": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "cholesky_inverse": (_GATHERED.cases((3,), ("4r-empty",)),),
-    "cholesky_solve": (_GATHERED.cases((3,), ("4r-random",)),),
-    "chunk": (_GATHERED.cases((0,), ("2x2-uneven",)),),
+    "as_strided_copy": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
+    "as_strided_scatter": (
+        _GATHERED.cases((0,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((2,), ("2r-uneven", "2x2-uneven", "2x2-last")),
+    ),
+    "block_diag": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty")),
+        _GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),
+    ),
+    "cat": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
+    "cholesky": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "cholesky_inverse": (
+        _GATHERED.cases((3,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "cholesky_solve": (
+        _GATHERED.cases((3,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "chunk": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "column_stack": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "constant_pad_nd": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "cross": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "cummin": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "diag": (_GATHERED.cases((1,), ("2x2-uneven",)),),
-    "diag_embed": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "diagonal": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "diagonal_copy": (_GATHERED.cases((0,), ("4r-random",)),),
-    "diagonal_scatter": (_GATHERED.cases((0,), ("2x2-uneven",)),),
+    "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
+    "constant_pad_nd": (
+        _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "corrcoef": (_WRONG_LAYOUT.cases((2,), ("2x2-uneven", "2x2-last")),),
+    "cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
+    "cummax": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
+    "cummin": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
+    "cumprod": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
+    "cumulative_trapezoid": (_GATHERED.cases((0,), ("4r-random",)),),
+    "diag": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
+    "diag_embed": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
+    "diagonal": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "diagonal_copy": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "diagonal_scatter": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "fft.fft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "fft.ifft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
-    "fft.ihfft": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "fft.rfft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
-    "geqrf": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "gradient": (_WRONG_LAYOUT.cases((0,), ("4r-random",)),),
-    "grid_sampler_2d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "histogram": (_GATHERED.cases((32,), ("2r-uneven",)),),
-    "histogramdd": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "hstack": (_GATHERED.cases((1,), ("2x2-uneven",)),),
-    "index_add": (_GATHERED.cases((6,), ("2x2-uneven",)),),
-    "index_copy": (_GATHERED.cases((2,), ("2x2-last",)),),
-    "index_reduce.amax": (_GATHERED.cases((2,), ("4r-random",)),),
-    "index_reduce.amin": (_GATHERED.cases((4,), ("2x2-uneven",)),),
-    "index_reduce.mean": (_GATHERED.cases((4,), ("2x2-last",)),),
-    "index_select": (_GATHERED.cases((1,), ("4r-empty",)),),
-    "linalg.cholesky": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "linalg.cholesky_ex": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "linalg.diagonal": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "linalg.eig": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "linalg.eigh": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "linalg.householder_product": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "linalg.inv": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "linalg.inv_ex": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "linalg.ldl_factor": (_GATHERED.cases((0,), ("4r-random",)),),
-    "linalg.ldl_factor_ex": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "linalg.ldl_solve": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "linalg.lu": (_GATHERED.cases((0,), ("4r-random",)),),
-    "linalg.lu_factor": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "linalg.lu_factor_ex": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "linalg.pinv": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "linalg.pinv.hermitian": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "linalg.qr": (_GATHERED.cases((0,), ("4r-empty",)),),
+    "fft.ihfft": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
+    "fft.irfft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
+    "fft.rfft": (_WRONG_LAYOUT.cases((0,), ("2x2-uneven", "2x2-last")),),
+    "geqrf": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "gradient": (
+        _WRONG_LAYOUT.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _WRONG_LAYOUT.cases((2,), ("2x2-uneven", "2x2-last")),
+    ),
+    "grid_sampler_2d": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven")),),
+    "histogram": (_GATHERED.cases((32,), ("2r-uneven", "4r-empty", "4r-random")),),
+    "histogramdd": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "hstack": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
+    ),
+    "index_add": (
+        _GATHERED.cases((3,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((6,), ("2x2-uneven", "2x2-last")),
+    ),
+    "index_copy": (
+        _GATHERED.cases((1,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),
+    ),
+    "index_fill": (
+        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
+    ),
+    "index_put": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
+    "index_reduce.amax": (
+        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
+    ),
+    "index_reduce.amin": (
+        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
+    ),
+    "index_reduce.mean": (
+        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
+    ),
+    "index_reduce.prod": (
+        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
+    ),
+    "index_select": (
+        _GATHERED.cases((1,), ("4r-empty", "4r-random")),
+        _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),
+    ),
+    "linalg.cholesky": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.cholesky_ex": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
+    "linalg.diagonal": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.eig": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.eigh": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.householder_product": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.inv": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.inv_ex": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.ldl_factor": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.ldl_factor_ex": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.ldl_solve": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.lu": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.lu_factor": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.lu_factor_ex": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.multi_dot": (_WRONG_LAYOUT.cases((3,), ("2x2-uneven", "2x2-last")),),
+    "linalg.pinv": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.pinv.hermitian": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "linalg.qr": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
     "linalg.solve": (_GATHERED.cases((0,), ("4r-random",)),),
-    "lu": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "lu_solve": (_GATHERED.cases((0,), ("4r-random",)),),
-    "lu_unpack": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "masked.cumprod": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "masked_scatter": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "masked_select": (_GATHERED.cases((0,), ("4r-random",)),),
-    "matrix_exp": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "max_pool2d_with_indices_backward": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "msort": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "native_batch_norm": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "native_group_norm": (_GATHERED.cases((0,), ("4r-random",)),),
-    "native_layer_norm": (_GATHERED.cases((0,), ("2x2-uneven",)),),
+    "linalg.svd": (_GATHERED.cases((32,), ("2x2-uneven", "2x2-last")),),
+    "logcumsumexp": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
+    "lu": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "lu_solve": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "lu_unpack": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "masked.cumprod": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
+    ),
+    "masked.cumsum": (_WRONG_LAYOUT.cases((1,), ("2x2-uneven", "2x2-last")),),
+    "masked_scatter": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "masked_select": (_GATHERED.cases((0,), ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last")),),
+    "matrix_exp": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "max_pool2d_with_indices_backward": (
+        _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "min.reduction_with_dim": (_GATHERED.cases((0,), ("4r-random",)),),
+    "mode": (_GATHERED.cases((0,), ("4r-empty",)),),
+    "msort": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((1,), ("2x2-uneven",)),
+    ),
+    "multinomial": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),),
+    "native_batch_norm": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "native_group_norm": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "native_layer_norm": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
     "nn.functional.adaptive_avg_pool2d": (_EMPTY_CHANNELS.cases((0, 2), ("4r-random",)),),
     "nn.functional.adaptive_max_pool3d": (_EMPTY_CHANNELS.cases((0,), ("4r-random",)),),
     "nn.functional.avg_pool1d": (_EMPTY_CHANNELS.cases((0,), ("4r-random",)),),
-    "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven",)),),
+    "nn.functional.batch_norm": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
+    "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
+    "nn.functional.channel_shuffle": (_WRONG_LAYOUT.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "nn.functional.conv1d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random",)),),
-    "nn.functional.embedding": (_GATHERED.cases((0,), ("4r-random",)),),
-    "nn.functional.embedding_bag": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "nn.functional.fractional_max_pool2d": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "nn.functional.grid_sample": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "nn.functional.instance_norm": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
-    "nn.functional.kl_div": (_GATHERED.cases((0,), ("4r-random",)),),
-    "nn.functional.max_unpool2d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "nn.functional.max_unpool2d.grad": (_GATHERED.cases((17,), ("2x2-last",)),),
-    "nn.functional.multi_head_attention_forward": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
-    "nn.functional.nll_loss": (_GATHERED.cases((0,), ("2x2-uneven",)),),
+    "nn.functional.conv2d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
+    "nn.functional.conv_transpose1d": (_GATHERED.cases((0,), ("2x2-last",)),),
+    "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
+    "nn.functional.embedding": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "nn.functional.embedding_bag": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
+    "nn.functional.fractional_max_pool2d": (
+        _GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),
+    ),
+    "nn.functional.fractional_max_pool3d": (_GATHERED.cases((0,), ("2x2-last",)),),
+    "nn.functional.grid_sample": (
+        _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "nn.functional.group_norm": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
+    "nn.functional.instance_norm": (_GATHERED.cases((0,), ("2x2-last",)),),
+    "nn.functional.kl_div": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
+    "nn.functional.local_response_norm": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
+    "nn.functional.max_pool1d": (_EMPTY_CHANNELS.cases((0,), ("4r-random",)),),
+    "nn.functional.max_unpool1d": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
+    "nn.functional.max_unpool1d.grad": (_GATHERED.cases((16,), ("2x2-uneven", "2x2-last")),),
+    "nn.functional.max_unpool2d": (
+        _GATHERED.cases((0,), ("2x2-uneven",)),
+        _GATHERED.cases((1,), ("2x2-last",)),
+    ),
+    "nn.functional.max_unpool2d.grad": (
+        _GATHERED.cases((0,), ("2x2-uneven",)),
+        _GATHERED.cases((17,), ("2x2-last",)),
+    ),
+    "nn.functional.max_unpool3d": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
+    "nn.functional.max_unpool3d.grad": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
+    "nn.functional.multi_head_attention_forward": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _WRONG_LAYOUT.cases((0,), ("2x2-uneven", "2x2-last")),
+    ),
+    "nn.functional.nll_loss": (
+        _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
     "nn.functional.normalize": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
-    "nn.functional.pad.replicate_negative": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "ormqr": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "pca_lowrank": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "pinverse": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "put": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "qr": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "renorm": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "scatter": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "scatter_add": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "scatter_reduce.amax": (_GATHERED.cases((0,), ("4r-empty",)),),
-    "scatter_reduce.amin": (_GATHERED.cases((0,), ("4r-random",)),),
-    "scatter_reduce.mean": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "scatter_reduce.prod": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "scatter_reduce.sum": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "select_scatter": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "sort": (_GATHERED.cases((0,), ("4r-random",)),),
-    "split_with_sizes_copy": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "stft": (_GATHERED.cases((3,), ("2x2-last",)),),
-    "svd": (_GATHERED.cases((32,), ("2x2-uneven",)),),
-    "svd_lowrank": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "take": (_GATHERED.cases((0,), ("4r-random",)),),
-    "take_along_dim": (_GATHERED.cases((0,), ("2x2-uneven",)),),
+    "nn.functional.pad.replicate_negative": (
+        _EMPTY_SHARD_PADDING.cases((0,), ("4r-random",)),
+        _GATHERED.cases((0,), ("2x2-last",)),
+    ),
+    "nn.functional.pdist": (_GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),),
+    "nn.functional.rms_norm": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
+    "nn.functional.scaled_dot_product_attention": (
+        _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-last")),
+    ),
+    "ormqr": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "pca_lowrank": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "pinverse": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "put": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "qr": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "renorm": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "2x2-uneven", "2x2-last")),),
+    "rot90": (_WRONG_LAYOUT.cases((0,), ("2x2-uneven", "2x2-last")),),
+    "scatter": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
+    "scatter_add": (_GATHERED.cases((0,), ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last")),),
+    "scatter_reduce.amax": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "scatter_reduce.amin": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "scatter_reduce.mean": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "scatter_reduce.prod": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "scatter_reduce.sum": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "select_scatter": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
+    "slice_scatter": (_GATHERED.cases((0,), ("2r-uneven", "4r-random", "2x2-uneven")),),
+    "sort": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((1,), ("2x2-uneven",)),
+    ),
+    "split": (_GATHERED.cases((0,), ("4r-random",)),),
+    "split.list_args": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
+    "split_with_sizes": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
+    "split_with_sizes_copy": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
+    "stft": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),
+    ),
+    "svd": (_GATHERED.cases((32,), ("2x2-uneven", "2x2-last")),),
+    "svd_lowrank": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "take": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "take_along_dim": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
+    "torch.ops.aten._safe_softmax.default": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
+    "trapezoid": (_GATHERED.cases((0,), ("4r-random",)),),
     "trapz": (_GATHERED.cases((0,), ("4r-random",)),),
-    "triangular_solve": (_GATHERED.cases((1,), ("2x2-uneven",)),),
-    "tril": (_GATHERED.cases((0,), ("2x2-last",)),),
-    "triu": (_GATHERED.cases((0,), ("2r-uneven",)),),
-    "unbind": (_GATHERED.cases((1,), ("2x2-uneven",)),),
-    "unbind_copy": (_GATHERED.cases((1,), ("2x2-last",)),),
+    "triangular_solve": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
+    ),
+    "tril": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "triu": (
+        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "unbind": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
+    "unbind_copy": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
+    "unfold_copy": (_GATHERED.cases((1,), ("2x2-uneven",)),),
+    "unsafe_chunk": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "unsafe_split": (_GATHERED.cases((0,), ("4r-random",)),),
+    "vstack": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
 }
 
 #: Ops whose outputs are random or uninitialised: the sharded run draws other numbers than one
