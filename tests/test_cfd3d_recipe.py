@@ -194,3 +194,34 @@ def test_the_command_trains_on_a_2x2x2_block(tmp_path: Path) -> None:
     state = read_extra(latest_checkpoint(run / "checkpoints"))["prediction"]
     assert state["mean"].shape == state["std"].shape == (3,)
     assert state["data_attributes"]["resolution"] == 8
+
+
+def test_learnability_probe_reports_train_and_held_out_errors_against_persistence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The one-process probe (README, "The 3-D recipe") trains the recipe's UNet on a tiny file
+    and prints both errors; its held-out persistence is the file's, computed here directly."""
+    import h5py
+
+    from shardsci.recipes.cfd3d import learnability
+    from shardsci.recipes.cfd3d.generate import DatasetConfig, generate_dataset
+    from shardsci.recipes.cfd3d.navier_stokes import SolverConfig
+
+    solver = SolverConfig(
+        resolution=8, dt=0.01, ic_max_wavenumber=2, forcing_wavenumber=1.5, precision="float32"
+    )
+    config = DatasetConfig(
+        solver=solver, n_train=2, n_test=1, n_snapshots=4, record_every=2, warmup_steps=2
+    )
+    path = generate_dataset(tmp_path / "v.h5", config)
+    learnability.main([str(path), "--model", "unet", "--steps", "2", "--n-train", "2"])
+    printed = capsys.readouterr().out
+    with h5py.File(path, "r") as file:
+        held_out = torch.from_numpy(file["velocity"][2:]).double()
+    inputs, targets = held_out[:, :-1].flatten(0, 1), held_out[:, 1:].flatten(0, 1)
+    persistence = learnability.relative_l2(inputs, targets)
+    assert "6 training pairs, 3 held-out pairs" in printed
+    assert "on held-out pairs " in printed
+    assert printed.rstrip().endswith(f"(persistence {persistence:.4f})"), printed
+    with pytest.raises(SystemExit):
+        learnability.main([str(path), "--n-train", "3"])

@@ -1,0 +1,115 @@
+"""Can a model of this recipe learn the one-step map of a velocity file? A one-process probe.
+
+Trains one of the recipe's models (``configs/recipe/cfd3d/model/<name>.yaml``) on plain tensors
+in one process, with the recipe's loss (mean squared error of fields normalised per channel by
+the training trajectories' statistics) and AdamW with a warm-up and cosine decay, then prints
+the one-step relative L2 error on the training pairs and on the held-out pairs beside
+persistence's. A training error well below a held-out error that stays at persistence's is
+overfitting, whatever the step count; that is what the recipe's default data showed (README,
+"The 3-D recipe").
+
+Usage
+-----
+``python -m shardsci.recipes.cfd3d.learnability data/generated/ns3d_32.h5 --steps 100``
+(``--model unet``, ``--stride 2``: pairs two records apart; ``--n-train``: the first
+trajectories train, the rest are held out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import h5py
+import torch
+import torch.nn.functional as F
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+import shardsci.configs
+from shardsci.recipes.cfd3d.generate import DATASET_NAME
+from shardsci.recipes.models import ZOO
+
+
+def relative_l2(prediction: torch.Tensor, truth: torch.Tensor) -> float:
+    """Mean over samples of ‖prediction - truth‖ / ‖truth‖, fields ``(N, 3, D, H, W)``."""
+    difference = (prediction - truth).flatten(1).norm(dim=1)
+    return (difference / truth.flatten(1).norm(dim=1)).mean().item()
+
+
+def recipe_model(name: str) -> torch.nn.Module:
+    """The recipe's model ``name`` with its 3-D settings, as ``model=<name>`` builds it."""
+    config_type, target = ZOO[name]
+    settings = Path(shardsci.configs.__file__).parent / f"recipe/cfd3d/model/{name}.yaml"
+    fields = OmegaConf.to_container(OmegaConf.load(settings))
+    tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    return get_class(target)(config_type(**tuples))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path, help="a velocity file (trajectory, time, 3, D, H, W)")
+    parser.add_argument("--model", default="fno", choices=("fno", "unet", "transolver"))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--n-train", type=int, default=4)
+    parser.add_argument("--stride", type=int, default=1, help="records between input and target")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    with h5py.File(args.path, "r") as file:
+        velocity = torch.from_numpy(file[DATASET_NAME][:]).float()
+    train, held_out = velocity[: args.n_train], velocity[args.n_train :]
+    if len(held_out) == 0:
+        parser.error(f"--n-train={args.n_train} leaves no held-out trajectory")
+    per_channel = (0, 1, 3, 4, 5)
+    mean = train.mean(dim=per_channel).view(1, 3, 1, 1, 1)
+    std = train.std(dim=per_channel).view(1, 3, 1, 1, 1)
+
+    def pairs(fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = args.stride
+        inputs = fields[:, :-s].reshape(-1, *fields.shape[2:])
+        targets = fields[:, s:].reshape(-1, *fields.shape[2:])
+        return (inputs - mean) / std, (targets - mean) / std
+
+    train_in, train_out = pairs(train)
+    test_in, test_out = pairs(held_out)
+    model = recipe_model(args.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    warmup = min(20, args.steps)  # the recipe's train.schedule.warmup_steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps)),
+    )
+    print(
+        f"{args.model}: {sum(p.numel() for p in model.parameters())} parameters; "
+        f"{len(train_in)} training pairs, {len(test_in)} held-out pairs"
+    )
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        index = torch.randint(len(train_in), (args.batch,))
+        loss = F.mse_loss(model(train_in[index]), train_out[index])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+
+    def error(prediction: torch.Tensor, truth: torch.Tensor) -> float:
+        """The recipe's metric: relative L2 in the data's units."""
+        return relative_l2(prediction * std + mean, truth * std + mean)
+
+    with torch.no_grad():
+        train_error = error(model(train_in), train_out)
+        test_error = error(model(test_in), test_out)
+    print(
+        f"after {args.steps} steps ({time.perf_counter() - started:.0f} s): one-step relative L2 "
+        f"on training pairs {train_error:.4f} (persistence {error(train_in, train_out):.4f}),"
+        f" on held-out pairs {test_error:.4f} (persistence {error(test_in, test_out):.4f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
