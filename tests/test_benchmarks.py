@@ -5,8 +5,9 @@ Each runs in this process on the suite's rank pools (their shutdown at the bench
 switched off), with a goal made unreachable by patching what the benchmark compares with (a
 threshold or a lower bound, read in this process only); a benchmark without goals must exit
 0 under ``--check``. The figures of such tiny runs mean nothing. A real run of the CFD recipe
-(``recipe_throughput``), the compiled steps (``compile``) and eight 3-D solver ranks
-(``ns3d_generation``) cost more than the rest together: those three are ``slow``;
+(``recipe_throughput``), the compiled steps (``compile``), eight 3-D solver ranks
+(``ns3d_generation``) and four steps of the 3-D FNO (``memory_3d``) cost more than the rest
+together: those four are ``slow``;
 ``recipe_throughput``'s goals are also checked here on stubbed runs.
 """
 
@@ -116,6 +117,13 @@ SLOW_SMOKES = {
         "--models unet --worlds 1 --rounds 1 --steps 1",
         {"GOAL_RATIO": lambda _: 0.0},
         ("unet on 1 rank(s): ShardTensor step at most",),
+    ),
+    "memory_3d": Smoke(
+        "--sizes 16 24 --ranks 1 2 --budget-gib 0",
+        # A tiny field's peaks are fixed costs, not the field's: only the agreement is checked;
+        # a budget of 0 stops every search at its first size.
+        {"GOAL_FACTOR": lambda _: 1e9, "AGREEMENT": lambda _: -1.0},
+        ("train: 2 ranks agree with 1 rank", "predict: 2 ranks agree with 1 rank"),
     ),
     "compile": Smoke("--models unet --worlds 1 2 --rounds 1 --size 32 --backend eager"),
     "recipe_throughput": Smoke(
