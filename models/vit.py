@@ -19,9 +19,11 @@ Tokens are the patches in row-major order (``p = i W_p + j``). Under a 2x2 block
 (H over mesh axis 0, W over axis 1) no rank holds a contiguous run of that order, so
 flattening the patch grid moves W's mesh axes onto H first (one all-to-all of the patch
 embeddings, never wrong data: ``shardsci/tensor/_ops/_view_ops.py``): tokens are then split
-over both axes in row-major order, and the output comes back split along H over both axes, not
-in the input's block layout. Attention is permutation-equivariant, so keeping each rank's block of
-tokens in place with a recorded permutation would save that all-to-all; it is not done.
+over both axes in row-major order. The view back to the patch grid returns to the input's
+blocks (one all-to-all undoing the first: NOTE [An unflatten returns to the layout before the
+flatten]), so the output has the input's layout. Attention is permutation-equivariant, so
+keeping each rank's block of tokens in place with a recorded permutation would save both
+all-to-alls; it is not done.
 """
 
 from __future__ import annotations

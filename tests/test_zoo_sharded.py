@@ -45,13 +45,9 @@ COMBINATIONS = [(m, c.name) for m in MODELS if not m.endswith("3d") for c in FIE
 
 # The ViT's output where it is not laid out as its input (H, W multiples of its patch 2):
 # on a split cutting through a patch, the patch embedding's ownership rule gives a patch to
-# the rank holding its first row (7/5 rows: patch rows 4/2); on a block, the output is split
-# along H over both axes (NOTE [Tokens of a block decomposition]): each H shard's patch rows
-# (4/2 of 8/4 rows) are split again in halves over the W axis.
-VIT_OUTPUTS = {
-    "2r-H-7/5": Layout((Shard(2),), {2: (8, 4)}),
-    "2x2-block": Layout((Shard(2), Shard(2)), {2: (4, 4, 2, 2)}),
-}
+# the rank holding its first row (7/5 rows: patch rows 4/2). On a block the output returns
+# to the input's blocks (NOTE [Tokens of a block decomposition]).
+VIT_OUTPUTS = {"2r-H-7/5": Layout((Shard(2),), {2: (8, 4)})}
 # Why a whole model may receive as many bytes as one gather of its input: its layers exchange
 # halos, spectra, keys and statistics of features wider than the input, layer after layer (each
 # op's own traffic is checked against its bound in the op tests).
