@@ -59,3 +59,33 @@ def test_zero_dim_slice_and_select_raise_torchs_error() -> None:
     """Slicing or selecting a 0-d tensor raises torch's error on every rank (it raised
     ZeroDivisionError)."""
     run_on_ranks(2, _zero_dim_body)
+
+
+def _empty_batch_einsum_body() -> None:
+    mesh = get_mesh((2,))
+    on_w = Layout((Shard(3),), {3: (3, 1)})
+    empty = torch.randn(0, 3, 6, 4, dtype=torch.float64)
+    weight = torch.randn(3, 2, 6, 4, dtype=torch.float64)
+    one = torch.randn(1, 3, 6, 4, dtype=torch.float64)
+    check_against_reference(
+        lambda a, w: torch.einsum("bixy,ioxy->boxy", a, w),
+        [empty, weight],
+        [on_w, None],
+        mesh,
+        out_layouts=[on_w],
+        what="an FNO's mode mixing of an empty batch",
+    )
+    check_against_reference(
+        lambda a, b: torch.einsum("bixy,bixy->bxy", a, b),
+        [one, empty],
+        [on_w, on_w],
+        mesh,
+        out_layouts=[Layout((Shard(2),), {2: (3, 1)})],
+        what="a batch of 1 broadcast against an empty one",
+    )
+
+
+def test_an_empty_batch_stays_empty_through_einsum() -> None:
+    """A letter of extent 0 in one operand, absent or of extent 1 in the others, is 0 in the
+    output (a data-parallel replica with no held-out sample: the output said 1)."""
+    run_on_ranks(2, _empty_batch_einsum_body)

@@ -387,7 +387,8 @@ def _output_spec(
     extents: dict[str, int] = {}
     for o, subscript in zip(operands, subscripts):
         for d, c in enumerate(subscript):
-            extents[c] = max(extents.get(c, 1), o.shape[d])  # a dim of size 1 broadcasts
+            if extents.get(c, 1) == 1:  # a dim of size 1 broadcasts, to any size, 0 included
+                extents[c] = o.shape[d]
     placements: list[Placement] = [Replicate()] * mesh.ndim
     shardings = {}
     for c, letter in letters.items():
