@@ -129,6 +129,7 @@ def test_the_model_beats_persistence(dataset: Path, tmp_path: Path) -> None:
 MESHES = ["1", "2x1", "1x2", "2x2", "4x2", "2x2x2"]
 
 
+@pytest.mark.slow  # six meshes, up to 8 ranks: 84 s here
 def test_the_loss_curve_and_parameters_do_not_depend_on_the_mesh(
     dataset: Path, tmp_path: Path
 ) -> None:
@@ -160,7 +161,7 @@ def _parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("resume_mesh", ["2x1", "1"])
+@pytest.mark.parametrize("resume_mesh", [pytest.param("2x1", marks=pytest.mark.slow), "1"])
 def test_a_4x2_checkpoint_resumes_on_another_mesh(
     dataset: Path, tmp_path: Path, resume_mesh: str
 ) -> None:
