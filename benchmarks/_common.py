@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -38,10 +39,18 @@ __all__ = [
     "parse_arguments",
     "rank_pools",
     "restart_pools",
+    "rss_bytes",
     "spread",
 ]
 
 _RANK_TIMEOUT_S = 300.0
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now, in bytes (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE_BYTES
 
 
 def emit(record: str, **fields: Any) -> None:

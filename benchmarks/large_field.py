@@ -36,25 +36,20 @@ from benchmarks._common import (
     parse_arguments,
     rank_pools,
     restart_pools,
+    rss_bytes,
 )
 from shardsci import Shard, ShardTensor, distribute_tensor
 from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
 from shardsci.testing import count_traffic, get_mesh
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 AGREEMENT = 1e-4  # float32: the loss and gradient norms, summed in another order
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
 
 
 def step_memory(size: int) -> dict:
     """Rank body: one step; peak RSS over the body's start, wall and CPU seconds, the loss,
     every gradient's norm, and the step's bytes received by kind."""
-    start_rss = _rss_bytes()
+    start_rss = rss_bytes()
     torch.manual_seed(0)
     model = UNet(width=32, depth=3, padding_mode="circular")
     x, y = torch.randn(1, 1, size, size), torch.randn(1, 1, size, size)

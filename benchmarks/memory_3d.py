@@ -58,6 +58,7 @@ from benchmarks._common import (
     parse_arguments,
     rank_pools,
     restart_pools,
+    rss_bytes,
 )
 from shardsci import ShardTensorSpec
 from shardsci._commands import CONFIG_MODULE
@@ -66,7 +67,6 @@ from shardsci.recipes.cfd3d.navier_stokes import SolverConfig, random_velocity
 from shardsci.testing import get_mesh
 from shardsci.training import Precision, instantiate, plain, training_step, whole_tensor
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 AGREEMENT = 1e-4  # float32: the loss, gradient and output norms, summed in another order
 GOAL_FACTOR = 1.3  # per-rank peak <= GOAL_FACTOR * whole/N + parameters + optimiser state
 DECOMPOSITIONS = {
@@ -76,11 +76,6 @@ DECOMPOSITIONS = {
     8: ("block 2x2x2 (D, H, W)", (2, 2, 2), ("domain_d", "domain_h", "domain_w")),
 }
 STEPS = ("train", "predict")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
 
 
 class _OneBatch:
@@ -101,7 +96,7 @@ def step_memory(n: int, step: str, model_config: dict, optim_config: dict) -> di
     """Rank body: one ``step`` ("train" or "predict") on an N³ field; peak RSS over the
     body's start, the step's wall and CPU seconds, what the agreement compares, and the
     parameters' and optimiser state's bytes."""
-    start_rss = _rss_bytes()
+    start_rss = rss_bytes()
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = instantiate(OmegaConf.create(model_config))

@@ -37,12 +37,12 @@ from benchmarks._common import (
     parse_arguments,
     rank_pools,
     restart_pools,
+    rss_bytes,
 )
 from shardsci import ShardTensorSpec
 from shardsci.recipes.cfd3d.navier_stokes import NavierStokes3d, SolverConfig, random_velocity
 from shardsci.testing import get_mesh
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 AGREEMENT = 1e-9  # relative; energy and <u_i^3> of the field after the steps
 LAYOUTS = {
     "block": ((2, 2, 2), (Shard(2), Shard(3), Shard(4))),
@@ -50,15 +50,10 @@ LAYOUTS = {
 }
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
-
-
 def generate_field(n: int, steps: int, layout_name: str) -> dict:
     """Rank body: draw one field and integrate it; peak RSS over the body's start, times, and
     checksums of the result."""
-    start_rss = _rss_bytes()
+    start_rss = rss_bytes()
     config = SolverConfig(resolution=n, dt=0.08 / n)  # the default CFL number at every n
     layout = None
     if dist.get_world_size() > 1:
