@@ -280,6 +280,7 @@ def _symmetry_body(case: str) -> None:
 def test_a_symmetry_of_sharded_fields_equals_one_process_and_keeps_the_layout(case: str) -> None:
     """The augmentation on a training batch as the ranks hold it: uneven slabs and an uneven
     pencil, a permutation that moves a sharded dim and reversals of sharded dims; values,
-    gradients and the output's placements and shard sizes. About 40 s per case at a load
-    average of 9 (mostly the first ShardTensor calls' sharding propagation)."""
+    gradients and the output's placements and shard sizes (it fails without the redistribution
+    back to the input's layout). 7-40 s per case here at load averages of 9-18 (the first
+    ShardTensor calls' sharding propagation, and starting the pool)."""
     run_on_ranks(CUBES[case][0], _symmetry_body, case)
