@@ -30,9 +30,6 @@ from shardsci import ShardTensor
 
 __all__ = ["BoxSymmetry", "box_symmetries"]
 
-_SPATIAL = (-3, -2, -1)
-"""D, H, W of a field ``(..., 3, D, H, W)``."""
-
 
 @dataclass(frozen=True)
 class BoxSymmetry:
@@ -44,6 +41,7 @@ class BoxSymmetry:
 
     @property
     def is_identity(self) -> bool:
+        """Whether this symmetry leaves every field as it is."""
         return self.axes == (0, 1, 2) and self.signs == (1, 1, 1)
 
     def __call__(self, fields: torch.Tensor) -> torch.Tensor:
