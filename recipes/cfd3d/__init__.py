@@ -7,7 +7,9 @@ recipe's default; ``mesh=2x2`` a pencil over D and H, ``mesh=8`` slabs of D,
 ``configs/recipe/cfd3d.yaml`` (and ``configs/recipe/cfd3d/model/<model>.yaml``: the 3-D settings
 of the FNO, the UNet and the Transolver), ``configs/data/ns3d.yaml`` and
 ``configs/eval/cfd3d.yaml``; the solver and dataset generator are ``navier_stokes.py``
-(``spectral.py``) and ``generate.py``; the data and the task are ``data.py`` and ``task.py``.
+(``spectral.py``) and ``generate.py``; the data and the task are ``data.py`` and ``task.py``,
+the augmentation by the 48 symmetries of the box ``symmetry.py``, and a one-process probe of
+what the model can learn ``learnability.py``.
 """
 
 from shardsci.recipes.cfd3d.config import SCHEMAS

@@ -33,11 +33,16 @@ class CFD3dDataConfig:
     dataset : DatasetConfig
         How the trajectories are generated (solver, resolution, counts); a file of yours is
         what it is, and these settings do not apply to it.
+    augment : bool
+        Map each training batch by one of the 48 rotations and reflections of the box, drawn
+        per step (``symmetry.py``): the equations and the forcing commute with them, so each
+        training pair stands for 48.
     """
 
     path: str = "data/generated/ns3d.h5"
     generate: GenerateMode = GenerateMode.auto
     dataset: DatasetSchema = field(default_factory=DatasetSchema)  # type: ignore[valid-type]
+    augment: bool = True
 
 
 SCHEMAS: dict[tuple[str, str], type] = {

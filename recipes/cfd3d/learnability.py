@@ -11,8 +11,9 @@ overfitting, whatever the step count; that is what the recipe's default data sho
 Usage
 -----
 ``python -m shardsci.recipes.cfd3d.learnability data/generated/ns3d_32.h5 --steps 100``
-(``--model unet``, ``--stride 2``: pairs two records apart; ``--n-train``: the first
-trajectories train, the rest are held out).
+(``--model unet``, ``--set modes=[4,4,4]``: the model's settings; ``--augment``: each batch
+mapped by a random symmetry of the box, as the recipe's ``data.augment``; ``--stride 2``: pairs
+two records apart; ``--n-train``: the first trajectories train, the rest are held out).
 """
 
 from __future__ import annotations
@@ -30,20 +31,18 @@ from omegaconf import OmegaConf
 
 import shardsci.configs
 from shardsci.recipes.cfd3d.generate import DATASET_NAME
+from shardsci.recipes.cfd3d.symmetry import box_symmetries
 from shardsci.recipes.models import ZOO
+from shardsci.training import relative_l2
 
 
-def relative_l2(prediction: torch.Tensor, truth: torch.Tensor) -> float:
-    """Mean over samples of ‖prediction - truth‖ / ‖truth‖, fields ``(N, 3, D, H, W)``."""
-    difference = (prediction - truth).flatten(1).norm(dim=1)
-    return (difference / truth.flatten(1).norm(dim=1)).mean().item()
-
-
-def recipe_model(name: str) -> torch.nn.Module:
-    """The recipe's model ``name`` with its 3-D settings, as ``model=<name>`` builds it."""
+def recipe_model(name: str, overrides: list[str] | None = None) -> torch.nn.Module:
+    """The recipe's model ``name`` with its 3-D settings, as ``model=<name>`` builds it, and
+    ``overrides`` (``["modes=[4,4,4]", "width=8"]``) as ``model.<key>=<value>`` would."""
     config_type, target = ZOO[name]
     settings = Path(shardsci.configs.__file__).parent / f"recipe/cfd3d/model/{name}.yaml"
-    fields = OmegaConf.to_container(OmegaConf.load(settings))
+    merged = OmegaConf.merge(OmegaConf.load(settings), OmegaConf.from_dotlist(overrides or []))
+    fields = OmegaConf.to_container(merged)
     tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     return get_class(target)(config_type(**tuples))
 
@@ -52,12 +51,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a velocity file (trajectory, time, 3, D, H, W)")
     parser.add_argument("--model", default="fno", choices=("fno", "unet", "transolver"))
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="model settings, e.g. width=8"
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--n-train", type=int, default=4)
     parser.add_argument("--stride", type=int, default=1, help="records between input and target")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--augment", action="store_true", help="map each batch by a random symmetry of the box"
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     with h5py.File(args.path, "r") as file:
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
 
     train_in, train_out = pairs(train)
     test_in, test_out = pairs(held_out)
-    model = recipe_model(args.model)
+    model = recipe_model(args.model, args.set)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     warmup = min(20, args.steps)  # the recipe's train.schedule.warmup_steps
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -88,18 +93,23 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.model}: {sum(p.numel() for p in model.parameters())} parameters; "
         f"{len(train_in)} training pairs, {len(test_in)} held-out pairs"
     )
+    symmetries = box_symmetries(tuple(velocity.shape[-3:])) if args.augment else None
     started = time.perf_counter()
     for _ in range(args.steps):
         index = torch.randint(len(train_in), (args.batch,))
-        loss = F.mse_loss(model(train_in[index]), train_out[index])
+        inputs, targets = train_in[index], train_out[index]
+        if symmetries is not None:
+            symmetry = symmetries[torch.randint(len(symmetries), ()).item()]
+            inputs, targets = (((symmetry(f * std + mean)) - mean) / std for f in (inputs, targets))
+        loss = F.mse_loss(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
 
     def error(prediction: torch.Tensor, truth: torch.Tensor) -> float:
-        """The recipe's metric: relative L2 in the data's units."""
-        return relative_l2(prediction * std + mean, truth * std + mean)
+        """The recipe's metric, averaged over the pairs: relative L2 in the data's units."""
+        return relative_l2(prediction * std + mean, truth * std + mean).mean().item()
 
     with torch.no_grad():
         train_error = error(model(train_in), train_out)

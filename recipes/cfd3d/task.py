@@ -1,7 +1,8 @@
 """The 3-D CFD recipe's task: predict the velocity one record interval ahead, domain-parallel
 over D, H and W (``shardsci.training.NextStepProblem``: the batches of this rank's block, the
 mean squared error, the held-out one-step error against persistence, a rollout and its PNG of
-the mid-plane x = 1/2)."""
+the mid-plane x = 1/2), each training batch mapped by a random symmetry of the box
+(``data.augment``, ``symmetry.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from omegaconf import DictConfig
 
 from shardsci.recipes.cfd3d.data import TRAJECTORIES
-from shardsci.training import NextStepProblem, NextStepTask, PredictTask, RunContext
+from shardsci.recipes.cfd3d.symmetry import BoxSymmetry, box_symmetries
+from shardsci.training import NextStepFields, NextStepProblem, NextStepTask, PredictTask, RunContext
 
 __all__ = ["VELOCITY", "next_step", "predict", "prepare", "random_next_step"]
 
@@ -28,9 +30,38 @@ VELOCITY = NextStepProblem(TRAJECTORIES, _mid_plane, "u_x on the plane x = 1/2")
 """The recipe's next-step problem."""
 
 
+class AugmentedNextStepTask(NextStepTask):
+    """``NextStepTask`` whose training batch ``step`` is mapped, inputs and targets alike, by
+    one of the box's symmetries, drawn from ``(train.seed, step)``: the same on every rank and
+    on a resumed run. The symmetry acts on the fields in the data's units (a reflection
+    negates a component, so it must not see a normalised field with a nonzero mean)."""
+
+    def __init__(self, task: NextStepTask, seed: int) -> None:
+        super().__init__(task.problem, task.data, task.run, task.rollout_steps)
+        if not isinstance(task.data, NextStepFields):
+            raise TypeError(f"augmentation needs the data's fields, got {type(task.data)}")
+        self.seed = seed
+        self.symmetries = box_symmetries(task.data.field.shape[-3:])
+
+    def symmetry(self, step: int) -> BoxSymmetry:
+        """The symmetry of training batch ``step``."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return self.symmetries[int(torch.randint(len(self.symmetries), (), generator=generator))]
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        symmetry, normalization = self.symmetry(step), self.data.normalization
+        inputs, targets = (
+            normalization.normalize(symmetry(normalization.denormalize(fields)))
+            for fields in super().batch(step)
+        )
+        return inputs, targets
+
+
 def next_step(cfg: DictConfig, run: RunContext) -> NextStepTask:
-    """The task on this rank's part of the data (``Recipe.task``)."""
-    return VELOCITY.task(cfg, run)
+    """The task on this rank's part of the data (``Recipe.task``), augmented by the box's
+    symmetries unless ``data.augment=false``."""
+    task = VELOCITY.task(cfg, run)
+    return AugmentedNextStepTask(task, cfg.train.seed) if cfg.data.augment else task
 
 
 def random_next_step(cfg: DictConfig, run: RunContext) -> NextStepTask:
