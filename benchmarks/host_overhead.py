@@ -24,6 +24,12 @@ on their local shards; collectives are counted among them). Host time added per 
 ops), and each variant's step over its own ops (``us_per_op``), medians of wall time;
 ``benchmarks.cost_model`` reads its host term from these.
 
+Ops per path (``paths``): in one more untimed step of the ShardTensor variant, the aten ops
+on ShardTensors by the dispatch path they took (NOTE [Dispatch paths] in
+``shardsci.tensor._dispatch``: ``handler``, ``fast``, ``propagation``), nested ones included
+(``ops``), the outermost ones (``outermost``: not dispatched from inside another op) and the
+host time per outermost op (``us_per_op``, inclusive of the ops it runs; one step, rank 0).
+
 Issue 21 item 1 states the goal ``ShardTensor eager at most 1.5x plain eager``; it is reported
 as a goal (``GOAL_RATIO``) and is not met today. Run ``python -m benchmarks.host_overhead
 [--models unet fno vit transolver meshgraphnet] [--worlds 1 2] [--rounds 5] [--steps 2]
@@ -57,6 +63,7 @@ from benchmarks.compile import CASES, _mesh_graph
 from shardsci import Shard, ShardTensor
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.parallel import domain_parallel
+from shardsci.tensor._dispatch import tally_paths
 from shardsci.testing import get_mesh
 
 GOAL_RATIO = 1.5  # issue 21: ShardTensor eager at most this times plain eager's step
@@ -154,6 +161,16 @@ def time_variants(name: str, rounds: int, steps: int, tile: int, nodes: int) -> 
         with _OpCounter() as counter:
             step()
         ops[variant] = counter.ops
+    with tally_paths() as tally:
+        runs["shardtensor"]()
+    paths = {
+        path: {
+            "ops": tally.ops[path],
+            "outermost": tally.outermost[path],
+            "us_per_op": round(tally.seconds[path] / max(tally.outermost[path], 1) * 1e6, 1),
+        }
+        for path in sorted(tally.ops)
+    }
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
 
     def run(variant: str) -> list[float]:
@@ -167,7 +184,7 @@ def time_variants(name: str, rounds: int, steps: int, tile: int, nodes: int) -> 
         return walls
 
     wall = interleaved_steps(list(VARIANTS), rounds, run)
-    return {"wall": wall, "cpu": cpu, "ops": {v: dict(c) for v, c in ops.items()}}
+    return {"wall": wall, "cpu": cpu, "ops": {v: dict(c) for v, c in ops.items()}, "paths": paths}
 
 
 # --------------------------------------------------------------------------- reporting
@@ -202,9 +219,11 @@ def report(name: str, world: int, args: argparse.Namespace) -> dict[str, float]:
         added_us_per_op=round(added_us, 1),
         added_us_per_plain_op=round(added_us * ops["shardtensor"] / ops["torch"], 1),
         us_per_op={v: round(median[v] / ops[v] * 1e6, 1) for v in VARIANTS},
+        paths=per_rank[0]["paths"],
     )
     return {
         "ratio": round(ratio, 2),
+        "paths": per_rank[0]["paths"],
         "added_us_per_op": round(added_us, 1),
         "ops": ops,
         "step_s": median,

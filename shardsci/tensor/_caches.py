@@ -7,7 +7,9 @@ that a training step pays for planning on its first iteration only. Every such c
 these rules:
 - Keys are values, never ``id(...)``: an id is reused as soon as its object dies (a stale hit),
   and equal layouts built separately (a spec rebuilt by ``dataclasses.replace``, a mesh
-  sliced again) must hit the same entry.
+  sliced again) must hit the same entry. A spec's value is ``ShardTensorSpec.key``, a
+  ``SpecKey`` that hashes its value once (a plan key holds one per operand and is hashed on
+  every op).
 - A DeviceMesh's value is what ``DeviceMesh.__eq__`` compares: its device type, its rank grid
   (the ranks and their layout over the root mesh) and its axis names. A key holds the mesh
   object itself; ``hash(mesh)`` is computed once per mesh object.

@@ -4,18 +4,24 @@ Order of business for an aten op:
 1. the dim argument of reductions is made explicit (NOTE [An empty dim list reduces every
    dim]);
 2. a registered aten handler (see ``_registry``), unless it declines;
-3. the fast path: a pointwise op whose ShardTensor operands share one layout with no Partial
-   axis runs on the local shards and keeps that layout, with no sharding propagation;
+3. the fast path: a pointwise op whose operands share one layout with no Partial axis, or
+   broadcast into it along dims no mesh axis splits (NOTE [Operands that broadcast into the
+   layout]), runs on the local shards and keeps that layout, with no sharding propagation;
 4. the default path: a cached plan (NOTE [The default path: DTensor decides placements,
    shardsci decides sizes] in ``_propagation``) moves the operands, runs the op on the
    local shards and wraps the results.
 Around 2 to 4 the op is on the stack of ops being dispatched, which tells a redistribution
-that an op, not the user, asks for it (NOTE [Gathers an op was not asked to make]).
+that an op, not the user, asks for it (NOTE [Gathers an op was not asked to make]). Which of
+2 to 4 an op took is counted on request (NOTE [Dispatch paths]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -42,7 +48,7 @@ from shardsci.tensor._torch_compat import (
     no_dispatch,
 )
 
-__all__ = ["bind_tensor_type", "dispatch", "run_with_propagation"]
+__all__ = ["PathTally", "bind_tensor_type", "dispatch", "run_with_propagation", "tally_paths"]
 
 aten = torch.ops.aten
 _ShardTensor: type = torch.Tensor  # bound to ShardTensor by bind_tensor_type
@@ -56,12 +62,15 @@ def bind_tensor_type(cls: type) -> None:
 
 
 class _Route(NamedTuple):
-    """What dispatch needs to know about one aten overload, worked out once."""
+    """What dispatch needs to know about one aten overload, worked out once: one lookup per
+    op (an overload hashes in Python)."""
 
+    func: OpOverload  # the op to run: a lazy view's materialising twin, else the overload
     handler: AtenHandler | None
     fast: bool
     mutates: bool
     dim_argument: int | None
+    in_place_view: bool
 
 
 _ROUTES: dict[OpOverload, _Route] = {}
@@ -71,39 +80,109 @@ register_cache("dispatch routes", _ROUTES.__len__, _ROUTES.clear)
 
 
 def _route(func: OpOverload) -> _Route:
+    runs = _MATERIALIZED_VIEWS.get(func, func)
     route = _Route(
-        aten_handler_for(func),
-        _is_fast_pointwise(func),
-        _mutates_first_argument(func),
-        _DIM_ARGUMENT.get(func),
+        runs,
+        aten_handler_for(runs),
+        _is_fast_pointwise(runs),
+        _mutates_first_argument(runs),
+        _DIM_ARGUMENT.get(runs),
+        runs in _IN_PLACE_VIEWS,
     )
     _ROUTES[func] = route
     return route
 
 
 def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: dict | None = None):
-    func = _MATERIALIZED_VIEWS.get(func, func)
     route = _ROUTES.get(func) or _route(func)
+    func = route.func
     if kwargs is None:
         kwargs = {}
-    if func in _IN_PLACE_VIEWS:
+    if route.in_place_view:
         return _in_place_view(func, args, kwargs)
     if route.dim_argument is not None:
         args, kwargs = _explicit_reduction_dims(func, args, kwargs)
+    tally = _TALLY
+    start = tally.enter() if tally is not None else 0.0
+    path = "raised"
     ops = dispatching()  # NOTE [Gathers an op was not asked to make]
     ops.append(func)
     try:
-        if route.handler is not None:
-            result = route.handler(func, args, kwargs)
-            if result is not NotImplemented:
-                return result
-        if route.fast:
-            result = _pointwise_fast_path(func, args, kwargs, route.mutates)
-            if result is not NotImplemented:
-                return result
-        return run_with_propagation(func, args, kwargs)
+        path, result = _dispatched(func, route, args, kwargs)
+        return result
     finally:
         ops.pop()
+        if tally is not None:
+            tally.leave(path, start)
+
+
+def _dispatched(func: OpOverload, route: _Route, args: tuple, kwargs: dict) -> tuple[str, Any]:
+    """The path taken (NOTE [Dispatch paths]) and the op's result."""
+    if route.handler is not None:
+        result = route.handler(func, args, kwargs)
+        if result is not NotImplemented:
+            return "handler", result
+    if route.fast:
+        result = _pointwise_fast_path(func, args, kwargs, route.mutates)
+        if result is not NotImplemented:
+            return "fast", result
+    return "propagation", run_with_propagation(func, args, kwargs)
+
+
+# NOTE [Dispatch paths]
+# Every aten op on a ShardTensor takes one of three paths: ``handler`` (a registered aten
+# handler accepted it), ``fast`` (the pointwise fast path: operands of one layout, or
+# broadcast into it, run on the local shards with no propagation), or ``propagation`` (the
+# cached plan of ``_propagation``, which may run the op's decomposition, each inner op
+# dispatched on its own). ``tally_paths`` counts them, for ``benchmarks.host_overhead``: every
+# op by path, and the host time of the outermost ones (an op a handler runs is inside its
+# caller's time). Off (one global read per op) unless a tally is open.
+@dataclass
+class PathTally:
+    """Ops dispatched per path while a :func:`tally_paths` block is open.
+
+    Attributes
+    ----------
+    ops : Counter
+        Path -> every op that took it, nested ones included.
+    outermost : Counter
+        Path -> ops not dispatched from inside another op's dispatch.
+    seconds : Counter
+        Path -> wall time of the outermost ops, seconds.
+    """
+
+    ops: Counter = field(default_factory=Counter)
+    outermost: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)
+    _depth: int = 0
+
+    def enter(self) -> float:
+        self._depth += 1
+        return time.perf_counter()
+
+    def leave(self, path: str, start: float) -> None:
+        self._depth -= 1
+        self.ops[path] += 1
+        if self._depth == 0:
+            self.outermost[path] += 1
+            self.seconds[path] += time.perf_counter() - start
+
+
+_TALLY: PathTally | None = None
+
+
+@contextmanager
+def tally_paths() -> Iterator[PathTally]:
+    """Count the dispatch path of every aten op on a ShardTensor in the block (NOTE
+    [Dispatch paths]); one tally at a time."""
+    global _TALLY
+    if _TALLY is not None:
+        raise RuntimeError("tally_paths blocks do not nest")
+    _TALLY = tally = PathTally()
+    try:
+        yield tally
+    finally:
+        _TALLY = None
 
 
 # NOTE [Shards never carry a conjugate or negative bit]
@@ -187,6 +266,7 @@ def _explicit_reduction_dims(func: OpOverload, args: tuple, kwargs: dict) -> tup
 
 # ---------------------------------------------------------------------------- fast path
 _LAYOUT_PRESERVING = {
+    aten._to_copy.default,
     aten.detach.default,
     aten.alias.default,
     aten.clone.default,
@@ -227,16 +307,19 @@ def _is_fast_pointwise(func: OpOverload) -> bool:
 
 
 def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: bool):
-    """Pointwise ops on operands that share one layout (no Partial axis) and scalars: run on
+    """Pointwise ops on operands that share one layout (no Partial axis), operands that
+    broadcast into it (NOTE [Operands that broadcast into the layout]) and scalars: run on
     the local shards, keep the layout. A 0-d ShardTensor operand (``y * y.mean()``) is a
     scalar: one with a pending reduction is reduced (an all-reduce of one element) rather
     than the large operand moved. Anything else returns NotImplemented."""
     spec = _reference_layout(args)
     if spec is None:
         return NotImplemented
+    if spec.partial and func not in _VALUE_FREE:
+        return NotImplemented
     local_args = []
     memory = []  # other operands' hints (NOTE [Shard-size hints])
-    for arg in args:
+    for position, arg in enumerate(args):
         if type(arg) is _ShardTensor:
             arg_spec = arg._spec
             if arg_spec is spec or arg_spec.same_layout(spec):
@@ -245,18 +328,24 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
                     memory.append(arg_spec.hints)
             elif arg.ndim == 0 and spec.ndim != 0 and not mutates and arg_spec.mesh == spec.mesh:
                 local_args.append(_scalar_local(arg))
+            elif (position or not mutates) and _broadcasts_into(arg_spec, spec):
+                local_args.append(arg._local)
+                if arg_spec.hints:
+                    memory.append(arg_spec.hints)
             else:
                 return NotImplemented
         elif isinstance(arg, torch.Tensor) and arg.ndim != 0:
-            return NotImplemented
+            if (position or not mutates) and _extents_broadcast(arg.shape, spec):
+                local_args.append(arg)
+            else:
+                return NotImplemented
         else:
             local_args.append(arg)
-    if spec.partial and func not in _VALUE_FREE:
-        return NotImplemented
-    if kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
-        return NotImplemented
-    if kwargs.get("memory_format", torch.preserve_format) is not torch.preserve_format:
-        return NotImplemented  # the output's strides are not the input's
+    if kwargs:
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            return NotImplemented
+        if kwargs.get("memory_format") not in (None, torch.preserve_format):
+            return NotImplemented  # the output's strides are not the input's
     filled = spec.partial
     if filled:
         spec = target_spec(spec, [Replicate() if p.is_partial() else p for p in spec.placements])
@@ -273,14 +362,61 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
 
 
 def _reference_layout(args: tuple) -> ShardTensorSpec | None:
-    """The layout of the first ShardTensor operand that is not 0-d (else of the first)."""
-    first = None
+    """The layout of the ShardTensor operand with the most dims, the first sharded one among
+    equals (else the first): the one the others may broadcast into."""
+    best = None
     for arg in args:
         if type(arg) is _ShardTensor:
-            if arg.ndim != 0:
-                return arg._spec
-            first = first or arg._spec
-    return first
+            spec = arg._spec
+            if (
+                best is None
+                or spec.ndim > best.ndim
+                or (spec.ndim == best.ndim and spec.shardings and not best.shardings)
+            ):
+                best = spec
+    return best
+
+
+# NOTE [Operands that broadcast into the layout]
+# ``x + bias`` with ``x`` sharded along H and ``bias`` of shape (C, 1, 1) is the commonest
+# op of a convolutional model; before the fast path took it, each such op paid for a plan
+# lookup and, on its first call, for DTensor's sharding propagation (seconds on a 2x2x2 mesh).
+# An operand broadcasts into the reference layout (the operand with the most dims) when the
+# result has the reference's global shape and each rank's result is the op of the local
+# shards, which holds for
+# - a replicated operand (a ShardTensor whose placements are all Replicate, or a plain
+#   tensor, which every rank holds whole) whose every dim is 1 or the reference's extent, and
+#   1 along every dim a mesh axis splits in the reference (aligned from the right, as
+#   broadcasting aligns dims): its local tensor broadcasts against every rank's shard;
+# - an operand of the same number of dims, the same placements and the same shard sizes of
+#   every sharded dim, whose other dims are 1 or the reference's extent.
+# The result keeps the reference's layout (placements, sizes, stride), as DTensor's
+# pointwise rule would give; the other operands' hints are remembered. A Partial reference or
+# operand, or anything else, goes to the default path.
+def _broadcasts_into(operand: ShardTensorSpec, spec: ShardTensorSpec) -> bool:
+    if operand.partial or (operand.mesh is not spec.mesh and operand.mesh != spec.mesh):
+        return False
+    if not operand.shardings:
+        return _extents_broadcast(operand.shape, spec)
+    return (
+        operand.ndim == spec.ndim
+        and operand.placements == spec.placements
+        and operand.shardings == spec.shardings
+        and all(n == 1 or n == m for n, m in zip(operand.shape, spec.shape))
+    )
+
+
+def _extents_broadcast(shape: torch.Size, spec: ShardTensorSpec) -> bool:
+    """Whether a tensor of ``shape``, whole on every rank, broadcasts into every shard of
+    ``spec`` giving that shard's shape."""
+    offset = spec.ndim - len(shape)
+    if offset < 0:
+        return False
+    sharded = spec.sharding_by_dim
+    for dim, n in enumerate(shape, offset):
+        if n != 1 and (n != spec.shape[dim] or dim in sharded):
+            return False
+    return True
 
 
 def _scalar_local(scalar) -> torch.Tensor:

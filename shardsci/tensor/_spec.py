@@ -31,6 +31,7 @@ from shardsci.tensor._torch_compat import DTensorSpec, ShardOrderEntry, TensorMe
 __all__ = [
     "DimSharding",
     "ShardTensorSpec",
+    "SpecKey",
     "chunk_sizes",
     "merged_hints",
     "mesh_coordinate",
@@ -65,6 +66,29 @@ def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     if coordinate is None:
         raise RuntimeError(f"this rank is not part of the device mesh {mesh}")
     return tuple(coordinate)
+
+
+class SpecKey:
+    """A spec's value with its hash computed once: a sharding plan's key holds one per
+    operand and is hashed on every op (a tuple rehashes its items each time, and placements
+    and meshes hash in Python)."""
+
+    __slots__ = ("_hash", "value")
+
+    def __init__(self, value: tuple) -> None:
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            type(other) is SpecKey and self._hash == other._hash and self.value == other.value
+        )
+
+    def __reduce__(self) -> tuple:
+        return SpecKey, (self.value,)  # hashes of strings differ between processes
 
 
 @dataclass(frozen=True)
@@ -234,16 +258,18 @@ class ShardTensorSpec:
         return tensor
 
     @cached_property
-    def key(self) -> tuple:
+    def key(self) -> SpecKey:
         """Everything that identifies this layout, by value (NOTE [Caches are keyed by value])."""
-        return (
-            self.mesh,
-            self.placements,
-            tuple(self.shape),
-            self.stride,
-            self.dtype,
-            self.shardings,
-            self.hints,
+        return SpecKey(
+            (
+                self.mesh,
+                self.placements,
+                tuple(self.shape),
+                self.stride,
+                self.dtype,
+                self.shardings,
+                self.hints,
+            )
         )
 
     @cached_property
@@ -277,7 +303,11 @@ class ShardTensorSpec:
 
     # ------------------------------------------------------------------ derived specs
     def with_dtype(self, dtype: torch.dtype) -> ShardTensorSpec:
-        return self if dtype == self.dtype else replace(self, dtype=dtype)
+        """This layout with another dtype, interned."""
+        if dtype == self.dtype:
+            return self
+        spec = replace(self, dtype=dtype)
+        return _INTERNED.setdefault(spec.key, spec)
 
     def remembering(self, *groups: tuple[DimSharding, ...]) -> ShardTensorSpec:
         """This layout with the hints of other specs of the same layout merged after its own

@@ -1,0 +1,129 @@
+"""The dispatch path each op takes (NOTE [Dispatch paths] in ``shardsci/tensor/_dispatch.py``)
+and the pointwise fast path for operands that broadcast into a layout (NOTE [Operands that
+broadcast into the layout]): against one process in float64, forward and gradients, on an
+uneven 1-D split, one with an empty shard and an uneven 2x2 block decomposition, with the
+output's layout stated; and which path each op took, counted by ``tally_paths``.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._dispatch import tally_paths
+from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.testing import (
+    Layout,
+    assert_all_ranks,
+    check_against_reference,
+    get_mesh,
+    run_on_ranks,
+)
+from tests.layouts import Sharded
+
+# (B, C, H, W) fields: H split unevenly, H with an empty shard, 2x2 blocks.
+FIELDS = [
+    Sharded("2r-H-7/3", (2,), (2, 4, 10, 6), Layout((Shard(2),), {2: (7, 3)})),
+    Sharded("4r-H-0/5/2/3", (4,), (2, 4, 10, 6), Layout((Shard(2),), {2: (0, 5, 2, 3)})),
+    Sharded(
+        "2x2-6/4x2/4", (2, 2), (2, 4, 10, 6), Layout((Shard(2), Shard(3)), {2: (6, 4), 3: (2, 4)})
+    ),
+]
+
+# Second operands, by name: global shape, and whether it is a replicated ShardTensor (True)
+# or a plain tensor (False). Each broadcasts into the field along dims no mesh axis splits.
+OPERANDS = {
+    "replicated bias (C, 1, 1)": ((4, 1, 1), True),
+    "plain bias (C, 1, 1)": ((4, 1, 1), False),
+    "replicated (1, C, 1, 1)": ((1, 4, 1, 1), True),
+    "plain (B, 1, 1, 1)": ((2, 1, 1, 1), False),
+}
+
+
+def _operand(shape: tuple[int, ...], replicated: bool, mesh, seed: int) -> torch.Tensor:
+    value = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    if not replicated:
+        return value
+    return from_local_spec(value, Layout((Replicate(),) * mesh.ndim).spec(mesh, value))
+
+
+def _sharded(case: Sharded, mesh, seed: int = 0):
+    whole = torch.randn(
+        case.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)
+    )
+    spec = case.layout.spec(mesh, whole)
+    return whole, from_local_spec(spec.narrow(whole), spec)
+
+
+def _broadcast_body(case: Sharded) -> None:
+    mesh = get_mesh(case.mesh)
+    whole, _ = _sharded(case, mesh)
+    for name, (shape, replicated) in OPERANDS.items():
+        bias = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        layout = Layout((Replicate(),) * mesh.ndim) if replicated else None
+        for op_name, fn in {
+            "x + b": lambda x, b: x + b,
+            "b * x": lambda x, b: b * x,
+            "where(x > 0, x, b)": lambda x, b: torch.where(x > 0, x, b),
+            "x - b, float32": lambda x, b: (x - b).to(torch.float32).to(torch.float64),
+        }.items():
+            check_against_reference(
+                fn, [whole, bias], [case.layout, layout], mesh, what=f"{op_name}, {name}"
+            )
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_broadcast_operands_match_one_process(case: Sharded) -> None:
+    run_on_ranks(case.world, _broadcast_body, case)
+
+
+def _paths_body(case: Sharded) -> None:
+    mesh = get_mesh(case.mesh)
+    _, x = _sharded(case, mesh)
+    found = {}
+    for name, (shape, replicated) in OPERANDS.items():
+        bias = _operand(shape, replicated, mesh, seed=1)
+        with torch.no_grad(), tally_paths() as tally:
+            out = x + bias
+            out = bias * out
+            out.add_(bias)
+            out = out.to(torch.float32)
+        found[name] = (dict(tally.outermost), out.spec.same_layout(x.spec), out.dtype)
+        assert tally.outermost == tally.ops, f"{name}: no op dispatches another"
+    # Along a dim a mesh axis splits, a plain operand cannot broadcast: the default path.
+    plain_rows = torch.randn(case.shape[2], 1, dtype=torch.float64)
+    with torch.no_grad(), tally_paths() as tally:
+        out = x + plain_rows
+    found["plain (H, 1)"] = (dict(tally.outermost), out.spec.same_layout(x.spec), out.dtype)
+    expected = {name: ({"fast": 4}, True, torch.float32) for name in OPERANDS}
+    expected["plain (H, 1)"] = ({"propagation": 1}, True, torch.float64)
+    assert_all_ranks(found == expected, f"paths {found}, expected {expected}")
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_broadcasting_pointwise_ops_take_the_fast_path(case: Sharded) -> None:
+    run_on_ranks(case.world, _paths_body, case)
+
+
+def test_tallies_do_not_nest() -> None:
+    with tally_paths(), pytest.raises(RuntimeError, match="do not nest"), tally_paths():
+        pass
+
+
+def _spec_key_body() -> None:
+    mesh = get_mesh((1,))
+    a = ShardTensorSpec.build(mesh, [Shard(0)], (4, 3), torch.float64, {0: (4,)})
+    b = ShardTensorSpec.build(mesh, [Shard(0)], (4, 3), torch.float32).with_dtype(torch.float64)
+    assert b is a, "equal layouts built separately are one spec (with_dtype interns)"
+    assert a.with_dtype(torch.float32) is a.with_dtype(torch.float32)
+    key = pickle.loads(pickle.dumps(a.key))
+    assert key == a.key and hash(key) == hash(a.key), "a key is its value, its hash recomputed"
+    assert a.key != a.with_dtype(torch.float32).key
+
+
+def test_spec_keys_are_values() -> None:
+    run_on_ranks(1, _spec_key_body)
