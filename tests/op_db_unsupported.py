@@ -276,7 +276,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty")),
         _GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),
     ),
-    "cat": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "cholesky": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -286,8 +285,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "cholesky_solve": (
         _GATHERED.cases((3,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "chunk": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "column_stack": (_GATHERED.cases((0,), ("2x2-uneven",)),),
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
     "constant_pad_nd": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
@@ -325,10 +322,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "histogram": (_GATHERED.cases((32,), ("2r-uneven", "4r-empty", "4r-random")),),
     "histogramdd": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "hstack": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
-        _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
     ),
     "index_add": (
         _GATHERED.cases((3,), ("4r-empty", "4r-random")),
@@ -462,9 +455,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.batch_norm": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.channel_shuffle": (_WRONG_LAYOUT.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "nn.functional.conv1d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "nn.functional.conv2d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "nn.functional.conv_transpose1d": (_GATHERED.cases((0,), ("2x2-last",)),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "nn.functional.embedding": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
@@ -547,10 +537,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
     ),
-    "split": (_GATHERED.cases((0,), ("4r-random",)),),
-    "split.list_args": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "split_with_sizes": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "split_with_sizes_copy": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "stft": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),
@@ -579,9 +565,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "unbind": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "unbind_copy": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "unfold_copy": (_GATHERED.cases((1,), ("2x2-uneven",)),),
-    "unsafe_chunk": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "unsafe_split": (_GATHERED.cases((0,), ("4r-random",)),),
-    "vstack": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
 }
 
 #: Ops whose outputs are random or uninitialised: the sharded run draws other numbers than one
