@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._binding import bind
+from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._collectives import axis_group, broadcast
 from shardsci.tensor._intervals import gather_intervals
 from shardsci.tensor._ops._common import accepts, dim_layout
@@ -89,7 +89,8 @@ def _split(func, args, kwargs):
     dim = a.dim % x.ndim
     with shape_probe():
         meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-        lengths = [p.shape[dim] for p in func(meta, *args[1:], **kwargs)]
+        probe_args, probe_kwargs = replaced(func, args, kwargs, {"self": meta})
+        lengths = [p.shape[dim] for p in func(*probe_args, **probe_kwargs)]
     starts = itertools.accumulate(lengths, initial=0)
     return [aten.slice.Tensor(x, dim, s, s + n) for s, n in zip(starts, lengths)]
 
