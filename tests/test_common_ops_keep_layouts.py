@@ -133,3 +133,31 @@ def _square_grid_body() -> None:
 
 def test_a_square_grid_flattened_and_viewed_back_is_sharded_along_h_again() -> None:
     run_on_ranks(2, _square_grid_body)
+
+
+# name -> (mesh, input shape, its layout, normalized_shape, the statistics' layout)
+LAYER_NORMS = {
+    "rows-whole": ((2,), (3, 4, 5), Layout((Shard(1),), {1: (1, 3)}), [4, 5],
+                   Layout((Replicate(),))),
+    "2x2-rows-sharded": ((2, 2), (5, 4, 6), Layout((Shard(0), Shard(2)), {0: (2, 3), 2: (2, 4)}),
+                         [6], Layout((Shard(0), Replicate()), {0: (2, 3)})),
+}  # fmt: skip
+
+
+def _native_layer_norm_body(name: str) -> None:
+    """``torch.native_layer_norm`` (aten's, with the row statistics) keeps the input's layout;
+    the statistics are sharded like the rows and replicated over the normalised dims' axes."""
+    mesh_shape, shape, layout, normalized, stats = LAYER_NORMS[name]
+    weight, bias = torch.randn(normalized, dtype=F64), torch.randn(normalized, dtype=F64)
+    check_against_reference(
+        lambda a, w, b: torch.native_layer_norm(a, normalized, w, b, 1e-5),
+        [torch.randn(shape, dtype=F64), weight, bias],
+        [layout, None, None],
+        get_mesh(mesh_shape),
+        out_layouts=[layout, stats, stats],
+    )
+
+
+@pytest.mark.parametrize("name", list(LAYER_NORMS))
+def test_native_layer_norm_keeps_the_layout(name: str) -> None:
+    run_on_ranks(math.prod(LAYER_NORMS[name][0]), _native_layer_norm_body, name)
