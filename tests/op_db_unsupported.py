@@ -107,31 +107,6 @@ _WRONG_LAYOUT = Bug(
     "wrong",
     r"^output \d+: layout: ",
 )
-#: Pooling on a channel (or other non-spatial) dim sharded with empty shards: the kernel
-#: rejects an empty non-spatial dim on the ranks whose shard is empty, forward or backward,
-#: while the others wait in a collective (tensor/_ops/_pool_ops.py).
-_EMPTY_CHANNELS = Bug(
-    "raises on some ranks",
-    "pooling with an empty shard on a non-spatial dim raises on the ranks holding it while the "
-    "others wait (issue 20)",
-    "some-ranks",
-    r"Expected (input|grad_output) to have non-zero size for non-batch dimensions"
-    r"|Expected 3D or 4D \(batch mode\) tensor with optional 0 dim batch size",
-)
-#: Reflection / replication padding with an empty shard on a dim it does not pad (channels):
-#: ``_run_local`` in tensor/_ops/_batched_ops.py takes an empty shard's output shape from meta
-#: tensors, but the meta functions check the same "non-zero dimensions" as the kernels, so
-#: the ranks holding an empty shard raise while the others go on to the next collective.
-_EMPTY_SHARD_PADDING = Bug(
-    "raises on some ranks",
-    "reflection/replication padding with an empty shard on a non-padded dim raises on the "
-    "ranks holding it (the meta shape probe of _batched_ops._run_local) while the others wait",
-    "some-ranks",
-    r"Expected 3D or 4D \(batch mode\) tensor with possibly 0 batch size and other non-zero "
-    r"dimensions for input",
-)
-
-
 #: The errors each op may raise on sharded input. The sweep fails on an error no entry
 #: accepts and on an entry that accepts no case where it applies.
 UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
@@ -301,7 +276,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty")),
         _GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),
     ),
-    "cat": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "cholesky": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -311,8 +285,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "cholesky_solve": (
         _GATHERED.cases((3,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "chunk": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "column_stack": (_GATHERED.cases((0,), ("2x2-uneven",)),),
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
     "constant_pad_nd": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
@@ -350,10 +322,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "histogram": (_GATHERED.cases((32,), ("2r-uneven", "4r-empty", "4r-random")),),
     "histogramdd": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "hstack": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
-        _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
     ),
     "index_add": (
         _GATHERED.cases((3,), ("4r-empty", "4r-random")),
@@ -481,18 +449,9 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "native_group_norm": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "native_layer_norm": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "nn.functional.adaptive_avg_pool2d": (_EMPTY_CHANNELS.cases((0, 2), ("4r-random",)),),
-    "nn.functional.adaptive_max_pool3d": (_EMPTY_CHANNELS.cases((0,), ("4r-random",)),),
-    "nn.functional.avg_pool1d": (_EMPTY_CHANNELS.cases((0,), ("4r-random",)),),
     "nn.functional.batch_norm": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.channel_shuffle": (_WRONG_LAYOUT.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "nn.functional.conv1d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "nn.functional.conv2d": (_GATHERED.cases((0,), ("2x2-uneven",)),),
-    "nn.functional.conv_transpose1d": (_GATHERED.cases((0,), ("2x2-last",)),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "nn.functional.embedding": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
@@ -509,7 +468,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.instance_norm": (_GATHERED.cases((0,), ("2x2-last",)),),
     "nn.functional.kl_div": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
     "nn.functional.local_response_norm": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
-    "nn.functional.max_pool1d": (_EMPTY_CHANNELS.cases((0,), ("4r-random",)),),
     "nn.functional.max_unpool1d": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.max_unpool1d.grad": (_GATHERED.cases((16,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.max_unpool2d": (
@@ -530,10 +488,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "nn.functional.normalize": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
-    "nn.functional.pad.replicate_negative": (
-        _EMPTY_SHARD_PADDING.cases((0,), ("4r-random",)),
-        _GATHERED.cases((0,), ("2x2-last",)),
-    ),
+    "nn.functional.pad.replicate_negative": (_GATHERED.cases((0,), ("2x2-last",)),),
     "nn.functional.pdist": (_GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.rms_norm": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
     "nn.functional.scaled_dot_product_attention": (
@@ -579,10 +534,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
     ),
-    "split": (_GATHERED.cases((0,), ("4r-random",)),),
-    "split.list_args": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "split_with_sizes": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "split_with_sizes_copy": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "stft": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),
@@ -611,9 +562,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "unbind": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "unbind_copy": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "unfold_copy": (_GATHERED.cases((1,), ("2x2-uneven",)),),
-    "unsafe_chunk": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "unsafe_split": (_GATHERED.cases((0,), ("4r-random",)),),
-    "vstack": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
 }
 
 #: Ops whose outputs are random or uninitialised: the sharded run draws other numbers than one

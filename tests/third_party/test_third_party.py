@@ -73,25 +73,8 @@ BATCH_AND_TOKENS = Bug(
     r"aten\.t\.default: cannot tell the shard sizes",
 )
 
-SQUARE_GRID_UNFLATTENED_ON_W = Bug(
-    "square-grid-unflattened-on-w",
-    "A flat dim split back into an H x W grid of equal extents, on a 1-axis mesh with H's "
-    "shards even, is 'restored' onto W: _flattened_from in tensor/_ops/_view_ops.py finds H's "
-    "remembered sizes under W's extent (_remembered matches a hint by axes and extent, "
-    "whatever the dim), so the split takes the cut that leaves the outermost dim unsharded. "
-    "Values are right, but the output is sharded along W with H's sizes. UNETR's 2 x 2 patch "
-    "grid (32 x 32 split 20/12 over 2 ranks: grid rows 1/1), flattened into tokens and viewed "
-    "back by proj_feat. Reproducer: x (1, 12, 2, 2) Shard(2) sizes [1, 1] on 2 ranks; "
-    "x.flatten(2).view(1, 12, 2, 2) is Shard(3) [1, 1], expected Shard(2) [1, 1]",
-    "layout",
-    r"output 0: laid out as ShardTensorSpec\(shape=\(1, 2, 32, 32\), "
-    r"placements=\(Shard\(dim=3\),\), dim 3 over axes \(0,\): \[20, 12\].*"
-    r"expected ShardTensorSpec\(shape=\(1, 2, 32, 32\), placements=\(Shard\(dim=2\),\)",
-)
-
 KNOWN: dict[tuple[str, str], Bug] = {
     **{(m, "2x2"): BATCH_AND_TOKENS for m in ("torch-encoder-layer", "torch-encoder")},
-    ("monai-unetr", "1d"): SQUARE_GRID_UNFLATTENED_ON_W,
 }  # fmt: skip
 
 

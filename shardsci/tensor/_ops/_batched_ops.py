@@ -92,13 +92,27 @@ def _laid_out_like(t: torch.Tensor, spec: ShardTensorSpec) -> bool:
 
 
 def _run_local(func, local_args: list, kwargs: dict) -> torch.Tensor:
-    """The op on the shards; on empty shards only its shape, from meta tensors (kernels such
-    as reflection padding reject empty input)."""
-    if not any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in local_args):
+    """The op on the shards; on empty shards only its shape, from meta tensors.
+
+    Kernels such as reflection padding and their meta functions reject an empty dim even
+    where they do not act on it, so the probe gives each empty dim extent 1 and the output
+    has extent 0 there: the op keeps the positions of the dims it runs along independently,
+    and only those are sharded (NOTE [A rank with an empty shard computes nothing])."""
+    tensors = [a for a in local_args if isinstance(a, torch.Tensor)]
+    empty = {d for t in tensors for d, n in enumerate(t.shape) if n == 0}
+    if not empty:
         return func(*local_args, **kwargs)
-    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in local_args]
-    out = func(*meta, **kwargs)
-    return torch.zeros(out.shape, dtype=out.dtype, device=local_args[0].device)
+    with shape_probe():
+        meta = [_probe(a, empty) if isinstance(a, torch.Tensor) else a for a in local_args]
+        out = func(*meta, **kwargs)
+    shape = [0 if d in empty else n for d, n in enumerate(out.shape)]
+    return torch.zeros(shape, dtype=out.dtype, device=local_args[0].device)
+
+
+def _probe(t: torch.Tensor, empty: set[int]) -> torch.Tensor:
+    """A meta tensor like ``t`` with extent 1 along ``empty``."""
+    shape = [1 if d in empty else n for d, n in enumerate(t.shape)]
+    return torch.empty(shape, dtype=t.dtype, device="meta")
 
 
 def _with_shape(spec: ShardTensorSpec, shape: list[int], dtype: torch.dtype) -> ShardTensorSpec:
@@ -125,10 +139,14 @@ def _unfold_backward(func, args, kwargs):
     dim = a.dim % len(input_sizes)
     if dim in spec.sharding_by_dim:
         return gathered(func, args, kwargs)
-    local_sizes = list(input_sizes)
-    for s in spec.shardings:
-        local_sizes[s.dim] = grad._local.shape[s.dim]
-    out = _run_local(func, [grad._local, local_sizes, dim, size, step], {})
+
+    def local(g: torch.Tensor) -> torch.Tensor:
+        local_sizes = list(input_sizes)
+        for s in spec.shardings:
+            local_sizes[s.dim] = g.shape[s.dim]
+        return func(g, local_sizes, dim, size, step)
+
+    out = _run_local(local, [grad._local], {})
     return ShardTensor(out, _with_shape(spec, list(input_sizes), out.dtype))
 
 

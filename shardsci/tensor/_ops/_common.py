@@ -156,10 +156,21 @@ def replicated_local(
     return t.to_local(grad_placements=placements)
 
 
+# NOTE [A rank with an empty shard computes nothing]
+# Many torch kernels, and their meta functions, reject an empty dim even where they do not
+# act on it ("non-zero size for non-batch dimensions"): pooling, reflection and replication
+# padding, interpolation, grid sampling, ``im2col``. Called on an empty shard (channels split
+# with a rank holding none), the ranks holding it raise while the others wait in the next
+# collective. So a handler that runs such a kernel on its shards never calls it on an empty
+# one: the local output's shape comes from the layout (a window rule) or from a meta probe
+# with extent 1 on the empty dims set back to 0 afterwards, and the output is zeros made by
+# ``connected_empty``, so that the rank still takes part in its inputs' backward collectives.
+# Where: ``_pool_ops._pool``, ``_batched_ops._run_local``, ``_interpolate_ops``.
 def connected_empty(
     shape: list[int], like: torch.Tensor, *inputs: torch.Tensor | None
 ) -> torch.Tensor:
-    """An empty output that still depends on ``inputs``.
+    """An empty output that still depends on ``inputs`` (NOTE [A rank with an empty shard
+    computes nothing]).
 
     A rank whose output is empty must take part in the backward collectives of its inputs
     (halo adjoints, weight reductions) like every other rank, so its output stays connected

@@ -10,7 +10,9 @@ same exchange (NOTE [A padded tensor carries the halo its convolution reads] in 
 A constant pad by negative amounts crops: a slice of the cropped dims (placements kept), then
 the pad by the positive amounts.
 Weights and biases are replicated: their gradients are summed over the shards
-(``replicated_local``).
+(``replicated_local``). Sharded input channels are made whole first (each output cell reads
+all of them), the spatial shardings kept: the output is replicated over the axes that sharded
+the channels, not over every axis.
 """
 
 from __future__ import annotations
@@ -71,6 +73,14 @@ def _whole(bias: torch.Tensor | None) -> torch.Tensor | None:
     return bias
 
 
+def _channels_whole(x: ShardTensor, n: int) -> ShardTensor:
+    """``x`` with its input channels (dim 1, or 0 unbatched) made whole, its other shardings
+    kept: every output cell reads every input channel, so channel shards would leave each
+    rank a partial sum. The axes that sharded the channels replicate the output; declined,
+    the default path would replicate every dim."""
+    return with_dims_whole(x, {x.ndim - n - 1})
+
+
 # ---------------------------------------------------------------------------- conv
 # The input's channels are dim 1, or dim 0 unbatched: dim -(n + 1) of an n-d convolution.
 @register_function_handler(*_CONV)
@@ -79,9 +89,9 @@ def _conv(func, args, kwargs):
     x, weight, bias, stride = a.input, a.weight, a.bias, a.stride
     padding, dilation, groups = a.padding, a.dilation, a.groups
     n = _CONV[func]
-    if not accepts(x, whole=[-(n + 1)], replicated=[weight]) or _pending(bias):
+    if not accepts(x, replicated=[weight]) or _pending(bias) or x.ndim not in (n + 1, n + 2):
         return NotImplemented
-    bias = _whole(bias)
+    x, bias = _channels_whole(x, n), _whole(bias)
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         return func(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     kernel = weight.shape[2:]
@@ -157,9 +167,9 @@ def _conv_transpose(func, args, kwargs):
     x, weight, bias, stride, padding = a.input, a.weight, a.bias, a.stride, a.padding
     output_padding, groups, dilation = a.output_padding, a.groups, a.dilation
     n = _CONV_TRANSPOSE[func]
-    if not accepts(x, whole=[-(n + 1)], replicated=[weight]) or _pending(bias):
+    if not accepts(x, replicated=[weight]) or _pending(bias) or x.ndim not in (n + 1, n + 2):
         return NotImplemented
-    bias = _whole(bias)
+    x, bias = _channels_whole(x, n), _whole(bias)
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         out = func(x.unsqueeze(0), weight, bias, stride, padding, output_padding, groups, dilation)
         return out.squeeze(0)

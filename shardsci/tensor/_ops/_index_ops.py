@@ -3,7 +3,7 @@
 DTensor gathers the whole dim first. Here:
 - ``slice`` (any start, stop, step) stays local: each rank keeps the selected elements of its
   own interval and the shard sizes shrink, possibly to zero. Its backward writes the gradient
-  into the original layout, remembered in the spec's hints.
+  into the original layout, remembered in the spec's hints. ``split`` is slices.
 - ``select`` broadcasts the selected slice from the rank that owns it.
 - ``flip``, ``roll`` and ``cat`` keep the output aligned with the input (``cat``: each rank
   owns its pieces of every input) and gather only the intervals a rank lacks, in one exchange
@@ -18,17 +18,17 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._binding import bind
+from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._collectives import axis_group, broadcast
 from shardsci.tensor._intervals import gather_intervals
 from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._shape_probe import shape_probe
 from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
     merged_hints,
-    nested_chunk_sizes,
 )
 
 aten = torch.ops.aten
@@ -74,6 +74,25 @@ def _slice(func, args, kwargs):
     )
     spec = _resized(x._spec, dim, counts, remember=sharding)
     return ShardTensor(local, spec.with_dtype(local.dtype))
+
+
+@register_aten_handler(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(func, args, kwargs):
+    """``split`` along a sharded dim: each piece is a slice (above), so every rank keeps the
+    elements of its own interval and nothing moves (DTensor would gather the dim). The
+    pieces' lengths, and torch's errors, come from the op on a meta tensor of the global
+    shape, on every rank alike."""
+    a = bind(func, args, kwargs)
+    x = a.self
+    if not accepts(x, sharded=[a.dim], partial=True):
+        return NotImplemented
+    dim = a.dim % x.ndim
+    with shape_probe():
+        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        probe_args, probe_kwargs = replaced(func, args, kwargs, {"self": meta})
+        lengths = [p.shape[dim] for p in func(*probe_args, **probe_kwargs)]
+    starts = itertools.accumulate(lengths, initial=0)
+    return [aten.slice.Tensor(x, dim, s, s + n) for s, n in zip(starts, lengths)]
 
 
 @register_aten_handler(aten.slice_backward.default)
@@ -291,9 +310,14 @@ def _roll_sharded(local: torch.Tensor, spec: ShardTensorSpec, dim: int, shift: i
 # ---------------------------------------------------------------------------- cat
 @register_aten_handler(aten.cat.default)
 def _cat(func, args, kwargs):
+    """``cat`` along a sharded dim. Operands sharded along it keep their shards; one held
+    whole along it (a plain tensor, a replicated ShardTensor) goes to the rank holding the
+    cells just before it (the first rank when none are), so that when the sharded operands
+    come in rank order nothing moves (a boundary strip joins the edge rank). Each rank then
+    owns its pieces of every operand, and gathers only the intervals it lacks (none, then)."""
     a = bind(func, args, kwargs)
     tensors = [t for t in a.tensors if not (t.ndim == 1 and t.shape[0] == 0)]
-    first = next((t for t in tensors if isinstance(t, ShardTensor)), None)
+    first = next((t for t in tensors if _sharded_along(t, a.dim)), None)
     if first is None:
         return NotImplemented
     dim = a.dim % first.ndim
@@ -302,10 +326,17 @@ def _cat(func, args, kwargs):
     ):
         return NotImplemented
     sharding = first._spec.sharding_by_dim[dim]
-    pieces = [_sharded_like(t, first._spec, dim) for t in tensors]
-    if any(p is None for p in pieces):
-        return NotImplemented
     group = axis_group(first._spec.mesh, sharding.axes)
+    pieces, cursor = [], 0
+    for t in tensors:
+        whole = [0] * group.size
+        whole[cursor] = t.shape[dim]
+        piece = _sharded_like(t, first._spec, dim, tuple(whole))
+        if piece is None:
+            return NotImplemented
+        sizes = piece._spec.sharding_by_dim[dim].sizes
+        cursor = max((k for k, n in enumerate(sizes) if n), default=cursor)
+        pieces.append(piece)
     layouts = [p._spec.sharding_by_dim[dim] for p in pieces]
     bases = [sum(p.shape[dim] for p in pieces[:i]) for i in range(len(pieces))]
     out_sizes = tuple(sum(layout.sizes[k] for layout in layouts) for k in range(group.size))
@@ -325,35 +356,43 @@ def _cat(func, args, kwargs):
     return ShardTensor(local, _resized(first._spec, dim, out_sizes))
 
 
-def _sharded_like(t: torch.Tensor, spec: ShardTensorSpec, dim: int) -> ShardTensor | None:
+def _sharded_along(t: torch.Tensor, dim: int) -> bool:
+    return (
+        isinstance(t, ShardTensor)
+        and -t.ndim <= dim < t.ndim
+        and (dim % t.ndim in t._spec.sharding_by_dim)
+    )
+
+
+def _sharded_like(
+    t: torch.Tensor, spec: ShardTensorSpec, dim: int, whole_sizes: tuple[int, ...]
+) -> ShardTensor | None:
     """``t`` with ``spec``'s layout except along ``dim`` (sharded over the same axes), or None
-    when that needs more than slicing a replicated operand."""
+    when that needs more than slicing. A ShardTensor sharded along ``dim`` stays as it is; one
+    held whole along it (and laid out like ``spec`` elsewhere), or a plain tensor, is cut to
+    ``whole_sizes``."""
     sharding = spec.sharding_by_dim[dim]
+    others = [s for s in spec.shardings if s.dim != dim]
     if isinstance(t, ShardTensor):
         own = t._spec.sharding_by_dim.get(dim)
-        others_match = [s for s in t._spec.shardings if s.dim != dim] == [
-            s for s in spec.shardings if s.dim != dim
-        ]
-        if (
-            own is not None
-            and own.axes == sharding.axes
-            and others_match
-            and (t._spec.placements == spec.placements)
-        ):
-            return t
-        return None
+        rest = [s for s in t._spec.shardings if s.dim != dim]
+        if own is not None:
+            same = own.axes == sharding.axes and t._spec.placements == spec.placements
+            return t if same and rest == others else None
+        if t._spec.mesh != spec.mesh or t._spec.partial or any(r not in others for r in rest):
+            return None  # else the target only slices what t holds whole
+        local, source = t._local, t._spec
+    else:
+        local = t
+        source = ShardTensorSpec.build(
+            spec.mesh, [Replicate()] * spec.mesh.ndim, t.shape, t.dtype, stride=t.stride()
+        )
     target = ShardTensorSpec.build(
         spec.mesh,
         spec.placements,
         t.shape,
         t.dtype,
-        {
-            **{s.dim: s.sizes for s in spec.shardings if s.dim != dim},
-            dim: nested_chunk_sizes(t.shape[dim], [spec.mesh_shape[a] for a in sharding.axes]),
-        },
+        {**{s.dim: s.sizes for s in others}, dim: whole_sizes},
         order={s.dim: s.axes for s in spec.shardings},
     )
-    source = ShardTensorSpec.build(
-        spec.mesh, [Replicate()] * spec.mesh.ndim, t.shape, t.dtype, stride=t.stride()
-    )
-    return ShardTensor(redistribute_local(t, source, target), target)
+    return ShardTensor(redistribute_local(local, source, target), target)

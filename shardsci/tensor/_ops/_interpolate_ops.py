@@ -295,6 +295,8 @@ def _kernel_reads_alike(mode, windows, local_shape, out_ranges, scales, dtype) -
     and backward, instead of the index gathers."""
     if mode not in _SELECTING or not windows or any(s is None for s in scales):
         return False
+    if 0 in local_shape:  # NOTE [A rank with an empty shard computes nothing]
+        return False
     spatial = len(local_shape) - 2
     return all(
         _local_selection_matches(

@@ -503,14 +503,47 @@ def _layer_norm(func, args, kwargs):
     x, weight, bias = a.input, a.weight, a.bias
     if not accepts(x, replicated=[weight, bias]):
         return NotImplemented
-    shape = a.normalized_shape
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dims = _layer_norm_dims(x, a.normalized_shape, weight, bias)
+    normalized, *_ = _normalized(x, dims, a.eps)
+    return _affine(normalized, weight, bias, x, dims)
+
+
+@register_function_handler(torch.native_layer_norm)
+def _native_layer_norm(func, args, kwargs):
+    """aten's layer norm called directly: the output as ``F.layer_norm`` lays it out, and the
+    row means and reciprocal standard deviations (``(*rows, 1, ..., 1)``, not
+    differentiable) sharded like the rows, replicated over the axes that shard normalised
+    dims (every rank of those holds the same statistics)."""
+    a = bind(func, args, kwargs)
+    x, weight, bias = a.input, a.weight, a.bias
+    if not accepts(x, replicated=[weight, bias]):
+        return NotImplemented
+    dims = _layer_norm_dims(x, a.normalized_shape, weight, bias)
+    normalized, mean, var, _ = _normalized(x, dims, a.eps)
+    out = _affine(normalized, weight, bias, x, dims)
+    spec = x._spec
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim in dims else p for p in spec.placements
+    ]
+    rows = [s for s in spec.shardings if s.dim not in dims]
+    shape = [1 if d in dims else n for d, n in enumerate(spec.shape)]
+    row_spec = ShardTensorSpec.build(
+        spec.mesh, placements, shape, mean.dtype, {s.dim: s.sizes for s in rows},
+        order={s.dim: s.axes for s in rows},
+    )  # fmt: skip
+    rstd = torch.rsqrt(var + a.eps)
+    return out, from_local_spec(mean, row_spec), from_local_spec(rstd, row_spec)
+
+
+def _layer_norm_dims(
+    x: ShardTensor, normalized_shape: int | Sequence[int], weight, bias
+) -> tuple[int, ...]:
+    """The dims a layer norm over ``normalized_shape`` reduces; torch's checks, on every rank."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not 0 < len(shape) <= x.ndim or tuple(x.shape[x.ndim - len(shape) :]) != shape:
         raise RuntimeError(
             f"layer_norm: normalized_shape={list(shape)} does not match the trailing dims of "
             f"an input of shape {tuple(x.shape)}"
         )
     _check_parameters("layer_norm", shape, weight=weight, bias=bias)
-    dims = tuple(range(x.ndim - len(shape), x.ndim))
-    normalized, *_ = _normalized(x, dims, a.eps)
-    return _affine(normalized, weight, bias, x, dims)
+    return tuple(range(x.ndim - len(shape), x.ndim))

@@ -342,7 +342,7 @@ def _pool(
     for dim in range(x.ndim - n, x.ndim):
         first, stop = out_ranges.get(dim, (0, out_shape[dim]))
         local_shape[dim] = stop - first
-    if 0 in local_shape[-n:]:
+    if 0 in local_shape:  # NOTE [A rank with an empty shard computes nothing]
         values = connected_empty(local_shape, extended, extended)
         indices = torch.zeros(local_shape, dtype=torch.int64, device=extended.device)
     else:

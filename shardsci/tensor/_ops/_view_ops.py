@@ -250,8 +250,9 @@ def _carried_hints(spec: ShardTensorSpec, groups: list[Group]) -> tuple[DimShard
 # remembered with them at its extent (NOTE [Shard-size hints]: the flatten passed the input's
 # shardings on), the outermost one with the very sizes whose flatten gives the dim's. The
 # first such layout, the outermost dim keeping the most axes, is restored, one all-to-all
-# that undoes the flatten's; without one the split keeps every axis on the outermost dim (no
-# communication). So the module returns its input's layout (NOTE [Which rank owns an output
+# that undoes the flatten's; without one, or when the first is every axis on the outermost dim
+# (a hint cannot tell H from W of a square grid), the split keeps every axis on the outermost
+# dim (no communication). So the module returns its input's layout (NOTE [Which rank owns an output
 # of a windowed op] in ``_windows``) at the cost of one all-to-all each way.
 def _unflattened(
     source: ShardTensorSpec, groups: list[Group], out_spec: ShardTensorSpec
@@ -297,8 +298,10 @@ def _flattened_from(
     hints: tuple[DimSharding, ...],
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
     """(axes, sizes) per output dim of a layout whose flatten gives ``sharding``, remembered
-    in ``hints``, the outermost dim keeping the most axes; None if there is none besides
-    ``sharding`` on the outermost dim."""
+    in ``hints``, the outermost dim keeping the most axes; None if there is none, or if it
+    is every axis on the outermost dim (the split's own layout, which moves nothing: a hint
+    cannot tell which dim of equal extent it came from, H or W of a square grid, so the
+    layout that needs no communication wins)."""
     axes, inner = sharding.axes, math.prod(extents[1:])
     for cut in _cuts(len(axes), len(extents)):
         parts = [axes[a:b] for a, b in itertools.pairwise(cut)]
@@ -308,15 +311,15 @@ def _flattened_from(
         head = layout[0][1] or (extents[0],)
         count = math.prod(mesh_shape[a] for a in axes[len(parts[0]) :])
         if tuple(x * inner for s in head for x in chunk_sizes(s, count)) == sharding.sizes:
-            return layout
+            return None if parts[0] == axes else layout
     return None
 
 
 def _cuts(count: int, parts: int) -> list[tuple[int, ...]]:
     """Ways to cut ``count`` axes into ``parts`` consecutive runs (boundaries, 0 to count),
-    the first run longest first, not all in the first run."""
+    the first run longest first."""
     inner = itertools.combinations_with_replacement(range(count + 1), parts - 1)
-    cuts = [(0, *c, count) for c in inner if c[0] < count]
+    cuts = [(0, *c, count) for c in inner]
     return sorted(cuts, key=lambda c: [-b for b in c])
 
 
