@@ -479,8 +479,18 @@ DESCRIBES_TINY = [
     ("damage", "message"),
     [
         (_truncated, r" cannot be read as HDF5 \(truncated file"),
-        (_integers, r": dataset 'vorticity' of shape \(6, 6, 32, 32\) has dtype int32; expected"),
-        (_another_solver, r" .*: attribute 'solver_version' is 'shardsci-ns2d-ifrk4-v0', expected"),
+        # The two below are checked in-process in tests/test_user_data.py; here they only
+        # repeat the entry point's path (about 8 s each).
+        pytest.param(
+            _integers,
+            r": dataset 'vorticity' of shape \(6, 6, 32, 32\) has dtype int32; expected",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            _another_solver,
+            r" .*: attribute 'solver_version' is 'shardsci-ns2d-ifrk4-v0', expected",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_bad_data_file_is_one_line_before_any_rank_starts(
