@@ -43,6 +43,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.distributed import LaunchEnv
+from shardsci.parallel._reducer import GRAD_KIND
 from shardsci.planning._dry_run import plan_run
 from shardsci.planning._machine import Machine, collective_s, gloo_cpu, override
 from shardsci.planning._plan import RankClassPlan, RunPlan
@@ -68,7 +69,6 @@ __all__ = [
 ]
 
 _GIB = 2**30
-GRAD_KIND = "grad_all_reduce"
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ class ParallelConfig:
         is available, else ``"cpu"``.
     machine_overrides : list of str
         ``name=value`` settings of the machine's parameters (``Machine``), e.g.
-        ``[ib_bytes_per_s=25e9,gpus_per_node=4]`` for another cluster.
+        ``'parallel.machine_overrides=["ib_bytes_per_s=25e9","gpus_per_node=4"]'`` on the
+        command line for another cluster.
     """
 
     axis_names: list[str] | None = None
