@@ -48,8 +48,7 @@ def recipe_overrides(args: argparse.Namespace) -> list[str]:
         f"data.dataset.solver.resolution={args.resolution}",
         "logger=none",
         "parallel.machine=cpu",
-        "eval.samples=1",  # the evaluation after training is not timed
-        "eval.rollout_steps=1",
+        "eval.rollout_steps=1",  # the evaluation after training is not timed
     ]
 
 
@@ -90,7 +89,9 @@ def step_seconds(overrides: list[str], run_dir: Path, args: argparse.Namespace) 
         "train.checkpoint_every=0",
         f"run_dir={run_dir}",
     ]
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     rates = [r["cells_per_s"] for r in map(json.loads, lines) if "cells_per_s" in r]
     cells = args.batch * args.resolution**2
