@@ -2,6 +2,7 @@
 ranks them, and a field too large for one device, planned by dry runs on a fake world.
 
 Whether the choice is right on real ranks is measured by ``benchmarks/parallel_auto.py``.
+The budget case is slow: ``pytest -m slow tests/test_parallel_auto.py``.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow  # seven dry runs: 8 s at load 12 (pytest -m slow tests/test_parallel_auto.py)
 def test_a_field_too_large_for_one_device_gets_a_domain_decomposition(tmp_path: Path) -> None:
     """A budget below one whole sample's step (what every replica of pure data parallelism
     holds) and above half of one: with a global batch of 1 the choice splits the field; with
