@@ -61,7 +61,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -76,6 +76,12 @@ from benchmarks.host_overhead import _OpCounter
 from shardsci import Shard, ShardTensor, attention_exchange
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.parallel import domain_parallel
+from shardsci.planning._machine import (
+    Machine,
+    all_reduce_s,
+    collective_s,
+    override,
+)
 from shardsci.tensor._options import attention_exchange_choice
 from shardsci.testing import count_traffic, get_mesh
 
@@ -83,119 +89,6 @@ GPUS = (8, 16, 32, 64, 128, 256, 512)
 FIT_TOLERANCE = 0.02  # of the largest measured bytes of a kind
 WEAK_GOAL = 0.9
 STRONG_FLOOR = 0.5
-
-
-@dataclass(frozen=True)
-class Machine:
-    """H100 SXM nodes, 8 GPUs on NVLink 4 / NVSwitch, one 400 Gb/s InfiniBand NIC per GPU."""
-
-    sustained_flops: float = 100e12
-    """Assumed: 20 % of the H100 SXM's 494.7 TFLOP/s dense TF32 (NVIDIA H100 datasheet)."""
-    memory_bytes_per_s: float = 2.7e12
-    """Assumed: 80 % of the H100 SXM's 3.35 TB/s HBM3 (H100 datasheet). A step's compute is
-    the longer of its FLOPs at ``sustained_flops`` and its memory traffic at this rate."""
-    nvlink_bytes_per_s: float = 370e9
-    """Assumed achievable per GPU and direction: 82 % of NVLink 4's 450 GB/s (H100 datasheet)."""
-    ib_bytes_per_s: float = 45e9
-    """Assumed achievable: 90 % of NDR's 50 GB/s per direction (DGX H100 user guide)."""
-    base_latency_s: float = 3.6e-6
-    """NCCL ``src/graph/tuning.cc``, ring LL: base latency of a collective or message."""
-    nvlink_step_latency_s: float = 0.47e-6
-    """NCCL tuning.cc, ring LL: per-step latency over NVLink."""
-    net_step_latency_s: float = 2.7e-6
-    """NCCL tuning.cc, ring LL: per-step latency over the network."""
-    tree_base_latency_s: float = 4.4e-6
-    """NCCL tuning.cc, tree LL: base latency."""
-    ll_bandwidth_fraction: float = 0.25
-    """NCCL tuning.cc: the LL protocol moves a quarter of the Simple protocol's bandwidth; the
-    Simple protocol's latencies are those above times ``simple_latency_factor``."""
-    simple_latency_factor: float = 3.0
-    """NCCL tuning.cc: Simple's base 8.4 µs and NVLink step 3.4 µs against LL's 3.6 and 0.47
-    (the network step 9.6 against 2.7): about 3x, rounded."""
-    gpus_per_node: int = 8
-    """DGX H100 / HGX H100."""
-    host_us_per_op: float = 53.0
-    """Measured here (``benchmarks.host_overhead``, UNet, 1 rank, 16² tile): a ShardTensor
-    step's CPU time (``time.process_time``, which the machine's load disturbs less than wall
-    time) over the aten ops it dispatches; the ViT and Transolver measure 83-104 µs. A
-    cluster's host core may be faster: override with ``--set host_us_per_op=...``."""
-
-
-def override(machine: Machine, settings: list[str]) -> Machine:
-    """``machine`` with ``name=value`` settings applied; one clear line for a bad one."""
-    known = {f.name: f.type for f in fields(Machine)}
-    changes = {}
-    for setting in settings:
-        name, _, value = setting.partition("=")
-        if name not in known or not value:
-            raise SystemExit(f"--set {setting!r}: expected name=value, name one of {list(known)}")
-        changes[name] = int(value) if known[name] in (int, "int") else float(value)
-    return dataclasses.replace(machine, **changes)
-
-
-# --------------------------------------------------------------------------- collectives
-def _nodes(machine: Machine, ranks: int) -> int:
-    return max(1, math.ceil(ranks / machine.gpus_per_node))
-
-
-def _link(machine: Machine, ranks: int) -> tuple[float, float]:
-    """(per-step latency, bytes/s) of the slowest link a ring over ``ranks`` crosses."""
-    if _nodes(machine, ranks) == 1:
-        return machine.nvlink_step_latency_s, machine.nvlink_bytes_per_s
-    return machine.net_step_latency_s, machine.ib_bytes_per_s
-
-
-def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float) -> float:
-    """A ring of ``steps`` steps moving ``nbytes`` per link: the cheaper of LL and Simple.
-    The ring visits the ranks node by node, so of its steps only the share ``nodes / P``
-    crosses the network (NCCL's tuning.cc counts intra- and inter-node steps apart); its
-    bandwidth is the slowest link's."""
-    nodes = _nodes(machine, ranks)
-    _, bandwidth = _link(machine, ranks)
-    crossing = nodes / ranks if nodes > 1 else 0.0
-    step = (1 - crossing) * machine.nvlink_step_latency_s + crossing * machine.net_step_latency_s
-    latency = machine.base_latency_s + steps * step
-    ll = latency + nbytes / (bandwidth * machine.ll_bandwidth_fraction)
-    simple = machine.simple_latency_factor * latency + nbytes / bandwidth
-    return min(ll, simple)
-
-
-def all_reduce_s(machine: Machine, ranks: int, nbytes: float) -> float:
-    """Ring (``2 (P - 1)`` steps, ``2 (P - 1) / P`` of the buffer per link) or tree (``2 log2
-    P`` hops, twice the buffer at LL bandwidth), whichever is cheaper."""
-    if ranks == 1:
-        return 0.0
-    ring = _ring_s(machine, 2 * (ranks - 1), ranks, nbytes * 2 * (ranks - 1) / ranks)
-    step, bandwidth = _link(machine, ranks)
-    tree = machine.tree_base_latency_s + 2 * math.log2(ranks) * step
-    tree += 2 * nbytes / (bandwidth * machine.ll_bandwidth_fraction)
-    return min(ring, tree)
-
-
-def all_gather_s(machine: Machine, ranks: int, piece: float) -> float:
-    """Ring all-gather (or reduce-scatter) of ``piece`` bytes per rank: ``P - 1`` steps."""
-    return 0.0 if ranks == 1 else _ring_s(machine, ranks - 1, ranks, piece * (ranks - 1))
-
-
-def all_to_all_s(machine: Machine, ranks: int, volume: float) -> float:
-    """``P - 1`` messages posted together, ``(P - 1) / P`` of the local ``volume``; bytes
-    to ranks on other nodes go over InfiniBand."""
-    if ranks == 1:
-        return 0.0
-    local = min(ranks, machine.gpus_per_node) - 1
-    remote = ranks - 1 - local
-    piece = volume / ranks
-    latency = machine.base_latency_s + local * machine.nvlink_step_latency_s
-    latency += remote * machine.net_step_latency_s
-    return latency + piece * (local / machine.nvlink_bytes_per_s + remote / machine.ib_bytes_per_s)
-
-
-def halo_s(machine: Machine, ranks: int, rounds: float, nbytes: float) -> float:
-    """Every round of messages waits for its slowest: NVLink on one node, else InfiniBand."""
-    if ranks == 1:
-        return 0.0
-    step, bandwidth = _link(machine, 2 * ranks if ranks >= 2 * machine.gpus_per_node else ranks)
-    return rounds * (machine.base_latency_s + step) + nbytes / bandwidth
 
 
 # --------------------------------------------------------------------------- the models
@@ -546,18 +439,10 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
     }
     if ranks > 1:
         for kind in fitted.received:
-            n, nbytes = fitted.count(kind, ranks), fitted.bytes(kind, ranks, shape)
-            if kind == "p2p":
-                rounds = fitted.count("p2p_rounds", ranks)
-                parts[kind] = halo_s(machine, ranks, rounds, nbytes)
-            elif kind in ("all_reduce", "gradient_all_reduce"):
-                buffer = nbytes / max(n, 1.0) * ranks / (2 * (ranks - 1))
-                parts[kind] = n * all_reduce_s(machine, ranks, buffer)
-            elif kind == "all_to_all":
-                volume = nbytes / max(n, 1.0) * ranks / (ranks - 1)
-                parts[kind] = n * all_to_all_s(machine, ranks, volume)
-            else:  # all_gather, reduce_scatter and the rest: rings of P - 1 steps
-                parts[kind] = n * all_gather_s(machine, ranks, nbytes / max(n, 1.0) / (ranks - 1))
+            n = fitted.count(kind, ranks)
+            rounds = fitted.count("p2p_rounds", ranks) if kind == "p2p" else n
+            nbytes = fitted.bytes(kind, ranks, shape)
+            parts[kind] = collective_s(machine, kind, ranks, n, nbytes, rounds)
     parts["device"] = sum(parts.values())
     parts["host"] = fitted.ops * machine.host_us_per_op * 1e-6
     parts["total"] = max(parts["host"], parts["device"])
@@ -680,7 +565,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load", help="project from this file's measurements (from --save)")
     parser.add_argument("--save", help="write the measurements to this JSON file")
     args = parse_arguments(parser, argv)
-    machine = override(Machine(), args.set)
+    try:
+        machine = override(Machine(), args.set)
+    except ValueError as error:
+        raise SystemExit(f"--set {error}") from None
     start = time.perf_counter()
     load_before = os.getloadavg()[0]
     emit("parameters", **asdict(machine))

@@ -11,7 +11,7 @@ and their bytes. Halo bytes are faces, proportional to the tile's edge, so they 
 at one tile size and scaled.
 The step's convolution FLOPs come from ``torch.utils.flop_counter`` on the plain model.
 
-Projected: 8 GPUs per node, 2-D blocks over (H, W); a step costs
+Projected: ``Machine.gpus_per_node`` GPUs per node, 2-D blocks over (H, W); a step costs
 ``compute + halos + statistics + exposed gradient reduction``:
 - compute: FLOPs / ``sustained_flops`` (an assumption, stated below);
 - halos: every exchange is on the critical path (forward and backward), each costs one
@@ -21,7 +21,8 @@ Projected: 8 GPUs per node, 2-D blocks over (H, W); a step costs
   gradient all-reduce's last bucket (the others overlap backward), all with NCCL's own
   latency model (``src/graph/tuning.cc``: base latency plus a per-step latency of the link).
 
-Parameters and their sources are emitted in the ``parameters`` record. No goal is stated: the
+The machine is ``shardsci.planning._machine.Machine`` (NOTE [One machine model]: the one
+cost_model and ``parallel=auto`` use); its parameters are emitted in the ``parameters`` record. No goal is stated: the
 projection is reported. Run ``python -m benchmarks.scaling_model [--tile 32]`` (≈1 min: the
 measurement uses 9 ranks on small tiles).
 """
@@ -32,7 +33,7 @@ import argparse
 import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -42,38 +43,13 @@ from benchmarks._common import emit, emit_summary, on_ranks, parse_arguments, ra
 from shardsci import Shard, ShardTensor, distribute_tensor
 from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
+from shardsci.planning._machine import Machine, all_gather_s, all_reduce_s, halo_s
 from shardsci.testing import count_traffic, get_mesh
 
 MEASURED_TILE = 32  # H and W per rank in the 3x3 measurement (default)
 GPUS = (8, 16, 32, 64, 128, 256, 512)
-PER_NODE = 8
 WEAK_TILES = (512, 2048)  # H = W per GPU, batch 1
 STRONG_FIELD = 8192  # H = W of the whole field, batch 1
-
-
-@dataclass(frozen=True)
-class Machine:
-    """H100 SXM nodes, 8 GPUs on NVLink 4 / NVSwitch, one 400 Gb/s InfiniBand NIC per GPU."""
-
-    sustained_flops: float = 100e12
-    """Assumed: 20 % of the H100 SXM's 494.7 TFLOP/s dense TF32 (NVIDIA H100 datasheet), for
-    3x3 convolutions of 32-256 channels with normalisation and activations between them."""
-    nvlink_bytes_per_s: float = 370e9
-    """Assumed achievable per GPU and direction: 82 % of NVLink 4's 450 GB/s (900 GB/s
-    bidirectional, NVIDIA H100 datasheet)."""
-    ib_bytes_per_s: float = 45e9
-    """Assumed achievable: 90 % of NDR's 50 GB/s per direction (400 Gb/s ConnectX-7 per GPU,
-    NVIDIA DGX H100 user guide)."""
-    base_latency_s: tuple[float, float] = (3.6e-6, 8.4e-6)
-    """NCCL tuning.cc, ring: base latency of the LL (small messages) and Simple protocols."""
-    nvlink_step_latency_s: tuple[float, float] = (0.47e-6, 3.4e-6)
-    """NCCL tuning.cc, ring: per-step hardware latency over NVLink, LL and Simple."""
-    net_step_latency_s: tuple[float, float] = (2.7e-6, 9.6e-6)
-    """NCCL tuning.cc, ring: per-step hardware latency over the network, LL and Simple."""
-    tree_latency_s: tuple[float, float, float] = (4.4e-6, 0.52e-6, 5.0e-6)
-    """NCCL tuning.cc, tree LL: base, per NVLink hop, per network hop."""
-    ll_bandwidth_fraction: float = 0.25
-    """NCCL tuning.cc: the LL protocol moves a quarter of the Simple protocol's bandwidth."""
 
 
 # --------------------------------------------------------------------------- measurement
@@ -130,49 +106,6 @@ def flops_per_pixel() -> float:
 
 
 # --------------------------------------------------------------------------- model
-def _ring(machine: Machine, steps: int, inter_steps: int, nbytes: float, busbw: float) -> float:
-    """NCCL's ring time for ``steps`` steps of which ``inter_steps`` cross nodes, moving
-    ``nbytes`` per link: the cheaper of the LL (small messages) and Simple protocols."""
-    times = []
-    for p, base in enumerate(machine.base_latency_s):
-        latency = base + (steps - inter_steps) * machine.nvlink_step_latency_s[p]
-        latency += inter_steps * machine.net_step_latency_s[p]
-        bw = busbw * (machine.ll_bandwidth_fraction if p == 0 else 1.0)
-        times.append(latency + nbytes / bw)
-    return min(times)
-
-
-def _bus_bandwidth(machine: Machine, nodes: int) -> float:
-    return machine.nvlink_bytes_per_s if nodes == 1 else machine.ib_bytes_per_s
-
-
-def all_reduce_s(machine: Machine, ranks: int, nbytes: float) -> float:
-    """The cheaper of ring (``2 (P - 1)`` steps, ``2 (P - 1) / P`` of the bytes per link) and
-    tree (``2 (hops in node + log2 nodes)`` latencies, twice the bytes), LL or Simple."""
-    nodes = max(1, ranks // PER_NODE)
-    bw = _bus_bandwidth(machine, nodes)
-    ring = _ring(machine, 2 * (ranks - 1), 2 * (nodes - 1), nbytes * 2 * (ranks - 1) / ranks, bw)
-    base, hop, net = machine.tree_latency_s
-    tree = base + 2 * ((min(ranks, PER_NODE) - 1) * hop + math.log2(nodes) * net)
-    tree += 2 * nbytes / (bw * machine.ll_bandwidth_fraction)
-    return min(ring, tree)
-
-
-def all_gather_s(machine: Machine, ranks: int, piece_bytes: float) -> float:
-    """Ring all-gather (NCCL's only algorithm for it here): ``P - 1`` steps."""
-    nodes = max(1, ranks // PER_NODE)
-    bw = _bus_bandwidth(machine, nodes)
-    return _ring(machine, ranks - 1, nodes - 1, piece_bytes * (ranks - 1), bw)
-
-
-def halo_s(machine: Machine, ranks: int, exchanges: float, nbytes: float) -> float:
-    """Every exchange waits for its slowest message: NVLink on one node, else InfiniBand."""
-    nodes = max(1, ranks // PER_NODE)
-    step = machine.nvlink_step_latency_s[0] if nodes == 1 else machine.net_step_latency_s[0]
-    latency = machine.base_latency_s[0] + step
-    return exchanges * latency + nbytes / _bus_bandwidth(machine, nodes)
-
-
 def step_s(machine: Machine, measured: dict, flops: float, ranks: int, tile: float) -> dict:
     """Seconds per step of each part on ``ranks`` GPUs with ``tile x tile`` pixels each, and
     the total if the statistics were combined by all-reduces instead."""
@@ -266,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     flops = flops_per_pixel()
     machine = Machine()
     emit("measured", mesh="3x3", **measured, flops_per_pixel=flops)
-    emit("parameters", **asdict(machine), gpus_per_node=PER_NODE)
+    emit("parameters", **asdict(machine))
     summary = project(measured, flops, machine)
     emit_summary([], args.check, **summary, wall_s=round(time.perf_counter() - start, 1))
 

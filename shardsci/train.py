@@ -53,6 +53,9 @@ def launch(cfg: DictConfig, multirun: bool = False) -> int:
 
         return dry_run(cfg)
     env = detect_launch_env()
+    from shardsci.planning import choose_for_launch  # parallel=auto's choice (mesh=N)
+
+    cfg = choose_for_launch(cfg, env)
     plan = check_run(cfg, recipe, env, multirun)
     return run_ranks(cfg, plan, env, train_recipe)
 

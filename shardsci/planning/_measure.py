@@ -21,6 +21,7 @@ from torch import nn
 from shardsci.parallel._reducer import GradientReducer
 from shardsci.planning._memory import Category, LiveMemory
 from shardsci.planning._observe import StepObserver
+from shardsci.planning._work import WorkCounter
 from shardsci.tensor import CommStats, ShardTensor, ShardTensorSpec, comm_counter
 from shardsci.tensor._torch_compat import tree_leaves
 from shardsci.training import Task
@@ -60,6 +61,8 @@ class StepMeasurement:
         Bytes of the gradient reducer's buckets (``domain_parallel``), 0 without one.
     batch_specs : list of ShardTensorSpec
         Layouts of the batch's ShardTensors.
+    flops, aten_ops : int
+        FLOPs and aten ops of this rank's step (``WorkCounter``).
     """
 
     comm: CommStats
@@ -70,6 +73,8 @@ class StepMeasurement:
     optimizer: int
     grad_buckets: int
     batch_specs: list[ShardTensorSpec]
+    flops: int
+    aten_ops: int
 
 
 def measure_step(
@@ -112,6 +117,7 @@ def measure_step(
         return batch
 
     task.batch = labelled_batch  # type: ignore[method-assign]
+    work = WorkCounter()
     reducer = gradient_reducer(model)
     if reducer is not None:
         # The reducer writes the step's gradients at the end of backward.
@@ -126,7 +132,7 @@ def measure_step(
 
         reducer._write_gradients = labelled_gradients  # type: ignore[method-assign]
     try:
-        with observer.watching(), comm_counter() as comm, memory:
+        with observer.watching(), comm_counter() as comm, memory, work:
             try:
                 run()
             except Exception as error:
@@ -152,6 +158,8 @@ def measure_step(
         optimizer=_nbytes(_optimizer_tensors(optimizer)),
         grad_buckets=_nbytes(buckets),
         batch_specs=batch_specs,
+        flops=work.flops,
+        aten_ops=work.ops,
     )
 
 

@@ -76,6 +76,9 @@ class RankClassPlan:
         Kind -> figures, for every collective shardsci issues in the step.
     local_shapes : dict
         Layer -> this class's shard of the layer's output.
+    flops, aten_ops : int
+        FLOPs and aten ops of the representative's step (``WorkCounter``): what projects its
+        compute and host time (``parallel=auto``).
     """
 
     ranks: int
@@ -85,6 +88,8 @@ class RankClassPlan:
     memory: MemoryPlan
     collectives: dict[str, CollectiveFigures]
     local_shapes: dict[str, list[int] | None]
+    flops: int = 0
+    aten_ops: int = 0
 
 
 @dataclass
@@ -182,6 +187,8 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
             name: list(record.local_shape) if record.local_shape is not None else None
             for name, record in measured.observer.layers.items()
         },
+        flops=measured.flops,
+        aten_ops=measured.aten_ops,
     )
 
 

@@ -57,11 +57,32 @@ class ParallelConfig:
         Mesh axis name -> the spatial dim of the fields it splits (e.g. ``"H"``); None: the
         other axes split the fields' spatial dims in order, outermost first (H, then W of a 2-D
         field; D, H, W of a 3-D one).
+    choose : bool
+        Choose the decomposition of a one-number mesh (``mesh=N``, or torchrun's or srun's
+        world with ``mesh=-1``) by planning every candidate (``shardsci.planning``, NOTE
+        [How parallel=auto chooses]); a mesh of several axes keeps the roles above.
+        ``parallel=auto`` sets it.
+    memory_gib : float or None
+        The memory budget of one device when choosing; None: ``device_memory_gib`` if set,
+        else the machine's (an H100's 80 GiB on a GPU; on a CPU this host's memory over the
+        ranks it runs).
+    machine : str or None
+        What the candidates' step times are projected on: ``"h100"`` (a cluster of H100
+        nodes), ``"cpu"`` (ranks sharing this host's cores, gloo); None: ``"h100"`` where CUDA
+        is available, else ``"cpu"``.
+    machine_overrides : list of str
+        ``name=value`` settings of the machine's parameters (``Machine``), e.g.
+        ``'parallel.machine_overrides=["ib_bytes_per_s=25e9","gpus_per_node=4"]'`` on the
+        command line for another cluster.
     """
 
     axis_names: list[str] | None = None
     data_parallel: str | None = "dp"
     domain: dict[str, str] | None = None
+    choose: bool = False
+    memory_gib: float | None = None
+    machine: str | None = None
+    machine_overrides: list[str] = field(default_factory=list)
 
 
 def mesh_world_size(shape: MeshSpec) -> int | None:

@@ -1,0 +1,417 @@
+"""``parallel=auto``: choose how a run's ranks split the work, by planning every choice.
+
+NOTE [How parallel=auto chooses]
+Given ``P`` ranks (a one-number ``mesh``, or torchrun's or srun's world), ``decompositions``
+lists every way to write ``P = dp x n_1 x ... x n_k``: ``dp`` data-parallel replicas (a
+divisor of the global batch) and a domain decomposition splitting ``k`` of the fields'
+spatial dims, outermost first (``k = 0``: pure data parallelism; one dim: slabs; two of a 3-D
+field: pencils; all of them: blocks), ``n_i`` ranks along dim ``i``, uneven where the cells
+do not divide (the library's ``chunk`` sizes). Each candidate is dry-run as the run itself
+would be (``plan_run``: the model, the trainer's step, every byte, every layer's peak memory
+on every rank class; NOTE [A dry run executes the library on one simulated rank at a time]);
+a candidate with a problem (a rank over the memory budget, ranks left without cells, a step
+that fails) is dropped with that problem as its reason. The others are ranked by the
+projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
+
+- compute: the class's FLOPs (``WorkCounter``: its own shard's) at ``sustained_flops``;
+- communication: every collective the dry run recorded, by kind (``collective_s``), over the
+  domain group (``P / dp`` ranks), the gradient all-reduces over the whole mesh;
+- host: the class's aten ops at ``host_us_per_op`` when the fields are ShardTensors, at
+  ``plain_host_us_per_op`` when nothing is split;
+- step: ``max(host, compute + communication)`` on a GPU, their sum on a CPU.
+
+Ties keep the enumeration's order, data parallelism first. Memory rarely tells the candidates
+apart: without gradient accumulation every one holds ``global_batch / P`` samples' worth of
+activations per rank (a replica of ``dp`` holds ``global_batch / dp`` samples of ``1 / (P /
+dp)`` of the field), so they differ by halos, gathers and buffers only; a field too large for
+one device under pure data parallelism is one whose single sample does not fit, and a domain
+decomposition fits it only with fewer samples than ranks (``global_batch < P``), which the
+error for "nothing fits" says. The printed table
+(``format_choice``) gives every candidate's memory, projected parts and why it lost: the part
+that costs it most over the winner, or its problem. Known limits: FFTs and elementwise ops
+count no FLOPs (memory-bound work is missing from compute), and a collective over one axis of
+a block is costed over the whole domain group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from shardsci.distributed import LaunchEnv
+from shardsci.parallel._reducer import GRAD_KIND
+from shardsci.planning._dry_run import plan_run
+from shardsci.planning._machine import Machine, collective_s, gloo_cpu, override
+from shardsci.planning._plan import RankClassPlan, RunPlan
+from shardsci.training import (
+    ConfigError,
+    ParallelConfig,
+    config_from,
+    get_recipe,
+    max_local_ranks,
+)
+
+__all__ = [
+    "Candidate",
+    "Choice",
+    "Decomposition",
+    "Projection",
+    "choice_applies",
+    "choose",
+    "chosen_config",
+    "decompositions",
+    "format_choice",
+    "project",
+]
+
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """``dp`` replicas times a domain decomposition ``splits``: (spatial dim, ranks) pairs,
+    outermost dim first, every ranks > 1."""
+
+    dp: int
+    splits: tuple[tuple[str, int], ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * math.prod(n for _, n in self.splits)
+
+    @property
+    def mesh(self) -> str:
+        """The ``mesh`` value: ``"2x2"`` (dp, then one axis per split dim)."""
+        sizes = ([self.dp] if self.dp > 1 else []) + [n for _, n in self.splits]
+        return "x".join(str(n) for n in sizes) or "1"
+
+    def parallel(self) -> ParallelConfig:
+        """The ``parallel`` group that gives the mesh's axes these roles."""
+        domain = {f"domain_{dim.lower()}": dim for dim, _ in self.splits}
+        names = (["dp"] if self.dp > 1 or not domain else []) + list(domain)
+        dp = "dp" if "dp" in names else None
+        return ParallelConfig(axis_names=names, data_parallel=dp, domain=domain or None)
+
+    def describe(self, ndim: int) -> str:
+        """``dp=2 x slab H=2``, ``block H=2 x W=2``, ``dp=4``."""
+        kind = {0: "", 1: "slab", ndim: "block"}.get(len(self.splits), "pencil")
+        domain = " x ".join(f"{dim}={n}" for dim, n in self.splits)
+        parts = ([f"dp={self.dp}"] if self.dp > 1 or not domain else []) + (
+            [f"{kind} {domain}"] if domain else []
+        )
+        return " x ".join(parts)
+
+
+def decompositions(world_size: int, spatial_dims: tuple[str, ...]) -> list[Decomposition]:
+    """Every decomposition of ``world_size`` ranks (NOTE [How parallel=auto chooses]), data
+    parallelism first, then by fewer split dims, then by more replicas."""
+    found = []
+    for dp in _divisors(world_size):
+        rest = world_size // dp
+        for k in range(len(spatial_dims) + 1):
+            for dims in itertools.combinations(spatial_dims, k):
+                for sizes in _factorizations(rest, k):
+                    found.append(Decomposition(dp, tuple(zip(dims, sizes))))
+    return sorted(found, key=lambda d: (len(d.splits), -d.dp))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """Ordered tuples of ``parts`` factors > 1 whose product is ``n``."""
+    if parts == 0:
+        return [()] if n == 1 else []
+    return [
+        (first, *rest)
+        for first in _divisors(n)
+        if first > 1
+        for rest in _factorizations(n // first, parts - 1)
+    ]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Seconds of one step of a rank class: ``compute``, ``communication`` (by kind in
+    ``collectives``), ``host``, and the ``step`` they make (NOTE [How parallel=auto
+    chooses])."""
+
+    compute: float
+    communication: float
+    host: float
+    step: float
+    collectives: dict[str, float] = field(hash=False)
+
+
+def project(plan: RunPlan, machine: Machine) -> Projection:
+    """The projected step of ``plan``: that of its slowest rank class."""
+    replicas = plan.gradient_reduction.replicas if plan.gradient_reduction else 1
+    domain = plan.world_size // replicas
+    reduction = plan.gradient_reduction.ranks if plan.gradient_reduction else plan.world_size
+    return max(
+        (_project_class(c, machine, domain, reduction) for c in plan.classes),
+        key=lambda p: p.step,
+    )
+
+
+def _project_class(
+    plan: RankClassPlan, machine: Machine, domain: int, reduction: int
+) -> Projection:
+    collectives = {
+        kind: collective_s(
+            machine,
+            kind,
+            reduction if kind == GRAD_KIND else domain,
+            figures.calls,
+            figures.received,
+            figures.calls,
+        )
+        for kind, figures in plan.collectives.items()
+    }
+    compute = plan.flops / machine.sustained_flops
+    communication = sum(collectives.values())
+    per_op = machine.host_us_per_op if domain > 1 else machine.plain_host_us_per_op
+    host = plan.aten_ops * per_op * 1e-6
+    device = compute + communication
+    step = max(host, device) if machine.host_overlaps_device else host + device
+    return Projection(compute, communication, host, step, collectives)
+
+
+@dataclass
+class Candidate:
+    """A decomposition, its plan's peak memory per rank, and its projection or the problem
+    that drops it."""
+
+    decomposition: Decomposition
+    label: str
+    peak_bytes: int | None = None
+    projection: Projection | None = None
+    problem: str | None = None
+
+
+@dataclass
+class Choice:
+    """Every candidate, the ranked (fastest first) apart from the dropped, for ``world_size``
+    ranks under a budget of ``budget_gib`` per device on ``machine``."""
+
+    world_size: int
+    budget_gib: float
+    budget_source: str
+    machine_name: str
+    ranked: list[Candidate]
+    dropped: list[Candidate]
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+
+def choice_applies(cfg: DictConfig, env: LaunchEnv | None) -> int | None:
+    """The ranks to choose a decomposition for, or None when ``cfg`` does not ask for a
+    choice: ``parallel.choose`` set and ``mesh`` one number (``-1``: the launcher's world)."""
+    if not cfg.parallel.get("choose", False):
+        return None
+    mesh = str(cfg.mesh)
+    launched = env is not None and env.launcher != "single"
+    if mesh == "-1" and launched:
+        world = env.world_size
+    elif mesh.isdigit():
+        world = int(mesh)
+    else:
+        return None
+    return world if world > 1 else None
+
+
+def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> Choice:
+    """Plan every decomposition of ``world_size`` ranks for ``cfg`` and rank them (NOTE [How
+    parallel=auto chooses]).
+
+    Parameters
+    ----------
+    ranks_here : int or None
+        Ranks that will share this host (a CPU machine's memory and cores); None: all.
+
+    Raises
+    ------
+    ConfigError
+        If no candidate fits (naming the closest and why), or the machine settings are bad.
+    """
+    parallel = config_from(ParallelConfig, cfg.parallel)
+    machine, machine_name = _machine(parallel, ranks_here or world_size)
+    budget, source = _budget(parallel, cfg, machine, machine_name)
+    recipe = get_recipe(cfg.recipe)
+    batch = int(cfg.train.global_batch)
+    candidates = []
+    for decomposition in decompositions(world_size, tuple(recipe.spatial_dims)):
+        candidate = Candidate(decomposition, decomposition.describe(len(recipe.spatial_dims)))
+        candidates.append(candidate)
+        if batch % decomposition.dp:
+            candidate.problem = (
+                f"train.global_batch={batch} does not split over {decomposition.dp} replicas"
+            )
+            continue
+        try:
+            plan = plan_run(chosen_config(cfg, decomposition), device_memory_gib=budget)
+        except ConfigError as error:
+            candidate.problem = str(error)
+            continue
+        if plan.classes:
+            candidate.peak_bytes = max(c.memory.peak for c in plan.classes)
+        if plan.problems:
+            candidate.problem = plan.problems[0]
+        else:
+            candidate.projection = project(plan, machine)
+    ranked = sorted(
+        (c for c in candidates if c.projection is not None), key=lambda c: c.projection.step
+    )
+    dropped = [c for c in candidates if c.projection is None]
+    choice = Choice(world_size, budget, source, machine_name, ranked, dropped)
+    if not ranked:
+        raise ConfigError(_nothing_fits(choice, batch))
+    return choice
+
+
+def choose_for_launch(cfg: DictConfig, env: LaunchEnv) -> DictConfig:
+    """``cfg`` as it will run: with the chosen decomposition when it asks for a choice
+    (``choice_applies``), one line saying which (on rank 0); else ``cfg`` itself. Runs before
+    any rank starts, in every process that checks the config (NOTE [A run is planned once]):
+    the choice depends on the config and the world only, so every rank under torchrun or
+    srun makes the same one. A local mesh larger than this machine allows is left to
+    ``check_run``'s error.
+
+    Raises
+    ------
+    ConfigError
+        If no decomposition can run (``choose``).
+    """
+    world_size = choice_applies(cfg, env)
+    launched = env.launcher != "single"
+    if world_size is None or (not launched and world_size > max_local_ranks()[0]):
+        return cfg
+    choice = choose(cfg, world_size, env.local_world_size if launched else world_size)
+    best = choice.best
+    if env.rank == 0:
+        print(
+            f"parallel=auto chose {best.label} (mesh={best.decomposition.mesh}), projected "
+            f"{_ms(best.projection.step)} ms per step on {choice.machine_name}, the fastest of "
+            f"{len(choice.ranked)} that fit {choice.budget_gib:.3g} GiB per device "
+            f"({len(choice.dropped)} dropped); dry_run=true prints them all",
+            flush=True,
+        )
+    return chosen_config(cfg, best.decomposition)
+
+
+def chosen_config(cfg: DictConfig, decomposition: Decomposition) -> DictConfig:
+    """``cfg`` with the mesh and axis roles of ``decomposition`` (and no further choice)."""
+    chosen = cfg.copy()
+    parallel = decomposition.parallel()
+    OmegaConf.update(chosen, "mesh", decomposition.mesh)
+    OmegaConf.update(chosen, "parallel.axis_names", parallel.axis_names)
+    OmegaConf.update(chosen, "parallel.data_parallel", parallel.data_parallel)
+    OmegaConf.update(chosen, "parallel.domain", parallel.domain, merge=False)
+    OmegaConf.update(chosen, "parallel.choose", False)
+    return chosen
+
+
+def _machine(parallel: ParallelConfig, ranks_here: int) -> tuple[Machine, str]:
+    name = parallel.machine or ("h100" if torch.cuda.is_available() else "cpu")
+    if name not in ("h100", "cpu"):
+        raise ConfigError(f"parallel.machine={name!r}: expected 'h100', 'cpu' or null")
+    machine = Machine() if name == "h100" else gloo_cpu(ranks_here)
+    try:
+        return override(machine, list(parallel.machine_overrides)), name
+    except ValueError as error:
+        raise ConfigError(f"parallel.machine_overrides: {error}") from None
+
+
+def _budget(
+    parallel: ParallelConfig, cfg: DictConfig, machine: Machine, machine_name: str
+) -> tuple[float, str]:
+    if parallel.memory_gib is not None:
+        if not parallel.memory_gib > 0:
+            raise ConfigError(
+                f"parallel.memory_gib={parallel.memory_gib}: expected a positive number of GiB"
+            )
+        return parallel.memory_gib, "parallel.memory_gib"
+    if cfg.get("device_memory_gib") is not None:
+        return float(cfg.device_memory_gib), "device_memory_gib"
+    if machine_name == "cpu":
+        return machine.memory_gib, "this host's memory over the ranks it runs"
+    return machine.memory_gib, "an H100's memory"
+
+
+def _nothing_fits(choice: Choice, batch: int) -> str:
+    sized = [c for c in choice.dropped if c.peak_bytes is not None]
+    closest = min(sized, key=lambda c: c.peak_bytes) if sized else choice.dropped[0]
+    hint = "a larger budget (parallel.memory_gib), more ranks or a smaller model"
+    if batch >= choice.world_size:
+        # NOTE [How parallel=auto chooses]: without gradient accumulation every decomposition
+        # holds global_batch / ranks samples' worth of activations per rank.
+        hint = (
+            f"every decomposition holds train.global_batch / ranks = {batch / choice.world_size:g}"
+            f" sample(s) of activations per rank: a train.global_batch below {choice.world_size}"
+            f" lets a domain decomposition split a sample, or {hint}"
+        )
+    return (
+        f"parallel=auto: none of the {len(choice.dropped)} decompositions of "
+        f"{choice.world_size} ranks fits {choice.budget_gib:.3g} GiB per device "
+        f"({choice.budget_source}); the closest, {closest.label} (mesh="
+        f"{closest.decomposition.mesh}): {closest.problem}; expected {hint}"
+    )
+
+
+# ---------------------------------------------------------------------------- the table
+def format_choice(choice: Choice) -> str:
+    """The ranked candidates as a table: memory, projected parts, why each loser lost."""
+    lines = [
+        f"parallel=auto: {len(choice.ranked) + len(choice.dropped)} decompositions of "
+        f"{choice.world_size} ranks, projected on {choice.machine_name}; budget "
+        f"{choice.budget_gib:.3g} GiB per device ({choice.budget_source})",
+        "",
+    ]
+    header = ("#", "decomposition", "mesh", "peak GiB", "compute ms", "comm ms", "host ms",
+              "step ms", "why not chosen")  # fmt: skip
+    rows = [header]
+    best = choice.best.projection
+    for number, candidate in enumerate(choice.ranked, start=1):
+        p = candidate.projection
+        rows.append((
+            str(number), candidate.label, candidate.decomposition.mesh,
+            _gib(candidate.peak_bytes), _ms(p.compute), _ms(p.communication), _ms(p.host),
+            _ms(p.step), "chosen" if number == 1 else _why_slower(p, best),
+        ))  # fmt: skip
+    for candidate in choice.dropped:
+        rows.append((
+            "-", candidate.label, candidate.decomposition.mesh, _gib(candidate.peak_bytes),
+            "", "", "", "", f"dropped: {candidate.problem}",
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths)]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def _why_slower(p: Projection, best: Projection) -> str:
+    """The part that costs ``p`` most over ``best``, and by how much."""
+    parts = {"compute": (p.compute, best.compute), "host": (p.host, best.host)}
+    for kind in set(p.collectives) | set(best.collectives):
+        parts[kind] = (p.collectives.get(kind, 0.0), best.collectives.get(kind, 0.0))
+    name, (mine, theirs) = max(parts.items(), key=lambda item: item[1][0] - item[1][1])
+    return (
+        f"{_ms(p.step - best.step)} ms slower: {name} {_ms(mine)} ms against {_ms(theirs)}"
+        f" ms (x{p.step / best.step:.2f})"
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}" if seconds >= 1e-3 else f"{seconds * 1e3:.2g}"
+
+
+def _gib(nbytes: int | None) -> str:
+    return "" if nbytes is None else f"{nbytes / _GIB:.3f}"

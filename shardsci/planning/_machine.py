@@ -1,0 +1,228 @@
+"""The machine a step is projected on: one dataclass of parameters with their sources, and the
+time of each collective on it.
+
+NOTE [One machine model]
+``Machine`` and the collective costs below are the one description of a cluster that shardsci
+projects on: ``parallel=auto`` ranks decompositions with them (``_choose``), and the scaling
+projections of ``benchmarks/cost_model.py`` and ``benchmarks/scaling_model.py`` import them
+from here (library code never imports ``benchmarks/``). ``Machine()`` is an H100 SXM cluster;
+``gloo_cpu(ranks)`` this kind of machine (ranks sharing a few CPU cores, gloo over loopback).
+Change a parameter here and every projection moves with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, fields
+
+__all__ = [
+    "Machine",
+    "all_gather_s",
+    "all_reduce_s",
+    "all_to_all_s",
+    "collective_s",
+    "gloo_cpu",
+    "halo_s",
+    "override",
+]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """H100 SXM nodes, 8 GPUs on NVLink 4 / NVSwitch, one 400 Gb/s InfiniBand NIC per GPU."""
+
+    sustained_flops: float = 100e12
+    """Assumed: 20 % of the H100 SXM's 494.7 TFLOP/s dense TF32 (NVIDIA H100 datasheet)."""
+    memory_bytes_per_s: float = 2.7e12
+    """Assumed: 80 % of the H100 SXM's 3.35 TB/s HBM3 (H100 datasheet). A step's compute is
+    the longer of its FLOPs at ``sustained_flops`` and its memory traffic at this rate."""
+    nvlink_bytes_per_s: float = 370e9
+    """Assumed achievable per GPU and direction: 82 % of NVLink 4's 450 GB/s (H100 datasheet)."""
+    ib_bytes_per_s: float = 45e9
+    """Assumed achievable: 90 % of NDR's 50 GB/s per direction (DGX H100 user guide)."""
+    base_latency_s: float = 3.6e-6
+    """NCCL ``src/graph/tuning.cc``, ring LL: base latency of a collective or message."""
+    nvlink_step_latency_s: float = 0.47e-6
+    """NCCL tuning.cc, ring LL: per-step latency over NVLink."""
+    net_step_latency_s: float = 2.7e-6
+    """NCCL tuning.cc, ring LL: per-step latency over the network."""
+    tree_base_latency_s: float = 4.4e-6
+    """NCCL tuning.cc, tree LL: base latency."""
+    ll_bandwidth_fraction: float = 0.25
+    """NCCL tuning.cc: the LL protocol moves a quarter of the Simple protocol's bandwidth; the
+    Simple protocol's latencies are those above times ``simple_latency_factor``."""
+    simple_latency_factor: float = 3.0
+    """NCCL tuning.cc: Simple's base 8.4 µs and NVLink step 3.4 µs against LL's 3.6 and 0.47
+    (the network step 9.6 against 2.7): about 3x, rounded."""
+    gpus_per_node: int = 8
+    """DGX H100 / HGX H100."""
+    host_us_per_op: float = 53.0
+    """Measured here (``benchmarks.host_overhead``, UNet, 1 rank, 16² tile): a ShardTensor
+    step's CPU time (``time.process_time``, which the machine's load disturbs less than wall
+    time) over the aten ops it dispatches; the ViT and Transolver measure 83-104 µs. A
+    cluster's host core may be faster: override with ``--set host_us_per_op=...``."""
+    plain_host_us_per_op: float = 25.0
+    """Measured here (``benchmarks.host_overhead``, UNet, 1 rank): a plain torch step's CPU time
+    over its aten ops; what an op on plain tensors costs the host (a data-parallel replica's
+    whole step, the local kernels a ShardTensor op runs)."""
+    host_overlaps_device: bool = True
+    """A GPU's kernels run while the host launches the next ones: a step costs ``max(host,
+    device)``. On a CPU the same core does both: ``host + device``."""
+    memory_gib: float = 80.0
+    """HBM3 of one H100 SXM (H100 datasheet): ``parallel=auto``'s default memory budget."""
+
+
+def override(machine: Machine, settings: list[str]) -> Machine:
+    """``machine`` with ``name=value`` settings applied.
+
+    Raises
+    ------
+    ValueError
+        One line naming a setting that is not ``name=value`` of a ``Machine`` field.
+    """
+    known = {f.name: f.type for f in fields(Machine)}
+    changes: dict[str, float | int | bool] = {}
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        if name not in known or not value:
+            raise ValueError(f"{setting!r}: expected name=value, name one of {list(known)}")
+        kind = known[name]
+        try:
+            if kind in (bool, "bool"):
+                if value not in ("true", "false"):
+                    raise ValueError(value)
+                changes[name] = value == "true"
+            else:
+                changes[name] = int(value) if kind in (int, "int") else float(value)
+        except ValueError:
+            raise ValueError(f"{setting!r}: {name} expects a {kind}") from None
+    return dataclasses.replace(machine, **changes)
+
+
+# --------------------------------------------------------------------------- collectives
+def _nodes(machine: Machine, ranks: int) -> int:
+    return max(1, math.ceil(ranks / machine.gpus_per_node))
+
+
+def _link(machine: Machine, ranks: int) -> tuple[float, float]:
+    """(per-step latency, bytes/s) of the slowest link a ring over ``ranks`` crosses."""
+    if _nodes(machine, ranks) == 1:
+        return machine.nvlink_step_latency_s, machine.nvlink_bytes_per_s
+    return machine.net_step_latency_s, machine.ib_bytes_per_s
+
+
+def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float) -> float:
+    """A ring of ``steps`` steps moving ``nbytes`` per link: the cheaper of LL and Simple.
+    The ring visits the ranks node by node, so of its steps only the share ``nodes / P``
+    crosses the network (NCCL's tuning.cc counts intra- and inter-node steps apart); its
+    bandwidth is the slowest link's."""
+    nodes = _nodes(machine, ranks)
+    _, bandwidth = _link(machine, ranks)
+    crossing = nodes / ranks if nodes > 1 else 0.0
+    step = (1 - crossing) * machine.nvlink_step_latency_s + crossing * machine.net_step_latency_s
+    latency = machine.base_latency_s + steps * step
+    ll = latency + nbytes / (bandwidth * machine.ll_bandwidth_fraction)
+    simple = machine.simple_latency_factor * latency + nbytes / bandwidth
+    return min(ll, simple)
+
+
+def all_reduce_s(machine: Machine, ranks: int, nbytes: float) -> float:
+    """Ring (``2 (P - 1)`` steps, ``2 (P - 1) / P`` of the buffer per link) or tree (``2 log2
+    P`` hops, twice the buffer at LL bandwidth), whichever is cheaper."""
+    if ranks == 1:
+        return 0.0
+    ring = _ring_s(machine, 2 * (ranks - 1), ranks, nbytes * 2 * (ranks - 1) / ranks)
+    step, bandwidth = _link(machine, ranks)
+    tree = machine.tree_base_latency_s + 2 * math.log2(ranks) * step
+    tree += 2 * nbytes / (bandwidth * machine.ll_bandwidth_fraction)
+    return min(ring, tree)
+
+
+def all_gather_s(machine: Machine, ranks: int, piece: float) -> float:
+    """Ring all-gather (or reduce-scatter) of ``piece`` bytes per rank: ``P - 1`` steps."""
+    return 0.0 if ranks == 1 else _ring_s(machine, ranks - 1, ranks, piece * (ranks - 1))
+
+
+def all_to_all_s(machine: Machine, ranks: int, volume: float) -> float:
+    """``P - 1`` messages posted together, ``(P - 1) / P`` of the local ``volume``; bytes
+    to ranks on other nodes go over InfiniBand."""
+    if ranks == 1:
+        return 0.0
+    local = min(ranks, machine.gpus_per_node) - 1
+    remote = ranks - 1 - local
+    piece = volume / ranks
+    latency = machine.base_latency_s + local * machine.nvlink_step_latency_s
+    latency += remote * machine.net_step_latency_s
+    return latency + piece * (local / machine.nvlink_bytes_per_s + remote / machine.ib_bytes_per_s)
+
+
+def halo_s(machine: Machine, ranks: int, rounds: float, nbytes: float) -> float:
+    """Every round of messages waits for its slowest: NVLink on one node, else InfiniBand."""
+    if ranks == 1:
+        return 0.0
+    step, bandwidth = _link(machine, 2 * ranks if ranks >= 2 * machine.gpus_per_node else ranks)
+    return rounds * (machine.base_latency_s + step) + nbytes / bandwidth
+
+
+def collective_s(
+    machine: Machine, kind: str, ranks: int, calls: float, received: float, rounds: float
+) -> float:
+    """Seconds of ``calls`` collectives of ``kind`` over groups of ``ranks``, the busiest rank
+    receiving ``received`` bytes in all (``count_traffic``'s and ``comm_counter``'s figure:
+    an all-reduce counted at its ring's ``2 (P - 1) / P`` of the buffer, an all-gather as the
+    ``P - 1`` pieces received, an all-to-all as ``(P - 1) / P`` of the volume); ``rounds``:
+    rounds of point-to-point messages (halos; ``calls`` for other kinds)."""
+    if ranks == 1 or calls == 0:
+        return 0.0
+    if kind in ("p2p", "halo"):
+        return halo_s(machine, ranks, rounds, received)
+    each = received / calls
+    if kind in ("all_reduce", "gradient_all_reduce", "grad_all_reduce"):
+        return calls * all_reduce_s(machine, ranks, each * ranks / (2 * (ranks - 1)))
+    if kind == "all_to_all":
+        return calls * all_to_all_s(machine, ranks, each * ranks / (ranks - 1))
+    # all_gather, reduce_scatter, broadcast and the rest: rings of P - 1 steps
+    return calls * all_gather_s(machine, ranks, each / (ranks - 1))
+
+
+def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:
+    """This kind of machine: ``ranks_here`` CPU ranks sharing ``cores`` cores (default: those
+    this process may use) and ``memory_bytes`` of RAM (default: ``MemTotal``), gloo over
+    loopback, one host. Compute and memory are shared equally by the ranks.
+
+    Sources: the host figures are measured here (``benchmarks.host_overhead``); FLOP/s and gloo's
+    latency and bandwidth are assumptions of the right order for one core of a 2020s x86 server
+    (float32 convolutions through oneDNN on one thread; a loopback TCP message), not fitted
+    (issue 22 item 4 fits them): the choice of a decomposition on this machine is checked
+    against measured step times by ``benchmarks/parallel_auto.py``.
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    memory_bytes = memory_bytes or _mem_total_bytes()
+    share = min(1.0, cores / ranks_here)
+    return Machine(
+        sustained_flops=5e9 * share,
+        memory_bytes_per_s=5e9 * share,
+        nvlink_bytes_per_s=1e9 * share,
+        ib_bytes_per_s=1e9 * share,
+        base_latency_s=100e-6,
+        nvlink_step_latency_s=50e-6,
+        net_step_latency_s=50e-6,
+        tree_base_latency_s=100e-6,
+        ll_bandwidth_fraction=1.0,
+        simple_latency_factor=1.0,
+        gpus_per_node=max(ranks_here, 1),
+        host_us_per_op=53.0 / share,
+        plain_host_us_per_op=25.0 / share,
+        host_overlaps_device=False,
+        memory_gib=memory_bytes / ranks_here / 2**30,
+    )
+
+
+def _mem_total_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemTotal line")

@@ -1,0 +1,200 @@
+"""``parallel=auto`` (NOTE [How parallel=auto chooses]): the decompositions it enumerates, how it
+ranks them, and a field too large for one device, planned by dry runs on a fake world.
+
+Whether the choice is right on real ranks is measured by ``benchmarks/parallel_auto.py``.
+The budget case is slow: ``pytest -m slow tests/test_parallel_auto.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import shardsci.train  # noqa: F401  registers the config schemas and the recipes
+from shardsci.planning import (
+    Candidate,
+    Choice,
+    CollectiveFigures,
+    Decomposition,
+    GradientReductionPlan,
+    MemoryPlan,
+    Projection,
+    RankClassPlan,
+    RunPlan,
+    choice_applies,
+    choose,
+    chosen_config,
+    format_choice,
+    plan_run,
+)
+from shardsci.planning._choose import decompositions, project
+from shardsci.planning._machine import Machine
+from shardsci.training import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+# ---------------------------------------------------------------------------- enumeration
+def test_four_ranks_on_a_2d_field() -> None:
+    found = {(d.describe(2), d.mesh) for d in decompositions(4, ("H", "W"))}
+    assert found == {
+        ("dp=4", "4"),
+        ("dp=2 x slab H=2", "2x2"),
+        ("dp=2 x slab W=2", "2x2"),
+        ("slab H=4", "4"),
+        ("slab W=4", "4"),
+        ("block H=2 x W=2", "2x2"),
+    }
+
+
+@pytest.mark.parametrize("world", [8, 12])
+def test_every_split_of_the_ranks_over_dp_d_h_w_once(world: int) -> None:
+    """Counted independently: every (dp, D, H, W) of positive sizes whose product is the
+    world."""
+    expected = {
+        sizes
+        for sizes in itertools.product(range(1, world + 1), repeat=4)
+        if math.prod(sizes) == world
+    }
+    found = decompositions(world, ("D", "H", "W"))
+    as_sizes = [(d.dp, *(dict(d.splits).get(dim, 1) for dim in "DHW")) for d in found]
+    assert len(as_sizes) == len(set(as_sizes))
+    assert set(as_sizes) == expected
+    assert all(d.world_size == world for d in found)
+    assert Decomposition(1, (("D", 2), ("W", 4))).describe(3) == "pencil D=2 x W=4"
+
+
+def test_a_decomposition_is_a_mesh_and_roles_the_run_accepts(tmp_path: Path) -> None:
+    cfg = _compose(["+recipe=cfd", "mesh=4", f"run_dir={tmp_path}"])
+    assert choice_applies(cfg, None) == 4
+    assert (
+        choice_applies(_compose(["+recipe=cfd", "mesh=2x2", f"run_dir={tmp_path}"]), None) is None
+    )
+    chosen = chosen_config(cfg, Decomposition(2, (("W", 2),)))
+    assert (chosen.mesh, chosen.parallel.choose) == ("2x2", False)
+    plan = plan_run(chosen)
+    assert plan.axes == "dp=2 (data parallel), domain_w=2 (splits W)"
+
+
+# ---------------------------------------------------------------------------- ranking
+def _class(flops: int, ops: int, halo_bytes: int, grad_bytes: int) -> RankClassPlan:
+    memory = MemoryPlan(0, 0, 0, 0, 0, 0, 2**20, "forward of x")
+    collectives = {
+        "grad_all_reduce": CollectiveFigures(1, grad_bytes, grad_bytes),
+        **({"halo": CollectiveFigures(4, halo_bytes, halo_bytes)} if halo_bytes else {}),
+    }
+    return RankClassPlan(1, 0, [0], [0], memory, collectives, {}, flops, ops)
+
+
+def _plan(world: int, replicas: int, classes: list[RankClassPlan]) -> RunPlan:
+    reduction = GradientReductionPlan("ddp", replicas, world, 0, 1, 0)
+    return RunPlan("cfd", str(world), "", world, "m", 0, 1, classes, [], reduction, [], [])
+
+
+MACHINE = Machine(
+    sustained_flops=1e9,
+    host_us_per_op=100.0,
+    plain_host_us_per_op=10.0,
+    host_overlaps_device=False,
+    base_latency_s=1e-4,
+    nvlink_step_latency_s=0.0,
+    nvlink_bytes_per_s=1e9,
+)
+
+
+def test_projection_of_the_slowest_rank_class() -> None:
+    """Compute: FLOPs at the sustained rate; host: ops at the ShardTensor rate when the fields
+    are split; halos: rounds of latency plus bytes; the slowest class is the step's."""
+    plan = _plan(4, 1, [_class(10**9, 100, 10**6, 0), _class(2 * 10**9, 100, 10**6, 0)])
+    p = project(plan, MACHINE)
+    assert p.compute == pytest.approx(2.0)
+    assert p.host == pytest.approx(100 * 100e-6)
+    assert p.collectives["halo"] == pytest.approx(4 * 1e-4 + 1e-3)
+    assert p.step == pytest.approx(p.compute + p.host + p.communication)
+    replicated = project(_plan(4, 4, [_class(10**9, 100, 0, 0)]), MACHINE)
+    assert replicated.host == pytest.approx(100 * 10e-6)  # nothing split: plain ops
+    overlapped = Machine(sustained_flops=1e9, host_us_per_op=10**5)
+    assert project(plan, overlapped).step == pytest.approx(100 * 0.1)  # max(host, device)
+
+
+def _candidate(label: str, step: float, host: float, halo: float) -> Candidate:
+    projection = Projection(step - host - halo, halo, host, step, {"halo": halo})
+    return Candidate(Decomposition(1, (("H", 4),)), label, 2**30, projection)
+
+
+def test_the_table_ranks_by_step_and_says_why_each_lost() -> None:
+    ranked = [
+        _candidate("fast", 1.0, 0.1, 0.1),
+        _candidate("chatty", 1.5, 0.1, 0.6),
+        _candidate("busy host", 2.0, 1.1, 0.1),
+    ]
+    dropped = [Candidate(Decomposition(4, ()), "dp=4", 3 * 2**30, problem="over the budget")]
+    table = format_choice(Choice(4, 2.0, "parallel.memory_gib", "cpu", ranked, dropped))
+    rows = table.splitlines()[3:]
+    assert [row.split()[1] for row in rows[:2]] == ["fast", "chatty"]
+    assert rows[0].endswith("chosen")
+    assert rows[1].endswith("500 ms slower: halo 600 ms against 100 ms (x1.50)")
+    assert rows[2].endswith("1e+03 ms slower: host 1.1e+03 ms against 100 ms (x2.00)")
+    assert rows[3].endswith("dropped: over the budget") and "3.000" in rows[3]
+
+
+# ---------------------------------------------------------------------------- the budget
+SMALL = [
+    "+recipe=cfd",
+    "model=fno",
+    "model.width=8",
+    "model.modes=[4,4]",
+    "logger=none",
+    "data.dataset.solver.resolution=128",
+]
+
+
+@pytest.mark.slow  # seven dry runs: 8 s at load 12 (pytest -m slow tests/test_parallel_auto.py)
+def test_a_field_too_large_for_one_device_gets_a_domain_decomposition(tmp_path: Path) -> None:
+    """A budget below one whole sample's step (what every replica of pure data parallelism
+    holds) and above half of one: with a global batch of 1 the choice splits the field; with
+    a batch of 2 over 2 ranks every decomposition holds one sample per rank, and the error
+    says so in one line."""
+    whole = plan_run(_compose([*SMALL, "mesh=1", "train.global_batch=1", f"run_dir={tmp_path}"]))
+    whole_gib = whole.classes[0].memory.peak / 2**30
+    budget = 0.9 * whole_gib
+    overrides = [*SMALL, "mesh=2", f"parallel.memory_gib={budget}", f"run_dir={tmp_path}"]
+    choice = choose(_compose([*overrides, "train.global_batch=1"]), 2)
+    assert choice.best.decomposition.splits and choice.best.decomposition.dp == 1
+    assert all(c.peak_bytes <= budget * 2**30 for c in choice.ranked)
+    assert {c.label: c.problem for c in choice.dropped} == {
+        "dp=2": "train.global_batch=1 does not split over 2 replicas"
+    }
+    with pytest.raises(ConfigError) as error:
+        choose(_compose([*overrides, "train.global_batch=2"]), 2)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "parallel=auto: none of the 3 decompositions of 2 ranks fits 0.9"[:52]
+    )
+    assert "a train.global_batch below 2 lets a domain decomposition split a sample" in message
+
+
+def test_the_machine_and_its_overrides_from_the_command_line(tmp_path: Path) -> None:
+    from shardsci.planning._choose import _machine
+    from shardsci.training import ParallelConfig, config_from
+
+    override = 'parallel.machine_overrides=["ib_bytes_per_s=25e9","gpus_per_node=4"]'
+    cfg = _compose(["+recipe=cfd", "parallel.machine=h100", override, f"run_dir={tmp_path}"])
+    machine, name = _machine(config_from(ParallelConfig, cfg.parallel), 8)
+    assert (name, machine.ib_bytes_per_s, machine.gpus_per_node) == ("h100", 25e9, 4)
+    cpu, _ = _machine(ParallelConfig(machine="cpu"), 4)
+    assert not cpu.host_overlaps_device and cpu.gpus_per_node == 4
+    with pytest.raises(ConfigError, match=r"parallel.machine_overrides: 'ib=1': expected"):
+        _machine(ParallelConfig(machine="h100", machine_overrides=["ib=1"]), 8)
+    with pytest.raises(ConfigError, match=r"parallel\.machine='tpu': expected 'h100', 'cpu'"):
+        _machine(ParallelConfig(machine="tpu"), 8)
