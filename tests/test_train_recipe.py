@@ -178,6 +178,16 @@ def test_a_4x2_checkpoint_resumes_on_another_mesh(
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
 
+def test_a_replica_without_a_held_out_sample_evaluates_nothing(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """One held-out sample over two data-parallel replicas of plain tensors: the replica
+    without one runs no model (MKL's FFT, in the FNO, rejects an empty batch)."""
+    _train(dataset, tmp_path, "2", "parallel.choose=false", "train.steps=1", "eval.samples=1")
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert math.isfinite(metrics["eval_relative_l2"]), metrics
+
+
 def test_the_recipe_runs_under_torchrun(dataset: Path, tmp_path: Path) -> None:
     """Under torchrun every rank composes the config and uses the ranks it is given."""
     command = [
