@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from shardsci.tensor._torch_compat import TorchDispatchMode
 
 __all__ = ["WorkCounter"]
 
