@@ -114,6 +114,9 @@ def _rank_reports(result: JobResult) -> dict[int, dict[str, object]]:
     return {report["rank"]: report for report in reports}
 
 
+# Slow (about 40 s): test_train_recipe's sbatch job runs the recipe through
+# scripts/slurm/train.sbatch on 4 tasks by default, which needs the same detection.
+@pytest.mark.slow
 @pytest.mark.usefixtures("local_cluster")
 def test_sbatch_job_detects_slurm_and_reduces_over_mesh(tmp_path: Path) -> None:
     result = submit_and_wait(_write_job_script(tmp_path), timeout_s=JOB_TIMEOUT_S)

@@ -240,6 +240,7 @@ def test_the_recipe_runs_as_an_sbatch_job(slurm: None, dataset: Path, tmp_path: 
     assert json.loads((run_dir / "metrics.json").read_text())["step"] == 3
 
 
+@pytest.mark.slow  # about 45 s; the sbatch job above covers SLURM by default
 def test_the_recipe_runs_through_the_submitit_launcher(
     slurm: None, dataset: Path, tmp_path: Path
 ) -> None:
