@@ -12,6 +12,13 @@ result agreeing with one process) reports each as a ``Goal`` in its ``summary`` 
 on stderr, so that a script or CI run fails where a reader of the JSON would have to look. A
 benchmark without goals exits 0 under ``--check``. ``tests/test_benchmarks.py`` runs each at a
 tiny size, once with a goal made unreachable.
+
+# NOTE [The conditions under every figure]
+This machine's speed moves with its load, so every ``summary`` record says what it was
+measured under, added by ``emit_summary`` rather than by each benchmark: ``cores`` (those
+this process may run on), ``load_average_before`` (the 1-minute load average when the
+benchmark parsed its arguments), ``load_average_after`` (when it emitted the summary) and
+``wall_s`` (the seconds between).
 """
 
 from __future__ import annotations
@@ -67,22 +74,41 @@ class Goal:
     met: bool
 
 
+@dataclass
+class _Started:
+    """When the running benchmark parsed its arguments, and the load then."""
+
+    wall: float = 0.0
+    load_average: float = 0.0
+
+
+_started = _Started()
+
+
 def parse_arguments(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
 ) -> argparse.Namespace:
-    """``parser``'s arguments plus ``--check``."""
+    """``parser``'s arguments plus ``--check``; starts the run's clock (NOTE [The conditions
+    under every figure])."""
     parser.add_argument(
         "--check", action="store_true", help="exit with status 1 when a goal is missed"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    _started.wall, _started.load_average = time.perf_counter(), os.getloadavg()[0]
+    return args
 
 
 def emit_summary(goals: Sequence[Goal], check: bool, **fields: Any) -> None:
-    """Emit the ``summary`` record: ``fields``, ``goals`` and ``goals_met``. With ``check``,
-    a missed goal then ends the run with status 1, naming it on stderr."""
+    """Emit the ``summary`` record: ``fields``, the conditions of the run (NOTE [The
+    conditions under every figure]), ``goals`` and ``goals_met``. With ``check``, a missed
+    goal then ends the run with status 1, naming it on stderr."""
     emit(
         "summary",
         **fields,
+        cores=len(os.sched_getaffinity(0)),
+        load_average_before=round(_started.load_average, 1),
+        load_average_after=round(os.getloadavg()[0], 1),
+        wall_s=round(time.perf_counter() - _started.wall, 1),
         goals=[{"goal": goal.statement, "met": bool(goal.met)} for goal in goals],
         goals_met=all(goal.met for goal in goals),
     )

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -313,8 +312,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", type=int, default=128, help="H = W of a field model's input")
     parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     args = parse_arguments(parser, argv)
-    started = time.perf_counter()
-    load_before = os.getloadavg()[0]
     summary: dict[str, object] = {}
     with rank_pools():
         for case_name in args.models:
@@ -325,10 +322,6 @@ def main(argv: list[str] | None = None) -> None:
         args.check,
         **summary,
         rounds=args.rounds,
-        load_average_before=round(load_before, 1),
-        load_average_after=round(os.getloadavg()[0], 1),
-        cores=os.cpu_count(),
-        wall_s=round(time.perf_counter() - started, 1),
     )
 
 

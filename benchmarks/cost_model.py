@@ -57,8 +57,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -569,8 +567,6 @@ def main(argv: list[str] | None = None) -> None:
         machine = override(Machine(), args.set)
     except ValueError as error:
         raise SystemExit(f"--set {error}") from None
-    start = time.perf_counter()
-    load_before = os.getloadavg()[0]
     emit("parameters", **asdict(machine))
     saved = json.loads(Path(args.load).read_text()) if args.load else {}
     summary, goals, measured_all = {}, [], {}
@@ -600,9 +596,6 @@ def main(argv: list[str] | None = None) -> None:
         goals,
         args.check,
         **summary,
-        load_average_before=round(load_before, 1),
-        load_average_after=round(os.getloadavg()[0], 1),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

@@ -16,7 +16,6 @@ listed in README.md.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
@@ -178,7 +177,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1000, help="timed rounds per figure")
     parser.add_argument("--warmup", type=int, default=100, help="discarded rounds first")
     args = parse_arguments(parser, argv)
-    start = time.perf_counter()
     with rank_pools():
         ratios = [
             ratio
@@ -193,7 +191,6 @@ def main(argv: list[str] | None = None) -> None:
         [Goal(f"ShardTensor pointwise op time <= {GOAL_RATIO}x DTensor's", worst <= GOAL_RATIO)],
         args.check,
         worst_ratio_shardtensor_to_dtensor=round(worst, 3),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import os
 import re
 import time
 import warnings
@@ -409,7 +408,7 @@ def _run(case: str, samples: int, rounds: int, warm_calls: int) -> dict[str, Any
     return _record(case, per_rank)
 
 
-def _summary(records: list[dict], wall_s: float, check: bool) -> None:
+def _summary(records: list[dict], check: bool) -> None:
     ran = [r for r in records if r["status"] == "ran"]
     timed = ran + [r for r in records if r["status"] == "error"]
     cost = lambda r: r.get("planning_ms", r.get("first_ms", 0.0))  # noqa: E731
@@ -441,8 +440,6 @@ def _summary(records: list[dict], wall_s: float, check: bool) -> None:
             }
             for r in slowest
         ],
-        load_average=[round(x, 2) for x in os.getloadavg()],
-        wall_s=round(wall_s, 1),
     )
 
 
@@ -454,13 +451,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="first calls per case")
     parser.add_argument("--warm", type=int, default=3, help="warm calls per round")
     args = parse_arguments(parser, argv)
-    start = time.perf_counter()
     records = []
     with rank_pools():
         for case in itertools.islice(_cases(args.ops, args.samples), args.limit):
             records.append(_run(case, args.samples, args.rounds, args.warm))
             emit("first_call", **records[-1])
-    _summary(records, time.perf_counter() - start, args.check)
+    _summary(records, args.check)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [name for name in names if name not in PARTS]
     if unknown:
         parser.error(f"unknown part(s) {unknown}; expected any of {list(PARTS)}")
-    start = time.perf_counter()
     summary: dict[str, dict[str, object]] = {}
     goals: list[Goal] = []
     with rank_pools():
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
             summary[name], part_goals = PARTS[name](args)
             summary[name]["wall_s"] = round(time.perf_counter() - part_start, 1)
             goals += part_goals
-    emit_summary(goals, args.check, **summary, wall_s=round(time.perf_counter() - start, 1))
+    emit_summary(goals, args.check, **summary)
 
 
 if __name__ == "__main__":

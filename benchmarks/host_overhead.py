@@ -39,7 +39,6 @@ as a goal (``GOAL_RATIO``) and is not met today. Run ``python -m benchmarks.host
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -240,8 +239,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tile", type=int, default=16, help="H = W per rank of a field")
     parser.add_argument("--nodes", type=int, default=64, help="graph nodes per rank")
     args = parse_arguments(parser, argv)
-    start = time.perf_counter()
-    load_before = os.getloadavg()[0]
     summary: dict[str, dict] = {}
     goals = []
     with rank_pools():
@@ -260,10 +257,6 @@ def main(argv: list[str] | None = None) -> None:
         goals,
         args.check,
         **summary,
-        load_average_before=round(load_before, 1),
-        load_average_after=round(os.getloadavg()[0], 1),
-        cores=os.cpu_count(),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

@@ -20,7 +20,6 @@ machine the default fits (about 9.5 GiB at 1 rank); 2048² needs about 17 GiB at
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import time
 
@@ -81,7 +80,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", type=int, default=1536)
     parser.add_argument("--ranks", type=int, default=4)
     args = parse_arguments(parser, argv)
-    start = time.perf_counter()
     runs = {}
     with rank_pools():
         for world in (1, args.ranks):
@@ -121,8 +119,6 @@ def main(argv: list[str] | None = None) -> None:
         largest_rank_peak_gib=round(max(r["peak_bytes"] for r in many) / 2**30, 2),
         ratio_to_ideal=round(max(r["peak_bytes"] for r in many) / ideal, 3),
         max_rel_difference=difference,
-        load_average=round(os.getloadavg()[0], 1),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

@@ -178,7 +178,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--ranks must be among {sorted(DECOMPOSITIONS)}, got {bad}")
     model_config, optim_config = recipe_configs(args.model)
     budget = args.budget_gib * 2**30
-    start = time.perf_counter()
     runs: dict[tuple[str, int, int], list[dict]] = {}
 
     def measured(step: str, world: int, n: int) -> list[dict]:
@@ -266,8 +265,6 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model,
         budget_gib=args.budget_gib,
         largest=largest,
-        load_average=round(os.getloadavg()[0], 1),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

@@ -34,7 +34,6 @@ name.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -250,8 +249,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per call")
     args = parse_arguments(parser, argv)
-    start = time.perf_counter()
-    load_before = os.getloadavg()[0]
     summary = {}
     goals: list[Goal] = []
     with rank_pools():
@@ -270,10 +267,6 @@ def main(argv: list[str] | None = None) -> None:
         goals,
         args.check,
         **summary,
-        load_average_before=round(load_before, 1),
-        load_average_after=round(os.getloadavg()[0], 1),
-        cores=os.cpu_count(),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

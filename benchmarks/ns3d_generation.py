@@ -21,7 +21,6 @@ goal (``--check``): the two runs agree at every size.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import time
 
@@ -94,7 +93,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_arguments(parser, argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is timed apart)")
-    start = time.perf_counter()
     mesh_shape = LAYOUTS[args.layout][0]
     world = int(torch.tensor(mesh_shape).prod())
     goals, summaries = [], []
@@ -143,8 +141,6 @@ def main(argv: list[str] | None = None) -> None:
         args.check,
         layout=args.layout,
         sizes=summaries,
-        load_average=round(os.getloadavg()[0], 1),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -159,16 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--model", default="fno", help="configs/model/<name>")
     args = parse_arguments(parser, argv)
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
         goals = [measure_world(world, args, Path(scratch)) for world in args.worlds]
     emit_summary(
         goals,
         args.check,
-        cores=len(os.sched_getaffinity(0)),
-        load_average_before=round(load_before, 1),
-        load_average_after=round(os.getloadavg()[0], 1),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

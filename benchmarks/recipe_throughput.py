@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks._common import Goal, emit, emit_summary, parse_arguments, spread
@@ -60,7 +58,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resolution", type=int, default=64, help="H = W of the data")
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     args = parse_arguments(parser, argv)
-    start = time.perf_counter()
     rates: dict[str, list[float]] = {mesh: [] for mesh in args.meshes}
     with tempfile.TemporaryDirectory() as scratch:
         order = list(args.meshes)
@@ -90,8 +87,6 @@ def main(argv: list[str] | None = None) -> None:
         goals,
         args.check,
         first_mesh=args.meshes[0],
-        load_average=round(os.getloadavg()[0], 1),
-        wall_s=round(time.perf_counter() - start, 1),
     )
 
 

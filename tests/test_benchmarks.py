@@ -157,6 +157,8 @@ def _run(name: str, smoke: Smoke, monkeypatch, capsys) -> list[dict]:
     records = [json.loads(line) for line in out.splitlines()]
     summary = records[-1]
     assert summary["record"] == "summary", summary
+    conditions = {"cores", "load_average_before", "load_average_after", "wall_s"}
+    assert conditions <= summary.keys(), f"{name}'s summary says nothing of its machine"
     missed = [goal["goal"] for goal in summary["goals"] if not goal["met"]]
     assert summary["goals_met"] == (not missed)
     assert len(missed) == len(smoke.missed), missed
