@@ -357,6 +357,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "LocalTensorMode": _takes("ranks"),
     "_map_to_rank_local_val": _takes("val", "rank"),
     "dtensor_random": _has("_rng_tracker"),
+    "set_pg_timeout": _takes("timeout", "group"),
     "decomposition_table": _decompositions,
     "no_dispatch": _no_dispatch,
     "tree_leaves": _tree_leaves,

@@ -214,6 +214,11 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "the process group a functional collective names",
     ),
     # --- the test harness
+    "set_pg_timeout": _at(
+        "torch.distributed.distributed_c10d:_set_pg_timeout",
+        "a process group's collective timeout, set after joining (the test rank pool joins "
+        "with a longer one)",
+    ),
     "LocalTensorMode": _at(
         "torch.distributed._local_tensor:LocalTensorMode", "simulated ranks in one process"
     ),

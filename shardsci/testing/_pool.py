@@ -59,6 +59,7 @@ from shardsci.tensor._torch_compat import (
     LocalTensorMode,
     _map_to_rank_local_val,
     dtensor_random,
+    set_pg_timeout,
     tree_map,
 )
 
@@ -160,13 +161,16 @@ def _worker_main(
         store = dist.TCPStore(
             _HOST, store_port, is_master=False, timeout=timedelta(seconds=_STARTUP_TIMEOUT_S)
         )
+        # Joining waits for every rank, which a loaded machine can delay past a short
+        # collective timeout: join with the startup timeout, then shorten it.
         dist.init_process_group(
             "gloo",
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout_s),
+            timeout=timedelta(seconds=max(collective_timeout_s, _STARTUP_TIMEOUT_S)),
         )
+        set_pg_timeout(timedelta(seconds=collective_timeout_s))
     except Exception:
         conn.send_bytes(_failure_reply())
         return
