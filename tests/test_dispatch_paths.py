@@ -109,6 +109,49 @@ def test_broadcasting_pointwise_ops_take_the_fast_path(case: Sharded) -> None:
     run_on_ranks(case.world, _paths_body, case)
 
 
+def _row_statistic(case: Sharded) -> tuple[tuple[int, ...], Layout]:
+    """A per-row operand of the field: (B, C, H, 1), H split as the field's (a statistic over
+    W, the other axes' dims broadcast)."""
+    h_axes = [axis for axis, p in enumerate(case.layout.placements) if p == Shard(2)]
+    placements = tuple(
+        Shard(2) if axis in h_axes else Replicate() for axis in range(len(case.mesh))
+    )
+    return (*case.shape[:3], 1), Layout(placements, {2: case.layout.sizes[2]})
+
+
+def _partly_sharded_body(case: Sharded) -> None:
+    mesh = get_mesh(case.mesh)
+    whole, x = _sharded(case, mesh)
+    shape, layout = _row_statistic(case)
+    rows = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for op_name, fn in {
+        "x - rows": lambda x, r: x - r,
+        "rows * x": lambda x, r: r * x,
+    }.items():
+        check_against_reference(fn, [whole, rows], [case.layout, layout], mesh, what=op_name)
+    sharded_rows = from_local_spec(layout.spec(mesh, rows).narrow(rows), layout.spec(mesh, rows))
+    with torch.no_grad(), tally_paths() as tally:
+        out = sharded_rows * (x - sharded_rows)
+    found = (dict(tally.outermost), out.spec.same_layout(x.spec))
+    # Split otherwise than the field's H, the same operand needs the default path.
+    other = Layout(layout.placements, {2: layout.sizes[2][::-1]})
+    if other.sizes != layout.sizes:
+        moved = from_local_spec(other.spec(mesh, rows).narrow(rows), other.spec(mesh, rows))
+        with torch.no_grad(), tally_paths() as tally:
+            x - moved
+        assert_all_ranks(tally.outermost == {"propagation": 1}, f"{tally.outermost}")
+    assert_all_ranks(found == ({"fast": 2}, True), f"paths {found}")
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_operands_sharded_like_the_field_along_some_dims_take_the_fast_path(
+    case: Sharded,
+) -> None:
+    """``x - rows``, ``rows`` of shape (B, C, H, 1) split along H as ``x`` is: one process's
+    values, gradients and layout, on the fast path; split otherwise, the default path."""
+    run_on_ranks(case.world, _partly_sharded_body, case)
+
+
 def test_tallies_do_not_nest() -> None:
     with tally_paths(), pytest.raises(RuntimeError, match="do not nest"), tally_paths():
         pass

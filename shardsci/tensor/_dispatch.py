@@ -17,6 +17,7 @@ that an op, not the user, asks for it (NOTE [Gathers an op was not asked to make
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -40,7 +41,7 @@ from shardsci.tensor._propagation import (
 )
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 from shardsci.tensor._torch_compat import (
     OpOverload,
     _meta_in_tls_dispatch_include,
@@ -316,7 +317,7 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
     if spec is None:
         return NotImplemented
     if spec.partial and func not in _VALUE_FREE:
-        return NotImplemented
+        return _scaled_pending_sum(func, args, kwargs, spec, mutates)
     local_args = []
     memory = []  # other operands' hints (NOTE [Shard-size hints])
     for position, arg in enumerate(args):
@@ -332,6 +333,12 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
                 local_args.append(arg._local)
                 if arg_spec.hints:
                     memory.append(arg_spec.hints)
+            elif (
+                (position or not mutates)
+                and arg_spec.partial
+                and _broadcasts_into(reduced := _reduced(arg_spec), spec)
+            ):
+                local_args.append(redistribute_local(arg._local, arg_spec, reduced))
             else:
                 return NotImplemented
         elif isinstance(arg, torch.Tensor) and arg.ndim != 0:
@@ -348,7 +355,7 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
             return NotImplemented  # the output's strides are not the input's
     filled = spec.partial
     if filled:
-        spec = target_spec(spec, [Replicate() if p.is_partial() else p for p in spec.placements])
+        spec = _reduced(spec)
     out = func(*local_args, **kwargs)
     if mutates:
         if filled:
@@ -362,18 +369,18 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
 
 
 def _reference_layout(args: tuple) -> ShardTensorSpec | None:
-    """The layout of the ShardTensor operand with the most dims, the first sharded one among
-    equals (else the first): the one the others may broadcast into."""
+    """The layout of the ShardTensor operand with the most dims, then the most elements, the
+    first sharded one among equals (else the first): the one the others may broadcast into."""
     best = None
     for arg in args:
         if type(arg) is _ShardTensor:
             spec = arg._spec
-            if (
-                best is None
-                or spec.ndim > best.ndim
-                or (spec.ndim == best.ndim and spec.shardings and not best.shardings)
-            ):
+            if best is None or spec.ndim > best.ndim:
                 best = spec
+            elif spec.ndim == best.ndim and spec is not best:
+                mine, theirs = math.prod(spec.shape), math.prod(best.shape)
+                if mine > theirs or (mine == theirs and spec.shardings and not best.shardings):
+                    best = spec
     return best
 
 
@@ -383,40 +390,84 @@ def _reference_layout(args: tuple) -> ShardTensorSpec | None:
 # lookup and, on its first call, for DTensor's sharding propagation (seconds on a 2x2x2 mesh).
 # An operand broadcasts into the reference layout (the operand with the most dims) when the
 # result has the reference's global shape and each rank's result is the op of the local
-# shards, which holds for
-# - a replicated operand (a ShardTensor whose placements are all Replicate, or a plain
-#   tensor, which every rank holds whole) whose every dim is 1 or the reference's extent, and
-#   1 along every dim a mesh axis splits in the reference (aligned from the right, as
-#   broadcasting aligns dims): its local tensor broadcasts against every rank's shard;
-# - an operand of the same number of dims, the same placements and the same shard sizes of
-#   every sharded dim, whose other dims are 1 or the reference's extent.
-# The result keeps the reference's layout (placements, sizes, stride), as DTensor's
-# pointwise rule would give; the other operands' hints are remembered. A Partial reference or
-# operand, or anything else, goes to the default path.
+# shards. That holds when, dim by dim (aligned from the right, as broadcasting aligns dims),
+# the operand's dim is
+# - sharded exactly as the reference's (the same mesh axes, the same shard sizes), or
+# - whole on every rank and 1, or whole on every rank and the reference's extent along a
+#   dim no mesh axis splits in the reference.
+# Then its local tensor broadcasts against every rank's shard. This covers a replicated
+# operand (a ShardTensor whose placements are all Replicate, or a plain tensor, which every
+# rank holds whole: the commonest, a bias), an operand with the reference's layout along
+# some dims and extent 1 along the others (a per-row statistic ``(N, C, H, 1, 1)`` of a
+# field split over H, W and D), and one with the reference's whole layout. The result keeps
+# the reference's layout (placements, sizes, stride), as DTensor's pointwise rule would give;
+# the other operands' hints are remembered. An operand with pending reductions (Partial
+# axes) that broadcasts once reduced is reduced first: an all-reduce of that operand, as
+# DTensor's rule would choose (the per-row mean subtracted in a variance's backward). A
+# Partial reference stays pending when scaled by a number and goes to the default path
+# otherwise, as does anything else (whose first call on a 2x2x2 mesh costs seconds of
+# DTensor's strategy expansion).
 def _broadcasts_into(operand: ShardTensorSpec, spec: ShardTensorSpec) -> bool:
     if operand.partial or (operand.mesh is not spec.mesh and operand.mesh != spec.mesh):
         return False
-    if not operand.shardings:
-        return _extents_broadcast(operand.shape, spec)
-    return (
-        operand.ndim == spec.ndim
-        and operand.placements == spec.placements
-        and operand.shardings == spec.shardings
-        and all(n == 1 or n == m for n, m in zip(operand.shape, spec.shape))
-    )
+    offset = spec.ndim - operand.ndim
+    own = {s.dim + offset: s for s in operand.shardings}
+    return _extents_broadcast(operand.shape, spec, own)
 
 
-def _extents_broadcast(shape: torch.Size, spec: ShardTensorSpec) -> bool:
-    """Whether a tensor of ``shape``, whole on every rank, broadcasts into every shard of
-    ``spec`` giving that shard's shape."""
+def _extents_broadcast(
+    shape: torch.Size, spec: ShardTensorSpec, own: dict[int, DimSharding] | None = None
+) -> bool:
+    """Whether a tensor of ``shape``, whole on every rank but along the reference dims in
+    ``own`` (their shardings), broadcasts into every shard of ``spec`` giving that shard's
+    shape."""
     offset = spec.ndim - len(shape)
     if offset < 0:
         return False
     sharded = spec.sharding_by_dim
     for dim, n in enumerate(shape, offset):
-        if n != 1 and (n != spec.shape[dim] or dim in sharded):
+        mine, theirs = (own or {}).get(dim), sharded.get(dim)
+        if mine is not None:
+            if theirs is None or (mine.axes, mine.sizes) != (theirs.axes, theirs.sizes):
+                return False
+        elif n != 1 and (n != spec.shape[dim] or theirs is not None):
             return False
     return True
+
+
+def _reduced(spec: ShardTensorSpec) -> ShardTensorSpec:
+    """``spec`` with its pending reductions done (Partial axes replicated)."""
+    return target_spec(spec, [Replicate() if p.is_partial() else p for p in spec.placements])
+
+
+# A pending sum (or mean) scaled by a number is the sum of the scaled pending terms, so
+# ``Partial * c``, ``Partial / c`` and ``-Partial`` stay pending, each rank scaling its term.
+_SCALINGS = {
+    aten.mul.Scalar,
+    aten.div.Scalar,
+    aten.neg.default,
+    aten.mul_.Scalar,
+    aten.div_.Scalar,
+    aten.neg_.default,
+}
+
+
+def _scaled_pending_sum(func: OpOverload, args: tuple, kwargs: dict, spec, mutates: bool):
+    """A number times, or over, a ShardTensor with pending sums: the same pending sums of the
+    scaled terms; NotImplemented for any other op on a Partial reference."""
+    x, *numbers = args
+    if (
+        func not in _SCALINGS
+        or kwargs
+        or type(x) is not _ShardTensor
+        or any(isinstance(n, torch.Tensor) for n in numbers)
+        or any(p.is_partial() and p.reduce_op not in ("sum", "avg") for p in spec.placements)
+    ):
+        return NotImplemented
+    out = func(x._local, *numbers)
+    if mutates:
+        return x
+    return _ShardTensor(out, spec if out.dtype == spec.dtype else spec.with_dtype(out.dtype))
 
 
 def _scalar_local(scalar) -> torch.Tensor:
@@ -424,8 +475,7 @@ def _scalar_local(scalar) -> torch.Tensor:
     spec = scalar._spec
     if not spec.partial:
         return scalar._local
-    whole = target_spec(spec, [Replicate()] * spec.mesh.ndim)
-    return redistribute_local(scalar._local, spec, whole)
+    return redistribute_local(scalar._local, spec, _reduced(spec))
 
 
 def _mutates_first_argument(func: OpOverload) -> bool:
