@@ -22,18 +22,40 @@ default path): inputs with a Partial axis; a sharded channel dim for GroupNorm, 
 InstanceNorm; running statistics that are ShardTensors; weights that are sharded ShardTensors.
 
 # NOTE [Normalisation statistics across shards]
-Every rank reduces its shard, row by row, to a mean ``m_k`` and a sum of squared deviations
-``M2_k`` (two local passes); its element count ``n_k`` per row is known to every rank from the
-spec (true shard sizes; 0 for an empty shard). One all-gather over the mesh axes that shard
-reduced dims gives every rank all the ``(m_k, M2_k)``, and each combines them (Chan et al.):
+Every rank reduces its shard, row by row; its element count ``n_k`` per row is known to every
+rank from the spec (true shard sizes; 0 for an empty shard). The ranks of the group along the
+mesh axes that shard reduced dims (``P`` of them) combine their parts in one of two ways,
+chosen by ``normalization_statistics`` (``tensor/_options.py``):
 
-    n = Σ n_k,   mean = Σ n_k m_k / n,   M2 = Σ (M2_k + n_k (m_k − mean)²),   var = M2 / n.
+- **all-gather** (Chan et al.): every rank reduces its shard to a mean ``m_k`` and a sum of
+  squared deviations ``M2_k`` (two local passes); one all-gather gives every rank all the
+  ``(m_k, M2_k)``, and each combines them
 
-Chan's combination rather than two all-reduces (Σx, then Σ(x − mean)²): one collective instead
-of two, equally stable (deviations are taken from the local mean, the combination adds only
-non-negative terms; no Σx² − n·mean² cancellation), and every rank combines the same gathered
-numbers in the same order, so statistics and running statistics are bitwise identical on every
-rank. The message is tiny: 2 numbers per row per rank.
+      n = Σ n_k,   mean = Σ n_k m_k / n,   M2 = Σ (M2_k + n_k (m_k − mean)²),   var = M2 / n.
+
+  One collective of ``P - 1`` ring steps, ``2 (P - 1)`` numbers per row received.
+- **all-reduce**: one all-reduce of the row sums gives the mean ``Σ x / n``; a second, of
+  every rank's ``Σ (x − mean)²`` about that global mean, gives ``M2``. Two collectives of
+  ``2 log2 P`` tree hops (or ring steps) each, one number per row in each.
+
+Both are stable: squares are of deviations from a mean (no ``Σx² − n·mean²`` cancellation;
+the all-reduce's deviations are from the global mean itself, the all-gather's from the local
+one, corrected by non-negative terms), both equal the single-device statistics to rounding
+(``tests/test_norm_statistics.py``: to 1e-12 in float64 on 2, 4 and 8 ranks), and both are
+bitwise identical on every rank (every rank combines the same gathered numbers in the same
+order; an all-reduce hands every rank the same sums), so are the running statistics. A single
+all-reduce of ``(Σx, Σx²)`` would halve the latency again but cancels catastrophically where
+the mean is large against the spread; no shift every rank knows without a collective exists.
+
+The rule (``statistics_all_reduced``): the all-gather over groups of fewer than
+``all_reduce_from_ranks`` ranks, the all-reduces from there on; the default, 104, is the
+crossover of the latency-bandwidth model of ``planning._machine.Machine()`` (H100 nodes of 8,
+NCCL's latencies: the ring all-gather's ``P - 1`` steps against two trees' ``2 log2 P`` hops,
+for 8 rows of float32 statistics); ``benchmarks.cost_model.statistics_crossover(machine)``
+gives it for another machine (gloo on this one: 21). Statistics of many rows (LayerNorm over
+a sharded dim of a long sequence) reach the crossover earlier, 46 ranks at 1,024 rows on
+H100s, which this rank-only rule does not see: set ``all_reduce_from_ranks`` lower there. Every
+rank of a group sees the same group size, so the ranks of a group decide alike.
 
 Backward of x̂ = (x − mean) / sqrt(var + eps), with g = dL/dx̂:
 
@@ -45,7 +67,8 @@ gathered over the axes that shard the dims they span (LayerNorm over sharded dim
 
 Collectives per call. The forward all-gather and the backward input-gradient all-reduce run
 over the mesh axes that shard reduced dims, and not at all when none does.
-- forward: 1 all-gather of the batch statistics (none in eval mode with running statistics),
+- forward: 1 all-gather of the batch statistics, or 2 all-reduces above the crossover (none
+  in eval mode with running statistics),
   plus, for InstanceNorm's running statistics on a batch-sharded input, 1 all-reduce over the
   axes sharding N;
 - backward: 1 all-reduce for the input gradient, plus, for each affine parameter that needs a
@@ -77,6 +100,7 @@ from shardsci.tensor._ops._common import (
     sharding_axes,
     with_dims_whole,
 )
+from shardsci.tensor._options import statistics_all_reduced
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec
@@ -134,6 +158,10 @@ class _Statistics:
 
     def moments(self, x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """Mean and biased variance of every row of the global tensor (keepdim)."""
+        if self.group is not None and statistics_all_reduced(self.group.size):
+            mean = self.summed(x.sum(dims, keepdim=True)) / self.total
+            m2 = self.summed((x - mean).square_().sum(dims, keepdim=True))
+            return mean, m2 / self.total
         mean = x.sum(dims, keepdim=True) / max(self.local_count, 1)
         m2 = (x - mean).square_().sum(dims, keepdim=True)
         if self.group is None:
