@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from benchmarks.cost_model import statistics_crossover
+from benchmarks.cost_model import statistics_crossover, statistics_s
 from shardsci.planning._machine import Machine, all_gather_s, all_reduce_s, gloo_cpu
 from shardsci.tensor._options import (
     ALL_REDUCE_FROM_RANKS,
@@ -101,6 +101,18 @@ def test_crossover_is_one_boundary() -> None:
         for ranks in range(crossover, 4097):
             all_reduces = 2 * all_reduce_s(machine, ranks, 32.0)
             assert all_reduces < all_gather_s(machine, ranks, 64.0), (machine, ranks)
+
+
+def test_projection_costs_what_the_rule_picks() -> None:
+    """``cost_model`` costs 14 statistics all-gathers of 64-byte pieces below the crossover
+    and 28 all-reduces of 32 bytes from it on."""
+    machine = Machine()
+    for ranks in (8, 64, 103, 104, 512):
+        received = 14 * 64.0 * (ranks - 1)
+        gathered = 14 * all_gather_s(machine, ranks, 64.0)
+        reduced = 28 * all_reduce_s(machine, ranks, 32.0)
+        expected = reduced if ranks >= 104 else gathered
+        assert statistics_s(machine, ranks, 14, received) == pytest.approx(expected), ranks
 
 
 @pytest.mark.parametrize(
