@@ -449,7 +449,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "native_group_norm": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "nn.functional.batch_norm": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.channel_shuffle": (_WRONG_LAYOUT.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
@@ -464,10 +463,8 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.grid_sample": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "nn.functional.group_norm": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
-    "nn.functional.instance_norm": (_GATHERED.cases((0,), ("2x2-last",)),),
     "nn.functional.kl_div": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
-    "nn.functional.local_response_norm": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
+    "nn.functional.local_response_norm": (_GATHERED.cases((0,), ("4r-empty",)),),
     "nn.functional.max_unpool1d": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.max_unpool1d.grad": (_GATHERED.cases((16,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.max_unpool2d": (
@@ -490,7 +487,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.normalize": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "nn.functional.pad.replicate_negative": (_GATHERED.cases((0,), ("2x2-last",)),),
     "nn.functional.pdist": (_GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),),
-    "nn.functional.rms_norm": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
     "nn.functional.scaled_dot_product_attention": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-last")),
     ),
