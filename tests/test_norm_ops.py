@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
@@ -269,6 +269,44 @@ TINY = Sharded("4r-L-0/1/1/1", (4,), (1, 2, 3), Layout((Shard(2),), {2: (0, 1, 1
 def test_rms_norm(case: Sharded) -> None:
     """Over sharded dims (uneven, empty shards) like LayerNorm, in the input's layout."""
     run_on_ranks(case.world, _rms_norm_body, case)
+
+
+def _native_batch_norm_body(case: Sharded, statistics: Layout) -> None:
+    """aten's batch norm called directly: the output in the input's layout, the batch mean
+    and inverse standard deviation sharded like the channels."""
+    torch.manual_seed(0)
+    channels = case.shape[1]
+    x = torch.randn(case.shape, dtype=F64)
+    w, b = torch.randn(channels, dtype=F64), torch.randn(channels, dtype=F64)
+    for what, call in {
+        "torch.native_batch_norm": lambda a, w, b: torch.native_batch_norm(
+            a, w, b, None, None, True, 0.1, 1e-5
+        ),
+        "torch._native_batch_norm_legit": lambda a, w, b: torch._native_batch_norm_legit(
+            a, w, b, True, 0.1, 1e-3
+        ),
+    }.items():
+        check_against_reference(
+            call,
+            [x, w, b],
+            [case.layout, None, None],
+            get_mesh(case.mesh),
+            out_layouts=[None, statistics, statistics],
+            rtol=0,
+            what=f"{case}/{what}",
+        )
+
+
+@pytest.mark.parametrize(
+    "case, statistics",
+    [
+        (SPATIAL[3], Layout((Replicate(), Replicate()), {})),
+        (CHANNELS[2], Layout((Shard(0), Replicate()), {0: (3, 1)})),
+    ],
+    ids=str,
+)
+def test_native_batch_norm(case: Sharded, statistics: Layout) -> None:
+    run_on_ranks(case.world, _native_batch_norm_body, case, statistics)
 
 
 def _running_stats_functional_body() -> None:

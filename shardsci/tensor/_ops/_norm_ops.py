@@ -26,7 +26,9 @@ tensors every rank holds whole, receive every rank's channels by one all-gather 
 sharding channels (C numbers each). GroupNorm needs each group on one rank: channel shards that
 cut a group are moved to the nearest group boundaries first and the output moved back
 (``_groups_whole``; only the straddling channels move, nothing when the shards split between
-groups). Declined (``NotImplemented``, default path): inputs with a Partial axis; running
+groups). aten's layer and batch norms called directly (``torch.native_layer_norm``,
+``torch.native_batch_norm``, ``torch._native_batch_norm_legit``) share these paths and return
+their statistics too. Declined (``NotImplemented``, default path): inputs with a Partial axis; running
 statistics that are ShardTensors; weights that are sharded ShardTensors.
 
 # NOTE [Normalisation statistics across shards]
@@ -543,7 +545,69 @@ def _batch_norm(func, args, kwargs):
     running_mean, running_var = a.running_mean, a.running_var
     if not accepts(x, replicated=[weight, bias], plain=[running_mean, running_var]):
         return NotImplemented
-    training, eps = a.training, a.eps
+    return _batch_normalized(x, weight, bias, running_mean, running_var, a.training,
+                             a.momentum, a.eps)[0]  # fmt: skip
+
+
+def _with_running(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """The parameters of ``torch.native_batch_norm`` and ``torch._native_batch_norm_legit``."""
+
+
+def _without_running(input, weight, bias, training, momentum, eps):
+    """The parameters of ``torch._native_batch_norm_legit``'s overload with no running
+    statistics."""
+
+
+@register_function_handler(torch.native_batch_norm, torch._native_batch_norm_legit)
+def _native_batch_norm(func, args, kwargs):
+    """aten's batch norm called directly: the output as ``F.batch_norm`` lays it out, and the
+    batch mean and inverse standard deviation (``(C,)``, not differentiable; empty when not
+    training) sharded like the channels, replicated over the other axes."""
+    given = len(args) + len(kwargs or {})
+    a = bind(func, args, kwargs, signature=_without_running if given == 6 else _with_running)
+    x, weight, bias = a.input, a.weight, a.bias
+    running_mean, running_var = (None, None) if given == 6 else (a.running_mean, a.running_var)
+    if not accepts(x, replicated=[weight, bias], plain=[running_mean, running_var]):
+        return NotImplemented
+    out, mean, var = _batch_normalized(
+        x, weight, bias, running_mean, running_var, a.training, a.momentum, a.eps
+    )
+    if mean is None:
+        empty = out.to_local().new_empty(0)
+        mean = inverse_std = from_local_spec(empty, _per_channel(x, 0, empty.dtype))
+        return out, mean, inverse_std
+    spec = _per_channel(x, x.shape[1], mean.dtype)
+    inverse_std = torch.rsqrt(var + a.eps).flatten()
+    return out, from_local_spec(mean.flatten(), spec), from_local_spec(inverse_std, spec)
+
+
+def _per_channel(x: ShardTensor, length: int, dtype: torch.dtype) -> ShardTensorSpec:
+    """The spec of a ``(length,)`` vector over ``x``'s channels: sharded like them (when
+    ``length`` is the channel count), replicated over every other axis."""
+    spec = x._spec
+    channels = spec.sharding_by_dim.get(1) if length == x.shape[1] else None
+    axes = channels.axes if channels is not None else ()
+    placements = [Shard(0) if axis in axes else Replicate() for axis in range(spec.mesh.ndim)]
+    if channels is None:
+        return ShardTensorSpec.build(spec.mesh, placements, (length,), dtype)
+    return ShardTensorSpec.build(
+        spec.mesh, placements, (length,), dtype, {0: channels.sizes}, order={0: axes}
+    )
+
+
+def _batch_normalized(
+    x: ShardTensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+) -> tuple[ShardTensor, torch.Tensor | None, torch.Tensor | None]:
+    """Batch norm of ``x`` (torch's checks, on every rank), its running statistics updated
+    in place when training; also this rank's channels' batch means and biased variances
+    (``(1, C_local, 1, ...)``; None when not training)."""
     _check_eps("batch_norm", eps, training)
     _check_parameters(
         "batch_norm", (x.shape[1],), weight=weight, bias=bias,
@@ -553,7 +617,7 @@ def _batch_norm(func, args, kwargs):
         if running_mean is None or running_var is None:
             raise RuntimeError("running_mean must be defined in evaluation mode")
         normalized = _with_running_stats(x, running_mean, running_var, eps)
-        return _affine(normalized, weight, bias, x, (1,))
+        return _affine(normalized, weight, bias, x, (1,)), None, None
     if x.numel() // x.shape[1] == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {list(x.shape)}"
@@ -562,9 +626,9 @@ def _batch_norm(func, args, kwargs):
     if running_mean is not None or running_var is not None:
         n = stats.total
         batch = _channels_whole(x, torch.stack([mean, var * (n / (n - 1))]).flatten(1))
-        _update_running(running_mean, batch[0], a.momentum)
-        _update_running(running_var, batch[1], a.momentum)
-    return out
+        _update_running(running_mean, batch[0], momentum)
+        _update_running(running_var, batch[1], momentum)
+    return out, mean, var
 
 
 # ---------------------------------------------------------------------------- instance norm
