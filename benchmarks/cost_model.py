@@ -76,11 +76,16 @@ from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.parallel import domain_parallel
 from shardsci.planning._machine import (
     Machine,
+    all_gather_s,
     all_reduce_s,
     collective_s,
     override,
 )
-from shardsci.tensor._options import attention_exchange_choice
+from shardsci.tensor._options import (
+    attention_exchange_choice,
+    normalization_statistics,
+    statistics_all_reduced,
+)
 from shardsci.testing import count_traffic, get_mesh
 
 GPUS = (8, 16, 32, 64, 128, 256, 512)
@@ -426,6 +431,39 @@ def choose_exchange(models: dict[str, Fitted], ranks: int, shape: tuple[float, .
     return "ring" if ranks > 1 and whole > limit else "all_gather"
 
 
+# --------------------------------------------------------------------------- statistics
+# The kind that carries a model's normalisation statistics at the measured rank counts (the
+# library's all-gather there), costed at ``P`` ranks as the combination the library's rule
+# picks (NOTE [Normalisation statistics across shards]).
+STATISTICS = {"unet": "all_gather"}
+
+
+def statistics_crossover(machine: Machine, row_bytes: float = 32.0, largest: int = 2**16) -> int:
+    """The smallest group from which two all-reduces of ``row_bytes`` (one statistic of every
+    row) cost less on ``machine`` than one all-gather of twice that per rank: the library's
+    ``all_reduce_from_ranks`` for that machine; ``largest + 1`` if none up to ``largest``."""
+    for ranks in range(2, largest + 1):
+        gathered = all_gather_s(machine, ranks, 2 * row_bytes)
+        if 2 * all_reduce_s(machine, ranks, row_bytes) < gathered:
+            return ranks
+    return largest + 1
+
+
+def statistics_s(machine: Machine, ranks: int, calls: float, received: float) -> float:
+    """Seconds of ``calls`` normalisations' statistics over groups of ``ranks``, whose
+    all-gathers would receive ``received`` bytes in all: the library's rule, with the
+    crossover of ``machine`` at these statistics' size, picks one all-gather or two
+    all-reduces per call."""
+    if ranks == 1 or calls == 0:
+        return 0.0
+    piece = received / calls / (ranks - 1)
+    crossover = statistics_crossover(machine, piece / 2, largest=max(ranks, 2))
+    with normalization_statistics(all_reduce_from_ranks=crossover):
+        if statistics_all_reduced(ranks):
+            return calls * 2 * all_reduce_s(machine, ranks, piece / 2)
+    return calls * all_gather_s(machine, ranks, piece)
+
+
 def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...]) -> dict:
     """Seconds per step of each part (NOTE [The cost model]) at ``ranks`` with local
     ``shape``; ``total``: ``max(host, device)``."""
@@ -440,7 +478,10 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
             n = fitted.count(kind, ranks)
             rounds = fitted.count("p2p_rounds", ranks) if kind == "p2p" else n
             nbytes = fitted.bytes(kind, ranks, shape)
-            parts[kind] = collective_s(machine, kind, ranks, n, nbytes, rounds)
+            if kind == STATISTICS.get(fitted.model):
+                parts["statistics"] = statistics_s(machine, ranks, n, nbytes)
+            else:
+                parts[kind] = collective_s(machine, kind, ranks, n, nbytes, rounds)
     parts["device"] = sum(parts.values())
     parts["host"] = fitted.ops * machine.host_us_per_op * 1e-6
     parts["total"] = max(parts["host"], parts["device"])

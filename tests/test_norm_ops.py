@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
@@ -155,6 +155,28 @@ def test_modules_3d(name: str) -> None:
     run_on_ranks(VOLUME.world, _module_body, VOLUME, name)
 
 
+CHANNELS = [
+    Sharded("2r-C-1/3", (2,), (2, 4, 5, 6), Layout((Shard(1),), {1: (1, 3)})),
+    Sharded("4r-C-2/0/2/0", (4,), (3, 4, 5, 2), Layout((Shard(1),), {1: (2, 0, 2, 0)})),
+    Sharded("2x2-C-H", (2, 2), (2, 4, 7, 3), Layout((Shard(1), Shard(2)), {1: (3, 1), 2: (4, 3)})),
+]
+CHANNEL_MODULES = [
+    "GroupNorm(2)",
+    "GroupNorm(4)-no-affine",
+    "BatchNorm",
+    "InstanceNorm-affine-tracked",
+]
+
+
+@pytest.mark.parametrize("case", CHANNELS, ids=str)
+def test_modules_channels_sharded(case: Sharded) -> None:
+    """Channels stay sharded (the output's layout is the input's): rows of BatchNorm and
+    InstanceNorm, groups moved whole for GroupNorm; the running statistics whole on every
+    rank."""
+    for name in CHANNEL_MODULES:
+        run_on_ranks(case.world, _module_body, case, name)
+
+
 ONE_D = [
     Sharded("2r-L-5/4", (2,), (3, 2, 9), Layout((Shard(2),), {2: (5, 4)})),
     Sharded("4r-N-2/0/3/1", (4,), (6, 3), Layout((Shard(0),), {0: (2, 0, 3, 1)})),
@@ -216,6 +238,75 @@ def _functional_body(case: Sharded) -> None:
 @pytest.mark.parametrize("case", [SPATIAL[1], SPATIAL[3]], ids=str)
 def test_functional_spellings(case: Sharded) -> None:
     run_on_ranks(case.world, _functional_body, case)
+
+
+def _rms_norm_body(case: Sharded) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(case.shape, dtype=F64)
+    trailing = case.shape[1:]
+    w, w_all = torch.randn(trailing, dtype=F64), torch.randn(case.shape, dtype=F64)
+    calls = {
+        "F.rms_norm(N,C,*S)": lambda a, w, w_all: F.rms_norm(a, case.shape, w_all, eps=0.5),
+        "F.rms_norm(C,*S)": lambda a, w, w_all: F.rms_norm(a, trailing, w),
+        "F.rms_norm(S)": lambda a, w, w_all: F.rms_norm(a, trailing[1:], w[0], eps=1e-3),
+        "torch.rms_norm(last)": lambda a, w, w_all: torch.rms_norm(a, trailing[-1:]),
+    }
+    for what, call in calls.items():
+        check_against_reference(
+            call,
+            [x, w, w_all],
+            [case.layout, None, None],
+            get_mesh(case.mesh),
+            rtol=0,
+            what=f"{case}/{what}",
+        )
+
+
+TINY = Sharded("4r-L-0/1/1/1", (4,), (1, 2, 3), Layout((Shard(2),), {2: (0, 1, 1, 1)}))
+
+
+@pytest.mark.parametrize("case", [SPATIAL[1], SPATIAL[3], CHANNELS[2], TINY], ids=str)
+def test_rms_norm(case: Sharded) -> None:
+    """Over sharded dims (uneven, empty shards) like LayerNorm, in the input's layout."""
+    run_on_ranks(case.world, _rms_norm_body, case)
+
+
+def _native_batch_norm_body(case: Sharded, statistics: Layout) -> None:
+    """aten's batch norm called directly: the output in the input's layout, the batch mean
+    and inverse standard deviation sharded like the channels."""
+    torch.manual_seed(0)
+    channels = case.shape[1]
+    x = torch.randn(case.shape, dtype=F64)
+    w, b = torch.randn(channels, dtype=F64), torch.randn(channels, dtype=F64)
+    for what, call in {
+        "torch.native_batch_norm": lambda a, w, b: torch.native_batch_norm(
+            a, w, b, None, None, True, 0.1, 1e-5
+        ),
+        "torch._native_batch_norm_legit": lambda a, w, b: torch._native_batch_norm_legit(
+            a, w, b, True, 0.1, 1e-3
+        ),
+    }.items():
+        check_against_reference(
+            call,
+            [x, w, b],
+            [case.layout, None, None],
+            get_mesh(case.mesh),
+            out_layouts=[None, statistics, statistics],
+            rtol=0,
+            what=f"{case}/{what}",
+        )
+
+
+@pytest.mark.parametrize(
+    "case, statistics",
+    [
+        (SPATIAL[3], Layout((Replicate(), Replicate()), {})),
+        (CHANNELS[2], Layout((Shard(0), Replicate()), {0: (3, 1)})),
+    ],
+    ids=str,
+)
+def test_native_batch_norm(case: Sharded, statistics: Layout) -> None:
+    run_on_ranks(case.world, _native_batch_norm_body, case, statistics)
 
 
 def _running_stats_functional_body() -> None:

@@ -11,7 +11,11 @@ from shardsci.tensor._gather_guard import (
     record_gathers,
 )
 from shardsci.tensor._halo import halo_exchange
-from shardsci.tensor._options import attention_exchange, overlap_halos
+from shardsci.tensor._options import (
+    attention_exchange,
+    normalization_statistics,
+    overlap_halos,
+)
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._scatter import distribute_tensor, scatter_tensor
 from shardsci.tensor._spec import ShardTensorSpec
@@ -37,6 +41,7 @@ __all__ = [
     "distribute_tensor",
     "gather_policy",
     "halo_exchange",
+    "normalization_statistics",
     "overlap_halos",
     "record_gathers",
     "register_aten_handler",

@@ -11,7 +11,10 @@ __all__ = [
     "attention_exchange",
     "attention_exchange_choice",
     "halo_overlap_enabled",
+    "normalization_statistics",
+    "normalization_statistics_choice",
     "overlap_halos",
+    "statistics_all_reduced",
 ]
 
 _OVERLAP = [False]
@@ -87,3 +90,66 @@ def attention_exchange(
 
 def attention_exchange_choice() -> _ExchangeChoice:
     return _EXCHANGE[0]
+
+
+Combination = Literal["auto", "all_gather", "all_reduce"]
+
+ALL_REDUCE_FROM_RANKS = 104
+"""The smallest group on which two all-reduces cost less than one all-gather of a
+normalisation's statistics on an H100 cluster (``planning._machine.Machine()``, 8 rows of
+float32 statistics; ``benchmarks.cost_model.statistics_crossover`` computes it, and a test
+holds this number to it)."""
+
+
+@dataclass(frozen=True)
+class _StatisticsChoice:
+    mode: Combination = "auto"
+    all_reduce_from_ranks: int = ALL_REDUCE_FROM_RANKS
+
+
+_STATISTICS = [_StatisticsChoice()]
+
+
+@contextmanager
+def normalization_statistics(
+    mode: Combination = "auto", all_reduce_from_ranks: int = ALL_REDUCE_FROM_RANKS
+) -> Iterator[None]:
+    """How group, batch, instance, layer and RMS normalisation combine the statistics of a
+    row split over several ranks: one all-gather of every rank's partial statistics, or two
+    all-reduces (NOTE [Normalisation statistics across shards], ``tensor/_ops/_norm_ops.py``).
+    Both give the single-device statistics, bitwise identical on every rank.
+
+    Parameters
+    ----------
+    mode : {"auto", "all_gather", "all_reduce"}
+        ``"auto"`` gathers over groups of fewer than ``all_reduce_from_ranks`` ranks and
+        all-reduces over larger ones; the others force one combination.
+    all_reduce_from_ranks : int
+        The crossover of the latency model: 104 for an H100 cluster (the default); for
+        another cluster, ``benchmarks.cost_model.statistics_crossover(machine)``.
+    """
+    if mode not in ("auto", "all_gather", "all_reduce"):
+        raise ValueError(f"mode must be 'auto', 'all_gather' or 'all_reduce', got {mode!r}")
+    if isinstance(all_reduce_from_ranks, bool) or not isinstance(all_reduce_from_ranks, int):
+        raise ValueError(f"all_reduce_from_ranks must be an int, got {all_reduce_from_ranks!r}")
+    if all_reduce_from_ranks < 2:
+        raise ValueError(f"all_reduce_from_ranks must be >= 2, got {all_reduce_from_ranks}")
+    previous = _STATISTICS[0]
+    _STATISTICS[0] = _StatisticsChoice(mode, all_reduce_from_ranks)
+    try:
+        yield
+    finally:
+        _STATISTICS[0] = previous
+
+
+def normalization_statistics_choice() -> _StatisticsChoice:
+    return _STATISTICS[0]
+
+
+def statistics_all_reduced(ranks: int) -> bool:
+    """Whether the statistics of a row split over a group of ``ranks`` ranks are combined by
+    all-reduces (NOTE [Normalisation statistics across shards])."""
+    choice = _STATISTICS[0]
+    if choice.mode != "auto":
+        return choice.mode == "all_reduce"
+    return ranks >= choice.all_reduce_from_ranks

@@ -1,8 +1,8 @@
-"""Group, batch, instance and layer normalisation on sharded tensors.
+"""Group, batch, instance, layer and RMS normalisation on sharded tensors.
 
 Each layer normalises ``x`` by a mean and a (biased) variance taken over some of its dims, the
 *reduced* dims, separately for every index of the others (a *row*), then applies a per-channel
-(LayerNorm: elementwise) weight and bias:
+(LayerNorm, RMSNorm: elementwise) weight and bias:
 
 ==================  ===========================  ==================  ====================
 layer               reduced dims of (N, C, *S)   rows                weight, bias over
@@ -11,29 +11,61 @@ GroupNorm(G)        C/G channels of a group, S   (N, G)              C
 BatchNorm           N, S                         C                   C
 InstanceNorm        S                            (N, C)              C
 LayerNorm(shape)    the trailing ``len(shape)``  the leading dims    the trailing dims
+RMSNorm(shape)      as LayerNorm, no mean        the leading dims    the trailing dims
 ==================  ===========================  ==================  ====================
 
 The statistics are those of the whole tensor (NOTE [Normalisation statistics across shards]);
-the normalisation itself and the affine map are local. Inputs whose reduced dims are not
-sharded (e.g. GroupNorm on a batch-sharded tensor) take the same path with no statistics
-collective: the default path rejects uneven batch shards for group_norm and averages
-InstanceNorm's running statistics over each rank's samples only. Declined (``NotImplemented``,
-default path): inputs with a Partial axis; a sharded channel dim for GroupNorm, BatchNorm and
-InstanceNorm; running statistics that are ShardTensors; weights that are sharded ShardTensors.
+the normalisation itself and the affine map are local, and the output has the input's layout.
+Inputs whose reduced dims are not sharded (e.g. GroupNorm on a batch-sharded tensor) take the
+same path with no statistics collective: the default path rejects uneven batch shards for
+group_norm and averages InstanceNorm's running statistics over each rank's samples only.
+
+A sharded channel dim stays sharded. Channels are rows of BatchNorm and InstanceNorm: each rank
+normalises its channels with its slice of the weights, and the running statistics, plain
+tensors every rank holds whole, receive every rank's channels by one all-gather over the axes
+sharding channels (C numbers each). GroupNorm needs each group on one rank: channel shards that
+cut a group are moved to the nearest group boundaries first and the output moved back
+(``_groups_whole``; only the straddling channels move, nothing when the shards split between
+groups). aten's layer and batch norms called directly (``torch.native_layer_norm``,
+``torch.native_batch_norm``, ``torch._native_batch_norm_legit``) share these paths and return
+their statistics too. Declined (``NotImplemented``, default path): inputs with a Partial axis; running
+statistics that are ShardTensors; weights that are sharded ShardTensors.
 
 # NOTE [Normalisation statistics across shards]
-Every rank reduces its shard, row by row, to a mean ``m_k`` and a sum of squared deviations
-``M2_k`` (two local passes); its element count ``n_k`` per row is known to every rank from the
-spec (true shard sizes; 0 for an empty shard). One all-gather over the mesh axes that shard
-reduced dims gives every rank all the ``(m_k, M2_k)``, and each combines them (Chan et al.):
+Every rank reduces its shard, row by row; its element count ``n_k`` per row is known to every
+rank from the spec (true shard sizes; 0 for an empty shard). The ranks of the group along the
+mesh axes that shard reduced dims (``P`` of them) combine their parts in one of two ways,
+chosen by ``normalization_statistics`` (``tensor/_options.py``):
 
-    n = Σ n_k,   mean = Σ n_k m_k / n,   M2 = Σ (M2_k + n_k (m_k − mean)²),   var = M2 / n.
+- **all-gather** (Chan et al.): every rank reduces its shard to a mean ``m_k`` and a sum of
+  squared deviations ``M2_k`` (two local passes); one all-gather gives every rank all the
+  ``(m_k, M2_k)``, and each combines them
 
-Chan's combination rather than two all-reduces (Σx, then Σ(x − mean)²): one collective instead
-of two, equally stable (deviations are taken from the local mean, the combination adds only
-non-negative terms; no Σx² − n·mean² cancellation), and every rank combines the same gathered
-numbers in the same order, so statistics and running statistics are bitwise identical on every
-rank. The message is tiny: 2 numbers per row per rank.
+      n = Σ n_k,   mean = Σ n_k m_k / n,   M2 = Σ (M2_k + n_k (m_k − mean)²),   var = M2 / n.
+
+  One collective of ``P - 1`` ring steps, ``2 (P - 1)`` numbers per row received.
+- **all-reduce**: one all-reduce of the row sums gives the mean ``Σ x / n``; a second, of
+  every rank's ``Σ (x − mean)²`` about that global mean, gives ``M2``. Two collectives of
+  ``2 log2 P`` tree hops (or ring steps) each, one number per row in each.
+
+Both are stable: squares are of deviations from a mean (no ``Σx² − n·mean²`` cancellation;
+the all-reduce's deviations are from the global mean itself, the all-gather's from the local
+one, corrected by non-negative terms), both equal the single-device statistics to rounding
+(``tests/test_norm_statistics.py``: within 1e-10 in float64 on 2, 4 and 8 ranks), and both are
+bitwise identical on every rank (every rank combines the same gathered numbers in the same
+order; an all-reduce hands every rank the same sums), so are the running statistics. A single
+all-reduce of ``(Σx, Σx²)`` would halve the latency again but cancels catastrophically where
+the mean is large against the spread; no shift every rank knows without a collective exists.
+
+The rule (``statistics_all_reduced``): the all-gather over groups of fewer than
+``all_reduce_from_ranks`` ranks, the all-reduces from there on; the default, 104, is the
+crossover of the latency-bandwidth model of ``planning._machine.Machine()`` (H100 nodes of 8,
+NCCL's latencies: the ring all-gather's ``P - 1`` steps against two trees' ``2 log2 P`` hops,
+for 8 rows of float32 statistics); ``benchmarks.cost_model.statistics_crossover(machine)``
+gives it for another machine (gloo on this one: 21). Statistics of many rows (LayerNorm over
+a sharded dim of a long sequence) reach the crossover earlier, 46 ranks at 1,024 rows on
+H100s, which this rank-only rule does not see: set ``all_reduce_from_ranks`` lower there. Every
+rank of a group sees the same group size, so the ranks of a group decide alike.
 
 Backward of x̂ = (x − mean) / sqrt(var + eps), with g = dL/dx̂:
 
@@ -45,18 +77,21 @@ gathered over the axes that shard the dims they span (LayerNorm over sharded dim
 
 Collectives per call. The forward all-gather and the backward input-gradient all-reduce run
 over the mesh axes that shard reduced dims, and not at all when none does.
-- forward: 1 all-gather of the batch statistics (none in eval mode with running statistics),
-  plus, for InstanceNorm's running statistics on a batch-sharded input, 1 all-reduce over the
-  axes sharding N;
+- forward: 1 all-gather of the batch statistics, or 2 all-reduces above the crossover (none
+  in eval mode with running statistics; RMSNorm: 1 all-reduce of the sums of squares), plus,
+  for InstanceNorm's running statistics on a batch-sharded input, 1 all-reduce over the axes
+  sharding N, and for running statistics on sharded channels 1 all-gather over the axes
+  sharding them (GroupNorm on channel shards that cut groups: a redistribution there and back);
 - backward: 1 all-reduce for the input gradient, plus, for each affine parameter that needs a
   gradient, 1 all-reduce per mesh axis sharding dims it does not span and 1 all-gather over the
-  axes sharding dims it spans (LayerNorm). E.g. GroupNorm or BatchNorm with affine parameters on
+  axes sharding dims it spans (LayerNorm; sharded channels). E.g. GroupNorm or BatchNorm with affine parameters on
   a 2x2 block: 1 all-gather forward, 1 + 2 + 2 all-reduces backward.
 The input gradient is differentiable once (no double backward).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,13 +105,20 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
-from shardsci.tensor._collectives import AxisGroup, all_gather, all_reduce, axis_group
+from shardsci.tensor._collectives import (
+    AxisGroup,
+    all_gather,
+    all_reduce,
+    axis_group,
+    exchange,
+)
 from shardsci.tensor._ops._common import (
     accepts,
     replicated_local,
     sharding_axes,
     with_dims_whole,
 )
+from shardsci.tensor._options import statistics_all_reduced
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec
@@ -134,6 +176,10 @@ class _Statistics:
 
     def moments(self, x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """Mean and biased variance of every row of the global tensor (keepdim)."""
+        if self.group is not None and statistics_all_reduced(self.group.size):
+            mean = self.summed(x.sum(dims, keepdim=True)) / self.total
+            m2 = self.summed((x - mean).square_().sum(dims, keepdim=True))
+            return mean, m2 / self.total
         mean = x.sum(dims, keepdim=True) / max(self.local_count, 1)
         m2 = (x - mean).square_().sum(dims, keepdim=True)
         if self.group is None:
@@ -189,6 +235,32 @@ class _Normalize(torch.autograd.Function):
         sums = ctx.stats.row_sums(torch.stack([grad, grad * normalized]), ctx.dims)
         n = ctx.stats.total
         grad_x = inverse_std * (grad - sums[0] / n - normalized * (sums[1] / n))
+        return grad_x.to(ctx.dtype), None, None, None
+
+
+class _RootMeanSquare(torch.autograd.Function):
+    """x̂ = x / sqrt(Σx² / n + eps) with the sums over every shard: one all-reduce forward
+    (a sum of squares cancels nothing), one backward, ``dx = (g − x̂ Σ(g x̂) / n) / rms``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, dims: tuple[int, ...], stats: _Statistics, eps: float
+    ) -> torch.Tensor:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        squares = stats.summed(wide.square().sum(dims, keepdim=True))
+        inverse_rms = torch.rsqrt(squares / stats.total + eps)
+        normalized = wide * inverse_rms
+        ctx.save_for_backward(normalized, inverse_rms)
+        ctx.dims, ctx.stats, ctx.dtype = dims, stats, x.dtype
+        return normalized.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        normalized, inverse_rms = ctx.saved_tensors
+        grad = grad.to(normalized.dtype)
+        sums = ctx.stats.row_sums((grad * normalized)[None], ctx.dims)[0]
+        grad_x = inverse_rms * (grad - normalized * (sums / ctx.stats.total))
         return grad_x.to(ctx.dtype), None, None, None
 
 
@@ -265,17 +337,19 @@ def _channel_normalized(
 ) -> tuple[ShardTensor, torch.Tensor, torch.Tensor, _Statistics]:
     """GroupNorm (``groups`` of channels), InstanceNorm (``groups`` = C) or BatchNorm
     (``groups`` = C, ``reduce_batch``) of ``x`` with per-channel affine parameters; also the
-    row means and biased variances (``(N or 1, groups, 1, 1)``) and the statistics."""
+    row means and biased variances (``(N or 1, G_local, 1, 1)``, this rank's groups) and the
+    statistics. A sharded channel dim must split between groups (``_groups_whole``)."""
     spec = x._spec
-    channels = x.shape[1]
+    per_group = x.shape[1] // groups
     spatial = _spatial(x)
     reduced_dims = ((0,) if reduce_batch else ()) + spatial
-    stats = _Statistics.over(spec, reduced_dims, scale=channels // groups)
+    stats = _Statistics.over(spec, reduced_dims, scale=per_group)
     local = x.to_local()
-    view = local.reshape(local.shape[0], groups, channels // groups, math.prod(local.shape[2:]))
+    local_groups = local.shape[1] // per_group
+    view = local.reshape(local.shape[0], local_groups, per_group, math.prod(local.shape[2:]))
     w = _local_parameter(weight, spec, (1,))
     b = _local_parameter(bias, spec, (1,))
-    shaped = [None if p is None else p.reshape(groups, channels // groups) for p in (w, b)]
+    shaped = [None if p is None else p.reshape(local_groups, per_group) for p in (w, b)]
     reduced = ((0,) if reduce_batch else ()) + (2, 3)
     out, mean, var = _ChannelNorm.apply(view, *shaped, reduced, stats, eps)
     result = from_local_spec(out.reshape(local.shape), spec.with_dtype(out.dtype))
@@ -297,9 +371,47 @@ def _with_running_stats(
 ) -> torch.Tensor:
     """This rank's shard of ``x`` normalised by per-channel running statistics (local)."""
     shape = (-1, *[1] * (x.ndim - 2))
-    mean = running_mean.reshape(shape)
-    inverse_std = torch.rsqrt(running_var.reshape(shape) + eps)
-    return (x.to_local() - mean) * inverse_std
+    mean, var = (_local_parameter(r, x._spec, (1,)) for r in (running_mean, running_var))
+    inverse_std = torch.rsqrt(var.reshape(shape) + eps)
+    return (x.to_local() - mean.reshape(shape)) * inverse_std
+
+
+def _channels_whole(x: ShardTensor, values: torch.Tensor) -> torch.Tensor:
+    """Per-channel ``values`` (``(k, C_local)``, this rank's channels of ``x``) for all
+    ``C`` channels: one all-gather over the axes sharding channels, if any (a running
+    statistic is a plain tensor every rank holds whole)."""
+    channels = x._spec.sharding_by_dim.get(1)
+    if channels is None:
+        return values
+    group = axis_group(x._spec.mesh, channels.axes)
+    pieces = exchange(
+        group,
+        [values.contiguous()] * group.size,
+        lambda src, dst: (values.shape[0], channels.sizes[src]),
+        dtype=values.dtype,
+        device=values.device,
+        kind="all_gather",
+    )
+    return torch.cat(pieces, dim=1)
+
+
+def _groups_whole(x: ShardTensor, per_group: int) -> ShardTensor:
+    """``x`` with its channel shards moved to the nearest group boundaries (``per_group``
+    channels a group), so that every group lies on one rank: the channels of a group that
+    straddled two shards move to one of them (differentiable; nothing moves when the
+    shards already split between groups)."""
+    spec = x._spec
+    channels = spec.sharding_by_dim.get(1)
+    if channels is None or all(n % per_group == 0 for n in channels.sizes):
+        return x
+    ends = [round(e / per_group) * per_group for e in itertools.accumulate(channels.sizes)]
+    sizes = {s.dim: s.sizes for s in spec.shardings}
+    sizes[1] = tuple(b - a for a, b in zip([0, *ends], ends))
+    order = {s.dim: s.axes for s in spec.shardings}
+    aligned = ShardTensorSpec.build(
+        spec.mesh, spec.placements, spec.shape, spec.dtype, sizes, order=order
+    )
+    return redistribute(x, aligned)
 
 
 def _update_running(
@@ -393,7 +505,7 @@ def _spatial(x: torch.Tensor) -> tuple[int, ...]:
 def _group_norm(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, groups, weight, bias = a.input, a.num_groups, a.weight, a.bias
-    if not accepts(x, whole=[1], replicated=[weight, bias]):
+    if not accepts(x, replicated=[weight, bias]):
         return NotImplemented
     channels = x.shape[1]
     if groups <= 0 or channels % groups:
@@ -407,7 +519,9 @@ def _group_norm(func, args, kwargs):
             f"{[x.shape[0] * channels // groups, groups, *x.shape[2:]]}"
         )
     _check_parameters("group_norm", (channels,), weight=weight, bias=bias)
-    return _channel_normalized(x, groups, False, weight, bias, a.eps)[0]
+    aligned = _groups_whole(x, channels // groups)
+    out = _channel_normalized(aligned, groups, False, weight, bias, a.eps)[0]
+    return out if aligned is x else redistribute(out, x._spec.with_dtype(out.dtype))
 
 
 @register_function_handler(torch.native_group_norm)
@@ -429,9 +543,71 @@ def _batch_norm(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, weight, bias = a.input, a.weight, a.bias
     running_mean, running_var = a.running_mean, a.running_var
-    if not accepts(x, whole=[1], replicated=[weight, bias], plain=[running_mean, running_var]):
+    if not accepts(x, replicated=[weight, bias], plain=[running_mean, running_var]):
         return NotImplemented
-    training, eps = a.training, a.eps
+    return _batch_normalized(x, weight, bias, running_mean, running_var, a.training,
+                             a.momentum, a.eps)[0]  # fmt: skip
+
+
+def _with_running(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """The parameters of ``torch.native_batch_norm`` and ``torch._native_batch_norm_legit``."""
+
+
+def _without_running(input, weight, bias, training, momentum, eps):
+    """The parameters of ``torch._native_batch_norm_legit``'s overload with no running
+    statistics."""
+
+
+@register_function_handler(torch.native_batch_norm, torch._native_batch_norm_legit)
+def _native_batch_norm(func, args, kwargs):
+    """aten's batch norm called directly: the output as ``F.batch_norm`` lays it out, and the
+    batch mean and inverse standard deviation (``(C,)``, not differentiable; empty when not
+    training) sharded like the channels, replicated over the other axes."""
+    given = len(args) + len(kwargs or {})
+    a = bind(func, args, kwargs, signature=_without_running if given == 6 else _with_running)
+    x, weight, bias = a.input, a.weight, a.bias
+    running_mean, running_var = (None, None) if given == 6 else (a.running_mean, a.running_var)
+    if not accepts(x, replicated=[weight, bias], plain=[running_mean, running_var]):
+        return NotImplemented
+    out, mean, var = _batch_normalized(
+        x, weight, bias, running_mean, running_var, a.training, a.momentum, a.eps
+    )
+    if mean is None:
+        empty = out.to_local().new_empty(0)
+        mean = inverse_std = from_local_spec(empty, _per_channel(x, 0, empty.dtype))
+        return out, mean, inverse_std
+    spec = _per_channel(x, x.shape[1], mean.dtype)
+    inverse_std = torch.rsqrt(var + a.eps).flatten()
+    return out, from_local_spec(mean.flatten(), spec), from_local_spec(inverse_std, spec)
+
+
+def _per_channel(x: ShardTensor, length: int, dtype: torch.dtype) -> ShardTensorSpec:
+    """The spec of a ``(length,)`` vector over ``x``'s channels: sharded like them (when
+    ``length`` is the channel count), replicated over every other axis."""
+    spec = x._spec
+    channels = spec.sharding_by_dim.get(1) if length == x.shape[1] else None
+    axes = channels.axes if channels is not None else ()
+    placements = [Shard(0) if axis in axes else Replicate() for axis in range(spec.mesh.ndim)]
+    if channels is None:
+        return ShardTensorSpec.build(spec.mesh, placements, (length,), dtype)
+    return ShardTensorSpec.build(
+        spec.mesh, placements, (length,), dtype, {0: channels.sizes}, order={0: axes}
+    )
+
+
+def _batch_normalized(
+    x: ShardTensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+) -> tuple[ShardTensor, torch.Tensor | None, torch.Tensor | None]:
+    """Batch norm of ``x`` (torch's checks, on every rank), its running statistics updated
+    in place when training; also this rank's channels' batch means and biased variances
+    (``(1, C_local, 1, ...)``; None when not training)."""
     _check_eps("batch_norm", eps, training)
     _check_parameters(
         "batch_norm", (x.shape[1],), weight=weight, bias=bias,
@@ -441,16 +617,18 @@ def _batch_norm(func, args, kwargs):
         if running_mean is None or running_var is None:
             raise RuntimeError("running_mean must be defined in evaluation mode")
         normalized = _with_running_stats(x, running_mean, running_var, eps)
-        return _affine(normalized, weight, bias, x, (1,))
+        return _affine(normalized, weight, bias, x, (1,)), None, None
     if x.numel() // x.shape[1] == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {list(x.shape)}"
         )
     out, mean, var, stats = _channel_normalized(x, x.shape[1], True, weight, bias, eps)
-    n = stats.total
-    _update_running(running_mean, mean, a.momentum)
-    _update_running(running_var, var * (n / (n - 1)), a.momentum)
-    return out
+    if running_mean is not None or running_var is not None:
+        n = stats.total
+        batch = _channels_whole(x, torch.stack([mean, var * (n / (n - 1))]).flatten(1))
+        _update_running(running_mean, batch[0], momentum)
+        _update_running(running_var, batch[1], momentum)
+    return out, mean, var
 
 
 # ---------------------------------------------------------------------------- instance norm
@@ -459,7 +637,7 @@ def _instance_norm(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, weight, bias = a.input, a.weight, a.bias
     running_mean, running_var = a.running_mean, a.running_var
-    if not accepts(x, whole=[1], replicated=[weight, bias], plain=[running_mean, running_var]):
+    if not accepts(x, replicated=[weight, bias], plain=[running_mean, running_var]):
         return NotImplemented
     eps = a.eps
     _check_parameters(
@@ -481,6 +659,7 @@ def _instance_norm(func, args, kwargs):
     if running_mean is not None or running_var is not None:
         n = stats.total
         batch = _batch_mean(x, torch.stack([mean, var * (n / (n - 1))]).flatten(2))
+        batch = _channels_whole(x, batch)
         _update_running(running_mean, batch[0], a.momentum)
         _update_running(running_var, batch[1], a.momentum)
     return out
@@ -533,6 +712,22 @@ def _native_layer_norm(func, args, kwargs):
     )  # fmt: skip
     rstd = torch.rsqrt(var + a.eps)
     return out, from_local_spec(mean, row_spec), from_local_spec(rstd, row_spec)
+
+
+# ---------------------------------------------------------------------------- rms norm
+@register_function_handler(F.rms_norm, torch.rms_norm)
+def _rms_norm(func, args, kwargs):
+    """Like LayerNorm over the trailing dims, sharded or not, without centring: the output
+    in the input's layout."""
+    a = bind(func, args, kwargs)
+    x, weight = a.input, a.weight
+    if not accepts(x, replicated=[weight]):
+        return NotImplemented
+    dims = _layer_norm_dims(x, a.normalized_shape, weight, None)
+    eps = torch.finfo(x.dtype).eps if a.eps is None else a.eps
+    stats = _Statistics.over(x._spec, dims)
+    normalized = _RootMeanSquare.apply(x.to_local(), dims, stats, eps)
+    return _affine(normalized, weight, None, x, dims)
 
 
 def _layer_norm_dims(
