@@ -431,7 +431,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "nn.functional.batch_norm": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
-    "nn.functional.channel_shuffle": (_WRONG_LAYOUT.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "nn.functional.embedding": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
