@@ -283,26 +283,12 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((3,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
-    "constant_pad_nd": (
-        _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "corrcoef": (_WRONG_LAYOUT.cases((2,), ("2x2-uneven", "2x2-last")),),
     "cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "cummax": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "cummin": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "cumprod": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "cumulative_trapezoid": (_GATHERED.cases((0,), ("4r-random",)),),
-    "diag": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
-    "diag_embed": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
-    "diagonal": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "diagonal_copy": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "diagonal_scatter": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "fft.fft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "fft.ifft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "fft.ihfft": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
@@ -360,9 +346,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "linalg.cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
-    "linalg.diagonal": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "linalg.eig": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -430,9 +413,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "matrix_exp": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "max_pool2d_with_indices_backward": (
-        _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "min.reduction_with_dim": (_GATHERED.cases((0,), ("4r-random",)),),
     "mode": (_GATHERED.cases((0,), ("4r-empty",)),),
     "msort": (
@@ -456,7 +436,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
-    "nn.functional.channel_shuffle": (_WRONG_LAYOUT.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "nn.functional.embedding": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
@@ -554,12 +533,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "triangular_solve": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
-    ),
-    "tril": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "triu": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "unbind": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "unbind_copy": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),

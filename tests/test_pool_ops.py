@@ -27,6 +27,7 @@ from shardsci.testing import (
 from tests.expected_layouts import (
     ExpectedLayout,
     module_anchors,
+    pad_anchors,
     renamed,
     window_anchor,
     windowed,
@@ -324,3 +325,43 @@ def test_ceil_mode_3d_pooling_of_an_unbatched_input() -> None:
     layout (max_pool3d refuses a 4-D input whose strides look channels-last; the op-database
     sweep caught ranks raising there while the others waited)."""
     run_on_ranks(4, _unbatched_ceil_body)
+
+
+# ---------------------------------------------------------------------------- aten ops called directly
+def _aten_max_pool_backward(x: torch.Tensor, *, pooled_grad: bool) -> torch.Tensor:
+    """``aten.max_pool2d_with_indices_backward`` as torch's OpInfo calls it: of a gradient of
+    ones, or (``pooled_grad``) of the pooled values squared, so that the input gradient flows
+    through the backward op's own derivative too."""
+    config = ([3, 3], [2, 2], [1, 1], [1, 1], True)
+    out, indices = F.max_pool2d(x, *config, return_indices=True)
+    grad = out.square() if pooled_grad else torch.ones_like(out)
+    return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, *config, indices)
+
+
+def _aten_body(case: Sharded) -> None:
+    """Each cell's gradient on the rank holding the cell (the input's layout); a constant pad
+    (negative pads crop) by the pad's window rule."""
+    x = torch.randn(case.shape, dtype=torch.float64)
+    mesh = get_mesh(case.mesh)
+    for pooled_grad in (False, True):
+        check_against_reference(
+            lambda a, p=pooled_grad: _aten_max_pool_backward(a, pooled_grad=p),
+            [x],
+            [case.layout],
+            mesh,
+            what=f"max_pool2d_with_indices_backward (pooled_grad={pooled_grad})",
+        )
+    for pad in ([2, -1, 0, 3], [-2, 1, 3, -4], [0, 0, 1, 1, 1, 0]):
+        check_against_reference(
+            lambda a, p=pad: torch.constant_pad_nd(a, p, 1.5),
+            [x],
+            [case.layout],
+            mesh,
+            out_layouts=[windowed(case.layout, case.shape, case.mesh, pad_anchors(pad, x.ndim))],
+            what=f"constant_pad_nd({pad})",
+        )
+
+
+@pytest.mark.parametrize("case", SPATIAL_2D, ids=str)
+def test_aten_pooling_backward_and_constant_pad_keep_the_layout(case: Sharded) -> None:
+    run_on_ranks(case.world, _aten_body, case)

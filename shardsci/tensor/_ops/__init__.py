@@ -5,6 +5,7 @@ from shardsci.tensor._ops import (
     _batched_ops,  # noqa: F401
     _composite_ops,  # noqa: F401
     _conv_ops,  # noqa: F401
+    _diagonal_ops,  # noqa: F401
     _elementwise_ops,  # noqa: F401
     _embedding_ops,  # noqa: F401
     _fft_ops,  # noqa: F401
@@ -15,6 +16,7 @@ from shardsci.tensor._ops import (
     _loss_ops,  # noqa: F401
     _matmul_ops,  # noqa: F401
     _norm_ops,  # noqa: F401
+    _pad_ops,  # noqa: F401
     _pool_ops,  # noqa: F401
     _reduction_ops,  # noqa: F401
     _scalar_ops,  # noqa: F401

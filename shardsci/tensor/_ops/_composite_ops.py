@@ -1,7 +1,7 @@
 """Ops that DTensor has no rule for and torch decomposes only through prims (meant for
 tracing, not for running on ShardTensors), composed here from ops that have rules or
 handlers: the ``*_copy`` twins of views, ``rsub``, ``addr``, ``vdot``, ``trace``, ``rot90``,
-``glu`` and its backward, ``count_nonzero``, ``channel_shuffle``, ``norm`` with an optional
+``glu`` and its backward, ``count_nonzero``, ``norm`` with an optional
 p and ``masked_fill`` with a tensor value.
 
 Each op runs its parts on the ShardTensors, so every part plans its own layout and
@@ -128,15 +128,6 @@ def _rot90(func, args, kwargs):
         return aten.flip.default(x, [first, second])
     flipped = aten.flip.default(x, [second if k == 1 else first])
     return _contiguous_copy(aten.transpose.int(flipped, first, second))
-
-
-@register_aten_handler(aten.channel_shuffle.default)
-def _channel_shuffle(func, args, kwargs):
-    a = bind(func, args, kwargs)
-    x, groups = a.self, a.groups
-    n, c, *rest = x.shape
-    grouped = aten.view.default(x, [n, groups, c // groups, *rest])
-    return aten.view.default(_contiguous_copy(aten.transpose.int(grouped, 1, 2)), list(x.shape))
 
 
 # ---------------------------------------------------------------------------- glu

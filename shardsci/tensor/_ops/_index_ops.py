@@ -5,9 +5,9 @@ DTensor gathers the whole dim first. Here:
   own interval and the shard sizes shrink, possibly to zero. Its backward writes the gradient
   into the original layout, remembered in the spec's hints. ``split`` is slices.
 - ``select`` broadcasts the selected slice from the rank that owns it.
-- ``flip``, ``roll`` and ``cat`` keep the output aligned with the input (``cat``: each rank
-  owns its pieces of every input) and gather only the intervals a rank lacks, in one exchange
-  per sharded dim (``_intervals``).
+- ``flip``, ``roll``, ``channel_shuffle`` and ``cat`` keep the output aligned with the input
+  (``cat``: each rank owns its pieces of every input) and gather only the intervals a rank
+  lacks, in one exchange per sharded dim (``_intervals``).
 """
 
 from __future__ import annotations
@@ -308,6 +308,44 @@ def _roll_sharded(local: torch.Tensor, spec: ShardTensorSpec, dim: int, shift: i
 
 
 # ---------------------------------------------------------------------------- cat
+@register_aten_handler(aten.channel_shuffle.default, aten.native_channel_shuffle.default)
+def _channel_shuffle(func, args, kwargs):
+    """Output channel ``j`` is input channel ``(j % g) c / g + j // g`` (``g`` groups of
+    ``c / g``). Channels keep the input's shard sizes: each rank gathers the input channels
+    of its output channels; other sharded dims stay as they are. Its backward is a shuffle
+    by ``c / g`` groups, through this handler."""
+    a = bind(func, args, kwargs)
+    x, groups = a.self, a.groups
+    if not accepts(x, partial=True) or x.ndim < 3 or groups <= 0 or x.shape[1] % groups:
+        return NotImplemented  # torch's error
+    if 1 not in x._spec.sharding_by_dim:
+        return ShardTensor(func(x._local, groups), x._spec)
+    sharding, group, starts = dim_layout(x._spec, 1)
+    per_group = x.shape[1] // groups
+
+    def wanted(k: int) -> list[tuple[int, int]]:
+        sources = [
+            (j % groups) * per_group + j // groups
+            for j in range(starts[k], starts[k] + sharding.sizes[k])
+        ]
+        runs: list[list[int]] = []
+        for i in sources:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, i + 1])
+        return [(lo, hi) for lo, hi in runs]
+
+    local = gather_intervals(
+        [x._local],
+        lambda k: [(starts[k], starts[k] + sharding.sizes[k])],
+        wanted,
+        1,
+        group,
+    )
+    return ShardTensor(local.contiguous(), x._spec)
+
+
 @register_aten_handler(aten.cat.default)
 def _cat(func, args, kwargs):
     """``cat`` along a sharded dim. Operands sharded along it keep their shards; one held

@@ -33,11 +33,13 @@ import torch.nn.functional as F
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
-from shardsci.tensor._halo import pad_locally
+from shardsci.tensor._halo import extend, pad_locally
 from shardsci.tensor._ops._common import accepts, connected_empty
-from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
-from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._ops._windows import Window, gather_windows, output_spec, window_plan
+from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._shape_probe import shape_probe
+
+aten = torch.ops.aten
 
 # The callables __torch_function__ receives: nn.MaxPoolNd and F.max_poolNd arrive as the
 # ``boolean_dispatch`` wrapper (F.max_poolNd) or, with ``return_indices=True``, as
@@ -205,6 +207,46 @@ def _first_in_bounds(
         for c, start, d in zip(coordinates, starts, dilation)
     ]
     return _ravel(moved, extents)
+
+
+@register_aten_handler(
+    aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default
+)
+def _max_pool_backward(func, args, kwargs):
+    """The input gradient of a max pooling called as an aten op, laid out as the input: each
+    rank adds its outputs' gradients at their argmax cells in the block of cells its windows
+    read, and the halo exchange's adjoint returns the cells a neighbour holds. Declined
+    (the default path) unless the gradient and the indices have the layout the window rule
+    gives the pooling's output."""
+    a = bind(func, args, kwargs)
+    grad, x, indices = a.grad_output, a.self, a.indices
+    if not accepts(x, floating=True) or not all(
+        isinstance(t, ShardTensor) for t in (grad, indices)
+    ):
+        return NotImplemented
+    n = 2 if func is aten.max_pool2d_with_indices_backward.default else 3
+    kernel = _per_dim(a.kernel_size, n)
+    stride = _stride(a.stride, kernel)
+    windows = _pooling_windows(
+        x, n, kernel, stride, _per_dim(a.dilation, n), _per_dim(a.padding, n), bool(a.ceil_mode)
+    )
+    spec = x._spec
+    ext, out_sizes, out_ranges = window_plan(
+        spec, tuple(sorted(windows.items())), tuple((d, "zeros") for d in sorted(windows))
+    )
+    expected = output_spec(spec, grad.shape, out_sizes, grad.dtype)
+    if not (grad._spec.same_layout(expected) and indices._spec.same_layout(expected)):
+        return NotImplemented
+    with torch.enable_grad():
+        own = x._local.detach().requires_grad_()
+        cells = extend(own, ext)
+        starts = _starts(windows, out_ranges, range(x.ndim - n, x.ndim))
+        local = [c - start for c, start in zip(_unravel(indices._local, x.shape[-n:]), starts)]
+        flat = _ravel(local, cells.shape[-n:]).flatten(-n)
+        scattered = cells.new_zeros(cells.shape).flatten(-n)
+        scattered.scatter_add_(-1, flat, grad._local.flatten(-n).to(cells.dtype))
+        (out,) = torch.autograd.grad(cells, own, scattered.view_as(cells), allow_unused=True)
+    return ShardTensor(torch.zeros_like(own) if out is None else out, spec.with_dtype(x.dtype))
 
 
 # ---------------------------------------------------------------------------- avg
