@@ -125,6 +125,12 @@ def _takes(*names: str) -> Callable[[object], None]:
     return check
 
 
+def _native_batch_norm_legit(fn: Callable) -> None:
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    out, mean, inverse_std = fn(x, None, None, True, 0.1, 1e-5)
+    assert out.shape == x.shape and mean.shape == inverse_std.shape == (3,)
+
+
 def _view_rules(_: object) -> None:
     c = _torch_compat
     assert c.infer_size(12, (3, -1)) == (3, 4)
@@ -357,6 +363,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "LocalTensorMode": _takes("ranks"),
     "_map_to_rank_local_val": _takes("val", "rank"),
     "dtensor_random": _has("_rng_tracker"),
+    "_native_batch_norm_legit": _native_batch_norm_legit,
     "set_pg_timeout": _takes("timeout", "group"),
     "decomposition_table": _decompositions,
     "no_dispatch": _no_dispatch,

@@ -140,6 +140,10 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     ),
     # --- the dispatcher, autograd engine and tensor subclassing
     "OpOverload": _at("torch._ops:OpOverload", "the type of an aten overload"),
+    "_native_batch_norm_legit": _at(
+        "torch:_native_batch_norm_legit",
+        "aten's batch norm as a torch function, whose layouts the normalisation handler keeps",
+    ),
     "decomposition_table": _at(
         "torch._decomp:decomposition_table",
         "running an op without a sharding rule as its aten decomposition",

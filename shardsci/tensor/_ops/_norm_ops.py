@@ -122,6 +122,7 @@ from shardsci.tensor._options import statistics_all_reduced
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._torch_compat import _native_batch_norm_legit
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -558,7 +559,7 @@ def _without_running(input, weight, bias, training, momentum, eps):
     statistics."""
 
 
-@register_function_handler(torch.native_batch_norm, torch._native_batch_norm_legit)
+@register_function_handler(torch.native_batch_norm, _native_batch_norm_legit)
 def _native_batch_norm(func, args, kwargs):
     """aten's batch norm called directly: the output as ``F.batch_norm`` lays it out, and the
     batch mean and inverse standard deviation (``(C,)``, not differentiable; empty when not
