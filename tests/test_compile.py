@@ -217,12 +217,13 @@ def _zoo_regions_body(backend: str, name: str, mesh_shape: tuple[int, ...]) -> N
 # The 3-D variants on 2 ranks only: Conv3d regions meet a sharded dim on the slabs, two
 # sharded dims are met on the 2-D blocks, and 2x2 pencils would add 23 s to the suite. On
 # 2x2 only the UNet runs by default (test_unet_regions_on_a_2x2_mesh); the other models' 2x2
-# cases (about 100 s) are slow.
+# cases (about 100 s) are slow, and so are the 3-D and padded variants on 2 ranks (about
+# 20 s; their 2-D counterparts run the same region rules by default).
 ZOO_CASES = [
     pytest.param(
         name,
         mesh,
-        marks=[pytest.mark.slow] if mesh == (2, 2) else [],
+        marks=[pytest.mark.slow] if mesh == (2, 2) or "3d" in name or "padded" in name else [],
         id=f"{name}-{'x'.join(map(str, mesh))}",
     )
     for name in ZOO_EAGER
