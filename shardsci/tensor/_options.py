@@ -21,6 +21,17 @@ _OVERLAP = [False]
 
 
 @contextmanager
+def _within(slot: list, value: object) -> Iterator[None]:
+    """``slot[0]`` is ``value`` inside the block, and what it was after."""
+    previous = slot[0]
+    slot[0] = value
+    try:
+        yield
+    finally:
+        slot[0] = previous
+
+
+@contextmanager
 def overlap_halos(enabled: bool = True) -> Iterator[None]:
     """Overlap halo exchanges with the interior computation of windowed ops.
 
@@ -35,12 +46,8 @@ def overlap_halos(enabled: bool = True) -> Iterator[None]:
     instead of the single synchronous one (NOTE [A padded tensor carries the halo its
     convolution reads]).
     """
-    previous = _OVERLAP[0]
-    _OVERLAP[0] = enabled
-    try:
+    with _within(_OVERLAP, enabled):
         yield
-    finally:
-        _OVERLAP[0] = previous
 
 
 def halo_overlap_enabled() -> bool:
@@ -80,12 +87,8 @@ def attention_exchange(
         raise ValueError(f"mode must be 'auto', 'ring' or 'all_gather', got {mode!r}")
     if gather_limit_bytes < 0:
         raise ValueError(f"gather_limit_bytes must be >= 0, got {gather_limit_bytes!r}")
-    previous = _EXCHANGE[0]
-    _EXCHANGE[0] = _ExchangeChoice(mode, gather_limit_bytes)
-    try:
+    with _within(_EXCHANGE, _ExchangeChoice(mode, gather_limit_bytes)):
         yield
-    finally:
-        _EXCHANGE[0] = previous
 
 
 def attention_exchange_choice() -> _ExchangeChoice:
@@ -134,12 +137,8 @@ def normalization_statistics(
         raise ValueError(f"all_reduce_from_ranks must be an int, got {all_reduce_from_ranks!r}")
     if all_reduce_from_ranks < 2:
         raise ValueError(f"all_reduce_from_ranks must be >= 2, got {all_reduce_from_ranks}")
-    previous = _STATISTICS[0]
-    _STATISTICS[0] = _StatisticsChoice(mode, all_reduce_from_ranks)
-    try:
+    with _within(_STATISTICS, _StatisticsChoice(mode, all_reduce_from_ranks)):
         yield
-    finally:
-        _STATISTICS[0] = previous
 
 
 def normalization_statistics_choice() -> _StatisticsChoice:
