@@ -29,12 +29,13 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from shardsci.testing import run_on_ranks, shutdown_pools
+from shardsci.testing import count_traffic, run_on_ranks, shutdown_pools
 
 __all__ = [
     "Goal",
@@ -48,6 +49,7 @@ __all__ = [
     "restart_pools",
     "rss_bytes",
     "spread",
+    "step_traffic",
 ]
 
 _RANK_TIMEOUT_S = 300.0
@@ -206,3 +208,22 @@ def restart_pools() -> None:
     """Stop the rank pools, so that the next :func:`on_ranks` starts fresh processes (for a
     figure over a process's lifetime, such as its peak resident set size)."""
     shutdown_pools()
+
+
+def step_traffic(step: Callable[[], None], model: Any) -> tuple[Counter, Counter]:
+    """One training ``step``'s traffic (``count_traffic``; rank body), calls and bytes
+    received by kind: the step under ``model.no_sync()``, with ``p2p_rounds`` (halo
+    exchanges) among the calls, and ``gradient_all_reduce``, what a second step with gradient
+    reduction (``domain_parallel``) issues beyond it."""
+    with model.no_sync(), count_traffic() as without:
+        step()
+    with count_traffic() as with_gradients:
+        step()
+    counts = without.as_dict()
+    calls, received = Counter(counts["calls"]), Counter(counts["received"])
+    calls["p2p_rounds"] = counts["p2p_rounds"]
+    calls["gradient_all_reduce"] = with_gradients.calls_by_kind["all_reduce"] - calls["all_reduce"]
+    received["gradient_all_reduce"] = (
+        with_gradients.received_by_kind["all_reduce"] - received["all_reduce"]
+    )
+    return calls, received

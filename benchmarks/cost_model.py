@@ -73,7 +73,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks._common import Goal, emit, emit_summary, on_ranks, parse_arguments, rank_pools
+from benchmarks._common import (
+    Goal,
+    emit,
+    emit_summary,
+    on_ranks,
+    parse_arguments,
+    rank_pools,
+    step_traffic,
+)
 from benchmarks.compile import CASES, _mesh_graph
 from benchmarks.host_overhead import _OpCounter
 from shardsci import Shard, ShardTensor, attention_exchange
@@ -91,7 +99,7 @@ from shardsci.tensor._options import (
     normalization_statistics,
     statistics_all_reduced,
 )
-from shardsci.testing import count_traffic, get_mesh
+from shardsci.testing import get_mesh
 
 GPUS = (8, 16, 32, 64, 128, 256, 512)
 FIT_TOLERANCE = 0.02  # of the largest measured bytes of a kind
@@ -240,20 +248,10 @@ def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exch
 
     with attention_exchange(exchange):
         step()
-        with model.no_sync(), count_traffic() as without:
-            step()
-        with count_traffic() as with_gradients:
-            step()
+        calls, received = step_traffic(step, model)
         with _OpCounter() as counter:
             step()
-    counts = without.as_dict()
-    calls = _gathers_as_all_to_alls(counts["calls"])
-    received = _gathers_as_all_to_alls(counts["received"])
-    calls["p2p_rounds"] = counts["p2p_rounds"]
-    calls["gradient_all_reduce"] = with_gradients.calls_by_kind["all_reduce"] - calls["all_reduce"]
-    received["gradient_all_reduce"] = (
-        with_gradients.received_by_kind["all_reduce"] - received["all_reduce"]
-    )
+    calls, received = _gathers_as_all_to_alls(calls), _gathers_as_all_to_alls(received)
     return {
         "calls": dict(calls),
         "received": dict(received),

@@ -31,19 +31,25 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections import Counter
 from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks._common import emit, emit_summary, on_ranks, parse_arguments, rank_pools
+from benchmarks._common import (
+    emit,
+    emit_summary,
+    on_ranks,
+    parse_arguments,
+    rank_pools,
+    step_traffic,
+)
 from shardsci import Shard, ShardTensor, distribute_tensor
 from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
 from shardsci.planning._machine import Machine, all_gather_s, all_reduce_s, halo_s
-from shardsci.testing import count_traffic, get_mesh
+from shardsci.testing import get_mesh
 
 MEASURED_TILE = 32  # H and W per rank in the 3x3 measurement (default)
 GPUS = (8, 16, 32, 64, 128, 256, 512)
@@ -80,17 +86,7 @@ def measure_block(tile: int) -> dict:
         loss = loss.full_tensor() if isinstance(loss, ShardTensor) else loss
         loss.backward()
 
-    with model.no_sync(), count_traffic() as without_gradients:
-        step()
-    with count_traffic() as with_gradients:
-        step()
-    counts = without_gradients.as_dict()
-    calls, received = Counter(counts["calls"]), Counter(counts["received"])
-    calls["p2p_rounds"] = counts["p2p_rounds"]
-    calls["gradient_all_reduce"] = with_gradients.calls_by_kind["all_reduce"] - calls["all_reduce"]
-    received["gradient_all_reduce"] = (
-        with_gradients.received_by_kind["all_reduce"] - received["all_reduce"]
-    )
+    calls, received = step_traffic(step, model)
     return {"calls": dict(calls), "received": dict(received)}
 
 
