@@ -310,9 +310,9 @@ def _is_fast_pointwise(func: OpOverload) -> bool:
 def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: bool):
     """Pointwise ops on operands that share one layout (no Partial axis), operands that
     broadcast into it (NOTE [Operands that broadcast into the layout]) and scalars: run on
-    the local shards, keep the layout. A 0-d ShardTensor operand (``y * y.mean()``) is a
-    scalar: one with a pending reduction is reduced (an all-reduce of one element) rather
-    than the large operand moved. Anything else returns NotImplemented."""
+    the local shards, keep the layout. A 0-d ShardTensor operand (``y * y.mean()``) broadcasts
+    like any other: one with a pending reduction is reduced (an all-reduce of one element)
+    rather than the large operand moved. Anything else returns NotImplemented."""
     spec = _reference_layout(args)
     if spec is None:
         return NotImplemented
@@ -327,8 +327,6 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
                 local_args.append(arg._local)
                 if arg_spec.hints != spec.hints:
                     memory.append(arg_spec.hints)
-            elif arg.ndim == 0 and spec.ndim != 0 and not mutates and arg_spec.mesh == spec.mesh:
-                local_args.append(_scalar_local(arg))
             elif (position or not mutates) and _broadcasts_into(arg_spec, spec):
                 local_args.append(arg._local)
                 if arg_spec.hints:
@@ -468,14 +466,6 @@ def _scaled_pending_sum(func: OpOverload, args: tuple, kwargs: dict, spec, mutat
     if mutates:
         return x
     return _ShardTensor(out, spec if out.dtype == spec.dtype else spec.with_dtype(out.dtype))
-
-
-def _scalar_local(scalar) -> torch.Tensor:
-    """A 0-d ShardTensor's value, its pending reductions done."""
-    spec = scalar._spec
-    if not spec.partial:
-        return scalar._local
-    return redistribute_local(scalar._local, spec, _reduced(spec))
 
 
 def _mutates_first_argument(func: OpOverload) -> bool:
