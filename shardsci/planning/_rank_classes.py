@@ -13,11 +13,12 @@ real ranks: every rank's measured figures equal its class's prediction.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardsci.tensor import ShardTensorSpec
+from shardsci.tensor._spec import index_over_axes
 
 __all__ = ["rank_classes"]
 
@@ -38,7 +39,10 @@ def rank_classes(root: DeviceMesh, specs: Iterable[ShardTensorSpec]) -> list[lis
     grid = root.mesh
     classes: dict[tuple, list[int]] = {}
     for coordinate in itertools.product(*(range(n) for n in grid.shape)):
-        key = tuple(_view(_flat_index(root, axes, coordinate), sizes) for axes, sizes in tables)
+        key = tuple(
+            _view(index_over_axes(coordinate, axes, root.mesh.shape), sizes)
+            for axes, sizes in tables
+        )
         classes.setdefault(key, []).append(int(grid[coordinate]))
     return sorted((sorted(ranks) for ranks in classes.values()), key=lambda ranks: ranks[0])
 
@@ -58,13 +62,6 @@ def _shard_tables(
                 axes = tuple(root_names.index(names[a]) for a in sharding.axes)
             tables.add((axes, sharding.sizes))
     return sorted(tables)
-
-
-def _flat_index(root: DeviceMesh, axes: Sequence[int], coordinate: Sequence[int]) -> int:
-    index = 0
-    for axis in axes:
-        index = index * root.mesh.shape[axis] + coordinate[axis]
-    return index
 
 
 def _view(index: int, sizes: tuple[int, ...]) -> tuple[int, ...]:

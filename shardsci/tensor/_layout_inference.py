@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._metadata import DTYPES, MAX_DIMS
-from shardsci.tensor._spec import ShardTensorSpec, nested_chunk_sizes
+from shardsci.tensor._spec import ShardTensorSpec, coordinate_over_axes, nested_chunk_sizes
 
 __all__ = ["explicit_dim_sizes", "sizes_for_from_local"]
 
@@ -193,25 +193,17 @@ def _extent_table(
     """Extents along ``dim`` row-major over ``axes``, checking they depend on nothing else."""
     table: dict[tuple[int, ...], int] = {}
     for flat, shard_shape in enumerate(shapes):
-        coordinate = _unravel(flat, mesh_shape)
+        coordinate = coordinate_over_axes(flat, range(len(mesh_shape)), mesh_shape)
         key = tuple(coordinate[a] for a in axes)
         seen = table.setdefault(key, shard_shape[dim])
         if seen != shard_shape[dim]:
             where = "is not sharded" if not axes else f"is sharded over mesh axes {axes}"
             raise ValueError(
                 f"tensor dim {dim} {where}, but shards that should agree on its size do not: "
-                f"rank at mesh coordinate {coordinate} has shape {shard_shape}, another has "
+                f"rank at mesh coordinate {tuple(coordinate.values())} has shape {shard_shape}, another has "
                 f"size {seen} there; all shapes: {shapes}"
             )
     return [table[key] for key in sorted(table)]
-
-
-def _unravel(flat: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-    coordinate = []
-    for size in reversed(mesh_shape):
-        coordinate.append(flat % size)
-        flat //= size
-    return tuple(reversed(coordinate))
 
 
 # ---------------------------------------------------------------------------- "chunk"

@@ -33,6 +33,7 @@ from shardsci.tensor._gather_guard import check_redistribution
 from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
+    coordinate_over_axes,
     mesh_coordinate,
 )
 
@@ -481,9 +482,8 @@ def _member_coordinate(
     me: tuple[int, ...], axes: tuple[int, ...], mesh_shape: tuple[int, ...], flat: int
 ) -> tuple[int, ...]:
     coordinate = list(me)
-    for axis in reversed(axes):
-        coordinate[axis] = flat % mesh_shape[axis]
-        flat //= mesh_shape[axis]
+    for axis, position in coordinate_over_axes(flat, axes, mesh_shape).items():
+        coordinate[axis] = position
     return tuple(coordinate)
 
 

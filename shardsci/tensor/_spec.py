@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -33,6 +33,8 @@ __all__ = [
     "ShardTensorSpec",
     "SpecKey",
     "chunk_sizes",
+    "coordinate_over_axes",
+    "index_over_axes",
     "merged_hints",
     "mesh_coordinate",
     "replicated_spec",
@@ -66,6 +68,28 @@ def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     if coordinate is None:
         raise RuntimeError(f"this rank is not part of the device mesh {mesh}")
     return tuple(coordinate)
+
+
+def index_over_axes(
+    coordinate: Sequence[int] | Mapping[int, int], axes: Sequence[int], mesh_shape: Sequence[int]
+) -> int:
+    """Row-major index of ``coordinate`` (indexed by mesh axis) over ``axes``, outermost first:
+    a shard's place in a ``DimSharding``'s sizes, a member's in the group of ``axes``."""
+    index = 0
+    for axis in axes:
+        index = index * mesh_shape[axis] + coordinate[axis]
+    return index
+
+
+def coordinate_over_axes(
+    index: int, axes: Sequence[int], mesh_shape: Sequence[int]
+) -> dict[int, int]:
+    """The coordinate along each of ``axes`` of row-major ``index`` (``index_over_axes``'s
+    inverse), keyed by axis in the order of ``axes``."""
+    coordinate = {}
+    for axis in reversed(axes):
+        index, coordinate[axis] = divmod(index, mesh_shape[axis])
+    return {axis: coordinate[axis] for axis in axes}
 
 
 class SpecKey:
@@ -114,10 +138,8 @@ class DimSharding:
         return sum(self.sizes)
 
     def flat_index(self, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> int:
-        index = 0
-        for axis in self.axes:
-            index = index * mesh_shape[axis] + coordinate[axis]
-        return index
+        """This dim's shard index at mesh ``coordinate``: its place in ``sizes``."""
+        return index_over_axes(coordinate, self.axes, mesh_shape)
 
     def is_even(self) -> bool:
         """True when every shard has the same, non-zero extent (DTensor's ``avg`` is exact)."""

@@ -29,7 +29,13 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._shape_probe import shape_probe
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints
+from shardsci.tensor._spec import (
+    DimSharding,
+    ShardTensorSpec,
+    coordinate_over_axes,
+    index_over_axes,
+    merged_hints,
+)
 
 aten = torch.ops.aten
 
@@ -73,22 +79,11 @@ def _diagonal_layout(
         first = max(row_starts[r] + min(offset, 0), col_starts[c] - max(offset, 0), 0)
         stop = min(row_starts[r + 1] + min(offset, 0), col_starts[c + 1] - max(offset, 0), extent)
         coordinate = {
-            **_coordinate(r, rows.axes, mesh_shape),
-            **_coordinate(c, cols.axes, mesh_shape),
+            **coordinate_over_axes(r, rows.axes, mesh_shape),
+            **coordinate_over_axes(c, cols.axes, mesh_shape),
         }
-        flat = 0
-        for axis in axes:
-            flat = flat * mesh_shape[axis] + coordinate[axis]
-        sizes[flat] = max(stop - first, 0)
+        sizes[index_over_axes(coordinate, axes, mesh_shape)] = max(stop - first, 0)
     return axes, tuple(sizes)
-
-
-def _coordinate(index: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...]) -> dict[int, int]:
-    """The coordinates along ``axes`` (outermost first) of flat shard ``index``."""
-    coordinate = {}
-    for axis in reversed(axes):
-        index, coordinate[axis] = divmod(index, mesh_shape[axis])
-    return coordinate
 
 
 @register_aten_handler(aten.diagonal.default)

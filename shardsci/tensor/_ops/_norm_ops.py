@@ -121,7 +121,7 @@ from shardsci.tensor._ops._common import (
 from shardsci.tensor._options import statistics_all_reduced
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import ShardTensorSpec, coordinate_over_axes
 from shardsci.tensor._torch_compat import _native_batch_norm_legit
 
 
@@ -154,16 +154,12 @@ class _Statistics:
         group = axis_group(spec.mesh, axes) if axes else None
         if group is None or group.size == 1:
             return _Statistics(None, (whole * math.prod(spec.shape[s.dim] for s in shardings),))
-        extents = [spec.mesh_shape[a] for a in axes]
         counts = []
         for flat in range(group.size):
-            coordinate = dict(zip(axes, _unravel(flat, extents)))
+            coordinate = coordinate_over_axes(flat, axes, spec.mesh_shape)
             count = whole
             for s in shardings:
-                index = 0
-                for a in s.axes:
-                    index = index * spec.mesh_shape[a] + coordinate[a]
-                count *= s.sizes[index]
+                count *= s.sizes[s.flat_index(spec.mesh_shape, coordinate)]
             counts.append(count)
         return _Statistics(group, tuple(counts))
 
@@ -201,14 +197,6 @@ class _Statistics:
     def summed(self, local: torch.Tensor) -> torch.Tensor:
         """The sum over the group of every rank's ``local``."""
         return local if self.group is None else all_reduce(local, self.group, "sum")
-
-
-def _unravel(flat: int, extents: Sequence[int]) -> list[int]:
-    coordinate = []
-    for extent in reversed(extents):
-        coordinate.append(flat % extent)
-        flat //= extent
-    return coordinate[::-1]
 
 
 class _Normalize(torch.autograd.Function):
