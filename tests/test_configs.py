@@ -100,6 +100,12 @@ def test_block_decomposition_splits_h_and_w() -> None:
     assert plan.domain == {"domain_h": "H", "domain_w": "W"}
 
 
+@pytest.mark.parametrize("domain", ["+parallel.domain={across: W}", "+parallel.domain.across=W"])
+def test_the_command_line_chooses_which_dim_an_axis_splits(domain: str) -> None:
+    plan = _plan(_compose("+recipe=cfd", "mesh=4x2", "parallel.axis_names=[dp,across]", domain))
+    assert plan.domain == {"across": "W"}
+
+
 D_H_W = ("D", "H", "W")
 
 
@@ -154,13 +160,13 @@ def test_typos_fail_when_composing(override: str) -> None:
     ("config", "ndim", "message"),
     [
         (ParallelConfig(["dp", "x"], "dp", {"y": "H"}), 2, "parallel.domain maps 'y'"),
-        (ParallelConfig(["dp", "x"], "dp", {}), 2, r"mesh axes \['x'\] are neither"),
-        (ParallelConfig(["a", "b"], "dp", None), 2, "parallel.data_parallel 'dp' is not"),
-        (ParallelConfig(None, "dp", None), 4, "the mesh has 3 axes besides data parallelism"),
+        (ParallelConfig(["dp", "x", "z"], "dp", {"x": "H"}), 3, r"mesh axes \['z'\] are neither"),
+        (ParallelConfig(["a", "b"], "dp", {}), 2, "parallel.data_parallel 'dp' is not"),
+        (ParallelConfig(None, "dp", {}), 4, "the mesh has 3 axes besides data parallelism"),
         (ParallelConfig(["a", "b"], None, {"a": "H", "b": "H"}), 2, "two axes to one"),
         (ParallelConfig(["a", "b"], None, {"a": "H", "b": "D"}), 2, r"to 'D', but the fields"),
-        (ParallelConfig(["a", "a"], None, None), 2, "parallel.axis_names: .* repeats a"),
-        (ParallelConfig(["dp"], "dp", None), 2, r"the mesh has 2 axes but parallel.axis_names"),
+        (ParallelConfig(["a", "a"], None, {}), 2, "parallel.axis_names: .* repeats a"),
+        (ParallelConfig(["dp"], "dp", {}), 2, r"the mesh has 2 axes but parallel.axis_names"),
     ],
 )
 def test_inconsistent_axis_roles_are_a_clear_error(config, ndim, message) -> None:

@@ -31,7 +31,7 @@ CASES = {
         (5, 4, 2, 3, 4, 2), ("trajectory", "time", "C", "D", "H", "W"), "2x2", ParallelConfig()
     ),
     "2d-scalar-block-2x2": (
-        (5, 4, 6, 5), ("trajectory", "time", "H", "W"), "2x2", ParallelConfig(None, None, None)
+        (5, 4, 6, 5), ("trajectory", "time", "H", "W"), "2x2", ParallelConfig(None, None, {})
     ),
 }  # fmt: skip
 

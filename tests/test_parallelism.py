@@ -13,8 +13,8 @@ from shardsci.training import ParallelConfig, Parallelism, ParallelPlan
 
 FIELD = (2, 1, 4, 6, 8)
 DIMS = ("N", "C", "D", "H", "W")
-SLAB = ParallelConfig(["domain"], None, None)
-BLOCK = ParallelConfig(None, None, None)
+SLAB = ParallelConfig(["domain"], None, {})
+BLOCK = ParallelConfig(None, None, {})
 AUTO = ParallelConfig()
 
 

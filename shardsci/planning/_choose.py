@@ -94,7 +94,7 @@ class Decomposition:
         domain = {f"domain_{dim.lower()}": dim for dim, _ in self.splits}
         names = (["dp"] if self.dp > 1 or not domain else []) + list(domain)
         dp = "dp" if "dp" in names else None
-        return ParallelConfig(axis_names=names, data_parallel=dp, domain=domain or None)
+        return ParallelConfig(axis_names=names, data_parallel=dp, domain=domain)
 
     def describe(self, ndim: int) -> str:
         """``dp=2 x slab H=2``, ``block H=2 x W=2``, ``dp=4``."""

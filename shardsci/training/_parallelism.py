@@ -53,8 +53,8 @@ class ParallelConfig:
     data_parallel : str or None
         The name of the data-parallel axis (the first axis when ``axis_names`` is None), or None
         for no data parallelism.
-    domain : dict or None
-        Mesh axis name -> the spatial dim of the fields it splits (e.g. ``"H"``); None: the
+    domain : dict
+        Mesh axis name -> the spatial dim of the fields it splits (e.g. ``"H"``); empty: the
         other axes split the fields' spatial dims in order, outermost first (H, then W of a 2-D
         field; D, H, W of a 3-D one).
     choose : bool
@@ -78,7 +78,7 @@ class ParallelConfig:
 
     axis_names: list[str] | None = None
     data_parallel: str | None = "dp"
-    domain: dict[str, str] | None = None
+    domain: dict[str, str] = field(default_factory=dict)
     choose: bool = False
     memory_gib: float | None = None
     machine: str | None = None
@@ -224,7 +224,7 @@ def _resolve_roles(
     if dp is not None and dp not in names:
         raise ValueError(f"parallel.data_parallel {dp!r} is not one of the axes {names}")
     others = [a for a in names if a != dp]
-    if parallel.domain is None:
+    if not parallel.domain:
         if len(others) > len(spatial_dims):
             raise ValueError(
                 f"the mesh has {len(others)} axes besides data parallelism but the fields have "
