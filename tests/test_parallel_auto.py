@@ -8,6 +8,7 @@ The budget case is slow: ``pytest -m slow tests/test_parallel_auto.py``.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from hydra import compose, initialize_config_dir
 
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.planning import (
+    PLAN_FILE,
     Candidate,
     Choice,
     CollectiveFigures,
@@ -28,6 +30,7 @@ from shardsci.planning import (
     choice_applies,
     choose,
     chosen_config,
+    dry_run,
     format_choice,
     plan_run,
 )
@@ -138,13 +141,24 @@ def test_the_table_ranks_by_step_and_says_why_each_lost() -> None:
         _candidate("busy host", 2.0, 1.1, 0.1),
     ]
     dropped = [Candidate(Decomposition(4, ()), "dp=4", 3 * 2**30, problem="over the budget")]
-    table = format_choice(Choice(4, 2.0, "parallel.memory_gib", "cpu", ranked, dropped))
+    choice = Choice(4, 2.0, "parallel.memory_gib", "cpu", ranked, dropped)
+    table = format_choice(choice)
     rows = table.splitlines()[3:]
     assert [row.split()[1] for row in rows[:2]] == ["fast", "chatty"]
     assert rows[0].endswith("chosen")
     assert rows[1].endswith("500 ms slower: halo 600 ms against 100 ms (x1.50)")
     assert rows[2].endswith("1e+03 ms slower: host 1.1e+03 ms against 100 ms (x2.00)")
     assert rows[3].endswith("dropped: over the budget") and "3.000" in rows[3]
+    written = json.loads(json.dumps(choice.as_dict()))  # what dry_run.json holds
+    assert [c["decomposition"] for c in written["candidates"]] == [
+        "fast", "chatty", "busy host", "dp=4"
+    ]  # fmt: skip
+    assert [c["verdict"] for c in written["candidates"]] == [
+        row.split("  ")[-1].strip() for row in rows
+    ]
+    assert written["candidates"][1]["projection"]["collectives"] == {"halo": 0.6}
+    assert written["candidates"][3]["projection"] is None
+    assert written["candidates"][0]["parallel"]["domain"] == {"domain_h": "H"}
 
 
 # ---------------------------------------------------------------------------- the budget
@@ -170,6 +184,10 @@ def test_a_field_too_large_for_one_device_gets_a_domain_decomposition(tmp_path: 
     overrides = [*SMALL, "mesh=2", f"parallel.memory_gib={budget}", f"run_dir={tmp_path}"]
     choice = choose(_compose([*overrides, "train.global_batch=1"]), 2)
     assert choice.best.decomposition.splits and choice.best.decomposition.dp == 1
+    assert dry_run(_compose([*overrides, "train.global_batch=1"])) == 0
+    written = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert written["choice"] == json.loads(json.dumps(choice.as_dict()))
+    assert written["mesh"] == choice.best.decomposition.mesh
     assert all(c.peak_bytes <= budget * 2**30 for c in choice.ranked)
     assert {c.label: c.problem for c in choice.dropped} == {
         "dp=2": "train.global_batch=1 does not split over 2 replicas"

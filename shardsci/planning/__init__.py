@@ -69,14 +69,16 @@ __all__ = [
 
 def dry_run(cfg: DictConfig) -> int:
     """Plan ``cfg`` (its chosen decomposition under ``parallel=auto``), print the report, write
-    it to the run directory; 0 when no problems."""
+    it (with the ranked candidates when it chose) to the run directory; 0 when no problems."""
     world_size = choice_applies(cfg, None)
+    choice = None
     if world_size is not None:
         choice = choose(cfg, world_size)
         print(format_choice(choice), end="\n\n", flush=True)
         cfg = chosen_config(cfg, choice.best.decomposition)
     plan = plan_run(cfg, device_memory_gib=cfg.get("device_memory_gib"))
-    path = write_plan(plan, Path(str(cfg.run_dir)))
+    written = None if choice is None else choice.as_dict()
+    path = write_plan(plan, Path(str(cfg.run_dir)), written)
     print(format_plan(plan))
     print(f"plan written to {path}", flush=True)
     return 1 if plan.problems else 0

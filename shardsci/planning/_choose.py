@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -210,6 +211,29 @@ class Choice:
     def best(self) -> Candidate:
         return self.ranked[0]
 
+    def as_dict(self) -> dict[str, Any]:
+        """The table of ``format_choice`` for programs: every candidate, fastest first, then
+        the dropped, each with its verdict (``"chosen"``, why it lost, or why it was
+        dropped); times in seconds."""
+        candidates = []
+        for candidate, verdict in zip([*self.ranked, *self.dropped], _verdicts(self)):
+            p = candidate.projection
+            candidates.append({
+                "decomposition": candidate.label,
+                "mesh": candidate.decomposition.mesh,
+                "parallel": asdict(candidate.decomposition.parallel()),
+                "peak_bytes": candidate.peak_bytes,
+                "projection": None if p is None else asdict(p),
+                "verdict": verdict,
+            })  # fmt: skip
+        return {
+            "world_size": self.world_size,
+            "budget_gib": self.budget_gib,
+            "budget_source": self.budget_source,
+            "machine": self.machine_name,
+            "candidates": candidates,
+        }
+
 
 def choice_applies(cfg: DictConfig, env: LaunchEnv | None) -> int | None:
     """The ranks to choose a decomposition for, or None when ``cfg`` does not ask for a
@@ -377,24 +401,33 @@ def format_choice(choice: Choice) -> str:
     header = ("#", "decomposition", "mesh", "peak GiB", "compute ms", "comm ms", "host ms",
               "step ms", "why not chosen")  # fmt: skip
     rows = [header]
-    best = choice.best.projection
-    for number, candidate in enumerate(choice.ranked, start=1):
+    verdicts = _verdicts(choice)
+    for number, (candidate, verdict) in enumerate(zip(choice.ranked, verdicts), start=1):
         p = candidate.projection
         rows.append((
             str(number), candidate.label, candidate.decomposition.mesh,
             _gib(candidate.peak_bytes), _ms(p.compute), _ms(p.communication), _ms(p.host),
-            _ms(p.step), "chosen" if number == 1 else _why_slower(p, best),
+            _ms(p.step), verdict,
         ))  # fmt: skip
-    for candidate in choice.dropped:
+    for candidate, verdict in zip(choice.dropped, verdicts[len(choice.ranked) :]):
         rows.append((
             "-", candidate.label, candidate.decomposition.mesh, _gib(candidate.peak_bytes),
-            "", "", "", "", f"dropped: {candidate.problem}",
+            "", "", "", "", verdict,
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths)]
         lines.append("  ".join([*cells, row[-1]]).rstrip())
     return "\n".join(lines)
+
+
+def _verdicts(choice: Choice) -> list[str]:
+    """Why each of ``choice.ranked`` then ``choice.dropped`` was or was not chosen."""
+    best = choice.best.projection
+    return [
+        "chosen" if number == 0 else _why_slower(candidate.projection, best)
+        for number, candidate in enumerate(choice.ranked)
+    ] + [f"dropped: {candidate.problem}" for candidate in choice.dropped]
 
 
 def _why_slower(p: Projection, best: Projection) -> str:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from shardsci.planning._plan import LayerPlan, RankClassPlan, RunPlan
 
@@ -14,11 +15,13 @@ PLAN_FILE = "dry_run.json"
 """The dry run's plan, written as JSON in the run directory."""
 
 
-def write_plan(plan: RunPlan, run_dir: Path) -> Path:
-    """Write ``plan`` as JSON to ``run_dir/dry_run.json``; returns the path."""
+def write_plan(plan: RunPlan, run_dir: Path, choice: Mapping[str, Any] | None = None) -> Path:
+    """Write ``plan`` as JSON to ``run_dir/dry_run.json``, with parallel=auto's ranked
+    candidates under ``"choice"`` when it chose (``Choice.as_dict``); returns the path."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / PLAN_FILE
-    path.write_text(json.dumps(plan.as_dict(), indent=2) + "\n")
+    written = plan.as_dict() if choice is None else {**plan.as_dict(), "choice": dict(choice)}
+    path.write_text(json.dumps(written, indent=2) + "\n")
     return path
 
 
