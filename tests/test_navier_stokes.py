@@ -239,6 +239,38 @@ def test_ensure_dataset_never_replaces_a_file_it_did_not_write(tmp_path: Path) -
     assert sorted(tmp_path.iterdir()) == sorted(before)
 
 
+def test_the_leftover_of_a_killed_writer_goes_at_the_next_write(tmp_path: Path) -> None:
+    """SIGKILL leaves a writer no chance to remove its temporary (``temporary_beside``); the
+    next write here removes it, and keeps those of a running writer and of another host."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    def hidden(host: str, pid: int) -> Path:
+        return tmp_path / f".ns.h5.{host}.{pid}.0123abcd.tmp"
+
+    writer = (
+        "import os, signal, sys; open(sys.argv[1].replace('PID', str(os.getpid())), 'w')"
+        ".write('half'); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    template = str(hidden(socket.gethostname(), 0)).replace(".0.", ".PID.")
+    killed = subprocess.run([sys.executable, "-c", writer, template], check=False)
+    assert killed.returncode == -signal.SIGKILL
+    (leftover,) = tmp_path.iterdir()
+    dead = int(leftover.name.split(".")[-3])
+    with subprocess.Popen(["sleep", "60"]) as running:
+        try:
+            alive = hidden(socket.gethostname(), running.pid)
+            elsewhere = hidden("another-host", dead)
+            for path in (alive, elsewhere):
+                path.write_text("in progress")
+            generate_dataset(tmp_path / "ns.h5", tiny_dataset())
+            assert sorted(tmp_path.iterdir()) == sorted([tmp_path / "ns.h5", alive, elsewhere])
+        finally:
+            running.kill()
+
+
 def test_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def fail_midway(
         self: NavierStokes2d, omega: torch.Tensor, *args: int

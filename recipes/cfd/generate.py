@@ -34,7 +34,6 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,7 +41,7 @@ from pathlib import Path
 import h5py
 import torch
 
-from shardsci.data import GenerateMode, generation_reason, replace_if_ours
+from shardsci.data import GenerateMode, generation_reason, replace_if_ours, temporary_beside
 from shardsci.recipes._generator_command import run_generator
 from shardsci.recipes.cfd.navier_stokes import (
     DOMAIN_LENGTH,
@@ -147,7 +146,8 @@ def generate_dataset(path: str | os.PathLike[str], config: DatasetConfig) -> Pat
 
     The file is written under a temporary name in the same directory and renamed into place
     only once complete, so an interrupted or killed run never leaves a partial file at
-    ``path`` (a previous file there stays intact).
+    ``path`` (a previous file there stays intact); a killed run's temporary is removed by the
+    next write (``temporary_beside``).
 
     Returns
     -------
@@ -156,7 +156,7 @@ def generate_dataset(path: str | os.PathLike[str], config: DatasetConfig) -> Pat
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    temporary = temporary_beside(path)
     try:
         with h5py.File(temporary, "x") as file:
             _write_dataset(file, config)

@@ -43,7 +43,6 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -61,6 +60,7 @@ from shardsci.data import (
     generation_reason,
     on_first_rank,
     replace_if_ours,
+    temporary_beside,
 )
 from shardsci.recipes._generator_command import run_generator
 from shardsci.recipes.cfd3d.navier_stokes import (
@@ -192,7 +192,7 @@ def generate_dataset(
     """
     path = Path(path)
     placements = _checked_placements(mesh, placements)
-    temporary = on_first_rank(lambda: path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp"), mesh)
+    temporary = on_first_rank(lambda: temporary_beside(path), mesh)
     attributes = {
         **dataset_attributes(config),
         "created_by": CREATED_BY,

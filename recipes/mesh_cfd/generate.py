@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ import h5py
 import numpy as np
 import torch
 
-from shardsci.data import GenerateMode, generation_reason, replace_if_ours
+from shardsci.data import GenerateMode, generation_reason, replace_if_ours, temporary_beside
 from shardsci.recipes.mesh_cfd.cylinder_flow import SOLVER_VERSION, CylinderFlow, CylinderFlowConfig
 from shardsci.recipes.mesh_cfd.mesh import NODE_TYPES, MeshConfig, TriangleMesh, cylinder_mesh
 
@@ -130,7 +129,7 @@ def generate(path: str | os.PathLike[str], config: MeshDataConfig) -> Path:
         records.append(solver.sample(state, inflow, mesh.positions).float())
     fields = torch.stack(records, 1).numpy()
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    partial = temporary_beside(path)
     try:
         _write(partial, mesh, inflow, fields, config)
         replace_if_ours(partial, path, CREATED_BY)

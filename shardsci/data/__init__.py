@@ -26,6 +26,7 @@ from shardsci.data._files import (
     is_ours,
     read_attributes,
     replace_if_ours,
+    temporary_beside,
 )
 from shardsci.data._hdf5 import HDF5Source
 from shardsci.data._pairs import HeldOutPairs, NextStepPairs, PairBatch
@@ -54,5 +55,6 @@ __all__ = [
     "on_first_rank",
     "read_attributes",
     "replace_if_ours",
+    "temporary_beside",
     "write_sharded_hdf5",
 ]

@@ -16,7 +16,8 @@ asked for generated data, and never over a file it did not write:
 - A user's file is read as it is, after ``check_hdf5`` validated it against the recipe's
   ``HDF5Schema`` (dataset name, rank, dtype, attributes); any mismatch is one ``DataError``
   naming it. Nothing here opens a file for writing, and generators write a temporary file
-  that replaces the target only if the target is missing or ours (``replace_if_ours``).
+  (``temporary_beside``) that replaces the target only if the target is missing or ours
+  (``replace_if_ours``).
 
 NOTE [A data file's metadata is read once per process]
 A run asks about its data file several times: the launcher's checks (is the file ours, is it
@@ -35,7 +36,10 @@ The entries live in one of shardsci's bounded caches (``clear_caches`` empties i
 from __future__ import annotations
 
 import enum
+import glob
 import os
+import socket
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +66,7 @@ __all__ = [
     "read_attributes",
     "read_metadata",
     "replace_if_ours",
+    "temporary_beside",
 ]
 
 CREATED_BY = "created_by"
@@ -331,6 +336,32 @@ def generation_reason(
         f"data file {path} was generated with other settings than data.dataset: {reason}; "
         f"match data.dataset to it, or regenerate it with data.generate=force"
     )
+
+
+def temporary_beside(path: Path) -> Path:
+    """A new name for a file being written to replace ``path`` once complete
+    (``replace_if_ours``): hidden, in ``path``'s directory (so that the rename is atomic), and
+    naming this host and process, ``.<name>.<host>.<pid>.<random>.tmp``.
+
+    A writer killed by ``SIGKILL`` cannot remove its temporary; the leftovers of writers on
+    this host that no longer run are removed here, before the next write. Another host's are
+    left alone (their processes cannot be asked about from here)."""
+    prefix = f".{path.name}.{socket.gethostname()}."
+    for leftover in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = leftover.name[len(prefix) :].split(".")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            leftover.unlink(missing_ok=True)
+    return path.with_name(f"{prefix}{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def replace_if_ours(temporary: Path, path: Path, generator: str) -> None:
