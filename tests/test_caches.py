@@ -139,16 +139,17 @@ def _equal_meshes_body() -> tuple[bool, bool, int]:
     data = torch.randn(5, 2, dtype=torch.float64)
     a = shardsci.distribute_tensor(data, first, [Shard(0)], {0: (4, 1)})
     b = shardsci.distribute_tensor(data, second, [Shard(0)], {0: (4, 1)})
-    (a * 2).redistribute(placements=[Replicate()])
+    (a * 2).view(-1).redistribute(placements=[Replicate()])
     plans = shardsci.cache_sizes()
-    (b * 2).redistribute(placements=[Replicate()])
+    (b * 2).view(-1).redistribute(placements=[Replicate()])
     same = shardsci.cache_sizes() == plans
-    return first is not second, a._spec is b._spec and same, plans["axis groups"]
+    return first is not second, a._spec is b._spec and same, plans["axis groups"], plans
 
 
 def test_equal_meshes_built_separately_share_cache_entries() -> None:
-    for distinct, shared, groups in run_on_ranks(2, _equal_meshes_body):
+    for distinct, shared, groups, plans in run_on_ranks(2, _equal_meshes_body):
         assert distinct and shared and groups == 1
+        assert plans["view plans"] == 1
 
 
 # ---------------------------------------------------------------------------- gather plans

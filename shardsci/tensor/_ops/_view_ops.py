@@ -36,6 +36,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._caches import cached
 from shardsci.tensor._ops._common import accepts, with_dims_whole
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
@@ -66,14 +67,11 @@ def _view(func, args, kwargs):
         # Every rank holds the whole tensor, in a memory layout the view cannot take (as below).
         out_spec = ShardTensorSpec.build(spec.mesh, spec.placements, out_shape, spec.dtype)
         return ShardTensor(x._local.reshape(out_shape), out_spec)
-    groups = _view_groups(tuple(spec.shape), out_shape)
-    needed = _layout_for_view(spec, groups, out_shape)
+    needed, out_spec, restored = _view_plan(spec, out_shape)
     local = x._local
     if not needed.same_layout(spec):
         local = redistribute_local(local, spec, needed)
-    out_spec = _output_spec(needed, groups, out_shape, _carried_hints(spec, groups))
     local_shape = list(out_spec.local_shape())
-    restored = _unflattened(spec, groups, out_spec)
     if restored is not None:
         local = redistribute_local(local.reshape(local_shape), out_spec, restored)
         return ShardTensor(local, restored)
@@ -83,6 +81,19 @@ def _view(func, args, kwargs):
         with contextlib.suppress(RuntimeError):
             return ShardTensor(local.view(local_shape), out_spec)
     return ShardTensor(local.reshape(local_shape), out_spec)
+
+
+@cached("view plans", 4096)
+def _view_plan(
+    spec: ShardTensorSpec, out_shape: tuple[int, ...]
+) -> tuple[ShardTensorSpec, ShardTensorSpec, ShardTensorSpec | None]:
+    """The layout the input takes first, the view's layout, and the layout an unflatten then
+    returns to (NOTE [An unflatten returns to the layout before the flatten]) or None; cached
+    per layout and shape, as a training step views the same layouts every iteration."""
+    groups = _view_groups(tuple(spec.shape), out_shape)
+    needed = _layout_for_view(spec, groups, out_shape)
+    out_spec = _output_spec(needed, groups, out_shape, _carried_hints(spec, groups))
+    return needed, out_spec, _unflattened(spec, groups, out_spec)
 
 
 def _viewable(local: torch.Tensor, shape: tuple[int, ...]) -> bool:
