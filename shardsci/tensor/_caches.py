@@ -2,8 +2,8 @@
 
 # NOTE [Caches are keyed by value]
 Specs are interned, and redistribution plans, sharding plans, DTensor's sharding
-propagations, groups of mesh axes, halo runs, FFT steps and resampling weights are cached, so
-that a training step pays for planning on its first iteration only. Every such cache follows
+propagations, groups of mesh axes, halo runs, views, FFT steps and resampling weights are
+cached, so that a training step pays for planning on its first iteration only. Every such cache follows
 these rules:
 - Keys are values, never ``id(...)``: an id is reused as soon as its object dies (a stale hit),
   and equal layouts built separately (a spec rebuilt by ``dataclasses.replace``, a mesh
