@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
+from shardsci.tensor._torch_compat import torch_release
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
 from tests.boxes import dim_shardings
 from tests.expected_layouts import (
@@ -532,6 +533,11 @@ def _native_group_norm_body() -> None:
         )  # fmt: skip
 
 
+@pytest.mark.xfail(
+    torch_release() < (2, 13),
+    reason="DTensor has no sharding rule for native_group_norm before torch 2.13",
+    strict=True,
+)
 def test_native_group_norm_with_sharded_channels() -> None:
     """Gradients through all three outputs (normalised input, mean, rstd) match one process;
     the ones through mean and rstd were wrong with channel shards."""

@@ -200,9 +200,17 @@ def _from_schema(schema: torch.FunctionSchema, rename: dict[str, str] | None = N
     )
 
 
+def _named(overload: str) -> bool:
+    return "dimname" in overload.lower() or "names" in overload.split("_")
+
+
 def _from_builtin(func: Callable) -> tuple[_Parameter, ...]:
     packet = getattr(torch.ops.aten, getattr(func, "__name__", ""), None)
-    schemas = [getattr(packet, o)._schema for o in packet.overloads()] if packet else []
+    # Named-tensor overloads (``index_select.dimname``, ``mean.names_dim``: torch 2.11 and 2.12
+    # still have them; their schemas show the dim name as a ``str``) take a dim name, which no
+    # ShardTensor has.
+    overloads = [o for o in packet.overloads() if not _named(o)] if packet else []
+    schemas = [getattr(packet, o)._schema for o in overloads]
     functional = [s for s in schemas if not any(a.is_out for a in s.arguments)]
     if len(functional) != 1:
         raise TypeError(
