@@ -1,8 +1,8 @@
 """The 3-D CFD recipe (``+recipe=cfd3d``): its decompositions and axis roles, the checks that
-refuse a configuration before any rank starts, the 3-D UNet it selects with ``model=unet``
-against one process, the augmentation by the box's symmetries (the solver commutes with them;
-``-m slow``: on sharded fields against one process), the learnability probe, and (``-m slow``)
-a short run of the command on a 2x2x2 block.
+refuse a configuration before any rank starts (``-m slow``: also through the command), the 3-D
+UNet it selects with ``model=unet`` against one process, the augmentation by the box's
+symmetries (the solver commutes with them; ``-m slow``: on sharded fields against one
+process), the learnability probe, and (``-m slow``) a short run of the command on a 2x2x2 block.
 
 Every configuration is checked in this process with the rank starter replaced by a tripwire
 (as ``tests/test_run_checks.py`` does); none writes a file.
@@ -121,8 +121,12 @@ def test_a_3d_config_that_cannot_run_is_one_line_before_any_rank_starts(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # about 10 s of train.py start-up; see the docstring
 def test_a_bad_combination_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
-    """Through the real command: no traceback, no rank, no run directory."""
+    """Through the real command: no traceback, no rank, no run directory. By default the
+    message is checked in this process (the test above, ``mesh=2x2x2x1``) and what the command
+    does with any refused config (one line, exit status 2, no run directory) by
+    tests/test_run_checks.py's real-command test: the same ``reported`` path, another recipe."""
     done = subprocess.run(
         [sys.executable, "train.py", "+recipe=cfd3d", "mesh=2x2x2x1", f"run_dir={tmp_path}/run"],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,

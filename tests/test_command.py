@@ -25,6 +25,9 @@ def _python(*arguments: str, cwd: Path, **env: str) -> subprocess.CompletedProce
     )
 
 
+# By default tests/test_run_checks.py's real-command test checks this on its own run (mesh=1000,
+# refused by the same check_run after Hydra made the run directory).
+@pytest.mark.slow
 def test_a_run_that_fails_before_training_leaves_no_run_directory(tmp_path: Path) -> None:
     done = _python("-m", "shardsci.train", "+recipe=cfd", "mesh=-1x2", cwd=tmp_path)
     assert done.returncode != 0 and "infers an axis" in done.stderr

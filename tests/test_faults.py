@@ -422,12 +422,15 @@ def test_sigterm_checkpoints_and_the_requeued_run_ends_at_the_same_result(
 ) -> None:
     """SIGTERM to the launching process (``train.py``, or torchrun's agent, which forwards it
     to its workers) stops every rank after an agreed step with a checkpoint of that step; the
-    same command again (a requeued job) resumes from it."""
+    same command again (a requeued job) resumes from it. With ``train.py``'s own ranks this
+    is also tests/test_launcher.py's SIGTERM case (its checks are here: the launcher says
+    which signal, no traceback, no rank left), run once for both."""
     run_dir = tmp_path / "run"
     arguments = _resumable(dataset, run_dir, "train.checkpoint_every=0")
     if launcher == "torchrun":
         arguments = _torchrun(*arguments)
     first = runs(arguments, tmp_path / "first")
+    ranks = _rank_pids(first)
     _wait_until(first, lambda: max(_logged_steps(run_dir), default=0) >= 2)
     first.process.send_signal(signal.SIGTERM)
     status = first.wait()
@@ -435,7 +438,10 @@ def test_sigterm_checkpoints_and_the_requeued_run_ends_at_the_same_result(
     assert stopped_at < STEPS, "the run ended before SIGTERM reached it"
     assert status != 0 and f"stopped by SIGTERM after step {stopped_at}" in first.stdout
     if launcher == "local":
-        assert status == exit_status(signal.SIGTERM)
+        assert status == exit_status(signal.SIGTERM), first.stderr[-3000:]
+        assert "stopped by SIGTERM" in first.stderr
+        assert "Traceback" not in first.stderr
+        assert not [pid for pid in ranks if _alive(pid)]
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{stopped_at:06d}"
     requeued = runs(arguments, tmp_path / "requeued")

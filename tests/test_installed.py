@@ -89,15 +89,24 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     return environment
 
 
-def test_the_zoo_imports_beside_a_models_package_of_the_users(installed: Installed) -> None:
+@pytest.fixture(scope="module")
+def imported(installed: Installed) -> list[str]:
+    """One interpreter in the user's directory: the zoo imported beside the user's ``models``
+    package, then the command's recipes (two tests, one start-up of torch)."""
     done = installed.run(
         "python",
         "-c",
         "import models, shardsci, shardsci.models\n"
         "from shardsci.models import UNet\n"
-        "print(models.WHOSE, shardsci.__file__, UNet.__module__, sep='|')",
+        "print(models.WHOSE, shardsci.__file__, UNet.__module__, sep='|')\n"
+        "import shardsci.train, shardsci.training as t\n"
+        "print(t.recipe_names())",
     )
-    whose, shardsci_file, unet_module = done.stdout.strip().split("|")
+    return done.stdout.strip().splitlines()
+
+
+def test_the_zoo_imports_beside_a_models_package_of_the_users(imported: list[str]) -> None:
+    whose, shardsci_file, unet_module = imported[0].split("|")
     assert whose == "the user's"
     assert "site-packages" in shardsci_file and not shardsci_file.startswith(str(ROOT))
     assert unet_module == "shardsci.models.unet"
@@ -118,13 +127,10 @@ def test_the_command_trains_the_cfd_recipe_from_the_users_directory(
     assert json.loads((run_dir / "metrics.json").read_text())["step"] == 5
 
 
-def test_an_installed_recipe_package_is_found_by_its_entry_point(installed: Installed) -> None:
+def test_an_installed_recipe_package_is_found_by_its_entry_point(imported: list[str]) -> None:
     """``smoothing`` comes only from the entry point of ``examples/recipe_package``: the
     command finds it without the recipe's configs on the search path."""
-    done = installed.run(
-        "python", "-c", "import shardsci.train, shardsci.training as t; print(t.recipe_names())"
-    )
-    assert "smoothing" in done.stdout and "'cfd'" in done.stdout
+    assert "smoothing" in imported[1] and "'cfd'" in imported[1]
 
 
 def test_an_installed_recipe_package_trains_through_the_command_on_2_ranks(

@@ -101,7 +101,9 @@ def _finish(process: subprocess.Popen) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("signum", "target"),
     [
-        (signal.SIGTERM, "launcher"),
+        # By default tests/test_faults.py's SIGTERM-and-requeue test makes these checks on its
+        # own run of the same command (train.py's ranks, mesh 2x1, grace 60 s).
+        pytest.param(signal.SIGTERM, "launcher", marks=pytest.mark.slow),
         # SIGINT to the launcher alone takes SIGTERM's path; Ctrl-C (the group) stays default.
         pytest.param(signal.SIGINT, "launcher", marks=pytest.mark.slow),
         (signal.SIGINT, "group"),
