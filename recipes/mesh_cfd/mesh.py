@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.spatial import Delaunay
 
 from shardsci.recipes.mesh_cfd.cylinder_flow import Cylinder
 
@@ -69,6 +68,8 @@ class TriangleMesh:
 
 def cylinder_mesh(cylinders: tuple[Cylinder, ...], config: MeshConfig) -> TriangleMesh:
     """Triangulate ``[0, length] × [0, height]`` minus the ``cylinders``."""
+    from scipy.spatial import Delaunay  # half a second of import, paid where a mesh is made
+
     rng = np.random.default_rng(config.seed)
     walls, rings = [], []
     for x, y, r in cylinders:

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
-from matplotlib.tri import Triangulation
 
 __all__ = ["save_mesh_comparison"]
 
@@ -37,11 +32,16 @@ def save_mesh_comparison(
     title : str
         Shown above the panels.
     """
+    # Imported here, as in shardsci.training._plots: only the ranks that plot pay for it.
+    from matplotlib.figure import Figure
+    from matplotlib.tri import Triangulation
+
     mesh = Triangulation(positions[:, 0].numpy(), positions[:, 1].numpy(), triangles.numpy())
     prediction, truth = prediction.detach().float().cpu(), truth.detach().float().cpu()
     error = prediction - truth
     limit, error_limit = float(truth.abs().max()), float(error.abs().max())
-    figure, axes = plt.subplots(1, 3, figsize=(15, 3.6), constrained_layout=True)
+    figure = Figure(figsize=(15, 3.6), constrained_layout=True)
+    axes = figure.subplots(1, 3)
     panels = [
         ("prediction", prediction, limit),
         ("truth", truth, limit),
@@ -58,5 +58,4 @@ def save_mesh_comparison(
         figure.colorbar(image, ax=axis, shrink=0.8)
     figure.suptitle(title)
     figure.savefig(path, dpi=90)
-    plt.close(figure)
     return path

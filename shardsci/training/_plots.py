@@ -5,10 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
 
 __all__ = ["save_rollout"]
@@ -35,11 +31,16 @@ def save_rollout(
     title : str
         Shown above the panels.
     """
+    # Imported here: matplotlib costs a second of start-up to every process that imports the
+    # trainer, and only the ranks that plot need it. A Figure without pyplot draws with Agg
+    # and leaves the process's backend alone.
+    from matplotlib.figure import Figure
+
     predictions = predictions.detach().float().cpu()
     truths = truths.detach().float().cpu()
     steps = len(predictions)
     shown = sorted({1, (steps + 1) // 2, steps})
-    figure = plt.figure(figsize=(15, 3.6 * len(shown)), constrained_layout=True)
+    figure = Figure(figsize=(15, 3.6 * len(shown)), constrained_layout=True)
     grid = figure.add_gridspec(len(shown), 4, width_ratios=(1, 1, 1, 1.3))
     for row, step in enumerate(shown):
         prediction, truth = predictions[step - 1], truths[step - 1]
@@ -67,5 +68,4 @@ def save_rollout(
     curve.legend()
     figure.suptitle(title)
     figure.savefig(path, dpi=90)
-    plt.close(figure)
     return path
