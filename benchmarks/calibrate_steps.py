@@ -11,6 +11,11 @@ machine]); nothing of the timed steps enters it. The timed step is ``cost_model`
 ``--nodes`` nodes in ``P`` METIS parts. Each call builds the model, makes one warm-up step and
 times ``--steps`` steps, each from a barrier; rank counts are interleaved in each of
 ``--rounds`` rounds, the order reversed every round; a step counts as its slowest rank's.
+Interleaved with them, ``plain``: the plain model on one process on the whole problem
+(``benchmarks.host_overhead.training_step``), whose CPU time less its aten ops at
+``plain_host_us_per_op`` is the step's measured kernel time, held against the model's compute
+term (``plain`` records) and put in its place (``cpu_ratio_with_measured_compute``): where that
+brings a prediction within ``TOLERANCE``, the compute term is what missed.
 
 Two figures are compared, because gloo's waits do not use the CPU (a rank blocked in a
 collective accrues no ``time.process_time``) and this machine is shared:
@@ -43,6 +48,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from benchmarks._common import (
@@ -63,6 +69,7 @@ from benchmarks.cost_model import (
     measure_model,
     sharded_step,
 )
+from benchmarks.host_overhead import _OpCounter, training_step
 from shardsci.planning._machine import Machine
 
 RANKS = (1, 2, 4)
@@ -94,11 +101,16 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
 
 
 def predict(machine: Machine, models: dict, ranks: int, shape: tuple, cores: int) -> dict:
-    """``cpu``: host + compute with a core per rank; ``wall``: the whole step, cores shared;
-    each with its parts, seconds."""
+    """``cpu``: host + compute with a core per rank (``cpu_compute``: its compute);
+    ``wall``: the whole step, cores shared, and its ``parts``; seconds."""
     _, alone = best_step(machine, models, ranks, shape)
     _, shared = best_step(sharing(machine, ranks, cores), models, ranks, shape)
-    return {"cpu": alone["host"] + alone["compute"], "wall": shared["total"], "parts": shared}
+    return {
+        "cpu": alone["host"] + alone["compute"],
+        "cpu_compute": alone["compute"],
+        "wall": shared["total"],
+        "parts": shared,
+    }
 
 
 def time_step(name: str, mesh_shape: tuple[int, ...], shape: tuple, steps: int) -> dict:
@@ -115,19 +127,48 @@ def time_step(name: str, mesh_shape: tuple[int, ...], shape: tuple, steps: int) 
     return {"wall": wall, "cpu": cpu}
 
 
-def measure_steps(name: str, args: argparse.Namespace) -> dict[int, dict[str, list[float]]]:
-    """Ranks -> ``wall`` and ``cpu`` of every timed step (slowest rank), interleaved."""
-    cpu: dict[int, list[float]] = {p: [] for p in args.ranks}
+def time_plain(name: str, size: int, nodes: int, steps: int) -> dict:
+    """Rank body (1 rank): the plain model's step on the whole problem, as ``time_step``,
+    and the aten ops it dispatches."""
+    torch.set_num_threads(1)
+    step = training_step(name, False, size, nodes)
+    step()
+    with _OpCounter() as counter:
+        step()
+    wall, cpu = [], []
+    for _ in range(steps):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        step()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
+    return {"wall": wall, "cpu": cpu, "ops": sum(counter.ops.values())}
+
+
+def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
+    """``plain`` and each rank count -> ``wall`` and ``cpu`` of every timed step (slowest
+    rank), interleaved; ``ops`` of the plain step."""
+    cpu: dict[str, list[float]] = {}
+    ops: dict[str, int] = {}
 
     def run(variant: str) -> list[float]:
-        ranks = int(variant)
-        mesh_shape, shape = layout(name, ranks, args.size, args.nodes)
-        per_rank = on_ranks(ranks, time_step, name, mesh_shape, shape, args.steps)
-        cpu[ranks] += [max(s) for s in zip(*(r["cpu"] for r in per_rank))]
+        if variant == "plain":
+            per_rank = on_ranks(1, time_plain, name, args.size, args.nodes, args.steps)
+            ops[variant] = per_rank[0]["ops"]
+        else:
+            mesh_shape, shape = layout(name, int(variant), args.size, args.nodes)
+            per_rank = on_ranks(int(variant), time_step, name, mesh_shape, shape, args.steps)
+        cpu.setdefault(variant, []).extend(max(s) for s in zip(*(r["cpu"] for r in per_rank)))
         return [max(s) for s in zip(*(r["wall"] for r in per_rank))]
 
-    wall = interleaved_steps([str(p) for p in args.ranks], args.rounds, run)
-    return {p: {"wall": wall[str(p)], "cpu": cpu[p]} for p in args.ranks}
+    variants = ["plain", *map(str, args.ranks)]
+    wall = interleaved_steps(variants, args.rounds, run)
+    return {v: {"wall": wall[v], "cpu": cpu[v], "ops": ops.get(v)} for v in variants}
+
+
+def measured_compute(machine: Machine, plain: dict) -> float:
+    """The plain step's kernel time: its median CPU time less its ops' host time
+    (``plain_host_us_per_op``)."""
+    return statistics.median(plain["cpu"]) - plain["ops"] * machine.plain_host_us_per_op * 1e-6
 
 
 def judge(predicted: float, measured: float, explanation: str | None) -> dict:
@@ -147,12 +188,31 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
     """Emit one ``step`` record per rank count of ``name``; return them."""
     measured = measure_steps(name, args)
     load = round(os.getloadavg()[0], 1)
-    alone = statistics.median(measured[1]["wall"]) / statistics.median(measured[1]["cpu"])
+    plain = measured["plain"]
+    alone = statistics.median(plain["wall"]) / statistics.median(plain["cpu"])
+    whole = layout(name, 1, args.size, args.nodes)[1]
+    compute_1 = predict(machine, models, 1, whole, args.cores)["parts"]["compute"]
+    kernels = measured_compute(machine, plain)
+    emit(
+        "plain",
+        model=name,
+        ops=plain["ops"],
+        measured_cpu_s=spread(plain["cpu"]),
+        measured_wall_s=spread(plain["wall"]),
+        predicted_compute_ms=round(compute_1 * 1e3, 1),
+        measured_compute_ms=round(kernels * 1e3, 1),
+        compute_ratio=round(compute_1 / kernels, 2),
+        load_average=load,
+    )
     records = []
     for ranks in args.ranks:
         mesh_shape, shape = layout(name, ranks, args.size, args.nodes)
         predicted = predict(machine, models, ranks, shape, args.cores)
-        cpu, wall = spread(measured[ranks]["cpu"]), spread(measured[ranks]["wall"])
+        cpu, wall = spread(measured[str(ranks)]["cpu"]), spread(measured[str(ranks)]["wall"])
+        # The same prediction with the plain step's measured kernel time for the compute term
+        # (scaled as the model scales its compute to ``ranks``).
+        compute = predicted["cpu_compute"]
+        corrected = predicted["cpu"] - compute + kernels * compute / compute_1
         record = {
             "model": name,
             "ranks": ranks,
@@ -166,6 +226,7 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
             "measured_cpu_s": cpu,
             "measured_wall_s": wall,
             "cpu": judge(predicted["cpu"], cpu["median"], EXPLAINED.get((name, ranks))),
+            "cpu_ratio_with_measured_compute": round(corrected / cpu["median"], 2),
             "wall_ratio": round(predicted["wall"] / wall["median"], 2),
             "wall_over_cpu_1_rank": round(alone, 2),
             "load_average": load,
