@@ -14,7 +14,9 @@ formula shows as a residual rather than being absorbed into a parameter:
   median over ``repeats`` batches. Gloo has neither NCCL's LL protocol nor its tree:
   ``ll_bandwidth_fraction = simple_latency_factor = 1``, ``tree_base_latency_s =
   GLOO_NO_TREE_S`` (never chosen) and the all-reduces fitted as rings. Each point's
-  fitted-over-measured ratio is emitted (``collective`` records).
+  fitted-over-measured ratio is emitted (``collective`` records), with the CPU time a call
+  costs the slowest rank (``cpu_seconds``: c10d and gloo on the host, which the cost model
+  does not charge).
 - ``sustained_flops``: a training step's FLOPs (``torch.utils.flop_counter``, as the cost
   model counts them) over its seconds, for the convolutions and matmuls the zoo runs
   (``COMPUTE``), one thread, CPU time; the median over them (each rate is emitted).
@@ -160,15 +162,24 @@ def time_collectives(kind: str, repeats: int) -> list[dict]:
         out = torch.empty(x.numel() * world) if kind == "all_gather" else torch.empty_like(x)
         calls = max(2, min(20, (1 << 20) // nbytes))
         _call_once(kind, x, out)
-        samples = []
+        samples, cpu = [], []
         for _ in range(repeats):
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(calls):
                 _call_once(kind, x, out)
             samples.append((time.perf_counter() - start) / calls)
-        seconds = statistics.median(samples) / (2 if kind == "p2p" else 1)
-        results.append({"kind": kind, "ranks": world, "bytes": nbytes, "seconds": seconds})
+            cpu.append((time.process_time() - cpu_start) / calls)
+        per_message = 2 if kind == "p2p" else 1
+        results.append(
+            {
+                "kind": kind,
+                "ranks": world,
+                "bytes": nbytes,
+                "seconds": statistics.median(samples) / per_message,
+                "cpu_seconds": statistics.median(cpu) / per_message,
+            }
+        )
     return results
 
 
@@ -179,8 +190,17 @@ def measure_collectives(repeats: int) -> list[dict]:
         for world in WORLDS[kind]:
             per_rank = on_ranks(world, time_collectives, kind, repeats)
             for measured in zip(*per_rank):
-                points.append({**measured[0], "seconds": max(m["seconds"] for m in measured)})
+                slowest = {k: max(m[k] for m in measured) for k in ("seconds", "cpu_seconds")}
+                points.append({**measured[0], **slowest})
     return points
+
+
+def cpu_per_call(points: list[dict], ranks: int) -> float:
+    """The host CPU seconds one small collective (at most 16 KiB per rank) costs a rank of
+    ``ranks``: the median over the calibration's points. The cost model has no such term
+    (its communication is waiting: NOTE [The model held against measurement])."""
+    small = [p["cpu_seconds"] for p in points if p["ranks"] == ranks and p["bytes"] <= 16384]
+    return statistics.median(small) if small else 0.0
 
 
 # --------------------------------------------------------------------------- compute
@@ -326,7 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     emit_calibration(machine, sources, points, rates)
     if args.save:
         Path(args.save).write_text(
-            json.dumps({"machine": dataclasses.asdict(machine), "sources": sources})
+            json.dumps(
+                {"machine": dataclasses.asdict(machine), "sources": sources, "points": points}
+            )
         )
     ratios = [predicted_collective_s(machine, **_call(p)) / p["seconds"] for p in points]
     emit_summary(

@@ -30,7 +30,9 @@ collective accrues no ``time.process_time``) and this machine is shared:
   time: the share of a core one process got).
 
 ``--check`` fails when a ``cpu`` prediction misses by more than ``TOLERANCE`` without an
-explanation listed in ``EXPLAINED``, and names each.
+explanation listed in ``EXPLAINED`` that holds, and names each: a quantified explanation (a
+term the record adds, ``cpu_ratio_with_*``) holds only while adding it brings the prediction
+within ``TOLERANCE``; a named one (no ratio) is taken as written.
 
 Run ``python -m benchmarks.calibrate_steps [--machine machine.json] [--measured
 measured.json] [--models ...] [--size 128] [--nodes 4096] [--rounds 3] [--steps 2]
@@ -46,6 +48,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,10 +64,11 @@ from benchmarks._common import (
     rank_pools,
     spread,
 )
-from benchmarks.calibrate import calibrate, emit_calibration
+from benchmarks.calibrate import calibrate, cpu_per_call, emit_calibration
 from benchmarks.cost_model import (
     GEOMETRY,
     best_step,
+    choose_exchange,
     fitted_models,
     measure_model,
     sharded_step,
@@ -74,9 +78,62 @@ from shardsci.planning._machine import Machine
 
 RANKS = (1, 2, 4)
 TOLERANCE = 0.25
-# (model, ranks) -> why a ``cpu`` prediction misses by more than ``TOLERANCE``: the term the
-# cost model lacks, quantified where it can be.
-EXPLAINED: dict[tuple[str, int], str] = {}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a ``cpu`` prediction misses: the term the cost model lacks, and the ``step``
+    record's ratio that adds it (``None``: named, not quantified). A quantified explanation
+    holds only while that ratio is within ``TOLERANCE``."""
+
+    term: str
+    ratio: str | None = None
+
+
+_FFT = Explanation(
+    "compute: FFTs have no formula in the flop counter and count as memory traffic only; the "
+    "plain step's kernel time replaces the compute term",
+    "cpu_ratio_with_measured_compute",
+)
+_FFT_AND_COMMUNICATION = Explanation(
+    _FFT.term + "; and every collective and halo round costs the host CPU "
+    "(communication_cpu_ms: calls x the calibration's CPU per small call)",
+    "cpu_ratio_with_both",
+)
+_COMMUNICATION = Explanation(
+    "every collective and halo round costs the host CPU (communication_cpu_ms: calls x the "
+    "calibration's CPU per small call); the model counts communication as waiting",
+    "cpu_ratio_with_both",
+)
+_GROWS_WITH_SHARD = (
+    "the ShardTensor step's work beyond the plain model's kernels grows with the shard, where "
+    "the host term is ops x µs per op at a 16² tile: its 1-rank step is {} ms over the plain "
+    "step at 128² (plain and step records, 2026-11-27, load 4-10), the host term {} ms"
+)
+# (model, ranks) -> why a ``cpu`` prediction misses by more than ``TOLERANCE`` (2026-11-27,
+# 128² and 4,096 nodes, load 4-10; how each was found: benchmarks/README.md).
+EXPLAINED: dict[tuple[str, int], Explanation] = {
+    ("unet", 1): Explanation(
+        "host: 32.6 µs per op is the UNet's at a 16² tile, its small kernels included; at "
+        "128² the 1-rank step is 40 ms over the plain step's kernels, the host term 126 ms"
+    ),
+    ("unet", 2): _COMMUNICATION,
+    ("unet", 4): _COMMUNICATION,
+    ("fno", 1): _FFT,
+    ("fno", 2): _FFT_AND_COMMUNICATION,
+    ("fno", 4): _FFT_AND_COMMUNICATION,
+    **{
+        ("vit", p): Explanation(
+            "compute: ShardTensor runs attention as its own unfused softmax(QK^T)V (bmm, exp, "
+            "sub, mul: 2.0 s of a 2.9 s profiled 1-rank step at 128²) where plain torch calls "
+            "the fused CPU flash kernel, whose FLOPs the flop counter does not count (0); "
+            + _GROWS_WITH_SHARD.format(569, 60)
+        )
+        for p in RANKS
+    },
+    **{("transolver", p): Explanation(_GROWS_WITH_SHARD.format(565, 87)) for p in RANKS},
+    **{("meshgraphnet", p): Explanation(_GROWS_WITH_SHARD.format(485, 99)) for p in RANKS},
+}
 
 
 def layout(name: str, ranks: int, size: int, nodes: int) -> tuple[tuple[int, ...], tuple]:
@@ -171,20 +228,29 @@ def measured_compute(machine: Machine, plain: dict) -> float:
     return statistics.median(plain["cpu"]) - plain["ops"] * machine.plain_host_us_per_op * 1e-6
 
 
-def judge(predicted: float, measured: float, explanation: str | None) -> dict:
+def judge(
+    predicted: float, measured: float, explanation: Explanation | None, ratios: dict[str, float]
+) -> dict:
     """Predicted over measured, whether within ``TOLERANCE``, and whether that is met or
-    explained."""
+    explained: by a named term, or by a quantified one whose ratio (in ``ratios``) is within
+    ``TOLERANCE``."""
     ratio = predicted / measured
     within = abs(ratio - 1) <= TOLERANCE
+    holds = explanation is not None and (
+        explanation.ratio is None or abs(ratios[explanation.ratio] - 1) <= TOLERANCE
+    )
     return {
         "ratio": round(ratio, 2),
         "within": within,
-        "explained": None if within else explanation,
-        "ok": within or explanation is not None,
+        "explained": None if within or explanation is None else explanation.term,
+        "explanation_holds": None if within else holds,
+        "ok": within or holds,
     }
 
 
-def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) -> list[dict]:
+def hold(
+    name: str, machine: Machine, models: dict, per_call: dict[int, float], args: argparse.Namespace
+) -> list[dict]:
     """Emit one ``step`` record per rank count of ``name``; return them."""
     measured = measure_steps(name, args)
     load = round(os.getloadavg()[0], 1)
@@ -213,6 +279,12 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
         # (scaled as the model scales its compute to ``ranks``).
         compute = predicted["cpu_compute"]
         corrected = predicted["cpu"] - compute + kernels * compute / compute_1
+        communication = communication_cpu_s(models, ranks, shape, per_call.get(ranks, 0.0))
+        cpu_1, predicted_1 = measured["1"]["cpu"], predict(machine, models, 1, whole, args.cores)
+        ratios = {
+            "cpu_ratio_with_measured_compute": round(corrected / cpu["median"], 2),
+            "cpu_ratio_with_both": round((corrected + communication) / cpu["median"], 2),
+        }
         record = {
             "model": name,
             "ranks": ranks,
@@ -225,8 +297,13 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
             },
             "measured_cpu_s": cpu,
             "measured_wall_s": wall,
-            "cpu": judge(predicted["cpu"], cpu["median"], EXPLAINED.get((name, ranks))),
-            "cpu_ratio_with_measured_compute": round(corrected / cpu["median"], 2),
+            "cpu": judge(predicted["cpu"], cpu["median"], EXPLAINED.get((name, ranks)), ratios),
+            **ratios,
+            "communication_cpu_ms": round(communication * 1e3, 1),
+            "cpu_scaling_ratio": round(
+                predicted["cpu"] / predicted_1["cpu"] / (cpu["median"] / statistics.median(cpu_1)),
+                2,
+            ),
             "wall_ratio": round(predicted["wall"] / wall["median"], 2),
             "wall_over_cpu_1_rank": round(alone, 2),
             "load_average": load,
@@ -236,12 +313,26 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
     return records
 
 
-def _machine(args: argparse.Namespace) -> Machine:
+def _machine(args: argparse.Namespace) -> tuple[Machine, dict[int, float]]:
+    """The fitted machine, and per rank count the CPU seconds of one small collective."""
     if args.machine:
-        return Machine(**json.loads(Path(args.machine).read_text())["machine"])
-    machine, sources, points, rates = calibrate(args.repeats)
-    emit_calibration(machine, sources, points, rates)
-    return machine
+        saved = json.loads(Path(args.machine).read_text())
+        points = saved["points"]
+        machine = Machine(**saved["machine"])
+    else:
+        machine, sources, points, rates = calibrate(args.repeats)
+        emit_calibration(machine, sources, points, rates)
+    return machine, {p: cpu_per_call(points, p) for p in RANKS if p > 1}
+
+
+def communication_cpu_s(models: dict, ranks: int, shape: tuple, per_call: float) -> float:
+    """The step's collectives and halo rounds at ``ranks`` (the fitted counts of the exchange
+    the library picks) times the CPU seconds one costs the host: a term the cost model lacks."""
+    if ranks == 1:
+        return 0.0
+    fitted = models[choose_exchange(models, ranks, shape)]
+    calls = sum(fitted.count(k, ranks) for k in fitted.received if k != "p2p")
+    return (calls + fitted.count("p2p_rounds", ranks)) * per_call
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,10 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     saved = json.loads(Path(args.measured).read_text()) if args.measured else {}
     goals, table = [], {}
     with rank_pools():
-        machine = _machine(args)
+        machine, per_call = _machine(args)
         for name in args.models:
             models, _ = fitted_models(name, saved.get(name) or measure_model(name))
-            for record in hold(name, machine, models, args):
+            for record in hold(name, machine, models, per_call, args):
                 verdict = record["cpu"]
                 table[f"{name}_{record['ranks']}"] = {
                     "predicted_cpu_ms": record["predicted_ms"]["cpu"],

@@ -13,11 +13,19 @@ from benchmarks.calibrate import (
     KINDS,
     SIZES,
     WORLDS,
+    cpu_per_call,
     fit_collectives,
     gloo_machine,
     predicted_collective_s,
 )
-from benchmarks.calibrate_steps import judge, layout, predict, sharing
+from benchmarks.calibrate_steps import (
+    Explanation,
+    communication_cpu_s,
+    judge,
+    layout,
+    predict,
+    sharing,
+)
 from benchmarks.cost_model import fit, step_s
 from shardsci.planning._machine import Machine
 from tests.test_cost_model import synthetic_measurement
@@ -69,10 +77,15 @@ def test_gloo_all_reduces_are_rings():
 
 
 def test_the_verdict_on_a_prediction():
-    assert judge(1.2, 1.0, None) == {"ratio": 1.2, "within": True, "explained": None, "ok": True}
-    assert not judge(0.7, 1.0, None)["ok"]
-    assert not judge(1.3, 1.0, None)["ok"]
-    assert judge(1.3, 1.0, "host stalls")["ok"]
+    ratios = {"with_term": 0.9}
+    within = judge(1.2, 1.0, None, ratios)
+    assert within["ok"] and within["within"] and within["explained"] is None
+    assert not judge(0.7, 1.0, None, ratios)["ok"]
+    assert not judge(1.3, 1.0, None, ratios)["ok"]
+    assert judge(1.3, 1.0, Explanation("host stalls"), ratios)["ok"]
+    assert judge(1.3, 1.0, Explanation("a term", "with_term"), ratios)["ok"]
+    missed = judge(1.3, 1.0, Explanation("a term", "with_term"), {"with_term": 1.4})
+    assert not missed["ok"] and missed["explanation_holds"] is False
 
 
 def test_ranks_beyond_the_cores_share_them():
@@ -104,3 +117,18 @@ def test_the_timed_layouts_are_the_cost_models():
     assert layout("unet", 4, 128, 0) == ((2, 2), (64, 64))
     assert layout("fno", 4, 128, 0) == ((4,), (32, 128))
     assert layout("meshgraphnet", 2, 0, 4096) == ((2,), (2048,))
+
+
+def test_the_host_cpu_of_communication_counts_every_call_and_halo_round():
+    points = [
+        {"kind": "all_reduce", "ranks": 2, "bytes": 256, "cpu_seconds": 1e-4},
+        {"kind": "all_reduce", "ranks": 2, "bytes": 16384, "cpu_seconds": 3e-4},
+        {"kind": "all_reduce", "ranks": 2, "bytes": 1 << 22, "cpu_seconds": 9.0},
+        {"kind": "all_reduce", "ranks": 4, "bytes": 256, "cpu_seconds": 5e-4},
+    ]
+    assert cpu_per_call(points, 2) == pytest.approx(2e-4)
+    assert cpu_per_call(points, 4) == pytest.approx(5e-4)
+    fitted, _ = fit("fno", synthetic_measurement()["runs"]["auto"], [32, 64, 128], [1e9] * 3)
+    # CALLS of tests/test_cost_model.py: 4 halo rounds (8 messages), 5 + 16 + 2 collectives.
+    assert communication_cpu_s({"auto": fitted}, 2, (16, 64), 1e-3) == pytest.approx(27e-3)
+    assert communication_cpu_s({"auto": fitted}, 1, (16, 64), 1e-3) == 0.0
