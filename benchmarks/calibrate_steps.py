@@ -124,9 +124,9 @@ EXPLAINED: dict[tuple[str, int], Explanation] = {
     ("fno", 4): _FFT_AND_COMMUNICATION,
     **{
         ("vit", p): Explanation(
-            "compute: ShardTensor runs attention as its own unfused softmax(QK^T)V (bmm, exp, "
-            "sub, mul: 2.0 s of a 2.9 s profiled 1-rank step at 128²) where plain torch calls "
-            "the fused CPU flash kernel, whose FLOPs the flop counter does not count (0); "
+            "compute: ShardTensor runs attention as its own unfused softmax(QK^T)V (_Attention "
+            "and its backward: 2.2 s of a 2.9 s profiled 1-rank step at 128²) where plain torch "
+            "calls the fused CPU flash kernel, whose FLOPs the flop counter does not count (0); "
             + _GROWS_WITH_SHARD.format(569, 60)
         )
         for p in RANKS
