@@ -18,6 +18,7 @@ from benchmarks.calibrate import (
     gloo_machine,
     predicted_collective_s,
 )
+from benchmarks.calibrate_bandwidth import rate_bytes_per_s
 from benchmarks.calibrate_steps import (
     Explanation,
     communication_cpu_s,
@@ -132,3 +133,10 @@ def test_the_host_cpu_of_communication_counts_every_call_and_halo_round():
     # CALLS of tests/test_cost_model.py: 4 halo rounds (8 messages), 5 + 16 + 2 collectives.
     assert communication_cpu_s({"auto": fitted}, 2, (16, 64), 1e-3) == pytest.approx(27e-3)
     assert communication_cpu_s({"auto": fitted}, 1, (16, 64), 1e-3) == 0.0
+
+
+def test_link_rates_read_as_tc_writes_them():
+    assert rate_bytes_per_s("1gbit") == 125e6
+    assert rate_bytes_per_s("200mbit") == 25e6
+    with pytest.raises(ValueError, match="rate '200mb': expected a number and one of"):
+        rate_bytes_per_s("200mb")
