@@ -22,7 +22,9 @@ ops the ShardTensor step dispatches (``benchmarks.host_overhead``).
 Projected (``project``) on ``Machine`` (every parameter with its source; ``--set
 name=value`` overrides any), per rank: ``max(host, compute + communication)``, host time
 assumed to overlap the device's work (kernels launched ahead), so the projection is optimistic
-where the host stalls on a collective. Communication, every kind on the critical path:
+where the host stalls on a collective; ``host + compute + communication`` on a machine whose
+host does not overlap its device (``host_overlaps_device``: a CPU, NOTE [Calibrating the
+machine] in ``benchmarks/calibrate.py``). Communication, every kind on the critical path:
 
 - halos (point-to-point rounds, ``p2p``): each round one message latency plus its bytes;
 - all-reduces (statistics, the loss): the cheaper of ring and tree (NCCL's latency model);
@@ -228,10 +230,12 @@ def _field_inputs(shape: tuple[int, ...], mesh) -> tuple:
     )
 
 
-def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exchange: str) -> dict:
-    """Rank body: one step's traffic at this local ``shape`` by kind (``count_traffic``;
-    ``gradient_all_reduce``: what the step issues beyond the same step under ``no_sync()``),
-    attention exchanged by ``exchange``, and the ops the step dispatches."""
+def sharded_step(
+    name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[torch.nn.Module, Callable[[], None]]:
+    """Rank body: the zoo model ``name`` under ``domain_parallel`` on a ``(1, *mesh_shape)``
+    mesh ``(dp, h[, w])`` and its training step (forward, a mean-square loss, backward,
+    gradients reduced) at this rank's local ``shape``."""
     torch.set_num_threads(1)
     axes = ("h", "w")[: len(mesh_shape)]
     full = get_mesh((1, *mesh_shape), ("dp", *axes))
@@ -246,6 +250,14 @@ def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exch
         loss = (out * out).mean()
         (loss.full_tensor() if isinstance(loss, ShardTensor) else loss).backward()
 
+    return model, step
+
+
+def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exchange: str) -> dict:
+    """Rank body: one step's traffic at this local ``shape`` by kind (``count_traffic``;
+    ``gradient_all_reduce``: what the step issues beyond the same step under ``no_sync()``),
+    attention exchanged by ``exchange``, and the ops the step dispatches."""
+    model, step = sharded_step(name, mesh_shape, shape)
     with attention_exchange(exchange):
         step()
         calls, received = step_traffic(step, model)
@@ -499,8 +511,16 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
                 parts[kind] = collective_s(machine, kind, ranks, n, nbytes, rounds)
     parts["device"] = sum(parts.values())
     parts["host"] = fitted.ops * machine.host_us_per_op * 1e-6
-    parts["total"] = max(parts["host"], parts["device"])
+    parts["total"] = _total(machine, parts)
     return parts
+
+
+def _total(machine: Machine, parts: dict) -> float:
+    """A step's seconds: ``max(host, device)`` where the host launches ahead of a device
+    (``host_overlaps_device``), else ``host + device`` (a CPU runs both on one core)."""
+    if machine.host_overlaps_device:
+        return max(parts["host"], parts["device"])
+    return parts["host"] + parts["device"]
 
 
 def best_step(machine: Machine, models: dict[str, Fitted], ranks: int, shape) -> tuple[str, dict]:
@@ -524,7 +544,7 @@ def hybrid_step(machine: Machine, models: dict[str, Fitted], ranks: int, tile: f
         gradients = calls * all_reduce_s(machine, ranks, buffer)
         parts["device"] += gradients - parts["gradient_all_reduce"]
         parts["gradient_all_reduce"] = gradients
-        parts["total"] = max(parts["host"], parts["device"])
+        parts["total"] = _total(machine, parts)
     return parts
 
 

@@ -1,0 +1,373 @@
+"""The cost model's ``Machine`` fitted to this machine: gloo over loopback, one thread per rank.
+
+# NOTE [Calibrating the machine]
+Every parameter of ``shardsci.planning._machine.Machine`` that a step on this machine depends
+on is measured here by a microbenchmark and fitted through the same formulas the projection
+uses (``halo_s``, ``all_to_all_s``, ``all_gather_s``, ``all_reduce_s``), so that a wrong
+formula shows as a residual rather than being absorbed into a parameter:
+
+- ``base_latency_s``, ``nvlink_step_latency_s`` (= ``net_step_latency_s``: one host, no
+  network) and ``nvlink_bytes_per_s`` (= ``ib_bytes_per_s``): one weighted least-squares fit
+  (relative residuals) over a point-to-point ping-pong on 2 ranks (half a round trip: one
+  message) and ``all_to_all_single``, ``all_gather_into_tensor`` and ``all_reduce`` on 2 and
+  4 ranks, each at several sizes (``SIZES``); every call's time is the slowest rank's, the
+  median over ``repeats`` batches. Gloo has neither NCCL's LL protocol nor its tree:
+  ``ll_bandwidth_fraction = simple_latency_factor = 1``, ``tree_base_latency_s =
+  GLOO_NO_TREE_S`` (never chosen) and the all-reduces fitted as rings. Each point's
+  fitted-over-measured ratio is emitted (``collective`` records), with the CPU time a call
+  costs the slowest rank (``cpu_seconds``: c10d and gloo on the host, which the cost model
+  does not charge).
+- ``sustained_flops``: a training step's FLOPs (``torch.utils.flop_counter``, as the cost
+  model counts them) over its seconds, for the convolutions and matmuls the zoo runs
+  (``COMPUTE``), one thread, CPU time; the median over them (each rate is emitted).
+- ``memory_bytes_per_s``: ``torch.add(a, b, out=c)`` on arrays far beyond the caches, bytes as
+  the cost model's memory traffic counts them (arguments and result).
+- ``host_us_per_op`` and ``plain_host_us_per_op``: ``benchmarks.host_overhead``'s measurement
+  (a UNet step at a 16² tile on 1 rank; CPU time over the aten ops dispatched).
+
+Four ranks on this machine's 2 cores share them: the fitted figures are per rank with a core
+to itself (the collectives on 4 ranks are measured oversubscribed, so their latencies include
+the waits for a core). ``host_overlaps_device`` is false: on a CPU the same core launches and
+runs the kernels.
+
+Run ``python -m benchmarks.calibrate [--repeats 7] [--save machine.json]``; JSON lines on
+stdout (``parameters`` with ``sources``, ``collective``, ``compute`` records and the
+``summary``), fields in README.md. ``benchmarks.calibrate_steps`` predicts step times with the
+result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks._common import emit, emit_summary, on_ranks, parse_arguments, rank_pools
+from benchmarks.host_overhead import time_variants
+from shardsci.planning._machine import Machine, collective_s
+
+SIZES = (256, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes per rank's input
+KINDS = ("p2p", "all_to_all", "all_gather", "all_reduce")
+WORLDS = {"p2p": (2,), "all_to_all": (2, 4), "all_gather": (2, 4), "all_reduce": (2, 4)}
+# Gloo's all-reduce is a ring: a tree latency no all-reduce here would choose.
+GLOO_NO_TREE_S = 1.0
+ONE_HOST = 64  # ranks per "node": every rank of these runs shares one
+
+
+# --------------------------------------------------------------------------- collectives
+def collective_rows(kind: str, ranks: int, nbytes: float) -> list[float]:
+    """Coefficients of ``(base latency, step latency, seconds per byte)`` in the Machine's
+    cost of one ``kind`` call on ``ranks`` ranks with ``nbytes`` per rank's input, LL and
+    Simple alike and one node (NOTE [Calibrating the machine]): a message
+    (``halo_s``), an all-to-all's ``P - 1`` pieces, an all-gather's and an all-reduce's
+    ring."""
+    steps = {"p2p": 1, "all_to_all": ranks - 1, "all_gather": ranks - 1}.get(kind, 2 * (ranks - 1))
+    return [1.0, float(steps), received_bytes(kind, ranks, nbytes)]
+
+
+def received_bytes(kind: str, ranks: int, nbytes: float) -> float:
+    """Bytes the busiest rank receives in one ``kind`` call with ``nbytes`` per rank's input,
+    as ``count_traffic`` counts them (an all-reduce at its ring's ``2 (P - 1) / P``)."""
+    return {
+        "p2p": nbytes,
+        "all_to_all": nbytes * (ranks - 1) / ranks,
+        "all_gather": nbytes * (ranks - 1),
+        "all_reduce": nbytes * 2 * (ranks - 1) / ranks,
+    }[kind]
+
+
+def gloo_machine(
+    base: Machine, base_latency_s: float, step_s: float, bytes_per_s: float
+) -> Machine:
+    """``base`` with the fitted collective parameters of a one-host gloo (no LL, no tree)."""
+    return dataclasses.replace(
+        base,
+        base_latency_s=base_latency_s,
+        tree_base_latency_s=GLOO_NO_TREE_S,
+        nvlink_step_latency_s=step_s,
+        net_step_latency_s=step_s,
+        nvlink_bytes_per_s=bytes_per_s,
+        ib_bytes_per_s=bytes_per_s,
+        ll_bandwidth_fraction=1.0,
+        simple_latency_factor=1.0,
+        gpus_per_node=ONE_HOST,
+    )
+
+
+def fit_collectives(points: list[dict]) -> dict[str, float]:
+    """``base_latency_s``, ``step_latency_s``, ``bytes_per_s`` fitted to ``points`` (``kind``,
+    ``ranks``, ``bytes``, ``seconds``) by least squares on relative residuals, each parameter
+    kept non-negative (one dropped to zero and the rest refitted if it came out negative)."""
+    rows = [collective_rows(p["kind"], p["ranks"], p["bytes"]) for p in points]
+    weights = [1.0 / p["seconds"] for p in points]
+    active = [0, 1, 2]
+    while True:
+        a = torch.tensor([[r[i] * w for i in active] for r, w in zip(rows, weights)])
+        b = torch.tensor([p["seconds"] * w for p, w in zip(points, weights)]).unsqueeze(1)
+        solution = torch.linalg.lstsq(a.double(), b.double(), driver="gelsd").solution
+        values = dict(zip(active, solution.squeeze(1).tolist()))
+        negative = [i for i, v in values.items() if v < 0]
+        if not negative or len(active) == 1:
+            break
+        active.remove(negative[0])
+    base, step, per_byte = (max(values.get(i, 0.0), 0.0) for i in range(3))
+    return {
+        "base_latency_s": base,
+        "step_latency_s": step,
+        "bytes_per_s": 1.0 / per_byte if per_byte > 0 else float("inf"),
+    }
+
+
+def predicted_collective_s(machine: Machine, kind: str, ranks: int, nbytes: float) -> float:
+    """One ``kind`` call with ``nbytes`` per rank's input, as the projection costs it
+    (``collective_s``, from the bytes the busiest rank receives)."""
+    return collective_s(machine, kind, ranks, 1, received_bytes(kind, ranks, nbytes), 1)
+
+
+def _call_once(kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    """One ``kind`` call with input ``x`` into ``out`` (``p2p``: a round trip, rank 0 first)."""
+    if kind == "p2p":
+        peer = 1 - dist.get_rank()
+        if peer == 1:
+            dist.send(x, peer)
+            dist.recv(out, peer)
+        else:
+            dist.recv(out, peer)
+            dist.send(x, peer)
+    elif kind == "all_to_all":
+        dist.all_to_all_single(out, x)
+    elif kind == "all_gather":
+        dist.all_gather_into_tensor(out, x)
+    else:
+        dist.all_reduce(x)
+
+
+def time_collectives(kind: str, repeats: int) -> list[dict]:
+    """Rank body: seconds of one ``kind`` call at each of ``SIZES`` (median over ``repeats``
+    batches of calls, each batch started from a barrier; this rank's time)."""
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    results = []
+    for nbytes in SIZES:
+        x = torch.zeros(nbytes // 4)
+        out = torch.empty(x.numel() * world) if kind == "all_gather" else torch.empty_like(x)
+        calls = max(2, min(20, (1 << 20) // nbytes))
+        _call_once(kind, x, out)
+        samples, cpu = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                _call_once(kind, x, out)
+            samples.append((time.perf_counter() - start) / calls)
+            cpu.append((time.process_time() - cpu_start) / calls)
+        per_message = 2 if kind == "p2p" else 1
+        results.append(
+            {
+                "kind": kind,
+                "ranks": world,
+                "bytes": nbytes,
+                "seconds": statistics.median(samples) / per_message,
+                "cpu_seconds": statistics.median(cpu) / per_message,
+            }
+        )
+    return results
+
+
+def measure_collectives(repeats: int) -> list[dict]:
+    """Every kind on every world of ``WORLDS``; a point's time is the slowest rank's."""
+    points = []
+    for kind in KINDS:
+        for world in WORLDS[kind]:
+            per_rank = on_ranks(world, time_collectives, kind, repeats)
+            for measured in zip(*per_rank):
+                slowest = {k: max(m[k] for m in measured) for k in ("seconds", "cpu_seconds")}
+                points.append({**measured[0], **slowest})
+    return points
+
+
+def cpu_per_call(points: list[dict], ranks: int) -> float:
+    """The host CPU seconds one small collective (at most 16 KiB per rank) costs a rank of
+    ``ranks``: the median over the calibration's points. The cost model has no such term
+    (its communication is waiting: NOTE [The model held against measurement])."""
+    small = [p["cpu_seconds"] for p in points if p["ranks"] == ranks and p["bytes"] <= 16384]
+    return statistics.median(small) if small else 0.0
+
+
+# --------------------------------------------------------------------------- compute
+def _conv(channels: int, size: int) -> Callable[[], None]:
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+    x = torch.randn(1, channels, size, size, requires_grad=True)
+    return lambda: conv(x).sum().backward()
+
+
+def _matmul(tokens: int, width: int) -> Callable[[], None]:
+    linear = torch.nn.Linear(width, width)
+    x = torch.randn(tokens, width, requires_grad=True)
+    return lambda: linear(x).sum().backward()
+
+
+# The zoo's dense work (``benchmarks.compile.CASES``): the UNet's 3x3 convolutions at width 16
+# and 64, the ViT's (width 128) and Transolver's (64) token projections, the FNO's and
+# MeshGraphNet's pointwise layers (width 32, 64).
+COMPUTE = {
+    "conv3x3_16ch_64sq": lambda: _conv(16, 64),
+    "conv3x3_64ch_32sq": lambda: _conv(64, 32),
+    "linear_1024x128": lambda: _matmul(1024, 128),
+    "linear_4096x64": lambda: _matmul(4096, 64),
+    "linear_4096x32": lambda: _matmul(4096, 32),
+}
+
+
+def _median_cpu_s(fn: Callable[[], None], repeats: int) -> float:
+    """Median CPU seconds of ``fn`` after one warm-up call: a core's rate, which other
+    processes on a shared machine disturb less than wall time."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        samples.append(time.process_time() - start)
+    return statistics.median(samples)
+
+
+def measure_compute(repeats: int) -> dict[str, float]:
+    """FLOP/s of each of ``COMPUTE`` (forward and backward, one thread, CPU time) and the
+    memory bandwidth (``memory``), bytes per second."""
+    torch.set_num_threads(1)
+    rates = {}
+    for name, build in COMPUTE.items():
+        step = build()
+        with FlopCounterMode(display=False) as counter:
+            step()
+        rates[name] = counter.get_total_flops() / _median_cpu_s(step, repeats)
+    a, b, c = (torch.ones(16 * 1024 * 1024) for _ in range(3))
+    rates["memory"] = 3 * a.numel() * 4 / _median_cpu_s(lambda: torch.add(a, b, out=c), repeats)
+    return rates
+
+
+def measure_host(repeats: int) -> tuple[float, float]:
+    """µs of CPU time per aten op of a ShardTensor and a plain UNet step at a 16² tile on 1
+    rank (``benchmarks.host_overhead.time_variants``): ``(shardtensor, plain)``."""
+    (result,) = on_ranks(1, time_variants, "unet", repeats, 2, 16, 64)
+    return tuple(  # type: ignore[return-value]
+        statistics.median(result["cpu"][v]) / sum(result["ops"][v].values()) * 1e6
+        for v in ("shardtensor", "torch")
+    )
+
+
+# --------------------------------------------------------------------------- the machine
+def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[str, float]]:
+    """Measure and fit (NOTE [Calibrating the machine]): the machine, each fitted
+    parameter's source, the collective points and the compute rates."""
+    points = measure_collectives(repeats)
+    network = fit_collectives(points)
+    rates = measure_compute(repeats)
+    host_us, plain_us = measure_host(repeats)
+    flops = statistics.median(v for k, v in rates.items() if k != "memory")
+    machine = dataclasses.replace(
+        gloo_machine(
+            Machine(),
+            network["base_latency_s"],
+            network["step_latency_s"],
+            network["bytes_per_s"],
+        ),
+        sustained_flops=flops,
+        memory_bytes_per_s=rates["memory"],
+        host_us_per_op=host_us,
+        plain_host_us_per_op=plain_us,
+        host_overlaps_device=False,
+        memory_gib=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4 / 2**30,
+    )
+    network_source = (
+        "measured on this machine by benchmarks.calibrate: least squares over "
+        f"{len(points)} timed calls (p2p ping-pong on 2 ranks, all_to_all_single, "
+        "all_gather_into_tensor, all_reduce on 2 and 4 gloo ranks, 256 B-4 MiB), the "
+        "Machine's own formulas, relative residuals"
+    )
+    sources = {
+        name: network_source
+        for name in (
+            "base_latency_s",
+            "nvlink_step_latency_s",
+            "net_step_latency_s",
+            "nvlink_bytes_per_s",
+            "ib_bytes_per_s",
+        )
+    }
+    sources |= {
+        "tree_base_latency_s": "gloo's all-reduce is a ring: a tree never chosen",
+        "ll_bandwidth_fraction": "gloo has one protocol: 1",
+        "simple_latency_factor": "gloo has one protocol: 1",
+        "gpus_per_node": "one host: every rank on one 'node'",
+        "sustained_flops": "measured on this machine by benchmarks.calibrate: median of "
+        f"{', '.join(COMPUTE)} forward+backward FLOPs (flop counter) per second, one thread",
+        "memory_bytes_per_s": "measured on this machine by benchmarks.calibrate: "
+        "torch.add of 64 MiB float32 arrays, 3 arrays' bytes per second, one thread",
+        "host_us_per_op": "measured on this machine by benchmarks.calibrate with "
+        "benchmarks.host_overhead: ShardTensor UNet step at 16², 1 rank, CPU s per aten op",
+        "plain_host_us_per_op": "the same, plain torch's step",
+        "host_overlaps_device": "a CPU launches and runs its kernels on one core",
+        "memory_gib": "a quarter of this machine's RAM (4 ranks)",
+    }
+    return machine, sources, points, rates
+
+
+def emit_calibration(machine: Machine, sources: dict, points: list[dict], rates: dict) -> None:
+    """The ``collective``, ``compute`` and ``parameters`` records of one calibration."""
+    for p in points:
+        predicted = predicted_collective_s(machine, p["kind"], p["ranks"], p["bytes"])
+        emit(
+            "collective",
+            **p,
+            predicted_s=predicted,
+            predicted_over_measured=round(predicted / p["seconds"], 3),
+        )
+    emit("compute", **{k: round(v / 1e9, 3) for k, v in rates.items()}, unit="G per s")
+    emit("parameters", **dataclasses.asdict(machine), sources=sources)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed batches per point")
+    parser.add_argument("--save", help="write the fitted Machine and its sources to this file")
+    args = parse_arguments(parser, argv)
+    with rank_pools():
+        machine, sources, points, rates = calibrate(args.repeats)
+    emit_calibration(machine, sources, points, rates)
+    if args.save:
+        Path(args.save).write_text(
+            json.dumps(
+                {"machine": dataclasses.asdict(machine), "sources": sources, "points": points}
+            )
+        )
+    ratios = [predicted_collective_s(machine, **_call(p)) / p["seconds"] for p in points]
+    emit_summary(
+        [],
+        args.check,
+        base_latency_us=round(machine.base_latency_s * 1e6, 1),
+        step_latency_us=round(machine.nvlink_step_latency_s * 1e6, 1),
+        bandwidth_gb_per_s=round(machine.nvlink_bytes_per_s / 1e9, 3),
+        sustained_gflops=round(machine.sustained_flops / 1e9, 2),
+        memory_gb_per_s=round(machine.memory_bytes_per_s / 1e9, 2),
+        host_us_per_op=round(machine.host_us_per_op, 1),
+        plain_host_us_per_op=round(machine.plain_host_us_per_op, 1),
+        collective_fit_worst=round(max(ratios, key=lambda r: abs(r - 1)), 2),
+    )
+
+
+def _call(point: dict) -> dict:
+    return {"kind": point["kind"], "ranks": point["ranks"], "nbytes": point["bytes"]}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Calibrating the cost model on this machine (``benchmarks.calibrate``, NOTE [Calibrating the
+machine]) and holding it against measured steps (``benchmarks.calibrate_steps``, NOTE [The
+model held against measurement]): the fit and the verdicts on synthetic measurements, no ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.calibrate import (
+    KINDS,
+    SIZES,
+    WORLDS,
+    cpu_per_call,
+    fit_collectives,
+    gloo_machine,
+    predicted_collective_s,
+)
+from benchmarks.calibrate_bandwidth import rate_bytes_per_s
+from benchmarks.calibrate_steps import (
+    Explanation,
+    communication_cpu_s,
+    judge,
+    layout,
+    predict,
+    sharing,
+)
+from benchmarks.cost_model import fit, step_s
+from shardsci.planning._machine import Machine
+from tests.test_cost_model import synthetic_measurement
+
+TRUE = {"base_latency_s": 40e-6, "step_latency_s": 25e-6, "bytes_per_s": 1.5e9}
+
+
+def synthetic_points(machine: Machine, noise: float = 0.0) -> list[dict]:
+    """Every calibration point as the Machine's own formulas cost it, alternately ``noise``
+    too slow and too fast."""
+    points = []
+    for kind in KINDS:
+        for ranks in WORLDS[kind]:
+            for i, nbytes in enumerate(SIZES):
+                seconds = predicted_collective_s(machine, kind, ranks, nbytes)
+                points.append(
+                    {
+                        "kind": kind,
+                        "ranks": ranks,
+                        "bytes": nbytes,
+                        "seconds": seconds * (1 + noise * (-1) ** i),
+                    }
+                )
+    return points
+
+
+def test_the_fit_recovers_the_machine_its_formulas_describe():
+    machine = gloo_machine(Machine(), *TRUE.values())
+    fitted = fit_collectives(synthetic_points(machine))
+    for name, value in TRUE.items():
+        assert fitted[name] == pytest.approx(value, rel=1e-6), name
+    noisy = fit_collectives(synthetic_points(machine, noise=0.05))
+    for name, value in TRUE.items():
+        assert noisy[name] == pytest.approx(value, rel=0.15), name
+
+
+def test_a_negative_parameter_is_dropped_and_the_rest_refitted():
+    machine = gloo_machine(Machine(), 50e-6, 0.0, 2e9)
+    fitted = fit_collectives(synthetic_points(machine, noise=0.02))
+    assert fitted["step_latency_s"] >= 0
+    assert fitted["base_latency_s"] == pytest.approx(50e-6, rel=0.2)
+    assert fitted["bytes_per_s"] == pytest.approx(2e9, rel=0.1)
+
+
+def test_gloo_all_reduces_are_rings():
+    machine = gloo_machine(Machine(), *TRUE.values())
+    ring = TRUE["base_latency_s"] + 6 * TRUE["step_latency_s"] + 1.5 * 1024 / TRUE["bytes_per_s"]
+    assert predicted_collective_s(machine, "all_reduce", 4, 1024) == pytest.approx(ring)
+
+
+def test_the_verdict_on_a_prediction():
+    ratios = {"with_term": 0.9}
+    within = judge(1.2, 1.0, None, ratios)
+    assert within["ok"] and within["within"] and within["explained"] is None
+    assert not judge(0.7, 1.0, None, ratios)["ok"]
+    assert not judge(1.3, 1.0, None, ratios)["ok"]
+    assert judge(1.3, 1.0, Explanation("host stalls"), ratios)["ok"]
+    assert judge(1.3, 1.0, Explanation("a term", "with_term"), ratios)["ok"]
+    missed = judge(1.3, 1.0, Explanation("a term", "with_term"), {"with_term": 1.4})
+    assert not missed["ok"] and missed["explanation_holds"] is False
+
+
+def test_ranks_beyond_the_cores_share_them():
+    machine = dataclasses.replace(Machine(), host_overlaps_device=False, host_us_per_op=50.0)
+    assert sharing(machine, 2, 2) == machine
+    half = sharing(machine, 4, 2)
+    assert half.sustained_flops == machine.sustained_flops / 2
+    assert half.host_us_per_op == 100.0
+    fitted, _ = fit("fno", synthetic_measurement()["runs"]["auto"], [32, 64, 128], [1e9] * 3)
+    models = {"auto": fitted}
+    alone = predict(machine, models, 4, (16, 64), cores=4)
+    shared = predict(machine, models, 4, (16, 64), cores=2)
+    assert shared["cpu"] == alone["cpu"]
+    parts = alone["parts"]
+    assert alone["cpu"] == pytest.approx(parts["host"] + parts["compute"])
+    assert shared["wall"] > alone["wall"]
+
+
+def test_a_cpu_adds_host_and_device():
+    fitted, _ = fit("fno", synthetic_measurement()["runs"]["auto"], [32, 64, 128], [1e9] * 3)
+    gpu = Machine()
+    cpu = dataclasses.replace(gpu, host_overlaps_device=False)
+    on_gpu, on_cpu = step_s(gpu, fitted, 2, (16, 32)), step_s(cpu, fitted, 2, (16, 32))
+    assert on_gpu["total"] == max(on_gpu["host"], on_gpu["device"])
+    assert on_cpu["total"] == pytest.approx(on_cpu["host"] + on_cpu["device"])
+
+
+def test_the_timed_layouts_are_the_cost_models():
+    assert layout("unet", 4, 128, 0) == ((2, 2), (64, 64))
+    assert layout("fno", 4, 128, 0) == ((4,), (32, 128))
+    assert layout("meshgraphnet", 2, 0, 4096) == ((2,), (2048,))
+
+
+def test_the_host_cpu_of_communication_counts_every_call_and_halo_round():
+    points = [
+        {"kind": "all_reduce", "ranks": 2, "bytes": 256, "cpu_seconds": 1e-4},
+        {"kind": "all_reduce", "ranks": 2, "bytes": 16384, "cpu_seconds": 3e-4},
+        {"kind": "all_reduce", "ranks": 2, "bytes": 1 << 22, "cpu_seconds": 9.0},
+        {"kind": "all_reduce", "ranks": 4, "bytes": 256, "cpu_seconds": 5e-4},
+    ]
+    assert cpu_per_call(points, 2) == pytest.approx(2e-4)
+    assert cpu_per_call(points, 4) == pytest.approx(5e-4)
+    fitted, _ = fit("fno", synthetic_measurement()["runs"]["auto"], [32, 64, 128], [1e9] * 3)
+    # CALLS of tests/test_cost_model.py: 4 halo rounds (8 messages), 5 + 16 + 2 collectives.
+    assert communication_cpu_s({"auto": fitted}, 2, (16, 64), 1e-3) == pytest.approx(27e-3)
+    assert communication_cpu_s({"auto": fitted}, 1, (16, 64), 1e-3) == 0.0
+
+
+def test_link_rates_read_as_tc_writes_them():
+    assert rate_bytes_per_s("1gbit") == 125e6
+    assert rate_bytes_per_s("200mbit") == 25e6
+    with pytest.raises(ValueError, match="rate '200mb': expected a number and one of"):
+        rate_bytes_per_s("200mb")
