@@ -126,6 +126,10 @@ SLOW_SMOKES = {
         ("train: 2 ranks agree with 1 rank", "predict: 2 ranks agree with 1 rank"),
     ),
     "compile": Smoke("--models unet --worlds 1 2 --rounds 1 --size 32 --backend eager"),
+    # 35 s at load 11: every collective on 2 and 4 ranks, the kernels, a host_overhead step.
+    # Not smoked: calibrate_steps (it reads calibrate's and cost_model's saved files;
+    # tests/test_calibration.py checks its logic) and calibrate_bandwidth (root, namespaces).
+    "calibrate": Smoke("--repeats 1"),
     "recipe_throughput": Smoke(
         "--meshes 1 1x2 --rounds 1 --steps 2 --resolution 32 --batch 2",
         {"GOALS": lambda _: {"1x2": 1e9}},
