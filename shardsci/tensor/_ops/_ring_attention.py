@@ -125,7 +125,7 @@ def attention_backward(grad_out, q, k, v, mask, plan, out, lse, gathered, mask_g
     """Gradients ``(q, k, v, mask)`` of this rank's blocks (the mask's None unless
     ``mask_grad``); ``gathered`` as returned by :func:`attention_forward` (None: gather
     again)."""
-    state = _BackwardState(grad_out, q, mask, plan, lse, (grad_out * out).sum(-1), mask_grad)
+    state = _BackwardState(grad_out, q, mask, plan, out, lse, (grad_out * out).sum(-1), mask_grad)
     if plan.group is None or plan.group.size == 1:
         grads = state.block(k, v, mask, 0)
         return state.grad_q, grads.k, grads.v, grads.mask
@@ -182,8 +182,38 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+# NOTE [A block's attention by the fused kernel]
+# Where the CPU's fused attention kernel can compute a block (no mask, not causal, one head
+# size for keys and values, 4-D, no empty dim: the kernel fails on those), it does, returning
+# the block's log-sum-exp beside its output, so that the ring merges blocks as before; the
+# block's scores are never held whole (the unfused path holds L_r x S_j of them per head).
+# Its backward takes the whole output and log-sum-exp, which restrict exactly to any block
+# of keys (probabilities exp(score - lse), delta = rowsum(grad_out * out)), so each block's
+# gradients are the fused backward's on that block. Elsewhere (a mask, causal blocks whose
+# diagonal is offset, CUDA) the scores are computed here.
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_FLASH_DTYPES = (torch.float32, torch.float64)  # others: a float32 log-sum-exp would promote
+
+
+def _fused(q, k, v, mask, plan) -> bool:
+    return (
+        q.device.type == "cpu"
+        and mask is None
+        and not plan.causal
+        and q.ndim == 4
+        and q.numel() > 0
+        and k.numel() > 0
+        and k.shape[-1] == v.shape[-1]
+        and q.dtype in _FLASH_DTYPES
+    )
+
+
 def _block_forward(q, k, v, mask, plan, key_start):
     """One block's (output, log-sum-exp)."""
+    if _fused(q, k, v, mask, plan):
+        repeats = plan.kv_repeats
+        return _FLASH(q, _expanded(k, repeats), _expanded(v, repeats), scale=plan.scale)
     scores = _scores(q, k, mask, plan, key_start)
     lse = torch.logsumexp(scores, dim=-1)
     probabilities = torch.exp(scores - _finite(lse)[..., None])
@@ -212,11 +242,20 @@ class _Grads:
     mask: torch.Tensor | None
 
 
-def _block_backward(q, k, v, mask, plan, key_start, grad_out, lse, delta, grad_q, mask_grad):
+def _block_backward(q, k, v, mask, plan, key_start, grad_out, out, lse, delta, grad_q, mask_grad):
     """Add one block's contribution to ``grad_q`` (in place) and return the block's grads.
 
-    ``delta = rowsum(grad_out * out)``; ``mask_grad``: whether the mask needs a gradient.
+    ``out`` and ``lse`` are over all keys, ``delta = rowsum(grad_out * out)``; ``mask_grad``:
+    whether the mask needs a gradient.
     """
+    repeats = plan.kv_repeats
+    if _fused(q, k, v, mask, plan):
+        block_grad_q, grad_k, grad_v = _FLASH_BACKWARD(
+            grad_out, q, _expanded(k, repeats), _expanded(v, repeats), out, lse, 0.0, False,
+            scale=plan.scale,
+        )  # fmt: skip
+        grad_q += block_grad_q
+        return _Grads(_grouped(grad_k, repeats), _grouped(grad_v, repeats), None)
     scores = _scores(q, k, mask, plan, key_start)
     probabilities = torch.exp(scores - _finite(lse)[..., None])
     grad_v = torch.matmul(probabilities.transpose(-2, -1), grad_out)
@@ -246,6 +285,7 @@ class _BackwardState:
     q: torch.Tensor
     mask: torch.Tensor | None
     plan: AttentionPlan
+    out: torch.Tensor
     lse: torch.Tensor
     delta: torch.Tensor
     mask_grad: bool
@@ -259,7 +299,7 @@ class _BackwardState:
     def block(self, k, v, mask, key_start) -> _Grads:
         return _block_backward(
             self.q, k, v, mask, self.plan, key_start,
-            self.grad_out, self.lse, self.delta, self.grad_q, self.mask_grad,
+            self.grad_out, self.out, self.lse, self.delta, self.grad_q, self.mask_grad,
         )  # fmt: skip
 
     def ring_block(self, owner: int, kv: torch.Tensor, width: int) -> torch.Tensor:
