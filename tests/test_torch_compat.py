@@ -310,8 +310,23 @@ def _no_dispatch(cm: Callable) -> None:
     assert seen == []
 
 
-def _dynamo_config(config: object) -> None:
-    assert isinstance(config.nontraceable_tensor_subclasses, set)  # type: ignore[attr-defined]
+def _funcol(module: object) -> None:
+    for name in ("all_to_all_single", "all_reduce", "all_gather_tensor", "broadcast"):
+        _has(name)(module)
+    _takes("self", "output_split_sizes", "input_split_sizes", "group")(module.all_to_all_single)
+
+
+def _proxy_mode(fn: Callable) -> None:
+    assert fn() is None
+
+
+def _disable_modes(cm: Callable) -> None:
+    class Recorder(_torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            raise AssertionError(f"{func} reached a disabled mode")
+
+    with Recorder(), cm():
+        torch.ones(2) + 1
 
 
 def _fake_process_group(cls: type) -> None:
@@ -375,8 +390,10 @@ SMOKE: dict[str, Callable[[object], None]] = {
     ),
     "_current_autograd_node": _current_node,
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
-    "dynamo_config": _dynamo_config,
-    "trace_rules": _has("add"),
+    "funcol": _funcol,
+    "get_proxy_mode": _proxy_mode,
+    "disable_current_modes": _disable_modes,
+    "nn_pad": lambda pad: pad(torch.ones(1, 2), (1, 0), "constant", 0.0).tolist() == [[0.0, 1, 1]],
     "maybe_mark_dynamic": _maybe_mark_dynamic,
     "active_fake_mode": _fake_mode,
     "FakeProcessGroup": _fake_process_group,

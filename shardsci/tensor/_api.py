@@ -78,6 +78,12 @@ class ShardTensor(torch.Tensor):
     ) -> ShardTensor:
         return ShardTensor(inner["_local"], spec)
 
+    @classmethod
+    def __metadata_guard__(cls, traced: ShardTensorSpec, current: ShardTensorSpec) -> bool:
+        """Dynamo's guard on the flatten context: a compiled graph runs again only on the
+        layout it was traced for (``traced`` is a deep copy, so specs compare by value)."""
+        return traced.key == current.key
+
     __torch_dispatch__ = classmethod(_dispatch.dispatch)  # type: ignore[assignment]
     __torch_function__ = classmethod(_function_dispatch.dispatch)  # type: ignore[assignment]
 
