@@ -71,12 +71,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch._dynamo import config as dynamo_config
 from torch.distributed.tensor import Shard
 
 from benchmarks._common import Goal, emit, emit_summary, on_ranks, parse_arguments, rank_pools
 from shardsci import ShardTensor, clear_caches
 from shardsci.tensor._api import from_local_spec, grad_spec
+from shardsci.tensor._torch_compat import dynamo_config
 from shardsci.testing import Layout, RankFailure, get_mesh
 from tests import op_db_sweep
 from tests.layouts import CASES, SPATIAL_2D

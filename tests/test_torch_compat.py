@@ -310,6 +310,15 @@ def _no_dispatch(cm: Callable) -> None:
     assert seen == []
 
 
+def _dynamo_config(config: object) -> None:
+    assert isinstance(config.nontraceable_tensor_subclasses, set)  # type: ignore[attr-defined]
+
+
+def _trace_rules(module: object) -> None:
+    _has("add", "SKIP_DIRS", "_recompile_re")(module)
+    assert isinstance(module.SKIP_DIRS, list)  # type: ignore[attr-defined]
+
+
 def _funcol(module: object) -> None:
     for name in ("all_to_all_single", "all_reduce", "all_gather_tensor", "broadcast"):
         _has(name)(module)
@@ -390,6 +399,8 @@ SMOKE: dict[str, Callable[[object], None]] = {
     ),
     "_current_autograd_node": _current_node,
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
+    "dynamo_config": _dynamo_config,
+    "trace_rules": _trace_rules,
     "funcol": _funcol,
     "get_proxy_mode": _proxy_mode,
     "disable_current_modes": _disable_modes,

@@ -204,6 +204,8 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "the frame of a module's call, for naming the module an unasked-for gather ran in",
     ),
     # --- torch.compile and the dry-run planner
+    "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
+    "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),
     "funcol": _at(
         "torch.distributed._functional_collectives",
         "collectives inside a graph torch.compile traces through ShardTensors",
