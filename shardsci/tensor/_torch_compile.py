@@ -1,4 +1,4 @@
-"""How ``torch.compile`` meets ShardTensors: eagerly and said so (default), or traced through.
+"""How ``torch.compile`` meets ShardTensors: eagerly (default), or traced through (opt-in).
 
 # NOTE [torch.compile and ShardTensor]
 By default dynamo does not trace ShardTensor code (``keep_dynamo_out``: ShardTensor on its
@@ -10,12 +10,13 @@ rank computes alone, on plain local tensors. A one-time warning when torch.compi
 ShardTensor is not done: a hook at the top of ``_function_dispatch.dispatch`` testing
 ``torch.compiler.is_compiling()`` never fired under ``torch.compile`` (a probe that replaced
 ``ShardTensor.__torch_function__`` by a wrapper defined outside ``shardsci.tensor`` did see
-``is_compiling()`` true on every op, so dynamo treats the skipped package's handler
-differently; the next place to try is a guard or flatten hook, or a ``torch.compile`` wrapper).
+``is_compiling()`` true on every op; why the skipped package's handler is not reached the
+same way is not yet known); the next place to try is a guard or flatten hook, or a ``torch.compile`` wrapper).
 
 ``tracing_through_shardtensors()`` (experimental, a context manager, tested on small modules
-only) lets dynamo and AOTAutograd trace through instead: ``__tensor_flatten__`` gives the local shard as the one
-inner tensor and the spec as context; dynamo runs each op on fake shards to learn its output's
+only: ``tests/test_torch_compile_through.py``) lets dynamo and AOTAutograd trace through
+instead: ``__tensor_flatten__`` gives the local shard as the one inner tensor and the spec as
+context; dynamo runs each op on fake shards to learn its output's
 spec; AOTAutograd runs the same Python (``__torch_dispatch__`` and the autograd Functions'
 backward included) on functional fake shards, so the backend receives plain forward and
 backward graphs over local tensors. What makes that sound:
@@ -37,7 +38,11 @@ whose backward builds a ShardTensor, and dynamo fails on it with an internal err
 ``bool(weight.eq(1).all())`` breaks the graph (``Tensor.item()``). The FNO's compiled
 backward met a gradient whose spec is equal in layout but not the same object
 ("we guessed its metadata incorrectly": ``__coerce_same_metadata_as_tangent__`` now re-labels
-it, not yet rerun on the zoo); the ViT and Transolver failed too (not yet diagnosed). Next
+it, not yet rerun on the zoo). The ViT and the Transolver fail in dynamo's fake run of a view:
+``cells.flatten(-2)`` (``models/transolver.py``) on a ShardTensor whose fake local shard has
+permuted strides ("Cannot view a tensor with shape [2, 6, 12, 2, 4] and strides (576, 48, 4,
+288, 1) as a tensor with shape (2, 6, 12, 8)"; the ViT's the same error at shape (2, 18, 8)),
+a view eager ShardTensor dispatch takes without error. Next
 steps: keep dynamo out of the function handlers (let it put the torch function into the graph
 and run ``__torch_function__`` only under AOTAutograd, as for builtins such as ``F.conv2d``), or
 make ``_ToLocal``/``_FromLocal`` traceable as DTensor's ``to_local``/``from_local`` are.
