@@ -19,7 +19,8 @@ from torch.distributed.tensor import Shard
 
 from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.testing import Layout, assert_all_ranks, get_mesh, run_on_ranks
-from tests.test_compile import _compiled_equals_eager
+from tests.test_compile import FIELD_LAYOUTS, _compiled_equals_eager
+from tests.zoo import MODELS
 
 
 class PointwiseChain(nn.Module):
@@ -111,3 +112,28 @@ def _check_compiled(case: str) -> None:
 )
 def test_torch_compile_traces_through_shardtensors(case: str) -> None:
     run_on_ranks(2, _compiled_body, case, timeout_s=300)
+
+
+def _zoo_body(name: str) -> None:
+    with tracing_through_shardtensors():
+        mesh = get_mesh((2,))
+        torch.manual_seed(0)
+        model = MODELS[name]().double()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter)
+        whole = torch.randn((2, 2, 16, 12), dtype=torch.float64)
+        frames = []
+        for layout in FIELD_LAYOUTS[(2,)]:
+            for again in (False, True):
+                with torch._dynamo.config.patch(error_on_recompile=again):
+                    _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
+            frames.append(counter.frame_count)
+        assert_all_ranks(frames == [2, 3], f"{name}: frames compiled after each layout {frames}")
+
+
+# The zoo models that trace through (NOTE [torch.compile and ShardTensor] lists those that do
+# not and why). About 60 s on this machine (load 9).
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fno"])
+def test_zoo_model_traced_through_equals_the_single_process_model(name: str) -> None:
+    run_on_ranks(2, _zoo_body, name, timeout_s=600)

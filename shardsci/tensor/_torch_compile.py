@@ -35,10 +35,10 @@ the function handlers themselves; a handler's ``to_local`` is a ``_ToLocal`` aut
 whose backward builds a ShardTensor, and dynamo fails on it with an internal error
 ("AssertionError: create_node using arg not from this SubgraphTracer", UNet through
 ``_interpolate_ops.resample``) instead of breaking the graph; the same handler's
-``bool(weight.eq(1).all())`` breaks the graph (``Tensor.item()``). The FNO's compiled
-backward met a gradient whose spec is equal in layout but not the same object
-("we guessed its metadata incorrectly": ``__coerce_same_metadata_as_tangent__`` now re-labels
-it, not yet rerun on the zoo). The ViT and the Transolver fail in dynamo's fake run of a view:
+``bool(weight.eq(1).all())`` breaks the graph (``Tensor.item()``). The FNO traces (its
+compiled backward first met a gradient whose spec equals the traced one in layout but is
+another object, "we guessed its metadata incorrectly", which
+``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels). The ViT and the Transolver fail in dynamo's fake run of a view:
 ``cells.flatten(-2)`` (``models/transolver.py``) on a ShardTensor whose fake local shard has
 permuted strides ("Cannot view a tensor with shape [2, 6, 12, 2, 4] and strides (576, 48, 4,
 288, 1) as a tensor with shape (2, 6, 12, 8)"; the ViT's the same error at shape (2, 18, 8)),
