@@ -314,6 +314,30 @@ def _dynamo_config(config: object) -> None:
     assert isinstance(config.nontraceable_tensor_subclasses, set)  # type: ignore[attr-defined]
 
 
+def _trace_rules(module: object) -> None:
+    _has("add", "SKIP_DIRS", "_recompile_re")(module)
+    assert isinstance(module.SKIP_DIRS, list)  # type: ignore[attr-defined]
+
+
+def _funcol(module: object) -> None:
+    for name in ("all_to_all_single", "all_reduce", "all_gather_tensor", "broadcast"):
+        _has(name)(module)
+    _takes("self", "output_split_sizes", "input_split_sizes", "group")(module.all_to_all_single)
+
+
+def _proxy_mode(fn: Callable) -> None:
+    assert fn() is None
+
+
+def _disable_modes(cm: Callable) -> None:
+    class Recorder(_torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            raise AssertionError(f"{func} reached a disabled mode")
+
+    with Recorder(), cm():
+        torch.ones(2) + 1
+
+
 def _fake_process_group(cls: type) -> None:
     _has("_create_internal")(cls)
 
@@ -376,7 +400,11 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "_current_autograd_node": _current_node,
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
     "dynamo_config": _dynamo_config,
-    "trace_rules": _has("add"),
+    "trace_rules": _trace_rules,
+    "funcol": _funcol,
+    "get_proxy_mode": _proxy_mode,
+    "disable_current_modes": _disable_modes,
+    "nn_pad": lambda pad: pad(torch.ones(1, 2), (1, 0), "constant", 0.0).tolist() == [[0.0, 1, 1]],
     "maybe_mark_dynamic": _maybe_mark_dynamic,
     "active_fake_mode": _fake_mode,
     "FakeProcessGroup": _fake_process_group,

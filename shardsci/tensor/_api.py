@@ -78,6 +78,25 @@ class ShardTensor(torch.Tensor):
     ) -> ShardTensor:
         return ShardTensor(inner["_local"], spec)
 
+    @classmethod
+    def __metadata_guard__(cls, traced: ShardTensorSpec, current: ShardTensorSpec) -> bool:
+        """Dynamo's guard on the flatten context: a compiled graph runs again only on the
+        layout it was traced for (``traced`` is a deep copy, so specs compare by value)."""
+        return traced.key == current.key
+
+    def __coerce_same_metadata_as_tangent__(
+        self, expected: ShardTensorSpec, expected_type: type | None = None
+    ) -> ShardTensor | None:
+        """A gradient flowing into a compiled backward in the layout the graph was traced
+        with: the same tensor re-labelled when only hints differ, else redistributed."""
+        if expected_type not in (None, ShardTensor):
+            return None
+        if self._spec is expected:
+            return self
+        if self._spec.same_layout(expected) and self._spec.dtype == expected.dtype:
+            return ShardTensor(self._local, expected)
+        return redistribute(self, expected)
+
     __torch_dispatch__ = classmethod(_dispatch.dispatch)  # type: ignore[assignment]
     __torch_function__ = classmethod(_function_dispatch.dispatch)  # type: ignore[assignment]
 

@@ -21,7 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import mesh_coordinate
-from shardsci.tensor._torch_compat import all_gather_single
+from shardsci.tensor._torch_compat import (
+    all_gather_single,
+    disable_current_modes,
+    funcol,
+)
+from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
     "AxisGroup",
@@ -80,8 +85,7 @@ def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
         return found
     coordinate = mesh_coordinate(mesh)
     group = mesh.get_group(axes[0]) if len(axes) == 1 else _flattened_group(mesh, axes)
-    grid = mesh.mesh.permute(*_others_then(axes, mesh.ndim)).reshape(-1, _size(mesh, axes))
-    mine = next(row for row in grid.tolist() if dist.get_rank() in row)
+    mine = next(row for row in _rank_grid(mesh, axes) if dist.get_rank() in row)
     members = dist.get_process_group_ranks(group)
     index = sum(
         coordinate[a] * math.prod(mesh.shape[b] for b in axes[i + 1 :]) for i, a in enumerate(axes)
@@ -94,6 +98,17 @@ def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
         global_ranks=tuple(mine),
     )
     return _GROUPS.put(key, result)
+
+
+def _rank_grid(mesh: DeviceMesh, axes: tuple[int, ...]) -> list[list[int]]:
+    """One row per group along ``axes``: its global ranks by flat index.
+
+    Read with dispatch modes off: torch.compile traces under a fake tensor mode, where no op
+    may run on the mesh's real rank tensor.
+    """
+    with disable_current_modes():
+        ranks = mesh.mesh.numpy()
+    return ranks.transpose(_others_then(axes, mesh.ndim)).reshape(-1, _size(mesh, axes)).tolist()
 
 
 def _size(mesh: DeviceMesh, axes: Sequence[int]) -> int:
@@ -128,8 +143,8 @@ def _flattened_group(mesh: DeviceMesh, axes: tuple[int, ...]) -> dist.ProcessGro
             f"its process group consistently on every rank; give the mesh axis names "
             f"(init_device_mesh(..., mesh_dim_names=...))"
         )
-    grid = mesh.mesh.permute(*_others_then(axes, mesh.ndim)).reshape(-1, _size(mesh, axes))
-    mine, _ = dist.new_subgroups_by_enumeration([sorted(row) for row in grid.tolist()])
+    grid = _rank_grid(mesh, axes)
+    mine, _ = dist.new_subgroups_by_enumeration([sorted(row) for row in grid])
     return mine
 
 
@@ -188,9 +203,12 @@ def exchange(
         if send_buffers
         else torch.empty(0, dtype=torch.uint8, device=device)
     )
-    recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv, send.to(device), recv_bytes, send_bytes, group=group.group)
-    record_comm(kind, sum(send_bytes), sum(recv_bytes))
+    if in_graph():
+        recv = funcol.all_to_all_single(send.to(device), recv_bytes, send_bytes, group.group)
+    else:
+        recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(recv, send.to(device), recv_bytes, send_bytes, group=group.group)
+        record_comm(kind, sum(send_bytes), sum(recv_bytes))
     return _split_received(recv, recv_bytes, received_shapes, group, pieces[me], dtype, device)
 
 
@@ -272,10 +290,13 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, reduce_op: str) -> torch.
     result = tensor.clone(memory_format=torch.contiguous_format)
     if result.dtype == torch.bool:
         result = result.to(torch.uint8)
-    dist.all_reduce(result, op=_REDUCE_OPS[reduce_op], group=group.group)
-    nbytes = result.numel() * result.element_size()
-    ring = 2 * (group.size - 1) * nbytes // group.size
-    record_comm("all_reduce", ring, ring)
+    if in_graph():
+        result = funcol.all_reduce(result, "sum" if reduce_op == "avg" else reduce_op, group.group)
+    else:
+        dist.all_reduce(result, op=_REDUCE_OPS[reduce_op], group=group.group)
+        nbytes = result.numel() * result.element_size()
+        ring = 2 * (group.size - 1) * nbytes // group.size
+        record_comm("all_reduce", ring, ring)
     if reduce_op == "avg":
         result = result / group.size
     return result.to(tensor.dtype)
@@ -290,10 +311,13 @@ def all_gather(tensor: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     if group.size == 1:
         return tensor.unsqueeze(0)
     payload = _as_bytes(tensor)
-    gathered = payload.new_empty(group.size * payload.numel())
-    all_gather_single()(gathered, payload, group=group.group)
-    nbytes = (group.size - 1) * payload.numel()
-    record_comm("all_gather", nbytes, nbytes)
+    if in_graph():
+        gathered = funcol.all_gather_tensor(payload, 0, group.group)
+    else:
+        gathered = payload.new_empty(group.size * payload.numel())
+        all_gather_single()(gathered, payload, group=group.group)
+        nbytes = (group.size - 1) * payload.numel()
+        record_comm("all_gather", nbytes, nbytes)
     stacked = _from_bytes(gathered, tensor.dtype, (group.size, *tensor.shape))
     order = list(group.group_ranks)
     return stacked if order == sorted(order) else stacked[order]
@@ -316,6 +340,9 @@ def broadcast(
     if group.size == 1:
         return buffer
     payload = buffer if buffer.dtype != torch.bool else buffer.view(torch.uint8)
+    if in_graph():
+        received = funcol.broadcast(payload, group.group_ranks[src], group.group)
+        return received if buffer.dtype != torch.bool else received.view(torch.bool)
     dist.broadcast(payload, group_src=group.group_ranks[src], group=group.group)
     nbytes = buffer.numel() * buffer.element_size()
     if group.index == src:
@@ -335,11 +362,15 @@ class PendingMessages:
     dtype: torch.dtype
     kind: str
     sent: int
+    counted: bool = True
+    """False for messages in a compiled graph, which are not counted (NOTE [torch.compile and
+    ShardTensor])."""
 
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
             work.wait()
-        record_comm(self.kind, self.sent, sum(b.numel() for b in self.buffers))
+        if self.counted:
+            record_comm(self.kind, self.sent, sum(b.numel() for b in self.buffers))
         return [_from_bytes(b, self.dtype, shape) for b, shape in zip(self.buffers, self.shapes)]
 
 
@@ -358,6 +389,11 @@ def start_send_recv(
     Both sides must agree: each send on one rank matches a receive on its peer, in the same
     order for a given pair.
     """
+    if in_graph():
+        buffers = _traced_send_recv(group, sends, receives, dtype=dtype, device=device)
+        return PendingMessages(
+            [], buffers, [shape for _, shape in receives], dtype, kind, 0, counted=False
+        )
     ops = []
     sent = 0
     for dst, tensor in sends:
@@ -389,3 +425,36 @@ def send_recv(
 ) -> list[torch.Tensor]:
     """Point-to-point messages, waited for (see ``start_send_recv``)."""
     return start_send_recv(group, sends, receives, dtype=dtype, device=device, kind=kind).wait()
+
+
+def _traced_send_recv(
+    group: AxisGroup,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    receives: Sequence[tuple[int, Sequence[int]]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """``start_send_recv``'s messages in a compiled graph: one functional all-to-all with a
+    zero split for every rank this one neither sends to nor receives from (there is no
+    functional point-to-point collective), each pair's messages in order within its split."""
+    to_rank: list[list[torch.Tensor]] = [[] for _ in range(group.size)]
+    for dst, tensor in sends:
+        to_rank[group.group_ranks[dst]].append(_as_bytes(tensor))
+    from_rank: list[list[int]] = [[] for _ in range(group.size)]
+    received_nbytes = []
+    for src, shape in receives:
+        received_nbytes.append(math.prod(shape) * dtype.itemsize)
+        from_rank[group.group_ranks[src]].append(len(received_nbytes) - 1)
+    flat = [payload for payloads in to_rank for payload in payloads]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    send_bytes = [sum(p.numel() for p in payloads) for payloads in to_rank]
+    recv_bytes = [sum(received_nbytes[i] for i in order) for order in from_rank]
+    recv = funcol.all_to_all_single(send.to(device), recv_bytes, send_bytes, group.group)
+    buffers: list[torch.Tensor] = [recv] * len(receives)
+    start = 0
+    for order in from_rank:
+        for i in order:
+            buffers[i] = recv[start : start + received_nbytes[i]]
+            start += received_nbytes[i]
+    return buffers

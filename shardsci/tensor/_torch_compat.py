@@ -206,6 +206,19 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     # --- torch.compile and the dry-run planner
     "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
     "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),
+    "funcol": _at(
+        "torch.distributed._functional_collectives",
+        "collectives inside a graph torch.compile traces through ShardTensors",
+    ),
+    "get_proxy_mode": _at(
+        "torch.fx.experimental.proxy_tensor:get_proxy_mode",
+        "whether AOTAutograd is tracing, so collectives must be functional",
+    ),
+    "nn_pad": _at("torch._C._nn:pad", "F.pad as the graphs dynamo captures call it"),
+    "disable_current_modes": _at(
+        "torch.utils._python_dispatch:_disable_current_modes",
+        "reading a mesh's real rank tensor while torch.compile traces under a fake mode",
+    ),
     "maybe_mark_dynamic": _at(
         "torch._dynamo:maybe_mark_dynamic", "shard sizes as dynamic dims in a region"
     ),

@@ -41,6 +41,7 @@ from shardsci.tensor._ops._windows import (
 from shardsci.tensor._options import halo_overlap_enabled
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._torch_compat import nn_pad
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _CONV_TRANSPOSE = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
@@ -262,6 +263,12 @@ def _pad(func, args, kwargs):
         extended, out_sizes, _ = gather_windows(x.to_local(), spec, windows, boundary, value or 0.0)
         return from_local_spec(extended, output_spec(spec, shape, out_sizes, extended.dtype))
     return pad_with_halo(x, windows, boundary, shape)
+
+
+@register_function_handler(nn_pad)
+def _pad_as_dynamo_calls_it(func, args, kwargs):
+    """Dynamo's graphs call ``F.pad`` by its C name (NOTE [torch.compile and ShardTensor])."""
+    return _pad(F.pad, args, kwargs)
 
 
 def _cropped(x: ShardTensor, pairs: list[tuple[int, int]]) -> ShardTensor:
