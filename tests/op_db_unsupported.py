@@ -448,7 +448,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.grid_sample": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "nn.functional.kl_div": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
     "nn.functional.local_response_norm": (_GATHERED.cases((0,), ("4r-empty",)),),
     "nn.functional.max_unpool1d": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.max_unpool1d.grad": (_GATHERED.cases((16,), ("2x2-uneven", "2x2-last")),),
@@ -528,8 +527,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "take_along_dim": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
     "torch.ops.aten._safe_softmax.default": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
-    "trapezoid": (_GATHERED.cases((0,), ("4r-random",)),),
-    "trapz": (_GATHERED.cases((0,), ("4r-random",)),),
+    "trapezoid": (_WRONG_LAYOUT.cases((0,), ("4r-random",)),),
     "triangular_solve": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),

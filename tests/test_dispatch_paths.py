@@ -35,12 +35,15 @@ FIELDS = [
 ]
 
 # Second operands, by name: global shape, and whether it is a replicated ShardTensor (True)
-# or a plain tensor (False). Each broadcasts into the field along dims no mesh axis splits.
+# or a plain tensor (False). Each broadcasts into the field along dims no mesh axis splits,
+# or holds whole a dim the field's layout splits (H, and W on 2x2), which each rank cuts.
 OPERANDS = {
     "replicated bias (C, 1, 1)": ((4, 1, 1), True),
     "plain bias (C, 1, 1)": ((4, 1, 1), False),
     "replicated (1, C, 1, 1)": ((1, 4, 1, 1), True),
     "plain (B, 1, 1, 1)": ((2, 1, 1, 1), False),
+    "replicated (H, W)": ((10, 6), True),
+    "plain (C, H, 1)": ((4, 10, 1), False),
 }
 
 
@@ -94,14 +97,16 @@ def _paths_body(case: Sharded) -> None:
             out = out.to(torch.float32)
         found[name] = (dict(tally.outermost), out.spec.same_layout(x.spec), out.dtype)
         assert tally.outermost == tally.ops, f"{name}: no op dispatches another"
-    # Along a dim a mesh axis splits, a plain operand cannot broadcast: the default path.
-    plain_rows = torch.randn(case.shape[2], 1, dtype=torch.float64)
-    with torch.no_grad(), tally_paths() as tally:
-        out = x + plain_rows
-    found["plain (H, 1)"] = (dict(tally.outermost), out.spec.same_layout(x.spec), out.dtype)
+    # A leaf that requires grad is not cut (its .grad keeps its layout): the default path.
+    leaf = _operand(case.shape[2:], True, mesh, seed=2).requires_grad_()
+    with tally_paths() as tally:
+        out = x + leaf
+    out.sum().backward()
+    found["leaf (H, W)"] = (dict(tally.outermost), out.spec.same_layout(x.spec), out.dtype)
     expected = {name: ({"fast": 4}, True, torch.float32) for name in OPERANDS}
-    expected["plain (H, 1)"] = ({"propagation": 1}, True, torch.float64)
+    expected["leaf (H, W)"] = ({"propagation": 1}, True, torch.float64)
     assert_all_ranks(found == expected, f"paths {found}, expected {expected}")
+    assert_all_ranks(leaf.grad.spec.same_layout(leaf.spec), f"leaf's grad: {leaf.grad.spec}")
 
 
 @pytest.mark.parametrize("case", FIELDS, ids=str)

@@ -41,7 +41,7 @@ from shardsci.tensor._propagation import (
 )
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, mesh_coordinate
 from shardsci.tensor._torch_compat import (
     OpOverload,
     _meta_in_tls_dispatch_include,
@@ -327,8 +327,8 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
                 local_args.append(arg._local)
                 if arg_spec.hints != spec.hints:
                     memory.append(arg_spec.hints)
-            elif (position or not mutates) and _broadcasts_into(arg_spec, spec):
-                local_args.append(arg._local)
+            elif (position or not mutates) and (cuts := _fits(arg, spec)) is not None:
+                local_args.append(_cut(arg._local, cuts))
                 if arg_spec.hints:
                     memory.append(arg_spec.hints)
             elif (
@@ -340,8 +340,9 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
             else:
                 return NotImplemented
         elif isinstance(arg, torch.Tensor) and arg.ndim != 0:
-            if (position or not mutates) and _extents_broadcast(arg.shape, spec):
-                local_args.append(arg)
+            cuts = _fitted(arg.shape, spec, cut=not arg.requires_grad)
+            if (position or not mutates) and cuts is not None:
+                local_args.append(_cut(arg, cuts))
             else:
                 return NotImplemented
         else:
@@ -392,8 +393,16 @@ def _reference_layout(args: tuple) -> ShardTensorSpec | None:
 # the operand's dim is
 # - sharded exactly as the reference's (the same mesh axes, the same shard sizes), or
 # - whole on every rank and 1, or whole on every rank and the reference's extent along a
-#   dim no mesh axis splits in the reference.
-# Then its local tensor broadcasts against every rank's shard. This covers a replicated
+#   dim no mesh axis splits in the reference, or
+# - whole on every rank and the reference's extent along a dim the reference splits: each
+#   rank cuts its part out of its local tensor (a narrow view, no communication), as
+#   DTensor's rule would (``Replicate -> Shard``), without the planning. Its gradient, which
+#   the op's derivative computes on ShardTensors, comes back split like the reference, and
+#   what consumes it reduces it (the expand that made the operand, or a promotion's backward,
+#   NOTE [Where the gradient of a replicated parameter is summed]). So an operand whose
+#   ``.grad`` would receive it, a leaf ShardTensor or a plain tensor that requires grad, is
+#   not cut: it takes the default path, whose redistribution gathers its gradient back.
+# Then its local tensor (cut) broadcasts against every rank's shard. This covers a replicated
 # operand (a ShardTensor whose placements are all Replicate, or a plain tensor, which every
 # rank holds whole: the commonest, a bias), an operand with the reference's layout along
 # some dims and extent 1 along the others (a per-row statistic ``(N, C, H, 1, 1)`` of a
@@ -406,31 +415,65 @@ def _reference_layout(args: tuple) -> ShardTensorSpec | None:
 # otherwise, as does anything else (whose first call on a 2x2x2 mesh costs seconds of
 # DTensor's strategy expansion).
 def _broadcasts_into(operand: ShardTensorSpec, spec: ShardTensorSpec) -> bool:
+    return _fits_spec(operand, spec, cut=False) is not None
+
+
+def _fits(operand: torch.Tensor, spec: ShardTensorSpec) -> tuple[tuple[int, int, int], ...] | None:
+    """How ShardTensor ``operand`` fits every shard of ``spec`` (``_fitted``); it is not cut
+    where it is a leaf that requires grad, whose ``.grad`` must keep its layout."""
+    leaf = operand.requires_grad and operand.grad_fn is None
+    return _fits_spec(operand._spec, spec, cut=not leaf)
+
+
+def _fits_spec(
+    operand: ShardTensorSpec, spec: ShardTensorSpec, cut: bool
+) -> tuple[tuple[int, int, int], ...] | None:
     if operand.partial or (operand.mesh is not spec.mesh and operand.mesh != spec.mesh):
-        return False
+        return None
     offset = spec.ndim - operand.ndim
     own = {s.dim + offset: s for s in operand.shardings}
-    return _extents_broadcast(operand.shape, spec, own)
+    return _fitted(operand.shape, spec, own, cut)
 
 
-def _extents_broadcast(
-    shape: torch.Size, spec: ShardTensorSpec, own: dict[int, DimSharding] | None = None
-) -> bool:
+def _fitted(
+    shape: torch.Size,
+    spec: ShardTensorSpec,
+    own: dict[int, DimSharding] | None = None,
+    cut: bool = True,
+) -> tuple[tuple[int, int, int], ...] | None:
     """Whether a tensor of ``shape``, whole on every rank but along the reference dims in
-    ``own`` (their shardings), broadcasts into every shard of ``spec`` giving that shard's
-    shape."""
+    ``own`` (their shardings), gives every shard of ``spec`` its operand: None if not, else
+    the cuts (operand dim, start, length) that take this rank's part of the dims it holds whole
+    at the extent of a dim ``spec`` splits (none allowed unless ``cut``)."""
     offset = spec.ndim - len(shape)
     if offset < 0:
-        return False
+        return None
     sharded = spec.sharding_by_dim
+    cuts = []
     for dim, n in enumerate(shape, offset):
         mine, theirs = (own or {}).get(dim), sharded.get(dim)
         if mine is not None:
             if theirs is None or (mine.axes, mine.sizes) != (theirs.axes, theirs.sizes):
-                return False
-        elif n != 1 and (n != spec.shape[dim] or theirs is not None):
-            return False
-    return True
+                return None
+        elif n == 1 or (n == spec.shape[dim] and theirs is None):
+            continue
+        elif n == spec.shape[dim] and cut:
+            cuts.append((dim - offset, *_local_range(spec, theirs)))
+        else:
+            return None
+    return tuple(cuts)
+
+
+def _local_range(spec: ShardTensorSpec, sharding: DimSharding) -> tuple[int, int]:
+    """(start, length) of this rank's shard along ``sharding``'s dim."""
+    index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
+    return sum(sharding.sizes[:index]), sharding.sizes[index]
+
+
+def _cut(local: torch.Tensor, cuts: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
+    for dim, start, length in cuts:
+        local = local.narrow(dim, start, length)
+    return local
 
 
 def _reduced(spec: ShardTensorSpec) -> ShardTensorSpec:
