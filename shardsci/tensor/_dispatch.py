@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor import _propagation
-from shardsci.tensor._caches import register_cache
+from shardsci.tensor._caches import cached, register_cache
 from shardsci.tensor._gather_guard import asked_for, dispatching
 from shardsci.tensor._propagation import (
     Plan,
@@ -41,7 +41,7 @@ from shardsci.tensor._propagation import (
 )
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._registry import AtenHandler, aten_handler_for, on_registration
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec, mesh_coordinate
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, replicated_spec
 from shardsci.tensor._torch_compat import (
     OpOverload,
     _meta_in_tls_dispatch_include,
@@ -328,7 +328,7 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
                 if arg_spec.hints != spec.hints:
                     memory.append(arg_spec.hints)
             elif (position or not mutates) and (cuts := _fits(arg, spec)) is not None:
-                local_args.append(_cut(arg._local, cuts))
+                local_args.append(_cut(arg._local, arg_spec, cuts))
                 if arg_spec.hints:
                     memory.append(arg_spec.hints)
             elif (
@@ -342,7 +342,9 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
         elif isinstance(arg, torch.Tensor) and arg.ndim != 0:
             cuts = _fitted(arg.shape, spec, cut=not arg.requires_grad)
             if (position or not mutates) and cuts is not None:
-                local_args.append(_cut(arg, cuts))
+                local_args.append(
+                    _cut(arg, replicated_spec(arg, spec.mesh) if cuts else None, cuts)
+                )
             else:
                 return NotImplemented
         else:
@@ -395,8 +397,10 @@ def _reference_layout(args: tuple) -> ShardTensorSpec | None:
 # - whole on every rank and 1, or whole on every rank and the reference's extent along a
 #   dim no mesh axis splits in the reference, or
 # - whole on every rank and the reference's extent along a dim the reference splits: each
-#   rank cuts its part out of its local tensor (a narrow view, no communication), as
-#   DTensor's rule would (``Replicate -> Shard``), without the planning. Its gradient, which
+#   rank cuts its part out of its local tensor, the redistribution DTensor's rule would make
+#   (``Replicate -> Shard``, a slice, no communication) without the planning; it goes through
+#   ``redistribute_local``, so the probe that finds compilable regions sees that the module's
+#   plain tensors depend on the global shape (NOTE [Compiled local regions]). Its gradient, which
 #   the op's derivative computes on ShardTensors, comes back split like the reference, and
 #   what consumes it reduces it (the expand that made the operand, or a promotion's backward,
 #   NOTE [Where the gradient of a replicated parameter is summed]). So an operand whose
@@ -418,7 +422,9 @@ def _broadcasts_into(operand: ShardTensorSpec, spec: ShardTensorSpec) -> bool:
     return _fits_spec(operand, spec, cut=False) is not None
 
 
-def _fits(operand: torch.Tensor, spec: ShardTensorSpec) -> tuple[tuple[int, int, int], ...] | None:
+def _fits(
+    operand: torch.Tensor, spec: ShardTensorSpec
+) -> tuple[tuple[int, DimSharding], ...] | None:
     """How ShardTensor ``operand`` fits every shard of ``spec`` (``_fitted``); it is not cut
     where it is a leaf that requires grad, whose ``.grad`` must keep its layout."""
     leaf = operand.requires_grad and operand.grad_fn is None
@@ -427,7 +433,7 @@ def _fits(operand: torch.Tensor, spec: ShardTensorSpec) -> tuple[tuple[int, int,
 
 def _fits_spec(
     operand: ShardTensorSpec, spec: ShardTensorSpec, cut: bool
-) -> tuple[tuple[int, int, int], ...] | None:
+) -> tuple[tuple[int, DimSharding], ...] | None:
     if operand.partial or (operand.mesh is not spec.mesh and operand.mesh != spec.mesh):
         return None
     offset = spec.ndim - operand.ndim
@@ -440,11 +446,11 @@ def _fitted(
     spec: ShardTensorSpec,
     own: dict[int, DimSharding] | None = None,
     cut: bool = True,
-) -> tuple[tuple[int, int, int], ...] | None:
+) -> tuple[tuple[int, DimSharding], ...] | None:
     """Whether a tensor of ``shape``, whole on every rank but along the reference dims in
     ``own`` (their shardings), gives every shard of ``spec`` its operand: None if not, else
-    the cuts (operand dim, start, length) that take this rank's part of the dims it holds whole
-    at the extent of a dim ``spec`` splits (none allowed unless ``cut``)."""
+    the cuts, (operand dim, the reference's sharding of it), of the dims it holds whole at the
+    extent of a dim ``spec`` splits (none allowed unless ``cut``)."""
     offset = spec.ndim - len(shape)
     if offset < 0:
         return None
@@ -458,22 +464,46 @@ def _fitted(
         elif n == 1 or (n == spec.shape[dim] and theirs is None):
             continue
         elif n == spec.shape[dim] and cut:
-            cuts.append((dim - offset, *_local_range(spec, theirs)))
+            cuts.append((dim - offset, theirs))
         else:
             return None
     return tuple(cuts)
 
 
-def _local_range(spec: ShardTensorSpec, sharding: DimSharding) -> tuple[int, int]:
-    """(start, length) of this rank's shard along ``sharding``'s dim."""
-    index = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
-    return sum(sharding.sizes[:index]), sharding.sizes[index]
+def _cut(
+    local: torch.Tensor,
+    operand: ShardTensorSpec | None,
+    cuts: tuple[tuple[int, DimSharding], ...],
+) -> torch.Tensor:
+    """This rank's part of ``operand``'s ``local`` tensor along the dims in ``cuts``: a
+    redistribution (``Replicate -> Shard``, a slice), so that whatever watches layout changes
+    (NOTE [Taps on record_comm and redistribute_local]) sees the operand split."""
+    if not cuts:
+        return local
+    return redistribute_local(local, operand, _cut_spec(operand, cuts))
 
 
-def _cut(local: torch.Tensor, cuts: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
-    for dim, start, length in cuts:
-        local = local.narrow(dim, start, length)
-    return local
+@cached("fast-path cuts", 1024)
+def _cut_spec(
+    operand: ShardTensorSpec, cuts: tuple[tuple[int, DimSharding], ...]
+) -> ShardTensorSpec:
+    placements = list(operand.placements)
+    sizes = {s.dim: s.sizes for s in operand.shardings}
+    order = {s.dim: s.axes for s in operand.shardings}
+    for dim, sharding in cuts:
+        for axis in sharding.axes:
+            placements[axis] = Shard(dim)
+        sizes[dim], order[dim] = sharding.sizes, sharding.axes
+    return ShardTensorSpec.build(
+        operand.mesh,
+        placements,
+        operand.shape,
+        operand.dtype,
+        sizes,
+        stride=operand.stride,
+        order=order,
+        hints=operand.hints,
+    )
 
 
 def _reduced(spec: ShardTensorSpec) -> ShardTensorSpec:
