@@ -288,7 +288,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "cummax": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "cummin": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "cumprod": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "cumulative_trapezoid": (_GATHERED.cases((0,), ("4r-random",)),),
     "fft.fft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "fft.ifft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "fft.ihfft": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
@@ -448,7 +447,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.grid_sample": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "nn.functional.local_response_norm": (_GATHERED.cases((0,), ("4r-empty",)),),
     "nn.functional.max_unpool1d": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.max_unpool1d.grad": (_GATHERED.cases((16,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.max_unpool2d": (
