@@ -3,15 +3,19 @@
 # NOTE [torch.compile and ShardTensor]
 By default dynamo does not trace ShardTensor code (``keep_dynamo_out``: ShardTensor on its
 non-traceable subclass list, ``shardsci.tensor`` on its skip list), so ``torch.compile(model)``
-on ShardTensor inputs gives eager results with every ShardTensor op run eagerly, silently
-(``torch._dynamo.explain`` reports one graph, no break). Compiled speed comes from
-``shardsci.compiling.compile_regions`` (NOTE [Compiled local regions]), which compiles what each
-rank computes alone, on plain local tensors. A one-time warning when torch.compile meets a
-ShardTensor is not done: a hook at the top of ``_function_dispatch.dispatch`` testing
-``torch.compiler.is_compiling()`` never fired under ``torch.compile`` (a probe that replaced
-``ShardTensor.__torch_function__`` by a wrapper defined outside ``shardsci.tensor`` did see
-``is_compiling()`` true on every op; why the skipped package's handler is not reached the
-same way is not yet known); the next place to try is a guard or flatten hook, or a ``torch.compile`` wrapper).
+on ShardTensor inputs gives eager results with every ShardTensor op run eagerly: dynamo breaks
+the graph at the first ShardTensor op ("Attempted to inline function marked as skipped",
+``dispatch``; ``TORCH_LOGS=graph_breaks`` shows it) and, finding nothing to compile, runs the
+frame as it is (``torch._dynamo.explain`` reports one graph, no break). The user is told once
+per process: ``__torch_function__`` (``_function_dispatch.dispatch``) checks, while
+``watching``, whether dynamo's frame callback is set, as it is for the whole call of a
+``torch.compile``'d function, its eager parts included, and not in code torch.compile
+disabled; the first ShardTensor op run there gives an ``EagerUnderCompileWarning`` naming
+what to do (``tests/test_compile.py``: one warning under ``torch.compile(UNet)``, none under
+``compile_regions``). ``torch.compiler.is_compiling()`` cannot tell this: it is true only while
+dynamo traces Python, and dynamo never traces the skipped package. Compiled speed comes from
+``shardsci.compiling.compile_regions`` (NOTE [Compiled local regions]), which compiles what
+each rank computes alone, on plain local tensors, outside ShardTensor dispatch.
 
 ``tracing_through_shardtensors()`` (experimental, a context manager, tested on small modules
 only: ``tests/test_torch_compile_through.py``) lets dynamo and AOTAutograd trace through
@@ -51,16 +55,48 @@ make ``_ToLocal``/``_FromLocal`` traceable as DTensor's ``to_local``/``from_loca
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-from shardsci.tensor._torch_compat import dynamo_config, get_proxy_mode, trace_rules
+from shardsci.tensor._torch_compat import (
+    dynamo_config,
+    get_proxy_mode,
+    trace_rules,
+)
 
-__all__ = ["in_graph", "keep_dynamo_out", "tracing_through_shardtensors"]
+__all__ = [
+    "EagerUnderCompileWarning",
+    "forget_eager_under_compile_warning",
+    "in_graph",
+    "keep_dynamo_out",
+    "tracing_through_shardtensors",
+    "warn_eager_under_compile",
+]
 
 _state: dict[str, type | None] = {"kept_out": None}
+
+#: True while an eager ShardTensor op under ``torch.compile`` would still be news: dynamo is
+#: kept out and the warning not yet given. Read on every ShardTensor function call.
+watching = False
+_warned = False
+
+
+class EagerUnderCompileWarning(UserWarning):
+    """``torch.compile`` met ShardTensors and runs their ops eagerly; said once per process."""
+
+
+EAGER_UNDER_COMPILE = (
+    "torch.compile runs ShardTensor ops eagerly: dynamo does not trace ShardTensor code, so "
+    "no compiled graph holds them and this model is not compiled where it meets "
+    "ShardTensors. To compile the modules each rank computes alone, call "
+    "shardsci.compiling.compile_regions(model) (without torch.compile); to trace through "
+    "ShardTensors, compile and run inside "
+    "shardsci.tensor._torch_compile.tracing_through_shardtensors() (experimental). "
+    "Said once per process; NOTE [torch.compile and ShardTensor]."
+)
 
 
 def in_graph() -> bool:
@@ -71,9 +107,27 @@ def in_graph() -> bool:
 
 def keep_dynamo_out(cls: type) -> None:
     """Called once by ``shardsci.tensor`` with the ShardTensor class: the default."""
+    global watching
     dynamo_config.nontraceable_tensor_subclasses.add(cls)
     trace_rules.add("shardsci.tensor")
     _state["kept_out"] = cls
+    watching = not _warned
+
+
+def warn_eager_under_compile() -> None:
+    """Called by ``__torch_function__`` while ``watching``, for an op that runs inside a call
+    of a ``torch.compile``'d function (dynamo's frame callback is set): eagerly, where the
+    user asked for compiled code. Warns once per process."""
+    global watching, _warned
+    watching, _warned = False, True
+    warnings.warn(EAGER_UNDER_COMPILE, EagerUnderCompileWarning, stacklevel=3)
+
+
+def forget_eager_under_compile_warning() -> None:
+    """Warn again, at the next eager ShardTensor op under ``torch.compile``: for tests."""
+    global watching, _warned
+    _warned = False
+    watching = _state["kept_out"] is not None
 
 
 @contextmanager
@@ -85,7 +139,9 @@ def tracing_through_shardtensors() -> Iterator[None]:
     if cls is None:  # already inside
         yield
         return
+    global watching
     dynamo_config.nontraceable_tensor_subclasses.discard(cls)
+    watching = False
     skipped = list(trace_rules.SKIP_DIRS)
     package = os.path.dirname(__file__)
     trace_rules.SKIP_DIRS[:] = [d for d in skipped if not d.startswith(package)]
@@ -100,3 +156,4 @@ def tracing_through_shardtensors() -> Iterator[None]:
         trace_rules._recompile_re()
         dynamo_config.nontraceable_tensor_subclasses.add(cls)
         _state["kept_out"] = cls
+        watching = not _warned
