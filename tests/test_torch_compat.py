@@ -402,6 +402,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,
     "funcol": _funcol,
+    "get_eval_frame_callback": lambda fn: fn() in (None, False),
     "get_proxy_mode": _proxy_mode,
     "disable_current_modes": _disable_modes,
     "nn_pad": lambda pad: pad(torch.ones(1, 2), (1, 0), "constant", 0.0).tolist() == [[0.0, 1, 1]],

@@ -210,6 +210,10 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch.distributed._functional_collectives",
         "collectives inside a graph torch.compile traces through ShardTensors",
     ),
+    "get_eval_frame_callback": _at(
+        "torch._C._dynamo.eval_frame:get_eval_frame_callback",
+        "whether a ShardTensor op runs eagerly inside a torch.compile'd call",
+    ),
     "get_proxy_mode": _at(
         "torch.fx.experimental.proxy_tensor:get_proxy_mode",
         "whether AOTAutograd is tracing, so collectives must be functional",

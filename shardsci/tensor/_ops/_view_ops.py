@@ -77,8 +77,9 @@ def _view(func, args, kwargs):
         return ShardTensor(local, restored)
     if func is aten.view.default and local is x._local:
         # A view the spec's (global) strides allow can still be impossible on the local shard,
-        # whose memory layout may differ (a transposed gradient): then the shard is copied.
-        with contextlib.suppress(RuntimeError):
+        # whose memory layout may differ (a transposed gradient, an einsum's permuted output):
+        # then the shard is copied.
+        with contextlib.suppress(*_VIEW_REFUSED):
             return ShardTensor(local.view(local_shape), out_spec)
     return ShardTensor(local.reshape(local_shape), out_spec)
 
@@ -96,10 +97,16 @@ def _view_plan(
     return needed, out_spec, _unflattened(spec, groups, out_spec)
 
 
+#: What ``Tensor.view`` raises for a shape the memory layout cannot take: RuntimeError on a
+#: real tensor, ValueError on a fake one (torch._refs' view), as when torch.compile runs the
+#: op on fake shards to learn its output (NOTE [torch.compile and ShardTensor]).
+_VIEW_REFUSED = (RuntimeError, ValueError)
+
+
 def _viewable(local: torch.Tensor, shape: tuple[int, ...]) -> bool:
     try:
         local.view(shape)
-    except RuntimeError:
+    except _VIEW_REFUSED:
         return False
     return True
 
