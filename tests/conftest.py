@@ -6,7 +6,18 @@ Kept light on purpose: nothing here imports torch at collection time. The rank p
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where the collected tests use the rank pools: their ranks start with the training
+    command imported (``preload_in_ranks``), which the recipe's rank bodies and every test
+    module importing ``shardsci.train`` would otherwise import on each rank of each pool."""
+    pool = sys.modules.get("shardsci.testing._pool")
+    if pool is not None:
+        pool.preload_in_ranks("shardsci.train")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -21,25 +21,15 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-import torch.distributed as dist
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.checkpoint import load_checkpoint
-from shardsci.distributed import LaunchEnv, detect_launch_env
 from shardsci.recipes.cfd.generate import CREATED_BY, DatasetConfig, generate_dataset
 from shardsci.recipes.cfd.navier_stokes import SolverConfig
 from shardsci.testing import run_on_ranks
 from shardsci.testing.slurm import local_cluster_or_skip, submit_and_wait
-from shardsci.training import (
-    Parallelism,
-    RunContext,
-    Trainer,
-    check_run,
-    get_recipe,
-    instantiate,
-)
+from shardsci.training import instantiate
+from tests.recipe_on_ranks import compose_run, train_recipe_on_the_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DATA = DatasetConfig(solver=SolverConfig(resolution=32), n_train=4, n_test=2, n_snapshots=6)
@@ -91,28 +81,6 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def _compose(*overrides: str) -> DictConfig:
-    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        return compose("config", overrides=["+recipe=cfd", *overrides])
-
-
-def _train_recipe_on_the_pool(overrides: list[str]) -> tuple[int, dict[str, float]]:
-    """On every rank of the pool: the run planned as ``train.py`` plans it, then what
-    ``train_recipe`` does on a rank ``train.py`` forked (in the pool's process group instead
-    of a new one); this rank's number of held-out samples and the final metrics."""
-    cfg = _compose(*overrides)
-    plan = check_run(cfg, get_recipe(cfg.recipe), detect_launch_env({}), False)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert plan.world_size == world, (plan, world)
-    env = LaunchEnv(rank, world, rank, world, "127.0.0.1", 0, "single")
-    run = RunContext(env, Parallelism.build(plan, "cpu"), Path(cfg.run_dir), torch.device("cpu"))
-    torch.manual_seed(cfg.train.seed)
-    model = instantiate(cfg.model)
-    task = get_recipe(cfg.recipe).load_task()(cfg, run)
-    held_out = task.data.eval_batch()[0].shape[0]
-    return held_out, Trainer(run, cfg, model, task).fit()
-
-
 def test_a_short_run_leaves_what_people_need(tmp_path: Path) -> None:
     """Generating its data on the way (rank 0 writes, the others wait)."""
     generated = [
@@ -162,7 +130,7 @@ def test_the_model_beats_persistence(dataset: Path, tmp_path: Path) -> None:
         "mesh=1", f"data.path={dataset}", f"run_dir={tmp_path}", *TINY, "train.steps=30",
         "train.eval_every=30",
     ]  # fmt: skip
-    ((_, metrics),) = run_on_ranks(1, _train_recipe_on_the_pool, overrides, timeout_s=RUN_TIMEOUT_S)
+    ((_, metrics),) = run_on_ranks(1, train_recipe_on_the_pool, overrides, timeout_s=RUN_TIMEOUT_S)
     persistence = metrics["persistence_relative_l2"]
     assert metrics["eval_relative_l2"] <= (1 - PERSISTENCE_MARGIN) * persistence, metrics
 
@@ -194,7 +162,7 @@ def test_the_loss_curve_and_parameters_do_not_depend_on_the_mesh(
 def _parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model parameters saved in ``checkpoint``, loaded in this (single) process into the
     recipe's model."""
-    model = instantiate(_compose().model)
+    model = instantiate(compose_run().model)
     optimizer = torch.optim.AdamW(model.parameters())
     load_checkpoint(checkpoint, model, optimizer)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -205,9 +173,15 @@ def test_a_4x2_checkpoint_resumes_on_another_mesh(
     dataset: Path, tmp_path: Path, resume_mesh: str
 ) -> None:
     """The loss continues where it stopped: steps 4-6 after resuming from step 3 equal the
-    uninterrupted run's."""
+    uninterrupted run's. The 4x2 run is the recipe's rank body on the 8-rank pool (what
+    ``train.py``'s forked ranks compute: a ``train.py`` start-up saved); the resumed run is
+    the command, and the only default run of ``mesh=1`` through it."""
     first = tmp_path / "4x2"
-    _train(dataset, first, "4x2", "train.steps=6", "train.checkpoint_every=3")
+    overrides = [
+        "mesh=4x2", f"data.path={dataset}", f"run_dir={first}", *TINY, "train.steps=6",
+        "train.checkpoint_every=3",
+    ]  # fmt: skip
+    run_on_ranks(8, train_recipe_on_the_pool, overrides, timeout_s=RUN_TIMEOUT_S)
     resumed = tmp_path / resume_mesh
     checkpoint = first / "checkpoints" / "step_000003"
     _train(dataset, resumed, resume_mesh, "train.steps=6", f"train.resume={checkpoint}")
@@ -228,7 +202,7 @@ def test_a_replica_without_a_held_out_sample_evaluates_nothing(
         "mesh=2", "parallel.choose=false", f"data.path={dataset}", f"run_dir={tmp_path}",
         *TINY, "train.steps=1", "eval.samples=1",
     ]  # fmt: skip
-    per_rank = run_on_ranks(2, _train_recipe_on_the_pool, overrides, timeout_s=RUN_TIMEOUT_S)
+    per_rank = run_on_ranks(2, train_recipe_on_the_pool, overrides, timeout_s=RUN_TIMEOUT_S)
     assert sorted(held_out for held_out, _ in per_rank) == [0, 1], per_rank
     errors = [metrics["eval_relative_l2"] for _, metrics in per_rank]
     assert math.isfinite(errors[0]) and errors[0] == errors[1], per_rank
@@ -269,20 +243,23 @@ def slurm() -> None:
 
 
 def test_the_recipe_runs_as_an_sbatch_job(slurm: None, dataset: Path, tmp_path: Path) -> None:
-    """``scripts/slurm/train.sbatch`` with 4 tasks and mesh=2x2."""
+    """``scripts/slurm/train.sbatch`` with 2 tasks and mesh=1x2: every task is a process of
+    its own that pays the whole start-up (about 6.6 s of CPU), and SLURM's part (the launch
+    detected from SLURM's variables) is the same for any number of tasks; a 2-D mesh under
+    SLURM is the slow submitit test's (2x2), and through the command the short run's (2x2)."""
     run_dir = tmp_path / "run"
     result = submit_and_wait(
         ROOT / "scripts" / "slurm" / "train.sbatch",
         timeout_s=RUN_TIMEOUT_S,
         options=[
-            "--ntasks=4",
+            "--ntasks=2",
             JOB_TIME_LIMIT,
             f"--output={tmp_path}/slurm-%j.out",
             f"--chdir={ROOT}",
             f"--export=ALL,SHARDSCI_PYTHON={sys.executable}",
         ],
         arguments=[
-            "mesh=2x2",
+            "mesh=1x2",
             f"data.path={dataset}",
             f"run_dir={run_dir}",
             *TINY,

@@ -9,7 +9,10 @@ NOTE [Forking ranks from a clean zygote]
 Forking a process that has run a multi-threaded torch op can hang the child. Ranks are
 therefore started through a ``forkserver`` whose only work is importing ``_PRELOAD``: each
 rank is forked from that clean, torch-importing zygote (fast: no re-import), never from the
-pytest process, which may run torch ops freely. Each rank starts with
+pytest process, which may run torch ops freely. ``preload_in_ranks`` adds modules the ranks
+would each import anyway (a suite's bodies that import the training command: about 1 s of CPU
+per rank and pool, once in the zygote instead); they must start no threads and run no torch op
+on import. Each rank starts with
 ``torch.set_num_threads(1)``. The forkserver receives the parent's ``sys.path`` when it starts
 (because preload modules are set) and every rank receives it again when it is forked, so
 functions from the ``tests`` package (repo root on ``sys.path`` through pytest's
@@ -68,6 +71,7 @@ __all__ = [
     "RankPool",
     "current_world_size",
     "get_mesh",
+    "preload_in_ranks",
     "run_local_tensor",
     "run_on_ranks",
     "shutdown_pools",
@@ -255,6 +259,26 @@ class _Reply:
     ok: bool
     value: Any
     summary: str
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Import ``modules`` once in the zygote every rank is forked from, so that every rank
+    starts with them (NOTE [Forking ranks from a clean zygote]); a module that cannot be
+    imported there is left to the ranks. Call it before the first pool starts.
+
+    Parameters
+    ----------
+    *modules
+        Names of modules whose import starts no thread and runs no torch op.
+
+    Raises
+    ------
+    RuntimeError
+        If a pool has started: the zygote has imported what it will.
+    """
+    if _forkserver.cache_info().currsize:
+        raise RuntimeError("preload_in_ranks: the ranks' zygote has started; call it earlier")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 @functools.cache
