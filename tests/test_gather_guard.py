@@ -565,31 +565,3 @@ def test_a_pending_sum_held_whole_and_reduce_scattered_counts(layout: str) -> No
     results = run_on_ranks(math.prod(mesh_shape), _pending_sum_body, layout)
     assert len({r["message"] for r in results}) == 1, "ranks raised different messages"
     assert "laid out (Partial(sum)" in results[0]["message"], results[0]["message"]
-
-
-def _normalized_body(layout: str) -> None:
-    mesh_shape, placements, sizes = PENDING_LAYOUTS[layout]
-    mesh = get_mesh(mesh_shape)
-    torch.manual_seed(0)
-    whole = torch.randn(SHAPE, dtype=torch.float64, requires_grad=True)
-    order = {d: tuple(a for a, p in enumerate(placements) if p.dim == d) for d in sizes}
-    spec = ShardTensorSpec.build(mesh, placements, SHAPE, torch.float64, sizes, order=order)
-    x = from_local_spec(spec.narrow(whole.detach()), spec).detach().requires_grad_()
-    for p, dim in ((1.0, 2), (2.0, 3), (float("inf"), 2)):
-        with gather_policy("error"):
-            out = F.normalize(x, p=p, dim=dim)
-            (grad,) = torch.autograd.grad(out.square().sum(), x)
-        expected = F.normalize(whole, p=p, dim=dim)
-        (expected_grad,) = torch.autograd.grad(expected.square().sum(), whole)
-        what = f"normalize p={p} dim={dim}"
-        assert_all_ranks(out.spec.same_layout(x.spec), f"{what}: {out.spec}")
-        assert_close_all_ranks(out.full_tensor(), expected, atol=1e-12, rtol=0, what=what)
-        assert_close_all_ranks(grad.full_tensor(), expected_grad, atol=1e-12, rtol=0, what=what)
-
-
-@pytest.mark.parametrize("layout", list(PENDING_LAYOUTS))
-def test_normalize_keeps_the_layout_and_gathers_nothing(layout: str) -> None:
-    """F.normalize along a split dim: the norm is reduced before it meets x (it stayed a
-    pending p-norm, which clamp_min reduce-scattered onto the batch dim on 2x2 meshes: the
-    layout was lost and, under "error", refused as a pending sum held whole)."""
-    run_on_ranks(math.prod(PENDING_LAYOUTS[layout][0]), _normalized_body, layout)

@@ -162,15 +162,11 @@ def _max_min(func, args, kwargs):
 
 @register_aten_handler(aten.linalg_vector_norm.default)
 def _vector_norm(func, args, kwargs):
-    """A norm is a statistic: its pending reduction is done before it meets the operand it
-    came from (``reduced_now``). Left pending (DTensor's p-norm Partial), the next op, not
-    linear in it (``F.normalize``'s ``clamp_min``), had DTensor reduce-scatter it onto a dim
-    of its choosing (the batch), and the quotient lost the input's layout on a 2x2 mesh.
-    Infinite and negative orders have no identity, so torch refuses them on an empty shard:
-    there the shard's norm is the value that adds nothing when shards are combined (0 for
-    inf, inf for -inf and negative orders: ``inf ** p = 0``)."""
+    """Infinite and negative orders have no identity, so torch refuses them on an empty
+    shard: there the shard's norm is the value that adds nothing when shards are combined
+    (0 for inf, inf for -inf and negative orders: ``inf ** p = 0``)."""
     a = bind(func, args, kwargs)
-    if not accepts(a.self, partial=True):
+    if not accepts(a.self, partial=True) or (not math.isinf(a.ord) and a.ord >= 0):
         return NotImplemented
 
     def local(x, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -183,10 +179,7 @@ def _vector_norm(func, args, kwargs):
         value = 0.0 if ord > 0 else math.inf
         return torch.full(shape, value, dtype=dtype or x.real.dtype, device=x.device)
 
-    no_identity = math.isinf(a.ord) or a.ord < 0
-    return reduced_now(
-        run_with_propagation(func, args, kwargs, local_impl=local if no_identity else None)
-    )
+    return run_with_propagation(func, args, kwargs, local_impl=local)
 
 
 # ---------------------------------------------------------------------------- argmax / argmin
