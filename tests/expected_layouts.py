@@ -276,25 +276,36 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ~same
 
 
-#: How each block is moved to see what depends on it: up, down and both ways at random (a
-#: maximum or a clamp may not notice one of them).
-_DIRECTIONS = ("up", "down", "random")
+#: How each block is moved to see what depends on it: up, down and both ways at random, each
+#: element by its own magnitude (a histogram's bin changes with the elements that leave it
+#: or come into it), and past every other element, up and down (a maximum or minimum over a
+#: window reaching two blocks changes with either only when a moved element passes the
+#: other's: a move by its own magnitude left a larger maximum in the other block unmoved,
+#: and the window was taken for that block's alone).
+_DIRECTIONS = ("up", "down", "random", "past up", "past down")
 
 
 def _perturbed(
     x: torch.Tensor, dim: int, start: int, size: int, direction: str, seed: int
 ) -> torch.Tensor:
-    """``x`` with its block ``[start, start + size)`` along ``dim`` moved by one to two times
-    its own magnitude plus one, in ``direction``."""
+    """``x`` with its block ``[start, start + size)`` along ``dim`` moved in ``direction`` by
+    one to two times its elements' magnitudes plus one, or (``"past ..."``) by one to two
+    times ``2 M + 1``, ``M`` the largest finite magnitude in ``x``."""
     generator = torch.Generator().manual_seed(seed)
     block = x.narrow(dim, start, size)
     step = 1 + torch.rand(block.shape, dtype=block.real.dtype, generator=generator)
-    if direction == "down":
+    if direction.endswith("down"):
         step = -step
     elif direction == "random":
         step = step * torch.randn(block.shape, dtype=block.dtype, generator=generator).sgn()
+    if direction.startswith("past"):
+        finite = x.detach().abs()
+        finite = finite[finite.isfinite()]
+        reach = 2 * (finite.max().item() if finite.numel() else 0.0) + 1
+    else:
+        reach = block.abs() + 1
     moved = x.detach().clone()
-    moved.narrow(dim, start, size).add_(step * (block.abs() + 1))
+    moved.narrow(dim, start, size).add_(step * reach)
     return moved
 
 

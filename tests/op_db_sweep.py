@@ -563,24 +563,54 @@ def _cases(
                     yield (key, i, index), layout, sample, sharded
 
 
+@dataclass(frozen=True)
+class CaseNotes:
+    """What a case's record notes beside its verdict.
+
+    Attributes
+    ----------
+    layout_rules : str
+        The layout rules checked (rank 0's; see ``CaseResult.layout``).
+    gathers : tuple of str
+        What the gather guard saw the sharded run gather, as ``"what: op [(backward of
+        node)] before -> after bytes per rank"`` (NOTE [Gathers an op was not asked to make]
+        in ``shardsci/tensor/_gather_guard.py``): the guard's own view, noted for finding
+        such ops, never part of the verdict.
+    """
+
+    layout_rules: str = ""
+    gathers: tuple[str, ...] = ()
+
+
+def _noted(gather) -> str:
+    backward = f" (backward of {gather.backward_of})" if gather.backward_of else ""
+    return (
+        f"{gather.what}: {gather.op}{backward} "
+        f"{gather.bytes_per_rank_before} -> {gather.bytes_per_rank} bytes per rank"
+    )
+
+
 def verdict_of_case(
     key: str, sample, sharded: Layout | None, mesh, unchecked: str | None
-) -> tuple[tuple, str]:
+) -> tuple[tuple, CaseNotes]:
     """This rank's view of one case: ``("ran", problem, unchecked)``, ``("raised", type,
-    message)`` or ``("skip", why)``; and the layout rules it checked (rank 0's: kept out of
-    the verdict, so that the ranks' verdicts agree when nothing differs)."""
+    message)`` or ``("skip", why)``; and its notes (rank 0's: kept out of the verdict, so
+    that the ranks' verdicts agree when nothing differs)."""
+    from shardsci import gather_policy, record_gathers
+
     if sharded is None:
-        return ("skip", "no tensor dim to shard in this layout"), ""
+        return ("skip", "no tensor dim to shard in this layout"), CaseNotes()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), gather_policy("allow"), record_gathers() as seen:
             warnings.simplefilter("ignore")
             result = run_case(database()[key], sample, sharded, mesh, unchecked)
     except Exception as exc:
         message = " ".join(str(exc).split())
-        return ("raised", type(exc).__name__, message[:500]), ""
+        return ("raised", type(exc).__name__, message[:500]), CaseNotes()
     if result.problem and result.problem.startswith("skip: "):
-        return ("skip", result.problem[len("skip: ") :]), ""
-    return ("ran", result.problem, result.unchecked), result.layout
+        return ("skip", result.problem[len("skip: ") :]), CaseNotes()
+    notes = CaseNotes(result.layout, tuple(dict.fromkeys(map(_noted, seen))))
+    return ("ran", result.problem, result.unchecked), notes
 
 
 def sweep_body(
@@ -609,15 +639,21 @@ def sweep_body(
             begun = time.perf_counter()
             unchecked = expectations.why_values_unchecked(key, sample)
             if limit is not None and expectations.hangs(key, index, layout.name):
-                verdict, stated = ("skip", _KNOWN_HANG), ""
+                verdict, notes = ("skip", _KNOWN_HANG), CaseNotes()
             else:
                 mesh = get_mesh(layout.mesh)
-                verdict, stated = verdict_of_case(key, sample, sharded, mesh, unchecked)
+                verdict, notes = verdict_of_case(key, sample, sharded, mesh, unchecked)
             seconds = time.perf_counter() - begun
             verdicts = agree(verdict, f"{key} sample {index} on {layout.name}")
             if rank == 0:
                 outcome, detail = classify(database()[key].name, verdicts)
-                record = {**case, "outcome": outcome, "detail": detail, "layout_rules": stated}
+                record = {
+                    **case,
+                    "outcome": outcome,
+                    "detail": detail,
+                    "layout_rules": notes.layout_rules,
+                    "gathers": list(notes.gathers),
+                }
                 log.write(json.dumps({**record, "seconds": round(seconds, 4)}) + "\n")
                 log.flush()
 

@@ -301,7 +301,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _WRONG_LAYOUT.cases((2,), ("2x2-uneven", "2x2-last")),
     ),
     "grid_sampler_2d": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven")),),
-    "histogram": (_GATHERED.cases((32,), ("2r-uneven", "4r-empty", "4r-random")),),
     "histogramdd": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),

@@ -11,6 +11,7 @@ The zoo's models run under ``"error"`` in ``test_zoo_sharded`` (grid models) and
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci import (
     GatherError,
@@ -36,6 +37,8 @@ from shardsci.planning import RunPlan, format_plan
 from shardsci.planning._observe import StepObserver
 from shardsci.planning._plan import layer_plans
 from shardsci.tensor import _dispatch, _function_dispatch, _gather_guard
+from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.testing import (
     assert_all_ranks,
     assert_close_all_ranks,
@@ -458,10 +461,17 @@ def _reduced_first_body(mesh_shape: tuple[int, ...]) -> None:
         "x - mean": lambda t: t - t.mean(2, keepdim=True),
         "x * amax": lambda t: t * t.amax(2, keepdim=True),
     }
+    # Measured, not judged by the guard: no collective brings a rank as many bytes as its
+    # own shard of the field (the statistics' all-reduces are a row each), where a pending sum
+    # expanded over the field in the backward and reduce-scattered into x's shards brought
+    # each rank its whole shard.
+    shard = x._local.numel() * x._local.element_size()
     for name, pattern in patterns.items():
-        with gather_policy("error"):
+        with gather_policy("error"), count_traffic() as traffic:
             out = pattern(x)
             (grad,) = torch.autograd.grad(out.square().sum(), x)
+        largest = traffic.largest_received
+        assert_all_ranks(largest < shard, f"{name}: received {largest} at once, a shard is {shard}")
         expected = pattern(whole)
         (expected_grad,) = torch.autograd.grad(expected.square().sum(), whole)
         assert_all_ranks(out.spec.same_layout(x.spec.with_dtype(out.dtype)), f"{name}: {out.spec}")
@@ -474,3 +484,84 @@ def test_a_pending_sum_is_reduced_rather_than_an_operand_gathered(
     mesh_shape: tuple[int, ...],
 ) -> None:
     run_on_ranks(len(mesh_shape) * 2, _reduced_first_body, mesh_shape)
+
+
+# ---------------------------------------------------------------------------- pending sums
+# A pending sum of the whole field (each rank's addend of full extent, Partial) reduced into
+# the field's split layout: a reduce-scatter, whose input on every rank is the whole field.
+# (B, C, H, W) blocks as in _reduced_first_body; sizes per mesh: even, uneven, one empty.
+PENDING_LAYOUTS = {
+    "2r-uneven": ((2,), [Shard(2)], {2: (7, 5)}),
+    "4r-empty": ((4,), [Shard(2)], {2: (5, 0, 4, 3)}),
+    "2x2-blocks": ((2, 2), [Shard(2), Shard(3)], {2: (8, 4), 3: (2, 4)}),
+    "2x2x2-nested": ((2, 2, 2), [Shard(2), Shard(3), Shard(2)], {2: (4, 4, 0, 4), 3: (2, 4)}),
+}
+
+
+def _addend(rank: int) -> torch.Tensor:
+    return torch.randn(SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+
+
+def _pending_sum_body(layout: str) -> dict[str, object]:
+    mesh_shape, placements, sizes = PENDING_LAYOUTS[layout]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    whole = torch.randn(SHAPE, dtype=torch.float64, requires_grad=True)
+    order = {d: tuple(a for a, p in enumerate(placements) if p.dim == d) for d in sizes}
+    spec = ShardTensorSpec.build(mesh, placements, SHAPE, torch.float64, sizes, order=order)
+    x = from_local_spec(spec.narrow(whole.detach()), spec).detach().requires_grad_()
+    addend = _addend(dist.get_rank()).requires_grad_()
+    pending_spec = ShardTensorSpec.build(mesh, [Partial()] * len(mesh_shape), SHAPE, torch.float64)
+    total = sum(_addend(r) for r in range(dist.get_world_size()))
+
+    def pending_plus_x() -> ShardTensor:
+        return from_local_spec(addend, pending_spec) + x
+
+    # Measured here, not by the guard: each rank's addend is the whole field, and reducing it
+    # into x's layout is a collective that sends all but this rank's share of it.
+    whole_bytes = addend.numel() * addend.element_size()
+    with gather_policy("allow"), record_gathers() as seen, count_traffic() as traffic:
+        out = pending_plus_x()
+    share = out._local.numel() * out._local.element_size()
+    assert_all_ranks(addend.numel() == whole.numel(), "the addend is not the whole field")
+    assert_all_ranks(
+        traffic.collective_calls >= 1 and traffic.sent >= whole_bytes - share,
+        f"{dict(traffic.collectives)}: sent {traffic.sent} of a {whole_bytes}-byte field",
+    )
+    # The reference: one process, the same global data.
+    expected = whole + total
+    assert_close_all_ranks(out.full_tensor(), expected, atol=1e-12, rtol=0, what="values")
+    assert_all_ranks(out.spec.same_layout(x.spec), f"output {out.spec}, input {x.spec}")
+    out.backward(from_local_spec(spec.narrow(torch.ones(SHAPE, dtype=torch.float64)), spec))
+    assert_close_all_ranks(x.grad.full_tensor(), torch.ones(SHAPE, dtype=torch.float64),
+                           atol=0, rtol=0, what="gradient of x")  # fmt: skip
+    assert_close_all_ranks(addend.grad, torch.ones(SHAPE, dtype=torch.float64), atol=0, rtol=0,
+                           what="gradient of the addend")  # fmt: skip
+    # The guard sees it, with the bytes worked out above; under "error", before the collective.
+    noted = [(g.what, g.bytes_per_rank_before) for g in seen]
+    assert_all_ranks(noted == [("a pending sum", whole_bytes)], f"recorded {noted}")
+    refused = []
+
+    def refused_before_any_collective() -> None:
+        with gather_policy("error"), count_traffic() as traffic:
+            refused.append(traffic)
+            pending_plus_x()
+
+    error = assert_raises_all_ranks(
+        GatherError,
+        r"aten\.add\.Tensor would reduce a pending sum, held whole",
+        refused_before_any_collective,
+    )
+    calls = refused[0].collective_calls
+    assert_all_ranks(calls == 0, f"ran {dict(refused[0].collectives)}")
+    return {"message": str(error), "whole": whole_bytes, "share": share}
+
+
+@pytest.mark.parametrize("layout", list(PENDING_LAYOUTS))
+def test_a_pending_sum_held_whole_and_reduce_scattered_counts(layout: str) -> None:
+    """NOTE [Gathers an op was not asked to make]: a reduce-scatter of a whole-field pending
+    sum held every rank at a gather's memory; the guard says so (failed without the rule)."""
+    mesh_shape = PENDING_LAYOUTS[layout][0]
+    results = run_on_ranks(math.prod(mesh_shape), _pending_sum_body, layout)
+    assert len({r["message"] for r in results}) == 1, "ranks raised different messages"
+    assert "laid out (Partial(sum)" in results[0]["message"], results[0]["message"]

@@ -11,6 +11,11 @@ a 2x2 block to slabs split over both axes, a rebalance of uneven sizes: each ran
 stays), a pending reduction done (``Partial -> Replicate``: an all-reduce of what each rank
 holds), a slice (``Replicate -> Shard``), and collectives on data that is not a sharded extent
 of an operand (the statistics a norm or a scan exchanges, a halo, the rows an index reaches).
+A pending sum held whole counts too: a redistribution that reduces a ``Partial`` axis into a
+``Shard`` (a reduce-scatter) finds every rank holding the sum's whole extent along the dim the
+target splits, since the op that left it pending; the memory per rank was a gather's before
+the collective although no earlier redistribution gathered. (Reducing it to ``Replicate``
+is not: the tensor is split on neither side.)
 
 Who asked. A gather counts when an op makes it, as its fallback: while an op is dispatched (an
 aten or function handler runs, the pointwise fast path runs, or the default path moves operands
@@ -59,7 +64,7 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.tensor._torch_compat import Module_call_impl, OpOverload, _current_autograd_node
@@ -76,6 +81,7 @@ __all__ = [
     "gathers",
     "may_gather_blocks",
     "record_gathers",
+    "reduces_whole_pending_sum",
 ]
 
 Policy = Literal["allow", "warn", "error"]
@@ -205,16 +211,19 @@ class Gather:
         ``"path:line"`` of the innermost frame outside torch and shardsci's library (the zoo,
         ``shardsci.models``, counts as the user's code).
     what : str
-        What was gathered: ``"a tensor"``, or ``"the keys and values"`` (attention's; the
-        shape and layout are the keys').
+        What was gathered: ``"a tensor"``, ``"a pending sum"`` (a sum each rank held whole
+        along a dim the target splits, reduced by a reduce-scatter: the rank held the whole
+        extent before the collective, not after it), or ``"the keys and values"``
+        (attention's; the shape and layout are the keys').
     source, target : ShardTensorSpec
         The layout before and after.
     total_bytes : int
         Bytes of the whole tensor (of keys and values together for attention).
     bytes_per_rank : int
-        Bytes the most loaded rank holds after the gather.
+        Bytes the most loaded rank holds after the gather (or the reduction).
     bytes_per_rank_before : int
-        Bytes the most loaded rank held before it.
+        Bytes the most loaded rank held before it (of a pending sum: all of its extent along
+        the dims the target splits).
     """
 
     op: str
@@ -234,9 +243,16 @@ class Gather:
         src = self.source
         op = self.op if self.within is None else f"{self.op} (inside {self.within})"
         described = f"{_dtype_name(src.dtype)} tensor of shape {tuple(src.shape)}"
-        described = (
-            f"a {described}" if self.what == "a tensor" else f"{self.what} (keys: {described})"
-        )
+        if self.what == "a tensor":
+            verb, described = ("would gather", "gathered"), f"a {described}"
+        elif self.what == "a pending sum":
+            # Held whole since the op that left the sum pending; the reduction splits it.
+            verb, described = (
+                ("would reduce", "reduced"),
+                f"a pending sum, held whole, of a {described}",
+            )
+        else:
+            verb, described = ("would gather", "gathered"), f"{self.what} (keys: {described})"
         where = "".join(
             f"{label}{value}"
             for label, value in (
@@ -247,7 +263,7 @@ class Gather:
             if value is not None
         )
         head = (
-            f"{op} {'would gather' if refused else 'gathered'} {described} laid out "
+            f"{op} {verb[0] if refused else verb[1]} {described} laid out "
             f"{_layout(src)} into {_layout(self.target)}: each rank "
             f"{'would hold' if refused else 'holds'} up to {_bytes(self.bytes_per_rank)}, up "
             f"to {_bytes(self.bytes_per_rank_before)} before ({_bytes(self.total_bytes)} in "
@@ -297,10 +313,16 @@ def check_redistribution(src: ShardTensorSpec, dst: ShardTensorSpec) -> None:
     ops = _THREAD.ops
     if not ops or (_POLICY[0] == "allow" and not _RECORDERS):
         return
-    if not gathers(src, dst) or ops[-1] is _ASKED or ops[-1] in _VALUE_READS:
+    if ops[-1] is _ASKED or ops[-1] in _VALUE_READS:
+        return
+    if gathers(src, dst):
+        what = "a tensor"
+    elif reduces_whole_pending_sum(src, dst):
+        what = "a pending sum"
+    else:
         return
     total = _bytes_of(src)
-    _enforce(_gather(ops, "a tensor", src, dst, total, _largest_shard(src), _largest_shard(dst)))
+    _enforce(_gather(ops, what, src, dst, total, _largest_shard(src), _largest_shard(dst)))
 
 
 def may_gather_blocks(
@@ -403,6 +425,17 @@ def gathers(src: ShardTensorSpec, dst: ShardTensorSpec) -> bool:
     """Whether moving a tensor from layout ``src`` to ``dst`` gathers it: fewer pieces after,
     and elements to hold (views of empty tensors replicate them, moving nothing)."""
     return _pieces(dst) < _pieces(src) and math.prod(src.shape) > 0
+
+
+def reduces_whole_pending_sum(src: ShardTensorSpec, dst: ShardTensorSpec) -> bool:
+    """Whether moving a tensor from ``src`` to ``dst`` reduces a pending sum that each rank
+    holds whole along a dim the target splits: a mesh axis Partial in ``src`` shards a dim
+    in ``dst`` (a reduce-scatter), and the most loaded rank holds more before than after (not
+    so where one rank's target shard is the whole extent anyway)."""
+    return any(
+        isinstance(p, Partial) and isinstance(q, Shard)
+        for p, q in zip(src.placements, dst.placements)
+    ) and _largest_shard(src) > _largest_shard(dst)
 
 
 def _pieces(spec: ShardTensorSpec) -> int:

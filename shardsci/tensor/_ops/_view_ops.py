@@ -37,7 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
-from shardsci.tensor._ops._common import accepts, with_dims_whole
+from shardsci.tensor._ops._common import accepts, reduced_now, with_dims_whole
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes, merged_hints
@@ -382,14 +382,20 @@ _VIEWS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
 def _expand(func, args, kwargs):
     """A sharded dim of extent 1 that the expansion broadcasts lives on one rank: it is
     replicated first (the owner broadcasts its element). DTensor's rule fails there with a
-    KeyError (torch 2.13)."""
+    KeyError (torch 2.13). A pending sum that the expansion enlarges is reduced first (an
+    all-reduce of the small tensor): left pending, the expanded view (a sum's backward: the
+    gradient of ``x.sum(d, keepdim=True)`` spread over ``x``) is held whole on every rank
+    and reduced into ``x``'s shards by a reduce-scatter of the whole expanded extent (NOTE
+    [Gathers an op was not asked to make] in ``_gather_guard``)."""
     a = bind(func, args, kwargs)
     x = a.self
     # The sizes of x's dims (torch rejects fewer sizes than dims: the default path says so).
     sizes = a.size[len(a.size) - x.ndim :] if len(a.size) >= x.ndim else []
     broadcast = [d for d, n in enumerate(sizes) if x.shape[d] == 1 and n not in (1, -1)]
-    if not accepts(x, sharded=broadcast, partial=True):
+    pending = (bool(broadcast) or len(a.size) > x.ndim) and bool(x._spec.partial)
+    if not accepts(x, partial=True) or not (pending or accepts(x, sharded=broadcast)):
         return NotImplemented
+    x = reduced_now(x) if pending else x
     args, kwargs = replaced(func, args, kwargs, {"self": with_dims_whole(x, broadcast)})
     return func(*args, **kwargs)
 
