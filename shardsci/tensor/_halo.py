@@ -426,12 +426,22 @@ def extend(local: torch.Tensor, ext: Extension, fill: float = 0.0) -> torch.Tens
 # - Backward: the boundary cells' gradients are folded in on the consumer stream before the
 #   side stream packs (the side stream only reads the gradient buffer, never writes it).
 # Autograd runs each half's backward on the stream its forward ran on, the consumer's.
+# ``record_stream`` covers a consumer other than the stream that posted (the side stream
+# otherwise waits on the consumer before its next use, which already orders reuse).
 # On a device without streams (CPU, meta) ``side_stream`` is None and both halves run as they
-# did before (no stream or event object is created). Verified on the CPU: that path, and the
-# order of the stream and event calls against a recording stand-in of ``DeviceStreams``
-# (tests/test_overlap.py, a race and lifetime check over every aten op). Only on a GPU
-# (tests/test_gpu.py, ``scripts/gpu_check.sh``; never run yet): the real streams and events,
-# with NCCL, in a world of one rank, so without messages between ranks.
+# did before (no stream or event object is created); posting on the current stream is also
+# right on CUDA, by reading ProcessGroupNCCL: its stream waits on the current one before the
+# messages, keeps their tensors (record_stream, or stashed until ``wait``), and ``wait`` makes
+# the current stream, which allocated the receive buffers and unpacks them, wait for it.
+# Verified on the CPU: that path (tests/test_overlap.py), and the stream path's order against
+# a recording stand-in for ``DeviceStreams`` on 2 gloo ranks, judged by a race and lifetime
+# check over every aten op with messages ordered as ProcessGroupNCCL orders them
+# (tests/test_overlap_streams.py; it fails with either event wait or the held tensors
+# removed; the ``record_stream`` calls are not checked there). Only on a GPU, never run yet
+# (tests/test_gpu.py, run by ``scripts/gpu_check.sh``): the real streams and events on torch
+# 2.11-2.13, an overlapped convolution in a world of one rank (no message), and the side
+# stream ordered after a slow producer and before the consumer. Halos between ranks over
+# NCCL have not run anywhere.
 
 
 class _SideExchange:
