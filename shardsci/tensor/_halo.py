@@ -38,6 +38,7 @@ from shardsci.tensor._collectives import AxisGroup, PendingMessages, axis_group,
 from shardsci.tensor._halo_plan import HaloPlan, Run, domain_range, halo_plan
 from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.tensor._streams import stream_ops
+from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
     "Extension",
@@ -469,9 +470,10 @@ def _posted_aside(
     post: Callable[[list | None], PendingMessages | None], source: torch.Tensor
 ) -> PendingMessages | _SideExchange | None:
     """``post(keep)`` on the side stream of ``source``'s device, after the work queued on the
-    current stream; ``post(None)`` where the device has no streams."""
+    current stream; ``post(None)`` where the device has no streams, and in a compiled graph
+    (whose functional collectives the compiler orders)."""
     ops = stream_ops()
-    side = ops.side_stream(source.device)
+    side = None if in_graph() else ops.side_stream(source.device)
     if side is None:
         return post(None)
     ops.wait_event(side, ops.record_event(ops.current_stream(source.device)))
