@@ -9,7 +9,8 @@
 # shardsci itself is used from this checkout (PYTHONPATH), so pip never touches torch.
 # Steps, each under its own time limit (8 minutes in all, wheels included; not yet timed on a GPU):
 #   1. environment: nvidia-smi, torch, CUDA, NCCL                        (DIR/environment.json)
-#   2. pytest -m gpu tests/test_gpu.py: ShardTensors, halos, collectives,
+#   2. pytest -m gpu tests/test_gpu.py: ShardTensors, halos, collectives, halo overlap on
+#      the device's side stream (NOTE [Halo overlap on streams]),
 #      every zoo model's float64 step against plain torch, NCCL world of one (DIR/gpu_tests.xml)
 #   3. scripts/gpu_check.py: every zoo model's step against plain torch,
 #      time and peak memory, float32 and bf16 autocast, compile_regions,

@@ -24,11 +24,12 @@ from scipy.spatial import Delaunay
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+import shardsci
 from shardsci import Partial, Replicate, Shard, ShardTensor, distribute_tensor, halo_exchange
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes
 from shardsci.models import MeshGraphNet
 from shardsci.parallel import domain_parallel
-from shardsci.tensor import clear_caches
+from shardsci.tensor import _halo, clear_caches
 from shardsci.testing import count_traffic
 from tests.zoo import MODELS
 
@@ -112,6 +113,73 @@ def test_a_halo_exchange_and_a_periodic_convolution(mesh: DeviceMesh) -> None:
     expected.square().sum().backward()
     torch.testing.assert_close(out.full_tensor(), expected)
     torch.testing.assert_close(leaf.grad.full_tensor(), plain.grad)
+
+
+def test_an_overlapped_convolution_on_the_device(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``overlap_halos()`` a convolution over the one-rank mesh (its halo halves run, on
+    CUDA with the device's side stream; a world of one sends no message) equals plain torch,
+    forward and gradients, twice (the side stream is created once, then reused)."""
+    from shardsci.tensor import cache_sizes
+    from shardsci.tensor._ops import _windows
+
+    started = []
+    monkeypatch.setattr(
+        _windows, "start_extend", lambda *a: started.append(1) or _halo.start_extend(*a)
+    )
+
+    x = _field(2, 3, 9, 6)
+    torch.manual_seed(1)
+    conv = nn.Conv2d(3, 4, 3, padding=1).double().to(DEVICE)
+    plain = x.clone().requires_grad_()
+    expected = copy.deepcopy(conv)(plain)
+    expected.square().sum().backward()
+    for _ in range(2):
+        leaf = distribute_tensor(x, mesh, [Shard(2)]).detach().requires_grad_()
+        with shardsci.overlap_halos():
+            out = conv(leaf * 1)
+            out.square().sum().backward()
+        torch.testing.assert_close(out.full_tensor(), expected)
+        torch.testing.assert_close(leaf.grad.full_tensor(), plain.grad)
+    assert len(started) == 2  # the overlap path ran
+    assert cache_sizes()["halo side streams"] == (DEVICE.type == "cuda")
+
+
+def test_the_side_stream_is_ordered_after_the_producer_and_before_the_consumer(
+    mesh: DeviceMesh,
+) -> None:
+    """The stream path of a halo half on real streams, with a message made on the side stream
+    (a copy of the shard, as the packing reads it) in place of one from another rank: the
+    producer writes the shard after a long kernel, so the side stream reads stale cells unless
+    it waits for the producer; the consumer reads the message at once, so it reads unwritten
+    cells unless it waits for the side stream (NOTE [Halo overlap on streams])."""
+    if DEVICE.type != "cuda":
+        pytest.skip("streams: CUDA only")
+    from shardsci.tensor._collectives import PendingMessages
+    from shardsci.tensor._halo import _posted_aside
+
+    def post(keep):
+        message = torch.full_like(source, -1.0)
+        torch.cuda._sleep(50_000_000)  # the side stream is slow too: the consumer must wait
+        message.copy_(source)
+        return PendingMessages(
+            [],
+            [message.view(torch.uint8).view(-1)],
+            [source.shape],
+            source.dtype,
+            "halo",
+            0,
+            counted=False,
+        )
+
+    for _ in range(3):
+        source = torch.zeros(1 << 20, dtype=torch.float64, device=DEVICE)
+        torch.cuda._sleep(50_000_000)  # about 25 ms on the consumer stream
+        source.fill_(7.0)
+        (received,) = _posted_aside(post, source).wait()
+        assert bool((received == 7.0).all())
+        torch.cuda.synchronize()
 
 
 def test_collectives_reduce_and_gather_on_the_device(mesh: DeviceMesh) -> None:

@@ -37,6 +37,8 @@ from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, PendingMessages, axis_group, start_send_recv
 from shardsci.tensor._halo_plan import HaloPlan, Run, domain_range, halo_plan
 from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._streams import stream_ops
+from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
     "Extension",
@@ -228,15 +230,21 @@ def _message_shape(t: torch.Tensor, step: _Step, cells: int) -> list[int]:
     return shape
 
 
-def _post(source: torch.Tensor, origin: int, step: _Step) -> PendingMessages | None:
+def _post(
+    source: torch.Tensor, origin: int, step: _Step, keep: list | None = None
+) -> PendingMessages | None:
     """Send every member the cells of this rank it wants (taken from ``source``, whose first
-    cell along the dim is global ``origin``) and post the receives of this rank's."""
+    cell along the dim is global ``origin``) and post the receives of this rank's. With
+    ``keep``, the messages are packed contiguous and kept there (NOTE [Halo overlap on
+    streams])."""
     dim = step.dim
     sends, receives = [], []
     for other, outgoing, incoming in step.peers:
         if outgoing:
             parts = [_view(source, step, r.start - origin, r.cells, real=True) for r in outgoing]
-            sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
+            sends.append(
+                (other, _packed(torch.cat(parts, dim) if len(parts) > 1 else parts[0], keep))
+            )
         if incoming:
             receives.append((other, _message_shape(source, step, sum(r.cells for r in incoming))))
     if not sends and not receives:
@@ -246,7 +254,19 @@ def _post(source: torch.Tensor, origin: int, step: _Step) -> PendingMessages | N
     )
 
 
-def _fill(buffer: torch.Tensor, step: _Step, pending: PendingMessages | None, fill: float) -> None:
+def _packed(message: torch.Tensor, keep: list | None) -> torch.Tensor:
+    if keep is not None:
+        message = message.contiguous()
+        keep.append(message)
+    return message
+
+
+def _fill(
+    buffer: torch.Tensor,
+    step: _Step,
+    pending: PendingMessages | _SideExchange | None,
+    fill: float,
+) -> None:
     """Fill the step's dim of ``buffer``: boundary cells now, received cells when they come."""
     plan, me, dim = step.plan, step.me, step.dim
     remote: list[tuple[Run, torch.Tensor]] = []
@@ -288,15 +308,22 @@ def _run_grad(grad: torch.Tensor, run: Run, dim: int) -> torch.Tensor:
     return grad.sum(dim, keepdim=True) if run.repeated else grad
 
 
-def _post_adjoint(grad: torch.Tensor, step: _Step) -> PendingMessages | None:
-    """Add boundary cells' gradients onto the cells they copy, send every other member the
-    gradient of the cells it provided, post the receives of the gradients of this rank's."""
+def _fold_boundary(grad: torch.Tensor, step: _Step) -> None:
+    """Add boundary cells' gradients onto the cells they copy."""
     plan, me, dim = step.plan, step.me, step.dim
     for run in plan.runs[me]:
         if run.source == me and not plan.is_direct(me, run):
             placed = _view(grad, step, run.position + step.shift, run.length, real=False)
             source = _view(grad, step, run.start - step.origin, run.cells, real=False)
             source.add_(_run_grad(placed, run, dim))
+
+
+def _post_adjoint(
+    grad: torch.Tensor, step: _Step, keep: list | None = None
+) -> PendingMessages | None:
+    """Send every other member the gradient of the cells it provided, post the receives of
+    the gradients of this rank's (``keep`` as for ``_post``)."""
+    dim = step.dim
     sends, receives = [], []
     for other, used, provided in step.peers:
         if provided:
@@ -304,7 +331,9 @@ def _post_adjoint(grad: torch.Tensor, step: _Step) -> PendingMessages | None:
                 _run_grad(_view(grad, step, r.position + step.shift, r.length, True), r, dim)
                 for r in provided
             ]
-            sends.append((other, torch.cat(parts, dim) if len(parts) > 1 else parts[0]))
+            sends.append(
+                (other, _packed(torch.cat(parts, dim) if len(parts) > 1 else parts[0], keep))
+            )
         if used:
             receives.append((other, _message_shape(grad, step, sum(r.cells for r in used))))
     if not sends and not receives:
@@ -315,7 +344,7 @@ def _post_adjoint(grad: torch.Tensor, step: _Step) -> PendingMessages | None:
 
 
 def _add_received(
-    grad: torch.Tensor, origin: int, step: _Step, pending: PendingMessages | None
+    grad: torch.Tensor, origin: int, step: _Step, pending: PendingMessages | _SideExchange | None
 ) -> None:
     """Add to this rank's cells (of ``grad``, first cell ``origin``) the gradients that the
     others computed for them."""
@@ -358,6 +387,7 @@ class _Extend(torch.autograd.Function):
         ext = ctx.ext
         buffer = _grad_buffer(grad, ext)
         for step in reversed(ext.steps):
+            _fold_boundary(buffer, step)
             _add_received(buffer, step.origin, step, _post_adjoint(buffer, step))
         return narrowed(buffer, ext.own), None, None
 
@@ -378,11 +408,86 @@ def extend(local: torch.Tensor, ext: Extension, fill: float = 0.0) -> torch.Tens
 # gradients of its cells that others used and adds them.
 
 
+# NOTE [Halo overlap on streams]
+# On an accelerator, each half of an overlapped exchange packs and posts its messages on a side
+# stream of the device (one per device, ``_streams.DeviceStreams.side_stream``), so that the
+# interior's kernels on the current (consumer) stream overlap the packing and the messages:
+# - Posting: an event recorded on the consumer stream after the shard's producer, waited on by
+#   the side stream, orders the packing after the shard is written; the messages are packed
+#   contiguous on the side stream and posted there (NCCL's stream then waits on the side one).
+# - Waiting (``_SideExchange.wait``): ``Work.wait()`` runs with the side stream current, so the
+#   side stream waits for the messages without blocking the host; an event recorded on it,
+#   waited on by the consumer stream, orders the unpack (``_fill``, ``_add_received``) after
+#   the receives. The received tensors, allocated on the side stream, are marked
+#   ``record_stream(consumer)`` so the allocator does not hand their memory to the side stream
+#   while the consumer still reads it.
+# - Lifetimes: the tensors the side stream reads (the shard, the gradient buffer) and the
+#   packed messages are held by the in-flight record until the consumer stream waited for the
+#   side stream, after which freeing them (on either stream) is ordered after every use.
+# - Backward: the boundary cells' gradients are folded in on the consumer stream before the
+#   side stream packs (the side stream only reads the gradient buffer, never writes it).
+# Autograd runs each half's backward on the stream its forward ran on, the consumer's.
+# ``record_stream`` covers a consumer other than the stream that posted (the side stream
+# otherwise waits on the consumer before its next use, which already orders reuse).
+# On a device without streams (CPU, meta) ``side_stream`` is None and both halves run as they
+# did before (no stream or event object is created); posting on the current stream is also
+# right on CUDA, by reading ProcessGroupNCCL: its stream waits on the current one before the
+# messages, keeps their tensors (record_stream, or stashed until ``wait``), and ``wait`` makes
+# the current stream, which allocated the receive buffers and unpacks them, wait for it.
+# Verified on the CPU: that path (tests/test_overlap.py), and the stream path's order against
+# a recording stand-in for ``DeviceStreams`` on 2 gloo ranks, judged by a race and lifetime
+# check over every aten op with messages ordered as ProcessGroupNCCL orders them
+# (tests/test_overlap_streams.py; it fails with either event wait or the held tensors
+# removed; the ``record_stream`` calls are not checked there). Only on a GPU, never run yet
+# (tests/test_gpu.py, run by ``scripts/gpu_check.sh``): the real streams and events on torch
+# 2.11-2.13, an overlapped convolution in a world of one rank (no message), and the side
+# stream ordered after a slow producer and before the consumer. Halos between ranks over
+# NCCL have not run anywhere.
+
+
+class _SideExchange:
+    """Messages posted on a side stream (NOTE [Halo overlap on streams]): ``wait`` orders the
+    consumer stream after them and then releases what the side stream used."""
+
+    def __init__(
+        self, pending: PendingMessages, side: Any, device: torch.device, keep: list
+    ) -> None:
+        self.pending, self.side, self.device, self.keep = pending, side, device, keep
+
+    def wait(self) -> list[torch.Tensor]:
+        ops = stream_ops()
+        with ops.using(self.side):
+            messages = self.pending.wait()
+        consumer = ops.current_stream(self.device)
+        ops.wait_event(consumer, ops.record_event(self.side))
+        for message in messages:
+            ops.record_stream(message, consumer)
+        self.keep = []
+        return messages
+
+
+def _posted_aside(
+    post: Callable[[list | None], PendingMessages | None], source: torch.Tensor
+) -> PendingMessages | _SideExchange | None:
+    """``post(keep)`` on the side stream of ``source``'s device, after the work queued on the
+    current stream; ``post(None)`` where the device has no streams, and in a compiled graph
+    (whose functional collectives the compiler orders)."""
+    ops = stream_ops()
+    side = None if in_graph() else ops.side_stream(source.device)
+    if side is None:
+        return post(None)
+    ops.wait_event(side, ops.record_event(ops.current_stream(source.device)))
+    keep = [source]
+    with ops.using(side):
+        pending = post(keep)
+    return None if pending is None else _SideExchange(pending, side, source.device, keep)
+
+
 class _InFlight:
     """Messages posted by one half of a halo exchange, for the other half to wait on."""
 
-    forward: PendingMessages | None = None
-    backward: PendingMessages | None = None
+    forward: PendingMessages | _SideExchange | None = None
+    backward: PendingMessages | _SideExchange | None = None
 
 
 class _Post(torch.autograd.Function):
@@ -391,7 +496,7 @@ class _Post(torch.autograd.Function):
         step = ext.steps[0]
         ctx.step, ctx.state = step, state
         ctx.origin = step.plan.offsets[step.me]
-        state.forward = _post(local, ctx.origin, step)
+        state.forward = _posted_aside(lambda keep: _post(local, ctx.origin, step, keep), local)
         return local.view_as(local)
 
     @staticmethod
@@ -419,8 +524,9 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        buffer = _grad_buffer(grad, ctx.ext)
-        ctx.state.backward = _post_adjoint(buffer, ctx.ext.steps[0])
+        buffer, step = _grad_buffer(grad, ctx.ext), ctx.ext.steps[0]
+        _fold_boundary(buffer, step)
+        ctx.state.backward = _posted_aside(lambda keep: _post_adjoint(buffer, step, keep), buffer)
         return narrowed(buffer, ctx.ext.own), None, None, None
 
 

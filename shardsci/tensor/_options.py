@@ -44,7 +44,10 @@ def overlap_halos(enabled: bool = True) -> Iterator[None]:
     as ``nn.ConvNd(padding_mode=...)`` pads) then exchanges only the boundary cells, and the
     convolution overlaps the exchange of the faces: two exchanges per layer, one hidden,
     instead of the single synchronous one (NOTE [A padded tensor carries the halo its
-    convolution reads]).
+    convolution reads]). On a GPU the messages are packed and posted on a side stream of the
+    device, ordered by events, so that the interior's kernels overlap them (NOTE [Halo overlap
+    on streams]: checked on the CPU against a stand-in for the streams, not yet run on a GPU);
+    on the CPU no stream is created.
     """
     with _within(_OVERLAP, enabled):
         yield
