@@ -246,3 +246,37 @@ def _region_verdicts_body() -> dict[str, int]:
 def test_region_verdicts_are_keyed_by_the_mesh_value_bounded_and_cleared() -> None:
     for counts in run_on_ranks(2, _region_verdicts_body):
         assert counts == {"equal meshes": 1, "after 10 layouts": 4, "cleared": 0}
+
+
+# ---------------------------------------------------------------------------- shape probes
+def _attention_probe_body() -> dict[str, object]:
+    """SDPA's shape probe on ``meta`` tensors (milliseconds of host time a call) runs once per
+    layout of its arguments; bad arguments still raise torch's own error on every call."""
+    import torch.nn.functional as F
+
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+
+    def tokens(n: int, width: int = 4) -> torch.Tensor:
+        whole = torch.randn(1, 2, n, width, dtype=torch.float64)
+        return shardsci.distribute_tensor(whole, mesh, [Shard(2)])
+
+    q = tokens(6)
+    for _ in range(2):
+        F.scaled_dot_product_attention(q, q, q)
+    counts: dict[str, object] = {"one layout": shardsci.cache_sizes()["attention shape probes"]}
+    q = tokens(8)
+    F.scaled_dot_product_attention(q, q, q)
+    counts["two layouts"] = shardsci.cache_sizes()["attention shape probes"]
+    errors = []
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as error:
+            F.scaled_dot_product_attention(q, tokens(8, width=3), q)
+        errors.append(str(error.value).splitlines()[0])
+    counts["same error twice"] = errors[0] == errors[1]
+    return counts
+
+
+def test_attention_shape_probe_runs_once_per_layout() -> None:
+    for counts in run_on_ranks(2, _attention_probe_body):
+        assert counts == {"one layout": 1, "two layouts": 2, "same error twice": True}
