@@ -60,7 +60,8 @@ class DeviceStreams:
         tensor.record_stream(stream)
 
 
-# The seam: tests put a recording stand-in with the same methods here (tests/test_overlap.py).
+# The seam: tests put a recording stand-in with the same methods here
+# (tests/test_overlap_streams.py).
 _ACTIVE = [DeviceStreams()]
 
 
