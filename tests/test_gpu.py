@@ -68,12 +68,17 @@ def mesh() -> Iterator[DeviceMesh]:
 @pytest.fixture(autouse=True)
 def exact_float32() -> Iterator[None]:
     """TF32 off: the comparisons below are in float64 anyway, but a float32 path must not
-    differ from plain torch by TF32's 1e-3."""
+    differ from plain torch by TF32's 1e-3. Set as ``torch.backends.cudnn.flags()`` sets them:
+    once PyTorch's test utilities are imported (tests/test_op_db.py's OpInfos, collected in
+    the same session) the backends' flags refuse plain assignment."""
+    allow_mutation = torch.backends.__allow_nonbracketed_mutation
     matmul = torch.backends.cuda.matmul.allow_tf32
     cudnn = torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    with allow_mutation():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    with allow_mutation():
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def _on_device(t: torch.Tensor) -> bool:
