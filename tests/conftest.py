@@ -14,10 +14,17 @@ import pytest
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Where the collected tests use the rank pools: their ranks start with the training
     command imported (``preload_in_ranks``), which the recipe's rank bodies and every test
-    module importing ``shardsci.train`` would otherwise import on each rank of each pool."""
+    module importing ``shardsci.train`` would otherwise import on each rank of each pool; and
+    with what a selected test's module names in ``RANKS_IMPORT`` (its ranks' own slow
+    imports, paid once in the zygote instead of once a rank)."""
     pool = sys.modules.get("shardsci.testing._pool")
     if pool is not None:
-        pool.preload_in_ranks("shardsci.train")
+        modules = {
+            m
+            for item in session.items
+            for m in getattr(getattr(item, "module", None), "RANKS_IMPORT", ())
+        }
+        pool.preload_in_ranks("shardsci.train", *sorted(modules))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -48,6 +48,11 @@ from tests.op_db_sweep import (
 )
 from tests.op_db_unsupported import Accepted
 
+RANKS_IMPORT = ("torch.testing._internal.common_methods_invocations",)
+"""The database (``database()``), about 3.4 s of CPU an import: once for every rank (see
+``tests/conftest.py``). The pytest process has already imported what it changes (the
+backends' flags frozen, warning filters) with ``opinfo.core`` above."""
+
 FAST_SAMPLES = 1
 FULL_CHUNKS = 12
 
