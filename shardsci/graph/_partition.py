@@ -154,10 +154,8 @@ class GraphPartition:
     send_rows : Tensor
         Part by part, the positions among its owned nodes of the rows the other parts
         receive from it, grouped by receiving part in order: part ``k``'s run has
-        ``sum_r halo_counts[r][k]`` entries.
-
-    The last three are the halo plan of every part (NOTE [A partitioned graph's halo plan
-    comes from its partition] in ``_graph``).
+        ``sum_r halo_counts[r][k]`` entries. With the two above, every part's halo plan
+        (NOTE [A partitioned graph's halo plan comes from its partition] in ``_graph``).
     """
 
     node_order: torch.Tensor
