@@ -73,7 +73,7 @@ class PartitionedGraph:
         self.part = self.group.index
         self.device = _mesh_device(mesh)
         edges = partition.edge_range(self.part)
-        local = partition.edge_index[:, edges].to(self.device)
+        local = partition.edge_index[:, edges].contiguous().to(self.device)
         spec = ShardTensorSpec.build(
             mesh,
             self._placements(1),
@@ -84,7 +84,7 @@ class PartitionedGraph:
         self.edge_index = from_local_spec(local, spec)
         self._node_order = partition.node_order.to(self.device)
         self._local_edges = partition.edge_order[edges].to(self.device)
-        self._remember_plans(partition.local_edge_index[:, edges].to(self.device))
+        self._remember_plans(partition.local_edge_index[:, edges].contiguous().to(self.device))
 
     def _remember_plans(self, local_index: torch.Tensor) -> None:
         """Give the gather handlers the plans of ``edge_index[0]`` (sources: the halo) and
