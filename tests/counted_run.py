@@ -3,9 +3,10 @@
 ``python tests/counted_run.py <counts file> <train.py arguments>``: every process of the run
 (the launcher, the ranks it forks, or each rank torchrun starts) appends a line ``<pid> <what>``
 to the counts file each time a run plan is constructed, a mesh shape is parsed from a string, a
-DeviceMesh is initialised, or an HDF5 file is opened (``open <path>``), and ``launcher`` once
+DeviceMesh is initialised, an HDF5 file is opened (``open <path>``), ``parallel=auto`` searches
+(``search``) or a process runs a chosen decomposition (``chose <mesh>``), and ``launcher`` once
 when it starts the command. The counters wrap the library from outside: the constructor, the one
-string parser, torch's ``init_device_mesh`` and ``h5py.File``.
+string parser, torch's ``init_device_mesh``, ``h5py.File``, the search and ``chosen_config``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import h5py
 import torch.distributed.device_mesh as device_mesh
 
 import shardsci.distributed._mesh as mesh_module
+import shardsci.planning._choose as choose_module
 import shardsci.train
 import shardsci.training._parallelism as parallelism
 
@@ -54,6 +56,10 @@ mesh_module._axis_sizes = counted(
 mesh_module.init_device_mesh = counted(mesh_module.init_device_mesh, lambda *a, **k: "device_mesh")
 device_mesh.init_device_mesh = mesh_module.init_device_mesh
 h5py.File.__init__ = counted(h5py.File.__init__, _opened)
+choose_module.choose = counted(choose_module.choose, lambda *a, **k: "search")
+choose_module.chosen_config = counted(
+    choose_module.chosen_config, lambda cfg, decomposition: f"chose {decomposition.mesh}"
+)
 
 if __name__ == "__main__":
     record("launcher")

@@ -233,7 +233,7 @@ def _train_step(model: nn.Module, forward) -> None:
 
 
 def test_a_meshgraphnet_step_on_a_partitioned_graph(mesh: DeviceMesh) -> None:
-    """A graph of one part (its halo plans still built and exchanged), node and edge features
+    """A graph of one part (its halo plans still derived and uploaded), node and edge features
     on the device, against the model on the whole graph."""
     generator = torch.Generator().manual_seed(0)
     positions = torch.rand(30, 2, generator=generator, dtype=torch.float64)

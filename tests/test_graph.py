@@ -9,8 +9,15 @@ import torch.distributed as dist
 
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes
 from shardsci.models import MeshGraphNet
-from shardsci.testing import assert_raises_all_ranks, get_mesh, run_on_ranks
-from tests.test_meshgraphnet import TINY, _features, _mesh_graph
+from shardsci.tensor._gather_plan import gather_plan
+from shardsci.testing import (
+    assert_all_ranks,
+    assert_raises_all_ranks,
+    count_traffic,
+    get_mesh,
+    run_on_ranks,
+)
+from tests.test_meshgraphnet import TINY, _features, _mesh_graph, _parts
 
 
 @pytest.mark.parametrize("method", ["metis", "rcb"])
@@ -135,3 +142,34 @@ def _bad_edge_index_body() -> None:
 
 def test_edge_index_past_the_node_count_raises_on_every_rank() -> None:
     run_on_ranks(2, _bad_edge_index_body)
+
+
+# ---------------------------------------------------------------------------- halo plans
+def _plans_from_the_partition_body() -> dict[str, int]:
+    mesh = get_mesh((4,))
+    positions, edge_index = _mesh_graph()
+    partition = GraphPartition.build(edge_index, _parts("rcb-empty", positions, edge_index), 4)
+    with count_traffic() as traffic:
+        graph = PartitionedGraph(partition, mesh)
+    for row in (0, 1):
+        index = graph.edge_index[row]._local
+        remembered = gather_plan(index, partition.node_sizes, graph.group, replicated=False)
+        exchanged = gather_plan(index.clone(), partition.node_sizes, graph.group, replicated=False)
+        assert exchanged is not remembered, "a new storage must build its plan by exchange"
+        same = (
+            remembered.owned == exchanged.owned
+            and remembered.halo_counts == exchanged.halo_counts
+            and torch.equal(remembered.send_rows, exchanged.send_rows)
+            and torch.equal(remembered.local_index, exchanged.local_index)
+            and remembered.negative is None
+        )
+        assert_all_ranks(same, f"row {row}: the partition's plan differs from the exchanged one")
+    return {"collectives": traffic.collective_calls, "messages": traffic.messages}
+
+
+def test_the_halo_plans_come_from_the_partition_with_no_collective() -> None:
+    """Each rank's plans for the graph's sources and destinations, derived from the partition,
+    equal those an exchange between the ranks builds (4 parts, one empty), and building the
+    graph issues no collective (``count_traffic``)."""
+    for counts in run_on_ranks(4, _plans_from_the_partition_body):
+        assert counts == {"collectives": 0, "messages": 0}, counts

@@ -49,6 +49,7 @@ from shardsci.tensor._torch_compat import (
     is_traceable_wrapper_subclass_type,
     tree_leaves,
 )
+from shardsci.testing import count_traffic
 from shardsci.training import (
     ParallelConfig,
     Parallelism,
@@ -348,35 +349,38 @@ def _grid_graph(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ij.double(), torch.cat([edges, edges.flip(0)], 1)
 
 
-@pytest.mark.xfail(
-    reason="not GPU-ready yet (found by this test, issue 21): PartitionedGraph keeps its local "
-    "edge index on the host (shardsci/graph/_graph.py never moves it to the mesh's device), so "
-    "index_add meets a cpu index with meta (or CUDA) nodes; its gather plan exchanges halo "
-    "counts as host tensors (_gather_plan._exchange_counts, device=cpu), which NCCL alone "
-    "refuses. And the plan reads the values it receives, which the fake process group leaves "
-    "uninitialised (torch 2.11, 2.12: index values out of range), so the graph cannot be built "
-    "on a fake world at all until the plan is computed from the partition every rank holds",
-)
 @pytest.mark.parametrize("rank", [0, 2])
 def test_a_meshgraphnet_step_creates_every_tensor_on_the_mesh_device(rank: int) -> None:
     """4 parts by coordinate bisection of a 6 x 6 grid, partitioned on the host (as
-    ``recipes/mesh_cfd`` does); the partitioned graph's construction (its edge index and halo
-    plans) and the step are watched."""
+    ``recipes/mesh_cfd`` does). The partitioned graph's construction makes no collective (its
+    halo plans come from the partition, NOTE [A partitioned graph's halo plan comes from its
+    partition]) and only uploads the partition's host tables to the mesh's device; the step
+    creates nothing off the device."""
     positions, edge_index = _grid_graph(6)
     parts = partition_nodes(edge_index, positions.shape[0], 4, method="rcb", coordinates=positions)
     partition = GraphPartition.build(edge_index, parts, 4)
+    assert any(partition.halo_sizes()), "the parts must exchange halos for the test to mean much"
     with simulated_rank(rank, 4):
         mesh, names = _mesh((4,))
         model = MeshGraphNet(node_in=3, edge_in=3, node_out=2, hidden=8, processor_blocks=2)
         model = domain_parallel(model.to(META), mesh, domain_axes=names)
-        with watching() as built:
+        with count_traffic() as traffic, watching() as built:
             graph = PartitionedGraph(partition, mesh)
             nodes = graph.nodes(torch.randn(positions.shape[0], 3, device=META))
             edges = graph.edges(torch.randn(edge_index.shape[1], 3, device=META))
-        assert_created_on(built, "PartitionedGraph on 4 parts")
+        assert traffic.collective_calls == 0 and traffic.messages == 0, traffic
+        assert_only_uploads(built, "shardsci/graph/_graph.py", "PartitionedGraph on 4 parts")
+        assert graph.edge_index.to_local().device == META
         with watching() as watch:
             _steps(model, lambda: model(nodes, edges, graph.edge_index).square().mean())
     assert_created_on(watch, f"MeshGraphNet on 4 parts, rank {rank}")
+
+
+def assert_only_uploads(watch: DeviceWatch, uploader: str, what: str) -> None:
+    """Every creation off the device is a copy of host data onto it made in ``uploader``:
+    data that lives on the host (a partition) handed to the device once, when it is set up."""
+    others = sorted({str(c) for c in watch.creations if not c.copied or uploader not in c.site})
+    assert not others, f"{what} created tensors off the meta device:\n" + "\n".join(others)
 
 
 # ---------------------------------------------------------------------------- the recipes

@@ -40,13 +40,16 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path.resolve()
 
 
-def _counted_run(dataset: Path, run_dir: Path, *command: str) -> dict[int, Counter]:
-    """Run ``command`` (ending in ``tests/counted_run.py``'s arguments); the counts per pid."""
+def _counted_run(
+    dataset: Path, run_dir: Path, *command: str, mesh: str = "1x2"
+) -> dict[int, Counter]:
+    """Run ``command`` (ending in ``tests/counted_run.py``'s arguments) on ``mesh``; the counts
+    per pid."""
     counts = run_dir.parent / f"{run_dir.name}.counts"
     arguments = [
         str(counts),
         "+recipe=cfd",
-        "mesh=1x2",
+        f"mesh={mesh}",
         f"data.path={dataset}",
         f"run_dir={run_dir}",
     ]

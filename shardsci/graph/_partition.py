@@ -144,6 +144,18 @@ class GraphPartition:
         Edges owned by each part: those ending at its nodes.
     edge_index : Tensor
         ``(2, E)`` edges in the new order, between new node ids.
+    halo_counts : tuple of tuple of int
+        ``halo_counts[r][k]``: distinct source nodes of part ``r``'s edges that part ``k``
+        owns (0 on the diagonal), the rows a gather of source features brings part ``r`` from
+        part ``k``.
+    local_edge_index : Tensor
+        ``(2, E)`` each edge's source and destination as positions in its part's *extended*
+        rows ``[owned | halo]``, the halo ordered by new node id.
+    send_rows : Tensor
+        Part by part, the positions among its owned nodes of the rows the other parts
+        receive from it, grouped by receiving part in order: part ``k``'s run has
+        ``sum_r halo_counts[r][k]`` entries. With the two above, every part's halo plan
+        (NOTE [A partitioned graph's halo plan comes from its partition] in ``_graph``).
     """
 
     node_order: torch.Tensor
@@ -151,6 +163,9 @@ class GraphPartition:
     edge_order: torch.Tensor
     edge_sizes: tuple[int, ...]
     edge_index: torch.Tensor
+    halo_counts: tuple[tuple[int, ...], ...]
+    local_edge_index: torch.Tensor
+    send_rows: torch.Tensor
 
     @classmethod
     def build(
@@ -198,14 +213,19 @@ class GraphPartition:
         new_id[node_order] = torch.arange(num_nodes)
         renumbered = new_id[edge_index]
         edge_order = torch.argsort(renumbered[1], stable=True)
-        node_sizes = torch.bincount(parts, minlength=num_parts)
-        edge_sizes = torch.bincount(parts[edge_index[1]], minlength=num_parts)
+        node_sizes = tuple(torch.bincount(parts, minlength=num_parts).tolist())
+        edge_sizes = tuple(torch.bincount(parts[edge_index[1]], minlength=num_parts).tolist())
+        edge_index = renumbered[:, edge_order]
+        halo_counts, local_edge_index, send_rows = _halo_plans(edge_index, node_sizes, edge_sizes)
         return cls(
             node_order=node_order,
-            node_sizes=tuple(node_sizes.tolist()),
+            node_sizes=node_sizes,
             edge_order=edge_order,
-            edge_sizes=tuple(edge_sizes.tolist()),
-            edge_index=renumbered[:, edge_order],
+            edge_sizes=edge_sizes,
+            edge_index=edge_index,
+            halo_counts=halo_counts,
+            local_edge_index=local_edge_index,
+            send_rows=send_rows,
         )
 
     @property
@@ -229,13 +249,43 @@ class GraphPartition:
     def halo_sizes(self) -> tuple[int, ...]:
         """Distinct remote source nodes of each part's edges: the rows a gather of source
         features must bring to it, the lower bound of a halo exchange."""
-        starts = torch.tensor([0, *self.node_sizes]).cumsum(0)
-        sizes = []
-        for part in range(len(self.node_sizes)):
-            src = self.edge_index[0, self.edge_range(part)]
-            remote = (src < starts[part]) | (src >= starts[part + 1])
-            sizes.append(int(torch.unique(src[remote]).numel()))
-        return tuple(sizes)
+        return tuple(sum(row) for row in self.halo_counts)
+
+    def send_range(self, part: int) -> slice:
+        """Positions in :attr:`send_rows` of the rows part ``part`` sends."""
+        sent = [sum(row[k] for row in self.halo_counts) for k in range(len(self.node_sizes))]
+        start = sum(sent[:part])
+        return slice(start, start + sent[part])
+
+
+def _halo_plans(
+    edge_index: torch.Tensor, node_sizes: tuple[int, ...], edge_sizes: tuple[int, ...]
+) -> tuple[tuple[tuple[int, ...], ...], torch.Tensor, torch.Tensor]:
+    """Every part's halo plan (``GraphPartition``'s ``halo_counts``, ``local_edge_index``
+    and ``send_rows``) from the numbered edges, on the host, with no communication."""
+    parts = len(node_sizes)
+    starts = torch.tensor([0, *node_sizes]).cumsum(0)
+    edge_starts = [sum(edge_sizes[:k]) for k in range(parts + 1)]
+    halos, owners, counts, local = [], [], [], []
+    for part in range(parts):
+        src, dst = edge_index[:, edge_starts[part] : edge_starts[part + 1]]
+        first, owned = int(starts[part]), node_sizes[part]
+        mine = (src >= first) & (src < first + owned)
+        halo = torch.unique(src[~mine])
+        owner = torch.searchsorted(starts[1:], halo, right=True)
+        halos.append(halo)
+        owners.append(owner)
+        counts.append(tuple(torch.bincount(owner, minlength=parts).tolist()))
+        source = torch.where(mine, src - first, owned + torch.searchsorted(halo, src))
+        local.append(torch.stack([source, dst - first]))
+    sent = [
+        halos[r][owners[r] == k] - starts[k] for k in range(parts) for r in range(parts) if r != k
+    ]
+    return (
+        tuple(counts),
+        torch.cat(local, 1),
+        torch.cat(sent) if sent else edge_index.new_empty(0),
+    )
 
 
 def _check_parts(parts: torch.Tensor, num_parts: int) -> None:

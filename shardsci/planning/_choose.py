@@ -37,13 +37,15 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from shardsci.distributed import LaunchEnv
+from shardsci.distributed import LaunchEnv, init_distributed
 from shardsci.parallel._reducer import GRAD_KIND
 from shardsci.planning._dry_run import plan_run
 from shardsci.planning._machine import Machine, collective_s, gloo_cpu, override
@@ -67,6 +69,7 @@ __all__ = [
     "decompositions",
     "format_choice",
     "project",
+    "searched_once",
 ]
 
 _GIB = 2**30
@@ -303,31 +306,72 @@ def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> C
 def choose_for_launch(cfg: DictConfig, env: LaunchEnv) -> DictConfig:
     """``cfg`` as it will run: with the chosen decomposition when it asks for a choice
     (``choice_applies``), one line saying which (on rank 0); else ``cfg`` itself. Runs before
-    any rank starts, in every process that checks the config (NOTE [A run is planned once]):
-    the choice depends on the config and the world only, so every rank under torchrun or
-    srun makes the same one. A local mesh larger than this machine allows is left to
-    ``check_run``'s error.
+    any rank starts, in every process that checks the config (NOTE [A run is planned once]);
+    under torchrun or srun only rank 0 searches and every rank takes its choice (NOTE [One
+    rank searches for a launched job]). A local mesh larger than this machine allows is left
+    to ``check_run``'s error.
 
     Raises
     ------
     ConfigError
-        If no decomposition can run (``choose``).
+        If no decomposition can run (``choose``), on every rank.
     """
     world_size = choice_applies(cfg, env)
     launched = env.launcher != "single"
     if world_size is None or (not launched and world_size > max_local_ranks()[0]):
         return cfg
-    choice = choose(cfg, world_size, env.local_world_size if launched else world_size)
-    best = choice.best
-    if env.rank == 0:
-        print(
-            f"parallel=auto chose {best.label} (mesh={best.decomposition.mesh}), projected "
-            f"{_ms(best.projection.step)} ms per step on {choice.machine_name}, the fastest of "
-            f"{len(choice.ranked)} that fit {choice.budget_gib:.3g} GiB per device "
-            f"({len(choice.dropped)} dropped); dry_run=true prints them all",
-            flush=True,
+    ranks_here = env.local_world_size if launched else world_size
+    if launched:
+        best = searched_once(
+            lambda: _best(cfg, world_size, ranks_here), env, cfg.launcher.timeout_s
         )
-    return chosen_config(cfg, best.decomposition)
+    else:
+        best = _best(cfg, world_size, ranks_here)
+    return chosen_config(cfg, best)
+
+
+# NOTE [One rank searches for a launched job]
+# Under torchrun or srun every rank runs the command, and every rank would make the same
+# choice (it depends on the config and the world only), each paying the search: dozens of dry
+# runs, 30 s of CPU for the cfd recipe on 8 ranks. Instead rank 0 searches while the other
+# ranks wait to join the run's process group, which they would join next anyway (the
+# trainer's ``init_distributed`` finds it and keeps it); rank 0 joins once it has chosen and
+# sends the choice, or its one-line refusal, to all (one small object broadcast). The search
+# runs before the group exists because a dry run simulates its ranks in a process without one
+# (``simulated_rank``), and it must end within the group's rendezvous timeout
+# (``launcher.timeout_s``).
+def searched_once(
+    search: Callable[[], Decomposition], env: LaunchEnv, timeout_s: float
+) -> Decomposition:
+    """``search()`` run on rank 0 only, its result (or its ``ConfigError``) on every rank of
+    the launched job ``env`` (NOTE [One rank searches for a launched job])."""
+    outcome: Decomposition | str | None = None
+    if env.rank == 0:
+        try:
+            outcome = search()
+        except ConfigError as error:
+            outcome = str(error)
+    if not dist.is_initialized():
+        init_distributed(timeout_s=timeout_s)
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ConfigError(box[0])
+    return box[0]
+
+
+def _best(cfg: DictConfig, world_size: int, ranks_here: int) -> Decomposition:
+    """The fastest decomposition, said in one line."""
+    choice = choose(cfg, world_size, ranks_here)
+    best = choice.best
+    print(
+        f"parallel=auto chose {best.label} (mesh={best.decomposition.mesh}), projected "
+        f"{_ms(best.projection.step)} ms per step on {choice.machine_name}, the fastest of "
+        f"{len(choice.ranked)} that fit {choice.budget_gib:.3g} GiB per device "
+        f"({len(choice.dropped)} dropped); dry_run=true prints them all",
+        flush=True,
+    )
+    return best.decomposition
 
 
 def chosen_config(cfg: DictConfig, decomposition: Decomposition) -> DictConfig:

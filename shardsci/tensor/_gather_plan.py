@@ -57,6 +57,7 @@ __all__ = [
     "gather_plan",
     "halo_extend",
     "halo_reduce",
+    "remember_plan",
     "rows_sent_home",
     "summed_rows",
 ]
@@ -136,6 +137,32 @@ def gather_plan(
         On every rank, for a value outside ``[-extent, extent)`` on any rank, or a negative
         one without ``wrap_negative``.
     """
+    plans, key = _cache_slot(index, sizes, group, replicated)
+    found = plans.get(key)
+    if found is not None and found[0] == index._version:
+        plan = found[1]
+    else:
+        plan = _build(index, sizes, group, replicated, what)
+        plans.put(key, (index._version, plan))
+    if plan.negative is not None and not wrap_negative:
+        _raise_out_of_range(what, *plan.negative, sum(sizes), len(plan.halo_counts))
+    return plan
+
+
+def remember_plan(index: torch.Tensor, sizes: tuple[int, ...], plan: GatherPlan) -> None:
+    """Make ``plan`` the plan :func:`gather_plan` finds for this rank's shard ``index`` of a
+    sharded index into a dim sharded with ``sizes`` over ``plan.group``: a plan its caller
+    derived without communication, from data every rank holds (a graph partition, NOTE [A
+    partitioned graph's halo plan comes from its partition] in ``shardsci.graph._graph``).
+    Every rank must remember the plan of corresponding indices, as every rank must build it."""
+    plans, key = _cache_slot(index, sizes, plan.group, False)
+    plans.put(key, (index._version, plan))
+
+
+def _cache_slot(
+    index: torch.Tensor, sizes: tuple[int, ...], group: AxisGroup, replicated: bool
+) -> tuple[BoundedCache, tuple]:
+    """The plans of ``index``'s storage, and the key of this view and layout among them."""
     storage = index.untyped_storage()
     plans = _PLANS.get(storage)
     if plans is None:
@@ -149,15 +176,7 @@ def gather_plan(
         sizes,
         replicated,
     )
-    found = plans.get(key)
-    if found is not None and found[0] == index._version:
-        plan = found[1]
-    else:
-        plan = _build(index, sizes, group, replicated, what)
-        plans.put(key, (index._version, plan))
-    if plan.negative is not None and not wrap_negative:
-        _raise_out_of_range(what, *plan.negative, sum(sizes), len(plan.halo_counts))
-    return plan
+    return plans, key
 
 
 _PLANS_PER_STORAGE = 16
@@ -194,12 +213,12 @@ def _build(
         )
         send_rows = (wanted[owners == me] - starts[me]).repeat(group.size - 1)
     else:
-        halo_counts, reports = _exchange_counts(owners, group, report)
+        halo_counts, reports = _exchange_counts(owners, group, report, index.device)
     for rank, (count, value, _, _) in enumerate(reports):
         if count:
             _raise_out_of_range(what, rank, value, extent, len(reports))
     if not replicated:
-        send_rows = _exchange_requests(wanted, owners, group, starts, halo_counts)
+        send_rows = _exchange_requests(wanted, owners, group, starts, halo_counts, index.device)
     negative = next(((r, v) for r, (_, _, count, v) in enumerate(reports) if count), None)
     halo_ids = wanted[owners != me]
     offset, owned = int(starts[me]), sizes[me]
@@ -234,21 +253,26 @@ def _report(values: torch.Tensor, extent: int) -> tuple[int, int, int, int]:
 
 
 def _exchange_counts(
-    owners: torch.Tensor, group: AxisGroup, report: tuple[int, int, int, int]
+    owners: torch.Tensor,
+    group: AxisGroup,
+    report: tuple[int, int, int, int],
+    device: torch.device,
 ) -> tuple[tuple[tuple[int, ...], ...], list[tuple[int, ...]]]:
-    """Every rank's halo counts by owner, and every rank's report on its values."""
+    """Every rank's halo counts by owner, and every rank's report on its values, exchanged
+    as tensors on the index's ``device`` (a NCCL group moves only device tensors)."""
     size, me = group.size, group.index
     counts = torch.bincount(owners, minlength=size)
     counts[me] = 0
+    row = torch.cat([counts, torch.tensor(report, dtype=torch.int64)]).to(device)
     rows = exchange(
         group,
-        [torch.cat([counts, torch.tensor(report, dtype=torch.int64)])] * size,
+        [row] * size,
         lambda src, dst: (size + len(report),),
         dtype=torch.int64,
-        device=torch.device("cpu"),
+        device=device,
         kind="gather_plan",
     )
-    table = [row.tolist() for row in rows]
+    table = torch.stack(rows).tolist()
     return tuple(tuple(row[:size]) for row in table), [tuple(row[size:]) for row in table]
 
 
@@ -258,19 +282,20 @@ def _exchange_requests(
     group: AxisGroup,
     starts: torch.Tensor,
     halo_counts: tuple[tuple[int, ...], ...],
+    device: torch.device,
 ) -> torch.Tensor:
     """Send each owner the rows this rank wants from it; return the local positions of the
-    rows the others want from this rank, grouped by requester."""
+    rows the others want from this rank, grouped by requester (exchanged on ``device``)."""
     me = group.index
     received = exchange(
         group,
-        [wanted[owners == k] for k in range(group.size)],
+        [wanted[owners == k].to(device) for k in range(group.size)],
         lambda src, dst: (halo_counts[src][dst],),
         dtype=torch.int64,
-        device=torch.device("cpu"),
+        device=device,
         kind="gather_plan",
     )
-    others = [received[r] - starts[me] for r in range(group.size) if r != me]
+    others = [received[r].cpu() - starts[me] for r in range(group.size) if r != me]
     return torch.cat(others) if others else torch.empty(0, dtype=torch.int64)
 
 
