@@ -561,3 +561,59 @@ def test_norms_without_an_identity_on_empty_shards() -> None:
     """Negative and infinite orders: torch refuses them on an empty tensor, so a rank holding
     no rows contributes the value that adds nothing (it raised)."""
     run_on_ranks(4, _norms_without_identity_body)
+
+
+# ---------------------------------------------------------------------------- pending operands
+# A norm over a sharded dim is pending (Partial) over the axes that sharded it. A pointwise op
+# that must reduce it reduces it to the layout its output takes: replicated over those axes,
+# the other shards kept (NOTE [A pending sum is reduced rather than an operand gathered]).
+# DTensor's cheaper choice reduce-scattered it onto the batch dim, and ``F.normalize`` on 2-D
+# blocks returned its output split along the batch. (B, C, H, W), H sharded, W too on 2-D.
+PENDING_SHAPE = (2, 3, 6, 5)
+PENDING_LAYOUTS = {
+    "2r-uneven": ((2,), Layout((Shard(2),), {2: (5, 1)})),
+    "4r-empty": ((4,), Layout((Shard(2),), {2: (2, 0, 3, 1)})),
+    "2x2-blocks": ((2, 2), Layout((Shard(2), Shard(3)), {2: (1, 5), 3: (5, 0)})),
+    "2x2x2-nested": (
+        (2, 2, 2),
+        Layout((Shard(2), Shard(3), Shard(2)), {2: (2, 0, 3, 1), 3: (2, 3)}, {2: (0, 2), 3: (1,)}),
+    ),
+}
+
+
+def _without_dim(layout: Layout, dim: int) -> Layout:
+    """``layout`` with ``dim`` no longer sharded: its axes replicated, the other shards kept."""
+    return Layout(
+        tuple(Replicate() if p == Shard(dim) else p for p in layout.placements),
+        {d: s for d, s in layout.sizes.items() if d != dim},
+        {d: a for d, a in layout.order.items() if d != dim},
+    )
+
+
+def _pending_operand_body(name: str) -> None:
+    mesh_shape, layout = PENDING_LAYOUTS[name]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(PENDING_SHAPE, dtype=torch.float64)
+    floor = torch.rand(2, 3, 1, 5, dtype=torch.float64) * 4
+    row = _without_dim(layout, 2)
+    cases = {  # name: (fn, inputs, their layouts, output layout: None is the input's)
+        "normalize p=2 over H": (lambda t: F.normalize(t, dim=2), [x], [layout], None),
+        "normalize p=1 over H": (lambda t: F.normalize(t, p=1.0, dim=2), [x], [layout], None),
+        "normalize over C": (lambda t: F.normalize(t, dim=1), [x], [layout], None),
+        "clamp_min of a norm": (
+            lambda t: t.norm(dim=2, keepdim=True).clamp_min(1e-3), [x], [layout], row,
+        ),
+        "maximum of a norm and a plain tensor": (
+            lambda t, f: torch.maximum(t.norm(p=1, dim=2, keepdim=True), f),
+            [x, floor], [layout, None], row,
+        ),
+    }  # fmt: skip
+    for what, (fn, inputs, layouts, out) in cases.items():
+        check_against_reference(fn, inputs, layouts, mesh, out_layouts=[out], what=what)
+
+
+@pytest.mark.parametrize("name", list(PENDING_LAYOUTS))
+def test_a_pointwise_op_reduces_a_pending_operand_to_its_output_layout(name: str) -> None:
+    """Values, gradients and the output's placements and shard sizes against one process."""
+    run_on_ranks(math.prod(PENDING_LAYOUTS[name][0]), _pending_operand_body, name)
