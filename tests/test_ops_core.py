@@ -13,7 +13,6 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
-from shardsci.tensor._torch_compat import torch_release
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
 from tests.boxes import dim_shardings
 from tests.expected_layouts import (
@@ -517,31 +516,45 @@ def test_all_over_several_dims(mesh_shape: tuple[int, ...]) -> None:
     run_on_ranks(math.prod(mesh_shape), _all_over_dims_body, mesh_shape)
 
 
-def _native_group_norm_body() -> None:
-    cases = [  # (N, C, HxW), groups, channel shards
-        ((1, 2), 1, (1, 1)),
-        ((2, 4, 3), 1, (1, 3)),
-        ((2, 4, 3), 2, (1, 3)),
-    ]
-    for shape, groups, sizes in cases:
+def _native_group_norm_body(mesh_shape: tuple[int, ...]) -> None:
+    # (N, C, *spatial), groups, input layout, layout of the mean and rstd (N, G). Channel
+    # shards move to group boundaries (rounded to the nearer one); the statistics are sharded
+    # like the groups (a single group replicated, as a unit dim's view is) and replicated over
+    # the axes that shard spatial dims.
+    whole = Layout((Replicate(),) * len(mesh_shape))
+    if len(mesh_shape) == 1:
+        cases = [
+            ((1, 2), 1, Layout((Shard(1),), {1: (1, 1)}), whole),  # one group: one rank's
+            ((2, 4, 3), 1, Layout((Shard(1),), {1: (1, 3)}), whole),
+            ((2, 4, 3), 2, Layout((Shard(1),), {1: (1, 3)}), Layout((Shard(1),), {1: (0, 2)})),
+            ((2, 6, 4), 3, Layout((Shard(1),), {1: (4, 2)}), Layout((Shard(1),), {1: (2, 1)})),
+            ((2, 4, 7), 2, Layout((Shard(2),), {2: (6, 1)}), whole),
+            ((3, 4, 5, 2), 2, Layout((Shard(0),), {0: (0, 3)}), Layout((Shard(0),), {0: (0, 3)})),
+        ]
+    else:
+        cases = [
+            ((2, 4, 5, 3), 2, Layout((Shard(2), Shard(3)), {2: (1, 4), 3: (3, 0)}), whole),
+            ((2, 6, 5), 3, Layout((Shard(1), Shard(2)), {1: (4, 2), 2: (2, 3)}),
+             Layout((Shard(1), Replicate()), {1: (2, 1)})),
+        ]  # fmt: skip
+    for shape, groups, layout, statistics in cases:
         n, c, hw = shape[0], shape[1], math.prod(shape[2:])
         check_against_reference(
-            lambda t, a=(n, c, hw, groups): torch.native_group_norm(t, None, None, *a, 1e-5),
-            [torch.randn(shape, dtype=torch.float64)], [Layout((Shard(1),), {1: sizes})],
-            get_mesh((2,)), out_layouts=[Layout((Replicate(),))] * 3,
-            what=f"{shape} in {groups} groups", not_a_gather="the channels are made whole first",
+            lambda t, w, b, a=(n, c, hw, groups): torch.native_group_norm(t, w, b, *a, 1e-5),
+            [torch.randn(shape, dtype=torch.float64), torch.randn(c, dtype=torch.float64),
+             torch.randn(c, dtype=torch.float64)], [layout, None, None],
+            get_mesh(mesh_shape), out_layouts=[None, statistics, statistics],
+            what=f"{shape} in {groups} groups, {layout}",
         )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    torch_release() < (2, 13),
-    reason="DTensor has no sharding rule for native_group_norm before torch 2.13",
-    strict=True,
-)
-def test_native_group_norm_with_sharded_channels() -> None:
-    """Gradients through all three outputs (normalised input, mean, rstd) match one process;
-    the ones through mean and rstd were wrong with channel shards."""
-    run_on_ranks(2, _native_group_norm_body)
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_native_group_norm(mesh_shape: tuple[int, ...]) -> None:
+    """Gradients through all three outputs (normalised input, mean, rstd) and the weight and
+    bias match one process; the output keeps the input's layout (sharded channels, spatial
+    dims, batch), the statistics are sharded like the groups: the channels were gathered and
+    the outputs replicated, and a sharded spatial dim was replicated by DTensor's rule."""
+    run_on_ranks(math.prod(mesh_shape), _native_group_norm_body, mesh_shape)
 
 
 def _norms_without_identity_body() -> None:
