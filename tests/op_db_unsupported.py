@@ -430,9 +430,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
             "wrong",
         ),
     ),
-    "native_group_norm": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "nn.functional.embedding": (
@@ -465,7 +462,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.nll_loss": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "nn.functional.normalize": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "nn.functional.pad.replicate_negative": (_GATHERED.cases((0,), ("2x2-last",)),),
     "nn.functional.pdist": (_GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.scaled_dot_product_attention": (

@@ -565,3 +565,59 @@ def test_a_pending_sum_held_whole_and_reduce_scattered_counts(layout: str) -> No
     results = run_on_ranks(math.prod(mesh_shape), _pending_sum_body, layout)
     assert len({r["message"] for r in results}) == 1, "ranks raised different messages"
     assert "laid out (Partial(sum)" in results[0]["message"], results[0]["message"]
+
+
+# ---------------------------------------------------------------------------- pending results
+# An op whose own output is a pending sum each rank holds whole: a dense operator applied
+# along the sharded dim (``A @ x``, ``A`` plain (H, H)) contracts H, and every rank's partial
+# product is the field's whole extent along H. Nothing may ever reduce it into shards (a
+# ``full_tensor()`` or a loss all-reduces it), so the guard says so where it is made.
+def _pending_result_body(layout: str) -> dict[str, object]:
+    mesh_shape, placements, sizes = PENDING_LAYOUTS[layout]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    whole = torch.randn(SHAPE, dtype=torch.float64, requires_grad=True)
+    operator = torch.randn(SHAPE[2], SHAPE[2], dtype=torch.float64, requires_grad=True)
+    order = {d: tuple(a for a, p in enumerate(placements) if p.dim == d) for d in sizes}
+    spec = ShardTensorSpec.build(mesh, placements, SHAPE, torch.float64, sizes, order=order)
+    x = from_local_spec(spec.narrow(whole.detach()), spec).detach().requires_grad_()
+    with gather_policy("allow"), record_gathers() as seen:
+        out = torch.matmul(operator, x)
+        reductions = [x.sum(2), x * x.sum(2, keepdim=True), x.sum()]
+    # Measured on the shards, not by the guard: each rank holds more than its share of x, as
+    # much as x gathered along H (the axes sharding W, if any, still split it).
+    held = torch.tensor(out._local.numel() * out._local.element_size())
+    share = x._local.numel() * x._local.element_size()
+    dist.all_reduce(held, dist.ReduceOp.MAX)
+    assert_all_ranks(out._local.numel() > x._local.numel(), f"holds {out._local.shape}")
+    expected = operator @ whole
+    assert_close_all_ranks(out.full_tensor(), expected, atol=1e-12, rtol=0, what="values")
+    (grad,) = torch.autograd.grad(out.full_tensor().square().sum(), x)
+    (expected_grad,) = torch.autograd.grad(expected.square().sum(), whole)
+    assert_close_all_ranks(grad.full_tensor(), expected_grad, atol=1e-12, rtol=0, what="grad")
+    noted = [(g.op, g.what, g.bytes_per_rank) for g in seen]
+    wanted = [("torch.matmul", "a pending result", int(held))]
+    assert_all_ranks(noted == wanted, f"recorded {noted}, expected {wanted} (reductions: none)")
+    assert_all_ranks(all(r.spec.partial or r.spec.shardings for r in reductions), "reductions")
+
+    def refused() -> None:
+        with gather_policy("error"):
+            torch.matmul(operator, x)
+
+    error = assert_raises_all_ranks(
+        GatherError,
+        r"torch\.matmul would make a pending sum, held whole, from a float64 tensor",
+        refused,
+    )
+    return {"message": str(error), "held": int(held), "share": share}
+
+
+@pytest.mark.parametrize("layout", list(PENDING_LAYOUTS))
+def test_a_pending_result_held_whole_counts_where_it_is_made(layout: str) -> None:
+    """NOTE [Gathers an op was not asked to make]: ``A @ x`` contracting x's sharded dim
+    leaves every rank a pending sum as large as x gathered over that axis; the guard records
+    it with the bytes measured on the shards and refuses it on every rank under "error"."""
+    mesh_shape = PENDING_LAYOUTS[layout][0]
+    results = run_on_ranks(math.prod(mesh_shape), _pending_result_body, layout)
+    assert len({r["message"] for r in results}) == 1, "ranks raised different messages"
+    assert all(r["held"] > r["share"] for r in results), results

@@ -13,7 +13,6 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
-from shardsci.tensor._torch_compat import torch_release
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
 from tests.boxes import dim_shardings
 from tests.expected_layouts import (
@@ -517,31 +516,45 @@ def test_all_over_several_dims(mesh_shape: tuple[int, ...]) -> None:
     run_on_ranks(math.prod(mesh_shape), _all_over_dims_body, mesh_shape)
 
 
-def _native_group_norm_body() -> None:
-    cases = [  # (N, C, HxW), groups, channel shards
-        ((1, 2), 1, (1, 1)),
-        ((2, 4, 3), 1, (1, 3)),
-        ((2, 4, 3), 2, (1, 3)),
-    ]
-    for shape, groups, sizes in cases:
+def _native_group_norm_body(mesh_shape: tuple[int, ...]) -> None:
+    # (N, C, *spatial), groups, input layout, layout of the mean and rstd (N, G). Channel
+    # shards move to group boundaries (rounded to the nearer one); the statistics are sharded
+    # like the groups (a single group replicated, as a unit dim's view is) and replicated over
+    # the axes that shard spatial dims.
+    whole = Layout((Replicate(),) * len(mesh_shape))
+    if len(mesh_shape) == 1:
+        cases = [
+            ((1, 2), 1, Layout((Shard(1),), {1: (1, 1)}), whole),  # one group: one rank's
+            ((2, 4, 3), 1, Layout((Shard(1),), {1: (1, 3)}), whole),
+            ((2, 4, 3), 2, Layout((Shard(1),), {1: (1, 3)}), Layout((Shard(1),), {1: (0, 2)})),
+            ((2, 6, 4), 3, Layout((Shard(1),), {1: (4, 2)}), Layout((Shard(1),), {1: (2, 1)})),
+            ((2, 4, 7), 2, Layout((Shard(2),), {2: (6, 1)}), whole),
+            ((3, 4, 5, 2), 2, Layout((Shard(0),), {0: (0, 3)}), Layout((Shard(0),), {0: (0, 3)})),
+        ]
+    else:
+        cases = [
+            ((2, 4, 5, 3), 2, Layout((Shard(2), Shard(3)), {2: (1, 4), 3: (3, 0)}), whole),
+            ((2, 6, 5), 3, Layout((Shard(1), Shard(2)), {1: (4, 2), 2: (2, 3)}),
+             Layout((Shard(1), Replicate()), {1: (2, 1)})),
+        ]  # fmt: skip
+    for shape, groups, layout, statistics in cases:
         n, c, hw = shape[0], shape[1], math.prod(shape[2:])
         check_against_reference(
-            lambda t, a=(n, c, hw, groups): torch.native_group_norm(t, None, None, *a, 1e-5),
-            [torch.randn(shape, dtype=torch.float64)], [Layout((Shard(1),), {1: sizes})],
-            get_mesh((2,)), out_layouts=[Layout((Replicate(),))] * 3,
-            what=f"{shape} in {groups} groups", not_a_gather="the channels are made whole first",
+            lambda t, w, b, a=(n, c, hw, groups): torch.native_group_norm(t, w, b, *a, 1e-5),
+            [torch.randn(shape, dtype=torch.float64), torch.randn(c, dtype=torch.float64),
+             torch.randn(c, dtype=torch.float64)], [layout, None, None],
+            get_mesh(mesh_shape), out_layouts=[None, statistics, statistics],
+            what=f"{shape} in {groups} groups, {layout}",
         )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    torch_release() < (2, 13),
-    reason="DTensor has no sharding rule for native_group_norm before torch 2.13",
-    strict=True,
-)
-def test_native_group_norm_with_sharded_channels() -> None:
-    """Gradients through all three outputs (normalised input, mean, rstd) match one process;
-    the ones through mean and rstd were wrong with channel shards."""
-    run_on_ranks(2, _native_group_norm_body)
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_native_group_norm(mesh_shape: tuple[int, ...]) -> None:
+    """Gradients through all three outputs (normalised input, mean, rstd) and the weight and
+    bias match one process; the output keeps the input's layout (sharded channels, spatial
+    dims, batch), the statistics are sharded like the groups: the channels were gathered and
+    the outputs replicated, and a sharded spatial dim was replicated by DTensor's rule."""
+    run_on_ranks(math.prod(mesh_shape), _native_group_norm_body, mesh_shape)
 
 
 def _norms_without_identity_body() -> None:
@@ -561,3 +574,59 @@ def test_norms_without_an_identity_on_empty_shards() -> None:
     """Negative and infinite orders: torch refuses them on an empty tensor, so a rank holding
     no rows contributes the value that adds nothing (it raised)."""
     run_on_ranks(4, _norms_without_identity_body)
+
+
+# ---------------------------------------------------------------------------- pending operands
+# A norm over a sharded dim is pending (Partial) over the axes that sharded it. A pointwise op
+# that must reduce it reduces it to the layout its output takes: replicated over those axes,
+# the other shards kept (NOTE [A pending sum is reduced rather than an operand gathered]).
+# DTensor's cheaper choice reduce-scattered it onto the batch dim, and ``F.normalize`` on 2-D
+# blocks returned its output split along the batch. (B, C, H, W), H sharded, W too on 2-D.
+PENDING_SHAPE = (2, 3, 6, 5)
+PENDING_LAYOUTS = {
+    "2r-uneven": ((2,), Layout((Shard(2),), {2: (5, 1)})),
+    "4r-empty": ((4,), Layout((Shard(2),), {2: (2, 0, 3, 1)})),
+    "2x2-blocks": ((2, 2), Layout((Shard(2), Shard(3)), {2: (1, 5), 3: (5, 0)})),
+    "2x2x2-nested": (
+        (2, 2, 2),
+        Layout((Shard(2), Shard(3), Shard(2)), {2: (2, 0, 3, 1), 3: (2, 3)}, {2: (0, 2), 3: (1,)}),
+    ),
+}
+
+
+def _without_dim(layout: Layout, dim: int) -> Layout:
+    """``layout`` with ``dim`` no longer sharded: its axes replicated, the other shards kept."""
+    return Layout(
+        tuple(Replicate() if p == Shard(dim) else p for p in layout.placements),
+        {d: s for d, s in layout.sizes.items() if d != dim},
+        {d: a for d, a in layout.order.items() if d != dim},
+    )
+
+
+def _pending_operand_body(name: str) -> None:
+    mesh_shape, layout = PENDING_LAYOUTS[name]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(PENDING_SHAPE, dtype=torch.float64)
+    floor = torch.rand(2, 3, 1, 5, dtype=torch.float64) * 4
+    row = _without_dim(layout, 2)
+    cases = {  # name: (fn, inputs, their layouts, output layout: None is the input's)
+        "normalize p=2 over H": (lambda t: F.normalize(t, dim=2), [x], [layout], None),
+        "normalize p=1 over H": (lambda t: F.normalize(t, p=1.0, dim=2), [x], [layout], None),
+        "normalize over C": (lambda t: F.normalize(t, dim=1), [x], [layout], None),
+        "clamp_min of a norm": (
+            lambda t: t.norm(dim=2, keepdim=True).clamp_min(1e-3), [x], [layout], row,
+        ),
+        "maximum of a norm and a plain tensor": (
+            lambda t, f: torch.maximum(t.norm(p=1, dim=2, keepdim=True), f),
+            [x, floor], [layout, None], row,
+        ),
+    }  # fmt: skip
+    for what, (fn, inputs, layouts, out) in cases.items():
+        check_against_reference(fn, inputs, layouts, mesh, out_layouts=[out], what=what)
+
+
+@pytest.mark.parametrize("name", list(PENDING_LAYOUTS))
+def test_a_pointwise_op_reduces_a_pending_operand_to_its_output_layout(name: str) -> None:
+    """Values, gradients and the output's placements and shard sizes against one process."""
+    run_on_ranks(math.prod(PENDING_LAYOUTS[name][0]), _pending_operand_body, name)

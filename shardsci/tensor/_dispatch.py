@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor import _propagation
 from shardsci.tensor._caches import cached, register_cache
-from shardsci.tensor._gather_guard import asked_for, dispatching
+from shardsci.tensor._gather_guard import asked_for, check_result, dispatching
 from shardsci.tensor._propagation import (
     Plan,
     decomposition,
@@ -110,6 +110,7 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
     ops.append(func)
     try:
         path, result = _dispatched(func, route, args, kwargs)
+        check_result(args, result)
         return result
     finally:
         ops.pop()

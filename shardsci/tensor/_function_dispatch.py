@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardsci.tensor import _torch_compile
-from shardsci.tensor._gather_guard import dispatching
+from shardsci.tensor._gather_guard import check_result, dispatching
 from shardsci.tensor._registry import function_handler_for
 from shardsci.tensor._torch_compat import _disabled_torch_function_impl, get_eval_frame_callback
 
@@ -45,6 +45,8 @@ def dispatch(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: di
         ops.append(func)
         try:
             result = handler(func, args, kwargs or {})
+            if result is not NotImplemented:
+                check_result(args, result)
         finally:
             ops.pop()
         if result is not NotImplemented:

@@ -15,7 +15,12 @@ A pending sum held whole counts too: a redistribution that reduces a ``Partial``
 ``Shard`` (a reduce-scatter) finds every rank holding the sum's whole extent along the dim the
 target splits, since the op that left it pending; the memory per rank was a gather's before
 the collective although no earlier redistribution gathered. (Reducing it to ``Replicate``
-is not: the tensor is split on neither side.)
+is not: the tensor is split on neither side.) And a pending sum held whole is seen where it is
+made, since it may never be reduced: an op whose output is pending over a mesh axis that
+shards an operand, each rank's part at least that whole operand (``A @ x`` with a plain ``A``
+contracting the dim of ``x`` the axis splits) counts as it returns (``_dispatch`` calls
+:func:`check_result`); a reduction's pending result (``x.sum(2)``) holds less than what it
+reduced and does not.
 
 Who asked. A gather counts when an op makes it, as its fallback: while an op is dispatched (an
 aten or function handler runs, the pointwise fast path runs, or the default path moves operands
@@ -56,7 +61,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -76,10 +81,12 @@ __all__ = [
     "GatherWarning",
     "asked_for",
     "check_redistribution",
+    "check_result",
     "dispatching",
     "gather_policy",
     "gathers",
     "may_gather_blocks",
+    "pending_whole",
     "record_gathers",
     "reduces_whole_pending_sum",
 ]
@@ -213,7 +220,9 @@ class Gather:
     what : str
         What was gathered: ``"a tensor"``, ``"a pending sum"`` (a sum each rank held whole
         along a dim the target splits, reduced by a reduce-scatter: the rank held the whole
-        extent before the collective, not after it), or ``"the keys and values"``
+        extent before the collective, not after it), ``"a pending result"`` (the op's output
+        is such a sum, each rank's part at least the whole operand ``source``; said where it
+        is made, as it may never be reduced), or ``"the keys and values"``
         (attention's; the shape and layout are the keys').
     source, target : ShardTensorSpec
         The layout before and after.
@@ -245,6 +254,12 @@ class Gather:
         described = f"{_dtype_name(src.dtype)} tensor of shape {tuple(src.shape)}"
         if self.what == "a tensor":
             verb, described = ("would gather", "gathered"), f"a {described}"
+        elif self.what == "a pending result":
+            # The op's own output: a sum left pending, each rank holding all of it.
+            verb, described = (
+                ("would make", "made"),
+                f"a pending sum, held whole, from a {described}",
+            )
         elif self.what == "a pending sum":
             # Held whole since the op that left the sum pending; the reduction splits it.
             verb, described = (
@@ -323,6 +338,47 @@ def check_redistribution(src: ShardTensorSpec, dst: ShardTensorSpec) -> None:
         return
     total = _bytes_of(src)
     _enforce(_gather(ops, what, src, dst, total, _largest_shard(src), _largest_shard(dst)))
+
+
+def check_result(operands: Sequence[object], result: object) -> None:
+    """Apply the policy to an op's result (``_dispatch``, as the op returns): nothing unless
+    an output is a pending sum each rank holds whole (:func:`pending_whole`). Raised after the
+    op's own collectives, before any later one, on every rank alike (specs only)."""
+    ops = _THREAD.ops
+    if not ops or (_POLICY[0] == "allow" and not _RECORDERS):
+        return
+    if ops[-1] is _ASKED or ops[-1] in _VALUE_READS:
+        return
+    for out in result if isinstance(result, (tuple, list)) else (result,):
+        spec = getattr(out, "_spec", None)
+        if spec is None or not spec.partial:
+            continue
+        source = pending_whole(operands, spec)
+        if source is not None:
+            held = _largest_shard(spec)
+            before = _largest_shard(source)
+            _enforce(_gather(ops, "a pending result", source, spec, _bytes_of(spec), before, held))
+
+
+def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTensorSpec | None:
+    """The spec of an operand that makes the result laid out as ``spec`` a whole pending
+    one, else None: ``spec`` is pending (Partial) over mesh axes that shard the operand, and
+    each rank's part of it is more than the operand's largest shard and at least as much as
+    a rank would hold of the operand gathered over those axes. (A reduction's pending result
+    is smaller than what it reduced: ``x.sum(2)`` of a field split along H holds one row.)"""
+    held = _largest_shard(spec)
+    pending = {a for a, p in enumerate(spec.placements) if isinstance(p, Partial)}
+    for operand in operands:
+        for t in operand if isinstance(operand, (tuple, list)) else (operand,):
+            source = getattr(t, "_spec", None)
+            if (
+                source is not None
+                and any(pending.intersection(s.axes) for s in source.shardings)
+                and held > _largest_shard(source)
+                and held >= _largest_shard(source, gathered_over=pending)
+            ):
+                return source
+    return None
 
 
 def may_gather_blocks(
@@ -443,13 +499,15 @@ def _pieces(spec: ShardTensorSpec) -> int:
     return math.prod(len(s.sizes) for s in spec.shardings)
 
 
-def _largest_shard(spec: ShardTensorSpec) -> int:
+def _largest_shard(spec: ShardTensorSpec, gathered_over: Collection[int] = ()) -> int:
     """Bytes of the largest shard of ``spec`` on any rank (a mesh axis shards at most one dim,
-    so the largest extents of different dims meet on one rank)."""
+    so the largest extents of different dims meet on one rank); with a dim whole where one of
+    the mesh axes ``gathered_over`` shards it."""
     elements = 1
     for dim, extent in enumerate(spec.shape):
         sharding = spec.sharding_by_dim.get(dim)
-        elements *= max(sharding.sizes) if sharding is not None else extent
+        whole = sharding is None or any(a in gathered_over for a in sharding.axes)
+        elements *= extent if whole else max(sharding.sizes)
     return elements * spec.dtype.itemsize
 
 

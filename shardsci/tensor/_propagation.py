@@ -281,6 +281,12 @@ def _make_plan(
 # the rule is asked again with the pending reductions done first (an all-reduce of a tensor
 # every rank holds whole-shaped already), and that plan is taken when it gathers nothing: the
 # output keeps the sharded operand's layout. In-place ops keep their destination's rule.
+# A pointwise op that must reduce a pending operand (``clamp_min`` of a norm, pending over
+# the axis that sharded the normed dim) is asked again too when the rule reduce-scatters it
+# onto a dim along a mesh axis that shards no other operand: DTensor prices that below an
+# all-reduce, but the output would then be split along a dim (the batch) that no input was,
+# and the next op meeting the input's layout moves it back. The pending operand is reduced
+# to the layout its output takes: replicated over that axis, or the other operand's shards.
 def _reduced_first(
     func: OpOverload,
     leaves: list,
@@ -294,7 +300,9 @@ def _reduced_first(
     first, when the plan given gathers an operand and that one gathers none; else None."""
     if _mutates_first_argument(func) or not any(s is not None and s.partial for s in sources):
         return None
-    if not any(s is not None and gathers(s, t) for s, t in zip(sources, targets)):
+    if not any(s is not None and gathers(s, t) for s, t in zip(sources, targets)) and not (
+        torch.Tag.pointwise in func.tags and _scatters_pending_astray(sources, targets)
+    ):
         return None
     reduced = [s if s is None or not s.partial else _reduced(s) for s in sources]
     try:
@@ -308,6 +316,26 @@ def _reduced_first(
     if any(s is not None and gathers(s, t) for s, t in zip(sources, reduced_targets)):
         return None
     return sharding, suggestion, reduced_targets
+
+
+def _scatters_pending_astray(
+    sources: list[ShardTensorSpec | None], targets: list[ShardTensorSpec | None]
+) -> bool:
+    """Whether a target reduce-scatters an operand's pending axis onto a dim while no operand
+    not pending over that axis is sharded over it (the output's split would come from none)."""
+    for source, target in zip(sources, targets):
+        if source is None or target is None:
+            continue
+        for axis, (p, q) in enumerate(zip(source.placements, target.placements)):
+            if (
+                isinstance(p, Partial)
+                and isinstance(q, Shard)
+                and not any(
+                    s is not None and isinstance(s.placements[axis], Shard) for s in sources
+                )
+            ):
+                return True
+    return False
 
 
 def _reduced(spec: ShardTensorSpec) -> ShardTensorSpec:

@@ -103,7 +103,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
-from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import (
     AxisGroup,
@@ -116,7 +116,6 @@ from shardsci.tensor._ops._common import (
     accepts,
     replicated_local,
     sharding_axes,
-    with_dims_whole,
 )
 from shardsci.tensor._options import statistics_all_reduced
 from shardsci.tensor._promotion import promote_replicated
@@ -515,15 +514,39 @@ def _group_norm(func, args, kwargs):
 
 @register_function_handler(torch.native_group_norm)
 def _native_group_norm(func, args, kwargs):
-    """aten's group norm called directly (``F.group_norm`` has the handler above) with its
-    channels sharded: DTensor's rule accepts that, and the input gradient through the mean and
-    rstd outputs came out wrong (one group over two channel shards; the op-database sweep), so
-    the channels are made whole first, above autograd."""
-    x = bind(func, args, kwargs).input
-    if not accepts(x, sharded=[1], partial=True):
+    """aten's group norm called directly (``F.group_norm`` has the handler above), on any
+    layout: the channel shards moved to group boundaries (``_groups_whole``: the channels of a
+    straddling group move, nothing else), then the group statistics by sharded reductions, so
+    the normalised input keeps the input's layout and the mean and rstd ``(N, G)`` are
+    sharded like the batch and the groups, replicated over the axes that shard the reduced
+    dims. Composed of ShardTensor ops, its gradients through all three outputs are autograd's
+    (DTensor's rule replicated a sharded spatial dim, and with one group over two channel
+    shards gave wrong gradients through the mean and rstd)."""
+    a = bind(func, args, kwargs)
+    x, weight, bias, groups = a.input, a.weight, a.bias, a.group
+    if not accepts(x, replicated=[weight, bias]) or x.ndim < 2:
         return NotImplemented
-    args, kwargs = replaced(func, args, kwargs, {"input": with_dims_whole(x, {1})})
-    return func(*args, **kwargs)
+    channels = x.shape[1]
+    if groups <= 0 or channels % groups:
+        raise RuntimeError(
+            f"native_group_norm: the {channels} channels of an input of shape "
+            f"{tuple(x.shape)} do not split into group={groups} groups"
+        )
+    _check_parameters("native_group_norm", (channels,), weight=weight, bias=bias)
+    aligned = _groups_whole(x, channels // groups)
+    grouped = aligned.unflatten(1, (groups, channels // groups))
+    variance, mean = torch.var_mean(grouped, tuple(range(2, grouped.ndim)), correction=0,
+                                    keepdim=True)  # fmt: skip
+    inverse_std = torch.rsqrt(variance + a.eps)
+    out = ((grouped - mean) * inverse_std).flatten(1, 2)
+    affine = (channels,) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        out = out * weight.reshape(affine)
+    if bias is not None:
+        out = out + bias.reshape(affine)
+    if aligned is not x:
+        out = redistribute(out, x._spec.with_dtype(out.dtype))
+    return out, mean.flatten(1), inverse_std.flatten(1)
 
 
 # ---------------------------------------------------------------------------- batch norm
