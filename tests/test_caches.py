@@ -264,10 +264,10 @@ def _attention_probe_body() -> dict[str, object]:
     q = tokens(6)
     for _ in range(2):
         F.scaled_dot_product_attention(q, q, q)
-    counts: dict[str, object] = {"one layout": shardsci.cache_sizes()["attention shape probes"]}
+    counts: dict[str, object] = {"one layout": shardsci.cache_sizes()["meta shape probes"]}
     q = tokens(8)
     F.scaled_dot_product_attention(q, q, q)
-    counts["two layouts"] = shardsci.cache_sizes()["attention shape probes"]
+    counts["two layouts"] = shardsci.cache_sizes()["meta shape probes"]
     errors = []
     for _ in range(2):
         with pytest.raises(RuntimeError) as error:
@@ -280,3 +280,48 @@ def _attention_probe_body() -> dict[str, object]:
 def test_attention_shape_probe_runs_once_per_layout() -> None:
     for counts in run_on_ranks(2, _attention_probe_body):
         assert counts == {"one layout": 1, "two layouts": 2, "same error twice": True}
+
+
+def _window_probes_body() -> dict[str, object]:
+    """The pooling, padding and einsum handlers' shape probes (``avg_pool2d``'s meta function
+    costs milliseconds) run once per layout of their arguments."""
+    import torch.nn.functional as F
+
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+    x = shardsci.distribute_tensor(torch.randn(1, 2, 8, 6, dtype=torch.float64), mesh, [Shard(2)])
+    w = torch.randn(2, 3, dtype=torch.float64)
+    sizes = []
+    for _ in range(2):
+        F.avg_pool2d(x, 2)
+        F.pad(x, [1, 1, 1, 1], mode="circular")
+        torch.einsum("bchw,cd->bdhw", x, w)
+        sizes.append(shardsci.cache_sizes()["meta shape probes"])
+    return {"after one call each": sizes[0], "after two": sizes[1]}
+
+
+def test_window_shape_probes_run_once_per_layout() -> None:
+    for counts in run_on_ranks(2, _window_probes_body):
+        assert counts["after one call each"] >= 2
+        assert counts["after two"] == counts["after one call each"]
+
+
+def test_meta_probe_keys_arguments_by_value_and_type() -> None:
+    """``probe_on_meta``: a tensor stands in by shape and dtype, a number with its type (an
+    int and a float give different result dtypes), a list comes back a list, and a call
+    that raises is not cached: it raises again."""
+    from shardsci.tensor._shape_probe import probe_on_meta
+
+    shardsci.clear_caches()
+    ints = torch.zeros(3, dtype=torch.int64)
+    assert probe_on_meta(torch.add, (ints, 1)).dtype == torch.int64
+    assert probe_on_meta(torch.add, (ints, 1.0)).dtype == torch.float32
+    assert probe_on_meta(torch.add, (torch.zeros(3, 2, dtype=torch.int64), 1)).shape == (3, 2)
+    assert shardsci.cache_sizes()["meta shape probes"] == 3
+    assert probe_on_meta(torch.add, (ints, 1)).dtype == torch.int64
+    assert shardsci.cache_sizes()["meta shape probes"] == 3
+    assert probe_on_meta(torch.ops.aten.constant_pad_nd.default, (ints, [1, 2])).shape == (6,)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="broadcast"):
+            probe_on_meta(torch.add, (ints, torch.zeros(4)))
+    assert shardsci.cache_sizes()["meta shape probes"] == 4

@@ -34,7 +34,6 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, redistribute
 from shardsci.tensor._binding import bind
-from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._ring import ring_chosen
@@ -45,6 +44,7 @@ from shardsci.tensor._ops._ring_attention import (
     attention_forward,
 )
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._spec import ShardTensorSpec, nested_chunk_sizes, replicated_spec
 
 aten = torch.ops.aten
@@ -140,21 +140,12 @@ def _probe(func, qkv: tuple, mask: torch.Tensor | None, *args, **kwargs):
     """``func(q, k, v, *args, attn_mask=mask, **kwargs)`` on ``meta`` tensors of the same shapes
     and dtypes: the result's shapes, and torch's own error for bad arguments.
 
-    Run once per value of the arguments: on ``meta`` tensors SDPA takes the math path through
-    ``_safe_softmax``'s decomposition in prims, about 12 ms of host time a call (on this
-    machine, a (1, 4, 16, 32) query) against 0.05 ms for the fused kernel on CPU.
+    Run once per value of the arguments (``probe_on_meta``): on ``meta`` tensors SDPA takes
+    the math path through ``_safe_softmax``'s decomposition in prims, about 12 ms of host time
+    a call (on this machine, a (1, 4, 16, 32) query) against 0.05 ms for the fused kernel on
+    CPU.
     """
-    layouts = tuple(None if t is None else (tuple(t.shape), t.dtype) for t in (*qkv, mask))
-    return _probed(func, layouts, args, tuple(kwargs.items()))
-
-
-@cached("attention shape probes", maxsize=256)
-def _probed(func, layouts: tuple, args: tuple, kwargs: tuple):
-    q, k, v, mask = (
-        None if layout is None else torch.empty(layout[0], dtype=layout[1], device="meta")
-        for layout in layouts
-    )
-    return func(q, k, v, *args, attn_mask=mask, **dict(kwargs))
+    return probe_on_meta(func, (*qkv, *args), {"attn_mask": mask, **kwargs})
 
 
 def _check_dropout(dropout_p: float) -> None:

@@ -40,7 +40,7 @@ from shardsci.tensor._ops._windows import (
 )
 from shardsci.tensor._options import halo_overlap_enabled
 from shardsci.tensor._registry import register_function_handler
-from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._torch_compat import nn_pad
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -238,8 +238,8 @@ def _pad(func, args, kwargs):
     x, mode, value = a.input, a.mode, a.value
     if not accepts(x) or mode not in _PAD_MODES:
         return NotImplemented
-    with shape_probe():  # torch's error for a bad pad list, on every rank before any collective
-        func(torch.empty(x.shape, dtype=x.dtype, device="meta"), a.pad, mode, value)
+    # torch's error for a bad pad list, on every rank before any collective
+    probe_on_meta(func, (x, a.pad, mode, value))
     pairs = [(a.pad[2 * i], a.pad[2 * i + 1]) for i in range(len(a.pad) // 2)]
     if any(left < 0 or right < 0 for left, right in pairs):
         if mode != "constant":

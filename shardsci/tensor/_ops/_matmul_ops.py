@@ -53,6 +53,7 @@ from shardsci.tensor._ops._ring import Blocks, ring_chosen
 from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._spec import ShardTensorSpec, merged_hints
 
 aten = torch.ops.aten
@@ -302,7 +303,7 @@ def _sliceable(subscript: str, operand: torch.Tensor, letters: dict[str, _Letter
 def _check_on_meta(equation: str, operands: list) -> None:
     """Raise torch's error for operands that do not fit ``equation`` on every rank, before
     any rank starts exchanging blocks."""
-    torch.einsum(equation, *(torch.empty(o.shape, dtype=o.dtype, device="meta") for o in operands))
+    probe_on_meta(torch.einsum, (equation, *operands))
 
 
 def _product_plan(

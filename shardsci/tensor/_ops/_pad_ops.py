@@ -19,7 +19,7 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._windows import Window, gather_windows, output_spec
 from shardsci.tensor._registry import register_aten_handler
-from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._shape_probe import probe_on_meta
 
 aten = torch.ops.aten
 
@@ -30,8 +30,8 @@ def _constant_pad_nd(func, args, kwargs):
     x, pad, value = a.self, list(a.pad), a.value
     if not accepts(x):
         return NotImplemented
-    with shape_probe():  # torch's error for a bad pad list, on every rank before any collective
-        shape = list(func(torch.empty(x.shape, dtype=x.dtype, device="meta"), pad, value).shape)
+    # torch's error for a bad pad list, on every rank before any collective
+    shape = list(probe_on_meta(func, (x, pad, value)).shape)
     pairs = [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]
     for i, (left, right) in enumerate(pairs):
         dim = x.ndim - 1 - i

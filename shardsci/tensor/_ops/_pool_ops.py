@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
-from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
 from shardsci.tensor._halo import extend, pad_locally
 from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._ops._windows import Window, gather_windows, output_spec, window_plan
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
-from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._shape_probe import probe_on_meta
 
 aten = torch.ops.aten
 
@@ -104,12 +104,7 @@ def _stride(
 def _global_output_shape(func: Callable, x: ShardTensor, args: tuple, kwargs: dict) -> list[int]:
     """Run torch's op on a meta tensor of the global shape: it raises torch's error for bad
     arguments on every rank, before any collective, and gives the global output shape."""
-    with shape_probe():
-        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-        args, kwargs = replaced(
-            func, args, kwargs, {"input": meta}, signature=_SIGNATURES.get(func)
-        )
-        result = func(*args, **kwargs)
+    result = probe_on_meta(func, args, kwargs)
     return list((result[0] if isinstance(result, tuple) else result).shape)
 
 
