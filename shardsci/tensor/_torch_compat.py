@@ -223,6 +223,14 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch.utils._python_dispatch:_disable_current_modes",
         "reading a mesh's real rank tensor while torch.compile traces under a fake mode",
     ),
+    "_len_torch_dispatch_stack": _at(
+        "torch._C:_len_torch_dispatch_stack",
+        "whether any dispatch mode, fake tensors' included, is active",
+    ),
+    "is_fake": _at(
+        "torch._subclasses.fake_tensor:is_fake",
+        "whether a handler runs on fake shards (torch.compile's trace)",
+    ),
     "maybe_mark_dynamic": _at(
         "torch._dynamo:maybe_mark_dynamic", "shard sizes as dynamic dims in a region"
     ),
