@@ -176,7 +176,7 @@ class ShardTensor(torch.Tensor):
         spec = sizes_for_from_local(
             local_tensor, device_mesh, placements, sharding_shapes, shape, run_check
         )
-        return _FromLocal.apply(local_tensor, spec)
+        return _from_local(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard. Differentiable: the gradient of the returned tensor is read as
@@ -234,7 +234,7 @@ class ShardTensor(torch.Tensor):
             order={e.tensor_dim: e.mesh_dims for e in dtensor._spec.shard_order},
             stride=dtensor.stride(),
         )
-        return _FromLocal.apply(dtensor.to_local(), spec)
+        return _from_local(dtensor.to_local(), spec)
 
     def to_dtensor(self) -> DTensor:
         """A DTensor with the same placements; shards are first rebalanced to ``torch.chunk``

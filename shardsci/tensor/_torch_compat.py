@@ -223,9 +223,11 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch.utils._python_dispatch:_disable_current_modes",
         "reading a mesh's real rank tensor while torch.compile traces under a fake mode",
     ),
-    "_len_torch_dispatch_stack": _at(
-        "torch._C:_len_torch_dispatch_stack",
-        "whether any dispatch mode, fake tensors' included, is active",
+    "_get_dispatch_mode": _at(
+        "torch._C:_get_dispatch_mode", "whether a fake mode is active (torch.compile's trace)"
+    ),
+    "_TorchDispatchModeKey": _at(
+        "torch._C:_TorchDispatchModeKey", "the key of the fake mode among dispatch modes"
     ),
     "is_fake": _at(
         "torch._subclasses.fake_tensor:is_fake",

@@ -61,7 +61,13 @@ forward and input gradient; two down levels (shards of 5 and 3 rows pooled, a wi
 the shard boundary) did not finish (a gloo collective timed out after 60 s at load 14, not
 rerun), so the fault is likely at the second level, where an average pool's window crosses ranks.
 Until that is found the UNet runs wrong gradients, not an error, under tracing through, so
-the default stays eager. Not tried (2026-11-28): the MeshGraphNet, a 2x2 mesh, inductor.
+the default stays eager. Also open: user code that leaves and re-enters ShardTensors inside
+the compiled region (``ShardTensor.from_local(torch.sin(x.to_local()), x.device_mesh,
+x.placements, x.sharding_shapes())``, 2 uneven ranks) no longer fails inside dynamo, but
+breaks the graph (4 frames compiled for one layout, where 2 are expected), and after a new
+layout dynamo's automatic dynamic shapes make the local shard's sizes SymInts, which
+``from_local`` puts into the spec ("unhashable type: non-nested SymInt" at the spec's key).
+Not tried (2026-11-28): the MeshGraphNet, a 2x2 mesh, inductor.
 The FNO's compiled backward first met a gradient whose spec equals the traced one in layout
 but is another object ("we guessed its metadata incorrectly"), which
 ``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. The ViT and the Transolver
@@ -81,7 +87,8 @@ from contextlib import contextmanager
 import torch
 
 from shardsci.tensor._torch_compat import (
-    _len_torch_dispatch_stack,
+    _get_dispatch_mode,
+    _TorchDispatchModeKey,
     disable_current_modes,
     dynamo_config,
     get_proxy_mode,
@@ -133,8 +140,9 @@ def in_graph() -> bool:
 def on_the_host() -> Iterator[None]:
     """Real tensors inside, even while torch.compile runs a handler on fake or traced shards:
     for a handler's plan (index tables, weights), computed from constants and read back as
-    Python values, which fake tensors do not have (NOTE [torch.compile and ShardTensor])."""
-    if not _len_torch_dispatch_stack():
+    Python values, which fake tensors do not have (NOTE [torch.compile and ShardTensor]).
+    Other dispatch modes (a device watch, a traffic count) see the plan as before."""
+    if _get_dispatch_mode(_TorchDispatchModeKey.FAKE) is None:
         yield
         return
     with disable_current_modes():
