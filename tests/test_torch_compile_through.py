@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.testing
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
@@ -61,11 +62,22 @@ class EinsumThenFlatten(nn.Module):
         return scaled.flatten(-2).movedim(-1, 1)  # (B, C M, H, W)
 
 
+class UpThenDown(nn.Module):
+    """Bilinear 2x upsampling, then 2x2 average pooling back to the input's shape (and shard
+    sizes). Dynamo puts ``F.interpolate``, a Python-level function, into the graph whole and
+    runs its handler on fake shards: a plan of real index tables (``on_the_host``), then
+    ``to_local`` and ``from_local_spec``, which dynamo failed on inside the handler."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(F.interpolate(x, scale_factor=2, mode="bilinear"), 2)
+
+
 CASES = {
     "pointwise": (PointwiseChain, ()),
     "conv": (ConvWithHalo, ("all_to_all_single", "all_reduce")),
     "mean": (Centered, ("all_reduce",)),
     "flatten": (EinsumThenFlatten, ("all_reduce",)),
+    "interpolate": (UpThenDown, ("all_to_all_single",)),
 }
 """Case -> (module, functional collectives its forward and backward graphs must contain, or
 none at all)."""
@@ -122,8 +134,8 @@ def _check_compiled(case: str) -> None:
 
 
 # The halo case compiles 6 graphs with halo code inlined: about 65 s on this machine (load 9);
-# the flatten case about 32 s (load 6).
-SLOW_CASES = ("conv", "flatten")
+# the flatten case about 32 s (load 6), the interpolate case 44 s (load 8-12).
+SLOW_CASES = ("conv", "flatten", "interpolate")
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,7 @@ class ShardTensor(torch.Tensor):
         spec = sizes_for_from_local(
             local_tensor, device_mesh, placements, sharding_shapes, shape, run_check
         )
-        return _FromLocal.apply(local_tensor, spec)
+        return _from_local(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard. Differentiable: the gradient of the returned tensor is read as
@@ -184,7 +184,7 @@ class ShardTensor(torch.Tensor):
         Replicate)."""
         if not torch.is_grad_enabled():
             return self._local
-        return _ToLocal.apply(self, None if grad_placements is None else tuple(grad_placements))
+        return _to_local(self, None if grad_placements is None else tuple(grad_placements))
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor on every rank. Differentiable."""
@@ -234,7 +234,7 @@ class ShardTensor(torch.Tensor):
             order={e.tensor_dim: e.mesh_dims for e in dtensor._spec.shard_order},
             stride=dtensor.stride(),
         )
-        return _FromLocal.apply(dtensor.to_local(), spec)
+        return _from_local(dtensor.to_local(), spec)
 
     def to_dtensor(self) -> DTensor:
         """A DTensor with the same placements; shards are first rebalanced to ``torch.chunk``
@@ -259,7 +259,7 @@ def redistribute(x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
 
 def from_local_spec(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     """Differentiable ``from_local`` with a known spec (no checks, no communication)."""
-    return _FromLocal.apply(local, spec)
+    return _from_local(local, spec)
 
 
 def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
@@ -325,6 +325,19 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardTensor, None]:  # type: ignore[override]
         return ShardTensor(grad, ctx.grad_spec.with_dtype(grad.dtype)), None
+
+
+# Calls dynamo puts into its graph whole, for AOTAutograd to trace the autograd Function
+# inside: dynamo's own trace of ``_FromLocal``/``_ToLocal`` fails with an internal error when
+# the spec holds a graph input (the mesh) (NOTE [torch.compile and ShardTensor]).
+@torch._dynamo.allow_in_graph
+def _from_local(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    return _FromLocal.apply(local, spec)
+
+
+@torch._dynamo.allow_in_graph
+def _to_local(x: ShardTensor, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:
+    return _ToLocal.apply(x, grad_placements)
 
 
 @cached("placement changes", 4096)

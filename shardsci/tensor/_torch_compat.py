@@ -223,6 +223,16 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch.utils._python_dispatch:_disable_current_modes",
         "reading a mesh's real rank tensor while torch.compile traces under a fake mode",
     ),
+    "_get_dispatch_mode": _at(
+        "torch._C:_get_dispatch_mode", "whether a fake mode is active (torch.compile's trace)"
+    ),
+    "_TorchDispatchModeKey": _at(
+        "torch._C:_TorchDispatchModeKey", "the key of the fake mode among dispatch modes"
+    ),
+    "is_fake": _at(
+        "torch._subclasses.fake_tensor:is_fake",
+        "whether a handler runs on fake shards (torch.compile's trace)",
+    ),
     "maybe_mark_dynamic": _at(
         "torch._dynamo:maybe_mark_dynamic", "shard sizes as dynamic dims in a region"
     ),

@@ -18,7 +18,8 @@ dynamo traces Python, and dynamo never traces the skipped package. Compiled spee
 each rank computes alone, on plain local tensors, outside ShardTensor dispatch.
 
 ``tracing_through_shardtensors()`` (experimental, a context manager, tested on small modules
-and, under ``-m slow``, three zoo models: ``tests/test_torch_compile_through.py``) lets dynamo and AOTAutograd trace through
+and, under ``-m slow``, three zoo models: ``tests/test_torch_compile_through.py``) lets dynamo
+and AOTAutograd trace through
 instead: ``__tensor_flatten__`` gives the local shard as the one inner tensor and the spec as
 context; dynamo runs each op on fake shards to learn its output's
 spec; AOTAutograd runs the same Python (``__torch_dispatch__`` and the autograd Functions'
@@ -32,31 +33,41 @@ backward graphs over local tensors. What makes that sound:
   ``wait_tensor``), and halo messages as one all-to-all with a zero split for every rank that
   is not a neighbour (torch 2.11-2.13 have no functional point-to-point collective).
 - Bytes are not recorded while tracing, so ``comm_counter`` counts eager collectives only.
-Why it is not the default (measured 2026-11-28, torch 2.13, the zoo of ``tests/zoo.py`` on 2
-uneven ranks, ``-m slow``): the FNO, the ViT and the Transolver trace, equal to the
-single-process model in float64, forward and every gradient, with one recompilation for a new
-layout and none for a seen one; the UNet does not. Dynamo inlines ``__torch_function__`` for
-Python-level functions (``F.interpolate``, ``F.pad``, which it also rewrites to
-``torch._C._nn.pad``), so it traces the function handlers themselves, and with them the
-``_ToLocal`` and ``_FromLocal`` autograd Functions of ``to_local`` and ``from_local_spec``,
-which build ShardTensors in their forward or backward: dynamo fails on them with an internal
-error ("AssertionError: create_node using arg not from this SubgraphTracer", the UNet through
-``_interpolate_ops.resample``) instead of breaking the graph; the same handler's
-``bool(weight.eq(1).all())`` breaks the graph (``Tensor.item()``). Tried (2026-11-28, one
-rank, ``F.interpolate`` alone): ``to_local`` through a ``torch._dynamo.allow_in_graph``
-function gets past ``_ToLocal``, then ``_FromLocal`` fails the same way (not kept: it fixes
-nothing alone); ``torch._dynamo.nonstrict_trace`` was not tried, as its documentation
-refuses a constant argument made inside the compiled region, as every handler's output spec
-is (DTensor's ``from_local`` is special-cased in dynamo instead). The MeshGraphNet is not
-tried.
-Next steps: keep dynamo out of the function handlers (let it put the torch function into the
-graph and run ``__torch_function__`` only under AOTAutograd, as for builtins such as
-``F.conv2d``), or give ``from_local_spec`` dynamo's treatment of DTensor's ``from_local``. A
-first try of the former (2026-11-28, not kept): ``dispatch``, when
-``torch.compiler.is_dynamo_compiling()``, returning a call of a ``torch._dynamo.allow_in_graph``
-wrapper of ``func`` made on first use; dynamo refuses ``allow_in_graph`` called inside a
-compiled region (the wrappers must be made when a handler is registered) and broke the graph
-first at a data-dependent ``Tensor.item()``.
+How dynamo meets the function handlers (torch 2.13): for a torch function in torch's
+overridable set (``F.conv2d``, ``torch.einsum``, ``F.group_norm``, ``Tensor.__getitem__``...)
+dynamo inlines ``__torch_function__``, so it traces the handler's Python; for others, such as
+``F.interpolate``, it puts the call into its graph whole and runs the handler on fake shards
+(its fake run, then AOTAutograd's on functional fake shards). Two rules follow:
+- ``to_local`` and ``from_local_spec`` call their autograd Functions through
+  ``torch._dynamo.allow_in_graph`` wrappers (``_api._to_local``, ``_api._from_local``): dynamo
+  puts the call into its graph and AOTAutograd traces the Function. Dynamo's own trace of the
+  Function's forward, in a subgraph, re-creates the spec (a dataclass) from its fields, and
+  the mesh of an input's spec is an input of the outer graph: "AssertionError: create_node
+  using arg not from this SubgraphTracer" (2026-11-28: ``from_local_spec(x.to_local() * 2,
+  x.spec)`` compiled with ``fullgraph=True`` on one rank failed so, and passes with them).
+- A handler's plan computed with tensors (``F.interpolate``'s index tables and weights, read
+  back as Python ints) is computed ``on_the_host()``, on real tensors, and its tables enter
+  the ops on shards as constants of the trace (``graph_constant``). On fake shards the tables
+  were fake and their values unbacked SymInts: "unhashable type: non-nested SymInt" at the
+  plan cache (``tests/test_torch_compile_through.py``'s ``interpolate`` case failed so).
+Why it is not the default (measured 2026-11-28, torch 2.13, ``-m slow``, 2 uneven ranks): the
+FNO, the ViT and the Transolver trace, equal to the single-process model in float64, forward
+and every gradient, with one recompilation for a new layout and none for a seen one. The
+UNet (``tests/zoo.py``, 10/6 rows) now traces without error and its forward is equal, but
+its gradients are not: the input's gradient differs (by up to 1e40 in the zoo test: memory
+never written; by 0.25 against the same ShardTensor model run eagerly, 2 ranks). Its encoder
+with the coordinate embedding, one down level, and one down and up level each match eagerly,
+forward and input gradient; two down levels (shards of 5 and 3 rows pooled, a window across
+the shard boundary) did not finish (a gloo collective timed out after 60 s at load 14, not
+rerun), so the fault is likely at the second level, where an average pool's window crosses ranks.
+Until that is found the UNet runs wrong gradients, not an error, under tracing through, so
+the default stays eager. Also open: user code that leaves and re-enters ShardTensors inside
+the compiled region (``ShardTensor.from_local(torch.sin(x.to_local()), x.device_mesh,
+x.placements, x.sharding_shapes())``, 2 uneven ranks) no longer fails inside dynamo, but
+breaks the graph (4 frames compiled for one layout, where 2 are expected), and after a new
+layout dynamo's automatic dynamic shapes make the local shard's sizes SymInts, which
+``from_local`` puts into the spec ("unhashable type: non-nested SymInt" at the spec's key).
+Not tried (2026-11-28): the MeshGraphNet, a 2x2 mesh, inductor.
 The FNO's compiled backward first met a gradient whose spec equals the traced one in layout
 but is another object ("we guessed its metadata incorrectly"), which
 ``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. The ViT and the Transolver
@@ -76,16 +87,22 @@ from contextlib import contextmanager
 import torch
 
 from shardsci.tensor._torch_compat import (
+    _get_dispatch_mode,
+    _TorchDispatchModeKey,
+    disable_current_modes,
     dynamo_config,
     get_proxy_mode,
+    is_fake,
     trace_rules,
 )
 
 __all__ = [
     "EagerUnderCompileWarning",
     "forget_eager_under_compile_warning",
+    "graph_constant",
     "in_graph",
     "keep_dynamo_out",
+    "on_the_host",
     "tracing_through_shardtensors",
     "warn_eager_under_compile",
 ]
@@ -117,6 +134,27 @@ def in_graph() -> bool:
     """True while torch.compile traces: dynamo, or AOTAutograd's tracer. Collectives are then
     functional and record no bytes (NOTE [torch.compile and ShardTensor])."""
     return torch.compiler.is_compiling() or get_proxy_mode() is not None
+
+
+@contextmanager
+def on_the_host() -> Iterator[None]:
+    """Real tensors inside, even while torch.compile runs a handler on fake or traced shards:
+    for a handler's plan (index tables, weights), computed from constants and read back as
+    Python values, which fake tensors do not have (NOTE [torch.compile and ShardTensor]).
+    Other dispatch modes (a device watch, a traffic count) see the plan as before."""
+    if _get_dispatch_mode(_TorchDispatchModeKey.FAKE) is None:
+        yield
+        return
+    with disable_current_modes():
+        yield
+
+
+def graph_constant(plan: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A real tensor made ``on_the_host``, as an operand of ops on ``like``: itself in eager
+    code, a constant built in the trace when ``like`` is fake or traced."""
+    if is_fake(like) or get_proxy_mode() is not None:
+        return torch.tensor(plan.tolist(), dtype=plan.dtype, device=like.device)
+    return plan
 
 
 def keep_dynamo_out(cls: type) -> None:

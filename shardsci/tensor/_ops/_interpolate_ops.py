@@ -42,6 +42,7 @@ from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._windows import gather_windows, output_spec
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._torch_compile import graph_constant, on_the_host
 
 _MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area")
 _SELECTING = ("nearest", "nearest-exact")  # also defined for integer tensors
@@ -89,12 +90,13 @@ class Resample:
     def apply(self, local: torch.Tensor, dim: int, first: int, stop: int) -> torch.Tensor:
         """Outputs ``[first, stop)`` from ``local``, which holds ``input_range(first, stop)``."""
         lo = self.input_range(first, stop, 0)[0]
-        index = (self.index[first:stop] - lo).to(local.device)
+        index = (graph_constant(self.index, local)[first:stop] - lo).to(local.device)
         taps = index.shape[1]
         gathered = local.index_select(dim, index.reshape(-1))
         if self.weight is None:
             return gathered
-        weight = self.weight[first:stop].to(device=local.device, dtype=local.dtype)
+        weight = graph_constant(self.weight, local)[first:stop]
+        weight = weight.to(device=local.device, dtype=local.dtype)
         weight = weight.reshape(*weight.shape, *([1] * (local.ndim - dim - 1)))
         return (gathered.unflatten(dim, (stop - first, taps)) * weight).sum(dim + 1)
 
@@ -227,7 +229,13 @@ def resample(
 
     ``scale`` is the scale factor the kernel receives (None when recomputed from the sizes);
     ``dtype`` the opmath type of the input; ``spatial`` the number of spatial dims.
+    Computed on real tensors, also while torch.compile traces (``on_the_host``).
     """
+    with on_the_host():
+        return _resample(mode, n_in, n_out, scale, align_corners, dtype, spatial)
+
+
+def _resample(mode, n_in, n_out, scale, align_corners, dtype, spatial) -> Resample:
     if mode in _SELECTING:
         index = _nearest(n_in, n_out, scale, mode == "nearest-exact", dtype, spatial == 2)
         index, weight, centres = index[:, None], torch.ones(n_out, 1, dtype=dtype), index
@@ -321,7 +329,8 @@ def _local_selection_matches(
         return False
     lo = window.input_range(first, stop, 0)[0]
     local = resample(mode, n_local, stop - first, scale, False, dtype, spatial)
-    return torch.equal(local.index, window.index[first:stop] - lo)
+    with on_the_host():
+        return torch.equal(local.index, window.index[first:stop] - lo)
 
 
 def _output_shape(func, x, size, scale_factor, mode, align_corners, recompute, antialias):
@@ -332,7 +341,7 @@ def _output_shape(func, x, size, scale_factor, mode, align_corners, recompute, a
     torch's meta kernels reject empty ones (its real kernels accept them), and the output
     keeps them as they are."""
     leading = x.shape[:2]
-    with shape_probe():
+    with on_the_host(), shape_probe():
         probe = torch.empty(
             (*(max(n, 1) for n in leading), *x.shape[2:]), dtype=x.dtype, device="meta"
         )
