@@ -19,12 +19,11 @@ each rank computes alone, on plain local tensors, outside ShardTensor dispatch.
 
 ``tracing_through_shardtensors()`` (experimental, a context manager, tested on small modules
 and, under ``-m slow``, three zoo models: ``tests/test_torch_compile_through.py``) lets dynamo
-and AOTAutograd trace through
-instead: ``__tensor_flatten__`` gives the local shard as the one inner tensor and the spec as
-context; dynamo runs each op on fake shards to learn its output's
-spec; AOTAutograd runs the same Python (``__torch_dispatch__`` and the autograd Functions'
-backward included) on functional fake shards, so the backend receives plain forward and
-backward graphs over local tensors. What makes that sound:
+and AOTAutograd trace through instead: ``__tensor_flatten__`` gives the local shard as the
+one inner tensor and the spec as context; dynamo runs each op on fake shards to learn its
+output's spec; AOTAutograd runs the same Python (``__torch_dispatch__`` and the autograd
+Functions' backward included) on functional fake shards, so the backend receives plain
+forward and backward graphs over local tensors. What makes that sound:
 - ``ShardTensor.__metadata_guard__`` compares the spec by value: a graph runs again only on
   the layout it was traced for (every shard extent and hint); a new layout compiles once more.
   Shard sizes are constants of the graph, never SymInts.
