@@ -356,6 +356,23 @@ def _fake_mode(fn: Callable) -> None:
         assert fn() is mode
 
 
+def _dispatch_mode_by_key(get_mode: Callable) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = _torch_compat._TorchDispatchModeKey.FAKE
+    assert get_mode(fake) is None
+    with FakeTensorMode() as mode:
+        assert get_mode(fake) is mode
+
+
+def _is_fake(fn: Callable) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(2)
+    assert fn(fake) and not fn(torch.ones(2))
+
+
 SMOKE: dict[str, Callable[[object], None]] = {
     "DTensorSpec": _takes("mesh", "placements", "tensor_meta", "shard_order"),
     "ShardOrderEntry": _shard_order_entry,
@@ -409,6 +426,9 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "maybe_mark_dynamic": _maybe_mark_dynamic,
     "active_fake_mode": _fake_mode,
     "FakeProcessGroup": _fake_process_group,
+    "_get_dispatch_mode": _dispatch_mode_by_key,
+    "_TorchDispatchModeKey": _has("FAKE"),
+    "is_fake": _is_fake,
 }
 
 

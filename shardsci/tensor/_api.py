@@ -330,12 +330,12 @@ class _ToLocal(torch.autograd.Function):
 # Calls dynamo puts into its graph whole, for AOTAutograd to trace the autograd Function
 # inside: dynamo's own trace of ``_FromLocal``/``_ToLocal`` fails with an internal error when
 # the spec holds a graph input (the mesh) (NOTE [torch.compile and ShardTensor]).
-@torch._dynamo.allow_in_graph
+@torch.compiler.allow_in_graph
 def _from_local(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     return _FromLocal.apply(local, spec)
 
 
-@torch._dynamo.allow_in_graph
+@torch.compiler.allow_in_graph
 def _to_local(x: ShardTensor, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:
     return _ToLocal.apply(x, grad_placements)
 
