@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
 from shardsci.tensor import _function_dispatch
-from shardsci.tensor._api import ShardTensor, _as_shard_tensor, _FromLocal, grad_spec
+from shardsci.tensor._api import ShardTensor, _as_shard_tensor, from_local_spec, grad_spec
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._spec import ShardTensorSpec, mesh_coordinate, replicated_spec
 from shardsci.tensor._torch_compat import _will_engine_execute_node
@@ -93,7 +93,7 @@ def promote_replicated(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
             return _DeferredPromotion.apply(tensor, spec, sink, index)
     elif isinstance(tensor, nn.Parameter) and tensor.requires_grad and mesh.size() > 1:
         _say_eager_sums_once()
-    return _FromLocal.apply(tensor, spec)
+    return from_local_spec(tensor, spec)
 
 
 def _say_eager_sums_once() -> None:
