@@ -15,11 +15,16 @@ formula shows as a residual rather than being absorbed into a parameter:
   ``ll_bandwidth_fraction = simple_latency_factor = 1``, ``tree_base_latency_s =
   GLOO_NO_TREE_S`` (never chosen) and the all-reduces fitted as rings. Each point's
   fitted-over-measured ratio is emitted (``collective`` records), with the CPU time a call
-  costs the slowest rank (``cpu_seconds``: c10d and gloo on the host, which the cost model
-  does not charge).
-- ``sustained_flops``: a training step's FLOPs (``torch.utils.flop_counter``, as the cost
-  model counts them) over its seconds, for the convolutions and matmuls the zoo runs
+  costs the slowest rank (``cpu_seconds``: c10d and gloo on the host).
+- ``host_us_per_collective`` and ``host_us_per_collective_step``: a second least-squares fit,
+  of the small calls' (at most 16 KiB) ``cpu_seconds`` as ``per call + per step x ring
+  steps`` (``ring_steps``): what ``collective_host_s`` charges the host.
+- ``sustained_flops``: a training step's FLOPs (``WorkCounter``, as the cost model and the dry
+  run count them) over its seconds, for the convolutions and matmuls the zoo runs
   (``COMPUTE``), one thread, CPU time; the median over them (each rate is emitted).
+- ``fft_flops_per_s``: the same for the FNO's spectral transforms (``rfft2`` and ``irfft2``
+  of a ``(1, 32, 128, 128)`` field, forward and backward), FFT FLOPs as ``WorkCounter``
+  counts them (NOTE [FFT FLOPs are counted apart]).
 - ``memory_bytes_per_s``: ``torch.add(a, b, out=c)`` on arrays far beyond the caches, bytes as
   the cost model's memory traffic counts them (arguments and result).
 - ``host_us_per_op`` and ``plain_host_us_per_op``: ``benchmarks.host_overhead``'s measurement
@@ -49,11 +54,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks._common import emit, emit_summary, on_ranks, parse_arguments, rank_pools
 from benchmarks.host_overhead import time_variants
-from shardsci.planning._machine import Machine, collective_s
+from shardsci.planning._machine import Machine, collective_s, ring_steps
+from shardsci.planning._work import WorkCounter
 
 SIZES = (256, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes per rank's input
 KINDS = ("p2p", "all_to_all", "all_gather", "all_reduce")
@@ -70,8 +75,7 @@ def collective_rows(kind: str, ranks: int, nbytes: float) -> list[float]:
     Simple alike and one node (NOTE [Calibrating the machine]): a message
     (``halo_s``), an all-to-all's ``P - 1`` pieces, an all-gather's and an all-reduce's
     ring."""
-    steps = {"p2p": 1, "all_to_all": ranks - 1, "all_gather": ranks - 1}.get(kind, 2 * (ranks - 1))
-    return [1.0, float(steps), received_bytes(kind, ranks, nbytes)]
+    return [1.0, float(ring_steps(kind, ranks)), received_bytes(kind, ranks, nbytes)]
 
 
 def received_bytes(kind: str, ranks: int, nbytes: float) -> float:
@@ -195,12 +199,17 @@ def measure_collectives(repeats: int) -> list[dict]:
     return points
 
 
-def cpu_per_call(points: list[dict], ranks: int) -> float:
-    """The host CPU seconds one small collective (at most 16 KiB per rank) costs a rank of
-    ``ranks``: the median over the calibration's points. The cost model has no such term
-    (its communication is waiting: NOTE [The model held against measurement])."""
-    small = [p["cpu_seconds"] for p in points if p["ranks"] == ranks and p["bytes"] <= 16384]
-    return statistics.median(small) if small else 0.0
+def fit_collective_host(points: list[dict]) -> tuple[float, float]:
+    """``(host_us_per_collective, host_us_per_collective_step)``: least squares of the small
+    calls' (at most 16 KiB per rank) CPU time as ``per call + per step x ring_steps``, each
+    clipped at 0."""
+    small = [p for p in points if p["bytes"] <= 16384]
+    rows = torch.tensor(
+        [[1.0, float(ring_steps(p["kind"], p["ranks"]))] for p in small], dtype=torch.float64
+    )
+    cpu_us = torch.tensor([[p["cpu_seconds"] * 1e6] for p in small], dtype=torch.float64)
+    per_call, per_step = torch.linalg.lstsq(rows, cpu_us).solution.squeeze(1).tolist()
+    return max(per_call, 0.0), max(per_step, 0.0)
 
 
 # --------------------------------------------------------------------------- compute
@@ -228,6 +237,11 @@ COMPUTE = {
 }
 
 
+def _spectral(channels: int, size: int) -> Callable[[], None]:
+    x = torch.randn(1, channels, size, size, requires_grad=True)
+    return lambda: torch.fft.irfft2(torch.fft.rfft2(x), s=(size, size)).sum().backward()
+
+
 def _median_cpu_s(fn: Callable[[], None], repeats: int) -> float:
     """Median CPU seconds of ``fn`` after one warm-up call: a core's rate, which other
     processes on a shared machine disturb less than wall time."""
@@ -247,9 +261,13 @@ def measure_compute(repeats: int) -> dict[str, float]:
     rates = {}
     for name, build in COMPUTE.items():
         step = build()
-        with FlopCounterMode(display=False) as counter:
+        with WorkCounter() as counter:
             step()
-        rates[name] = counter.get_total_flops() / _median_cpu_s(step, repeats)
+        rates[name] = counter.flops / _median_cpu_s(step, repeats)
+    spectral = _spectral(32, 128)
+    with WorkCounter() as counter:
+        spectral()
+    rates["fft"] = counter.fft_flops / _median_cpu_s(spectral, repeats)
     a, b, c = (torch.ones(16 * 1024 * 1024) for _ in range(3))
     rates["memory"] = 3 * a.numel() * 4 / _median_cpu_s(lambda: torch.add(a, b, out=c), repeats)
     return rates
@@ -273,7 +291,8 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
     network = fit_collectives(points)
     rates = measure_compute(repeats)
     host_us, plain_us = measure_host(repeats)
-    flops = statistics.median(v for k, v in rates.items() if k != "memory")
+    flops = statistics.median(v for k, v in rates.items() if k not in ("memory", "fft"))
+    per_call_us, per_step_us = fit_collective_host(points)
     machine = dataclasses.replace(
         gloo_machine(
             Machine(),
@@ -282,7 +301,10 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
             network["bytes_per_s"],
         ),
         sustained_flops=flops,
+        fft_flops_per_s=rates["fft"],
         memory_bytes_per_s=rates["memory"],
+        host_us_per_collective=per_call_us,
+        host_us_per_collective_step=per_step_us,
         host_us_per_op=host_us,
         plain_host_us_per_op=plain_us,
         host_overlaps_device=False,
@@ -310,7 +332,12 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         "simple_latency_factor": "gloo has one protocol: 1",
         "gpus_per_node": "one host: every rank on one 'node'",
         "sustained_flops": "measured on this machine by benchmarks.calibrate: median of "
-        f"{', '.join(COMPUTE)} forward+backward FLOPs (flop counter) per second, one thread",
+        f"{', '.join(COMPUTE)} forward+backward FLOPs (WorkCounter) per second, one thread",
+        "fft_flops_per_s": "measured on this machine by benchmarks.calibrate: rfft2 + irfft2 "
+        "of (1, 32, 128, 128), forward+backward FFT FLOPs (WorkCounter) per second, one thread",
+        "host_us_per_collective": "measured on this machine by benchmarks.calibrate: least "
+        "squares of the small calls' CPU time on 2 and 4 gloo ranks, per call + per ring step",
+        "host_us_per_collective_step": "the same fit, per ring step",
         "memory_bytes_per_s": "measured on this machine by benchmarks.calibrate: "
         "torch.add of 64 MiB float32 arrays, 3 arrays' bytes per second, one thread",
         "host_us_per_op": "measured on this machine by benchmarks.calibrate with "
@@ -358,9 +385,12 @@ def main(argv: list[str] | None = None) -> None:
         step_latency_us=round(machine.nvlink_step_latency_s * 1e6, 1),
         bandwidth_gb_per_s=round(machine.nvlink_bytes_per_s / 1e9, 3),
         sustained_gflops=round(machine.sustained_flops / 1e9, 2),
+        fft_gflops=round(machine.fft_flops_per_s / 1e9, 2),
         memory_gb_per_s=round(machine.memory_bytes_per_s / 1e9, 2),
         host_us_per_op=round(machine.host_us_per_op, 1),
         plain_host_us_per_op=round(machine.plain_host_us_per_op, 1),
+        host_us_per_collective=round(machine.host_us_per_collective, 1),
+        host_us_per_collective_step=round(machine.host_us_per_collective_step, 1),
         collective_fit_worst=round(max(ratios, key=lambda r: abs(r - 1)), 2),
     )
 

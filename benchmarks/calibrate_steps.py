@@ -21,8 +21,9 @@ Two figures are compared, because gloo's waits do not use the CPU (a rank blocke
 collective accrues no ``time.process_time``) and this machine is shared:
 
 - ``cpu``: the slowest rank's CPU time against the model's ``host + compute`` (the work of a
-  rank with a core to itself; communication is waiting). The check's figure: the other
-  engineers' load moves it little.
+  rank with a core to itself: its ops, and issuing its collectives and halo rounds, which on
+  gloo copies and sends on the rank's own core; waiting for them costs none). The check's
+  figure: the other engineers' load moves it little.
 - ``wall``: wall time against ``host + compute + communication`` with ``P`` ranks sharing the
   ``cores`` (compute and host rates times ``min(1, cores / P)``: 4 ranks on 2 cores run at
   half speed each). Other processes' load slows it further, a term the model does not have:
@@ -64,11 +65,10 @@ from benchmarks._common import (
     rank_pools,
     spread,
 )
-from benchmarks.calibrate import calibrate, cpu_per_call, emit_calibration
+from benchmarks.calibrate import calibrate, emit_calibration
 from benchmarks.cost_model import (
     GEOMETRY,
     best_step,
-    choose_exchange,
     fitted_models,
     measure_model,
     sharded_step,
@@ -90,21 +90,6 @@ class Explanation:
     ratio: str | None = None
 
 
-_FFT = Explanation(
-    "compute: FFTs have no formula in the flop counter and count as memory traffic only; the "
-    "plain step's kernel time replaces the compute term",
-    "cpu_ratio_with_measured_compute",
-)
-_FFT_AND_COMMUNICATION = Explanation(
-    _FFT.term + "; and every collective and halo round costs the host CPU "
-    "(communication_cpu_ms: calls x the calibration's CPU per small call)",
-    "cpu_ratio_with_both",
-)
-_COMMUNICATION = Explanation(
-    "every collective and halo round costs the host CPU (communication_cpu_ms: calls x the "
-    "calibration's CPU per small call); the model counts communication as waiting",
-    "cpu_ratio_with_both",
-)
 _GROWS_WITH_SHARD = (
     "the ShardTensor step's work beyond the plain model's kernels grows with the shard, where "
     "the host term is ops x µs per op at a 16² tile: its 1-rank step is {} ms over the plain "
@@ -117,11 +102,6 @@ EXPLAINED: dict[tuple[str, int], Explanation] = {
         "host: 32.6 µs per op is the UNet's at a 16² tile, its small kernels included; at "
         "128² the 1-rank step is 40 ms over the plain step's kernels, the host term 126 ms"
     ),
-    ("unet", 2): _COMMUNICATION,
-    ("unet", 4): _COMMUNICATION,
-    ("fno", 1): _FFT,
-    ("fno", 2): _FFT_AND_COMMUNICATION,
-    ("fno", 4): _FFT_AND_COMMUNICATION,
     **{
         ("vit", p): Explanation(
             "compute: ShardTensor runs attention as its own unfused softmax(QK^T)V (_Attention "
@@ -152,8 +132,11 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         machine,
         sustained_flops=machine.sustained_flops * share,
         memory_bytes_per_s=machine.memory_bytes_per_s * share,
+        fft_flops_per_s=machine.fft_flops_per_s * share,
         host_us_per_op=machine.host_us_per_op / share,
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
+        host_us_per_collective=machine.host_us_per_collective / share,
+        host_us_per_collective_step=machine.host_us_per_collective_step / share,
     )
 
 
@@ -248,9 +231,7 @@ def judge(
     }
 
 
-def hold(
-    name: str, machine: Machine, models: dict, per_call: dict[int, float], args: argparse.Namespace
-) -> list[dict]:
+def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) -> list[dict]:
     """Emit one ``step`` record per rank count of ``name``; return them."""
     measured = measure_steps(name, args)
     load = round(os.getloadavg()[0], 1)
@@ -279,11 +260,9 @@ def hold(
         # (scaled as the model scales its compute to ``ranks``).
         compute = predicted["cpu_compute"]
         corrected = predicted["cpu"] - compute + kernels * compute / compute_1
-        communication = communication_cpu_s(models, ranks, shape, per_call.get(ranks, 0.0))
         cpu_1, predicted_1 = measured["1"]["cpu"], predict(machine, models, 1, whole, args.cores)
         ratios = {
             "cpu_ratio_with_measured_compute": round(corrected / cpu["median"], 2),
-            "cpu_ratio_with_both": round((corrected + communication) / cpu["median"], 2),
         }
         record = {
             "model": name,
@@ -299,7 +278,6 @@ def hold(
             "measured_wall_s": wall,
             "cpu": judge(predicted["cpu"], cpu["median"], EXPLAINED.get((name, ranks)), ratios),
             **ratios,
-            "communication_cpu_ms": round(communication * 1e3, 1),
             "cpu_scaling_ratio": round(
                 predicted["cpu"] / predicted_1["cpu"] / (cpu["median"] / statistics.median(cpu_1)),
                 2,
@@ -313,26 +291,13 @@ def hold(
     return records
 
 
-def _machine(args: argparse.Namespace) -> tuple[Machine, dict[int, float]]:
-    """The fitted machine, and per rank count the CPU seconds of one small collective."""
+def _machine(args: argparse.Namespace) -> Machine:
+    """The fitted machine: from ``--machine``, else calibrated now."""
     if args.machine:
-        saved = json.loads(Path(args.machine).read_text())
-        points = saved["points"]
-        machine = Machine(**saved["machine"])
-    else:
-        machine, sources, points, rates = calibrate(args.repeats)
-        emit_calibration(machine, sources, points, rates)
-    return machine, {p: cpu_per_call(points, p) for p in RANKS if p > 1}
-
-
-def communication_cpu_s(models: dict, ranks: int, shape: tuple, per_call: float) -> float:
-    """The step's collectives and halo rounds at ``ranks`` (the fitted counts of the exchange
-    the library picks) times the CPU seconds one costs the host: a term the cost model lacks."""
-    if ranks == 1:
-        return 0.0
-    fitted = models[choose_exchange(models, ranks, shape)]
-    calls = sum(fitted.count(k, ranks) for k in fitted.received if k != "p2p")
-    return (calls + fitted.count("p2p_rounds", ranks)) * per_call
+        return Machine(**json.loads(Path(args.machine).read_text())["machine"])
+    machine, sources, points, rates = calibrate(args.repeats)
+    emit_calibration(machine, sources, points, rates)
+    return machine
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -351,10 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     saved = json.loads(Path(args.measured).read_text()) if args.measured else {}
     goals, table = [], {}
     with rank_pools():
-        machine, per_call = _machine(args)
+        machine = _machine(args)
         for name in args.models:
             models, _ = fitted_models(name, saved.get(name) or measure_model(name))
-            for record in hold(name, machine, models, per_call, args):
+            for record in hold(name, machine, models, args):
                 verdict = record["cpu"]
                 table[f"{name}_{record['ranks']}"] = {
                     "predicted_cpu_ms": record["predicted_ms"]["cpu"],

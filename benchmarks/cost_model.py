@@ -11,13 +11,16 @@ bytes are fitted over the shapes as a linear function of the model's size basis 
 field's local rows, columns and their product; a graph's square root of nodes per rank, and
 nodes), which holds faces (halos), volumes (attention keys and values), spectra truncated along
 one dim (the FNO's transposes) and constants (statistics, the loss) alike; the fit must
-reproduce every measured shape (``FIT_TOLERANCE``). FLOPs come from ``torch.utils.flop_counter``
-on the plain model at three sizes, fitted as a polynomial in the pixel (or node) count, so that
-global attention's quadratic term is kept; so is the step's memory traffic (every non-view op's
-tensor arguments and results: kernels unfused), and compute is the longer of FLOPs at
-``sustained_flops`` and memory traffic at ``memory_bytes_per_s`` (FFTs count as traffic only:
-the flop counter has no formula for them). Host time per step is ``ops x host_us_per_op``, the
-ops the ShardTensor step dispatches (``benchmarks.host_overhead``).
+reproduce every measured shape (``FIT_TOLERANCE``). FLOPs are counted as the dry run counts
+them (``shardsci.planning._work.WorkCounter``) on the plain model at three sizes, fitted as a
+polynomial in the pixel (or node) count, so that global attention's quadratic term is kept;
+so is the step's memory traffic (every non-view op's tensor arguments and results: kernels
+unfused). FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are counted apart]) and fitted as
+``a p log2 p`` of the whole field, which a distributed FFT shares evenly over the ranks.
+Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``,
+and memory traffic at ``memory_bytes_per_s``. Host time per step is ``ops x host_us_per_op``,
+the ops the ShardTensor step dispatches (``benchmarks.host_overhead``), plus each collective
+call and halo round at ``host_us_per_collective`` (what issuing it costs the host's CPU).
 
 Projected (``project``) on ``Machine`` (every parameter with its source; ``--set
 name=value`` overrides any), per rank: ``max(host, compute + communication)``, host time
@@ -73,7 +76,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks._common import (
     Goal,
@@ -93,9 +95,11 @@ from shardsci.planning._machine import (
     Machine,
     all_gather_s,
     all_reduce_s,
+    collective_host_s,
     collective_s,
     override,
 )
+from shardsci.planning._work import WorkCounter
 from shardsci.tensor._options import (
     attention_exchange_choice,
     normalization_statistics,
@@ -298,8 +302,8 @@ class _MemoryTraffic(TorchDispatchMode):
         return out
 
 
-def work(name: str, size: int) -> tuple[float, float]:
-    """FLOPs (``torch.utils.flop_counter``) and memory traffic (``_MemoryTraffic``) of one
+def work(name: str, size: int) -> tuple[float, float, float]:
+    """FLOPs and FFT FLOPs (``WorkCounter``) and memory traffic (``_MemoryTraffic``) of one
     plain training step at ``size``: H = W of a ``(1, 1, H, W)`` field, or a graph's nodes."""
     torch.manual_seed(0)
     model = CASES[name].build()
@@ -312,10 +316,10 @@ def work(name: str, size: int) -> tuple[float, float]:
         )
     else:
         args = (torch.randn(1, 1, size, size),)
-    with FlopCounterMode(display=False) as counter, _MemoryTraffic() as traffic:
+    with WorkCounter() as counter, _MemoryTraffic() as traffic:
         out = model(*args)
         (out * out).mean().backward()
-    return float(counter.get_total_flops()), float(traffic.bytes)
+    return float(counter.flops), float(counter.fft_flops), float(traffic.bytes)
 
 
 FLOP_SIZES = {"meshgraphnet": (200, 400, 800), "field": (32, 64, 128)}
@@ -337,13 +341,15 @@ class Fitted:
     """One model's step, measured and fitted (NOTE [The cost model]): per kind, ``calls``
     (coefficients of ``call_laws``) and ``received`` bytes (of ``basis ⊗ laws``) of the busiest
     rank; FLOPs and memory traffic ``c + a p + b p²`` of a whole field of ``p`` pixels
-    (nodes); the aten ops of the ShardTensor step."""
+    (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); the aten ops of the
+    ShardTensor step."""
 
     model: str
     calls: dict[str, list[float]]
     received: dict[str, list[float]]
     flops: list[float]
     memory: list[float]
+    fft_flops: list[float]
     ops: int
 
     def count(self, kind: str, ranks: int) -> float:
@@ -360,6 +366,25 @@ class Fitted:
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return constant + (linear * whole + quadratic * whole**2) / ranks
 
+    def fft_per_rank(self, ranks: int, shape: tuple[float, ...]) -> float:
+        """FFT FLOPs per rank: the whole field's, shared evenly by the ranks."""
+        whole = GEOMETRY[self.model].pixels(shape) * ranks
+        return self.fft_flops[0] * _p_log_p(whole) / ranks
+
+    def host_s(self, machine: Machine, ranks: int) -> float:
+        """Host seconds per step at ``ranks``: the ops, and the collectives and halo rounds
+        it issues (``collective_host_s``)."""
+        issued = sum(
+            collective_host_s(
+                machine,
+                kind,
+                ranks,
+                self.count("p2p_rounds" if kind == "p2p" else kind, ranks),
+            )
+            for kind in self.received
+        )
+        return self.ops * machine.host_us_per_op * 1e-6 + issued
+
 
 def _polynomial(pixels: list[float], values: list[float]) -> list[float]:
     """``[c, a, b]`` of ``c + a p + b p²`` fitted to ``values`` at ``pixels``; ``b = 0`` where
@@ -372,16 +397,21 @@ def _polynomial(pixels: list[float], values: list[float]) -> list[float]:
     return coefficients
 
 
+def _p_log_p(pixels: float) -> float:
+    return pixels * math.log2(max(pixels, 1.0))
+
+
 def fit(
     name: str,
     runs: list[dict],
     flop_sizes: list[int],
     flop_values: list[float],
     memory_values: list[float] | None = None,
+    fft_values: list[float] | None = None,
 ) -> tuple:
     """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``ops``) and
-    the FLOPs (and memory traffic) at ``flop_sizes``; and per kind the worst misfit over the runs, relative to the
-    kind's largest measured bytes."""
+    the FLOPs, memory traffic and FFT FLOPs at ``flop_sizes`` (none where not given); and per
+    kind the worst misfit over the runs, relative to the kind's largest measured bytes."""
     basis = GEOMETRY[name].basis
     kinds = sorted({k for r in runs for k in (*r["received"], *r["calls"])})
     calls, received, misfit = {}, {}, {}
@@ -399,8 +429,9 @@ def fit(
     pixels = [s if name == "meshgraphnet" else s * s for s in flop_sizes]
     flops = _polynomial(pixels, flop_values)
     memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
+    fft_flops = _solve([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
     ops = min(r["ops"] for r in runs)
-    return Fitted(name, calls, received, flops, memory, ops), misfit
+    return Fitted(name, calls, received, flops, memory, fft_flops, ops), misfit
 
 
 def measure_model(name: str) -> dict:
@@ -420,8 +451,14 @@ def measure_model(name: str) -> dict:
                     {"ranks": math.prod(mesh_shape), "shape": list(shape), **busiest}
                 )
     sizes = FLOP_SIZES.get(name, FLOP_SIZES["field"])
-    flops, memory = zip(*(work(name, s) for s in sizes))
-    return {"runs": runs, "flop_sizes": list(sizes), "flops": flops, "memory_bytes": memory}
+    flops, fft_flops, memory = zip(*(work(name, s) for s in sizes))
+    return {
+        "runs": runs,
+        "flop_sizes": list(sizes),
+        "flops": flops,
+        "fft_flops": fft_flops,
+        "memory_bytes": memory,
+    }
 
 
 def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
@@ -429,7 +466,12 @@ def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
     result, misfits = {}, {}
     for exchange, runs in measured["runs"].items():
         result[exchange], misfits[exchange] = fit(
-            name, runs, measured["flop_sizes"], measured["flops"], measured.get("memory_bytes")
+            name,
+            runs,
+            measured["flop_sizes"],
+            measured["flops"],
+            measured["memory_bytes"],
+            measured["fft_flops"],
         )
     return result, misfits
 
@@ -496,7 +538,8 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
     ``shape``; ``total``: ``max(host, device)``."""
     parts = {
         "compute": max(
-            fitted.per_rank(fitted.flops, ranks, shape) / machine.sustained_flops,
+            fitted.per_rank(fitted.flops, ranks, shape) / machine.sustained_flops
+            + fitted.fft_per_rank(ranks, shape) / machine.fft_flops_per_s,
             fitted.per_rank(fitted.memory, ranks, shape) / machine.memory_bytes_per_s,
         )
     }
@@ -510,7 +553,7 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
             else:
                 parts[kind] = collective_s(machine, kind, ranks, n, nbytes, rounds)
     parts["device"] = sum(parts.values())
-    parts["host"] = fitted.ops * machine.host_us_per_op * 1e-6
+    parts["host"] = fitted.host_s(machine, ranks)
     parts["total"] = _total(machine, parts)
     return parts
 
@@ -589,8 +632,8 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
             step_ms=_ms(parts),
             efficiency=round(parts["compute"] / parts["total"], 3),
         )
-    weak = parts["compute"] / parts["total"]
-    no_host = dataclasses.replace(machine, host_us_per_op=0.0)
+    weak, host_512 = parts["compute"] / parts["total"], parts["host"]
+    no_host = dataclasses.replace(machine, host_us_per_op=0.0, host_us_per_collective=0.0)
     first, strong_limit, efficiency = None, None, 1.0
     for ranks in GPUS:
         shape = geometry.strong(ranks, LARGEST[name])
@@ -624,7 +667,7 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
         ),
         "strong_efficiency_512": round(efficiency, 3),
         "strong_below_0.5_at_gpus": strong_limit,
-        "host_ms_per_step": round(fitted.ops * machine.host_us_per_op * 1e-3, 2),
+        "host_ms_per_step": round(host_512 * 1e3, 2),
         "host_us_per_op_to_hide": round(device["device"] / fitted.ops * 1e6, 2),
         "ops_per_step": fitted.ops,
     }

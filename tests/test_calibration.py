@@ -13,7 +13,7 @@ from benchmarks.calibrate import (
     KINDS,
     SIZES,
     WORLDS,
-    cpu_per_call,
+    fit_collective_host,
     fit_collectives,
     gloo_machine,
     predicted_collective_s,
@@ -21,7 +21,6 @@ from benchmarks.calibrate import (
 from benchmarks.calibrate_bandwidth import rate_bytes_per_s
 from benchmarks.calibrate_steps import (
     Explanation,
-    communication_cpu_s,
     judge,
     layout,
     predict,
@@ -120,19 +119,36 @@ def test_the_timed_layouts_are_the_cost_models():
     assert layout("meshgraphnet", 2, 0, 4096) == ((2,), (2048,))
 
 
-def test_the_host_cpu_of_communication_counts_every_call_and_halo_round():
+def test_the_host_cpu_of_communication_counts_every_call_ring_step_and_halo_round():
+    # Small calls costing 700 µs plus 300 µs per ring step; a large call is not fitted.
     points = [
-        {"kind": "all_reduce", "ranks": 2, "bytes": 256, "cpu_seconds": 1e-4},
-        {"kind": "all_reduce", "ranks": 2, "bytes": 16384, "cpu_seconds": 3e-4},
-        {"kind": "all_reduce", "ranks": 2, "bytes": 1 << 22, "cpu_seconds": 9.0},
-        {"kind": "all_reduce", "ranks": 4, "bytes": 256, "cpu_seconds": 5e-4},
+        {"kind": kind, "ranks": ranks, "bytes": nbytes, "cpu_seconds": cpu}
+        for kind, ranks, steps in [
+            ("p2p", 2, 1),
+            ("all_gather", 2, 1),
+            ("all_gather", 4, 3),
+            ("all_reduce", 2, 2),
+            ("all_reduce", 4, 6),
+        ]
+        for nbytes, cpu in [(256, (700 + 300 * steps) * 1e-6), (1 << 22, 9.0)]
     ]
-    assert cpu_per_call(points, 2) == pytest.approx(2e-4)
-    assert cpu_per_call(points, 4) == pytest.approx(5e-4)
+    assert fit_collective_host(points) == pytest.approx((700.0, 300.0))
     fitted, _ = fit("fno", synthetic_measurement()["runs"]["auto"], [32, 64, 128], [1e9] * 3)
-    # CALLS of tests/test_cost_model.py: 4 halo rounds (8 messages), 5 + 16 + 2 collectives.
-    assert communication_cpu_s({"auto": fitted}, 2, (16, 64), 1e-3) == pytest.approx(27e-3)
-    assert communication_cpu_s({"auto": fitted}, 1, (16, 64), 1e-3) == 0.0
+    machine = dataclasses.replace(
+        Machine(),
+        host_us_per_op=2.0,
+        host_us_per_collective=1000.0,
+        host_us_per_collective_step=500.0,
+    )
+    # CALLS of tests/test_cost_model.py, 1000 ops: 4 halo rounds of one step; 5 all-gathers and
+    # 16 all-to-alls of P - 1 steps; 2 all-reduces of 2 (P - 1).
+    ops = 1000 * 2e-6
+    assert fitted.host_s(machine, 1) == pytest.approx(ops)
+    two = 4 * 1500 + 5 * 1500 + 16 * 1500 + 2 * 2000
+    assert fitted.host_s(machine, 2) == pytest.approx(ops + two * 1e-6)
+    four = 4 * 1500 + 5 * 2500 + 16 * 2500 + 2 * 4000
+    assert fitted.host_s(machine, 4) == pytest.approx(ops + four * 1e-6)
+    assert step_s(machine, fitted, 4, (16, 64))["host"] == fitted.host_s(machine, 4)
 
 
 def test_link_rates_read_as_tc_writes_them():

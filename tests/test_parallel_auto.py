@@ -89,13 +89,15 @@ def test_a_decomposition_is_a_mesh_and_roles_the_run_accepts(tmp_path: Path) -> 
 
 
 # ---------------------------------------------------------------------------- ranking
-def _class(flops: int, ops: int, halo_bytes: int, grad_bytes: int) -> RankClassPlan:
+def _class(
+    flops: int, ops: int, halo_bytes: int, grad_bytes: int, fft_flops: int = 0
+) -> RankClassPlan:
     memory = MemoryPlan(0, 0, 0, 0, 0, 0, 2**20, "forward of x")
     collectives = {
         "grad_all_reduce": CollectiveFigures(1, grad_bytes, grad_bytes),
         **({"halo": CollectiveFigures(4, halo_bytes, halo_bytes)} if halo_bytes else {}),
     }
-    return RankClassPlan(1, 0, [0], [0], memory, collectives, {}, flops, ops)
+    return RankClassPlan(1, 0, [0], [0], memory, collectives, {}, flops, ops, fft_flops)
 
 
 def _plan(world: int, replicas: int, classes: list[RankClassPlan]) -> RunPlan:
@@ -105,8 +107,11 @@ def _plan(world: int, replicas: int, classes: list[RankClassPlan]) -> RunPlan:
 
 MACHINE = Machine(
     sustained_flops=1e9,
+    fft_flops_per_s=1e8,
     host_us_per_op=100.0,
     plain_host_us_per_op=10.0,
+    host_us_per_collective=1000.0,
+    host_us_per_collective_step=500.0,
     host_overlaps_device=False,
     base_latency_s=1e-4,
     nvlink_step_latency_s=0.0,
@@ -115,18 +120,22 @@ MACHINE = Machine(
 
 
 def test_projection_of_the_slowest_rank_class() -> None:
-    """Compute: FLOPs at the sustained rate; host: ops at the ShardTensor rate when the fields
-    are split; halos: rounds of latency plus bytes; the slowest class is the step's."""
-    plan = _plan(4, 1, [_class(10**9, 100, 10**6, 0), _class(2 * 10**9, 100, 10**6, 0)])
+    """Compute: FLOPs at the sustained rate, FFT FLOPs at theirs; host: ops at the ShardTensor
+    rate when the fields are split, and each collective call and halo round as issuing it
+    costs; halos: rounds of latency plus bytes; the slowest class is the step's."""
+    plan = _plan(4, 1, [_class(10**9, 100, 10**6, 0), _class(10**9, 100, 10**6, 0, 10**8)])
     p = project(plan, MACHINE)
     assert p.compute == pytest.approx(2.0)
-    assert p.host == pytest.approx(100 * 100e-6)
+    # 4 halo rounds of one ring step, one gradient all-reduce of 2 (P - 1) = 6 steps.
+    issued = 4 * (1000 + 500) + (1000 + 6 * 500)
+    assert p.host == pytest.approx(100 * 100e-6 + issued * 1e-6)
     assert p.collectives["halo"] == pytest.approx(4 * 1e-4 + 1e-3)
     assert p.step == pytest.approx(p.compute + p.host + p.communication)
     replicated = project(_plan(4, 4, [_class(10**9, 100, 0, 0)]), MACHINE)
-    assert replicated.host == pytest.approx(100 * 10e-6)  # nothing split: plain ops
+    assert replicated.host == pytest.approx(100 * 10e-6 + 4000e-6)  # nothing split: plain ops
     overlapped = Machine(sustained_flops=1e9, host_us_per_op=10**5)
-    assert project(plan, overlapped).step == pytest.approx(100 * 0.1)  # max(host, device)
+    # max(host, device): the ops, and 5 calls at NCCL's 10 µs each.
+    assert project(plan, overlapped).step == pytest.approx(100 * 0.1 + 5 * 10e-6)
 
 
 def _candidate(label: str, step: float, host: float, halo: float) -> Candidate:

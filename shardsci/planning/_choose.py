@@ -13,11 +13,13 @@ a candidate with a problem (a rank over the memory budget, ranks left without ce
 that fails) is dropped with that problem as its reason. The others are ranked by the
 projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
 
-- compute: the class's FLOPs (``WorkCounter``: its own shard's) at ``sustained_flops``;
+- compute: the class's FLOPs (``WorkCounter``: its own shard's) at ``sustained_flops``, its
+  FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]);
 - communication: every collective the dry run recorded, by kind (``collective_s``), over the
   domain group (``P / dp`` ranks), the gradient all-reduces over the whole mesh;
 - host: the class's aten ops at ``host_us_per_op`` when the fields are ShardTensors, at
-  ``plain_host_us_per_op`` when nothing is split;
+  ``plain_host_us_per_op`` when nothing is split, and its collectives and halo rounds as
+  issuing them costs the host (``collective_host_s``);
 - step: ``max(host, compute + communication)`` on a GPU, their sum on a CPU.
 
 Ties keep the enumeration's order, data parallelism first. Memory rarely tells the candidates
@@ -28,8 +30,8 @@ one device under pure data parallelism is one whose single sample does not fit, 
 decomposition fits it only with fewer samples than ranks (``global_batch < P``), which the
 error for "nothing fits" says. The printed table
 (``format_choice``) gives every candidate's memory, projected parts and why it lost: the part
-that costs it most over the winner, or its problem. Known limits: FFTs and elementwise ops
-count no FLOPs (memory-bound work is missing from compute), and a collective over one axis of
+that costs it most over the winner, or its problem. Known limits: elementwise ops count
+no FLOPs (memory-bound work is missing from compute), and a collective over one axis of
 a block is costed over the whole domain group.
 """
 
@@ -48,7 +50,13 @@ from omegaconf import DictConfig, OmegaConf
 from shardsci.distributed import LaunchEnv, init_distributed
 from shardsci.parallel._reducer import GRAD_KIND
 from shardsci.planning._dry_run import plan_run
-from shardsci.planning._machine import Machine, collective_s, gloo_cpu, override
+from shardsci.planning._machine import (
+    Machine,
+    collective_host_s,
+    collective_s,
+    gloo_cpu,
+    override,
+)
 from shardsci.planning._plan import RankClassPlan, RunPlan
 from shardsci.training import (
     ConfigError,
@@ -177,10 +185,14 @@ def _project_class(
         )
         for kind, figures in plan.collectives.items()
     }
-    compute = plan.flops / machine.sustained_flops
+    compute = plan.flops / machine.sustained_flops + plan.fft_flops / machine.fft_flops_per_s
     communication = sum(collectives.values())
     per_op = machine.host_us_per_op if domain > 1 else machine.plain_host_us_per_op
-    host = plan.aten_ops * per_op * 1e-6
+    issued = sum(
+        collective_host_s(machine, kind, reduction if kind == GRAD_KIND else domain, figures.calls)
+        for kind, figures in plan.collectives.items()
+    )
+    host = plan.aten_ops * per_op * 1e-6 + issued
     device = compute + communication
     step = max(host, device) if machine.host_overlaps_device else host + device
     return Projection(compute, communication, host, step, collectives)

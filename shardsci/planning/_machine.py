@@ -18,15 +18,22 @@ import os
 from dataclasses import dataclass, fields
 
 __all__ = [
+    "HALO_KINDS",
     "Machine",
     "all_gather_s",
     "all_reduce_s",
     "all_to_all_s",
+    "collective_host_s",
     "collective_s",
     "gloo_cpu",
     "halo_s",
     "override",
+    "ring_steps",
 ]
+
+
+HALO_KINDS = ("p2p", "halo")
+"""Kinds of traffic that are rounds of point-to-point messages, not collectives."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,13 @@ class Machine:
     """Assumed: 20 % of the H100 SXM's 494.7 TFLOP/s dense TF32 (NVIDIA H100 datasheet)."""
     memory_bytes_per_s: float = 2.7e12
     """Assumed: 80 % of the H100 SXM's 3.35 TB/s HBM3 (H100 datasheet). A step's compute is
-    the longer of its FLOPs at ``sustained_flops`` and its memory traffic at this rate."""
+    the longer of its FLOPs at ``sustained_flops`` (plus its FFTs' at ``fft_flops_per_s``) and
+    its memory traffic at this rate."""
+    fft_flops_per_s: float = 8e12
+    """Derived: single-precision FFTs are bound by HBM bandwidth on an H100. Counted at ``5 n
+    log2 n`` FLOPs (NOTE [FFT FLOPs are counted apart]), a large transform (``n = 2^20``) in
+    two passes that each read and write 8-byte complex values moves 32 bytes per point for
+    100 FLOPs per point: ``100 / 32 x memory_bytes_per_s`` = 8.4e12, rounded down."""
     nvlink_bytes_per_s: float = 370e9
     """Assumed achievable per GPU and direction: 82 % of NVLink 4's 450 GB/s (H100 datasheet)."""
     ib_bytes_per_s: float = 45e9
@@ -67,6 +80,15 @@ class Machine:
     """Measured here (``benchmarks.host_overhead``, UNet, 1 rank): a plain torch step's CPU time
     over its aten ops; what an op on plain tensors costs the host (a data-parallel replica's
     whole step, the local kernels a ShardTensor op runs)."""
+    host_us_per_collective: float = 10.0
+    """Assumed: the host CPU time of issuing one collective or one round of halo messages
+    through NCCL (argument checks, stream ordering, a kernel launch: several µs each).
+    ``collective_host_s`` charges it per call, plus ``host_us_per_collective_step`` per ring
+    step."""
+    host_us_per_collective_step: float = 0.0
+    """NCCL's kernels run the ring's ``P - 1`` steps on the device: none on the host. Gloo runs
+    them on the host's CPU, each step's copies and sends (``benchmarks.calibrate`` fits both
+    figures from the CPU time a call costs on 2 and 4 ranks)."""
     host_overlaps_device: bool = True
     """A GPU's kernels run while the host launches the next ones: a step costs ``max(host,
     device)``. On a CPU the same core does both: ``host + device``."""
@@ -166,6 +188,28 @@ def halo_s(machine: Machine, ranks: int, rounds: float, nbytes: float) -> float:
     return rounds * (machine.base_latency_s + step) + nbytes / bandwidth
 
 
+def ring_steps(kind: str, ranks: int) -> int:
+    """Steps of one call of ``kind`` over ``ranks`` as a ring runs it: one for a round of
+    messages to neighbours, ``2 (P - 1)`` for an all-reduce, ``P - 1`` for the others."""
+    if kind in HALO_KINDS:
+        return 1
+    return 2 * (ranks - 1) if kind.endswith("all_reduce") else ranks - 1
+
+
+def collective_host_s(machine: Machine, kind: str, ranks: int, calls: float) -> float:
+    """Host CPU seconds of issuing ``calls`` calls of ``kind`` (rounds of messages for a halo)
+    over groups of ``ranks``: each ``host_us_per_collective`` plus
+    ``host_us_per_collective_step`` per ring step."""
+    if ranks == 1:
+        return 0.0
+    steps = ring_steps(kind, ranks)
+    return (
+        calls
+        * (machine.host_us_per_collective + machine.host_us_per_collective_step * steps)
+        * 1e-6
+    )
+
+
 def collective_s(
     machine: Machine, kind: str, ranks: int, calls: float, received: float, rounds: float
 ) -> float:
@@ -176,7 +220,7 @@ def collective_s(
     rounds of point-to-point messages (halos; ``calls`` for other kinds)."""
     if ranks == 1 or calls == 0:
         return 0.0
-    if kind in ("p2p", "halo"):
+    if kind in HALO_KINDS:
         return halo_s(machine, ranks, rounds, received)
     each = received / calls
     if kind in ("all_reduce", "gradient_all_reduce", "grad_all_reduce"):
@@ -192,17 +236,21 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
     this process may use) and ``memory_bytes`` of RAM (default: ``MemTotal``), gloo over
     loopback, one host. Compute and memory are shared equally by the ranks.
 
-    Sources: the host figures are measured here (``benchmarks.host_overhead``); FLOP/s and gloo's
-    latency and bandwidth are assumptions of the right order for one core of a 2020s x86 server
-    (float32 convolutions through oneDNN on one thread; a loopback TCP message), not fitted
-    (issue 22 item 4 fits them): the choice of a decomposition on this machine is checked
-    against measured step times by ``benchmarks/parallel_auto.py``.
+    Sources: the host figures are measured here (``benchmarks.host_overhead``; issuing a
+    collective: ``benchmarks.calibrate`` on 2026-11-28, 251 µs a call plus 375 µs a ring step
+    at load 7-11); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
+    for one core of a 2020s x86 server (float32 convolutions through oneDNN on one thread; a
+    loopback TCP message), FFTs at a fifth of the convolutions' rate as ``benchmarks.calibrate``
+    measured (4.7 against 22.7 GFLOP/s). ``benchmarks.calibrate`` fits all of them; the choice
+    of a decomposition on this machine is checked against measured step times by
+    ``benchmarks/parallel_auto.py``.
     """
     cores = cores or len(os.sched_getaffinity(0))
     memory_bytes = memory_bytes or _mem_total_bytes()
     share = min(1.0, cores / ranks_here)
     return Machine(
         sustained_flops=5e9 * share,
+        fft_flops_per_s=1e9 * share,
         memory_bytes_per_s=5e9 * share,
         nvlink_bytes_per_s=1e9 * share,
         ib_bytes_per_s=1e9 * share,
@@ -215,6 +263,8 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         gpus_per_node=max(ranks_here, 1),
         host_us_per_op=53.0 / share,
         plain_host_us_per_op=25.0 / share,
+        host_us_per_collective=250.0 / share,
+        host_us_per_collective_step=375.0 / share,
         host_overlaps_device=False,
         memory_gib=memory_bytes / ranks_here / 2**30,
     )

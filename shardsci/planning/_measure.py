@@ -61,8 +61,8 @@ class StepMeasurement:
         Bytes of the gradient reducer's buckets (``domain_parallel``), 0 without one.
     batch_specs : list of ShardTensorSpec
         Layouts of the batch's ShardTensors.
-    flops, aten_ops : int
-        FLOPs and aten ops of this rank's step (``WorkCounter``).
+    flops, aten_ops, fft_flops : int
+        FLOPs, aten ops and FFT FLOPs of this rank's step (``WorkCounter``).
     """
 
     comm: CommStats
@@ -75,6 +75,7 @@ class StepMeasurement:
     batch_specs: list[ShardTensorSpec]
     flops: int
     aten_ops: int
+    fft_flops: int
 
 
 def measure_step(
@@ -160,6 +161,7 @@ def measure_step(
         batch_specs=batch_specs,
         flops=work.flops,
         aten_ops=work.ops,
+        fft_flops=work.fft_flops,
     )
 
 

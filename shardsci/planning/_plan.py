@@ -76,9 +76,9 @@ class RankClassPlan:
         Kind -> figures, for every collective shardsci issues in the step.
     local_shapes : dict
         Layer -> this class's shard of the layer's output.
-    flops, aten_ops : int
-        FLOPs and aten ops of the representative's step (``WorkCounter``): what projects its
-        compute and host time (``parallel=auto``).
+    flops, aten_ops, fft_flops : int
+        FLOPs, aten ops and FFT FLOPs of the representative's step (``WorkCounter``): what
+        projects its compute and host time (``parallel=auto``).
     """
 
     ranks: int
@@ -90,6 +90,7 @@ class RankClassPlan:
     local_shapes: dict[str, list[int] | None]
     flops: int = 0
     aten_ops: int = 0
+    fft_flops: int = 0
 
 
 @dataclass
@@ -189,6 +190,7 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
         },
         flops=measured.flops,
         aten_ops=measured.aten_ops,
+        fft_flops=measured.fft_flops,
     )
 
 

@@ -3,34 +3,90 @@
 Counted below ShardTensor: its handlers run on local shards, so the ops seen here are each
 rank's own (a convolution of a quarter of the field counts a quarter of the FLOPs), the halo
 exchange's and the shape probes' included. FLOPs follow ``torch.utils.flop_counter``'s
-formulas (matmuls, convolutions, attention; FFTs and elementwise ops count none), so they work
-on ``meta`` tensors in a dry run as on real ones.
+formulas (matmuls, convolutions, attention), plus two it lacks: the fused CPU attention kernel,
+counted as torch counts the GPU's, and FFTs, counted apart (``fft_flops``) because a device
+runs them at a rate of their own (NOTE [FFT FLOPs are counted apart]). Elementwise ops count
+none. Everything is read from shapes, so it works on ``meta`` tensors in a dry run as on real
+ones.
+
+# NOTE [FFT FLOPs are counted apart]
+A complex transform of ``n`` points costs ``5 n log2 n`` FLOPs (the radix-2 count every FFT
+library quotes), a real one (``r2c``, ``c2r``) half of that; a multi-dimensional transform of
+``n = n_1 ... n_k`` points per batch costs the same as one of length ``n``. torch's flop
+counter has no formula for FFTs, so an FNO's spectral layers counted nothing, and on this
+machine its step's kernels took 4x the projected compute. An FFT is also not a GEMM: CPU
+libraries run it several times below the convolutions' rate, and cuFFT is bound by memory
+bandwidth, so the ``Machine`` prices ``fft_flops`` at ``fft_flops_per_s``, not at
+``sustained_flops``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
-from torch.utils.flop_counter import flop_registry
+import torch
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardsci.tensor._torch_compat import TorchDispatchMode
 
-__all__ = ["WorkCounter"]
+__all__ = ["WorkCounter", "fft_flops"]
+
+aten = torch.ops.aten
+
+
+def _transformed_points(shape: torch.Size, dims: list[int]) -> int:
+    return math.prod(shape[d] for d in dims)
+
+
+def fft_flops(func: Any, args: tuple, out: Any) -> float:
+    """FLOPs of one aten FFT call (NOTE [FFT FLOPs are counted apart]); 0 for any other op."""
+    packet = func._overloadpacket
+    if packet is aten._fft_c2c:
+        x, dims = args[0], args[1]
+        return 5.0 * x.numel() * math.log2(max(_transformed_points(x.shape, dims), 1))
+    if packet is aten._fft_r2c:
+        x, dims = args[0], args[1]
+        return 2.5 * x.numel() * math.log2(max(_transformed_points(x.shape, dims), 1))
+    if packet is aten._fft_c2r:
+        dims = args[1]
+        return 2.5 * out.numel() * math.log2(max(_transformed_points(out.shape, dims), 1))
+    return 0.0
+
+
+def _cpu_attention_flops(query, key, value, *args, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
 
 
 class WorkCounter(TorchDispatchMode):
-    """While active, count the aten ops dispatched (``ops``) and their FLOPs (``flops``)."""
+    """While active, count the aten ops dispatched (``ops``), their FLOPs (``flops``) and
+    their FFTs' FLOPs (``fft_flops``, not in ``flops``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
         self.flops = 0
+        self.fft_flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.ops += 1
-        formula = flop_registry.get(func._overloadpacket)
+        packet = func._overloadpacket
+        formula = _FORMULAS.get(packet) or flop_registry.get(packet)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
+        else:
+            self.fft_flops += int(fft_flops(func, args, out))
         return out

@@ -1,0 +1,48 @@
+"""What a step asks of its device (``shardsci.planning._work.WorkCounter``): FLOPs by torch's
+formulas, the fused CPU attention counted as torch counts the GPU's, and FFTs counted apart
+(NOTE [FFT FLOPs are counted apart]), on real and meta tensors alike."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+from shardsci.planning._work import WorkCounter
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_ffts_are_counted_apart_at_5_n_log2_n(device):
+    x = torch.randn(2, 3, 16, 32, device=device)
+    z = torch.randn(4, 8, dtype=torch.complex64, device=device)
+    with WorkCounter() as work:
+        spectrum = torch.fft.rfft2(x)  # real: half of 5 n log2 n per batch of n = 16 x 32
+        torch.fft.irfft2(spectrum, s=(16, 32))  # the same, counted on the real output
+        torch.fft.fft(z)  # complex, along the last dim: n = 8
+    real = 2.5 * x.numel() * math.log2(16 * 32)
+    assert work.fft_flops == int(real) + int(real) + int(5 * z.numel() * math.log2(8))
+    assert work.flops == 0
+    assert work.ops == 3
+
+
+def test_the_fused_cpu_attention_counts_as_torch_counts_the_gpus():
+    q, k, v = (torch.randn(1, 2, 64, 8, requires_grad=True) for _ in range(3))
+    with WorkCounter() as work:
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.sum().backward()
+    shape = q.shape
+    expected = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(
+        shape, shape, shape, shape
+    )
+    assert work.flops == expected
+    assert work.fft_flops == 0
+
+
+def test_a_matmul_counts_by_torchs_formula():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with WorkCounter() as work:
+        a @ b
+    assert (work.flops, work.fft_flops, work.ops) == (2 * 8 * 16 * 4, 0, 1)
