@@ -366,6 +366,27 @@ def test_window_shape_probes_run_once_per_layout() -> None:
         assert counts["after two"] == counts["after one call each"]
 
 
+def _layout_probes_body() -> list[int]:
+    """The FFT, split, pixel-shuffle and diag_embed handlers' shape probes: one entry each,
+    none added by a second call on the same layouts."""
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+    x = shardsci.distribute_tensor(torch.randn(1, 4, 8, 6, dtype=torch.float64), mesh, [Shard(2)])
+    sizes = []
+    for _ in range(2):
+        torch.fft.rfft2(x)
+        torch.split(x, 3, dim=2)
+        torch.pixel_shuffle(x, 2)
+        torch.diag_embed(x)
+        sizes.append(shardsci.cache_sizes()["meta shape probes"])
+    return sizes
+
+
+def test_layout_shape_probes_run_once_per_layout() -> None:
+    for sizes in run_on_ranks(2, _layout_probes_body):
+        assert sizes == [4, 4]
+
+
 def test_meta_probe_keys_arguments_by_value_and_type() -> None:
     """``probe_on_meta``: a tensor stands in by shape and dtype, a number with its type (an
     int and a float give different result dtypes), a list comes back a list, and a call
