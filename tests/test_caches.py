@@ -42,6 +42,8 @@ def _bounded(maxsize: int) -> Iterator[list]:
         _propagation._SHARDINGS,
         _redistribute._EXCHANGE_PLANS,
         _spec._REPLICATED,
+        _spec._RELAID,
+        _redistribute._TARGETS,
         _collectives._GROUPS,
     ]
     saved = [c.maxsize for c in caches], _propagation._MAX_PRICING_ENTRIES
@@ -117,6 +119,8 @@ _SMALL = {
     "DTensor sharding propagations",
     "exchange plans",
     "replicated specs",
+    "relaid specs",
+    "redistribution targets",
     "axis groups",
 }
 
@@ -150,6 +154,62 @@ def test_equal_meshes_built_separately_share_cache_entries() -> None:
     for distinct, shared, groups, plans in run_on_ranks(2, _equal_meshes_body):
         assert distinct and shared and groups == 1
         assert plans["view plans"] == 1
+
+
+# ---------------------------------------------------------------------------- layout changes
+def _relaid_body() -> dict[str, object]:
+    """A layout change (``relaid``, ``target_spec``) is validated once per value of its
+    arguments and gives the spec ``build`` gives; ``same_layout`` compares by value, a
+    deep copy (dynamo's guard keeps one) included."""
+    import copy
+
+    from shardsci.tensor._spec import ShardTensorSpec
+
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+    x = ShardTensorSpec.build(mesh, [Shard(0)], (7, 4), torch.float64, {0: (5, 2)})
+    builds = []
+    real_build = ShardTensorSpec.build.__func__
+
+    def counting_build(cls, *args, **kwargs):
+        builds.append(args[1])
+        return real_build(cls, *args, **kwargs)
+
+    ShardTensorSpec.build = classmethod(counting_build)
+    try:
+        moved = [x.relaid([Shard(1)], {1: [1, 3]}, order={1: [0]}) for _ in range(3)]
+        targets = [_redistribute.target_spec(x, [Shard(1)]) for _ in range(3)]
+        back = _redistribute.target_spec(targets[0], [Shard(0)])
+    finally:
+        ShardTensorSpec.build = classmethod(real_build)
+    built = ShardTensorSpec.build(mesh, [Shard(1)], (7, 4), torch.float64, {1: (1, 3)})
+    other_dtype = x.with_dtype(torch.float32)
+    assert other_dtype.layout_key is x.layout_key  # cached on x: a deep copy copies it
+    copied = copy.deepcopy(x)
+    try:
+        x.relaid([Shard(1)], {1: (1, 2)})
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "builds": len(builds),
+        "same object": all(m is built for m in moved),
+        "targets equal": all(t is targets[0] for t in targets),
+        "hint restored": back.shardings == x.shardings,
+        "copy same layout": copied.layout_key is not x.layout_key and copied.same_layout(x),
+        "dtype shares key": other_dtype.layout_key is x.layout_key and x.same_layout(other_dtype),
+        "other sizes": x.same_layout(x.relaid([Shard(0)], {0: (4, 3)})),
+        "refused": refused,
+    }
+
+
+def test_layout_changes_are_validated_once_and_compare_by_value() -> None:
+    for result in run_on_ranks(2, _relaid_body):
+        # one build for relaid, one for the target, one for the way back
+        assert result.pop("builds") == 3
+        assert "sum to 3" in result.pop("refused")
+        assert result.pop("other sizes") is False
+        assert all(result.values()), result
 
 
 # ---------------------------------------------------------------------------- gather plans
@@ -304,6 +364,27 @@ def test_window_shape_probes_run_once_per_layout() -> None:
     for counts in run_on_ranks(2, _window_probes_body):
         assert counts["after one call each"] >= 2
         assert counts["after two"] == counts["after one call each"]
+
+
+def _layout_probes_body() -> list[int]:
+    """The FFT, split, pixel-shuffle and diag_embed handlers' shape probes: one entry each,
+    none added by a second call on the same layouts."""
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+    x = shardsci.distribute_tensor(torch.randn(1, 4, 8, 6, dtype=torch.float64), mesh, [Shard(2)])
+    sizes = []
+    for _ in range(2):
+        torch.fft.rfft2(x)
+        torch.split(x, 3, dim=2)
+        torch.pixel_shuffle(x, 2)
+        torch.diag_embed(x)
+        sizes.append(shardsci.cache_sizes()["meta shape probes"])
+    return sizes
+
+
+def test_layout_shape_probes_run_once_per_layout() -> None:
+    for sizes in run_on_ranks(2, _layout_probes_body):
+        assert sizes == [4, 4]
 
 
 def test_meta_probe_keys_arguments_by_value_and_type() -> None:

@@ -344,14 +344,11 @@ def _to_local(x: ShardTensor, grad_placements: tuple[Placement, ...] | None) -> 
 def _as_placed(spec: ShardTensorSpec, placements: tuple[Placement, ...]) -> ShardTensorSpec:
     """``spec`` with other placements, the same shard sizes (cached: ``to_local`` with
     gradient placements is on the path of every weight's use)."""
-    return ShardTensorSpec.build(
-        spec.mesh,
+    return spec.relaid(
         placements,
-        spec.shape,
-        spec.dtype,
         {s.dim: s.sizes for s in spec.shardings},
-        stride=spec.stride,
         order={s.dim: s.axes for s in spec.shardings},
+        hints=(),
     )
 
 

@@ -495,16 +495,7 @@ def _cut_spec(
         for axis in sharding.axes:
             placements[axis] = Shard(dim)
         sizes[dim], order[dim] = sharding.sizes, sharding.axes
-    return ShardTensorSpec.build(
-        operand.mesh,
-        placements,
-        operand.shape,
-        operand.dtype,
-        sizes,
-        stride=operand.stride,
-        order=order,
-        hints=operand.hints,
-    )
+    return operand.relaid(placements, sizes, order=order)
 
 
 def _reduced(spec: ShardTensorSpec) -> ShardTensorSpec:

@@ -340,15 +340,10 @@ def _scatters_pending_astray(
 
 def _reduced(spec: ShardTensorSpec) -> ShardTensorSpec:
     """``spec`` with its pending reductions done: Partial axes replicated, shards kept."""
-    return ShardTensorSpec.build(
-        spec.mesh,
+    return spec.relaid(
         [Replicate() if isinstance(p, Partial) else p for p in spec.placements],
-        spec.shape,
-        spec.dtype,
         {s.dim: s.sizes for s in spec.shardings},
-        stride=spec.stride,
         order={s.dim: s.axes for s in spec.shardings},
-        hints=spec.hints,
     )
 
 
@@ -705,13 +700,9 @@ def _spec_for(
         p if not isinstance(p, _StridedShard) else Shard(p.dim) for p in target.placements
     )
     order = _order_of(target)
-    return ShardTensorSpec.build(
-        spec.mesh,
+    return spec.relaid(
         placements,
-        spec.shape,
-        spec.dtype,
         {dim: reference[axes] for dim, axes in order.items()},
-        stride=spec.stride,
         order=order,
         hints=merged_hints(spec.hints, spec.shardings),
     )

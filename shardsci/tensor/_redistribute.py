@@ -56,6 +56,22 @@ def target_spec(
     else follow ``torch.chunk`` over the axes in increasing order.
     """
     placements = tuple(placements)
+    frozen = None if sizes is None else tuple((d, tuple(s)) for d, s in sizes.items())
+    key = (src.key, placements, frozen)
+    spec = _TARGETS.get(key)
+    if spec is None:
+        spec = _TARGETS.put(key, _target_spec(src, placements, sizes))
+    return spec
+
+
+_TARGETS: BoundedCache[tuple, ShardTensorSpec] = BoundedCache("redistribution targets", 4096)
+
+
+def _target_spec(
+    src: ShardTensorSpec,
+    placements: tuple[Placement, ...],
+    sizes: dict[int, Sequence[int]] | None,
+) -> ShardTensorSpec:
     ndim = src.ndim
     axes_by_dim: dict[int, list[int]] = {}
     for axis, p in enumerate(placements):
@@ -71,17 +87,7 @@ def target_spec(
         if hint is not None and sum(hint.sizes) == src.shape[dim]:
             order[dim] = hint.axes
             chosen.setdefault(dim, hint.sizes)
-    hints = _updated_hints(src)
-    return ShardTensorSpec.build(
-        src.mesh,
-        placements,
-        src.shape,
-        src.dtype,
-        chosen,
-        stride=src.stride,
-        order=order,
-        hints=hints,
-    )
+    return src.relaid(placements, chosen, order=order, hints=_updated_hints(src))
 
 
 def _updated_hints(src: ShardTensorSpec) -> tuple[DimSharding, ...]:

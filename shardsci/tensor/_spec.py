@@ -60,6 +60,8 @@ def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
 # when its spec does.
 _INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 register_cache("interned specs", _INTERNED.__len__, _INTERNED.clear)
+_LAYOUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+register_cache("interned layouts", _LAYOUTS.__len__, _LAYOUTS.clear)
 
 
 def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
@@ -97,7 +99,7 @@ class SpecKey:
     operand and is hashed on every op (a tuple rehashes its items each time, and placements
     and meshes hash in Python)."""
 
-    __slots__ = ("_hash", "value")
+    __slots__ = ("__weakref__", "_hash", "value")
 
     def __init__(self, value: tuple) -> None:
         self.value = value
@@ -299,14 +301,17 @@ class ShardTensorSpec:
         """Whether any mesh axis holds a pending reduction."""
         return any(isinstance(p, Partial) for p in self.placements)
 
+    @cached_property
+    def layout_key(self) -> SpecKey:
+        """Mesh, placements, global shape and shard extents by value: what ``same_layout``
+        compares. Interned, so specs of one layout (other dtypes or hints) share it and
+        compare by identity; a copy (dynamo's guard) still compares by value."""
+        key = SpecKey((self.mesh, self.placements, tuple(self.shape), self.shardings))
+        return _LAYOUTS.setdefault(key, key)
+
     def same_layout(self, other: ShardTensorSpec) -> bool:
         """Same mesh, placements, global shape and shard extents (dtype and hints ignored)."""
-        return self is other or (
-            self.shape == other.shape
-            and self.placements == other.placements
-            and self.shardings == other.shardings
-            and self.mesh == other.mesh
-        )
+        return self is other or self.layout_key == other.layout_key
 
     def sharding_shapes(self) -> dict[int, tuple[torch.Size, ...]]:
         """PhysicsNeMo's form: mesh axis -> local shapes of the ranks along it (others fixed
@@ -339,6 +344,47 @@ class ShardTensorSpec:
             return self
         spec = replace(self, hints=hints)
         return _INTERNED.setdefault(spec.key, spec)
+
+    def relaid(
+        self,
+        placements: Sequence[Placement],
+        sizes: Mapping[int, Sequence[int]] | None = None,
+        *,
+        order: Mapping[int, Sequence[int]] | None = None,
+        hints: tuple[DimSharding, ...] | None = None,
+    ) -> ShardTensorSpec:
+        """This tensor (mesh, global shape, stride, dtype) laid out anew, interned.
+
+        ``placements``, ``sizes`` and ``order`` are read as :meth:`build` reads them;
+        ``hints`` default to this spec's. Cached per value of the arguments: a layout
+        change on every step's path (a redistribution's target, a gradient's layout) is
+        validated once.
+        """
+        placements = tuple(placements)
+        hints = self.hints if hints is None else hints
+        key = (
+            self.key,
+            placements,
+            None if sizes is None else tuple((d, tuple(s)) for d, s in sizes.items()),
+            None if order is None else tuple((d, tuple(a)) for d, a in order.items()),
+            hints,
+        )
+        spec = _RELAID.get(key)
+        if spec is None:
+            spec = _RELAID.put(
+                key,
+                ShardTensorSpec.build(
+                    self.mesh,
+                    placements,
+                    self.shape,
+                    self.dtype,
+                    sizes,
+                    stride=self.stride,
+                    order=order,
+                    hints=hints,
+                ),
+            )
+        return spec
 
     @cached_property
     def dtensor_spec(self) -> DTensorSpec:
@@ -441,6 +487,7 @@ def _checked_sharding(
     return DimSharding(dim, axes, sizes)
 
 
+_RELAID: BoundedCache[tuple, ShardTensorSpec] = BoundedCache("relaid specs", 4096)
 _REPLICATED: BoundedCache[tuple, ShardTensorSpec] = BoundedCache("replicated specs", 1024)
 
 

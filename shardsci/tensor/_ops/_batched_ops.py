@@ -31,7 +31,7 @@ from shardsci.tensor._ops._windows import (
     output_spec,
 )
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
-from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._shape_probe import probe_on_meta, shape_probe
 from shardsci.tensor._spec import ShardTensorSpec
 
 aten = torch.ops.aten
@@ -193,8 +193,7 @@ def _pixel_shuffle(func, args, kwargs):
     spec = x._spec
     shuffle = func is aten.pixel_shuffle.default
     r = a.upscale_factor if shuffle else a.downscale_factor
-    with shape_probe():
-        shape = func(torch.empty(spec.shape, dtype=spec.dtype, device="meta"), r).shape
+    shape = probe_on_meta(func, (x, r)).shape
     core = range(x.ndim - 3, x.ndim)
     spatial: WindowLike = Subdivide(r) if shuffle else Window(r, r)
     channels: WindowLike = Window(r * r, r * r) if shuffle else Subdivide(r * r)

@@ -28,7 +28,7 @@ from shardsci.tensor._api import ShardTensor, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._registry import register_aten_handler
-from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
@@ -251,10 +251,7 @@ def _diag_embed(func, args, kwargs):
     if dim1 == dim2:
         return NotImplemented  # torch's error
     offset = a.offset
-    with shape_probe():
-        shape = list(
-            func(torch.empty(x.shape, dtype=x.dtype, device="meta"), offset, dim1, dim2).shape
-        )
+    shape = list(probe_on_meta(func, (x, offset, dim1, dim2)).shape)
     kept = [d for d in range(ndim) if d not in (dim1, dim2)]
     vector = spec.sharding_by_dim.get(x.ndim - 1)
     placements = []

@@ -54,12 +54,12 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
-from shardsci.tensor._binding import Arguments, bind, replaced
+from shardsci.tensor._binding import Arguments, bind
 from shardsci.tensor._caches import cached
 from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._redistribute import target_spec
 from shardsci.tensor._registry import register_function_handler
-from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._shape_probe import probe_on_meta, shape_probe
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, nested_chunk_sizes
 
 # Tensor dim -> mesh axes sharding it (outermost first), sorted by dim.
@@ -158,10 +158,7 @@ class _Call:
         """Validate on a meta tensor (same error on every rank, before any collective);
         ``a`` is the call bound, ``args`` and ``kwargs`` as given."""
         x = a.input
-        with shape_probe():
-            meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-            args, kwargs = replaced(func, args, kwargs, {"input": meta})
-            out = func(*args, **kwargs)
+        out = probe_on_meta(func, args, kwargs)
         sizes, dims, norm = a.n if kind.rank == 1 else a.s, a.dim, a.norm
         if kind.rank == 1:
             dims, sizes = (dims,), None if sizes is None else (sizes,)

@@ -18,13 +18,13 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._binding import bind, replaced
+from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group, broadcast
 from shardsci.tensor._intervals import gather_intervals
 from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
-from shardsci.tensor._shape_probe import shape_probe
+from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
@@ -87,10 +87,7 @@ def _split(func, args, kwargs):
     if not accepts(x, sharded=[a.dim], partial=True):
         return NotImplemented
     dim = a.dim % x.ndim
-    with shape_probe():
-        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-        probe_args, probe_kwargs = replaced(func, args, kwargs, {"self": meta})
-        lengths = [p.shape[dim] for p in func(*probe_args, **probe_kwargs)]
+    lengths = [p.shape[dim] for p in probe_on_meta(func, args, kwargs)]
     starts = itertools.accumulate(lengths, initial=0)
     return [aten.slice.Tensor(x, dim, s, s + n) for s, n in zip(starts, lengths)]
 
