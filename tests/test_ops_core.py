@@ -695,3 +695,41 @@ def _row_sharded_products_body(name: str) -> None:
 def test_a_row_sharded_product_keeps_its_rows(name: str) -> None:
     """Values, gradients of rows, matrix and bias, the output's layout and no traffic."""
     run_on_ranks(math.prod(ROW_LAYOUTS[name][0]), _row_sharded_products_body, name)
+
+
+# ---------------------------------------------------------------------------- flatten then split
+# A view that flattens a sharded dim with the dims after it and splits the result again,
+# ``(L, B, E) -> (L, B * heads, E / heads)`` as ``F.multi_head_attention_forward`` does,
+# keeps the dim sharded (it replicated it): the head dim's shards, times the flattened
+# extent, split into whole output rows, boundaries moved to the nearest such rows first.
+SPLIT_VIEWS = {  # name: (mesh, input shape, its layout, output shape, the output's layout)
+    "2x2 tokens and batch": (
+        (2, 2), (12, 3, 8),
+        Layout((Shard(1), Shard(0)), {0: (5, 7), 1: (2, 1)}),
+        (12, 6, 4), Layout((Shard(1), Shard(0)), {0: (5, 7), 1: (4, 2)}),
+    ),
+    "4r empty shard": (
+        (4,), (2, 4, 8), Layout((Shard(1),), {1: (0, 2, 1, 1)}),
+        (2, 16, 2), Layout((Shard(1),), {1: (0, 8, 4, 4)}),
+    ),
+    "2r boundaries moved": (
+        (2,), (3, 6, 2), Layout((Shard(1),), {1: (4, 2)}),
+        (3, 2, 6), Layout((Shard(1),), {1: (1, 1)}),
+    ),
+}  # fmt: skip
+
+
+def _split_view_body(name: str) -> None:
+    mesh_shape, shape, layout, out_shape, out_layout = SPLIT_VIEWS[name]
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64)
+    check_against_reference(
+        lambda t: t.view(out_shape) * 2, [x], [layout], get_mesh(mesh_shape),
+        out_layouts=[out_layout], what=name,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SPLIT_VIEWS))
+def test_a_flatten_then_split_keeps_the_sharded_dim(name: str) -> None:
+    """Values, gradient and the output's placements and shard sizes against one process."""
+    run_on_ranks(math.prod(SPLIT_VIEWS[name][0]), _split_view_body, name)
