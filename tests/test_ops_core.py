@@ -13,7 +13,15 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
-from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+from shardsci.handlers import from_local_spec
+from shardsci.testing import (
+    Layout,
+    assert_all_ranks,
+    check_against_reference,
+    count_traffic,
+    get_mesh,
+    run_on_ranks,
+)
 from tests.boxes import dim_shardings
 from tests.expected_layouts import (
     counted,
@@ -630,3 +638,98 @@ def _pending_operand_body(name: str) -> None:
 def test_a_pointwise_op_reduces_a_pending_operand_to_its_output_layout(name: str) -> None:
     """Values, gradients and the output's placements and shard sizes against one process."""
     run_on_ranks(math.prod(PENDING_LAYOUTS[name][0]), _pending_operand_body, name)
+
+
+# ---------------------------------------------------------------------------- row-sharded products
+# NOTE [A row-sharded product keeps its rows]: ``aten.mm``/``aten.addmm`` (reached below the
+# function handlers, as inside ``F.multi_head_attention_forward``) of rows sharded over any
+# mesh axes, in any nesting, times a replicated matrix: no bytes move and the output keeps the
+# rows' placements, order and sizes. (12, 5) rows times (5, 3). With the inner axis nested
+# outermost, only the forward is checked: the weight's gradient transposes the rows, and
+# DTensor's rule for ``aten.t`` drops the nesting order ("cannot tell the shard sizes").
+FORWARD_ONLY = {"2x2-nested-inner-first"}
+ROW_LAYOUTS = {
+    "2r-uneven": ((2,), Layout((Shard(0),), {0: (7, 5)})),
+    "4r-empty": ((4,), Layout((Shard(0),), {0: (5, 0, 4, 3)})),
+    "2x2-nested": ((2, 2), Layout((Shard(0), Shard(0)), {0: (3, 2, 0, 7)})),
+    "2x2-nested-inner-first": (
+        (2, 2),
+        Layout((Shard(0), Shard(0)), {0: (4, 1, 2, 5)}, {0: (1, 0)}),
+    ),
+    "2x2x2-nested": ((2, 2, 2), Layout((Shard(0),) * 3, {0: (2, 0, 3, 1, 1, 2, 0, 3)})),
+}
+
+
+def _row_sharded_products_body(name: str) -> None:
+    mesh_shape, layout = ROW_LAYOUTS[name]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(12, 5, dtype=torch.float64)
+    w = torch.randn(5, 3, dtype=torch.float64)
+    bias = torch.randn(3, dtype=torch.float64)
+    aten = torch.ops.aten
+    cases = {  # name: (fn, inputs)
+        "mm": (lambda t, m: aten.mm.default(t, m), [x, w]),
+        "addmm": (lambda t, m, b: aten.addmm.default(b, t, m, beta=0.5, alpha=2.0), [x, w, bias]),
+        "addmm, a row bias": (lambda t, m, b: aten.addmm.default(b[None], t, m), [x, w, bias]),
+    }
+    for what, (fn, inputs) in cases.items():
+        layouts = [layout] + [None] * (len(inputs) - 1)
+        check_against_reference(
+            fn,
+            inputs,
+            layouts,
+            mesh,
+            out_layouts=[layout],
+            grad=name not in FORWARD_ONLY,
+            what=what,
+        )
+    spec = layout.spec(mesh, x)
+    rows = from_local_spec(spec.narrow(x).contiguous(), spec)
+    with count_traffic() as traffic:
+        aten.addmm.default(bias, rows, w)
+    assert_all_ranks(traffic.sent == traffic.received == 0, f"{name}: {traffic.as_dict()}")
+
+
+@pytest.mark.parametrize("name", list(ROW_LAYOUTS))
+def test_a_row_sharded_product_keeps_its_rows(name: str) -> None:
+    """Values, gradients of rows, matrix and bias, the output's layout and no traffic."""
+    run_on_ranks(math.prod(ROW_LAYOUTS[name][0]), _row_sharded_products_body, name)
+
+
+# ---------------------------------------------------------------------------- flatten then split
+# A view that flattens a sharded dim with the dims after it and splits the result again,
+# ``(L, B, E) -> (L, B * heads, E / heads)`` as ``F.multi_head_attention_forward`` does,
+# keeps the dim sharded (it replicated it): the head dim's shards, times the flattened
+# extent, split into whole output rows, boundaries moved to the nearest such rows first.
+SPLIT_VIEWS = {  # name: (mesh, input shape, its layout, output shape, the output's layout)
+    "2x2 tokens and batch": (
+        (2, 2), (12, 3, 8),
+        Layout((Shard(1), Shard(0)), {0: (5, 7), 1: (2, 1)}),
+        (12, 6, 4), Layout((Shard(1), Shard(0)), {0: (5, 7), 1: (4, 2)}),
+    ),
+    "4r empty shard": (
+        (4,), (2, 4, 8), Layout((Shard(1),), {1: (0, 2, 1, 1)}),
+        (2, 16, 2), Layout((Shard(1),), {1: (0, 8, 4, 4)}),
+    ),
+    "2r boundaries moved": (
+        (2,), (3, 6, 2), Layout((Shard(1),), {1: (4, 2)}),
+        (3, 2, 6), Layout((Shard(1),), {1: (1, 1)}),
+    ),
+}  # fmt: skip
+
+
+def _split_view_body(name: str) -> None:
+    mesh_shape, shape, layout, out_shape, out_layout = SPLIT_VIEWS[name]
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64)
+    check_against_reference(
+        lambda t: t.view(out_shape) * 2, [x], [layout], get_mesh(mesh_shape),
+        out_layouts=[out_layout], what=name,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SPLIT_VIEWS))
+def test_a_flatten_then_split_keeps_the_sharded_dim(name: str) -> None:
+    """Values, gradient and the output's placements and shard sizes against one process."""
+    run_on_ranks(math.prod(SPLIT_VIEWS[name][0]), _split_view_body, name)

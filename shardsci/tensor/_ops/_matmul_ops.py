@@ -414,6 +414,66 @@ def _output_spec(
     )
 
 
+# NOTE [A row-sharded product keeps its rows]
+# ``aten.mm`` and ``aten.addmm`` reach dispatch, below the function handlers above, from
+# composites that run with torch functions disabled (``F.multi_head_attention_forward``
+# flattens (L, B, E) tokens into rows sharded over both mesh axes, then ``linear``) and from
+# autograd (the input gradient ``grad @ W``). Rows sharded over any mesh axes, in any nesting,
+# times a replicated matrix need no data from another rank: each rank multiplies its rows and
+# the output keeps them where they are (the rows' placements, order and sizes). DTensor's rule
+# instead replicates one nested axis of the rows.
+def _row_sharded(x: object, other: object) -> bool:
+    """Whether ``x @ other`` is a ShardTensor sharded on its rows alone times a replicated
+    matrix (NOTE [A row-sharded product keeps its rows])."""
+    return (
+        isinstance(x, ShardTensor)
+        and x.ndim == 2
+        and tuple(s.dim for s in x._spec.shardings) == (0,)
+        and accepts(x, replicated=[other])
+    )
+
+
+def _rows_kept(x: ShardTensor, out: torch.Tensor, columns: int) -> ShardTensor:
+    rows = x._spec.shardings[0]
+    spec = ShardTensorSpec.build(
+        x._spec.mesh,
+        x._spec.placements,
+        (x.shape[0], columns),
+        out.dtype,
+        {0: rows.sizes},
+        order={0: rows.axes},
+        hints=merged_hints(x._spec.hints + x._spec.shardings),
+    )
+    return ShardTensor(out, spec)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local if isinstance(t, ShardTensor) else t
+
+
+@register_aten_handler(aten.mm.default)
+def _row_sharded_mm(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    if not _row_sharded(a.self, a.mat2):
+        return NotImplemented
+    out = aten.mm.default(a.self._local, _local(a.mat2))
+    return _rows_kept(a.self, out, a.mat2.shape[1])
+
+
+@register_aten_handler(aten.addmm.default)
+def _row_sharded_addmm(func, args, kwargs):
+    """``beta self + alpha mat1 @ mat2``, with ``self`` broadcast along the rows."""
+    a = bind(func, args, kwargs)
+    bias = a.self
+    along_rows = bias.ndim == 2 and bias.shape[0] != 1
+    if along_rows or not _row_sharded(a.mat1, a.mat2) or not accepts(a.mat1, replicated=[bias]):
+        return NotImplemented
+    out = aten.addmm.default(
+        _local(bias), a.mat1._local, _local(a.mat2), beta=a.beta, alpha=a.alpha
+    )
+    return _rows_kept(a.mat1, out, a.mat2.shape[1])
+
+
 @register_aten_handler(aten.addbmm.default)
 def _addbmm(func, args, kwargs):
     """``beta input + alpha sum_b batch1[b] @ batch2[b]``, from ops with rules."""

@@ -14,8 +14,8 @@ the view is decomposed into groups of input dims that become groups of output di
   product are first moved to the nearest ones. A split that undoes a flatten returns to the
   layout the flatten came from (NOTE [An unflatten returns to the layout before the
   flatten]);
-- anything else (a flatten then split that mixes dims): the axes involved are replicated
-  first, so the result is right, if not cheap.
+- a flatten then a split that mixes dims (``(B, H * D) -> (B * H, D)``): both rules in turn,
+  the head's shard boundaries moved to the nearest ones that fall on whole output rows.
 
 ``unbind`` and ``stack`` remove / insert a dim: local unbinds and stacks (a sharded dim is
 unbound after an all-gather), the layout and its memory renumbered.
@@ -176,10 +176,6 @@ def _layout_for_view(
         sharded = [d for d in in_dims if d in order]
         if not sharded:
             continue
-        if len(in_dims) > 1 and len(out_dims) > 1:
-            for dim in sharded:
-                replicate(dim)
-            continue
         head = in_dims[0]
         inner = [d for d in sharded if d != head]
         if inner:
@@ -193,7 +189,11 @@ def _layout_for_view(
             for axis in moved:
                 placements[axis] = Shard(head)
         if len(out_dims) > 1:
-            sizes[head] = _on_multiples(sizes[head], math.prod(out_shape[d] for d in out_dims[1:]))
+            # A flatten then a split (``(B, H * D) -> (B * H, D)``): the head's shards, each
+            # times the flattened inner extent, must split into whole outer output rows.
+            flattened = math.prod(spec.shape[d] for d in in_dims[1:])
+            split = math.prod(out_shape[d] for d in out_dims[1:])
+            sizes[head] = _on_multiples(sizes[head], split // math.gcd(flattened, split))
     return ShardTensorSpec.build(
         spec.mesh,
         placements,
