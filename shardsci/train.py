@@ -48,11 +48,13 @@ def launch(cfg: DictConfig, multirun: bool = False) -> int:
         recipe = get_recipe(cfg.recipe)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    env = detect_launch_env()
     if cfg.dry_run:  # one process, any mesh: nothing to check against this machine's ranks
+        if env.rank != 0:  # under torchrun or srun every rank runs this: rank 0 plans for all
+            return 0
         from shardsci.planning import dry_run
 
         return dry_run(cfg)
-    env = detect_launch_env()
     from shardsci.planning import choose_for_launch  # parallel=auto's choice (mesh=N)
 
     cfg = choose_for_launch(cfg, env)

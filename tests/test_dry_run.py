@@ -30,6 +30,20 @@ def _compose(overrides: list[str]):
 
 
 # ---------------------------------------------------------------------------- the dry run alone
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_launched_dry_run_plans_on_rank_0_only(monkeypatch, rank: int) -> None:
+    import shardsci.planning
+    from shardsci.train import launch
+
+    planned = []
+    monkeypatch.setattr(shardsci.planning, "dry_run", lambda cfg: planned.append(cfg) or 7)
+    torchrun = {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2}
+    for name, value in {**torchrun, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}.items():
+        monkeypatch.setenv(name, str(value))
+    status = launch(_compose([*SMALL, "mesh=2x2", "dry_run=true"]))
+    assert (status, len(planned)) == ((7, 1) if rank == 0 else (0, 0))
+
+
 def test_a_downsampling_that_leaves_ranks_without_cells_is_named(tmp_path: Path) -> None:
     """16 rows over 4 ranks: the third pooling leaves 2 rows, so 2 ranks hold none."""
     overrides = [*SMALL, "mesh=4", "parallel=slab", "data.dataset.solver.resolution=16"]
