@@ -1,8 +1,10 @@
 """Every zoo model's training step on one device, ShardTensor against plain torch: step time,
 peak memory, in float32 and under bf16 autocast, eager, with ``compile_regions`` and with
-``torch.compile``. One JSON object on stdout (``scripts/gpu_check.sh`` gathers it).
+``torch.compile``. One JSON object, written to ``--out`` (default: stdout) after each variant
+of each model, so a run stopped at its time limit keeps what it measured (``"complete"`` is
+false until the last variant has run; ``scripts/gpu_check.sh`` gathers it).
 
-    python scripts/gpu_check.py [--device cuda|cpu] [--size N] [--repeats R]
+    python scripts/gpu_check.py [--device cuda|cpu] [--size N] [--repeats R] [--out FILE]
 
 One rank: the default process group is a world of one (NCCL on CUDA, gloo on the CPU) and the
 DeviceMesh has one ``domain`` axis. A step is forward, ``square().mean()`` backward and an AdamW
@@ -79,12 +81,15 @@ def _variant(model: nn.Module, variant: str) -> nn.Module:
     return model
 
 
-def check_model(name: str, mesh, device: torch.device, size: int, repeats: int) -> dict:
+def check_model(
+    name: str, mesh, device: torch.device, size: int, repeats: int, result: dict, save: Callable
+) -> None:
+    """Fill ``result`` with the model's figures, calling ``save`` after each variant."""
     shape = (1, 2, size // 2, size // 2, size // 2) if name.endswith("3d") else (2, 2, size, size)
     torch.manual_seed(0)
     x = torch.randn(shape, device=device)
     sharded_x = distribute_tensor(x, mesh, [Shard(2)])
-    result: dict = {"input": list(shape)}
+    result["input"] = list(shape)
     for variant in VARIANTS:
         try:
             torch.manual_seed(0)
@@ -125,7 +130,7 @@ def check_model(name: str, mesh, device: torch.device, size: int, repeats: int) 
                 "error": f"{type(error).__name__}: {error}",
                 "where": traceback.format_exc(limit=-3),
             }
-    return result
+        save()
 
 
 def main() -> None:
@@ -134,6 +139,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64, help="cells per side of a 2-D field")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--out", type=Path, help="the JSON file (default: stdout, at the end)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -160,15 +166,26 @@ def main() -> None:
             "repeats": args.repeats,
             "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "models": {
-                name: check_model(name, mesh, device, args.size, args.repeats)
-                for name in args.models
-            },
+            "models": {},
+            "complete": False,
         }
+
+        def save() -> None:
+            if args.out is not None:
+                partial = args.out.with_name(args.out.name + ".partial")
+                partial.write_text(json.dumps(summary, indent=1) + "\n")
+                partial.replace(args.out)
+
+        for name in args.models:
+            summary["models"][name] = {}
+            check_model(name, mesh, device, args.size, args.repeats, summary["models"][name], save)
+        summary["complete"] = True
+        save()
     finally:
         dist.destroy_process_group()
-    json.dump(summary, sys.stdout, indent=1)
-    print()
+    if args.out is None:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
 
 
 if __name__ == "__main__":

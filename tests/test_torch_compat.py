@@ -494,3 +494,47 @@ def test_all_gather_single_by_torch_version():
     expected = "all_gather_single" if _torch_compat.torch_release() >= (2, 13) else None
     gather = _torch_compat.all_gather_single()
     assert gather.__name__ == (expected or "all_gather_into_tensor")
+
+
+# ---------------------------------------------------------------------------- backported rules
+def _backported_rules_body() -> None:
+    """Plain DTensors on two ranks (DTensor's propagator holds the rules): each op's result
+    placement is 2.12's and its value is one process's on the same global data."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from shardsci.testing import get_mesh
+
+    mesh = get_mesh((2,))
+    rank = torch.distributed.get_rank()
+    whole = torch.arange(24, dtype=torch.float64).reshape(4, 1, 6)
+    x = DTensor.from_local(whole.chunk(2)[rank], mesh, [Shard(0)])
+
+    squeezed = x.squeeze((1,))  # aten.squeeze.dims
+    assert squeezed.placements == (Shard(0),)
+    assert torch.equal(squeezed.full_tensor(), whole.squeeze(1))
+
+    flipped = x.flip(2)  # the dim it flips is not the sharded one: no communication
+    assert flipped.placements == (Shard(0),)
+    assert torch.equal(flipped.full_tensor(), whole.flip(2))
+
+    anywhere = (x > 20).any(dim=(0, 2))  # aten.any.dims over the sharded dim
+    assert anywhere.placements == (Partial("sum"),)
+    assert torch.equal(anywhere.full_tensor(), (whole > 20).any(dim=(0, 2)))
+
+    # amax's backward divides by a count that is a pending sum over the ranks
+    counts = torch.tensor([[3.0], [5.0]], dtype=torch.float64)
+    count = DTensor.from_local(counts[rank], mesh, [Partial("sum")])
+    one = DTensor.from_local(torch.ones((), dtype=torch.float64), mesh, [Replicate()])
+    quotient = one / count
+    assert quotient.placements == (Replicate(),)
+    assert torch.equal(quotient.full_tensor(), 1 / counts.sum(0))
+
+
+def test_dtensor_has_the_rules_of_torch_2_12():
+    """torch 2.11's DTensor lacks the rules of squeeze.dims, flip and any.dims and keeps a
+    pending divisor pending; ``backport_sharding_rules`` (run when shardsci is imported)
+    registers 2.12's, and on 2.12 and 2.13 it registers nothing."""
+    from shardsci.testing import run_on_ranks
+
+    run_on_ranks(2, _backported_rules_body)
+    assert _torch_compat.backport_sharding_rules() == ()  # done once, at import

@@ -47,11 +47,14 @@ from shardsci.tensor._torch_compat import (
     RuntimeSchemaInfo,
     _dispatch_has_kernel_for_dispatch_key,
     _StridedShard,
+    backport_sharding_rules,
     decomposition_table,
     scalar_shape_adjusters,
 )
 from shardsci.tensor._torch_compat import dtensor_redistribute as _dtensor_redistribute
 from shardsci.tensor._torch_compat import sharding_propagator as _PROPAGATOR
+
+backport_sharding_rules()  # torch 2.11's gaps (none on 2.12 and 2.13)
 
 __all__ = ["Plan", "decomposition", "flatten_args", "functional_twin", "plan_for", "unflatten_args"]
 

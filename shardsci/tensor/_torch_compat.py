@@ -36,6 +36,7 @@ __all__ = [
     "PrivateSymbol",
     "TorchCompatError",
     "all_gather_single",
+    "backport_sharding_rules",
     "resolve",
     "scalar_shape_adjusters",
     "torch_release",
@@ -311,6 +312,99 @@ def all_gather_single() -> Callable[..., Any]:
     if torch_release() < (2, 13):
         return torch.distributed.all_gather_into_tensor
     return torch.distributed.all_gather_single
+
+
+def backport_sharding_rules() -> tuple[Any, ...]:
+    """Bring DTensor's sharding rules up to torch 2.12's where the installed torch lacks one
+    or has a wrong one; the ops whose rule it registered (none on 2.12 and 2.13).
+
+    torch 2.11 has no rule for ``aten.squeeze.dims`` and ``squeeze_.dims`` (it squeezes one
+    dim at a time), ``aten.flip.default`` and ``aten.any.dims``, and its rule for
+    ``aten.div.Tensor`` and ``div_.Tensor`` keeps a divisor's pending sum pending in the
+    quotient (``1 / (a0 + a1)`` is not ``1 / a0 + 1 / a1``: ``amax``'s backward divides by a
+    pending count). The rules registered are 2.12's, built from 2.11's own pieces: squeeze
+    drops the named dims of extent 1 as a view rule; ``any`` over dims is a linear reduction
+    (a ``Partial("sum")`` of the flags, as ``any.dim``); flip keeps the shardings of the dims
+    it does not flip and passes partials through; division first reduces a pending divisor
+    (replicates it), then follows 2.11's own rule. Each op is registered only where the
+    installed torch lacks the rule or has 2.11's, so calling this again changes nothing. The
+    propagator is DTensor's own: plain DTensors gain the same rules.
+    """
+    propagator = resolve("sharding_propagator")
+    aten = torch.ops.aten
+
+    def has_rule(op: Any) -> bool:
+        return (
+            op in propagator.op_strategy_funcs
+            or op in propagator.op_single_dim_strategy_funcs
+            or op in propagator.op_to_rules
+        )
+
+    missing = [
+        op
+        for op in (aten.squeeze.dims, aten.squeeze_.dims, aten.any.dims, aten.flip.default)
+        if not has_rule(op)
+    ]
+    if torch_release() >= (2, 12) and not missing:
+        return ()
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+    from torch.distributed.tensor._ops import _math_ops, _pointwise_ops, _view_ops
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _ShardingPlaceholder,
+        register_single_dim_strategy,
+    )
+    from torch.distributed.tensor._ops.utils import normalize_dim, register_op_strategy
+    from torch.distributed.tensor.placement_types import Partial, Replicate
+
+    linear = _pointwise_ops.linear_pointwise_strategy
+    wrong = [
+        op
+        for op in (aten.div.Tensor, aten.div_.Tensor)
+        if propagator.op_strategy_funcs.get(op) is linear
+    ]
+    by_dims = resolve("RuntimeSchemaInfo")(1)  # the dims argument keys the rule
+
+    def squeeze_dims(input: Any, dim: Any) -> tuple[Any, ...]:
+        squeezed = {normalize_dim(d, input.ndim) for d in dim}
+        return tuple(
+            _view_ops.InputDim(i)
+            for i, extent in enumerate(input.shape)
+            if extent != 1 or i not in squeezed
+        )
+
+    def flip_rule(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
+        ndim = len(args_schema[0].shape)
+        flipped = {normalize_dim(d, ndim) for d in args_schema[1]}
+        kept = [[_ShardingPlaceholder(d)] * 2 for d in range(ndim) if d not in flipped]
+        return kept + [[Partial(reduce)] * 2 for reduce in ("sum", "avg", "max", "min")]
+
+    def replicated(spec: Any) -> Any:
+        placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        return type(spec)(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+    def division_rule(op_schema: Any) -> Any:
+        divisor = op_schema.args_schema[1]
+        if isinstance(divisor, OpStrategy):
+            divisor = OpStrategy([OpSpec(replicated(s.output_spec)) for s in divisor.strategies])
+            args = (op_schema.args_schema[0], divisor, *op_schema.args_schema[2:])
+            op_schema = type(op_schema)(
+                op_schema.op, args, op_schema.kwargs_schema, schema_info=op_schema.schema_info
+            )
+        return linear(op_schema)
+
+    for op in missing:
+        if op.overloadpacket in (aten.squeeze, aten.squeeze_):
+            _view_ops.dim_maps[op] = squeeze_dims
+            _view_ops.register_op_strategy_map(op, op, schema_info=by_dims)
+        elif op is aten.any.dims:
+            _math_ops.LINEAR_REDUCTION_OP_MAP[op] = "sum"
+            register_op_strategy(op, schema_info=by_dims)(_math_ops.linear_reduction_strategy)
+        else:
+            register_single_dim_strategy(op, schema_info=by_dims)(flip_rule)
+    for op in wrong:
+        register_op_strategy(op, schema_info=propagator.op_to_schema_info.get(op))(division_rule)
+    propagator.propagate_op_sharding.cache_clear()  # shardings made by the rules replaced
+    return (*missing, *wrong)
 
 
 def __getattr__(name: str) -> Any:
