@@ -57,6 +57,8 @@ def synthetic_measurement() -> dict:
         "runs": {"auto": synthetic_runs()},
         "flop_sizes": sizes,
         "flops": [5e4 * s * s for s in sizes],
+        "fft_flops": [100.0 * s * s * math.log2(s * s) for s in sizes],
+        "memory_bytes": [4e3 * s * s for s in sizes],
     }
 
 
