@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from shardsci.testing import count_traffic, run_on_ranks, shutdown_pools
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "emit_summary",
     "interleaved_medians_us",
     "interleaved_steps",
+    "least_squares",
     "on_ranks",
     "parse_arguments",
     "rank_pools",
@@ -171,6 +174,13 @@ def interleaved_steps(
             samples[name] += run(name)
         order.reverse()
     return samples
+
+
+def least_squares(rows: list[list[float]], values: list[float]) -> list[float]:
+    """``x`` of least squares ``rows @ x = values``, in float64."""
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
+    return torch.linalg.lstsq(a, b, driver="gelsd").solution.squeeze(1).tolist()
 
 
 def spread(samples: list[float], digits: int = 4) -> dict[str, float]:

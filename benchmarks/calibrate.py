@@ -55,7 +55,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks._common import emit, emit_summary, on_ranks, parse_arguments, rank_pools
+from benchmarks._common import (
+    emit,
+    emit_summary,
+    least_squares,
+    on_ranks,
+    parse_arguments,
+    rank_pools,
+)
 from benchmarks.host_overhead import time_variants
 from shardsci.planning._machine import Machine, collective_s, ring_steps
 from shardsci.planning._work import WorkCounter
@@ -204,11 +211,10 @@ def fit_collective_host(points: list[dict]) -> tuple[float, float]:
     calls' (at most 16 KiB per rank) CPU time as ``per call + per step x ring_steps``, each
     clipped at 0."""
     small = [p for p in points if p["bytes"] <= 16384]
-    rows = torch.tensor(
-        [[1.0, float(ring_steps(p["kind"], p["ranks"]))] for p in small], dtype=torch.float64
+    per_call, per_step = least_squares(
+        [[1.0, float(ring_steps(p["kind"], p["ranks"]))] for p in small],
+        [p["cpu_seconds"] * 1e6 for p in small],
     )
-    cpu_us = torch.tensor([[p["cpu_seconds"] * 1e6] for p in small], dtype=torch.float64)
-    per_call, per_step = torch.linalg.lstsq(rows, cpu_us).solution.squeeze(1).tolist()
     return max(per_call, 0.0), max(per_step, 0.0)
 
 

@@ -19,8 +19,9 @@ unfused). FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are counted apart]) and
 ``a p log2 p`` of the whole field, which a distributed FFT shares evenly over the ranks.
 Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``,
 and memory traffic at ``memory_bytes_per_s``. Host time per step is ``ops x host_us_per_op``,
-the ops the ShardTensor step dispatches (``benchmarks.host_overhead``), plus each collective
-call and halo round at ``host_us_per_collective`` (what issuing it costs the host's CPU).
+the ops the ShardTensor step dispatches (``benchmarks.host_overhead``), plus what issuing each
+collective call and halo round costs the host's CPU (``collective_host_s``: per call and per
+ring step).
 
 Projected (``project``) on ``Machine`` (every parameter with its source; ``--set
 name=value`` overrides any), per rank: ``max(host, compute + communication)``, host time
@@ -81,6 +82,7 @@ from benchmarks._common import (
     Goal,
     emit,
     emit_summary,
+    least_squares,
     on_ranks,
     parse_arguments,
     rank_pools,
@@ -325,13 +327,6 @@ def work(name: str, size: int) -> tuple[float, float, float]:
 FLOP_SIZES = {"meshgraphnet": (200, 400, 800), "field": (32, 64, 128)}
 
 
-def _solve(rows: list[list[float]], values: list[float]) -> list[float]:
-    """Least squares ``rows @ x = values`` in float64."""
-    a = torch.tensor(rows, dtype=torch.float64)
-    b = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
-    return torch.linalg.lstsq(a, b, driver="gelsd").solution.squeeze(1).tolist()
-
-
 def _kron(a: list[float], b: list[float]) -> list[float]:
     return [x * y for x in a for y in b]
 
@@ -389,11 +384,11 @@ class Fitted:
 def _polynomial(pixels: list[float], values: list[float]) -> list[float]:
     """``[c, a, b]`` of ``c + a p + b p²`` fitted to ``values`` at ``pixels``; ``b = 0`` where
     the quadratic term would be negative, and then ``c = 0`` where the constant would be."""
-    coefficients = _solve([[1.0, p, p * p] for p in pixels], values)
+    coefficients = least_squares([[1.0, p, p * p] for p in pixels], values)
     if coefficients[2] < 0:
-        coefficients = [*_solve([[1.0, p] for p in pixels], values), 0.0]
+        coefficients = [*least_squares([[1.0, p] for p in pixels], values), 0.0]
     if coefficients[0] < 0:
-        coefficients = [0.0, _solve([[p] for p in pixels], values)[0], 0.0]
+        coefficients = [0.0, least_squares([[p] for p in pixels], values)[0], 0.0]
     return coefficients
 
 
@@ -416,20 +411,20 @@ def fit(
     kinds = sorted({k for r in runs for k in (*r["received"], *r["calls"])})
     calls, received, misfit = {}, {}, {}
     for kind in kinds:
-        calls[kind] = _solve(
+        calls[kind] = least_squares(
             [call_laws(r["ranks"]) for r in runs], [float(r["calls"].get(kind, 0)) for r in runs]
         )
         if kind == "p2p_rounds":
             continue
         rows = [_kron(basis(r["shape"]), laws(kind, r["ranks"])) for r in runs]
         values = [float(r["received"].get(kind, 0)) for r in runs]
-        received[kind] = _solve(rows, values)
+        received[kind] = least_squares(rows, values)
         fitted = [sum(c * x for c, x in zip(received[kind], row)) for row in rows]
         misfit[kind] = max(abs(f - v) for f, v in zip(fitted, values)) / max(max(values), 1.0)
     pixels = [s if name == "meshgraphnet" else s * s for s in flop_sizes]
     flops = _polynomial(pixels, flop_values)
     memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
-    fft_flops = _solve([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
+    fft_flops = least_squares([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
     ops = min(r["ops"] for r in runs)
     return Fitted(name, calls, received, flops, memory, fft_flops, ops), misfit
 
