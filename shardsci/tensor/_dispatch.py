@@ -573,7 +573,7 @@ def run_with_propagation(
         local_args[index] = shape
         if stride_index is not None:
             local_args[stride_index] = stride
-    local_kwargs = {k: _local_of(v) for k, v in kwargs.items()} if kwargs else {}
+    local_kwargs = {k: local_of(v) for k, v in kwargs.items()} if kwargs else {}
     if plan.empty_outputs:
         device = next(t.device for t in local_leaves if isinstance(t, torch.Tensor))
         out = _empty_outputs(plan.outputs, device)
@@ -603,11 +603,12 @@ def _moved_leaves(leaves: list, plan: Plan) -> list:
 
 
 def _moved(leaf: torch.Tensor, source: ShardTensorSpec, target: ShardTensorSpec | None):
-    local = leaf._local if type(leaf) is _ShardTensor else leaf
+    local = local_of(leaf)
     return local if target is None else redistribute_local(local, source, target)
 
 
-def _local_of(value: object) -> object:
+def local_of(value: object) -> object:
+    """A ShardTensor's local shard, or ``value`` itself when it is anything else."""
     return value._local if type(value) is _ShardTensor else value
 
 

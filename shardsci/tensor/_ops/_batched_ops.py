@@ -21,6 +21,7 @@ import torch
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import Arguments, bind
+from shardsci.tensor._dispatch import local_of
 from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._ops._windows import (
@@ -75,7 +76,7 @@ def _batched(func, args, kwargs):
         or any(not _laid_out_like(t, spec) for t in tensors[1:])
     ):
         return gathered(func, args, kwargs)
-    local_args = [a._local if isinstance(a, ShardTensor) else a for a in args]
+    local_args = [local_of(a) for a in args]
     out = _run_local(func, local_args, kwargs)
     shape = list(out.shape)
     for s in spec.shardings:

@@ -48,6 +48,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group
+from shardsci.tensor._dispatch import local_of
 from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._ring import Blocks, ring_chosen
 from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
@@ -447,16 +448,12 @@ def _rows_kept(x: ShardTensor, out: torch.Tensor, columns: int) -> ShardTensor:
     return ShardTensor(out, spec)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local if isinstance(t, ShardTensor) else t
-
-
 @register_aten_handler(aten.mm.default)
 def _row_sharded_mm(func, args, kwargs):
     a = bind(func, args, kwargs)
     if not _row_sharded(a.self, a.mat2):
         return NotImplemented
-    out = aten.mm.default(a.self._local, _local(a.mat2))
+    out = aten.mm.default(a.self._local, local_of(a.mat2))
     return _rows_kept(a.self, out, a.mat2.shape[1])
 
 
@@ -469,7 +466,7 @@ def _row_sharded_addmm(func, args, kwargs):
     if along_rows or not _row_sharded(a.mat1, a.mat2) or not accepts(a.mat1, replicated=[bias]):
         return NotImplemented
     out = aten.addmm.default(
-        _local(bias), a.mat1._local, _local(a.mat2), beta=a.beta, alpha=a.alpha
+        local_of(bias), a.mat1._local, local_of(a.mat2), beta=a.beta, alpha=a.alpha
     )
     return _rows_kept(a.mat1, out, a.mat2.shape[1])
 

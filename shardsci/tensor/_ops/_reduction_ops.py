@@ -26,7 +26,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group, exchange
-from shardsci.tensor._dispatch import run_with_propagation
+from shardsci.tensor._dispatch import local_of, run_with_propagation
 from shardsci.tensor._ops._common import (
     accepts,
     normalized_dims,
@@ -395,7 +395,7 @@ def _histogram(func, args, kwargs):
         and not weight._spec.same_layout(x._spec.with_dtype(weight.dtype))
     ):
         return NotImplemented
-    bins = bins._local if isinstance(bins, ShardTensor) else bins
+    bins = local_of(bins)
     if isinstance(weight, ShardTensor):
         weight = weight._local
     elif weight is not None:
