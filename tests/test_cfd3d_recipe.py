@@ -146,6 +146,11 @@ VOLUMES = {
     "2x2-pencil-6/2-1/5": (
         4, (2, 2), (1, 2, 8, 6, 4), Layout((Shard(2), Shard(3)), {2: (6, 2), 3: (1, 5)})
     ),
+    # The recipe's default mesh=2x2x2, uneven on every axis, an empty block along W.
+    "2x2x2-block-5/3-2/4-4/0": (
+        8, (2, 2, 2), (1, 2, 8, 6, 4),
+        Layout((Shard(2), Shard(3), Shard(4)), {2: (5, 3), 3: (2, 4), 4: (4, 0)}),
+    ),
 }  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import shardsci
+from shardsci.models.fno import SpectralConv
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
     Layout,
@@ -545,6 +546,45 @@ def _spectral_conv_body(case_name: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_spectral_convolution(case: Sharded) -> None:
     run_on_ranks(case.world, _spectral_conv_body, case.name)
+
+
+# A (B, C, D, H, W) volume on a 2x2x2 block (the 3-D recipe's mesh), uneven on every axis and
+# empty on half the blocks along W.
+BLOCK_3D = Layout((Shard(2), Shard(3), Shard(4)), {2: (5, 3), 3: (2, 4), 4: (6, 0)})
+
+
+def _volume_body() -> None:
+    """Each transform and its inverse, and the FNO's 3-D spectral convolution (per-dim
+    transforms with the modes truncated between them), return the block: the rfft of W moves
+    W's axis onto H, whose axes then nest (1, 2), and the irfft must move it back even though
+    D's sharding, which no transform touches, tells it nothing."""
+    mesh = get_mesh((2, 2, 2))
+    x = torch.randn(1, 2, 8, 6, 6, dtype=torch.float64)
+    volume = (2, 3, 4)
+    layers = {
+        "rfft-irfft over W": lambda a: torch.fft.irfft(torch.fft.rfft(a), n=6),
+        "fft-ifft over H": lambda a: torch.fft.ifft(torch.fft.fft(a, dim=3), dim=3).real,
+        "rfftn-irfftn": lambda a: torch.fft.irfftn(
+            torch.fft.rfftn(a, dim=volume), s=(8, 6, 6), dim=volume
+        ),
+    }
+    for what, layer in layers.items():
+        check_against_reference(layer, [x], [BLOCK_3D], mesh, out_layouts=[BLOCK_3D], what=what)
+    torch.manual_seed(0)
+    conv = SpectralConv(2, 3, (2, 2, 2)).double()
+    check_against_reference(
+        lambda m, a: m(a),
+        [x],
+        [BLOCK_3D],
+        mesh,
+        module=conv,
+        out_layouts=[BLOCK_3D],
+        what="3-D spectral convolution",
+    )
+
+
+def test_a_2x2x2_block_comes_back_from_its_spectrum() -> None:
+    run_on_ranks(8, _volume_body)
 
 
 # ---------------------------------------------------------------------------- details

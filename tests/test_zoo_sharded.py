@@ -1,6 +1,6 @@
 """Every zoo model on ShardTensors equals its single-device run: forward and every parameter
 gradient, float64, on 2 ranks uneven, 4 ranks with an empty shard and a 2x2 block (and 3-D
-slabs and pencils for the models with 3-D variants), and the layout each returns, under
+slabs, pencils and a 2x2x2 block for the models with 3-D variants), and the layout each returns, under
 ``gather_policy("error")``: no op gathers a sharded tensor behind the model's back.
 """
 
@@ -34,6 +34,13 @@ VOLUMES = [
     Sharded("4r-D-3/0/4/1", (4,), (1, 2, 8, 6, 6), Layout((Shard(2),), {2: (3, 0, 4, 1)})),
     Sharded(
         "2x2-pencil", (2, 2), (1, 2, 8, 6, 6), Layout((Shard(2), Shard(3)), {2: (6, 2), 3: (1, 5)})
+    ),
+    # The 3-D recipe's default decomposition, uneven on every axis, half the blocks empty.
+    Sharded(
+        "2x2x2-block",
+        (2, 2, 2),
+        (1, 2, 8, 6, 6),
+        Layout((Shard(2), Shard(3), Shard(4)), {2: (5, 3), 3: (2, 4), 4: (6, 0)}),
     ),
 ]
 CASES = {c.name: c for c in FIELDS + VOLUMES}

@@ -27,7 +27,8 @@ whose sharding does not change keeps its sizes.
 
 Inverse transforms (ifft*, irfft*) return to the layout the forward transform came from: of the
 layouts that the forward rule maps onto the spectrum's layout they take the one the hints
-remember (with the output's extents, else any extents; the most recent), else the one needing
+remember (with the output's extents, else any extents; the most recent; a dim the transform
+leaves alone and that keeps its sharding is no evidence either way), else the one needing
 the fewest moves, and run its forward plan backwards, each move undone and each transform
 inverted. So a forward transform followed by its inverse gives back the input's layout and
 uneven shard sizes, for the same all-to-alls. The spectrum's own layout is no memory of where
@@ -305,15 +306,19 @@ def _inverse_steps(layout: Layout, spec: ShardTensorSpec, call: _Call) -> tuple[
         return steps
 
     evidence = [h for h in spec.hints if _is_evidence(h, spec, call)]
+    unchanged = {(d, axes) for d, axes in layout if d not in call.dims}
 
     def preference(item: tuple[Layout, tuple[Step, ...]]) -> tuple:
         source, steps = item
-        sized = [_remembered_at(evidence, d, axes, call.out_shape[d]) for d, axes in source]
-        ages = [_remembered_at(evidence, d, axes) for d, axes in source]
-        remembered = all(age is not None for age in ages)
+        # A dim the call leaves alone, sharded as it is now, is no choice the hints decide:
+        # D/0 of a (D/0, H/1, W/2) block is D/0 in every source of its W-rfft's spectrum.
+        chosen = [(d, axes) for d, axes in source if (d, axes) not in unchanged]
+        sized = [_remembered_at(evidence, d, axes, call.out_shape[d]) for d, axes in chosen]
+        ages = [_remembered_at(evidence, d, axes) for d, axes in chosen]
+        remembered = bool(chosen) and all(age is not None for age in ages)
         newest = min(ages, default=len(evidence)) if remembered else -1
         moves = sum(isinstance(s, _Move) for s in steps)
-        return (all(age is not None for age in sized), remembered, newest, -moves)
+        return (remembered and None not in sized, remembered, newest, -moves)
 
     source, steps = max(sources, key=preference)
     before = []
