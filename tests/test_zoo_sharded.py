@@ -1,5 +1,6 @@
 """Every zoo model on ShardTensors equals its single-device run: forward and every parameter
-gradient, float64, on 2 ranks uneven, 4 ranks with an empty shard and a 2x2 block (and 3-D
+gradient, float64, on 2 ranks uneven, 4 ranks with an empty shard, a 2x2 block and a 2x2x2 mesh
+nesting two axes on H (and 3-D
 slabs, pencils and a 2x2x2 block for the models with 3-D variants), and the layout each returns, under
 ``gather_policy("error")``: no op gathers a sharded tensor behind the model's back.
 """
@@ -13,6 +14,7 @@ from torch.distributed.tensor import Shard
 from shardsci import attention_exchange, gather_policy
 from shardsci.testing import (
     Layout,
+    RankFailure,
     check_against_reference,
     get_mesh,
     run_on_ranks,
@@ -26,6 +28,12 @@ FIELDS = [
     Sharded("4r-H-4/0/6/2", (4,), (2, 2, 12, 8), Layout((Shard(2),), {2: (4, 0, 6, 2)})),
     Sharded(
         "2x2-block", (2, 2), (1, 2, 12, 8), Layout((Shard(2), Shard(3)), {2: (8, 4), 3: (2, 6)})
+    ),
+    Sharded(
+        "2x2x2-nested",
+        (2, 2, 2),
+        (1, 2, 12, 8),
+        Layout((Shard(2), Shard(3), Shard(2)), {2: (4, 4, 0, 4), 3: (2, 6)}),
     ),
 ]
 # (B, C, D, H, W) volumes.
@@ -87,6 +95,37 @@ def _model_body(model: str, case_name: str) -> None:
         )
 
 
-@pytest.mark.parametrize(("model", "case"), COMBINATIONS, ids=[f"{m}-{c}" for m, c in COMBINATIONS])
+class StillBroken(Exception):
+    """A known failure, with the message it is known by, still fails."""
+
+
+# (model, case) -> the message of a known failure. Each is a strict xfail that only this
+# message satisfies: the fix makes the case pass, and the entry must then go.
+KNOWN = dict.fromkeys(
+    [("vit", "2x2x2-nested"), ("vit-ring", "2x2x2-nested")],
+    "aten.transpose.int: cannot tell the shard sizes of output dim 1",
+)  # tokens sharded over three axes nested (0, 2, 1): the transpose reads the default order
+
+
+@pytest.mark.parametrize(
+    ("model", "case"),
+    [
+        pytest.param(
+            m,
+            c,
+            id=f"{m}-{c}",
+            marks=[pytest.mark.xfail(strict=True, raises=StillBroken, reason=KNOWN[m, c])]
+            if (m, c) in KNOWN
+            else [],
+        )
+        for m, c in COMBINATIONS
+    ],
+)
 def test_sharded_equals_single_device(model: str, case: str) -> None:
-    run_on_ranks(CASES[case].world, _model_body, model, case)
+    try:
+        run_on_ranks(CASES[case].world, _model_body, model, case)
+    except RankFailure as failure:
+        known = KNOWN.get((model, case))
+        if known is not None and known in str(failure):
+            raise StillBroken(known) from failure
+        raise
