@@ -1,8 +1,8 @@
 """Every zoo model on ShardTensors equals its single-device run: forward and every parameter
-gradient, float64, on 2 ranks uneven, 4 ranks with an empty shard, a 2x2 block and a 2x2x2 mesh
-nesting two axes on H (and 3-D
-slabs, pencils and a 2x2x2 block for the models with 3-D variants), and the layout each returns, under
-``gather_policy("error")``: no op gathers a sharded tensor behind the model's back.
+gradient, float64, on 2 ranks uneven, 4 ranks with an empty shard, a 2x2 block and a 2x2x2
+mesh nesting two axes on H (and 3-D slabs, pencils and a 2x2x2 block for the models with 3-D
+variants), and the layout each returns, under ``gather_policy("error")``: no op gathers a
+sharded tensor behind the model's back.
 """
 
 from __future__ import annotations
