@@ -389,7 +389,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "linalg.solve": (_GATHERED.cases((0,), ("4r-random",)),),
     "linalg.svd": (_GATHERED.cases((32,), ("2x2-uneven", "2x2-last")),),
-    "logcumsumexp": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "lu": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),

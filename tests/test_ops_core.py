@@ -644,10 +644,8 @@ def test_a_pointwise_op_reduces_a_pending_operand_to_its_output_layout(name: str
 # NOTE [A row-sharded product keeps its rows]: ``aten.mm``/``aten.addmm`` (reached below the
 # function handlers, as inside ``F.multi_head_attention_forward``) of rows sharded over any
 # mesh axes, in any nesting, times a replicated matrix: no bytes move and the output keeps the
-# rows' placements, order and sizes. (12, 5) rows times (5, 3). With the inner axis nested
-# outermost, only the forward is checked: the weight's gradient transposes the rows, and
-# DTensor's rule for ``aten.t`` drops the nesting order ("cannot tell the shard sizes").
-FORWARD_ONLY = {"2x2-nested-inner-first"}
+# rows' placements, order and sizes. (12, 5) rows times (5, 3); the weight's gradient
+# transposes the rows, keeping their order (tests/test_nested_order.py).
 ROW_LAYOUTS = {
     "2r-uneven": ((2,), Layout((Shard(0),), {0: (7, 5)})),
     "4r-empty": ((4,), Layout((Shard(0),), {0: (5, 0, 4, 3)})),
@@ -681,7 +679,6 @@ def _row_sharded_products_body(name: str) -> None:
             layouts,
             mesh,
             out_layouts=[layout],
-            grad=name not in FORWARD_ONLY,
             what=what,
         )
     spec = layout.spec(mesh, x)

@@ -144,11 +144,6 @@ def _view_rules(_: object) -> None:
     assert isinstance(splits[0].input_dim, c.InputDim)
 
 
-def _shard_order_entry(cls: type) -> None:
-    entry = cls(tensor_dim=1, mesh_dims=(0, 1))
-    assert (entry.tensor_dim, entry.mesh_dims) == (1, (0, 1))
-
-
 def _tensor_meta(cls: type) -> None:
     meta = cls(torch.Size([2, 3]), (3, 1), torch.float64)
     assert (meta.shape, meta.stride, meta.dtype) == ((2, 3), (3, 1), torch.float64)
@@ -375,7 +370,6 @@ def _is_fake(fn: Callable) -> None:
 
 SMOKE: dict[str, Callable[[object], None]] = {
     "DTensorSpec": _takes("mesh", "placements", "tensor_meta", "shard_order"),
-    "ShardOrderEntry": _shard_order_entry,
     "TensorMeta": _tensor_meta,
     "OpSchema": _takes("op", "args_schema", "kwargs_schema", "schema_info"),
     "OutputSharding": _takes("output_spec", "redistribute_schema", "needs_redistribute"),

@@ -15,6 +15,20 @@ then
   not the average of their means): such ops (mean, losses) have handlers.
 A plan depends only on the op, the operands' layouts and the non-tensor arguments, so it is
 made once and cached: a training step's ops pay for propagation on the first step only.
+
+# NOTE [The nesting of a dim sharded over several axes is shardsci's, like its sizes]
+A dim sharded over several mesh axes is nested in an order (``DimSharding.axes``, outermost
+first; ``nn.MultiheadAttention`` flattens batch and tokens into rows nested over (1, 0)).
+DTensor's rules do not carry that order: they build their outputs and input targets in the
+default, increasing order, so an output read as DTensor gives it would describe the shards of
+a transpose (``aten.t`` in ``mm``'s backward) in another order than the one its ranks hold,
+and an input in another order than the default would be moved to it first. So DTensor is
+shown every operand in the default order (``ShardTensorSpec.dtensor_spec``) and reasons about
+placements only; shardsci keys alignment by the *set* of axes a dim is sharded over
+(``_axes_key``): operands sharded over one set share the order and sizes of the largest
+operand already sharded over it (else a hint's, else the default order and chunk sizes), and
+an output dim sharded over that set takes them. A view, permute or product that moves such a
+dim thus moves its order and sizes with it, and nothing is moved to reorder it.
 """
 
 from __future__ import annotations
@@ -630,10 +644,10 @@ def _aligned_targets(
         if spec is None:
             result.append(None)
             continue
-        if target is None or (
-            target.placements == spec.placements and _order_of(target) == _order_of_spec(spec)
-        ):
-            if all(reference.get(s.axes, s.sizes) == s.sizes for s in spec.shardings):
+        if target is None or target.placements == spec.placements:
+            if all(
+                reference.get(_axes_key(s.axes), _nesting(s)) == _nesting(s) for s in spec.shardings
+            ):
                 result.append(spec)
                 continue
             target = spec.dtensor_spec
@@ -641,72 +655,86 @@ def _aligned_targets(
     return result
 
 
-def _order_of(target: DTensorSpec) -> dict[int, tuple[int, ...]]:
-    return {e.tensor_dim: tuple(e.mesh_dims) for e in target.shard_order}
+def _axes_key(axes: tuple[int, ...]) -> tuple[int, ...]:
+    """The set of mesh axes a dim is sharded over, in increasing order: how DTensor names it,
+    and what alignment is keyed by (NOTE [The nesting of a dim sharded over several axes is
+    shardsci's, like its sizes])."""
+    return tuple(sorted(axes))
 
 
-def _order_of_spec(spec: ShardTensorSpec) -> dict[int, tuple[int, ...]]:
-    return {s.dim: s.axes for s in spec.shardings}
+def _nesting(sharding: DimSharding) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A sharded dim's mesh axes, outermost first, and its shard sizes."""
+    return sharding.axes, sharding.sizes
+
+
+def _sharded_dims(target: DTensorSpec) -> dict[int, tuple[int, ...]]:
+    """Tensor dim -> the set of mesh axes sharding it (``_axes_key``) in a DTensor spec."""
+    return {e.tensor_dim: _axes_key(e.mesh_dims) for e in target.shard_order}
 
 
 def _reference_sizes(
     func: OpOverload, specs: list[ShardTensorSpec | None], targets: list[DTensorSpec | None]
-) -> dict[tuple[int, ...], tuple[int, ...]]:
-    """Mesh axes -> shard sizes all operands sharded over them will share.
+) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Set of mesh axes (``_axes_key``) -> the nesting (``_nesting``) all operands
+    sharded over those axes will share.
 
-    The largest operand already sharded that way decides; otherwise the remembered sizes of
-    any operand (hints); otherwise ``torch.chunk`` sizes.
+    The largest operand already sharded that way decides; otherwise the remembered order and
+    sizes of any operand (hints); otherwise the default order and ``torch.chunk`` sizes.
     """
-    best: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
+    best: dict[tuple[int, ...], tuple[int, tuple]] = {}
     wanted: dict[tuple[int, ...], int] = {}
     for spec, target in zip(specs, targets):
         if spec is None:
             continue
-        order = _order_of(target) if target is not None else _order_of_spec(spec)
-        for dim, axes in order.items():
+        if target is not None:
+            dims = _sharded_dims(target)
+        else:
+            dims = {s.dim: _axes_key(s.axes) for s in spec.shardings}
+        for dim, key in dims.items():
             extent = spec.shape[dim]
-            if wanted.setdefault(axes, extent) != extent:
+            if wanted.setdefault(key, extent) != extent:
                 raise NotImplementedError(
-                    f"{func}: operands sharded over mesh axes {axes} have different extents "
-                    f"({wanted[axes]} and {extent}) along their sharded dims"
+                    f"{func}: operands sharded over mesh axes {key} have different extents "
+                    f"({wanted[key]} and {extent}) along their sharded dims"
                 )
             current = spec.sharding_by_dim.get(dim)
-            if current is not None and current.axes == axes:
+            if current is not None and _axes_key(current.axes) == key:
                 numel = math.prod(spec.shape)
-                if axes not in best or numel > best[axes][0]:
-                    best[axes] = (numel, current.sizes)
-    reference = {axes: sizes for axes, (_, sizes) in best.items()}
-    for axes, extent in wanted.items():
-        if axes not in reference:
+                if key not in best or numel > best[key][0]:
+                    best[key] = (numel, _nesting(current))
+    reference = {key: nesting for key, (_, nesting) in best.items()}
+    for key, extent in wanted.items():
+        if key not in reference:
             mesh_shape = next(s.mesh_shape for s in specs if s is not None)
-            reference[axes] = _remembered(specs, axes, extent) or nested_chunk_sizes(
-                extent, [mesh_shape[a] for a in axes]
+            reference[key] = _remembered(specs, key, extent) or (
+                key,
+                nested_chunk_sizes(extent, [mesh_shape[a] for a in key]),
             )
     return reference
 
 
 def _remembered(
-    specs: list[ShardTensorSpec | None], axes: tuple[int, ...], extent: int
-) -> tuple[int, ...] | None:
+    specs: list[ShardTensorSpec | None], key: tuple[int, ...], extent: int
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     for spec in specs:
         if spec is not None:
             for hint in reversed(spec.hints):  # newest first, as every hint reader
-                if hint.axes == axes and hint.extent == extent:
-                    return hint.sizes
+                if _axes_key(hint.axes) == key and hint.extent == extent:
+                    return _nesting(hint)
     return None
 
 
 def _spec_for(
-    spec: ShardTensorSpec, target: DTensorSpec, reference: dict[tuple[int, ...], tuple[int, ...]]
+    spec: ShardTensorSpec, target: DTensorSpec, reference: dict[tuple[int, ...], tuple]
 ) -> ShardTensorSpec:
     placements = tuple(
         p if not isinstance(p, _StridedShard) else Shard(p.dim) for p in target.placements
     )
-    order = _order_of(target)
+    dims = _sharded_dims(target)
     return spec.relaid(
         placements,
-        {dim: reference[axes] for dim, axes in order.items()},
-        order=order,
+        {dim: reference[key][1] for dim, key in dims.items()},
+        order={dim: reference[key][0] for dim, key in dims.items()},
         hints=merged_hints(spec.hints, spec.shardings),
     )
 
@@ -714,11 +742,13 @@ def _spec_for(
 def _sizes_by_axes(
     target_specs: list[ShardTensorSpec | None],
 ) -> dict[tuple[int, ...], DimSharding]:
+    """Set of mesh axes (``_axes_key``) -> the order and sizes the aligned operands sharded
+    over them share."""
     found: dict[tuple[int, ...], DimSharding] = {}
     for spec in target_specs:
         if spec is not None:
             for s in spec.shardings:
-                found.setdefault(s.axes, s)
+                found.setdefault(_axes_key(s.axes), s)
     return found
 
 
@@ -753,11 +783,12 @@ def _output_spec(
             f"dims before it"
         )
     meta = dspec.tensor_meta
-    order = _order_of(dspec)
+    order = {}
     sizes = {}
-    for dim, axes in order.items():
+    for dim, axes in _sharded_dims(dspec).items():
         known = sizes_by_axes.get(axes)
         if meta.shape[dim] == 0:  # e.g. batch norm's statistics when it does not train
+            order[dim] = axes if known is None else known.axes
             sizes[dim] = (0,) * math.prod(mesh.shape[a] for a in axes)
             continue
         if known is None or known.extent != meta.shape[dim]:
@@ -767,7 +798,7 @@ def _output_spec(
                 f"as { {axes: list(s.sizes) for axes, s in sizes_by_axes.items()} }); this "
                 f"op needs a shardsci handler"
             )
-        sizes[dim] = known.sizes
+        order[dim], sizes[dim] = known.axes, known.sizes
     return ShardTensorSpec.build(
         mesh,
         dspec.placements,
@@ -801,7 +832,7 @@ def _local_shape_argument(
     if coordinate is None:
         coordinate = mesh_coordinate(output_spec.mesh)
     mesh_shape = tuple(output_spec.mesh.shape)
-    for dim, axes in _order_of(output_spec).items():
+    for dim, axes in _sharded_dims(output_spec).items():
         known = sizes_by_axes.get(axes)
         if known is None or known.extent != global_shape[dim]:
             raise NotImplementedError(

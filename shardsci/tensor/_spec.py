@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._caches import BoundedCache, register_cache
-from shardsci.tensor._torch_compat import DTensorSpec, ShardOrderEntry, TensorMeta
+from shardsci.tensor._torch_compat import DTensorSpec, TensorMeta
 
 __all__ = [
     "DimSharding",
@@ -388,10 +388,11 @@ class ShardTensorSpec:
 
     @cached_property
     def dtensor_spec(self) -> DTensorSpec:
-        """The DTensor view of this spec, for DTensor's sharding propagation."""
-        order = tuple(ShardOrderEntry(s.dim, s.axes) for s in self.shardings)
+        """The DTensor view of this spec, for DTensor's sharding propagation: placements,
+        shape, stride and dtype, every dim's axes in the default order (NOTE [The nesting of
+        a dim sharded over several axes is shardsci's, like its sizes] in ``_propagation``)."""
         meta = TensorMeta(self.shape, self.stride, self.dtype)
-        return DTensorSpec(self.mesh, self.placements, meta, shard_order=order)
+        return DTensorSpec(self.mesh, self.placements, meta)
 
     def __repr__(self) -> str:
         parts = ", ".join(
@@ -416,9 +417,9 @@ class ShardTensorSpec:
 # Readers, each taking a hint only when its axes (and extent) match what it must size:
 # - ``_redistribute.target_spec``: a dim sharded again over the same set of axes takes the
 #   newest hint's sizes and axis order (a current sharding wins over a hint);
-# - ``_propagation._reference_sizes``: operands aligned over axes no operand is currently
-#   sharded over take the sizes an operand remembers for those axes and extent (the newest
-#   match);
+# - ``_propagation._reference_sizes``: operands aligned over a set of axes no operand is
+#   currently sharded over take the order and sizes an operand remembers for those axes (in
+#   any order) and extent (the newest match);
 # - ``_ops/_windows.owned_sizes``: an upsampling window (transposed conv, interpolation) whose
 #   output extent a newest hint remembers takes those sizes (the layout before downsampling);
 # - ``_ops/_fft_ops``: a moved dim takes the sizes last remembered for that dim, axes and

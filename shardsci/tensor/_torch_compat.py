@@ -87,10 +87,6 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch.distributed.tensor._dtensor_spec:DTensorSpec",
         "the spec DTensor's sharding rules read and return",
     ),
-    "ShardOrderEntry": _at(
-        "torch.distributed.tensor._dtensor_spec:ShardOrderEntry",
-        "the order of mesh axes sharding one tensor dim, in a DTensorSpec",
-    ),
     "TensorMeta": _at(
         "torch.distributed.tensor._dtensor_spec:TensorMeta",
         "global shape, stride and dtype in a DTensorSpec",

@@ -64,18 +64,8 @@ class Bug:
         )
 
 
-BATCH_AND_TOKENS = Bug(
-    "batch-and-tokens-flattened",
-    "nn.MultiheadAttention on (B, L, D) sharded over batch and tokens (2x2) flattens them into "
-    "one dim sharded over both axes, and the transpose that follows cannot tell its sizes: "
-    "'aten.t.default: cannot tell the shard sizes of output dim 1'",
-    "raised",
-    r"aten\.t\.default: cannot tell the shard sizes",
-)
-
-KNOWN: dict[tuple[str, str], Bug] = {
-    **{(m, "2x2"): BATCH_AND_TOKENS for m in ("torch-encoder-layer", "torch-encoder")},
-}  # fmt: skip
+KNOWN: dict[tuple[str, str], Bug] = {}
+"""(model, layout) -> the known shardsci bug the case shows (none open)."""
 
 
 #: The default run's cases: one per package and aspect (a neural operator, batch-norm
