@@ -14,7 +14,6 @@ from torch.distributed.tensor import Shard
 from shardsci import attention_exchange, gather_policy
 from shardsci.testing import (
     Layout,
-    RankFailure,
     check_against_reference,
     get_mesh,
     run_on_ranks,
@@ -95,37 +94,6 @@ def _model_body(model: str, case_name: str) -> None:
         )
 
 
-class StillBroken(Exception):
-    """A known failure, with the message it is known by, still fails."""
-
-
-# (model, case) -> the message of a known failure. Each is a strict xfail that only this
-# message satisfies: the fix makes the case pass, and the entry must then go.
-KNOWN = dict.fromkeys(
-    [("vit", "2x2x2-nested"), ("vit-ring", "2x2x2-nested")],
-    "aten.transpose.int: cannot tell the shard sizes of output dim 1",
-)  # tokens sharded over three axes nested (0, 2, 1): the transpose reads the default order
-
-
-@pytest.mark.parametrize(
-    ("model", "case"),
-    [
-        pytest.param(
-            m,
-            c,
-            id=f"{m}-{c}",
-            marks=[pytest.mark.xfail(strict=True, raises=StillBroken, reason=KNOWN[m, c])]
-            if (m, c) in KNOWN
-            else [],
-        )
-        for m, c in COMBINATIONS
-    ],
-)
+@pytest.mark.parametrize(("model", "case"), COMBINATIONS, ids=[f"{m}-{c}" for m, c in COMBINATIONS])
 def test_sharded_equals_single_device(model: str, case: str) -> None:
-    try:
-        run_on_ranks(CASES[case].world, _model_body, model, case)
-    except RankFailure as failure:
-        known = KNOWN.get((model, case))
-        if known is not None and known in str(failure):
-            raise StillBroken(known) from failure
-        raise
+    run_on_ranks(CASES[case].world, _model_body, model, case)
