@@ -382,7 +382,7 @@ def test_clone_to_a_memory_format_has_its_strides() -> None:
 
 
 # ---------------------------------------------------------------------------- shard-size hints
-def _newest_hint_body() -> tuple[int, ...] | None:
+def _newest_hint_body() -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     from shardsci.tensor._propagation import _remembered
     from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
@@ -395,7 +395,7 @@ def _newest_hint_body() -> tuple[int, ...] | None:
 
 def test_propagation_takes_the_newest_hint() -> None:
     """NOTE [Shard-size hints]: every reader prefers the newest hint of an axes and extent."""
-    assert run_on_ranks(2, _newest_hint_body) == [(4, 2), (4, 2)]
+    assert run_on_ranks(2, _newest_hint_body) == [((0,), (4, 2))] * 2  # (nesting, sizes)
 
 
 # ---------------------------------------------------------------------------- views of empty tensors
