@@ -189,6 +189,7 @@ def _is_rank(pid: int) -> bool:
 def _rank_pids(run: _Run, world_size: int = 2) -> list[int]:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while len(ranks := _ranks(run.process.pid)) < world_size:
+        assert run.process.poll() is None, f"the run ended before its ranks:\n{run.stderr[-3000:]}"
         assert time.monotonic() < deadline, f"ranks not found: {ranks}"
         time.sleep(0.05)
     return ranks
