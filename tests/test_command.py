@@ -34,6 +34,10 @@ def test_a_run_that_fails_before_training_leaves_no_run_directory(tmp_path: Path
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == []
 
 
+# Slow (a start-up of the command, about 5 s): by default tests/test_run_checks.py checks both
+# of our halves in-process, check_composition leaving the override to Hydra and `reported`
+# re-raising when HYDRA_FULL_ERROR=1; what remains here is Hydra printing its traceback.
+@pytest.mark.slow
 def test_hydra_full_error_shows_the_whole_traceback(tmp_path: Path) -> None:
     done = _python(
         "-m", "shardsci.train", "+recipe=cfd", "train.stpes=3", cwd=tmp_path, HYDRA_FULL_ERROR="1"

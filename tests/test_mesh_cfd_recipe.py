@@ -2,7 +2,9 @@
 its outputs, and a resume from a checkpoint written at another rank count, under
 ``SHARDSCI_GATHER=error`` (no op may gather a sharded tensor it was not asked to).
 
-Slow (three runs of train.py, about a minute on a quiet 2-core machine): run with
+By default one run on 2 ranks (the recipe's only default training run; its data, graph
+partition, model and checks have their own tests); the resume and the uninterrupted run it
+is compared with are slow (two more runs of train.py): run them with
 ``pytest -m slow tests/test_mesh_cfd_recipe.py``."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,14 +70,29 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-@pytest.mark.slow
-def test_trains_and_resumes_on_another_rank_count(tmp_path: Path) -> None:
-    data, run_dir = tmp_path / "cylinders.h5", tmp_path / "run"
-    _train(data, run_dir, "4", 2, "data.generate=force")  # generated outside data/generated/
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two steps on 2 ranks, generating the data on the way (outside ``data/generated/``):
+    the data file and the run directory."""
+    root = tmp_path_factory.mktemp("mesh_cfd")
+    data, run_dir = root / "cylinders.h5", root / "run"
+    _train(data, run_dir, "2", 2, "data.generate=force")
+    return data, run_dir
+
+
+def test_trains_evaluates_and_draws(first_run: tuple[Path, Path]) -> None:
+    _, run_dir = first_run
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["step"] == 2 and math.isfinite(metrics["final_loss"])
     assert 0 < metrics["eval_relative_l2"] < 1 and 0 < metrics["persistence_relative_l2"] < 1
     assert (run_dir / "eval_step000002.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_resumes_on_another_rank_count(first_run: tuple[Path, Path], tmp_path: Path) -> None:
+    data, first = first_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(first, run_dir)  # the fixture's run stays as it was for the test above
     resumed = _train(data, run_dir, "1", steps=4)
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
     assert json.loads((run_dir / "metrics.json").read_text())["step"] == 4

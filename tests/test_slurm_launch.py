@@ -163,6 +163,9 @@ def _wait_until(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+# Slow (about 10 s: the cluster taken down and brought up again): it checks the test
+# cluster's own script (`local_cluster.sh up` recovering after a restart), not shardsci.
+@pytest.mark.slow
 @pytest.mark.usefixtures("local_cluster")
 def test_a_restarted_cluster_cancels_saved_jobs_whose_processes_are_gone(tmp_path: Path) -> None:
     """A machine restored from a snapshot taken while a job ran: slurmctld recovers the job as

@@ -81,35 +81,38 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_a_short_run_leaves_what_people_need(tmp_path: Path) -> None:
-    """Generating its data on the way (rank 0 writes, the others wait)."""
-    generated = [
-        "data.generate=force",
-        f"data.dataset.solver.resolution={TINY_DATA.solver.resolution}",
-        f"data.dataset.n_train={TINY_DATA.n_train}",
-        f"data.dataset.n_test={TINY_DATA.n_test}",
-        f"data.dataset.n_snapshots={TINY_DATA.n_snapshots}",
-    ]
-    _train(
-        tmp_path / "generated.h5",
-        tmp_path,
-        "2x2",
-        "train.steps=4",
-        "train.eval_every=2",
-        "train.checkpoint_every=2",
-        *generated,
-    )
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+GENERATED = [
+    f"data.dataset.solver.resolution={TINY_DATA.solver.resolution}",
+    f"data.dataset.n_train={TINY_DATA.n_train}",
+    f"data.dataset.n_test={TINY_DATA.n_test}",
+    f"data.dataset.n_snapshots={TINY_DATA.n_snapshots}",
+]
+"""``data.dataset`` describing ``TINY_DATA``, as the data a run generates must be described."""
+SHORT_RUN = ["train.steps=4", "train.eval_every=2", "train.checkpoint_every=2", *GENERATED]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four steps on a 2x2 mesh through the command, generating its data on the way (rank 0
+    writes, the others wait) into ``generated.h5`` of the run directory: one run for the
+    test of what it leaves and the test that resumes it on another mesh."""
+    run_dir = tmp_path_factory.mktemp("short_run")
+    _train(run_dir / "generated.h5", run_dir, "2x2", *SHORT_RUN, "data.generate=force")
+    return run_dir
+
+
+def test_a_short_run_leaves_what_people_need(short_run: Path) -> None:
+    metrics = json.loads((short_run / "metrics.json").read_text())
     assert metrics["step"] == 4
     assert 0 < metrics["eval_relative_l2"] < 1
     assert math.isfinite(metrics["final_loss"])
-    assert {p.name for p in tmp_path.glob("eval_step*.png")} == {
+    assert {p.name for p in short_run.glob("eval_step*.png")} == {
         "eval_step000002.png",
         "eval_step000004.png",
     }
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000004"
-    assert (tmp_path / ".hydra" / "config.yaml").is_file()
-    with h5py.File(tmp_path / "generated.h5", "r") as file:
+    assert (short_run / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    assert (short_run / ".hydra" / "config.yaml").is_file()
+    with h5py.File(short_run / "generated.h5", "r") as file:
         assert file["vorticity"].shape == TINY_DATA.shape
         assert file.attrs["created_by"] == CREATED_BY
 
@@ -169,24 +172,20 @@ def _parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("resume_mesh", [pytest.param("2x1", marks=pytest.mark.slow), "1"])
-def test_a_4x2_checkpoint_resumes_on_another_mesh(
-    dataset: Path, tmp_path: Path, resume_mesh: str
+def test_a_2x2_checkpoint_resumes_on_another_mesh(
+    short_run: Path, tmp_path: Path, resume_mesh: str
 ) -> None:
-    """The loss continues where it stopped: steps 4-6 after resuming from step 3 equal the
-    uninterrupted run's. The 4x2 run is the recipe's rank body on the 8-rank pool (what
-    ``train.py``'s forked ranks compute: a ``train.py`` start-up saved); the resumed run is
-    the command, and the only default run of ``mesh=1`` through it."""
-    first = tmp_path / "4x2"
-    overrides = [
-        "mesh=4x2", f"data.path={dataset}", f"run_dir={first}", *TINY, "train.steps=6",
-        "train.checkpoint_every=3",
-    ]  # fmt: skip
-    run_on_ranks(8, train_recipe_on_the_pool, overrides, timeout_s=RUN_TIMEOUT_S)
+    """The loss continues where it stopped: steps 3-4 after resuming from the short run's
+    step-2 checkpoint equal the short run's (data-parallel and domain-parallel axes both
+    resharded). The resumed run is the command, and the only default run of ``mesh=1``
+    through it."""
+    checkpoint = short_run / "checkpoints" / "step_000002"
     resumed = tmp_path / resume_mesh
-    checkpoint = first / "checkpoints" / "step_000003"
-    _train(dataset, resumed, resume_mesh, "train.steps=6", f"train.resume={checkpoint}")
-    expected, got = _losses(first), _losses(resumed)
-    assert sorted(got) == [4, 5, 6]
+    _train(
+        short_run / "generated.h5", resumed, resume_mesh, *SHORT_RUN, f"train.resume={checkpoint}"
+    )
+    expected, got = _losses(short_run), _losses(resumed)
+    assert sorted(got) == [3, 4]
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
@@ -208,31 +207,32 @@ def test_a_replica_without_a_held_out_sample_evaluates_nothing(
     assert math.isfinite(errors[0]) and errors[0] == errors[1], per_rank
 
 
-@pytest.fixture(scope="module")
-def torchrun_bf16_run(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three bf16 steps on mesh=1x2 under torchrun: one run for the two tests below (each
-    checks its own property of it; neither depends on the other's setting)."""
-    run_dir = tmp_path_factory.mktemp("torchrun_bf16")
+@pytest.mark.slow  # about 15 s: test_faults.py's killed-rank test runs under torchrun by default
+def test_the_recipe_runs_under_torchrun(dataset: Path, tmp_path: Path) -> None:
+    """Under torchrun every rank composes the config and uses the ranks it is given, here on
+    a domain-parallel mesh (the default run's torchrun job is data-parallel, 2x1)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "train.py", "+recipe=cfd", "mesh=1x2", f"data.path={dataset}", f"run_dir={run_dir}",
-        *TINY, "train.steps=3", "train.precision=bf16",
+        "train.py", "+recipe=cfd", "mesh=1x2", f"data.path={dataset}", f"run_dir={tmp_path}",
+        *TINY, "train.steps=3",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDSCI_GATHER": "error"}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return run_dir
+    assert json.loads((tmp_path / "metrics.json").read_text())["step"] == 3
 
 
-def test_the_recipe_runs_under_torchrun(torchrun_bf16_run: Path) -> None:
-    """Under torchrun every rank composes the config and uses the ranks it is given."""
-    assert json.loads((torchrun_bf16_run / "metrics.json").read_text())["step"] == 3
-
-
-def test_bf16_autocast_trains(torchrun_bf16_run: Path) -> None:
-    losses = _losses(torchrun_bf16_run)
+def test_bf16_autocast_trains(dataset: Path, tmp_path: Path) -> None:
+    """On a domain-parallel mesh of the pool (the recipe's rank body; precision is the
+    trainer's, whichever launcher started the ranks)."""
+    overrides = [
+        "mesh=1x2", f"data.path={dataset}", f"run_dir={tmp_path}", *TINY, "train.steps=3",
+        "train.precision=bf16",
+    ]  # fmt: skip
+    run_on_ranks(2, train_recipe_on_the_pool, overrides, timeout_s=RUN_TIMEOUT_S)
+    losses = _losses(tmp_path)
     assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
 
 
