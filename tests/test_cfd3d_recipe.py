@@ -211,7 +211,11 @@ def test_learnability_probe_reports_train_and_held_out_errors_against_persistenc
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The one-process probe (README, "The 3-D recipe") trains the recipe's UNet on a tiny file
-    and prints both errors; its held-out persistence is the file's, computed here directly."""
+    and prints both errors; its held-out persistence is the file's, computed here directly.
+    With ``--eval-every 1`` it prints the held-out error after step 1 of 2: that of the model a
+    1-step run ends with (the warm-up's first step does not depend on the number of steps)."""
+    import re
+
     import h5py
 
     from shardsci.recipes.cfd3d import learnability
@@ -225,8 +229,14 @@ def test_learnability_probe_reports_train_and_held_out_errors_against_persistenc
         solver=solver, n_train=2, n_test=1, n_snapshots=4, record_every=2, warmup_steps=2
     )
     path = generate_dataset(tmp_path / "v.h5", config)
-    learnability.main([str(path), "--model", "unet", "--steps", "2", "--n-train", "2", "--augment"])
+    probe = [str(path), "--model", "unet", "--n-train", "2", "--augment"]
+    learnability.main([*probe, "--steps", "1"])
+    after_one_step = re.findall(r"on held-out pairs (\S+) ", capsys.readouterr().out)
+    learnability.main([*probe, "--steps", "2", "--eval-every", "1"])
     printed = capsys.readouterr().out
+    assert re.findall(r"step (\d+) \(.*\): held-out pairs (\S+)", printed) == [
+        ("1", *after_one_step)
+    ], printed
     with h5py.File(path, "r") as file:
         held_out = torch.from_numpy(file["velocity"][2:]).double()
     inputs, targets = held_out[:, :-1].flatten(0, 1), held_out[:, 1:].flatten(0, 1)

@@ -2,9 +2,9 @@
 
 Trains one of the recipe's models (``configs/recipe/cfd3d/model/<name>.yaml``) on plain tensors
 in one process, with the recipe's loss (mean squared error of fields normalised per channel by
-the training trajectories' statistics) and AdamW with a warm-up and cosine decay, then prints
-the one-step relative L2 error on the training pairs and on the held-out pairs beside
-persistence's. A training error well below a held-out error that stays at persistence's is
+the training trajectories' statistics) and AdamW with the trainer's schedule (warm-up, then
+cosine decay over ``--steps``: ``train.schedule``), then prints the one-step relative L2 error
+on the training pairs and on the held-out pairs beside persistence's. A training error well below a held-out error that stays at persistence's is
 overfitting, whatever the step count; that is what the recipe's default data showed (README,
 "The 3-D recipe").
 
@@ -13,13 +13,13 @@ Usage
 ``python -m shardsci.recipes.cfd3d.learnability data/generated/ns3d_32.h5 --steps 100``
 (``--model unet``, ``--set modes=[4,4,4]``: the model's settings; ``--augment``: each batch
 mapped by a random symmetry of the box, as the recipe's ``data.augment``; ``--stride 2``: pairs
-two records apart; ``--n-train``: the first trajectories train, the rest are held out).
+two records apart; ``--n-train``: the first trajectories train, the rest are held out;
+``--eval-every 50``: the held-out error every 50 steps as well).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
@@ -33,7 +33,7 @@ import shardsci.configs
 from shardsci.recipes.cfd3d.generate import DATASET_NAME
 from shardsci.recipes.cfd3d.symmetry import box_symmetries
 from shardsci.recipes.models import ZOO
-from shardsci.training import relative_l2
+from shardsci.training import ScheduleConfig, relative_l2, warmup_cosine
 
 
 def recipe_model(name: str, overrides: list[str] | None = None) -> torch.nn.Module:
@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stride", type=int, default=1, help="records between input and target")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--eval-every", type=int, default=0, help="print the held-out error every N steps too"
+    )
+    parser.add_argument(
         "--augment", action="store_true", help="map each batch by a random symmetry of the box"
     )
     args = parser.parse_args(argv)
@@ -84,18 +87,19 @@ def main(argv: list[str] | None = None) -> None:
     test_in, test_out = pairs(held_out)
     model = recipe_model(args.model, args.set)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    warmup = min(20, args.steps)  # the recipe's train.schedule.warmup_steps
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps)),
-    )
+    schedule = warmup_cosine(optimizer, ScheduleConfig(), args.steps)
     print(
         f"{args.model}: {sum(p.numel() for p in model.parameters())} parameters; "
         f"{len(train_in)} training pairs, {len(test_in)} held-out pairs"
     )
     symmetries = box_symmetries(tuple(velocity.shape[-3:])) if args.augment else None
+
+    def error(prediction: torch.Tensor, truth: torch.Tensor) -> float:
+        """The recipe's metric, averaged over the pairs: relative L2 in the data's units."""
+        return relative_l2(prediction * std + mean, truth * std + mean).mean().item()
+
     started = time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
         index = torch.randint(len(train_in), (args.batch,))
         inputs, targets = train_in[index], train_out[index]
         if symmetries is not None:
@@ -106,10 +110,11 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         optimizer.step()
         schedule.step()
-
-    def error(prediction: torch.Tensor, truth: torch.Tensor) -> float:
-        """The recipe's metric, averaged over the pairs: relative L2 in the data's units."""
-        return relative_l2(prediction * std + mean, truth * std + mean).mean().item()
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            with torch.no_grad():
+                test_error = error(model(test_in), test_out)
+            elapsed = time.perf_counter() - started
+            print(f"step {step} ({elapsed:.0f} s): held-out pairs {test_error:.4f}", flush=True)
 
     with torch.no_grad():
         train_error = error(model(train_in), train_out)
