@@ -249,19 +249,21 @@ def test_integer_1d_max_pooling_as_torch() -> None:
 
 
 # ---------------------------------------------------------------------------- cropping pads
-CROPS = {
-    "crop": ((-1, -2, -3, -1), 0.0),
-    "crop-and-pad": ((2, -1, -2, 3), 0.5),
-    "crop-one-side": ((-1, 0, 0, -2), 0.0),
+CROPS = {  # name: (pad, mode, value)
+    "crop": ((-1, -2, -3, -1), "constant", 0.0),
+    "crop-and-pad": ((2, -1, -2, 3), "constant", 0.5),
+    "crop-one-side": ((-1, 0, 0, -2), "constant", 0.0),
+    "replicate crop-and-pad": ((2, -1, -2, 3), "replicate", None),
+    "replicate crop": ((-1, -2, 0, -1), "replicate", None),
 }
 
 
 def _crop_body(case: Sharded) -> None:
     mesh = get_mesh(case.mesh)
     x = torch.randn(case.shape, dtype=torch.float64)
-    for name, (pad, value) in CROPS.items():
+    for name, (pad, mode, value) in CROPS.items():
         check_against_reference(
-            lambda a, p=pad, v=value: F.pad(a, p, value=v),
+            lambda a, p=pad, m=mode, v=value: F.pad(a, p, mode=m, value=v),
             [x],
             [case.layout],
             mesh,
@@ -276,7 +278,8 @@ def _crop_body(case: Sharded) -> None:
 
 @pytest.mark.parametrize("case", FIELDS, ids=str)
 def test_cropping_pad_keeps_placements(case: Sharded) -> None:
-    """A constant pad with negative amounts crops like a slice, each output cell on the rank
-    holding the input cell it copies (it went to the default path); a pad list torch refuses
+    """A constant or replicate pad with negative amounts crops like a slice, each output cell
+    on the rank holding the input cell it copies (both went to the default path, which
+    replicated the output of a replicate one); a pad list torch refuses
     raises torch's error on every rank (an odd-length one returned a result)."""
     run_on_ranks(case.world, _crop_body, case)

@@ -242,7 +242,7 @@ def _pad(func, args, kwargs):
     probe_on_meta(func, (x, a.pad, mode, value))
     pairs = [(a.pad[2 * i], a.pad[2 * i + 1]) for i in range(len(a.pad) // 2)]
     if any(left < 0 or right < 0 for left, right in pairs):
-        if mode != "constant":
+        if not _crops_alike(mode, pairs, x.shape):
             return NotImplemented
         x = _cropped(x, pairs)
         pairs = [(max(left, 0), max(right, 0)) for left, right in pairs]
@@ -271,10 +271,23 @@ def _pad_as_dynamo_calls_it(func, args, kwargs):
     return _pad(F.pad, args, kwargs)
 
 
+def _crops_alike(mode: str, pairs: list[tuple[int, int]], shape: torch.Size) -> bool:
+    """Whether a pad with negative amounts is the crop, then the pad by the positive amounts:
+    always for a constant pad; for a replicate pad when every cropped dim keeps a cell, since
+    it copies the edge cell of the side it pads, which a crop of the other side then keeps.
+    Not circular (it wraps to cells the crop removed) nor reflect (it may reach them)."""
+    if mode == "constant":
+        return True
+    return mode == "replicate" and all(
+        max(-left, 0) + max(-right, 0) < shape[len(shape) - 1 - i]
+        for i, (left, right) in enumerate(pairs)
+    )
+
+
 def _cropped(x: ShardTensor, pairs: list[tuple[int, int]]) -> ShardTensor:
-    """The negative parts of a constant pad: a slice of each cropped dim, which keeps the
-    input's placements, every output cell on the rank holding the input cell it copies (the
-    window rule of a pad, anchor ``j - left``)."""
+    """The negative parts of a constant or replicate pad: a slice of each cropped dim, which
+    keeps the input's placements, every output cell on the rank holding the input cell it
+    copies (the window rule of a pad, anchor ``j - left``)."""
     for i, (left, right) in enumerate(pairs):
         dim = x.ndim - 1 - i
         begin, end = max(-left, 0), x.shape[dim] - max(-right, 0)
