@@ -59,7 +59,7 @@ strong: ``P_0 T(P_0) / (P T(P))`` from ``P_0 = 8``.
 
 Goals (issue 22): weak-scaling efficiency at least 0.9 at 512 GPUs at each model's
 recommended tile (``RECOMMENDED``). Run ``python -m benchmarks.cost_model [--models unet fno]
-[--set host_us_per_op=0] [--check]`` (≈2 min here); JSON lines on stdout, fields in README.md.
+[--set host_us_per_op=0 plain_host_us_per_op=0] [--check]`` (≈2 min here); JSON lines on stdout, fields in README.md.
 
 # NOTE [Ops per peer]
 A step's aten ops grow with its ranks: a collective over ``P`` ranks packs and unpacks a
@@ -650,7 +650,9 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
             efficiency=round(parts["compute"] / parts["total"], 3),
         )
     weak, host_512 = parts["compute"] / parts["total"], parts["host"]
-    no_host = dataclasses.replace(machine, host_us_per_op=0.0, host_us_per_collective=0.0)
+    no_host = dataclasses.replace(
+        machine, host_us_per_op=0.0, plain_host_us_per_op=0.0, host_us_per_collective=0.0
+    )
     first, strong_limit, efficiency = None, None, 1.0
     for ranks in GPUS:
         shape = geometry.strong(ranks, LARGEST[name])
