@@ -113,6 +113,19 @@ def test_step_grows_by_the_fitted_laws():
     assert with_host["total"] == pytest.approx(max(with_host["host"], large["device"]))
 
 
+def test_ops_per_peer_grow_the_host_term():
+    # NOTE [Ops per peer]: 700 ops of the ShardTensor step and 250 per peer, as the FNO's
+    # 128² step measured (513, 985, 1485 on 1, 2, 4 ranks).
+    runs = synthetic_runs()
+    for run in runs:
+        run["ops"] = 700 + 250 * (run["ranks"] - 1)
+    fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    assert fitted.op_count(512) == pytest.approx((700, 250 * 511))
+    machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
+    assert fitted.host_s(machine, 512) == pytest.approx((700 * 50 + 250 * 511 * 20) * 1e-6)
+    assert fitted.host_s(machine, 2) == pytest.approx((700 * 50 + 250 * 20) * 1e-6)
+
+
 def test_attention_exchange_chosen_by_the_librarys_rule():
     gathered, ring = synthetic_runs(), synthetic_runs()
     for run in gathered:  # one attention all-gather of the local keys and values, r c 128 B
