@@ -27,10 +27,12 @@ forward and backward graphs over local tensors. What makes that sound:
 - ``ShardTensor.__metadata_guard__`` compares the spec by value: a graph runs again only on
   the layout it was traced for (every shard extent and hint); a new layout compiles once more.
   Shard sizes are constants of the graph, never SymInts.
-- Collectives are functional while tracing (``in_graph``): ``_collectives`` issues
-  ``_c10d_functional`` all-to-all, all-reduce, all-gather and broadcast (each with its
-  ``wait_tensor``), and halo messages as one all-to-all with a zero split for every rank that
-  is not a neighbour (torch 2.11-2.13 have no functional point-to-point collective).
+- Collectives are effects in the graph while tracing (``in_graph``): ``_collectives`` issues
+  all-to-all, all-reduce, all-gather and broadcast as ``_graph_collectives``' ops, which wrap
+  the ``_c10d_functional`` ones and which no compiler removes or reorders (NOTE [A traced
+  collective is an effect]), and halo messages as one all-to-all with a zero split for every
+  rank that is not a neighbour (torch 2.11-2.13 have no functional point-to-point
+  collective), joined by every member of the group whenever any member exchanges.
 - Bytes are not recorded while tracing, so ``comm_counter`` counts eager collectives only.
 How dynamo meets the function handlers (torch 2.13): for a torch function in torch's
 overridable set (``F.conv2d``, ``torch.einsum``, ``F.group_norm``, ``Tensor.__getitem__``...)
