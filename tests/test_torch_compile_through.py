@@ -198,11 +198,12 @@ class PoolThenUpsample(nn.Module):
 
 
 ONE_SIDED = {
-    "2 ranks 5/3": ((2,), Layout((Shard(2),), {2: (5, 3)})),
-    "4 ranks, one empty": ((4,), Layout((Shard(2),), {2: (3, 0, 3, 2)})),
-    "2x2 blocks": ((2, 2), Layout((Shard(2), Shard(3)), {2: (5, 3), 3: (2, 4)})),
+    "slabs-5-3": ((2,), Layout((Shard(2),), {2: (5, 3)})),
+    "slabs-3-0-3-2": ((4,), Layout((Shard(2),), {2: (3, 0, 3, 2)})),
+    "blocks-2x2": ((2, 2), Layout((Shard(2), Shard(3)), {2: (5, 3), 3: (2, 4)})),
 }
-"""Layouts of ``(2, 2, 8, 6)`` whose halos are one-sided; mesh shape and layout."""
+"""Layouts of a ``(2, 2, 8, 6)`` field whose halos are one-sided, name -> (mesh shape,
+layout): 2 ranks of 5/3 rows, 4 ranks of 3/0/3/2 rows, 2x2 blocks of 5/3 rows by 2/4 columns."""
 
 
 def _sharded_step(
@@ -256,7 +257,7 @@ def _one_sided_body(backend: str, layout_name: str) -> None:
 @pytest.mark.parametrize(
     "layout_name",
     [
-        pytest.param(name, marks=[] if name == "2 ranks 5/3" else [pytest.mark.slow])
+        pytest.param(name, marks=[] if name == "slabs-5-3" else [pytest.mark.slow])
         for name in ONE_SIDED
     ],
 )
