@@ -81,7 +81,11 @@ def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
     if found is not None:
         return found
     coordinate = mesh_coordinate(mesh)
-    group = mesh.get_group(axes[0]) if len(axes) == 1 else _flattened_group(mesh, axes)
+    # Real tensors while a handler runs on fake shards (torch.compile): flattening a mesh
+    # reads its rank tensor, which a fake mode refuses ("Please convert all Tensors to
+    # FakeTensors"; F.group_norm's statistics over a 2x2 mesh, first met in a trace).
+    with disable_current_modes():
+        group = mesh.get_group(axes[0]) if len(axes) == 1 else _flattened_group(mesh, axes)
     mine = next(row for row in _rank_grid(mesh, axes) if dist.get_rank() in row)
     members = dist.get_process_group_ranks(group)
     index = sum(
