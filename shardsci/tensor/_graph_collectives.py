@@ -25,7 +25,10 @@ final token is an output of the forward or backward graph, so no pass may remove
 move it past another of them. Two consequences: the collectives of a graph run in program
 order on every rank, whatever its shard sizes make of the rest of its graph; and inductor
 runs them as fallback kernels (one synchronous collective each, no overlap or bucketing of
-shardsci's collectives by the compiler).
+shardsci's collectives by the compiler). Their results are contiguous, and so are their fake
+results: inductor lays out an op's input as it likes, so a fake result shaped like its input
+(``empty_like``) promised a UNet's weight gradient channels-last strides the real all-reduce
+did not have ("expected ... stride 9==1", inductor, 2 ranks).
 """
 
 from __future__ import annotations
@@ -55,12 +58,12 @@ def _(send, output_split_sizes, input_split_sizes, group):
 
 @torch.library.custom_op("shardsci::all_reduce", mutates_args=())
 def _all_reduce(tensor: torch.Tensor, reduce_op: str, group: str) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(tensor, reduce_op, group))
+    return _c10d.wait_tensor(_c10d.all_reduce(tensor, reduce_op, group)).contiguous()
 
 
 @_all_reduce.register_fake
 def _(tensor, reduce_op, group):
-    return torch.empty_like(tensor)
+    return tensor.new_empty(tensor.shape)  # contiguous, as the real one: see the NOTE
 
 
 @torch.library.custom_op("shardsci::all_gather", mutates_args=())
@@ -75,12 +78,12 @@ def _(tensor, size, group):
 
 @torch.library.custom_op("shardsci::broadcast", mutates_args=())
 def _broadcast(tensor: torch.Tensor, src: int, group: str) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.broadcast(tensor, src, group))
+    return _c10d.wait_tensor(_c10d.broadcast(tensor, src, group)).contiguous()
 
 
 @_broadcast.register_fake
 def _(tensor, src, group):
-    return torch.empty_like(tensor)
+    return tensor.new_empty(tensor.shape)
 
 
 for _name in ("all_to_all_single", "all_reduce", "all_gather", "broadcast"):
