@@ -55,7 +55,7 @@ Why it is not the default (measured 2026-11-28, torch 2.13, 2 uneven ranks unles
 FNO, the ViT and the Transolver trace, equal to the single-process model in float64, forward
 and every gradient, with one recompilation for a new layout and none for a seen one; so does
 the UNet (``tests/zoo.py``) on 2 ranks (10/6 -> 8/8 rows) and a 2x2 mesh, whole, in one
-graph with no graph break (``aot_eager``). Its gradients were
+graph with no graph break (``aot_eager``; on 2 ranks inductor too). Its gradients were
 wrong until 2026-11-28 (off by 0.25, or 1e40 from memory never written): the all-to-all a
 rank joined only to send one side of a pooling window's halo was dead code on that rank and
 was removed (NOTE [A traced collective is an effect]). Still open: user code that leaves
