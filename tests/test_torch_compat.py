@@ -314,12 +314,6 @@ def _trace_rules(module: object) -> None:
     assert isinstance(module.SKIP_DIRS, list)  # type: ignore[attr-defined]
 
 
-def _funcol(module: object) -> None:
-    for name in ("all_to_all_single", "all_reduce", "all_gather_tensor", "broadcast"):
-        _has(name)(module)
-    _takes("self", "output_split_sizes", "input_split_sizes", "group")(module.all_to_all_single)
-
-
 def _proxy_mode(fn: Callable) -> None:
     assert fn() is None
 
@@ -412,7 +406,8 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
     "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,
-    "funcol": _funcol,
+    "register_effectful_op": _takes("op", "effect"),
+    "EffectType": _has("ORDERED"),
     "get_eval_frame_callback": lambda fn: fn() in (None, False),
     "get_proxy_mode": _proxy_mode,
     "disable_current_modes": _disable_modes,

@@ -18,14 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardsci.tensor import _graph_collectives
 from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import mesh_coordinate
-from shardsci.tensor._torch_compat import (
-    all_gather_single,
-    disable_current_modes,
-    funcol,
-)
+from shardsci.tensor._torch_compat import all_gather_single, disable_current_modes
 from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
@@ -84,7 +81,11 @@ def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
     if found is not None:
         return found
     coordinate = mesh_coordinate(mesh)
-    group = mesh.get_group(axes[0]) if len(axes) == 1 else _flattened_group(mesh, axes)
+    # Real tensors while a handler runs on fake shards (torch.compile): flattening a mesh
+    # reads its rank tensor, which a fake mode refuses ("Please convert all Tensors to
+    # FakeTensors"; F.group_norm's statistics over a 2x2 mesh, first met in a trace).
+    with disable_current_modes():
+        group = mesh.get_group(axes[0]) if len(axes) == 1 else _flattened_group(mesh, axes)
     mine = next(row for row in _rank_grid(mesh, axes) if dist.get_rank() in row)
     members = dist.get_process_group_ranks(group)
     index = sum(
@@ -204,7 +205,9 @@ def exchange(
         else torch.empty(0, dtype=torch.uint8, device=device)
     )
     if in_graph():
-        recv = funcol.all_to_all_single(send.to(device), recv_bytes, send_bytes, group.group)
+        recv = _graph_collectives.all_to_all_single(
+            send.to(device), recv_bytes, send_bytes, group.group
+        )
     else:
         recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
         dist.all_to_all_single(recv, send.to(device), recv_bytes, send_bytes, group=group.group)
@@ -291,7 +294,9 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, reduce_op: str) -> torch.
     if result.dtype == torch.bool:
         result = result.to(torch.uint8)
     if in_graph():
-        result = funcol.all_reduce(result, "sum" if reduce_op == "avg" else reduce_op, group.group)
+        result = _graph_collectives.all_reduce(
+            result, "sum" if reduce_op == "avg" else reduce_op, group.group
+        )
     else:
         dist.all_reduce(result, op=_REDUCE_OPS[reduce_op], group=group.group)
         nbytes = result.numel() * result.element_size()
@@ -312,7 +317,7 @@ def all_gather(tensor: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         return tensor.unsqueeze(0)
     payload = _as_bytes(tensor)
     if in_graph():
-        gathered = funcol.all_gather_tensor(payload, 0, group.group)
+        gathered = _graph_collectives.all_gather(payload, group.group)
     else:
         gathered = payload.new_empty(group.size * payload.numel())
         all_gather_single()(gathered, payload, group=group.group)
@@ -341,7 +346,7 @@ def broadcast(
         return buffer
     payload = buffer if buffer.dtype != torch.bool else buffer.view(torch.uint8)
     if in_graph():
-        received = funcol.broadcast(payload, group.group_ranks[src], group.group)
+        received = _graph_collectives.broadcast(payload, group.group_ranks[src], group.group)
         return received if buffer.dtype != torch.bool else received.view(torch.bool)
     dist.broadcast(payload, group_src=group.group_ranks[src], group=group.group)
     nbytes = buffer.numel() * buffer.element_size()
@@ -450,7 +455,9 @@ def _traced_send_recv(
     send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
     send_bytes = [sum(p.numel() for p in payloads) for payloads in to_rank]
     recv_bytes = [sum(received_nbytes[i] for i in order) for order in from_rank]
-    recv = funcol.all_to_all_single(send.to(device), recv_bytes, send_bytes, group.group)
+    recv = _graph_collectives.all_to_all_single(
+        send.to(device), recv_bytes, send_bytes, group.group
+    )
     buffers: list[torch.Tensor] = [recv] * len(receives)
     start = 0
     for order in from_rank:

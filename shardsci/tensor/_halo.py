@@ -107,6 +107,25 @@ class _Step:
                     result.append((other, to, from_))
         return tuple(result)
 
+    @cached_property
+    def anyone_exchanges(self) -> bool:
+        """Whether any two members of the group exchange cells along this dim: in a compiled
+        graph every member then joins the step's collective, messages or not (NOTE [A traced
+        collective is an effect])."""
+        if self.group is None:
+            return False
+        return any(
+            self.plan.sent(src, dst)
+            for src in range(self.group.size)
+            for dst in range(self.group.size)
+            if src != dst
+        )
+
+    def skips_exchange(self, sends: list, receives: list) -> bool:
+        """Whether this rank posts nothing for the step: it has no messages, and in a
+        compiled graph (one collective for the whole group) nobody else has either."""
+        return not sends and not receives and not (in_graph() and self.anyone_exchanges)
+
 
 @dataclass(frozen=True)
 class Extension:
@@ -247,7 +266,7 @@ def _post(
             )
         if incoming:
             receives.append((other, _message_shape(source, step, sum(r.cells for r in incoming))))
-    if not sends and not receives:
+    if step.skips_exchange(sends, receives):
         return None
     return start_send_recv(
         step.group, sends, receives, dtype=source.dtype, device=source.device, kind="halo"
@@ -336,7 +355,7 @@ def _post_adjoint(
             )
         if used:
             receives.append((other, _message_shape(grad, step, sum(r.cells for r in used))))
-    if not sends and not receives:
+    if step.skips_exchange(sends, receives):
         return None
     return start_send_recv(
         step.group, sends, receives, dtype=grad.dtype, device=grad.device, kind="halo"

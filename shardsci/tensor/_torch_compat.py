@@ -203,9 +203,13 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     # --- torch.compile and the dry-run planner
     "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
     "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),
-    "funcol": _at(
-        "torch.distributed._functional_collectives",
-        "collectives inside a graph torch.compile traces through ShardTensors",
+    "register_effectful_op": _at(
+        "torch._higher_order_ops.effects:_register_effectful_op",
+        "the collectives of a graph traced through ShardTensors as effects no compiler drops",
+    ),
+    "EffectType": _at(
+        "torch._higher_order_ops.effects:_EffectType",
+        "the kind of effect (ORDERED) of a traced collective",
     ),
     "get_eval_frame_callback": _at(
         "torch._C._dynamo.eval_frame:get_eval_frame_callback",

@@ -18,7 +18,7 @@ dynamo traces Python, and dynamo never traces the skipped package. Compiled spee
 each rank computes alone, on plain local tensors, outside ShardTensor dispatch.
 
 ``tracing_through_shardtensors()`` (experimental, a context manager, tested on small modules
-and, under ``-m slow``, three zoo models: ``tests/test_torch_compile_through.py``) lets dynamo
+and, under ``-m slow``, four zoo models: ``tests/test_torch_compile_through.py``) lets dynamo
 and AOTAutograd trace through instead: ``__tensor_flatten__`` gives the local shard as the
 one inner tensor and the spec as context; dynamo runs each op on fake shards to learn its
 output's spec; AOTAutograd runs the same Python (``__torch_dispatch__`` and the autograd
@@ -27,10 +27,12 @@ forward and backward graphs over local tensors. What makes that sound:
 - ``ShardTensor.__metadata_guard__`` compares the spec by value: a graph runs again only on
   the layout it was traced for (every shard extent and hint); a new layout compiles once more.
   Shard sizes are constants of the graph, never SymInts.
-- Collectives are functional while tracing (``in_graph``): ``_collectives`` issues
-  ``_c10d_functional`` all-to-all, all-reduce, all-gather and broadcast (each with its
-  ``wait_tensor``), and halo messages as one all-to-all with a zero split for every rank that
-  is not a neighbour (torch 2.11-2.13 have no functional point-to-point collective).
+- Collectives are effects in the graph while tracing (``in_graph``): ``_collectives`` issues
+  all-to-all, all-reduce, all-gather and broadcast as ``_graph_collectives``' ops, which wrap
+  the ``_c10d_functional`` ones and which no compiler removes or reorders (NOTE [A traced
+  collective is an effect]), and halo messages as one all-to-all with a zero split for every
+  rank that is not a neighbour (torch 2.11-2.13 have no functional point-to-point
+  collective), joined by every member of the group whenever any member exchanges.
 - Bytes are not recorded while tracing, so ``comm_counter`` counts eager collectives only.
 How dynamo meets the function handlers (torch 2.13): for a torch function in torch's
 overridable set (``F.conv2d``, ``torch.einsum``, ``F.group_norm``, ``Tensor.__getitem__``...)
@@ -49,24 +51,20 @@ dynamo inlines ``__torch_function__``, so it traces the handler's Python; for ot
   the ops on shards as constants of the trace (``graph_constant``). On fake shards the tables
   were fake and their values unbacked SymInts: "unhashable type: non-nested SymInt" at the
   plan cache (``tests/test_torch_compile_through.py``'s ``interpolate`` case failed so).
-Why it is not the default (measured 2026-11-28, torch 2.13, ``-m slow``, 2 uneven ranks): the
+Why it is not the default (measured 2026-11-28, torch 2.13, 2 uneven ranks unless said): the
 FNO, the ViT and the Transolver trace, equal to the single-process model in float64, forward
-and every gradient, with one recompilation for a new layout and none for a seen one. The
-UNet (``tests/zoo.py``, 10/6 rows) now traces without error and its forward is equal, but
-its gradients are not: the input's gradient differs (by up to 1e40 in the zoo test: memory
-never written; by 0.25 against the same ShardTensor model run eagerly, 2 ranks). Its encoder
-with the coordinate embedding, one down level, and one down and up level each match eagerly,
-forward and input gradient; two down levels (shards of 5 and 3 rows pooled, a window across
-the shard boundary) did not finish (a gloo collective timed out after 60 s at load 14, not
-rerun), so the fault is likely at the second level, where an average pool's window crosses ranks.
-Until that is found the UNet runs wrong gradients, not an error, under tracing through, so
-the default stays eager. Also open: user code that leaves and re-enters ShardTensors inside
-the compiled region (``ShardTensor.from_local(torch.sin(x.to_local()), x.device_mesh,
-x.placements, x.sharding_shapes())``, 2 uneven ranks) no longer fails inside dynamo, but
-breaks the graph (4 frames compiled for one layout, where 2 are expected), and after a new
-layout dynamo's automatic dynamic shapes make the local shard's sizes SymInts, which
-``from_local`` puts into the spec ("unhashable type: non-nested SymInt" at the spec's key).
-Not tried (2026-11-28): the MeshGraphNet, a 2x2 mesh, inductor.
+and every gradient, with one recompilation for a new layout and none for a seen one; so does
+the UNet (``tests/zoo.py``) on 2 ranks (10/6 -> 8/8 rows) and a 2x2 mesh, whole, in one
+graph with no graph break (``aot_eager``; on 2 ranks inductor too). Its gradients were
+wrong until 2026-11-28 (off by 0.25, or 1e40 from memory never written): the all-to-all a
+rank joined only to send one side of a pooling window's halo was dead code on that rank and
+was removed (NOTE [A traced collective is an effect]). Still open: user code that leaves
+and re-enters ShardTensors inside the compiled region (``ShardTensor.from_local(torch.sin(
+x.to_local()), x.device_mesh, x.placements, x.sharding_shapes())``, 2 uneven ranks) no longer
+fails inside dynamo, but breaks the graph (4 frames compiled for one layout, where 2 are
+expected), and after a new layout dynamo's automatic dynamic shapes make the local shard's
+sizes SymInts, which ``from_local`` puts into the spec ("unhashable type: non-nested SymInt"
+at the spec's key). Not tried (2026-11-28): the MeshGraphNet, the recipes.
 The FNO's compiled backward first met a gradient whose spec equals the traced one in layout
 but is another object ("we guessed its metadata incorrectly"), which
 ``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. The ViT and the Transolver
