@@ -406,3 +406,19 @@ def test_meta_probe_keys_arguments_by_value_and_type() -> None:
         with pytest.raises(RuntimeError, match="broadcast"):
             probe_on_meta(torch.add, (ints, torch.zeros(4)))
     assert shardsci.cache_sizes()["meta shape probes"] == 4
+
+
+def test_a_shape_probe_holds_no_memory_in_the_dry_runs_tracker() -> None:
+    """NOTE [Shape probes hold no memory]: the global-shape stand-ins a probe makes are not
+    counted by a tracker of the ``meta`` device (the dry run's). They were, once the probe
+    cache thawed its key outside ``shape_probe()``: a 1024³ FNO's dry run peaked at 256 GiB
+    per rank, one whole layer, instead of its shards."""
+    from shardsci.planning._memory import LiveMemory
+    from shardsci.tensor._caches import clear_caches
+    from shardsci.tensor._shape_probe import probe_on_meta
+
+    clear_caches()
+    with LiveMemory("meta") as memory:
+        whole = torch.empty(4, 16, 1024, 1024, 1024, device="meta")  # 256 GiB, counted
+        probe_on_meta(torch.fft.rfft, (whole,), {"dim": -1})
+    assert memory.peak == whole.untyped_storage().nbytes()

@@ -118,6 +118,6 @@ def _thawed(value: object) -> object:
 
 @cached("meta shape probes", maxsize=1024)
 def _probed(func: Callable, key: tuple) -> Any:
-    args, kwargs = _thawed(key)
-    with shape_probe():
+    with shape_probe():  # the stand-ins too: each is as large as the whole field
+        args, kwargs = _thawed(key)
         return func(*args, **kwargs)
