@@ -1,0 +1,82 @@
+"""The host cost of one redistribution does not grow with the number of peers.
+
+NOTE [One pack and one unpack per collective] (``shardsci/tensor/_box_packing.py``): each box
+exchange packs what it sends in one go and unpacks what it receives in one go. Counted here by
+a ``TorchDispatchMode`` around ``redistribute_local`` on this rank's shard (every aten op the
+redistribution dispatches: views, copies, index ops, the collective), on 2, 4 and 8 ranks of a
+1-D mesh: the busiest rank's count may not grow from 2 ranks to 8. Values and layouts of the
+same transitions are checked against one process in ``tests/test_redistribute.py``; the
+values are checked here too, so a cheap wrong answer cannot pass.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardsci.tensor._redistribute import redistribute_local
+from shardsci.testing import Layout, assert_all_ranks, get_mesh, run_on_ranks
+from tests.boxes import box, narrow
+
+RANKS = (2, 4, 8)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# name -> (global shape, dtype, source placements, target placements). Shard sizes follow
+# torch.chunk: 24 and 16 split evenly over 2, 4 and 8 ranks; 25 and 13 do not (13 over 8
+# leaves ranks empty).
+TRANSITIONS = {
+    "transpose-even": ((2, 3, 24, 16), torch.float64, Shard(2), Shard(3)),
+    "transpose-uneven-source": ((2, 3, 25, 16), torch.float64, Shard(2), Shard(3)),
+    "transpose-uneven-target": ((2, 3, 24, 13), torch.float64, Shard(2), Shard(3)),
+    "transpose-complex": ((2, 3, 24, 16), torch.complex128, Shard(3), Shard(2)),
+    "gather-even": ((2, 3, 24, 5), torch.float64, Shard(2), Replicate()),
+    "gather-uneven": ((2, 3, 13, 5), torch.float64, Shard(2), Replicate()),
+    "gather-leading-dim": ((13, 3, 5), torch.complex128, Shard(0), Replicate()),
+    "reduce-scatter": ((2, 3, 13, 5), torch.float64, Partial("sum"), Shard(3)),
+}
+
+
+def _ops_body(shape, dtype, before, after) -> int:
+    world = torch.distributed.get_world_size()
+    mesh = get_mesh((world,))
+    me = tuple(mesh.get_coordinate())
+    value = torch.randn(shape, dtype=dtype)
+    torch.distributed.broadcast(value, 0)
+    src, dst = Layout((before,)), Layout((after,))
+    partial = isinstance(before, Partial)
+    # A Partial source: rank 0 holds the value, the others zeros.
+    local = narrow(value, box(src, shape, (world,), me)).clone()
+    if partial and me[0] != 0:
+        local.zero_()
+    src_spec, dst_spec = src.spec(mesh, value), dst.spec(mesh, value)
+    redistribute_local(local, src_spec, dst_spec)  # plans cached: count the steady state
+    with _Ops() as counter:
+        out = redistribute_local(local, src_spec, dst_spec)
+    expected = narrow(value, box(dst, shape, (world,), me))
+    assert_all_ranks(torch.equal(out, expected), f"{before} -> {after}: wrong shard")
+    return sum(counter.ops.values())
+
+
+@pytest.mark.parametrize("name", list(TRANSITIONS))
+def test_ops_of_a_redistribution_do_not_grow_with_the_peers(name: str) -> None:
+    counts = {n: max(run_on_ranks(n, _ops_body, *TRANSITIONS[name])) for n in RANKS}
+    # On 2 ranks a rank's own piece is never between the pieces it sends or receives, so one
+    # narrow packs (or unpacks) them where 4 ranks and more need an index and an index op;
+    # beyond that nothing may grow (the per-peer path added about 8 ops per peer).
+    assert counts[4] <= counts[2] + 4 and counts[8] <= counts[4], (
+        f"{name}: aten ops per rank by ranks {counts}"
+    )
