@@ -19,9 +19,15 @@ their order. Then, on each side:
   sending side when its targets are, a native all-gather's stacked shards): that dim is
   unflattened into (block, extent) and one ``index_select`` or ``index_copy_`` over the block
   dim does it;
-- ``pieces``: anything else (pieces that differ along two dims, as a swap of two sharded dims
-  over a 2x2 group, or a transposition uneven on both sides): one narrow, permute and copy
-  per piece, as before.
+- ``pieces``: anything else: one narrow, permute and copy per piece, as before. These
+  layouts keep a per-peer cost: pieces that differ along two dims (a swap of two dims sharded
+  over a 2x2 group, a 2x2 block decomposition gathered to Replicate) and an
+  all-to-all ``Shard(a) -> Shard(b)`` uneven on both sides (its receiving side only). In a
+  traced graph (torch.compile) ``blocks`` unpack piece by piece too: functionalization cannot
+  invert the blocks' view chain, and a compiled graph pays no host cost per op.
+
+Only redistributions pack this way. The other callers of ``exchange`` (graph gathers and
+scatters, scans, ring attention, statistics of uneven shards) still pack per peer.
 
 The indices hold one entry per row or block (at most the global extent of one dim), never one
 per element, and no buffer is larger than the per-peer path's: the packed buffer is the
@@ -35,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from shardsci.tensor._torch_compile import in_graph
 
 __all__ = ["NO_PIECES", "Box", "Side", "narrow_box", "pack", "side_of", "unpack", "wire_order"]
 
@@ -94,7 +102,7 @@ class Side:
     position : int
         ``blocks``: that dim's position in the wire order.
     boxes : tuple of Box
-        ``pieces``: each piece's box, in wire order.
+        Each piece's box, in wire order.
     """
 
     how: str
@@ -128,7 +136,8 @@ def _rows(boxes: Sequence[Box], dim: int) -> Side:
     stop = max(box[dim][1] for box in boxes)
     region = _with_range(boxes[0], dim, (start, stop))
     rows = [row - start for box in boxes for row in range(*box[dim])]
-    return Side("rows", region, None if rows == list(range(stop - start)) else tuple(rows))
+    index = None if rows == list(range(stop - start)) else tuple(rows)
+    return Side("rows", region, index, boxes=tuple(boxes))
 
 
 def _blocks(boxes: Sequence[Box], dim: int, position: int) -> Side | None:
@@ -139,7 +148,8 @@ def _blocks(boxes: Sequence[Box], dim: int, position: int) -> Side | None:
         return None
     index = tuple((box[dim][0] - start) // extent for box in boxes)
     stop = start + (max(index) + 1) * extent
-    return Side("blocks", _with_range(boxes[0], dim, (start, stop)), index, extent, position)
+    region = _with_range(boxes[0], dim, (start, stop))
+    return Side("blocks", region, index, extent, position, tuple(boxes))
 
 
 def _with_range(box: Box, dim: int, interval: tuple[int, int]) -> Box:
@@ -177,7 +187,9 @@ def unpack(out: torch.Tensor, received: torch.Tensor, side: Side, order: tuple[i
     other) into their places in ``out``."""
     if side.how == "none":
         return
-    if side.how == "pieces":
+    # A traced graph cannot write through the blocks' view chain (functionalization replays
+    # its inverse, a view of a permuted tensor); a compiled graph pays no host per op anyway.
+    if side.how == "pieces" or (side.how == "blocks" and in_graph()):
         start = 0
         for box in side.boxes:
             region = narrow_box(out, box).permute(order)

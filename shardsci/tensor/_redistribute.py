@@ -247,8 +247,9 @@ class _Exchange:
             out = local.new_empty(plan.out_shape)
             unpack(out, all_gather(local, plan.group).reshape(-1), plan.receives, plan.order)
             return out
-        received = torch.empty(0, dtype=local.dtype, device=local.device)
-        if plan.moves:  # the packed buffer is freed before the output is made
+        if not plan.moves:
+            received = local.new_empty(0)
+        else:  # the packed buffer is freed before the output is made
             received = exchange_packed(
                 plan.group,
                 pack(local, plan.sends, plan.order),
