@@ -569,6 +569,27 @@ CASES = [
         ),
     ),
 ]
+CASES.append(
+    Case(
+        "2x2x2",
+        (2, 2, 2),
+        (5, 6, 7),
+        (
+            Layout((S0, S1, S2), {0: (3, 2), 1: (1, 5), 2: (4, 3)}),
+            Layout((S0, S0, S1), {0: (2, 0, 1, 2), 1: (3, 3)}),
+            Layout((S0, S0, S0), {0: (1, 0, 2, 0, 1, 0, 0, 1)}, {0: (2, 0, 1)}),
+            Layout((R, S2, S0)),
+            Layout((PSUM, S1, R), {1: (6, 0)}),
+        ),
+        (
+            Move((S2, S0, S1)),
+            Move((R, R, S0)),
+            Move((S0, S0, S0)),
+            Move((S1, R, S1)),
+            Move((R, R, R)),
+        ),
+    )
+)
 TRANSITIONS = [(case, source) for case in CASES for source in case.sources]
 
 

@@ -496,7 +496,16 @@ def _make_exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _Exchange
     source_boxes = [_box(src, c) for c in members]
     target_boxes = [_box(dst, c) for c in members]
     mine = group.index
-    kind = _exchange_kind(dst, comm_axes)
+    moving = [
+        (s, d)
+        for s in range(group.size)
+        for d in range(group.size)
+        if s != d and _volume(_intersect(source_boxes[s], target_boxes[d])) > 0
+    ]
+    # A gather: every rank that sends to another wants the same box as it (a target
+    # Replicate, or sharded along axes that do not move).
+    gather = all(target_boxes[s] == target_boxes[d] for s, d in moving)
+    kind = "all_gather" if gather else "all_to_all"
     whole = [_box_shape(box) for box in source_boxes]
     gathers = (
         kind == "all_gather"
@@ -546,12 +555,7 @@ def _make_exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _Exchange
         receive_side,
         tuple(send_counts),
         tuple(recv_counts),
-        moves=any(
-            _volume(_intersect(source_boxes[s], target_boxes[d])) > 0
-            for s in range(group.size)
-            for d in range(group.size)
-            if s != d
-        ),
+        moves=bool(moving),
         received_fills_output=(
             own_target is None
             and receive_side.how == "rows"
@@ -572,12 +576,6 @@ def _moving_axes(src: ShardTensorSpec, dst: ShardTensorSpec) -> tuple[int, ...]:
         if dst.sharding_by_dim.get(s.dim) != s:
             axes.update(s.axes)
     return tuple(sorted(axes))
-
-
-def _exchange_kind(dst: ShardTensorSpec, moving_axes: tuple[int, ...]) -> str:
-    if all(isinstance(dst.placements[a], Replicate) for a in moving_axes):
-        return "all_gather"
-    return "all_to_all"
 
 
 def _member_coordinate(
