@@ -1,4 +1,5 @@
-"""The host cost of one redistribution does not grow with the number of peers.
+"""The host cost of one redistribution, or of one exchange among neighbours, does not grow
+with the number of peers.
 
 NOTE [One pack and one unpack per collective] (``shardsci/tensor/_box_packing.py``): each box
 exchange packs what it sends in one go and unpacks what it receives in one go. Counted here by
@@ -6,7 +7,9 @@ a ``TorchDispatchMode`` around ``redistribute_local`` on this rank's shard (ever
 redistribution dispatches: views, copies, index ops, the collective), on 2, 4 and 8 ranks of a
 1-D mesh: the busiest rank's count may not grow from 2 ranks to 8. Values and layouts of the
 same transitions are checked against one process in ``tests/test_redistribute.py``; the
-values are checked here too, so a cheap wrong answer cannot pass.
+values are checked here too, so a cheap wrong answer cannot pass. ``exchange`` itself (graph
+halos, scans) packs a piece per peer that sends or receives something, and nothing for the
+others: an exchange with one neighbour costs the same on 4 ranks as on 8.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.testing import Layout, assert_all_ranks, get_mesh, run_on_ranks
 from tests.boxes import box, narrow
@@ -80,3 +84,32 @@ def test_ops_of_a_redistribution_do_not_grow_with_the_peers(name: str) -> None:
     assert counts[4] <= counts[2] + 4 and counts[8] <= counts[4], (
         f"{name}: aten ops per rank by ranks {counts}"
     )
+
+
+def _neighbour_body() -> int:
+    """Each rank sends a (3, 2) piece to the next rank of a ring and nothing to the others."""
+    world = torch.distributed.get_world_size()
+    group = axis_group(get_mesh((world,)), (0,))
+    me = group.index
+    nxt, prev = (me + 1) % world, (me - 1) % world
+
+    def shape_of(src: int, dst: int) -> tuple[int, int]:
+        return (3, 2) if dst == (src + 1) % world else (0, 2)
+
+    mine = torch.full((3, 2), float(me))
+    pieces = [mine if k == nxt else None for k in range(world)]
+    kwargs = {"dtype": mine.dtype, "device": mine.device, "kind": "p2p"}
+    exchange(group, pieces, shape_of, **kwargs)
+    with _Ops() as counter:
+        received = exchange(group, pieces, shape_of, **kwargs)
+    wanted = torch.full((3, 2), float(prev))
+    right = torch.equal(received[prev], wanted) and all(
+        received[k].numel() == 0 for k in range(world) if k not in (me, prev)
+    )
+    assert_all_ranks(right, "the ring exchange received the wrong pieces")
+    return sum(counter.ops.values())
+
+
+def test_ops_of_an_exchange_grow_with_the_neighbours_not_the_ranks() -> None:
+    counts = {n: max(run_on_ranks(n, _neighbour_body)) for n in (4, 8)}
+    assert counts[8] <= counts[4], f"aten ops per rank by ranks {counts}"

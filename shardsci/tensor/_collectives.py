@@ -182,10 +182,11 @@ def exchange(
     me = group.index
     received_shapes = [tuple(shape_of(src, me)) for src in range(group.size)]
     if not _anything_moves(group.size, shape_of):
+        empty = _EmptyPieces(dtype, device)
         return [
             _own_piece(pieces[me], received_shapes[me], dtype, device)
             if src == me
-            else torch.empty(received_shapes[src], dtype=dtype, device=device)
+            else empty(received_shapes[src])
             for src in range(group.size)
         ]
     itemsize = dtype.itemsize
@@ -308,14 +309,34 @@ def _split_received(
         starts[group_rank] = running
         running += nbytes
     result = []
+    empty = _EmptyPieces(dtype, device)
     for src in range(group.size):
         if src == group.index:
             result.append(_own_piece(own, shapes[src], dtype, device))
             continue
         group_rank = group.group_ranks[src]
+        if recv_bytes[group_rank] == 0:
+            result.append(empty(shapes[src]))
+            continue
         chunk = recv[starts[group_rank] : starts[group_rank] + recv_bytes[group_rank]]
         result.append(_from_bytes(chunk, dtype, shapes[src]))
     return result
+
+
+class _EmptyPieces:
+    """The pieces of no element that an exchange receives from the ranks that send nothing
+    (most of a graph's ranks, with few neighbours each): one tensor per shape, shared, so
+    that they cost no aten op per peer."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.made: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, shape: Sequence[int]) -> torch.Tensor:
+        shape = tuple(shape)
+        if shape not in self.made:
+            self.made[shape] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self.made[shape]
 
 
 # ---------------------------------------------------------------------------------- reductions
