@@ -68,12 +68,15 @@ costs a few ops per peer. Until 2026-11-28 every redistribution did: the FNO at 
 dispatched 513 aten ops on 1 rank, 982-988 on 2 and 1,482-1,488 on 4 (250 more per added
 peer, from its 21 all-to-alls and gathers; its dry run at 512 ranks counted about 113,000).
 Redistributions now pack and unpack once (NOTE [One pack and one unpack per collective] in
-``shardsci/tensor/_box_packing.py``): the same step dispatches 513 / 1,011 / 1,051 / 1,046
-ops on 1 / 2 / 4 / 8 ranks (``step_profile``, 2026-11-28 14:42 UTC, load 2.4-3.1), the
+``shardsci/tensor/_box_packing.py``): the same step dispatches 509 / 1,007 / 1,047 / 1,042
+ops on 1 / 2 / 4 / 8 ranks (``step_profile``, 2026-11-28 15:08 UTC, load 12.8), the
 2 -> 4 step being an index and an index op per exchange once a rank's own piece lies between
-its peers'; this module's own runs count 1,014 (2 ranks) and 1,062 (4), which the law below
-fits as ``990 + 24 (P - 1)`` (13,254 at 512 ranks, an overestimate: nothing grows from 4 to
-8). Collectives outside redistribution (graph gathers, scans, rings) still pack per peer.
+its peers'; this module's own runs count 1,010 (2 ranks) and 1,058 (4), which the law below
+fits as ``986 + 24 (P - 1)`` (13,250 at 512 ranks, an overestimate: nothing grows from 4 to
+8). Collectives outside redistribution (graph gathers, scans, rings) still pack per peer
+that sends or receives something: the UNet's halos and the MeshGraphNet's graph exchanges grow
+with a rank's neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4
+parts), which this law extrapolates as if they grew with ``P``.
 So the ops are fitted over the measured runs as the calls are
 (``call_laws``: ``fixed + per_peer (P - 1)``), not taken as one count. The fixed ops are the
 ShardTensor step's, each at ``host_us_per_op`` (fitted on a whole step: its Python dispatch

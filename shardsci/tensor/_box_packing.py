@@ -27,7 +27,9 @@ their order. Then, on each side:
   invert the blocks' view chain, and a compiled graph pays no host cost per op.
 
 Only redistributions pack this way. The other callers of ``exchange`` (graph gathers and
-scatters, scans, ring attention, statistics of uneven shards) still pack per peer.
+scatters, scans, ring attention, statistics of uneven shards) still pack and unpack a piece
+per peer that sends or receives something (a graph's neighbours); the peers that send
+nothing cost no aten op (``tests/test_redistribute_ops.py``).
 
 The indices hold one entry per row or block (at most the global extent of one dim), never one
 per element, and no buffer is larger than the per-peer path's: the packed buffer is the
