@@ -46,7 +46,17 @@ import torch
 
 from shardsci.tensor._torch_compile import in_graph
 
-__all__ = ["NO_PIECES", "Box", "Side", "narrow_box", "pack", "side_of", "unpack", "wire_order"]
+__all__ = [
+    "NO_PIECES",
+    "Box",
+    "Side",
+    "narrow_box",
+    "pack",
+    "side_of",
+    "unpack",
+    "wire_order",
+    "with_range",
+]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -136,7 +146,7 @@ def side_of(boxes: Sequence[Box], order: tuple[int, ...]) -> Side:
 def _rows(boxes: Sequence[Box], dim: int) -> Side:
     start = min(box[dim][0] for box in boxes)
     stop = max(box[dim][1] for box in boxes)
-    region = _with_range(boxes[0], dim, (start, stop))
+    region = with_range(boxes[0], dim, (start, stop))
     rows = [row - start for box in boxes for row in range(*box[dim])]
     index = None if rows == list(range(stop - start)) else tuple(rows)
     return Side("rows", region, index, boxes=tuple(boxes))
@@ -150,11 +160,12 @@ def _blocks(boxes: Sequence[Box], dim: int, position: int) -> Side | None:
         return None
     index = tuple((box[dim][0] - start) // extent for box in boxes)
     stop = start + (max(index) + 1) * extent
-    region = _with_range(boxes[0], dim, (start, stop))
+    region = with_range(boxes[0], dim, (start, stop))
     return Side("blocks", region, index, extent, position, tuple(boxes))
 
 
-def _with_range(box: Box, dim: int, interval: tuple[int, int]) -> Box:
+def with_range(box: Box, dim: int, interval: tuple[int, int]) -> Box:
+    """``box`` with ``interval`` along ``dim``."""
     return (*box[:dim], interval, *box[dim + 1 :])
 
 

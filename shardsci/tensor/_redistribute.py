@@ -35,6 +35,7 @@ from shardsci.tensor._box_packing import (
     side_of,
     unpack,
     wire_order,
+    with_range,
 )
 from shardsci.tensor._caches import BoundedCache
 from shardsci.tensor._collectives import (
@@ -202,7 +203,11 @@ class _ReduceScatter:
         whole = tuple((0, n) for n in local.shape)
         peers = [k for k in range(group.size) if k != group.index]
         peers.sort(key=group.group_ranks.__getitem__)
-        sends = [_with_interval(whole, self.dim, starts[k], extents[k]) for k in peers]
+        sends = [
+            with_range(whole, self.dim, (starts[k], starts[k] + extents[k]))
+            for k in peers
+            if extents[k]
+        ]
         own = local.narrow(self.dim, starts[group.index], extents[group.index])
         row = math.prod(local.shape) // max(local.shape[self.dim], 1)
         send_counts, recv_counts = [0] * group.size, [0] * group.size
@@ -212,22 +217,18 @@ class _ReduceScatter:
         if row == 0 or not any(extents):
             result = own.clone()
         else:
-            sides = side_of([b for b in sends if b is not None], order)
             received = exchange_packed(
-                group, pack(local, sides, order), send_counts, recv_counts, kind="reduce_scatter"
+                group,
+                pack(local, side_of(sends, order), order),
+                send_counts,
+                recv_counts,
+                kind="reduce_scatter",
             )
             piece = own.permute(order).shape
             result = own + received.view(len(peers), *piece).sum(0).permute(_inverse(order))
         if reduce_op == "avg":
             result /= group.size
         return result
-
-
-def _with_interval(box: Box, dim: int, start: int, extent: int) -> Box | None:
-    """``box`` cut to ``[start, start + extent)`` along ``dim``; None when that is empty."""
-    if extent == 0:
-        return None
-    return (*box[:dim], (start, start + extent), *box[dim + 1 :])
 
 
 @dataclass(frozen=True)
