@@ -30,13 +30,20 @@ RANKS = (2, 4, 8)
 
 
 class _Ops(TorchDispatchMode):
+    """Counts the aten ops dispatched, and the largest integer tensor made from Python values
+    (an index)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.largest_index = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.lift_fresh.default and not out.is_floating_point():
+            self.largest_index = max(self.largest_index, out.numel())
+        return out
 
 
 # name -> (global shape, dtype, source placements, target placements). Shard sizes follow
@@ -50,6 +57,7 @@ TRANSITIONS = {
     "gather-even": ((2, 3, 24, 5), torch.float64, Shard(2), Replicate()),
     "gather-uneven": ((2, 3, 13, 5), torch.float64, Shard(2), Replicate()),
     "gather-leading-dim": ((13, 3, 5), torch.complex128, Shard(0), Replicate()),
+    "gather-1d": ((13,), torch.float64, Shard(0), Replicate()),
     "reduce-scatter": ((2, 3, 13, 5), torch.float64, Partial("sum"), Shard(3)),
 }
 
@@ -72,6 +80,12 @@ def _ops_body(shape, dtype, before, after) -> int:
         out = redistribute_local(local, src_spec, dst_spec)
     expected = narrow(value, box(dst, shape, (world,), me))
     assert_all_ranks(torch.equal(out, expected), f"{before} -> {after}: wrong shard")
+    # An index has an entry per row of a shard at most, never more entries than it has elements.
+    held = max(local.numel(), out.numel())
+    assert_all_ranks(
+        counter.largest_index <= held,
+        f"{before} -> {after}: an index of {counter.largest_index} entries for shards of {held}",
+    )
     return sum(counter.ops.values())
 
 

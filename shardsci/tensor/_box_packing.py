@@ -10,10 +10,12 @@ group's boxes alone (so sender and receiver agree): the dim along which the piec
 sends differ first, the dim along which the pieces it receives differ second, the others in
 their order. Then, on each side:
 
+- ``copies``: one box to every peer (the sender of an uneven gather): the permuted box
+  expanded over the peers and copied once;
 - ``rows``: the pieces differ along the wire order's first dim only (any extents, uneven and
-  empty included, in any order, repeated for a gather): one ``index_select`` of the permuted
-  shard packs them (a ``narrow`` and at most one copy when they are one run in order), one
-  ``index_copy_`` into the permuted output unpacks them;
+  empty included, in any order): one ``index_select`` of the permuted shard packs them (a
+  ``narrow`` and at most one copy when they are one run in order), one ``index_copy_`` into
+  the permuted output unpacks them;
 - ``blocks``: they differ along one other dim only, in blocks of one extent on a grid (the
   receiving side of an all-to-all ``Shard(a) -> Shard(b)`` whose sources are even, the
   sending side when its targets are, a native all-gather's stacked shards): that dim is
@@ -31,10 +33,9 @@ scatters, scans, ring attention, statistics of uneven shards) still pack and unp
 per peer that sends or receives something (a graph's neighbours); the peers that send
 nothing cost no aten op (``tests/test_redistribute_ops.py``).
 
-The indices hold one entry per row or block (at most the global extent of one dim), never one
-per element, and no buffer is larger than the per-peer path's: the packed buffer is the
-concatenated pieces (the shard itself when it is already one run in order), the output is
-filled in place.
+The indices hold one entry per row or block of a shard (never more than its elements), and no
+buffer is larger than the per-peer path's: the packed buffer is the concatenated pieces (the
+shard itself when it is already one run in order), the output is filled in place.
 """
 
 from __future__ import annotations
@@ -102,10 +103,12 @@ class Side:
     Attributes
     ----------
     how : str
-        ``rows``, ``blocks``, ``pieces`` (NOTE [One pack and one unpack per collective]) or
+        ``copies``, ``rows``, ``blocks``, ``pieces`` (NOTE [One pack and one unpack per
+        collective]) or
         ``none`` (no piece).
     region : Box
-        Where the pieces lie in the tensor (``rows``, ``blocks``; natural dim order).
+        Where the pieces lie in the tensor (``copies``, ``rows``, ``blocks``; natural dim
+        order).
     index : tuple of int or None
         ``rows``: each piece's rows along the wire order's first dim, relative to the region,
         in wire order (None: the region's rows, in order); ``blocks``: each piece's block.
@@ -133,6 +136,8 @@ def side_of(boxes: Sequence[Box], order: tuple[int, ...]) -> Side:
     they travel, none empty) laid out in ``order``."""
     if not boxes:
         return NO_PIECES
+    if len(boxes) > 1 and all(box == boxes[0] for box in boxes):
+        return Side("copies", boxes[0], boxes=tuple(boxes))
     if all(box[d] == boxes[0][d] for box in boxes for d in order[1:]):
         return _rows(boxes, order[0])
     differing = _differing_dims(boxes)
@@ -181,6 +186,8 @@ def pack(tensor: torch.Tensor, side: Side, order: tuple[int, ...]) -> torch.Tens
     if side.how == "pieces":
         return torch.cat([narrow_box(tensor, box).permute(order).reshape(-1) for box in side.boxes])
     region = narrow_box(tensor, side.region).permute(order)
+    if side.how == "copies":
+        return region.expand(len(side.boxes), *region.shape).contiguous()
     if side.how == "blocks":
         blocks = _as_blocks(region, side).movedim(side.position, 0)
         return blocks.index_select(0, _index(side.index, tensor.device))
@@ -202,7 +209,7 @@ def unpack(out: torch.Tensor, received: torch.Tensor, side: Side, order: tuple[i
         return
     # A traced graph cannot write through the blocks' view chain (functionalization replays
     # its inverse, a view of a permuted tensor); a compiled graph pays no host per op anyway.
-    if side.how == "pieces" or (side.how == "blocks" and in_graph()):
+    if side.how in ("pieces", "copies") or (side.how == "blocks" and in_graph()):
         start = 0
         for box in side.boxes:
             region = narrow_box(out, box).permute(order)
