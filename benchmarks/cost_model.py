@@ -62,11 +62,22 @@ recommended tile (``RECOMMENDED``). Run ``python -m benchmarks.cost_model [--mod
 [--set host_us_per_op=0 plain_host_us_per_op=0] [--check]`` (≈2 min here); JSON lines on stdout, fields in README.md.
 
 # NOTE [Ops per peer]
-A step's aten ops grow with its ranks: a collective over ``P`` ranks packs and unpacks a
-piece per peer (a slice, a view, a copy or clone into the send buffer, the same on receipt).
-The FNO at 128² (2026-11-28) dispatches 513 aten ops on 1 rank, 982-988 on 2 and 1,482-1,488
-on 4 (250 more per added peer, from its 21 all-to-alls and gathers); its dry run at 512 ranks
-counts about 113,000. So the ops are fitted over the measured runs as the calls are
+A step's aten ops may grow with its ranks: a collective over ``P`` ranks that packs and
+unpacks a piece per peer (a slice, a view, a copy into the send buffer, the same on receipt)
+costs a few ops per peer. Until 2026-11-28 every redistribution did: the FNO at 128²
+dispatched 513 aten ops on 1 rank, 982-988 on 2 and 1,482-1,488 on 4 (250 more per added
+peer, from its 21 all-to-alls and gathers; its dry run at 512 ranks counted about 113,000).
+Redistributions now pack and unpack once (NOTE [One pack and one unpack per collective] in
+``shardsci/tensor/_box_packing.py``): the same step dispatches 509 / 1,007 / 1,047 / 1,042
+ops on 1 / 2 / 4 / 8 ranks (``step_profile``, 2026-11-28 15:08 UTC, load 12.8), the
+2 -> 4 step being an index and an index op per exchange once a rank's own piece lies between
+its peers'; this module's own runs count 1,010 (2 ranks) and 1,058 (4), which the law below
+fits as ``986 + 24 (P - 1)`` (13,250 at 512 ranks, an overestimate: nothing grows from 4 to
+8). Collectives outside redistribution (graph gathers, scans, rings) still pack per peer
+that sends or receives something: the UNet's halos and the MeshGraphNet's graph exchanges grow
+with a rank's neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4
+parts), which this law extrapolates as if they grew with ``P``.
+So the ops are fitted over the measured runs as the calls are
 (``call_laws``: ``fixed + per_peer (P - 1)``), not taken as one count. The fixed ops are the
 ShardTensor step's, each at ``host_us_per_op`` (fitted on a whole step: its Python dispatch
 included); the per-peer ones are plain ops on local pieces, each at ``plain_host_us_per_op``.

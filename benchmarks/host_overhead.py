@@ -18,8 +18,10 @@ time (``_common.spread``) and of the slowest rank's CPU time (``time.process_tim
 processes on a shared machine disturb less).
 
 Ops per step: the aten ops each variant's step dispatches, counted by a ``TorchDispatchMode``
-in one untimed step (a mode sees the ops called on ShardTensors, not the ops the library runs
-on their local shards; collectives are counted among them). Host time added per op:
+in one untimed step (a mode sees the ops called on ShardTensors and the ops the library runs
+on local shards outside a ShardTensor's ``__torch_dispatch__``: function handlers' halos and
+redistributions; not those an aten handler runs inside it; collectives are counted among
+them). Host time added per op:
 ``(shardtensor - torch) / shardtensor ops`` (``added_us_per_plain_op``: over the plain step's
 ops), and each variant's step over its own ops (``us_per_op``), medians of wall time;
 ``benchmarks.cost_model`` reads its host term from these.

@@ -115,7 +115,7 @@ def test_step_grows_by_the_fitted_laws():
 
 def test_ops_per_peer_grow_the_host_term():
     # NOTE [Ops per peer]: 700 ops of the ShardTensor step and 250 per peer, as the FNO's
-    # 128² step measured (513, 985, 1485 on 1, 2, 4 ranks).
+    # 128² step measured while redistributions packed per peer (513, 985, 1485 on 1, 2, 4).
     runs = synthetic_runs()
     for run in runs:
         run["ops"] = 700 + 250 * (run["ranks"] - 1)

@@ -569,6 +569,27 @@ CASES = [
         ),
     ),
 ]
+CASES.append(
+    Case(
+        "2x2x2",
+        (2, 2, 2),
+        (5, 6, 7),
+        (
+            Layout((S0, S1, S2), {0: (3, 2), 1: (1, 5), 2: (4, 3)}),
+            Layout((S0, S0, S1), {0: (2, 0, 1, 2), 1: (3, 3)}),
+            Layout((S0, S0, S0), {0: (1, 0, 2, 0, 1, 0, 0, 1)}, {0: (2, 0, 1)}),
+            Layout((R, S2, S0)),
+            Layout((PSUM, S1, R), {1: (6, 0)}),
+        ),
+        (
+            Move((S2, S0, S1)),
+            Move((R, R, S0)),
+            Move((S0, S0, S0)),
+            Move((S1, R, S1)),
+            Move((R, R, R)),
+        ),
+    )
+)
 TRANSITIONS = [(case, source) for case in CASES for source in case.sources]
 
 
@@ -649,6 +670,59 @@ def _round_trip_body(trip: RoundTrip) -> None:
 @pytest.mark.parametrize("trip", ROUND_TRIPS, ids=lambda t: t.name)
 def test_round_trip_restores_sizes(trip: RoundTrip) -> None:
     run_on_ranks(math.prod(trip.mesh), _round_trip_body, trip)
+
+
+# --------------------------------------------------------------------------- complex values
+def _complex_body(mesh_shape: tuple[int, ...], shape: tuple[int, ...], src: Layout, moves):
+    """complex64 (8 bytes, as float64) through every move: the shard, the full tensor and
+    the bytes as ``_check_move`` checks them, and the gradient of a real projection."""
+    mesh = get_mesh(mesh_shape)
+    me = tuple(mesh.get_coordinate())
+    for move in moves:
+        value = torch.randn(shape, dtype=torch.complex64)
+        leaf = narrow(value, box(src, shape, mesh_shape, me)).clone().requires_grad_(True)
+        y, dst = _check_move(
+            mesh, shape, from_local_spec(leaf, src.spec(mesh, value)), src, value, move
+        )
+        projection = torch.randn(*shape, 2)
+        mine = narrow(projection, (*box(dst, shape, mesh_shape, me), (0, 2)))
+        (torch.view_as_real(y.to_local()) * mine).sum().backward()
+        expected = torch.view_as_complex(
+            narrow(projection, (*box(src, shape, mesh_shape, me), (0, 2))).contiguous()
+        )
+        assert_close_all_ranks(
+            leaf.grad, expected, atol=0, rtol=0, what=f"{_show(src)} -> {move}: grad"
+        )
+
+
+COMPLEX_CASES = [
+    Case(
+        "4r-complex",
+        (4,),
+        (2, 13, 9),
+        (Layout((S1,), {1: (5, 0, 6, 2)}), Layout((S2,)), Layout((R,))),
+        (Move((S1,)), Move((S2,)), Move((S1,), {1: (0, 13, 0, 0)}), Move((R,))),
+    ),
+    Case(
+        "2x2-complex",
+        (2, 2),
+        (6, 5, 4),
+        (
+            Layout((S0, S1), {0: (5, 1), 1: (0, 5)}),
+            Layout((S0, S0), {0: (1, 0, 3, 2)}, {0: (1, 0)}),
+        ),
+        (Move((S1, S0)), Move((S2, R)), Move((S0, S0)), Move((R, R))),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "source"),
+    [(c, s) for c in COMPLEX_CASES for s in c.sources],
+    ids=[f"{c.name}-{_show(s)}" for c in COMPLEX_CASES for s in c.sources],
+)
+def test_complex_transitions(case: Case, source: Layout) -> None:
+    run_on_ranks(math.prod(case.mesh), _complex_body, case.mesh, case.shape, source, case.moves)
 
 
 # --------------------------------------------------------------------------- literal byte counts

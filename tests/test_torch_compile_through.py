@@ -85,12 +85,24 @@ class UpThenDown(nn.Module):
         return F.avg_pool2d(F.interpolate(x, scale_factor=2, mode="bilinear"), 2)
 
 
+class SpectrumScaled(nn.Module):
+    """An FFT along the sharded dim H (the shard moves to W, 3/3), summed over H and
+    broadcast against the input: the even W shards are all-gathered and unpacked as blocks
+    of W (NOTE [One pack and one unpack per collective]), which a traced graph must write
+    piece by piece (functionalization cannot invert the blocks' view chain)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.fft(x, dim=2).abs()  # sharded along W, evenly
+        return x * spectrum.sum(dim=2, keepdim=True)
+
+
 CASES = {
     "pointwise": (PointwiseChain, ()),
     "conv": (ConvWithHalo, ("all_to_all_single", "all_reduce")),
     "mean": (Centered, ("all_reduce",)),
     "flatten": (EinsumThenFlatten, ("all_reduce",)),
     "interpolate": (UpThenDown, ("all_to_all_single",)),
+    "fft": (SpectrumScaled, ("all_to_all_single", "all_gather")),
 }
 """Case -> (module, functional collectives its forward and backward graphs must contain, or
 none at all)."""

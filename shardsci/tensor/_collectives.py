@@ -33,6 +33,7 @@ __all__ = [
     "axis_group",
     "broadcast",
     "exchange",
+    "exchange_packed",
     "send_recv",
     "start_send_recv",
 ]
@@ -181,10 +182,11 @@ def exchange(
     me = group.index
     received_shapes = [tuple(shape_of(src, me)) for src in range(group.size)]
     if not _anything_moves(group.size, shape_of):
+        empty = _EmptyPieces(dtype, device)
         return [
             _own_piece(pieces[me], received_shapes[me], dtype, device)
             if src == me
-            else torch.empty(received_shapes[src], dtype=dtype, device=device)
+            else empty(received_shapes[src])
             for src in range(group.size)
         ]
     itemsize = dtype.itemsize
@@ -204,15 +206,59 @@ def exchange(
         if send_buffers
         else torch.empty(0, dtype=torch.uint8, device=device)
     )
-    if in_graph():
-        recv = _graph_collectives.all_to_all_single(
-            send.to(device), recv_bytes, send_bytes, group.group
-        )
-    else:
-        recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
-        dist.all_to_all_single(recv, send.to(device), recv_bytes, send_bytes, group=group.group)
-        record_comm(kind, sum(send_bytes), sum(recv_bytes))
+    recv = _all_to_all_bytes(group, send.to(device), send_bytes, recv_bytes, kind)
     return _split_received(recv, recv_bytes, received_shapes, group, pieces[me], dtype, device)
+
+
+def exchange_packed(
+    group: AxisGroup,
+    packed: torch.Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    *,
+    kind: str,
+) -> torch.Tensor:
+    """Personalised all-to-all of one packed buffer (NOTE [One pack and one unpack per
+    collective]): whatever the number of peers, a constant number of aten ops.
+
+    Parameters
+    ----------
+    packed : Tensor
+        Contiguous: the elements for each group rank, one after the other in group-rank
+        order, ``send_counts[r]`` for group rank ``r`` (zero for this rank).
+    recv_counts : sequence of int
+        Elements received from each group rank, every rank's ``send_counts`` to this one.
+    kind : str
+        The name this exchange is counted under (see NOTE [What a byte count means]).
+
+    Returns
+    -------
+    Tensor
+        ``(sum(recv_counts),)`` of ``packed``'s dtype: what each group rank sent, in
+        group-rank order.
+    """
+    itemsize = packed.dtype.itemsize
+    recv = _all_to_all_bytes(
+        group,
+        _as_bytes(packed),
+        [n * itemsize for n in send_counts],
+        [n * itemsize for n in recv_counts],
+        kind,
+    )
+    return _from_bytes(recv, packed.dtype, (sum(recv_counts),))
+
+
+def _all_to_all_bytes(
+    group: AxisGroup, send: torch.Tensor, send_bytes: list[int], recv_bytes: list[int], kind: str
+) -> torch.Tensor:
+    """``all_to_all_single`` of byte buffers (split sizes by group rank), traced in a
+    compiled graph, counted outside one."""
+    if in_graph():
+        return _graph_collectives.all_to_all_single(send, recv_bytes, send_bytes, group.group)
+    recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=send.device)
+    dist.all_to_all_single(recv, send, recv_bytes, send_bytes, group=group.group)
+    record_comm(kind, sum(send_bytes), sum(recv_bytes))
+    return recv
 
 
 def _anything_moves(size: int, shape_of: Callable[[int, int], Sequence[int]]) -> bool:
@@ -263,14 +309,34 @@ def _split_received(
         starts[group_rank] = running
         running += nbytes
     result = []
+    empty = _EmptyPieces(dtype, device)
     for src in range(group.size):
         if src == group.index:
             result.append(_own_piece(own, shapes[src], dtype, device))
             continue
         group_rank = group.group_ranks[src]
+        if recv_bytes[group_rank] == 0:
+            result.append(empty(shapes[src]))
+            continue
         chunk = recv[starts[group_rank] : starts[group_rank] + recv_bytes[group_rank]]
         result.append(_from_bytes(chunk, dtype, shapes[src]))
     return result
+
+
+class _EmptyPieces:
+    """The pieces of no element that an exchange receives from the ranks that send nothing
+    (most of a graph's ranks, with few neighbours each): one tensor per shape, shared, so
+    that they cost no aten op per peer."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.made: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, shape: Sequence[int]) -> torch.Tensor:
+        shape = tuple(shape)
+        if shape not in self.made:
+            self.made[shape] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self.made[shape]
 
 
 # ---------------------------------------------------------------------------------- reductions

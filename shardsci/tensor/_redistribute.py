@@ -26,8 +26,25 @@ from dataclasses import dataclass, replace
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from shardsci.tensor._box_packing import (
+    NO_PIECES,
+    Box,
+    Side,
+    narrow_box,
+    pack,
+    side_of,
+    unpack,
+    wire_order,
+    with_range,
+)
 from shardsci.tensor._caches import BoundedCache
-from shardsci.tensor._collectives import AxisGroup, all_gather, all_reduce, axis_group, exchange
+from shardsci.tensor._collectives import (
+    AxisGroup,
+    all_gather,
+    all_reduce,
+    axis_group,
+    exchange_packed,
+)
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._gather_guard import check_redistribution
 from shardsci.tensor._spec import (
@@ -38,8 +55,6 @@ from shardsci.tensor._spec import (
 )
 
 __all__ = ["redistribute_local", "target_spec"]
-
-Box = tuple[tuple[int, int], ...]
 
 
 # ----------------------------------------------------------------------------- target specs
@@ -181,16 +196,39 @@ class _ReduceScatter:
         for c in range(group.size):
             coordinate[self.axis] = c
             extents.append(self.after.local_shape(coordinate)[self.dim])
-        pieces = list(torch.split(local, extents, dim=self.dim))
-        shape = list(local.shape)
-
-        def shape_of(src: int, dst: int) -> list[int]:
-            return [*shape[: self.dim], extents[dst], *shape[self.dim + 1 :]]
-
-        received = exchange(
-            group, pieces, shape_of, dtype=local.dtype, device=local.device, kind="reduce_scatter"
-        )
-        return _combine(received, reduce_op, group.size)
+        # Every peer's piece travels with the scattered dim first: one pack, and the pieces
+        # received are one tensor to sum (NOTE [One pack and one unpack per collective]).
+        order = (self.dim, *(d for d in range(local.ndim) if d != self.dim))
+        starts = [sum(extents[:k]) for k in range(group.size)]
+        whole = tuple((0, n) for n in local.shape)
+        peers = [k for k in range(group.size) if k != group.index]
+        peers.sort(key=group.group_ranks.__getitem__)
+        sends = [
+            with_range(whole, self.dim, (starts[k], starts[k] + extents[k]))
+            for k in peers
+            if extents[k]
+        ]
+        own = local.narrow(self.dim, starts[group.index], extents[group.index])
+        row = math.prod(local.shape) // max(local.shape[self.dim], 1)
+        send_counts, recv_counts = [0] * group.size, [0] * group.size
+        for k in peers:
+            send_counts[group.group_ranks[k]] = extents[k] * row
+            recv_counts[group.group_ranks[k]] = extents[group.index] * row
+        if row == 0 or not any(extents):
+            result = own.clone()
+        else:
+            received = exchange_packed(
+                group,
+                pack(local, side_of(sends, order), order),
+                send_counts,
+                recv_counts,
+                kind="reduce_scatter",
+            )
+            piece = own.permute(order).shape
+            result = own + received.view(len(peers), *piece).sum(0).permute(_inverse(order))
+        if reduce_op == "avg":
+            result /= group.size
+        return result
 
 
 @dataclass(frozen=True)
@@ -205,19 +243,34 @@ class _Exchange:
         if plan.group is None:
             if plan.own_source_box is None:
                 return local.new_empty(plan.out_shape)
-            return _narrow_box(local, plan.own_source_box)
+            return narrow_box(local, plan.own_source_box)
         if plan.gathers_equal_shards:
-            return _assemble(list(all_gather(local, plan.group).unbind(0)), plan, local)
-        pieces = [None if box is None else _narrow_box(local, box) for box in plan.send_boxes]
-        received = exchange(
-            plan.group,
-            pieces,
-            lambda s, d: plan.shapes[s][d],
-            dtype=local.dtype,
-            device=local.device,
-            kind=plan.kind,
-        )
-        return _assemble(received, plan, local)
+            out = local.new_empty(plan.out_shape)
+            unpack(out, all_gather(local, plan.group).reshape(-1), plan.receives, plan.order)
+            return out
+        if not plan.moves:
+            received = local.new_empty(0)
+        else:  # the packed buffer is freed before the output is made
+            received = exchange_packed(
+                plan.group,
+                pack(local, plan.sends, plan.order),
+                plan.send_counts,
+                plan.recv_counts,
+                kind=plan.kind,
+            )
+        if plan.received_fills_output:
+            # What arrives is the whole output, in order: the buffer is it (no copy).
+            shape = [plan.out_shape[d] for d in plan.order]
+            return received.view(shape).permute(_inverse(plan.order))
+        out = local.new_empty(plan.out_shape)
+        if plan.own_source_box is not None:
+            narrow_box(out, plan.own_target_box).copy_(narrow_box(local, plan.own_source_box))
+        unpack(out, received, plan.receives, plan.order)
+        return out
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 @dataclass(frozen=True)
@@ -385,15 +438,6 @@ def _with_placement(spec: ShardTensorSpec, axis: int, placement: Placement) -> S
     return replace(spec, placements=tuple(placements))
 
 
-def _combine(pieces: list[torch.Tensor], reduce_op: str, size: int) -> torch.Tensor:
-    result = pieces[0].clone()
-    for piece in pieces[1:]:
-        result += piece
-    if reduce_op == "avg":
-        result /= size
-    return result
-
-
 def _reduce_with_placement(
     local: torch.Tensor, axis: int, spec: ShardTensorSpec, group: AxisGroup
 ) -> torch.Tensor:
@@ -413,13 +457,20 @@ def _layout_key(spec: ShardTensorSpec) -> tuple:
 
 @dataclass(frozen=True)
 class _ExchangePlan:
+    """This rank's part of one box exchange (NOTE [One pack and one unpack per collective])."""
+
     group: AxisGroup | None
     kind: str
-    own_source_box: Box | None  # where this rank's target box lies inside its local shard (no comm)
-    send_boxes: tuple[Box | None, ...]  # per member: region of the local shard to send
-    recv_boxes: tuple[Box | None, ...]  # per member: region of the output it fills
-    shapes: tuple[tuple[tuple[int, ...], ...], ...]  # shapes[src][dst]
+    own_source_box: Box | None  # the part of its target box this rank holds, in its shard
+    own_target_box: Box | None  # ... and in its output
     out_shape: tuple[int, ...]
+    order: tuple[int, ...] = ()  # the wire order
+    sends: Side = NO_PIECES
+    receives: Side = NO_PIECES
+    send_counts: tuple[int, ...] = ()  # elements sent to each group rank
+    recv_counts: tuple[int, ...] = ()  # elements received from each
+    moves: bool = False  # anything moves between any two members (else no collective)
+    received_fills_output: bool = False  # no own part; the received pieces are the output
     # Every member sends its whole shard to every other, and the shards have one shape: the
     # native all-gather (NCCL's tuned algorithms), decided from the global layouts.
     gathers_equal_shards: bool = False
@@ -440,33 +491,83 @@ def _make_exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _Exchange
     out_shape = tuple(dst.local_shape(me))
     if not comm_axes:
         own = _intersect(_box(dst, me), _box(src, me))
-        return _ExchangePlan(None, "", _relative(own, _box(src, me)), (), (), (), out_shape)
+        return _ExchangePlan(None, "", _relative(own, _box(src, me)), None, out_shape)
     group = axis_group(mesh, comm_axes)
     members = [_member_coordinate(me, comm_axes, mesh.shape, k) for k in range(group.size)]
     source_boxes = [_box(src, c) for c in members]
     target_boxes = [_box(dst, c) for c in members]
-    shapes = tuple(
-        tuple(_box_shape(_intersect(source_boxes[s], target_boxes[d])) for d in range(group.size))
-        for s in range(group.size)
-    )
     mine = group.index
-    send_boxes = tuple(
-        _relative(_intersect(source_boxes[mine], target_boxes[d]), source_boxes[mine])
-        for d in range(group.size)
-    )
-    recv_boxes = tuple(
-        _relative(_intersect(source_boxes[s], target_boxes[mine]), target_boxes[mine])
+    moving = [
+        (s, d)
         for s in range(group.size)
-    )
-    kind = _exchange_kind(dst, comm_axes)
+        for d in range(group.size)
+        if s != d and _volume(_intersect(source_boxes[s], target_boxes[d])) > 0
+    ]
+    # A gather: every rank that sends to another wants the same box as it (a target
+    # Replicate, or sharded along axes that do not move).
+    gather = all(target_boxes[s] == target_boxes[d] for s, d in moving)
+    kind = "all_gather" if gather else "all_to_all"
     whole = [_box_shape(box) for box in source_boxes]
     gathers = (
         kind == "all_gather"
         and len(set(whole)) == 1
         and 0 not in whole[0]
-        and all(shapes[s][d] == whole[s] for s in range(group.size) for d in range(group.size))
+        and all(_intersect(s, t) == s for s in source_boxes for t in target_boxes)
     )
-    return _ExchangePlan(group, kind, None, send_boxes, recv_boxes, shapes, out_shape, gathers)
+    if gathers:
+        stacked = [_relative(box, target_boxes[mine]) for box in source_boxes]
+        identity = tuple(range(len(out_shape)))
+        return _ExchangePlan(
+            group,
+            kind,
+            None,
+            None,
+            out_shape,
+            identity,
+            receives=side_of(stacked, identity),
+            gathers_equal_shards=True,
+        )
+    order = wire_order(source_boxes, target_boxes)
+    # Peers in group-rank order: the order of an all-to-all's splits.
+    peers = sorted((k for k in range(group.size) if k != mine), key=group.group_ranks.__getitem__)
+    sends = {
+        d: _relative(_intersect(source_boxes[mine], target_boxes[d]), source_boxes[mine])
+        for d in peers
+    }
+    receives = {
+        s: _relative(_intersect(source_boxes[s], target_boxes[mine]), target_boxes[mine])
+        for s in peers
+    }
+    send_counts, recv_counts = [0] * group.size, [0] * group.size
+    for k in peers:
+        send_counts[group.group_ranks[k]] = _volume(sends[k])
+        recv_counts[group.group_ranks[k]] = _volume(receives[k])
+    own = _intersect(source_boxes[mine], target_boxes[mine])
+    own_target = _relative(own, target_boxes[mine])
+    receive_side = side_of([b for b in receives.values() if b is not None], order)
+    return _ExchangePlan(
+        group,
+        kind,
+        _relative(own, source_boxes[mine]),
+        own_target,
+        out_shape,
+        order,
+        side_of([b for b in sends.values() if b is not None], order),
+        receive_side,
+        tuple(send_counts),
+        tuple(recv_counts),
+        moves=bool(moving),
+        received_fills_output=(
+            own_target is None
+            and receive_side.how == "rows"
+            and receive_side.index is None
+            and _box_shape(receive_side.region) == out_shape
+        ),
+    )
+
+
+def _volume(box: Box | None) -> int:
+    return 0 if box is None else math.prod(_box_shape(box))
 
 
 def _moving_axes(src: ShardTensorSpec, dst: ShardTensorSpec) -> tuple[int, ...]:
@@ -476,12 +577,6 @@ def _moving_axes(src: ShardTensorSpec, dst: ShardTensorSpec) -> tuple[int, ...]:
         if dst.sharding_by_dim.get(s.dim) != s:
             axes.update(s.axes)
     return tuple(sorted(axes))
-
-
-def _exchange_kind(dst: ShardTensorSpec, moving_axes: tuple[int, ...]) -> str:
-    if all(isinstance(dst.placements[a], Replicate) for a in moving_axes):
-        return "all_gather"
-    return "all_to_all"
 
 
 def _member_coordinate(
@@ -512,25 +607,3 @@ def _relative(box: Box, frame: Box) -> Box | None:
     if any(stop <= start for start, stop in box):
         return None
     return tuple((start - f0, stop - f0) for (start, stop), (f0, _) in zip(box, frame))
-
-
-def _narrow_box(local: torch.Tensor, box: Box | None) -> torch.Tensor:
-    if box is None:
-        return local.new_empty((0,) * local.ndim)
-    result = local
-    for dim, (start, stop) in enumerate(box):
-        if start != 0 or stop != result.shape[dim]:
-            result = result.narrow(dim, start, stop - start)
-    return result
-
-
-def _assemble(
-    received: list[torch.Tensor], plan: _ExchangePlan, local: torch.Tensor
-) -> torch.Tensor:
-    filled = [(box, piece) for box, piece in zip(plan.recv_boxes, received) if box is not None]
-    if len(filled) == 1 and _box_shape(filled[0][0]) == plan.out_shape:
-        return filled[0][1]
-    out = local.new_empty(plan.out_shape)
-    for box, piece in filled:
-        _narrow_box(out, box).copy_(piece)
-    return out

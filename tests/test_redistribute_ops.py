@@ -1,0 +1,129 @@
+"""The host cost of one redistribution, or of one exchange among neighbours, does not grow
+with the number of peers.
+
+NOTE [One pack and one unpack per collective] (``shardsci/tensor/_box_packing.py``): each box
+exchange packs what it sends in one go and unpacks what it receives in one go. Counted here by
+a ``TorchDispatchMode`` around ``redistribute_local`` on this rank's shard (every aten op the
+redistribution dispatches: views, copies, index ops, the collective), on 2, 4 and 8 ranks of a
+1-D mesh: the busiest rank's count may not grow from 2 ranks to 8. Values and layouts of the
+same transitions are checked against one process in ``tests/test_redistribute.py``; the
+values are checked here too, so a cheap wrong answer cannot pass. ``exchange`` itself (graph
+halos, scans) packs a piece per peer that sends or receives something, and nothing for the
+others: an exchange with one neighbour costs the same on 4 ranks as on 8.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardsci.tensor._collectives import axis_group, exchange
+from shardsci.tensor._redistribute import redistribute_local
+from shardsci.testing import Layout, assert_all_ranks, get_mesh, run_on_ranks
+from tests.boxes import box, narrow
+
+RANKS = (2, 4, 8)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops dispatched, and the largest integer tensor made from Python values
+    (an index)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.largest_index = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.ops[str(func)] += 1
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.lift_fresh.default and not out.is_floating_point():
+            self.largest_index = max(self.largest_index, out.numel())
+        return out
+
+
+# name -> (global shape, dtype, source placements, target placements). Shard sizes follow
+# torch.chunk: 24 and 16 split evenly over 2, 4 and 8 ranks; 25 and 13 do not (13 over 8
+# leaves ranks empty).
+TRANSITIONS = {
+    "transpose-even": ((2, 3, 24, 16), torch.float64, Shard(2), Shard(3)),
+    "transpose-uneven-source": ((2, 3, 25, 16), torch.float64, Shard(2), Shard(3)),
+    "transpose-uneven-target": ((2, 3, 24, 13), torch.float64, Shard(2), Shard(3)),
+    "transpose-complex": ((2, 3, 24, 16), torch.complex128, Shard(3), Shard(2)),
+    "gather-even": ((2, 3, 24, 5), torch.float64, Shard(2), Replicate()),
+    "gather-uneven": ((2, 3, 13, 5), torch.float64, Shard(2), Replicate()),
+    "gather-leading-dim": ((13, 3, 5), torch.complex128, Shard(0), Replicate()),
+    "gather-1d": ((13,), torch.float64, Shard(0), Replicate()),
+    "reduce-scatter": ((2, 3, 13, 5), torch.float64, Partial("sum"), Shard(3)),
+}
+
+
+def _ops_body(shape, dtype, before, after) -> int:
+    world = torch.distributed.get_world_size()
+    mesh = get_mesh((world,))
+    me = tuple(mesh.get_coordinate())
+    value = torch.randn(shape, dtype=dtype)
+    torch.distributed.broadcast(value, 0)
+    src, dst = Layout((before,)), Layout((after,))
+    partial = isinstance(before, Partial)
+    # A Partial source: rank 0 holds the value, the others zeros.
+    local = narrow(value, box(src, shape, (world,), me)).clone()
+    if partial and me[0] != 0:
+        local.zero_()
+    src_spec, dst_spec = src.spec(mesh, value), dst.spec(mesh, value)
+    redistribute_local(local, src_spec, dst_spec)  # plans cached: count the steady state
+    with _Ops() as counter:
+        out = redistribute_local(local, src_spec, dst_spec)
+    expected = narrow(value, box(dst, shape, (world,), me))
+    assert_all_ranks(torch.equal(out, expected), f"{before} -> {after}: wrong shard")
+    # An index has an entry per row of a shard at most, never more entries than it has elements.
+    held = max(local.numel(), out.numel())
+    assert_all_ranks(
+        counter.largest_index <= held,
+        f"{before} -> {after}: an index of {counter.largest_index} entries for shards of {held}",
+    )
+    return sum(counter.ops.values())
+
+
+@pytest.mark.parametrize("name", list(TRANSITIONS))
+def test_ops_of_a_redistribution_do_not_grow_with_the_peers(name: str) -> None:
+    counts = {n: max(run_on_ranks(n, _ops_body, *TRANSITIONS[name])) for n in RANKS}
+    # On 2 ranks a rank's own piece is never between the pieces it sends or receives, so one
+    # narrow packs (or unpacks) them where 4 ranks and more need an index and an index op;
+    # beyond that nothing may grow (the per-peer path added about 8 ops per peer).
+    assert counts[4] <= counts[2] + 4 and counts[8] <= counts[4], (
+        f"{name}: aten ops per rank by ranks {counts}"
+    )
+
+
+def _neighbour_body() -> int:
+    """Each rank sends a (3, 2) piece to the next rank of a ring and nothing to the others."""
+    world = torch.distributed.get_world_size()
+    group = axis_group(get_mesh((world,)), (0,))
+    me = group.index
+    nxt, prev = (me + 1) % world, (me - 1) % world
+
+    def shape_of(src: int, dst: int) -> tuple[int, int]:
+        return (3, 2) if dst == (src + 1) % world else (0, 2)
+
+    mine = torch.full((3, 2), float(me))
+    pieces = [mine if k == nxt else None for k in range(world)]
+    kwargs = {"dtype": mine.dtype, "device": mine.device, "kind": "p2p"}
+    exchange(group, pieces, shape_of, **kwargs)
+    with _Ops() as counter:
+        received = exchange(group, pieces, shape_of, **kwargs)
+    wanted = torch.full((3, 2), float(prev))
+    right = torch.equal(received[prev], wanted) and all(
+        received[k].numel() == 0 for k in range(world) if k not in (me, prev)
+    )
+    assert_all_ranks(right, "the ring exchange received the wrong pieces")
+    return sum(counter.ops.values())
+
+
+def test_ops_of_an_exchange_grow_with_the_neighbours_not_the_ranks() -> None:
+    counts = {n: max(run_on_ranks(n, _neighbour_body)) for n in (4, 8)}
+    assert counts[8] <= counts[4], f"aten ops per rank by ranks {counts}"
