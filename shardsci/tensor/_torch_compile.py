@@ -195,12 +195,25 @@ def tracing_through_shardtensors() -> Iterator[None]:
     package = os.path.dirname(__file__)
     trace_rules.SKIP_DIRS[:] = [d for d in skipped if not d.startswith(package)]
     trace_rules._recompile_re()
+    # Dynamo never inlines __torch_dispatch__ (AOTAutograd traces it), but after a graph break
+    # the eager rest of a compiled call runs with dynamo's frame callback set, which would
+    # compile the frames below it one by one: ShardTensor.__new__ broke at its wrapper and
+    # resumed on a half-built tensor (AttributeError: no attribute '_spec').
+    dispatch = cls.__dict__["__torch_dispatch__"]
+    cls.__torch_dispatch__ = classmethod(torch.compiler.disable(dispatch.__func__))
+    # Shapes stay constants of the graph, as shard sizes are: after a new layout, automatic
+    # dynamic shapes made a plain local shard's sizes SymInts, and a spec built from them
+    # ("unhashable type: non-nested SymInt") failed to compile.
+    automatic_dynamic = dynamo_config.automatic_dynamic_shapes
+    dynamo_config.automatic_dynamic_shapes = False
     torch.compiler.reset()
     _state["kept_out"] = None
     try:
         yield
     finally:
         torch.compiler.reset()
+        cls.__torch_dispatch__ = dispatch
+        dynamo_config.automatic_dynamic_shapes = automatic_dynamic
         trace_rules.SKIP_DIRS[:] = skipped
         trace_rules._recompile_re()
         dynamo_config.nontraceable_tensor_subclasses.add(cls)
