@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from shardsci.graph import GraphPartition, partition_nodes
+from shardsci.models import MeshGraphNet
 from shardsci.tensor import ShardTensor
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._spec import ShardTensorSpec
@@ -33,7 +35,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
-from tests.test_compile import FIELD_LAYOUTS, _compiled_equals_eager
+from tests.test_compile import FIELD_LAYOUTS, VOLUME_LAYOUTS, _compiled_equals_eager, _mesh_graph
 from tests.zoo import MODELS
 
 
@@ -179,21 +181,112 @@ def test_torch_compile_traces_through_shardtensors(case: str) -> None:
     run_on_ranks(2, _compiled_body, case, timeout_s=300)
 
 
-def _zoo_body(name: str, mesh_shape: tuple[int, ...]) -> None:
+def _zoo_body(backend: str, name: str, mesh_shape: tuple[int, ...]) -> None:
     with tracing_through_shardtensors():
         mesh = get_mesh(mesh_shape)
         torch.manual_seed(0)
         model = MODELS[name]().double()
-        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
         compiled = torch.compile(model, backend=counter)
-        whole = torch.randn((2, 2, 16, 12), dtype=torch.float64)
+        volume = name.endswith("3d")
+        whole = torch.randn((1, 2, 8, 6, 6) if volume else (2, 2, 16, 12), dtype=torch.float64)
         frames = []
-        for layout in FIELD_LAYOUTS[mesh_shape]:
+        for layout in (VOLUME_LAYOUTS if volume else FIELD_LAYOUTS)[mesh_shape]:
             for again in (False, True):
                 with torch._dynamo.config.patch(error_on_recompile=again):
                     _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
             frames.append(counter.frame_count)
         assert_all_ranks(frames == [2, 3], f"{name}: frames compiled after each layout {frames}")
+
+
+def _meshgraphnet_body(backend: str) -> None:
+    """The MeshGraphNet on two partitions of one mesh graph (METIS, then RCB: new node and
+    edge shard sizes), compiled whole: nodes and edges sharded along dim 0, the edge index
+    along dim 1."""
+    with tracing_through_shardtensors():
+        mesh = get_mesh((2,))
+        positions, edge_index = _mesh_graph()
+        generator = torch.Generator().manual_seed(1)
+        nodes = torch.randn(positions.shape[0], 3, generator=generator, dtype=torch.float64)
+        edges = torch.randn(edge_index.shape[1], 3, generator=generator, dtype=torch.float64)
+        torch.manual_seed(0)
+        model = MeshGraphNet(
+            node_in=3, edge_in=3, node_out=2, hidden=8, processor_blocks=2
+        ).double()
+        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+        compiled = torch.compile(model, backend=counter)
+        frames = []
+        for method in ("metis", "rcb"):
+            parts = partition_nodes(
+                edge_index, positions.shape[0], 2, method=method, coordinates=positions
+            )
+            partition = GraphPartition.build(edge_index, parts, 2)
+            inputs = [
+                nodes[partition.node_order],
+                edges[partition.edge_order],
+                partition.edge_index,
+            ]
+            layouts = [
+                Layout((Shard(0),), {0: partition.node_sizes}),
+                Layout((Shard(0),), {0: partition.edge_sizes}),
+                Layout((Shard(1),), {1: partition.edge_sizes}),
+            ]
+            for again in (False, True):
+                with torch._dynamo.config.patch(error_on_recompile=again):
+                    _compiled_equals_eager(compiled, inputs, layouts, mesh, method)
+            frames.append(counter.frame_count)
+        assert_all_ranks(frames == [2, 3], f"meshgraphnet: frames after each partition {frames}")
+
+
+class RoundTrip(nn.Module):
+    """A user's own step outside ShardTensors: the shard out, a local op, the shard back in."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, ShardTensor):  # the single-process reference
+            return torch.sin(x) * 2
+        local = torch.sin(x.to_local())
+        return ShardTensor.from_local(local, x.device_mesh, x.placements, x.sharding_shapes()) * 2
+
+
+class LinearInALoop(nn.Module):
+    """A graph break inside a loop: dynamo runs the whole frame eagerly, its frame callback
+    still set, and compiles the Python frames it calls one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(WHOLE_SHAPE[-1], WHOLE_SHAPE[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = self.mix(x)
+            torch._dynamo.graph_break()
+        return x
+
+
+def _graph_break_body(name: str) -> None:
+    with tracing_through_shardtensors():
+        mesh = get_mesh((2,))
+        torch.manual_seed(0)
+        model = {"round-trip": RoundTrip, "eager-fallback": LinearInALoop}[name]().double()
+        compiled = torch.compile(model, backend="aot_eager")
+        whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
+        for layout in LAYOUTS:
+            for again in (False, True):
+                # The eager fallback's own frames may recompile (a warn-once flag is guarded).
+                with torch._dynamo.config.patch(error_on_recompile=again and name == "round-trip"):
+                    _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
+
+
+# Both break dynamo's graph, with dynamo's reasons (``TORCH_LOGS=graph_breaks``): the round
+# trip at ``x.sharding_shapes()`` ("torch.* op returned non-Tensor"), the loop at the
+# explicit break. The round trip on the second layout failed to compile ("unhashable type:
+# non-nested SymInt": automatic dynamic shapes); the loop failed inside dynamo ("'ShardTensor'
+# object has no attribute '_spec'": ShardTensor.__new__ compiled as a frame of its own).
+# About 100 s (round trip) and 150 s (eager fallback) at load 15-20.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["round-trip", "eager-fallback"])
+def test_code_that_breaks_the_graph_runs_equal_to_one_process(name: str) -> None:
+    run_on_ranks(2, _graph_break_body, name, timeout_s=300)
 
 
 class PoolThenUpsample(nn.Module):
@@ -282,13 +375,47 @@ def test_one_sided_halos_compiled_equal_eager_and_one_process(
 
 # The zoo models that trace through (NOTE [torch.compile and ShardTensor] lists those that do
 # not and why). About 60 s for the FNO (load 9), 220 s for the ViT and 340 s for the
-# Transolver (load 6-10) on this machine.
+# Transolver (load 6-10) on this machine; at load 10-20 the Transolver on 2x2 147 s, the
+# 3-D FNO and Transolver on 2 ranks 79 and 69 s, the FNO with inductor 203 s; the ViT and
+# the Transolver with inductor ran past 600 s there (not yet seen to finish).
+ZOO_THROUGH = [
+    ("aot_eager", "unet", (2,)),
+    ("aot_eager", "unet", (2, 2)),
+    ("aot_eager", "fno", (2,)),
+    ("aot_eager", "fno", (2, 2)),
+    ("aot_eager", "vit", (2,)),
+    ("aot_eager", "vit", (2, 2)),
+    ("aot_eager", "transolver", (2,)),
+    ("aot_eager", "transolver", (2, 2)),
+    ("aot_eager", "fno-3d", (2,)),
+    ("aot_eager", "transolver-3d", (2,)),
+    ("inductor", "unet", (2,)),
+    ("inductor", "fno", (2,)),
+    ("inductor", "vit", (2,)),
+    ("inductor", "transolver", (2,)),
+]
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize(
-    "name, mesh_shape",
-    [("unet", (2,)), ("unet", (2, 2)), ("fno", (2,)), ("transolver", (2,)), ("vit", (2,))],
+    "backend, name, mesh_shape",
+    [
+        pytest.param(*row, id=f"{row[0]}-{row[1]}-{'x'.join(map(str, row[2]))}")
+        for row in ZOO_THROUGH
+    ],
 )
 def test_zoo_model_traced_through_equals_the_single_process_model(
-    name: str, mesh_shape: tuple[int, ...]
+    backend: str, name: str, mesh_shape: tuple[int, ...]
 ) -> None:
-    run_on_ranks(math.prod(mesh_shape), _zoo_body, name, mesh_shape, timeout_s=600)
+    run_on_ranks(math.prod(mesh_shape), _zoo_body, backend, name, mesh_shape, timeout_s=900)
+
+
+# The MeshGraphNet's gathers of neighbour nodes plan their messages from the edge index's
+# values (``aten._local_scalar_dense``, a data-dependent graph break dynamo names); the frames
+# around them then run eagerly, and AOTAutograd's backward of one of the small graphs fails:
+# "Expected a ShardTensor tangent but got a plain Tensor (tangent index: 1)" (2026-11-28).
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a plain tangent where a ShardTensor one was traced")
+def test_meshgraphnet_traced_through_equals_the_single_process_model() -> None:
+    run_on_ranks(2, _meshgraphnet_body, "aot_eager", timeout_s=900)

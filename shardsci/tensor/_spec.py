@@ -472,7 +472,7 @@ def _checked_order(dim: int, axes: tuple[int, ...], order: Sequence[int]) -> tup
 def _checked_sharding(
     dim: int, axes: tuple[int, ...], sizes: tuple[int, ...], shape: torch.Size, mesh: DeviceMesh
 ) -> DimSharding:
-    expected = math.prod(mesh.shape[a] for a in axes)
+    expected = math.prod([mesh.shape[a] for a in axes])  # dynamo breaks on a generator
     if len(sizes) != expected:
         raise ValueError(
             f"tensor dim {dim} is sharded over mesh axes {axes} ({expected} shards) but "

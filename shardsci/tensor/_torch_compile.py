@@ -18,7 +18,7 @@ dynamo traces Python, and dynamo never traces the skipped package. Compiled spee
 each rank computes alone, on plain local tensors, outside ShardTensor dispatch.
 
 ``tracing_through_shardtensors()`` (experimental, a context manager, tested on small modules
-and, under ``-m slow``, four zoo models: ``tests/test_torch_compile_through.py``) lets dynamo
+and, under ``-m slow``, the zoo: ``tests/test_torch_compile_through.py``) lets dynamo
 and AOTAutograd trace through instead: ``__tensor_flatten__`` gives the local shard as the
 one inner tensor and the spec as context; dynamo runs each op on fake shards to learn its
 output's spec; AOTAutograd runs the same Python (``__torch_dispatch__`` and the autograd
@@ -58,13 +58,21 @@ the UNet (``tests/zoo.py``) on 2 ranks (10/6 -> 8/8 rows) and a 2x2 mesh, whole,
 graph with no graph break (``aot_eager``; on 2 ranks inductor too). Its gradients were
 wrong until 2026-11-28 (off by 0.25, or 1e40 from memory never written): the all-to-all a
 rank joined only to send one side of a pooling window's halo was dead code on that rank and
-was removed (NOTE [A traced collective is an effect]). Still open: user code that leaves
-and re-enters ShardTensors inside the compiled region (``ShardTensor.from_local(torch.sin(
-x.to_local()), x.device_mesh, x.placements, x.sharding_shapes())``, 2 uneven ranks) no longer
-fails inside dynamo, but breaks the graph (4 frames compiled for one layout, where 2 are
-expected), and after a new layout dynamo's automatic dynamic shapes make the local shard's
-sizes SymInts, which ``from_local`` puts into the spec ("unhashable type: non-nested SymInt"
-at the spec's key). Not tried (2026-11-28): the MeshGraphNet, the recipes.
+was removed (NOTE [A traced collective is an effect]). The FNO and the Transolver also
+trace in 3-D (2 ranks) and the Transolver on 2x2; the FNO with inductor too. Not the default
+because the MeshGraphNet fails: its neighbour gather plans messages from the edge index's
+values (``aten._local_scalar_dense``, a data-dependent graph break), and AOTAutograd's
+backward of a small graph around it meets a plain tangent where it traced a ShardTensor
+(``tests/test_torch_compile_through.py``, xfail); the recipes are untried.
+Code that breaks the graph: inside the ``with`` block ``__torch_dispatch__`` runs with dynamo
+disabled (after a break in a loop dynamo runs the frame eagerly with its callback set, and
+compiled ``ShardTensor.__new__`` as a frame, resuming on a half-built tensor: "'ShardTensor'
+object has no attribute '_spec'"), and automatic dynamic shapes are off, so a plain tensor's
+sizes stay constants as shard sizes do (a user's ``ShardTensor.from_local(torch.sin(
+x.to_local()), x.device_mesh, x.placements, x.sharding_shapes())`` on a second layout put
+SymInts into the spec: "unhashable type: non-nested SymInt"). That round trip still breaks
+the graph at ``x.sharding_shapes()``: dynamo routes a subclass's own method through
+``__torch_function__`` and calls it in its graph ("torch.* op returned non-Tensor").
 The FNO's compiled backward first met a gradient whose spec equals the traced one in layout
 but is another object ("we guessed its metadata incorrectly"), which
 ``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. The ViT and the Transolver
@@ -195,12 +203,25 @@ def tracing_through_shardtensors() -> Iterator[None]:
     package = os.path.dirname(__file__)
     trace_rules.SKIP_DIRS[:] = [d for d in skipped if not d.startswith(package)]
     trace_rules._recompile_re()
+    # Dynamo never inlines __torch_dispatch__ (AOTAutograd traces it), but after a graph break
+    # the eager rest of a compiled call runs with dynamo's frame callback set, which would
+    # compile the frames below it one by one: ShardTensor.__new__ broke at its wrapper and
+    # resumed on a half-built tensor (AttributeError: no attribute '_spec').
+    dispatch = cls.__dict__["__torch_dispatch__"]
+    cls.__torch_dispatch__ = classmethod(torch.compiler.disable(dispatch.__func__))
+    # Shapes stay constants of the graph, as shard sizes are: after a new layout, automatic
+    # dynamic shapes made a plain local shard's sizes SymInts, and a spec built from them
+    # ("unhashable type: non-nested SymInt") failed to compile.
+    automatic_dynamic = dynamo_config.automatic_dynamic_shapes
+    dynamo_config.automatic_dynamic_shapes = False
     torch.compiler.reset()
     _state["kept_out"] = None
     try:
         yield
     finally:
         torch.compiler.reset()
+        cls.__torch_dispatch__ = dispatch
+        dynamo_config.automatic_dynamic_shapes = automatic_dynamic
         trace_rules.SKIP_DIRS[:] = skipped
         trace_rules._recompile_re()
         dynamo_config.nontraceable_tensor_subclasses.add(cls)
