@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from shardsci.planning._work import WorkCounter
+from shardsci.tensor import _collectives
 from shardsci.tensor._shape_probe import shape_probe
 
 
@@ -58,3 +59,13 @@ def test_a_shape_probe_is_an_op_but_no_work():
         x @ x.transpose(-1, -2)
     assert (work.flops, work.fft_flops) == (0, 0)
     assert work.ops >= 3
+
+
+def test_the_ops_a_communication_module_dispatches_are_counted_apart():
+    """NOTE [One price per op]: packing a peer's piece is a plain op on a local piece."""
+    piece = torch.randn(4, 3)
+    with WorkCounter() as work:
+        _collectives._as_bytes(piece)  # a view of the piece as bytes, as a send buffer
+        piece * 2
+    assert work.communication_ops >= 1
+    assert work.ops - work.communication_ops == 1
