@@ -62,8 +62,8 @@ class StepMeasurement:
     batch_specs : list of ShardTensorSpec
         Layouts of the batch's ShardTensors.
     flops, aten_ops, communication_ops, fft_flops : int
-        FLOPs, aten ops, those of them a communication module dispatched, and FFT FLOPs of this rank's step
-        (``WorkCounter``).
+        FLOPs, aten ops, those of them a communication module dispatched, and FFT FLOPs of
+        this rank's step (``WorkCounter``).
     """
 
     comm: CommStats
