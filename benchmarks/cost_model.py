@@ -19,7 +19,8 @@ unfused). FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are counted apart]) and
 ``a p log2 p`` of the whole field, which a distributed FFT shares evenly over the ranks.
 Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``,
 and memory traffic at ``memory_bytes_per_s``. Host time per step is the aten ops the
-ShardTensor step dispatches, priced as NOTE [Ops per peer] says, plus what issuing each
+ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
+(``ops_host_s``, NOTE [One price per op]), plus what issuing each
 collective call and halo round costs the host's CPU (``collective_host_s``: per call and per
 ring step).
 
@@ -77,13 +78,11 @@ fits as ``986 + 24 (P - 1)`` (13,250 at 512 ranks, an overestimate: nothing grow
 that sends or receives something: the UNet's halos and the MeshGraphNet's graph exchanges grow
 with a rank's neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4
 parts), which this law extrapolates as if they grew with ``P``.
-So the ops are fitted over the measured runs as the calls are
-(``call_laws``: ``fixed + per_peer (P - 1)``), not taken as one count. The fixed ops are the
-ShardTensor step's, each at ``host_us_per_op`` (fitted on a whole step: its Python dispatch
-included); the per-peer ones are plain ops on local pieces, each at ``plain_host_us_per_op``.
-Held against the CPU time per op of the same FNO step (``benchmarks/README.md``), that price
-is an upper bound here: from 1 to 4 ranks the rank's CPU outside kernels and gloo's threads
-stayed at 48-52 ms while its ops tripled.
+So the ops, and those of them the communication modules dispatch
+(``WorkCounter.communication_ops``), are fitted over the measured runs as the calls are
+(``call_laws``: ``fixed + per_peer (P - 1)``), not taken as one count; both are data, measured
+by every run, so a change to the library's collectives moves them. ``ops_host_s`` prices them
+(NOTE [One price per op]): the communication ops are plain ops on local pieces.
 """
 
 from __future__ import annotations
@@ -113,7 +112,6 @@ from benchmarks._common import (
     step_traffic,
 )
 from benchmarks.compile import CASES, _mesh_graph
-from benchmarks.host_overhead import _OpCounter
 from shardsci import Shard, ShardTensor, attention_exchange
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.parallel import domain_parallel
@@ -123,6 +121,7 @@ from shardsci.planning._machine import (
     all_reduce_s,
     collective_host_s,
     collective_s,
+    ops_host_s,
     override,
 )
 from shardsci.planning._work import WorkCounter
@@ -291,13 +290,14 @@ def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exch
     with attention_exchange(exchange):
         step()
         calls, received = step_traffic(step, model)
-        with _OpCounter() as counter:
+        with WorkCounter() as counter:
             step()
     calls, received = _gathers_as_all_to_alls(calls), _gathers_as_all_to_alls(received)
     return {
         "calls": dict(calls),
         "received": dict(received),
-        "ops": sum(counter.ops.values()),
+        "ops": counter.ops,
+        "communication_ops": counter.communication_ops,
     }
 
 
@@ -361,7 +361,8 @@ class Fitted:
     (coefficients of ``call_laws``) and ``received`` bytes (of ``basis ⊗ laws``) of the busiest
     rank; FLOPs and memory traffic ``c + a p + b p²`` of a whole field of ``p`` pixels
     (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); the aten ops of the
-    ShardTensor step (``ops``: coefficients of ``call_laws``, NOTE [Ops per peer])."""
+    ShardTensor step and those of them its communication modules dispatch (``ops`` and
+    ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer])."""
 
     model: str
     calls: dict[str, list[float]]
@@ -370,15 +371,19 @@ class Fitted:
     memory: list[float]
     fft_flops: list[float]
     ops: list[float]
+    communication_ops: list[float]
 
     def count(self, kind: str, ranks: int) -> float:
         return max(0.0, sum(c * x for c, x in zip(self.calls.get(kind, []), call_laws(ranks))))
 
     def op_count(self, ranks: int) -> tuple[float, float]:
-        """Aten ops of the busiest rank's step at ``ranks``: the fixed ones and those per peer
-        in all (NOTE [Ops per peer])."""
-        fixed, per_peer = (max(0.0, c) for c in self.ops)
-        return fixed, per_peer * (ranks - 1)
+        """Aten ops of the busiest rank's step at ``ranks``, and those of them its
+        communication modules dispatch (NOTE [Ops per peer])."""
+        ops, communication = (
+            max(0.0, sum(c * x for c, x in zip(law, call_laws(ranks))))
+            for law in (self.ops, self.communication_ops)
+        )
+        return ops, min(ops, communication)
 
     def bytes(self, kind: str, ranks: int, shape: tuple[float, ...]) -> float:
         row = _kron(GEOMETRY[self.model].basis(shape), laws(kind, ranks))
@@ -397,9 +402,9 @@ class Fitted:
         return self.fft_flops[0] * _p_log_p(whole) / ranks
 
     def host_s(self, machine: Machine, ranks: int) -> float:
-        """Host seconds per step at ``ranks``: the ops (NOTE [Ops per peer]: the fixed ones at
-        ``host_us_per_op``, those per peer at ``plain_host_us_per_op``), and the collectives
-        and halo rounds it issues (``collective_host_s``)."""
+        """Host seconds per step at ``ranks``: the ops as ``ops_host_s`` prices them (NOTE [One
+        price per op]), and the collectives and halo rounds it issues
+        (``collective_host_s``)."""
         issued = sum(
             collective_host_s(
                 machine,
@@ -409,9 +414,7 @@ class Fitted:
             )
             for kind in self.received
         )
-        fixed, per_peer = self.op_count(ranks)
-        ops_us = fixed * machine.host_us_per_op + per_peer * machine.plain_host_us_per_op
-        return ops_us * 1e-6 + issued
+        return ops_host_s(machine, *self.op_count(ranks), sharded=True) + issued
 
 
 def _polynomial(pixels: list[float], values: list[float]) -> list[float]:
@@ -458,8 +461,13 @@ def fit(
     flops = _polynomial(pixels, flop_values)
     memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
     fft_flops = least_squares([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
-    ops = least_squares([call_laws(r["ranks"]) for r in runs], [float(r["ops"]) for r in runs])
-    return Fitted(name, calls, received, flops, memory, fft_flops, ops), misfit
+    laws_of_runs = [call_laws(r["ranks"]) for r in runs]
+    ops, communication_ops = (
+        least_squares(laws_of_runs, [float(r[key]) for r in runs])
+        for key in ("ops", "communication_ops")
+    )
+    fitted = Fitted(name, calls, received, flops, memory, fft_flops, ops, communication_ops)
+    return fitted, misfit
 
 
 def measure_model(name: str) -> dict:
@@ -698,8 +706,8 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
         "strong_efficiency_512": round(efficiency, 3),
         "strong_below_0.5_at_gpus": strong_limit,
         "host_ms_per_step": round(host_512 * 1e3, 2),
-        "host_us_per_op_to_hide": round(device["device"] / sum(fitted.op_count(512)) * 1e6, 2),
-        "ops_per_step_512": round(sum(fitted.op_count(512))),
+        "host_us_per_op_to_hide": round(device["device"] / fitted.op_count(512)[0] * 1e6, 2),
+        "ops_per_step_512": round(fitted.op_count(512)[0]),
     }
 
 

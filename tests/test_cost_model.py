@@ -22,6 +22,8 @@ from benchmarks.cost_model import (
     step_s,
 )
 from shardsci import attention_exchange
+from shardsci.planning import MemoryPlan, RankClassPlan, RunPlan
+from shardsci.planning._choose import project
 from shardsci.planning._machine import Machine, all_gather_s, all_reduce_s, override
 
 # Per kind, true bytes as a function of (ranks P, rows r, cols c): a halo of the faces, fixed
@@ -44,6 +46,7 @@ def synthetic_runs(ranks=(2, 4), shapes=GEOMETRY["fno"].shapes) -> list[dict]:
             "calls": dict(CALLS),
             "received": {kind: bytes_(p, *shape) for kind, bytes_ in TRUTH.items()},
             "ops": 1000,
+            "communication_ops": 0,
         }
         for p in ranks
         for shape in shapes
@@ -115,12 +118,14 @@ def test_step_grows_by_the_fitted_laws():
 
 def test_ops_per_peer_grow_the_host_term():
     # NOTE [Ops per peer]: 700 ops of the ShardTensor step and 250 per peer, as the FNO's
-    # 128² step measured while redistributions packed per peer (513, 985, 1485 on 1, 2, 4).
+    # 128² step measured while redistributions packed per peer (513, 985, 1485 on 1, 2, 4
+    # ranks), the communication modules'.
     runs = synthetic_runs()
     for run in runs:
         run["ops"] = 700 + 250 * (run["ranks"] - 1)
+        run["communication_ops"] = 250 * (run["ranks"] - 1)
     fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
-    assert fitted.op_count(512) == pytest.approx((700, 250 * 511))
+    assert fitted.op_count(512) == pytest.approx((700 + 250 * 511, 250 * 511))
     machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
     assert fitted.host_s(machine, 512) == pytest.approx((700 * 50 + 250 * 511 * 20) * 1e-6)
     assert fitted.host_s(machine, 2) == pytest.approx((700 * 50 + 250 * 20) * 1e-6)
@@ -182,3 +187,23 @@ def test_the_statistics_kind_is_one_a_measurement_yields() -> None:
     model]), are the kind the projection costs by the library's rule."""
     measured = _gathers_as_all_to_alls({"all_gather": 14, "all_reduce": 15, "p2p": 132})
     assert measured[STATISTICS["unet"]] == 14
+
+
+def test_the_planner_and_the_cost_model_price_host_time_alike():
+    """NOTE [One price per op]: the same step's ops cost the same host time in the dry run's
+    projection (``parallel=auto``) as in the cost model; before, the planner priced the
+    communication modules' ops at the ShardTensor rate (here 1.75x the cost model's figure)."""
+    runs = synthetic_runs()
+    for run in runs:
+        run["ops"] = 700 + 250 * (run["ranks"] - 1)
+        run["communication_ops"] = 250 * (run["ranks"] - 1)
+    fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
+    ops, communication = fitted.op_count(8)
+    memory = MemoryPlan(0, 0, 0, 0, 0, 0, 0, "")
+    rank_class = RankClassPlan(
+        1, 0, [0], [0], memory, {}, {}, aten_ops=round(ops), communication_ops=round(communication)
+    )
+    plan = RunPlan("cfd", "8", "", 8, "m", 0, 1, [rank_class], [], None, [], [])
+    assert project(plan, machine).host == pytest.approx(fitted.host_s(machine, 8))
+    assert fitted.host_s(machine, 8) == pytest.approx((700 * 50 + 250 * 7 * 20) * 1e-6)

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from shardsci.planning._work import WorkCounter
+from shardsci.tensor import _collectives
+from shardsci.tensor._shape_probe import shape_probe
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
@@ -46,3 +48,24 @@ def test_a_matmul_counts_by_torchs_formula():
     with WorkCounter() as work:
         a @ b
     assert (work.flops, work.fft_flops, work.ops) == (2 * 8 * 16 * 4, 0, 1)
+
+
+def test_a_shape_probe_is_an_op_but_no_work():
+    """NOTE [Shape probes hold no memory]: a probe runs torch's meta function on a stand-in
+    of the whole field; it launches no kernel, so it counts no FLOPs."""
+    x = torch.randn(2, 3, 16, 32, device="meta")
+    with WorkCounter() as work, shape_probe():
+        torch.fft.rfft2(x)
+        x @ x.transpose(-1, -2)
+    assert (work.flops, work.fft_flops) == (0, 0)
+    assert work.ops >= 3
+
+
+def test_the_ops_a_communication_module_dispatches_are_counted_apart():
+    """NOTE [One price per op]: packing a peer's piece is a plain op on a local piece."""
+    piece = torch.randn(4, 3)
+    with WorkCounter() as work:
+        _collectives._as_bytes(piece)  # a view of the piece as bytes, as a send buffer
+        piece * 2
+    assert work.communication_ops >= 1
+    assert work.ops - work.communication_ops == 1

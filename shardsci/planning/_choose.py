@@ -17,8 +17,9 @@ projected time of their slowest rank class on ``Machine`` (NOTE [One machine mod
   FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]);
 - communication: every collective the dry run recorded, by kind (``collective_s``), over the
   domain group (``P / dp`` ranks), the gradient all-reduces over the whole mesh;
-- host: the class's aten ops at ``host_us_per_op`` when the fields are ShardTensors, at
-  ``plain_host_us_per_op`` when nothing is split, and its collectives and halo rounds as
+- host: the class's aten ops as ``ops_host_s`` prices them (NOTE [One price per op]: its
+  communication modules' ops and every op of an unsplit step at ``plain_host_us_per_op``, the
+  ShardTensor step's others at ``host_us_per_op``), and its collectives and halo rounds as
   issuing them costs the host (``collective_host_s``);
 - step: ``max(host, compute + communication)`` on a GPU, their sum on a CPU.
 
@@ -55,6 +56,7 @@ from shardsci.planning._machine import (
     collective_host_s,
     collective_s,
     gloo_cpu,
+    ops_host_s,
     override,
 )
 from shardsci.planning._plan import RankClassPlan, RunPlan
@@ -187,12 +189,11 @@ def _project_class(
     }
     compute = plan.flops / machine.sustained_flops + plan.fft_flops / machine.fft_flops_per_s
     communication = sum(collectives.values())
-    per_op = machine.host_us_per_op if domain > 1 else machine.plain_host_us_per_op
     issued = sum(
         collective_host_s(machine, kind, reduction if kind == GRAD_KIND else domain, figures.calls)
         for kind, figures in plan.collectives.items()
     )
-    host = plan.aten_ops * per_op * 1e-6 + issued
+    host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, domain > 1) + issued
     device = compute + communication
     step = max(host, device) if machine.host_overlaps_device else host + device
     return Projection(compute, communication, host, step, collectives)

@@ -8,6 +8,16 @@ projections of ``benchmarks/cost_model.py`` and ``benchmarks/scaling_model.py`` 
 from here (library code never imports ``benchmarks/``). ``Machine()`` is an H100 SXM cluster;
 ``gloo_cpu(ranks)`` this kind of machine (ranks sharing a few CPU cores, gloo over loopback).
 Change a parameter here and every projection moves with it.
+
+NOTE [One price per op]
+Host time is priced the same way wherever a step is projected (``ops_host_s``: the dry run's
+``parallel=auto`` and ``benchmarks/cost_model.py`` alike): a step on plain tensors (nothing
+split: data parallelism) pays ``plain_host_us_per_op`` per aten op; a ShardTensor step pays
+``host_us_per_op`` per aten op (its average over a whole step: the handlers' Python included),
+except for the ops a communication module dispatches (``_work.COMMUNICATION_MODULES``: slicing,
+packing and unpacking each peer's piece, halos), which are plain ops on local pieces and pay
+``plain_host_us_per_op``. These grow with the peers of a collective (NOTE [Ops per peer] in
+``benchmarks/cost_model.py``: the FNO's 250 more per added peer).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ __all__ = [
     "collective_s",
     "gloo_cpu",
     "halo_s",
+    "ops_host_s",
     "override",
     "ring_steps",
 ]
@@ -74,8 +85,10 @@ class Machine:
     host_us_per_op: float = 53.0
     """Measured here (``benchmarks.host_overhead``, UNet, 1 rank, 16² tile): a ShardTensor
     step's CPU time (``time.process_time``, which the machine's load disturbs less than wall
-    time) over the aten ops it dispatches; the ViT and Transolver measure 83-104 µs. A
-    cluster's host core may be faster: override with ``--set host_us_per_op=...``."""
+    time) over the aten ops it dispatches (1 rank: none by communication modules, which
+    ``ops_host_s`` prices as plain ops, NOTE [One price per op]); the ViT and Transolver
+    measure 83-104 µs. A cluster's host core may be faster: override with ``--set
+    host_us_per_op=...``."""
     plain_host_us_per_op: float = 25.0
     """Measured here (``benchmarks.host_overhead``, UNet, 1 rank): a plain torch step's CPU time
     over its aten ops; what an op on plain tensors costs the host (a data-parallel replica's
@@ -194,6 +207,16 @@ def ring_steps(kind: str, ranks: int) -> int:
     if kind in HALO_KINDS:
         return 1
     return 2 * (ranks - 1) if kind.endswith("all_reduce") else ranks - 1
+
+
+def ops_host_s(machine: Machine, ops: float, communication_ops: float, sharded: bool) -> float:
+    """Host CPU seconds of a step's ``ops`` aten ops, ``communication_ops`` of them dispatched
+    by communication modules, on ShardTensors (``sharded``) or plain tensors (NOTE [One price
+    per op])."""
+    if not sharded:
+        return ops * machine.plain_host_us_per_op * 1e-6
+    own = ops - communication_ops
+    return (own * machine.host_us_per_op + communication_ops * machine.plain_host_us_per_op) * 1e-6
 
 
 def collective_host_s(machine: Machine, kind: str, ranks: int, calls: float) -> float:

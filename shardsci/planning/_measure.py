@@ -61,8 +61,9 @@ class StepMeasurement:
         Bytes of the gradient reducer's buckets (``domain_parallel``), 0 without one.
     batch_specs : list of ShardTensorSpec
         Layouts of the batch's ShardTensors.
-    flops, aten_ops, fft_flops : int
-        FLOPs, aten ops and FFT FLOPs of this rank's step (``WorkCounter``).
+    flops, aten_ops, communication_ops, fft_flops : int
+        FLOPs, aten ops, those of them a communication module dispatched, and FFT FLOPs of
+        this rank's step (``WorkCounter``).
     """
 
     comm: CommStats
@@ -75,6 +76,7 @@ class StepMeasurement:
     batch_specs: list[ShardTensorSpec]
     flops: int
     aten_ops: int
+    communication_ops: int
     fft_flops: int
 
 
@@ -161,6 +163,7 @@ def measure_step(
         batch_specs=batch_specs,
         flops=work.flops,
         aten_ops=work.ops,
+        communication_ops=work.communication_ops,
         fft_flops=work.fft_flops,
     )
 

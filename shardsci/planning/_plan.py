@@ -76,9 +76,10 @@ class RankClassPlan:
         Kind -> figures, for every collective shardsci issues in the step.
     local_shapes : dict
         Layer -> this class's shard of the layer's output.
-    flops, aten_ops, fft_flops : int
-        FLOPs, aten ops and FFT FLOPs of the representative's step (``WorkCounter``): what
-        projects its compute and host time (``parallel=auto``).
+    flops, aten_ops, fft_flops, communication_ops : int
+        FLOPs, aten ops, FFT FLOPs, and the aten ops a communication module dispatched, of
+        the representative's step (``WorkCounter``): what projects its compute and host time
+        (``parallel=auto``, NOTE [One price per op]).
     """
 
     ranks: int
@@ -91,6 +92,7 @@ class RankClassPlan:
     flops: int = 0
     aten_ops: int = 0
     fft_flops: int = 0
+    communication_ops: int = 0
 
 
 @dataclass
@@ -190,6 +192,7 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
         },
         flops=measured.flops,
         aten_ops=measured.aten_ops,
+        communication_ops=measured.communication_ops,
         fft_flops=measured.fft_flops,
     )
 

@@ -7,7 +7,10 @@ formulas (matmuls, convolutions, attention), plus two it lacks: the fused CPU at
 counted as torch counts the GPU's, and FFTs, counted apart (``fft_flops``) because a device
 runs them at a rate of their own (NOTE [FFT FLOPs are counted apart]). Elementwise ops count
 none. Everything is read from shapes, so it works on ``meta`` tensors in a dry run as on real
-ones.
+ones. A shape probe (NOTE [Shape probes hold no memory]) is an op but no work: it runs
+torch's meta function on a stand-in of the whole field's shape, never a kernel, so its FLOPs
+are not counted (counted, they grew a split FNO's FFT FLOPs per rank with its ranks: 1.2x on
+2 ranks of a domain, 1.9x on 8).
 
 # NOTE [FFT FLOPs are counted apart]
 A complex transform of ``n`` points costs ``5 n log2 n`` FLOPs (the radix-2 count every FFT
@@ -23,15 +26,33 @@ bandwidth, so the ``Machine`` prices ``fft_flops`` at ``fft_flops_per_s``, not a
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from shardsci.tensor._shape_probe import probing
 from shardsci.tensor._torch_compat import TorchDispatchMode
 
-__all__ = ["WorkCounter", "fft_flops"]
+__all__ = ["COMMUNICATION_MODULES", "WorkCounter", "fft_flops"]
+
+COMMUNICATION_MODULES = frozenset(
+    f"shardsci.tensor.{name}"
+    for name in (
+        "_box_packing",
+        "_collectives",
+        "_gather_plan",
+        "_halo",
+        "_intervals",
+        "_layout_inference",
+        "_redistribute",
+        "_scatter",
+    )
+)
+"""The modules that move pieces between ranks: the ops they dispatch (slicing, packing and
+unpacking each peer's piece, halos) are communication ops (NOTE [One price per op])."""
 
 aten = torch.ops.aten
 
@@ -70,12 +91,15 @@ _FORMULAS: dict[Any, Callable[..., int]] = {
 
 
 class WorkCounter(TorchDispatchMode):
-    """While active, count the aten ops dispatched (``ops``), their FLOPs (``flops``) and
-    their FFTs' FLOPs (``fft_flops``, not in ``flops``)."""
+    """While active, count the aten ops dispatched (``ops``), those of them dispatched by a
+    communication module (``communication_ops``, NOTE [One price per op] in ``_machine``),
+    their FLOPs (``flops``) and their FFTs' FLOPs (``fft_flops``, not in ``flops``); a shape
+    probe's are no work."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.communication_ops = 0
         self.flops = 0
         self.fft_flops = 0
 
@@ -83,6 +107,10 @@ class WorkCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.ops += 1
+        if _called_from(COMMUNICATION_MODULES):
+            self.communication_ops += 1
+        if probing():
+            return out
         packet = func._overloadpacket
         formula = _FORMULAS.get(packet) or flop_registry.get(packet)
         if formula is not None:
@@ -90,3 +118,13 @@ class WorkCounter(TorchDispatchMode):
         else:
             self.fft_flops += int(fft_flops(func, args, out))
         return out
+
+
+def _called_from(modules: frozenset[str]) -> bool:
+    """Whether a function of one of ``modules`` is on the calling Python stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") in modules:
+            return True
+        frame = frame.f_back
+    return False
