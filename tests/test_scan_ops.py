@@ -1,8 +1,9 @@
-"""Scans along a sharded dim (cumsum, logcumsumexp) against one process, float64.
+"""Scans along a sharded dim (cumsum, logcumsumexp, cumprod) against one process, float64.
 
-Values, the input's gradient, the output's layout (the input's placements and shard sizes),
-and the forward's traffic by ``count_traffic``: each rank receives one slice of every other
-shard along the scanned dim's axes, never the dim itself.
+Values, the input's gradient (cumprod's also with zeros in the dim), the output's layout (the
+input's placements and shard sizes), and the traffic by ``count_traffic``: each rank receives
+one slice of every other shard along the scanned dim's axes, never the dim itself, in the
+forward and (cumprod) in the backward.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ SCANS = {
     "cumsum": lambda x: torch.cumsum(x, 1),
     "cumsum, an integer input": lambda x: torch.cumsum((x * 4).long(), 1, dtype=torch.float64),
     "logcumsumexp": lambda x: torch.logcumsumexp(x, 1),
+    "cumprod": lambda x: torch.cumprod(x, 1),
+    "cumprod, zeros in the dim": lambda x: (x * (x.abs() > 0.5)).cumprod(1),
 }
 
 
@@ -61,6 +64,15 @@ def _scan_body(name: str) -> None:
             f"{name}: {what} received {traffic.received} bytes, more than {others} slices of "
             f"{slice_bytes}: {traffic.as_dict()}",
         )
+    leaf = shard.detach().requires_grad_()
+    out = torch.cumprod(leaf, 1)
+    with count_traffic() as traffic:
+        out.backward(torch.ones_like(out))
+    assert_all_ranks(
+        traffic.received <= others * slice_bytes,
+        f"{name}: cumprod's backward received {traffic.received} bytes, more than {others} "
+        f"slices of {slice_bytes}: {traffic.as_dict()}",
+    )
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
