@@ -160,3 +160,90 @@ def _cumprod(func, args, kwargs):
     _, group, _ = dim_layout(x._spec, dim)
     out = _CumProd.apply(x.to_local(), dim, group)
     return from_local_spec(out, x._spec.with_dtype(out.dtype))
+
+
+# NOTE [cummax and cummin by shards]
+# Each rank scans its shard and shifts the indices by its shard's start, so they are global.
+# The extremum of the shards before (folded from each one's last value and index, one slice
+# of each from every rank) replaces the local result where it wins: where the local value is
+# not NaN and does not reach it (torch's rule: a NaN always wins, a tie goes to the later
+# index). In the backward, an output cell's gradient goes to the input cell its index names:
+# in this shard (a local scatter_add), or, where the prior extremum won, to one cell per
+# slice position in an earlier shard: each rank sends the sum of those gradients and the
+# index they go to (two slices), and the owner adds what falls in its range.
+class _CumulativeExtremum(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, dim: int, group: AxisGroup, sizes: tuple, name: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = sum(sizes[: group.index])
+        values, indices = getattr(torch, name)(local, dim)
+        indices = indices + start
+        last_values = _shard_totals(values, dim, group, 0)
+        last_indices = _shard_totals(indices, dim, group, -1)
+        wins = torch.ge if name == "cummax" else torch.le
+        prior_value, prior_index = None, torch.full_like(last_indices[0], -1)
+        for q in range(group.index):
+            if not sizes[q]:
+                continue
+            if prior_value is None:
+                prior_value, prior_index = last_values[q], last_indices[q]
+                continue
+            later = _wins(last_values[q], prior_value, wins)
+            prior_value = torch.where(later, last_values[q], prior_value)
+            prior_index = torch.where(later, last_indices[q], prior_index)
+        if prior_value is not None:
+            mine = _wins(values, prior_value, wins)
+            values = torch.where(mine, values, prior_value)
+            indices = torch.where(mine, indices, prior_index)
+        ctx.save_for_backward(indices, prior_index)
+        ctx.dim, ctx.group, ctx.start, ctx.size = dim, group, start, local.shape[dim]
+        ctx.mark_non_differentiable(indices)
+        return values, indices
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple:  # type: ignore[override]
+        indices, prior_index = ctx.saved_tensors
+        dim, start, size = ctx.dim, ctx.start, ctx.size
+        here = indices >= start
+        out = torch.zeros_like(grad).scatter_add_(
+            dim, torch.where(here, indices - start, 0), torch.where(here, grad, 0)
+        )
+        sent = torch.where(here, 0, grad).sum(dim, keepdim=True)
+        for piece, target in zip(
+            _gathered_slices(sent, ctx.group),
+            _gathered_slices(prior_index, ctx.group),
+            strict=True,
+        ):
+            ours = (target >= start) & (target < start + size)
+            if size:
+                out.scatter_add_(dim, torch.where(ours, target - start, 0), piece * ours)
+        return out, None, None, None, None
+
+
+def _wins(later: torch.Tensor, earlier: torch.Tensor, wins: Callable) -> torch.Tensor:
+    """Where the scan's later value replaces the earlier one: a NaN, or one that wins."""
+    return later.isnan() | (~earlier.isnan() & wins(later, earlier))
+
+
+@register_function_handler(torch.cummax, torch.Tensor.cummax, torch.cummin, torch.Tensor.cummin)
+def _cumulative_extremum(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    x = a.input
+    if a.out is not None or not isinstance(x, ShardTensor):
+        return NotImplemented
+    dim = a.dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim]):
+        return NotImplemented
+    sharding, group, _ = dim_layout(x._spec, dim)
+    values, indices = _CumulativeExtremum.apply(
+        x.to_local(), dim, group, sharding.sizes, func.__name__
+    )
+    result = getattr(torch.return_types, func.__name__)
+    return result(
+        (
+            from_local_spec(values, x._spec),
+            from_local_spec(indices, x._spec.with_dtype(torch.int64)),
+        )
+    )
