@@ -480,23 +480,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "renorm": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "2x2-uneven", "2x2-last")),),
     "rot90": (_WRONG_LAYOUT.cases((0,), ("2x2-uneven", "2x2-last")),),
-    "scatter": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
-    "scatter_add": (_GATHERED.cases((0,), ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last")),),
-    "scatter_reduce.amax": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "scatter_reduce.amin": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "scatter_reduce.mean": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "scatter_reduce.prod": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "scatter_reduce.sum": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "select_scatter": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "slice_scatter": (_GATHERED.cases((0,), ("2r-uneven", "4r-random", "2x2-uneven")),),
     "sort": (
