@@ -1,8 +1,8 @@
 """Scatters through a replicated index into a destination sharded on any dims, against one
 process, float64 (NOTE [Scatters through a replicated index write where they land]).
 
-``scatter``, ``scatter_add`` and ``scatter_reduce`` (every reduction, with and without the
-destination's own values) into a destination sharded along the scatter's dim, along another
+``scatter``, ``scatter_add``, ``scatter_reduce`` (every reduction, with and without the
+destination's own values), ``index_add``, ``index_copy`` and ``index_reduce`` into a destination sharded along the scatter's dim, along another
 dim (with an empty shard, and rows the index does not reach) and both on a 2x2 mesh: values,
 the destination's and the source's gradients, the output's layout (the destination's
 placements and shard sizes), no byte received by ``count_traffic`` in the forward, and an
@@ -47,6 +47,14 @@ def _cases() -> dict[str, object]:
         "scatter": lambda x, src: torch.scatter(x, 1, unique, src[:, :3]),
         "scatter, a value": lambda x, src: x.scatter(1, unique, 2.5) * src.sum(),
     }
+    # the index_* family: a 1-D index along dim 1 names where each row of the source goes
+    rows = torch.randint(0, SHAPE[1], (7,), generator=generator)
+    distinct = torch.randperm(SHAPE[1], generator=generator)[:3]
+    cases |= {
+        "index_add, alpha=2": lambda x, src: x.index_add(1, rows, _rows(src, 7), alpha=2),
+        "index_add_, in place": lambda x, src: x.clone().index_add_(1, rows, _rows(src, 7)),
+        "index_copy": lambda x, src: x.index_copy(1, distinct, _rows(src, 3)),
+    }
     for reduce in ("sum", "prod", "mean", "amax", "amin"):
         for include_self in (True, False):
             cases[f"scatter_reduce {reduce}, include_self={include_self}"] = (
@@ -54,7 +62,23 @@ def _cases() -> dict[str, object]:
                     1, index, src, r, include_self=i
                 )
             )
+            if reduce != "sum":
+                cases[f"index_reduce {reduce}, include_self={include_self}"] = (
+                    lambda x, src, r=reduce, i=include_self: x.index_reduce(
+                        1, rows, _rows(src, 7), r, include_self=i
+                    )
+                )
     return cases
+
+
+def _rows(src: torch.Tensor, n: int) -> torch.Tensor:
+    """A source for an ``index_*`` op: the destination's shape with ``n`` rows along dim 1."""
+    return (
+        src.sum().expand(SHAPE[0], n, SHAPE[2])
+        * torch.arange(SHAPE[0] * n * SHAPE[2], dtype=src.dtype)
+        .reshape(SHAPE[0], n, SHAPE[2])
+        .cos()
+    )
 
 
 def _body(name: str) -> None:

@@ -411,6 +411,13 @@ def _combined(
 @register_function_handler(torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_)
 def _index_add(func, args, kwargs):
     a = bind(func, args, kwargs)
+    if _replicated_index(a.index) is not None and a.get("out") is None:
+        alpha = a.alpha
+        return _index_by_owner(
+            func, args, kwargs, a,
+            lambda into, dim, index, src: into.scatter_add(dim, index, src if alpha == 1 else src * alpha),
+            in_place=func is torch.Tensor.index_add_,
+        )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None or indexed.index.ndim != 1:
         return NotImplemented
@@ -536,3 +543,51 @@ def _scatter_assign(func, args, kwargs):
 
 def _scatter_signature(input, dim, index, src=None, *, value=None, reduce=None, out=None):
     """``torch.scatter``'s overloads: a source tensor or a ``value``, optionally reduced."""
+
+
+def _index_by_owner(func, args, kwargs, a, scatter, *, in_place: bool) -> object:
+    """An ``index_*`` op (its 1-D ``index`` along ``dim`` names the destination row of each
+    row of ``source``) as the scatter ``scatter`` with that index expanded over the source,
+    written where it lands (NOTE [Scatters through a replicated index write where they
+    land])."""
+    index, source = _replicated_index(a.index), a.source
+    if (
+        index.ndim > 1
+        or not isinstance(source, torch.Tensor)
+        or not isinstance(a.input, ShardTensor)
+    ):
+        return NotImplemented
+    dim = a.dim % max(a.input.ndim, 1)
+    shape = [-1 if d == dim else 1 for d in range(source.ndim)]
+    expanded = index.reshape(shape).expand(source.shape) if source.ndim else index
+    return _scatter_by_owner(
+        func, args, kwargs, a.input, dim, expanded, source, scatter, in_place=in_place
+    )
+
+
+@register_function_handler(torch.index_copy, torch.Tensor.index_copy, torch.Tensor.index_copy_)
+def _index_copy(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    if _replicated_index(a.index) is None or a.get("out") is not None:
+        return NotImplemented
+    return _index_by_owner(
+        func, args, kwargs, a,
+        lambda into, dim, index, src: into.scatter(dim, index, src),
+        in_place=func is torch.Tensor.index_copy_,
+    )  # fmt: skip
+
+
+@register_function_handler(
+    torch.index_reduce, torch.Tensor.index_reduce, torch.Tensor.index_reduce_
+)
+def _index_reduce(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    if _replicated_index(a.index) is None or a.get("out") is not None:
+        return NotImplemented
+    return _index_by_owner(
+        func, args, kwargs, a,
+        lambda into, dim, index, src: into.scatter_reduce(
+            dim, index, src, a.reduce, include_self=a.include_self
+        ),
+        in_place=func is torch.Tensor.index_reduce_,
+    )  # fmt: skip
