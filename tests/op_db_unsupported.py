@@ -254,8 +254,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "_unsafe_masked_index_put_accumulate": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "addmm": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
-    "addmm.decomposed": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
     "argsort": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
@@ -285,9 +283,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
     "corrcoef": (_WRONG_LAYOUT.cases((2,), ("2x2-uneven", "2x2-last")),),
     "cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
-    "cummax": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "cummin": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "cumprod": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
     "fft.fft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "fft.ifft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "fft.ihfft": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
@@ -304,35 +299,11 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "histogramdd": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "index_add": (
-        _GATHERED.cases((3,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((6,), ("2x2-uneven", "2x2-last")),
-    ),
-    "index_copy": (
-        _GATHERED.cases((1,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),
-    ),
     "index_fill": (
         _GATHERED.cases((2,), ("4r-empty", "4r-random")),
         _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
     ),
     "index_put": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
-    "index_reduce.amax": (
-        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
-    ),
-    "index_reduce.amin": (
-        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
-    ),
-    "index_reduce.mean": (
-        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
-    ),
-    "index_reduce.prod": (
-        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
-    ),
     "index_select": (
         _GATHERED.cases((1,), ("4r-empty", "4r-random")),
         _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),
@@ -398,10 +369,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "lu_unpack": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "masked.cumprod": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
-        _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
-    ),
+    "masked.cumprod": (_WRONG_LAYOUT.cases((1,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
     "masked.cumsum": (_WRONG_LAYOUT.cases((1,), ("2x2-uneven", "2x2-last")),),
     "masked_scatter": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
@@ -483,23 +451,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "renorm": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "2x2-uneven", "2x2-last")),),
     "rot90": (_WRONG_LAYOUT.cases((0,), ("2x2-uneven", "2x2-last")),),
-    "scatter": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
-    "scatter_add": (_GATHERED.cases((0,), ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last")),),
-    "scatter_reduce.amax": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "scatter_reduce.amin": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "scatter_reduce.mean": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "scatter_reduce.prod": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "scatter_reduce.sum": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "select_scatter": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "slice_scatter": (_GATHERED.cases((0,), ("2r-uneven", "4r-random", "2x2-uneven")),),
     "sort": (

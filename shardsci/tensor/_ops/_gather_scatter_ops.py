@@ -8,7 +8,9 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   graph, sharded with the nodes that own its destinations) gives an output sharded like the
   index; a rank receives only the distinct remote rows its index names, once per plan use;
 - a replicated index (a plain tensor) gives a replicated output; each rank broadcasts only the
-  selected rows it owns;
+  selected rows it owns; a scatter through one writes, without communication, into a
+  destination sharded on any dims (NOTE [Scatters through a replicated index write where they
+  land]);
 - scatters run locally when every index value is owned by the rank that holds it (as for a
   graph's destinations); otherwise they write through the index into the rows this rank owns
   plus its halo, and the halo rows travel back to their owners, where sum and mean add them
@@ -41,8 +43,9 @@ from shardsci.tensor._gather_plan import (
     rows_sent_home,
     summed_rows,
 )
-from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local
+from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local, sharding_axes
 from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -408,6 +411,13 @@ def _combined(
 @register_function_handler(torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_)
 def _index_add(func, args, kwargs):
     a = bind(func, args, kwargs)
+    if _replicated_index(a.index) is not None and a.get("out") is None:
+        alpha = a.alpha
+        return _index_by_owner(
+            func, args, kwargs, a,
+            lambda into, dim, index, src: into.scatter_add(dim, index, src if alpha == 1 else src * alpha),
+            in_place=func is torch.Tensor.index_add_,
+        )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None or indexed.index.ndim != 1:
         return NotImplemented
@@ -418,6 +428,12 @@ def _index_add(func, args, kwargs):
 @register_function_handler(torch.scatter_add, torch.Tensor.scatter_add, torch.Tensor.scatter_add_)
 def _scatter_add(func, args, kwargs):
     a = bind(func, args, kwargs)
+    if _replicated_index(a.index) is not None and a.get("out") is None:
+        return _scatter_by_owner(
+            func, args, kwargs, a.input, a.dim, a.index, a.src,
+            lambda into, dim, index, src: into.scatter_add(dim, index, src),
+            in_place=func is torch.Tensor.scatter_add_,
+        )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None:
         return NotImplemented
@@ -430,8 +446,148 @@ def _scatter_add(func, args, kwargs):
 )
 def _scatter_reduce(func, args, kwargs):
     a = bind(func, args, kwargs)
+    if _replicated_index(a.index) is not None and a.get("out") is None:
+        return _scatter_by_owner(
+            func, args, kwargs, a.input, a.dim, a.index, a.src,
+            lambda into, dim, index, src: into.scatter_reduce(
+                dim, index, src, a.reduce, include_self=a.include_self
+            ),
+            in_place=func is torch.Tensor.scatter_reduce_,
+        )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None:
         return NotImplemented
     in_place = func is torch.Tensor.scatter_reduce_
     return _scatter(indexed, a.src, a.reduce, a.include_self, "scatter_reduce", in_place=in_place)
+
+
+# ---------------------------------------------------------------------------- replicated index
+# NOTE [Scatters through a replicated index write where they land]
+# A scatter whose index (and source) every rank holds whole writes into a destination
+# sharded on any dims without moving anything: along a dim other than the scatter's, the
+# rank takes the index and source rows of its own range (position i along that dim writes
+# row i); along the scatter's dim, it keeps the entries whose index lands in its range,
+# shifted to its shard, and sends the others to one extra slice appended to its shard and
+# dropped afterwards, so every reduction (sum, mean, prod, amax, amin, assignment) and its
+# backward see exactly the entries of that range, include_self or not. The source's gradient
+# is a partial sum over the sharding axes (``replicated_local``).
+def _replicated_index(index: object) -> torch.Tensor | None:
+    """The whole index every rank holds: a plain integer tensor or a replicated ShardTensor's
+    local one; None for anything else."""
+    if isinstance(index, ShardTensor):
+        if index._spec.shardings or index._spec.partial:
+            return None
+        index = index._local
+    if not isinstance(index, torch.Tensor) or index.dtype not in _INDEX_DTYPES:
+        return None
+    return index
+
+
+def _scatter_by_owner(
+    func, args, kwargs, x: object, dim: int, index: object, src: object, scatter, *, in_place: bool
+) -> object:
+    """``scatter(destination, dim, index, src)`` into a destination sharded on any dims, with
+    a replicated index and source (NOTE [Scatters through a replicated index write where they
+    land]); ``in_place`` writes the result into ``x`` and returns it."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
+        return NotImplemented
+    if isinstance(src, ShardTensor) and (src._spec.shardings or src._spec.partial):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    spec, index, dim = x._spec, _replicated_index(index), dim % x.ndim
+    out_of_range = (index < 0) | (index >= x.shape[dim])
+    if bool(out_of_range.any()):
+        bad = int(index[out_of_range][0])
+        raise IndexError(f"{func.__name__}: index {bad} is out of bounds for dim {dim} with size "
+                         f"{x.shape[dim]}")  # fmt: skip
+    if isinstance(src, torch.Tensor):
+        src = replicated_local(src, spec.mesh, sharding_axes(spec))
+    starts, sizes = spec.local_offsets(), spec.local_shape()
+    for sharding in spec.shardings:
+        d = sharding.dim
+        if d == dim:
+            continue
+        begin = min(starts[d], index.shape[d])
+        end = min(starts[d] + sizes[d], index.shape[d])
+        index = index.narrow(d, begin, end - begin)
+        if isinstance(src, torch.Tensor):
+            src = src.narrow(d, begin, end - begin)
+    destination = x.to_local()
+    if in_place:
+        destination = destination.clone()  # saved by the local op's backward
+    if dim in spec.sharding_by_dim:
+        start, size = starts[dim], sizes[dim]
+        mine = (index >= start) & (index < start + size)
+        index = torch.where(mine, index - start, size)
+        spare = destination.new_zeros([1 if d == dim else n for d, n in enumerate(sizes)])
+        out = scatter(torch.cat([destination, spare], dim), dim, index, src).narrow(dim, 0, size)
+    else:
+        out = scatter(destination, dim, index, src)
+    result = from_local_spec(out, spec.with_dtype(out.dtype))
+    return x.copy_(result) if in_place else result
+
+
+@register_function_handler(torch.scatter, torch.Tensor.scatter, torch.Tensor.scatter_)
+def _scatter_assign(func, args, kwargs):
+    a = bind(func, args, kwargs, signature=_scatter_signature)
+    src = a.value if a.src is None else a.src
+    if _replicated_index(a.index) is None or a.out is not None:
+        return NotImplemented
+    reduce = {} if a.reduce is None else {"reduce": a.reduce}
+    return _scatter_by_owner(
+        func, args, kwargs, a.input, a.dim, a.index, src,
+        lambda into, dim, index, source: into.scatter(dim, index, source, **reduce),
+        in_place=func is torch.Tensor.scatter_,
+    )  # fmt: skip
+
+
+def _scatter_signature(input, dim, index, src=None, *, value=None, reduce=None, out=None):
+    """``torch.scatter``'s overloads: a source tensor or a ``value``, optionally reduced."""
+
+
+def _index_by_owner(func, args, kwargs, a, scatter, *, in_place: bool) -> object:
+    """An ``index_*`` op (its 1-D ``index`` along ``dim`` names the destination row of each
+    row of ``source``) as the scatter ``scatter`` with that index expanded over the source,
+    written where it lands (NOTE [Scatters through a replicated index write where they
+    land])."""
+    index, source = _replicated_index(a.index), a.source
+    if (
+        index.ndim > 1
+        or not isinstance(source, torch.Tensor)
+        or not isinstance(a.input, ShardTensor)
+    ):
+        return NotImplemented
+    dim = a.dim % max(a.input.ndim, 1)
+    shape = [-1 if d == dim else 1 for d in range(source.ndim)]
+    expanded = index.reshape(shape).expand(source.shape) if source.ndim else index
+    return _scatter_by_owner(
+        func, args, kwargs, a.input, dim, expanded, source, scatter, in_place=in_place
+    )
+
+
+@register_function_handler(torch.index_copy, torch.Tensor.index_copy, torch.Tensor.index_copy_)
+def _index_copy(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    if _replicated_index(a.index) is None or a.get("out") is not None:
+        return NotImplemented
+    return _index_by_owner(
+        func, args, kwargs, a,
+        lambda into, dim, index, src: into.scatter(dim, index, src),
+        in_place=func is torch.Tensor.index_copy_,
+    )  # fmt: skip
+
+
+@register_function_handler(
+    torch.index_reduce, torch.Tensor.index_reduce, torch.Tensor.index_reduce_
+)
+def _index_reduce(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    if _replicated_index(a.index) is None or a.get("out") is not None:
+        return NotImplemented
+    return _index_by_owner(
+        func, args, kwargs, a,
+        lambda into, dim, index, src: into.scatter_reduce(
+            dim, index, src, a.reduce, include_self=a.include_self
+        ),
+        in_place=func is torch.Tensor.index_reduce_,
+    )  # fmt: skip

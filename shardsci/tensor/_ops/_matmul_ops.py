@@ -49,7 +49,7 @@ from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._dispatch import local_of
-from shardsci.tensor._ops._common import accepts
+from shardsci.tensor._ops._common import accepts, replicated_local, sharding_axes
 from shardsci.tensor._ops._ring import Blocks, ring_chosen
 from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
 from shardsci.tensor._promotion import promote_replicated
@@ -469,6 +469,34 @@ def _row_sharded_addmm(func, args, kwargs):
         local_of(bias), a.mat1._local, local_of(a.mat2), beta=a.beta, alpha=a.alpha
     )
     return _rows_kept(a.mat1, out, a.mat2.shape[1])
+
+
+# NOTE [A sharded bias keeps its blocks]
+# ``addmm(bias, mat1, mat2)`` with the bias sharded as a whole (rows, columns or blocks) and
+# both matrices replicated: each rank computes only its block of the product, the rows of
+# mat1 and the columns of mat2 its bias block spans, so the output keeps the bias's layout
+# and nothing moves. The matrices' gradients are partial sums over the bias's sharding axes.
+@register_function_handler(torch.addmm, torch.Tensor.addmm)
+def _sharded_bias_addmm(func, args, kwargs):
+    a = bind(func, args, kwargs, signature=_addmm_signature)
+    bias, mat1, mat2 = a.input, a.mat1, a.mat2
+    if a.get("out") is not None or not isinstance(bias, ShardTensor) or bias.ndim != 2:
+        return NotImplemented
+    if tuple(bias.shape) != (mat1.shape[0], mat2.shape[1]) or not accepts(
+        bias, replicated=[mat1, mat2]
+    ):
+        return NotImplemented
+    spec = bias._spec
+    axes = sharding_axes(spec)
+    (row, col), (rows, cols) = spec.local_offsets(), spec.local_shape()
+    mat1 = replicated_local(mat1, spec.mesh, axes).narrow(0, row, rows)
+    mat2 = replicated_local(mat2, spec.mesh, axes).narrow(1, col, cols)
+    out = torch.addmm(bias.to_local(), mat1, mat2, beta=a.beta, alpha=a.alpha)
+    return from_local_spec(out, spec.with_dtype(out.dtype))
+
+
+def _addmm_signature(input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    """``torch.addmm``'s parameters (its dense and sparse overloads share them)."""
 
 
 @register_aten_handler(aten.addbmm.default)

@@ -1,13 +1,14 @@
-"""Scans along a sharded dim (cumsum, logcumsumexp): a local scan combined with the total of
-the shards before.
+"""Scans along a sharded dim (cumsum, logcumsumexp, cumprod): a local scan combined with the
+total of the shards before.
 
 DTensor gathers the whole dim; here each rank scans its shard and combines it with the total
-of the preceding shards (their sum or log-sum-exp), which costs one gather of a single slice
-per rank. Their backwards (a reversed cumsum, built by autograd from flip and cumsum; and
-logcumsumexp's, from flips, this scan and pointwise ops) reuse these handlers and the flip
-handler. Not cumprod: its forward would fit here, but autograd's backward for a tensor
-subclass takes its composite path (``max`` of a zero mask along the dim, then ``scatter``),
-which gathers the dim anyway, so cumprod keeps DTensor's gather (``tests/op_db_unsupported.py``).
+of the preceding shards (their sum, log-sum-exp or product), which costs one gather of a
+single slice per rank. The backwards of cumsum and logcumsumexp (a reversed cumsum, built by
+autograd from flip and cumsum; and flips, this scan and pointwise ops) reuse these handlers
+and the flip handler. cumprod's backward does not: for a tensor subclass autograd takes its
+composite path (``max`` of a zero mask along the dim, then ``scatter``), which gathers the
+dim, so ``torch.cumprod`` has a function handler with a backward of its own (NOTE [cumprod's
+gradient by shards]).
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind, replaced
-from shardsci.tensor._collectives import exchange
+from shardsci.tensor._collectives import AxisGroup, exchange
 from shardsci.tensor._ops._common import accepts, dim_layout
-from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._registry import register_aten_handler, register_function_handler
 
 aten = torch.ops.aten
 
@@ -52,6 +55,7 @@ class _Scan:
 _SCANS = {
     aten.cumsum.default: _Scan(lambda t: t.sum(0), torch.add, 0.0, linear=True),
     aten.logcumsumexp.default: _Scan(lambda t: t.logsumexp(0), torch.logaddexp, -math.inf),
+    aten.cumprod.default: _Scan(lambda t: t.prod(0), torch.mul, 1.0),
 }
 
 
@@ -66,21 +70,180 @@ def _scan(func, args, kwargs):
     local_args, local_kwargs = replaced(func, args, kwargs, {"self": x._local})
     local = func(*local_args, **local_kwargs)
     _, group, _ = dim_layout(x._spec, dim)
-    if local.shape[dim]:
-        total = local.narrow(dim, local.shape[dim] - 1, 1)
-    else:
-        total = local.new_full(
-            [1 if d == dim else n for d, n in enumerate(local.shape)], scan.identity
-        )
-    totals = exchange(
-        group,
-        [total] * group.size,
-        lambda src, dst: total.shape,
-        dtype=total.dtype,
-        device=total.device,
-        kind="all_gather",
-    )
+    totals = _shard_totals(local, dim, group, scan.identity)
     before = totals[: group.index]
     if before:
         local = scan.combine(local, scan.total(torch.stack(before)))
     return ShardTensor(local, x._spec.with_dtype(local.dtype))
+
+
+def _shard_totals(
+    local: torch.Tensor, dim: int, group: AxisGroup, identity: float
+) -> list[torch.Tensor]:
+    """Every shard's total along ``dim`` (the last slice of its local scan ``local``; the
+    scan's identity for an empty shard), in the order of ``group``: one slice from each rank.
+
+    Returns
+    -------
+    list of Tensor
+        ``group.size`` slices shaped as ``local`` with ``dim`` of size 1.
+    """
+    if local.shape[dim]:
+        total = local.narrow(dim, local.shape[dim] - 1, 1)
+    else:
+        total = local.new_full([1 if d == dim else n for d, n in enumerate(local.shape)], identity)
+    return _gathered_slices(total, group)
+
+
+def _gathered_slices(piece: torch.Tensor, group: AxisGroup) -> list[torch.Tensor]:
+    """``piece`` (a slice, the same shape on every rank of ``group``) from every rank."""
+    return exchange(
+        group,
+        [piece] * group.size,
+        lambda src, dst: piece.shape,
+        dtype=piece.dtype,
+        device=piece.device,
+        kind="all_gather",
+    )
+
+
+# NOTE [cumprod's gradient by shards]
+# For shard r of the dim (its local cumprod z, the totals Q_m of the shards m, and the
+# incoming gradient g), the gradient of x_k in shard r is
+#     P_r * (vjp of the local cumprod at x, with cotangent c)_k,
+# where P_r = prod_{m<r} Q_m is the product of the shards before, and c is g with
+#     T_r = sum_{q>r} (prod_{r<m<q} Q_m) * U_q,    U_q = sum_{i in q} g_i z_i,
+# added to its last slice: the sum over the later shards' outputs, each a product through
+# the end of shard r. T_r = U_{r+1} + Q_{r+1} T_{r+1} is a reversed scan over one slice per
+# shard, so the backward gathers one slice (U) from each rank, never the dim, and the local
+# vjp is torch's own cumprod backward on a plain tensor, right where x has zeros.
+class _CumProd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:  # type: ignore[override]
+        scanned = local.cumprod(dim)
+        totals = _shard_totals(scanned, dim, group, 1.0)
+        before = torch.stack(totals[: group.index]).prod(0) if group.index else None
+        ctx.save_for_backward(local, scanned, before, *totals)
+        ctx.dim, ctx.group = dim, group
+        return scanned if before is None else scanned * before
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        local, scanned, before, *totals = ctx.saved_tensors
+        dim, group = ctx.dim, ctx.group
+        mine = (grad * scanned).sum(dim, keepdim=True)
+        later = _gathered_slices(mine, group)
+        after = torch.zeros_like(mine)
+        for q in range(group.size - 1, group.index, -1):
+            after = later[q] + totals[q] * after
+        cotangent = grad.clone()
+        if local.shape[dim]:
+            cotangent.narrow(dim, local.shape[dim] - 1, 1).add_(after)
+        with torch.enable_grad():
+            leaf = local.detach().requires_grad_()
+            (out,) = torch.autograd.grad(leaf.cumprod(dim), leaf, cotangent)
+        return (out if before is None else out * before), None, None
+
+
+@register_function_handler(torch.cumprod, torch.Tensor.cumprod)
+def _cumprod(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    x = a.input
+    if a.out is not None or not isinstance(x, ShardTensor):
+        return NotImplemented
+    dim = a.dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim]):
+        return NotImplemented
+    if a.dtype is not None:
+        x = x.to(a.dtype)
+    _, group, _ = dim_layout(x._spec, dim)
+    out = _CumProd.apply(x.to_local(), dim, group)
+    return from_local_spec(out, x._spec.with_dtype(out.dtype))
+
+
+# NOTE [cummax and cummin by shards]
+# Each rank scans its shard and shifts the indices by its shard's start, so they are global.
+# The extremum of the shards before (folded from each one's last value and index, one slice
+# of each from every rank) replaces the local result where it wins: where the local value is
+# not NaN and does not reach it (torch's rule: a NaN always wins, a tie goes to the later
+# index). In the backward, an output cell's gradient goes to the input cell its index names:
+# in this shard (a local scatter_add), or, where the prior extremum won, to one cell per
+# slice position in an earlier shard: each rank sends the sum of those gradients and the
+# index they go to (two slices), and the owner adds what falls in its range.
+class _CumulativeExtremum(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, dim: int, group: AxisGroup, sizes: tuple, name: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = sum(sizes[: group.index])
+        values, indices = getattr(torch, name)(local, dim)
+        indices = indices + start
+        last_values = _shard_totals(values, dim, group, 0)
+        last_indices = _shard_totals(indices, dim, group, -1)
+        wins = torch.ge if name == "cummax" else torch.le
+        prior_value, prior_index = None, torch.full_like(last_indices[0], -1)
+        for q in range(group.index):
+            if not sizes[q]:
+                continue
+            if prior_value is None:
+                prior_value, prior_index = last_values[q], last_indices[q]
+                continue
+            later = _wins(last_values[q], prior_value, wins)
+            prior_value = torch.where(later, last_values[q], prior_value)
+            prior_index = torch.where(later, last_indices[q], prior_index)
+        if prior_value is not None:
+            mine = _wins(values, prior_value, wins)
+            values = torch.where(mine, values, prior_value)
+            indices = torch.where(mine, indices, prior_index)
+        ctx.save_for_backward(indices, prior_index)
+        ctx.dim, ctx.group, ctx.start, ctx.size = dim, group, start, local.shape[dim]
+        ctx.mark_non_differentiable(indices)
+        return values, indices
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple:  # type: ignore[override]
+        indices, prior_index = ctx.saved_tensors
+        dim, start, size = ctx.dim, ctx.start, ctx.size
+        here = indices >= start
+        out = torch.zeros_like(grad).scatter_add_(
+            dim, torch.where(here, indices - start, 0), torch.where(here, grad, 0)
+        )
+        sent = torch.where(here, 0, grad).sum(dim, keepdim=True)
+        for piece, target in zip(
+            _gathered_slices(sent, ctx.group),
+            _gathered_slices(prior_index, ctx.group),
+            strict=True,
+        ):
+            ours = (target >= start) & (target < start + size)
+            if size:
+                out.scatter_add_(dim, torch.where(ours, target - start, 0), piece * ours)
+        return out, None, None, None, None
+
+
+def _wins(later: torch.Tensor, earlier: torch.Tensor, wins: Callable) -> torch.Tensor:
+    """Where the scan's later value replaces the earlier one: a NaN, or one that wins."""
+    return later.isnan() | (~earlier.isnan() & wins(later, earlier))
+
+
+@register_function_handler(torch.cummax, torch.Tensor.cummax, torch.cummin, torch.Tensor.cummin)
+def _cumulative_extremum(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    x = a.input
+    if a.out is not None or not isinstance(x, ShardTensor):
+        return NotImplemented
+    dim = a.dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim]):
+        return NotImplemented
+    sharding, group, _ = dim_layout(x._spec, dim)
+    values, indices = _CumulativeExtremum.apply(
+        x.to_local(), dim, group, sharding.sizes, func.__name__
+    )
+    result = getattr(torch.return_types, func.__name__)
+    return result(
+        (
+            from_local_spec(values, x._spec),
+            from_local_spec(indices, x._spec.with_dtype(torch.int64)),
+        )
+    )

@@ -1,0 +1,109 @@
+"""Scatters through a replicated index into a destination sharded on any dims, against one
+process, float64 (NOTE [Scatters through a replicated index write where they land]).
+
+``scatter``, ``scatter_add``, ``scatter_reduce`` (every reduction, with and without the
+destination's own values), ``index_add``, ``index_copy`` and ``index_reduce`` into a destination sharded along the scatter's dim, along another
+dim (with an empty shard, and rows the index does not reach) and both on a 2x2 mesh: values,
+the destination's and the source's gradients, the output's layout (the destination's
+placements and shard sizes), no byte received by ``count_traffic`` in the forward, and an
+out-of-range index refused on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+from shardsci.handlers import from_local_spec
+from shardsci.testing import (
+    Layout,
+    assert_all_ranks,
+    check_against_reference,
+    count_traffic,
+    get_mesh,
+    run_on_ranks,
+)
+
+SHAPE = (6, 5, 4)  # the destination; every scatter is along dim 1
+LAYOUTS = {
+    "2r-scatter-dim": ((2,), Layout((Shard(1),), {1: (4, 1)})),
+    "4r-empty-other-dim": ((4,), Layout((Shard(0),), {0: (2, 0, 3, 1)})),
+    "2x2-both": ((2, 2), Layout((Shard(0), Shard(1)), {0: (4, 2), 1: (1, 4)})),
+}
+
+
+def _cases() -> dict[str, object]:
+    generator = torch.Generator().manual_seed(3)
+    # index rows 0..3 of dim 0 only (4 < 6), several entries per target
+    index = torch.randint(0, SHAPE[1], (4, 7, 3), generator=generator)
+    # one entry per target for assignment, whose result with duplicates is unspecified
+    unique = torch.rand(4, SHAPE[1], 3, generator=generator).argsort(1)[:, :3]
+    cases = {
+        "scatter_add": lambda x, src: x.scatter_add(1, index, src),
+        "scatter_add_, in place": lambda x, src: x.clone().scatter_add_(1, index, src),
+        "scatter": lambda x, src: torch.scatter(x, 1, unique, src[:, :3]),
+        "scatter, a value": lambda x, src: x.scatter(1, unique, 2.5) * src.sum(),
+    }
+    # the index_* family: a 1-D index along dim 1 names where each row of the source goes
+    rows = torch.randint(0, SHAPE[1], (7,), generator=generator)
+    distinct = torch.randperm(SHAPE[1], generator=generator)[:3]
+    cases |= {
+        "index_add, alpha=2": lambda x, src: x.index_add(1, rows, _rows(src, 7), alpha=2),
+        "index_add_, in place": lambda x, src: x.clone().index_add_(1, rows, _rows(src, 7)),
+        "index_copy": lambda x, src: x.index_copy(1, distinct, _rows(src, 3)),
+    }
+    for reduce in ("sum", "prod", "mean", "amax", "amin"):
+        for include_self in (True, False):
+            cases[f"scatter_reduce {reduce}, include_self={include_self}"] = (
+                lambda x, src, r=reduce, i=include_self: x.scatter_reduce(
+                    1, index, src, r, include_self=i
+                )
+            )
+            if reduce != "sum":
+                cases[f"index_reduce {reduce}, include_self={include_self}"] = (
+                    lambda x, src, r=reduce, i=include_self: x.index_reduce(
+                        1, rows, _rows(src, 7), r, include_self=i
+                    )
+                )
+    return cases
+
+
+def _rows(src: torch.Tensor, n: int) -> torch.Tensor:
+    """A source for an ``index_*`` op: the destination's shape with ``n`` rows along dim 1."""
+    return (
+        src.sum().expand(SHAPE[0], n, SHAPE[2])
+        * torch.arange(SHAPE[0] * n * SHAPE[2], dtype=src.dtype)
+        .reshape(SHAPE[0], n, SHAPE[2])
+        .cos()
+    )
+
+
+def _body(name: str) -> None:
+    mesh_shape, layout = LAYOUTS[name]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(*SHAPE, dtype=torch.float64)
+    src = torch.randn(4, 7, 3, dtype=torch.float64)  # the index's shape: torch's backward
+    for what, fn in _cases().items():
+        check_against_reference(
+            fn, [x, src], [layout, None], mesh, out_layouts=[layout], what=f"{name}: {what}"
+        )
+    spec = layout.spec(mesh, x)
+    shard = from_local_spec(spec.narrow(x).contiguous(), spec)
+    for what, fn in _cases().items():
+        with count_traffic() as traffic:
+            fn(shard, src)
+        assert_all_ranks(
+            traffic.received == 0,
+            f"{name}: {what} received {traffic.received} bytes: {traffic.as_dict()}",
+        )
+    with pytest.raises(IndexError, match="scatter_add: index 5 is out of bounds for dim 1"):
+        shard.scatter_add(1, torch.tensor([[[5]]]), src)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_scatter_through_a_replicated_index_writes_where_it_lands(name: str) -> None:
+    run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
