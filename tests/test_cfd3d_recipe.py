@@ -244,6 +244,14 @@ def test_learnability_probe_reports_train_and_held_out_errors_against_persistenc
     assert "6 training pairs, 3 held-out pairs" in printed
     assert "on held-out pairs " in printed
     assert printed.rstrip().endswith(f"(persistence {persistence:.4f})"), printed
+    learnability.main([*probe, "--steps", "1", "--rollout-steps", "2", "--rollout", "2"])
+    start = min(4 // 2, 4 - 1 - 2)  # the recipe's rollout start: the middle snapshot, or earlier
+    still = relative_l2(held_out[:, start], held_out[:, start + 2]).mean()
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(f"(persistence {persistence:.4f}, after 2 steps {still:.4f})")
+    )
     with pytest.raises(SystemExit):
         learnability.main([str(path), "--n-train", "3"])
 

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"after {args.steps} steps ({time.perf_counter() - started:.0f} s): one-step relative L2 "
         f"on training pairs {train_error:.4f} (persistence {error(train_in, train_out):.4f}),"
-        f" {held_out_errors()} ({persistence})"
+        f" on {held_out_errors()} ({persistence})"
     )
 
 
