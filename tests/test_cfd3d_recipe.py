@@ -107,7 +107,10 @@ def test_block_pencil_and_slab_roles_are_planned_before_any_rank_starts(
         (["model=unet", "data.dataset.solver.resolution=10"],
          "needs D, H and W divisible by 4"),
         (["model=fno", "model.modes=[2,2]"], "cannot take the recipe's fields"),
-        (["train.global_batch=7"], "exceeds the 6 training pairs"),
+        # The recipe trains on 2-step rollouts: 2 trajectories x (4 - 2) starts.
+        (["train.global_batch=7"], "exceeds the 4 training 2-step rollouts"),
+        (["train.rollout.steps=1", "train.global_batch=7"], "exceeds the 6 training pairs"),
+        (["train.rollout.steps=4"], r"train.rollout.steps=4: expected 1 to 3 \(the data has 4"),
         (["data.dataset.solver.resolution=6"], r"data.dataset: SolverConfig.ic_max_wavenumber "
          r"must be in \[1, N/3\)"),
     ],
