@@ -107,7 +107,10 @@ def test_block_pencil_and_slab_roles_are_planned_before_any_rank_starts(
         (["model=unet", "data.dataset.solver.resolution=10"],
          "needs D, H and W divisible by 4"),
         (["model=fno", "model.modes=[2,2]"], "cannot take the recipe's fields"),
-        (["train.global_batch=7"], "exceeds the 6 training pairs"),
+        # The recipe trains on 2-step rollouts: 2 trajectories x (4 - 2) starts.
+        (["train.global_batch=7"], "exceeds the 4 training 2-step rollouts"),
+        (["train.rollout.steps=1", "train.global_batch=7"], "exceeds the 6 training pairs"),
+        (["train.rollout.steps=4"], r"train.rollout.steps=4: expected 1 to 3 \(the data has 4"),
         (["data.dataset.solver.resolution=6"], r"data.dataset: SolverConfig.ic_max_wavenumber "
          r"must be in \[1, N/3\)"),
     ],
@@ -244,6 +247,14 @@ def test_learnability_probe_reports_train_and_held_out_errors_against_persistenc
     assert "6 training pairs, 3 held-out pairs" in printed
     assert "on held-out pairs " in printed
     assert printed.rstrip().endswith(f"(persistence {persistence:.4f})"), printed
+    learnability.main([*probe, "--steps", "1", "--rollout-steps", "2", "--rollout", "2"])
+    start = min(4 // 2, 4 - 1 - 2)  # the recipe's rollout start: the middle snapshot, or earlier
+    still = relative_l2(held_out[:, start], held_out[:, start + 2]).mean()
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(f"(persistence {persistence:.4f}, after 2 steps {still:.4f})")
+    )
     with pytest.raises(SystemExit):
         learnability.main([str(path), "--n-train", "3"])
 

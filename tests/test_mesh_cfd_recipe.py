@@ -101,3 +101,20 @@ def test_resumes_on_another_rank_count(first_run: tuple[Path, Path], tmp_path: P
     got, expected = _losses(run_dir), _losses(straight)
     for step in (3, 4):
         assert got[step] == pytest.approx(expected[step], rel=1e-4), (step, got, expected)
+
+
+@pytest.mark.slow
+def test_rollout_training_on_a_split_graph_equals_one_rank(
+    first_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``train.rollout.steps=2`` (NOTE [Unrolled training]) on the graph split over 2 ranks and
+    on one rank: the same losses, and not the one-step losses of the fixture's run."""
+    data, one_step = first_run
+    runs = {mesh: tmp_path / f"mesh{mesh}" for mesh in ("2", "1")}
+    for mesh, run_dir in runs.items():
+        _train(data, run_dir, mesh, 2, "train.rollout.steps=2", "train.rollout.gradient=all")
+    split, whole = (_losses(run_dir) for run_dir in runs.values())
+    assert split.keys() == whole.keys() == {1, 2}
+    for step in split:
+        assert split[step] == pytest.approx(whole[step], rel=1e-4), (split, whole)
+        assert split[step] != pytest.approx(_losses(one_step)[step], rel=1e-3)

@@ -74,6 +74,12 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
         (["train.global_batch=1000"], "exceeds the 608 training pairs"),
         (["eval.rollout_steps=20"], r"eval.rollout_steps=20: expected 1 to 19"),
         (["eval.samples=0"], r"eval.samples=0: expected an integer >= 1"),
+        (["train.rollout.steps=0"], r"train.rollout.steps=0: expected an integer >= 1"),
+        (["train.rollout.steps=20"], r"train.rollout.steps=20: expected 1 to 19 \(the data"),
+        (
+            ["train.rollout.steps=3", "train.global_batch=1000"],
+            "exceeds the 544 training 3-step rollouts",
+        ),
     ],
 )
 def test_a_config_that_cannot_run_is_refused_before_any_rank_starts(

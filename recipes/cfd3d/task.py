@@ -37,7 +37,7 @@ class AugmentedNextStepTask(NextStepTask):
     negates a component, so it must not see a normalised field with a nonzero mean)."""
 
     def __init__(self, task: NextStepTask, seed: int) -> None:
-        super().__init__(task.problem, task.data, task.run, task.rollout_steps)
+        super().__init__(task.problem, task.data, task.run, task.rollout_steps, task.training)
         if not isinstance(task.data, NextStepFields):
             raise TypeError(f"augmentation needs the data's fields, got {type(task.data)}")
         self.seed = seed
@@ -48,13 +48,12 @@ class AugmentedNextStepTask(NextStepTask):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         return self.symmetries[int(torch.randint(len(self.symmetries), (), generator=generator))]
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int) -> tuple[torch.Tensor, ...]:
         symmetry, normalization = self.symmetry(step), self.data.normalization
-        inputs, targets = (
+        return tuple(
             normalization.normalize(symmetry(normalization.denormalize(fields)))
             for fields in super().batch(step)
         )
-        return inputs, targets
 
 
 def next_step(cfg: DictConfig, run: RunContext) -> NextStepTask:

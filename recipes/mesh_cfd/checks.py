@@ -30,12 +30,19 @@ def check(cfg: DictConfig, plan: ParallelPlan) -> None:
             f"data.test_trajectories={test}: expected 1 to {stored.trajectories - 1} (the data "
             f"has {stored.trajectories} trajectories)"
         )
-    pairs = (stored.trajectories - test) * (stored.times - 1)
-    if cfg.train.global_batch > pairs:
+    unrolled = cfg.train.rollout.steps
+    if unrolled >= stored.times:
         raise ValueError(
-            f"train.global_batch={cfg.train.global_batch} exceeds the {pairs} training pairs of "
+            f"train.rollout.steps={unrolled}: expected 1 to {stored.times - 1} (the data has "
+            f"{stored.times} records per trajectory)"
+        )
+    samples = (stored.trajectories - test) * (stored.times - unrolled)
+    if cfg.train.global_batch > samples:
+        what = "training pairs" if unrolled == 1 else f"training {unrolled}-step rollouts"
+        raise ValueError(
+            f"train.global_batch={cfg.train.global_batch} exceeds the {samples} {what} of "
             f"the data ({stored.trajectories - test} training trajectories of {stored.times} "
-            f"records); expected at most {pairs}"
+            f"records); expected at most {samples}"
         )
     if cfg.eval.samples < 1:
         raise ValueError(f"eval.samples={cfg.eval.samples}: expected an integer >= 1")

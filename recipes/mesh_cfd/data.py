@@ -32,7 +32,8 @@ from shardsci.training import Parallelism, RunContext
 
 __all__ = ["SAMPLE_DIM", "Batch", "MeshData"]
 
-Batch = tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = list[torch.Tensor]
+"""Node velocities ``(N, B, 2)`` at t, t + 1, ..., t + ``train.rollout.steps``."""
 """((node features, edge features, edge index), target change)."""
 
 SAMPLE_DIM = 1
@@ -75,6 +76,7 @@ class MeshData:
             self.n_times,
             cfg.train.global_batch,
             cfg.train.seed,
+            horizon=cfg.train.rollout.steps,
             **dp,
         )
         self.held_out = HeldOutPairs(
@@ -88,13 +90,10 @@ class MeshData:
 
     # ------------------------------------------------------------------ samples
     def train_batch(self, step: int) -> Batch:
-        """This data-parallel rank's share of global batch ``step`` (``NextStepPairs``)."""
-        return self.batch_of(self.training_pairs.batch(step).inputs)
-
-    def batch_of(self, pairs: np.ndarray) -> Batch:
-        """Inputs and normalised target change of the (trajectory, time) ``pairs`` ``(b, 2)``."""
-        now, after = self.velocities(pairs, 1)
-        return self.inputs(now), (after - now) / self.change_std
+        """This data-parallel rank's share of global batch ``step`` (``NextStepPairs``): the
+        velocities at t, t + 1, ..., t + ``train.rollout.steps``."""
+        pairs = self.training_pairs
+        return self.velocities(pairs.batch(step).inputs, pairs.horizon)
 
     def velocities(self, pairs: np.ndarray, steps: int) -> list[torch.Tensor]:
         """The velocities ``(N, B, 2)`` of the (trajectory, time) ``pairs`` ``(b, 2)`` at t,

@@ -9,7 +9,7 @@ rollout, and a PNG of the predicted cross-stream velocity drawn on the triangle 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,11 +20,13 @@ from torch import nn
 from shardsci.recipes.mesh_cfd.data import SAMPLE_DIM, Batch, MeshData
 from shardsci.recipes.mesh_cfd.plots import save_mesh_comparison
 from shardsci.training import (
+    RolloutConfig,
     RunContext,
     describe_forecast,
     dp_sample_mean,
     relative_l2,
     rollout,
+    unrolled_loss,
 )
 
 __all__ = ["NextVelocity", "next_velocity"]
@@ -32,31 +34,52 @@ __all__ = ["NextVelocity", "next_velocity"]
 
 def next_velocity(cfg: DictConfig, run: RunContext) -> NextVelocity:
     """The task on this rank's part of the graph (``Recipe.task``)."""
-    return NextVelocity(MeshData(cfg, run), run, cfg.eval.samples, cfg.eval.rollout_steps)
+    training = RolloutConfig(cfg.train.rollout.steps, cfg.train.rollout.gradient)
+    return NextVelocity(MeshData(cfg, run), run, cfg.eval.samples, cfg.eval.rollout_steps, training)
 
 
 class NextVelocity:
-    """The task: predict the velocity one record interval ahead (see ``Task``)."""
+    """The task: predict the velocity one record interval ahead (see ``Task``); trained on
+    the mean squared error of the velocity in units of the one-record change's standard
+    deviation (per component), after one step or over a ``train.rollout`` (NOTE [Unrolled
+    training]): after one step, the error of the model's normalised change itself."""
 
-    def __init__(self, data: MeshData, run: RunContext, samples: int, rollout_steps: int):
+    def __init__(
+        self,
+        data: MeshData,
+        run: RunContext,
+        samples: int,
+        rollout_steps: int,
+        training: RolloutConfig,
+    ):
         self.data = data
         self.run = run
         self.samples = samples
         self.rollout_steps = rollout_steps
+        self.training = training
         self.cells_per_sample = data.cells_per_sample
 
     def batch(self, step: int) -> Batch:
         return self.data.train_batch(step)
 
     def losses(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        inputs, change = batch
-        return {"velocity": F.mse_loss(model(*inputs).float(), change)}
+        start, *truths = batch
+        scale = self.data.change_std
+
+        def loss(prediction: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss((prediction.float() - truth) / scale, torch.zeros_like(truth))
+
+        advance = self._advance(model)
+        return {"velocity": unrolled_loss(advance, start, truths, loss, self.training.gradient)}
+
+    def _advance(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The model as one step of node velocities ``(N, B, 2)`` in physical units."""
+        data = self.data
+        return lambda velocity: data.advanced(velocity, model(*data.inputs(velocity)))
 
     def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
         data, parallelism = self.data, self.run.parallelism
-
-        def advance(velocity: torch.Tensor) -> torch.Tensor:
-            return data.advanced(velocity, model(*data.inputs(velocity)))
+        advance = self._advance(model)
 
         now, after = data.velocities(data.held_out.pairs(self.samples), 1)
         prediction = advance(now)

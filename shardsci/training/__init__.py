@@ -90,6 +90,7 @@ from shardsci.training._step import Task, prediction_state, training_step
 from shardsci.training._train import train_recipe
 from shardsci.training._trainer import NonFinite, TrainConfig, Trainer
 from shardsci.training._trajectories import Trajectories, TrajectorySource
+from shardsci.training._unrolled import RolloutConfig, RolloutGradient, unrolled_loss
 from shardsci.training._whole import whole_tensor
 
 __all__ = [
@@ -123,6 +124,8 @@ __all__ = [
     "Progress",
     "RandomFields",
     "Recipe",
+    "RolloutConfig",
+    "RolloutGradient",
     "RunConfig",
     "RunContext",
     "ScheduleConfig",
@@ -172,6 +175,7 @@ __all__ = [
     "traceback_requested",
     "train_recipe",
     "training_step",
+    "unrolled_loss",
     "warmup_cosine",
     "whole_tensor",
 ]

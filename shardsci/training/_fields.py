@@ -72,8 +72,9 @@ class Normalization:
 
 
 class NextStepFields:
-    """Normalised ``(N, C, *spatial)`` fields at t and t + 1 on ``run.device``: ShardTensors
-    split over the run's domain axes, plain tensors when nothing is split.
+    """Normalised ``(N, C, *spatial)`` fields at t and t + 1 (training batches: t, t + 1, ...,
+    t + ``unrolled``) on ``run.device``: ShardTensors split over the run's domain axes, plain
+    tensors when nothing is split.
 
     Parameters
     ----------
@@ -92,6 +93,8 @@ class NextStepFields:
         Pairs per step over all replicas; the seed of their order (``NextStepPairs``).
     eval_samples : int or None
         Held-out pairs of ``eval_batch`` (None: every one).
+    unrolled : int
+        Records after the input in each training sample (``train.rollout.steps``).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class NextStepFields:
         global_batch: int,
         seed: int,
         eval_samples: int | None,
+        unrolled: int = 1,
     ) -> None:
         dims = tuple(dims)
         if dims[:2] != _INDEX_DIMS:
@@ -122,16 +126,21 @@ class NextStepFields:
             statistics.mean, statistics.std, len(self.field.spatial_dims)
         )
         dp = {"dp_rank": parallelism.dp_rank, "dp_size": parallelism.dp_size}
-        self.pairs = NextStepPairs(tuple(train), self.n_times, global_batch, seed, **dp)
+        self.unrolled = unrolled
+        self.pairs = NextStepPairs(
+            tuple(train), self.n_times, global_batch, seed, horizon=unrolled, **dp
+        )
         self.held_out = HeldOutPairs(tuple(test), self.n_times, **dp)
         self.eval_samples = eval_samples
         self.cells_per_sample = int(np.prod([self.field.shape[d] for d in self.field.spatial_dims]))
 
     # ------------------------------------------------------------------ batches
-    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's part of global batch ``step``: inputs and targets."""
-        inputs, targets = self.pairs.batch(step).read(self.field)
-        return self._prepared(inputs), self._prepared(targets)
+    def train_batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        """This replica's part of global batch ``step``: the fields at t, t + 1, ...,
+        t + ``unrolled`` (inputs, then targets)."""
+        starts = self.pairs.batch(step).inputs
+        fields = self.field.read_many(*(_later(starts, k) for k in range(self.unrolled + 1)))
+        return tuple(self._prepared(f) for f in fields)
 
     def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's share of the held-out pairs (``HeldOutPairs.pairs``)."""
@@ -172,18 +181,26 @@ class RandomFields:
     dims : sequence of str
         The names of the batch's dims, ``("N", "C", *spatial)``.
     global_batch : int
+    unrolled : int
+        Targets of a training batch (``train.rollout.steps``).
     """
 
     def __init__(
-        self, run: RunContext, sample_shape: Sequence[int], dims: Sequence[str], global_batch: int
+        self,
+        run: RunContext,
+        sample_shape: Sequence[int],
+        dims: Sequence[str],
+        global_batch: int,
+        unrolled: int = 1,
     ) -> None:
         self.run = run
+        self.unrolled = unrolled
         self.dims = tuple(dims)
         self.shape = (max(1, global_batch // run.parallelism.dp_size), *sample_shape)
         self.cells_per_sample = int(np.prod(sample_shape[1:]))
 
-    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._field(), self._field()
+    def train_batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self._field() for _ in range(self.unrolled + 1))
 
     def _field(self) -> torch.Tensor:
         parallelism, device = self.run.parallelism, self.run.device

@@ -3,7 +3,8 @@
 A recipe that learns to advance a field by one record (2-D vorticity, a 3-D velocity) says what
 its data is (a ``TrajectorySource``) and how to look at a sample (a 2-D ``plane`` of it for the
 pictures); a ``NextStepProblem`` makes the rest: the training ``Task`` (batches of this rank's
-slab, the mean squared error, the held-out evaluation and its PNG), the dry run's task on random
+slab, the mean squared error, of one step or of a ``train.rollout`` of several: NOTE [Unrolled
+training], the held-out evaluation and its PNG), the dry run's task on random
 fields, the checks before any rank starts, the data preparation, and the prediction's task and
 check (``shardsci-predict``: ``_next_step_prediction.py``).
 
@@ -41,6 +42,7 @@ from shardsci.training._parallelism import ParallelPlan
 from shardsci.training._plots import save_rollout
 from shardsci.training._run import RunContext
 from shardsci.training._trajectories import TrajectorySource
+from shardsci.training._unrolled import RolloutConfig, unrolled_loss
 from shardsci.training._whole import whole_tensor
 
 __all__ = ["NextStepEvalConfig", "NextStepProblem", "NextStepTask"]
@@ -108,28 +110,43 @@ class NextStepProblem:
             global_batch=cfg.train.global_batch,
             seed=cfg.train.seed,
             eval_samples=cfg.eval.samples,
+            unrolled=cfg.train.rollout.steps,
         )
-        return NextStepTask(self, data, run, cfg.eval.rollout_steps)
+        return NextStepTask(self, data, run, cfg.eval.rollout_steps, _rollout(cfg))
 
     def random_task(self, cfg: DictConfig, run: RunContext) -> NextStepTask:
         """The task on random fields of the data's shapes and layouts (``Recipe.dry_run_task``)."""
         config = self.source.config(cfg.data.dataset)
         sample_shape = self.source.of_config(Path(cfg.data.path), config).sample_shape
-        data = RandomFields(run, sample_shape, self.field_dims, int(cfg.train.global_batch))
-        return NextStepTask(self, data, run, cfg.eval.rollout_steps)
+        data = RandomFields(
+            run,
+            sample_shape,
+            self.field_dims,
+            int(cfg.train.global_batch),
+            unrolled=cfg.train.rollout.steps,
+        )
+        return NextStepTask(self, data, run, cfg.eval.rollout_steps, _rollout(cfg))
 
     def check(self, cfg: DictConfig, plan: ParallelPlan) -> None:
         """Raise ``ValueError`` naming the first setting of ``cfg`` that cannot run on ``plan``
         (``Recipe.check``): the data file (a user's against the schema, or whether it may be
         generated), the mesh against the field's cells, the batch against the training pairs,
-        the evaluation against the trajectories, the model against the field's shape."""
+        the training rollout and the evaluation against the trajectories, the model against the
+        field's shape."""
         data = self.source.inspect(cfg.data)[0]
         plan.check_fits(data.spatial_sizes, data.describe())
-        if cfg.train.global_batch > data.training_pairs:
+        unrolled = cfg.train.rollout.steps
+        if unrolled >= data.n_snapshots:
             raise ValueError(
-                f"train.global_batch={cfg.train.global_batch} exceeds the "
-                f"{data.training_pairs} training pairs of the data ({data.describe()}); "
-                f"expected at most {data.training_pairs}"
+                f"train.rollout.steps={unrolled}: expected 1 to {data.n_snapshots - 1} (the "
+                f"data has {data.n_snapshots} snapshots per trajectory)"
+            )
+        samples = data.training_samples(unrolled)
+        if cfg.train.global_batch > samples:
+            what = "training pairs" if unrolled == 1 else f"training {unrolled}-step rollouts"
+            raise ValueError(
+                f"train.global_batch={cfg.train.global_batch} exceeds the {samples} {what} of "
+                f"the data ({data.describe()}); expected at most {samples}"
             )
         if cfg.eval.samples is not None and cfg.eval.samples < 1:
             raise ValueError(f"eval.samples={cfg.eval.samples}: expected an integer >= 1 or null")
@@ -174,7 +191,8 @@ class NextStepProblem:
 
 class NextStepTask:
     """Predict the field one record ahead (see ``Task``): batches, the mean squared error of
-    the prediction, the held-out evaluation, and what a prediction needs besides the weights.
+    the prediction (of one step, or of a rollout of ``training.steps``: NOTE [Unrolled
+    training]), the held-out evaluation, and what a prediction needs besides the weights.
     """
 
     def __init__(
@@ -183,21 +201,25 @@ class NextStepTask:
         data: NextStepFields | RandomFields,
         run: RunContext,
         rollout_steps: int,
+        training: RolloutConfig,
     ) -> None:
         self.problem = problem
         self.data = data
         self.run = run
         self.rollout_steps = rollout_steps
+        self.training = training
         self.cells_per_sample = data.cells_per_sample
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        """The fields at t, t + 1, ..., t + ``training.steps`` of this rank's samples."""
         return self.data.train_batch(step)
 
-    def losses(
-        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        inputs, targets = batch
-        return {self.problem.source.dataset: F.mse_loss(model(inputs).float(), targets)}
+    def losses(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        start, *truths = batch
+        loss = unrolled_loss(
+            model, start, truths, lambda p, t: F.mse_loss(p.float(), t), self.training.gradient
+        )
+        return {self.problem.source.dataset: loss}
 
     def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
         data, parallelism = self.data, self.run.parallelism
@@ -277,3 +299,8 @@ def _held_out_advance(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     kernels such as MKL's FFT reject an empty batch (NOTE [A rank with an empty shard computes
     nothing])."""
     return lambda fields: fields if fields.shape[0] == 0 else model(fields)
+
+
+def _rollout(cfg: DictConfig) -> RolloutConfig:
+    """``cfg.train.rollout`` as its dataclass."""
+    return RolloutConfig(cfg.train.rollout.steps, cfg.train.rollout.gradient)

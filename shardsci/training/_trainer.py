@@ -34,6 +34,7 @@ from shardsci.training._schedule import ScheduleConfig, warmup_cosine
 from shardsci.training._schema import instantiate, plain
 from shardsci.training._signals import STOP_SIGNALS, StopRequests, exit_status
 from shardsci.training._step import Task, prediction_state, training_step
+from shardsci.training._unrolled import RolloutConfig
 
 __all__ = ["NonFinite", "TrainConfig", "Trainer"]
 
@@ -78,6 +79,8 @@ class TrainConfig:
         A step whose loss is NaN or infinite: ``stop`` the run, or ``skip`` its update.
     schedule : ScheduleConfig
         The learning-rate schedule.
+    rollout : RolloutConfig
+        Training on k-step rollouts instead of one-step pairs (NOTE [Unrolled training]).
     """
 
     steps: int = 300
@@ -92,6 +95,7 @@ class TrainConfig:
     resume: str = "auto"
     nonfinite: NonFinite = NonFinite.stop
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
@@ -112,6 +116,7 @@ class TrainConfig:
             raise ValueError(
                 f"train.schedule.min_ratio={self.schedule.min_ratio}: expected 0 <= min_ratio <= 1"
             )
+        self.rollout.check()
 
 
 class Trainer:

@@ -63,10 +63,9 @@ class Trajectories:
         """``(C, *spatial)`` of one sample as a model sees it: one channel for a scalar field."""
         return (self.sample_sizes.get(CHANNELS, 1), *self.spatial_sizes.values())
 
-    @property
-    def training_pairs(self) -> int:
-        """Next-step pairs ``(t, t + 1)`` of the training trajectories."""
-        return self.n_train * (self.n_snapshots - 1)
+    def training_samples(self, unrolled: int = 1) -> int:
+        """Training samples of ``unrolled`` records after their input (1: (t, t + 1) pairs)."""
+        return self.n_train * (self.n_snapshots - unrolled)
 
     def describe(self) -> str:
         """``32 training and 8 held-out trajectories of 20 snapshots of 64x64``."""
