@@ -175,43 +175,9 @@ def owned_sizes(
     window: WindowLike, sharding: DimSharding, out_extent: int, hints: Sequence[DimSharding]
 ) -> tuple[int, ...]:
     """Output shard sizes along one dim (NOTE [Which rank owns an output of a windowed op])."""
-    by_anchor = _sizes_by_anchor(window, sharding, out_extent)
     for hint in reversed(hints):
-        if (
-            hint.axes == sharding.axes
-            and hint.extent == out_extent
-            and _keeps_anchors(window, sharding.extent, hint.sizes, by_anchor)
-        ):
+        if hint.axes == sharding.axes and hint.extent == out_extent:
             return hint.sizes
-    return by_anchor
-
-
-def _keeps_anchors(
-    window: WindowLike, extent: int, hinted: tuple[int, ...], by_anchor: tuple[int, ...]
-) -> bool:
-    """Whether remembered sizes give every output of a stride-1 window that has an anchor in
-    the domain to the rank the anchor rule does (they may place only padding cells
-    elsewhere). A crop then a pad of another side shifts the cells (``F.pad(x, (-1, 1))``):
-    the layout remembered for that extent would give a cell to the neighbour of its input's
-    owner. Resampling windows keep their hints whatever the boundaries."""
-    if not isinstance(window, Window) or window.stride != 1:
-        return True
-    lo, hi = window.first_owned(0), window.first_owned(extent)
-    return _clipped_ranges(hinted, lo, hi) == _clipped_ranges(by_anchor, lo, hi)
-
-
-def _clipped_ranges(sizes: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, int]]:
-    """Each rank's output range ``[start, stop)`` within ``[lo, hi)``; empty ones as (0, 0)."""
-    ranges, start = [], 0
-    for size in sizes:
-        first, stop = max(start, lo), min(start + size, hi)
-        ranges.append((first, stop) if stop > first else (0, 0))
-        start += size
-    return ranges
-
-
-def _sizes_by_anchor(window: WindowLike, sharding: DimSharding, out_extent: int) -> tuple[int, ...]:
-    """Output shard sizes by the anchor rule alone."""
     offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
     nonempty = [k for k, size in enumerate(sharding.sizes) if size]
     sizes = [0] * len(sharding.sizes)
