@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind, replaced
-from shardsci.tensor._collectives import AxisGroup, exchange
+from shardsci.tensor._collectives import AxisGroup, all_gather
 from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 
@@ -97,14 +97,7 @@ def _shard_totals(
 
 def _gathered_slices(piece: torch.Tensor, group: AxisGroup) -> list[torch.Tensor]:
     """``piece`` (a slice, the same shape on every rank of ``group``) from every rank."""
-    return exchange(
-        group,
-        [piece] * group.size,
-        lambda src, dst: piece.shape,
-        dtype=piece.dtype,
-        device=piece.device,
-        kind="all_gather",
-    )
+    return list(all_gather(piece, group).unbind(0))
 
 
 # NOTE [cumprod's gradient by shards]
