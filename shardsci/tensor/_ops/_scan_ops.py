@@ -100,6 +100,19 @@ def _gathered_slices(piece: torch.Tensor, group: AxisGroup) -> list[torch.Tensor
     return list(all_gather(piece, group).unbind(0))
 
 
+def _scan_along_a_sharded_dim(func, args, kwargs) -> tuple[Any, ShardTensor, int] | None:
+    """A torch-level scan's bound arguments, its ShardTensor input and the scanned dim, when
+    that dim is sharded and nothing else stops the handler (no ``out``); else None."""
+    a = bind(func, args, kwargs)
+    x = a.input
+    if a.out is not None or not isinstance(x, ShardTensor):
+        return None
+    dim = a.dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim]):
+        return None
+    return a, x, dim
+
+
 # NOTE [cumprod's gradient by shards]
 # For shard r of the dim (its local cumprod z, the totals Q_m of the shards m, and the
 # incoming gradient g), the gradient of x_k in shard r is
@@ -141,13 +154,10 @@ class _CumProd(torch.autograd.Function):
 
 @register_function_handler(torch.cumprod, torch.Tensor.cumprod)
 def _cumprod(func, args, kwargs):
-    a = bind(func, args, kwargs)
-    x = a.input
-    if a.out is not None or not isinstance(x, ShardTensor):
+    call = _scan_along_a_sharded_dim(func, args, kwargs)
+    if call is None:
         return NotImplemented
-    dim = a.dim % max(x.ndim, 1)
-    if not accepts(x, sharded=[dim]):
-        return NotImplemented
+    a, x, dim = call
     if a.dtype is not None:
         x = x.to(a.dtype)
     _, group, _ = dim_layout(x._spec, dim)
@@ -222,13 +232,10 @@ def _wins(later: torch.Tensor, earlier: torch.Tensor, wins: Callable) -> torch.T
 
 @register_function_handler(torch.cummax, torch.Tensor.cummax, torch.cummin, torch.Tensor.cummin)
 def _cumulative_extremum(func, args, kwargs):
-    a = bind(func, args, kwargs)
-    x = a.input
-    if a.out is not None or not isinstance(x, ShardTensor):
+    call = _scan_along_a_sharded_dim(func, args, kwargs)
+    if call is None:
         return NotImplemented
-    dim = a.dim % max(x.ndim, 1)
-    if not accepts(x, sharded=[dim]):
-        return NotImplemented
+    _, x, dim = call
     sharding, group, _ = dim_layout(x._spec, dim)
     values, indices = _CumulativeExtremum.apply(
         x.to_local(), dim, group, sharding.sizes, func.__name__
