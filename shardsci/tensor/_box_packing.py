@@ -40,7 +40,7 @@ shard itself when it is already one run in order), the output is filled in place
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +52,10 @@ from shardsci.tensor._torch_compile import in_graph
 __all__ = [
     "NO_PIECES",
     "Box",
+    "Narrowing",
     "Side",
     "narrow_box",
+    "narrowed",
     "pack",
     "side_of",
     "unpack",
@@ -62,15 +64,22 @@ __all__ = [
 ]
 
 Box = tuple[tuple[int, int], ...]
+# (dim, start, length): a narrowing of one dim.
+Narrowing = tuple[int, int, int]
+
+
+def narrowed(t: torch.Tensor, narrowings: Iterable[Narrowing]) -> torch.Tensor:
+    """``t`` narrowed along each ``(dim, start, length)`` (a view; ``t`` itself where every
+    narrowing spans its dim: a third of a UNet step's halo narrowings do, each an aten op)."""
+    for dim, start, length in narrowings:
+        if start != 0 or length != t.shape[dim]:
+            t = t.narrow(dim, start, length)
+    return t
 
 
 def narrow_box(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     """The region ``box`` (one ``(start, stop)`` per dim) of ``tensor``, a view."""
-    result = tensor
-    for dim, (start, stop) in enumerate(box):
-        if start != 0 or stop != result.shape[dim]:
-            result = result.narrow(dim, start, stop - start)
-    return result
+    return narrowed(tensor, ((dim, start, stop - start) for dim, (start, stop) in enumerate(box)))
 
 
 def wire_order(source_boxes: Sequence[Box], target_boxes: Sequence[Box]) -> tuple[int, ...]:

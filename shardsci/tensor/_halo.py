@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from shardsci.tensor._box_packing import Narrowing, narrowed
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, PendingMessages, axis_group, start_send_recv
 from shardsci.tensor._halo_plan import HaloPlan, Run, domain_range, halo_plan
@@ -45,13 +46,10 @@ __all__ = [
     "extend",
     "extension",
     "halo_exchange",
-    "narrowed",
     "pad_locally",
     "start_extend",
 ]
 
-# (dim, start, length): a narrowing of one dim.
-Narrowing = tuple[int, int, int]
 # (dim, the range each member of the dim's group wants, boundary): one dim of an extension.
 Request = tuple[int, tuple[tuple[int, int], ...], str]
 
@@ -227,15 +225,6 @@ def _domain_part(dim, plan, group, me, boundary, extent, wanted) -> Narrowing:
 
 
 # ---------------------------------------------------------------------------- steps
-def narrowed(t: torch.Tensor, narrowings: Sequence[Narrowing]) -> torch.Tensor:
-    """``t`` narrowed along each ``(dim, start, length)`` (a view; ``t`` itself where every
-    narrowing spans its dim: a third of a UNet step's narrowings do, each an aten op)."""
-    for dim, start, length in narrowings:
-        if start != 0 or length != t.shape[dim]:
-            t = t.narrow(dim, start, length)
-    return t
-
-
 def _view(t: torch.Tensor, step: _Step, start: int, length: int, real: bool) -> torch.Tensor:
     """Cells ``[start, start + length)`` of ``t`` along the step's dim, over its region (or
     only the region's domain cells)."""
