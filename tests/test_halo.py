@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardsci
 from shardsci.tensor._halo import halo_exchange
@@ -86,8 +87,9 @@ def _one_d_body(sizes, widths, boundary) -> None:
         ((40, 33, 30, 28), (2, 3)),
         ((4, 0, 3, 4), (2, 2)),  # an empty shard: its halo comes from two ranks away
         ((5, 1, 1, 6), (3, 2)),  # shards narrower than the halo: multi-hop
+        ((7,), (2, 1)),  # one rank: a zeros boundary is a pad (NOTE [A local extension is a pad])
     ],
-    ids=["2r-5/2", "4r-uneven-asym", "4r-empty", "4r-narrow"],
+    ids=["2r-5/2", "4r-uneven-asym", "4r-empty", "4r-narrow", "1r"],
 )
 def test_one_d(sizes, widths, boundary) -> None:
     run_on_ranks(len(sizes), _one_d_body, sizes, widths, boundary)
@@ -164,3 +166,32 @@ def _block_zeros_bytes_body() -> None:
 
 def test_block_corners_beyond_a_zeros_boundary_do_not_travel() -> None:
     run_on_ranks(4, _block_zeros_bytes_body)
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops dispatched, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _local_pad_body() -> list[str]:
+    mesh = get_mesh((1,))
+    x = shardsci.ShardTensor.from_local(torch.randn(2, 5, 4, dtype=torch.float64), mesh, [Shard(1)])
+    with _Ops() as counted:
+        halo_exchange(x, {1: (2, 1), 2: 1}, "zeros")
+    return counted.ops
+
+
+def test_an_extension_that_moves_nothing_is_one_pad() -> None:
+    """NOTE [A local extension is a pad]: on one rank, zeros beyond both dims' edges (the
+    values and the adjoint are checked by ``test_one_d[1r-zeros]``)."""
+    (ops,) = run_on_ranks(1, _local_pad_body)
+    assert [op for op in ops if op.split(".")[0] not in ("view", "alias")] == [
+        "constant_pad_nd.default"
+    ], ops

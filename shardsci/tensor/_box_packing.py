@@ -40,18 +40,22 @@ shard itself when it is already one run in order), the output is filled in place
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from shardsci.tensor._caches import cached
+from shardsci.tensor._torch_compat import is_fake
 from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
     "NO_PIECES",
     "Box",
+    "Narrowing",
     "Side",
     "narrow_box",
+    "narrowed",
     "pack",
     "side_of",
     "unpack",
@@ -60,15 +64,22 @@ __all__ = [
 ]
 
 Box = tuple[tuple[int, int], ...]
+# (dim, start, length): a narrowing of one dim.
+Narrowing = tuple[int, int, int]
+
+
+def narrowed(t: torch.Tensor, narrowings: Iterable[Narrowing]) -> torch.Tensor:
+    """``t`` narrowed along each ``(dim, start, length)`` (a view; ``t`` itself where every
+    narrowing spans its dim: a third of a UNet step's halo narrowings do, each an aten op)."""
+    for dim, start, length in narrowings:
+        if start != 0 or length != t.shape[dim]:
+            t = t.narrow(dim, start, length)
+    return t
 
 
 def narrow_box(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     """The region ``box`` (one ``(start, stop)`` per dim) of ``tensor``, a view."""
-    result = tensor
-    for dim, (start, stop) in enumerate(box):
-        if start != 0 or stop != result.shape[dim]:
-            result = result.narrow(dim, start, stop - start)
-    return result
+    return narrowed(tensor, ((dim, start, stop - start) for dim, (start, stop) in enumerate(box)))
 
 
 def wire_order(source_boxes: Sequence[Box], target_boxes: Sequence[Box]) -> tuple[int, ...]:
@@ -174,8 +185,23 @@ def with_range(box: Box, dim: int, interval: tuple[int, int]) -> Box:
     return (*box[:dim], interval, *box[dim + 1 :])
 
 
-def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+# NOTE [An exchange's index is built once]
+# ``rows`` and ``blocks`` pack and unpack with a small int64 index (one entry per row or
+# block). Built per call, it would be a host-to-device copy per exchange on a GPU; so each
+# index is kept per value and device (NOTE [Caches are keyed by value]) and a repeated
+# exchange reuses it (``tests/test_redistribute_ops.py`` counts the indices built). Nothing
+# writes an index. Under tracing or fake tensors it is a constant of the trace, built anew.
+def _index(values: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """``values`` as an int64 index on ``like``'s device."""
+    if in_graph() or is_fake(like):
+        return torch.tensor(values, dtype=torch.int64, device=like.device)
+    return _kept_index(values, like.device)
+
+
+@cached("exchange indices", 1024)
+def _kept_index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # an index made in inference mode is used outside it
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def pack(tensor: torch.Tensor, side: Side, order: tuple[int, ...]) -> torch.Tensor:
@@ -190,10 +216,10 @@ def pack(tensor: torch.Tensor, side: Side, order: tuple[int, ...]) -> torch.Tens
         return region.expand(len(side.boxes), *region.shape).contiguous()
     if side.how == "blocks":
         blocks = _as_blocks(region, side).movedim(side.position, 0)
-        return blocks.index_select(0, _index(side.index, tensor.device))
+        return blocks.index_select(0, _index(side.index, tensor))
     if side.index is None:
         return region.contiguous()
-    return region.index_select(0, _index(side.index, tensor.device))
+    return region.index_select(0, _index(side.index, tensor))
 
 
 def _as_blocks(region: torch.Tensor, side: Side) -> torch.Tensor:
@@ -220,9 +246,9 @@ def unpack(out: torch.Tensor, received: torch.Tensor, side: Side, order: tuple[i
     if side.how == "blocks":
         blocks = _as_blocks(region, side).movedim(side.position, 0)
         pieces = received.view(len(side.index), *blocks.shape[1:])
-        blocks.index_copy_(0, _index(side.index, out.device), pieces)
+        blocks.index_copy_(0, _index(side.index, out), pieces)
     elif side.index is None:
         region.copy_(received.view(region.shape))
     else:
         pieces = received.view(len(side.index), *region.shape[1:])
-        region.index_copy_(0, _index(side.index, out.device), pieces)
+        region.index_copy_(0, _index(side.index, out), pieces)

@@ -31,8 +31,10 @@ from functools import cached_property
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from shardsci.tensor._box_packing import Narrowing, narrowed
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, PendingMessages, axis_group, start_send_recv
 from shardsci.tensor._halo_plan import HaloPlan, Run, domain_range, halo_plan
@@ -45,13 +47,10 @@ __all__ = [
     "extend",
     "extension",
     "halo_exchange",
-    "narrowed",
     "pad_locally",
     "start_extend",
 ]
 
-# (dim, start, length): a narrowing of one dim.
-Narrowing = tuple[int, int, int]
 # (dim, the range each member of the dim's group wants, boundary): one dim of an extension.
 Request = tuple[int, tuple[tuple[int, int], ...], str]
 
@@ -121,6 +120,15 @@ class _Step:
             if src != dst
         )
 
+    @cached_property
+    def fills_only(self) -> bool:
+        """Whether nobody in the group exchanges along this dim and this rank's cells are its
+        own or the fill beyond a boundary (none copied from elsewhere in its own shard)."""
+        return not self.anyone_exchanges and all(
+            run.source is None or self.plan.is_direct(self.me, run)
+            for run in self.plan.runs[self.me]
+        )
+
     def skips_exchange(self, sends: list, receives: list) -> bool:
         """Whether this rank posts nothing for the step: it has no messages, and in a
         compiled graph (one collective for the whole group) nobody else has either."""
@@ -154,6 +162,20 @@ class Extension:
         for dim, extent in self.hull:
             result[dim] = extent
         return result
+
+    @cached_property
+    def constant_pad(self) -> tuple[tuple[int, int, int], ...] | None:
+        """``(dim, before, after)`` per step where the extension is this rank's shard padded
+        with the fill and nothing moves (one rank, or dims no mesh axis splits), else None:
+        then ``extend`` is one ``F.pad`` (NOTE [A local extension is a pad])."""
+        if not all(step.fills_only for step in self.steps):
+            return None
+        widths = tuple(
+            (dim, start, extent - start - length)
+            for (dim, start, length), (_, extent) in zip(self.own, self.hull)
+        )
+        # An empty shard's hull may lie beside its own (empty) range: no pad of it.
+        return None if any(before < 0 or after < 0 for _, before, after in widths) else widths
 
     @property
     def wanted_is_whole(self) -> bool:
@@ -227,15 +249,6 @@ def _domain_part(dim, plan, group, me, boundary, extent, wanted) -> Narrowing:
 
 
 # ---------------------------------------------------------------------------- steps
-def narrowed(t: torch.Tensor, narrowings: Sequence[Narrowing]) -> torch.Tensor:
-    """``t`` narrowed along each ``(dim, start, length)`` (a view; ``t`` itself where every
-    narrowing spans its dim: a third of a UNet step's narrowings do, each an aten op)."""
-    for dim, start, length in narrowings:
-        if start != 0 or length != t.shape[dim]:
-            t = t.narrow(dim, start, length)
-    return t
-
-
 def _view(t: torch.Tensor, step: _Step, start: int, length: int, real: bool) -> torch.Tensor:
     """Cells ``[start, start + length)`` of ``t`` along the step's dim, over its region (or
     only the region's domain cells)."""
@@ -413,11 +426,24 @@ class _Extend(torch.autograd.Function):
         return narrowed(buffer, ext.own), None, None
 
 
+# NOTE [A local extension is a pad]
+# Where no rank exchanges anything and this rank's extension holds only its own cells and the
+# fill beyond a zeros boundary (a one-rank mesh, a dim no mesh axis splits), the buffer is
+# ``F.pad`` of the shard with the fill: one aten op whose backward torch runs in C++, where
+# ``_Extend`` builds the buffer in pieces and folds the gradient back in Python.
 def extend(local: torch.Tensor, ext: Extension, fill: float = 0.0) -> torch.Tensor:
     """This rank's shard ``local`` extended as ``ext`` plans (``fill``: the value beyond a
     zeros boundary, e.g. ``-inf`` for max pooling). Differentiable; ``local`` itself when
     nothing moves."""
-    return local if ext.identity else _Extend.apply(local, ext, fill)
+    if ext.identity:
+        return local
+    widths = ext.constant_pad
+    if widths is None:
+        return _Extend.apply(local, ext, fill)
+    pad = dict.fromkeys(range(min(w[0] for w in widths), local.ndim), (0, 0))
+    pad.update((dim, (before, after)) for dim, before, after in widths)
+    padded = F.pad(local, [w for dim in reversed(pad) for w in pad[dim]], value=fill)
+    return narrowed(padded, ext.wanted)
 
 
 # NOTE [A halo exchange in two halves]

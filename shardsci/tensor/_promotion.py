@@ -34,7 +34,7 @@ parametrisation: its gradient must flow back through autograd).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -42,15 +42,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Placement, Replicate
 
 from shardsci.tensor import _function_dispatch
-from shardsci.tensor._api import ShardTensor, _as_shard_tensor, from_local_spec, grad_spec
+from shardsci.tensor._api import (
+    ShardTensor,
+    _as_placed,
+    _as_shard_tensor,
+    from_local_spec,
+    grad_spec,
+)
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._spec import ShardTensorSpec, mesh_coordinate, replicated_spec
 from shardsci.tensor._torch_compat import _will_engine_execute_node
+from shardsci.tensor._torch_compile import in_graph
 
-__all__ = ["GradientSink", "gradient_sink", "partial_contribution", "promote_replicated"]
+__all__ = [
+    "GradientSink",
+    "gradient_sink",
+    "partial_contribution",
+    "promote_replicated",
+    "promoted_local",
+]
 
 
 class GradientSink(Protocol):
@@ -86,14 +99,39 @@ def promote_replicated(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
     """``tensor``, held whole by every rank, as a replicated ShardTensor on ``mesh``;
     differentiable, its gradient summed over the mesh (NOTE above)."""
     spec = replicated_spec(tensor, mesh)
+    sink, index = _claimed(tensor, mesh)
+    if sink is not None:
+        return _DeferredPromotion.apply(tensor, spec, sink, index)
+    return from_local_spec(tensor, spec)
+
+
+def promoted_local(
+    tensor: torch.Tensor, mesh: DeviceMesh, grad_placements: Sequence[Placement]
+) -> torch.Tensor:
+    """``promote_replicated(tensor, mesh).to_local(grad_placements=grad_placements)``: a
+    weight as the local operand of a computation on shards, its gradient read with
+    ``grad_placements`` and summed over the mesh (NOTE above). In eager code one autograd
+    node, not two, and no ShardTensor in between: every use of a weight by a handler
+    (convolutions, norms, products) takes this path."""
+    if in_graph():  # dynamo traces the two nodes (NOTE [torch.compile and ShardTensor])
+        return promote_replicated(tensor, mesh).to_local(grad_placements=grad_placements)
+    spec = replicated_spec(tensor, mesh)
+    sink, index = _claimed(tensor, mesh)
+    local_grad = _as_placed(spec, tuple(grad_placements))
+    return _PromotedLocal.apply(tensor, spec, local_grad, sink, index)
+
+
+def _claimed(tensor: torch.Tensor, mesh: DeviceMesh) -> tuple[GradientSink | None, int | None]:
+    """The active sink and its index for ``tensor`` if it claims it, else ``(None, None)``:
+    then the gradient is summed eagerly (said once for a parameter)."""
     sink = _SINK[0]
     if sink is not None:
         index = sink.claim(tensor, mesh)
         if index is not None:
-            return _DeferredPromotion.apply(tensor, spec, sink, index)
+            return sink, index
     elif isinstance(tensor, nn.Parameter) and tensor.requires_grad and mesh.size() > 1:
         _say_eager_sums_once()
-    return from_local_spec(tensor, spec)
+    return None, None
 
 
 def _say_eager_sums_once() -> None:
@@ -109,7 +147,7 @@ def _say_eager_sums_once() -> None:
         "backward, because the model is not wrapped; wrap it with "
         "shardsci.parallel.domain_parallel(model, mesh, domain_axes=...) to sum every "
         "parameter's gradient in a few bucketed all-reduces overlapped with backward",
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -159,12 +197,43 @@ class _DeferredPromotion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
-        grad = _as_shard_tensor(grad, ctx.spec)
-        if not _builds_no_graph_into(ctx.sink.accumulator(ctx.index)):
-            target = grad_spec(ctx.spec).with_dtype(grad.dtype)
-            return redistribute_local(grad._local, grad._spec, target), None, None, None
-        ctx.sink.accept(ctx.index, partial_contribution(grad))
-        return None, None, None, None
+        return _summed(grad, ctx.spec, ctx.sink, ctx.index), None, None, None
+
+
+class _PromotedLocal(torch.autograd.Function):
+    """A promotion and ``to_local`` in one node (``promoted_local``)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        tensor: torch.Tensor,
+        spec: ShardTensorSpec,
+        local_grad: ShardTensorSpec,
+        sink: GradientSink | None,
+        index: int | None,
+    ) -> torch.Tensor:
+        ctx.spec, ctx.local_grad, ctx.sink, ctx.index = spec, local_grad, sink, index
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:  # type: ignore[override]
+        shard = ShardTensor(grad, ctx.local_grad.with_dtype(grad.dtype))
+        return _summed(shard, ctx.spec, ctx.sink, ctx.index), None, None, None, None
+
+
+def _summed(
+    grad: torch.Tensor, spec: ShardTensorSpec, sink: GradientSink | None, index: int | None
+) -> torch.Tensor | None:
+    """The gradient a promotion to ``spec`` returns for ``grad``: None where ``sink`` takes
+    this rank's contribution (NOTE above), else the gradient summed over the mesh now."""
+    grad = _as_shard_tensor(grad, spec)
+    if sink is not None and _builds_no_graph_into(sink.accumulator(index)):
+        sink.accept(index, partial_contribution(grad))
+        return None
+    target = grad_spec(spec).with_dtype(grad.dtype)
+    return redistribute_local(grad._local, grad._spec, target)
 
 
 _function_dispatch.bind_promotion(ShardTensor, promote_replicated)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, grad_spec, redistribute
 from shardsci.tensor._collectives import AxisGroup, axis_group
-from shardsci.tensor._promotion import promote_replicated
+from shardsci.tensor._promotion import promoted_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
@@ -146,13 +146,13 @@ def replicated_local(
     Tensors that need no gradient pass through."""
     if t is None:
         return None
+    placements = [Partial() if a in partial_axes else Replicate() for a in range(mesh.ndim)]
     if not isinstance(t, ShardTensor):
         if not t.requires_grad or not torch.is_grad_enabled():
             return t
-        t = promote_replicated(t, mesh)
-    elif not all(isinstance(p, Replicate) for p in t.placements):
+        return promoted_local(t, mesh, placements)
+    if not all(isinstance(p, Replicate) for p in t.placements):
         raise NotImplementedError(f"expected a replicated operand, got {t.placements}")
-    placements = [Partial() if a in partial_axes else Replicate() for a in range(mesh.ndim)]
     return t.to_local(grad_placements=placements)
 
 

@@ -346,8 +346,8 @@ def _local_operand(
         return operand.to_local(grad_placements=_grad_placements(operand._spec, output_axes))
     wanted = _sliceable(subscript, operand, letters)
     if not isinstance(operand, ShardTensor):
-        if not operand.requires_grad and not wanted:
-            return operand
+        if not wanted:
+            return replicated_local(operand, mesh, output_axes)
         operand = promote_replicated(operand, mesh)
     if wanted:
         operand = redistribute(operand, _sliced_spec(operand._spec, wanted))

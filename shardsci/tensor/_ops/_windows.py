@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._caches import cached
-from shardsci.tensor._halo import Extension, extend, extension, narrowed, start_extend
+from shardsci.tensor._halo import Extension, extend, extension, start_extend
 from shardsci.tensor._halo_plan import domain_range
 from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, mesh_coordinate
