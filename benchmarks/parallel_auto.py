@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -74,8 +75,13 @@ def candidate_overrides(candidate: Candidate, configs: Path) -> list[str]:
     ]
 
 
-def step_seconds(overrides: list[str], run_dir: Path, args: argparse.Namespace) -> float:
-    """Seconds per step of the second half of a ``2 k``-step run of ``overrides``."""
+def step_seconds(
+    overrides: list[str], run_dir: Path, args: argparse.Namespace
+) -> tuple[float, float]:
+    """Wall seconds per step of the second half of a ``2 k``-step run of ``overrides``, and
+    the CPU seconds of the whole run (every rank's, start-up included: the children's
+    ``RUSAGE_CHILDREN`` user plus system time)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     half = args.steps // 2
     command = [
         sys.executable,
@@ -90,11 +96,13 @@ def step_seconds(overrides: list[str], run_dir: Path, args: argparse.Namespace) 
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     rates = [r["cells_per_s"] for r in map(json.loads, lines) if "cells_per_s" in r]
     cells = args.batch * args.resolution**2
     first, second = half * cells / rates[-2], 2 * half * cells / rates[-1]
-    return (second - first) / half
+    return (second - first) / half, cpu
 
 
 def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
@@ -102,15 +110,24 @@ def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
         cfg = compose("config", overrides=[*recipe_overrides(args), f"run_dir={scratch}"])
     choice = choose(cfg, world)
     measured: dict[str, list[float]] = {c.label: [] for c in choice.ranked}
+    cpu_measured: dict[str, list[float]] = {c.label: [] for c in choice.ranked}
     order = list(enumerate(choice.ranked))
     for round_index in range(args.rounds):
         for number, candidate in order:
             run_dir = scratch / f"world{world}_candidate{number}_round{round_index}"
             configs = scratch / f"world{world}_candidate{number}_configs"
             overrides = [*recipe_overrides(args), *candidate_overrides(candidate, configs)]
-            seconds = step_seconds(overrides, run_dir, args)
+            seconds, cpu = step_seconds(overrides, run_dir, args)
             measured[candidate.label].append(seconds)
-            emit("run", world=world, label=candidate.label, round=round_index, step_s=seconds)
+            cpu_measured[candidate.label].append(cpu)
+            emit(
+                "run",
+                world=world,
+                label=candidate.label,
+                round=round_index,
+                step_s=seconds,
+                run_cpu_s=round(cpu, 2),
+            )
         order.reverse()
     medians = {label: statistics.median(values) for label, values in measured.items()}
     for number, candidate in enumerate(choice.ranked, start=1):
@@ -127,6 +144,7 @@ def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
                 for part in ("compute", "communication", "host", "step")
             },
             step_s=spread(measured[candidate.label], digits=3),
+            run_cpu_s=spread(cpu_measured[candidate.label], digits=2),
         )
     for candidate in choice.dropped:
         emit("dropped", world=world, label=candidate.label, problem=candidate.problem)
