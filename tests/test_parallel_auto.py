@@ -10,9 +10,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
@@ -27,6 +29,7 @@ from shardsci.planning import (
     Projection,
     RankClassPlan,
     RunPlan,
+    SpanFigures,
     choice_applies,
     choose,
     chosen_config,
@@ -35,7 +38,7 @@ from shardsci.planning import (
     plan_run,
 )
 from shardsci.planning._choose import decompositions, project
-from shardsci.planning._machine import Machine
+from shardsci.planning._machine import Machine, collective_s
 from shardsci.training import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -92,12 +95,19 @@ def test_a_decomposition_is_a_mesh_and_roles_the_run_accepts(tmp_path: Path) -> 
 def _class(
     flops: int, ops: int, halo_bytes: int, grad_bytes: int, fft_flops: int = 0
 ) -> RankClassPlan:
+    """Rank 0 of 4: one gradient all-reduce over all 4; halos: 4 rounds of messages with
+    rank 1."""
     memory = MemoryPlan(0, 0, 0, 0, 0, 0, 2**20, "forward of x")
     collectives = {
         "grad_all_reduce": CollectiveFigures(1, grad_bytes, grad_bytes),
         **({"halo": CollectiveFigures(4, halo_bytes, halo_bytes)} if halo_bytes else {}),
     }
-    return RankClassPlan(1, 0, [0], [0], memory, collectives, {}, flops, ops, fft_flops)
+    spans = [SpanFigures("all_reduce", [0, 1, 2, 3], 1, grad_bytes)]
+    spans += [SpanFigures("p2p", [0, 1], 8, halo_bytes)] if halo_bytes else []
+    return RankClassPlan(
+        1, 0, [0], [0], memory, collectives, {}, flops, ops, fft_flops, 0, spans,
+        p2p_rounds=4 if halo_bytes else 0,
+    )  # fmt: skip
 
 
 def _plan(world: int, replicas: int, classes: list[RankClassPlan]) -> RunPlan:
@@ -129,7 +139,7 @@ def test_projection_of_the_slowest_rank_class() -> None:
     # 4 halo rounds of one ring step, one gradient all-reduce of 2 (P - 1) = 6 steps.
     issued = 4 * (1000 + 500) + (1000 + 6 * 500)
     assert p.host == pytest.approx(100 * 100e-6 + issued * 1e-6)
-    assert p.collectives["halo"] == pytest.approx(4 * 1e-4 + 1e-3)
+    assert p.collectives["p2p"] == pytest.approx(4 * 1e-4 + 1e-3)
     assert p.step == pytest.approx(p.compute + p.host + p.communication)
     replicated = project(_plan(4, 4, [_class(10**9, 100, 0, 0)]), MACHINE)
     assert replicated.host == pytest.approx(100 * 10e-6 + 4000e-6)  # nothing split: plain ops
@@ -193,6 +203,40 @@ def test_splitting_the_field_leaves_each_ranks_work_alone(tmp_path: Path) -> Non
         work[decomposition.describe(2)] = {(c.flops, c.fft_flops) for c in plan.classes}
     assert work["slab H=2"] == work["dp=2"]
     assert all(fft > 0 for _, fft in work["dp=2"])
+
+
+def test_a_blocks_collectives_are_priced_over_their_own_axis(tmp_path: Path) -> None:
+    """A 2x4 block (rank r in row r // 4 along W's 4 ranks, column r % 4 along H's 2; 4 GPUs
+    per node: a row is a node). The dry run's collectives connect one row, one column, or
+    ranks of both (the transposes between H and W); each is priced over the ranks it
+    connects and the nodes they span (NOTE [Collectives priced over their own ranks]): a
+    column's over 2 ranks on 2 nodes, a row's over 4 on one. Costed over the whole domain
+    group, as before, a column's all-reduce of a few bytes cost 8 ranks' latency."""
+    cfg = _compose([*SMALL, "data.dataset.solver.resolution=32", "train.global_batch=1",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    plan = plan_run(chosen_config(cfg, Decomposition(1, (("H", 2), ("W", 4)))))
+    grid = torch.arange(8).view(2, 4)
+    machine = Machine(gpus_per_node=4)
+    for rank_class in plan.classes:
+        me = rank_class.representative
+        row, column = grid[me // 4].tolist(), grid[:, me % 4].tolist()
+        by_ranks = defaultdict(list)
+        for span in rank_class.spans:
+            assert me in span.ranks
+            by_ranks[len(span.ranks)].append(span)
+        assert [s.ranks for s in by_ranks[2]] and all(s.ranks == column for s in by_ranks[2])
+        assert [s.ranks for s in by_ranks[4]] and all(s.ranks == row for s in by_ranks[4])
+        priced = project(_plan(8, 1, [rank_class]), machine).collectives
+        for kind in {s.kind for s in by_ranks[2]}:
+            spans = [s for s in by_ranks[2] if s.kind == kind]
+            expected = sum(
+                collective_s(machine, kind, 2, s.calls, s.received, s.calls, nodes=2) for s in spans
+            )
+            assert priced[f"{kind} over 2"] == pytest.approx(expected)
+            over_the_block = sum(
+                collective_s(machine, kind, 8, s.calls, s.received, s.calls) for s in spans
+            )
+            assert over_the_block > 1.5 * expected
 
 
 @pytest.mark.slow  # seven dry runs: 8 s at load 12 (pytest -m slow tests/test_parallel_auto.py)

@@ -15,12 +15,14 @@ projected time of their slowest rank class on ``Machine`` (NOTE [One machine mod
 
 - compute: the class's FLOPs (``WorkCounter``: its own shard's) at ``sustained_flops``, its
   FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]);
-- communication: every collective the dry run recorded, by kind (``collective_s``), over the
-  domain group (``P / dp`` ranks), the gradient all-reduces over the whole mesh;
+- communication: every collective the dry run counted (``count_traffic``), by kind over the
+  ranks it connects and the nodes they span (``collective_s``, NOTE [Collectives priced over
+  their own ranks]): an all-reduce over one axis of a block over that axis's ranks, the
+  gradient all-reduces over the whole mesh; the rounds of messages (halos) as one term;
 - host: the class's aten ops as ``ops_host_s`` prices them (NOTE [One price per op]: its
   communication modules' ops and every op of an unsplit step at ``plain_host_us_per_op``, the
   ShardTensor step's others at ``host_us_per_op``), and its collectives and halo rounds as
-  issuing them costs the host (``collective_host_s``);
+  issuing them costs the host (``collective_host_s``, each over its own ranks);
 - step: ``max(host, compute + communication)`` on a GPU, their sum on a CPU.
 
 Ties keep the enumeration's order, data parallelism first. Memory rarely tells the candidates
@@ -31,15 +33,15 @@ one device under pure data parallelism is one whose single sample does not fit, 
 decomposition fits it only with fewer samples than ranks (``global_batch < P``), which the
 error for "nothing fits" says. The printed table
 (``format_choice``) gives every candidate's memory, projected parts and why it lost: the part
-that costs it most over the winner, or its problem. Known limits: elementwise ops count
-no FLOPs (memory-bound work is missing from compute), and a collective over one axis of
-a block is costed over the whole domain group.
+that costs it most over the winner, or its problem. Known limit: elementwise ops count
+no FLOPs (memory-bound work is missing from compute).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -49,15 +51,17 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.distributed import LaunchEnv, init_distributed
-from shardsci.parallel._reducer import GRAD_KIND
 from shardsci.planning._dry_run import plan_run
 from shardsci.planning._machine import (
+    HALO_KINDS,
     Machine,
     collective_host_s,
     collective_s,
     gloo_cpu,
+    halo_s,
     ops_host_s,
     override,
+    span_nodes,
 )
 from shardsci.planning._plan import RankClassPlan, RunPlan
 from shardsci.training import (
@@ -165,38 +169,37 @@ class Projection:
 def project(plan: RunPlan, machine: Machine) -> Projection:
     """The projected step of ``plan``: that of its slowest rank class."""
     replicas = plan.gradient_reduction.replicas if plan.gradient_reduction else 1
-    domain = plan.world_size // replicas
-    reduction = plan.gradient_reduction.ranks if plan.gradient_reduction else plan.world_size
-    return max(
-        (_project_class(c, machine, domain, reduction) for c in plan.classes),
-        key=lambda p: p.step,
-    )
+    sharded = plan.world_size > replicas
+    return max((_project_class(c, machine, sharded) for c in plan.classes), key=lambda p: p.step)
 
 
-def _project_class(
-    plan: RankClassPlan, machine: Machine, domain: int, reduction: int
-) -> Projection:
-    collectives = {
-        kind: collective_s(
-            machine,
-            kind,
-            reduction if kind == GRAD_KIND else domain,
-            figures.calls,
-            figures.received,
-            figures.calls,
+def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Projection:
+    """Every collective over the ranks it connects and the nodes they span (NOTE
+    [Collectives priced over their own ranks]); the rounds of messages as one halo term,
+    over every peer, at the slowest link's."""
+    collectives: dict[str, float] = defaultdict(float)
+    issued = 0.0
+    messages = [span for span in plan.spans if span.kind in HALO_KINDS]
+    for span in plan.spans:
+        if span.kind in HALO_KINDS:
+            continue
+        ranks, nodes = len(span.ranks), span_nodes(machine, span.ranks)
+        collectives[f"{span.kind} over {ranks}"] += collective_s(
+            machine, span.kind, ranks, span.calls, span.received, span.calls, nodes
         )
-        for kind, figures in plan.collectives.items()
-    }
+        issued += collective_host_s(machine, span.kind, ranks, span.calls)
+    if messages:
+        peers = sorted({rank for span in messages for rank in span.ranks})
+        nodes = max(span_nodes(machine, span.ranks) for span in messages)
+        received = sum(span.received for span in messages)
+        collectives["p2p"] = halo_s(machine, len(peers), plan.p2p_rounds, received, nodes)
+        issued += collective_host_s(machine, "p2p", len(peers), plan.p2p_rounds)
     compute = plan.flops / machine.sustained_flops + plan.fft_flops / machine.fft_flops_per_s
     communication = sum(collectives.values())
-    issued = sum(
-        collective_host_s(machine, kind, reduction if kind == GRAD_KIND else domain, figures.calls)
-        for kind, figures in plan.collectives.items()
-    )
-    host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, domain > 1) + issued
+    host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, sharded) + issued
     device = compute + communication
     step = max(host, device) if machine.host_overlaps_device else host + device
-    return Projection(compute, communication, host, step, collectives)
+    return Projection(compute, communication, host, step, dict(collectives))
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "ops_host_s",
     "override",
     "ring_steps",
+    "span_nodes",
 ]
 
 
@@ -137,24 +139,35 @@ def override(machine: Machine, settings: list[str]) -> Machine:
 
 
 # --------------------------------------------------------------------------- collectives
-def _nodes(machine: Machine, ranks: int) -> int:
-    return max(1, math.ceil(ranks / machine.gpus_per_node))
+# NOTE [Collectives priced over their own ranks]
+# Every function below prices collectives over a group of ``ranks`` that spans ``nodes``
+# nodes: the ranks a collective connects (NOTE [The span of a collective] in
+# ``shardsci/testing/_traffic.py``), which for one axis of a block are that axis's, not the
+# whole domain group's. ``nodes=None`` is a group of consecutive ranks (``span_nodes``): the
+# fewest nodes that hold it.
+def span_nodes(machine: Machine, ranks: Sequence[int]) -> int:
+    """Nodes the global ``ranks`` span, ranks numbered node by node (torchrun's and srun's
+    order)."""
+    return len({rank // machine.gpus_per_node for rank in ranks})
 
 
-def _link(machine: Machine, ranks: int) -> tuple[float, float]:
-    """(per-step latency, bytes/s) of the slowest link a ring over ``ranks`` crosses."""
-    if _nodes(machine, ranks) == 1:
+def _nodes(machine: Machine, ranks: int, nodes: int | None) -> int:
+    return nodes if nodes is not None else max(1, math.ceil(ranks / machine.gpus_per_node))
+
+
+def _link(machine: Machine, nodes: int) -> tuple[float, float]:
+    """(per-step latency, bytes/s) of the slowest link a group over ``nodes`` crosses."""
+    if nodes == 1:
         return machine.nvlink_step_latency_s, machine.nvlink_bytes_per_s
     return machine.net_step_latency_s, machine.ib_bytes_per_s
 
 
-def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float) -> float:
+def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float, nodes: int) -> float:
     """A ring of ``steps`` steps moving ``nbytes`` per link: the cheaper of LL and Simple.
     The ring visits the ranks node by node, so of its steps only the share ``nodes / P``
     crosses the network (NCCL's tuning.cc counts intra- and inter-node steps apart); its
     bandwidth is the slowest link's."""
-    nodes = _nodes(machine, ranks)
-    _, bandwidth = _link(machine, ranks)
+    _, bandwidth = _link(machine, nodes)
     crossing = nodes / ranks if nodes > 1 else 0.0
     step = (1 - crossing) * machine.nvlink_step_latency_s + crossing * machine.net_step_latency_s
     latency = machine.base_latency_s + steps * step
@@ -163,29 +176,33 @@ def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float) -> float:
     return min(ll, simple)
 
 
-def all_reduce_s(machine: Machine, ranks: int, nbytes: float) -> float:
+def all_reduce_s(machine: Machine, ranks: int, nbytes: float, nodes: int | None = None) -> float:
     """Ring (``2 (P - 1)`` steps, ``2 (P - 1) / P`` of the buffer per link) or tree (``2 log2
     P`` hops, twice the buffer at LL bandwidth), whichever is cheaper."""
     if ranks == 1:
         return 0.0
-    ring = _ring_s(machine, 2 * (ranks - 1), ranks, nbytes * 2 * (ranks - 1) / ranks)
-    step, bandwidth = _link(machine, ranks)
+    nodes = _nodes(machine, ranks, nodes)
+    ring = _ring_s(machine, 2 * (ranks - 1), ranks, nbytes * 2 * (ranks - 1) / ranks, nodes)
+    step, bandwidth = _link(machine, nodes)
     tree = machine.tree_base_latency_s + 2 * math.log2(ranks) * step
     tree += 2 * nbytes / (bandwidth * machine.ll_bandwidth_fraction)
     return min(ring, tree)
 
 
-def all_gather_s(machine: Machine, ranks: int, piece: float) -> float:
+def all_gather_s(machine: Machine, ranks: int, piece: float, nodes: int | None = None) -> float:
     """Ring all-gather (or reduce-scatter) of ``piece`` bytes per rank: ``P - 1`` steps."""
-    return 0.0 if ranks == 1 else _ring_s(machine, ranks - 1, ranks, piece * (ranks - 1))
-
-
-def all_to_all_s(machine: Machine, ranks: int, volume: float) -> float:
-    """``P - 1`` messages posted together, ``(P - 1) / P`` of the local ``volume``; bytes
-    to ranks on other nodes go over InfiniBand."""
     if ranks == 1:
         return 0.0
-    local = min(ranks, machine.gpus_per_node) - 1
+    return _ring_s(machine, ranks - 1, ranks, piece * (ranks - 1), _nodes(machine, ranks, nodes))
+
+
+def all_to_all_s(machine: Machine, ranks: int, volume: float, nodes: int | None = None) -> float:
+    """``P - 1`` messages posted together, ``(P - 1) / P`` of the local ``volume``; bytes
+    to ranks on other nodes go over InfiniBand (a group over ``nodes`` nodes has ``P /
+    nodes`` ranks on each)."""
+    if ranks == 1:
+        return 0.0
+    local = math.ceil(ranks / _nodes(machine, ranks, nodes)) - 1
     remote = ranks - 1 - local
     piece = volume / ranks
     latency = machine.base_latency_s + local * machine.nvlink_step_latency_s
@@ -193,11 +210,18 @@ def all_to_all_s(machine: Machine, ranks: int, volume: float) -> float:
     return latency + piece * (local / machine.nvlink_bytes_per_s + remote / machine.ib_bytes_per_s)
 
 
-def halo_s(machine: Machine, ranks: int, rounds: float, nbytes: float) -> float:
-    """Every round of messages waits for its slowest: NVLink on one node, else InfiniBand."""
+def halo_s(
+    machine: Machine, ranks: int, rounds: float, nbytes: float, nodes: int | None = None
+) -> float:
+    """Every round of messages waits for its slowest: NVLink among ranks on one node, else
+    InfiniBand. Without ``nodes`` (the nodes a rank and its neighbours span), a group of
+    ``2 x gpus_per_node`` ranks or more is taken to give every rank a neighbour on another
+    node."""
     if ranks == 1:
         return 0.0
-    step, bandwidth = _link(machine, 2 * ranks if ranks >= 2 * machine.gpus_per_node else ranks)
+    if nodes is None:
+        nodes = 2 if ranks >= 2 * machine.gpus_per_node else _nodes(machine, ranks, None)
+    step, bandwidth = _link(machine, nodes)
     return rounds * (machine.base_latency_s + step) + nbytes / bandwidth
 
 
@@ -234,24 +258,31 @@ def collective_host_s(machine: Machine, kind: str, ranks: int, calls: float) -> 
 
 
 def collective_s(
-    machine: Machine, kind: str, ranks: int, calls: float, received: float, rounds: float
+    machine: Machine,
+    kind: str,
+    ranks: int,
+    calls: float,
+    received: float,
+    rounds: float,
+    nodes: int | None = None,
 ) -> float:
     """Seconds of ``calls`` collectives of ``kind`` over groups of ``ranks``, the busiest rank
     receiving ``received`` bytes in all (``count_traffic``'s and ``comm_counter``'s figure:
     an all-reduce counted at its ring's ``2 (P - 1) / P`` of the buffer, an all-gather as the
     ``P - 1`` pieces received, an all-to-all as ``(P - 1) / P`` of the volume); ``rounds``:
-    rounds of point-to-point messages (halos; ``calls`` for other kinds)."""
+    rounds of point-to-point messages (halos; ``calls`` for other kinds); ``nodes``: those
+    the group spans (NOTE [Collectives priced over their own ranks])."""
     if ranks == 1 or calls == 0:
         return 0.0
     if kind in HALO_KINDS:
-        return halo_s(machine, ranks, rounds, received)
+        return halo_s(machine, ranks, rounds, received, nodes)
     each = received / calls
     if kind in ("all_reduce", "gradient_all_reduce", "grad_all_reduce"):
-        return calls * all_reduce_s(machine, ranks, each * ranks / (2 * (ranks - 1)))
+        return calls * all_reduce_s(machine, ranks, each * ranks / (2 * (ranks - 1)), nodes)
     if kind == "all_to_all":
-        return calls * all_to_all_s(machine, ranks, each * ranks / (ranks - 1))
+        return calls * all_to_all_s(machine, ranks, each * ranks / (ranks - 1), nodes)
     # all_gather, reduce_scatter, broadcast and the rest: rings of P - 1 steps
-    return calls * all_gather_s(machine, ranks, each / (ranks - 1))
+    return calls * all_gather_s(machine, ranks, each / (ranks - 1), nodes)
 
 
 def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:

@@ -24,6 +24,7 @@ from shardsci.planning._observe import StepObserver
 from shardsci.planning._work import WorkCounter
 from shardsci.tensor import CommStats, ShardTensor, ShardTensorSpec, comm_counter
 from shardsci.tensor._torch_compat import tree_leaves
+from shardsci.testing import Traffic, count_traffic
 from shardsci.training import Task
 
 __all__ = ["StepFailed", "StepMeasurement", "measure_step", "steady_state"]
@@ -51,6 +52,9 @@ class StepMeasurement:
     ----------
     comm : CommStats
         Every collective shardsci issued (``comm_counter``).
+    traffic : Traffic
+        Every collective and message issued, counted at the dispatcher (``count_traffic``),
+        by the ranks each connected (NOTE [The span of a collective]): what prices them.
     observer : StepObserver
         Layers, collective events and redistributions, by layer and phase.
     memory : LiveMemory
@@ -67,6 +71,7 @@ class StepMeasurement:
     """
 
     comm: CommStats
+    traffic: Traffic
     observer: StepObserver
     memory: LiveMemory
     parameters: int
@@ -135,7 +140,7 @@ def measure_step(
 
         reducer._write_gradients = labelled_gradients  # type: ignore[method-assign]
     try:
-        with observer.watching(), comm_counter() as comm, memory, work:
+        with count_traffic() as traffic, observer.watching(), comm_counter() as comm, memory, work:
             try:
                 run()
             except Exception as error:
@@ -154,6 +159,7 @@ def measure_step(
     memory.add(_optimizer_tensors(optimizer), Category.optimizer)
     return StepMeasurement(
         comm=comm,
+        traffic=traffic,
         observer=observer,
         memory=memory,
         parameters=_nbytes(parameters),
