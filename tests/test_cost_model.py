@@ -24,7 +24,13 @@ from benchmarks.cost_model import (
 from shardsci import attention_exchange
 from shardsci.planning import MemoryPlan, RankClassPlan, RunPlan
 from shardsci.planning._choose import project
-from shardsci.planning._machine import Machine, all_gather_s, all_reduce_s, override
+from shardsci.planning._machine import (
+    Machine,
+    all_gather_s,
+    all_reduce_s,
+    collective_s,
+    override,
+)
 
 # Per kind, true bytes as a function of (ranks P, rows r, cols c): a halo of the faces, fixed
 # in P; statistics all-gathered, a fixed piece per rank; a transposed volume of kept modes.
@@ -129,6 +135,47 @@ def test_ops_per_peer_grow_the_host_term():
     machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
     assert fitted.host_s(machine, 512) == pytest.approx((700 * 50 + 250 * 511 * 20) * 1e-6)
     assert fitted.host_s(machine, 2) == pytest.approx((700 * 50 + 250 * 20) * 1e-6)
+
+
+def test_a_blocks_collective_over_one_axis_is_fitted_and_priced_over_that_axis():
+    """NOTE [Collectives over one axis]: a UNet block measured on 2x2 and 2x4 ranks, a
+    statistic all-reduced along H (``@h``: 2 ranks on both meshes) and a transpose along W
+    (``@w``: 2, then 4). Fitted over each axis's size, the all-reduce's bytes stay those of 2
+    ranks on both meshes' fit, and at 32 ranks (a 4x8 grid; 8 GPUs a node: a row is a node)
+    each is priced over rank 0's column (4 ranks on 4 nodes) or row (8 ranks on one node), not
+    over the 32 of the block."""
+    shapes = GEOMETRY["unet"].shapes
+    truth = {
+        "all_reduce@h": lambda h, w, r, c: 2 * (h - 1) / h * 4096.0,
+        "all_to_all@w": lambda h, w, r, c: (w - 1) / w * r * c * 8.0,
+    }
+    runs = [
+        {
+            "ranks": h * w,
+            "mesh": [h, w],
+            "shape": list(shape),
+            "calls": {"all_reduce@h": 2, "all_to_all@w": 4},
+            "received": {label: law(h, w, *shape) for label, law in truth.items()},
+            "ops": 1000,
+            "communication_ops": 0,
+        }
+        for h, w in GEOMETRY["unet"].meshes
+        for shape in shapes
+    ]
+    fitted, misfit = fit("unet", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    assert max(misfit.values()) < 1e-9
+    assert cost_model.projected_group(Machine(), "unet", "all_reduce@h", 32) == (4, 4)
+    assert cost_model.projected_group(Machine(), "unet", "all_to_all@w", 32) == (8, 1)
+    assert cost_model.projected_group(Machine(), "unet", "all_to_all", 32) == (32, None)
+    machine = Machine(host_us_per_op=0.0)
+    shape = (64.0, 64.0)
+    parts = step_s(machine, fitted, 32, shape)
+    column = collective_s(machine, "all_reduce", 4, 2, truth["all_reduce@h"](4, 8, *shape), 2, 4)
+    row = collective_s(machine, "all_to_all", 8, 4, truth["all_to_all@w"](4, 8, *shape), 4, 1)
+    assert parts["all_reduce@h"] == pytest.approx(column)
+    assert parts["all_to_all@w"] == pytest.approx(row)
+    whole = collective_s(machine, "all_reduce", 32, 2, 2 * 31 / 32 * 4096.0, 2)
+    assert whole > 1.5 * column
 
 
 def test_attention_exchange_chosen_by_the_librarys_rule():
