@@ -18,7 +18,9 @@ so is the step's memory traffic (every non-view op's tensor arguments and result
 unfused). FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are counted apart]) and fitted as
 ``a p log2 p`` of the whole field, which a distributed FFT shares evenly over the ranks.
 Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``,
-and memory traffic at ``memory_bytes_per_s``. Host time per step is the aten ops the
+and memory traffic at ``memory_bytes_per_s``, plus the runs of the step's strided copies
+(``WorkCounter.strided_runs``, fitted over the size basis) at ``strided_copy_s_per_run``
+(NOTE [Strided copies]), as the dry run prices them. Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
 (``ops_host_s``, NOTE [One price per op]), plus what issuing each
 collective call and halo round costs the host's CPU (``collective_host_s``: per call and per
@@ -93,7 +95,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -125,6 +127,7 @@ from shardsci.planning._machine import (
     ops_host_s,
     override,
     span_nodes,
+    strided_copy_s,
 )
 from shardsci.planning._work import WorkCounter
 from shardsci.tensor._options import (
@@ -363,6 +366,7 @@ def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exch
         "received": dict(received),
         "ops": counter.ops,
         "communication_ops": counter.communication_ops,
+        "strided_runs": counter.strided_runs,
     }
 
 
@@ -428,7 +432,8 @@ class Fitted:
     rank; FLOPs and memory traffic ``c + a p + b p²`` of a whole field of ``p`` pixels
     (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); the aten ops of the
     ShardTensor step and those of them its communication modules dispatch (``ops`` and
-    ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer])."""
+    ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer]); the runs of
+    its strided copies (``strided_runs``: coefficients of ``basis``, NOTE [Strided copies])."""
 
     model: str
     calls: dict[str, list[float]]
@@ -438,6 +443,7 @@ class Fitted:
     fft_flops: list[float]
     ops: list[float]
     communication_ops: list[float]
+    strided_runs: list[float] = field(default_factory=list)
 
     def count(self, kind: str, ranks: int) -> float:
         return max(0.0, sum(c * x for c, x in zip(self.calls.get(kind, []), call_laws(ranks))))
@@ -461,6 +467,11 @@ class Fitted:
         constant, linear, quadratic = coefficients
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return constant + (linear * whole + quadratic * whole**2) / ranks
+
+    def strided(self, shape: tuple[float, ...]) -> float:
+        """Runs of the busiest rank's strided copies at the local ``shape``."""
+        row = GEOMETRY[self.model].basis(shape)
+        return max(0.0, sum(c * x for c, x in zip(self.strided_runs, row)))
 
     def fft_per_rank(self, ranks: int, shape: tuple[float, ...]) -> float:
         """FFT FLOPs per rank: the whole field's, shared evenly by the ranks."""
@@ -529,7 +540,12 @@ def fit(
         least_squares(laws_of_runs, [float(r[key]) for r in runs])
         for key in ("ops", "communication_ops")
     )
-    fitted = Fitted(name, calls, received, flops, memory, fft_flops, ops, communication_ops)
+    strided = least_squares(
+        [basis(r["shape"]) for r in runs], [float(r.get("strided_runs", 0)) for r in runs]
+    )
+    fitted = Fitted(
+        name, calls, received, flops, memory, fft_flops, ops, communication_ops, strided
+    )
     return fitted, misfit
 
 
@@ -646,6 +662,7 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
             + fitted.fft_per_rank(ranks, shape) / machine.fft_flops_per_s,
             fitted.per_rank(fitted.memory, ranks, shape) / machine.memory_bytes_per_s,
         )
+        + strided_copy_s(machine, fitted.strided(shape))
     }
     if ranks > 1:
         for kind in fitted.received:

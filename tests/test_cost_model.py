@@ -30,6 +30,7 @@ from shardsci.planning._machine import (
     all_reduce_s,
     collective_s,
     override,
+    strided_copy_s,
 )
 
 # Per kind, true bytes as a function of (ranks P, rows r, cols c): a halo of the faces, fixed
@@ -254,3 +255,19 @@ def test_the_planner_and_the_cost_model_price_host_time_alike():
     plan = RunPlan("cfd", "8", "", 8, "m", 0, 1, [rank_class], [], None, [], [])
     assert project(plan, machine).host == pytest.approx(fitted.host_s(machine, 8))
     assert fitted.host_s(machine, 8) == pytest.approx((700 * 50 + 250 * 7 * 20) * 1e-6)
+
+
+def test_strided_copies_are_priced_as_the_planner_prices_them():
+    """NOTE [Strided copies]: the runs of a step's strided copies, fitted over the local shape
+    (a W split's ``B C H`` runs grow with the rows), add ``strided_copy_s`` to the compute of
+    the cost model as of the dry run."""
+    runs = synthetic_runs()
+    for run in runs:
+        run["strided_runs"] = 500 + 40 * run["shape"][0]
+    fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    shape = (100.0, 300.0)
+    assert fitted.strided(shape) == pytest.approx(500 + 40 * 100)
+    machine = Machine(strided_copy_s_per_run=1e-6)
+    free = Machine(strided_copy_s_per_run=0.0)
+    extra = step_s(machine, fitted, 8, shape)["compute"] - step_s(free, fitted, 8, shape)["compute"]
+    assert extra == pytest.approx(strided_copy_s(machine, 4500)) and extra == pytest.approx(4.5e-3)

@@ -7,6 +7,7 @@ The budget case is slow: ``pytest -m slow tests/test_parallel_auto.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -38,7 +39,7 @@ from shardsci.planning import (
     plan_run,
 )
 from shardsci.planning._choose import decompositions, project
-from shardsci.planning._machine import Machine, collective_s
+from shardsci.planning._machine import Machine, collective_s, gloo_cpu
 from shardsci.training import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -237,6 +238,27 @@ def test_a_blocks_collectives_are_priced_over_their_own_axis(tmp_path: Path) -> 
                 collective_s(machine, kind, 8, s.calls, s.received, s.calls) for s in spans
             )
             assert over_the_block > 1.5 * expected
+
+
+def test_a_w_split_is_priced_above_an_h_split_by_its_strided_copies(tmp_path: Path) -> None:
+    """NOTE [Strided copies]: the FNO's slabs of 2 ranks along H and along W do the same FLOPs,
+    but the W slab's copies read pieces narrowed along the last dim, ``B C H`` runs each: more
+    runs than the H slab's, priced as compute at this machine's measured rate per run
+    (``gloo_cpu``), and at none on a machine that has no such cost."""
+    cfg = _compose([*SMALL, "data.dataset.solver.resolution=32", "train.global_batch=1",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    plans = {dim: plan_run(chosen_config(cfg, Decomposition(1, ((dim, 2),)))) for dim in "HW"}
+    runs = {dim: max(c.strided_runs for c in plan.classes) for dim, plan in plans.items()}
+    assert runs["W"] > 1.2 * runs["H"] > 0
+    flops = {dim: {(c.flops, c.fft_flops) for c in plan.classes} for dim, plan in plans.items()}
+    assert flops["W"] == flops["H"]
+    machine = gloo_cpu(2)
+    assert machine.strided_copy_s_per_run > 0
+    w, h = (project(plans[dim], machine) for dim in "WH")
+    extra = (runs["W"] - runs["H"]) * machine.strided_copy_s_per_run
+    assert w.compute - h.compute == pytest.approx(extra)
+    free = dataclasses.replace(machine, strided_copy_s_per_run=0.0)
+    assert project(plans["W"], free).compute == pytest.approx(project(plans["H"], free).compute)
 
 
 @pytest.mark.slow  # seven dry runs: 8 s at load 12 (pytest -m slow tests/test_parallel_auto.py)

@@ -14,7 +14,8 @@ that fails) is dropped with that problem as its reason. The others are ranked by
 projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
 
 - compute: the class's FLOPs (``WorkCounter``: its own shard's) at ``sustained_flops``, its
-  FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]);
+  FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]), and the runs of its
+  strided copies at ``strided_copy_s_per_run`` (NOTE [Strided copies]);
 - communication: every collective the dry run counted (``count_traffic``), by kind over the
   ranks it connects and the nodes they span (``collective_s``, NOTE [Collectives priced over
   their own ranks]): an all-reduce over one axis of a block over that axis's ranks, the
@@ -62,6 +63,7 @@ from shardsci.planning._machine import (
     ops_host_s,
     override,
     span_nodes,
+    strided_copy_s,
 )
 from shardsci.planning._plan import RankClassPlan, RunPlan
 from shardsci.training import (
@@ -195,6 +197,7 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
         collectives["p2p"] = halo_s(machine, len(peers), plan.p2p_rounds, received, nodes)
         issued += collective_host_s(machine, "p2p", len(peers), plan.p2p_rounds)
     compute = plan.flops / machine.sustained_flops + plan.fft_flops / machine.fft_flops_per_s
+    compute += strided_copy_s(machine, plan.strided_runs)
     communication = sum(collectives.values())
     host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, sharded) + issued
     device = compute + communication

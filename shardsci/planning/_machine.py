@@ -42,6 +42,7 @@ __all__ = [
     "override",
     "ring_steps",
     "span_nodes",
+    "strided_copy_s",
 ]
 
 
@@ -104,6 +105,11 @@ class Machine:
     """NCCL's kernels run the ring's ``P - 1`` steps on the device: none on the host. Gloo runs
     them on the host's CPU, each step's copies and sends (``benchmarks.calibrate`` fits both
     figures from the CPU time a call costs on 2 and 4 ranks)."""
+    strided_copy_s_per_run: float = 0.0
+    """Assumed 0: a GPU's copy kernels read and write a strided piece's rows (``W / n`` of a
+    field's row, hundreds of bytes at the tiles the zoo recommends) at about the bandwidth of
+    a contiguous one. On a CPU each run of a strided copy costs a few ns more than its bytes
+    (NOTE [Strided copies] in ``_work``; ``benchmarks.calibrate`` measures it)."""
     host_overlaps_device: bool = True
     """A GPU's kernels run while the host launches the next ones: a step costs ``max(host,
     device)``. On a CPU the same core does both: ``host + device``."""
@@ -233,6 +239,12 @@ def ring_steps(kind: str, ranks: int) -> int:
     return 2 * (ranks - 1) if kind.endswith("all_reduce") else ranks - 1
 
 
+def strided_copy_s(machine: Machine, runs: float) -> float:
+    """Device seconds the ``runs`` of a step's strided copies add to their bytes (NOTE
+    [Strided copies] in ``_work``): compute, in both projections."""
+    return runs * machine.strided_copy_s_per_run
+
+
 def ops_host_s(machine: Machine, ops: float, communication_ops: float, sharded: bool) -> float:
     """Host CPU seconds of a step's ``ops`` aten ops, ``communication_ops`` of them dispatched
     by communication modules, on ShardTensors (``sharded``) or plain tensors (NOTE [One price
@@ -285,6 +297,13 @@ def collective_s(
     return calls * all_gather_s(machine, ranks, each / (ranks - 1), nodes)
 
 
+STRIDED_COPY_S_PER_RUN = 2.5e-9
+"""Measured here (``benchmarks.calibrate.measure_strided_copy``, 2026-11-28 17:47 UTC, load
+23-39, one core, CPU time): 2.3-2.6 ns a run (three runs' medians) more than the same bytes
+copied from an H-narrowed piece, for ``(4, 32-64, 64-128, 16-128)`` fields narrowed 2-8 ways
+along W."""
+
+
 def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:
     """This kind of machine: ``ranks_here`` CPU ranks sharing ``cores`` cores (default: those
     this process may use) and ``memory_bytes`` of RAM (default: ``MemTotal``), gloo over
@@ -319,6 +338,7 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         plain_host_us_per_op=25.0 / share,
         host_us_per_collective=250.0 / share,
         host_us_per_collective_step=375.0 / share,
+        strided_copy_s_per_run=STRIDED_COPY_S_PER_RUN / share,
         host_overlaps_device=False,
         memory_gib=memory_bytes / ranks_here / 2**30,
     )

@@ -65,9 +65,10 @@ class StepMeasurement:
         Bytes of the gradient reducer's buckets (``domain_parallel``), 0 without one.
     batch_specs : list of ShardTensorSpec
         Layouts of the batch's ShardTensors.
-    flops, aten_ops, communication_ops, fft_flops : int
-        FLOPs, aten ops, those of them a communication module dispatched, and FFT FLOPs of
-        this rank's step (``WorkCounter``).
+    flops, aten_ops, communication_ops, fft_flops, strided_runs : int
+        FLOPs, aten ops, those of them a communication module dispatched, FFT FLOPs, and the
+        runs its copies' strided tensors are made of (NOTE [Strided copies]), of this rank's
+        step (``WorkCounter``).
     """
 
     comm: CommStats
@@ -83,6 +84,7 @@ class StepMeasurement:
     aten_ops: int
     communication_ops: int
     fft_flops: int
+    strided_runs: int
 
 
 def measure_step(
@@ -171,6 +173,7 @@ def measure_step(
         aten_ops=work.ops,
         communication_ops=work.communication_ops,
         fft_flops=work.fft_flops,
+        strided_runs=work.strided_runs,
     )
 
 

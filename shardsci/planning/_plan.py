@@ -106,6 +106,8 @@ class RankClassPlan:
         FLOPs, aten ops, FFT FLOPs, and the aten ops a communication module dispatched, of
         the representative's step (``WorkCounter``): what projects its compute and host time
         (``parallel=auto``, NOTE [One price per op]).
+    strided_runs : int
+        Runs of the strided tensors its copies read and write (NOTE [Strided copies]).
     spans : list of SpanFigures
         The same step's collectives and messages as issued, by kind and the ranks they
         connect (``count_traffic``); ``p2p_rounds``: its rounds of messages posted together.
@@ -124,6 +126,7 @@ class RankClassPlan:
     communication_ops: int = 0
     spans: list[SpanFigures] = field(default_factory=list)
     p2p_rounds: int = 0
+    strided_runs: int = 0
 
 
 @dataclass
@@ -230,6 +233,7 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
             for span, calls in sorted(traffic.calls_by_span.items())
         ],
         p2p_rounds=traffic.p2p_rounds,
+        strided_runs=measured.strided_runs,
     )
 
 
