@@ -12,7 +12,10 @@ Goal: the chosen candidate's median step time within ``GOAL_RATIO`` of the best 
 measured. The load average before and after is in the summary: the 2 cores are shared.
 
 Run ``python -m benchmarks.parallel_auto [--worlds 4 8] [--rounds 2] [--steps 6] [--resolution
-64] [--batch 16] [--model fno] [--check]`` (≈15 min for 4 and 8 ranks on a quiet machine).
+64] [--batch 16] [--model fno] [--check]`` (≈15 min for 4 and 8 ranks on a quiet machine);
+``--replay out.jsonl`` ranks an earlier output's runs again with today's projection (the same
+settings), training nothing. A run's ``run_cpu_s`` is the CPU time of the whole ``train.py``
+run, every rank and the start-up included (``RUSAGE_CHILDREN``).
 JSON lines: ``candidate`` (world, label, mesh, projected parts in ms, measured ``step_s``),
 ``choice`` per world (chosen, best measured, ``ratio``), ``summary``.
 """
@@ -105,14 +108,28 @@ def step_seconds(
     return (second - first) / half, cpu
 
 
+def replayed(paths: list[str], world: int) -> list[dict]:
+    """The ``run`` records of ``world`` ranks in the JSON lines of ``paths`` (an earlier
+    run's output): ranked again without training anything."""
+    records = (json.loads(line) for path in paths for line in Path(path).read_text().splitlines())
+    return [r for r in records if r.get("record") == "run" and r["world"] == world]
+
+
 def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=[*recipe_overrides(args), f"run_dir={scratch}"])
     choice = choose(cfg, world)
     measured: dict[str, list[float]] = {c.label: [] for c in choice.ranked}
     cpu_measured: dict[str, list[float]] = {c.label: [] for c in choice.ranked}
+    for run in replayed(args.replay, world):
+        measured[run["label"]].append(run["step_s"])
+        if "run_cpu_s" in run:  # not in outputs from before 2026-11-28 17:20 UTC
+            cpu_measured[run["label"]].append(run["run_cpu_s"])
+    missing = [label for label, runs in measured.items() if args.replay and not runs]
+    if missing:
+        raise SystemExit(f"--replay: no run of {missing} on {world} ranks in {args.replay}")
     order = list(enumerate(choice.ranked))
-    for round_index in range(args.rounds):
+    for round_index in range(0 if args.replay else args.rounds):
         for number, candidate in order:
             run_dir = scratch / f"world{world}_candidate{number}_round{round_index}"
             configs = scratch / f"world{world}_candidate{number}_configs"
@@ -144,7 +161,9 @@ def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
                 for part in ("compute", "communication", "host", "step")
             },
             step_s=spread(measured[candidate.label], digits=3),
-            run_cpu_s=spread(cpu_measured[candidate.label], digits=2),
+            run_cpu_s=spread(cpu_measured[candidate.label], digits=2)
+            if cpu_measured[candidate.label]
+            else None,
         )
     for candidate in choice.dropped:
         emit("dropped", world=world, label=candidate.label, problem=candidate.problem)
@@ -174,6 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resolution", type=int, default=64, help="H = W of the data")
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--model", default="fno", help="configs/model/<name>")
+    parser.add_argument(
+        "--replay",
+        nargs="*",
+        default=[],
+        metavar="JSONL",
+        help="rank again the runs of these earlier outputs instead of training",
+    )
     args = parse_arguments(parser, argv)
     with tempfile.TemporaryDirectory() as scratch:
         goals = [measure_world(world, args, Path(scratch)) for world in args.worlds]
