@@ -261,6 +261,36 @@ def test_a_w_split_is_priced_above_an_h_split_by_its_strided_copies(tmp_path: Pa
     assert project(plans["W"], free).compute == pytest.approx(project(plans["H"], free).compute)
 
 
+def test_dp_inside_nodes_is_listed_and_priced_over_the_nodes_its_domain_spans(
+    tmp_path: Path,
+) -> None:
+    """On several nodes every dp x domain decomposition comes twice: dp outermost, and dp the
+    mesh's last axis (replicas inside a node). 8 ranks, 4 a node: ``dp=4 x slab H=2`` keeps
+    each domain pair on one node (ranks 0, 1); ``slab H=2 x dp=4`` puts it across the two
+    (ranks 0, 4), and its domain collectives cost more; the gradient all-reduce spans all 8
+    in both."""
+    names = {d.describe(2): (d.mesh, d.parallel().axis_names)
+             for d in decompositions(8, ("H", "W"), dp_inside_nodes=True)}  # fmt: skip
+    assert names["slab H=2 x dp=4"] == ("2x4", ["domain_h", "dp"])
+    assert names["dp=4 x slab H=2"] == ("4x2", ["dp", "domain_h"])
+    assert "slab H=8 x dp=1" not in names and len(names) == 10 + 5
+    assert len(decompositions(8, ("H", "W"))) == 10
+    cfg = _compose([*SMALL, "data.dataset.solver.resolution=32", "train.global_batch=4",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    machine = Machine(gpus_per_node=4)
+    projected = {}
+    for inside in (False, True):
+        plan = plan_run(chosen_config(cfg, Decomposition(4, (("H", 2),), inside)))
+        domain = {tuple(s.ranks) for s in plan.classes[0].spans if len(s.ranks) == 2}
+        assert domain == {(0, 4) if inside else (0, 1)}
+        projected[inside] = project(plan, machine).collectives
+    for kind in ("all_to_all over 2", "all_gather over 2"):
+        assert projected[True][kind] > projected[False][kind]
+    assert projected[True]["all_reduce over 8"] == pytest.approx(
+        projected[False]["all_reduce over 8"]
+    )
+
+
 @pytest.mark.slow  # seven dry runs: 8 s at load 12 (pytest -m slow tests/test_parallel_auto.py)
 def test_a_field_too_large_for_one_device_gets_a_domain_decomposition(tmp_path: Path) -> None:
     """A budget below one whole sample's step (what every replica of pure data parallelism

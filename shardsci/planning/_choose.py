@@ -6,7 +6,11 @@ lists every way to write ``P = dp x n_1 x ... x n_k``: ``dp`` data-parallel repl
 divisor of the global batch) and a domain decomposition splitting ``k`` of the fields'
 spatial dims, outermost first (``k = 0``: pure data parallelism; one dim: slabs; two of a 3-D
 field: pencils; all of them: blocks), ``n_i`` ranks along dim ``i``, uneven where the cells
-do not divide (the library's ``chunk`` sizes). Each candidate is dry-run as the run itself
+do not divide (the library's ``chunk`` sizes); on ranks of several nodes (``P >
+gpus_per_node``) each decomposition of dp and a domain is listed twice: dp the mesh's first
+axis (a domain group of consecutive ranks, inside a node when it fits) and its last (``slab
+H=2 x dp=4``: the replicas inside nodes, the domain axes across them), priced alike over the
+ranks each collective connects. Each candidate is dry-run as the run itself
 would be (``plan_run``: the model, the trainer's step, every byte, every layer's peak memory
 on every rank class; NOTE [A dry run executes the library on one simulated rank at a time]);
 a candidate with a problem (a rank over the memory budget, ranks left without cells, a step
@@ -94,10 +98,16 @@ _GIB = 2**30
 @dataclass(frozen=True)
 class Decomposition:
     """``dp`` replicas times a domain decomposition ``splits``: (spatial dim, ranks) pairs,
-    outermost dim first, every ranks > 1."""
+    outermost dim first, every ranks > 1; the dp axis the mesh's first (each domain group
+    consecutive ranks, inside a node when it fits one), or with ``dp_inside_nodes`` its last
+    (each replica group consecutive ranks, the domain axes across nodes)."""
 
     dp: int
     splits: tuple[tuple[str, int], ...]
+    dp_inside_nodes: bool = False
+
+    def _dp_first(self, dp: list, domain: list) -> list:
+        return domain + dp if self.dp_inside_nodes else dp + domain
 
     @property
     def world_size(self) -> int:
@@ -105,37 +115,47 @@ class Decomposition:
 
     @property
     def mesh(self) -> str:
-        """The ``mesh`` value: ``"2x2"`` (dp, then one axis per split dim)."""
-        sizes = ([self.dp] if self.dp > 1 else []) + [n for _, n in self.splits]
+        """The ``mesh`` value: ``"2x2"`` (dp, then one axis per split dim; the other way round
+        with ``dp_inside_nodes``)."""
+        sizes = self._dp_first([self.dp] if self.dp > 1 else [], [n for _, n in self.splits])
         return "x".join(str(n) for n in sizes) or "1"
 
     def parallel(self) -> ParallelConfig:
         """The ``parallel`` group that gives the mesh's axes these roles."""
         domain = {f"domain_{dim.lower()}": dim for dim, _ in self.splits}
-        names = (["dp"] if self.dp > 1 or not domain else []) + list(domain)
+        names = self._dp_first(["dp"] if self.dp > 1 or not domain else [], list(domain))
         dp = "dp" if "dp" in names else None
         return ParallelConfig(axis_names=names, data_parallel=dp, domain=domain)
 
     def describe(self, ndim: int) -> str:
-        """``dp=2 x slab H=2``, ``block H=2 x W=2``, ``dp=4``."""
+        """``dp=2 x slab H=2``, ``block H=2 x W=2``, ``dp=4``; the mesh's axes outermost
+        first (``slab H=2 x dp=2``: dp inside nodes)."""
         kind = {0: "", 1: "slab", ndim: "block"}.get(len(self.splits), "pencil")
         domain = " x ".join(f"{dim}={n}" for dim, n in self.splits)
-        parts = ([f"dp={self.dp}"] if self.dp > 1 or not domain else []) + (
-            [f"{kind} {domain}"] if domain else []
+        parts = self._dp_first(
+            [f"dp={self.dp}"] if self.dp > 1 or not domain else [],
+            [f"{kind} {domain}"] if domain else [],
         )
         return " x ".join(parts)
 
 
-def decompositions(world_size: int, spatial_dims: tuple[str, ...]) -> list[Decomposition]:
+def decompositions(
+    world_size: int, spatial_dims: tuple[str, ...], dp_inside_nodes: bool = False
+) -> list[Decomposition]:
     """Every decomposition of ``world_size`` ranks (NOTE [How parallel=auto chooses]), data
-    parallelism first, then by fewer split dims, then by more replicas."""
+    parallelism first, then by fewer split dims, then by more replicas; with
+    ``dp_inside_nodes`` (ranks on several nodes), each of dp and a domain also with dp the
+    mesh's last axis, after its twin."""
     found = []
     for dp in _divisors(world_size):
         rest = world_size // dp
         for k in range(len(spatial_dims) + 1):
             for dims in itertools.combinations(spatial_dims, k):
                 for sizes in _factorizations(rest, k):
-                    found.append(Decomposition(dp, tuple(zip(dims, sizes))))
+                    splits = tuple(zip(dims, sizes))
+                    found.append(Decomposition(dp, splits))
+                    if dp_inside_nodes and dp > 1 and splits:
+                        found.append(Decomposition(dp, splits, dp_inside_nodes=True))
     return sorted(found, key=lambda d: (len(d.splits), -d.dp))
 
 
@@ -293,7 +313,8 @@ def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> C
     recipe = get_recipe(cfg.recipe)
     batch = int(cfg.train.global_batch)
     candidates = []
-    for decomposition in decompositions(world_size, tuple(recipe.spatial_dims)):
+    several_nodes = world_size > machine.gpus_per_node
+    for decomposition in decompositions(world_size, tuple(recipe.spatial_dims), several_nodes):
         candidate = Candidate(decomposition, decomposition.describe(len(recipe.spatial_dims)))
         candidates.append(candidate)
         if batch % decomposition.dp:
