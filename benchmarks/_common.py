@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from shardsci.testing import count_traffic, run_on_ranks, shutdown_pools
+from shardsci.testing import Span, Traffic, count_traffic, run_on_ranks, shutdown_pools
 
 __all__ = [
     "Goal",
@@ -220,20 +220,29 @@ def restart_pools() -> None:
     shutdown_pools()
 
 
-def step_traffic(step: Callable[[], None], model: Any) -> tuple[Counter, Counter]:
+def step_traffic(
+    step: Callable[[], None], model: Any, label: Callable[[Span], str] = lambda span: span.kind
+) -> tuple[Counter, Counter]:
     """One training ``step``'s traffic (``count_traffic``; rank body), calls and bytes
-    received by kind: the step under ``model.no_sync()``, with ``p2p_rounds`` (halo
-    exchanges) among the calls, and ``gradient_all_reduce``, what a second step with gradient
-    reduction (``domain_parallel``) issues beyond it."""
+    received by ``label`` of each collective's span (default: its kind; NOTE [The span of a
+    collective]): the step under ``model.no_sync()``, with ``p2p_rounds`` (halo exchanges)
+    among the calls, and ``gradient_all_reduce``, what a second step with gradient reduction
+    (``domain_parallel``) issues beyond it under the label ``"all_reduce"``."""
     with model.no_sync(), count_traffic() as without:
         step()
     with count_traffic() as with_gradients:
         step()
-    counts = without.as_dict()
-    calls, received = Counter(counts["calls"]), Counter(counts["received"])
-    calls["p2p_rounds"] = counts["p2p_rounds"]
-    calls["gradient_all_reduce"] = with_gradients.calls_by_kind["all_reduce"] - calls["all_reduce"]
-    received["gradient_all_reduce"] = (
-        with_gradients.received_by_kind["all_reduce"] - received["all_reduce"]
-    )
+    calls, received = _by_label(without, label)
+    calls["p2p_rounds"] = without.p2p_rounds
+    more_calls, more_received = _by_label(with_gradients, label)
+    calls["gradient_all_reduce"] = more_calls["all_reduce"] - calls["all_reduce"]
+    received["gradient_all_reduce"] = more_received["all_reduce"] - received["all_reduce"]
+    return calls, received
+
+
+def _by_label(traffic: Traffic, label: Callable[[Span], str]) -> tuple[Counter, Counter]:
+    calls, received = Counter(), Counter()
+    for span, n in traffic.calls_by_span.items():
+        calls[label(span)] += n
+        received[label(span)] += traffic.received_by_span[span]
     return calls, received

@@ -29,6 +29,10 @@ formula shows as a residual rather than being absorbed into a parameter:
   the cost model's memory traffic counts them (arguments and result).
 - ``host_us_per_op`` and ``plain_host_us_per_op``: ``benchmarks.host_overhead``'s measurement
   (a UNet step at a 16² tile on 1 rank; CPU time over the aten ops dispatched).
+- ``strided_copy_s_per_run`` (NOTE [Strided copies]): the CPU time of copying a piece of a
+  field narrowed along W less that of the same bytes narrowed along H, over the runs the first
+  has more (``contiguous_runs``), for FNO-sized fields split 2, 4 and 8 ways (``STRIDED``);
+  the median over them.
 
 Four ranks on this machine's 2 cores share them: the fitted figures are per rank with a core
 to itself (the collectives on 4 ranks are measured oversubscribed, so their latencies include
@@ -65,7 +69,7 @@ from benchmarks._common import (
 )
 from benchmarks.host_overhead import time_variants
 from shardsci.planning._machine import Machine, collective_s, ring_steps
-from shardsci.planning._work import WorkCounter
+from shardsci.planning._work import WorkCounter, contiguous_runs
 
 SIZES = (256, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes per rank's input
 KINDS = ("p2p", "all_to_all", "all_gather", "all_reduce")
@@ -279,6 +283,33 @@ def measure_compute(repeats: int) -> dict[str, float]:
     return rates
 
 
+STRIDED = ((4, 32, 64, 64), (4, 32, 64, 16), (4, 64, 128, 128))
+"""Fields ``(B, C, H, W)`` whose pieces ``measure_strided_copy`` copies."""
+COPIES_TIMED = 50
+"""Copies per timed sample (one takes microseconds)."""
+
+
+def measure_strided_copy(repeats: int) -> float:
+    """Seconds a run of a strided copy costs beyond its bytes (NOTE [Strided copies]): per
+    field of ``STRIDED`` and split ``n`` of 2, 4, 8, a copy of ``1 / n`` of it narrowed along
+    W against one narrowed along H (the same bytes in ``B C`` runs), CPU time of ``COPIES_TIMED``
+    copies; the median."""
+    torch.set_num_threads(1)
+    per_run = []
+    for shape in STRIDED:
+        field = torch.randn(*shape)
+        for n in (2, 4, 8):
+            along_w, along_h = field[..., : shape[3] // n], field[:, :, : shape[2] // n]
+            extra = contiguous_runs(along_w) - contiguous_runs(along_h)
+            seconds = [
+                _median_cpu_s(lambda t=t: [t.contiguous() for _ in range(COPIES_TIMED)], repeats)
+                / COPIES_TIMED
+                for t in (along_w, along_h)
+            ]
+            per_run.append((seconds[0] - seconds[1]) / extra)
+    return statistics.median(per_run)
+
+
 def measure_host(repeats: int) -> tuple[float, float]:
     """µs of CPU time per aten op of a ShardTensor and a plain UNet step at a 16² tile on 1
     rank (``benchmarks.host_overhead.time_variants``): ``(shardtensor, plain)``."""
@@ -297,6 +328,7 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
     network = fit_collectives(points)
     rates = measure_compute(repeats)
     host_us, plain_us = measure_host(repeats)
+    strided_copy_s = measure_strided_copy(repeats)
     flops = statistics.median(v for k, v in rates.items() if k not in ("memory", "fft"))
     per_call_us, per_step_us = fit_collective_host(points)
     machine = dataclasses.replace(
@@ -313,6 +345,7 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         host_us_per_collective_step=per_step_us,
         host_us_per_op=host_us,
         plain_host_us_per_op=plain_us,
+        strided_copy_s_per_run=strided_copy_s,
         host_overlaps_device=False,
         memory_gib=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4 / 2**30,
     )
@@ -349,6 +382,9 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         "host_us_per_op": "measured on this machine by benchmarks.calibrate with "
         "benchmarks.host_overhead: ShardTensor UNet step at 16², 1 rank, CPU s per aten op",
         "plain_host_us_per_op": "the same, plain torch's step",
+        "strided_copy_s_per_run": "measured on this machine by benchmarks.calibrate: copies "
+        "of W- against H-narrowed pieces of (4, 32-64, 64-128, 16-128) fields, CPU s per "
+        "extra run, one thread, median",
         "host_overlaps_device": "a CPU launches and runs its kernels on one core",
         "memory_gib": "a quarter of this machine's RAM (4 ranks)",
     }
@@ -397,6 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         plain_host_us_per_op=round(machine.plain_host_us_per_op, 1),
         host_us_per_collective=round(machine.host_us_per_collective, 1),
         host_us_per_collective_step=round(machine.host_us_per_collective_step, 1),
+        strided_copy_ns_per_run=round(machine.strided_copy_s_per_run * 1e9, 2),
         collective_fit_worst=round(max(ratios, key=lambda r: abs(r - 1)), 2),
     )
 

@@ -18,7 +18,9 @@ so is the step's memory traffic (every non-view op's tensor arguments and result
 unfused). FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are counted apart]) and fitted as
 ``a p log2 p`` of the whole field, which a distributed FFT shares evenly over the ranks.
 Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``,
-and memory traffic at ``memory_bytes_per_s``. Host time per step is the aten ops the
+and memory traffic at ``memory_bytes_per_s``, plus the runs of the step's strided copies
+(``WorkCounter.strided_runs``, fitted over the size basis) at ``strided_copy_s_per_run``
+(NOTE [Strided copies]), as the dry run prices them. Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
 (``ops_host_s``, NOTE [One price per op]), plus what issuing each
 collective call and halo round costs the host's CPU (``collective_host_s``: per call and per
@@ -51,7 +53,7 @@ all-gather]: the gathered keys and values above ``gather_limit_bytes``) picks wh
 A link inside a node is NVLink; from ``2 x gpus_per_node`` ranks on, some neighbour of every
 rank is on another node (InfiniBand).
 
-Decompositions: the UNet in 2-D blocks of ``t x t`` (measured on 2x2); the FNO, ViT and
+Decompositions: the UNet in 2-D blocks of ``t x t`` (measured on 2x2, 2x4 and 4x2); the FNO, ViT and
 Transolver in slabs along H (measured on 2 ranks; at ``P`` ranks a square field of
 ``N = t sqrt(P)`` has ``N / P`` rows per rank); the MeshGraphNet in METIS parts of ``n``
 nodes of a 2-D Delaunay mesh (measured on 2 ranks). Weak-scaling efficiency at ``P``: the
@@ -93,11 +95,12 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -123,6 +126,8 @@ from shardsci.planning._machine import (
     collective_s,
     ops_host_s,
     override,
+    span_nodes,
+    strided_copy_s,
 )
 from shardsci.planning._work import WorkCounter
 from shardsci.tensor._options import (
@@ -130,7 +135,7 @@ from shardsci.tensor._options import (
     normalization_statistics,
     statistics_all_reduced,
 )
-from shardsci.testing import get_mesh
+from shardsci.testing import Span, get_mesh
 
 GPUS = (8, 16, 32, 64, 128, 256, 512)
 FIT_TOLERANCE = 0.02  # of the largest measured bytes of a kind
@@ -144,7 +149,9 @@ class Geometry:
     """How a model is split: the ``meshes`` and local ``shapes`` it is measured at, the size
     ``basis`` its bytes are fitted on, the local shape at ``P`` ranks for weak scaling at a
     tile ``t`` (``weak(P, t)``) and strong scaling of a whole field ``N`` (``strong(P, N)``),
-    and the ``pixels`` (or nodes) of a local shape."""
+    the ``pixels`` (or nodes) of a local shape, and the ``grid`` of ranks at ``P`` (one size
+    per mesh axis, ``AXES`` named), which prices a collective over some of the axes (NOTE
+    [Collectives over one axis])."""
 
     meshes: tuple[tuple[int, ...], ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -152,6 +159,18 @@ class Geometry:
     weak: Callable[[int, float], tuple[float, ...]]
     strong: Callable[[int, float], tuple[float, ...]]
     pixels: Callable[[tuple[float, ...]], float]
+    grid: Callable[[int], tuple[int, ...]] = lambda p: (p,)
+
+
+AXES = ("h", "w")
+"""The names of the domain's mesh axes, outermost first."""
+
+
+def _block_grid(ranks: int) -> tuple[int, int]:
+    """The rows and columns of a block of ``ranks``: as square as powers of 2 allow (2x4
+    for 8)."""
+    rows = 2 ** (int(math.log2(ranks)) // 2)
+    return rows, ranks // rows
 
 
 def _field_basis(shape: tuple[float, ...]) -> list[float]:
@@ -173,12 +192,13 @@ _SLAB = Geometry(
     pixels=lambda s: s[0] * s[1],
 )
 _BLOCK = Geometry(
-    meshes=((2, 2), (2, 4)),
+    meshes=((2, 2), (2, 4), (4, 2)),  # each axis at two sizes: NOTE [Collectives over one axis]
     shapes=((16, 16), (32, 16), (16, 32), (32, 32)),
     basis=_field_basis,
     weak=lambda p, t: (t, t),
     strong=lambda p, n: (n / math.sqrt(p), n / math.sqrt(p)),
     pixels=lambda s: s[0] * s[1],
+    grid=_block_grid,
 )
 _GRAPH = Geometry(
     meshes=((2,), (4,)),
@@ -211,6 +231,52 @@ def laws(kind: str, ranks: int) -> list[float]:
     if kind in P2P:
         return [1.0, ranks - 1.0]
     return [ranks - 1.0, (ranks - 1.0) / ranks]
+
+
+# NOTE [Collectives over one axis]
+# A collective over one axis of a block (a row's all-reduce, a transpose within a column)
+# connects that axis's ranks, not the whole domain's (NOTE [The span of a collective] in
+# ``shardsci/testing/_traffic.py``). ``measure`` labels each collective by the mesh axes its
+# ranks differ along (``kind@h``, ``kind@w``; the bare kind where it spans the whole domain, or
+# is a message), each label's calls and bytes are fitted over the size of its own group at the
+# measured mesh (``group_size``), and projected at ``P`` over the group of rank 0 along those
+# axes of ``Geometry.grid(P)``, its nodes counted as the ranks lie (``span_nodes``): a block's
+# row on one node, its column across nodes once a row fills one.
+def kind_of(label: str) -> str:
+    """The collective kind of a label: ``"all_reduce@h"`` -> ``"all_reduce"``."""
+    return label.partition("@")[0]
+
+
+def group_size(label: str, mesh_shape: tuple[int, ...]) -> int:
+    """Ranks of one ``label``'s group on a domain mesh of ``mesh_shape`` (axes ``AXES``)."""
+    axes = label.partition("@")[2]
+    sizes = dict(zip(AXES, mesh_shape))
+    return math.prod(sizes[a] for a in axes.split("+")) if axes else math.prod(mesh_shape)
+
+
+def projected_group(machine: Machine, name: str, label: str, ranks: int) -> tuple[int, int | None]:
+    """Ranks and nodes of one ``label``'s group at ``ranks`` ranks of model ``name``: that of
+    rank 0 along the label's axes of its grid; nodes ``None`` (consecutive ranks) for the whole
+    domain."""
+    axes = label.partition("@")[2]
+    if not axes:
+        return ranks, None
+    grid = GEOMETRY[name].grid(ranks)
+    index = tuple(slice(None) if a in axes.split("+") else 0 for a in AXES[: len(grid)])
+    members = torch.arange(ranks).view(grid)[index].flatten().tolist()
+    return len(members), span_nodes(machine, members)
+
+
+def span_label(span: Span, mesh: DeviceMesh, domain_axes: tuple[str, ...]) -> str:
+    """``span``'s kind, with ``@`` and the ``domain_axes`` of ``mesh`` its ranks differ along
+    where those are not all of them (a message keeps its kind: halos are priced as rounds)."""
+    if span.kind in P2P:
+        return span.kind
+    coordinates = [(mesh.mesh == rank).nonzero()[0].tolist() for rank in span.ranks]
+    names = mesh.mesh_dim_names
+    varying = [names[a] for a in range(mesh.ndim) if len({c[a] for c in coordinates}) > 1]
+    inside = [a for a in domain_axes if a in varying]
+    return span.kind if len(inside) == len(domain_axes) else f"{span.kind}@{'+'.join(inside)}"
 
 
 def call_laws(ranks: int) -> list[float]:
@@ -266,7 +332,7 @@ def sharded_step(
     mesh ``(dp, h[, w])`` and its training step (forward, a mean-square loss, backward,
     gradients reduced) at this rank's local ``shape``."""
     torch.set_num_threads(1)
-    axes = ("h", "w")[: len(mesh_shape)]
+    axes = AXES[: len(mesh_shape)]
     full = get_mesh((1, *mesh_shape), ("dp", *axes))
     torch.manual_seed(0)
     model = domain_parallel(CASES[name].build(), full, dp_axis="dp", domain_axes=list(axes))
@@ -287,9 +353,11 @@ def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exch
     ``gradient_all_reduce``: what the step issues beyond the same step under ``no_sync()``),
     attention exchanged by ``exchange``, and the ops the step dispatches."""
     model, step = sharded_step(name, mesh_shape, shape)
+    axes = AXES[: len(mesh_shape)]
+    mesh = get_mesh((1, *mesh_shape), ("dp", *axes))
     with attention_exchange(exchange):
         step()
-        calls, received = step_traffic(step, model)
+        calls, received = step_traffic(step, model, lambda span: span_label(span, mesh, axes))
         with WorkCounter() as counter:
             step()
     calls, received = _gathers_as_all_to_alls(calls), _gathers_as_all_to_alls(received)
@@ -298,16 +366,18 @@ def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exch
         "received": dict(received),
         "ops": counter.ops,
         "communication_ops": counter.communication_ops,
+        "strided_runs": counter.strided_runs,
     }
 
 
-def _gathers_as_all_to_alls(by_kind: dict[str, int]) -> Counter:
-    """``by_kind`` with the all-gathers counted as all-to-alls (NOTE [The cost model]: torch
-    issues a gather of pieces that do not divide evenly as an all-to-all, so which of the two
-    one gather is counted under depends on ``P``)."""
-    merged = Counter(by_kind)
-    if "all_gather" in merged:
-        merged["all_to_all"] += merged.pop("all_gather")
+def _gathers_as_all_to_alls(by_label: dict[str, int]) -> Counter:
+    """``by_label`` with the all-gathers counted as all-to-alls over the same axes (NOTE [The
+    cost model]: torch issues a gather of pieces that do not divide evenly as an all-to-all,
+    so which of the two one gather is counted under depends on ``P``)."""
+    merged = Counter()
+    for label, value in by_label.items():
+        kind, at, axes = label.partition("@")
+        merged[("all_to_all" if kind == "all_gather" else kind) + at + axes] += value
     return merged
 
 
@@ -362,7 +432,8 @@ class Fitted:
     rank; FLOPs and memory traffic ``c + a p + b p²`` of a whole field of ``p`` pixels
     (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); the aten ops of the
     ShardTensor step and those of them its communication modules dispatch (``ops`` and
-    ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer])."""
+    ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer]); the runs of
+    its strided copies (``strided_runs``: coefficients of ``basis``, NOTE [Strided copies])."""
 
     model: str
     calls: dict[str, list[float]]
@@ -372,6 +443,7 @@ class Fitted:
     fft_flops: list[float]
     ops: list[float]
     communication_ops: list[float]
+    strided_runs: list[float] = field(default_factory=list)
 
     def count(self, kind: str, ranks: int) -> float:
         return max(0.0, sum(c * x for c, x in zip(self.calls.get(kind, []), call_laws(ranks))))
@@ -386,7 +458,7 @@ class Fitted:
         return ops, min(ops, communication)
 
     def bytes(self, kind: str, ranks: int, shape: tuple[float, ...]) -> float:
-        row = _kron(GEOMETRY[self.model].basis(shape), laws(kind, ranks))
+        row = _kron(GEOMETRY[self.model].basis(shape), laws(kind_of(kind), ranks))
         return max(0.0, sum(c * x for c, x in zip(self.received.get(kind, []), row)))
 
     def per_rank(self, coefficients: list[float], ranks: int, shape: tuple[float, ...]) -> float:
@@ -395,6 +467,11 @@ class Fitted:
         constant, linear, quadratic = coefficients
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return constant + (linear * whole + quadratic * whole**2) / ranks
+
+    def strided(self, shape: tuple[float, ...]) -> float:
+        """Runs of the busiest rank's strided copies at the local ``shape``."""
+        row = GEOMETRY[self.model].basis(shape)
+        return max(0.0, sum(c * x for c, x in zip(self.strided_runs, row)))
 
     def fft_per_rank(self, ranks: int, shape: tuple[float, ...]) -> float:
         """FFT FLOPs per rank: the whole field's, shared evenly by the ranks."""
@@ -405,15 +482,11 @@ class Fitted:
         """Host seconds per step at ``ranks``: the ops as ``ops_host_s`` prices them (NOTE [One
         price per op]), and the collectives and halo rounds it issues
         (``collective_host_s``)."""
-        issued = sum(
-            collective_host_s(
-                machine,
-                kind,
-                ranks,
-                self.count("p2p_rounds" if kind == "p2p" else kind, ranks),
-            )
-            for kind in self.received
-        )
+        issued = 0.0
+        for kind in self.received:
+            group, _ = projected_group(machine, self.model, kind, ranks)
+            calls = self.count("p2p_rounds" if kind == "p2p" else kind, group)
+            issued += collective_host_s(machine, kind_of(kind), group, calls)
         return ops_host_s(machine, *self.op_count(ranks), sharded=True) + issued
 
 
@@ -447,12 +520,13 @@ def fit(
     kinds = sorted({k for r in runs for k in (*r["received"], *r["calls"])})
     calls, received, misfit = {}, {}, {}
     for kind in kinds:
+        groups = [group_size(kind, tuple(r.get("mesh", [r["ranks"]]))) for r in runs]
         calls[kind] = least_squares(
-            [call_laws(r["ranks"]) for r in runs], [float(r["calls"].get(kind, 0)) for r in runs]
+            [call_laws(g) for g in groups], [float(r["calls"].get(kind, 0)) for r in runs]
         )
         if kind == "p2p_rounds":
             continue
-        rows = [_kron(basis(r["shape"]), laws(kind, r["ranks"])) for r in runs]
+        rows = [_kron(basis(r["shape"]), laws(kind_of(kind), g)) for r, g in zip(runs, groups)]
         values = [float(r["received"].get(kind, 0)) for r in runs]
         received[kind] = least_squares(rows, values)
         fitted = [sum(c * x for c, x in zip(received[kind], row)) for row in rows]
@@ -466,7 +540,12 @@ def fit(
         least_squares(laws_of_runs, [float(r[key]) for r in runs])
         for key in ("ops", "communication_ops")
     )
-    fitted = Fitted(name, calls, received, flops, memory, fft_flops, ops, communication_ops)
+    strided = least_squares(
+        [basis(r["shape"]) for r in runs], [float(r.get("strided_runs", 0)) for r in runs]
+    )
+    fitted = Fitted(
+        name, calls, received, flops, memory, fft_flops, ops, communication_ops, strided
+    )
     return fitted, misfit
 
 
@@ -484,7 +563,12 @@ def measure_model(name: str) -> dict:
                 )
                 busiest = max(per_rank, key=lambda r: sum(r["received"].values()))
                 runs[exchange].append(
-                    {"ranks": math.prod(mesh_shape), "shape": list(shape), **busiest}
+                    {
+                        "ranks": math.prod(mesh_shape),
+                        "mesh": list(mesh_shape),
+                        "shape": list(shape),
+                        **busiest,
+                    }
                 )
     sizes = FLOP_SIZES.get(name, FLOP_SIZES["field"])
     flops, fft_flops, memory = zip(*(work(name, s) for s in sizes))
@@ -578,16 +662,18 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
             + fitted.fft_per_rank(ranks, shape) / machine.fft_flops_per_s,
             fitted.per_rank(fitted.memory, ranks, shape) / machine.memory_bytes_per_s,
         )
+        + strided_copy_s(machine, fitted.strided(shape))
     }
     if ranks > 1:
         for kind in fitted.received:
-            n = fitted.count(kind, ranks)
-            rounds = fitted.count("p2p_rounds", ranks) if kind == "p2p" else n
-            nbytes = fitted.bytes(kind, ranks, shape)
+            group, nodes = projected_group(machine, fitted.model, kind, ranks)
+            n = fitted.count(kind, group)
+            rounds = fitted.count("p2p_rounds", group) if kind == "p2p" else n
+            nbytes = fitted.bytes(kind, group, shape)
             if kind == STATISTICS.get(fitted.model):
-                parts["statistics"] = statistics_s(machine, ranks, n, nbytes)
+                parts["statistics"] = statistics_s(machine, group, n, nbytes)
             else:
-                parts[kind] = collective_s(machine, kind, ranks, n, nbytes, rounds)
+                parts[kind] = collective_s(machine, kind_of(kind), group, n, nbytes, rounds, nodes)
     parts["device"] = sum(parts.values())
     parts["host"] = fitted.host_s(machine, ranks)
     parts["total"] = _total(machine, parts)

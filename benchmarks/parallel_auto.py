@@ -12,7 +12,10 @@ Goal: the chosen candidate's median step time within ``GOAL_RATIO`` of the best 
 measured. The load average before and after is in the summary: the 2 cores are shared.
 
 Run ``python -m benchmarks.parallel_auto [--worlds 4 8] [--rounds 2] [--steps 6] [--resolution
-64] [--batch 16] [--model fno] [--check]`` (≈15 min for 4 and 8 ranks on a quiet machine).
+64] [--batch 16] [--model fno] [--check]`` (≈15 min for 4 and 8 ranks on a quiet machine);
+``--replay out.jsonl`` ranks an earlier output's runs again with today's projection (the same
+settings), training nothing. A run's ``run_cpu_s`` is the CPU time of the whole ``train.py``
+run, every rank and the start-up included (``RUSAGE_CHILDREN``).
 JSON lines: ``candidate`` (world, label, mesh, projected parts in ms, measured ``step_s``),
 ``choice`` per world (chosen, best measured, ``ratio``), ``summary``.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -74,8 +78,13 @@ def candidate_overrides(candidate: Candidate, configs: Path) -> list[str]:
     ]
 
 
-def step_seconds(overrides: list[str], run_dir: Path, args: argparse.Namespace) -> float:
-    """Seconds per step of the second half of a ``2 k``-step run of ``overrides``."""
+def step_seconds(
+    overrides: list[str], run_dir: Path, args: argparse.Namespace
+) -> tuple[float, float]:
+    """Wall seconds per step of the second half of a ``2 k``-step run of ``overrides``, and
+    the CPU seconds of the whole run (every rank's, start-up included: the children's
+    ``RUSAGE_CHILDREN`` user plus system time)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     half = args.steps // 2
     command = [
         sys.executable,
@@ -90,11 +99,20 @@ def step_seconds(overrides: list[str], run_dir: Path, args: argparse.Namespace) 
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     rates = [r["cells_per_s"] for r in map(json.loads, lines) if "cells_per_s" in r]
     cells = args.batch * args.resolution**2
     first, second = half * cells / rates[-2], 2 * half * cells / rates[-1]
-    return (second - first) / half
+    return (second - first) / half, cpu
+
+
+def replayed(paths: list[str], world: int) -> list[dict]:
+    """The ``run`` records of ``world`` ranks in the JSON lines of ``paths`` (an earlier
+    run's output): ranked again without training anything."""
+    records = (json.loads(line) for path in paths for line in Path(path).read_text().splitlines())
+    return [r for r in records if r.get("record") == "run" and r["world"] == world]
 
 
 def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
@@ -102,15 +120,31 @@ def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
         cfg = compose("config", overrides=[*recipe_overrides(args), f"run_dir={scratch}"])
     choice = choose(cfg, world)
     measured: dict[str, list[float]] = {c.label: [] for c in choice.ranked}
+    cpu_measured: dict[str, list[float]] = {c.label: [] for c in choice.ranked}
+    for run in replayed(args.replay, world):
+        measured[run["label"]].append(run["step_s"])
+        if "run_cpu_s" in run:  # not in outputs from before 2026-11-28 17:20 UTC
+            cpu_measured[run["label"]].append(run["run_cpu_s"])
+    missing = [label for label, runs in measured.items() if args.replay and not runs]
+    if missing:
+        raise SystemExit(f"--replay: no run of {missing} on {world} ranks in {args.replay}")
     order = list(enumerate(choice.ranked))
-    for round_index in range(args.rounds):
+    for round_index in range(0 if args.replay else args.rounds):
         for number, candidate in order:
             run_dir = scratch / f"world{world}_candidate{number}_round{round_index}"
             configs = scratch / f"world{world}_candidate{number}_configs"
             overrides = [*recipe_overrides(args), *candidate_overrides(candidate, configs)]
-            seconds = step_seconds(overrides, run_dir, args)
+            seconds, cpu = step_seconds(overrides, run_dir, args)
             measured[candidate.label].append(seconds)
-            emit("run", world=world, label=candidate.label, round=round_index, step_s=seconds)
+            cpu_measured[candidate.label].append(cpu)
+            emit(
+                "run",
+                world=world,
+                label=candidate.label,
+                round=round_index,
+                step_s=seconds,
+                run_cpu_s=round(cpu, 2),
+            )
         order.reverse()
     medians = {label: statistics.median(values) for label, values in measured.items()}
     for number, candidate in enumerate(choice.ranked, start=1):
@@ -127,6 +161,9 @@ def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
                 for part in ("compute", "communication", "host", "step")
             },
             step_s=spread(measured[candidate.label], digits=3),
+            run_cpu_s=spread(cpu_measured[candidate.label], digits=2)
+            if cpu_measured[candidate.label]
+            else None,
         )
     for candidate in choice.dropped:
         emit("dropped", world=world, label=candidate.label, problem=candidate.problem)
@@ -156,6 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resolution", type=int, default=64, help="H = W of the data")
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--model", default="fno", help="configs/model/<name>")
+    parser.add_argument(
+        "--replay",
+        nargs="*",
+        default=[],
+        metavar="JSONL",
+        help="rank again the runs of these earlier outputs instead of training",
+    )
     args = parse_arguments(parser, argv)
     with tempfile.TemporaryDirectory() as scratch:
         goals = [measure_world(world, args, Path(scratch)) for world in args.worlds]

@@ -24,7 +24,14 @@ from benchmarks.cost_model import (
 from shardsci import attention_exchange
 from shardsci.planning import MemoryPlan, RankClassPlan, RunPlan
 from shardsci.planning._choose import project
-from shardsci.planning._machine import Machine, all_gather_s, all_reduce_s, override
+from shardsci.planning._machine import (
+    Machine,
+    all_gather_s,
+    all_reduce_s,
+    collective_s,
+    override,
+    strided_copy_s,
+)
 
 # Per kind, true bytes as a function of (ranks P, rows r, cols c): a halo of the faces, fixed
 # in P; statistics all-gathered, a fixed piece per rank; a transposed volume of kept modes.
@@ -131,6 +138,47 @@ def test_ops_per_peer_grow_the_host_term():
     assert fitted.host_s(machine, 2) == pytest.approx((700 * 50 + 250 * 20) * 1e-6)
 
 
+def test_a_blocks_collective_over_one_axis_is_fitted_and_priced_over_that_axis():
+    """NOTE [Collectives over one axis]: a UNet block measured on 2x2 and 2x4 ranks, a
+    statistic all-reduced along H (``@h``: 2 ranks on both meshes) and a transpose along W
+    (``@w``: 2, then 4). Fitted over each axis's size, the all-reduce's bytes stay those of 2
+    ranks on both meshes' fit, and at 32 ranks (a 4x8 grid; 8 GPUs a node: a row is a node)
+    each is priced over rank 0's column (4 ranks on 4 nodes) or row (8 ranks on one node), not
+    over the 32 of the block."""
+    shapes = GEOMETRY["unet"].shapes
+    truth = {
+        "all_reduce@h": lambda h, w, r, c: 2 * (h - 1) / h * 4096.0,
+        "all_to_all@w": lambda h, w, r, c: (w - 1) / w * r * c * 8.0,
+    }
+    runs = [
+        {
+            "ranks": h * w,
+            "mesh": [h, w],
+            "shape": list(shape),
+            "calls": {"all_reduce@h": 2, "all_to_all@w": 4},
+            "received": {label: law(h, w, *shape) for label, law in truth.items()},
+            "ops": 1000,
+            "communication_ops": 0,
+        }
+        for h, w in GEOMETRY["unet"].meshes
+        for shape in shapes
+    ]
+    fitted, misfit = fit("unet", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    assert max(misfit.values()) < 1e-9
+    assert cost_model.projected_group(Machine(), "unet", "all_reduce@h", 32) == (4, 4)
+    assert cost_model.projected_group(Machine(), "unet", "all_to_all@w", 32) == (8, 1)
+    assert cost_model.projected_group(Machine(), "unet", "all_to_all", 32) == (32, None)
+    machine = Machine(host_us_per_op=0.0)
+    shape = (64.0, 64.0)
+    parts = step_s(machine, fitted, 32, shape)
+    column = collective_s(machine, "all_reduce", 4, 2, truth["all_reduce@h"](4, 8, *shape), 2, 4)
+    row = collective_s(machine, "all_to_all", 8, 4, truth["all_to_all@w"](4, 8, *shape), 4, 1)
+    assert parts["all_reduce@h"] == pytest.approx(column)
+    assert parts["all_to_all@w"] == pytest.approx(row)
+    whole = collective_s(machine, "all_reduce", 32, 2, 2 * 31 / 32 * 4096.0, 2)
+    assert whole > 1.5 * column
+
+
 def test_attention_exchange_chosen_by_the_librarys_rule():
     gathered, ring = synthetic_runs(), synthetic_runs()
     for run in gathered:  # one attention all-gather of the local keys and values, r c 128 B
@@ -207,3 +255,19 @@ def test_the_planner_and_the_cost_model_price_host_time_alike():
     plan = RunPlan("cfd", "8", "", 8, "m", 0, 1, [rank_class], [], None, [], [])
     assert project(plan, machine).host == pytest.approx(fitted.host_s(machine, 8))
     assert fitted.host_s(machine, 8) == pytest.approx((700 * 50 + 250 * 7 * 20) * 1e-6)
+
+
+def test_strided_copies_are_priced_as_the_planner_prices_them():
+    """NOTE [Strided copies]: the runs of a step's strided copies, fitted over the local shape
+    (a W split's ``B C H`` runs grow with the rows), add ``strided_copy_s`` to the compute of
+    the cost model as of the dry run."""
+    runs = synthetic_runs()
+    for run in runs:
+        run["strided_runs"] = 500 + 40 * run["shape"][0]
+    fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    shape = (100.0, 300.0)
+    assert fitted.strided(shape) == pytest.approx(500 + 40 * 100)
+    machine = Machine(strided_copy_s_per_run=1e-6)
+    free = Machine(strided_copy_s_per_run=0.0)
+    extra = step_s(machine, fitted, 8, shape)["compute"] - step_s(free, fitted, 8, shape)["compute"]
+    assert extra == pytest.approx(strided_copy_s(machine, 4500)) and extra == pytest.approx(4.5e-3)

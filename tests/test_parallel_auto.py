@@ -7,12 +7,15 @@ The budget case is slow: ``pytest -m slow tests/test_parallel_auto.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
@@ -27,6 +30,7 @@ from shardsci.planning import (
     Projection,
     RankClassPlan,
     RunPlan,
+    SpanFigures,
     choice_applies,
     choose,
     chosen_config,
@@ -35,7 +39,7 @@ from shardsci.planning import (
     plan_run,
 )
 from shardsci.planning._choose import decompositions, project
-from shardsci.planning._machine import Machine
+from shardsci.planning._machine import Machine, collective_s, gloo_cpu
 from shardsci.training import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -92,12 +96,19 @@ def test_a_decomposition_is_a_mesh_and_roles_the_run_accepts(tmp_path: Path) -> 
 def _class(
     flops: int, ops: int, halo_bytes: int, grad_bytes: int, fft_flops: int = 0
 ) -> RankClassPlan:
+    """Rank 0 of 4: one gradient all-reduce over all 4; halos: 4 rounds of messages with
+    rank 1."""
     memory = MemoryPlan(0, 0, 0, 0, 0, 0, 2**20, "forward of x")
     collectives = {
         "grad_all_reduce": CollectiveFigures(1, grad_bytes, grad_bytes),
         **({"halo": CollectiveFigures(4, halo_bytes, halo_bytes)} if halo_bytes else {}),
     }
-    return RankClassPlan(1, 0, [0], [0], memory, collectives, {}, flops, ops, fft_flops)
+    spans = [SpanFigures("all_reduce", [0, 1, 2, 3], 1, grad_bytes)]
+    spans += [SpanFigures("p2p", [0, 1], 8, halo_bytes)] if halo_bytes else []
+    return RankClassPlan(
+        1, 0, [0], [0], memory, collectives, {}, flops, ops, fft_flops, 0, spans,
+        p2p_rounds=4 if halo_bytes else 0,
+    )  # fmt: skip
 
 
 def _plan(world: int, replicas: int, classes: list[RankClassPlan]) -> RunPlan:
@@ -129,7 +140,7 @@ def test_projection_of_the_slowest_rank_class() -> None:
     # 4 halo rounds of one ring step, one gradient all-reduce of 2 (P - 1) = 6 steps.
     issued = 4 * (1000 + 500) + (1000 + 6 * 500)
     assert p.host == pytest.approx(100 * 100e-6 + issued * 1e-6)
-    assert p.collectives["halo"] == pytest.approx(4 * 1e-4 + 1e-3)
+    assert p.collectives["p2p"] == pytest.approx(4 * 1e-4 + 1e-3)
     assert p.step == pytest.approx(p.compute + p.host + p.communication)
     replicated = project(_plan(4, 4, [_class(10**9, 100, 0, 0)]), MACHINE)
     assert replicated.host == pytest.approx(100 * 10e-6 + 4000e-6)  # nothing split: plain ops
@@ -193,6 +204,91 @@ def test_splitting_the_field_leaves_each_ranks_work_alone(tmp_path: Path) -> Non
         work[decomposition.describe(2)] = {(c.flops, c.fft_flops) for c in plan.classes}
     assert work["slab H=2"] == work["dp=2"]
     assert all(fft > 0 for _, fft in work["dp=2"])
+
+
+def test_a_blocks_collectives_are_priced_over_their_own_axis(tmp_path: Path) -> None:
+    """A 2x4 block (rank r in row r // 4 along W's 4 ranks, column r % 4 along H's 2; 4 GPUs
+    per node: a row is a node). The dry run's collectives connect one row, one column, or
+    ranks of both (the transposes between H and W); each is priced over the ranks it
+    connects and the nodes they span (NOTE [Collectives priced over their own ranks]): a
+    column's over 2 ranks on 2 nodes, a row's over 4 on one. Costed over the whole domain
+    group, as before, a column's all-reduce of a few bytes cost 8 ranks' latency."""
+    cfg = _compose([*SMALL, "data.dataset.solver.resolution=32", "train.global_batch=1",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    plan = plan_run(chosen_config(cfg, Decomposition(1, (("H", 2), ("W", 4)))))
+    grid = torch.arange(8).view(2, 4)
+    machine = Machine(gpus_per_node=4)
+    for rank_class in plan.classes:
+        me = rank_class.representative
+        row, column = grid[me // 4].tolist(), grid[:, me % 4].tolist()
+        by_ranks = defaultdict(list)
+        for span in rank_class.spans:
+            assert me in span.ranks
+            by_ranks[len(span.ranks)].append(span)
+        assert [s.ranks for s in by_ranks[2]] and all(s.ranks == column for s in by_ranks[2])
+        assert [s.ranks for s in by_ranks[4]] and all(s.ranks == row for s in by_ranks[4])
+        priced = project(_plan(8, 1, [rank_class]), machine).collectives
+        for kind in {s.kind for s in by_ranks[2]}:
+            spans = [s for s in by_ranks[2] if s.kind == kind]
+            expected = sum(
+                collective_s(machine, kind, 2, s.calls, s.received, s.calls, nodes=2) for s in spans
+            )
+            assert priced[f"{kind} over 2"] == pytest.approx(expected)
+            over_the_block = sum(
+                collective_s(machine, kind, 8, s.calls, s.received, s.calls) for s in spans
+            )
+            assert over_the_block > 1.5 * expected
+
+
+def test_a_w_split_is_priced_above_an_h_split_by_its_strided_copies(tmp_path: Path) -> None:
+    """NOTE [Strided copies]: the FNO's slabs of 2 ranks along H and along W do the same FLOPs,
+    but the W slab's copies read pieces narrowed along the last dim, ``B C H`` runs each: more
+    runs than the H slab's, priced as compute at this machine's measured rate per run
+    (``gloo_cpu``), and at none on a machine that has no such cost."""
+    cfg = _compose([*SMALL, "data.dataset.solver.resolution=32", "train.global_batch=1",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    plans = {dim: plan_run(chosen_config(cfg, Decomposition(1, ((dim, 2),)))) for dim in "HW"}
+    runs = {dim: max(c.strided_runs for c in plan.classes) for dim, plan in plans.items()}
+    assert runs["W"] > 1.2 * runs["H"] > 0
+    flops = {dim: {(c.flops, c.fft_flops) for c in plan.classes} for dim, plan in plans.items()}
+    assert flops["W"] == flops["H"]
+    machine = gloo_cpu(2)
+    assert machine.strided_copy_s_per_run > 0
+    w, h = (project(plans[dim], machine) for dim in "WH")
+    extra = (runs["W"] - runs["H"]) * machine.strided_copy_s_per_run
+    assert w.compute - h.compute == pytest.approx(extra)
+    free = dataclasses.replace(machine, strided_copy_s_per_run=0.0)
+    assert project(plans["W"], free).compute == pytest.approx(project(plans["H"], free).compute)
+
+
+def test_dp_inside_nodes_is_listed_and_priced_over_the_nodes_its_domain_spans(
+    tmp_path: Path,
+) -> None:
+    """On several nodes every dp x domain decomposition comes twice: dp outermost, and dp the
+    mesh's last axis (replicas inside a node). 8 ranks, 4 a node: ``dp=4 x slab H=2`` keeps
+    each domain pair on one node (ranks 0, 1); ``slab H=2 x dp=4`` puts it across the two
+    (ranks 0, 4), and its domain collectives cost more; the gradient all-reduce spans all 8
+    in both."""
+    names = {d.describe(2): (d.mesh, d.parallel().axis_names)
+             for d in decompositions(8, ("H", "W"), dp_inside_nodes=True)}  # fmt: skip
+    assert names["slab H=2 x dp=4"] == ("2x4", ["domain_h", "dp"])
+    assert names["dp=4 x slab H=2"] == ("4x2", ["dp", "domain_h"])
+    assert "slab H=8 x dp=1" not in names and len(names) == 10 + 5
+    assert len(decompositions(8, ("H", "W"))) == 10
+    cfg = _compose([*SMALL, "data.dataset.solver.resolution=32", "train.global_batch=4",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    machine = Machine(gpus_per_node=4)
+    projected = {}
+    for inside in (False, True):
+        plan = plan_run(chosen_config(cfg, Decomposition(4, (("H", 2),), inside)))
+        domain = {tuple(s.ranks) for s in plan.classes[0].spans if len(s.ranks) == 2}
+        assert domain == {(0, 4) if inside else (0, 1)}
+        projected[inside] = project(plan, machine).collectives
+    for kind in ("all_to_all over 2", "all_gather over 2"):
+        assert projected[True][kind] > projected[False][kind]
+    assert projected[True]["all_reduce over 8"] == pytest.approx(
+        projected[False]["all_reduce over 8"]
+    )
 
 
 @pytest.mark.slow  # seven dry runs: 8 s at load 12 (pytest -m slow tests/test_parallel_auto.py)

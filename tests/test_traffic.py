@@ -168,6 +168,54 @@ def test_every_kind_of_collective_is_counted_with_its_bytes(name: str) -> None:
     run_on_ranks(4, _count_body, name)
 
 
+# ---------------------------------------------------------------------------- spans
+def _spans_on_a_2x2_mesh() -> dict:
+    """On a 2x2 mesh (rank r at row r // 2, column r % 2): an all-reduce over the row axis's
+    group, an all-to-all over all 4 whose pieces go to one's row only, and a message to the
+    rank below."""
+    r, mesh = _rank(), get_mesh((2, 2), ("rows", "cols"))
+    column = mesh.get_group("rows")  # the ranks of this rank's column: along the rows axis
+    with count_traffic() as traffic:
+        dist.all_reduce(torch.ones(3, dtype=torch.float64), group=column)
+        in_row = [1 if k // 2 == r // 2 else 0 for k in range(4)]
+        out = torch.empty(sum(in_row), dtype=torch.float64)
+        dist.all_to_all_single(out, torch.ones(sum(in_row), dtype=torch.float64), in_row, in_row)
+        below = (r + 2) % 4
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, torch.ones(5, dtype=torch.float64), below),
+                dist.P2POp(dist.irecv, torch.empty(5, dtype=torch.float64), below),
+            ]
+        )
+        for work in works:
+            work.wait()
+    return {
+        "calls": {(s.kind, s.ranks): n for s, n in traffic.calls_by_span.items()},
+        "received": {(s.kind, s.ranks): n for s, n in traffic.received_by_span.items()},
+    }
+
+
+def test_each_collective_is_kept_with_the_ranks_it_connects() -> None:
+    """NOTE [The span of a collective], against the rank grid ``arange(4).view(2, 2)``: the
+    all-reduce spans one column, the all-to-all the ranks it sends non-empty pieces to (one
+    row, though issued over all 4), each message its two ends."""
+    grid = torch.arange(4).view(2, 2)
+    for r, result in enumerate(run_on_ranks(4, _spans_on_a_2x2_mesh)):
+        column = tuple(grid[:, r % 2].tolist())
+        row = tuple(grid[r // 2].tolist())
+        pair = tuple(sorted((r, (r + 2) % 4)))
+        assert result["calls"] == {
+            ("all_reduce", column): 1,
+            ("all_to_all", row): 1,
+            ("p2p", pair): 2,
+        }
+        assert result["received"] == {
+            ("all_reduce", column): 3 * F64,  # the ring's 2 (P - 1) / P of 3 float64
+            ("all_to_all", row): F64,
+            ("p2p", pair): 5 * F64,
+        }
+
+
 # ---------------------------------------------------------------------------- rounds and the log
 def _two_batches_and_a_read() -> dict:
     r = _rank()

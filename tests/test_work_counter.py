@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from shardsci.planning._work import WorkCounter
+from shardsci.planning._work import WorkCounter, contiguous_runs
 from shardsci.tensor import _collectives
 from shardsci.tensor._shape_probe import shape_probe
 
@@ -69,3 +69,46 @@ def test_the_ops_a_communication_module_dispatches_are_counted_apart():
         piece * 2
     assert work.communication_ops >= 1
     assert work.ops - work.communication_ops == 1
+
+
+def _runs_from_addresses(tensor: torch.Tensor) -> int:
+    """Runs of consecutive elements, counted from every element's storage offset in order:
+    a new run wherever the next element is not the one after it in memory."""
+    offsets = torch.as_strided(
+        torch.arange(tensor.storage_offset() + tensor.numel() * 64),
+        tensor.shape,
+        tensor.stride(),
+        tensor.storage_offset(),
+    ).flatten()
+    return 1 + int((offsets[1:] != offsets[:-1] + 1).sum())
+
+
+@pytest.mark.parametrize(
+    "piece",
+    [
+        lambda x: x[..., :3],  # a W split's piece: B C H runs
+        lambda x: x[:, :, :2],  # an H split's: B C runs
+        lambda x: x[:, 1:2, :, :5],
+        lambda x: x[:, :, 1:3, 2:],
+        lambda x: x[:1, :, :1],
+        lambda x: x[1:],
+    ],
+)
+def test_the_runs_of_a_strided_tensor(piece) -> None:
+    """NOTE [Strided copies]: ``contiguous_runs`` of narrowed pieces (the innermost dim at
+    stride 1) against the runs read off every element's address."""
+    tensor = piece(torch.randn(2, 3, 4, 5))
+    assert contiguous_runs(tensor) == _runs_from_addresses(tensor)
+
+
+def test_copies_count_the_runs_of_their_strided_tensors() -> None:
+    """Packing a W split's two pieces (narrowed along the last dim) of a ``(B, C, H, W)``
+    field into one buffer reads ``2 B C H`` runs; the same bytes narrowed along H ``2 B C``;
+    an op that is not a copy counts none."""
+    x = torch.randn(2, 3, 4, 8)
+    with WorkCounter() as along_w:
+        torch.cat([x[..., :4].flatten(), x[..., 4:].flatten()])
+        x[..., :4] * 2
+    with WorkCounter() as along_h:
+        torch.cat([x[:, :, :2].flatten(), x[:, :, 2:].flatten()])
+    assert (along_w.strided_runs, along_h.strided_runs) == (2 * 2 * 3 * 4, 2 * 2 * 3)

@@ -35,6 +35,7 @@ from shardsci.planning._plan import (
     MemoryPlan,
     RankClassPlan,
     RunPlan,
+    SpanFigures,
 )
 from shardsci.planning._report import PLAN_FILE, format_plan, write_plan
 
@@ -52,6 +53,7 @@ __all__ = [
     "Projection",
     "RankClassPlan",
     "RunPlan",
+    "SpanFigures",
     "StepMeasurement",
     "choice_applies",
     "choose",

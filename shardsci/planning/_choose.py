@@ -6,7 +6,11 @@ lists every way to write ``P = dp x n_1 x ... x n_k``: ``dp`` data-parallel repl
 divisor of the global batch) and a domain decomposition splitting ``k`` of the fields'
 spatial dims, outermost first (``k = 0``: pure data parallelism; one dim: slabs; two of a 3-D
 field: pencils; all of them: blocks), ``n_i`` ranks along dim ``i``, uneven where the cells
-do not divide (the library's ``chunk`` sizes). Each candidate is dry-run as the run itself
+do not divide (the library's ``chunk`` sizes); on ranks of several nodes (``P >
+gpus_per_node``) each decomposition of dp and a domain is listed twice: dp the mesh's first
+axis (a domain group of consecutive ranks, inside a node when it fits) and its last (``slab
+H=2 x dp=4``: the replicas inside nodes, the domain axes across them), priced alike over the
+ranks each collective connects. Each candidate is dry-run as the run itself
 would be (``plan_run``: the model, the trainer's step, every byte, every layer's peak memory
 on every rank class; NOTE [A dry run executes the library on one simulated rank at a time]);
 a candidate with a problem (a rank over the memory budget, ranks left without cells, a step
@@ -14,13 +18,16 @@ that fails) is dropped with that problem as its reason. The others are ranked by
 projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
 
 - compute: the class's FLOPs (``WorkCounter``: its own shard's) at ``sustained_flops``, its
-  FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]);
-- communication: every collective the dry run recorded, by kind (``collective_s``), over the
-  domain group (``P / dp`` ranks), the gradient all-reduces over the whole mesh;
+  FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]), and the runs of its
+  strided copies at ``strided_copy_s_per_run`` (NOTE [Strided copies]);
+- communication: every collective the dry run counted (``count_traffic``), by kind over the
+  ranks it connects and the nodes they span (``collective_s``, NOTE [Collectives priced over
+  their own ranks]): an all-reduce over one axis of a block over that axis's ranks, the
+  gradient all-reduces over the whole mesh; the rounds of messages (halos) as one term;
 - host: the class's aten ops as ``ops_host_s`` prices them (NOTE [One price per op]: its
   communication modules' ops and every op of an unsplit step at ``plain_host_us_per_op``, the
   ShardTensor step's others at ``host_us_per_op``), and its collectives and halo rounds as
-  issuing them costs the host (``collective_host_s``);
+  issuing them costs the host (``collective_host_s``, each over its own ranks);
 - step: ``max(host, compute + communication)`` on a GPU, their sum on a CPU.
 
 Ties keep the enumeration's order, data parallelism first. Memory rarely tells the candidates
@@ -31,15 +38,15 @@ one device under pure data parallelism is one whose single sample does not fit, 
 decomposition fits it only with fewer samples than ranks (``global_batch < P``), which the
 error for "nothing fits" says. The printed table
 (``format_choice``) gives every candidate's memory, projected parts and why it lost: the part
-that costs it most over the winner, or its problem. Known limits: elementwise ops count
-no FLOPs (memory-bound work is missing from compute), and a collective over one axis of
-a block is costed over the whole domain group.
+that costs it most over the winner, or its problem. Known limit: elementwise ops count
+no FLOPs (memory-bound work is missing from compute).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -49,15 +56,18 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.distributed import LaunchEnv, init_distributed
-from shardsci.parallel._reducer import GRAD_KIND
 from shardsci.planning._dry_run import plan_run
 from shardsci.planning._machine import (
+    HALO_KINDS,
     Machine,
     collective_host_s,
     collective_s,
     gloo_cpu,
+    halo_s,
     ops_host_s,
     override,
+    span_nodes,
+    strided_copy_s,
 )
 from shardsci.planning._plan import RankClassPlan, RunPlan
 from shardsci.training import (
@@ -88,10 +98,16 @@ _GIB = 2**30
 @dataclass(frozen=True)
 class Decomposition:
     """``dp`` replicas times a domain decomposition ``splits``: (spatial dim, ranks) pairs,
-    outermost dim first, every ranks > 1."""
+    outermost dim first, every ranks > 1; the dp axis the mesh's first (each domain group
+    consecutive ranks, inside a node when it fits one), or with ``dp_inside_nodes`` its last
+    (each replica group consecutive ranks, the domain axes across nodes)."""
 
     dp: int
     splits: tuple[tuple[str, int], ...]
+    dp_inside_nodes: bool = False
+
+    def _dp_first(self, dp: list, domain: list) -> list:
+        return domain + dp if self.dp_inside_nodes else dp + domain
 
     @property
     def world_size(self) -> int:
@@ -99,37 +115,47 @@ class Decomposition:
 
     @property
     def mesh(self) -> str:
-        """The ``mesh`` value: ``"2x2"`` (dp, then one axis per split dim)."""
-        sizes = ([self.dp] if self.dp > 1 else []) + [n for _, n in self.splits]
+        """The ``mesh`` value: ``"2x2"`` (dp, then one axis per split dim; the other way round
+        with ``dp_inside_nodes``)."""
+        sizes = self._dp_first([self.dp] if self.dp > 1 else [], [n for _, n in self.splits])
         return "x".join(str(n) for n in sizes) or "1"
 
     def parallel(self) -> ParallelConfig:
         """The ``parallel`` group that gives the mesh's axes these roles."""
         domain = {f"domain_{dim.lower()}": dim for dim, _ in self.splits}
-        names = (["dp"] if self.dp > 1 or not domain else []) + list(domain)
+        names = self._dp_first(["dp"] if self.dp > 1 or not domain else [], list(domain))
         dp = "dp" if "dp" in names else None
         return ParallelConfig(axis_names=names, data_parallel=dp, domain=domain)
 
     def describe(self, ndim: int) -> str:
-        """``dp=2 x slab H=2``, ``block H=2 x W=2``, ``dp=4``."""
+        """``dp=2 x slab H=2``, ``block H=2 x W=2``, ``dp=4``; the mesh's axes outermost
+        first (``slab H=2 x dp=2``: dp inside nodes)."""
         kind = {0: "", 1: "slab", ndim: "block"}.get(len(self.splits), "pencil")
         domain = " x ".join(f"{dim}={n}" for dim, n in self.splits)
-        parts = ([f"dp={self.dp}"] if self.dp > 1 or not domain else []) + (
-            [f"{kind} {domain}"] if domain else []
+        parts = self._dp_first(
+            [f"dp={self.dp}"] if self.dp > 1 or not domain else [],
+            [f"{kind} {domain}"] if domain else [],
         )
         return " x ".join(parts)
 
 
-def decompositions(world_size: int, spatial_dims: tuple[str, ...]) -> list[Decomposition]:
+def decompositions(
+    world_size: int, spatial_dims: tuple[str, ...], dp_inside_nodes: bool = False
+) -> list[Decomposition]:
     """Every decomposition of ``world_size`` ranks (NOTE [How parallel=auto chooses]), data
-    parallelism first, then by fewer split dims, then by more replicas."""
+    parallelism first, then by fewer split dims, then by more replicas; with
+    ``dp_inside_nodes`` (ranks on several nodes), each of dp and a domain also with dp the
+    mesh's last axis, after its twin."""
     found = []
     for dp in _divisors(world_size):
         rest = world_size // dp
         for k in range(len(spatial_dims) + 1):
             for dims in itertools.combinations(spatial_dims, k):
                 for sizes in _factorizations(rest, k):
-                    found.append(Decomposition(dp, tuple(zip(dims, sizes))))
+                    splits = tuple(zip(dims, sizes))
+                    found.append(Decomposition(dp, splits))
+                    if dp_inside_nodes and dp > 1 and splits:
+                        found.append(Decomposition(dp, splits, dp_inside_nodes=True))
     return sorted(found, key=lambda d: (len(d.splits), -d.dp))
 
 
@@ -165,38 +191,38 @@ class Projection:
 def project(plan: RunPlan, machine: Machine) -> Projection:
     """The projected step of ``plan``: that of its slowest rank class."""
     replicas = plan.gradient_reduction.replicas if plan.gradient_reduction else 1
-    domain = plan.world_size // replicas
-    reduction = plan.gradient_reduction.ranks if plan.gradient_reduction else plan.world_size
-    return max(
-        (_project_class(c, machine, domain, reduction) for c in plan.classes),
-        key=lambda p: p.step,
-    )
+    sharded = plan.world_size > replicas
+    return max((_project_class(c, machine, sharded) for c in plan.classes), key=lambda p: p.step)
 
 
-def _project_class(
-    plan: RankClassPlan, machine: Machine, domain: int, reduction: int
-) -> Projection:
-    collectives = {
-        kind: collective_s(
-            machine,
-            kind,
-            reduction if kind == GRAD_KIND else domain,
-            figures.calls,
-            figures.received,
-            figures.calls,
+def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Projection:
+    """Every collective over the ranks it connects and the nodes they span (NOTE
+    [Collectives priced over their own ranks]); the rounds of messages as one halo term,
+    over every peer, at the slowest link's."""
+    collectives: dict[str, float] = defaultdict(float)
+    issued = 0.0
+    messages = [span for span in plan.spans if span.kind in HALO_KINDS]
+    for span in plan.spans:
+        if span.kind in HALO_KINDS:
+            continue
+        ranks, nodes = len(span.ranks), span_nodes(machine, span.ranks)
+        collectives[f"{span.kind} over {ranks}"] += collective_s(
+            machine, span.kind, ranks, span.calls, span.received, span.calls, nodes
         )
-        for kind, figures in plan.collectives.items()
-    }
+        issued += collective_host_s(machine, span.kind, ranks, span.calls)
+    if messages:
+        peers = sorted({rank for span in messages for rank in span.ranks})
+        nodes = max(span_nodes(machine, span.ranks) for span in messages)
+        received = sum(span.received for span in messages)
+        collectives["p2p"] = halo_s(machine, len(peers), plan.p2p_rounds, received, nodes)
+        issued += collective_host_s(machine, "p2p", len(peers), plan.p2p_rounds)
     compute = plan.flops / machine.sustained_flops + plan.fft_flops / machine.fft_flops_per_s
+    compute += strided_copy_s(machine, plan.strided_runs)
     communication = sum(collectives.values())
-    issued = sum(
-        collective_host_s(machine, kind, reduction if kind == GRAD_KIND else domain, figures.calls)
-        for kind, figures in plan.collectives.items()
-    )
-    host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, domain > 1) + issued
+    host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, sharded) + issued
     device = compute + communication
     step = max(host, device) if machine.host_overlaps_device else host + device
-    return Projection(compute, communication, host, step, collectives)
+    return Projection(compute, communication, host, step, dict(collectives))
 
 
 @dataclass
@@ -287,7 +313,8 @@ def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> C
     recipe = get_recipe(cfg.recipe)
     batch = int(cfg.train.global_batch)
     candidates = []
-    for decomposition in decompositions(world_size, tuple(recipe.spatial_dims)):
+    several_nodes = world_size > machine.gpus_per_node
+    for decomposition in decompositions(world_size, tuple(recipe.spatial_dims), several_nodes):
         candidate = Candidate(decomposition, decomposition.describe(len(recipe.spatial_dims)))
         candidates.append(candidate)
         if batch % decomposition.dp:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "ops_host_s",
     "override",
     "ring_steps",
+    "span_nodes",
+    "strided_copy_s",
 ]
 
 
@@ -102,6 +105,11 @@ class Machine:
     """NCCL's kernels run the ring's ``P - 1`` steps on the device: none on the host. Gloo runs
     them on the host's CPU, each step's copies and sends (``benchmarks.calibrate`` fits both
     figures from the CPU time a call costs on 2 and 4 ranks)."""
+    strided_copy_s_per_run: float = 0.0
+    """Assumed 0: a GPU's copy kernels read and write a strided piece's rows (``W / n`` of a
+    field's row, hundreds of bytes at the tiles the zoo recommends) at about the bandwidth of
+    a contiguous one. On a CPU each run of a strided copy costs a few ns more than its bytes
+    (NOTE [Strided copies] in ``_work``; ``benchmarks.calibrate`` measures it)."""
     host_overlaps_device: bool = True
     """A GPU's kernels run while the host launches the next ones: a step costs ``max(host,
     device)``. On a CPU the same core does both: ``host + device``."""
@@ -137,24 +145,35 @@ def override(machine: Machine, settings: list[str]) -> Machine:
 
 
 # --------------------------------------------------------------------------- collectives
-def _nodes(machine: Machine, ranks: int) -> int:
-    return max(1, math.ceil(ranks / machine.gpus_per_node))
+# NOTE [Collectives priced over their own ranks]
+# Every function below prices collectives over a group of ``ranks`` that spans ``nodes``
+# nodes: the ranks a collective connects (NOTE [The span of a collective] in
+# ``shardsci/testing/_traffic.py``), which for one axis of a block are that axis's, not the
+# whole domain group's. ``nodes=None`` is a group of consecutive ranks (``span_nodes``): the
+# fewest nodes that hold it.
+def span_nodes(machine: Machine, ranks: Sequence[int]) -> int:
+    """Nodes the global ``ranks`` span, ranks numbered node by node (torchrun's and srun's
+    order)."""
+    return len({rank // machine.gpus_per_node for rank in ranks})
 
 
-def _link(machine: Machine, ranks: int) -> tuple[float, float]:
-    """(per-step latency, bytes/s) of the slowest link a ring over ``ranks`` crosses."""
-    if _nodes(machine, ranks) == 1:
+def _nodes(machine: Machine, ranks: int, nodes: int | None) -> int:
+    return nodes if nodes is not None else max(1, math.ceil(ranks / machine.gpus_per_node))
+
+
+def _link(machine: Machine, nodes: int) -> tuple[float, float]:
+    """(per-step latency, bytes/s) of the slowest link a group over ``nodes`` crosses."""
+    if nodes == 1:
         return machine.nvlink_step_latency_s, machine.nvlink_bytes_per_s
     return machine.net_step_latency_s, machine.ib_bytes_per_s
 
 
-def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float) -> float:
+def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float, nodes: int) -> float:
     """A ring of ``steps`` steps moving ``nbytes`` per link: the cheaper of LL and Simple.
     The ring visits the ranks node by node, so of its steps only the share ``nodes / P``
     crosses the network (NCCL's tuning.cc counts intra- and inter-node steps apart); its
     bandwidth is the slowest link's."""
-    nodes = _nodes(machine, ranks)
-    _, bandwidth = _link(machine, ranks)
+    _, bandwidth = _link(machine, nodes)
     crossing = nodes / ranks if nodes > 1 else 0.0
     step = (1 - crossing) * machine.nvlink_step_latency_s + crossing * machine.net_step_latency_s
     latency = machine.base_latency_s + steps * step
@@ -163,29 +182,33 @@ def _ring_s(machine: Machine, steps: int, ranks: int, nbytes: float) -> float:
     return min(ll, simple)
 
 
-def all_reduce_s(machine: Machine, ranks: int, nbytes: float) -> float:
+def all_reduce_s(machine: Machine, ranks: int, nbytes: float, nodes: int | None = None) -> float:
     """Ring (``2 (P - 1)`` steps, ``2 (P - 1) / P`` of the buffer per link) or tree (``2 log2
     P`` hops, twice the buffer at LL bandwidth), whichever is cheaper."""
     if ranks == 1:
         return 0.0
-    ring = _ring_s(machine, 2 * (ranks - 1), ranks, nbytes * 2 * (ranks - 1) / ranks)
-    step, bandwidth = _link(machine, ranks)
+    nodes = _nodes(machine, ranks, nodes)
+    ring = _ring_s(machine, 2 * (ranks - 1), ranks, nbytes * 2 * (ranks - 1) / ranks, nodes)
+    step, bandwidth = _link(machine, nodes)
     tree = machine.tree_base_latency_s + 2 * math.log2(ranks) * step
     tree += 2 * nbytes / (bandwidth * machine.ll_bandwidth_fraction)
     return min(ring, tree)
 
 
-def all_gather_s(machine: Machine, ranks: int, piece: float) -> float:
+def all_gather_s(machine: Machine, ranks: int, piece: float, nodes: int | None = None) -> float:
     """Ring all-gather (or reduce-scatter) of ``piece`` bytes per rank: ``P - 1`` steps."""
-    return 0.0 if ranks == 1 else _ring_s(machine, ranks - 1, ranks, piece * (ranks - 1))
-
-
-def all_to_all_s(machine: Machine, ranks: int, volume: float) -> float:
-    """``P - 1`` messages posted together, ``(P - 1) / P`` of the local ``volume``; bytes
-    to ranks on other nodes go over InfiniBand."""
     if ranks == 1:
         return 0.0
-    local = min(ranks, machine.gpus_per_node) - 1
+    return _ring_s(machine, ranks - 1, ranks, piece * (ranks - 1), _nodes(machine, ranks, nodes))
+
+
+def all_to_all_s(machine: Machine, ranks: int, volume: float, nodes: int | None = None) -> float:
+    """``P - 1`` messages posted together, ``(P - 1) / P`` of the local ``volume``; bytes
+    to ranks on other nodes go over InfiniBand (a group over ``nodes`` nodes has ``P /
+    nodes`` ranks on each)."""
+    if ranks == 1:
+        return 0.0
+    local = math.ceil(ranks / _nodes(machine, ranks, nodes)) - 1
     remote = ranks - 1 - local
     piece = volume / ranks
     latency = machine.base_latency_s + local * machine.nvlink_step_latency_s
@@ -193,11 +216,18 @@ def all_to_all_s(machine: Machine, ranks: int, volume: float) -> float:
     return latency + piece * (local / machine.nvlink_bytes_per_s + remote / machine.ib_bytes_per_s)
 
 
-def halo_s(machine: Machine, ranks: int, rounds: float, nbytes: float) -> float:
-    """Every round of messages waits for its slowest: NVLink on one node, else InfiniBand."""
+def halo_s(
+    machine: Machine, ranks: int, rounds: float, nbytes: float, nodes: int | None = None
+) -> float:
+    """Every round of messages waits for its slowest: NVLink among ranks on one node, else
+    InfiniBand. Without ``nodes`` (the nodes a rank and its neighbours span), a group of
+    ``2 x gpus_per_node`` ranks or more is taken to give every rank a neighbour on another
+    node."""
     if ranks == 1:
         return 0.0
-    step, bandwidth = _link(machine, 2 * ranks if ranks >= 2 * machine.gpus_per_node else ranks)
+    if nodes is None:
+        nodes = 2 if ranks >= 2 * machine.gpus_per_node else _nodes(machine, ranks, None)
+    step, bandwidth = _link(machine, nodes)
     return rounds * (machine.base_latency_s + step) + nbytes / bandwidth
 
 
@@ -207,6 +237,12 @@ def ring_steps(kind: str, ranks: int) -> int:
     if kind in HALO_KINDS:
         return 1
     return 2 * (ranks - 1) if kind.endswith("all_reduce") else ranks - 1
+
+
+def strided_copy_s(machine: Machine, runs: float) -> float:
+    """Device seconds the ``runs`` of a step's strided copies add to their bytes (NOTE
+    [Strided copies] in ``_work``): compute, in both projections."""
+    return runs * machine.strided_copy_s_per_run
 
 
 def ops_host_s(machine: Machine, ops: float, communication_ops: float, sharded: bool) -> float:
@@ -234,24 +270,38 @@ def collective_host_s(machine: Machine, kind: str, ranks: int, calls: float) -> 
 
 
 def collective_s(
-    machine: Machine, kind: str, ranks: int, calls: float, received: float, rounds: float
+    machine: Machine,
+    kind: str,
+    ranks: int,
+    calls: float,
+    received: float,
+    rounds: float,
+    nodes: int | None = None,
 ) -> float:
     """Seconds of ``calls`` collectives of ``kind`` over groups of ``ranks``, the busiest rank
     receiving ``received`` bytes in all (``count_traffic``'s and ``comm_counter``'s figure:
     an all-reduce counted at its ring's ``2 (P - 1) / P`` of the buffer, an all-gather as the
     ``P - 1`` pieces received, an all-to-all as ``(P - 1) / P`` of the volume); ``rounds``:
-    rounds of point-to-point messages (halos; ``calls`` for other kinds)."""
+    rounds of point-to-point messages (halos; ``calls`` for other kinds); ``nodes``: those
+    the group spans (NOTE [Collectives priced over their own ranks])."""
     if ranks == 1 or calls == 0:
         return 0.0
     if kind in HALO_KINDS:
-        return halo_s(machine, ranks, rounds, received)
+        return halo_s(machine, ranks, rounds, received, nodes)
     each = received / calls
     if kind in ("all_reduce", "gradient_all_reduce", "grad_all_reduce"):
-        return calls * all_reduce_s(machine, ranks, each * ranks / (2 * (ranks - 1)))
+        return calls * all_reduce_s(machine, ranks, each * ranks / (2 * (ranks - 1)), nodes)
     if kind == "all_to_all":
-        return calls * all_to_all_s(machine, ranks, each * ranks / (ranks - 1))
+        return calls * all_to_all_s(machine, ranks, each * ranks / (ranks - 1), nodes)
     # all_gather, reduce_scatter, broadcast and the rest: rings of P - 1 steps
-    return calls * all_gather_s(machine, ranks, each / (ranks - 1))
+    return calls * all_gather_s(machine, ranks, each / (ranks - 1), nodes)
+
+
+STRIDED_COPY_S_PER_RUN = 2.5e-9
+"""Measured here (``benchmarks.calibrate.measure_strided_copy``, 2026-11-28 17:47 UTC, load
+23-39, one core, CPU time): 2.3-2.6 ns a run (three runs' medians) more than the same bytes
+copied from an H-narrowed piece, for ``(4, 32-64, 64-128, 16-128)`` fields narrowed 2-8 ways
+along W."""
 
 
 def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:
@@ -288,6 +338,7 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         plain_host_us_per_op=25.0 / share,
         host_us_per_collective=250.0 / share,
         host_us_per_collective_step=375.0 / share,
+        strided_copy_s_per_run=STRIDED_COPY_S_PER_RUN / share,
         host_overlaps_device=False,
         memory_gib=memory_bytes / ranks_here / 2**30,
     )

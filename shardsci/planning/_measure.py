@@ -24,6 +24,7 @@ from shardsci.planning._observe import StepObserver
 from shardsci.planning._work import WorkCounter
 from shardsci.tensor import CommStats, ShardTensor, ShardTensorSpec, comm_counter
 from shardsci.tensor._torch_compat import tree_leaves
+from shardsci.testing import Traffic, count_traffic
 from shardsci.training import Task
 
 __all__ = ["StepFailed", "StepMeasurement", "measure_step", "steady_state"]
@@ -51,6 +52,9 @@ class StepMeasurement:
     ----------
     comm : CommStats
         Every collective shardsci issued (``comm_counter``).
+    traffic : Traffic
+        Every collective and message issued, counted at the dispatcher (``count_traffic``),
+        by the ranks each connected (NOTE [The span of a collective]): what prices them.
     observer : StepObserver
         Layers, collective events and redistributions, by layer and phase.
     memory : LiveMemory
@@ -61,12 +65,14 @@ class StepMeasurement:
         Bytes of the gradient reducer's buckets (``domain_parallel``), 0 without one.
     batch_specs : list of ShardTensorSpec
         Layouts of the batch's ShardTensors.
-    flops, aten_ops, communication_ops, fft_flops : int
-        FLOPs, aten ops, those of them a communication module dispatched, and FFT FLOPs of
-        this rank's step (``WorkCounter``).
+    flops, aten_ops, communication_ops, fft_flops, strided_runs : int
+        FLOPs, aten ops, those of them a communication module dispatched, FFT FLOPs, and the
+        runs its copies' strided tensors are made of (NOTE [Strided copies]), of this rank's
+        step (``WorkCounter``).
     """
 
     comm: CommStats
+    traffic: Traffic
     observer: StepObserver
     memory: LiveMemory
     parameters: int
@@ -78,6 +84,7 @@ class StepMeasurement:
     aten_ops: int
     communication_ops: int
     fft_flops: int
+    strided_runs: int
 
 
 def measure_step(
@@ -135,7 +142,7 @@ def measure_step(
 
         reducer._write_gradients = labelled_gradients  # type: ignore[method-assign]
     try:
-        with observer.watching(), comm_counter() as comm, memory, work:
+        with count_traffic() as traffic, observer.watching(), comm_counter() as comm, memory, work:
             try:
                 run()
             except Exception as error:
@@ -154,6 +161,7 @@ def measure_step(
     memory.add(_optimizer_tensors(optimizer), Category.optimizer)
     return StepMeasurement(
         comm=comm,
+        traffic=traffic,
         observer=observer,
         memory=memory,
         parameters=_nbytes(parameters),
@@ -165,6 +173,7 @@ def measure_step(
         aten_ops=work.ops,
         communication_ops=work.communication_ops,
         fft_flops=work.fft_flops,
+        strided_runs=work.strided_runs,
     )
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "MemoryPlan",
     "RankClassPlan",
     "RunPlan",
+    "SpanFigures",
     "class_plan",
     "layer_plans",
 ]
@@ -36,6 +37,30 @@ class CollectiveFigures:
     calls: int = 0
     sent: int = 0
     received: int = 0
+
+
+@dataclass
+class SpanFigures:
+    """Collectives of one kind over the same ranks on one rank, as issued (``count_traffic``,
+    NOTE [The span of a collective]): what ``parallel=auto`` prices, each over its own ranks
+    and the nodes they span.
+
+    Attributes
+    ----------
+    kind : str
+        The kind torch issued (an uneven all-gather is an all-to-all; ``"p2p"``: messages).
+    ranks : list of int
+        The global ranks they connect this rank with, itself included.
+    calls : int
+        Collectives (messages, for ``"p2p"``).
+    received : int
+        Bytes this rank received through them (NOTE [What a byte count means]).
+    """
+
+    kind: str
+    ranks: list[int]
+    calls: int
+    received: int
 
 
 @dataclass
@@ -73,13 +98,19 @@ class RankClassPlan:
         The representative's mesh coordinate.
     memory : MemoryPlan
     collectives : dict
-        Kind -> figures, for every collective shardsci issues in the step.
+        Kind -> figures, for every collective shardsci issues in the step (``comm_counter``:
+        the library's names, ``"halo"`` and ``"grad_all_reduce"`` among them).
     local_shapes : dict
         Layer -> this class's shard of the layer's output.
     flops, aten_ops, fft_flops, communication_ops : int
         FLOPs, aten ops, FFT FLOPs, and the aten ops a communication module dispatched, of
         the representative's step (``WorkCounter``): what projects its compute and host time
         (``parallel=auto``, NOTE [One price per op]).
+    strided_runs : int
+        Runs of the strided tensors its copies read and write (NOTE [Strided copies]).
+    spans : list of SpanFigures
+        The same step's collectives and messages as issued, by kind and the ranks they
+        connect (``count_traffic``); ``p2p_rounds``: its rounds of messages posted together.
     """
 
     ranks: int
@@ -93,6 +124,9 @@ class RankClassPlan:
     aten_ops: int = 0
     fft_flops: int = 0
     communication_ops: int = 0
+    spans: list[SpanFigures] = field(default_factory=list)
+    p2p_rounds: int = 0
+    strided_runs: int = 0
 
 
 @dataclass
@@ -163,7 +197,7 @@ class RunPlan:
 
 def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasurement) -> RankClassPlan:
     """The plan of a rank class from the watched step of its representative."""
-    memory = measured.memory
+    memory, traffic = measured.memory, measured.traffic
     layer, phase = memory.peak_where or ("", "")
     collectives: dict[str, CollectiveFigures] = {}
     for kind, calls in measured.comm.calls.items():
@@ -194,6 +228,12 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
         aten_ops=measured.aten_ops,
         communication_ops=measured.communication_ops,
         fft_flops=measured.fft_flops,
+        spans=[
+            SpanFigures(span.kind, list(span.ranks), calls, traffic.received_by_span[span])
+            for span, calls in sorted(traffic.calls_by_span.items())
+        ],
+        p2p_rounds=traffic.p2p_rounds,
+        strided_runs=measured.strided_runs,
     )
 
 

@@ -34,9 +34,9 @@ import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardsci.tensor._shape_probe import probing
-from shardsci.tensor._torch_compat import TorchDispatchMode
+from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves
 
-__all__ = ["COMMUNICATION_MODULES", "WorkCounter", "fft_flops"]
+__all__ = ["COMMUNICATION_MODULES", "COPIES", "WorkCounter", "contiguous_runs", "fft_flops"]
 
 COMMUNICATION_MODULES = frozenset(
     f"shardsci.tensor.{name}"
@@ -55,6 +55,32 @@ COMMUNICATION_MODULES = frozenset(
 unpacking each peer's piece, halos) are communication ops (NOTE [One price per op])."""
 
 aten = torch.ops.aten
+
+# NOTE [Strided copies]
+# A copy that reads or writes a tensor whose elements are not one contiguous block moves it
+# run by run: a piece of a ``(B, C, H, W)`` field narrowed along W (a W split's pack, unpack
+# and concatenation) is ``B C H`` runs of ``W / n`` elements, the same bytes narrowed along H
+# ``B C`` runs of ``H W / n``. On this machine a run costs a few ns more than its bytes (``benchmarks.calibrate``:
+# the same bytes copied from a W-narrowed and an H-narrowed piece), so ``WorkCounter`` counts
+# the runs of every copy's non-contiguous tensors (``strided_runs``), and both projections
+# price them at ``Machine.strided_copy_s_per_run`` as compute (``strided_copy_s``).
+COPIES = frozenset({aten.copy_, aten.clone, aten.cat, aten.stack, aten._to_copy})
+"""The aten ops that copy: those whose strided tensors count runs (NOTE [Strided copies])."""
+
+
+def contiguous_runs(tensor: torch.Tensor) -> int:
+    """Runs of consecutive elements in memory that ``tensor`` is made of: 1 for a contiguous
+    tensor (0 for an empty one), ``B C H`` for a ``(B, C, H, W)`` one narrowed along W."""
+    if tensor.numel() == 0:
+        return 0
+    run = 1
+    for size, stride in zip(reversed(tensor.shape), reversed(tensor.stride())):
+        if size == 1:
+            continue
+        if stride != run:
+            break
+        run *= size
+    return tensor.numel() // run
 
 
 def _transformed_points(shape: torch.Size, dims: list[int]) -> int:
@@ -93,8 +119,9 @@ _FORMULAS: dict[Any, Callable[..., int]] = {
 class WorkCounter(TorchDispatchMode):
     """While active, count the aten ops dispatched (``ops``), those of them dispatched by a
     communication module (``communication_ops``, NOTE [One price per op] in ``_machine``),
-    their FLOPs (``flops``) and their FFTs' FLOPs (``fft_flops``, not in ``flops``); a shape
-    probe's are no work."""
+    their FLOPs (``flops``), their FFTs' FLOPs (``fft_flops``, not in ``flops``) and the runs
+    of the strided tensors their copies read and write (``strided_runs``, NOTE [Strided
+    copies]); a shape probe's are no work."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,6 +129,7 @@ class WorkCounter(TorchDispatchMode):
         self.communication_ops = 0
         self.flops = 0
         self.fft_flops = 0
+        self.strided_runs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
@@ -112,12 +140,19 @@ class WorkCounter(TorchDispatchMode):
         if probing():
             return out
         packet = func._overloadpacket
+        if packet in COPIES:
+            self.strided_runs += _strided_runs((args, kwargs, out))
         formula = _FORMULAS.get(packet) or flop_registry.get(packet)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         else:
             self.fft_flops += int(fft_flops(func, args, out))
         return out
+
+
+def _strided_runs(tensors: Any) -> int:
+    runs = (contiguous_runs(t) for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+    return sum(r for r in runs if r > 1)
 
 
 def _called_from(modules: frozenset[str]) -> bool:

@@ -27,12 +27,13 @@ from shardsci.testing._pool import (
     shutdown_pools,
 )
 from shardsci.testing._reference import ExpectedLayout, Layout, check_against_reference
-from shardsci.testing._traffic import Traffic, count_traffic, counted_comm
+from shardsci.testing._traffic import Span, Traffic, count_traffic, counted_comm
 
 __all__ = [
     "ExpectedLayout",
     "Layout",
     "RankFailure",
+    "Span",
     "Traffic",
     "assert_all_ranks",
     "assert_close_all_ranks",

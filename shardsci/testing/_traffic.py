@@ -8,7 +8,18 @@ DTensor's own redistribution, a ``funcol`` call, an autograd backward), so a
 ``TorchDispatchMode`` sees them all. Bytes follow NOTE [What a byte count means] in
 ``shardsci/tensor/_comm_stats.py``, worked out here from each op's buffers and group, and are
 also kept by the kind of collective torch ran (``KINDS``: what was issued, which need not be
-what the library calls it: an uneven all-gather is issued as an all-to-all).
+what the library calls it: an uneven all-gather is issued as an all-to-all), and by where it
+ran (``Traffic.by_span``, NOTE [The span of a collective]).
+
+# NOTE [The span of a collective]
+What a collective costs depends on the ranks it connects, not only on its kind and bytes: an
+all-reduce over one axis of a 2x4 block has 2 or 4 ranks, not 8, and whether they share a
+node decides its link. Each collective is kept under its ``Span``: its kind and the global
+ranks it connects this rank with, this rank included: its process group's ranks, except for
+an all-to-all, whose ranks are those this rank sends a non-empty piece to or receives one from
+(the library issues a transpose over one axis of a block as an all-to-all over the whole
+domain group whose pieces to the other ranks are empty, and NCCL posts no message for an empty
+piece), and a message, which connects its two ends.
 
 With ``watch``, the counter also keeps the order of events (``Traffic.log``): each collective
 and message as it is posted, the first op that reads each received message (which cannot run
@@ -45,6 +56,7 @@ __all__ = [
     "KINDS",
     "P2P_KINDS",
     "Event",
+    "Span",
     "Traffic",
     "count_traffic",
     "counted_comm",
@@ -88,6 +100,21 @@ class Event(NamedTuple):
     message: int | None = None
 
 
+class Span(NamedTuple):
+    """Where one collective ran (NOTE [The span of a collective]).
+
+    Attributes
+    ----------
+    kind : str
+        The kind of collective issued (``KINDS``; ``"p2p"`` for a message).
+    ranks : tuple of int
+        The global ranks it connects this rank with, this rank included, ascending.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+
+
 @dataclass
 class Traffic:
     """What this rank moved while :func:`count_traffic` was active.
@@ -111,6 +138,9 @@ class Traffic:
         Ops of the collective namespaces this counter has no byte model for.
     largest_received : int
         The most bytes received by one collective or message.
+    calls_by_span, received_by_span : Counter
+        ``Span`` -> collectives issued (messages, for ``"p2p"``), and bytes received (NOTE
+        [The span of a collective]).
     log : list of Event
         The order of events, kept only when :func:`count_traffic` watches ops.
     """
@@ -125,6 +155,8 @@ class Traffic:
     p2p_rounds: int = 0
     unknown: list[str] = field(default_factory=list)
     largest_received: int = 0
+    calls_by_span: Counter = field(default_factory=Counter)
+    received_by_span: Counter = field(default_factory=Counter)
     log: list[Event] = field(default_factory=list)
 
     @property
@@ -142,12 +174,15 @@ class Traffic:
             "p2p_rounds": self.p2p_rounds,
         }
 
-    def _add(self, kind: str, sent: int, received: int) -> None:
+    def _add(self, span: Span, sent: int, received: int) -> None:
+        kind = span.kind
         self.sent += sent
         self.received += received
         self.sent_by_kind[kind] += sent
         self.received_by_kind[kind] += received
         self.calls_by_kind[kind] += 1
+        self.calls_by_span[span] += 1
+        self.received_by_span[span] += received
         self.largest_received = max(self.largest_received, received)
 
 
@@ -246,7 +281,7 @@ class _TrafficMode(TorchDispatchMode):
         values = dict(zip((a.name for a in bound), args)) | kwargs
         sent, received = model(values)
         point_to_point = kind == "p2p"
-        self.traffic._add(kind, sent, received)
+        self.traffic._add(Span(kind, _connected(name, values)), sent, received)
         if point_to_point:
             self.traffic.messages += 1
             self.traffic.p2p_rounds += not self.after_message
@@ -298,6 +333,29 @@ def _group(value: Any) -> dist.ProcessGroup:
     if isinstance(value, str):
         return _resolve_process_group(value)
     return dist.ProcessGroup.unbox(value)
+
+
+def _connected(name: str, values: dict[str, Any]) -> tuple[int, ...]:
+    """The global ranks a collective or message connects this rank with, itself included
+    (NOTE [The span of a collective])."""
+    group = _group(values["process_group"] if "process_group" in values else values["group_name"])
+    ranks = dist.get_process_group_ranks(group)
+    me = group.rank()
+    if name in ("c10d::send", "c10d::recv_"):
+        peer = values["dst"] if name == "c10d::send" else values["src"]
+        return tuple(sorted({ranks[me], ranks[peer]}))
+    if name == "c10d::alltoall_":
+        pieces = zip(values["output_tensors"], values["input_tensors"])
+        moving = [bool(out.numel() or inp.numel()) for out, inp in pieces]
+    elif name in ("c10d::alltoall_base_", "_c10d_functional::all_to_all_single"):
+        out_splits, in_splits = values["output_split_sizes"], values["input_split_sizes"]
+        if not (out_splits or in_splits):
+            return tuple(sorted(ranks))
+        size = len(ranks)
+        moving = [bool(o or i) for o, i in zip(out_splits or [1] * size, in_splits or [1] * size)]
+    else:
+        return tuple(sorted(ranks))
+    return tuple(sorted(r for i, r in enumerate(ranks) if moving[i] or i == me))
 
 
 def _ring(nbytes: int, size: int) -> tuple[int, int]:
