@@ -484,22 +484,30 @@ def _replicated_index(index: object) -> torch.Tensor | None:
 
 
 def _scatter_by_owner(
-    func, args, kwargs, x: object, dim: int, index: object, src: object, scatter, *, in_place: bool
+    func,
+    args,
+    kwargs,
+    x: object,
+    dim: int,
+    index: object,
+    src: object,
+    scatter,
+    *,
+    in_place: bool,
+    checked: bool = False,
 ) -> object:
     """``scatter(destination, dim, index, src)`` into a destination sharded on any dims, with
     a replicated index and source (NOTE [Scatters through a replicated index write where they
-    land]); ``in_place`` writes the result into ``x`` and returns it."""
+    land]); ``in_place`` writes the result into ``x`` and returns it. ``checked``: the caller
+    has probed the call and found the index in range (before expanding it)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
         return NotImplemented
     if isinstance(src, ShardTensor) and (src._spec.shardings or src._spec.partial):
         return NotImplemented
-    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
     spec, index, dim = x._spec, _replicated_index(index), dim % x.ndim
-    out_of_range = (index < 0) | (index >= x.shape[dim])
-    if bool(out_of_range.any()):
-        bad = int(index[out_of_range][0])
-        raise IndexError(f"{func.__name__}: index {bad} is out of bounds for dim {dim} with size "
-                         f"{x.shape[dim]}")  # fmt: skip
+    if not checked:
+        probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+        _check_in_range(func, index, dim, x.shape[dim])
     if isinstance(src, torch.Tensor):
         src = replicated_local(src, spec.mesh, sharding_axes(spec))
     starts, sizes = spec.local_offsets(), spec.local_shape()
@@ -545,6 +553,16 @@ def _scatter_signature(input, dim, index, src=None, *, value=None, reduce=None, 
     """``torch.scatter``'s overloads: a source tensor or a ``value``, optionally reduced."""
 
 
+def _check_in_range(func, index: torch.Tensor, dim: int, extent: int) -> None:
+    """torch's ``IndexError`` for an index outside ``[0, extent)``, on every rank alike (every
+    rank holds the whole index)."""
+    out_of_range = (index < 0) | (index >= extent)
+    if bool(out_of_range.any()):
+        bad = int(index[out_of_range][0])
+        raise IndexError(f"{func.__name__}: index {bad} is out of bounds for dim {dim} with size "
+                         f"{extent}")  # fmt: skip
+
+
 def _index_by_owner(func, args, kwargs, a, scatter, *, in_place: bool) -> object:
     """An ``index_*`` op (its 1-D ``index`` along ``dim`` names the destination row of each
     row of ``source``) as the scatter ``scatter`` with that index expanded over the source,
@@ -557,11 +575,26 @@ def _index_by_owner(func, args, kwargs, a, scatter, *, in_place: bool) -> object
         or not isinstance(a.input, ShardTensor)
     ):
         return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
     dim = a.dim % max(a.input.ndim, 1)
+    return _scatter_rows_by_owner(
+        func, args, kwargs, a.input, dim, index, source, scatter, in_place=in_place
+    )
+
+
+def _scatter_rows_by_owner(
+    func, args, kwargs, x: ShardTensor, dim: int, index: torch.Tensor, source, scatter, *,
+    in_place: bool,
+) -> object:  # fmt: skip
+    """``scatter`` of the rows of ``source`` along ``dim`` to the rows the 1-D ``index``
+    names, the index checked once and expanded over the source as a view; the caller has
+    probed the call."""
+    if x.ndim:
+        _check_in_range(func, index, dim, x.shape[dim])
     shape = [-1 if d == dim else 1 for d in range(source.ndim)]
     expanded = index.reshape(shape).expand(source.shape) if source.ndim else index
     return _scatter_by_owner(
-        func, args, kwargs, a.input, dim, expanded, source, scatter, in_place=in_place
+        func, args, kwargs, x, dim, expanded, source, scatter, in_place=in_place, checked=True
     )
 
 
@@ -591,3 +624,90 @@ def _index_reduce(func, args, kwargs):
         ),
         in_place=func is torch.Tensor.index_reduce_,
     )  # fmt: skip
+
+
+@register_function_handler(torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_)
+def _index_put(func, args, kwargs):
+    a = bind(func, args, kwargs, signature=_index_put_signature)
+    x, values = a.input, a["values"]  # not ``a.values``: the dict's method
+    index = _one_index(a.indices, x)
+    if index is None or not isinstance(values, torch.Tensor):
+        return NotImplemented
+    # A boolean mask every rank holds names the same rows on every rank (a host sync, as in
+    # torch's own masked index_put); torch wraps negative indices.
+    if index.dtype == torch.bool:
+        index = index.nonzero().squeeze(1)
+    index = torch.where(index < 0, index + x.shape[0], index)
+    # torch's errors for the call with the integer index, on every rank
+    probe_args = (x, (index,), values, a.accumulate)
+    probe_on_meta(torch.index_put, probe_args)
+    rows = (index.numel(), *x.shape[1:])
+    return _scatter_rows_by_owner(
+        torch.index_put, probe_args, {}, x, 0, index, values.expand(rows),
+        _scatter_add_into if a.accumulate else _scatter_into,
+        in_place=func is torch.Tensor.index_put_,
+    )  # fmt: skip
+
+
+def _index_put_signature(input, indices, values, accumulate=False):
+    """``index_put``'s parameters (a builtin without an inspectable signature)."""
+
+
+def _one_index(indices: object, x: object) -> torch.Tensor | None:
+    """The index of ``indices`` that are one replicated 1-D index of dim 0 (integer, or a
+    boolean mask of that dim); else None."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not isinstance(indices, (list, tuple)):
+        return None
+    if len(indices) != 1:
+        return None
+    index = indices[0]
+    if isinstance(index, ShardTensor) and not (index._spec.shardings or index._spec.partial):
+        index = index._local
+    if not isinstance(index, torch.Tensor) or isinstance(index, ShardTensor) or index.ndim != 1:
+        return None
+    if index.dtype == torch.bool:
+        return index if index.shape[0] == x.shape[0] else None
+    return index if index.dtype in _INDEX_DTYPES else None
+
+
+@register_function_handler(torch.index_fill, torch.Tensor.index_fill, torch.Tensor.index_fill_)
+def _index_fill(func, args, kwargs):
+    """``index_fill`` along any dim of a destination sharded on any dims, with a replicated
+    index: each rank marks which of its own rows along ``dim`` the index names (a vector of
+    its rows, one spare entry for the others) and fills them; nothing moves. Each row is
+    filled once however often the index names it, so the value's gradient counts it once,
+    as torch's does; that gradient is a partial sum over the sharding axes."""
+    a = bind(func, args, kwargs, signature=_index_fill_signature)
+    x, index = a.input, _replicated_index(a.index)
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or index is None or not accepts(x):
+        return NotImplemented
+    if isinstance(a.value, ShardTensor) and (a.value._spec.shardings or a.value._spec.partial):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors, on every rank
+    spec, dim = x._spec, a.dim % x.ndim
+    index = index.reshape(-1)
+    index = torch.where(index < 0, index + x.shape[dim], index)  # torch wraps negatives
+    _check_in_range(func, index, dim, x.shape[dim])
+    start, size = spec.local_offsets()[dim], spec.local_shape()[dim]
+    mine = (index >= start) & (index < start + size)
+    marked = torch.zeros(size + 1, dtype=torch.bool, device=index.device)
+    marked[torch.where(mine, index - start, size)] = True
+    filled = marked[:size].reshape([-1 if d == dim else 1 for d in range(x.ndim)])
+    value = a.value
+    if isinstance(value, torch.Tensor):
+        value = replicated_local(value, spec.mesh, sharding_axes(spec)).to(x.dtype)
+    out = torch.where(filled.to(x.device), value, x.to_local())
+    result = from_local_spec(out, spec.with_dtype(out.dtype))
+    return x.copy_(result) if func is torch.Tensor.index_fill_ else result
+
+
+def _index_fill_signature(input, dim, index, value):
+    """``index_fill``'s parameters (a builtin with several aten schemas)."""
+
+
+def _scatter_into(into, dim, index, src):
+    return into.scatter(dim, index, src)
+
+
+def _scatter_add_into(into, dim, index, src):
+    return into.scatter_add(dim, index, src)
