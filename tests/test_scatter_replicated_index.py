@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 from torch.distributed.tensor import Shard
+from torch.profiler import ProfilerActivity, profile
 
 from shardsci.handlers import from_local_spec
 from shardsci.testing import (
@@ -133,3 +134,47 @@ def _body(name: str) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_scatter_through_a_replicated_index_writes_where_it_lands(name: str) -> None:
     run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
+
+
+def _peak_growth(fn) -> int:
+    """The most bytes the CPU allocator holds during ``fn()`` beyond those at its start, from
+    ``torch.profiler``'s allocation events (not a count the library keeps)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = prof.profiler.kineto_results.events()
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _memory_body() -> None:
+    mesh = get_mesh((2,))
+    layout = Layout((Shard(1),), {1: (100, 156)})
+    x = torch.randn(64, 256, 8, dtype=torch.float64)
+    spec = layout.spec(mesh, x)
+    shard = from_local_spec(spec.narrow(x).contiguous(), spec)
+    shard_bytes = shard.to_local().numel() * x.element_size()
+    index = torch.tensor([[[3], [120]], [[250], [99]]])
+    src = torch.randn(2, 2, 1, dtype=torch.float64)
+    calls = {
+        "scatter_add": lambda: shard.scatter_add(1, index, src),
+        "scatter_reduce_ amax, in place": lambda: shard.scatter_reduce_(1, index, src, "amax"),
+        "index_copy_, in place": lambda: shard.index_copy_(
+            1, index[:, 0, 0], src.reshape(1, 4, 1)[:, :2].expand(64, 2, 8)
+        ),
+    }
+    with torch.no_grad():
+        for what, call in calls.items():
+            grown = _peak_growth(call)
+            assert_all_ranks(
+                grown <= 1.25 * shard_bytes,
+                f"{what}: held {grown} bytes more while it ran, a shard is {shard_bytes}",
+            )
+
+
+def test_a_scatter_through_a_replicated_index_holds_one_new_shard() -> None:
+    """The output and its spare slice, as torch's own scatter: not a copy of the shard with
+    the spare slice, then the scatter's output (2 shards), nor a third for in-place calls."""
+    run_on_ranks(2, _memory_body)

@@ -8,9 +8,9 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   graph, sharded with the nodes that own its destinations) gives an output sharded like the
   index; a rank receives only the distinct remote rows its index names, once per plan use;
 - a replicated index (a plain tensor) gives a replicated output; each rank broadcasts only the
-  selected rows it owns; a scatter through one writes, without communication, into a
-  destination sharded on any dims (NOTE [Scatters through a replicated index write where they
-  land]);
+  selected rows it owns; a scatter through one (the scatter and ``index_*`` families,
+  ``index_put``, ``index_fill``) writes, without communication, into a destination sharded on
+  any dims (NOTE [Scatters through a replicated index write where they land]);
 - scatters run locally when every index value is owned by the rank that holds it (as for a
   graph's destinations); otherwise they write through the index into the rows this rank owns
   plus its halo, and the halo rows travel back to their owners, where sum and mean add them
@@ -415,7 +415,7 @@ def _index_add(func, args, kwargs):
         alpha = a.alpha
         return _index_by_owner(
             func, args, kwargs, a,
-            lambda into, dim, index, src: into.scatter_add(dim, index, src if alpha == 1 else src * alpha),
+            lambda into, dim, index, src: into.scatter_add_(dim, index, src if alpha == 1 else src * alpha),
             in_place=func is torch.Tensor.index_add_,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
@@ -431,7 +431,7 @@ def _scatter_add(func, args, kwargs):
     if _replicated_index(a.index) is not None and a.get("out") is None:
         return _scatter_by_owner(
             func, args, kwargs, a.input, a.dim, a.index, a.src,
-            lambda into, dim, index, src: into.scatter_add(dim, index, src),
+            lambda into, dim, index, src: into.scatter_add_(dim, index, src),
             in_place=func is torch.Tensor.scatter_add_,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
@@ -449,7 +449,7 @@ def _scatter_reduce(func, args, kwargs):
     if _replicated_index(a.index) is not None and a.get("out") is None:
         return _scatter_by_owner(
             func, args, kwargs, a.input, a.dim, a.index, a.src,
-            lambda into, dim, index, src: into.scatter_reduce(
+            lambda into, dim, index, src: into.scatter_reduce_(
                 dim, index, src, a.reduce, include_self=a.include_self
             ),
             in_place=func is torch.Tensor.scatter_reduce_,
@@ -469,8 +469,13 @@ def _scatter_reduce(func, args, kwargs):
 # row i); along the scatter's dim, it keeps the entries whose index lands in its range,
 # shifted to its shard, and sends the others to one extra slice appended to its shard and
 # dropped afterwards, so every reduction (sum, mean, prod, amax, amin, assignment) and its
-# backward see exactly the entries of that range, include_self or not. The source's gradient
-# is a partial sum over the sharding axes (``replicated_local``).
+# backward see exactly the entries of that range, include_self or not. The local scatter
+# writes in place into that new buffer, so the op holds one new shard, as torch's own
+# out-of-place scatter does. The source's gradient is a partial sum over the sharding axes
+# (``replicated_local``). The index's range is checked on the whole index, so every rank
+# raises alike: on the CPU torch's ``IndexError``; on an accelerator a device-side assert, as
+# torch's own kernels do there, with no wait for the device. ``index_put`` and ``index_fill``
+# are such scatters (``index_fill`` marks its rows in a vector of the shard's rows instead).
 def _replicated_index(index: object) -> torch.Tensor | None:
     """The whole index every rank holds: a plain integer tensor or a replicated ShardTensor's
     local one; None for anything else."""
@@ -496,9 +501,10 @@ def _scatter_by_owner(
     in_place: bool,
     checked: bool = False,
 ) -> object:
-    """``scatter(destination, dim, index, src)`` into a destination sharded on any dims, with
-    a replicated index and source (NOTE [Scatters through a replicated index write where they
-    land]); ``in_place`` writes the result into ``x`` and returns it. ``checked``: the caller
+    """``scatter(into, dim, index, src)``, which writes into ``into`` in place, into a
+    destination sharded on any dims, with a replicated index and source (NOTE [Scatters
+    through a replicated index write where they land]); ``in_place`` writes the result into
+    ``x`` and returns it. ``checked``: the caller
     has probed the call and found the index in range (before expanding it)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
         return NotImplemented
@@ -520,9 +526,8 @@ def _scatter_by_owner(
         index = index.narrow(d, begin, end - begin)
         if isinstance(src, torch.Tensor):
             src = src.narrow(d, begin, end - begin)
+    # the output, written in place: one new shard (and a spare slice), as torch's own scatter
     destination = x.to_local()
-    if in_place:
-        destination = destination.clone()  # saved by the local op's backward
     if dim in spec.sharding_by_dim:
         start, size = starts[dim], sizes[dim]
         mine = (index >= start) & (index < start + size)
@@ -530,7 +535,7 @@ def _scatter_by_owner(
         spare = destination.new_zeros([1 if d == dim else n for d, n in enumerate(sizes)])
         out = scatter(torch.cat([destination, spare], dim), dim, index, src).narrow(dim, 0, size)
     else:
-        out = scatter(destination, dim, index, src)
+        out = scatter(destination.clone(), dim, index, src)
     result = from_local_spec(out, spec.with_dtype(out.dtype))
     return x.copy_(result) if in_place else result
 
@@ -544,7 +549,7 @@ def _scatter_assign(func, args, kwargs):
     reduce = {} if a.reduce is None else {"reduce": a.reduce}
     return _scatter_by_owner(
         func, args, kwargs, a.input, a.dim, a.index, src,
-        lambda into, dim, index, source: into.scatter(dim, index, source, **reduce),
+        lambda into, dim, index, source: into.scatter_(dim, index, source, **reduce),
         in_place=func is torch.Tensor.scatter_,
     )  # fmt: skip
 
@@ -555,8 +560,13 @@ def _scatter_signature(input, dim, index, src=None, *, value=None, reduce=None, 
 
 def _check_in_range(func, index: torch.Tensor, dim: int, extent: int) -> None:
     """torch's ``IndexError`` for an index outside ``[0, extent)``, on every rank alike (every
-    rank holds the whole index)."""
+    rank holds the whole index). On an accelerator, a device-side assert instead, without
+    waiting for the device, as torch's own scatter kernels check their indices there."""
     out_of_range = (index < 0) | (index >= extent)
+    if index.device.type != "cpu":
+        message = f"{func.__name__}: an index is out of bounds for dim {dim} with size {extent}"
+        torch.ops.aten._assert_async.msg(~out_of_range.any(), message)
+        return
     if bool(out_of_range.any()):
         bad = int(index[out_of_range][0])
         raise IndexError(f"{func.__name__}: index {bad} is out of bounds for dim {dim} with size "
@@ -605,7 +615,7 @@ def _index_copy(func, args, kwargs):
         return NotImplemented
     return _index_by_owner(
         func, args, kwargs, a,
-        lambda into, dim, index, src: into.scatter(dim, index, src),
+        lambda into, dim, index, src: into.scatter_(dim, index, src),
         in_place=func is torch.Tensor.index_copy_,
     )  # fmt: skip
 
@@ -619,7 +629,7 @@ def _index_reduce(func, args, kwargs):
         return NotImplemented
     return _index_by_owner(
         func, args, kwargs, a,
-        lambda into, dim, index, src: into.scatter_reduce(
+        lambda into, dim, index, src: into.scatter_reduce_(
             dim, index, src, a.reduce, include_self=a.include_self
         ),
         in_place=func is torch.Tensor.index_reduce_,
@@ -706,8 +716,8 @@ def _index_fill_signature(input, dim, index, value):
 
 
 def _scatter_into(into, dim, index, src):
-    return into.scatter(dim, index, src)
+    return into.scatter_(dim, index, src)
 
 
 def _scatter_add_into(into, dim, index, src):
-    return into.scatter_add(dim, index, src)
+    return into.scatter_add_(dim, index, src)
