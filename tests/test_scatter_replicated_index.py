@@ -30,6 +30,8 @@ from shardsci.testing import (
     run_on_ranks,
 )
 
+aten = torch.ops.aten
+
 SHAPE = (6, 5, 4)  # the destination; every scatter is along dim 1
 LAYOUTS = {
     "2r-scatter-dim": ((2,), Layout((Shard(1),), {1: (4, 1)})),
@@ -78,6 +80,18 @@ def _cases() -> dict[str, object]:
         # torch's own backward of a tensor value fails on a negative index
         "index_fill, negative": lambda x, src: x.index_fill(-2, distinct - SHAPE[1], -1.5),
         "index_fill_, in place": lambda x, src: x.clone().index_fill_(1, rows, src.sum()),
+    }
+    # the same ops reached at the aten level only (a backward formula, a decomposition), with
+    # a source that needs no gradient (below autograd, the source's gradient would be an aten
+    # gather from the sharded gradient, which no handler takes: the op then declines)
+    cases |= {
+        "aten scatter_add": lambda x, src: aten.scatter_add.default(x, 1, index, src.detach()),
+        "aten scatter.value": lambda x, src: aten.scatter.value(x, 1, unique, 2.5),
+        "aten index_add": lambda x, src: aten.index_add.default(x, 1, rows, _rows(src.detach(), 7)),
+        "aten index_fill": lambda x, src: aten.index_fill.int_Scalar(x, 1, distinct, 2.5),
+        "aten index_put": lambda x, src: aten.index_put.default(
+            x, [rows0], _rows(src.detach(), 7, dim=0), True
+        ),
     }
     for reduce in ("sum", "prod", "mean", "amax", "amin"):
         for include_self in (True, False):

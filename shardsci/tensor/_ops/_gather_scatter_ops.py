@@ -44,11 +44,17 @@ from shardsci.tensor._gather_plan import (
     summed_rows,
 )
 from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local, sharding_axes
-from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._registry import (
+    function_handler_for,
+    register_aten_handler,
+    register_function_handler,
+)
 from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -721,3 +727,39 @@ def _scatter_into(into, dim, index, src):
 
 def _scatter_add_into(into, dim, index, src):
     return into.scatter_add_(dim, index, src)
+
+
+# ---------------------------------------------------------------------------- below autograd
+# The scatters through a replicated index, reached at the aten level only (a backward formula,
+# a decomposition, a traced graph): the same handlers on the same arguments. Not while a
+# source or value needs a gradient, nor the reductions (``scatter_reduce``, ``index_reduce``):
+# autograd's formulas for those gradients are aten ``gather`` ops from the sharded gradient,
+# which no handler takes yet. Those take the default path (``scatter_reduce``: the gathered
+# fallback of ``_gathered_ops``).
+_AT_TORCH_LEVEL = {
+    aten.scatter_add.default: torch.scatter_add,
+    aten.scatter.src: torch.scatter,
+    aten.scatter.value: torch.scatter,
+    aten.index_add.default: torch.index_add,
+    aten.index_copy.default: torch.index_copy,
+    aten.index_fill.int_Scalar: torch.index_fill,
+    aten.index_fill.int_Tensor: torch.index_fill,
+    aten.index_put.default: torch.index_put,
+}
+
+
+@register_aten_handler(*_AT_TORCH_LEVEL)
+def _scatter_below_autograd(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    torch_func = _AT_TORCH_LEVEL[func]
+    if func is aten.index_put.default:
+        replicated = _one_index(a.indices, a.self) is not None
+    else:
+        replicated = _replicated_index(a.index) is not None
+    sources = [a.get(name) for name in ("src", "source", "value", "values")]
+    graded = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in sources
+    )
+    if not replicated or graded:
+        return NotImplemented
+    return function_handler_for(torch_func)(torch_func, args, kwargs)
