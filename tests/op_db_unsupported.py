@@ -299,11 +299,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "histogramdd": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "index_fill": (
-        _GATHERED.cases((2,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((4,), ("2x2-uneven", "2x2-last")),
-    ),
-    "index_put": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
     "index_select": (
         _GATHERED.cases((1,), ("4r-empty", "4r-random")),
         _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),

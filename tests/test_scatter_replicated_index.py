@@ -2,7 +2,9 @@
 process, float64 (NOTE [Scatters through a replicated index write where they land]).
 
 ``scatter``, ``scatter_add``, ``scatter_reduce`` (every reduction, with and without the
-destination's own values), ``index_add``, ``index_copy`` and ``index_reduce`` into a destination sharded along the scatter's dim, along another
+destination's own values), ``index_add``, ``index_copy``, ``index_reduce``, ``index_put``
+(an integer index or a boolean mask, accumulated or not) and ``index_fill`` into a
+destination sharded along the scatter's dim, along another
 dim (with an empty shard, and rows the index does not reach) and both on a 2x2 mesh: values,
 the destination's and the source's gradients, the output's layout (the destination's
 placements and shard sizes), no byte received by ``count_traffic`` in the forward, and an
@@ -16,6 +18,7 @@ import math
 import pytest
 import torch
 from torch.distributed.tensor import Shard
+from torch.profiler import ProfilerActivity, profile
 
 from shardsci.handlers import from_local_spec
 from shardsci.testing import (
@@ -26,6 +29,8 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+
+aten = torch.ops.aten
 
 SHAPE = (6, 5, 4)  # the destination; every scatter is along dim 1
 LAYOUTS = {
@@ -50,10 +55,43 @@ def _cases() -> dict[str, object]:
     # the index_* family: a 1-D index along dim 1 names where each row of the source goes
     rows = torch.randint(0, SHAPE[1], (7,), generator=generator)
     distinct = torch.randperm(SHAPE[1], generator=generator)[:3]
+    rows0 = torch.randint(0, SHAPE[0], (7,), generator=generator)
+    distinct0 = torch.randperm(SHAPE[0], generator=generator)[:3]
     cases |= {
         "index_add, alpha=2": lambda x, src: x.index_add(1, rows, _rows(src, 7), alpha=2),
         "index_add_, in place": lambda x, src: x.clone().index_add_(1, rows, _rows(src, 7)),
         "index_copy": lambda x, src: x.index_copy(1, distinct, _rows(src, 3)),
+        # index_put takes one index per leading dim: along dim 0
+        "index_put, accumulate": lambda x, src: x.index_put(
+            (rows0,), _rows(src, 7, dim=0), accumulate=True
+        ),
+        "index_put_, in place": lambda x, src: x.clone().index_put_(
+            (rows0,), _rows(src, 7, dim=0), accumulate=True
+        ),
+        "index_put": lambda x, src: x.index_put((distinct0,), _rows(src, 3, dim=0)),
+        "index_put, negative, a broadcast value": lambda x, src: x.index_put(
+            (distinct0 - SHAPE[0],), src.sum().reshape(1)
+        ),
+        "index_put, a boolean mask": lambda x, src: torch.index_put(
+            x, (torch.arange(SHAPE[0]) % 2 == 0,), _rows(src, 3, dim=0)
+        ),
+        "index_fill, a number": lambda x, src: x.index_fill(1, distinct, 2.5) * src.sum(),
+        "index_fill, a 0-d tensor, duplicates": lambda x, src: x.index_fill(1, rows, src.sum()),
+        # torch's own backward of a tensor value fails on a negative index
+        "index_fill, negative": lambda x, src: x.index_fill(-2, distinct - SHAPE[1], -1.5),
+        "index_fill_, in place": lambda x, src: x.clone().index_fill_(1, rows, src.sum()),
+    }
+    # the same ops reached at the aten level only (a backward formula, a decomposition), with
+    # a source that needs no gradient (below autograd, the source's gradient would be an aten
+    # gather from the sharded gradient, which no handler takes: the op then declines)
+    cases |= {
+        "aten scatter_add": lambda x, src: aten.scatter_add.default(x, 1, index, src.detach()),
+        "aten scatter.value": lambda x, src: aten.scatter.value(x, 1, unique, 2.5),
+        "aten index_add": lambda x, src: aten.index_add.default(x, 1, rows, _rows(src.detach(), 7)),
+        "aten index_fill": lambda x, src: aten.index_fill.int_Scalar(x, 1, distinct, 2.5),
+        "aten index_put": lambda x, src: aten.index_put.default(
+            x, [rows0], _rows(src.detach(), 7, dim=0), True
+        ),
     }
     for reduce in ("sum", "prod", "mean", "amax", "amin"):
         for include_self in (True, False):
@@ -71,13 +109,12 @@ def _cases() -> dict[str, object]:
     return cases
 
 
-def _rows(src: torch.Tensor, n: int) -> torch.Tensor:
-    """A source for an ``index_*`` op: the destination's shape with ``n`` rows along dim 1."""
+def _rows(src: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
+    """A source for an ``index_*`` op: the destination's shape with ``n`` rows along ``dim``."""
+    shape = [n if d == dim else size for d, size in enumerate(SHAPE)]
     return (
-        src.sum().expand(SHAPE[0], n, SHAPE[2])
-        * torch.arange(SHAPE[0] * n * SHAPE[2], dtype=src.dtype)
-        .reshape(SHAPE[0], n, SHAPE[2])
-        .cos()
+        src.sum().expand(shape)
+        * torch.arange(math.prod(shape), dtype=src.dtype).reshape(shape).cos()
     )
 
 
@@ -102,8 +139,56 @@ def _body(name: str) -> None:
         )
     with pytest.raises(IndexError, match="scatter_add: index 5 is out of bounds for dim 1"):
         shard.scatter_add(1, torch.tensor([[[5]]]), src)
+    with pytest.raises(IndexError, match="index_fill: index 5 is out of bounds for dim 1"):
+        shard.index_fill(1, torch.tensor([5]), 1.0)
+    with pytest.raises(IndexError, match="index_put: index 6 is out of bounds for dim 0"):
+        shard.index_put((torch.tensor([6]),), torch.ones(1))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_scatter_through_a_replicated_index_writes_where_it_lands(name: str) -> None:
     run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
+
+
+def _peak_growth(fn) -> int:
+    """The most bytes the CPU allocator holds during ``fn()`` beyond those at its start, from
+    ``torch.profiler``'s allocation events (not a count the library keeps)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = prof.profiler.kineto_results.events()
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _memory_body() -> None:
+    mesh = get_mesh((2,))
+    layout = Layout((Shard(1),), {1: (100, 156)})
+    x = torch.randn(64, 256, 8, dtype=torch.float64)
+    spec = layout.spec(mesh, x)
+    shard = from_local_spec(spec.narrow(x).contiguous(), spec)
+    shard_bytes = shard.to_local().numel() * x.element_size()
+    index = torch.tensor([[[3], [120]], [[250], [99]]])
+    src = torch.randn(2, 2, 1, dtype=torch.float64)
+    calls = {
+        "scatter_add": lambda: shard.scatter_add(1, index, src),
+        "scatter_reduce_ amax, in place": lambda: shard.scatter_reduce_(1, index, src, "amax"),
+        "index_copy_, in place": lambda: shard.index_copy_(
+            1, index[:, 0, 0], src.reshape(1, 4, 1)[:, :2].expand(64, 2, 8)
+        ),
+    }
+    with torch.no_grad():
+        for what, call in calls.items():
+            grown = _peak_growth(call)
+            assert_all_ranks(
+                grown <= 1.25 * shard_bytes,
+                f"{what}: held {grown} bytes more while it ran, a shard is {shard_bytes}",
+            )
+
+
+def test_a_scatter_through_a_replicated_index_holds_one_new_shard() -> None:
+    """The output and its spare slice, as torch's own scatter: not a copy of the shard with
+    the spare slice, then the scatter's output (2 shards), nor a third for in-place calls."""
+    run_on_ranks(2, _memory_body)

@@ -7,8 +7,9 @@ of size 1 whose padding cells come from the boundary (periodic, reflect, replica
 padded tensor keeps the input's layout with the padding on the edge ranks, and the
 convolution that follows keeps it too; the pad gathers the cells that convolution reads in the
 same exchange (NOTE [A padded tensor carries the halo its convolution reads] in ``_windows``).
-A constant pad by negative amounts crops: a slice of the cropped dims (placements kept), then
-the pad by the positive amounts.
+A pad by negative amounts crops: a slice of the cropped dims (placements kept), then the pad
+by the positive amounts, in every mode where torch's result is that composition
+(``_pad_ops.crop_then_pad``).
 Weights and biases are replicated: their gradients are summed over the shards
 (``replicated_local``). Sharded input channels are made whole first (each output cell reads
 all of them), the spatial shardings kept: the output is replicated over the axes that sharded
@@ -29,6 +30,7 @@ from shardsci.tensor._ops._common import (
     sharding_axes,
     with_dims_whole,
 )
+from shardsci.tensor._ops._pad_ops import crop_then_pad, cropped, pad_windows
 from shardsci.tensor._ops._windows import (
     TransposedWindow,
     Window,
@@ -240,17 +242,11 @@ def _pad(func, args, kwargs):
         return NotImplemented
     # torch's error for a bad pad list, on every rank before any collective
     probe_on_meta(func, (x, a.pad, mode, value))
-    pairs = [(a.pad[2 * i], a.pad[2 * i + 1]) for i in range(len(a.pad) // 2)]
-    if any(left < 0 or right < 0 for left, right in pairs):
-        if not _crops_alike(mode, pairs, x.shape):
-            return NotImplemented
-        x = _cropped(x, pairs)
-        pairs = [(max(left, 0), max(right, 0)) for left, right in pairs]
-    windows = {
-        x.ndim - 1 - i: Window(1, pad_left=left, pad_right=right)
-        for i, (left, right) in enumerate(pairs)
-        if left or right
-    }
+    plan = crop_then_pad(mode, a.pad, x.shape)
+    if plan is None:
+        return NotImplemented
+    x = cropped(x, plan)
+    windows = pad_windows(plan, x.ndim)
     if not windows:
         return x.clone()  # torch's pad returns a new tensor, never its input or a view
     boundary = dict.fromkeys(windows, _PAD_MODES[mode])
@@ -269,28 +265,3 @@ def _pad(func, args, kwargs):
 def _pad_as_dynamo_calls_it(func, args, kwargs):
     """Dynamo's graphs call ``F.pad`` by its C name (NOTE [torch.compile and ShardTensor])."""
     return _pad(F.pad, args, kwargs)
-
-
-def _crops_alike(mode: str, pairs: list[tuple[int, int]], shape: torch.Size) -> bool:
-    """Whether a pad with negative amounts is the crop, then the pad by the positive amounts:
-    always for a constant pad; for a replicate pad when every cropped dim keeps a cell, since
-    it copies the edge cell of the side it pads, which a crop of the other side then keeps.
-    Not circular (it wraps to cells the crop removed) nor reflect (it may reach them)."""
-    if mode == "constant":
-        return True
-    return mode == "replicate" and all(
-        max(-left, 0) + max(-right, 0) < shape[len(shape) - 1 - i]
-        for i, (left, right) in enumerate(pairs)
-    )
-
-
-def _cropped(x: ShardTensor, pairs: list[tuple[int, int]]) -> ShardTensor:
-    """The negative parts of a constant or replicate pad: a slice of each cropped dim, which
-    keeps the input's placements, every output cell on the rank holding the input cell it
-    copies (the window rule of a pad, anchor ``j - left``)."""
-    for i, (left, right) in enumerate(pairs):
-        dim = x.ndim - 1 - i
-        begin, end = max(-left, 0), x.shape[dim] - max(-right, 0)
-        if begin or end < x.shape[dim]:
-            x = x.narrow(dim, begin, end - begin)
-    return x

@@ -8,9 +8,9 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   graph, sharded with the nodes that own its destinations) gives an output sharded like the
   index; a rank receives only the distinct remote rows its index names, once per plan use;
 - a replicated index (a plain tensor) gives a replicated output; each rank broadcasts only the
-  selected rows it owns; a scatter through one writes, without communication, into a
-  destination sharded on any dims (NOTE [Scatters through a replicated index write where they
-  land]);
+  selected rows it owns; a scatter through one (the scatter and ``index_*`` families,
+  ``index_put``, ``index_fill``) writes, without communication, into a destination sharded on
+  any dims (NOTE [Scatters through a replicated index write where they land]);
 - scatters run locally when every index value is owned by the rank that holds it (as for a
   graph's destinations); otherwise they write through the index into the rows this rank owns
   plus its halo, and the halo rows travel back to their owners, where sum and mean add them
@@ -44,11 +44,17 @@ from shardsci.tensor._gather_plan import (
     summed_rows,
 )
 from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local, sharding_axes
-from shardsci.tensor._registry import register_function_handler
+from shardsci.tensor._registry import (
+    function_handler_for,
+    register_aten_handler,
+    register_function_handler,
+)
 from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -415,7 +421,7 @@ def _index_add(func, args, kwargs):
         alpha = a.alpha
         return _index_by_owner(
             func, args, kwargs, a,
-            lambda into, dim, index, src: into.scatter_add(dim, index, src if alpha == 1 else src * alpha),
+            lambda into, dim, index, src: into.scatter_add_(dim, index, src if alpha == 1 else src * alpha),
             in_place=func is torch.Tensor.index_add_,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
@@ -431,7 +437,7 @@ def _scatter_add(func, args, kwargs):
     if _replicated_index(a.index) is not None and a.get("out") is None:
         return _scatter_by_owner(
             func, args, kwargs, a.input, a.dim, a.index, a.src,
-            lambda into, dim, index, src: into.scatter_add(dim, index, src),
+            lambda into, dim, index, src: into.scatter_add_(dim, index, src),
             in_place=func is torch.Tensor.scatter_add_,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
@@ -449,7 +455,7 @@ def _scatter_reduce(func, args, kwargs):
     if _replicated_index(a.index) is not None and a.get("out") is None:
         return _scatter_by_owner(
             func, args, kwargs, a.input, a.dim, a.index, a.src,
-            lambda into, dim, index, src: into.scatter_reduce(
+            lambda into, dim, index, src: into.scatter_reduce_(
                 dim, index, src, a.reduce, include_self=a.include_self
             ),
             in_place=func is torch.Tensor.scatter_reduce_,
@@ -469,8 +475,13 @@ def _scatter_reduce(func, args, kwargs):
 # row i); along the scatter's dim, it keeps the entries whose index lands in its range,
 # shifted to its shard, and sends the others to one extra slice appended to its shard and
 # dropped afterwards, so every reduction (sum, mean, prod, amax, amin, assignment) and its
-# backward see exactly the entries of that range, include_self or not. The source's gradient
-# is a partial sum over the sharding axes (``replicated_local``).
+# backward see exactly the entries of that range, include_self or not. The local scatter
+# writes in place into that new buffer, so the op holds one new shard, as torch's own
+# out-of-place scatter does. The source's gradient is a partial sum over the sharding axes
+# (``replicated_local``). The index's range is checked on the whole index, so every rank
+# raises alike: on the CPU torch's ``IndexError``; on an accelerator a device-side assert, as
+# torch's own kernels do there, with no wait for the device. ``index_put`` and ``index_fill``
+# are such scatters (``index_fill`` marks its rows in a vector of the shard's rows instead).
 def _replicated_index(index: object) -> torch.Tensor | None:
     """The whole index every rank holds: a plain integer tensor or a replicated ShardTensor's
     local one; None for anything else."""
@@ -484,22 +495,31 @@ def _replicated_index(index: object) -> torch.Tensor | None:
 
 
 def _scatter_by_owner(
-    func, args, kwargs, x: object, dim: int, index: object, src: object, scatter, *, in_place: bool
+    func,
+    args,
+    kwargs,
+    x: object,
+    dim: int,
+    index: object,
+    src: object,
+    scatter,
+    *,
+    in_place: bool,
+    checked: bool = False,
 ) -> object:
-    """``scatter(destination, dim, index, src)`` into a destination sharded on any dims, with
-    a replicated index and source (NOTE [Scatters through a replicated index write where they
-    land]); ``in_place`` writes the result into ``x`` and returns it."""
+    """``scatter(into, dim, index, src)``, which writes into ``into`` in place, into a
+    destination sharded on any dims, with a replicated index and source (NOTE [Scatters
+    through a replicated index write where they land]); ``in_place`` writes the result into
+    ``x`` and returns it. ``checked``: the caller
+    has probed the call and found the index in range (before expanding it)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
         return NotImplemented
     if isinstance(src, ShardTensor) and (src._spec.shardings or src._spec.partial):
         return NotImplemented
-    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
     spec, index, dim = x._spec, _replicated_index(index), dim % x.ndim
-    out_of_range = (index < 0) | (index >= x.shape[dim])
-    if bool(out_of_range.any()):
-        bad = int(index[out_of_range][0])
-        raise IndexError(f"{func.__name__}: index {bad} is out of bounds for dim {dim} with size "
-                         f"{x.shape[dim]}")  # fmt: skip
+    if not checked:
+        probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+        _check_in_range(func, index, dim, x.shape[dim])
     if isinstance(src, torch.Tensor):
         src = replicated_local(src, spec.mesh, sharding_axes(spec))
     starts, sizes = spec.local_offsets(), spec.local_shape()
@@ -512,9 +532,8 @@ def _scatter_by_owner(
         index = index.narrow(d, begin, end - begin)
         if isinstance(src, torch.Tensor):
             src = src.narrow(d, begin, end - begin)
+    # the output, written in place: one new shard (and a spare slice), as torch's own scatter
     destination = x.to_local()
-    if in_place:
-        destination = destination.clone()  # saved by the local op's backward
     if dim in spec.sharding_by_dim:
         start, size = starts[dim], sizes[dim]
         mine = (index >= start) & (index < start + size)
@@ -522,7 +541,7 @@ def _scatter_by_owner(
         spare = destination.new_zeros([1 if d == dim else n for d, n in enumerate(sizes)])
         out = scatter(torch.cat([destination, spare], dim), dim, index, src).narrow(dim, 0, size)
     else:
-        out = scatter(destination, dim, index, src)
+        out = scatter(destination.clone(), dim, index, src)
     result = from_local_spec(out, spec.with_dtype(out.dtype))
     return x.copy_(result) if in_place else result
 
@@ -536,13 +555,28 @@ def _scatter_assign(func, args, kwargs):
     reduce = {} if a.reduce is None else {"reduce": a.reduce}
     return _scatter_by_owner(
         func, args, kwargs, a.input, a.dim, a.index, src,
-        lambda into, dim, index, source: into.scatter(dim, index, source, **reduce),
+        lambda into, dim, index, source: into.scatter_(dim, index, source, **reduce),
         in_place=func is torch.Tensor.scatter_,
     )  # fmt: skip
 
 
 def _scatter_signature(input, dim, index, src=None, *, value=None, reduce=None, out=None):
     """``torch.scatter``'s overloads: a source tensor or a ``value``, optionally reduced."""
+
+
+def _check_in_range(func, index: torch.Tensor, dim: int, extent: int) -> None:
+    """torch's ``IndexError`` for an index outside ``[0, extent)``, on every rank alike (every
+    rank holds the whole index). On an accelerator, a device-side assert instead, without
+    waiting for the device, as torch's own scatter kernels check their indices there."""
+    out_of_range = (index < 0) | (index >= extent)
+    if index.device.type != "cpu":
+        message = f"{func.__name__}: an index is out of bounds for dim {dim} with size {extent}"
+        torch.ops.aten._assert_async.msg(~out_of_range.any(), message)
+        return
+    if bool(out_of_range.any()):
+        bad = int(index[out_of_range][0])
+        raise IndexError(f"{func.__name__}: index {bad} is out of bounds for dim {dim} with size "
+                         f"{extent}")  # fmt: skip
 
 
 def _index_by_owner(func, args, kwargs, a, scatter, *, in_place: bool) -> object:
@@ -557,11 +591,26 @@ def _index_by_owner(func, args, kwargs, a, scatter, *, in_place: bool) -> object
         or not isinstance(a.input, ShardTensor)
     ):
         return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
     dim = a.dim % max(a.input.ndim, 1)
+    return _scatter_rows_by_owner(
+        func, args, kwargs, a.input, dim, index, source, scatter, in_place=in_place
+    )
+
+
+def _scatter_rows_by_owner(
+    func, args, kwargs, x: ShardTensor, dim: int, index: torch.Tensor, source, scatter, *,
+    in_place: bool,
+) -> object:  # fmt: skip
+    """``scatter`` of the rows of ``source`` along ``dim`` to the rows the 1-D ``index``
+    names, the index checked once and expanded over the source as a view; the caller has
+    probed the call."""
+    if x.ndim:
+        _check_in_range(func, index, dim, x.shape[dim])
     shape = [-1 if d == dim else 1 for d in range(source.ndim)]
     expanded = index.reshape(shape).expand(source.shape) if source.ndim else index
     return _scatter_by_owner(
-        func, args, kwargs, a.input, dim, expanded, source, scatter, in_place=in_place
+        func, args, kwargs, x, dim, expanded, source, scatter, in_place=in_place, checked=True
     )
 
 
@@ -572,7 +621,7 @@ def _index_copy(func, args, kwargs):
         return NotImplemented
     return _index_by_owner(
         func, args, kwargs, a,
-        lambda into, dim, index, src: into.scatter(dim, index, src),
+        lambda into, dim, index, src: into.scatter_(dim, index, src),
         in_place=func is torch.Tensor.index_copy_,
     )  # fmt: skip
 
@@ -586,8 +635,131 @@ def _index_reduce(func, args, kwargs):
         return NotImplemented
     return _index_by_owner(
         func, args, kwargs, a,
-        lambda into, dim, index, src: into.scatter_reduce(
+        lambda into, dim, index, src: into.scatter_reduce_(
             dim, index, src, a.reduce, include_self=a.include_self
         ),
         in_place=func is torch.Tensor.index_reduce_,
     )  # fmt: skip
+
+
+@register_function_handler(torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_)
+def _index_put(func, args, kwargs):
+    a = bind(func, args, kwargs, signature=_index_put_signature)
+    x, values = a.input, a["values"]  # not ``a.values``: the dict's method
+    index = _one_index(a.indices, x)
+    if index is None or not isinstance(values, torch.Tensor):
+        return NotImplemented
+    # A boolean mask every rank holds names the same rows on every rank (a host sync, as in
+    # torch's own masked index_put); torch wraps negative indices.
+    if index.dtype == torch.bool:
+        index = index.nonzero().squeeze(1)
+    index = torch.where(index < 0, index + x.shape[0], index)
+    # torch's errors for the call with the integer index, on every rank
+    probe_args = (x, (index,), values, a.accumulate)
+    probe_on_meta(torch.index_put, probe_args)
+    rows = (index.numel(), *x.shape[1:])
+    return _scatter_rows_by_owner(
+        torch.index_put, probe_args, {}, x, 0, index, values.expand(rows),
+        _scatter_add_into if a.accumulate else _scatter_into,
+        in_place=func is torch.Tensor.index_put_,
+    )  # fmt: skip
+
+
+def _index_put_signature(input, indices, values, accumulate=False):
+    """``index_put``'s parameters (a builtin without an inspectable signature)."""
+
+
+def _one_index(indices: object, x: object) -> torch.Tensor | None:
+    """The index of ``indices`` that are one replicated 1-D index of dim 0 (integer, or a
+    boolean mask of that dim); else None."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not isinstance(indices, (list, tuple)):
+        return None
+    if len(indices) != 1:
+        return None
+    index = indices[0]
+    if isinstance(index, ShardTensor) and not (index._spec.shardings or index._spec.partial):
+        index = index._local
+    if not isinstance(index, torch.Tensor) or isinstance(index, ShardTensor) or index.ndim != 1:
+        return None
+    if index.dtype == torch.bool:
+        return index if index.shape[0] == x.shape[0] else None
+    return index if index.dtype in _INDEX_DTYPES else None
+
+
+@register_function_handler(torch.index_fill, torch.Tensor.index_fill, torch.Tensor.index_fill_)
+def _index_fill(func, args, kwargs):
+    """``index_fill`` along any dim of a destination sharded on any dims, with a replicated
+    index: each rank marks which of its own rows along ``dim`` the index names (a vector of
+    its rows, one spare entry for the others) and fills them; nothing moves. Each row is
+    filled once however often the index names it, so the value's gradient counts it once,
+    as torch's does; that gradient is a partial sum over the sharding axes."""
+    a = bind(func, args, kwargs, signature=_index_fill_signature)
+    x, index = a.input, _replicated_index(a.index)
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or index is None or not accepts(x):
+        return NotImplemented
+    if isinstance(a.value, ShardTensor) and (a.value._spec.shardings or a.value._spec.partial):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors, on every rank
+    spec, dim = x._spec, a.dim % x.ndim
+    index = index.reshape(-1)
+    index = torch.where(index < 0, index + x.shape[dim], index)  # torch wraps negatives
+    _check_in_range(func, index, dim, x.shape[dim])
+    start, size = spec.local_offsets()[dim], spec.local_shape()[dim]
+    mine = (index >= start) & (index < start + size)
+    marked = torch.zeros(size + 1, dtype=torch.bool, device=index.device)
+    marked[torch.where(mine, index - start, size)] = True
+    filled = marked[:size].reshape([-1 if d == dim else 1 for d in range(x.ndim)])
+    value = a.value
+    if isinstance(value, torch.Tensor):
+        value = replicated_local(value, spec.mesh, sharding_axes(spec)).to(x.dtype)
+    out = torch.where(filled.to(x.device), value, x.to_local())
+    result = from_local_spec(out, spec.with_dtype(out.dtype))
+    return x.copy_(result) if func is torch.Tensor.index_fill_ else result
+
+
+def _index_fill_signature(input, dim, index, value):
+    """``index_fill``'s parameters (a builtin with several aten schemas)."""
+
+
+def _scatter_into(into, dim, index, src):
+    return into.scatter_(dim, index, src)
+
+
+def _scatter_add_into(into, dim, index, src):
+    return into.scatter_add_(dim, index, src)
+
+
+# ---------------------------------------------------------------------------- below autograd
+# The scatters through a replicated index, reached at the aten level only (a backward formula,
+# a decomposition, a traced graph): the same handlers on the same arguments. Not while a
+# source or value needs a gradient, nor the reductions (``scatter_reduce``, ``index_reduce``):
+# autograd's formulas for those gradients are aten ``gather`` ops from the sharded gradient,
+# which no handler takes yet. Those take the default path (``scatter_reduce``: the gathered
+# fallback of ``_gathered_ops``).
+_AT_TORCH_LEVEL = {
+    aten.scatter_add.default: torch.scatter_add,
+    aten.scatter.src: torch.scatter,
+    aten.scatter.value: torch.scatter,
+    aten.index_add.default: torch.index_add,
+    aten.index_copy.default: torch.index_copy,
+    aten.index_fill.int_Scalar: torch.index_fill,
+    aten.index_fill.int_Tensor: torch.index_fill,
+    aten.index_put.default: torch.index_put,
+}
+
+
+@register_aten_handler(*_AT_TORCH_LEVEL)
+def _scatter_below_autograd(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    torch_func = _AT_TORCH_LEVEL[func]
+    if func is aten.index_put.default:
+        replicated = _one_index(a.indices, a.self) is not None
+    else:
+        replicated = _replicated_index(a.index) is not None
+    sources = [a.get(name) for name in ("src", "source", "value", "values")]
+    graded = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in sources
+    )
+    if not replicated or graded:
+        return NotImplemented
+    return function_handler_for(torch_func)(torch_func, args, kwargs)

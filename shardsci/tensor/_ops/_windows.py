@@ -26,7 +26,11 @@ transposed windows (upsampling) output ``i`` goes to the owner of the input it i
 ``(i + p - (d (k - 1)) // 2) // s``, so downsample -> upsample returns to the input's layout
 when shard boundaries are even; when a layout of the output's extent is remembered in the
 input's hints (the layout before the downsampling), it is used instead, whatever the
-boundaries. Each rank then gathers, with the halo exchange, the input cells its outputs read,
+boundaries. Not by a pad that crops the dim's other side (``F.pad(x, (-1, 1))``, ``Window.
+shifted``): it moves every cell by the crop, so the layout remembered for that extent, the
+one before the crop, would put each shard boundary's cell on its owner's neighbour; each
+cell stays with its owner and the padding goes to the edge shards. A dim left with no cell
+(cropped away, then padded) has its padding on the first shard. Each rank then gathers, with the halo exchange, the input cells its outputs read,
 and runs the op locally without padding: padding cells are materialised by the boundary.
 """
 
@@ -71,6 +75,9 @@ class Window:
         Padding before and after the input, materialised by the boundary.
     ceil_mode : bool
         Pooling's ceil mode: a last, partial window may run past the padded input.
+    shifted : bool
+        A pad of a dim it also crops on the other side: every cell moves by the crop, so a
+        layout remembered for the output's extent describes other cells and is not taken.
     """
 
     kernel: int
@@ -79,6 +86,7 @@ class Window:
     pad_left: int = 0
     pad_right: int = 0
     ceil_mode: bool = False
+    shifted: bool = False
 
     @property
     def span(self) -> int:
@@ -176,11 +184,14 @@ def owned_sizes(
     window: WindowLike, sharding: DimSharding, out_extent: int, hints: Sequence[DimSharding]
 ) -> tuple[int, ...]:
     """Output shard sizes along one dim (NOTE [Which rank owns an output of a windowed op])."""
+    if isinstance(window, Window) and window.shifted:
+        hints = ()
     for hint in reversed(hints):
         if hint.axes == sharding.axes and hint.extent == out_extent:
             return hint.sizes
     offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
-    nonempty = [k for k, size in enumerate(sharding.sizes) if size]
+    # a dim with no cells (a pad of a dim cropped away): the first shard holds the padding
+    nonempty = [k for k, size in enumerate(sharding.sizes) if size] or [0]
     sizes = [0] * len(sharding.sizes)
     for k in nonempty:
         first = 0 if k == nonempty[0] else window.first_owned(offsets[k])
