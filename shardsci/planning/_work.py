@@ -60,10 +60,11 @@ aten = torch.ops.aten
 # A copy that reads or writes a tensor whose elements are not one contiguous block moves it
 # run by run: a piece of a ``(B, C, H, W)`` field narrowed along W (a W split's pack, unpack
 # and concatenation) is ``B C H`` runs of ``W / n`` elements, the same bytes narrowed along H
-# ``B C`` runs of ``H W / n``. On this machine a run costs a few ns more than its bytes (``benchmarks.calibrate``:
-# the same bytes copied from a W-narrowed and an H-narrowed piece), so ``WorkCounter`` counts
-# the runs of every copy's non-contiguous tensors (``strided_runs``), and both projections
-# price them at ``Machine.strided_copy_s_per_run`` as compute (``strided_copy_s``).
+# ``B C`` runs of ``H W / n``. On this machine a run costs a few ns more than its bytes
+# (``benchmarks.calibrate``: the same bytes copied from a W-narrowed and an H-narrowed
+# piece), so ``WorkCounter`` counts the runs of every copy's non-contiguous tensors
+# (``strided_runs``), and both projections price them at ``Machine.strided_copy_s_per_run``
+# as compute (``strided_copy_s``).
 COPIES = frozenset({aten.copy_, aten.clone, aten.cat, aten.stack, aten._to_copy})
 """The aten ops that copy: those whose strided tensors count runs (NOTE [Strided copies])."""
 

@@ -421,7 +421,9 @@ def _index_add(func, args, kwargs):
         alpha = a.alpha
         return _index_by_owner(
             func, args, kwargs, a,
-            lambda into, dim, index, src: into.scatter_add_(dim, index, src if alpha == 1 else src * alpha),
+            lambda into, dim, index, src: into.scatter_add_(
+                dim, index, src if alpha == 1 else src * alpha
+            ),
             in_place=func is torch.Tensor.index_add_,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None

@@ -30,8 +30,9 @@ boundaries. Not by a pad that crops the dim's other side (``F.pad(x, (-1, 1))``,
 shifted``): it moves every cell by the crop, so the layout remembered for that extent, the
 one before the crop, would put each shard boundary's cell on its owner's neighbour; each
 cell stays with its owner and the padding goes to the edge shards. A dim left with no cell
-(cropped away, then padded) has its padding on the first shard. Each rank then gathers, with the halo exchange, the input cells its outputs read,
-and runs the op locally without padding: padding cells are materialised by the boundary.
+(cropped away, then padded) has its padding on the first shard. Each rank then gathers,
+with the halo exchange, the input cells its outputs read, and runs the op locally without
+padding: padding cells are materialised by the boundary.
 """
 
 from __future__ import annotations
