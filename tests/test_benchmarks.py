@@ -5,10 +5,11 @@ Each runs in this process on the suite's rank pools (their shutdown at the bench
 switched off), with a goal made unreachable by patching what the benchmark compares with (a
 threshold or a lower bound, read in this process only); a benchmark without goals must exit
 0 under ``--check``. The figures of such tiny runs mean nothing. A real run of the CFD recipe
-(``recipe_throughput``), the compiled steps (``compile``), eight 3-D solver ranks
-(``ns3d_generation``), two steps of the 3-D FNO on eight ranks (``cfd3d_meshes``) and four
-of it (``memory_3d``) cost more than the rest together: those five are ``slow``;
-``recipe_throughput``'s goals are also checked here on stubbed runs.
+(``recipe_throughput``) and of the 3-D one (``cfd3d_recipe``), the compiled steps
+(``compile``), eight 3-D solver ranks (``ns3d_generation``), two steps of the 3-D FNO on eight
+ranks (``cfd3d_meshes``) and four of it (``memory_3d``) cost more than the rest together:
+those six are ``slow``; ``recipe_throughput``'s and ``cfd3d_recipe``'s goals are also checked
+here on stubbed runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 import pytest
 
 from benchmarks import _common
+from tests.test_cfd3d_recipe import SMALL_FNO as CFD3D_SMALL_FNO
+from tests.test_cfd3d_recipe import TINY_DATA as CFD3D_TINY_DATA
 from tests.test_cost_model import synthetic_measurement
 
 
@@ -132,6 +135,13 @@ SLOW_SMOKES = {
         ("train: 2 ranks agree with 1 rank", "predict: 2 ranks agree with 1 rank"),
     ),
     "compile": Smoke("--models unet --worlds 1 2 --rounds 1 --size 32 --backend eager"),
+    # The 3-D recipe's command on 2 ranks at 8³ (its data generated in the run), 2 steps.
+    "cfd3d_recipe": Smoke(
+        "--fresh-data --overrides mesh=2 train.steps=2 train.global_batch=2 "
+        + " ".join([*CFD3D_TINY_DATA, *CFD3D_SMALL_FNO]),
+        {"CPU_BUDGET_S": lambda _: 0.0, "ERROR_RATIO": lambda _: 1e9},
+        ("the command's CPU seconds",),
+    ),
     # 35 s at load 11: every collective on 2 and 4 ranks, the kernels, a host_overhead step.
     # Not smoked: calibrate_steps (it reads calibrate's and cost_model's saved files;
     # tests/test_calibration.py checks its logic) and calibrate_bandwidth (root, namespaces).
@@ -205,3 +215,30 @@ def test_recipe_throughput_goals_on_stubbed_runs(monkeypatch, capsys):
     records = _run("recipe_throughput", smoke, monkeypatch, capsys)
     ratios = {r["mesh"]: r["ratio_to_first"] for r in records if r["record"] != "summary"}
     assert ratios == {"1": 1.0, "1x2": 0.5, "4x2": 0.5}
+
+
+def test_cfd3d_recipe_goals_on_stubbed_runs(monkeypatch, capsys):
+    """Runs of 1,300, 1,100 and 1,250 CPU seconds (median 1,250) miss the 10 minutes of two
+    cores; a held-out error of 0.05 against persistence's 0.2 meets 0.3x; each record shows
+    the rollout after its first, middle and last step (its real run is in the slow test)."""
+    from benchmarks import cfd3d_recipe
+
+    metrics = {
+        "step": 400,
+        "eval_relative_l2": 0.05,
+        "persistence_relative_l2": 0.2,
+        **{f"rollout_relative_l2_step{k}": k / 10 for k in range(1, 11)},
+        "persistence_rollout_relative_l2_step10": 1.0,
+    }
+    cpu = iter([1300.0, 1100.0, 1250.0])
+    monkeypatch.setattr(
+        cfd3d_recipe,
+        "run_recipe",
+        lambda run_dir, args: cfd3d_recipe.RecipeRun(next(cpu), 0.0, 1.0, 1.0, metrics),
+    )
+    smoke = Smoke("--repeats 3", {}, ("the command's CPU seconds",))
+    records = _run("cfd3d_recipe", smoke, monkeypatch, capsys)
+    assert records[-1]["cpu_s"] == 1250.0 and records[-1]["error_ratio"] == 0.25
+    shown = {k for k in records[0] if k.startswith("rollout_step")}
+    assert shown == {"rollout_step1", "rollout_step6", "rollout_step10"}
+    assert records[0]["rollout_step6"] == 0.6 and records[0]["persistence_rollout_step10"] == 1.0
