@@ -86,11 +86,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
+from shardsci.tensor import _torch_compat
 from shardsci.tensor._torch_compat import (
     _get_dispatch_mode,
     _TorchDispatchModeKey,
@@ -187,6 +189,25 @@ def forget_eager_under_compile_warning() -> None:
     watching = _state["kept_out"] is not None
 
 
+def _plain_tangents_read_as_replicated(
+    process: Callable[..., Any], cls: type
+) -> Callable[..., Any]:
+    """AOTAutograd's ``process_runtime_tangent`` (the check of each gradient entering a
+    compiled backward) that first reads a plain gradient where a ``cls`` was traced as
+    replicated, as eager ShardTensor code reads one (``_api._as_shard_tensor``); the check
+    then moves it to the traced layout (``__coerce_same_metadata_as_tangent__``). See NOTE
+    [torch.compile and ShardTensor]: autograd's zeros for an output the loss does not reach."""
+    from shardsci.tensor._api import _as_shard_tensor  # _api imports this module
+
+    def process_runtime_tangent(x: Any, meta: Any, *args: Any, **kwargs: Any) -> Any:
+        expected = getattr(meta, "original_subclass_type", None)
+        if type(x) is torch.Tensor and expected is not None and issubclass(expected, cls):
+            x = _as_shard_tensor(x, meta.meta)
+        return process(x, meta, *args, **kwargs)
+
+    return process_runtime_tangent
+
+
 @contextmanager
 def tracing_through_shardtensors() -> Iterator[None]:
     """Experimental: inside the ``with`` block ``torch.compile`` traces through ShardTensors
@@ -214,6 +235,13 @@ def tracing_through_shardtensors() -> Iterator[None]:
     # ("unhashable type: non-nested SymInt") failed to compile.
     automatic_dynamic = dynamo_config.automatic_dynamic_shapes
     dynamo_config.automatic_dynamic_shapes = False
+    # Read when a backward is compiled, so graphs compiled inside keep it after the block;
+    # resolved here, not at import (torch's AOTAutograd modules import one another in order).
+    aot_autograd = _torch_compat.AOTDispatchAutograd
+    process_tangent = aot_autograd.__dict__["process_runtime_tangent"]
+    aot_autograd.process_runtime_tangent = staticmethod(
+        _plain_tangents_read_as_replicated(process_tangent.__func__, cls)
+    )
     torch.compiler.reset()
     _state["kept_out"] = None
     try:
@@ -221,6 +249,7 @@ def tracing_through_shardtensors() -> Iterator[None]:
     finally:
         torch.compiler.reset()
         cls.__torch_dispatch__ = dispatch
+        aot_autograd.process_runtime_tangent = process_tangent
         dynamo_config.automatic_dynamic_shapes = automatic_dynamic
         trace_rules.SKIP_DIRS[:] = skipped
         trace_rules._recompile_re()
