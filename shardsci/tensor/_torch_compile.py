@@ -75,11 +75,21 @@ the graph at ``x.sharding_shapes()``: dynamo routes a subclass's own method thro
 ``__torch_function__`` and calls it in its graph ("torch.* op returned non-Tensor").
 The FNO's compiled backward first met a gradient whose spec equals the traced one in layout
 but is another object ("we guessed its metadata incorrectly"), which
-``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. The ViT and the Transolver
-failed in dynamo's fake run of ``flatten`` until the view rule's fallback for a view the
-local shard's memory layout cannot take (an einsum's permuted output; the spec's stride is
-contiguous) also caught the ValueError a fake tensor's view raises (a real one raises
-RuntimeError): ``tests/test_torch_compile_through.py``'s ``flatten`` case.
+``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. An output of a compiled
+graph that no loss reaches gets plain zeros of the global shape as its gradient (torch 2.13's
+autograd fills an undefined gradient of a Function's output from its size alone), where
+AOTAutograd traced a ShardTensor: "Expected a ShardTensor tangent but got a plain Tensor". A
+graph break inside a block that returns two fields makes such outputs: the MeshGraphNet's last
+processor block returns edges its decoder never reads. Inside the ``with`` block AOTAutograd's
+check of each incoming gradient (``AOTDispatchAutograd.process_runtime_tangent``) first reads a
+plain one there as replicated, as eager code does (``_api._as_shard_tensor``), and the coercion
+above moves it to the traced layout (``tests/test_torch_compile_through.py``, an output no loss
+reaches). Correct, but each such output costs every rank a tensor of the global shape per
+backward, allocated by autograd before shardsci sees it: detach what no loss needs.
+The ViT and the Transolver failed in dynamo's fake run of ``flatten`` until the view rule's
+fallback for a view the local shard's memory layout cannot take (an einsum's permuted output;
+the spec's stride is contiguous) also caught the ValueError a fake tensor's view raises (a
+real one raises RuntimeError): ``tests/test_torch_compile_through.py``'s ``flatten`` case.
 """
 
 from __future__ import annotations
