@@ -62,8 +62,10 @@ was removed (NOTE [A traced collective is an effect]). The FNO and the Transolve
 trace in 3-D (2 ranks) and the Transolver on 2x2; the FNO with inductor too. Not the default
 because the MeshGraphNet fails: its neighbour gather plans messages from the edge index's
 values (``aten._local_scalar_dense``, a data-dependent graph break), and AOTAutograd's
-backward of a small graph around it meets a plain tangent where it traced a ShardTensor
-(``tests/test_torch_compile_through.py``, xfail); the recipes are untried.
+backward of a graph around it receives a ShardTensor gradient where it traced a plain output
+of the nodes' global shape (``tests/test_torch_compile_through.py``, xfail; the plain
+tangent it met first is fixed, below), and inductor has not been seen to finish the ViT and
+the Transolver. The CFD recipe compiles (``train.compile``) equal to eager.
 Code that breaks the graph: inside the ``with`` block ``__torch_dispatch__`` runs with dynamo
 disabled (after a break in a loop dynamo runs the frame eagerly with its callback set, and
 compiled ``ShardTensor.__new__`` as a frame, resuming on a half-built tensor: "'ShardTensor'
