@@ -449,7 +449,9 @@ def test_zoo_model_traced_through_equals_the_single_process_model(
 # Tensor (tangent index: 1)" (the last block's edges, which no loss reaches; fixed, see
 # test_an_output_no_loss_reaches_after_a_graph_break_equals_one_process). It now fails the
 # other way, in 244 s at load 21-26: a graph traced with a plain (40, 8) output (the nodes'
-# global shape) receives a ShardTensor gradient ("Expected: None (type torch.Tensor)").
+# global shape) receives a ShardTensor gradient ("Expected: None (type torch.Tensor)"): the
+# tangent of an input the graph mutates in place, traced as plain
+# (InputMutationAOTOutput(mutated_input=PlainAOTInput(idx=3))).
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="a ShardTensor tangent where a plain one was traced")
 def test_meshgraphnet_traced_through_equals_the_single_process_model() -> None:
