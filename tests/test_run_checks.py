@@ -57,6 +57,10 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
         (["train.steps=-5"], r"train.steps=-5: expected an integer >= 0"),
         (["train.log_every=0"], r"train.log_every=0: expected an integer >= 1"),
         (["train.grad_clip=-1"], "train.grad_clip=-1.0: expected a positive norm"),
+        (
+            ["train.compile=true", "train.compile_backend=inductr"],
+            r"train.compile_backend=inductr: expected one of \[.*'inductor'",
+        ),
         (["mesh=3x2"], "train.global_batch=16 does not split over the 3 data-parallel"),
         (["launcher=slurm"], "add -m"),
         (["launcher.timeout_s=0"], "launcher.timeout_s=0.0: expected a positive"),

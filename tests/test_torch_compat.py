@@ -6,6 +6,7 @@ shardsci relies on, and a missing one fails with a message naming it and the tor
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -362,6 +363,18 @@ def _is_fake(fn: Callable) -> None:
     assert fn(fake) and not fn(torch.ones(2))
 
 
+def _aot_dispatch_autograd(cls: type) -> None:
+    """``process_runtime_tangent(x, meta, ...)`` is a static method, read as an attribute of
+    the class when a backward is compiled, and a subclass's meta names its type and holds its
+    flatten context."""
+    from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+
+    assert isinstance(cls.__dict__["process_runtime_tangent"], staticmethod)
+    _takes("x", "meta")(cls.process_runtime_tangent)  # type: ignore[attr-defined]
+    fields = {f.name for f in dataclasses.fields(SubclassCreationMeta)}
+    assert {"original_subclass_type", "meta"} <= fields, fields
+
+
 SMOKE: dict[str, Callable[[object], None]] = {
     "DTensorSpec": _takes("mesh", "placements", "tensor_meta", "shard_order"),
     "TensorMeta": _tensor_meta,
@@ -406,6 +419,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
     "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,
+    "AOTDispatchAutograd": _aot_dispatch_autograd,
     "register_effectful_op": _takes("op", "effect"),
     "EffectType": _has("ORDERED"),
     "get_eval_frame_callback": lambda fn: fn() in (None, False),

@@ -207,6 +207,40 @@ def test_a_replica_without_a_held_out_sample_evaluates_nothing(
     assert math.isfinite(errors[0]) and errors[0] == errors[1], per_rank
 
 
+def _train_counting_graphs(overrides: list[str]) -> tuple[dict[str, float], int]:
+    """``train_recipe_on_the_pool``'s final metrics, and the graphs dynamo compiled meanwhile."""
+    torch._dynamo.utils.counters.clear()
+    _, metrics = train_recipe_on_the_pool(overrides)
+    return metrics, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+# About 170 s at load 19-25 (540 s at 23-40): the compiled run traces the FNO, then runs it.
+@pytest.mark.slow
+def test_a_compiled_run_takes_the_eager_runs_steps(dataset: Path, tmp_path: Path) -> None:
+    """``train.compile`` on a mesh that splits the fields (1x2: H over 2 ranks), the FNO
+    traced through ShardTensors with ``aot_eager``: dynamo compiles graphs (none in the eager
+    run), and the loss of every step and the final held-out error are the eager run's.
+    Float32, the recipe's dtype: the compiled graphs may sum in another order, so to 1e-5
+    relative, as across meshes above."""
+    curves, errors, graphs = {}, {}, {}
+    for compiled in (False, True):
+        run_dir = tmp_path / f"compile_{compiled}"
+        overrides = [
+            "mesh=1x2", f"data.path={dataset}", f"run_dir={run_dir}", *TINY, "train.steps=3",
+            "train.checkpoint_every=0", f"train.compile={compiled}",
+            "train.compile_backend=aot_eager",
+        ]  # fmt: skip
+        per_rank = run_on_ranks(2, _train_counting_graphs, overrides, timeout_s=900)
+        curves[compiled] = _losses(run_dir)
+        errors[compiled] = per_rank[0][0]["eval_relative_l2"]
+        graphs[compiled] = min(count for _, count in per_rank)
+    assert graphs[False] == 0 and graphs[True] > 0, graphs
+    assert curves[True].keys() == curves[False].keys() == {1, 2, 3}, curves
+    for step, loss in curves[False].items():
+        assert curves[True][step] == pytest.approx(loss, rel=1e-5), (step, curves)
+    assert errors[True] == pytest.approx(errors[False], rel=1e-5), errors
+
+
 @pytest.mark.slow  # about 15 s: test_faults.py's killed-rank test runs under torchrun by default
 def test_the_recipe_runs_under_torchrun(dataset: Path, tmp_path: Path) -> None:
     """Under torchrun every rank composes the config and uses the ranks it is given, here on

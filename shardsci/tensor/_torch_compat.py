@@ -203,6 +203,11 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     # --- torch.compile and the dry-run planner
     "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
     "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),
+    "AOTDispatchAutograd": _at(
+        "torch._functorch._aot_autograd.runtime_wrappers:AOTDispatchAutograd",
+        "reading a plain gradient that reaches a compiled backward where a ShardTensor was "
+        "traced (autograd's zeros for an output the loss does not reach) as replicated",
+    ),
     "register_effectful_op": _at(
         "torch._higher_order_ops.effects:_register_effectful_op",
         "the collectives of a graph traced through ShardTensors as effects no compiler drops",

@@ -62,8 +62,10 @@ was removed (NOTE [A traced collective is an effect]). The FNO and the Transolve
 trace in 3-D (2 ranks) and the Transolver on 2x2; the FNO with inductor too. Not the default
 because the MeshGraphNet fails: its neighbour gather plans messages from the edge index's
 values (``aten._local_scalar_dense``, a data-dependent graph break), and AOTAutograd's
-backward of a small graph around it meets a plain tangent where it traced a ShardTensor
-(``tests/test_torch_compile_through.py``, xfail); the recipes are untried.
+backward of a graph around it receives a ShardTensor gradient where it traced a plain output
+of the nodes' global shape (``tests/test_torch_compile_through.py``, xfail; the plain
+tangent it met first is fixed, below), and inductor has not been seen to finish the ViT and
+the Transolver. The CFD recipe compiles (``train.compile``) equal to eager.
 Code that breaks the graph: inside the ``with`` block ``__torch_dispatch__`` runs with dynamo
 disabled (after a break in a loop dynamo runs the frame eagerly with its callback set, and
 compiled ``ShardTensor.__new__`` as a frame, resuming on a half-built tensor: "'ShardTensor'
@@ -75,22 +77,34 @@ the graph at ``x.sharding_shapes()``: dynamo routes a subclass's own method thro
 ``__torch_function__`` and calls it in its graph ("torch.* op returned non-Tensor").
 The FNO's compiled backward first met a gradient whose spec equals the traced one in layout
 but is another object ("we guessed its metadata incorrectly"), which
-``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. The ViT and the Transolver
-failed in dynamo's fake run of ``flatten`` until the view rule's fallback for a view the
-local shard's memory layout cannot take (an einsum's permuted output; the spec's stride is
-contiguous) also caught the ValueError a fake tensor's view raises (a real one raises
-RuntimeError): ``tests/test_torch_compile_through.py``'s ``flatten`` case.
+``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. An output of a compiled
+graph that no loss reaches gets plain zeros of the global shape as its gradient (torch 2.13's
+autograd fills an undefined gradient of a Function's output from its size alone), where
+AOTAutograd traced a ShardTensor: "Expected a ShardTensor tangent but got a plain Tensor". A
+graph break inside a block that returns two fields makes such outputs: the MeshGraphNet's last
+processor block returns edges its decoder never reads. Inside the ``with`` block AOTAutograd's
+check of each incoming gradient (``AOTDispatchAutograd.process_runtime_tangent``) first reads a
+plain one there as replicated, as eager code does (``_api._as_shard_tensor``), and the coercion
+above moves it to the traced layout (``tests/test_torch_compile_through.py``, an output no loss
+reaches). Correct, but each such output costs every rank a tensor of the global shape per
+backward, allocated by autograd before shardsci sees it: detach what no loss needs.
+The ViT and the Transolver failed in dynamo's fake run of ``flatten`` until the view rule's
+fallback for a view the local shard's memory layout cannot take (an einsum's permuted output;
+the spec's stride is contiguous) also caught the ValueError a fake tensor's view raises (a
+real one raises RuntimeError): ``tests/test_torch_compile_through.py``'s ``flatten`` case.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
+from shardsci.tensor import _torch_compat
 from shardsci.tensor._torch_compat import (
     _get_dispatch_mode,
     _TorchDispatchModeKey,
@@ -187,6 +201,25 @@ def forget_eager_under_compile_warning() -> None:
     watching = _state["kept_out"] is not None
 
 
+def _plain_tangents_read_as_replicated(
+    process: Callable[..., Any], cls: type
+) -> Callable[..., Any]:
+    """AOTAutograd's ``process_runtime_tangent`` (the check of each gradient entering a
+    compiled backward) that first reads a plain gradient where a ``cls`` was traced as
+    replicated, as eager ShardTensor code reads one (``_api._as_shard_tensor``); the check
+    then moves it to the traced layout (``__coerce_same_metadata_as_tangent__``). See NOTE
+    [torch.compile and ShardTensor]: autograd's zeros for an output the loss does not reach."""
+    from shardsci.tensor._api import _as_shard_tensor  # _api imports this module
+
+    def process_runtime_tangent(x: Any, meta: Any, *args: Any, **kwargs: Any) -> Any:
+        expected = getattr(meta, "original_subclass_type", None)
+        if type(x) is torch.Tensor and expected is not None and issubclass(expected, cls):
+            x = _as_shard_tensor(x, meta.meta)
+        return process(x, meta, *args, **kwargs)
+
+    return process_runtime_tangent
+
+
 @contextmanager
 def tracing_through_shardtensors() -> Iterator[None]:
     """Experimental: inside the ``with`` block ``torch.compile`` traces through ShardTensors
@@ -214,6 +247,13 @@ def tracing_through_shardtensors() -> Iterator[None]:
     # ("unhashable type: non-nested SymInt") failed to compile.
     automatic_dynamic = dynamo_config.automatic_dynamic_shapes
     dynamo_config.automatic_dynamic_shapes = False
+    # Read when a backward is compiled, so graphs compiled inside keep it after the block;
+    # resolved here, not at import (torch's AOTAutograd modules import one another in order).
+    aot_autograd = _torch_compat.AOTDispatchAutograd
+    process_tangent = aot_autograd.__dict__["process_runtime_tangent"]
+    aot_autograd.process_runtime_tangent = staticmethod(
+        _plain_tangents_read_as_replicated(process_tangent.__func__, cls)
+    )
     torch.compiler.reset()
     _state["kept_out"] = None
     try:
@@ -221,6 +261,7 @@ def tracing_through_shardtensors() -> Iterator[None]:
     finally:
         torch.compiler.reset()
         cls.__torch_dispatch__ = dispatch
+        aot_autograd.process_runtime_tangent = process_tangent
         dynamo_config.automatic_dynamic_shapes = automatic_dynamic
         trace_rules.SKIP_DIRS[:] = skipped
         trace_rules._recompile_re()

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.training._data_parallel import DataParallelMode, parallelize
 from shardsci.training._errors import NonFiniteLoss
 from shardsci.training._loggers import MetricLogger
@@ -81,6 +82,14 @@ class TrainConfig:
         The learning-rate schedule.
     rollout : RolloutConfig
         Training on k-step rollouts instead of one-step pairs (NOTE [Unrolled training]).
+    compile : bool
+        ``torch.compile`` the model (in place), traced through ShardTensors: the run trains
+        inside ``tracing_through_shardtensors()``, experimental (NOTE [torch.compile and
+        ShardTensor] says which models compile). Off by default.
+    compile_backend : str
+        The ``torch.compile`` backend with ``compile``: ``inductor`` (generated kernels) or
+        ``aot_eager`` (AOTAutograd's graphs run op by op, no code generation), or any name
+        ``torch.compiler.list_backends(exclude_tags=())`` gives.
     """
 
     steps: int = 300
@@ -96,6 +105,8 @@ class TrainConfig:
     nonfinite: NonFinite = NonFinite.stop
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    compile: bool = False
+    compile_backend: str = "inductor"
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
@@ -117,6 +128,11 @@ class TrainConfig:
                 f"train.schedule.min_ratio={self.schedule.min_ratio}: expected 0 <= min_ratio <= 1"
             )
         self.rollout.check()
+        backends = torch.compiler.list_backends(exclude_tags=())
+        if self.compile and self.compile_backend not in backends:
+            raise ValueError(
+                f"train.compile_backend={self.compile_backend}: expected one of {backends}"
+            )
 
 
 class Trainer:
@@ -138,6 +154,8 @@ class Trainer:
         self.task = task
         self.model = model
         self.trained = parallelize(model, run.parallelism, self.config.dp_mode)
+        if self.config.compile:
+            self.trained.compile(backend=self.config.compile_backend)  # compiles at first call
         self.optimizer = instantiate(cfg.optim)(self.trained.parameters())
         self.scheduler = warmup_cosine(self.optimizer, self.config.schedule, self.config.steps)
         self.checkpoints = run.run_dir / "checkpoints"
@@ -152,7 +170,14 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train to ``train.steps``; the final metrics (on every rank), also in
         ``metrics.json``. A stop signal ends the run after an agreed step, with a checkpoint
-        of it, by ``SystemExit(128 + signum)`` (NOTE [Stopping a run on a signal])."""
+        of it, by ``SystemExit(128 + signum)`` (NOTE [Stopping a run on a signal]). With
+        ``train.compile`` all of it runs inside ``tracing_through_shardtensors()``."""
+        if not self.config.compile:
+            return self._fit()
+        with tracing_through_shardtensors():
+            return self._fit()
+
+    def _fit(self) -> dict[str, float]:
         config, run = self.config, self.run
         progress = Progress(
             config.steps,
