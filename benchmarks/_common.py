@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardsci.testing import Span, Traffic, count_traffic, run_on_ranks, shutdown_pools
 
@@ -174,6 +175,19 @@ def interleaved_steps(
             samples[name] += run(name)
         order.reverse()
     return samples
+
+
+def timed_steps(step: Callable[[], None], steps: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds (``time.process_time``) of each of ``steps`` calls of ``step``
+    on this rank, each started after a barrier of the process group."""
+    walls, cpus = [], []
+    for _ in range(steps):
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        step()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return walls, cpus
 
 
 def least_squares(rows: list[list[float]], values: list[float]) -> list[float]:

@@ -48,12 +48,10 @@ import dataclasses
 import json
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks._common import (
     Goal,
@@ -64,6 +62,7 @@ from benchmarks._common import (
     parse_arguments,
     rank_pools,
     spread,
+    timed_steps,
 )
 from benchmarks.calibrate import calibrate, emit_calibration
 from benchmarks.cost_model import (
@@ -163,13 +162,7 @@ def time_step(name: str, mesh_shape: tuple[int, ...], shape: tuple, steps: int) 
     """Rank body: ``steps`` timed steps' wall and CPU seconds after one warm-up."""
     _, step = sharded_step(name, mesh_shape, shape)
     step()
-    wall, cpu = [], []
-    for _ in range(steps):
-        dist.barrier()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        step()
-        wall.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - cpu_start)
+    wall, cpu = timed_steps(step, steps)
     return {"wall": wall, "cpu": cpu}
 
 
@@ -181,12 +174,7 @@ def time_plain(name: str, size: int, nodes: int, steps: int) -> dict:
     step()
     with _OpCounter() as counter:
         step()
-    wall, cpu = [], []
-    for _ in range(steps):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        step()
-        wall.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - cpu_start)
+    wall, cpu = timed_steps(step, steps)
     return {"wall": wall, "cpu": cpu, "ops": sum(counter.ops.values())}
 
 

@@ -20,12 +20,10 @@ per rank (the FFT along W is local on the pencil: its all-to-alls move less). Ru
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks._common import (
@@ -37,6 +35,7 @@ from benchmarks._common import (
     parse_arguments,
     rank_pools,
     spread,
+    timed_steps,
 )
 from shardsci import Shard, distribute_tensor
 from shardsci.parallel import domain_parallel
@@ -65,13 +64,7 @@ def _rank_body(mesh_shape: tuple[int, ...], size: int, batch: int, steps: int) -
     step()  # warm-up: plans, caches and groups are made here
     with count_traffic() as traffic:
         step()
-    walls, cpus = [], []
-    for _ in range(steps):
-        dist.barrier()
-        wall, cpu = time.perf_counter(), time.process_time()
-        step()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
+    walls, cpus = timed_steps(step, steps)
     return {
         "received": traffic.received,
         "by_kind": dict(traffic.received_by_kind),

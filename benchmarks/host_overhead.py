@@ -52,7 +52,6 @@ lines on stdout, fields in README.md.
 from __future__ import annotations
 
 import argparse
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -71,6 +70,7 @@ from benchmarks._common import (
     parse_arguments,
     rank_pools,
     spread,
+    timed_steps,
 )
 from benchmarks.compile import CASES, RANK_TIMEOUT_S, _mesh_graph
 from shardsci import Shard, ShardTensor
@@ -196,14 +196,9 @@ def time_variants(name: str, rounds: int, steps: int, tile: int, nodes: int) -> 
 
 
 def _timed(step: Callable[[], None], steps: int, cpu: list[float]) -> list[float]:
-    """Wall seconds of ``steps`` steps, each from a barrier; their CPU seconds go to ``cpu``."""
-    walls = []
-    for _ in range(steps):
-        dist.barrier()
-        wall, cpu_start = time.perf_counter(), time.process_time()
-        step()
-        walls.append(time.perf_counter() - wall)
-        cpu.append(time.process_time() - cpu_start)
+    """Wall seconds of ``steps`` steps (``timed_steps``); their CPU seconds go to ``cpu``."""
+    walls, cpus = timed_steps(step, steps)
+    cpu += cpus
     return walls
 
 
