@@ -128,11 +128,12 @@ class TrainConfig:
                 f"train.schedule.min_ratio={self.schedule.min_ratio}: expected 0 <= min_ratio <= 1"
             )
         self.rollout.check()
-        backends = torch.compiler.list_backends(exclude_tags=())
-        if self.compile and self.compile_backend not in backends:
-            raise ValueError(
-                f"train.compile_backend={self.compile_backend}: expected one of {backends}"
-            )
+        if self.compile:  # listing the backends imports dynamo's: only when asked to compile
+            backends = torch.compiler.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                raise ValueError(
+                    f"train.compile_backend={self.compile_backend}: expected one of {backends}"
+                )
 
 
 class Trainer:
