@@ -146,6 +146,12 @@ SLOW_SMOKES = {
     # Not smoked: calibrate_steps (it reads calibrate's and cost_model's saved files;
     # tests/test_calibration.py checks its logic) and calibrate_bandwidth (root, namespaces).
     "calibrate": Smoke("--repeats 1"),
+    # 2 ranks, 1 batch per size; the ratio goal patched to be missed.
+    "oversubscribed_allreduce": Smoke(
+        "--worlds 2 --repeats 1",
+        {"GOAL_RATIO": lambda _: 0.5},
+        ("2 ranks: latency-bound all-reduces priced within",),
+    ),
     "step_profile": Smoke("--models fno --ranks 1 2 --size 32 --rounds 1 --steps 1"),
     "recipe_throughput": Smoke(
         "--meshes 1 1x2 --rounds 1 --steps 2 --resolution 32 --batch 2",
