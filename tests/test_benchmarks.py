@@ -152,6 +152,7 @@ SLOW_SMOKES = {
         {"GOAL_RATIO": lambda _: 0.5},
         ("2 ranks: latency-bound all-reduces priced within",),
     ),
+    "core_share": Smoke("--world 2 --rounds 1 --chunks 2 --per-chunk 1"),
     "step_profile": Smoke("--models fno --ranks 1 2 --size 32 --rounds 1 --steps 1"),
     "recipe_throughput": Smoke(
         "--meshes 1 1x2 --rounds 1 --steps 2 --resolution 32 --batch 2",
