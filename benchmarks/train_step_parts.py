@@ -1,0 +1,146 @@
+"""Where a ``parallel=auto`` candidate's training step waits: each part of ``train.py``'s steps
+timed on every rank, wall and CPU (issue 22, item 1).
+
+# NOTE [The parts of a step]
+Each candidate of ``--labels`` (``parallel_auto``'s labels, e.g. ``"dp=8"``, ``"dp=4 x slab
+H=2"``) is trained as ``parallel_auto`` trains it (``train.py``, the CFD recipe), its ranks
+started with ``benchmarks/_step_parts`` on ``PYTHONPATH``: that directory's
+``sitecustomize`` replaces ``training_step`` in the trainer by the same body with a clock
+between its parts, and times the gradient reducer's end of backward. Parts: ``batch``,
+``forward`` (the loss terms, whole), ``backward`` (including ``gradient_wait``: the end of
+backward launching the remaining buckets and waiting for every bucket's all-reduce), ``agree``
+(the loss and stop-signal all-reduce), ``optimizer``. A rank's ``gradient_wait`` is the
+all-reduce plus the time it waits for the last rank to finish its backward: the last rank to
+arrive (``last_arrival``) waits least, and its wait is the all-reduce alone. Per candidate and
+round: the step's wall time (the slowest rank's sum of parts, median over the steps after
+``WARMUP_STEPS``), the CPU seconds of all ranks together, and each part's median over ranks
+and steps. The candidates are interleaved, their order reversed every round.
+
+Run ``python -m benchmarks.train_step_parts [--world 8] [--labels "dp=8" "dp=4 x slab H=2"]
+[--rounds 2] [--steps 8]``; JSON lines: ``parts`` per candidate and round, ``summary``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from benchmarks._common import emit, emit_summary, parse_arguments
+from benchmarks.parallel_auto import ROOT, candidate_overrides, recipe_overrides
+from shardsci.planning import choose
+
+PARTS = ("batch", "forward", "backward", "agree", "optimizer")
+WARMUP_STEPS = 2
+
+
+def run_parts(overrides: list[str], steps: int, parts_dir: Path, run_dir: Path) -> None:
+    """Train ``steps`` steps of ``overrides``, each rank's parts into ``parts_dir``."""
+    command = [
+        sys.executable,
+        "train.py",
+        *overrides,
+        f"train.steps={steps}",
+        f"train.log_every={steps}",
+        f"train.eval_every={10 * steps}",
+        "train.checkpoint_every=0",
+        f"run_dir={run_dir}",
+    ]
+    probe = str(ROOT / "benchmarks" / "_step_parts")
+    env = dict(os.environ, STEP_PARTS_DIR=str(parts_dir), PYTHONPATH=probe)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+
+
+def summarise(parts_dir: Path) -> dict:
+    """The step's wall ms, all ranks' CPU ms and each part's median (NOTE [The parts of a
+    step])."""
+    steps: dict[int, list[dict]] = {}
+    for path in parts_dir.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).append(record)
+    timed = [ranks for step, ranks in sorted(steps.items()) if step >= WARMUP_STEPS]
+    if not timed:
+        raise SystemExit(f"no step after the first {WARMUP_STEPS} in {parts_dir}")
+    records = [r for ranks in timed for r in ranks]
+
+    def step_sum(record: dict, clock: str) -> float:
+        return sum(record[f"{part}_{clock}"] for part in PARTS)
+
+    def median_ms(values) -> float:
+        return round(statistics.median(values) * 1e3, 1)
+
+    last = [min(ranks, key=lambda r: r.get("gradient_wait_wall", 0.0)) for ranks in timed]
+    return {
+        "steps": len(timed),
+        "step_wall_ms": median_ms(max(step_sum(r, "wall") for r in ranks) for ranks in timed),
+        "all_ranks_cpu_ms": median_ms(sum(step_sum(r, "cpu") for r in ranks) for ranks in timed),
+        **{
+            f"{part}_ms": {
+                clock: median_ms(r.get(f"{part}_{clock}", 0.0) for r in records)
+                for clock in ("wall", "cpu")
+            }
+            for part in (*PARTS, "gradient_wait")
+        },
+        "last_arrival_gradient_wait_ms": median_ms(r.get("gradient_wait_wall", 0.0) for r in last),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--labels", nargs="+", default=["dp=8", "dp=4 x slab H=2"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run")
+    parser.add_argument("--resolution", type=int, default=64, help="H = W of the data")
+    parser.add_argument("--batch", type=int, default=16, help="global batch")
+    parser.add_argument("--model", default="fno", help="configs/model/<name>")
+    args = parse_arguments(parser, argv)
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = Path(scratch_name)
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose("config", overrides=[*recipe_overrides(args), f"run_dir={scratch}"])
+        candidates = {c.label: c for c in choose(cfg, args.world).ranked}
+        unknown = [label for label in args.labels if label not in candidates]
+        if unknown:
+            raise SystemExit(
+                f"--labels {unknown}: not candidates on {args.world} ranks; "
+                f"expected some of {list(candidates)}"
+            )
+        order = list(enumerate(args.labels))
+        for round_index in range(args.rounds):
+            for number, label in order:
+                name = f"candidate{number}_round{round_index}"
+                configs = scratch / f"candidate{number}_configs"
+                overrides = [
+                    *recipe_overrides(args),
+                    *candidate_overrides(candidates[label], configs),
+                ]
+                parts_dir = scratch / f"{name}_parts"
+                parts_dir.mkdir()
+                run_parts(overrides, args.steps, parts_dir, scratch / name)
+                emit(
+                    "parts",
+                    world=args.world,
+                    label=label,
+                    round=round_index,
+                    load_average=round(os.getloadavg()[0], 1),
+                    **summarise(parts_dir),
+                )
+            order.reverse()
+    emit_summary([], args.check)
+
+
+if __name__ == "__main__":
+    main()
