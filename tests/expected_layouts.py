@@ -240,8 +240,12 @@ def on_multiples(sizes: Sequence[int], step: int) -> tuple[int, ...]:
 # renaming rule for views, and "keep the sizes" for elementwise ops, found without knowing
 # the op. An output of the input's shape keeps the input's sizes (NOTE [An output's layout is
 # stated] in ``shardsci/testing/_reference.py``) unless another dim alone carries the axis
-# (a transpose): dependencies that only move the boundaries within the same dim (a roll, a
-# masked scan whose masked cells depend on nothing) do not override it. Where no dim (or
+# with the input dim's own owners, index for index (a transpose renames the dim, it does not
+# move its boundaries): dependencies that only move the boundaries within the same dim (a
+# roll, a masked scan whose masked cells depend on nothing) do not override it, nor does a dim
+# that carries the axis only through a mask (a masked scan along the sharded dim: output cell
+# (i, j) reads rows up to i where the mask allows, so the columns whose masked rows end early
+# look like the first rank's). Where no dim (or
 # more than one) carries the axis of an output of another shape, nothing is stated. The probe
 # runs the op on one process only: the library's answer plays no part in the expectation.
 
@@ -391,8 +395,8 @@ def axis_rules(
     """The rules one output's axes must follow, for each axis sharding the input dim ``d``:
 
     - an output of the input's shape keeps ``d``'s sizes (the rule of NOTE [An output's
-      layout is stated]), unless its cells depend on the shards along another dim alone (a
-      transpose): then that dim carries the axis;
+      layout is stated]), unless its cells depend on the shards along another dim alone, with
+      ``d``'s owners index for index (a transpose): then that dim carries the axis;
     - any other output is sharded along the dim that alone carries the axis (with two or
       more owners, or the only one with any), if there is one; else nothing is stated.
     """
@@ -408,12 +412,19 @@ def axis_rules(
         chosen = spread if spread else list(carrying)
         carried = chosen[0] if len(chosen) == 1 else None
         axes, sizes = shardings[dim]
-        if same_shape and carried in (None, dim) and axes == (axis,):
-            owners = tuple(k for k, n in enumerate(sizes) for _ in range(n))
-            rules.append(AxisRule(axis, dim, owners, "same-shape"))
+        kept = tuple(k for k, n in enumerate(sizes) for _ in range(n))
+        renamed = carried is not None and _renames(carrying[carried], kept)
+        if same_shape and axes == (axis,) and (carried in (None, dim) or not renamed):
+            rules.append(AxisRule(axis, dim, kept, "same-shape"))
         elif carried is not None:
             rules.append(AxisRule(axis, carried, carrying[carried], "depends"))
     return rules
+
+
+def _renames(owners: Sequence[int | None], kept: Sequence[int]) -> bool:
+    """Whether an output dim's ``owners`` are the input dim's ``kept`` owners, index for index
+    (an index of no owner agrees with any)."""
+    return len(owners) == len(kept) and all(o is None or o == k for o, k in zip(owners, kept))
 
 
 def held_where(

@@ -364,8 +364,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "lu_unpack": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "masked.cumprod": (_WRONG_LAYOUT.cases((1,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
-    "masked.cumsum": (_WRONG_LAYOUT.cases((1,), ("2x2-uneven", "2x2-last")),),
     "masked_scatter": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),

@@ -291,3 +291,31 @@ def test_the_dependency_probe_sees_a_window_maximum_reach_both_shards(pool: str)
         x = torch.rand(1, 2, 10, dtype=torch.float64, generator=generator) * 18 - 9
         # Outputs 3 and 4 read inputs 3..5 and 4..6: both shards of the split (5, 5).
         assert cell_owners(call, x, 2, (5, 5)) == [{2: (0, 0, 0, None, None, 1, 1, 1)}], draw
+
+
+def _rules(call, x: torch.Tensor, layout) -> list:
+    from tests.expected_layouts import axis_rules, cell_owners
+
+    (dim,) = layout.sizes
+    owners = cell_owners(call, x, dim, layout.sizes[dim])
+    return axis_rules({0: owners[0]}, layout, x.shape, call(x)[0].shape, (2,))
+
+
+def test_a_masked_scan_along_the_sharded_dim_keeps_the_input_sizes() -> None:
+    """NOTE [An output cell belongs to the shard it depends on]: a masked cumulative sum along
+    the split dim reads, for a cell whose own row is masked out, only earlier rows, so every
+    index along the *other* dim has one owner and that dim seemed to carry the split (the
+    op database's masked.cumsum/cumprod sample 1 expected Shard(1) of the rows' Shard(0));
+    a transpose still moves the split to the other dim."""
+    from tests.expected_layouts import AxisRule, parse
+
+    layout = parse("S0; 0=2/3")
+    x = torch.randn(5, 5, dtype=torch.float64)
+    mask = torch.tensor(
+        [[1, 1, 1, 1, 0], [1, 0, 1, 1, 0], [0, 1, 0, 0, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]],
+        dtype=torch.bool,
+    )
+    masked = _rules(lambda a: [torch.masked.cumsum(a, 0, mask=mask)], x, layout)
+    assert masked == [AxisRule(0, 0, (0, 0, 1, 1, 1), "same-shape")]
+    transposed = _rules(lambda a: [a.t().contiguous()], x, layout)
+    assert transposed == [AxisRule(0, 1, (0, 0, 1, 1, 1), "depends")]
