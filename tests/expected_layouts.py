@@ -240,8 +240,15 @@ def on_multiples(sizes: Sequence[int], step: int) -> tuple[int, ...]:
 # renaming rule for views, and "keep the sizes" for elementwise ops, found without knowing
 # the op. An output of the input's shape keeps the input's sizes (NOTE [An output's layout is
 # stated] in ``shardsci/testing/_reference.py``) unless another dim alone carries the axis
-# (a transpose): dependencies that only move the boundaries within the same dim (a roll, a
-# masked scan whose masked cells depend on nothing) do not override it. Where no dim (or
+# with the input dim's own owners, index for index (a transpose renames the dim, it does not
+# move its boundaries): dependencies that only move the boundaries within the same dim (a
+# roll, a masked scan whose masked cells depend on nothing) do not override it, nor does a dim
+# that carries the axis only through a mask (a masked scan along the sharded dim: output cell
+# (i, j) reads rows up to i where the mask allows, so the columns whose masked rows end early
+# look like the first rank's). Where every cell that depends on the input combines several
+# shards (a contraction over the split dim: ``x @ w`` with ``x``'s last dim split, whose output
+# only happens to have ``x``'s shape), partial values on the axis are as good: they move
+# nothing. Where no dim (or
 # more than one) carries the axis of an output of another shape, nothing is stated. The probe
 # runs the op on one process only: the library's answer plays no part in the expectation.
 
@@ -259,13 +266,32 @@ class AxisRule:
     owners : tuple of (int or None)
         Per index along ``dim``: the coordinate along ``axis`` that must hold it (None: any).
     rule : str
-        ``"depends"`` (found by :func:`cell_owners`) or ``"same-shape"`` (the input's sizes).
+        ``"depends"`` (found by :func:`cell_owners`), ``"same-shape"`` (the input's sizes) or
+        ``"same-shape or partial"`` (the input's sizes, or partial values on the axis).
     """
 
     axis: int
     dim: int
     owners: tuple[int | None, ...]
     rule: str
+
+
+@dataclass(frozen=True)
+class Dependence:
+    """How one output's cells depend on the blocks of a split input dim.
+
+    Attributes
+    ----------
+    carrying : dict of int to tuple of (int or None)
+        Output dim -> the owner of each index along it, for the output dims that carry the
+        split (see the NOTE).
+    combined : bool
+        Whether every cell that depends on the input depends on two blocks or more (a
+        contraction or a reduction over the split dim), so that no cell has an owner.
+    """
+
+    carrying: dict[int, tuple[int | None, ...]]
+    combined: bool = False
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -314,10 +340,9 @@ def cell_owners(
     x: torch.Tensor,
     dim: int,
     sizes: Sequence[int],
-) -> list[dict[int, tuple[int | None, ...]]] | None:
-    """Per output of ``call(x)``: output dim -> the owner of each index along it, for every
-    output dim that carries the sharding of ``x``'s ``dim`` into ``sizes`` (NOTE [An output
-    cell belongs to the shard it depends on]). None when ``x`` cannot be perturbed (not
+) -> list[Dependence] | None:
+    """Per output of ``call(x)``: how its cells depend on the blocks of ``x``'s ``dim`` split
+    into ``sizes`` (NOTE [An output cell belongs to the shard it depends on]). None when ``x`` cannot be perturbed (not
     floating point), ``call`` raises on a perturbed input, or an output changes shape.
 
     ``call`` must be deterministic (reseed its random ops) and return a flat sequence.
@@ -348,13 +373,15 @@ def cell_owners(
     result = []
     for i, b in enumerate(base):
         if not isinstance(b, torch.Tensor) or b.layout != torch.strided:
-            result.append({})
+            result.append(Dependence({}))
             continue
         per_block = [
             torch.zeros(b.shape, dtype=torch.bool) if seen[i] is None else seen[i]
             for seen in changed
         ]
-        result.append(_carrying_dims(per_block, b.shape))
+        blocks_read = sum(block.to(torch.int64) for block in per_block)
+        combined = bool((blocks_read > 1).any()) and not bool((blocks_read == 1).any())
+        result.append(Dependence(_carrying_dims(per_block, b.shape), combined))
     return result
 
 
@@ -382,7 +409,7 @@ def _carrying_dims(
 
 
 def axis_rules(
-    owners_per_axis: Mapping[int, dict[int, tuple[int | None, ...]]],
+    dependences: Mapping[int, Dependence],
     input_layout: Layout,
     input_shape: Sequence[int],
     output_shape: Sequence[int],
@@ -391,8 +418,9 @@ def axis_rules(
     """The rules one output's axes must follow, for each axis sharding the input dim ``d``:
 
     - an output of the input's shape keeps ``d``'s sizes (the rule of NOTE [An output's
-      layout is stated]), unless its cells depend on the shards along another dim alone (a
-      transpose): then that dim carries the axis;
+      layout is stated]), or may be partial where every cell combines several shards,
+      unless its cells depend on the shards along another dim alone, with ``d``'s owners
+      index for index (a transpose): then that dim carries the axis;
     - any other output is sharded along the dim that alone carries the axis (with two or
       more owners, or the only one with any), if there is one; else nothing is stated.
     """
@@ -403,17 +431,26 @@ def axis_rules(
         if not isinstance(p, Shard):
             continue
         dim = p.dim % len(input_shape)
-        carrying = owners_per_axis.get(axis, {})
+        dependence = dependences.get(axis, Dependence({}))
+        carrying = dependence.carrying
         spread = [e for e, o in carrying.items() if len({x for x in o if x is not None}) > 1]
         chosen = spread if spread else list(carrying)
         carried = chosen[0] if len(chosen) == 1 else None
         axes, sizes = shardings[dim]
-        if same_shape and carried in (None, dim) and axes == (axis,):
-            owners = tuple(k for k, n in enumerate(sizes) for _ in range(n))
-            rules.append(AxisRule(axis, dim, owners, "same-shape"))
+        kept = tuple(k for k, n in enumerate(sizes) for _ in range(n))
+        renamed = carried is not None and _renames(carrying[carried], kept)
+        if same_shape and axes == (axis,) and (carried in (None, dim) or not renamed):
+            rule = "same-shape or partial" if dependence.combined else "same-shape"
+            rules.append(AxisRule(axis, dim, kept, rule))
         elif carried is not None:
             rules.append(AxisRule(axis, carried, carrying[carried], "depends"))
     return rules
+
+
+def _renames(owners: Sequence[int | None], kept: Sequence[int]) -> bool:
+    """Whether an output dim's ``owners`` are the input dim's ``kept`` owners, index for index
+    (an index of no owner agrees with any)."""
+    return len(owners) == len(kept) and all(o is None or o == k for o, k in zip(owners, kept))
 
 
 def held_where(
@@ -429,6 +466,8 @@ def held_where(
     actual = Layout(tuple(placements), dict(sizes), dict(order))
     for rule in rules:
         p = placements[rule.axis]
+        if rule.rule == "same-shape or partial" and isinstance(p, Partial):
+            continue
         if not (isinstance(p, Shard) and p.dim % len(shape) == rule.dim):
             return (
                 f"mesh axis {rule.axis} is {p}; expected Shard({rule.dim}) ({rule.rule}: "

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from shardsci.testing import Layout, RankFailure, get_mesh, run_on_ranks
 from tests.agreement import agree
 from tests.boxes import dim_shardings
-from tests.expected_layouts import AxisRule, axis_rules, cell_owners, held_where
+from tests.expected_layouts import AxisRule, Dependence, axis_rules, cell_owners, held_where
 from tests.op_db_layouts import SWEEP_LAYOUTS, SweepLayout
 
 LAYOUTS = SWEEP_LAYOUTS
@@ -424,7 +424,7 @@ def _layout_rules(
         torch.default_generator.manual_seed(0)
         return _flat_outputs(_call(op, sample, rebuild, x))
 
-    owners_per_axis: dict[int, list[dict]] = {}
+    owners_per_axis: dict[int, list[Dependence]] = {}
     for dim, (axes, sizes) in shardings.items():
         if len(axes) == 1:
             owners_per_axis[axes[0]] = cell_owners(call, first.detach(), dim, sizes) or []

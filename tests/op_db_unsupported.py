@@ -281,7 +281,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((3,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
-    "corrcoef": (_WRONG_LAYOUT.cases((2,), ("2x2-uneven", "2x2-last")),),
     "cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "fft.fft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
     "fft.ifft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
@@ -296,9 +295,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _WRONG_LAYOUT.cases((2,), ("2x2-uneven", "2x2-last")),
     ),
     "grid_sampler_2d": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven")),),
-    "histogramdd": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
+    "histogramdd": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "index_select": (
         _GATHERED.cases((1,), ("4r-empty", "4r-random")),
         _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),
@@ -364,8 +361,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "lu_unpack": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "masked.cumprod": (_WRONG_LAYOUT.cases((1,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
-    "masked.cumsum": (_WRONG_LAYOUT.cases((1,), ("2x2-uneven", "2x2-last")),),
     "masked_scatter": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -373,8 +368,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "matrix_exp": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "min.reduction_with_dim": (_GATHERED.cases((0,), ("4r-random",)),),
-    "mode": (_GATHERED.cases((0,), ("4r-empty",)),),
     "msort": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
@@ -418,7 +411,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.max_unpool3d": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "nn.functional.max_unpool3d.grad": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.multi_head_attention_forward": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
+        _GATHERED.cases((0,), ("4r-empty", "4r-random")),
         _WRONG_LAYOUT.cases((0,), ("2x2-uneven", "2x2-last")),
     ),
     "nn.functional.nll_loss": (
@@ -471,7 +464,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "unbind": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "unbind_copy": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
-    "unfold_copy": (_GATHERED.cases((1,), ("2x2-uneven",)),),
 }
 
 #: Ops whose outputs are random or uninitialised: the sharded run draws other numbers than one

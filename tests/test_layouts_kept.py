@@ -200,6 +200,57 @@ def test_unshuffle_realigns_at_the_byte_bound() -> None:
     run_on_ranks(2, _realignment_body)
 
 
+# ---------------------------------------------------------------------------- unfold
+def _unfold_body(case: Sharded) -> None:
+    mesh = get_mesh(case.mesh)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    n = len(case.shape)
+    for dim in (n - 2, n - 1):
+        for size, step in ((3, 1), (2, 2), (4, 3)):
+            # output window j reads input [j step, j step + size), anchored at its middle
+            expected = windowed(
+                case.layout,
+                case.shape,
+                case.mesh,
+                {dim: lambda j, s=step, k=size: j * s + (k - 1) // 2},
+            )
+            for name, fn in (
+                ("Tensor.unfold", lambda a, d=dim, k=size, s=step: a.unfold(d, k, s)),
+                (
+                    "torch.unfold_copy",
+                    lambda a, d=dim, k=size, s=step: torch.unfold_copy(a, d, k, s),
+                ),
+            ):
+                check_against_reference(
+                    fn, [x], [case.layout], mesh, out_layouts=[expected],
+                    what=f"{name}(dim={dim}, size={size}, step={step})",
+                )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_unfold_keeps_placements(case: Sharded) -> None:
+    """Windows along a sharded dim (``Tensor.unfold`` and ``torch.unfold_copy``) stay sharded
+    by the window rule (``unfold_copy`` gathered the whole field)."""
+    run_on_ranks(case.world, _unfold_body, case)
+
+
+def _unfold_halo_body() -> None:
+    mesh = get_mesh((2,))
+    x = torch.randn(1, 2, 10, 4, dtype=torch.float64)
+    spec = Layout((Shard(2),), {2: (5, 5)}).spec(mesh, x)
+    sharded = from_local_spec(spec.narrow(x), spec)
+    with count_traffic() as traffic:
+        out = torch.unfold_copy(sharded, 2, 3, 1)
+    # Windows 0-3 (anchors 1-4) are rank 0's and reach row 5; windows 4-7 (anchors 5-8) are
+    # rank 1's and reach row 4: each rank receives one row (2 channels x 4 cells x 8 bytes).
+    assert_all_ranks(traffic.received == 2 * 4 * 8, f"received {traffic.received} bytes, not 64")
+    assert_all_ranks(out._spec.shardings[0].sizes == (4, 4), f"layout {out._spec}")
+
+
+def test_unfold_receives_only_the_halo() -> None:
+    run_on_ranks(2, _unfold_halo_body)
+
+
 # ---------------------------------------------------------------------------- integer pooling
 def _integer_pool_body(case: Sharded) -> None:
     from tests.test_pool_ops import AVG_POOL, MAX_POOL

@@ -279,7 +279,7 @@ def test_the_dependency_probe_sees_a_window_maximum_reach_both_shards(pool: str)
     shards depends on both, whichever holds its maximum, on the op database's data (uniform
     in [-9, 9], where a move by an element's own magnitude left a larger maximum in the other
     block unmoved and the window was taken for that block's alone; 40 of 50 draws misjudged)."""
-    from tests.expected_layouts import cell_owners
+    from tests.expected_layouts import Dependence, cell_owners
 
     def call(x: torch.Tensor) -> list[torch.Tensor]:
         if pool == "max_pool1d":
@@ -290,4 +290,54 @@ def test_the_dependency_probe_sees_a_window_maximum_reach_both_shards(pool: str)
     for draw in range(20):
         x = torch.rand(1, 2, 10, dtype=torch.float64, generator=generator) * 18 - 9
         # Outputs 3 and 4 read inputs 3..5 and 4..6: both shards of the split (5, 5).
-        assert cell_owners(call, x, 2, (5, 5)) == [{2: (0, 0, 0, None, None, 1, 1, 1)}], draw
+        expected = [Dependence({2: (0, 0, 0, None, None, 1, 1, 1)})]
+        assert cell_owners(call, x, 2, (5, 5)) == expected, draw
+
+
+def _rules(call, x: torch.Tensor, layout) -> list:
+    from tests.expected_layouts import axis_rules, cell_owners
+
+    (dim,) = layout.sizes
+    owners = cell_owners(call, x, dim, layout.sizes[dim])
+    return axis_rules({0: owners[0]}, layout, x.shape, call(x)[0].shape, (2,))
+
+
+def test_a_masked_scan_along_the_sharded_dim_keeps_the_input_sizes() -> None:
+    """NOTE [An output cell belongs to the shard it depends on]: a masked cumulative sum along
+    the split dim reads, for a cell whose own row is masked out, only earlier rows, so every
+    index along the *other* dim has one owner and that dim seemed to carry the split (the
+    op database's masked.cumsum/cumprod sample 1 expected Shard(1) of the rows' Shard(0));
+    a transpose still moves the split to the other dim."""
+    from tests.expected_layouts import AxisRule, parse
+
+    layout = parse("S0; 0=2/3")
+    x = torch.randn(5, 5, dtype=torch.float64)
+    mask = torch.tensor(
+        [[1, 1, 1, 1, 0], [1, 0, 1, 1, 0], [0, 1, 0, 0, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]],
+        dtype=torch.bool,
+    )
+    masked = _rules(lambda a: [torch.masked.cumsum(a, 0, mask=mask)], x, layout)
+    assert masked == [AxisRule(0, 0, (0, 0, 1, 1, 1), "same-shape")]
+    transposed = _rules(lambda a: [a.t().contiguous()], x, layout)
+    assert transposed == [AxisRule(0, 1, (0, 0, 1, 1, 1), "depends")]
+
+
+def test_a_contraction_over_the_sharded_dim_may_be_partial() -> None:
+    """The op database's matmul sample 14, ``(5, 5, 5) @ (1, 5, 5)`` with the contracted dim
+    split: every output cell reads every shard, so no cell has an owner; the output's shape is
+    the input's by chance, and partial sums (which move nothing) are as good as the input's
+    sizes (it expected Shard(2) of the output's columns)."""
+    from torch.distributed.tensor import Partial, Shard
+
+    from tests.expected_layouts import AxisRule, held_where, parse
+
+    layout = parse("S2; 2=3/2")
+    x = torch.randn(5, 5, 5, dtype=torch.float64)
+    w = torch.randn(1, 5, 5, dtype=torch.float64)
+    rules = _rules(lambda a: [a @ w], x, layout)
+    assert rules == [AxisRule(0, 2, (0, 0, 0, 1, 1), "same-shape or partial")]
+    assert held_where(rules, [Partial()], {}, {}, x.shape, (2,)) == ""
+    assert held_where(rules, [Shard(2)], {2: (3, 2)}, {}, x.shape, (2,)) == ""
+    # a cell that reads one shard keeps the rule strict: softmax along an unsplit dim
+    strict = _rules(lambda a: [a.softmax(1)], x, layout)
+    assert held_where(strict, [Partial()], {}, {}, x.shape, (2,)) != ""

@@ -3,7 +3,8 @@ process, float64 (NOTE [Scatters through a replicated index write where they lan
 
 ``scatter``, ``scatter_add``, ``scatter_reduce`` (every reduction, with and without the
 destination's own values), ``index_add``, ``index_copy``, ``index_reduce``, ``index_put``
-(an integer index or a boolean mask, accumulated or not) and ``index_fill`` into a
+(an integer index, several broadcast together after leading slices, or a boolean mask of
+one or two dims, accumulated or not) and ``index_fill`` into a
 destination sharded along the scatter's dim, along another
 dim (with an empty shard, and rows the index does not reach) and both on a 2x2 mesh: values,
 the destination's and the source's gradients, the output's layout (the destination's
@@ -56,6 +57,8 @@ def _cases() -> dict[str, object]:
     rows = torch.randint(0, SHAPE[1], (7,), generator=generator)
     distinct = torch.randperm(SHAPE[1], generator=generator)[:3]
     rows0 = torch.randint(0, SHAPE[0], (7,), generator=generator)
+    cells = torch.randperm(SHAPE[0] * SHAPE[1], generator=generator)[:3]
+    pairs = torch.randperm(SHAPE[1] * SHAPE[2], generator=generator)[:3]
     distinct0 = torch.randperm(SHAPE[0], generator=generator)[:3]
     cases |= {
         "index_add, alpha=2": lambda x, src: x.index_add(1, rows, _rows(src, 7), alpha=2),
@@ -74,6 +77,26 @@ def _cases() -> dict[str, object]:
         ),
         "index_put, a boolean mask": lambda x, src: torch.index_put(
             x, (torch.arange(SHAPE[0]) % 2 == 0,), _rows(src, 3, dim=0)
+        ),
+        # several indices (x[i, j] = v): cells of dims 0 and 1, distinct for assignment
+        "index_put, two indices": lambda x, src: x.index_put(
+            (cells // SHAPE[1], cells % SHAPE[1]), _rows(src, 3, dim=0)[:, 0]
+        ),
+        "index_put_, two broadcast indices, accumulate": lambda x, src: x.clone().index_put_(
+            (rows0[:, None], rows[None, :]), src.sum().expand(1, 7, SHAPE[2]), accumulate=True
+        ),
+        "x[:, i, j] = v": lambda x, src: _assigned(
+            x, (slice(None), pairs // SHAPE[2], pairs % SHAPE[2]), _rows(src, 3, dim=1)[:, :, 0]
+        ),
+        "x[i, j, ...] = v": lambda x, src: _assigned(
+            x, (cells // SHAPE[1], cells % SHAPE[1], ...), _rows(src, 3, dim=0)[:, 1]
+        ),
+        "x[:, mask] = a number": lambda x, src: (
+            _assigned(x, (slice(None), torch.arange(SHAPE[1]) % 2 == 0), 2.5) * src.sum()
+        ),
+        "index_put, a 2-D boolean mask": lambda x, src: x.index_put(
+            (torch.arange(SHAPE[0] * SHAPE[1]).reshape(SHAPE[:2]) % 3 == 1,),
+            _rows(src, 1, dim=0)[0, 0],
         ),
         "index_fill, a number": lambda x, src: x.index_fill(1, distinct, 2.5) * src.sum(),
         "index_fill, a 0-d tensor, duplicates": lambda x, src: x.index_fill(1, rows, src.sum()),
@@ -107,6 +130,13 @@ def _cases() -> dict[str, object]:
                     )
                 )
     return cases
+
+
+def _assigned(x: torch.Tensor, key: tuple, value: object) -> torch.Tensor:
+    """A copy of ``x`` with ``x[key] = value``."""
+    y = x.clone()
+    y[key] = value
+    return y
 
 
 def _rows(src: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
@@ -143,6 +173,8 @@ def _body(name: str) -> None:
         shard.index_fill(1, torch.tensor([5]), 1.0)
     with pytest.raises(IndexError, match="index_put: index 6 is out of bounds for dim 0"):
         shard.index_put((torch.tensor([6]),), torch.ones(1))
+    with pytest.raises(IndexError, match="index_put: index 5 is out of bounds for dim 1"):
+        shard.index_put((torch.tensor([0]), torch.tensor([5])), torch.ones(1))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -175,6 +207,9 @@ def _memory_body() -> None:
     calls = {
         "scatter_add": lambda: shard.scatter_add(1, index, src),
         "scatter_reduce_ amax, in place": lambda: shard.scatter_reduce_(1, index, src, "amax"),
+        "index_put_ x[i, j], in place": lambda: shard.index_put_(
+            (index[:, 0, 0] % 64, index[:, 0, 0]), src[:, 0].expand(2, 8)
+        ),
         "index_copy_, in place": lambda: shard.index_copy_(
             1, index[:, 0, 0], src.reshape(1, 4, 1)[:, :2].expand(64, 2, 8)
         ),

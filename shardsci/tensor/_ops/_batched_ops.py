@@ -151,11 +151,12 @@ def _unfold_backward(func, args, kwargs):
     return ShardTensor(out, _with_shape(spec, list(input_sizes), out.dtype))
 
 
-@register_function_handler(torch.Tensor.unfold)
+@register_function_handler(torch.Tensor.unfold, torch.unfold_copy)
 def _unfold_sharded(func, args, kwargs):
-    """``x.unfold(dim, size, step)`` along a sharded dim: each rank gathers the elements its
-    windows reach across the boundary (a halo), as a convolution of kernel ``size`` and stride
-    ``step`` does, and unfolds them; the windows stay sharded along ``dim``."""
+    """``x.unfold(dim, size, step)`` (and ``torch.unfold_copy``) along a sharded dim: each rank
+    gathers the elements its windows reach across the boundary (a halo), as a convolution of
+    kernel ``size`` and stride ``step`` does, and unfolds them; the windows stay sharded along
+    ``dim``."""
     a = bind(func, args, kwargs)
     x, size, step = a.input, a.size, a.step
     dim = a.dimension % max(x.ndim, 1)
@@ -166,7 +167,7 @@ def _unfold_sharded(func, args, kwargs):
     extended, out_sizes, ranges = gather_windows(x.to_local(), spec, windows, {dim: "zeros"})
     count = ranges[dim][1] - ranges[dim][0]
     if count:
-        out = extended.unfold(dim, size, step)
+        out = func(extended, dim, size, step)
     else:
         local_shape = [*extended.shape, size]
         local_shape[dim] = 0

@@ -20,7 +20,8 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
 These run above autograd: they compose the plan's differentiable exchanges with local torch
 ops, so the backward of a gather is a scatter-sum of the same plan and vice versa. Anything
 else (boolean masks, several tensor indices, an index sharded over other axes, a destination
-sharded on other dims too) declines to the default path.
+sharded on other dims too) declines to the default path, except ``index_put``, which takes
+several indices and boolean masks through a replicated index.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
+from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._collectives import AxisGroup
 from shardsci.tensor._gather_plan import (
     GatherPlan,
@@ -646,46 +648,128 @@ def _index_reduce(func, args, kwargs):
 
 @register_function_handler(torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_)
 def _index_put(func, args, kwargs):
+    """``x[i, j, ...] = values`` (``accumulate``: ``+=``) with replicated indices, into a
+    destination sharded on any dims, written where each entry lands (NOTE [Scatters through a
+    replicated index write where they land]): every rank keeps the entries whose cell lies in
+    its shard, shifted to it, and sends the others to a spare slice appended to each sharded
+    indexed dim and dropped afterwards; the values are narrowed to the rank's range along the
+    sharded dims that are not indexed. Nothing moves.
+
+    The indices are adjacent tensors after any leading ``None`` (``x[:, i, j]``), integer or
+    boolean masks (their ``nonzero``, a host sync as in torch's own masked ``index_put``),
+    broadcast together; torch wraps negative ones.
+    """
     a = bind(func, args, kwargs, signature=_index_put_signature)
     x, values = a.input, a["values"]  # not ``a.values``: the dict's method
-    index = _one_index(a.indices, x)
-    if index is None or not isinstance(values, torch.Tensor):
+    advanced = _advanced_indices(a.indices, x)
+    if advanced is None or not isinstance(values, torch.Tensor) or not accepts(x):
         return NotImplemented
-    # A boolean mask every rank holds names the same rows on every rank (a host sync, as in
-    # torch's own masked index_put); torch wraps negative indices.
-    if index.dtype == torch.bool:
-        index = index.nonzero().squeeze(1)
-    index = torch.where(index < 0, index + x.shape[0], index)
-    # torch's errors for the call with the integer index, on every rank
-    probe_args = (x, (index,), values, a.accumulate)
-    probe_on_meta(torch.index_put, probe_args)
-    rows = (index.numel(), *x.shape[1:])
-    return _scatter_rows_by_owner(
-        torch.index_put, probe_args, {}, x, 0, index, values.expand(rows),
-        _scatter_add_into if a.accumulate else _scatter_into,
-        in_place=func is torch.Tensor.index_put_,
-    )  # fmt: skip
+    if isinstance(values, ShardTensor) and (values._spec.shardings or values._spec.partial):
+        return NotImplemented
+    first, indices = advanced
+    indices = [
+        torch.where(index < 0, index + x.shape[first + k], index) for k, index in enumerate(indices)
+    ]
+    # torch's errors for the call with integer indices, on every rank
+    probe_on_meta(aten.index_put.default, (x, [None] * first + indices, values, a.accumulate))
+    for k, index in enumerate(indices):
+        _check_in_range(torch.index_put, index, first + k, x.shape[first + k])
+    spec = x._spec
+    entries = torch.broadcast_shapes(*(index.shape for index in indices))
+    indices = [index.expand(entries) for index in indices]
+    last = first + len(indices)  # the indexed dims are [first, last)
+    values = replicated_local(values, spec.mesh, sharding_axes(spec))
+    values = values.expand((*x.shape[:first], *entries, *x.shape[last:]))
+    starts, sizes = spec.local_offsets(), spec.local_shape()
+    destination, padded, mine = x.to_local(), [], None
+    for sharding in spec.shardings:
+        d = sharding.dim
+        if first <= d < last:
+            index = indices[d - first]
+            lands = (index >= starts[d]) & (index < starts[d] + sizes[d])
+            mine = lands if mine is None else mine & lands
+            padded.append(d)
+        else:
+            position = d if d < first else d - len(indices) + len(entries)
+            values = values.narrow(position, starts[d], sizes[d])
+    # the output, written in place: one new shard with its spare slices, as torch's own
+    # index_put holds one new tensor
+    if padded:
+        own = destination
+        destination = own.new_zeros([n + (d in padded) for d, n in enumerate(own.shape)])
+        narrowed(destination, [(d, 0, sizes[d]) for d in padded]).copy_(own)
+    else:
+        destination = destination.clone()
+    local = [
+        torch.where(mine, index - starts[d], sizes[d]) if d in padded else index
+        for d, index in enumerate(indices, start=first)
+    ]
+    out = aten.index_put_.default(destination, [None] * first + local, values, a.accumulate)
+    out = narrowed(out, [(d, 0, sizes[d]) for d in padded])
+    result = from_local_spec(out, spec.with_dtype(out.dtype))
+    return x.copy_(result) if func is torch.Tensor.index_put_ else result
+
+
+@register_function_handler(torch.Tensor.__setitem__)
+def _setitem(func, args, kwargs):
+    """``x[key] = value`` where ``key`` is index tensors (integer or boolean) after full
+    slices and before full slices or an ellipsis (``x[i, j] = v``, ``x[:, mask] = 0``): the
+    in-place ``index_put`` above, so that a value needing a gradient is written through the
+    replicated index too (below autograd, its gradient would be an aten gather from the
+    sharded gradient, which no handler takes)."""
+    x, key, value = args
+    key = key if isinstance(key, tuple) else (key,)
+    tensors = [k for k in key if isinstance(k, torch.Tensor)]
+    if not isinstance(x, ShardTensor) or not tensors:
+        return NotImplemented
+    first = next(p for p, k in enumerate(key) if isinstance(k, torch.Tensor))
+    rest = key[first + len(tensors) :]
+    adjacent = all(isinstance(k, torch.Tensor) for k in key[first : first + len(tensors)])
+    if not (
+        adjacent
+        and all(_is_full_slice(k) for k in key[:first])
+        and all(_is_full_slice(k) or k is Ellipsis for k in rest)
+    ):
+        return NotImplemented
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
+    handled = _index_put(torch.Tensor.index_put_, (x, [None] * first + tensors, value), {})
+    return NotImplemented if handled is NotImplemented else None
 
 
 def _index_put_signature(input, indices, values, accumulate=False):
     """``index_put``'s parameters (a builtin without an inspectable signature)."""
 
 
-def _one_index(indices: object, x: object) -> torch.Tensor | None:
-    """The index of ``indices`` that are one replicated 1-D index of dim 0 (integer, or a
-    boolean mask of that dim); else None."""
+def _advanced_indices(indices: object, x: object) -> tuple[int, list[torch.Tensor]] | None:
+    """``(first, integer indices)`` of ``index_put``'s ``indices`` when they are replicated
+    index tensors or boolean masks of adjacent dims from ``first`` on, after ``first``
+    ``None`` (a boolean mask of ``r`` dims becomes its ``r`` integer indices); else None."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not isinstance(indices, (list, tuple)):
         return None
-    if len(indices) != 1:
+    first = 0
+    while first < len(indices) and indices[first] is None:
+        first += 1
+    converted: list[torch.Tensor] = []
+    for index in indices[first:]:
+        if isinstance(index, ShardTensor):
+            if index._spec.shardings or index._spec.partial:
+                return None
+            index = index._local
+        if not isinstance(index, torch.Tensor):
+            return None  # a None between index tensors: torch moves the result's dims first
+        if index.dtype == torch.bool:
+            dims = range(first + len(converted), first + len(converted) + index.ndim)
+            if dims.stop > x.ndim or tuple(index.shape) != tuple(x.shape[d] for d in dims):
+                return None
+            converted.extend(index.nonzero().unbind(1))
+        elif index.dtype in _INDEX_DTYPES:
+            converted.append(index)
+        else:
+            return None
+    if not converted or first + len(converted) > x.ndim:
         return None
-    index = indices[0]
-    if isinstance(index, ShardTensor) and not (index._spec.shardings or index._spec.partial):
-        index = index._local
-    if not isinstance(index, torch.Tensor) or isinstance(index, ShardTensor) or index.ndim != 1:
-        return None
-    if index.dtype == torch.bool:
-        return index if index.shape[0] == x.shape[0] else None
-    return index if index.dtype in _INDEX_DTYPES else None
+    return first, converted
 
 
 @register_function_handler(torch.index_fill, torch.Tensor.index_fill, torch.Tensor.index_fill_)
@@ -723,14 +807,6 @@ def _index_fill_signature(input, dim, index, value):
     """``index_fill``'s parameters (a builtin with several aten schemas)."""
 
 
-def _scatter_into(into, dim, index, src):
-    return into.scatter_(dim, index, src)
-
-
-def _scatter_add_into(into, dim, index, src):
-    return into.scatter_add_(dim, index, src)
-
-
 # ---------------------------------------------------------------------------- below autograd
 # The scatters through a replicated index, reached at the aten level only (a backward formula,
 # a decomposition, a traced graph): the same handlers on the same arguments. Not while a
@@ -755,7 +831,7 @@ def _scatter_below_autograd(func, args, kwargs):
     a = bind(func, args, kwargs)
     torch_func = _AT_TORCH_LEVEL[func]
     if func is aten.index_put.default:
-        replicated = _one_index(a.indices, a.self) is not None
+        replicated = _advanced_indices(a.indices, a.self) is not None
     else:
         replicated = _replicated_index(a.index) is not None
     sources = [a.get(name) for name in ("src", "source", "value", "values")]
