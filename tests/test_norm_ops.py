@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._ops import _norm_ops
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
@@ -175,6 +177,28 @@ def test_modules_channels_sharded(case: Sharded) -> None:
     rank."""
     for name in CHANNEL_MODULES:
         run_on_ranks(case.world, _module_body, case, name)
+
+
+# No group split between ranks (one rank; H on an axis of size 1; channels split between
+# groups): torch's group norm on the shard, not the fused sharded statistics.
+LOCAL_GROUPS = [
+    Sharded("1r-H", (1,), (2, 4, 11, 6), Layout((Shard(2),), {2: (11,)})),
+    Sharded("2x1-N-H", (2, 1), (2, 4, 11, 6), Layout((Shard(0), Shard(2)), {0: (1, 1)})),
+    Sharded("2r-C-2/2", (2,), (2, 4, 5, 6), Layout((Shard(1),), {1: (2, 2)})),
+]
+
+
+def _local_groups_body(case: Sharded, name: str) -> None:
+    fused_norm = _norm_ops._ChannelNorm.apply
+    with mock.patch.object(_norm_ops._ChannelNorm, "apply", wraps=fused_norm) as fused:
+        _module_body(case, name)
+    assert fused.call_count == 0, f"{fused.call_count} sharded group statistics, none expected"
+
+
+@pytest.mark.parametrize("case", LOCAL_GROUPS, ids=str)
+@pytest.mark.parametrize("name", ["GroupNorm(2)", "GroupNorm(4)-no-affine"])
+def test_group_norm_of_unsplit_groups_is_the_local_kernel(case: Sharded, name: str) -> None:
+    run_on_ranks(case.world, _local_groups_body, case, name)
 
 
 ONE_D = [

@@ -28,8 +28,10 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._ops._common import (
     accepts,
     connected_empty,
+    no_empty_shard,
     replicated_local,
     sharding_axes,
+    unsplit,
     with_dims_whole,
 )
 from shardsci.tensor._ops._pad_ops import crop_then_pad, cropped, pad_windows
@@ -45,7 +47,6 @@ from shardsci.tensor._ops._windows import (
 from shardsci.tensor._options import halo_overlap_enabled
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._shape_probe import probe_on_meta
-from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.tensor._torch_compat import nn_pad
 
 _CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -101,7 +102,7 @@ def _conv(func, args, kwargs):
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         return func(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     first = x.ndim - n
-    if _unsplit(x._spec, range(first, x.ndim)):
+    if unsplit(x._spec, range(first, x.ndim)):
         spec = x._spec
         axes = sharding_axes(spec)
         w = replicated_local(weight, spec.mesh, axes)
@@ -126,16 +127,6 @@ def _conv(func, args, kwargs):
 # wraps the result in the input's layout (those dims' one shard sized to the output), instead
 # of planning windows and extending the shard in Python. The other dims (a sharded batch) and
 # the parameters' gradients (``replicated_local``) are handled as on the windowed path.
-def _unsplit(spec: ShardTensorSpec, dims: Iterable[int]) -> bool:
-    """True when no dim of ``dims`` is split between ranks (NOTE above)."""
-    return all(len(spec.sharding_by_dim[d].sizes) == 1 for d in dims if d in spec.sharding_by_dim)
-
-
-def _no_empty_shard(spec: ShardTensorSpec) -> bool:
-    """True when every rank's shard has cells (torch pads no empty dim but the batch)."""
-    return all(spec.shape) and not any(0 in s.sizes for s in spec.shardings)
-
-
 def _wrapped_whole(x: ShardTensor, out: torch.Tensor, dims: Iterable[int]) -> ShardTensor:
     """``out``, the local op's result on the shard of ``x``, in the layout of ``x`` with the
     global extents of ``dims`` (each whole on this rank) taken from ``out``."""
@@ -287,7 +278,7 @@ def _pad(func, args, kwargs):
     windows = pad_windows(plan, x.ndim)
     if not windows:
         return x.clone()  # torch's pad returns a new tensor, never its input or a view
-    if _unsplit(x._spec, windows) and _no_empty_shard(x._spec):
+    if unsplit(x._spec, windows) and no_empty_shard(x._spec):
         pads = []
         for d in range(x.ndim - 1, min(windows) - 1, -1):
             w = windows.get(d)
