@@ -179,26 +179,38 @@ def test_modules_channels_sharded(case: Sharded) -> None:
         run_on_ranks(case.world, _module_body, case, name)
 
 
-# No group split between ranks (one rank; H on an axis of size 1; channels split between
-# groups): torch's group norm on the shard, not the fused sharded statistics.
-LOCAL_GROUPS = [
+# No row's statistics split between ranks (one rank; H on an axis of size 1; channels split
+# between groups; a layer norm over an unsharded dim): torch's norm kernel on the shard, not
+# the sharded statistics' autograd Functions.
+LOCAL_ROWS = [
     Sharded("1r-H", (1,), (2, 4, 11, 6), Layout((Shard(2),), {2: (11,)})),
     Sharded("2x1-N-H", (2, 1), (2, 4, 11, 6), Layout((Shard(0), Shard(2)), {0: (1, 1)})),
-    Sharded("2r-C-2/2", (2,), (2, 4, 5, 6), Layout((Shard(1),), {1: (2, 2)})),
+]
+LOCAL_KERNEL_CASES = [
+    *[
+        (case, name)
+        for case in LOCAL_ROWS
+        for name in ["GroupNorm(2)", "GroupNorm(4)-no-affine", "LayerNorm(C,*S)"]
+    ],
+    (Sharded("2r-C-2/2", (2,), (2, 4, 5, 6), Layout((Shard(1),), {1: (2, 2)})), "GroupNorm(2)"),
+    (SPATIAL[0], "LayerNorm(last)-no-affine"),
 ]
 
 
-def _local_groups_body(case: Sharded, name: str) -> None:
-    fused_norm = _norm_ops._ChannelNorm.apply
-    with mock.patch.object(_norm_ops._ChannelNorm, "apply", wraps=fused_norm) as fused:
+def _local_kernel_body(case: Sharded, name: str) -> None:
+    grouped, rows = (
+        mock.patch.object(f, "apply", wraps=f.apply)
+        for f in (_norm_ops._ChannelNorm, _norm_ops._Normalize)
+    )
+    with grouped as grouped_calls, rows as row_calls:
         _module_body(case, name)
-    assert fused.call_count == 0, f"{fused.call_count} sharded group statistics, none expected"
+    calls = grouped_calls.call_count + row_calls.call_count
+    assert calls == 0, f"{calls} sharded statistics on rows no rank splits"
 
 
-@pytest.mark.parametrize("case", LOCAL_GROUPS, ids=str)
-@pytest.mark.parametrize("name", ["GroupNorm(2)", "GroupNorm(4)-no-affine"])
-def test_group_norm_of_unsplit_groups_is_the_local_kernel(case: Sharded, name: str) -> None:
-    run_on_ranks(case.world, _local_groups_body, case, name)
+@pytest.mark.parametrize(("case", "name"), LOCAL_KERNEL_CASES, ids=str)
+def test_norm_of_unsplit_rows_is_the_local_kernel(case: Sharded, name: str) -> None:
+    run_on_ranks(case.world, _local_kernel_body, case, name)
 
 
 ONE_D = [
