@@ -126,7 +126,11 @@ def _conv(func, args, kwargs):
 # handler then runs torch's op on the local shard as it is, with the op's own padding, and
 # wraps the result in the input's layout (those dims' one shard sized to the output), instead
 # of planning windows and extending the shard in Python. The other dims (a sharded batch) and
-# the parameters' gradients (``replicated_local``) are handled as on the windowed path.
+# the parameters' gradients (``replicated_local``) are handled as on the windowed path. The
+# same holds for a norm whose rows no rank splits (torch's group or layer norm on the shard,
+# ``_norm_ops``) and attention whose sequence no rank splits (no ring or gather planned,
+# ``_attention_ops``). A pad takes this path only when no shard is empty: torch's pad kernels
+# refuse empty dims other than the batch.
 def _wrapped_whole(x: ShardTensor, out: torch.Tensor, dims: Iterable[int]) -> ShardTensor:
     """``out``, the local op's result on the shard of ``x``, in the layout of ``x`` with the
     global extents of ``dims`` (each whole on this rank) taken from ``out``."""
