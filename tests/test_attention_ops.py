@@ -7,6 +7,8 @@ NOTE [Ring attention]); the cost rule; ``nn.MultiheadAttention``; refused dropou
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardsci import attention_exchange
 from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._ops import _attention_ops
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
@@ -38,7 +41,17 @@ CASES = [
     ),
     Sharded("2x2-nested-L", (2, 2), (2, 3, 11, 4), Layout((Shard(2), Shard(2)), {2: (2, 4, 0, 5)})),
 ]
-CASE_BY_NAME = {c.name: c for c in CASES}
+# The sequence split between no ranks (one rank; an axis of size 1 beside a sharded batch).
+UNSPLIT = [
+    Sharded("1r-L", (1,), (2, 3, 11, 4), Layout((Shard(2),), {2: (11,)})),
+    Sharded(
+        "2x1-batch-and-L",
+        (2, 1),
+        (2, 3, 11, 4),
+        Layout((Shard(0), Shard(2)), {0: (1, 1), 2: (11,)}),
+    ),
+]
+CASE_BY_NAME = {c.name: c for c in CASES + UNSPLIT}
 
 # Why attention may receive as many bytes as a gather of its keys and values.
 EVERY_KEY = "every query attends to every key: each rank receives all keys and values it lacks"
@@ -119,6 +132,21 @@ def test_sharded_sequence(case: Sharded, variant: str) -> None:
 @pytest.mark.parametrize("variant", ["causal", "learned-bias", "gqa-causal"])
 def test_sharded_sequence_all_gather(case: Sharded, variant: str) -> None:
     run_on_ranks(case.world, _sdpa_body, case.name, variant, "all_gather")
+
+
+def _unsplit_body(case_name: str, variant: str) -> None:
+    """Every key on this rank: the plan chooses no ring or gather (``ring_chosen``)."""
+    with mock.patch.object(
+        _attention_ops, "ring_chosen", wraps=_attention_ops.ring_chosen
+    ) as chosen:
+        _sdpa_body(case_name, variant, "ring")
+    assert chosen.call_count == 0, f"{chosen.call_count} ring-or-gather choices, none expected"
+
+
+@pytest.mark.parametrize("case", UNSPLIT, ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_unsplit_sequence_plans_no_exchange(case: Sharded, variant: str) -> None:
+    run_on_ranks(case.world, _unsplit_body, case.name, variant)
 
 
 # ---------------------------------------------------------------------------- other layouts

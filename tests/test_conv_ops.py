@@ -4,12 +4,15 @@ uneven and empty shards, 1-D meshes and a 2x2 block decomposition."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from shardsci.tensor._ops import _windows
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
 from tests.expected_layouts import module_anchors, pad_anchors, windowed
 from tests.layouts import SPATIAL_2D, Sharded
@@ -119,6 +122,33 @@ def _pad_body(case: Sharded, name: str) -> None:
 @pytest.mark.parametrize("name", list(PADS))
 def test_pad(case: Sharded, name: str) -> None:
     run_on_ranks(case.world, _pad_body, case, name)
+
+
+# ---------------------------------------------------------------------------- unsplit dims
+# NOTE [A windowed op on unsplit dims is the local op]: one rank, or H sharded over an axis of
+# size 1 beside a sharded batch: torch's op on the shard, no halo extension planned or run.
+UNSPLIT = [
+    Sharded("1r-H", (1,), (2, 3, 11, 6), Layout((Shard(2),), {2: (11,)})),
+    Sharded("2x1-N-H", (2, 1), (2, 3, 11, 6), Layout((Shard(0), Shard(2)), {0: (1, 1)})),
+]
+
+
+def _unsplit_body(case: Sharded, op: str, name: str) -> None:
+    extensions = mock.patch.object(_windows, "extend", wraps=_windows.extend)
+    with extensions as extend:
+        if op == "conv":
+            zeros = name == "constant"
+            _conv2d_body(case, "k4-same" if zeros else "k3", "zeros" if zeros else name)
+        else:
+            _pad_body(case, name)
+    assert extend.call_count == 0, f"{extend.call_count} halo extensions on unsplit dims"
+
+
+@pytest.mark.parametrize("case", UNSPLIT, ids=str)
+@pytest.mark.parametrize("op", ["conv", "pad"])
+@pytest.mark.parametrize("name", list(PADS))
+def test_unsplit_dims_run_the_local_op(case: Sharded, op: str, name: str) -> None:
+    run_on_ranks(case.world, _unsplit_body, case, op, name)
 
 
 # ---------------------------------------------------------------------------- 1-D and 3-D

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._ops import _norm_ops
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
@@ -175,6 +177,40 @@ def test_modules_channels_sharded(case: Sharded) -> None:
     rank."""
     for name in CHANNEL_MODULES:
         run_on_ranks(case.world, _module_body, case, name)
+
+
+# No row's statistics split between ranks (one rank; H on an axis of size 1; channels split
+# between groups; a layer norm over an unsharded dim): torch's norm kernel on the shard, not
+# the sharded statistics' autograd Functions.
+LOCAL_ROWS = [
+    Sharded("1r-H", (1,), (2, 4, 11, 6), Layout((Shard(2),), {2: (11,)})),
+    Sharded("2x1-N-H", (2, 1), (2, 4, 11, 6), Layout((Shard(0), Shard(2)), {0: (1, 1)})),
+]
+LOCAL_KERNEL_CASES = [
+    *[
+        (case, name)
+        for case in LOCAL_ROWS
+        for name in ["GroupNorm(2)", "GroupNorm(4)-no-affine", "LayerNorm(C,*S)"]
+    ],
+    (Sharded("2r-C-2/2", (2,), (2, 4, 5, 6), Layout((Shard(1),), {1: (2, 2)})), "GroupNorm(2)"),
+    (SPATIAL[0], "LayerNorm(last)-no-affine"),
+]
+
+
+def _local_kernel_body(case: Sharded, name: str) -> None:
+    grouped, rows = (
+        mock.patch.object(f, "apply", wraps=f.apply)
+        for f in (_norm_ops._ChannelNorm, _norm_ops._Normalize)
+    )
+    with grouped as grouped_calls, rows as row_calls:
+        _module_body(case, name)
+    calls = grouped_calls.call_count + row_calls.call_count
+    assert calls == 0, f"{calls} sharded statistics on rows no rank splits"
+
+
+@pytest.mark.parametrize(("case", "name"), LOCAL_KERNEL_CASES, ids=str)
+def test_norm_of_unsplit_rows_is_the_local_kernel(case: Sharded, name: str) -> None:
+    run_on_ranks(case.world, _local_kernel_body, case, name)
 
 
 ONE_D = [

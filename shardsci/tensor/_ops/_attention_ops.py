@@ -35,7 +35,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group
-from shardsci.tensor._ops._common import accepts
+from shardsci.tensor._ops._common import accepts, unsplit
 from shardsci.tensor._ops._ring import ring_chosen
 from shardsci.tensor._ops._ring_attention import (
     AttentionPlan,
@@ -284,7 +284,7 @@ def _plan(
     sequence = q.ndim - 2
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     query = q._spec.sharding_by_dim.get(sequence)
-    if query is None:
+    if unsplit(q._spec, (sequence,)):  # every key on this rank: no ring, no gather
         return AttentionPlan(None, (0,), (k.shape[sequence],), 0, scale, causal, repeats, False)
     keys = k._spec.sharding_by_dim[sequence]
     starts = tuple(sum(keys.sizes[:i]) for i in range(len(keys.sizes)))

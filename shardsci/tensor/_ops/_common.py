@@ -19,10 +19,12 @@ __all__ = [
     "accepts",
     "connected_empty",
     "dim_layout",
+    "no_empty_shard",
     "normalized_dims",
     "reduced_now",
     "replicated_local",
     "sharding_axes",
+    "unsplit",
 ]
 
 
@@ -90,6 +92,19 @@ def accepts(
 def _shards(spec: ShardTensorSpec, dims: tuple[int, ...]) -> bool:
     """Whether ``spec`` shards one of ``dims`` (negative from the end; a dim it lacks is not)."""
     return any(-spec.ndim <= d < spec.ndim and d % spec.ndim in spec.sharding_by_dim for d in dims)
+
+
+def unsplit(spec: ShardTensorSpec, dims: Iterable[int]) -> bool:
+    """True when no dim of ``dims`` is split between ranks: unsharded, or sharded over mesh
+    axes of size 1 (a one-rank mesh). An op reading whole rows along them is then the local
+    op (NOTE [A windowed op on unsplit dims is the local op] in ``_conv_ops``)."""
+    return all(len(spec.sharding_by_dim[d].sizes) == 1 for d in dims if d in spec.sharding_by_dim)
+
+
+def no_empty_shard(spec: ShardTensorSpec) -> bool:
+    """True when every rank's shard has cells (torch's pad and norm kernels refuse some empty
+    dims that the sharded path handles)."""
+    return all(spec.shape) and not any(0 in s.sizes for s in spec.shardings)
 
 
 def normalized_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:

@@ -18,6 +18,8 @@ the channels, not over every axis.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -26,8 +28,10 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._ops._common import (
     accepts,
     connected_empty,
+    no_empty_shard,
     replicated_local,
     sharding_axes,
+    unsplit,
     with_dims_whole,
 )
 from shardsci.tensor._ops._pad_ops import crop_then_pad, cropped, pad_windows
@@ -97,16 +101,45 @@ def _conv(func, args, kwargs):
     x, bias = _channels_whole(x, n), _whole(bias)
     if x.ndim == n + 1:  # unbatched (C, *spatial)
         return func(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
+    first = x.ndim - n
+    if unsplit(x._spec, range(first, x.ndim)):
+        spec = x._spec
+        axes = sharding_axes(spec)
+        w = replicated_local(weight, spec.mesh, axes)
+        b = replicated_local(bias, spec.mesh, axes)
+        out = func(x.to_local(), w, b, stride, padding, dilation, groups)
+        return _wrapped_whole(x, out, range(1, x.ndim))
     kernel = weight.shape[2:]
     stride, dilation = _tuple(stride, n), _tuple(dilation, n)
     pads = _conv_padding(padding, kernel, dilation, n)
-    first = x.ndim - n
     windows = {first + i: Window(kernel[i], stride[i], dilation[i], *pads[i]) for i in range(n)}
     return _run_windowed(
         x, windows, dict.fromkeys(windows, "zeros"), weight, bias,
         lambda ext, w, b: func(ext, w, b, stride, 0, dilation, groups),
         channels=weight.shape[0],
     )  # fmt: skip
+
+
+# NOTE [A windowed op on unsplit dims is the local op]
+# When no windowed dim is split between ranks (unsharded, or sharded over mesh axes of size 1:
+# a one-rank mesh), every rank holds all cells its outputs read: no halo, no exchange. The
+# handler then runs torch's op on the local shard as it is, with the op's own padding, and
+# wraps the result in the input's layout (those dims' one shard sized to the output), instead
+# of planning windows and extending the shard in Python. The other dims (a sharded batch) and
+# the parameters' gradients (``replicated_local``) are handled as on the windowed path. The
+# same holds for a norm whose rows no rank splits (torch's group or layer norm on the shard,
+# ``_norm_ops``) and attention whose sequence no rank splits (no ring or gather planned,
+# ``_attention_ops``). A pad takes this path only when no shard is empty: torch's pad kernels
+# refuse empty dims other than the batch.
+def _wrapped_whole(x: ShardTensor, out: torch.Tensor, dims: Iterable[int]) -> ShardTensor:
+    """``out``, the local op's result on the shard of ``x``, in the layout of ``x`` with the
+    global extents of ``dims`` (each whole on this rank) taken from ``out``."""
+    spec = x._spec
+    shape = list(x.shape)
+    for d in dims:
+        shape[d] = out.shape[d]
+    sizes = {d: (shape[d],) for d in dims if d in spec.sharding_by_dim}
+    return from_local_spec(out, output_spec(spec, shape, sizes, out.dtype))
 
 
 def _conv_padding(
@@ -249,6 +282,12 @@ def _pad(func, args, kwargs):
     windows = pad_windows(plan, x.ndim)
     if not windows:
         return x.clone()  # torch's pad returns a new tensor, never its input or a view
+    if unsplit(x._spec, windows) and no_empty_shard(x._spec):
+        pads = []
+        for d in range(x.ndim - 1, min(windows) - 1, -1):
+            w = windows.get(d)
+            pads += [w.pad_left, w.pad_right] if w is not None else [0, 0]
+        return _wrapped_whole(x, func(x.to_local(), pads, mode, value), windows)
     boundary = dict.fromkeys(windows, _PAD_MODES[mode])
     spec = x._spec
     shape = list(x.shape)

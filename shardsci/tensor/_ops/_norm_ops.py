@@ -114,8 +114,10 @@ from shardsci.tensor._collectives import (
 )
 from shardsci.tensor._ops._common import (
     accepts,
+    no_empty_shard,
     replicated_local,
     sharding_axes,
+    unsplit,
 )
 from shardsci.tensor._options import statistics_all_reduced
 from shardsci.tensor._promotion import promote_replicated
@@ -508,8 +510,45 @@ def _group_norm(func, args, kwargs):
         )
     _check_parameters("group_norm", (channels,), weight=weight, bias=bias)
     aligned = _groups_whole(x, channels // groups)
-    out = _channel_normalized(aligned, groups, False, weight, bias, a.eps)[0]
+    if _local_kernel_suffices(aligned, _spatial(x), weight, bias):
+        out = _local_group_norm(aligned, channels // groups, weight, bias, a.eps)
+    else:
+        out = _channel_normalized(aligned, groups, False, weight, bias, a.eps)[0]
     return out if aligned is x else redistribute(out, x._spec.with_dtype(out.dtype))
+
+
+def _local_kernel_suffices(
+    x: ShardTensor,
+    reduced: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> bool:
+    """Whether every row's statistics lie on one rank (no dim of ``reduced`` split between
+    ranks, every shard non-empty: NOTE [A windowed op on unsplit dims is the local op] in
+    ``_conv_ops``) and torch's kernel gives the sharded path's dtype (parameters of the
+    input's), so torch's norm on the shard is the sharded norm."""
+    return (
+        unsplit(x._spec, reduced)
+        and no_empty_shard(x._spec)
+        and all(p is None or p.dtype == x.dtype for p in (weight, bias))
+    )
+
+
+def _local_group_norm(
+    x: ShardTensor,
+    per_group: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> ShardTensor:
+    """Group norm of ``x`` whose groups each lie whole on this rank: torch's kernel on the
+    shard, ``per_group`` channels a group, this rank's channels of the parameters."""
+    spec = x._spec
+    local = x.to_local()
+    w = _local_parameter(weight, spec, (1,))
+    b = _local_parameter(bias, spec, (1,))
+    out = torch.group_norm(local, local.shape[1] // per_group, w, b, eps)
+    return from_local_spec(out, spec.with_dtype(out.dtype))
 
 
 @register_function_handler(torch.native_group_norm)
@@ -695,6 +734,10 @@ def _layer_norm(func, args, kwargs):
     if not accepts(x, replicated=[weight, bias]):
         return NotImplemented
     dims = _layer_norm_dims(x, a.normalized_shape, weight, bias)
+    if _local_kernel_suffices(x, dims, weight, bias):
+        w, b = (_local_parameter(p, x._spec, dims) for p in (weight, bias))
+        out = torch.layer_norm(x.to_local(), x.shape[dims[0] :], w, b, a.eps)
+        return from_local_spec(out, x._spec.with_dtype(out.dtype))
     normalized, *_ = _normalized(x, dims, a.eps)
     return _affine(normalized, weight, bias, x, dims)
 
