@@ -27,7 +27,13 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
-from tests.expected_layouts import ExpectedLayout, module_anchors, pad_anchors, windowed
+from tests.expected_layouts import (
+    ExpectedLayout,
+    module_anchors,
+    pad_anchors,
+    window_anchor,
+    windowed,
+)
 from tests.layouts import Sharded
 
 # (B, C, H, W) fields: H split unevenly, W split unevenly, H with an empty shard, 2x2 blocks
@@ -283,3 +289,35 @@ def test_cropping_pad_keeps_placements(case: Sharded) -> None:
     replicated the output of a replicate one); a pad list torch refuses
     raises torch's error on every rank (an odd-length one returned a result)."""
     run_on_ranks(case.world, _crop_body, case)
+
+
+# ---------------------------------------------------------------------------- unfold
+def _unfold_body(case: Sharded) -> None:
+    mesh = get_mesh(case.mesh)
+    x = torch.randn(case.shape, dtype=torch.float64)
+    # (dim, size, step): overlapping windows along H, strided ones along W.
+    for dim, size, step in ((2, 3, 1), (2, 3, 2), (3, 2, 2)):
+        expected = windowed(
+            case.layout, case.shape, case.mesh, {dim: window_anchor(size, step, 0, 1)}
+        )
+        runs: dict[str, Callable] = {
+            "Tensor.unfold": lambda a, d=dim, k=size, s=step: a.unfold(d, k, s),
+            "unfold_copy": lambda a, d=dim, k=size, s=step: torch.unfold_copy(a, d, k, s),
+        }
+        for name, fn in runs.items():
+            check_against_reference(
+                fn,
+                [x],
+                [case.layout],
+                mesh,
+                out_layouts=[expected],
+                what=f"{name}{(dim, size, step)}",
+            )
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_unfold_along_a_sharded_dim_takes_a_halo(case: Sharded) -> None:
+    """Patch extraction along a sharded dim keeps the input's placements, each window with the
+    owner of its centre, as a convolution of kernel ``size`` and stride ``step`` does
+    (``unfold_copy`` gathered the field)."""
+    run_on_ranks(case.world, _unfold_body, case)

@@ -151,11 +151,12 @@ def _unfold_backward(func, args, kwargs):
     return ShardTensor(out, _with_shape(spec, list(input_sizes), out.dtype))
 
 
-@register_function_handler(torch.Tensor.unfold)
+@register_function_handler(torch.Tensor.unfold, torch.unfold_copy)
 def _unfold_sharded(func, args, kwargs):
-    """``x.unfold(dim, size, step)`` along a sharded dim: each rank gathers the elements its
-    windows reach across the boundary (a halo), as a convolution of kernel ``size`` and stride
-    ``step`` does, and unfolds them; the windows stay sharded along ``dim``."""
+    """``x.unfold(dim, size, step)`` (or ``torch.unfold_copy``) along a sharded dim: each rank
+    gathers the elements its windows reach across the boundary (a halo), as a convolution of
+    kernel ``size`` and stride ``step`` does, and unfolds them; the windows stay sharded along
+    ``dim``."""
     a = bind(func, args, kwargs)
     x, size, step = a.input, a.size, a.step
     dim = a.dimension % max(x.ndim, 1)
