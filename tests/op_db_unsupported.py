@@ -471,7 +471,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "unbind": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
     "unbind_copy": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
-    "unfold_copy": (_GATHERED.cases((1,), ("2x2-uneven",)),),
 }
 
 #: Ops whose outputs are random or uninitialised: the sharded run draws other numbers than one
