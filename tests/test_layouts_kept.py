@@ -27,7 +27,13 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
-from tests.expected_layouts import ExpectedLayout, module_anchors, pad_anchors, windowed
+from tests.expected_layouts import (
+    ExpectedLayout,
+    module_anchors,
+    pad_anchors,
+    window_anchor,
+    windowed,
+)
 from tests.layouts import Sharded
 
 # (B, C, H, W) fields: H split unevenly, W split unevenly, H with an empty shard, 2x2 blocks
@@ -209,10 +215,7 @@ def _unfold_body(case: Sharded) -> None:
         for size, step in ((3, 1), (2, 2), (4, 3)):
             # output window j reads input [j step, j step + size), anchored at its middle
             expected = windowed(
-                case.layout,
-                case.shape,
-                case.mesh,
-                {dim: lambda j, s=step, k=size: j * s + (k - 1) // 2},
+                case.layout, case.shape, case.mesh, {dim: window_anchor(size, step, 0, 1)}
             )
             for name, fn in (
                 ("Tensor.unfold", lambda a, d=dim, k=size, s=step: a.unfold(d, k, s)),

@@ -41,7 +41,10 @@ LAYOUTS = {
 }
 
 
-def _cases() -> dict[str, object]:
+def _cases(graded_sources: bool) -> dict[str, object]:
+    """The calls; with ``graded_sources``, also aten-level calls whose source needs a gradient,
+    an aten gather or index_select from the gradient (taken for a destination sharded along the
+    indexed dim only)."""
     generator = torch.Generator().manual_seed(3)
     # index rows 0..3 of dim 0 only (4 < 6), several entries per target
     index = torch.randint(0, SHAPE[1], (4, 7, 3), generator=generator)
@@ -105,8 +108,7 @@ def _cases() -> dict[str, object]:
         "index_fill_, in place": lambda x, src: x.clone().index_fill_(1, rows, src.sum()),
     }
     # the same ops reached at the aten level only (a backward formula, a decomposition), with
-    # a source that needs no gradient (below autograd, the source's gradient would be an aten
-    # gather from the sharded gradient, which no handler takes: the op then declines)
+    # a source that needs no gradient
     cases |= {
         "aten scatter_add": lambda x, src: aten.scatter_add.default(x, 1, index, src.detach()),
         "aten scatter.value": lambda x, src: aten.scatter.value(x, 1, unique, 2.5),
@@ -116,6 +118,21 @@ def _cases() -> dict[str, object]:
             x, [rows0], _rows(src.detach(), 7, dim=0), True
         ),
     }
+    if graded_sources:
+        cases |= {
+            "aten scatter_add, a graded source": lambda x, src: aten.scatter_add.default(
+                x, 1, index, src
+            ),
+            "aten scatter.src, a graded source": lambda x, src: aten.scatter.src(
+                x, 1, unique, src[:, :3]
+            ),
+            "aten index_add, a graded source": lambda x, src: aten.index_add.default(
+                x, 1, rows, _rows(src, 7)
+            ),
+            "aten index_copy, a graded source": lambda x, src: aten.index_copy.default(
+                x, 1, distinct, _rows(src, 3)
+            ),
+        }
     for reduce in ("sum", "prod", "mean", "amax", "amin"):
         for include_self in (True, False):
             cases[f"scatter_reduce {reduce}, include_self={include_self}"] = (
@@ -154,13 +171,14 @@ def _body(name: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(*SHAPE, dtype=torch.float64)
     src = torch.randn(4, 7, 3, dtype=torch.float64)  # the index's shape: torch's backward
-    for what, fn in _cases().items():
+    graded_sources = {s.dim for s in layout.spec(mesh, x).shardings} == {1}
+    for what, fn in _cases(graded_sources).items():
         check_against_reference(
             fn, [x, src], [layout, None], mesh, out_layouts=[layout], what=f"{name}: {what}"
         )
     spec = layout.spec(mesh, x)
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
-    for what, fn in _cases().items():
+    for what, fn in _cases(graded_sources).items():
         with count_traffic() as traffic:
             fn(shard, src)
         assert_all_ranks(

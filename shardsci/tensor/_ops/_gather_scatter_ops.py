@@ -808,13 +808,18 @@ def _index_fill_signature(input, dim, index, value):
 
 
 # ---------------------------------------------------------------------------- below autograd
-# The scatters through a replicated index, reached at the aten level only (a backward formula,
-# a decomposition, a traced graph): the same handlers on the same arguments. Not while a
-# source or value needs a gradient, nor the reductions (``scatter_reduce``, ``index_reduce``):
-# autograd's formulas for those gradients are aten ``gather`` ops from the sharded gradient,
-# which no handler takes yet. Those take the default path (``scatter_reduce``: the gathered
-# fallback of ``_gathered_ops``).
+# The gathers and the scatters through a replicated index, reached at the aten level only (a
+# backward formula, a decomposition, a traced graph): the same handlers on the same arguments.
+# A scatter's source gradient is an aten ``gather`` or ``index_select`` from the gradient,
+# sharded like the destination; those take the handlers above when it is sharded along the
+# indexed dim only, so a source may need a gradient there. Elsewhere (a destination sharded on
+# other dims too, ``index_put``'s or ``index_fill``'s value, whose gradients are an aten
+# ``index`` and a sum, the reductions ``scatter_reduce`` and ``index_reduce``) a source that
+# needs a gradient takes the default path (``scatter_reduce``: the gathered fallback of
+# ``_gathered_ops``).
 _AT_TORCH_LEVEL = {
+    aten.gather.default: torch.gather,
+    aten.index_select.default: torch.index_select,
     aten.scatter_add.default: torch.scatter_add,
     aten.scatter.src: torch.scatter,
     aten.scatter.value: torch.scatter,
@@ -824,12 +829,20 @@ _AT_TORCH_LEVEL = {
     aten.index_fill.int_Tensor: torch.index_fill,
     aten.index_put.default: torch.index_put,
 }
+_SOURCE_GRADIENT_TAKEN = {
+    aten.scatter_add.default,
+    aten.scatter.src,
+    aten.index_add.default,
+    aten.index_copy.default,
+}
 
 
 @register_aten_handler(*_AT_TORCH_LEVEL)
-def _scatter_below_autograd(func, args, kwargs):
+def _below_autograd(func, args, kwargs):
     a = bind(func, args, kwargs)
     torch_func = _AT_TORCH_LEVEL[func]
+    if func in (aten.gather.default, aten.index_select.default):
+        return function_handler_for(torch_func)(torch_func, args, kwargs)
     if func is aten.index_put.default:
         replicated = _advanced_indices(a.indices, a.self) is not None
     else:
@@ -838,6 +851,9 @@ def _scatter_below_autograd(func, args, kwargs):
     graded = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in sources
     )
+    if graded and func in _SOURCE_GRADIENT_TAKEN and isinstance(a.self, ShardTensor):
+        dim = a.dim % a.self.ndim
+        graded = any(s.dim != dim for s in a.self._spec.shardings)
     if not replicated or graded:
         return NotImplemented
     return function_handler_for(torch_func)(torch_func, args, kwargs)
