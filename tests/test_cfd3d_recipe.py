@@ -40,8 +40,10 @@ TINY_DATA = [
     "data.dataset.record_every=2",
     "data.dataset.warmup_steps=2",
     "eval.rollout_steps=2",
+    "train.global_batch=4",
 ]
-"""8³, 3 trajectories of 4 snapshots (a rollout of 2 steps): generated in about a second."""
+"""8³, 3 trajectories of 4 snapshots (a rollout of 2 steps): generated in about a second. Its
+4 training 2-step rollouts are one batch (the recipe's 8 would exceed them)."""
 SMALL_FNO = [
     "model.modes=[2,2,2]",
     "model.width=4",
