@@ -5,11 +5,11 @@ The cfd3d recipe's model as ``+recipe=cfd3d`` composes it (``configs/recipe/cfd3
 fno.yaml``), one training step (forward, mean-square loss, backward with ``domain_parallel``'s
 gradient all-reduce) on a batch of ``--batch`` fields ``(3, N, N, N)``, ``N = --size`` (the
 recipe's 32 by default), split evenly over the mesh's axes. Per mesh: the bytes each rank
-receives in one step by kind (``shardsci.testing.count_traffic``, not the library's own
-counter; they do not depend on the machine's load), then ``--rounds`` rounds of ``--steps``
-timed steps after a warm-up, the meshes' order reversed every round (``_common.
-interleaved_steps``), each step from a barrier; a step's time is the slowest rank's, wall
-and CPU (``time.process_time``).
+receives in one step by kind and the collectives it issues by kind (``shardsci.testing.
+count_traffic``, not the library's own counter; neither depends on the machine's load), then
+``--rounds`` rounds of ``--steps`` timed steps after a warm-up, the meshes' order reversed
+every round (``_common.interleaved_steps``), each step from a barrier; a step's time is the
+slowest rank's, wall and CPU (``time.process_time``).
 
 Goal (``--check``): the pencil receives at most ``PENCIL_BYTES_FACTOR`` times the block's bytes
 per rank (the FFT along W is local on the pencil: its all-to-alls move less). Run
@@ -68,6 +68,7 @@ def _rank_body(mesh_shape: tuple[int, ...], size: int, batch: int, steps: int) -
     return {
         "received": traffic.received,
         "by_kind": dict(traffic.received_by_kind),
+        "calls_by_kind": dict(traffic.calls_by_kind),
         "wall": walls,
         "cpu": cpus,
     }
@@ -88,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         traffic[name] = {
             "received_per_rank": max(r["received"] for r in results),
             "received_by_kind": results[0]["by_kind"],
+            "calls_by_kind": results[0]["calls_by_kind"],
         }
         cpu[name] += [max(r["cpu"][i] for r in results) for i in range(args.steps)]
         return [max(r["wall"][i] for r in results) for i in range(args.steps)]

@@ -40,8 +40,10 @@ TINY_DATA = [
     "data.dataset.record_every=2",
     "data.dataset.warmup_steps=2",
     "eval.rollout_steps=2",
+    "train.global_batch=4",
 ]
-"""8³, 3 trajectories of 4 snapshots (a rollout of 2 steps): generated in about a second."""
+"""8³, 3 trajectories of 4 snapshots (a rollout of 2 steps): generated in about a second. Its
+6 training pairs (4 2-step rollouts) hold a batch of 4, not the recipe's 8."""
 SMALL_FNO = [
     "model.modes=[2,2,2]",
     "model.width=4",
@@ -107,8 +109,9 @@ def test_block_pencil_and_slab_roles_are_planned_before_any_rank_starts(
         (["model=unet", "data.dataset.solver.resolution=10"],
          "needs D, H and W divisible by 4"),
         (["model=fno", "model.modes=[2,2]"], "cannot take the recipe's fields"),
-        # The recipe trains on 2-step rollouts: 2 trajectories x (4 - 2) starts.
-        (["train.global_batch=7"], "exceeds the 4 training 2-step rollouts"),
+        # 2-step rollouts: 2 trajectories x (4 - 2) starts.
+        (["train.rollout.steps=2", "train.global_batch=7"],
+         "exceeds the 4 training 2-step rollouts"),
         (["train.rollout.steps=1", "train.global_batch=7"], "exceeds the 6 training pairs"),
         (["train.rollout.steps=4"], r"train.rollout.steps=4: expected 1 to 3 \(the data has 4"),
         (["data.dataset.solver.resolution=6"], r"data.dataset: SolverConfig.ic_max_wavenumber "
