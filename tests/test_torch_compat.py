@@ -541,3 +541,34 @@ def test_dtensor_has_the_rules_of_torch_2_12():
 
     run_on_ranks(2, _backported_rules_body)
     assert _torch_compat.backport_sharding_rules() == ()  # done once, at import
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(((), {}), id="older torch: (x, meta)"),
+        pytest.param(
+            ((0,), {"tangent_desc": None, "compile_id_str": "0/0", "tangent_stack_trace": None}),
+            id="torch 2.13: (x, meta, tangent_idx, ...)",
+        ),
+    ],
+)
+def test_the_tangent_check_wrapper_passes_every_torch_signature_through(call):
+    """``process_runtime_tangent`` takes ``(x, meta)`` in older torch releases (pytorch's
+    runtime_wrappers as stored in the code index; which release moved is not established)
+    and four optional arguments more in 2.13: shardsci's wrapper forwards whatever
+    AOTAutograd passes, unchanged, and leaves a gradient alone where no ShardTensor was
+    traced."""
+    from shardsci.tensor._torch_compile import _plain_tangents_read_as_replicated
+
+    seen = []
+
+    def process(x, meta, *args, **kwargs):
+        seen.append((x, meta, args, kwargs))
+        return x, [x]
+
+    args, kwargs = call
+    wrapped = _plain_tangents_read_as_replicated(process, ShardTensor)
+    grad, meta = torch.ones(2), dataclasses.make_dataclass("PlainMeta", ["memory_format"])(None)
+    assert wrapped(grad, meta, *args, **kwargs) == (grad, [grad])
+    assert seen == [(grad, meta, args, kwargs)]
