@@ -717,7 +717,8 @@ def _setitem(func, args, kwargs):
     in-place ``index_put`` above, so that a value needing a gradient is written through the
     replicated index too (below autograd, its gradient would be an aten gather from the
     sharded gradient, which no handler takes)."""
-    x, key, value = args
+    a = bind(func, args, kwargs)
+    x, key, value = a.self, a.key, a.value
     key = key if isinstance(key, tuple) else (key,)
     tensors = [k for k in key if isinstance(k, torch.Tensor)]
     if not isinstance(x, ShardTensor) or not tensors:
