@@ -15,8 +15,9 @@ Goals (issue 19: "trains here in at most 10 minutes", this machine's 2 cores;
 "at most 0.3x persistence"): ``CPU_BUDGET_S`` and ``ERROR_RATIO``, on the median run.
 
 Run ``python -m benchmarks.cfd3d_recipe [--repeats 1] [--fresh-data] [--overrides mesh=2x2x2
-...]``; ``nice -n 10`` it on a shared machine (the ranks inherit the niceness). One run takes
-1,000-1,200 CPU seconds here (the block, ``--overrides mesh=2x2x2``: 910 at load 14-44).
+...]``; ``nice -n 10`` it on a shared machine (the ranks inherit the niceness). One run of the default
+took 770 CPU seconds here (2026-11-29, load 1-18; the block, ``--overrides mesh=2x2x2``: 910
+at load 14-44).
 """
 
 from __future__ import annotations
