@@ -340,7 +340,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "linalg.lu_factor_ex": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "linalg.multi_dot": (_WRONG_LAYOUT.cases((3,), ("2x2-uneven", "2x2-last")),),
     "linalg.pinv": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),

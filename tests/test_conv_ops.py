@@ -101,6 +101,9 @@ PADS = {
     "reflect": ((1, 2, 2, 1), "reflect", None),
     "replicate": ((3, 0, 1, 4), "replicate", None),
     "circular": ((2, 2, 1, 3), "circular", None),
+    # only W padded, H cropped: the local op is given the whole list (torch's replicate pad
+    # refuses a 4-D input with one padded dim)
+    "replicate, H cropped": ((2, 1, -1, 0), "replicate", None),
 }
 
 
@@ -138,7 +141,7 @@ def _unsplit_body(case: Sharded, op: str, name: str) -> None:
     with extensions as extend:
         if op == "conv":
             zeros = name == "constant"
-            _conv2d_body(case, "k4-same" if zeros else "k3", "zeros" if zeros else name)
+            _conv2d_body(case, "k4-same" if zeros else "k3", "zeros" if zeros else PADS[name][1])
         else:
             _pad_body(case, name)
     assert extend.call_count == 0, f"{extend.call_count} halo extensions on unsplit dims"

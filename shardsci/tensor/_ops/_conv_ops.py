@@ -283,8 +283,8 @@ def _pad(func, args, kwargs):
     if not windows:
         return x.clone()  # torch's pad returns a new tensor, never its input or a view
     if unsplit(x._spec, windows) and no_empty_shard(x._spec):
-        pads = []
-        for d in range(x.ndim - 1, min(windows) - 1, -1):
+        pads = []  # as long as the user's list: torch's non-constant modes check its length
+        for d in range(x.ndim - 1, x.ndim - 1 - len(a.pad) // 2, -1):
             w = windows.get(d)
             pads += [w.pad_left, w.pad_right] if w is not None else [0, 0]
         return _wrapped_whole(x, func(x.to_local(), pads, mode, value), windows)
