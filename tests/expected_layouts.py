@@ -342,8 +342,9 @@ def cell_owners(
     sizes: Sequence[int],
 ) -> list[Dependence] | None:
     """Per output of ``call(x)``: how its cells depend on the blocks of ``x``'s ``dim`` split
-    into ``sizes`` (NOTE [An output cell belongs to the shard it depends on]). None when ``x`` cannot be perturbed (not
-    floating point), ``call`` raises on a perturbed input, or an output changes shape.
+    into ``sizes`` (NOTE [An output cell belongs to the shard it depends on]). None when ``x``
+    cannot be perturbed (not floating point), ``call`` raises on a perturbed input, or an
+    output changes shape.
 
     ``call`` must be deterministic (reseed its random ops) and return a flat sequence.
     """

@@ -156,22 +156,31 @@ def _extended_rows(indexed: _Indexed, plan: GatherPlan) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- gathers
-def _getitem_key(key: object) -> tuple[int, torch.Tensor] | None:
-    """``(dim, index)`` for a key that is one integer tensor after full slices (``x[:, idx]``)
-    and before full slices or an ellipsis; else None."""
+def _tensor_key(key: object) -> tuple[int, list[torch.Tensor]] | None:
+    """``(first dim, index tensors)`` for a key of adjacent index tensors after full slices
+    (``x[:, i, j]``) and before full slices or an ellipsis; else None."""
     if isinstance(key, torch.Tensor):
-        return 0, key
+        return 0, [key]
     if not isinstance(key, tuple):
         return None
     positions = [i for i, k in enumerate(key) if isinstance(k, torch.Tensor)]
-    if len(positions) != 1:
+    if not positions or positions != list(range(positions[0], positions[0] + len(positions))):
         return None
-    position = positions[0]
-    if not all(_is_full_slice(k) for k in key[:position]):
+    first, stop = positions[0], positions[-1] + 1
+    if not all(_is_full_slice(k) for k in key[:first]):
         return None
-    if not all(_is_full_slice(k) or k is Ellipsis for k in key[position + 1 :]):
+    if not all(_is_full_slice(k) or k is Ellipsis for k in key[stop:]):
         return None
-    return position, key[position]
+    return first, list(key[first:stop])
+
+
+def _getitem_key(key: object) -> tuple[int, torch.Tensor] | None:
+    """``(dim, index)`` for a key that is one integer tensor after full slices (``x[:, idx]``)
+    and before full slices or an ellipsis; else None."""
+    found = _tensor_key(key)
+    if found is None or len(found[1]) != 1:
+        return None
+    return found[0], found[1][0]
 
 
 def _is_full_slice(item: object) -> bool:
@@ -718,20 +727,11 @@ def _setitem(func, args, kwargs):
     replicated index too (below autograd, its gradient would be an aten gather from the
     sharded gradient, which no handler takes)."""
     a = bind(func, args, kwargs)
-    x, key, value = a.self, a.key, a.value
-    key = key if isinstance(key, tuple) else (key,)
-    tensors = [k for k in key if isinstance(k, torch.Tensor)]
-    if not isinstance(x, ShardTensor) or not tensors:
+    x, value = a.self, a.value
+    found = _tensor_key(a.key)
+    if not isinstance(x, ShardTensor) or found is None:
         return NotImplemented
-    first = next(p for p, k in enumerate(key) if isinstance(k, torch.Tensor))
-    rest = key[first + len(tensors) :]
-    adjacent = all(isinstance(k, torch.Tensor) for k in key[first : first + len(tensors)])
-    if not (
-        adjacent
-        and all(_is_full_slice(k) for k in key[:first])
-        and all(_is_full_slice(k) or k is Ellipsis for k in rest)
-    ):
-        return NotImplemented
+    first, tensors = found
     if not isinstance(value, torch.Tensor):
         value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
     handled = _index_put(torch.Tensor.index_put_, (x, [None] * first + tensors, value), {})
