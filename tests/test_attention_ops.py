@@ -149,6 +149,36 @@ def test_unsplit_sequence_plans_no_exchange(case: Sharded, variant: str) -> None
     run_on_ranks(case.world, _unsplit_body, case.name, variant)
 
 
+def _planned_once_body() -> None:
+    """A training step repeats its attention calls on the same layouts: they are aligned and
+    planned on the first (``_layouts``, cached by value), while the ring-or-gather choice is
+    asked on every call, so that the gather policy sees every gather."""
+    mesh = get_mesh((2,))
+    layout = Layout((Shard(2),), {2: (7, 4)})
+    x = torch.randn(2, 3, 11, 4, dtype=torch.float64)
+    spec = layout.spec(mesh, x)
+    mask = torch.randn(1, 3, 11, 11, dtype=torch.float64, requires_grad=True)
+    misses, choices = [], []
+    with mock.patch.object(
+        _attention_ops, "ring_chosen", wraps=_attention_ops.ring_chosen
+    ) as chosen:
+        for _ in range(3):
+            before = _attention_ops._layouts.cache_info().misses
+            tokens = from_local_spec(spec.narrow(x).requires_grad_(True), spec)
+            out = F.scaled_dot_product_attention(tokens, tokens, tokens, attn_mask=mask)
+            (out * out).sum().to_local().sum().backward()
+            misses.append(_attention_ops._layouts.cache_info().misses - before)
+            choices.append(chosen.call_count)
+    assert_all_ranks(
+        misses[1:] == [0, 0] and choices == [1, 2, 3],
+        f"layouts planned per call: {misses}; ring-or-gather choices so far: {choices}",
+    )
+
+
+def test_repeated_calls_plan_layouts_once() -> None:
+    run_on_ranks(2, _planned_once_body)
+
+
 # ---------------------------------------------------------------------------- other layouts
 def _layouts_body() -> None:
     mesh = get_mesh((4,))

@@ -250,6 +250,28 @@ def test_warn_says_once_per_op_and_call_site() -> None:
     assert "Said once per op and call site" in first
 
 
+def _reports_built_body() -> int:
+    _, x = _field(2)
+    _gather_guard.forget_warnings()
+    built = []
+    module_path = _gather_guard._module_path
+    _gather_guard._module_path = lambda frame: built.append(frame) or module_path(frame)
+    try:
+        with warnings.catch_warnings(), gather_policy("warn"):
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                torch.sort(x, dim=2)
+    finally:
+        _gather_guard._module_path = module_path
+    return len(built)
+
+
+def test_warn_builds_a_report_once_per_op_and_call_site() -> None:
+    """A step repeats its gathers (attention's keys and values under the default policy):
+    one said already costs no report (whose module path searches every running module)."""
+    assert run_on_ranks(2, _reports_built_body) == [1, 1]
+
+
 def _recorded_body() -> list:
     whole, x = _field(2, requires_grad=True)
     model = nn.Sequential(nn.Identity(), _Sorter())

@@ -3,6 +3,8 @@ shards, 1-D and 2-D block decompositions, exact adjoint, bytes at the face lower
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardsci
+from shardsci.tensor import _halo
 from shardsci.tensor._halo import halo_exchange
 from shardsci.testing import (
     assert_all_ranks,
@@ -195,3 +198,26 @@ def test_an_extension_that_moves_nothing_is_one_pad() -> None:
     assert [op for op in ops if op.split(".")[0] not in ("view", "alias")] == [
         "constant_pad_nd.default"
     ], ops
+
+
+def _repeated_body() -> list[int]:
+    """A training step repeats its halo exchanges on one layout; H split 5/3, W whole."""
+    mesh = get_mesh((2,))
+    whole = torch.randn(2, 8, 4, dtype=torch.float64)
+    x = shardsci.distribute_tensor(whole, mesh, [Shard(1)], {0: (5, 3)})
+    planned = []
+    with mock.patch.object(_halo, "_composed", wraps=_halo._composed) as composed:
+        for _ in range(3):
+            local = x.to_local().detach().requires_grad_(True)
+            sharded = shardsci.ShardTensor.from_local(local, mesh, [Shard(1)], {0: (5, 3)})
+            halo_exchange(sharded, {1: (2, 1), 2: 1}, {1: "reflect", 2: "zeros"}).sum().backward()
+            planned.append(composed.call_count)
+    return planned
+
+
+def test_a_repeated_extension_is_planned_once() -> None:
+    """Where each step's cells lie in the buffer (fills, boundary copies, received runs) is
+    found on the first exchange of a layout, not on every one (``_Step.filled_here``,
+    ``received``; values and adjoint: ``test_one_d``, ``test_block_...``)."""
+    for planned in run_on_ranks(2, _repeated_body):
+        assert planned[0] > 0 and planned[1:] == [planned[0]] * 2, planned

@@ -2,9 +2,10 @@
 
 # NOTE [Caches are keyed by value]
 Specs are interned, and redistribution plans, sharding plans, DTensor's sharding
-propagations, groups of mesh axes, halo runs, views, FFT steps and resampling weights are
-cached, so that a training step pays for planning on its first iteration only. Every such cache follows
-these rules:
+propagations, groups of mesh axes, halo runs and extensions (with where each cell of an
+extension's buffer comes from), views, attention's aligned layouts, FFT steps and resampling
+weights are cached, so that a training step pays for planning on its first iteration only.
+Every such cache follows these rules:
 - Keys are values, never ``id(...)``: an id is reused as soon as its object dies (a stale hit),
   and equal layouts built separately (a spec rebuilt by ``dataclasses.replace``, a mesh
   sliced again) must hit the same entry. A spec's value is ``ShardTensorSpec.key``, a

@@ -71,6 +71,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from shardsci.tensor._caches import cached
 from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.tensor._torch_compat import Module_call_impl, OpOverload, _current_autograd_node
 
@@ -337,7 +338,7 @@ def check_redistribution(src: ShardTensorSpec, dst: ShardTensorSpec) -> None:
     else:
         return
     total = _bytes_of(src)
-    _enforce(_gather(ops, what, src, dst, total, _largest_shard(src), _largest_shard(dst)))
+    _enforce(ops, what, src, dst, total, _largest_shard(src), _largest_shard(dst))
 
 
 def check_result(operands: Sequence[object], result: object) -> None:
@@ -357,7 +358,7 @@ def check_result(operands: Sequence[object], result: object) -> None:
         if source is not None:
             held = _largest_shard(spec)
             before = _largest_shard(source)
-            _enforce(_gather(ops, "a pending result", source, spec, _bytes_of(spec), before, held))
+            _enforce(ops, "a pending result", source, spec, _bytes_of(spec), before, held)
 
 
 def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTensorSpec | None:
@@ -393,24 +394,29 @@ def may_gather_blocks(
         return False
     if policy == "warn" or _RECORDERS:
         spec, dim = operands[0]
-        axes = spec.sharding_by_dim[dim].axes
-        placements = [Replicate() if a in axes else p for a, p in enumerate(spec.placements)]
-        kept = [s for s in spec.shardings if s.dim != dim]
-        whole = ShardTensorSpec.build(
-            spec.mesh,
-            placements,
-            spec.shape,
-            spec.dtype,
-            {s.dim: s.sizes for s in kept},
-            order={s.dim: s.axes for s in kept},
-        )
         before = sum(_largest_shard(o) for o, _ in operands)
         total = sum(_bytes_of(o) for o, _ in operands)
-        _enforce(_gather(_THREAD.ops, what, spec, whole, total, before, nbytes))
+        _enforce(_THREAD.ops, what, spec, _whole_along(spec, dim), total, before, nbytes)
     return True
 
 
-def _gather(
+@cached("gathered layouts", 1024)
+def _whole_along(spec: ShardTensorSpec, dim: int) -> ShardTensorSpec:
+    """``spec`` with ``dim`` whole on every rank, its other shardings kept."""
+    axes = spec.sharding_by_dim[dim].axes
+    placements = [Replicate() if a in axes else p for a, p in enumerate(spec.placements)]
+    kept = [s for s in spec.shardings if s.dim != dim]
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        spec.shape,
+        spec.dtype,
+        {s.dim: s.sizes for s in kept},
+        order={s.dim: s.axes for s in kept},
+    )
+
+
+def _enforce(
     ops: list[object],
     what: str,
     src: ShardTensorSpec,
@@ -418,18 +424,26 @@ def _gather(
     total: int,
     before: int,
     after: int,
-) -> Gather:
+) -> None:
+    """Report a gather to the recorders and apply the policy to it. Under ``"warn"`` with no
+    recorder, a gather already said at this call site costs the op's name and a walk to the
+    call site: not the report's module path, which searches every running module's children
+    (a step repeats the same gathers, e.g. attention's under the default policy)."""
     frame = sys._getframe()
     named = [o for o in ops if o is not _ASKED]
     op = _op_name(named[-1]) if named else "an op"
+    call_site = _call_site(frame)
+    policy = _POLICY[0]
+    if policy == "warn" and not _RECORDERS and (op, call_site) in _WARNED:
+        return
     within = _op_name(named[0]) if len(named) > 1 and named[0] is not named[-1] else None
     node = _current_autograd_node()
-    return Gather(
+    gather = Gather(
         op,
         within,
         _module_path(frame),
         None if node is None else node.name(),
-        _call_site(frame),
+        call_site,
         what,
         src,
         dst,
@@ -437,11 +451,7 @@ def _gather(
         after,
         before,
     )
-
-
-def _enforce(gather: Gather) -> None:
     _record(gather)
-    policy = _POLICY[0]
     if policy == "error":
         raise GatherError(gather.message(refused=True))
     if policy == "warn":
@@ -594,9 +604,16 @@ def _call_site(frame: FrameType | None) -> str | None:
         frame = frame.f_back
     if frame is None:
         return None
-    path = os.path.realpath(frame.f_code.co_filename)
-    relative = os.path.relpath(path)
-    return f"{path if relative.startswith(os.pardir) else relative}:{frame.f_lineno}"
+    return f"{_shown_path(frame.f_code.co_filename, os.getcwd())}:{frame.f_lineno}"
+
+
+@cached("call site paths", 1024)
+def _shown_path(filename: str, cwd: str) -> str:
+    """A source file's real path, relative to the working directory ``cwd`` when under it
+    (resolved once per file and directory: ``realpath`` asks the file system)."""
+    path = os.path.realpath(filename)
+    relative = os.path.relpath(path, cwd)
+    return path if relative.startswith(os.pardir) else relative
 
 
 # ---------------------------------------------------------------------------- text

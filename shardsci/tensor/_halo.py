@@ -129,6 +129,49 @@ class _Step:
             for run in self.plan.runs[self.me]
         )
 
+    @cached_property
+    def around(self) -> tuple[tuple[Narrowing, ...], tuple[Narrowing, ...]]:
+        """Along the other dims, the region and the region's domain cells (``real``), each
+        one narrowing per dim: what ``_view`` applies before the step's dim."""
+        return self.region, _composed(self.region + self.real)
+
+    @cached_property
+    def filled_here(self) -> tuple[tuple[Run, tuple[Narrowing, ...], tuple[Narrowing, ...]], ...]:
+        """``(run, place, source)`` for this rank's runs that it fills itself (the boundary's
+        copies of its own cells; ``source`` is empty for the fill), where they lie in the
+        buffer: found once per plan, not on every call (NOTE [Caches are keyed by value])."""
+        return tuple(
+            (run, self.narrowings(run.position + self.shift, run.length, False), source)
+            for run in self.plan.runs[self.me]
+            if run.source is None
+            or (run.source == self.me and not self.plan.is_direct(self.me, run))
+            for source in [
+                ()
+                if run.source is None
+                else self.narrowings(run.start - self.origin, run.cells, False)
+            ]
+        )
+
+    @cached_property
+    def received(self) -> tuple[tuple[int, int, Run, tuple[Narrowing, ...]], ...]:
+        """``(message, offset, run, place)`` for this rank's runs that others send: the
+        message (by sender, in ``peers`` order) and where in it the run's cells start."""
+        senders = [other for other, _, incoming in self.peers if incoming]
+        cursor = dict.fromkeys(senders, 0)
+        result = []
+        for run in self.plan.runs[self.me]:
+            if run.source is None or run.source == self.me:
+                continue
+            place = self.narrowings(run.position + self.shift, run.length, False)
+            result.append((senders.index(run.source), cursor[run.source], run, place))
+            cursor[run.source] += run.cells
+        return tuple(result)
+
+    def narrowings(self, start: int, length: int, real: bool) -> tuple[Narrowing, ...]:
+        """Cells ``[start, start + length)`` along the step's dim, over its region (or only
+        the region's domain cells)."""
+        return (*self.around[real], (self.dim, start, length))
+
     def skips_exchange(self, sends: list, receives: list) -> bool:
         """Whether this rank posts nothing for the step: it has no messages, and in a
         compiled graph (one collective for the whole group) nobody else has either."""
@@ -252,14 +295,23 @@ def _domain_part(dim, plan, group, me, boundary, extent, wanted) -> Narrowing:
 def _view(t: torch.Tensor, step: _Step, start: int, length: int, real: bool) -> torch.Tensor:
     """Cells ``[start, start + length)`` of ``t`` along the step's dim, over its region (or
     only the region's domain cells)."""
-    t = narrowed(t, step.region)
-    if real:
-        t = narrowed(t, step.real)
-    return narrowed(t, ((step.dim, start, length),))
+    return narrowed(t, step.narrowings(start, length, real))
+
+
+def _composed(narrowings: tuple[Narrowing, ...]) -> tuple[Narrowing, ...]:
+    """Narrowings applied one after the other, as one per dim."""
+    by_dim: dict[int, tuple[int, int]] = {}
+    for dim, start, length in narrowings:
+        before = by_dim.get(dim, (0, 0))[0]
+        by_dim[dim] = (before + start, length)
+    return tuple((dim, start, length) for dim, (start, length) in by_dim.items())
 
 
 def _message_shape(t: torch.Tensor, step: _Step, cells: int) -> list[int]:
-    shape = list(_view(t, step, 0, 0, real=True).shape)
+    """The shape of a message of ``cells`` cells along the step's dim, cut from ``t``."""
+    shape = list(t.shape)
+    for dim, _, length in step.around[True]:
+        shape[dim] = length
     shape[step.dim] = cells
     return shape
 
@@ -302,31 +354,21 @@ def _fill(
     fill: float,
 ) -> None:
     """Fill the step's dim of ``buffer``: boundary cells now, received cells when they come."""
-    plan, me, dim = step.plan, step.me, step.dim
-    remote: list[tuple[Run, torch.Tensor]] = []
-    for run in plan.runs[me]:
-        if plan.is_direct(me, run):
-            continue
-        target = _view(buffer, step, run.position + step.shift, run.length, real=False)
+    for run, place, source in step.filled_here:
+        target = narrowed(buffer, place)
         if run.source is None:
             target.fill_(fill)
-        elif run.source == me:
-            cells = _view(buffer, step, run.start - step.origin, run.cells, real=False)
-            _place(target, cells, run, dim)
         else:
-            remote.append((run, target))
+            _place(target, narrowed(buffer, source), run, step.dim)
     if pending is None:
         return
-    senders = [other for other, _, incoming in step.peers if incoming]
-    messages = dict(zip(senders, pending.wait()))
-    cursor = dict.fromkeys(messages, 0)
-    for run, target in remote:
-        cells = messages[run.source].narrow(dim, cursor[run.source], run.cells)
-        cursor[run.source] += run.cells
+    messages = pending.wait()
+    for message, offset, run, place in step.received:
+        target = narrowed(buffer, place)
         if step.real:
             target.fill_(fill)
             target = narrowed(target, step.real)
-        _place(target, cells, run, dim)
+        _place(target, messages[message].narrow(step.dim, offset, run.cells), run, step.dim)
 
 
 def _place(target: torch.Tensor, cells: torch.Tensor, run: Run, dim: int) -> None:
@@ -344,12 +386,9 @@ def _run_grad(grad: torch.Tensor, run: Run, dim: int) -> torch.Tensor:
 
 def _fold_boundary(grad: torch.Tensor, step: _Step) -> None:
     """Add boundary cells' gradients onto the cells they copy."""
-    plan, me, dim = step.plan, step.me, step.dim
-    for run in plan.runs[me]:
-        if run.source == me and not plan.is_direct(me, run):
-            placed = _view(grad, step, run.position + step.shift, run.length, real=False)
-            source = _view(grad, step, run.start - step.origin, run.cells, real=False)
-            source.add_(_run_grad(placed, run, dim))
+    for run, place, source in step.filled_here:
+        if run.source is not None:
+            narrowed(grad, source).add_(_run_grad(narrowed(grad, place), run, step.dim))
 
 
 def _post_adjoint(

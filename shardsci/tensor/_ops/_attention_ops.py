@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, redistribute
 from shardsci.tensor._binding import bind
+from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._ops._common import accepts, unsplit
 from shardsci.tensor._ops._ring import ring_chosen
@@ -172,24 +173,95 @@ class _Aligned:
     def build(cls, q, k, v, mask, scale, is_causal, enable_gqa) -> _Aligned:
         mesh = next(t for t in (q, k, v, mask) if isinstance(t, ShardTensor))._spec.mesh
         q, k, v = (_as_shard_tensor(t, mesh) for t in (q, k, v))
-        repeats = q.shape[-3] // k.shape[-3] if q.ndim >= 3 and enable_gqa else 1
-        q = _query_layout(q, repeats)
-        k, v = _key_value_layouts(q, k, v)
-        local_mask = None if mask is None else _mask_local(_as_shard_tensor(mask, mesh), q)
-        return cls(mesh, q, k, v, local_mask, _plan(q, k, v, scale, is_causal, repeats))
+        mask = None if mask is None else _as_shard_tensor(mask, mesh)
+        layouts = _layouts(
+            q._spec, k._spec, v._spec, None if mask is None else mask._spec, enable_gqa
+        )
+        q, k, v = (redistribute(t, target) for t, target in zip((q, k, v), layouts.qkv))
+        local_mask = None
+        if mask is not None:
+            target, grad_placements = layouts.mask
+            local_mask = redistribute(mask, target).to_local(grad_placements=grad_placements)
+        return cls(mesh, q, k, v, local_mask, layouts.plan(scale, is_causal))
 
     def output_spec(self, shape: torch.Size, dtype: torch.dtype) -> ShardTensorSpec:
         """The layout of an output (or log-sum-exp) indexed like the query's leading dims."""
-        query = self.q._spec
-        return ShardTensorSpec.build(
-            query.mesh,
-            query.placements,
-            shape,
-            dtype,
-            {s.dim: s.sizes for s in query.shardings},
-            order={s.dim: s.axes for s in query.shardings},
-            hints=query.hints,
+        return _indexed_like(self.q._spec, shape, dtype)
+
+
+@dataclass(frozen=True)
+class _Layouts:
+    """What an attention call's operand layouts decide (``_layouts``, cached by value).
+
+    Attributes
+    ----------
+    qkv : tuple of ShardTensorSpec
+        The aligned layouts of query, key and value.
+    mask : (ShardTensorSpec, tuple of Placement) or None
+        The mask's aligned layout and the placements its local gradient is read with.
+    sequence : AttentionPlan
+        The plan's part that layouts decide (scale, causal and ring are the call's).
+    gathered_bytes : int
+        The keys and values this rank would hold gathered (NOTE [Ring or all-gather]).
+    """
+
+    qkv: tuple[ShardTensorSpec, ShardTensorSpec, ShardTensorSpec]
+    mask: tuple[ShardTensorSpec, tuple[Placement, ...]] | None
+    sequence: AttentionPlan
+    gathered_bytes: int
+
+    def plan(self, scale: float | None, causal: bool) -> AttentionPlan:
+        """The call's plan; where the sequence is split, the ring-or-gather choice is asked
+        on every call, for the gather policy sees every gather (NOTE [Gathers an op was not
+        asked to make])."""
+        q, k, v = self.qkv
+        if scale is None:
+            scale = 1.0 / math.sqrt(q.shape[-1])
+        ring = self.sequence.group is not None and ring_chosen(
+            self.gathered_bytes, [(k, k.ndim - 2), (v, v.ndim - 2)], "the keys and values"
         )
+        return replace(self.sequence, scale=scale, causal=causal, ring=ring)
+
+
+@cached("attention layouts", 1024)
+def _layouts(
+    q: ShardTensorSpec,
+    k: ShardTensorSpec,
+    v: ShardTensorSpec,
+    mask: ShardTensorSpec | None,
+    enable_gqa: bool,
+) -> _Layouts:
+    """The aligned layouts and the sequence's plan for operands laid out as given: planned
+    once per value, not on every call of a training step (NOTE [Caches are keyed by value])."""
+    repeats = q.shape[-3] // k.shape[-3] if q.ndim >= 3 and enable_gqa else 1
+    q = _query_layout(q, repeats)
+    k, v = _key_value_layouts(q, k, v)
+    sequence = q.ndim - 2
+    if unsplit(q, (sequence,)):  # every key on this rank: no ring, no gather
+        plan = AttentionPlan(None, (0,), (k.shape[sequence],), 0, 1.0, False, repeats, False)
+        gathered = 0
+    else:
+        keys = k.sharding_by_dim[sequence]
+        starts = tuple(sum(keys.sizes[:i]) for i in range(len(keys.sizes)))
+        group = axis_group(q.mesh, q.sharding_by_dim[sequence].axes)
+        query_start = q.local_offsets()[sequence]
+        plan = AttentionPlan(group, starts, keys.sizes, query_start, 1.0, False, repeats, False)
+        rows = math.prod(k.local_shape()[:-2]) * k.shape[-2]
+        gathered = rows * (k.shape[-1] + v.shape[-1]) * k.dtype.itemsize
+    return _Layouts((q, k, v), None if mask is None else _mask_layout(mask, q), plan, gathered)
+
+
+@cached("attention output layouts", 1024)
+def _indexed_like(query: ShardTensorSpec, shape: torch.Size, dtype: torch.dtype) -> ShardTensorSpec:
+    return ShardTensorSpec.build(
+        query.mesh,
+        query.placements,
+        shape,
+        dtype,
+        {s.dim: s.sizes for s in query.shardings},
+        order={s.dim: s.axes for s in query.shardings},
+        hints=query.hints,
+    )
 
 
 def _as_shard_tensor(t: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
@@ -201,71 +273,69 @@ def _as_shard_tensor(t: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
 
 
 def _rebuilt(
-    x: ShardTensor,
+    spec: ShardTensorSpec,
     placements: Sequence[Placement],
     sizes: dict[int, tuple[int, ...]],
     order: dict[int, tuple[int, ...]],
-) -> ShardTensor:
-    """``x`` redistributed to exactly this layout (no communication when it already is)."""
-    spec = x._spec
-    target = ShardTensorSpec.build(
+) -> ShardTensorSpec:
+    """``spec`` laid out exactly so."""
+    return ShardTensorSpec.build(
         spec.mesh, placements, spec.shape, spec.dtype, sizes, stride=spec.stride, order=order,
         hints=spec.hints,
     )  # fmt: skip
-    return redistribute(x, target)
 
 
 def _moved(x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
     return redistribute(x, spec.with_dtype(x.dtype))
 
 
-def _query_layout(q: ShardTensor, repeats: int) -> ShardTensor:
-    """The query with Partial axes reduced and its feature dim (and, with grouped-query
-    attention, its head dim) whole."""
-    spec = q._spec
-    whole = {q.ndim - 1} | ({q.ndim - 3} if repeats > 1 else set())
+def _query_layout(spec: ShardTensorSpec, repeats: int) -> ShardTensorSpec:
+    """The query's layout with Partial axes reduced and its feature dim (and, with
+    grouped-query attention, its head dim) whole."""
+    whole = {spec.ndim - 1} | ({spec.ndim - 3} if repeats > 1 else set())
     kept = [s for s in spec.shardings if s.dim not in whole]
     placements = [Replicate()] * spec.mesh.ndim
     for s in kept:
         for axis in s.axes:
             placements[axis] = Shard(s.dim)
-    return _rebuilt(q, placements, {s.dim: s.sizes for s in kept}, {s.dim: s.axes for s in kept})
+    return _rebuilt(spec, placements, {s.dim: s.sizes for s in kept}, {s.dim: s.axes for s in kept})
 
 
 def _key_value_layouts(
-    q: ShardTensor, k: ShardTensor, v: ShardTensor
-) -> tuple[ShardTensor, ShardTensor]:
-    """Keys and values sharded like the query, their key dim over the query's sequence axes."""
-    spec = q._spec
+    q: ShardTensorSpec, k: ShardTensorSpec, v: ShardTensorSpec
+) -> tuple[ShardTensorSpec, ShardTensorSpec]:
+    """Keys' and values' layouts sharded like the query (``q``, aligned), their key dim over
+    the query's sequence axes."""
     sequence = q.ndim - 2
-    placements = list(spec.placements)
+    placements = list(q.placements)
     sizes, order = {}, {}
-    for s in spec.shardings:
+    for s in q.shardings:
         order[s.dim] = s.axes
         if s.dim != sequence:
             sizes[s.dim] = s.sizes
             continue
-        current = k._spec.sharding_by_dim.get(sequence)
+        current = k.sharding_by_dim.get(sequence)
         if current is not None and current.axes == s.axes:
             sizes[s.dim] = current.sizes
         elif k.shape[sequence] == q.shape[sequence]:
             sizes[s.dim] = s.sizes
         else:
-            mesh_shape = spec.mesh_shape
+            mesh_shape = q.mesh_shape
             sizes[s.dim] = nested_chunk_sizes(k.shape[sequence], [mesh_shape[a] for a in s.axes])
     return _rebuilt(k, placements, sizes, order), _rebuilt(v, placements, sizes, order)
 
 
-def _mask_local(mask: ShardTensor, q: ShardTensor) -> torch.Tensor:
-    """This rank's rows of the mask (every key), sharded like the query where it does not
-    broadcast; its gradient is a partial sum over the axes where it is replicated but the
-    query is not."""
-    spec = q._spec
+def _mask_layout(
+    mask: ShardTensorSpec, q: ShardTensorSpec
+) -> tuple[ShardTensorSpec, tuple[Placement, ...]]:
+    """The mask's layout holding this rank's rows (every key), sharded like the query (``q``,
+    aligned) where it does not broadcast, and the placements of its local gradient: a partial
+    sum over the axes where it is replicated but the query is not."""
     offset = q.ndim - mask.ndim
-    placements: list[Placement] = [Replicate()] * spec.mesh.ndim
-    grad_placements: list[Placement] = [Replicate()] * spec.mesh.ndim
+    placements: list[Placement] = [Replicate()] * q.mesh.ndim
+    grad_placements: list[Placement] = [Replicate()] * q.mesh.ndim
     sizes, order = {}, {}
-    for s in spec.shardings:
+    for s in q.shardings:
         dim = s.dim - offset
         for axis in s.axes:
             grad_placements[axis] = Partial()
@@ -274,31 +344,4 @@ def _mask_local(mask: ShardTensor, q: ShardTensor) -> torch.Tensor:
         sizes[dim], order[dim] = s.sizes, s.axes
         for axis in s.axes:
             placements[axis] = grad_placements[axis] = Shard(dim)
-    mask = _rebuilt(mask, placements, sizes, order)
-    return mask.to_local(grad_placements=grad_placements)
-
-
-def _plan(
-    q: ShardTensor, k: ShardTensor, v: ShardTensor, scale: float | None, causal: bool, repeats: int
-) -> AttentionPlan:
-    sequence = q.ndim - 2
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    query = q._spec.sharding_by_dim.get(sequence)
-    if unsplit(q._spec, (sequence,)):  # every key on this rank: no ring, no gather
-        return AttentionPlan(None, (0,), (k.shape[sequence],), 0, scale, causal, repeats, False)
-    keys = k._spec.sharding_by_dim[sequence]
-    starts = tuple(sum(keys.sizes[:i]) for i in range(len(keys.sizes)))
-    group = axis_group(q._spec.mesh, query.axes)
-    query_start = q._spec.local_offsets()[sequence]
-    return AttentionPlan(
-        group, starts, keys.sizes, query_start, scale, causal, repeats, _ring_chosen(k, v)
-    )
-
-
-def _ring_chosen(k: ShardTensor, v: ShardTensor) -> bool:
-    """NOTE [Ring or all-gather], for the bytes of every key and value this rank would hold."""
-    rows = math.prod(k._local.shape[:-2]) * k.shape[-2]
-    gathered = rows * (k.shape[-1] + v.shape[-1]) * k._local.element_size()
-    return ring_chosen(
-        gathered, [(k._spec, k.ndim - 2), (v._spec, v.ndim - 2)], "the keys and values"
-    )
+    return _rebuilt(mask, placements, sizes, order), tuple(grad_placements)
