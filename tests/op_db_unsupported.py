@@ -251,9 +251,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((30,), ("2x2-uneven", "2x2-last")),
     ),
-    "_unsafe_masked_index_put_accumulate": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "argsort": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),

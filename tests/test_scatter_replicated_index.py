@@ -4,7 +4,8 @@ process, float64 (NOTE [Scatters through a replicated index write where they lan
 ``scatter``, ``scatter_add``, ``scatter_reduce`` (every reduction, with and without the
 destination's own values), ``index_add``, ``index_copy``, ``index_reduce``, ``index_put``
 (an integer index, several broadcast together after leading slices, or a boolean mask of
-one or two dims, accumulated or not) and ``index_fill`` into a
+one or two dims, accumulated or not), aten's ``_unsafe_masked_index_put_accumulate`` (an
+interpolation's backward) and ``index_fill`` into a
 destination sharded along the scatter's dim, along another
 dim (with an empty shard, and rows the index does not reach) and both on a 2x2 mesh: values,
 the destination's and the source's gradients, the output's layout (the destination's
@@ -63,6 +64,8 @@ def _cases(graded_sources: bool) -> dict[str, object]:
     cells = torch.randperm(SHAPE[0] * SHAPE[1], generator=generator)[:3]
     pairs = torch.randperm(SHAPE[1] * SHAPE[2], generator=generator)[:3]
     distinct0 = torch.randperm(SHAPE[0], generator=generator)[:3]
+    beyond = torch.where(rows0 % 3 == 0, rows0 + SHAPE[0], rows0)  # some beyond dim 0
+    in_range = (beyond < SHAPE[0])[:, None].expand(7, 3)
     cases |= {
         "index_add, alpha=2": lambda x, src: x.index_add(1, rows, _rows(src, 7), alpha=2),
         "index_add_, in place": lambda x, src: x.clone().index_add_(1, rows, _rows(src, 7)),
@@ -116,6 +119,12 @@ def _cases(graded_sources: bool) -> dict[str, object]:
         "aten index_fill": lambda x, src: aten.index_fill.int_Scalar(x, 1, distinct, 2.5),
         "aten index_put": lambda x, src: aten.index_put.default(
             x, [rows0], _rows(src.detach(), 7, dim=0), True
+        ),
+        # an interpolation's backward: entries out of range are masked out, then clamped
+        "aten _unsafe_masked_index_put_accumulate": lambda x, src: (
+            aten._unsafe_masked_index_put_accumulate.default(
+                x, in_range[:, :, None], [beyond[:, None], rows[None, :3]], src.permute(1, 2, 0)
+            )
         ),
     }
     if graded_sources:

@@ -9,8 +9,9 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   index; a rank receives only the distinct remote rows its index names, once per plan use;
 - a replicated index (a plain tensor) gives a replicated output; each rank broadcasts only the
   selected rows it owns; a scatter through one (the scatter and ``index_*`` families,
-  ``index_put``, ``index_fill``) writes, without communication, into a destination sharded on
-  any dims (NOTE [Scatters through a replicated index write where they land]);
+  ``index_put`` and aten's ``_unsafe_masked_index_put_accumulate``, ``index_fill``) writes,
+  without communication, into a destination sharded on any dims (NOTE [Scatters through a
+  replicated index write where they land]);
 - scatters run locally when every index value is owned by the rank that holds it (as for a
   graph's destinations); otherwise they write through the index into the rows this rank owns
   plus its halo, and the halo rows travel back to their owners, where sum and mean add them
@@ -46,6 +47,7 @@ from shardsci.tensor._gather_plan import (
     summed_rows,
 )
 from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local, sharding_axes
+from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._registry import (
     function_handler_for,
     register_aten_handler,
@@ -740,6 +742,34 @@ def _setitem(func, args, kwargs):
 
 def _index_put_signature(input, indices, values, accumulate=False):
     """``index_put``'s parameters (a builtin without an inspectable signature)."""
+
+
+@register_aten_handler(aten._unsafe_masked_index_put_accumulate.default)
+def _masked_index_put_accumulate(func, args, kwargs):
+    """``x.index_put(indices, values.masked_fill(~mask, 0), accumulate=True)`` with every
+    index clamped into its dim, as torch's decomposition computes it (a masked-out entry may
+    name any cell): the ``index_put`` above, each entry added where it lands, nothing moved.
+    It is the backward of interpolation and of ``embedding`` by frequency. A sharded mask or
+    value, or an empty ``x``, takes the gathered fallback (``_gathered_ops``), as the op did
+    before; so does a value's gradient, torch's ``_unsafe_masked_index`` of the sharded
+    gradient."""
+    a = bind(func, args, kwargs)
+    x, mask, values = a.self, a.mask, a["values"]  # not ``a.values``: the dict's method
+    if (
+        _advanced_indices(a.indices, x) is None
+        or x.numel() == 0
+        or any(
+            isinstance(t, ShardTensor) and (t._spec.shardings or t._spec.partial)
+            for t in (mask, values)
+        )
+    ):
+        return gathered(func, args, kwargs)
+    indices = [
+        None if index is None else index.clamp(-x.shape[d], x.shape[d] - 1)
+        for d, index in enumerate(a.indices)
+    ]
+    masked = values.masked_fill(~mask, 0)
+    return _index_put(torch.index_put, (x, indices, masked, True), {})
 
 
 def _advanced_indices(indices: object, x: object) -> tuple[int, list[torch.Tensor]] | None:
