@@ -7,8 +7,11 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
 - an index sharded over the same mesh axes as the indexed dim (the edge list of a partitioned
   graph, sharded with the nodes that own its destinations) gives an output sharded like the
   index; a rank receives only the distinct remote rows its index names, once per plan use;
-- a replicated index (a plain tensor) gives a replicated output; each rank broadcasts only the
-  selected rows it owns; a scatter through one (the scatter and ``index_*`` families,
+- a replicated index (a plain tensor) gives an output that keeps the input's shards along the
+  dims it keeps, and along the gathered dim when the output has the input's extent there
+  (else replicated over its axes); each rank receives only the remote rows its part of the
+  output names (NOTE [A gather through a replicated index keeps the input's layout]); a
+  scatter through one (the scatter and ``index_*`` families,
   ``index_put`` and aten's ``_unsafe_masked_index_put_accumulate``, ``index_fill``) writes,
   without communication, into a destination sharded on any dims (NOTE [Scatters through a
   replicated index write where they land]);
@@ -21,12 +24,14 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
 These run above autograd: they compose the plan's differentiable exchanges with local torch
 ops, so the backward of a gather is a scatter-sum of the same plan and vice versa. Anything
 else (boolean masks, several tensor indices, an index sharded over other axes, a destination
-sharded on other dims too) declines to the default path, except ``index_put``, which takes
-several indices and boolean masks through a replicated index.
+sharded on other dims too, unless the index is replicated) declines to the default path,
+except ``index_put``, which takes several indices and boolean masks through a replicated
+index.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +68,7 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class _Indexed:
-    """A sharded operand, the dim an index addresses in it, and that index.
+    """A sharded operand, the dim an index addresses in it, and a sharded index into it.
 
     Attributes
     ----------
@@ -74,9 +79,9 @@ class _Indexed:
     group : AxisGroup
         The ranks sharding it.
     index : Tensor
-        This rank's index: its shard of a sharded index, or the whole of a replicated one.
-    index_spec : ShardTensorSpec or None
-        The sharded index's layout; None for a replicated index.
+        This rank's shard of the index.
+    index_spec : ShardTensorSpec
+        The index's layout.
     """
 
     x: ShardTensor
@@ -84,14 +89,14 @@ class _Indexed:
     sharding: DimSharding
     group: AxisGroup
     index: torch.Tensor
-    index_spec: ShardTensorSpec | None
+    index_spec: ShardTensorSpec
 
     def plan(self, *, wrap_negative: bool = False, what: str) -> GatherPlan:
         return gather_plan(
             self.index,
             self.sharding.sizes,
             self.group,
-            replicated=self.index_spec is None,
+            replicated=False,
             wrap_negative=wrap_negative,
             what=what,
         )
@@ -99,17 +104,18 @@ class _Indexed:
     @property
     def index_shape(self) -> tuple[int, ...]:
         """The global shape of the index."""
-        return tuple((self.index if self.index_spec is None else self.index_spec).shape)
+        return tuple(self.index_spec.shape)
 
     @property
-    def index_sharding(self) -> DimSharding | None:
-        return None if self.index_spec is None else self.index_spec.shardings[0]
+    def index_sharding(self) -> DimSharding:
+        return self.index_spec.shardings[0]
 
 
 def _indexed(x: object, dim: int, index: object) -> _Indexed | None:
     """The call's operands when this module handles them, else None (decline): ``x`` sharded
-    along ``dim`` only, and an integer index, replicated or sharded over the same axes."""
-    if not isinstance(index, torch.Tensor) or index.dtype not in _INDEX_DTYPES:
+    along ``dim`` only, and an integer index sharded over the same axes (a replicated index
+    takes ``_through_replicated`` or ``_scatter_by_owner``)."""
+    if not isinstance(index, ShardTensor) or index.dtype not in _INDEX_DTYPES:
         return None
     if not isinstance(x, torch.Tensor) or x.ndim == 0:
         return None
@@ -118,13 +124,9 @@ def _indexed(x: object, dim: int, index: object) -> _Indexed | None:
         return None
     spec = x._spec
     sharding, group, _ = dim_layout(spec, dim)
-    if not isinstance(index, ShardTensor):
-        return _Indexed(x, dim, sharding, group, index, None)
     index_spec = index._spec
-    if index_spec.mesh != spec.mesh or index_spec.partial:
+    if index_spec.mesh != spec.mesh or index_spec.partial or not index_spec.shardings:
         return None
-    if not index_spec.shardings:
-        return _Indexed(x, dim, sharding, group, index._local, None)
     if len(index_spec.shardings) != 1 or index_spec.shardings[0].axes != sharding.axes:
         return None
     return _Indexed(x, dim, sharding, group, index._local, index_spec)
@@ -133,11 +135,9 @@ def _indexed(x: object, dim: int, index: object) -> _Indexed | None:
 def _output_spec(
     indexed: _Indexed, shape: tuple[int, ...], dtype: torch.dtype, sharded_dim: int
 ) -> ShardTensorSpec:
-    """Sharded like the index on ``sharded_dim`` of the output, or replicated."""
+    """Sharded like the index on ``sharded_dim`` of the output."""
     mesh = indexed.x._spec.mesh
     source = indexed.index_sharding
-    if source is None:
-        return ShardTensorSpec.build(mesh, [Replicate()] * mesh.ndim, shape, dtype)
     placements = [
         Shard(sharded_dim) if axis in source.axes else Replicate() for axis in range(mesh.ndim)
     ]
@@ -152,9 +152,7 @@ def _output_spec(
 
 
 def _extended_rows(indexed: _Indexed, plan: GatherPlan) -> torch.Tensor:
-    return halo_extend(
-        indexed.x.to_local(), plan, indexed.dim, replicated_output=indexed.index_spec is None
-    )
+    return halo_extend(indexed.x.to_local(), plan, indexed.dim)
 
 
 # ---------------------------------------------------------------------------- gathers
@@ -196,6 +194,8 @@ def _getitem(func, args, kwargs):
     if found is None:
         return NotImplemented
     dim, index = found
+    if _replicated_index(index) is not None:
+        return _through_replicated(func, a.self, dim, index, cell_wise=False)
     indexed = _indexed(a.self, dim, index)
     if indexed is None:
         return NotImplemented
@@ -205,7 +205,14 @@ def _getitem(func, args, kwargs):
 @register_function_handler(torch.index_select, torch.Tensor.index_select)
 def _index_select(func, args, kwargs):
     a = bind(func, args, kwargs)  # out= is the functions' keyword; the in-place methods have none
-    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
+    if a.get("out") is not None:
+        return NotImplemented
+    index = _replicated_index(a.index)
+    if index is not None:
+        if index.ndim > 1:
+            return NotImplemented
+        return _through_replicated(func, a.input, a.dim, index.reshape(-1), cell_wise=False)
+    indexed = _indexed(a.input, a.dim, a.index)
     if indexed is None or indexed.index.ndim > 1:
         return NotImplemented
     return _select_rows(indexed, "index_select", wrap_negative=False, keep_0d_dim=True)
@@ -226,15 +233,21 @@ def _select_rows(
     if keep_0d_dim and not index_shape:
         index_shape = (1,)
     shape = tuple(indexed.x.shape[:dim]) + index_shape + tuple(indexed.x.shape[dim + 1 :])
-    sharded_dim = dim + (indexed.index_sharding.dim if indexed.index_spec is not None else 0)
+    sharded_dim = dim + indexed.index_sharding.dim
     return from_local_spec(out, _output_spec(indexed, shape, out.dtype, sharded_dim))
 
 
 @register_function_handler(torch.gather, torch.Tensor.gather)
 def _gather(func, args, kwargs):
     a = bind(func, args, kwargs)
-    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
-    if indexed is None or not _index_sharded_on(indexed, indexed.dim):
+    if a.get("out") is not None:
+        return NotImplemented
+    if _replicated_index(a.index) is not None:
+        return _through_replicated(
+            func, a.input, a.dim, a.index, cell_wise=True, probe=(args, kwargs)
+        )
+    indexed = _indexed(a.input, a.dim, a.index)
+    if indexed is None or indexed.index_sharding.dim != indexed.dim:
         return NotImplemented
     plan = indexed.plan(what="gather")
     out = _extended_rows(indexed, plan).gather(indexed.dim, plan.local_index)
@@ -242,9 +255,81 @@ def _gather(func, args, kwargs):
     return from_local_spec(out, spec)
 
 
-def _index_sharded_on(indexed: _Indexed, dim: int) -> bool:
-    """A replicated index, or one sharded on ``dim`` (the dim gather/scatter walk along)."""
-    return indexed.index_spec is None or indexed.index_sharding.dim == dim
+# NOTE [A gather through a replicated index keeps the input's layout]
+# A gather (``x[idx]``, ``index_select``, ``gather``) whose index every rank holds whole
+# computes on each rank the part of the output its own shard of ``x`` anchors, and moves only
+# rows of the gathered dim. Along a sharded dim ``d`` of ``x`` other than the gathered one,
+# ``gather``'s output cell reads ``x`` in the same position along ``d``, so each rank takes the
+# index's positions of its own range (cut at the index's extent) and its output is sharded
+# along ``d`` with those sizes; ``x[idx]`` and ``index_select`` keep ``x``'s sizes there. Along
+# the gathered dim, when it is sharded, an output of ``x``'s extent there (a permutation,
+# ``take_along_dim`` with an index of ``x``'s shape) keeps ``x``'s sizes: each rank reads its
+# own range of the index and receives the remote rows that range names (every rank knows
+# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``); an
+# output of another extent is replicated over those axes, each rank receiving every remote
+# row the index names. The index's range is checked on the whole index, so every rank raises
+# alike. The rows received are the byte bound of that output layout; nothing else moves.
+def _through_replicated(
+    func, x: object, dim: int, index: object, *, cell_wise: bool, probe: tuple | None = None
+) -> object:
+    """``gather`` (``cell_wise``: the index has ``x``'s dims) or ``x[index]`` /
+    ``index_select`` (the index's dims replace ``dim``) through a replicated index (NOTE [A
+    gather through a replicated index keeps the input's layout]); ``probe``: the call's
+    ``(args, kwargs)``, for torch's errors on shapes."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
+        return NotImplemented
+    if probe is not None:
+        probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
+    spec, index, dim = x._spec, _replicated_index(index), dim % x.ndim
+    extent = x.shape[dim]
+    if func is torch.Tensor.__getitem__ and bool((index < 0).any()):
+        index = torch.where(index < 0, index + extent, index)  # Python's negative positions
+    _check_in_range(func, index, dim, extent)
+    shape = tuple(index.shape) if cell_wise else (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
+    starts, local_sizes = spec.local_offsets(), spec.local_shape()
+    placements = [Replicate()] * spec.mesh.ndim
+    sizes, order = {}, {}
+
+    def shard_output(out_dim: int, axes: tuple[int, ...], dim_sizes: tuple[int, ...]) -> None:
+        for axis in axes:
+            placements[axis] = Shard(out_dim)
+        sizes[out_dim], order[out_dim] = dim_sizes, axes
+
+    for sharding in spec.shardings:
+        d = sharding.dim
+        if d == dim:
+            continue
+        if not cell_wise:
+            shard_output(d if d < dim else d + index.ndim - 1, sharding.axes, sharding.sizes)
+            continue
+        n = index.shape[d]  # gather reads position i along d from x's position i
+        bounds = [min(sum(sharding.sizes[:k]), n) for k in range(len(sharding.sizes) + 1)]
+        shard_output(d, sharding.axes, tuple(b - a for a, b in itertools.pairwise(bounds)))
+        begin = min(starts[d], n)
+        index = index.narrow(d, begin, min(starts[d] + local_sizes[d], n) - begin)
+    rows = x.to_local()
+    if dim in spec.sharding_by_dim:
+        sharding, group, _ = dim_layout(spec, dim)
+        sliced = dim if cell_wise else 0
+        if (
+            index.ndim <= sliced
+            or index.shape[sliced] != extent
+            or (not cell_wise and index.ndim != 1)
+        ):
+            sliced = None
+        plan = gather_plan(
+            index, sharding.sizes, group, replicated=True, sliced=sliced, what=func.__name__
+        )
+        rows = halo_extend(rows, plan, dim, replicated_output=sliced is None)
+        index = plan.local_index
+        if sliced is not None:
+            shard_output(dim, sharding.axes, sharding.sizes)
+    out = rows.gather(dim, index) if cell_wise else rows[(slice(None),) * dim + (index,)]
+    order = {d: order[d] for d in sorted(order)}
+    out_spec = ShardTensorSpec.build(
+        spec.mesh, placements, shape, out.dtype, {d: sizes[d] for d in sorted(sizes)}, order=order
+    )
+    return from_local_spec(out, out_spec)
 
 
 # ---------------------------------------------------------------------------- scatters
@@ -304,9 +389,7 @@ def _scatter(
 ) -> object:
     """``index_add`` (1-D index) or ``scatter_reduce`` into a sharded dim; ``in_place`` writes
     the result into the destination and returns it."""
-    if indexed.index_spec is None or not _index_sharded_on(
-        indexed, 0 if what == "index_add" else indexed.dim
-    ):
+    if indexed.index_sharding.dim != (0 if what == "index_add" else indexed.dim):
         return NotImplemented
     dim = indexed.dim
     values = _source_local(indexed, source, dim)
