@@ -231,6 +231,9 @@ def _memory_body() -> None:
     shard_bytes = shard.to_local().numel() * x.element_size()
     index = torch.tensor([[[3], [120]], [[250], [99]]])
     src = torch.randn(2, 2, 1, dtype=torch.float64)
+    rows = torch.randperm(256)[:100]
+    rows_source = torch.randn(64, 100, 8, dtype=torch.float64)
+    cells = torch.randn(64, 256, 8, dtype=torch.float64)
     calls = {
         "scatter_add": lambda: shard.scatter_add(1, index, src),
         "scatter_reduce_ amax, in place": lambda: shard.scatter_reduce_(1, index, src, "amax"),
@@ -239,6 +242,11 @@ def _memory_body() -> None:
         ),
         "index_copy_, in place": lambda: shard.index_copy_(
             1, index[:, 0, 0], src.reshape(1, 4, 1)[:, :2].expand(64, 2, 8)
+        ),
+        # an index as long as a shard: its positions shifted to the shard, not per source cell
+        "index_add_, a shard-sized source": lambda: shard.index_add_(1, rows, rows_source),
+        "index_put_ x[i, j] += v, broadcast indices": lambda: shard.index_put_(
+            (torch.arange(64)[:, None], torch.arange(256)[None, :]), cells, accumulate=True
         ),
     }
     with torch.no_grad():
@@ -252,5 +260,7 @@ def _memory_body() -> None:
 
 def test_a_scatter_through_a_replicated_index_holds_one_new_shard() -> None:
     """The output and its spare slice, as torch's own scatter: not a copy of the shard with
-    the spare slice, then the scatter's output (2 shards), nor a third for in-place calls."""
+    the spare slice, then the scatter's output (2 shards), nor a third for in-place calls,
+    nor an int64 index of the source's or the entries' size (as large as a shard of float64
+    when the source is)."""
     run_on_ranks(2, _memory_body)

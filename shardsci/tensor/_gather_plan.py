@@ -53,6 +53,7 @@ from shardsci.tensor._collectives import AxisGroup, exchange
 
 __all__ = [
     "GatherPlan",
+    "compact",
     "extended_rows",
     "gather_plan",
     "halo_extend",
@@ -204,12 +205,12 @@ def _build(
     extent = sum(sizes)
     starts = torch.tensor([sum(sizes[:k]) for k in range(len(sizes) + 1)], dtype=torch.int64)
     me = group.index
-    report = _report(_given(_compact(index)[0]), extent)  # every value this rank holds
+    report = _report(_given(compact(index)[0]), extent)  # every value this rank holds
     if sliced is not None:
         ranges = [index.narrow(sliced, int(starts[k]), sizes[k]) for k in range(group.size)]
         index = ranges[me]
-    compact, expand_to = _compact(index)
-    values, wanted, owners = _owners(_given(compact), starts)
+    distinct, expand_to = compact(index)
+    values, wanted, owners = _owners(_given(distinct), starts)
     if replicated:
         reports = [report]
         # every rank knows which rows each rank of the group reads: its own, or its range's
@@ -240,7 +241,7 @@ def _build(
         values - offset,
         owned + torch.searchsorted(halo_ids, values),
     )
-    local_index = positions.reshape(compact.shape).to(index.device).expand(expand_to)
+    local_index = positions.reshape(distinct.shape).to(index.device).expand(expand_to)
     return GatherPlan(group, owned, halo_counts, send_rows.to(index.device), local_index, negative)
 
 
@@ -260,7 +261,7 @@ def _owners(
     return values, wanted, torch.searchsorted(starts[1:], wanted, right=True)
 
 
-def _compact(index: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+def compact(index: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
     """``index`` without its broadcast dims (stride 0), and the shape to expand back to."""
     narrowed = index
     for dim, (size, stride) in enumerate(zip(index.shape, index.stride())):

@@ -44,6 +44,7 @@ from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._collectives import AxisGroup
 from shardsci.tensor._gather_plan import (
     GatherPlan,
+    compact,
     extended_rows,
     gather_plan,
     halo_extend,
@@ -592,6 +593,16 @@ def _replicated_index(index: object) -> torch.Tensor | None:
     return index
 
 
+def _shifted(index: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """``index``'s positions in ``[start, start + size)`` shifted to a shard starting at
+    ``start``, the others sent to the spare slice at ``size``: computed once per distinct
+    element of a broadcast index (an expanded view) and expanded again, so that no tensor of
+    the expanded size is made (for a scatter of the ``index_*`` family, the source's size)."""
+    distinct, shape = compact(index)
+    inside = (distinct >= start) & (distinct < start + size)
+    return torch.where(inside, distinct - start, size).expand(shape)
+
+
 def _scatter_by_owner(
     func,
     args,
@@ -633,9 +644,8 @@ def _scatter_by_owner(
     # the output, written in place: one new shard (and a spare slice), as torch's own scatter
     destination = x.to_local()
     if dim in spec.sharding_by_dim:
-        start, size = starts[dim], sizes[dim]
-        mine = (index >= start) & (index < start + size)
-        index = torch.where(mine, index - start, size)
+        size = sizes[dim]
+        index = _shifted(index, starts[dim], size)
         spare = destination.new_zeros([1 if d == dim else n for d, n in enumerate(sizes)])
         out = scatter(torch.cat([destination, spare], dim), dim, index, src).narrow(dim, 0, size)
     else:
@@ -770,18 +780,14 @@ def _index_put(func, args, kwargs):
         _check_in_range(torch.index_put, index, first + k, x.shape[first + k])
     spec = x._spec
     entries = torch.broadcast_shapes(*(index.shape for index in indices))
-    indices = [index.expand(entries) for index in indices]
     last = first + len(indices)  # the indexed dims are [first, last)
     values = replicated_local(values, spec.mesh, sharding_axes(spec))
     values = values.expand((*x.shape[:first], *entries, *x.shape[last:]))
     starts, sizes = spec.local_offsets(), spec.local_shape()
-    destination, padded, mine = x.to_local(), [], None
+    destination, padded = x.to_local(), []
     for sharding in spec.shardings:
         d = sharding.dim
         if first <= d < last:
-            index = indices[d - first]
-            lands = (index >= starts[d]) & (index < starts[d] + sizes[d])
-            mine = lands if mine is None else mine & lands
             padded.append(d)
         else:
             position = d if d < first else d - len(indices) + len(entries)
@@ -794,8 +800,9 @@ def _index_put(func, args, kwargs):
         narrowed(destination, [(d, 0, sizes[d]) for d in padded]).copy_(own)
     else:
         destination = destination.clone()
+    # an entry outside this rank's range along any padded dim lands in that dim's spare slice
     local = [
-        torch.where(mine, index - starts[d], sizes[d]) if d in padded else index
+        _shifted(index, starts[d], sizes[d]) if d in padded else index
         for d, index in enumerate(indices, start=first)
     ]
     out = aten.index_put_.default(destination, [None] * first + local, values, a.accumulate)
