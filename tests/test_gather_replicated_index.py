@@ -102,13 +102,11 @@ def _expected(layout: Layout, index: torch.Tensor, cell_wise: bool) -> Layout:
     return Layout(tuple(placements), sizes)
 
 
-def _bound(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> int:
-    """Bytes this rank must receive: the distinct remote rows of dim 1 its part of the index
-    names, each a row of its block."""
-    x = torch.empty(SHAPE, dtype=torch.float64)
-    spec = layout.spec(mesh, x)
-    if DIM not in spec.sharding_by_dim:
-        return 0
+def _parts(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> list[torch.Tensor]:
+    """The part of the index (positions along dim 1) each rank of this rank's dim-1 group
+    reads, in group order: narrowed like this rank's block along the other dims (``gather``),
+    then to each rank's range along dim 1 when the output keeps it sharded."""
+    spec = layout.spec(mesh, torch.empty(SHAPE, dtype=torch.float64))
     starts, local = spec.local_offsets(), spec.local_shape()
     keep = _keeps_gathered_dim(index, cell_wise)
     index = torch.where(index < 0, index + SHAPE[DIM], index)
@@ -117,12 +115,31 @@ def _bound(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> int:
             if d != DIM:
                 begin = min(starts[d], index.shape[d])
                 index = index.narrow(d, begin, min(starts[d] + local[d], index.shape[d]) - begin)
-    if keep:
-        index = index.narrow(DIM if cell_wise else 0, starts[DIM], local[DIM])
-    named = torch.unique(index)
-    remote = int(((named < starts[DIM]) | (named >= starts[DIM] + local[DIM])).sum())
-    row = math.prod(n for d, n in enumerate(local) if d != DIM)
-    return remote * row * x.element_size()
+    sizes = layout.sizes[DIM]
+    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    if not keep:
+        return [index] * len(sizes)
+    return [index.narrow(DIM if cell_wise else 0, a, b - a) for a, b in itertools.pairwise(bounds)]
+
+
+def _bounds(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> tuple[int, int]:
+    """Bytes this rank must receive in the forward (the distinct remote rows of dim 1 its part
+    of the index names, each a row of its block) and in the backward (the rows of its own the
+    others read, when the output is sharded along dim 1; none when it is replicated there)."""
+    spec = layout.spec(mesh, torch.empty(SHAPE, dtype=torch.float64))
+    if DIM not in spec.sharding_by_dim:
+        return 0, 0
+    starts, local = spec.local_offsets(), spec.local_shape()
+    row = math.prod(n for d, n in enumerate(local) if d != DIM) * 8
+    mine = range(starts[DIM], starts[DIM] + local[DIM])
+    parts = _parts(layout, mesh, index, cell_wise)
+    axis = next(a for a, p in enumerate(layout.placements) if p.dim == DIM)
+    me = mesh.get_coordinate()[axis]
+    forward = sum(int(v) not in mine for v in torch.unique(parts[me]))
+    if not _keeps_gathered_dim(index, cell_wise):
+        return forward * row, 0
+    backward = sum(int(v) in mine for k, p in enumerate(parts) if k != me for v in torch.unique(p))
+    return forward * row, backward * row
 
 
 def _body(name: str) -> None:
@@ -135,12 +152,16 @@ def _body(name: str) -> None:
     for what, (fn, index, cell_wise) in _cases().items():
         expected = _expected(layout, index, cell_wise)
         check_against_reference(fn, [x], [layout], mesh, out_layouts=[expected], what=what)
-        with count_traffic() as traffic:
-            fn(shard)
-        bound = _bound(layout, mesh, index, cell_wise)
+        leaf = shard.detach().requires_grad_()
+        with count_traffic() as forward:
+            out = fn(leaf)
+        with count_traffic() as backward:
+            out.backward(torch.ones_like(out))
+        bounds = _bounds(layout, mesh, index, cell_wise)
         assert_all_ranks(
-            traffic.received == bound,
-            f"{name}: {what} received {traffic.received} bytes, the rows it reads are {bound}",
+            (forward.received, backward.received) == bounds,
+            f"{name}: {what} received {forward.received} and {backward.received} bytes forward "
+            f"and backward, the rows it reads and the others read from it are {bounds}",
         )
     assert_raises_all_ranks(
         IndexError, "gather: index 5 is out of bounds", shard.gather, DIM, torch.full(SHAPE, 5)

@@ -270,22 +270,36 @@ def _gather(func, args, kwargs):
 # output of another extent is replicated over those axes, each rank receiving every remote
 # row the index names. The index's range is checked on the whole index, so every rank raises
 # alike. The rows received are the byte bound of that output layout; nothing else moves.
-def _through_replicated(
-    func, x: object, dim: int, index: object, *, cell_wise: bool, probe: tuple | None = None
-) -> object:
-    """``gather`` (``cell_wise``: the index has ``x``'s dims) or ``x[index]`` /
-    ``index_select`` (the index's dims replace ``dim``) through a replicated index (NOTE [A
-    gather through a replicated index keeps the input's layout]); ``probe``: the call's
-    ``(args, kwargs)``, for torch's errors on shapes."""
-    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
-        return NotImplemented
-    if probe is not None:
-        probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
-    spec, index, dim = x._spec, _replicated_index(index), dim % x.ndim
-    extent = x.shape[dim]
-    if func is torch.Tensor.__getitem__ and bool((index < 0).any()):
-        index = torch.where(index < 0, index + extent, index)  # Python's negative positions
-    _check_in_range(func, index, dim, extent)
+@dataclass(frozen=True)
+class _Reading:
+    """What this rank reads of a tensor sharded on any dims through a replicated index (NOTE
+    [A gather through a replicated index keeps the input's layout]).
+
+    Attributes
+    ----------
+    index : Tensor
+        This rank's part of the index, as positions into its own rows along the gathered dim
+        followed by the halo rows ``plan`` brings (its own rows alone without a plan).
+    plan : GatherPlan or None
+        The rows of the gathered dim that move; None when that dim is not split.
+    replicated : bool
+        Whether the output is replicated over the gathered dim's axes (every rank of that
+        group reads the whole index), rather than sharded like the input there.
+    spec : ShardTensorSpec
+        The output's layout.
+    """
+
+    index: torch.Tensor
+    plan: GatherPlan | None
+    replicated: bool
+    spec: ShardTensorSpec
+
+
+def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: bool) -> _Reading:
+    """How this rank reads ``x`` through the replicated ``index`` along ``dim`` (non-negative,
+    checked in range on every rank alike): ``gather`` (``cell_wise``: the index has ``x``'s
+    dims) or a selection (the index's dims replace ``dim``)."""
+    spec, extent = x._spec, x.shape[dim]
     shape = tuple(index.shape) if cell_wise else (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
     starts, local_sizes = spec.local_offsets(), spec.local_shape()
     placements = [Replicate()] * spec.mesh.ndim
@@ -308,29 +322,110 @@ def _through_replicated(
         shard_output(d, sharding.axes, tuple(b - a for a, b in itertools.pairwise(bounds)))
         begin = min(starts[d], n)
         index = index.narrow(d, begin, min(starts[d] + local_sizes[d], n) - begin)
-    rows = x.to_local()
+    plan, sliced = None, None
     if dim in spec.sharding_by_dim:
         sharding, group, _ = dim_layout(spec, dim)
         sliced = dim if cell_wise else 0
-        if (
-            index.ndim <= sliced
-            or index.shape[sliced] != extent
-            or (not cell_wise and index.ndim != 1)
-        ):
+        if index.shape[sliced] != extent or (not cell_wise and index.ndim != 1):
             sliced = None
         plan = gather_plan(
             index, sharding.sizes, group, replicated=True, sliced=sliced, what=func.__name__
         )
-        rows = halo_extend(rows, plan, dim, replicated_output=sliced is None)
         index = plan.local_index
         if sliced is not None:
             shard_output(dim, sharding.axes, sharding.sizes)
-    out = rows.gather(dim, index) if cell_wise else rows[(slice(None),) * dim + (index,)]
-    order = {d: order[d] for d in sorted(order)}
     out_spec = ShardTensorSpec.build(
-        spec.mesh, placements, shape, out.dtype, {d: sizes[d] for d in sorted(sizes)}, order=order
+        spec.mesh,
+        placements,
+        shape,
+        x.dtype,
+        {d: sizes[d] for d in sorted(sizes)},
+        order={d: order[d] for d in sorted(order)},
     )
-    return from_local_spec(out, out_spec)
+    return _Reading(index, plan, plan is not None and sliced is None, out_spec)
+
+
+def _checked_index(func, x: ShardTensor, dim: int, index: object) -> torch.Tensor:
+    """The replicated ``index`` along ``dim`` of ``x``, Python's negative positions wrapped
+    for ``x[index]``, checked in range on every rank alike."""
+    index, extent = _replicated_index(index), x.shape[dim]
+    if func is torch.Tensor.__getitem__ and bool((index < 0).any()):
+        index = torch.where(index < 0, index + extent, index)
+    _check_in_range(func, index, dim, extent)
+    return index
+
+
+def _through_replicated(
+    func, x: object, dim: int, index: object, *, cell_wise: bool, probe: tuple | None = None
+) -> object:
+    """``gather`` (``cell_wise``: the index has ``x``'s dims) or ``x[index]`` /
+    ``index_select`` (the index's dims replace ``dim``) through a replicated index (NOTE [A
+    gather through a replicated index keeps the input's layout]); ``probe``: the call's
+    ``(args, kwargs)``, for torch's errors on shapes."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
+        return NotImplemented
+    if probe is not None:
+        probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
+    dim = dim % x.ndim
+    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=cell_wise)
+    rows, index = x.to_local(), reading.index
+    if reading.plan is not None:
+        rows = halo_extend(rows, reading.plan, dim, replicated_output=reading.replicated)
+    out = rows.gather(dim, index) if cell_wise else rows[(slice(None),) * dim + (index,)]
+    return from_local_spec(out, reading.spec.with_dtype(out.dtype))
+
+
+def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
+    """``x``, which every rank holds whole (the zeros that torch's backward of an aten
+    ``gather`` makes with ``new_zeros``), sharded like the gather's output ``source``, a dim
+    longer than the source's with its extra cells on the last rank: a layout from which that
+    gather reads ``source``'s layout (NOTE [A gather through a replicated index keeps the
+    input's layout]). A local slice; nothing moves."""
+    sizes = {
+        s.dim: (*s.sizes[:-1], s.sizes[-1] + x.shape[s.dim] - source.shape[s.dim])
+        for s in source.shardings
+    }
+    order = {s.dim: s.axes for s in source.shardings}
+    spec = ShardTensorSpec.build(
+        x._spec.mesh, source.placements, x.shape, x.dtype, sizes, order=order
+    )
+    return from_local_spec(spec.narrow(x.to_local()), spec)
+
+
+def _scatter_add_through_replicated(
+    func, args, kwargs, x: object, dim: int, index: object, src: object, *, in_place: bool
+) -> object:
+    """``scatter_add`` through a replicated index of a source laid out as the ``gather`` from
+    ``x`` with that index would be (the backward of that gather, NOTE [A gather through a
+    replicated index keeps the input's layout]): each rank adds its block of the source into
+    its rows and the halo rows the gather read, and the halo rows travel back to their owners,
+    unless the source is replicated over the gathered dim's axes (then each rank keeps the
+    sums of its own rows: every value is on every rank of that group). A destination every
+    rank holds whole is first cut to a layout that gather reads (``_cut_for``)."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, src):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    dim = dim % x.ndim
+    if not x._spec.shardings:
+        if in_place:
+            return NotImplemented  # the result would not fit the destination's layout
+        x = _cut_for(x, src._spec)
+    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=True)
+    if src._spec != reading.spec.with_dtype(src.dtype):
+        return NotImplemented
+    destination, values, plan = x.to_local(), src.to_local(), reading.plan
+    if plan is None:
+        out = destination.scatter_add(dim, reading.index, values)
+    else:
+        shape = [plan.owned + plan.halo if d == dim else n for d, n in enumerate(destination.shape)]
+        total = destination.new_zeros(shape).scatter_add(dim, reading.index, values)
+        if reading.replicated:
+            total = total.narrow(dim, 0, plan.owned)
+        else:
+            total = halo_reduce(total, plan, dim)
+        out = destination + total
+    result = from_local_spec(out, x._spec.with_dtype(out.dtype))
+    return x.copy_(result) if in_place else result
 
 
 # ---------------------------------------------------------------------------- scatters
@@ -534,10 +629,15 @@ def _index_add(func, args, kwargs):
 def _scatter_add(func, args, kwargs):
     a = bind(func, args, kwargs)
     if _replicated_index(a.index) is not None and a.get("out") is None:
+        in_place = func is torch.Tensor.scatter_add_
+        if isinstance(a.src, ShardTensor) and a.src._spec.shardings:
+            return _scatter_add_through_replicated(
+                func, args, kwargs, a.input, a.dim, a.index, a.src, in_place=in_place
+            )
         return _scatter_by_owner(
             func, args, kwargs, a.input, a.dim, a.index, a.src,
             lambda into, dim, index, src: into.scatter_add_(dim, index, src),
-            in_place=func is torch.Tensor.scatter_add_,
+            in_place=in_place,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None:
