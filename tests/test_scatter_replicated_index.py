@@ -42,10 +42,9 @@ LAYOUTS = {
 }
 
 
-def _cases(graded_sources: bool) -> dict[str, object]:
-    """The calls; with ``graded_sources``, also aten-level calls whose source needs a gradient,
-    an aten gather or index_select from the gradient (taken for a destination sharded along the
-    indexed dim only)."""
+def _cases() -> dict[str, object]:
+    """The calls, aten-level ones among them (a source that needs a gradient there has an aten
+    gather or index_select from the gradient for its gradient)."""
     generator = torch.Generator().manual_seed(3)
     # index rows 0..3 of dim 0 only (4 < 6), several entries per target
     index = torch.randint(0, SHAPE[1], (4, 7, 3), generator=generator)
@@ -121,27 +120,35 @@ def _cases(graded_sources: bool) -> dict[str, object]:
             x, [rows0], _rows(src.detach(), 7, dim=0), True
         ),
         # an interpolation's backward: entries out of range are masked out, then clamped
+        "aten scatter_reduce.two amax": lambda x, src: aten.scatter_reduce.two(
+            x, 1, index, src.detach(), "amax", include_self=False
+        ),
+        "aten index_reduce prod": lambda x, src: aten.index_reduce.default(
+            x, 1, rows, _rows(src.detach(), 7), "prod"
+        ),
         "aten _unsafe_masked_index_put_accumulate": lambda x, src: (
             aten._unsafe_masked_index_put_accumulate.default(
                 x, in_range[:, :, None], [beyond[:, None], rows[None, :3]], src.permute(1, 2, 0)
             )
         ),
     }
-    if graded_sources:
-        cases |= {
-            "aten scatter_add, a graded source": lambda x, src: aten.scatter_add.default(
-                x, 1, index, src
-            ),
-            "aten scatter.src, a graded source": lambda x, src: aten.scatter.src(
-                x, 1, unique, src[:, :3]
-            ),
-            "aten index_add, a graded source": lambda x, src: aten.index_add.default(
-                x, 1, rows, _rows(src, 7)
-            ),
-            "aten index_copy, a graded source": lambda x, src: aten.index_copy.default(
-                x, 1, distinct, _rows(src, 3)
-            ),
-        }
+    cases |= {
+        "aten scatter_add, a graded source": lambda x, src: aten.scatter_add.default(
+            x, 1, index, src
+        ),
+        "aten scatter.src, a graded source": lambda x, src: aten.scatter.src(
+            x, 1, unique, src[:, :3]
+        ),
+        "aten index_add, a graded source": lambda x, src: aten.index_add.default(
+            x, 1, rows, _rows(src, 7)
+        ),
+        "aten index_copy, a graded source": lambda x, src: aten.index_copy.default(
+            x, 1, distinct, _rows(src, 3)
+        ),
+        "aten index_fill, a graded value": lambda x, src: aten.index_fill.int_Tensor(
+            x, 1, rows, src.sum()
+        ),
+    }
     for reduce in ("sum", "prod", "mean", "amax", "amin"):
         for include_self in (True, False):
             cases[f"scatter_reduce {reduce}, include_self={include_self}"] = (
@@ -180,14 +187,13 @@ def _body(name: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(*SHAPE, dtype=torch.float64)
     src = torch.randn(4, 7, 3, dtype=torch.float64)  # the index's shape: torch's backward
-    graded_sources = {s.dim for s in layout.spec(mesh, x).shardings} == {1}
-    for what, fn in _cases(graded_sources).items():
+    for what, fn in _cases().items():
         check_against_reference(
             fn, [x, src], [layout, None], mesh, out_layouts=[layout], what=f"{name}: {what}"
         )
     spec = layout.spec(mesh, x)
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
-    for what, fn in _cases(graded_sources).items():
+    for what, fn in _cases().items():
         with count_traffic() as traffic:
             fn(shard, src)
         assert_all_ranks(

@@ -1031,21 +1031,22 @@ def _index_fill_signature(input, dim, index, value):
 # ---------------------------------------------------------------------------- below autograd
 # The gathers and the scatters through a replicated index, reached at the aten level only (a
 # backward formula, a decomposition, a traced graph): the same handlers on the same arguments.
-# A scatter's source gradient is an aten ``gather`` or ``index_select`` from the gradient,
-# sharded like the destination; those take the handlers above when it is sharded along the
-# indexed dim only, so a source may need a gradient there. Elsewhere (a destination sharded on
-# other dims too, ``index_put``'s or ``index_fill``'s value, whose gradients are an aten
-# ``index`` and a sum, the reductions ``scatter_reduce`` and ``index_reduce``) a source that
-# needs a gradient takes the default path (``scatter_reduce``: the gathered fallback of
-# ``_gathered_ops``).
+# The gradient of a scatter's source (or of ``index_fill``'s value) is an aten ``gather`` or
+# ``index_select`` from the gradient, sharded like the destination, through the same index
+# (and a sum): the gathers above take it on any layout, so such a source may need a gradient.
+# The other sources that need one (``index_put``'s values, whose gradient is an aten
+# ``index``, and the reductions ``scatter_reduce`` and ``index_reduce``) take the default path,
+# ``scatter_reduce`` the gathered fallback of ``_gathered_ops``, as a sharded index does.
 _AT_TORCH_LEVEL = {
     aten.gather.default: torch.gather,
     aten.index_select.default: torch.index_select,
     aten.scatter_add.default: torch.scatter_add,
     aten.scatter.src: torch.scatter,
     aten.scatter.value: torch.scatter,
+    aten.scatter_reduce.two: torch.scatter_reduce,
     aten.index_add.default: torch.index_add,
     aten.index_copy.default: torch.index_copy,
+    aten.index_reduce.default: torch.index_reduce,
     aten.index_fill.int_Scalar: torch.index_fill,
     aten.index_fill.int_Tensor: torch.index_fill,
     aten.index_put.default: torch.index_put,
@@ -1055,6 +1056,7 @@ _SOURCE_GRADIENT_TAKEN = {
     aten.scatter.src,
     aten.index_add.default,
     aten.index_copy.default,
+    aten.index_fill.int_Tensor,
 }
 
 
@@ -1064,6 +1066,17 @@ def _below_autograd(func, args, kwargs):
     torch_func = _AT_TORCH_LEVEL[func]
     if func in (aten.gather.default, aten.index_select.default):
         return function_handler_for(torch_func)(torch_func, args, kwargs)
+    if func is aten.index_put.default:
+        replicated = _advanced_indices(a.indices, a.self) is not None
+    else:
+        replicated = _replicated_index(a.index) is not None
+    sources = [a.get(name) for name in ("src", "source", "value", "values")]
+    graded = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in sources
+    )
+    if not replicated or (graded and func not in _SOURCE_GRADIENT_TAKEN):
+        return gathered(func, args, kwargs) if func is aten.scatter_reduce.two else NotImplemented
+    return function_handler_for(torch_func)(torch_func, args, kwargs)
     if func is aten.index_put.default:
         replicated = _advanced_indices(a.indices, a.self) is not None
     else:

@@ -75,7 +75,6 @@ GATHERED = (
     aten.fractional_max_pool2d_backward,
     aten.fractional_max_pool3d_backward,
     aten._unsafe_masked_index,
-    aten.scatter_reduce.two,
 )
 
 
