@@ -145,6 +145,12 @@ def _cases() -> dict[str, object]:
         "aten index_copy, a graded source": lambda x, src: aten.index_copy.default(
             x, 1, distinct, _rows(src, 3)
         ),
+        "aten index_put, a graded value": lambda x, src: aten.index_put.default(
+            x, [rows0], _rows(src, 7, dim=0), True
+        ),
+        "aten index_put, a graded value along dim 1": lambda x, src: aten.index_put.default(
+            x, [None, distinct], _rows(src, 3)
+        ),
         "aten index_fill, a graded value": lambda x, src: aten.index_fill.int_Tensor(
             x, 1, rows, src.sum()
         ),
@@ -270,3 +276,26 @@ def test_a_scatter_through_a_replicated_index_holds_one_new_shard() -> None:
     nor an int64 index of the source's or the entries' size (as large as a shard of float64
     when the source is)."""
     run_on_ranks(2, _memory_body)
+
+
+def _values_gradient_body() -> None:
+    mesh = get_mesh((2,))
+    x = torch.randn(6, 50, 4, dtype=torch.float64)
+    spec = Layout((Shard(1),), {1: (40, 10)}).spec(mesh, x)
+    shard = from_local_spec(spec.narrow(x).contiguous(), spec).requires_grad_()
+    values = torch.randn(6, 3, 4, dtype=torch.float64, requires_grad=True)
+    out = aten.index_put.default(shard, [None, torch.tensor([3, 45, 7])], values)
+    with count_traffic() as traffic:
+        out.backward(torch.ones_like(out))
+    limit = 2 * values.numel() * values.element_size()
+    assert_all_ranks(
+        traffic.received <= limit,
+        f"the backward received {traffic.received} bytes; the values' rows and their "
+        f"gradient's reduction are at most {limit}",
+    )
+
+
+def test_the_gradient_of_aten_index_puts_values_reads_only_their_rows() -> None:
+    """Through one index, the values' gradient (an aten ``index`` of the sharded gradient)
+    receives the rows the index names, not the gradient field (1920-7680 bytes here)."""
+    run_on_ranks(2, _values_gradient_body)

@@ -203,6 +203,21 @@ def _getitem(func, args, kwargs):
     return _select_rows(indexed, "x[index]", wrap_negative=True, keep_0d_dim=False)
 
 
+@register_aten_handler(aten.index.Tensor)
+def _index(func, args, kwargs):
+    """Aten's ``x[:, ..., idx]`` (one integer index after leading ``None``; the gradient of
+    ``index_put``'s values, a decomposed ``x[idx]``) through a replicated index, as ``x[idx]``
+    above; several indices or a mask take the default path."""
+    a = bind(func, args, kwargs)
+    indices = list(a.indices)
+    first = next((k for k, index in enumerate(indices) if index is not None), len(indices))
+    if len(indices) != first + 1 or _replicated_index(indices[first]) is None:
+        return NotImplemented
+    return _through_replicated(
+        torch.Tensor.__getitem__, a.self, first, indices[first], cell_wise=False
+    )
+
+
 @register_function_handler(torch.index_select, torch.Tensor.index_select)
 def _index_select(func, args, kwargs):
     a = bind(func, args, kwargs)  # out= is the functions' keyword; the in-place methods have none
@@ -1034,9 +1049,11 @@ def _index_fill_signature(input, dim, index, value):
 # The gradient of a scatter's source (or of ``index_fill``'s value) is an aten ``gather`` or
 # ``index_select`` from the gradient, sharded like the destination, through the same index
 # (and a sum): the gathers above take it on any layout, so such a source may need a gradient.
-# The other sources that need one (``index_put``'s values, whose gradient is an aten
-# ``index``, and the reductions ``scatter_reduce`` and ``index_reduce``) take the default path,
-# ``scatter_reduce`` the gathered fallback of ``_gathered_ops``, as a sharded index does.
+# So may ``index_put``'s values through one integer index: their gradient is an aten ``index``
+# through it (``_index``). The other sources that need one (``index_put``'s values through
+# several indices or a mask, the reductions ``scatter_reduce`` and ``index_reduce``) take the
+# default path, ``scatter_reduce`` the gathered fallback of ``_gathered_ops``, as a sharded
+# index does.
 _AT_TORCH_LEVEL = {
     aten.gather.default: torch.gather,
     aten.index_select.default: torch.index_select,
@@ -1074,7 +1091,15 @@ def _below_autograd(func, args, kwargs):
     graded = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in sources
     )
-    if not replicated or (graded and func not in _SOURCE_GRADIENT_TAKEN):
+    if graded and func is aten.index_put.default:
+        # the values' gradient is an aten ``index`` through the same indices (``_index``)
+        graded = (
+            len([i for i in a.indices if i is not None]) != 1
+            or _replicated_index(next(i for i in a.indices if i is not None)) is None
+        )
+    elif graded:
+        graded = func not in _SOURCE_GRADIENT_TAKEN
+    if not replicated or graded:
         return gathered(func, args, kwargs) if func is aten.scatter_reduce.two else NotImplemented
     return function_handler_for(torch_func)(torch_func, args, kwargs)
     if func is aten.index_put.default:
