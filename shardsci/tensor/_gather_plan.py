@@ -24,7 +24,9 @@ or miss together, which holds when every rank runs the same program on correspon
 (as in SPMD training). So the storage, not the index's values, is the key: equal values
 on one rank and different ones on another would make the ranks disagree. A replicated index
 (a plain tensor, or a replicated ShardTensor) is the same on every rank, so its plan is
-computed locally, without communication.
+computed locally, without communication; so is the plan of a replicated index each rank of
+which reads only its own range (``sliced``: an output sharded like the indexed dim), since
+every rank knows every rank's range.
 
 The cache follows NOTE [Caches are keyed by value] (``_caches``) with one twist: each storage
 has its own bounded cache of plans, held through a weak reference to the storage (by

@@ -284,7 +284,12 @@ def _gather(func, args, kwargs):
 # every rank's range: a plan built without communication, ``gather_plan(sliced=...)``); an
 # output of another extent is replicated over those axes, each rank receiving every remote
 # row the index names. The index's range is checked on the whole index, so every rank raises
-# alike. The rows received are the byte bound of that output layout; nothing else moves.
+# alike. A row of the rank's block is the unit that moves: for ``x[idx]`` and
+# ``index_select`` that is the byte bound of the output's layout; ``gather`` reads single
+# cells of those rows, so it may receive more than the cells it reads (for a random index,
+# up to the remote part of its block's rows, never more than gathering ``x`` would). The
+# backward is the plan's adjoint (the halo rows go home); at the aten level, torch's
+# ``scatter_add`` into zeros it makes whole takes ``_scatter_add_through_replicated``.
 @dataclass(frozen=True)
 class _Reading:
     """What this rank reads of a tensor sharded on any dims through a replicated index (NOTE
