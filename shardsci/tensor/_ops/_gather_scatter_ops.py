@@ -431,7 +431,7 @@ def _scatter_add_through_replicated(
             return NotImplemented  # the result would not fit the destination's layout
         x = _cut_for(x, src._spec)
     reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=True)
-    if src._spec != reading.spec.with_dtype(src.dtype):
+    if not src._spec.same_layout(reading.spec):
         return NotImplemented
     destination, values, plan = x.to_local(), src.to_local(), reading.plan
     if plan is None:
