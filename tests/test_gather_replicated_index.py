@@ -8,8 +8,10 @@ it, along another dim with an empty shard, both on a 2x2 mesh, and along two oth
 2x2 mesh, uneven in opposite directions: values, the input's gradient, the output's layout
 (stated here from the rule: sharded dims kept, cut at a smaller index's extent; the gathered
 dim kept when the output has the input's extent there, else replicated) and, per rank, the
-bytes received by ``count_traffic``: exactly the remote rows of the gathered dim that the
-rank's part of the index names, each once (none when the gathered dim is not split).
+bytes received by ``count_traffic``: in the forward exactly the remote rows of the gathered
+dim that the rank's part of the index names, each once (none when the gathered dim is not
+split); in the backward (a gradient with other strides) exactly the rows the others read from
+the rank, or none when the output is replicated over the gathered dim's axes.
 """
 
 from __future__ import annotations
