@@ -251,9 +251,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((30,), ("2x2-uneven", "2x2-last")),
     ),
-    "_unsafe_masked_index_put_accumulate": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "argsort": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
@@ -296,10 +293,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "grid_sampler_2d": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven")),),
     "histogramdd": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
-    "index_select": (
-        _GATHERED.cases((1,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),
-    ),
     "linalg.cholesky": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -454,7 +447,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "take": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "take_along_dim": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven", "2x2-last")),),
     "torch.ops.aten._safe_softmax.default": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "trapezoid": (_WRONG_LAYOUT.cases((0,), ("4r-random",)),),
     "triangular_solve": (

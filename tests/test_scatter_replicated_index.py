@@ -4,7 +4,8 @@ process, float64 (NOTE [Scatters through a replicated index write where they lan
 ``scatter``, ``scatter_add``, ``scatter_reduce`` (every reduction, with and without the
 destination's own values), ``index_add``, ``index_copy``, ``index_reduce``, ``index_put``
 (an integer index, several broadcast together after leading slices, or a boolean mask of
-one or two dims, accumulated or not) and ``index_fill`` into a
+one or two dims, accumulated or not), aten's ``_unsafe_masked_index_put_accumulate`` (an
+interpolation's backward) and ``index_fill`` into a
 destination sharded along the scatter's dim, along another
 dim (with an empty shard, and rows the index does not reach) and both on a 2x2 mesh: values,
 the destination's and the source's gradients, the output's layout (the destination's
@@ -41,10 +42,9 @@ LAYOUTS = {
 }
 
 
-def _cases(graded_sources: bool) -> dict[str, object]:
-    """The calls; with ``graded_sources``, also aten-level calls whose source needs a gradient,
-    an aten gather or index_select from the gradient (taken for a destination sharded along the
-    indexed dim only)."""
+def _cases() -> dict[str, object]:
+    """The calls, aten-level ones among them (a source that needs a gradient there has an aten
+    gather or index_select from the gradient for its gradient)."""
     generator = torch.Generator().manual_seed(3)
     # index rows 0..3 of dim 0 only (4 < 6), several entries per target
     index = torch.randint(0, SHAPE[1], (4, 7, 3), generator=generator)
@@ -63,6 +63,8 @@ def _cases(graded_sources: bool) -> dict[str, object]:
     cells = torch.randperm(SHAPE[0] * SHAPE[1], generator=generator)[:3]
     pairs = torch.randperm(SHAPE[1] * SHAPE[2], generator=generator)[:3]
     distinct0 = torch.randperm(SHAPE[0], generator=generator)[:3]
+    beyond = torch.where(rows0 % 3 == 0, rows0 + SHAPE[0], rows0)  # some beyond dim 0
+    in_range = (beyond < SHAPE[0])[:, None].expand(7, 3)
     cases |= {
         "index_add, alpha=2": lambda x, src: x.index_add(1, rows, _rows(src, 7), alpha=2),
         "index_add_, in place": lambda x, src: x.clone().index_add_(1, rows, _rows(src, 7)),
@@ -117,22 +119,42 @@ def _cases(graded_sources: bool) -> dict[str, object]:
         "aten index_put": lambda x, src: aten.index_put.default(
             x, [rows0], _rows(src.detach(), 7, dim=0), True
         ),
+        # an interpolation's backward: entries out of range are masked out, then clamped
+        "aten scatter_reduce.two amax": lambda x, src: aten.scatter_reduce.two(
+            x, 1, index, src.detach(), "amax", include_self=False
+        ),
+        "aten index_reduce prod": lambda x, src: aten.index_reduce.default(
+            x, 1, rows, _rows(src.detach(), 7), "prod"
+        ),
+        "aten _unsafe_masked_index_put_accumulate": lambda x, src: (
+            aten._unsafe_masked_index_put_accumulate.default(
+                x, in_range[:, :, None], [beyond[:, None], rows[None, :3]], src.permute(1, 2, 0)
+            )
+        ),
     }
-    if graded_sources:
-        cases |= {
-            "aten scatter_add, a graded source": lambda x, src: aten.scatter_add.default(
-                x, 1, index, src
-            ),
-            "aten scatter.src, a graded source": lambda x, src: aten.scatter.src(
-                x, 1, unique, src[:, :3]
-            ),
-            "aten index_add, a graded source": lambda x, src: aten.index_add.default(
-                x, 1, rows, _rows(src, 7)
-            ),
-            "aten index_copy, a graded source": lambda x, src: aten.index_copy.default(
-                x, 1, distinct, _rows(src, 3)
-            ),
-        }
+    cases |= {
+        "aten scatter_add, a graded source": lambda x, src: aten.scatter_add.default(
+            x, 1, index, src
+        ),
+        "aten scatter.src, a graded source": lambda x, src: aten.scatter.src(
+            x, 1, unique, src[:, :3]
+        ),
+        "aten index_add, a graded source": lambda x, src: aten.index_add.default(
+            x, 1, rows, _rows(src, 7)
+        ),
+        "aten index_copy, a graded source": lambda x, src: aten.index_copy.default(
+            x, 1, distinct, _rows(src, 3)
+        ),
+        "aten index_put, a graded value": lambda x, src: aten.index_put.default(
+            x, [rows0], _rows(src, 7, dim=0), True
+        ),
+        "aten index_put, a graded value along dim 1": lambda x, src: aten.index_put.default(
+            x, [None, distinct], _rows(src, 3)
+        ),
+        "aten index_fill, a graded value": lambda x, src: aten.index_fill.int_Tensor(
+            x, 1, rows, src.sum()
+        ),
+    }
     for reduce in ("sum", "prod", "mean", "amax", "amin"):
         for include_self in (True, False):
             cases[f"scatter_reduce {reduce}, include_self={include_self}"] = (
@@ -171,14 +193,13 @@ def _body(name: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(*SHAPE, dtype=torch.float64)
     src = torch.randn(4, 7, 3, dtype=torch.float64)  # the index's shape: torch's backward
-    graded_sources = {s.dim for s in layout.spec(mesh, x).shardings} == {1}
-    for what, fn in _cases(graded_sources).items():
+    for what, fn in _cases().items():
         check_against_reference(
             fn, [x, src], [layout, None], mesh, out_layouts=[layout], what=f"{name}: {what}"
         )
     spec = layout.spec(mesh, x)
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
-    for what, fn in _cases(graded_sources).items():
+    for what, fn in _cases().items():
         with count_traffic() as traffic:
             fn(shard, src)
         assert_all_ranks(
@@ -222,6 +243,9 @@ def _memory_body() -> None:
     shard_bytes = shard.to_local().numel() * x.element_size()
     index = torch.tensor([[[3], [120]], [[250], [99]]])
     src = torch.randn(2, 2, 1, dtype=torch.float64)
+    rows = torch.randperm(256)[:100]
+    rows_source = torch.randn(64, 100, 8, dtype=torch.float64)
+    cells = torch.randn(64, 256, 8, dtype=torch.float64)
     calls = {
         "scatter_add": lambda: shard.scatter_add(1, index, src),
         "scatter_reduce_ amax, in place": lambda: shard.scatter_reduce_(1, index, src, "amax"),
@@ -230,6 +254,11 @@ def _memory_body() -> None:
         ),
         "index_copy_, in place": lambda: shard.index_copy_(
             1, index[:, 0, 0], src.reshape(1, 4, 1)[:, :2].expand(64, 2, 8)
+        ),
+        # an index as long as a shard: its positions shifted to the shard, not per source cell
+        "index_add_, a shard-sized source": lambda: shard.index_add_(1, rows, rows_source),
+        "index_put_ x[i, j] += v, broadcast indices": lambda: shard.index_put_(
+            (torch.arange(64)[:, None], torch.arange(256)[None, :]), cells, accumulate=True
         ),
     }
     with torch.no_grad():
@@ -243,5 +272,30 @@ def _memory_body() -> None:
 
 def test_a_scatter_through_a_replicated_index_holds_one_new_shard() -> None:
     """The output and its spare slice, as torch's own scatter: not a copy of the shard with
-    the spare slice, then the scatter's output (2 shards), nor a third for in-place calls."""
+    the spare slice, then the scatter's output (2 shards), nor a third for in-place calls,
+    nor an int64 index of the source's or the entries' size (as large as a shard of float64
+    when the source is)."""
     run_on_ranks(2, _memory_body)
+
+
+def _values_gradient_body() -> None:
+    mesh = get_mesh((2,))
+    x = torch.randn(6, 50, 4, dtype=torch.float64)
+    spec = Layout((Shard(1),), {1: (40, 10)}).spec(mesh, x)
+    shard = from_local_spec(spec.narrow(x).contiguous(), spec).requires_grad_()
+    values = torch.randn(6, 3, 4, dtype=torch.float64, requires_grad=True)
+    out = aten.index_put.default(shard, [None, torch.tensor([3, 45, 7])], values)
+    with count_traffic() as traffic:
+        out.backward(torch.ones_like(out))
+    limit = 2 * values.numel() * values.element_size()
+    assert_all_ranks(
+        traffic.received <= limit,
+        f"the backward received {traffic.received} bytes; the values' rows and their "
+        f"gradient's reduction are at most {limit}",
+    )
+
+
+def test_the_gradient_of_aten_index_puts_values_reads_only_their_rows() -> None:
+    """Through one index, the values' gradient (an aten ``index`` of the sharded gradient)
+    receives the rows the index names, not the gradient field (1920-7680 bytes here)."""
+    run_on_ranks(2, _values_gradient_body)

@@ -24,7 +24,9 @@ or miss together, which holds when every rank runs the same program on correspon
 (as in SPMD training). So the storage, not the index's values, is the key: equal values
 on one rank and different ones on another would make the ranks disagree. A replicated index
 (a plain tensor, or a replicated ShardTensor) is the same on every rank, so its plan is
-computed locally, without communication.
+computed locally, without communication; so is the plan of a replicated index each rank of
+which reads only its own range (``sliced``: an output sharded like the indexed dim), since
+every rank knows every rank's range.
 
 The cache follows NOTE [Caches are keyed by value] (``_caches``) with one twist: each storage
 has its own bounded cache of plans, held through a weak reference to the storage (by
@@ -53,6 +55,7 @@ from shardsci.tensor._collectives import AxisGroup, exchange
 
 __all__ = [
     "GatherPlan",
+    "compact",
     "extended_rows",
     "gather_plan",
     "halo_extend",
@@ -111,6 +114,7 @@ def gather_plan(
     group: AxisGroup,
     *,
     replicated: bool,
+    sliced: int | None = None,
     wrap_negative: bool = False,
     what: str = "index",
 ) -> GatherPlan:
@@ -125,6 +129,10 @@ def gather_plan(
         Extent of the indexed dim owned by each rank of ``group`` (flat index order).
     replicated : bool
         Whether every rank holds the same ``index`` (then no communication is needed).
+    sliced : int, optional
+        With ``replicated``: each rank reads only its own range of the index along this dim
+        of it, cut like the indexed dim (``index.shape[sliced] == sum(sizes)``), as for an
+        output sharded like the input; the plan's ``local_index`` covers that range.
     wrap_negative : bool
         Read ``-k`` as ``extent - k`` (Python indexing); else a negative value raises (on
         every rank: the plan knows every rank's negative values).
@@ -137,12 +145,12 @@ def gather_plan(
         On every rank, for a value outside ``[-extent, extent)`` on any rank, or a negative
         one without ``wrap_negative``.
     """
-    plans, key = _cache_slot(index, sizes, group, replicated)
+    plans, key = _cache_slot(index, sizes, group, (replicated, sliced))
     found = plans.get(key)
     if found is not None and found[0] == index._version:
         plan = found[1]
     else:
-        plan = _build(index, sizes, group, replicated, what)
+        plan = _build(index, sizes, group, replicated, sliced, what)
         plans.put(key, (index._version, plan))
     if plan.negative is not None and not wrap_negative:
         _raise_out_of_range(what, *plan.negative, sum(sizes), len(plan.halo_counts))
@@ -155,12 +163,12 @@ def remember_plan(index: torch.Tensor, sizes: tuple[int, ...], plan: GatherPlan)
     derived without communication, from data every rank holds (a graph partition, NOTE [A
     partitioned graph's halo plan comes from its partition] in ``shardsci.graph._graph``).
     Every rank must remember the plan of corresponding indices, as every rank must build it."""
-    plans, key = _cache_slot(index, sizes, plan.group, False)
+    plans, key = _cache_slot(index, sizes, plan.group, (False, None))
     plans.put(key, (index._version, plan))
 
 
 def _cache_slot(
-    index: torch.Tensor, sizes: tuple[int, ...], group: AxisGroup, replicated: bool
+    index: torch.Tensor, sizes: tuple[int, ...], group: AxisGroup, how: tuple[bool, int | None]
 ) -> tuple[BoundedCache, tuple]:
     """The plans of ``index``'s storage, and the key of this view and layout among them."""
     storage = index.untyped_storage()
@@ -174,7 +182,7 @@ def _cache_slot(
         index.dtype,
         group,
         sizes,
-        replicated,
+        how,
     )
     return plans, key
 
@@ -193,25 +201,33 @@ def _build(
     sizes: tuple[int, ...],
     group: AxisGroup,
     replicated: bool,
+    sliced: int | None,
     what: str,
 ) -> GatherPlan:
     extent = sum(sizes)
     starts = torch.tensor([sum(sizes[:k]) for k in range(len(sizes) + 1)], dtype=torch.int64)
     me = group.index
-    compact, expand_to = _compact(index)
-    given = compact.reshape(-1).to(torch.int64).cpu()
-    report = _report(given, extent)
-    values = torch.where(given < 0, given + extent, given)
-    wanted = torch.unique(values[(values >= 0) & (values < extent)])
-    owners = torch.searchsorted(starts[1:], wanted, right=True)
+    report = _report(_given(compact(index)[0]), extent)  # every value this rank holds
+    if sliced is not None:
+        ranges = [index.narrow(sliced, int(starts[k]), sizes[k]) for k in range(group.size)]
+        index = ranges[me]
+    distinct, expand_to = compact(index)
+    values, wanted, owners = _owners(_given(distinct), starts)
     if replicated:
         reports = [report]
-        per_owner = torch.bincount(owners, minlength=group.size).tolist()
+        # every rank knows which rows each rank of the group reads: its own, or its range's
+        named = [(wanted, owners)] * group.size if sliced is None else [
+            (wanted, owners) if k == me else _owners(_given(r), starts)[1:]
+            for k, r in enumerate(ranges)
+        ]  # fmt: skip
         halo_counts = tuple(
-            tuple(0 if k == r else per_owner[k] for k in range(group.size))
-            for r in range(group.size)
+            tuple(0 if k == r else int((read == k).sum()) for k in range(group.size))
+            for r, (_, read) in enumerate(named)
         )
-        send_rows = (wanted[owners == me] - starts[me]).repeat(group.size - 1)
+        send_rows = torch.cat(
+            [torch.empty(0, dtype=torch.int64)]
+            + [rows[read == me] - starts[me] for r, (rows, read) in enumerate(named) if r != me]
+        )
     else:
         halo_counts, reports = _exchange_counts(owners, group, report, index.device)
     for rank, (count, value, _, _) in enumerate(reports):
@@ -227,11 +243,27 @@ def _build(
         values - offset,
         owned + torch.searchsorted(halo_ids, values),
     )
-    local_index = positions.reshape(compact.shape).to(index.device).expand(expand_to)
+    local_index = positions.reshape(distinct.shape).to(index.device).expand(expand_to)
     return GatherPlan(group, owned, halo_counts, send_rows.to(index.device), local_index, negative)
 
 
-def _compact(index: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+def _given(index: torch.Tensor) -> torch.Tensor:
+    """The index's values, flat, as int64 on the host."""
+    return index.reshape(-1).to(torch.int64).cpu()
+
+
+def _owners(
+    given: torch.Tensor, starts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``given`` with negative values wrapped, the distinct rows in range it names, and the
+    rank owning each of them (``starts``: where each rank's rows start, then the extent)."""
+    extent = int(starts[-1])
+    values = torch.where(given < 0, given + extent, given)
+    wanted = torch.unique(values[(values >= 0) & (values < extent)])
+    return values, wanted, torch.searchsorted(starts[1:], wanted, right=True)
+
+
+def compact(index: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
     """``index`` without its broadcast dims (stride 0), and the shape to expand back to."""
     narrowed = index
     for dim, (size, stride) in enumerate(zip(index.shape, index.stride())):

@@ -7,10 +7,14 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
 - an index sharded over the same mesh axes as the indexed dim (the edge list of a partitioned
   graph, sharded with the nodes that own its destinations) gives an output sharded like the
   index; a rank receives only the distinct remote rows its index names, once per plan use;
-- a replicated index (a plain tensor) gives a replicated output; each rank broadcasts only the
-  selected rows it owns; a scatter through one (the scatter and ``index_*`` families,
-  ``index_put``, ``index_fill``) writes, without communication, into a destination sharded on
-  any dims (NOTE [Scatters through a replicated index write where they land]);
+- a replicated index (a plain tensor) gives an output that keeps the input's shards along the
+  dims it keeps, and along the gathered dim when the output has the input's extent there
+  (else replicated over its axes); each rank receives only the remote rows its part of the
+  output names (NOTE [A gather through a replicated index keeps the input's layout]); a
+  scatter through one (the scatter and ``index_*`` families,
+  ``index_put`` and aten's ``_unsafe_masked_index_put_accumulate``, ``index_fill``) writes,
+  without communication, into a destination sharded on any dims (NOTE [Scatters through a
+  replicated index write where they land]);
 - scatters run locally when every index value is owned by the rank that holds it (as for a
   graph's destinations); otherwise they write through the index into the rows this rank owns
   plus its halo, and the halo rows travel back to their owners, where sum and mean add them
@@ -20,12 +24,14 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
 These run above autograd: they compose the plan's differentiable exchanges with local torch
 ops, so the backward of a gather is a scatter-sum of the same plan and vice versa. Anything
 else (boolean masks, several tensor indices, an index sharded over other axes, a destination
-sharded on other dims too) declines to the default path, except ``index_put``, which takes
-several indices and boolean masks through a replicated index.
+sharded on other dims too, unless the index is replicated) declines to the default path,
+except ``index_put``, which takes several indices and boolean masks through a replicated
+index.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +44,7 @@ from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._collectives import AxisGroup
 from shardsci.tensor._gather_plan import (
     GatherPlan,
+    compact,
     extended_rows,
     gather_plan,
     halo_extend,
@@ -46,6 +53,7 @@ from shardsci.tensor._gather_plan import (
     summed_rows,
 )
 from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local, sharding_axes
+from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._registry import (
     function_handler_for,
     register_aten_handler,
@@ -61,7 +69,7 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class _Indexed:
-    """A sharded operand, the dim an index addresses in it, and that index.
+    """A sharded operand, the dim an index addresses in it, and a sharded index into it.
 
     Attributes
     ----------
@@ -72,9 +80,9 @@ class _Indexed:
     group : AxisGroup
         The ranks sharding it.
     index : Tensor
-        This rank's index: its shard of a sharded index, or the whole of a replicated one.
-    index_spec : ShardTensorSpec or None
-        The sharded index's layout; None for a replicated index.
+        This rank's shard of the index.
+    index_spec : ShardTensorSpec
+        The index's layout.
     """
 
     x: ShardTensor
@@ -82,14 +90,14 @@ class _Indexed:
     sharding: DimSharding
     group: AxisGroup
     index: torch.Tensor
-    index_spec: ShardTensorSpec | None
+    index_spec: ShardTensorSpec
 
     def plan(self, *, wrap_negative: bool = False, what: str) -> GatherPlan:
         return gather_plan(
             self.index,
             self.sharding.sizes,
             self.group,
-            replicated=self.index_spec is None,
+            replicated=False,
             wrap_negative=wrap_negative,
             what=what,
         )
@@ -97,17 +105,18 @@ class _Indexed:
     @property
     def index_shape(self) -> tuple[int, ...]:
         """The global shape of the index."""
-        return tuple((self.index if self.index_spec is None else self.index_spec).shape)
+        return tuple(self.index_spec.shape)
 
     @property
-    def index_sharding(self) -> DimSharding | None:
-        return None if self.index_spec is None else self.index_spec.shardings[0]
+    def index_sharding(self) -> DimSharding:
+        return self.index_spec.shardings[0]
 
 
 def _indexed(x: object, dim: int, index: object) -> _Indexed | None:
     """The call's operands when this module handles them, else None (decline): ``x`` sharded
-    along ``dim`` only, and an integer index, replicated or sharded over the same axes."""
-    if not isinstance(index, torch.Tensor) or index.dtype not in _INDEX_DTYPES:
+    along ``dim`` only, and an integer index sharded over the same axes (a replicated index
+    takes ``_through_replicated`` or ``_scatter_by_owner``)."""
+    if not isinstance(index, ShardTensor) or index.dtype not in _INDEX_DTYPES:
         return None
     if not isinstance(x, torch.Tensor) or x.ndim == 0:
         return None
@@ -116,13 +125,9 @@ def _indexed(x: object, dim: int, index: object) -> _Indexed | None:
         return None
     spec = x._spec
     sharding, group, _ = dim_layout(spec, dim)
-    if not isinstance(index, ShardTensor):
-        return _Indexed(x, dim, sharding, group, index, None)
     index_spec = index._spec
-    if index_spec.mesh != spec.mesh or index_spec.partial:
+    if index_spec.mesh != spec.mesh or index_spec.partial or not index_spec.shardings:
         return None
-    if not index_spec.shardings:
-        return _Indexed(x, dim, sharding, group, index._local, None)
     if len(index_spec.shardings) != 1 or index_spec.shardings[0].axes != sharding.axes:
         return None
     return _Indexed(x, dim, sharding, group, index._local, index_spec)
@@ -131,11 +136,9 @@ def _indexed(x: object, dim: int, index: object) -> _Indexed | None:
 def _output_spec(
     indexed: _Indexed, shape: tuple[int, ...], dtype: torch.dtype, sharded_dim: int
 ) -> ShardTensorSpec:
-    """Sharded like the index on ``sharded_dim`` of the output, or replicated."""
+    """Sharded like the index on ``sharded_dim`` of the output."""
     mesh = indexed.x._spec.mesh
     source = indexed.index_sharding
-    if source is None:
-        return ShardTensorSpec.build(mesh, [Replicate()] * mesh.ndim, shape, dtype)
     placements = [
         Shard(sharded_dim) if axis in source.axes else Replicate() for axis in range(mesh.ndim)
     ]
@@ -150,9 +153,7 @@ def _output_spec(
 
 
 def _extended_rows(indexed: _Indexed, plan: GatherPlan) -> torch.Tensor:
-    return halo_extend(
-        indexed.x.to_local(), plan, indexed.dim, replicated_output=indexed.index_spec is None
-    )
+    return halo_extend(indexed.x.to_local(), plan, indexed.dim)
 
 
 # ---------------------------------------------------------------------------- gathers
@@ -194,16 +195,40 @@ def _getitem(func, args, kwargs):
     if found is None:
         return NotImplemented
     dim, index = found
+    if _replicated_index(index) is not None:
+        return _through_replicated(func, a.self, dim, index, cell_wise=False)
     indexed = _indexed(a.self, dim, index)
     if indexed is None:
         return NotImplemented
     return _select_rows(indexed, "x[index]", wrap_negative=True, keep_0d_dim=False)
 
 
+@register_aten_handler(aten.index.Tensor)
+def _index(func, args, kwargs):
+    """Aten's ``x[:, ..., idx]`` (one integer index after leading ``None``; the gradient of
+    ``index_put``'s values, a decomposed ``x[idx]``) through a replicated index, as ``x[idx]``
+    above; several indices or a mask take the default path."""
+    a = bind(func, args, kwargs)
+    indices = list(a.indices)
+    first = next((k for k, index in enumerate(indices) if index is not None), len(indices))
+    if len(indices) != first + 1 or _replicated_index(indices[first]) is None:
+        return NotImplemented
+    return _through_replicated(
+        torch.Tensor.__getitem__, a.self, first, indices[first], cell_wise=False
+    )
+
+
 @register_function_handler(torch.index_select, torch.Tensor.index_select)
 def _index_select(func, args, kwargs):
     a = bind(func, args, kwargs)  # out= is the functions' keyword; the in-place methods have none
-    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
+    if a.get("out") is not None:
+        return NotImplemented
+    index = _replicated_index(a.index)
+    if index is not None:
+        if index.ndim > 1:
+            return NotImplemented
+        return _through_replicated(func, a.input, a.dim, index.reshape(-1), cell_wise=False)
+    indexed = _indexed(a.input, a.dim, a.index)
     if indexed is None or indexed.index.ndim > 1:
         return NotImplemented
     return _select_rows(indexed, "index_select", wrap_negative=False, keep_0d_dim=True)
@@ -224,15 +249,21 @@ def _select_rows(
     if keep_0d_dim and not index_shape:
         index_shape = (1,)
     shape = tuple(indexed.x.shape[:dim]) + index_shape + tuple(indexed.x.shape[dim + 1 :])
-    sharded_dim = dim + (indexed.index_sharding.dim if indexed.index_spec is not None else 0)
+    sharded_dim = dim + indexed.index_sharding.dim
     return from_local_spec(out, _output_spec(indexed, shape, out.dtype, sharded_dim))
 
 
 @register_function_handler(torch.gather, torch.Tensor.gather)
 def _gather(func, args, kwargs):
     a = bind(func, args, kwargs)
-    indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
-    if indexed is None or not _index_sharded_on(indexed, indexed.dim):
+    if a.get("out") is not None:
+        return NotImplemented
+    if _replicated_index(a.index) is not None:
+        return _through_replicated(
+            func, a.input, a.dim, a.index, cell_wise=True, probe=(args, kwargs)
+        )
+    indexed = _indexed(a.input, a.dim, a.index)
+    if indexed is None or indexed.index_sharding.dim != indexed.dim:
         return NotImplemented
     plan = indexed.plan(what="gather")
     out = _extended_rows(indexed, plan).gather(indexed.dim, plan.local_index)
@@ -240,9 +271,181 @@ def _gather(func, args, kwargs):
     return from_local_spec(out, spec)
 
 
-def _index_sharded_on(indexed: _Indexed, dim: int) -> bool:
-    """A replicated index, or one sharded on ``dim`` (the dim gather/scatter walk along)."""
-    return indexed.index_spec is None or indexed.index_sharding.dim == dim
+# NOTE [A gather through a replicated index keeps the input's layout]
+# A gather (``x[idx]``, ``index_select``, ``gather``) whose index every rank holds whole
+# computes on each rank the part of the output its own shard of ``x`` anchors, and moves only
+# rows of the gathered dim. Along a sharded dim ``d`` of ``x`` other than the gathered one,
+# ``gather``'s output cell reads ``x`` in the same position along ``d``, so each rank takes the
+# index's positions of its own range (cut at the index's extent) and its output is sharded
+# along ``d`` with those sizes; ``x[idx]`` and ``index_select`` keep ``x``'s sizes there. Along
+# the gathered dim, when it is sharded, an output of ``x``'s extent there (a permutation,
+# ``take_along_dim`` with an index of ``x``'s shape) keeps ``x``'s sizes: each rank reads its
+# own range of the index and receives the remote rows that range names (every rank knows
+# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``); an
+# output of another extent is replicated over those axes, each rank receiving every remote
+# row the index names. The index's range is checked on the whole index, so every rank raises
+# alike. A row of the rank's block is the unit that moves: for ``x[idx]`` and
+# ``index_select`` that is the byte bound of the output's layout; ``gather`` reads single
+# cells of those rows, so it may receive more than the cells it reads (for a random index,
+# up to the remote part of its block's rows, never more than gathering ``x`` would). The
+# backward is the plan's adjoint (the halo rows go home); at the aten level, torch's
+# ``scatter_add`` into zeros it makes whole takes ``_scatter_add_through_replicated``.
+@dataclass(frozen=True)
+class _Reading:
+    """What this rank reads of a tensor sharded on any dims through a replicated index (NOTE
+    [A gather through a replicated index keeps the input's layout]).
+
+    Attributes
+    ----------
+    index : Tensor
+        This rank's part of the index, as positions into its own rows along the gathered dim
+        followed by the halo rows ``plan`` brings (its own rows alone without a plan).
+    plan : GatherPlan or None
+        The rows of the gathered dim that move; None when that dim is not split.
+    replicated : bool
+        Whether the output is replicated over the gathered dim's axes (every rank of that
+        group reads the whole index), rather than sharded like the input there.
+    spec : ShardTensorSpec
+        The output's layout.
+    """
+
+    index: torch.Tensor
+    plan: GatherPlan | None
+    replicated: bool
+    spec: ShardTensorSpec
+
+
+def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: bool) -> _Reading:
+    """How this rank reads ``x`` through the replicated ``index`` along ``dim`` (non-negative,
+    checked in range on every rank alike): ``gather`` (``cell_wise``: the index has ``x``'s
+    dims) or a selection (the index's dims replace ``dim``)."""
+    spec, extent = x._spec, x.shape[dim]
+    shape = tuple(index.shape) if cell_wise else (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
+    starts, local_sizes = spec.local_offsets(), spec.local_shape()
+    placements = [Replicate()] * spec.mesh.ndim
+    sizes, order = {}, {}
+
+    def shard_output(out_dim: int, axes: tuple[int, ...], dim_sizes: tuple[int, ...]) -> None:
+        for axis in axes:
+            placements[axis] = Shard(out_dim)
+        sizes[out_dim], order[out_dim] = dim_sizes, axes
+
+    for sharding in spec.shardings:
+        d = sharding.dim
+        if d == dim:
+            continue
+        if not cell_wise:
+            shard_output(d if d < dim else d + index.ndim - 1, sharding.axes, sharding.sizes)
+            continue
+        n = index.shape[d]  # gather reads position i along d from x's position i
+        bounds = [min(sum(sharding.sizes[:k]), n) for k in range(len(sharding.sizes) + 1)]
+        shard_output(d, sharding.axes, tuple(b - a for a, b in itertools.pairwise(bounds)))
+        begin = min(starts[d], n)
+        index = index.narrow(d, begin, min(starts[d] + local_sizes[d], n) - begin)
+    plan, sliced = None, None
+    if dim in spec.sharding_by_dim:
+        sharding, group, _ = dim_layout(spec, dim)
+        sliced = dim if cell_wise else 0
+        if index.shape[sliced] != extent or (not cell_wise and index.ndim != 1):
+            sliced = None
+        plan = gather_plan(
+            index, sharding.sizes, group, replicated=True, sliced=sliced, what=func.__name__
+        )
+        index = plan.local_index
+        if sliced is not None:
+            shard_output(dim, sharding.axes, sharding.sizes)
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        shape,
+        x.dtype,
+        {d: sizes[d] for d in sorted(sizes)},
+        order={d: order[d] for d in sorted(order)},
+    )
+    return _Reading(index, plan, plan is not None and sliced is None, out_spec)
+
+
+def _checked_index(func, x: ShardTensor, dim: int, index: object) -> torch.Tensor:
+    """The replicated ``index`` along ``dim`` of ``x``, Python's negative positions wrapped
+    for ``x[index]``, checked in range on every rank alike."""
+    index, extent = _replicated_index(index), x.shape[dim]
+    if func is torch.Tensor.__getitem__ and bool((index < 0).any()):
+        index = torch.where(index < 0, index + extent, index)
+    _check_in_range(func, index, dim, extent)
+    return index
+
+
+def _through_replicated(
+    func, x: object, dim: int, index: object, *, cell_wise: bool, probe: tuple | None = None
+) -> object:
+    """``gather`` (``cell_wise``: the index has ``x``'s dims) or ``x[index]`` /
+    ``index_select`` (the index's dims replace ``dim``) through a replicated index (NOTE [A
+    gather through a replicated index keeps the input's layout]); ``probe``: the call's
+    ``(args, kwargs)``, for torch's errors on shapes."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
+        return NotImplemented
+    if probe is not None:
+        probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
+    dim = dim % x.ndim
+    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=cell_wise)
+    rows, index = x.to_local(), reading.index
+    if reading.plan is not None:
+        rows = halo_extend(rows, reading.plan, dim, replicated_output=reading.replicated)
+    out = rows.gather(dim, index) if cell_wise else rows[(slice(None),) * dim + (index,)]
+    return from_local_spec(out, reading.spec.with_dtype(out.dtype))
+
+
+def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
+    """``x``, which every rank holds whole (the zeros that torch's backward of an aten
+    ``gather`` makes with ``new_zeros``), sharded like the gather's output ``source``, a dim
+    longer than the source's with its extra cells on the last rank: a layout from which that
+    gather reads ``source``'s layout (NOTE [A gather through a replicated index keeps the
+    input's layout]). A local slice; nothing moves."""
+    sizes = {
+        s.dim: (*s.sizes[:-1], s.sizes[-1] + x.shape[s.dim] - source.shape[s.dim])
+        for s in source.shardings
+    }
+    order = {s.dim: s.axes for s in source.shardings}
+    spec = ShardTensorSpec.build(
+        x._spec.mesh, source.placements, x.shape, x.dtype, sizes, order=order
+    )
+    return from_local_spec(spec.narrow(x.to_local()), spec)
+
+
+def _scatter_add_through_replicated(
+    func, args, kwargs, x: object, dim: int, index: object, src: object, *, in_place: bool
+) -> object:
+    """``scatter_add`` through a replicated index of a source laid out as the ``gather`` from
+    ``x`` with that index would be (the backward of that gather, NOTE [A gather through a
+    replicated index keeps the input's layout]): each rank adds its block of the source into
+    its rows and the halo rows the gather read, and the halo rows travel back to their owners,
+    unless the source is replicated over the gathered dim's axes (then each rank keeps the
+    sums of its own rows: every value is on every rank of that group). A destination every
+    rank holds whole is first cut to a layout that gather reads (``_cut_for``)."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, src):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    dim = dim % x.ndim
+    if not x._spec.shardings:
+        if in_place:
+            return NotImplemented  # the result would not fit the destination's layout
+        x = _cut_for(x, src._spec)
+    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=True)
+    if not src._spec.same_layout(reading.spec):
+        return NotImplemented
+    destination, values, plan = x.to_local(), src.to_local(), reading.plan
+    if plan is None:
+        out = destination.scatter_add(dim, reading.index, values)
+    else:
+        shape = [plan.owned + plan.halo if d == dim else n for d, n in enumerate(destination.shape)]
+        total = destination.new_zeros(shape).scatter_add(dim, reading.index, values)
+        if reading.replicated:
+            total = total.narrow(dim, 0, plan.owned)
+        else:
+            total = halo_reduce(total, plan, dim)
+        out = destination + total
+    result = from_local_spec(out, x._spec.with_dtype(out.dtype))
+    return x.copy_(result) if in_place else result
 
 
 # ---------------------------------------------------------------------------- scatters
@@ -302,9 +505,7 @@ def _scatter(
 ) -> object:
     """``index_add`` (1-D index) or ``scatter_reduce`` into a sharded dim; ``in_place`` writes
     the result into the destination and returns it."""
-    if indexed.index_spec is None or not _index_sharded_on(
-        indexed, 0 if what == "index_add" else indexed.dim
-    ):
+    if indexed.index_sharding.dim != (0 if what == "index_add" else indexed.dim):
         return NotImplemented
     dim = indexed.dim
     values = _source_local(indexed, source, dim)
@@ -448,10 +649,15 @@ def _index_add(func, args, kwargs):
 def _scatter_add(func, args, kwargs):
     a = bind(func, args, kwargs)
     if _replicated_index(a.index) is not None and a.get("out") is None:
+        in_place = func is torch.Tensor.scatter_add_
+        if isinstance(a.src, ShardTensor) and a.src._spec.shardings:
+            return _scatter_add_through_replicated(
+                func, args, kwargs, a.input, a.dim, a.index, a.src, in_place=in_place
+            )
         return _scatter_by_owner(
             func, args, kwargs, a.input, a.dim, a.index, a.src,
             lambda into, dim, index, src: into.scatter_add_(dim, index, src),
-            in_place=func is torch.Tensor.scatter_add_,
+            in_place=in_place,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None:
@@ -507,6 +713,16 @@ def _replicated_index(index: object) -> torch.Tensor | None:
     return index
 
 
+def _shifted(index: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """``index``'s positions in ``[start, start + size)`` shifted to a shard starting at
+    ``start``, the others sent to the spare slice at ``size``: computed once per distinct
+    element of a broadcast index (an expanded view) and expanded again, so that no tensor of
+    the expanded size is made (for a scatter of the ``index_*`` family, the source's size)."""
+    distinct, shape = compact(index)
+    inside = (distinct >= start) & (distinct < start + size)
+    return torch.where(inside, distinct - start, size).expand(shape)
+
+
 def _scatter_by_owner(
     func,
     args,
@@ -548,9 +764,8 @@ def _scatter_by_owner(
     # the output, written in place: one new shard (and a spare slice), as torch's own scatter
     destination = x.to_local()
     if dim in spec.sharding_by_dim:
-        start, size = starts[dim], sizes[dim]
-        mine = (index >= start) & (index < start + size)
-        index = torch.where(mine, index - start, size)
+        size = sizes[dim]
+        index = _shifted(index, starts[dim], size)
         spare = destination.new_zeros([1 if d == dim else n for d, n in enumerate(sizes)])
         out = scatter(torch.cat([destination, spare], dim), dim, index, src).narrow(dim, 0, size)
     else:
@@ -685,18 +900,14 @@ def _index_put(func, args, kwargs):
         _check_in_range(torch.index_put, index, first + k, x.shape[first + k])
     spec = x._spec
     entries = torch.broadcast_shapes(*(index.shape for index in indices))
-    indices = [index.expand(entries) for index in indices]
     last = first + len(indices)  # the indexed dims are [first, last)
     values = replicated_local(values, spec.mesh, sharding_axes(spec))
     values = values.expand((*x.shape[:first], *entries, *x.shape[last:]))
     starts, sizes = spec.local_offsets(), spec.local_shape()
-    destination, padded, mine = x.to_local(), [], None
+    destination, padded = x.to_local(), []
     for sharding in spec.shardings:
         d = sharding.dim
         if first <= d < last:
-            index = indices[d - first]
-            lands = (index >= starts[d]) & (index < starts[d] + sizes[d])
-            mine = lands if mine is None else mine & lands
             padded.append(d)
         else:
             position = d if d < first else d - len(indices) + len(entries)
@@ -709,8 +920,9 @@ def _index_put(func, args, kwargs):
         narrowed(destination, [(d, 0, sizes[d]) for d in padded]).copy_(own)
     else:
         destination = destination.clone()
+    # an entry outside this rank's range along any padded dim lands in that dim's spare slice
     local = [
-        torch.where(mine, index - starts[d], sizes[d]) if d in padded else index
+        _shifted(index, starts[d], sizes[d]) if d in padded else index
         for d, index in enumerate(indices, start=first)
     ]
     out = aten.index_put_.default(destination, [None] * first + local, values, a.accumulate)
@@ -740,6 +952,34 @@ def _setitem(func, args, kwargs):
 
 def _index_put_signature(input, indices, values, accumulate=False):
     """``index_put``'s parameters (a builtin without an inspectable signature)."""
+
+
+@register_aten_handler(aten._unsafe_masked_index_put_accumulate.default)
+def _masked_index_put_accumulate(func, args, kwargs):
+    """``x.index_put(indices, values.masked_fill(~mask, 0), accumulate=True)`` with every
+    index clamped into its dim, as torch's decomposition computes it (a masked-out entry may
+    name any cell): the ``index_put`` above, each entry added where it lands, nothing moved.
+    It is the backward of interpolation and of ``embedding`` by frequency. A sharded mask or
+    value, or an empty ``x``, takes the gathered fallback (``_gathered_ops``), as the op did
+    before; so does a value's gradient, torch's ``_unsafe_masked_index`` of the sharded
+    gradient."""
+    a = bind(func, args, kwargs)
+    x, mask, values = a.self, a.mask, a["values"]  # not ``a.values``: the dict's method
+    if (
+        _advanced_indices(a.indices, x) is None
+        or x.numel() == 0
+        or any(
+            isinstance(t, ShardTensor) and (t._spec.shardings or t._spec.partial)
+            for t in (mask, values)
+        )
+    ):
+        return gathered(func, args, kwargs)
+    indices = [
+        None if index is None else index.clamp(-x.shape[d], x.shape[d] - 1)
+        for d, index in enumerate(a.indices)
+    ]
+    masked = values.masked_fill(~mask, 0)
+    return _index_put(torch.index_put, (x, indices, masked, True), {})
 
 
 def _advanced_indices(indices: object, x: object) -> tuple[int, list[torch.Tensor]] | None:
@@ -811,21 +1051,24 @@ def _index_fill_signature(input, dim, index, value):
 # ---------------------------------------------------------------------------- below autograd
 # The gathers and the scatters through a replicated index, reached at the aten level only (a
 # backward formula, a decomposition, a traced graph): the same handlers on the same arguments.
-# A scatter's source gradient is an aten ``gather`` or ``index_select`` from the gradient,
-# sharded like the destination; those take the handlers above when it is sharded along the
-# indexed dim only, so a source may need a gradient there. Elsewhere (a destination sharded on
-# other dims too, ``index_put``'s or ``index_fill``'s value, whose gradients are an aten
-# ``index`` and a sum, the reductions ``scatter_reduce`` and ``index_reduce``) a source that
-# needs a gradient takes the default path (``scatter_reduce``: the gathered fallback of
-# ``_gathered_ops``).
+# The gradient of a scatter's source (or of ``index_fill``'s value) is an aten ``gather`` or
+# ``index_select`` from the gradient, sharded like the destination, through the same index
+# (and a sum): the gathers above take it on any layout, so such a source may need a gradient.
+# So may ``index_put``'s values through one integer index: their gradient is an aten ``index``
+# through it (``_index``). The other sources that need one (``index_put``'s values through
+# several indices or a mask, the reductions ``scatter_reduce`` and ``index_reduce``) take the
+# default path, ``scatter_reduce`` the gathered fallback of ``_gathered_ops``, as a sharded
+# index does.
 _AT_TORCH_LEVEL = {
     aten.gather.default: torch.gather,
     aten.index_select.default: torch.index_select,
     aten.scatter_add.default: torch.scatter_add,
     aten.scatter.src: torch.scatter,
     aten.scatter.value: torch.scatter,
+    aten.scatter_reduce.two: torch.scatter_reduce,
     aten.index_add.default: torch.index_add,
     aten.index_copy.default: torch.index_copy,
+    aten.index_reduce.default: torch.index_reduce,
     aten.index_fill.int_Scalar: torch.index_fill,
     aten.index_fill.int_Tensor: torch.index_fill,
     aten.index_put.default: torch.index_put,
@@ -835,6 +1078,7 @@ _SOURCE_GRADIENT_TAKEN = {
     aten.scatter.src,
     aten.index_add.default,
     aten.index_copy.default,
+    aten.index_fill.int_Tensor,
 }
 
 
@@ -844,6 +1088,25 @@ def _below_autograd(func, args, kwargs):
     torch_func = _AT_TORCH_LEVEL[func]
     if func in (aten.gather.default, aten.index_select.default):
         return function_handler_for(torch_func)(torch_func, args, kwargs)
+    if func is aten.index_put.default:
+        replicated = _advanced_indices(a.indices, a.self) is not None
+    else:
+        replicated = _replicated_index(a.index) is not None
+    sources = [a.get(name) for name in ("src", "source", "value", "values")]
+    graded = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in sources
+    )
+    if graded and func is aten.index_put.default:
+        # the values' gradient is an aten ``index`` through the same indices (``_index``)
+        graded = (
+            len([i for i in a.indices if i is not None]) != 1
+            or _replicated_index(next(i for i in a.indices if i is not None)) is None
+        )
+    elif graded:
+        graded = func not in _SOURCE_GRADIENT_TAKEN
+    if not replicated or graded:
+        return gathered(func, args, kwargs) if func is aten.scatter_reduce.two else NotImplemented
+    return function_handler_for(torch_func)(torch_func, args, kwargs)
     if func is aten.index_put.default:
         replicated = _advanced_indices(a.indices, a.self) is not None
     else:

@@ -75,8 +75,6 @@ GATHERED = (
     aten.fractional_max_pool2d_backward,
     aten.fractional_max_pool3d_backward,
     aten._unsafe_masked_index,
-    aten._unsafe_masked_index_put_accumulate,
-    aten.scatter_reduce.two,
 )
 
 
