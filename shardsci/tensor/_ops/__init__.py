@@ -23,5 +23,6 @@ from shardsci.tensor._ops import (
     _scan_ops,  # noqa: F401
     _search_ops,  # noqa: F401
     _softmax_ops,  # noqa: F401
+    _unpool_ops,  # noqa: F401
     _view_ops,  # noqa: F401
 )
