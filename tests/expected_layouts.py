@@ -440,9 +440,12 @@ def axis_rules(
       more owners, or the only one with any), if there is one;
     - where no dim carries it with two owners or more but one dim carries it mirrored (a
       flip), that dim holds ``d``'s sizes, as a flip along ``d`` keeps them;
-    - else nothing is stated.
+    - else, and for an output with no cell (which no layout makes any rank hold), nothing
+      is stated.
     """
     rules = []
+    if math.prod(output_shape) == 0:
+        return rules  # no cell: every layout of it holds nothing
     shardings = dim_shardings(input_layout, input_shape, mesh)
     same_shape = tuple(output_shape) == tuple(input_shape)
     for axis, p in enumerate(input_layout.placements):

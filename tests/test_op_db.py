@@ -369,3 +369,15 @@ def test_a_rotation_moves_the_split_with_its_sizes(k: int) -> None:
     assert held_where(rules, [Shard(dim)], {dim: (3, 2)}, {}, x.shape, (2,)) != ""
     flipped = _rules(lambda a: [a.flip(0)], x, layout)
     assert [(r.dim, r.owners) for r in flipped] == [(0, (0, 0, 1, 1, 1))]
+
+
+def test_an_empty_output_states_no_layout() -> None:
+    """The op database's linalg.multi_dot sample 2, ``(0, 2) @ (2, 2)`` with the contracted
+    dim split: the output has the input's shape and no cell, so any layout holds nothing
+    (it expected Shard(1) with the input's sizes of a pending sum)."""
+    from tests.expected_layouts import parse
+
+    layout = parse("S1; 1=1/1")
+    w = torch.randn(2, 2, dtype=torch.float64)
+    assert _rules(lambda a: [a @ w], torch.randn(0, 2, dtype=torch.float64), layout) == []
+    assert _rules(lambda a: [a @ w], torch.randn(1, 2, dtype=torch.float64), layout) != []
