@@ -1,7 +1,8 @@
 """Max unpooling of spatially sharded tensors against one process, float64: values, the
 gradient of the values, and the output's layout (each cell on the owner of the pooled cell
 whose window is the last to start at or before it); indices sharded as the values or held
-whole; 1-D meshes of 2 and 4 ranks (an empty shard), 2x2 blocks in 2-D and 3-D; and what
+whole; 1-D meshes of 2 and 4 ranks (an empty shard; channels sharded), 2x2 blocks in 2-D and
+3-D; and what
 moves, counted by ``count_traffic``: nothing but a flag when windows do not overlap, the
 overlapping faces when they do, never the field.
 """
@@ -33,6 +34,7 @@ _UNPOOL = {1: F.max_unpool1d, 2: F.max_unpool2d, 3: F.max_unpool3d}
 CASES = [
     Sharded("1d-2r-L-4/3", (2,), (2, 3, 7), Layout((Shard(2),), {2: (4, 3)})),
     Sharded("2d-4r-H-2/0/3/1", (4,), (2, 2, 6, 5), Layout((Shard(2),), {2: (2, 0, 3, 1)})),
+    Sharded("2d-4r-C-1/0/0/1", (4,), (2, 2, 3, 4), Layout((Shard(1),), {1: (1, 0, 0, 1)})),
     Sharded(
         "2d-2x2-block", (2, 2), (1, 2, 5, 6), Layout((Shard(2), Shard(3)), {2: (3, 2), 3: (2, 4)})
     ),

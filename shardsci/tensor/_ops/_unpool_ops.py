@@ -2,7 +2,8 @@
 
 ``F.max_unpoolNd(x, indices, kernel_size, stride, padding, output_size)`` writes each value of
 ``x`` at the position ``indices`` gives it, flat over the output's last ``N`` dims: the
-inverse of max pooling. Along a sharded spatial dim the output keeps the placements, with
+inverse of max pooling. Sharded batch and channel dims keep their sizes (each rank unpools
+its planes). Along a sharded spatial dim the output keeps the placements, with
 the sizes of a transposed window (NOTE [Which rank owns an output of a windowed op] in
 ``_windows``): output cell ``i`` goes to the owner of the pooled cell whose window is the last
 to start at or before it, ``(i + p) // s``, so that with windows that do not overlap
@@ -54,7 +55,7 @@ _UNPOOL = {F.max_unpool1d: 1, F.max_unpool2d: 2, F.max_unpool3d: 3}
 def _max_unpool(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, n = a.input, _UNPOOL[func]
-    if not accepts(x, sharded=range(-n, 0)):
+    if not accepts(x, sharded=range(-x.ndim, 0)):
         return NotImplemented
     indices = _local_indices(a.indices, x._spec)
     if indices is None:
