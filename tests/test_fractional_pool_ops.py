@@ -3,7 +3,7 @@ indices, the input's gradient, and the output's layout, which the cells' depende
 (NOTE [An output cell belongs to the shard it depends on] in ``tests/expected_layouts.py``:
 an output index belongs to the shard holding every plane's window, found by probing the op on
 one process); samples given or drawn by torch from the same seed; H split over 2 and 4 ranks
-(an empty shard), channels split, 2x2 blocks in 2-D and 3-D; and nothing gathered: the
+(an empty shard), no plane at all, channels split, 2x2 blocks in 2-D and 3-D; and nothing gathered: the
 reference checker's traffic check (every rank receives less than it lacks of the input).
 """
 
@@ -22,6 +22,7 @@ from tests.layouts import Sharded
 CASES = [
     Sharded("2d-2r-H-6/5", (2,), (2, 3, 11, 9), Layout((Shard(2),), {2: (6, 5)})),
     Sharded("2d-4r-H-3/0/5/3", (4,), (2, 3, 11, 9), Layout((Shard(2),), {2: (3, 0, 5, 3)})),
+    Sharded("2d-2r-H-no-plane", (2,), (0, 3, 11, 9), Layout((Shard(2),), {2: (6, 5)})),
     Sharded("2d-4r-C-1/0/2/0", (4,), (2, 3, 11, 9), Layout((Shard(1),), {1: (1, 0, 2, 0)})),
     Sharded(
         "2d-2x2-HW", (2, 2), (1, 2, 11, 12), Layout((Shard(2), Shard(3)), {2: (5, 6), 3: (7, 5)})
@@ -55,7 +56,9 @@ def _stated(call, x: torch.Tensor, case: Sharded, output: int) -> Layout:
     straddle a boundary in some plane (no owner) with the previous output's owner."""
     sizes = {}
     for dim, (_, split) in dim_shardings(case.layout, x.shape, case.mesh).items():
-        owners = cell_owners(lambda a: list(_flat(call(a))), x, dim, split)[output].carrying[dim]
+        dependence = cell_owners(lambda a: list(_flat(call(a))), x, dim, split)[output]
+        extent = _flat(call(x))[output].shape[dim]
+        owners = dependence.carrying.get(dim, (None,) * extent)  # no cell: no owner
         held, previous = [], next(r for r, size in enumerate(split) if size)
         for owner in owners:
             previous = previous if owner is None else owner

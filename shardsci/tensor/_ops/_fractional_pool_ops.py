@@ -135,9 +135,10 @@ def _owned_sizes(starts: torch.Tensor, kernel: int, sizes: tuple[int, ...]) -> t
     flat = starts.reshape(-1, starts.shape[-1])
     first = torch.searchsorted(ends, flat, right=True)
     last = torch.searchsorted(ends, flat + kernel - 1, right=True)
-    held = torch.where(first == last, first, len(sizes)).min(0).values
+    held = torch.where(first == last, first, len(sizes))
+    held = held.min(0).values.tolist() if held.numel() else [len(sizes)] * flat.shape[-1]
     owners, previous = [], next((r for r, s in enumerate(sizes) if s), 0)
-    for owner in held.tolist():
+    for owner in held:
         previous = owner if owner < len(sizes) else previous
         owners.append(previous)
     return tuple(owners.count(r) for r in range(len(sizes)))
@@ -145,9 +146,9 @@ def _owned_sizes(starts: torch.Tensor, kernel: int, sizes: tuple[int, ...]) -> t
 
 def _read_range(starts: torch.Tensor, kernel: int, a: int, b: int) -> tuple[int, int]:
     """The input cells windows ``[a, b)`` read in any plane."""
-    if b <= a:
+    mine = starts[..., a:b]
+    if not mine.numel():  # no output here, or no plane
         return (0, 0)
-    mine = starts[..., a:b].reshape(-1, b - a)
     return int(mine.min()), int(mine.max()) + kernel
 
 
