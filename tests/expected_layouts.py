@@ -245,7 +245,10 @@ def on_multiples(sizes: Sequence[int], step: int) -> tuple[int, ...]:
 # roll, a masked scan whose masked cells depend on nothing) do not override it, nor does a dim
 # that carries the axis only through a mask (a masked scan along the sharded dim: output cell
 # (i, j) reads rows up to i where the mask allows, so the columns whose masked rows end early
-# look like the first rank's). Where every cell that depends on the input combines several
+# look like the first rank's). Where one rank holds the whole split dim, every output dim
+# carries the axis with that one owner: the output may be sharded along any dim that rank
+# holds whole (``rot90`` of a split held by one rank moves it to the other dim, as it does any
+# split; each layout moves nothing). Where every cell that depends on the input combines several
 # shards (a contraction over the split dim: ``x @ w`` with ``x``'s last dim split, whose output
 # only happens to have ``x``'s shape), partial values on the axis are as good: they move
 # nothing. A dim whose owners never increase along it (a flip: ``flip``, ``rot90``, whose
@@ -273,7 +276,9 @@ class AxisRule:
     rule : str
         ``"depends"`` (found by :func:`cell_owners`), ``"same-shape"`` (the input's sizes) or
         ``"same-shape or partial"`` (the input's sizes, or partial values on the axis) or
-        ``"mirrored"`` (the input's sizes along the dim that carries the split reversed).
+        ``"mirrored"`` (the input's sizes along the dim that carries the split reversed) or
+        ``"one holder"`` (one coordinate holds the whole split dim, and every output dim
+        carries it: sharded along any dim that coordinate holds whole).
     """
 
     axis: int
@@ -467,6 +472,8 @@ def axis_rules(
             continue
         if same_shape and axes == (axis,) and (carried in (None, dim) or not renamed):
             rule = "same-shape or partial" if dependence.combined else "same-shape"
+            if carried is None and len(chosen) > 1 and len(set(kept)) == 1:
+                rule = "one holder"  # every carrying dim has the one owner: any may hold it
             rules.append(AxisRule(axis, dim, kept, rule))
         elif carried is not None:
             rules.append(AxisRule(axis, carried, carrying[carried], "depends"))
@@ -494,6 +501,14 @@ def held_where(
         p = placements[rule.axis]
         if rule.rule == "same-shape or partial" and isinstance(p, Partial):
             continue
+        if rule.rule == "one holder" and isinstance(p, Shard):
+            e, holder = p.dim % len(shape), rule.owners[0]
+            if all(
+                box(actual, shape, mesh, c)[e][0] == box(actual, shape, mesh, c)[e][1]
+                for c in coordinates(mesh)
+                if c[rule.axis] != holder
+            ):
+                continue
         if not (isinstance(p, Shard) and p.dim % len(shape) == rule.dim):
             return (
                 f"mesh axis {rule.axis} is {p}; expected Shard({rule.dim}) ({rule.rule}: "

@@ -353,7 +353,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "linalg.multi_dot": (
         Accepted(
-            r"^output 0: layout: mesh axis 0 is P\(sum\); expected Shard\(1\) \(same-shape: 1x2\)$",
+            r"^output 0: layout: mesh axis 0 is P\(sum\); expected Shard\(1\) \(one holder: 1x2\)$",
             "one rank holds every contracted column (sizes 0/2/0/0): its product is pending a "
             "sum over the axis, so every rank holds a (2, 2) output, zeros on three; the cells' "
             "dependencies give it all to that rank (NOTE [A product over sharded columns is a "

@@ -381,3 +381,22 @@ def test_an_empty_output_states_no_layout() -> None:
     w = torch.randn(2, 2, dtype=torch.float64)
     assert _rules(lambda a: [a @ w], torch.randn(0, 2, dtype=torch.float64), layout) == []
     assert _rules(lambda a: [a @ w], torch.randn(1, 2, dtype=torch.float64), layout) != []
+
+
+def test_a_split_held_by_one_rank_may_move_to_any_dim_it_holds() -> None:
+    """The op database's rot90 samples 8 and 20 on 4r-random: a 5x5x5 tensor whose dim 2 one
+    rank holds whole (sizes 0/0/0/5). Every output cell depends on that rank alone, so every
+    output dim carries the split with one owner; rot90 moving it to dim 1, all of it on that
+    rank, moves nothing, as Shard(2) would (it expected Shard(2))."""
+    from torch.distributed.tensor import Shard
+
+    from tests.expected_layouts import axis_rules, cell_owners, held_where, parse
+
+    layout = parse("S2; 2=0/0/0/5")
+    x = torch.randn(5, 5, 5, dtype=torch.float64)
+    (dim,) = layout.sizes
+    owners = cell_owners(lambda a: [torch.rot90(a, 1, (1, 2))], x, dim, layout.sizes[dim])
+    rules = axis_rules({0: owners[0]}, layout, x.shape, x.shape, (4,))
+    for held in (1, 2):
+        assert held_where(rules, [Shard(held)], {held: (0, 0, 0, 5)}, {}, x.shape, (4,)) == ""
+    assert held_where(rules, [Shard(1)], {1: (0, 0, 1, 4)}, {}, x.shape, (4,)) != ""
