@@ -413,10 +413,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "nn.functional.embedding_bag": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
-    "nn.functional.fractional_max_pool2d": (
-        _GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),
-    ),
-    "nn.functional.fractional_max_pool3d": (_GATHERED.cases((0,), ("2x2-last",)),),
     "nn.functional.grid_sample": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
