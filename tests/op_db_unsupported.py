@@ -285,12 +285,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "cholesky": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "cholesky_inverse": (
-        _GATHERED.cases((3,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "cholesky_solve": (
-        _GATHERED.cases((3,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
     "cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "fft.fft": (_WRONG_LAYOUT.cases((0,), ("2x2-last",)),),
