@@ -195,14 +195,20 @@ class Expectations:
     def entries(self, op: str) -> tuple:
         return (*self.unsupported.get(op, ()), *self.known_bugs.get(op, ()))
 
-    def listed_samples(self) -> dict[str, tuple[int, ...] | None]:
-        """Op -> the samples its entries apply to (None: an entry applies to every sample),
+    def listed_cases(self) -> dict[str, dict[str, tuple[int, ...] | None]]:
+        """Op -> layout name -> the samples its entries apply to there (None: every sample),
         for the ops that have entries."""
-        listed: dict[str, tuple[int, ...] | None] = {}
+        listed: dict[str, dict[str, tuple[int, ...] | None]] = {}
         for op in {*self.unsupported, *self.known_bugs}:
-            samples = [e.samples for e in self.entries(op)]
-            every = any(s is None for s in samples)
-            listed[op] = None if every else tuple(sorted({i for s in samples for i in s}))
+            per_layout: dict[str, tuple[int, ...] | None] = {}
+            for entry in self.entries(op):
+                for name in entry.layouts or tuple(LAYOUTS):
+                    known = per_layout.get(name, ())
+                    if entry.samples is None or known is None:
+                        per_layout[name] = None
+                    else:
+                        per_layout[name] = tuple(sorted({*known, *entry.samples}))
+            listed[op] = per_layout
         return listed
 
     def hangs(self, op: str, sample: int, layout: str) -> bool:
@@ -563,13 +569,14 @@ def _cases(
     pattern: str | None,
     resume_after: Position | None,
     dealt: bool = False,
-    listed: Mapping[str, tuple[int, ...] | None] | None = None,
+    listed: Mapping[str, Mapping[str, tuple[int, ...] | None]] | None = None,
 ) -> Iterator[tuple[Position, SweepLayout, object, Layout | None]]:
     """``(position, layout, sample, layout of its first tensor)`` of every case of this chunk
     of the database (ops whose key matches ``pattern``) after ``resume_after``, op by op and,
     for each op, layout by layout (its samples are generated once, its caches stay warm).
     ``dealt``: each op on one layout only, the ``LAYOUTS`` in turn. ``listed``: only these
-    ops, and of each only the samples it names (None: every sample)."""
+    ops, and of each, on each layout, only the samples it names there (None: every
+    sample; a layout it does not name: none)."""
     keys = sorted(
         k
         for k in database()
@@ -584,7 +591,7 @@ def _cases(
         for i, layout in enumerate(layouts):
             if dealt and names[number % len(names)] != layout.name:
                 continue
-            indices = None if listed is None else listed[key]
+            indices = None if listed is None else listed[key].get(layout.name, ())
             for index, sample, sharded in selected_samples(key, layout, limit, indices):
                 if resume_after is None or (key, i, index) > resume_after:
                     yield (key, i, index), layout, sample, sharded
@@ -648,7 +655,7 @@ def sweep_body(
     log_path: str,
     pattern: str | None,
     dealt: bool = False,
-    listed: Mapping[str, tuple[int, ...] | None] | None = None,
+    listed: Mapping[str, Mapping[str, tuple[int, ...] | None]] | None = None,
 ) -> None:
     """Run the cases of a chunk of the database after ``resume_after`` on this rank, on each
     of ``layout_names`` (their meshes of this world size; ``dealt``, ``listed``: see
@@ -724,11 +731,11 @@ def sweep(
     limit: int | None = None,
     pattern: str | None = None,
     dealt: bool = False,
-    listed: Mapping[str, tuple[int, ...] | None] | None = None,
+    listed: Mapping[str, Mapping[str, tuple[int, ...] | None]] | None = None,
 ) -> list[dict]:
     """Every case of a chunk of the database on ``layouts`` (meshes of one world size, run
-    in one pool; ``dealt``: each op on one layout; ``listed``: only these ops' samples, see
-    ``_cases``): one record per case with
+    in one pool; ``dealt``: each op on one layout; ``listed``: only these ops' samples on
+    each layout, see ``_cases``): one record per case with
     its ``op``, ``sample``, ``layout``, ``outcome``, ``detail``, ``layout_rules`` and
     ``seconds`` (on rank 0)."""
     worlds = {layout.world for layout in layouts}

@@ -89,13 +89,13 @@ def test_op_db_every_sample(world: int, chunk: int) -> None:
 @pytest.mark.slow
 def test_every_entry_of_the_lists_still_matches() -> None:
     """The lists stay honest: each entry of ``op_db_unsupported.UNSUPPORTED`` and
-    ``KNOWN_BUGS`` applies to some case and still matches a case it applies to (every
-    layout, all at once: an op may raise on one layout only, as adaptive pooling does where
-    its windows straddle shards). Only the samples the entries name run (every sample of an
-    op with an entry for any sample): the other samples of these ops are the every-sample
-    sweep's (``-k every_sample``)."""
+    ``KNOWN_BUGS`` applies to some case and still matches a case it applies to, and every
+    case an entry applies to is accepted by one (an op may raise on one layout only, as
+    adaptive pooling does where its windows straddle shards). Only those cases run: the
+    samples each entry names on the layouts it names (every sample for an entry of any
+    sample); the other cases of these ops are the every-sample sweep's (``-k every_sample``)."""
     expectations = Expectations.load()
-    listed = expectations.listed_samples()
+    listed = expectations.listed_cases()
     records = [r for layouts in by_world().values() for r in sweep(layouts, listed=listed)]
     found = problems(records, expectations)
     found += [f"{entry}: matched no case" for entry in stale(records, expectations)]
