@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
+from shardsci.tensor import ShardTensor
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
 from tests.boxes import dim_shardings
 from tests.expected_layouts import cell_owners
@@ -41,12 +43,19 @@ def _calls(n: int, samples: torch.Tensor) -> dict:
         torch.manual_seed(3)  # torch draws the samples, alike on every rank and in one process
         return pool(a, 2, output_ratio=(0.5,) * n, return_indices=True)
 
+    def drawn_apart(a):
+        """Ranks whose generators differ: the first rank's samples are everyone's."""
+        sharded = isinstance(a, ShardTensor) and dist.get_rank() != 0
+        torch.manual_seed(3 + 100 * dist.get_rank() * sharded)
+        return pool(a, 2, output_ratio=(0.5,) * n, return_indices=True)
+
     return {
         "given samples": lambda a: pool(a, 3, output_size=size, _random_samples=samples),
         "given samples, indices": lambda a: pool(
             a, (2,) * n, output_size=size, return_indices=True, _random_samples=samples
         ),
         "drawn samples": drawn,
+        "drawn samples, generators apart": drawn_apart,
     }
 
 

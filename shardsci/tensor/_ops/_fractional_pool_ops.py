@@ -4,9 +4,10 @@
 each pooled dim (``_random_samples``, shape (N, C, N_d)), and window ``i`` of a dim of input
 extent ``I``, output extent ``O`` and kernel ``k`` starts at
 ``int((i + u) a) - int(u a)`` with ``a = (I - k) / (O - 1)`` (the last at ``I - k``; computed
-in the input's dtype, as torch does). The samples are drawn as torch draws them (every rank
-draws the same numbers from the same generator state) or given, whole on every rank; then
-every rank knows every plane's windows.
+in the input's dtype, as torch does). The samples are given, whole on every rank, or drawn
+as torch draws them, by every rank (its generator advances as torch's would), and the first
+rank's sent to all (a few numbers per plane: ranks whose generators differ would otherwise
+plan different layouts and exchanges); then every rank knows every plane's windows.
 
 The output keeps the input's placements (NOTE [Which rank owns an output of a windowed op] in
 ``_windows``, with windows that differ by plane): along a sharded dim, output ``i`` belongs to
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
+from shardsci.tensor._collectives import axis_group, broadcast
 from shardsci.tensor._halo import extend, extension
 from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._pool_ops import _per_dim
@@ -64,9 +66,11 @@ def _fractional_max_pool(func, args, kwargs):
         return NotImplemented
     result = probe_on_meta(func, args, kwargs)
     out_shape = tuple((result[0] if isinstance(result, tuple) else result).shape)
-    if samples is None:  # as torch draws them
+    if samples is None:  # drawn as torch draws them, the first rank's for every rank
         batch = 1 if x.ndim == n + 1 else x.shape[0]
-        samples = torch.rand(batch, x.shape[-n - 1], n, dtype=x.dtype, device=x.device)
+        drawn = torch.rand(batch, x.shape[-n - 1], n, dtype=x.dtype, device=x.device)
+        mesh = axis_group(x._spec.mesh, range(x._spec.mesh.ndim))
+        samples = broadcast(drawn, 0, mesh, shape=drawn.shape, dtype=drawn.dtype, device=x.device)
     elif isinstance(samples, ShardTensor):
         samples = samples.to_local()
     spec, first = x._spec, x.ndim - n
@@ -83,9 +87,8 @@ def _fractional_max_pool(func, args, kwargs):
         else:
             sizes = _owned_sizes(every, kernel[i], sharding.sizes)
             bounds = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
-            ranges = tuple(
-                _read_range(every, kernel[i], a, b) for a, b in itertools.pairwise(bounds)
-            )
+            pairs = itertools.pairwise(bounds)
+            ranges = tuple(_read_range(every, kernel[i], begin, end) for begin, end in pairs)
             me = sharding.flat_index(spec.mesh_shape, mesh_coordinate(spec.mesh))
             out_sizes[dim], out_ranges[dim] = sizes, (bounds[me], bounds[me + 1])
             requests.append((dim, ranges, "zeros"))
