@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -245,10 +245,18 @@ def on_multiples(sizes: Sequence[int], step: int) -> tuple[int, ...]:
 # roll, a masked scan whose masked cells depend on nothing) do not override it, nor does a dim
 # that carries the axis only through a mask (a masked scan along the sharded dim: output cell
 # (i, j) reads rows up to i where the mask allows, so the columns whose masked rows end early
-# look like the first rank's). Where every cell that depends on the input combines several
+# look like the first rank's). Where one rank holds the whole split dim, every output dim
+# carries the axis with that one owner: the output may be sharded along any dim that rank
+# holds whole (``rot90`` of a split held by one rank moves it to the other dim, as it does any
+# split; each layout moves nothing). Where every cell that depends on the input combines several
 # shards (a contraction over the split dim: ``x @ w`` with ``x``'s last dim split, whose output
 # only happens to have ``x``'s shape), partial values on the axis are as good: they move
-# nothing. Where no dim (or
+# nothing. A dim whose owners never increase along it (a flip: ``flip``, ``rot90``, whose
+# transpose moves the split to the other dim) carries the axis *mirrored*: no layout in
+# rank order moves nothing there, and the dim holds the split dim's own sizes, as a flip
+# along the split dim keeps them (``rot90`` of a square split by rows is sharded by columns
+# with the rows' sizes; before, the square shape made it keep Shard(0) of a dim no rank split).
+# Where no dim (or
 # more than one) carries the axis of an output of another shape, nothing is stated. The probe
 # runs the op on one process only: the library's answer plays no part in the expectation.
 
@@ -267,7 +275,10 @@ class AxisRule:
         Per index along ``dim``: the coordinate along ``axis`` that must hold it (None: any).
     rule : str
         ``"depends"`` (found by :func:`cell_owners`), ``"same-shape"`` (the input's sizes) or
-        ``"same-shape or partial"`` (the input's sizes, or partial values on the axis).
+        ``"same-shape or partial"`` (the input's sizes, or partial values on the axis) or
+        ``"mirrored"`` (the input's sizes along the dim that carries the split reversed) or
+        ``"one holder"`` (one coordinate holds the whole split dim, and every output dim
+        carries it: sharded along any dim that coordinate holds whole).
     """
 
     axis: int
@@ -288,10 +299,14 @@ class Dependence:
     combined : bool
         Whether every cell that depends on the input depends on two blocks or more (a
         contraction or a reduction over the split dim), so that no cell has an owner.
+    mirrored : dict of int to tuple of (int or None)
+        Output dim -> the owner of each index along it, for the output dims whose owners
+        take two values or more and never increase along it (a flip, see the NOTE).
     """
 
     carrying: dict[int, tuple[int | None, ...]]
     combined: bool = False
+    mirrored: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -382,20 +397,22 @@ def cell_owners(
         ]
         blocks_read = sum(block.to(torch.int64) for block in per_block)
         combined = bool((blocks_read > 1).any()) and not bool((blocks_read == 1).any())
-        result.append(Dependence(_carrying_dims(per_block, b.shape), combined))
+        carrying, mirrored = _carrying_dims(per_block, b.shape)
+        result.append(Dependence(carrying, combined, mirrored))
     return result
 
 
 def _carrying_dims(
     per_block: Sequence[torch.Tensor], shape: Sequence[int]
-) -> dict[int, tuple[int | None, ...]]:
-    """Output dim -> owners along it, for the dims that carry the axis (see the NOTE)."""
+) -> tuple[dict[int, tuple[int | None, ...]], dict[int, tuple[int | None, ...]]]:
+    """Output dim -> owners along it, for the dims that carry the axis and for those that
+    carry it mirrored (see the NOTE)."""
     if not per_block or math.prod(shape) == 0:
-        return {}
+        return {}, {}
     stacked = torch.stack(list(per_block))  # (blocks, *shape)
     single = stacked.sum(0) == 1
     owner = torch.where(single, stacked.to(torch.int64).argmax(0), -1)
-    carrying = {}
+    carrying, mirrored = {}, {}
     for e in range(len(shape)):
         along = owner.movedim(e, 0).reshape(shape[e], -1)
         highest = along.max(1).values
@@ -406,7 +423,9 @@ def _carrying_dims(
         known = [o for o in owners if o is not None]
         if known and known == sorted(known):
             carrying[e] = owners
-    return carrying
+        elif len(set(known)) > 1 and known == sorted(known, reverse=True):
+            mirrored[e] = owners
+    return carrying, mirrored
 
 
 def axis_rules(
@@ -423,9 +442,15 @@ def axis_rules(
       unless its cells depend on the shards along another dim alone, with ``d``'s owners
       index for index (a transpose): then that dim carries the axis;
     - any other output is sharded along the dim that alone carries the axis (with two or
-      more owners, or the only one with any), if there is one; else nothing is stated.
+      more owners, or the only one with any), if there is one;
+    - where no dim carries it with two owners or more but one dim carries it mirrored (a
+      flip), that dim holds ``d``'s sizes, as a flip along ``d`` keeps them;
+    - else, and for an output with no cell (which no layout makes any rank hold), nothing
+      is stated.
     """
     rules = []
+    if math.prod(output_shape) == 0:
+        return rules  # no cell: every layout of it holds nothing
     shardings = dim_shardings(input_layout, input_shape, mesh)
     same_shape = tuple(output_shape) == tuple(input_shape)
     for axis, p in enumerate(input_layout.placements):
@@ -440,8 +465,15 @@ def axis_rules(
         axes, sizes = shardings[dim]
         kept = tuple(k for k, n in enumerate(sizes) for _ in range(n))
         renamed = carried is not None and _renames(carrying[carried], kept)
+        mirror = list(dependence.mirrored)
+        flip = mirror[0] if not spread and len(mirror) == 1 and axes == (axis,) else None
+        if flip is not None and output_shape[flip] == len(kept):
+            rules.append(AxisRule(axis, flip, kept, "mirrored"))
+            continue
         if same_shape and axes == (axis,) and (carried in (None, dim) or not renamed):
             rule = "same-shape or partial" if dependence.combined else "same-shape"
+            if carried is None and len(chosen) > 1 and len(set(kept)) == 1:
+                rule = "one holder"  # every carrying dim has the one owner: any may hold it
             rules.append(AxisRule(axis, dim, kept, rule))
         elif carried is not None:
             rules.append(AxisRule(axis, carried, carrying[carried], "depends"))
@@ -469,6 +501,14 @@ def held_where(
         p = placements[rule.axis]
         if rule.rule == "same-shape or partial" and isinstance(p, Partial):
             continue
+        if rule.rule == "one holder" and isinstance(p, Shard):
+            e, holder = p.dim % len(shape), rule.owners[0]
+            if all(
+                box(actual, shape, mesh, c)[e][0] == box(actual, shape, mesh, c)[e][1]
+                for c in coordinates(mesh)
+                if c[rule.axis] != holder
+            ):
+                continue
         if not (isinstance(p, Shard) and p.dim % len(shape) == rule.dim):
             return (
                 f"mesh axis {rule.axis} is {p}; expected Shard({rule.dim}) ({rule.rule}: "

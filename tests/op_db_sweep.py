@@ -41,7 +41,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,11 +130,21 @@ def _samples(key: str, n: int | None) -> list:
     return _stream[0].first(n)
 
 
-def selected_samples(key: str, layout: SweepLayout, limit: int | None) -> list[tuple]:
+def selected_samples(
+    key: str, layout: SweepLayout, limit: int | None, indices: Sequence[int] | None = None
+) -> list[tuple]:
     """``(index, sample, layout of its first tensor or None)`` for the samples of op ``key``
-    to run on ``layout``: every sample (``limit`` None), else the first ``limit`` whose first
-    tensor can be sharded that way, among the first ``4 * limit + 4`` (the first 64 when those
-    hold none: some ops' first samples are all scalars or empty)."""
+    to run on ``layout``: those of ``indices`` if given (the op's that exist), else every
+    sample (``limit`` None), else the first ``limit`` whose first tensor can be sharded that
+    way, among the first ``4 * limit + 4`` (the first 64 when those hold none: some ops'
+    first samples are all scalars or empty)."""
+    if indices is not None:
+        samples = _samples(key, max(indices, default=-1) + 1)
+        return [
+            (i, samples[i], _layout_of(key, i, samples[i], layout))
+            for i in indices
+            if i < len(samples)
+        ]
     if limit is None:
         return [(i, s, _layout_of(key, i, s, layout)) for i, s in enumerate(_samples(key, None))]
     chosen = []
@@ -184,6 +194,22 @@ class Expectations:
 
     def entries(self, op: str) -> tuple:
         return (*self.unsupported.get(op, ()), *self.known_bugs.get(op, ()))
+
+    def listed_cases(self) -> dict[str, dict[str, tuple[int, ...] | None]]:
+        """Op -> layout name -> the samples its entries apply to there (None: every sample),
+        for the ops that have entries."""
+        listed: dict[str, dict[str, tuple[int, ...] | None]] = {}
+        for op in {*self.unsupported, *self.known_bugs}:
+            per_layout: dict[str, tuple[int, ...] | None] = {}
+            for entry in self.entries(op):
+                for name in entry.layouts or tuple(LAYOUTS):
+                    known = per_layout.get(name, ())
+                    if entry.samples is None or known is None:
+                        per_layout[name] = None
+                    else:
+                        per_layout[name] = tuple(sorted({*known, *entry.samples}))
+            listed[op] = per_layout
+        return listed
 
     def hangs(self, op: str, sample: int, layout: str) -> bool:
         """Whether a known bug leaves some ranks waiting in this case (a timeout and a fresh
@@ -543,12 +569,19 @@ def _cases(
     pattern: str | None,
     resume_after: Position | None,
     dealt: bool = False,
+    listed: Mapping[str, Mapping[str, tuple[int, ...] | None]] | None = None,
 ) -> Iterator[tuple[Position, SweepLayout, object, Layout | None]]:
     """``(position, layout, sample, layout of its first tensor)`` of every case of this chunk
     of the database (ops whose key matches ``pattern``) after ``resume_after``, op by op and,
     for each op, layout by layout (its samples are generated once, its caches stay warm).
-    ``dealt``: each op on one layout only, the ``LAYOUTS`` in turn."""
-    keys = sorted(k for k in database() if pattern is None or re.search(pattern, k))
+    ``dealt``: each op on one layout only, the ``LAYOUTS`` in turn. ``listed``: only these
+    ops, and of each, on each layout, only the samples it names there (None: every
+    sample; a layout it does not name: none)."""
+    keys = sorted(
+        k
+        for k in database()
+        if (pattern is None or re.search(pattern, k)) and (listed is None or k in listed)
+    )
     names = list(LAYOUTS)
     for number, key in enumerate(keys):
         if number % chunk[1] != chunk[0]:
@@ -558,7 +591,8 @@ def _cases(
         for i, layout in enumerate(layouts):
             if dealt and names[number % len(names)] != layout.name:
                 continue
-            for index, sample, sharded in selected_samples(key, layout, limit):
+            indices = None if listed is None else listed[key].get(layout.name, ())
+            for index, sample, sharded in selected_samples(key, layout, limit, indices):
                 if resume_after is None or (key, i, index) > resume_after:
                     yield (key, i, index), layout, sample, sharded
 
@@ -621,15 +655,17 @@ def sweep_body(
     log_path: str,
     pattern: str | None,
     dealt: bool = False,
+    listed: Mapping[str, Mapping[str, tuple[int, ...] | None]] | None = None,
 ) -> None:
     """Run the cases of a chunk of the database after ``resume_after`` on this rank, on each
-    of ``layout_names`` (their meshes of this world size; ``dealt``: see ``_cases``)."""
+    of ``layout_names`` (their meshes of this world size; ``dealt``, ``listed``: see
+    ``_cases``)."""
     layouts = [LAYOUTS[name] for name in layout_names]
     expectations = Expectations.load()
     rank = dist.get_rank()
     with open(log_path, "a") as log:
         for position, layout, sample, sharded in _cases(
-            layouts, chunk, limit, pattern, resume_after, dealt
+            layouts, chunk, limit, pattern, resume_after, dealt, listed
         ):
             key, _, index = position
             case = {"op": key, "sample": index, "layout": layout.name, "position": position}
@@ -695,9 +731,11 @@ def sweep(
     limit: int | None = None,
     pattern: str | None = None,
     dealt: bool = False,
+    listed: Mapping[str, Mapping[str, tuple[int, ...] | None]] | None = None,
 ) -> list[dict]:
     """Every case of a chunk of the database on ``layouts`` (meshes of one world size, run
-    in one pool; ``dealt``: each op on one layout, see ``_cases``): one record per case with
+    in one pool; ``dealt``: each op on one layout; ``listed``: only these ops' samples on
+    each layout, see ``_cases``): one record per case with
     its ``op``, ``sample``, ``layout``, ``outcome``, ``detail``, ``layout_rules`` and
     ``seconds`` (on rank 0)."""
     worlds = {layout.world for layout in layouts}
@@ -720,6 +758,7 @@ def sweep(
                     str(log_path),
                     pattern,
                     dealt,
+                    listed,
                     timeout_s=3600.0,
                 )
                 break

@@ -23,8 +23,6 @@ counted as not checked, never as correct.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from torch.testing._internal.opinfo.core import SampleInput
@@ -91,15 +89,22 @@ def test_op_db_every_sample(world: int, chunk: int) -> None:
 @pytest.mark.slow
 def test_every_entry_of_the_lists_still_matches() -> None:
     """The lists stay honest: each entry of ``op_db_unsupported.UNSUPPORTED`` and
-    ``KNOWN_BUGS`` still matches a case it applies to (every sample, every layout, all at
-    once: an op may raise on one layout only, as adaptive pooling does where its windows
-    straddle shards)."""
+    ``KNOWN_BUGS`` applies to some case and still matches a case it applies to, and every
+    case an entry applies to is accepted by one (an op may raise on one layout only, as
+    adaptive pooling does where its windows straddle shards). Only those cases run: the
+    samples each entry names on the layouts it names (every sample for an entry of any
+    sample); the other cases of these ops are the every-sample sweep's (``-k every_sample``)."""
     expectations = Expectations.load()
-    ops = {*expectations.unsupported, *expectations.known_bugs}
-    listed = "^(" + "|".join(re.escape(op) for op in ops) + ")$"
-    records = [r for layouts in by_world().values() for r in sweep(layouts, pattern=listed)]
+    listed = expectations.listed_cases()
+    records = [r for layouts in by_world().values() for r in sweep(layouts, listed=listed)]
     found = problems(records, expectations)
     found += [f"{entry}: matched no case" for entry in stale(records, expectations)]
+    found += [
+        f"{op}: {entry}: applies to no case"
+        for op in listed
+        for entry in expectations.entries(op)
+        if not any(r["op"] == op and entry.applies(r) for r in records)
+    ]
     assert not found, "\n".join(found)
 
 
@@ -341,3 +346,57 @@ def test_a_contraction_over_the_sharded_dim_may_be_partial() -> None:
     # a cell that reads one shard keeps the rule strict: softmax along an unsplit dim
     strict = _rules(lambda a: [a.softmax(1)], x, layout)
     assert held_where(strict, [Partial()], {}, {}, x.shape, (2,)) != ""
+
+
+@pytest.mark.parametrize("k", [1, -1, 2])
+def test_a_rotation_moves_the_split_with_its_sizes(k: int) -> None:
+    """NOTE [An output cell belongs to the shard it depends on]: ``rot90`` of a square split
+    by rows into (2, 3) is split by columns (k = 1, -1) or rows (k = 2) with the rows' sizes.
+    Its columns (k = -1) or rows (k = 2) depend on the row blocks in reverse, so no dim seemed
+    to carry the split, and the square shape kept it on dim 0, a dim no rank splits after the
+    transpose (the op database's rot90 samples 1, 13 and 25 expected Shard(0))."""
+    from torch.distributed.tensor import Shard
+
+    from tests.expected_layouts import held_where, parse
+
+    layout = parse("S0; 0=2/3")
+    x = torch.randn(5, 5, dtype=torch.float64)
+    rules = _rules(lambda a: [torch.rot90(a, k)], x, layout)
+    dim = 0 if k == 2 else 1
+    assert [(r.dim, r.owners) for r in rules] == [(dim, (0, 0, 1, 1, 1))]
+    assert held_where(rules, [Shard(dim)], {dim: (2, 3)}, {}, x.shape, (2,)) == ""
+    assert held_where(rules, [Shard(1 - dim)], {1 - dim: (2, 3)}, {}, x.shape, (2,)) != ""
+    assert held_where(rules, [Shard(dim)], {dim: (3, 2)}, {}, x.shape, (2,)) != ""
+    flipped = _rules(lambda a: [a.flip(0)], x, layout)
+    assert [(r.dim, r.owners) for r in flipped] == [(0, (0, 0, 1, 1, 1))]
+
+
+def test_an_empty_output_states_no_layout() -> None:
+    """The op database's linalg.multi_dot sample 2, ``(0, 2) @ (2, 2)`` with the contracted
+    dim split: the output has the input's shape and no cell, so any layout holds nothing
+    (it expected Shard(1) with the input's sizes of a pending sum)."""
+    from tests.expected_layouts import parse
+
+    layout = parse("S1; 1=1/1")
+    w = torch.randn(2, 2, dtype=torch.float64)
+    assert _rules(lambda a: [a @ w], torch.randn(0, 2, dtype=torch.float64), layout) == []
+    assert _rules(lambda a: [a @ w], torch.randn(1, 2, dtype=torch.float64), layout) != []
+
+
+def test_a_split_held_by_one_rank_may_move_to_any_dim_it_holds() -> None:
+    """The op database's rot90 samples 8 and 20 on 4r-random: a 5x5x5 tensor whose dim 2 one
+    rank holds whole (sizes 0/0/0/5). Every output cell depends on that rank alone, so every
+    output dim carries the split with one owner; rot90 moving it to dim 1, all of it on that
+    rank, moves nothing, as Shard(2) would (it expected Shard(2))."""
+    from torch.distributed.tensor import Shard
+
+    from tests.expected_layouts import axis_rules, cell_owners, held_where, parse
+
+    layout = parse("S2; 2=0/0/0/5")
+    x = torch.randn(5, 5, 5, dtype=torch.float64)
+    (dim,) = layout.sizes
+    owners = cell_owners(lambda a: [torch.rot90(a, 1, (1, 2))], x, dim, layout.sizes[dim])
+    rules = axis_rules({0: owners[0]}, layout, x.shape, x.shape, (4,))
+    for held in (1, 2):
+        assert held_where(rules, [Shard(held)], {held: (0, 0, 0, 5)}, {}, x.shape, (4,)) == ""
+    assert held_where(rules, [Shard(1)], {1: (0, 0, 1, 4)}, {}, x.shape, (4,)) != ""

@@ -9,6 +9,7 @@ from shardsci.tensor._ops import (
     _elementwise_ops,  # noqa: F401
     _embedding_ops,  # noqa: F401
     _fft_ops,  # noqa: F401
+    _fractional_pool_ops,  # noqa: F401
     _gather_scatter_ops,  # noqa: F401
     _gathered_ops,  # noqa: F401
     _index_ops,  # noqa: F401
@@ -23,5 +24,6 @@ from shardsci.tensor._ops import (
     _scan_ops,  # noqa: F401
     _search_ops,  # noqa: F401
     _softmax_ops,  # noqa: F401
+    _unpool_ops,  # noqa: F401
     _view_ops,  # noqa: F401
 )

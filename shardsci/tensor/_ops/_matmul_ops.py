@@ -448,9 +448,48 @@ def _rows_kept(x: ShardTensor, out: torch.Tensor, columns: int) -> ShardTensor:
     return ShardTensor(out, spec)
 
 
+# NOTE [A product over sharded columns is a pending sum]
+# ``aten.mm(x, w)`` with ``x``'s columns (the contracted dim) sharded and ``w`` replicated, as
+# ``linalg.multi_dot`` and autograd reach it: each rank multiplies its columns by the rows of
+# ``w`` they meet, and the output is pending a sum over the axes that shard the columns
+# (its rows keep theirs), moving nothing; DTensor's rule gathers ``x`` instead.
+def _columns_sharded(x: object, other: object) -> bool:
+    """Whether ``x @ other`` is a ShardTensor sharded on its columns, and perhaps its rows,
+    times a replicated matrix (NOTE [A product over sharded columns is a pending sum])."""
+    return (
+        isinstance(x, ShardTensor)
+        and x.ndim == 2
+        and 1 in x._spec.sharding_by_dim
+        and accepts(x, replicated=[other])
+    )
+
+
+def _columns_summed(x: ShardTensor, other: torch.Tensor) -> ShardTensor:
+    spec = x._spec
+    columns = spec.sharding_by_dim[1]
+    start, count = spec.local_offsets()[1], spec.local_shape()[1]
+    out = aten.mm.default(x._local, local_of(other).narrow(0, start, count))
+    placements = [
+        Partial() if axis in columns.axes else p for axis, p in enumerate(spec.placements)
+    ]
+    rows = spec.sharding_by_dim.get(0)
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        (x.shape[0], other.shape[1]),
+        out.dtype,
+        {0: rows.sizes} if rows else {},
+        order={0: rows.axes} if rows else {},
+        hints=merged_hints(spec.hints + spec.shardings),
+    )
+    return ShardTensor(out, out_spec)
+
+
 @register_aten_handler(aten.mm.default)
-def _row_sharded_mm(func, args, kwargs):
+def _sharded_mm(func, args, kwargs):
     a = bind(func, args, kwargs)
+    if _columns_sharded(a.self, a.mat2):
+        return _columns_summed(a.self, a.mat2)
     if not _row_sharded(a.self, a.mat2):
         return NotImplemented
     out = aten.mm.default(a.self._local, local_of(a.mat2))
