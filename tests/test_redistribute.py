@@ -454,6 +454,10 @@ def _check_move(
         problems.append(f"placements {y.placements}, expected {dst.placements}")
     target = narrow(value, box(dst, shape, mesh_shape, me))
     problems += _close_problems(y.to_local().detach(), target, tol, "shard")
+    if not any(isinstance(p, Shard) for p in dst.placements) and not y.to_local().is_contiguous():
+        # Every rank holds the same tensor: with other strides on some ranks, an op that asks
+        # (``_pdist_forward`` requires a contiguous input) raises on those alone.
+        problems.append(f"a whole tensor with strides {y.to_local().stride()}, not contiguous")
     problems += _byte_problems(stats, src, dst, shape, mesh_shape, me)
     assert_all_ranks(not problems, f"{label}: " + "; ".join(problems))
     with torch.no_grad():

@@ -259,9 +259,12 @@ class _Exchange:
                 kind=plan.kind,
             )
         if plan.received_fills_output:
-            # What arrives is the whole output, in order: the buffer is it (no copy).
+            # What arrives is the whole output, in order: the buffer is it (no copy) when that
+            # order is the dims' own. Packed in another order it is copied out, contiguous as
+            # every other rank's output is: ranks that hold the same tensor with other strides
+            # part ways in any op that asks (``_pdist_forward`` raised on one rank only).
             shape = [plan.out_shape[d] for d in plan.order]
-            return received.view(shape).permute(_inverse(plan.order))
+            return received.view(shape).permute(_inverse(plan.order)).contiguous()
         out = local.new_empty(plan.out_shape)
         if plan.own_source_box is not None:
             narrow_box(out, plan.own_target_box).copy_(narrow_box(local, plan.own_source_box))

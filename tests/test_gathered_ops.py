@@ -1,8 +1,10 @@
-"""``as_strided``, ``as_strided_copy`` and ``as_strided_scatter`` on sharded inputs against one
-process, float64: values, the gradients and the documented replicated output (a gathered op,
-``_gathered_ops``), with a storage offset, on uneven rows, columns with an empty shard and 2x2
-blocks. A gathered input is addressed as a tensor at the start of its own storage: an
-all-gather of uneven shards is narrowed from a padded buffer, where an offset read padding."""
+"""Gathered ops (``_gathered_ops``) on sharded inputs against one process, float64: values, the
+gradients and the documented replicated output, on uneven rows, columns with an empty shard and
+2x2 blocks. ``as_strided`` and its copy and scatter with a storage offset address a gathered
+input from the start of its own storage (an all-gather of uneven shards is narrowed from a
+padded buffer, where an offset read padding); ``pdist``, which requires a contiguous input,
+gets one on every rank (the rank holding an empty shard of the columns got the gathered field
+with transposed strides, raised alone, and left the others waiting)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ CALLS = {
     "as_strided": lambda x, s: x.as_strided((2, 2), (1, 2), 1),
     "as_strided_copy": lambda x, s: torch.as_strided_copy(x, (2, 2), (1, 2), 2),
     "as_strided_scatter": lambda x, s: torch.as_strided_scatter(x, s, (2, 2), (1, 2), 1),
+    "pdist": lambda x, s: torch.nn.functional.pdist(x),
 }
 
 
@@ -41,5 +44,5 @@ def _body(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_as_strided_addresses_the_whole_tensor_from_its_start(name: str) -> None:
+def test_gathered_ops_equal_one_process(name: str) -> None:
     run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
