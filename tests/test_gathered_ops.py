@@ -1,10 +1,10 @@
 """Gathered ops (``_gathered_ops``) on sharded inputs against one process, float64: values, the
 gradients and the documented replicated output, on uneven rows, columns with an empty shard and
-2x2 blocks. ``as_strided`` and its copy and scatter with a storage offset address a gathered
-input from the start of its own storage (an all-gather of uneven shards is narrowed from a
-padded buffer, where an offset read padding); ``pdist``, which requires a contiguous input,
-gets one on every rank (the rank holding an empty shard of the columns got the gathered field
-with transposed strides, raised alone, and left the others waiting)."""
+2x2 blocks. Two of them see how the gathered field lies in memory: ``as_strided`` (and its copy
+and scatter, with a storage offset) and ``pdist`` (which requires a contiguous input). The rank
+holding an empty shard of the columns received the field with transposed strides, so it read
+other cells than one process (``as_strided``) or raised alone and left the others waiting
+(``pdist``)."""
 
 from __future__ import annotations
 

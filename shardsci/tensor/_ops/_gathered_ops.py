@@ -11,14 +11,6 @@ right on every layout, at the cost of the gather and of every rank holding the w
 For large fields, redistribute to the layout you want first, or reduce before such an op.
 Their backward ops are gathered alike, and the input's gradient returns to its layout in the
 backward of ``from_local`` (a slice, no communication).
-
-``as_strided`` and its copy and scatter address their input's storage (an offset and strides
-into it). An input that is already whole is addressed in its own storage, as torch's op
-addresses it, so that a view stays a view (``as_strided``'s backward writes through one). A
-gathered input is a new tensor that may lie inside a larger buffer (an all-gather of uneven
-shards is narrowed from a padded one, where an offset would read padding): it is addressed as a
-contiguous tensor at the start of a storage of its own, as if the whole tensor had been created
-in one process.
 """
 
 from __future__ import annotations
@@ -85,16 +77,12 @@ GATHERED = (
     aten._unsafe_masked_index,
 )
 
-#: Ops whose result depends on where their input lies in its storage.
-_STORAGE_ADDRESSING = {aten.as_strided, aten.as_strided_copy, aten.as_strided_scatter}
-
 
 @register_aten_handler(*GATHERED)
 def gathered(func, args, kwargs):
     """Run ``func`` on whole tensors on every rank; outputs are replicated ShardTensors."""
     mesh = next(a._spec.mesh for a in tree_leaves((args, kwargs)) if isinstance(a, ShardTensor))
-    own_storage = func.overloadpacket in _STORAGE_ADDRESSING
-    whole = tree_map(lambda value: _whole(value, own_storage), (args, kwargs))
+    whole = tree_map(_whole, (args, kwargs))
     out = func(*whole[0], **whole[1])
     return tree_map(
         lambda o: ShardTensor(o, replicated_spec(o, mesh)) if isinstance(o, torch.Tensor) else o,
@@ -102,13 +90,10 @@ def gathered(func, args, kwargs):
     )
 
 
-def _whole(value: object, own_storage: bool) -> object:
-    """``value`` whole on this rank: its local tensor if it is already whole, else gathered
-    (``own_storage``: into a contiguous tensor at the start of a storage of its own)."""
+def _whole(value: object) -> object:
     if not isinstance(value, ShardTensor):
         return value
     spec = value._spec
     if not spec.shardings and not spec.partial:
         return value._local
-    whole = redistribute(value, target_spec(spec, [Replicate()] * spec.mesh.ndim))._local
-    return whole.clone(memory_format=torch.contiguous_format) if own_storage else whole
+    return redistribute(value, target_spec(spec, [Replicate()] * spec.mesh.ndim))._local
