@@ -321,6 +321,36 @@ def test_an_output_no_loss_reaches_after_a_graph_break_equals_one_process() -> N
     run_on_ranks(2, _unused_output_body, timeout_s=300)
 
 
+class ScaledInPlaceBetweenBreaks(nn.Module):
+    """A field scaled in place in a graph of its own, between two graph breaks, and read after
+    it: that graph mutates its input, and the gradient of the input's new value comes from
+    the graph after the second break, a ShardTensor (the MeshGraphNet's aggregation into
+    ``zeros_like(nodes)``, whose handler breaks the graph before writing in place)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sin(x)
+        torch._dynamo.graph_break()
+        y.mul_(2)
+        torch._dynamo.graph_break()
+        return torch.cos(y)
+
+
+def _mutated_input_body() -> None:
+    with tracing_through_shardtensors():
+        mesh = get_mesh((2,))
+        compiled = torch.compile(ScaledInPlaceBetweenBreaks(), backend="aot_eager")
+        whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
+        _compiled_equals_eager(compiled, [whole], LAYOUTS[:1], mesh, "mutated input")
+
+
+# Failed with "we guessed its metadata incorrectly. Expected: None (type <class
+# 'torch.Tensor'>), got: ShardTensorSpec(...)" in the backward of the graph that mutates its
+# input, until AOTAutograd traces the tangent of a mutated ShardTensor input as a ShardTensor
+# (NOTE [torch.compile and ShardTensor]).
+def test_a_graph_that_mutates_a_shardtensor_input_equals_one_process() -> None:
+    run_on_ranks(2, _mutated_input_body, timeout_s=300)
+
+
 class PoolThenUpsample(nn.Module):
     """2x2 average pooling, nearest 2x upsampling, a per-channel scale. On uneven shards both
     windowed ops exchange one-sided halos: the rank that only sends uses no result of the

@@ -110,6 +110,7 @@ from shardsci.tensor._torch_compat import (
     _TorchDispatchModeKey,
     disable_current_modes,
     dynamo_config,
+    functorch_config,
     get_proxy_mode,
     is_fake,
     trace_rules,
@@ -247,6 +248,12 @@ def tracing_through_shardtensors() -> Iterator[None]:
     # ("unhashable type: non-nested SymInt") failed to compile.
     automatic_dynamic = dynamo_config.automatic_dynamic_shapes
     dynamo_config.automatic_dynamic_shapes = False
+    # AOTAutograd guesses that the gradient of an input a graph mutates in place is plain
+    # (autograd's zeros); a ShardTensor input that is read after the graph gets a ShardTensor
+    # gradient, which the guess refused. Traced as a ShardTensor, plain zeros still fit
+    # (``_plain_tangents_read_as_replicated``).
+    plain_guess = functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass
+    functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = True
     # Read when a backward is compiled, so graphs compiled inside keep it after the block;
     # resolved here, not at import (torch's AOTAutograd modules import one another in order).
     aot_autograd = _torch_compat.AOTDispatchAutograd
@@ -263,6 +270,7 @@ def tracing_through_shardtensors() -> Iterator[None]:
         cls.__torch_dispatch__ = dispatch
         aot_autograd.process_runtime_tangent = process_tangent
         dynamo_config.automatic_dynamic_shapes = automatic_dynamic
+        functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = plain_guess
         trace_rules.SKIP_DIRS[:] = skipped
         trace_rules._recompile_re()
         dynamo_config.nontraceable_tensor_subclasses.add(cls)
