@@ -316,8 +316,8 @@ def _functorch_config(config: object) -> None:
 
 
 def _trace_rules(module: object) -> None:
-    _has("add", "SKIP_DIRS", "_recompile_re")(module)
-    assert isinstance(module.SKIP_DIRS, list)  # type: ignore[attr-defined]
+    _has("add", "SKIP_DIRS", "BUILTIN_INLINE_WHEN_CALLED")(module)
+    assert isinstance(module.BUILTIN_INLINE_WHEN_CALLED, set)  # type: ignore[attr-defined]
 
 
 def _proxy_mode(fn: Callable) -> None:

