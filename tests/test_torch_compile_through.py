@@ -480,11 +480,11 @@ def test_zoo_model_traced_through_equals_the_single_process_model(
 # values (``aten._local_scalar_dense``, a data-dependent graph break dynamo names). AOTAutograd's
 # backward of a graph after such a break met "Expected a ShardTensor tangent but got a plain
 # Tensor (tangent index: 1)" (the last block's edges, which no loss reaches; fixed, see
-# test_an_output_no_loss_reaches_after_a_graph_break_equals_one_process). It now fails the
-# other way, in 244 s at load 21-26: a graph traced with a plain (40, 8) output (the nodes'
-# global shape) receives a ShardTensor gradient ("Expected: None (type torch.Tensor)"): the
-# tangent of an input the graph mutates in place, traced as plain
-# (InputMutationAOTOutput(mutated_input=PlainAOTInput(idx=3))).
+# test_an_output_no_loss_reaches_after_a_graph_break_equals_one_process), then the ShardTensor
+# gradient of the aggregation's mutated input where a plain one was traced ("Expected: None
+# (type torch.Tensor)"; test_a_graph_that_mutates_a_shardtensor_input_equals_one_process),
+# then recompiled shardsci's own frames at every call (the eager-fallback case of
+# test_code_that_breaks_the_graph_runs_equal_to_one_process). About 2 min at load 15-20.
 @pytest.mark.slow
 def test_meshgraphnet_traced_through_equals_the_single_process_model() -> None:
     run_on_ranks(2, _meshgraphnet_body, "aot_eager", timeout_s=900)
