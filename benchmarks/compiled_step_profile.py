@@ -10,8 +10,10 @@ collectives the graphs run (``_c10d_functional`` calls: count, issue time, waiti
 tangent checks at the backward's entry, the gradient reducer's hooks and its end of backward,
 ShardTensor ops run eagerly outside the graphs (the loss), ``zero_grad``. Times are cProfile's
 cumulative wall time under the profiler (waiting for the other rank included); counts are
-exact. Run ``python -m benchmarks.compiled_step_profile [--models vit] [--ranks 2] [--steps
-10]``; JSON lines on stdout, one record per model, variant and rank.
+exact. The summary holds each model's CPU ratio (slowest rank's CPU time per step, unprofiled)
+against issue 21's goal (``host_overhead.COMPILED_GOAL_RATIO``). Run ``python -m
+benchmarks.compiled_step_profile [--models vit] [--ranks 2] [--steps 10] [--check]``; JSON
+lines on stdout, one record per model, variant and rank, then the summary.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import torch
 import torch._dynamo.testing
 import torch.distributed as dist
 
-from benchmarks._common import emit, parse_arguments, rank_pools
+from benchmarks._common import Goal, emit, emit_summary, parse_arguments, rank_pools
 from benchmarks.compile import CASES, RANK_TIMEOUT_S
-from benchmarks.host_overhead import VARIANTS, training_step
+from benchmarks.host_overhead import COMPILED_GOAL_RATIO, VARIANTS, training_step
 from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.testing import run_on_ranks
 
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     args = parse_arguments(parser, argv)
+    goals, summary = [], {}
     with rank_pools():
         for name in args.models:
             per_rank = run_on_ranks(
@@ -128,6 +131,17 @@ def main(argv: list[str] | None = None) -> None:
                         variant=variant,
                         **found[variant],
                     )
+            cpu_ms = {v: max(found[v]["cpu_ms"] for found in per_rank) for v in VARIANTS}
+            ratio = cpu_ms["shardtensor"] / cpu_ms["torch"]
+            summary[name] = {"cpu_ms": cpu_ms, "cpu_ratio": round(ratio, 2)}
+            goals.append(
+                Goal(
+                    f"{name} on {args.ranks} rank(s), {args.backend}: compiled ShardTensor step "
+                    f"at most {COMPILED_GOAL_RATIO}x compiled torch's CPU time",
+                    ratio <= COMPILED_GOAL_RATIO,
+                )
+            )
+    emit_summary(goals, args.check, **summary)
 
 
 if __name__ == "__main__":
