@@ -442,7 +442,8 @@ def test_one_sided_halos_compiled_equal_eager_and_one_process(
 # not and why). About 60 s for the FNO (load 9), 220 s for the ViT and 340 s for the
 # Transolver (load 6-10) on this machine; at load 10-20 the Transolver on 2x2 147 s, the
 # 3-D FNO and Transolver on 2 ranks 79 and 69 s, the FNO with inductor 203 s; the ViT with
-# inductor 437 s at load 5-21; the Transolver with inductor ran past 600 s at load 15-20.
+# inductor 437 s at load 5-21, the Transolver with inductor 303 s at load 6-15 (both ran
+# past 600 s at load 15-20).
 ZOO_THROUGH = [
     ("aot_eager", "unet", (2,)),
     ("aot_eager", "unet", (2, 2)),

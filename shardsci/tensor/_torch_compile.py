@@ -64,8 +64,9 @@ MeshGraphNet (2 ranks, METIS then RCB parts) compiles equal to eager since 2026-
 neighbour gathers plan messages from the edge index's values (``aten._local_scalar_dense``,
 data-dependent graph breaks inside the blocks' loop), so dynamo runs its forward eagerly
 and compiles the frames it calls (6 frames a partition). Not the default because of what
-that took (below) and because inductor has not been seen to finish the Transolver (the
-ViT passes, 437 s). The CFD recipe compiles (``train.compile``) equal to eager.
+that took (below); with inductor the UNet, the FNO, the ViT and the Transolver pass on 2
+ranks (the last two since 2026-11-29: 437 and 303 s). The CFD recipe compiles
+(``train.compile``) equal to eager.
 Code that breaks the graph: inside the ``with`` block ``shardsci.tensor`` is inlined where
 traced code calls it and never compiled as a frame of its own (dynamo's
 ``BUILTIN_INLINE_WHEN_CALLED``, with the package on its skip list). After a break in a loop
