@@ -485,7 +485,9 @@ def test_zoo_model_traced_through_equals_the_single_process_model(
 # gradient of the aggregation's mutated input where a plain one was traced ("Expected: None
 # (type torch.Tensor)"; test_a_graph_that_mutates_a_shardtensor_input_equals_one_process),
 # then recompiled shardsci's own frames at every call (the eager-fallback case of
-# test_code_that_breaks_the_graph_runs_equal_to_one_process). About 2 min at load 15-20.
+# test_code_that_breaks_the_graph_runs_equal_to_one_process). About 2 min at load 15-20
+# (aot_eager), 2.5 min at load 9-19 (inductor).
 @pytest.mark.slow
-def test_meshgraphnet_traced_through_equals_the_single_process_model() -> None:
-    run_on_ranks(2, _meshgraphnet_body, "aot_eager", timeout_s=900)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_meshgraphnet_traced_through_equals_the_single_process_model(backend: str) -> None:
+    run_on_ranks(2, _meshgraphnet_body, backend, timeout_s=900)
