@@ -121,6 +121,11 @@ SLOW_SMOKES = {
         {"GOAL_RATIO": lambda _: 0.0},
         ("unet on 1 rank(s): ShardTensor step at most",),
     ),
+    "compiled_step_profile": Smoke(
+        "--models fno --ranks 1 --warmup 1 --steps 1",
+        {"COMPILED_GOAL_RATIO": lambda _: 0.0},
+        ("fno on 1 rank(s), aot_eager: compiled ShardTensor step at most",),
+    ),
     # Two 8-rank FNO 3-D steps at 16³ (tiny figures; the byte goal is patched to be missed).
     "cfd3d_meshes": Smoke(
         "--size 16 --batch 1 --rounds 1 --steps 1",

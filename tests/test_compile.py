@@ -64,15 +64,16 @@ def _compiled_equals_eager(
     mesh: DeviceMesh,
     what: str,
     out_layout: Layout | None = None,
+    reference: torch.nn.Module | None = None,
 ) -> None:
     """The model of ``compile_regions`` on ShardTensors, outside any dispatch mode (so its
     regions run compiled), against the same model on the whole inputs (where every module
-    runs its eager forward): output, its layout (``out_layout``, by default the first
-    input's), and the gradients of a random projection of it for every floating input and
-    every parameter."""
+    runs its eager forward; or ``reference``, the model sharing its parameters): output, its
+    layout (``out_layout``, by default the first input's), and the gradients of a random
+    projection of it for every floating input and every parameter."""
     wholes = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
     model.zero_grad(set_to_none=True)
-    expected = model(*wholes)
+    expected = (reference or model)(*wholes)
     projection = torch.randn(expected.shape, dtype=expected.dtype)
     (expected * projection).sum().backward()
     expected_grads = {name: p.grad for name, p in model.named_parameters()}

@@ -310,9 +310,14 @@ def _dynamo_config(config: object) -> None:
     assert isinstance(config.nontraceable_tensor_subclasses, set)  # type: ignore[attr-defined]
 
 
+def _functorch_config(config: object) -> None:
+    flag = config.disable_guess_zero_tangent_for_mutated_input_subclass  # type: ignore[attr-defined]
+    assert isinstance(flag, bool)
+
+
 def _trace_rules(module: object) -> None:
-    _has("add", "SKIP_DIRS", "_recompile_re")(module)
-    assert isinstance(module.SKIP_DIRS, list)  # type: ignore[attr-defined]
+    _has("add", "SKIP_DIRS", "BUILTIN_INLINE_WHEN_CALLED")(module)
+    assert isinstance(module.BUILTIN_INLINE_WHEN_CALLED, set)  # type: ignore[attr-defined]
 
 
 def _proxy_mode(fn: Callable) -> None:
@@ -419,6 +424,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
     "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,
+    "functorch_config": _functorch_config,
     "AOTDispatchAutograd": _aot_dispatch_autograd,
     "register_effectful_op": _takes("op", "effect"),
     "EffectType": _has("ORDERED"),

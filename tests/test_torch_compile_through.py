@@ -233,9 +233,13 @@ def _meshgraphnet_body(backend: str) -> None:
             ]
             for again in (False, True):
                 with torch._dynamo.config.patch(error_on_recompile=again):
-                    _compiled_equals_eager(compiled, inputs, layouts, mesh, method)
+                    _compiled_equals_eager(compiled, inputs, layouts, mesh, method, reference=model)
             frames.append(counter.frame_count)
-        assert_all_ranks(frames == [2, 3], f"meshgraphnet: frames after each partition {frames}")
+        # The gathers break the graph inside the blocks' loop, so dynamo runs the model's
+        # forward eagerly and compiles the frames it calls, each once per partition.
+        assert_all_ranks(
+            frames[1] <= 2 * frames[0], f"meshgraphnet: frames after each partition {frames}"
+        )
 
 
 class RoundTrip(nn.Module):
@@ -272,8 +276,7 @@ def _graph_break_body(name: str) -> None:
         whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
         for layout in LAYOUTS:
             for again in (False, True):
-                # The eager fallback's own frames may recompile (a warn-once flag is guarded).
-                with torch._dynamo.config.patch(error_on_recompile=again and name == "round-trip"):
+                with torch._dynamo.config.patch(error_on_recompile=again):
                     _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
 
 
@@ -319,6 +322,36 @@ def _unused_output_body() -> None:
 # as replicated (NOTE [torch.compile and ShardTensor]). About 40 s at load 17.
 def test_an_output_no_loss_reaches_after_a_graph_break_equals_one_process() -> None:
     run_on_ranks(2, _unused_output_body, timeout_s=300)
+
+
+class ScaledInPlaceBetweenBreaks(nn.Module):
+    """A field scaled in place in a graph of its own, between two graph breaks, and read after
+    it: that graph mutates its input, and the gradient of the input's new value comes from
+    the graph after the second break, a ShardTensor (the MeshGraphNet's aggregation into
+    ``zeros_like(nodes)``, whose handler breaks the graph before writing in place)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sin(x)
+        torch._dynamo.graph_break()
+        y.mul_(2)
+        torch._dynamo.graph_break()
+        return torch.cos(y)
+
+
+def _mutated_input_body() -> None:
+    with tracing_through_shardtensors():
+        mesh = get_mesh((2,))
+        compiled = torch.compile(ScaledInPlaceBetweenBreaks(), backend="aot_eager")
+        whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
+        _compiled_equals_eager(compiled, [whole], LAYOUTS[:1], mesh, "mutated input")
+
+
+# Failed with "we guessed its metadata incorrectly. Expected: None (type <class
+# 'torch.Tensor'>), got: ShardTensorSpec(...)" in the backward of the graph that mutates its
+# input, until AOTAutograd traces the tangent of a mutated ShardTensor input as a ShardTensor
+# (NOTE [torch.compile and ShardTensor]).
+def test_a_graph_that_mutates_a_shardtensor_input_equals_one_process() -> None:
+    run_on_ranks(2, _mutated_input_body, timeout_s=300)
 
 
 class PoolThenUpsample(nn.Module):
@@ -408,8 +441,9 @@ def test_one_sided_halos_compiled_equal_eager_and_one_process(
 # The zoo models that trace through (NOTE [torch.compile and ShardTensor] lists those that do
 # not and why). About 60 s for the FNO (load 9), 220 s for the ViT and 340 s for the
 # Transolver (load 6-10) on this machine; at load 10-20 the Transolver on 2x2 147 s, the
-# 3-D FNO and Transolver on 2 ranks 79 and 69 s, the FNO with inductor 203 s; the ViT and
-# the Transolver with inductor ran past 600 s there (not yet seen to finish).
+# 3-D FNO and Transolver on 2 ranks 79 and 69 s, the FNO with inductor 203 s; the ViT with
+# inductor 437 s at load 5-21, the Transolver with inductor 303 s at load 6-15 (both ran
+# past 600 s at load 15-20).
 ZOO_THROUGH = [
     ("aot_eager", "unet", (2,)),
     ("aot_eager", "unet", (2, 2)),
@@ -447,12 +481,13 @@ def test_zoo_model_traced_through_equals_the_single_process_model(
 # values (``aten._local_scalar_dense``, a data-dependent graph break dynamo names). AOTAutograd's
 # backward of a graph after such a break met "Expected a ShardTensor tangent but got a plain
 # Tensor (tangent index: 1)" (the last block's edges, which no loss reaches; fixed, see
-# test_an_output_no_loss_reaches_after_a_graph_break_equals_one_process). It now fails the
-# other way, in 244 s at load 21-26: a graph traced with a plain (40, 8) output (the nodes'
-# global shape) receives a ShardTensor gradient ("Expected: None (type torch.Tensor)"): the
-# tangent of an input the graph mutates in place, traced as plain
-# (InputMutationAOTOutput(mutated_input=PlainAOTInput(idx=3))).
+# test_an_output_no_loss_reaches_after_a_graph_break_equals_one_process), then the ShardTensor
+# gradient of the aggregation's mutated input where a plain one was traced ("Expected: None
+# (type torch.Tensor)"; test_a_graph_that_mutates_a_shardtensor_input_equals_one_process),
+# then recompiled shardsci's own frames at every call (the eager-fallback case of
+# test_code_that_breaks_the_graph_runs_equal_to_one_process). About 2 min at load 15-20
+# (aot_eager), 2.5 min at load 9-19 (inductor).
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a ShardTensor tangent where a plain one was traced")
-def test_meshgraphnet_traced_through_equals_the_single_process_model() -> None:
-    run_on_ranks(2, _meshgraphnet_body, "aot_eager", timeout_s=900)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_meshgraphnet_traced_through_equals_the_single_process_model(backend: str) -> None:
+    run_on_ranks(2, _meshgraphnet_body, backend, timeout_s=900)

@@ -202,7 +202,14 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     ),
     # --- torch.compile and the dry-run planner
     "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
-    "trace_rules": _at("torch._dynamo.trace_rules", "keeping dynamo from tracing shardsci.tensor"),
+    "trace_rules": _at(
+        "torch._dynamo.trace_rules",
+        "keeping dynamo from tracing shardsci.tensor, or from compiling its frames on their own",
+    ),
+    "functorch_config": _at(
+        "torch._functorch.config",
+        "tracing the gradient of a ShardTensor a compiled graph mutates in place as a ShardTensor",
+    ),
     "AOTDispatchAutograd": _at(
         "torch._functorch._aot_autograd.runtime_wrappers:AOTDispatchAutograd",
         "reading a plain gradient that reaches a compiled backward where a ShardTensor was "

@@ -59,18 +59,23 @@ graph with no graph break (``aot_eager``; on 2 ranks inductor too). Its gradient
 wrong until 2026-11-28 (off by 0.25, or 1e40 from memory never written): the all-to-all a
 rank joined only to send one side of a pooling window's halo was dead code on that rank and
 was removed (NOTE [A traced collective is an effect]). The FNO and the Transolver also
-trace in 3-D (2 ranks) and the Transolver on 2x2; the FNO with inductor too. Not the default
-because the MeshGraphNet fails: its neighbour gather plans messages from the edge index's
-values (``aten._local_scalar_dense``, a data-dependent graph break), and AOTAutograd's
-backward of a graph around it receives a ShardTensor gradient where it traced a plain output
-of the nodes' global shape (``tests/test_torch_compile_through.py``, xfail; the plain
-tangent it met first is fixed, below), and inductor has not been seen to finish the ViT and
-the Transolver. The CFD recipe compiles (``train.compile``) equal to eager.
-Code that breaks the graph: inside the ``with`` block ``__torch_dispatch__`` runs with dynamo
-disabled (after a break in a loop dynamo runs the frame eagerly with its callback set, and
-compiled ``ShardTensor.__new__`` as a frame, resuming on a half-built tensor: "'ShardTensor'
-object has no attribute '_spec'"), and automatic dynamic shapes are off, so a plain tensor's
-sizes stay constants as shard sizes do (a user's ``ShardTensor.from_local(torch.sin(
+trace in 3-D (2 ranks) and the Transolver on 2x2; the FNO with inductor too. The
+MeshGraphNet (2 ranks, METIS then RCB parts) compiles equal to eager since 2026-11-29: its
+neighbour gathers plan messages from the edge index's values (``aten._local_scalar_dense``,
+data-dependent graph breaks inside the blocks' loop), so dynamo runs its forward eagerly
+and compiles the frames it calls (6 frames a partition). Not the default because of what
+that took (below); with inductor the UNet, the FNO, the ViT and the Transolver pass on 2
+ranks (the last two since 2026-11-29: 437 and 303 s). The CFD recipe compiles
+(``train.compile``) equal to eager.
+Code that breaks the graph: inside the ``with`` block ``shardsci.tensor`` is inlined where
+traced code calls it and never compiled as a frame of its own (dynamo's
+``BUILTIN_INLINE_WHEN_CALLED``, with the package on its skip list). After a break in a loop
+dynamo runs the frame eagerly with its callback set and compiles every frame it calls: it
+compiled ``ShardTensor.__new__``, resuming on a half-built tensor ("'ShardTensor' object has
+no attribute '_spec'"), and ``promote_replicated`` and a scatter handler's tail, guarded on
+a cache's size, recompiling at every call (the MeshGraphNet's second call raised under
+``error_on_recompile``). Automatic dynamic shapes are off, so a plain tensor's sizes stay
+constants as shard sizes do (a user's ``ShardTensor.from_local(torch.sin(
 x.to_local()), x.device_mesh, x.placements, x.sharding_shapes())`` on a second layout put
 SymInts into the spec: "unhashable type: non-nested SymInt"). That round trip still breaks
 the graph at ``x.sharding_shapes()``: dynamo routes a subclass's own method through
@@ -88,6 +93,15 @@ plain one there as replicated, as eager code does (``_api._as_shard_tensor``), a
 above moves it to the traced layout (``tests/test_torch_compile_through.py``, an output no loss
 reaches). Correct, but each such output costs every rank a tensor of the global shape per
 backward, allocated by autograd before shardsci sees it: detach what no loss needs.
+The other way round: AOTAutograd guesses that the gradient of an input a graph mutates in
+place is plain (autograd's zeros, when nothing reads the input afterwards) and traced one of
+the global shape; the MeshGraphNet's aggregation (``zeros_like(nodes).index_add_``, whose
+handler breaks the graph before writing) mutates a ShardTensor input that the next block
+reads, and its ShardTensor gradient was refused ("Expected: None (type <class
+'torch.Tensor'>), got: ShardTensorSpec(..."). Inside the ``with`` block such a gradient is
+traced as a ShardTensor (functorch's ``disable_guess_zero_tangent_for_mutated_input_subclass``),
+and plain zeros, where they come, are read as replicated as above
+(``tests/test_torch_compile_through.py``, a graph that mutates a ShardTensor input).
 The ViT and the Transolver failed in dynamo's fake run of ``flatten`` until the view rule's
 fallback for a view the local shard's memory layout cannot take (an einsum's permuted output;
 the spec's stride is contiguous) also caught the ValueError a fake tensor's view raises (a
@@ -110,6 +124,7 @@ from shardsci.tensor._torch_compat import (
     _TorchDispatchModeKey,
     disable_current_modes,
     dynamo_config,
+    functorch_config,
     get_proxy_mode,
     is_fake,
     trace_rules,
@@ -232,21 +247,25 @@ def tracing_through_shardtensors() -> Iterator[None]:
     global watching
     dynamo_config.nontraceable_tensor_subclasses.discard(cls)
     watching = False
-    skipped = list(trace_rules.SKIP_DIRS)
-    package = os.path.dirname(__file__)
-    trace_rules.SKIP_DIRS[:] = [d for d in skipped if not d.startswith(package)]
-    trace_rules._recompile_re()
-    # Dynamo never inlines __torch_dispatch__ (AOTAutograd traces it), but after a graph break
-    # the eager rest of a compiled call runs with dynamo's frame callback set, which would
-    # compile the frames below it one by one: ShardTensor.__new__ broke at its wrapper and
-    # resumed on a half-built tensor (AttributeError: no attribute '_spec').
-    dispatch = cls.__dict__["__torch_dispatch__"]
-    cls.__torch_dispatch__ = classmethod(torch.compiler.disable(dispatch.__func__))
+    # shardsci.tensor stays on dynamo's skip list for frames of its own and is inlined where
+    # traced code calls it. After a graph break the eager rest of a compiled call (a frame
+    # with a break in a loop runs all of it) runs with dynamo's frame callback set, which
+    # compiled the frames it called one by one: ShardTensor.__new__ broke at its wrapper and
+    # resumed on a half-built tensor (AttributeError: no attribute '_spec'), and
+    # promote_replicated, guarded on a cache's size, recompiled at every call.
+    package = os.path.dirname(__file__) + os.sep
+    trace_rules.BUILTIN_INLINE_WHEN_CALLED.add(package)
     # Shapes stay constants of the graph, as shard sizes are: after a new layout, automatic
     # dynamic shapes made a plain local shard's sizes SymInts, and a spec built from them
     # ("unhashable type: non-nested SymInt") failed to compile.
     automatic_dynamic = dynamo_config.automatic_dynamic_shapes
     dynamo_config.automatic_dynamic_shapes = False
+    # AOTAutograd guesses that the gradient of an input a graph mutates in place is plain
+    # (autograd's zeros); a ShardTensor input that is read after the graph gets a ShardTensor
+    # gradient, which the guess refused. Traced as a ShardTensor, plain zeros still fit
+    # (``_plain_tangents_read_as_replicated``).
+    plain_guess = functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass
+    functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = True
     # Read when a backward is compiled, so graphs compiled inside keep it after the block;
     # resolved here, not at import (torch's AOTAutograd modules import one another in order).
     aot_autograd = _torch_compat.AOTDispatchAutograd
@@ -260,11 +279,10 @@ def tracing_through_shardtensors() -> Iterator[None]:
         yield
     finally:
         torch.compiler.reset()
-        cls.__torch_dispatch__ = dispatch
         aot_autograd.process_runtime_tangent = process_tangent
         dynamo_config.automatic_dynamic_shapes = automatic_dynamic
-        trace_rules.SKIP_DIRS[:] = skipped
-        trace_rules._recompile_re()
+        functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = plain_guess
+        trace_rules.BUILTIN_INLINE_WHEN_CALLED.discard(package)
         dynamo_config.nontraceable_tensor_subclasses.add(cls)
         _state["kept_out"] = cls
         watching = not _warned
