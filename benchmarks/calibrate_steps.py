@@ -142,6 +142,7 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
         host_us_per_collective=machine.host_us_per_collective / share,
         host_us_per_collective_step=machine.host_us_per_collective_step / share,
+        host_s_per_byte_received=machine.host_s_per_byte_received / share,
     )
 
 

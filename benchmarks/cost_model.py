@@ -23,8 +23,8 @@ and memory traffic at ``memory_bytes_per_s``, plus the runs of the step's stride
 (NOTE [Strided copies]), as the dry run prices them. Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
 (``ops_host_s``, NOTE [One price per op]), plus what issuing each
-collective call and halo round costs the host's CPU (``collective_host_s``: per call and per
-ring step).
+collective call and halo round costs the host's CPU (``collective_host_s``: per call, per
+ring step and per byte received).
 
 Projected (``project``) on ``Machine`` (every parameter with its source; ``--set
 name=value`` overrides any), per rank: ``max(host, compute + communication)``, host time
@@ -478,15 +478,16 @@ class Fitted:
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return self.fft_flops[0] * _p_log_p(whole) / ranks
 
-    def host_s(self, machine: Machine, ranks: int) -> float:
-        """Host seconds per step at ``ranks``: the ops as ``ops_host_s`` prices them (NOTE [One
-        price per op]), and the collectives and halo rounds it issues
-        (``collective_host_s``)."""
+    def host_s(self, machine: Machine, ranks: int, shape: tuple[float, ...]) -> float:
+        """Host seconds per step at ``ranks`` with local ``shape``: the ops as ``ops_host_s``
+        prices them (NOTE [One price per op]), and the collectives and halo rounds it issues
+        with the bytes they bring (``collective_host_s``)."""
         issued = 0.0
         for kind in self.received:
             group, _ = projected_group(machine, self.model, kind, ranks)
             calls = self.count("p2p_rounds" if kind == "p2p" else kind, group)
-            issued += collective_host_s(machine, kind_of(kind), group, calls)
+            received = self.bytes(kind, group, shape)
+            issued += collective_host_s(machine, kind_of(kind), group, calls, received)
         return ops_host_s(machine, *self.op_count(ranks), sharded=True) + issued
 
 
@@ -675,7 +676,7 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
             else:
                 parts[kind] = collective_s(machine, kind_of(kind), group, n, nbytes, rounds, nodes)
     parts["device"] = sum(parts.values())
-    parts["host"] = fitted.host_s(machine, ranks)
+    parts["host"] = fitted.host_s(machine, ranks, shape)
     parts["total"] = _total(machine, parts)
     return parts
 
@@ -756,7 +757,12 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
         )
     weak, host_512 = parts["compute"] / parts["total"], parts["host"]
     no_host = dataclasses.replace(
-        machine, host_us_per_op=0.0, plain_host_us_per_op=0.0, host_us_per_collective=0.0
+        machine,
+        host_us_per_op=0.0,
+        plain_host_us_per_op=0.0,
+        host_us_per_collective=0.0,
+        host_us_per_collective_step=0.0,
+        host_s_per_byte_received=0.0,
     )
     first, strong_limit, efficiency = None, None, 1.0
     for ranks in GPUS:

@@ -17,6 +17,7 @@ from benchmarks.calibrate import (
     fit_collectives,
     gloo_machine,
     predicted_collective_s,
+    received_bytes,
 )
 from benchmarks.calibrate_bandwidth import rate_bytes_per_s
 from benchmarks.calibrate_steps import (
@@ -28,7 +29,7 @@ from benchmarks.calibrate_steps import (
 )
 from benchmarks.cost_model import fit, step_s
 from shardsci.planning._machine import Machine
-from tests.test_cost_model import synthetic_measurement
+from tests.test_cost_model import TRUTH, synthetic_measurement
 
 TRUE = {"base_latency_s": 40e-6, "step_latency_s": 25e-6, "bytes_per_s": 1.5e9}
 
@@ -119,10 +120,18 @@ def test_the_timed_layouts_are_the_cost_models():
     assert layout("meshgraphnet", 2, 0, 4096) == ((2,), (2048,))
 
 
-def test_the_host_cpu_of_communication_counts_every_call_ring_step_and_halo_round():
-    # Small calls costing 700 µs plus 300 µs per ring step; a large call is not fitted.
+def test_the_host_cpu_of_communication_counts_every_call_ring_step_halo_round_and_byte():
+    """A call's CPU time here: 700 µs, 300 µs per ring step and 0.5 ns per byte received (gloo
+    copies every byte through the CPU). Fitting only the small calls without the bytes (until
+    2026-11-29) left a 4 MiB all-gather on 4 ranks 6.3 ms of CPU short."""
     points = [
-        {"kind": kind, "ranks": ranks, "bytes": nbytes, "cpu_seconds": cpu}
+        {
+            "kind": kind,
+            "ranks": ranks,
+            "bytes": nbytes,
+            "cpu_seconds": (700 + 300 * steps) * 1e-6
+            + 0.5e-9 * received_bytes(kind, ranks, nbytes),
+        }
         for kind, ranks, steps in [
             ("p2p", 2, 1),
             ("all_gather", 2, 1),
@@ -130,25 +139,29 @@ def test_the_host_cpu_of_communication_counts_every_call_ring_step_and_halo_roun
             ("all_reduce", 2, 2),
             ("all_reduce", 4, 6),
         ]
-        for nbytes, cpu in [(256, (700 + 300 * steps) * 1e-6), (1 << 22, 9.0)]
+        for nbytes in SIZES
     ]
-    assert fit_collective_host(points) == pytest.approx((700.0, 300.0))
+    assert fit_collective_host(points) == pytest.approx((700.0, 300.0, 0.5e-9), rel=1e-6)
     fitted, _ = fit("fno", synthetic_measurement()["runs"]["auto"], [32, 64, 128], [1e9] * 3)
     machine = dataclasses.replace(
         Machine(),
         host_us_per_op=2.0,
         host_us_per_collective=1000.0,
         host_us_per_collective_step=500.0,
+        host_s_per_byte_received=1e-9,
     )
     # CALLS of tests/test_cost_model.py, 1000 ops: 4 halo rounds of one step; 5 all-gathers and
-    # 16 all-to-alls of P - 1 steps; 2 all-reduces of 2 (P - 1).
+    # 16 all-to-alls of P - 1 steps; 2 all-reduces of 2 (P - 1); the bytes of its TRUTH.
     ops = 1000 * 2e-6
-    assert fitted.host_s(machine, 1) == pytest.approx(ops)
+    shape = (16, 64)
+    assert fitted.host_s(machine, 1, shape) == pytest.approx(ops)
     two = 4 * 1500 + 5 * 1500 + 16 * 1500 + 2 * 2000
-    assert fitted.host_s(machine, 2) == pytest.approx(ops + two * 1e-6)
+    two_bytes = sum(truth(2, *shape) for truth in TRUTH.values())
+    assert fitted.host_s(machine, 2, shape) == pytest.approx(ops + two * 1e-6 + two_bytes * 1e-9)
     four = 4 * 1500 + 5 * 2500 + 16 * 2500 + 2 * 4000
-    assert fitted.host_s(machine, 4) == pytest.approx(ops + four * 1e-6)
-    assert step_s(machine, fitted, 4, (16, 64))["host"] == fitted.host_s(machine, 4)
+    four_bytes = sum(truth(4, *shape) for truth in TRUTH.values())
+    assert fitted.host_s(machine, 4, shape) == pytest.approx(ops + four * 1e-6 + four_bytes * 1e-9)
+    assert step_s(machine, fitted, 4, shape)["host"] == fitted.host_s(machine, 4, shape)
 
 
 def test_link_rates_read_as_tc_writes_them():

@@ -134,8 +134,10 @@ def test_ops_per_peer_grow_the_host_term():
     fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
     assert fitted.op_count(512) == pytest.approx((700 + 250 * 511, 250 * 511))
     machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
-    assert fitted.host_s(machine, 512) == pytest.approx((700 * 50 + 250 * 511 * 20) * 1e-6)
-    assert fitted.host_s(machine, 2) == pytest.approx((700 * 50 + 250 * 20) * 1e-6)
+    assert fitted.host_s(machine, 512, (16, 32)) == pytest.approx(
+        (700 * 50 + 250 * 511 * 20) * 1e-6
+    )
+    assert fitted.host_s(machine, 2, (16, 32)) == pytest.approx((700 * 50 + 250 * 20) * 1e-6)
 
 
 def test_a_blocks_collective_over_one_axis_is_fitted_and_priced_over_that_axis():
@@ -253,8 +255,8 @@ def test_the_planner_and_the_cost_model_price_host_time_alike():
         1, 0, [0], [0], memory, {}, {}, aten_ops=round(ops), communication_ops=round(communication)
     )
     plan = RunPlan("cfd", "8", "", 8, "m", 0, 1, [rank_class], [], None, [], [])
-    assert project(plan, machine).host == pytest.approx(fitted.host_s(machine, 8))
-    assert fitted.host_s(machine, 8) == pytest.approx((700 * 50 + 250 * 7 * 20) * 1e-6)
+    assert project(plan, machine).host == pytest.approx(fitted.host_s(machine, 8, (16, 32)))
+    assert fitted.host_s(machine, 8, (16, 32)) == pytest.approx((700 * 50 + 250 * 7 * 20) * 1e-6)
 
 
 def test_strided_copies_are_priced_as_the_planner_prices_them():
