@@ -71,15 +71,19 @@ costs a few ops per peer. Until 2026-11-28 every redistribution did: the FNO at 
 dispatched 513 aten ops on 1 rank, 982-988 on 2 and 1,482-1,488 on 4 (250 more per added
 peer, from its 21 all-to-alls and gathers; its dry run at 512 ranks counted about 113,000).
 Redistributions now pack and unpack once (NOTE [One pack and one unpack per collective] in
-``shardsci/tensor/_box_packing.py``): the same step dispatches 509 / 1,007 / 1,047 / 1,042
-ops on 1 / 2 / 4 / 8 ranks (``step_profile``, 2026-11-28 15:08 UTC, load 12.8), the
-2 -> 4 step being an index and an index op per exchange once a rank's own piece lies between
-its peers'; this module's own runs count 1,010 (2 ranks) and 1,058 (4), which the law below
-fits as ``986 + 24 (P - 1)`` (13,250 at 512 ranks, an overestimate: nothing grows from 4 to
-8). Collectives outside redistribution (graph gathers, scans, rings) still pack per peer
-that sends or receives something: the UNet's halos and the MeshGraphNet's graph exchanges grow
-with a rank's neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4
-parts), which this law extrapolates as if they grew with ``P``.
+``shardsci/tensor/_box_packing.py``): the same step dispatches 509 / 1,007 / 1,047 / 1,042 ops
+on 1 / 2 / 4 / 8 ranks (``step_profile``, 2026-11-28 15:08 UTC, load 12.8), the 2 -> 4 step
+being an index and an index op per exchange once a rank's own piece lies between its peers';
+this module's own runs count 1,010 (2 ranks) and 1,058 (4), which a law fitted on 2 and 4 ranks
+extrapolated as ``986 + 24 (P - 1)`` (13,250 at 512 ranks, an overestimate: nothing grows from
+4 to 8). The ops are therefore also counted at 8 ranks (``Geometry.op_meshes``) and the law is
+fitted at the two largest rank counts, where a rank already has peers on both sides: on
+2026-11-29 (03:46 UTC) 955 / 987 / 991 ops on 2 / 4 / 8 ranks gave ``984 + 1 (P - 1)`` (1,495
+at 512 ranks) where the 2- and 4-rank fit gave ``939 + 16 (P - 1)`` (9,115). Collectives
+outside redistribution (graph gathers, scans, rings) still pack per peer that sends or receives
+something: the UNet's halos and the MeshGraphNet's graph exchanges grow with a rank's
+neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4 parts), which this
+law extrapolates as if they grew with ``P``.
 So the ops, and those of them the communication modules dispatch
 (``WorkCounter.communication_ops``), are fitted over the measured runs as the calls are
 (``call_laws``: ``fixed + per_peer (P - 1)``), not taken as one count; both are data, measured
@@ -160,6 +164,10 @@ class Geometry:
     strong: Callable[[int, float], tuple[float, ...]]
     pixels: Callable[[tuple[float, ...]], float]
     grid: Callable[[int], tuple[int, ...]] = lambda p: (p,)
+    op_meshes: tuple[tuple[int, ...], ...] = ()
+    """Meshes beyond ``meshes`` where only the step's aten ops are counted (at the first of
+    ``shapes``): the ops' growth with the peers is fitted at the two largest rank counts
+    (NOTE [Ops per peer])."""
 
 
 AXES = ("h", "w")
@@ -190,6 +198,7 @@ _SLAB = Geometry(
     weak=lambda p, t: (t / math.sqrt(p), t * math.sqrt(p)),
     strong=lambda p, n: (n / p, n),
     pixels=lambda s: s[0] * s[1],
+    op_meshes=((8,),),
 )
 _BLOCK = Geometry(
     meshes=((2, 2), (2, 4), (4, 2)),  # each axis at two sizes: NOTE [Collectives over one axis]
@@ -207,6 +216,7 @@ _GRAPH = Geometry(
     weak=lambda p, t: (t,),
     strong=lambda p, n: (n / p,),
     pixels=lambda s: s[0],
+    op_meshes=((8,),),
 )
 GEOMETRY = {
     "unet": _BLOCK,
@@ -514,10 +524,13 @@ def fit(
     memory_values: list[float] | None = None,
     fft_values: list[float] | None = None,
 ) -> tuple:
-    """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``ops``) and
-    the FLOPs, memory traffic and FFT FLOPs at ``flop_sizes`` (none where not given); and per
-    kind the worst misfit over the runs, relative to the kind's largest measured bytes."""
+    """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``ops``;
+    ``ops_only``: a run whose ops alone are fitted) and the FLOPs, memory traffic and FFT
+    FLOPs at ``flop_sizes`` (none where not given); and per kind the worst misfit over the
+    runs, relative to the kind's largest measured bytes. The ops' law is fitted to the runs
+    at the two largest rank counts (NOTE [Ops per peer])."""
     basis = GEOMETRY[name].basis
+    runs, all_runs = [r for r in runs if not r.get("ops_only")], runs
     kinds = sorted({k for r in runs for k in (*r["received"], *r["calls"])})
     calls, received, misfit = {}, {}, {}
     for kind in kinds:
@@ -536,9 +549,10 @@ def fit(
     flops = _polynomial(pixels, flop_values)
     memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
     fft_flops = least_squares([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
-    laws_of_runs = [call_laws(r["ranks"]) for r in runs]
+    largest = sorted({r["ranks"] for r in all_runs})[-2:]
+    op_runs = [r for r in all_runs if r["ranks"] in largest]
     ops, communication_ops = (
-        least_squares(laws_of_runs, [float(r[key]) for r in runs])
+        least_squares([call_laws(r["ranks"]) for r in op_runs], [float(r[key]) for r in op_runs])
         for key in ("ops", "communication_ops")
     )
     strided = least_squares(
@@ -571,6 +585,18 @@ def measure_model(name: str) -> dict:
                         **busiest,
                     }
                 )
+        for mesh_shape in geometry.op_meshes:
+            shape = geometry.shapes[0]
+            per_rank = on_ranks(math.prod(mesh_shape), measure, name, mesh_shape, shape, exchange)
+            runs[exchange].append(
+                {
+                    "ranks": math.prod(mesh_shape),
+                    "mesh": list(mesh_shape),
+                    "shape": list(shape),
+                    "ops_only": True,
+                    **max(per_rank, key=lambda r: r["ops"]),
+                }
+            )
     sizes = FLOP_SIZES.get(name, FLOP_SIZES["field"])
     flops, fft_flops, memory = zip(*(work(name, s) for s in sizes))
     return {

@@ -239,6 +239,22 @@ def test_the_statistics_kind_is_one_a_measurement_yields() -> None:
     assert measured[STATISTICS["unet"]] == 14
 
 
+def test_the_ops_per_peer_are_fitted_where_ranks_have_peers_on_both_sides():
+    """NOTE [Ops per peer]: the FNO's ops counted on 2, 4 and 8 ranks (955, 987, 991 at 128²,
+    2026-11-29): fitted on 2 and 4 ranks they grew 16 per peer, 9,115 at 512 ranks; the
+    8-rank count (an ``ops_only`` run, its traffic not fitted) and the 4-rank ones give 1
+    per peer."""
+    runs = synthetic_runs()
+    for run in runs:
+        run["ops"] = {2: 955, 4: 987}[run["ranks"]]
+    only = {**synthetic_runs(ranks=(8,))[0], "ops": 991, "ops_only": True}
+    only["received"] = {kind: 1e12 for kind in only["received"]}
+    fitted, misfit = fit("fno", [*runs, only], [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    assert fitted.op_count(512)[0] == pytest.approx(984 + 511)
+    assert max(misfit.values()) < 1e-9
+    assert fitted.bytes("all_to_all", 8, (16, 32)) == pytest.approx(TRUTH["all_to_all"](8, 16, 32))
+
+
 def test_the_planner_and_the_cost_model_price_host_time_alike():
     """NOTE [One price per op]: the same step's ops cost the same host time in the dry run's
     projection (``parallel=auto``) as in the cost model; before, the planner priced the
