@@ -20,6 +20,8 @@ formula shows as a residual rather than being absorbed into a parameter:
   ``host_s_per_byte_received``: a second least-squares fit (absolute residuals, each
   non-negative), of every call's ``cpu_seconds`` as ``per call + per step x ring steps
   (ring_steps) + per byte x bytes received``: what ``collective_host_s`` charges the host.
+  A call's CPU time is taken between two short computations (``GAP_MATMULS``), as a step
+  issues it: back to back, gloo's threads stay awake and a small call costs half as much.
   Until 2026-11-29 only the calls up to 16 KiB were fitted, without the bytes: gloo's copies
   of a step's megabytes (an FNO's transposes and gradients: 15 MB a rank on 2 ranks at 128²)
   cost the CPU and were not priced.
@@ -175,11 +177,26 @@ def _call_once(kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
         dist.all_reduce(x)
 
 
+GAP_MATMULS = 20
+"""``(96, 96)`` matmuls between two calls whose CPU time is taken (about 0.4 ms): a step
+computes between its collectives, so gloo's threads are woken for every call."""
+
+
+def _gap(matrix: torch.Tensor) -> None:
+    for _ in range(GAP_MATMULS):
+        matrix @ matrix
+
+
 def time_collectives(kind: str, repeats: int) -> list[dict]:
     """Rank body: seconds of one ``kind`` call at each of ``SIZES`` (median over ``repeats``
-    batches of calls, each batch started from a barrier; this rank's time)."""
+    batches of calls back to back, each batch started from a barrier; this rank's time), and
+    the CPU seconds one costs the rank between two ``_gap`` computations, as a step issues it
+    (the batch's CPU time less its gaps': 150 against 330 µs for a 256 B all-reduce on 2
+    ranks, 300 against 680 for an all-gather, 2026-11-29 at load 29)."""
     torch.set_num_threads(1)
     world = dist.get_world_size()
+    matrix = torch.randn(96, 96)
+    gap_s = _median_cpu_s(lambda: _gap(matrix), repeats)
     results = []
     for nbytes in SIZES:
         x = torch.zeros(nbytes // 4)
@@ -189,11 +206,16 @@ def time_collectives(kind: str, repeats: int) -> list[dict]:
         samples, cpu = [], []
         for _ in range(repeats):
             dist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start = time.perf_counter()
             for _ in range(calls):
                 _call_once(kind, x, out)
             samples.append((time.perf_counter() - start) / calls)
-            cpu.append((time.process_time() - cpu_start) / calls)
+            dist.barrier()
+            cpu_start = time.process_time()
+            for _ in range(calls):
+                _gap(matrix)
+                _call_once(kind, x, out)
+            cpu.append((time.process_time() - cpu_start) / calls - gap_s)
         per_message = 2 if kind == "p2p" else 1
         results.append(
             {

@@ -6,9 +6,11 @@ model held against measurement]): the fit and the verdicts on synthetic measurem
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
+from benchmarks import calibrate
 from benchmarks.calibrate import (
     KINDS,
     SIZES,
@@ -29,6 +31,7 @@ from benchmarks.calibrate_steps import (
 )
 from benchmarks.cost_model import fit, step_s
 from shardsci.planning._machine import Machine
+from shardsci.testing import run_on_ranks
 from tests.test_cost_model import TRUTH, synthetic_measurement
 
 TRUE = {"base_latency_s": 40e-6, "step_latency_s": 25e-6, "bytes_per_s": 1.5e9}
@@ -169,3 +172,34 @@ def test_link_rates_read_as_tc_writes_them():
     assert rate_bytes_per_s("200mbit") == 25e6
     with pytest.raises(ValueError, match="rate '200mb': expected a number and one of"):
         rate_bytes_per_s("200mb")
+
+
+def _timed_with_a_known_gap() -> tuple[list[str], list[dict]]:
+    """Rank body: ``time_collectives`` of an all-reduce with ``_gap`` burning 2 ms of CPU and
+    every gap and call recorded."""
+    events: list[str] = []
+    call_once = calibrate._call_once
+
+    def gap(matrix) -> None:
+        events.append("gap")
+        start = time.process_time()
+        while time.process_time() - start < 2e-3:
+            pass
+
+    def call(*args) -> None:
+        events.append("call")
+        call_once(*args)
+
+    calibrate._gap, calibrate._call_once = gap, call
+    return events, calibrate.time_collectives("all_reduce", 1)
+
+
+# 21-49 s at load 35: a 2-rank pool and every size of SIZES.
+@pytest.mark.slow
+def test_a_calls_cpu_time_is_taken_between_computations_and_without_them():
+    """A step computes between its collectives, so their CPU time is taken so (a 256 B call
+    costs twice its back-to-back figure here), and the computations' own CPU is subtracted."""
+    for events, points in run_on_ranks(2, _timed_with_a_known_gap):
+        timed = "".join("g" if e == "gap" else "c" for e in events)
+        assert "gcgc" in timed, timed  # the CPU loop: a gap before every call
+        assert all(p["cpu_seconds"] < 1.5e-3 for p in points[:2]), points  # 2 ms gaps left out
