@@ -321,6 +321,17 @@ def measure_compute(repeats: int) -> dict[str, float]:
     return rates
 
 
+def at_rates(machine: Machine, rates: dict[str, float]) -> Machine:
+    """``machine`` with the compute rates ``measure_compute`` measured (``rates``):
+    ``sustained_flops`` the median FLOP/s of ``COMPUTE``, the FFTs' and the memory's."""
+    return dataclasses.replace(
+        machine,
+        sustained_flops=statistics.median(rates[name] for name in COMPUTE),
+        fft_flops_per_s=rates["fft"],
+        memory_bytes_per_s=rates["memory"],
+    )
+
+
 STRIDED = ((4, 32, 64, 64), (4, 32, 64, 16), (4, 64, 128, 128))
 """Fields ``(B, C, H, W)`` whose pieces ``measure_strided_copy`` copies."""
 COPIES_TIMED = 50
@@ -367,18 +378,17 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
     rates = measure_compute(repeats)
     host_us, plain_us = measure_host(repeats)
     strided_copy_s = measure_strided_copy(repeats)
-    flops = statistics.median(v for k, v in rates.items() if k not in ("memory", "fft"))
     per_call_us, per_step_us, per_byte_s = fit_collective_host(points)
     machine = dataclasses.replace(
-        gloo_machine(
-            Machine(),
-            network["base_latency_s"],
-            network["step_latency_s"],
-            network["bytes_per_s"],
+        at_rates(
+            gloo_machine(
+                Machine(),
+                network["base_latency_s"],
+                network["step_latency_s"],
+                network["bytes_per_s"],
+            ),
+            rates,
         ),
-        sustained_flops=flops,
-        fft_flops_per_s=rates["fft"],
-        memory_bytes_per_s=rates["memory"],
         host_us_per_collective=per_call_us,
         host_us_per_collective_step=per_step_us,
         host_s_per_byte_received=per_byte_s,

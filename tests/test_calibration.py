@@ -5,16 +5,20 @@ model held against measurement]): the fit and the verdicts on synthetic measurem
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import itertools
 import time
 
 import pytest
 
-from benchmarks import calibrate
+from benchmarks import calibrate, calibrate_steps
 from benchmarks.calibrate import (
+    COMPUTE,
     KINDS,
     SIZES,
     WORLDS,
+    at_rates,
     fit_collective_host,
     fit_collectives,
     gloo_machine,
@@ -26,6 +30,8 @@ from benchmarks.calibrate_steps import (
     Explanation,
     judge,
     layout,
+    measure_steps,
+    paired_ratios,
     predict,
     sharing,
 )
@@ -82,13 +88,13 @@ def test_gloo_all_reduces_are_rings():
 
 def test_the_verdict_on_a_prediction():
     ratios = {"with_term": 0.9}
-    within = judge(1.2, 1.0, None, ratios)
+    within = judge(1.2, None, ratios)
     assert within["ok"] and within["within"] and within["explained"] is None
-    assert not judge(0.7, 1.0, None, ratios)["ok"]
-    assert not judge(1.3, 1.0, None, ratios)["ok"]
-    assert judge(1.3, 1.0, Explanation("host stalls"), ratios)["ok"]
-    assert judge(1.3, 1.0, Explanation("a term", "with_term"), ratios)["ok"]
-    missed = judge(1.3, 1.0, Explanation("a term", "with_term"), {"with_term": 1.4})
+    assert not judge(0.7, None, ratios)["ok"]
+    assert not judge(1.3, None, ratios)["ok"]
+    assert judge(1.3, Explanation("host stalls"), ratios)["ok"]
+    assert judge(1.3, Explanation("a term", "with_term"), ratios)["ok"]
+    missed = judge(1.3, Explanation("a term", "with_term"), {"with_term": 1.4})
     assert not missed["ok"] and missed["explanation_holds"] is False
 
 
@@ -203,3 +209,45 @@ def test_a_calls_cpu_time_is_taken_between_computations_and_without_them():
         timed = "".join("g" if e == "gap" else "c" for e in events)
         assert "gcgc" in timed, timed  # the CPU loop: a gap before every call
         assert all(p["cpu_seconds"] < 1.5e-3 for p in points[:2]), points  # 2 ms gaps left out
+
+
+FAST = {name: 2e9 for name in COMPUTE} | {"fft": 1e9, "memory": 4e9}
+
+
+def _work_s(machine: Machine) -> float:
+    """A step of 1 GFLOP, 0.5 GFLOP of FFTs and 4 GB of memory traffic on ``machine``."""
+    return (
+        1e9 / machine.sustained_flops
+        + 0.5e9 / machine.fft_flops_per_s
+        + 4e9 / (machine.memory_bytes_per_s)
+    )
+
+
+def test_each_timed_step_is_predicted_at_the_compute_rates_its_own_call_measured(monkeypatch):
+    # NOTE [Compute rates paired with the steps]: the machine's speed alternates between
+    # calls (the load), and within a call rank r runs (1 + r / 4) times slower than rank 0;
+    # each call's steps take what ``_work_s`` costs at its slowest rank's rates.
+    speeds = itertools.cycle([1.0, 0.5, 0.8, 0.4, 0.9])
+
+    def on_ranks(ranks, body, *args):
+        speed = next(speeds)
+        per_rank = []
+        for rank in range(ranks):
+            rates = {kind: rate * speed / (1 + rank / 4) for kind, rate in FAST.items()}
+            seconds = _work_s(at_rates(Machine(), rates))
+            per_rank.append({"wall": [seconds] * 2, "cpu": [seconds] * 2, "rates": rates, "ops": 1})
+        return per_rank
+
+    monkeypatch.setattr(calibrate_steps, "on_ranks", on_ranks)
+    args = argparse.Namespace(ranks=[1, 2, 4], rounds=3, steps=2, size=128, nodes=4096)
+    measured = measure_steps("unet", args)
+    calibrated = at_rates(Machine(), FAST)
+    for variant in ("plain", "1", "2", "4"):
+        steps = measured[variant]
+        assert len(steps["cpu"]) == len(steps["rates"]) == 6
+        assert paired_ratios(_work_s, calibrated, steps["cpu"], steps["rates"]) == pytest.approx(
+            [1.0] * 6
+        )
+    # On the calibration's rates alone, the slow calls' steps are mispredicted.
+    unpaired = [_work_s(calibrated) / seconds for seconds in measured["4"]["cpu"]]
+    assert max(abs(r - 1) for r in unpaired) > 0.5
