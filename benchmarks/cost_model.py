@@ -83,7 +83,12 @@ at 512 ranks) where the 2- and 4-rank fit gave ``939 + 16 (P - 1)`` (9,115). Col
 outside redistribution (graph gathers, scans, rings) still pack per peer that sends or receives
 something: the UNet's halos and the MeshGraphNet's graph exchanges grow with a rank's
 neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4 parts), which this
-law extrapolates as if they grew with ``P``.
+law extrapolates as if they grew with ``P``. So the UNet's ops are also counted on 4x4 blocks:
+3,269 / 3,632 / 4,026 ops on 2x2 / 2x4 / 4x4 (2026-11-29 04:34 UTC) grow by 91 per added peer
+from 4 to 8 ranks and by 49 from 8 to 16, and a law fitted at 4 and 8 ranks put 51,338 ops in
+a step at 512 ranks where one fitted at 8 and 16 puts about 28,000 (still an overestimate
+while a rank's neighbours are bounded and its statistics, all-gathered at 16 ranks here, are
+all-reduced at 512).
 So the ops, and those of them the communication modules dispatch
 (``WorkCounter.communication_ops``), are fitted over the measured runs as the calls are
 (``call_laws``: ``fixed + per_peer (P - 1)``), not taken as one count; both are data, measured
@@ -208,6 +213,7 @@ _BLOCK = Geometry(
     strong=lambda p, n: (n / math.sqrt(p), n / math.sqrt(p)),
     pixels=lambda s: s[0] * s[1],
     grid=_block_grid,
+    op_meshes=((4, 4),),
 )
 _GRAPH = Geometry(
     meshes=((2,), (4,)),

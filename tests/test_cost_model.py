@@ -239,6 +239,14 @@ def test_the_statistics_kind_is_one_a_measurement_yields() -> None:
     assert measured[STATISTICS["unet"]] == 14
 
 
+def test_every_model_counts_its_ops_beyond_its_traffic_meshes():
+    # NOTE [Ops per peer]: the ops' law is fitted at the two largest rank counts, so each
+    # geometry needs a count above the meshes its traffic is measured on (the UNet's 4x4).
+    for name, geometry in GEOMETRY.items():
+        largest = max(math.prod(mesh) for mesh in geometry.meshes)
+        assert max((math.prod(mesh) for mesh in geometry.op_meshes), default=0) > largest, name
+
+
 def test_the_ops_per_peer_are_fitted_where_ranks_have_peers_on_both_sides():
     """NOTE [Ops per peer]: the FNO's ops counted on 2, 4 and 8 ranks (955, 987, 991 at 128²,
     2026-11-29): fitted on 2 and 4 ranks they grew 16 per peer, 9,115 at 512 ranks; the
