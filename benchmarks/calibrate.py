@@ -16,9 +16,15 @@ formula shows as a residual rather than being absorbed into a parameter:
   GLOO_NO_TREE_S`` (never chosen) and the all-reduces fitted as rings. Each point's
   fitted-over-measured ratio is emitted (``collective`` records), with the CPU time a call
   costs the slowest rank (``cpu_seconds``: c10d and gloo on the host).
-- ``host_us_per_collective`` and ``host_us_per_collective_step``: a second least-squares fit,
-  of the small calls' (at most 16 KiB) ``cpu_seconds`` as ``per call + per step x ring
-  steps`` (``ring_steps``): what ``collective_host_s`` charges the host.
+- ``host_us_per_collective``, ``host_us_per_collective_step`` and
+  ``host_s_per_byte_received``: a second least-squares fit (absolute residuals, each
+  non-negative), of every call's ``cpu_seconds`` as ``per call + per step x ring steps
+  (ring_steps) + per byte x bytes received``: what ``collective_host_s`` charges the host.
+  A call's CPU time is taken between two short computations (``GAP_MATMULS``), as a step
+  issues it: back to back, gloo's threads stay awake and a small call costs half as much.
+  Until 2026-11-29 only the calls up to 16 KiB were fitted, without the bytes: gloo's copies
+  of a step's megabytes (an FNO's transposes and gradients: 15 MB a rank on 2 ranks at 128²)
+  cost the CPU and were not priced.
 - ``sustained_flops``: a training step's FLOPs (``WorkCounter``, as the cost model and the dry
   run count them) over its seconds, for the convolutions and matmuls the zoo runs
   (``COMPUTE``), one thread, CPU time; the median over them (each rate is emitted).
@@ -62,7 +68,6 @@ import torch.distributed as dist
 from benchmarks._common import (
     emit,
     emit_summary,
-    least_squares,
     on_ranks,
     parse_arguments,
     rank_pools,
@@ -118,23 +123,29 @@ def gloo_machine(
     )
 
 
+def nonnegative_fit(rows: list[list[float]], values: list[float], weights: list[float]) -> list:
+    """``x >= 0`` of least squares ``rows @ x = values``, each residual times its weight: the
+    first negative coefficient dropped (set to 0) and the rest refitted, until none is."""
+    active = list(range(len(rows[0])))
+    while True:
+        a = torch.tensor([[r[i] * w for i in active] for r, w in zip(rows, weights)])
+        b = torch.tensor([v * w for v, w in zip(values, weights)]).unsqueeze(1)
+        solution = torch.linalg.lstsq(a.double(), b.double(), driver="gelsd").solution
+        fitted = dict(zip(active, solution.squeeze(1).tolist()))
+        negative = [i for i, v in fitted.items() if v < 0]
+        if not negative or len(active) == 1:
+            break
+        active.remove(negative[0])
+    return [max(fitted.get(i, 0.0), 0.0) for i in range(len(rows[0]))]
+
+
 def fit_collectives(points: list[dict]) -> dict[str, float]:
     """``base_latency_s``, ``step_latency_s``, ``bytes_per_s`` fitted to ``points`` (``kind``,
     ``ranks``, ``bytes``, ``seconds``) by least squares on relative residuals, each parameter
     kept non-negative (one dropped to zero and the rest refitted if it came out negative)."""
     rows = [collective_rows(p["kind"], p["ranks"], p["bytes"]) for p in points]
-    weights = [1.0 / p["seconds"] for p in points]
-    active = [0, 1, 2]
-    while True:
-        a = torch.tensor([[r[i] * w for i in active] for r, w in zip(rows, weights)])
-        b = torch.tensor([p["seconds"] * w for p, w in zip(points, weights)]).unsqueeze(1)
-        solution = torch.linalg.lstsq(a.double(), b.double(), driver="gelsd").solution
-        values = dict(zip(active, solution.squeeze(1).tolist()))
-        negative = [i for i, v in values.items() if v < 0]
-        if not negative or len(active) == 1:
-            break
-        active.remove(negative[0])
-    base, step, per_byte = (max(values.get(i, 0.0), 0.0) for i in range(3))
+    seconds = [p["seconds"] for p in points]
+    base, step, per_byte = nonnegative_fit(rows, seconds, [1.0 / s for s in seconds])
     return {
         "base_latency_s": base,
         "step_latency_s": step,
@@ -166,11 +177,26 @@ def _call_once(kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
         dist.all_reduce(x)
 
 
+GAP_MATMULS = 20
+"""``(96, 96)`` matmuls between two calls whose CPU time is taken (about 0.4 ms): a step
+computes between its collectives, so gloo's threads are woken for every call."""
+
+
+def _gap(matrix: torch.Tensor) -> None:
+    for _ in range(GAP_MATMULS):
+        matrix @ matrix
+
+
 def time_collectives(kind: str, repeats: int) -> list[dict]:
     """Rank body: seconds of one ``kind`` call at each of ``SIZES`` (median over ``repeats``
-    batches of calls, each batch started from a barrier; this rank's time)."""
+    batches of calls back to back, each batch started from a barrier; this rank's time), and
+    the CPU seconds one costs the rank between two ``_gap`` computations, as a step issues it
+    (the batch's CPU time less its gaps': 150 against 330 µs for a 256 B all-reduce on 2
+    ranks, 300 against 680 for an all-gather, 2026-11-29 at load 29)."""
     torch.set_num_threads(1)
     world = dist.get_world_size()
+    matrix = torch.randn(96, 96)
+    gap_s = _median_cpu_s(lambda: _gap(matrix), repeats)
     results = []
     for nbytes in SIZES:
         x = torch.zeros(nbytes // 4)
@@ -180,11 +206,16 @@ def time_collectives(kind: str, repeats: int) -> list[dict]:
         samples, cpu = [], []
         for _ in range(repeats):
             dist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start = time.perf_counter()
             for _ in range(calls):
                 _call_once(kind, x, out)
             samples.append((time.perf_counter() - start) / calls)
-            cpu.append((time.process_time() - cpu_start) / calls)
+            dist.barrier()
+            cpu_start = time.process_time()
+            for _ in range(calls):
+                _gap(matrix)
+                _call_once(kind, x, out)
+            cpu.append((time.process_time() - cpu_start) / calls - gap_s)
         per_message = 2 if kind == "p2p" else 1
         results.append(
             {
@@ -210,16 +241,23 @@ def measure_collectives(repeats: int) -> list[dict]:
     return points
 
 
-def fit_collective_host(points: list[dict]) -> tuple[float, float]:
-    """``(host_us_per_collective, host_us_per_collective_step)``: least squares of the small
-    calls' (at most 16 KiB per rank) CPU time as ``per call + per step x ring_steps``, each
-    clipped at 0."""
-    small = [p for p in points if p["bytes"] <= 16384]
-    per_call, per_step = least_squares(
-        [[1.0, float(ring_steps(p["kind"], p["ranks"]))] for p in small],
-        [p["cpu_seconds"] * 1e6 for p in small],
-    )
-    return max(per_call, 0.0), max(per_step, 0.0)
+def fit_collective_host(points: list[dict]) -> tuple[float, float, float]:
+    """``(host_us_per_collective, host_us_per_collective_step, host_s_per_byte_received)``:
+    every call's CPU time (``cpu_seconds``) as ``per call + per step x ring_steps + per byte x
+    received_bytes`` (``collective_host_s``), least squares on absolute residuals (a step
+    adds its calls' CPU seconds: the costly calls matter, not a 40 µs message's 10 %), each
+    coefficient kept non-negative (``nonnegative_fit``)."""
+    rows = [
+        [
+            1.0,
+            float(ring_steps(p["kind"], p["ranks"])),
+            received_bytes(p["kind"], p["ranks"], p["bytes"]),
+        ]
+        for p in points
+    ]
+    cpu = [p["cpu_seconds"] for p in points]
+    per_call, per_step, per_byte = nonnegative_fit(rows, cpu, [1.0] * len(cpu))
+    return per_call * 1e6, per_step * 1e6, per_byte
 
 
 # --------------------------------------------------------------------------- compute
@@ -283,6 +321,17 @@ def measure_compute(repeats: int) -> dict[str, float]:
     return rates
 
 
+def at_rates(machine: Machine, rates: dict[str, float]) -> Machine:
+    """``machine`` with the compute rates ``measure_compute`` measured (``rates``):
+    ``sustained_flops`` the median FLOP/s of ``COMPUTE``, the FFTs' and the memory's."""
+    return dataclasses.replace(
+        machine,
+        sustained_flops=statistics.median(rates[name] for name in COMPUTE),
+        fft_flops_per_s=rates["fft"],
+        memory_bytes_per_s=rates["memory"],
+    )
+
+
 STRIDED = ((4, 32, 64, 64), (4, 32, 64, 16), (4, 64, 128, 128))
 """Fields ``(B, C, H, W)`` whose pieces ``measure_strided_copy`` copies."""
 COPIES_TIMED = 50
@@ -329,20 +378,20 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
     rates = measure_compute(repeats)
     host_us, plain_us = measure_host(repeats)
     strided_copy_s = measure_strided_copy(repeats)
-    flops = statistics.median(v for k, v in rates.items() if k not in ("memory", "fft"))
-    per_call_us, per_step_us = fit_collective_host(points)
+    per_call_us, per_step_us, per_byte_s = fit_collective_host(points)
     machine = dataclasses.replace(
-        gloo_machine(
-            Machine(),
-            network["base_latency_s"],
-            network["step_latency_s"],
-            network["bytes_per_s"],
+        at_rates(
+            gloo_machine(
+                Machine(),
+                network["base_latency_s"],
+                network["step_latency_s"],
+                network["bytes_per_s"],
+            ),
+            rates,
         ),
-        sustained_flops=flops,
-        fft_flops_per_s=rates["fft"],
-        memory_bytes_per_s=rates["memory"],
         host_us_per_collective=per_call_us,
         host_us_per_collective_step=per_step_us,
+        host_s_per_byte_received=per_byte_s,
         host_us_per_op=host_us,
         plain_host_us_per_op=plain_us,
         strided_copy_s_per_run=strided_copy_s,
@@ -375,8 +424,10 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         "fft_flops_per_s": "measured on this machine by benchmarks.calibrate: rfft2 + irfft2 "
         "of (1, 32, 128, 128), forward+backward FFT FLOPs (WorkCounter) per second, one thread",
         "host_us_per_collective": "measured on this machine by benchmarks.calibrate: least "
-        "squares of the small calls' CPU time on 2 and 4 gloo ranks, per call + per ring step",
+        "squares of every timed call's CPU time on 2 and 4 gloo ranks (256 B-4 MiB), per call "
+        "+ per ring step + per byte received",
         "host_us_per_collective_step": "the same fit, per ring step",
+        "host_s_per_byte_received": "the same fit, per byte the busiest rank receives",
         "memory_bytes_per_s": "measured on this machine by benchmarks.calibrate: "
         "torch.add of 64 MiB float32 arrays, 3 arrays' bytes per second, one thread",
         "host_us_per_op": "measured on this machine by benchmarks.calibrate with "
@@ -433,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
         plain_host_us_per_op=round(machine.plain_host_us_per_op, 1),
         host_us_per_collective=round(machine.host_us_per_collective, 1),
         host_us_per_collective_step=round(machine.host_us_per_collective_step, 1),
+        host_us_per_mib_received=round(machine.host_s_per_byte_received * 2**20 * 1e6, 1),
         strided_copy_ns_per_run=round(machine.strided_copy_s_per_run * 1e9, 2),
         collective_fit_worst=round(max(ratios, key=lambda r: abs(r - 1)), 2),
     )

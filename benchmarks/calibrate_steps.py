@@ -30,6 +30,18 @@ collective accrues no ``time.process_time``) and this machine is shared:
   each record states the load and ``wall_over_cpu_1_rank`` (the 1-rank step's wall over CPU
   time: the share of a core one process got).
 
+# NOTE [Compute rates paired with the steps]
+This machine's speed moves with the other engineers' load: two calibrations 17 minutes apart
+(2026-11-29, load 0.5 and 11-22) fitted 70.3 and 47.0 GFLOP/s, moving the UNet's 1-rank
+``cpu`` ratio from 0.85 to 1.36 with nothing else changed. So every timed call (each rank
+count's, and ``plain``'s) measures the compute rates on its ranks (``measure_compute``,
+``PROBE_REPEATS`` calls per kernel, after the warm-up step, right before the timed steps) and
+each timed step is predicted on the calibrated machine with its own call's rates (``at_rates``;
+the slowest rank's, as a step counts as its slowest rank's): ``paired_ratios``, whose median is
+the ``cpu`` ratio judged. The ratio on the calibration's rates is kept
+(``cpu_ratio_at_calibration``). The host terms (µs per op, a collective's CPU) stay the
+calibration's: their probes need ranks of their own.
+
 ``--check`` fails when a ``cpu`` prediction misses by more than ``TOLERANCE`` without an
 explanation listed in ``EXPLAINED`` that holds, and names each: a quantified explanation (a
 term the record adds, ``cpu_ratio_with_*``) holds only while adding it brings the prediction
@@ -48,7 +60,9 @@ import dataclasses
 import json
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -64,7 +78,7 @@ from benchmarks._common import (
     spread,
     timed_steps,
 )
-from benchmarks.calibrate import calibrate, emit_calibration
+from benchmarks.calibrate import at_rates, calibrate, emit_calibration, measure_compute
 from benchmarks.cost_model import (
     GEOMETRY,
     best_step,
@@ -77,6 +91,9 @@ from shardsci.planning._machine import Machine
 
 RANKS = (1, 2, 4)
 TOLERANCE = 0.25
+PROBE_REPEATS = 3
+"""Timed calls per kernel of the compute probe each timed call makes (NOTE [Compute rates
+paired with the steps])."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +159,7 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
         host_us_per_collective=machine.host_us_per_collective / share,
         host_us_per_collective_step=machine.host_us_per_collective_step / share,
+        host_s_per_byte_received=machine.host_s_per_byte_received / share,
     )
 
 
@@ -158,12 +176,21 @@ def predict(machine: Machine, models: dict, ranks: int, shape: tuple, cores: int
     }
 
 
+def predicted_cpu(
+    machine: Machine, models: dict, ranks: int, shape: tuple, cores: int, part: str = "cpu"
+) -> float:
+    """``predict``'s ``part`` (``cpu``: host + compute; ``cpu_compute``), seconds."""
+    return predict(machine, models, ranks, shape, cores)[part]
+
+
 def time_step(name: str, mesh_shape: tuple[int, ...], shape: tuple, steps: int) -> dict:
-    """Rank body: ``steps`` timed steps' wall and CPU seconds after one warm-up."""
+    """Rank body: ``steps`` timed steps' wall and CPU seconds after one warm-up and the
+    compute probe (``rates``, NOTE [Compute rates paired with the steps])."""
     _, step = sharded_step(name, mesh_shape, shape)
     step()
+    rates = measure_compute(PROBE_REPEATS)
     wall, cpu = timed_steps(step, steps)
-    return {"wall": wall, "cpu": cpu}
+    return {"wall": wall, "cpu": cpu, "rates": rates}
 
 
 def time_plain(name: str, size: int, nodes: int, steps: int) -> dict:
@@ -174,14 +201,37 @@ def time_plain(name: str, size: int, nodes: int, steps: int) -> dict:
     step()
     with _OpCounter() as counter:
         step()
+    rates = measure_compute(PROBE_REPEATS)
     wall, cpu = timed_steps(step, steps)
-    return {"wall": wall, "cpu": cpu, "ops": sum(counter.ops.values())}
+    return {"wall": wall, "cpu": cpu, "rates": rates, "ops": sum(counter.ops.values())}
+
+
+def slowest_rates(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Each compute rate of the slowest rank at it: the lowest over the ranks' probes."""
+    return {kind: min(rates[kind] for rates in per_rank) for kind in per_rank[0]}
+
+
+def paired_ratios(
+    predict_cpu: Callable[[Machine], float],
+    machine: Machine,
+    cpu: list[float],
+    rates: list[dict[str, float]],
+) -> list[float]:
+    """Each timed step's predicted over measured CPU time, predicted by ``predict_cpu``
+    (``Machine`` -> seconds) on ``machine`` at the compute rates its own call measured
+    (``rates[i]`` for ``cpu[i]``; NOTE [Compute rates paired with the steps])."""
+    return [
+        predict_cpu(at_rates(machine, step_rates)) / seconds
+        for seconds, step_rates in zip(cpu, rates, strict=True)
+    ]
 
 
 def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
     """``plain`` and each rank count -> ``wall`` and ``cpu`` of every timed step (slowest
-    rank), interleaved; ``ops`` of the plain step."""
+    rank), interleaved, the compute ``rates`` its call measured, one per step; ``ops`` of the
+    plain step."""
     cpu: dict[str, list[float]] = {}
+    rates: dict[str, list[dict[str, float]]] = {}
     ops: dict[str, int] = {}
 
     def run(variant: str) -> list[float]:
@@ -192,11 +242,15 @@ def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
             mesh_shape, shape = layout(name, int(variant), args.size, args.nodes)
             per_rank = on_ranks(int(variant), time_step, name, mesh_shape, shape, args.steps)
         cpu.setdefault(variant, []).extend(max(s) for s in zip(*(r["cpu"] for r in per_rank)))
+        call_rates = slowest_rates([r["rates"] for r in per_rank])
+        rates.setdefault(variant, []).extend(call_rates for _ in range(args.steps))
         return [max(s) for s in zip(*(r["wall"] for r in per_rank))]
 
     variants = ["plain", *map(str, args.ranks)]
     wall = interleaved_steps(variants, args.rounds, run)
-    return {v: {"wall": wall[v], "cpu": cpu[v], "ops": ops.get(v)} for v in variants}
+    return {
+        v: {"wall": wall[v], "cpu": cpu[v], "rates": rates[v], "ops": ops.get(v)} for v in variants
+    }
 
 
 def measured_compute(machine: Machine, plain: dict) -> float:
@@ -205,13 +259,10 @@ def measured_compute(machine: Machine, plain: dict) -> float:
     return statistics.median(plain["cpu"]) - plain["ops"] * machine.plain_host_us_per_op * 1e-6
 
 
-def judge(
-    predicted: float, measured: float, explanation: Explanation | None, ratios: dict[str, float]
-) -> dict:
-    """Predicted over measured, whether within ``TOLERANCE``, and whether that is met or
-    explained: by a named term, or by a quantified one whose ratio (in ``ratios``) is within
-    ``TOLERANCE``."""
-    ratio = predicted / measured
+def judge(ratio: float, explanation: Explanation | None, ratios: dict[str, float]) -> dict:
+    """``ratio`` (predicted over measured), whether within ``TOLERANCE``, and whether that is
+    met or explained: by a named term, or by a quantified one whose ratio (in ``ratios``) is
+    within ``TOLERANCE``."""
     within = abs(ratio - 1) <= TOLERANCE
     holds = explanation is not None and (
         explanation.ratio is None or abs(ratios[explanation.ratio] - 1) <= TOLERANCE
@@ -234,6 +285,15 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
     whole = layout(name, 1, args.size, args.nodes)[1]
     compute_1 = predict(machine, models, 1, whole, args.cores)["parts"]["compute"]
     kernels = measured_compute(machine, plain)
+    host_1 = plain["ops"] * machine.plain_host_us_per_op * 1e-6
+    plain_compute_ratios = paired_ratios(
+        partial(
+            predicted_cpu, models=models, ranks=1, shape=whole, cores=args.cores, part="cpu_compute"
+        ),
+        machine,
+        [seconds - host_1 for seconds in plain["cpu"]],
+        plain["rates"],
+    )
     emit(
         "plain",
         model=name,
@@ -243,6 +303,10 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
         predicted_compute_ms=round(compute_1 * 1e3, 1),
         measured_compute_ms=round(kernels * 1e3, 1),
         compute_ratio=round(compute_1 / kernels, 2),
+        compute_ratio_paired=round(statistics.median(plain_compute_ratios), 2),
+        sustained_gflops_paired=spread(
+            [at_rates(machine, r).sustained_flops / 1e9 for r in plain["rates"]]
+        ),
         load_average=load,
     )
     records = []
@@ -258,6 +322,14 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
         ratios = {
             "cpu_ratio_with_measured_compute": round(corrected / cpu["median"], 2),
         }
+        paired = statistics.median(
+            paired_ratios(
+                partial(predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores),
+                machine,
+                measured[str(ranks)]["cpu"],
+                measured[str(ranks)]["rates"],
+            )
+        )
         record = {
             "model": name,
             "ranks": ranks,
@@ -270,7 +342,11 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
             },
             "measured_cpu_s": cpu,
             "measured_wall_s": wall,
-            "cpu": judge(predicted["cpu"], cpu["median"], EXPLAINED.get((name, ranks)), ratios),
+            "cpu": judge(paired, EXPLAINED.get((name, ranks)), ratios),
+            "cpu_ratio_at_calibration": round(predicted["cpu"] / cpu["median"], 2),
+            "sustained_gflops_paired": spread(
+                [at_rates(machine, r).sustained_flops / 1e9 for r in measured[str(ranks)]["rates"]]
+            ),
             **ratios,
             "cpu_scaling_ratio": round(
                 predicted["cpu"] / predicted_1["cpu"] / (cpu["median"] / statistics.median(cpu_1)),
@@ -319,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
                     "predicted_cpu_ms": record["predicted_ms"]["cpu"],
                     "measured_cpu_ms": round(record["measured_cpu_s"]["median"] * 1e3, 1),
                     "cpu_ratio": verdict["ratio"],
+                    "cpu_ratio_at_calibration": record["cpu_ratio_at_calibration"],
                     "predicted_wall_ms": record["predicted_ms"]["wall"],
                     "measured_wall_ms": round(record["measured_wall_s"]["median"] * 1e3, 1),
                     "wall_ratio": record["wall_ratio"],

@@ -23,8 +23,8 @@ and memory traffic at ``memory_bytes_per_s``, plus the runs of the step's stride
 (NOTE [Strided copies]), as the dry run prices them. Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
 (``ops_host_s``, NOTE [One price per op]), plus what issuing each
-collective call and halo round costs the host's CPU (``collective_host_s``: per call and per
-ring step).
+collective call and halo round costs the host's CPU (``collective_host_s``: per call, per
+ring step and per byte received).
 
 Projected (``project``) on ``Machine`` (every parameter with its source; ``--set
 name=value`` overrides any), per rank: ``max(host, compute + communication)``, host time
@@ -71,15 +71,26 @@ costs a few ops per peer. Until 2026-11-28 every redistribution did: the FNO at 
 dispatched 513 aten ops on 1 rank, 982-988 on 2 and 1,482-1,488 on 4 (250 more per added
 peer, from its 21 all-to-alls and gathers; its dry run at 512 ranks counted about 113,000).
 Redistributions now pack and unpack once (NOTE [One pack and one unpack per collective] in
-``shardsci/tensor/_box_packing.py``): the same step dispatches 509 / 1,007 / 1,047 / 1,042
-ops on 1 / 2 / 4 / 8 ranks (``step_profile``, 2026-11-28 15:08 UTC, load 12.8), the
-2 -> 4 step being an index and an index op per exchange once a rank's own piece lies between
-its peers'; this module's own runs count 1,010 (2 ranks) and 1,058 (4), which the law below
-fits as ``986 + 24 (P - 1)`` (13,250 at 512 ranks, an overestimate: nothing grows from 4 to
-8). Collectives outside redistribution (graph gathers, scans, rings) still pack per peer
-that sends or receives something: the UNet's halos and the MeshGraphNet's graph exchanges grow
-with a rank's neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4
-parts), which this law extrapolates as if they grew with ``P``.
+``shardsci/tensor/_box_packing.py``): the same step dispatches 509 / 1,007 / 1,047 / 1,042 ops
+on 1 / 2 / 4 / 8 ranks (``step_profile``, 2026-11-28 15:08 UTC, load 12.8), the 2 -> 4 step
+being an index and an index op per exchange once a rank's own piece lies between its peers';
+this module's own runs count 1,010 (2 ranks) and 1,058 (4), which a law fitted on 2 and 4 ranks
+extrapolated as ``986 + 24 (P - 1)`` (13,250 at 512 ranks, an overestimate: nothing grows from
+4 to 8). The ops are therefore also counted at 8 ranks (``Geometry.op_meshes``) and the law is
+fitted at the two largest rank counts, where a rank already has peers on both sides: on
+2026-11-29 (03:46 UTC) 955 / 987 / 991 ops on 2 / 4 / 8 ranks gave ``984 + 1 (P - 1)`` (1,495
+at 512 ranks) where the 2- and 4-rank fit gave ``939 + 16 (P - 1)`` (9,115). Collectives
+outside redistribution (graph gathers, scans, rings) still pack per peer that sends or receives
+something: the UNet's halos and the MeshGraphNet's graph exchanges grow with a rank's
+neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4 parts), which this
+law extrapolates as if they grew with ``P``. So the UNet's ops are also counted on 4x4 blocks:
+3,269 / 3,632 / 4,026 ops on 2x2 / 2x4 / 4x4 (2026-11-29 04:34 UTC) grow by 91 per added peer
+from 4 to 8 ranks and by 49 from 8 to 16, and a law fitted at 4 and 8 ranks put 51,338 ops in
+a step at 512 ranks where one fitted at 8 and 16 puts about 28,000 (still an overestimate
+while a rank's neighbours are bounded and its statistics, all-gathered at 16 ranks here, are
+all-reduced at 512). The MeshGraphNet's are counted on 16 parts too: 2,932 / 2,979 ops on 8 /
+16 parts of 100 nodes (04:41 UTC), 6 per added peer where 4 to 8 parts grew 72, since a METIS
+part of a 2-D mesh has a bounded number of neighbours: 5,893 ops at 512 ranks instead of 42,286.
 So the ops, and those of them the communication modules dispatch
 (``WorkCounter.communication_ops``), are fitted over the measured runs as the calls are
 (``call_laws``: ``fixed + per_peer (P - 1)``), not taken as one count; both are data, measured
@@ -160,6 +171,10 @@ class Geometry:
     strong: Callable[[int, float], tuple[float, ...]]
     pixels: Callable[[tuple[float, ...]], float]
     grid: Callable[[int], tuple[int, ...]] = lambda p: (p,)
+    op_meshes: tuple[tuple[int, ...], ...] = ()
+    """Meshes beyond ``meshes`` where only the step's aten ops are counted (at the first of
+    ``shapes``): the ops' growth with the peers is fitted at the two largest rank counts
+    (NOTE [Ops per peer])."""
 
 
 AXES = ("h", "w")
@@ -190,6 +205,7 @@ _SLAB = Geometry(
     weak=lambda p, t: (t / math.sqrt(p), t * math.sqrt(p)),
     strong=lambda p, n: (n / p, n),
     pixels=lambda s: s[0] * s[1],
+    op_meshes=((8,),),
 )
 _BLOCK = Geometry(
     meshes=((2, 2), (2, 4), (4, 2)),  # each axis at two sizes: NOTE [Collectives over one axis]
@@ -199,6 +215,7 @@ _BLOCK = Geometry(
     strong=lambda p, n: (n / math.sqrt(p), n / math.sqrt(p)),
     pixels=lambda s: s[0] * s[1],
     grid=_block_grid,
+    op_meshes=((4, 4),),
 )
 _GRAPH = Geometry(
     meshes=((2,), (4,)),
@@ -207,6 +224,7 @@ _GRAPH = Geometry(
     weak=lambda p, t: (t,),
     strong=lambda p, n: (n / p,),
     pixels=lambda s: s[0],
+    op_meshes=((8,), (16,)),
 )
 GEOMETRY = {
     "unet": _BLOCK,
@@ -478,15 +496,16 @@ class Fitted:
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return self.fft_flops[0] * _p_log_p(whole) / ranks
 
-    def host_s(self, machine: Machine, ranks: int) -> float:
-        """Host seconds per step at ``ranks``: the ops as ``ops_host_s`` prices them (NOTE [One
-        price per op]), and the collectives and halo rounds it issues
-        (``collective_host_s``)."""
+    def host_s(self, machine: Machine, ranks: int, shape: tuple[float, ...]) -> float:
+        """Host seconds per step at ``ranks`` with local ``shape``: the ops as ``ops_host_s``
+        prices them (NOTE [One price per op]), and the collectives and halo rounds it issues
+        with the bytes they bring (``collective_host_s``)."""
         issued = 0.0
         for kind in self.received:
             group, _ = projected_group(machine, self.model, kind, ranks)
             calls = self.count("p2p_rounds" if kind == "p2p" else kind, group)
-            issued += collective_host_s(machine, kind_of(kind), group, calls)
+            received = self.bytes(kind, group, shape)
+            issued += collective_host_s(machine, kind_of(kind), group, calls, received)
         return ops_host_s(machine, *self.op_count(ranks), sharded=True) + issued
 
 
@@ -513,10 +532,13 @@ def fit(
     memory_values: list[float] | None = None,
     fft_values: list[float] | None = None,
 ) -> tuple:
-    """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``ops``) and
-    the FLOPs, memory traffic and FFT FLOPs at ``flop_sizes`` (none where not given); and per
-    kind the worst misfit over the runs, relative to the kind's largest measured bytes."""
+    """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``ops``;
+    ``ops_only``: a run whose ops alone are fitted) and the FLOPs, memory traffic and FFT
+    FLOPs at ``flop_sizes`` (none where not given); and per kind the worst misfit over the
+    runs, relative to the kind's largest measured bytes. The ops' law is fitted to the runs
+    at the two largest rank counts (NOTE [Ops per peer])."""
     basis = GEOMETRY[name].basis
+    runs, all_runs = [r for r in runs if not r.get("ops_only")], runs
     kinds = sorted({k for r in runs for k in (*r["received"], *r["calls"])})
     calls, received, misfit = {}, {}, {}
     for kind in kinds:
@@ -535,9 +557,10 @@ def fit(
     flops = _polynomial(pixels, flop_values)
     memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
     fft_flops = least_squares([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
-    laws_of_runs = [call_laws(r["ranks"]) for r in runs]
+    largest = sorted({r["ranks"] for r in all_runs})[-2:]
+    op_runs = [r for r in all_runs if r["ranks"] in largest]
     ops, communication_ops = (
-        least_squares(laws_of_runs, [float(r[key]) for r in runs])
+        least_squares([call_laws(r["ranks"]) for r in op_runs], [float(r[key]) for r in op_runs])
         for key in ("ops", "communication_ops")
     )
     strided = least_squares(
@@ -570,6 +593,18 @@ def measure_model(name: str) -> dict:
                         **busiest,
                     }
                 )
+        for mesh_shape in geometry.op_meshes:
+            shape = geometry.shapes[0]
+            per_rank = on_ranks(math.prod(mesh_shape), measure, name, mesh_shape, shape, exchange)
+            runs[exchange].append(
+                {
+                    "ranks": math.prod(mesh_shape),
+                    "mesh": list(mesh_shape),
+                    "shape": list(shape),
+                    "ops_only": True,
+                    **max(per_rank, key=lambda r: r["ops"]),
+                }
+            )
     sizes = FLOP_SIZES.get(name, FLOP_SIZES["field"])
     flops, fft_flops, memory = zip(*(work(name, s) for s in sizes))
     return {
@@ -675,7 +710,7 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
             else:
                 parts[kind] = collective_s(machine, kind_of(kind), group, n, nbytes, rounds, nodes)
     parts["device"] = sum(parts.values())
-    parts["host"] = fitted.host_s(machine, ranks)
+    parts["host"] = fitted.host_s(machine, ranks, shape)
     parts["total"] = _total(machine, parts)
     return parts
 
@@ -756,7 +791,12 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
         )
     weak, host_512 = parts["compute"] / parts["total"], parts["host"]
     no_host = dataclasses.replace(
-        machine, host_us_per_op=0.0, plain_host_us_per_op=0.0, host_us_per_collective=0.0
+        machine,
+        host_us_per_op=0.0,
+        plain_host_us_per_op=0.0,
+        host_us_per_collective=0.0,
+        host_us_per_collective_step=0.0,
+        host_s_per_byte_received=0.0,
     )
     first, strong_limit, efficiency = None, None, 1.0
     for ranks in GPUS:

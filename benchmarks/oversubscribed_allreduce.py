@@ -37,7 +37,7 @@ def price_s(ranks: int, nbytes: int) -> float:
     machine = gloo_cpu(ranks)
     received = received_bytes("all_reduce", ranks, nbytes)
     device = collective_s(machine, "all_reduce", ranks, 1, received, 1)
-    return device + collective_host_s(machine, "all_reduce", ranks, 1)
+    return device + collective_host_s(machine, "all_reduce", ranks, 1, received)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,11 +5,15 @@ timed on every rank, wall and CPU (issue 22, item 1).
 Each candidate of ``--labels`` (``parallel_auto``'s labels, e.g. ``"dp=8"``, ``"dp=4 x slab
 H=2"``) is trained as ``parallel_auto`` trains it (``train.py``, the CFD recipe), its ranks
 started with ``benchmarks/_step_parts`` on ``PYTHONPATH``: that directory's
-``sitecustomize`` replaces ``training_step`` in the trainer by the same body with a clock
-between its parts, and times the gradient reducer's end of backward. Parts: ``batch``,
+``sitecustomize`` calls ``install_step_clock``, which wraps the trainer's ``training_step``
+(the real one, called as it is: ``timed_training_step`` only hands it a task, an optimiser and a
+``decide`` that read a clock as the step calls them) and the gradient reducer's end of
+backward. Parts: ``batch``,
 ``forward`` (the loss terms, whole), ``backward`` (including ``gradient_wait``: the end of
 backward launching the remaining buckets and waiting for every bucket's all-reduce), ``agree``
-(the loss and stop-signal all-reduce), ``optimizer``. A rank's ``gradient_wait`` is the
+(the loss and stop-signal all-reduce), ``optimizer``; each part ends where the step makes
+the call that begins the next (``task.batch`` returns; ``optimizer.zero_grad``; ``decide`` is
+called; ``decide`` returns; the step returns), so the parts add up to the whole call. A rank's ``gradient_wait`` is the
 all-reduce plus the time it waits for the last rank to finish its backward: the last rank to
 arrive (``last_arrival``) waits least, and its wait is the all-reduce alone. Per candidate and
 round: the step's wall time (the slowest rank's sum of parts, median over the steps after
@@ -29,8 +33,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks._common import emit, emit_summary, parse_arguments
@@ -39,6 +47,122 @@ from shardsci.planning import choose
 
 PARTS = ("batch", "forward", "backward", "agree", "optimizer")
 WARMUP_STEPS = 2
+CLOCKS = ("wall", "cpu")
+
+
+class StepClock:
+    """Wall and CPU seconds charged to the named parts of one step (``seconds``:
+    ``"<part>_wall"`` and ``"<part>_cpu"``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = self.now()
+
+    @staticmethod
+    def now() -> tuple[float, float]:
+        return time.perf_counter(), time.process_time()
+
+    def add(self, part: str, since: tuple[float, float]) -> None:
+        """Charge ``part`` the seconds from ``since`` to now."""
+        for clock, start, end in zip(CLOCKS, since, self.now()):
+            key = f"{part}_{clock}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + end - start
+
+    def charge(self, part: str) -> None:
+        """Charge ``part`` the seconds since the last charge (or the clock's start)."""
+        self.add(part, self._mark)
+        self._mark = self.now()
+
+
+class _BatchEnds:
+    """``task`` whose ``batch`` charges the ``batch`` part as it returns."""
+
+    def __init__(self, task: Any, clock: StepClock) -> None:
+        self._task, self._clock = task, clock
+
+    def batch(self, step: int) -> Any:
+        batch = self._task.batch(step)
+        self._clock.charge("batch")
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+
+class _ForwardEnds:
+    """``optimizer`` whose ``zero_grad`` charges the ``forward`` part first: the step zeroes
+    the gradients between its whole loss terms and its backward pass."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, clock: StepClock) -> None:
+        self._optimizer, self._clock = optimizer, clock
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clock.charge("forward")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+def timed_training_step(step_function: Callable, clock: StepClock) -> Callable:
+    """``step_function`` (``training_step``'s signature) with its parts charged to ``clock``
+    (NOTE [The parts of a step]): the real step runs, on a task, an optimiser and a ``decide``
+    that charge the part each call ends."""
+
+    def step(model, optimizer, task, index, precision, grad_clip, device, decide=None):
+        def timed_decide(terms: Mapping[str, torch.Tensor]) -> bool:
+            clock.charge("backward")
+            apply = decide is None or decide(terms)
+            clock.charge("agree")
+            return apply
+
+        terms = step_function(
+            model,
+            _ForwardEnds(optimizer, clock),
+            _BatchEnds(task, clock),
+            index,
+            precision,
+            grad_clip,
+            device,
+            timed_decide,
+        )
+        clock.charge("optimizer")
+        return terms
+
+    return step
+
+
+def install_step_clock(parts_dir: str) -> None:
+    """Time every step of the trainer in this process: ``training_step`` by
+    ``timed_training_step``, the gradient reducer's end of backward as ``gradient_wait``; one
+    JSON line per step (``rank``, ``step``, the clock's seconds) appended to
+    ``parts_dir/rank<r>.jsonl``."""
+    import torch.distributed as dist
+
+    import shardsci.parallel._reducer as reducer
+    import shardsci.training._trainer as trainer
+
+    step_function, end_backward = trainer.training_step, reducer.GradientReducer._end_backward
+    current = [StepClock()]
+
+    def step(model, optimizer, task, index, *args, **kwargs):
+        current[0] = clock = StepClock()
+        terms = timed_training_step(step_function, clock)(
+            model, optimizer, task, index, *args, **kwargs
+        )
+        record = {"rank": dist.get_rank(), "step": index, **clock.seconds}
+        path = Path(parts_dir) / f"rank{dist.get_rank()}.jsonl"
+        with path.open("a") as parts:
+            parts.write(json.dumps(record) + "\n")
+        return terms
+
+    def timed_end_backward(self) -> None:
+        since = StepClock.now()
+        end_backward(self)
+        current[0].add("gradient_wait", since)
+
+    trainer.training_step = step
+    reducer.GradientReducer._end_backward = timed_end_backward
 
 
 def run_parts(overrides: list[str], steps: int, parts_dir: Path, run_dir: Path) -> None:
@@ -53,7 +177,7 @@ def run_parts(overrides: list[str], steps: int, parts_dir: Path, run_dir: Path) 
         "train.checkpoint_every=0",
         f"run_dir={run_dir}",
     ]
-    probe = str(ROOT / "benchmarks" / "_step_parts")
+    probe = os.pathsep.join((str(ROOT / "benchmarks" / "_step_parts"), str(ROOT)))
     env = dict(os.environ, STEP_PARTS_DIR=str(parts_dir), PYTHONPATH=probe)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode:
@@ -86,8 +210,7 @@ def summarise(parts_dir: Path) -> dict:
         "all_ranks_cpu_ms": median_ms(sum(step_sum(r, "cpu") for r in ranks) for ranks in timed),
         **{
             f"{part}_ms": {
-                clock: median_ms(r.get(f"{part}_{clock}", 0.0) for r in records)
-                for clock in ("wall", "cpu")
+                clock: median_ms(r.get(f"{part}_{clock}", 0.0) for r in records) for clock in CLOCKS
             }
             for part in (*PARTS, "gradient_wait")
         },

@@ -254,25 +254,3 @@ def test_cfd3d_recipe_goals_on_stubbed_runs(monkeypatch, capsys):
     shown = {k for k in records[0] if k.startswith("rollout_step")}
     assert shown == {"rollout_step1", "rollout_step6", "rollout_step10"}
     assert records[0]["rollout_step6"] == 0.6 and records[0]["persistence_rollout_step10"] == 1.0
-
-
-def test_train_step_parts_summary_on_written_parts(tmp_path):
-    """The step is the slowest rank's sum of parts; the last rank to reach the gradient
-    all-reduce is the one that waits least; warm-up steps are left out."""
-    from benchmarks.train_step_parts import PARTS, WARMUP_STEPS, summarise
-
-    def record(rank: int, step: int, seconds: float, gradient_wait: float) -> str:
-        parts = {f"{part}_{clock}": seconds for part in PARTS for clock in ("wall", "cpu")}
-        return json.dumps(
-            {"rank": rank, "step": step, **parts, "gradient_wait_wall": gradient_wait}
-        )
-
-    for rank, (seconds, wait) in enumerate([(0.1, 0.3), (0.2, 0.05)]):
-        lines = [record(rank, step, 9.0, 9.0) for step in range(WARMUP_STEPS)]
-        lines.append(record(rank, WARMUP_STEPS, seconds, wait))
-        (tmp_path / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
-    summary = summarise(tmp_path)
-    assert summary["steps"] == 1
-    assert summary["step_wall_ms"] == pytest.approx(len(PARTS) * 200.0)
-    assert summary["all_ranks_cpu_ms"] == pytest.approx(len(PARTS) * 300.0)
-    assert summary["last_arrival_gradient_wait_ms"] == pytest.approx(50.0)

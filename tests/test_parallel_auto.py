@@ -123,6 +123,7 @@ MACHINE = Machine(
     plain_host_us_per_op=10.0,
     host_us_per_collective=1000.0,
     host_us_per_collective_step=500.0,
+    host_s_per_byte_received=1e-9,
     host_overlaps_device=False,
     base_latency_s=1e-4,
     nvlink_step_latency_s=0.0,
@@ -133,13 +134,15 @@ MACHINE = Machine(
 def test_projection_of_the_slowest_rank_class() -> None:
     """Compute: FLOPs at the sustained rate, FFT FLOPs at theirs; host: ops at the ShardTensor
     rate when the fields are split, and each collective call and halo round as issuing it
-    costs; halos: rounds of latency plus bytes; the slowest class is the step's."""
+    costs, with the bytes it brings; halos: rounds of latency plus bytes; the slowest class is
+    the step's."""
     plan = _plan(4, 1, [_class(10**9, 100, 10**6, 0), _class(10**9, 100, 10**6, 0, 10**8)])
     p = project(plan, MACHINE)
     assert p.compute == pytest.approx(2.0)
     # 4 halo rounds of one ring step, one gradient all-reduce of 2 (P - 1) = 6 steps.
+    # The halos' 10^6 bytes at 1 ns each.
     issued = 4 * (1000 + 500) + (1000 + 6 * 500)
-    assert p.host == pytest.approx(100 * 100e-6 + issued * 1e-6)
+    assert p.host == pytest.approx(100 * 100e-6 + issued * 1e-6 + 10**6 * 1e-9)
     assert p.collectives["p2p"] == pytest.approx(4 * 1e-4 + 1e-3)
     assert p.step == pytest.approx(p.compute + p.host + p.communication)
     replicated = project(_plan(4, 4, [_class(10**9, 100, 0, 0)]), MACHINE)

@@ -209,13 +209,13 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
         collectives[f"{span.kind} over {ranks}"] += collective_s(
             machine, span.kind, ranks, span.calls, span.received, span.calls, nodes
         )
-        issued += collective_host_s(machine, span.kind, ranks, span.calls)
+        issued += collective_host_s(machine, span.kind, ranks, span.calls, span.received)
     if messages:
         peers = sorted({rank for span in messages for rank in span.ranks})
         nodes = max(span_nodes(machine, span.ranks) for span in messages)
         received = sum(span.received for span in messages)
         collectives["p2p"] = halo_s(machine, len(peers), plan.p2p_rounds, received, nodes)
-        issued += collective_host_s(machine, "p2p", len(peers), plan.p2p_rounds)
+        issued += collective_host_s(machine, "p2p", len(peers), plan.p2p_rounds, received)
     compute = plan.flops / machine.sustained_flops + plan.fft_flops / machine.fft_flops_per_s
     compute += strided_copy_s(machine, plan.strided_runs)
     communication = sum(collectives.values())

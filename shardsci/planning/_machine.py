@@ -105,6 +105,12 @@ class Machine:
     """NCCL's kernels run the ring's ``P - 1`` steps on the device: none on the host. Gloo runs
     them on the host's CPU, each step's copies and sends (``benchmarks.calibrate`` fits both
     figures from the CPU time a call costs on 2 and 4 ranks)."""
+    host_s_per_byte_received: float = 0.0
+    """NCCL's kernels move a collective's bytes on the device: none on the host. Gloo moves
+    them through the host's CPU (over loopback TCP a byte is copied into the socket and out
+    of it, and reduced there for an all-reduce), so a call's CPU time grows with the bytes a
+    rank receives (``count_traffic``'s figure): ``benchmarks.calibrate`` fits this with the
+    two figures above from every call up to 4 MiB."""
     strided_copy_s_per_run: float = 0.0
     """Assumed 0: a GPU's copy kernels read and write a strided piece's rows (``W / n`` of a
     field's row, hundreds of bytes at the tiles the zoo recommends) at about the bandwidth of
@@ -255,18 +261,18 @@ def ops_host_s(machine: Machine, ops: float, communication_ops: float, sharded: 
     return (own * machine.host_us_per_op + communication_ops * machine.plain_host_us_per_op) * 1e-6
 
 
-def collective_host_s(machine: Machine, kind: str, ranks: int, calls: float) -> float:
-    """Host CPU seconds of issuing ``calls`` calls of ``kind`` (rounds of messages for a halo)
-    over groups of ``ranks``: each ``host_us_per_collective`` plus
-    ``host_us_per_collective_step`` per ring step."""
+def collective_host_s(
+    machine: Machine, kind: str, ranks: int, calls: float, received: float
+) -> float:
+    """Host CPU seconds of ``calls`` calls of ``kind`` (rounds of messages for a halo) over
+    groups of ``ranks``, the busiest rank receiving ``received`` bytes in all: each
+    ``host_us_per_collective`` plus ``host_us_per_collective_step`` per ring step, and
+    ``host_s_per_byte_received`` per byte."""
     if ranks == 1:
         return 0.0
     steps = ring_steps(kind, ranks)
-    return (
-        calls
-        * (machine.host_us_per_collective + machine.host_us_per_collective_step * steps)
-        * 1e-6
-    )
+    issued = calls * (machine.host_us_per_collective + machine.host_us_per_collective_step * steps)
+    return issued * 1e-6 + received * machine.host_s_per_byte_received
 
 
 def collective_s(
@@ -304,6 +310,12 @@ copied from an H-narrowed piece, for ``(4, 32-64, 64-128, 16-128)`` fields narro
 along W."""
 
 
+GLOO_HOST_S_PER_BYTE = 5.8e-10
+"""Measured here (``benchmarks.calibrate``'s fit of every call's CPU time, 2026-11-29 03:24
+UTC, load 0.5, 35 calls of 256 B-4 MiB on 2 and 4 gloo ranks): 607 µs of CPU per MiB a rank
+receives (0 per call, 283 µs per ring step beside it)."""
+
+
 def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:
     """This kind of machine: ``ranks_here`` CPU ranks sharing ``cores`` cores (default: those
     this process may use) and ``memory_bytes`` of RAM (default: ``MemTotal``), gloo over
@@ -311,7 +323,7 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
 
     Sources: the host figures are measured here (``benchmarks.host_overhead``; issuing a
     collective: ``benchmarks.calibrate`` on 2026-11-28, 251 µs a call plus 375 µs a ring step
-    at load 7-11); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
+    at load 7-11, fitted to calls up to 16 KiB; the bytes: ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
     for one core of a 2020s x86 server (float32 convolutions through oneDNN on one thread; a
     loopback TCP message), FFTs at a fifth of the convolutions' rate as ``benchmarks.calibrate``
     measured (4.7 against 22.7 GFLOP/s). ``benchmarks.calibrate`` fits all of them; the choice
@@ -338,6 +350,7 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         plain_host_us_per_op=25.0 / share,
         host_us_per_collective=250.0 / share,
         host_us_per_collective_step=375.0 / share,
+        host_s_per_byte_received=GLOO_HOST_S_PER_BYTE / share,
         strided_copy_s_per_run=STRIDED_COPY_S_PER_RUN / share,
         host_overlaps_device=False,
         memory_gib=memory_bytes / ranks_here / 2**30,
