@@ -44,6 +44,7 @@ from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
     "Extension",
+    "added_to_owners",
     "extend",
     "extension",
     "halo_exchange",
@@ -457,12 +458,20 @@ class _Extend(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        ext = ctx.ext
-        buffer = _grad_buffer(grad, ext)
-        for step in reversed(ext.steps):
-            _fold_boundary(buffer, step)
-            _add_received(buffer, step.origin, step, _post_adjoint(buffer, step))
-        return narrowed(buffer, ext.own), None, None
+        return added_to_owners(grad, ctx.ext), None, None
+
+
+def added_to_owners(extended: torch.Tensor, ext: Extension) -> torch.Tensor:
+    """The adjoint of ``extend`` (not differentiable): this rank's shard of the cells
+    ``extended`` holds (shaped as ``extend``'s output), plus what the other ranks' extended
+    cells hold of it. Moves as many cells as ``extend``, the other way."""
+    if ext.identity:
+        return extended
+    buffer = _grad_buffer(extended, ext)
+    for step in reversed(ext.steps):
+        _fold_boundary(buffer, step)
+        _add_received(buffer, step.origin, step, _post_adjoint(buffer, step))
+    return narrowed(buffer, ext.own)
 
 
 # NOTE [A local extension is a pad]

@@ -1107,17 +1107,3 @@ def _below_autograd(func, args, kwargs):
     if not replicated or graded:
         return gathered(func, args, kwargs) if func is aten.scatter_reduce.two else NotImplemented
     return function_handler_for(torch_func)(torch_func, args, kwargs)
-    if func is aten.index_put.default:
-        replicated = _advanced_indices(a.indices, a.self) is not None
-    else:
-        replicated = _replicated_index(a.index) is not None
-    sources = [a.get(name) for name in ("src", "source", "value", "values")]
-    graded = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in sources
-    )
-    if graded and func in _SOURCE_GRADIENT_TAKEN and isinstance(a.self, ShardTensor):
-        dim = a.dim % a.self.ndim
-        graded = any(s.dim != dim for s in a.self._spec.shardings)
-    if not replicated or graded:
-        return NotImplemented
-    return function_handler_for(torch_func)(torch_func, args, kwargs)

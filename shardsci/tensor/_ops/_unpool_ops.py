@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from torch.autograd.function import once_differentiable
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import all_reduce, axis_group
-from shardsci.tensor._halo import Extension, _Extend, extend, extension
+from shardsci.tensor._halo import Extension, added_to_owners, extend, extension
 from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._pool_ops import _per_dim, _ravel, _stride, _unravel
 from shardsci.tensor._ops._windows import TransposedWindow, Window, output_spec, owned_sizes
@@ -157,10 +156,10 @@ class _Unpool(torch.autograd.Function):
         block = list(shape)
         for dim, _, length in ext.wanted:
             block[dim] = length
-        written = _added_to_owners(_written(values, positions, n, block), ext)
+        written = added_to_owners(_written(values, positions, n, block), ext)
         if overlapping:
             counts = _written(torch.ones_like(values), positions, n, block)
-            counts = _added_to_owners(counts, ext).clamp(min=1)
+            counts = added_to_owners(counts, ext).clamp(min=1)
             written = written.div(
                 counts, rounding_mode=None if values.is_floating_point() else "trunc"
             )
@@ -180,13 +179,3 @@ def _written(values: torch.Tensor, positions: torch.Tensor, n: int, block: list[
     cells = values.new_zeros(block)
     cells.flatten(-n).scatter_(-1, positions.flatten(-n), values.flatten(-n))
     return cells
-
-
-def _added_to_owners(cells: torch.Tensor, ext: Extension) -> torch.Tensor:
-    """Each rank's shard plus what other ranks' blocks ``cells`` hold of it: the adjoint of
-    the halo exchange ``ext`` (its backward, run here without its forward, which would move
-    as many cells the other way)."""
-    if ext.identity:
-        return cells
-    added, _, _ = _Extend.backward(SimpleNamespace(ext=ext), cells)
-    return added
