@@ -449,6 +449,9 @@ def _unbind_held(x: ShardTensor, dim: int, e: int) -> tuple[ShardTensor, ...]:
     order = {new_dim[s.dim]: s.axes for s in spec.shardings if s.dim != dim}
     order[new_dim[e]] = sharding.axes
     shape = [spec.shape[d] for d in kept]
+    hints = tuple(
+        DimSharding(new_dim[h.dim], h.axes, h.sizes) for h in spec.hints if h.dim in new_dim
+    )
     empty = [n for d, n in enumerate(x._local.shape) if d != dim]
     empty[new_dim[e]] = 0
     pieces = []
@@ -456,7 +459,13 @@ def _unbind_held(x: ShardTensor, dim: int, e: int) -> tuple[ShardTensor, ...]:
         holder = max(k for k, n in enumerate(sharding.sizes) if n and starts[k] <= i)
         sizes = tuple(spec.shape[e] if k == holder else 0 for k in range(len(sharding.sizes)))
         out_spec = ShardTensorSpec.build(
-            spec.mesh, placements, shape, spec.dtype, {**others, new_dim[e]: sizes}, order=order
+            spec.mesh,
+            placements,
+            shape,
+            spec.dtype,
+            {**others, new_dim[e]: sizes},
+            order=order,
+            hints=hints,
         )
         local = (
             x._local.select(dim, i - starts[holder])
@@ -538,6 +547,10 @@ def _stack_held(tensors: list, dim: int) -> ShardTensor | None:
         spec.dtype,
         {**{new[s.dim]: s.sizes for s in rest}, dim: sizes},
         order={**{new[s.dim]: s.axes for s in rest}, dim: axes},
+        hints=tuple(
+            DimSharding(new[h.dim], h.axes, h.sizes)
+            for h in merged_hints(*(t._spec.hints for t in tensors))
+        ),
     )
     index = axis_group(spec.mesh, axes).index
     mine = [t._local for t, k in zip(tensors, holders) if k == index]
