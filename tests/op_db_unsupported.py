@@ -98,6 +98,43 @@ _GATHERED = Bug(
     "wrong",
     r"^output \d+: layout: mesh axis \d+ is R; expected ",
 )
+#: Sorting along a sharded dim (``sort``, ``argsort``, ``msort``): values and gradients right.
+_SORT_GATHERED = Bug(
+    "sort along a sharded dim gathered",
+    "no distributed sort (a sample sort exchanging only what moves): the sorted dim is "
+    "replicated and sorted whole on every rank",
+    "wrong",
+    _GATHERED.message,
+)
+#: A factorisation or triangular solve over sharded matrix dims (``svd``, ``linalg.svd``,
+#: ``triangular_solve``): values and gradients right.
+_FACTORED_GATHERED = Bug(
+    "sharded matrix gathered",
+    "no distributed factorisation or triangular solve: a matrix split along its rows or "
+    "columns is replicated and factored whole on every rank (batch dims keep their split)",
+    "wrong",
+    _GATHERED.message,
+)
+#: ``unbind`` along a sharded dim where no other dim is whole (a 2-D tensor split along both
+#: dims over a 2x2 mesh): each slice stays with its holder only where another dim is whole
+#: (NOTE [An unbound slice stays with its holder] in ``shardsci/tensor/_ops/_view_ops.py``).
+_UNBIND_GATHERED = Bug(
+    "unbind with no whole dim gathered",
+    "with every other dim sharded, the unbound dim is replicated first (one all-gather) "
+    "instead of each slice's part staying with the rank that holds it",
+    "wrong",
+    _GATHERED.message,
+)
+#: ``roll`` without dims (flat order) where a dim other than the leading one is sharded: the
+#: shards are not runs of the flat order (with only the leading dim sharded, they are and the
+#: layout is kept, ``_index_ops._roll_flattened``).
+_FLAT_ROLL_GATHERED = Bug(
+    "flat roll of a non-leading split gathered",
+    "roll without dims of a tensor sharded along a dim other than the leading one is "
+    "replicated (its shards are not runs of the flat order)",
+    "wrong",
+    _GATHERED.message,
+)
 #: An output sharded along another dim, or with other boundaries, than its cells'
 #: dependencies state (values and gradients right).
 _WRONG_LAYOUT = Bug(
@@ -106,6 +143,36 @@ _WRONG_LAYOUT = Bug(
     "dependencies state, so the next op redistributes",
     "wrong",
     r"^output \d+: layout: ",
+)
+#: ``torch.gradient`` (a composite of slices, their difference and a ``cat`` of the edges) moves
+#: a shard boundary by a cell or two: ``x[2:] - x[:-2]`` takes one slice's sizes, which the
+#: ``cat`` with the edge cells keeps (values and gradients right).
+_GRADIENT_BOUNDARY = Bug(
+    "gradient's boundaries moved",
+    "the centred difference of two slices with different shard sizes takes one slice's sizes, "
+    "so the output's boundaries sit a cell or two from the input's",
+    "wrong",
+    r"^output \d+: layout: the rank at \(.*\) holds dim \d+ indices \[[\d, ]+\] owned by ",
+)
+#: A vector times a batched matrix (``v @ A``, ``A`` of 3 dims or more, sharded along its
+#: last two dims): ``at::matmul`` folds the batch dims into the rows, which moves the column
+#: split to the batch dim (values and gradients right).
+_MATMUL_FOLDED = Bug(
+    "vector-matrix product folded",
+    "at::matmul folds a batched matrix's dims for a vector product, so a split of its columns "
+    "comes back on the batch dim",
+    "wrong",
+    r"^output \d+: layout: mesh axis \d+ is S\(\d\); expected Shard\(\d\)",
+)
+#: ``linear`` of a vector whose one dim a single rank holds whole (the others empty): the
+#: contraction returns partial sums, as over any split dim; the cells depend on that one rank
+#: only, so the stated layout is that rank holding the output (values and gradients right).
+_ONE_HOLDER_PARTIAL = Bug(
+    "contraction over a one-holder split partial",
+    "a contraction over a dim one rank holds whole returns Partial (every rank holds an "
+    "output of zeros but one) instead of that rank holding the output",
+    "wrong",
+    r"^output \d+: layout: mesh axis \d+ is P\(sum\); expected Shard",
 )
 #: A cell that two overlapping windows share (kernel > stride) read by max unpooling: its
 #: dependencies give it to the rank whose window's maximum it is, which the indices' values
@@ -265,6 +332,13 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "argsort": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
+        _SORT_GATHERED.cases((*range(1, 9), *range(25, 33), 56, 57), ("2r-uneven",)),
+        _SORT_GATHERED.cases((*range(17, 25), *range(41, 49), 55), ("4r-empty",)),
+        _SORT_GATHERED.cases(
+            (5, 7, 12, 14, 20, 26, 27, 35, 37, 39, 40, 46, 47, 57), ("4r-random",)
+        ),
+        _SORT_GATHERED.cases((*range(2, 17), *range(25, 41), 56, 57), ("2x2-uneven",)),
+        _SORT_GATHERED.cases((*range(9, 25), *range(33, 49), 55), ("2x2-last",)),
     ),
     "as_strided": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random")),
@@ -278,6 +352,8 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "block_diag": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty")),
         _GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),
+        _GATHERED.cases((1, 3), ("2r-uneven", "4r-empty")),
+        _GATHERED.cases((3,), ("4r-random",)),
     ),
     "cholesky": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
@@ -295,6 +371,9 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "gradient": (
         _WRONG_LAYOUT.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _WRONG_LAYOUT.cases((2,), ("2x2-uneven", "2x2-last")),
+        _GRADIENT_BOUNDARY.cases((*range(1, 5), 7), ("2r-uneven",)),
+        _GRADIENT_BOUNDARY.cases((1, 3, 4), ("4r-empty", "4r-random")),
+        _GRADIENT_BOUNDARY.cases((3, 4, 7), ("2x2-uneven", "2x2-last")),
     ),
     "grid_sampler_2d": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven")),),
     "histogramdd": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
@@ -360,7 +439,50 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "linalg.solve": (_GATHERED.cases((0,), ("4r-random",)),),
-    "linalg.svd": (_GATHERED.cases((32,), ("2x2-uneven", "2x2-last")),),
+    "linalg.svd": (
+        _GATHERED.cases((32,), ("2x2-uneven", "2x2-last")),
+        _FACTORED_GATHERED.cases(
+            (*range(32, 40), *range(44, 48), *range(60, 72), *range(176, 192), *range(200, 216)),
+            ("2r-uneven",),
+        ),
+        _FACTORED_GATHERED.cases(
+            (
+                *range(32, 40),
+                *range(44, 48),
+                *range(60, 72),
+                *range(176, 184),
+                *range(188, 192),
+                *range(204, 216),
+            ),
+            ("4r-empty",),
+        ),
+        _FACTORED_GATHERED.cases(
+            (
+                *range(32, 40),
+                *range(44, 48),
+                *range(58, 72),
+                *range(176, 184),
+                *range(188, 192),
+                *range(203, 216),
+            ),
+            ("4r-random",),
+        ),
+        _FACTORED_GATHERED.cases(
+            (*range(33, 40), *range(44, 48), *range(60, 72), *range(176, 192), *range(200, 216)),
+            ("2x2-uneven",),
+        ),
+        _FACTORED_GATHERED.cases(
+            (
+                *range(33, 40),
+                *range(44, 48),
+                *range(60, 72),
+                *range(176, 184),
+                *range(188, 192),
+                *range(204, 216),
+            ),
+            ("2x2-last",),
+        ),
+    ),
     "lu": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -380,6 +502,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "msort": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
+        _SORT_GATHERED.cases((1,), ("2r-uneven", "4r-random")),
     ),
     "multinomial": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),),
     "native_batch_norm": (
@@ -460,12 +583,70 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "sort": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
+        _SORT_GATHERED.cases((*range(1, 9), *range(25, 33), 56, 57), ("2r-uneven",)),
+        _SORT_GATHERED.cases((*range(17, 25), *range(41, 49), 55), ("4r-empty",)),
+        _SORT_GATHERED.cases(
+            (1, 3, 10, 13, 15, 20, 24, 31, 32, 35, 37, 42, 44, 45, 47, 48, 56, 57), ("4r-random",)
+        ),
+        _SORT_GATHERED.cases((*range(2, 17), *range(25, 41), 56, 57), ("2x2-uneven",)),
+        _SORT_GATHERED.cases((*range(9, 25), *range(33, 49), 55), ("2x2-last",)),
     ),
     "stft": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),
+        _GATHERED.cases((1, *range(3, 9)), ("2r-uneven",)),
+        _GATHERED.cases((1, 3, *range(5, 9)), ("4r-empty",)),
+        _GATHERED.cases((1, 3, 5, 8), ("4r-random",)),
+        _GATHERED.cases((*range(5, 9),), ("2x2-uneven", "2x2-last")),
     ),
-    "svd": (_GATHERED.cases((32,), ("2x2-uneven", "2x2-last")),),
+    "svd": (
+        _GATHERED.cases((32,), ("2x2-uneven", "2x2-last")),
+        _FACTORED_GATHERED.cases(
+            (*range(32, 40), *range(56, 60), *range(64, 72), *range(176, 192), *range(200, 216)),
+            ("2r-uneven",),
+        ),
+        _FACTORED_GATHERED.cases(
+            (
+                *range(32, 40),
+                *range(56, 60),
+                *range(64, 72),
+                *range(176, 184),
+                *range(200, 204),
+                *range(208, 216),
+            ),
+            ("4r-empty",),
+        ),
+        _FACTORED_GATHERED.cases(
+            (
+                *range(32, 40),
+                47,
+                *range(56, 61),
+                62,
+                *range(64, 72),
+                *range(176, 184),
+                191,
+                *range(200, 204),
+                205,
+                *range(208, 216),
+            ),
+            ("4r-random",),
+        ),
+        _FACTORED_GATHERED.cases(
+            (*range(33, 40), *range(56, 60), *range(64, 72), *range(176, 192), *range(200, 216)),
+            ("2x2-uneven",),
+        ),
+        _FACTORED_GATHERED.cases(
+            (
+                *range(33, 40),
+                *range(56, 60),
+                *range(64, 72),
+                *range(176, 184),
+                *range(200, 204),
+                *range(208, 216),
+            ),
+            ("2x2-last",),
+        ),
+    ),
     "svd_lowrank": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -477,9 +658,19 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "triangular_solve": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
+        _FACTORED_GATHERED.cases((1,), ("2r-uneven",)),
+        _FACTORED_GATHERED.cases((1, *range(4, 8)), ("4r-empty", "4r-random")),
+        _FACTORED_GATHERED.cases((4, 5), ("2x2-uneven",)),
+        _FACTORED_GATHERED.cases((5, 7), ("2x2-last",)),
     ),
-    "unbind": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
-    "unbind_copy": (_GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),),
+    "unbind": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
+    "unbind_copy": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
+    "__rmatmul__": (
+        _MATMUL_FOLDED.cases((13,), ("4r-empty",)),
+        _MATMUL_FOLDED.cases((8, 9, 13), ("2x2-last",)),
+    ),
+    "nn.functional.linear": (_ONE_HOLDER_PARTIAL.cases((8, 12), ("4r-random",)),),
+    "roll": (_FLAT_ROLL_GATHERED.cases((13,), ("4r-empty", "2x2-uneven", "2x2-last")),),
 }
 
 #: Ops whose outputs are random or uninitialised: the sharded run draws other numbers than one

@@ -69,13 +69,14 @@ def _field(world: int, requires_grad: bool = False) -> tuple[torch.Tensor, Shard
 
 # ---------------------------------------------------------------------------- refused
 # Each kind of gather an op makes on its own: a GATHERED op (pairwise distances: every output
-# from every input), with_dims_whole (unbind along the sharded dim), the default path
+# from every input), with_dims_whole (unbind of a sharded 1-D tensor: its 0-d slices cannot
+# stay with their holders), the default path
 # replicating a sharded dim (DTensor's rule for sort along it), and a handler that makes a
 # sharded dim whole before its kernel (a convolution of sharded input channels, which keeps
 # the spatial shards).
 GATHERS = {
     "gathered": (lambda x: torch.cdist(x[0, 0].t(), x[0, 1].t()), "aten._cdist_forward"),
-    "with_dims_whole": (lambda x: x.unbind(2)[0], "aten.unbind.int"),
+    "with_dims_whole": (lambda x: x[0, 0, :, 0].unbind(0)[0], "aten.unbind.int"),
     "default path": (lambda x: torch.sort(x, dim=2).values, "aten.sort.default"),
     "channels made whole": (
         lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1, dtype=x.dtype)),
@@ -233,9 +234,9 @@ def _warned_body() -> list[tuple[str, int, str]]:
         for _ in range(3):
             torch.sort(x, dim=2)  # site 1
         torch.sort(x, dim=2)  # site 2
-        x.unbind(2)  # site 3
+        x[0, 0, :, 0].unbind(0)  # site 3
         with gather_policy("allow"):
-            x.unbind(2)
+            x[0, 0, :, 0].unbind(0)
     return [(str(w.message), w.lineno, w.category.__name__) for w in caught]
 
 

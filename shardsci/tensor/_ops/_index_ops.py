@@ -13,13 +13,15 @@ DTensor gathers the whole dim first. Here:
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind
-from shardsci.tensor._collectives import axis_group, broadcast
+from shardsci.tensor._collectives import AxisGroup, axis_group, broadcast
 from shardsci.tensor._intervals import gather_intervals
 from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._redistribute import redistribute_local
@@ -269,9 +271,16 @@ def _unflip_owners(local: torch.Tensor, spec: ShardTensorSpec, dim: int) -> torc
 
 @register_aten_handler(aten.roll.default)
 def _roll(func, args, kwargs):
+    """Each shard fetches the cells that roll into it (only those that cross a boundary move).
+    Without dims torch rolls the tensor in flat (row-major) order: with the leading dim the
+    only sharded one, each shard is a contiguous run of that order, rolled the same way."""
     a = bind(func, args, kwargs)
     x = a.self
     dims = [d % x.ndim for d in a.dims]
+    if not dims:
+        if not accepts(x, sharded=[0], partial=True) or set(x._spec.sharding_by_dim) != {0}:
+            return NotImplemented
+        return ShardTensor(_roll_flattened(x._local, x._spec, a.shifts[0]), x._spec)
     if not accepts(x, sharded=dims, partial=True):
         return NotImplemented
     local = x._local
@@ -279,25 +288,41 @@ def _roll(func, args, kwargs):
         if dim not in x._spec.sharding_by_dim:
             local = local.roll(shift, dim)
             continue
-        local = _roll_sharded(local, x._spec, dim, shift)
+        sharding = x._spec.sharding_by_dim[dim]
+        group = axis_group(x._spec.mesh, sharding.axes)
+        local = _roll_sharded(local, sharding.sizes, group, dim, shift)
     return ShardTensor(local, x._spec)
 
 
-def _roll_sharded(local: torch.Tensor, spec: ShardTensorSpec, dim: int, shift: int) -> torch.Tensor:
-    sharding, group, starts = dim_layout(spec, dim)
-    extent = spec.shape[dim]
+def _roll_flattened(local: torch.Tensor, spec: ShardTensorSpec, shift: int) -> torch.Tensor:
+    """``roll`` in flat order of a tensor sharded along its leading dim only: the shards are
+    consecutive runs of ``sizes[k] * (cells per row)`` flat cells."""
+    sharding = spec.sharding_by_dim[0]
+    row = math.prod(spec.shape[1:])
+    group = axis_group(spec.mesh, sharding.axes)
+    sizes = [n * row for n in sharding.sizes]
+    return _roll_sharded(local.reshape(-1), sizes, group, 0, shift).reshape(local.shape)
+
+
+def _roll_sharded(
+    local: torch.Tensor, sizes: Sequence[int], group: AxisGroup, dim: int, shift: int
+) -> torch.Tensor:
+    """``local`` (this rank's shard of ``dim``, split as ``sizes`` over ``group``) rolled by
+    ``shift`` along ``dim``."""
+    extent = sum(sizes)
     if extent == 0:
         return local
+    starts = list(itertools.accumulate(sizes, initial=0))[:-1]
 
     def wanted(k: int) -> list[tuple[int, int]]:
-        begin, length = (starts[k] - shift) % extent, sharding.sizes[k]
+        begin, length = (starts[k] - shift) % extent, sizes[k]
         if begin + length <= extent:
             return [(begin, begin + length)]
         return [(begin, extent), (0, begin + length - extent)]
 
     return gather_intervals(
         [local],
-        lambda k: [(starts[k], starts[k] + sharding.sizes[k])],
+        lambda k: [(starts[k], starts[k] + sizes[k])],
         wanted,
         dim,
         group,

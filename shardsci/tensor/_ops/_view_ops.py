@@ -37,6 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
+from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._ops._common import accepts, reduced_now, with_dims_whole
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
@@ -402,14 +403,19 @@ def _expand(func, args, kwargs):
 
 @register_aten_handler(aten.unbind.int)
 def _unbind(func, args, kwargs):
-    """Along a sharded dim each slice lives on one rank: the dim is replicated first (one
-    all-gather), which DTensor refuses to do. The pieces' layout and memory are renumbered
-    past the removed dim (NOTE [Shard-size hints]; the default rule keeps the old numbers)."""
+    """Along a sharded dim each slice lives on one rank, and stays there (NOTE [An unbound
+    slice stays with its holder]) where another dim is whole; else the dim is replicated first
+    (one all-gather), which DTensor refuses to do. The pieces' layout and memory are
+    renumbered past the removed dim (NOTE [Shard-size hints]; the default rule keeps the old
+    numbers)."""
     a = bind(func, args, kwargs)
     x = a.self
     if not accepts(x, partial=True) or x.ndim == 0:
         return NotImplemented
     dim = a.dim % x.ndim
+    whole = [d for d in range(x.ndim) if d != dim and d not in x._spec.sharding_by_dim]
+    if dim in x._spec.sharding_by_dim and whole:
+        return _unbind_held(x, dim, whole[0])
     x = with_dims_whole(x, {dim})
     spec = x._spec
     kept = [d for d in range(spec.ndim) if d != dim]
@@ -422,6 +428,54 @@ def _unbind(func, args, kwargs):
     return tuple(ShardTensor(piece, out_spec) for piece in x._local.unbind(dim))
 
 
+# NOTE [An unbound slice stays with its holder]
+# ``unbind`` along a sharded dim gives slices that each lie on one rank of the dim's axes. The
+# slice keeps them: it is sharded over those axes along a dim ``e`` the input holds whole, its
+# holder holding all of ``e`` and the others none. No byte moves, and no rank holds a slice it
+# did not hold. ``stack`` of such slices in their holders' order (``unbind``'s backward) is
+# the inverse: sharded along the new dim, each rank stacking the slices it holds.
+def _unbind_held(x: ShardTensor, dim: int, e: int) -> tuple[ShardTensor, ...]:
+    spec = x._spec
+    sharding = spec.sharding_by_dim[dim]
+    index = axis_group(spec.mesh, sharding.axes).index
+    starts = list(itertools.accumulate(sharding.sizes, initial=0))
+    kept = [d for d in range(spec.ndim) if d != dim]
+    new_dim = {d: k for k, d in enumerate(kept)}
+    placements = [
+        Shard(new_dim[e] if p.dim == dim else new_dim[p.dim]) if isinstance(p, Shard) else p
+        for p in spec.placements
+    ]
+    others = {new_dim[s.dim]: s.sizes for s in spec.shardings if s.dim != dim}
+    order = {new_dim[s.dim]: s.axes for s in spec.shardings if s.dim != dim}
+    order[new_dim[e]] = sharding.axes
+    shape = [spec.shape[d] for d in kept]
+    hints = tuple(
+        DimSharding(new_dim[h.dim], h.axes, h.sizes) for h in spec.hints if h.dim in new_dim
+    )
+    empty = [n for d, n in enumerate(x._local.shape) if d != dim]
+    empty[new_dim[e]] = 0
+    pieces = []
+    for i in range(spec.shape[dim]):
+        holder = max(k for k, n in enumerate(sharding.sizes) if n and starts[k] <= i)
+        sizes = tuple(spec.shape[e] if k == holder else 0 for k in range(len(sharding.sizes)))
+        out_spec = ShardTensorSpec.build(
+            spec.mesh,
+            placements,
+            shape,
+            spec.dtype,
+            {**others, new_dim[e]: sizes},
+            order=order,
+            hints=hints,
+        )
+        local = (
+            x._local.select(dim, i - starts[holder])
+            if index == holder
+            else x._local.new_empty(empty)
+        )
+        pieces.append(ShardTensor(local, out_spec))
+    return tuple(pieces)
+
+
 @register_aten_handler(aten.stack.default)
 def _stack(func, args, kwargs):
     """Tensors of one layout stacked along a new dim: local stacks, the layout and every
@@ -432,7 +486,8 @@ def _stack(func, args, kwargs):
     if not isinstance(first, ShardTensor) or not all(
         isinstance(t, ShardTensor) and t._spec.same_layout(first._spec) for t in tensors
     ):
-        return NotImplemented
+        held = _stack_held(tensors, a.dim)
+        return NotImplemented if held is None else held
     spec = first._spec
     dim = a.dim % (spec.ndim + 1)
     shape = list(spec.shape)
@@ -444,6 +499,68 @@ def _stack(func, args, kwargs):
         shape,
         hints=merged_hints(*(t._spec.hints for t in tensors)),
     )
+    return ShardTensor(local, out_spec.with_dtype(local.dtype))
+
+
+def _stack_held(tensors: list, dim: int) -> ShardTensor | None:
+    """Slices each held whole by one rank along a dim ``e`` of the same axes, in their
+    holders' order, stacked along the new ``dim``: sharded along it, each rank stacking its
+    own (NOTE [An unbound slice stays with its holder]); None for any other operands."""
+    if not all(isinstance(t, ShardTensor) for t in tensors):
+        return None
+    spec = tensors[0]._spec
+    dim = dim % (spec.ndim + 1)
+    holders, e, axes = [], None, None
+    for t in tensors:
+        found = [
+            (s.dim, s.axes, [k for k, n in enumerate(s.sizes) if n])
+            for s in t._spec.shardings
+            if t.shape[s.dim] and sum(1 for n in s.sizes if n) == 1
+        ]
+        if len(found) != 1 or (e is not None and found[0][:2] != (e, axes)):
+            return None
+        e, axes, (holder,) = found[0]
+        holders.append(holder)
+        rest = [s for s in t._spec.shardings if s.dim != e]
+        if (
+            t._spec.placements != spec.placements
+            or t.shape != spec.shape
+            or rest != [s for s in spec.shardings if s.dim != e]
+        ):
+            return None
+    if holders != sorted(holders):
+        return None
+    new = {d: d + (d >= dim) for d in range(spec.ndim)}
+    placements = [
+        Shard(dim if p.dim == e else new[p.dim]) if isinstance(p, Shard) else p
+        for p in spec.placements
+    ]
+    rest = [s for s in spec.shardings if s.dim != e]
+    count = len(spec.shardings[[s.dim for s in spec.shardings].index(e)].sizes)
+    sizes = tuple(holders.count(k) for k in range(count))
+    shape = list(spec.shape)
+    shape.insert(dim, len(tensors))
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        shape,
+        spec.dtype,
+        {**{new[s.dim]: s.sizes for s in rest}, dim: sizes},
+        order={**{new[s.dim]: s.axes for s in rest}, dim: axes},
+        hints=tuple(
+            DimSharding(new[h.dim], h.axes, h.sizes)
+            for h in merged_hints(*(t._spec.hints for t in tensors))
+        ),
+    )
+    index = axis_group(spec.mesh, axes).index
+    mine = [t._local for t, k in zip(tensors, holders) if k == index]
+    if mine:
+        local = torch.stack(mine, dim)
+    else:
+        empty = list(tensors[0]._local.shape)
+        empty[e] = spec.shape[e]
+        empty.insert(dim, 0)
+        local = tensors[0]._local.new_empty(empty)
     return ShardTensor(local, out_spec.with_dtype(local.dtype))
 
 
