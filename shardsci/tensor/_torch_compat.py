@@ -219,6 +219,10 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch._higher_order_ops.effects:_register_effectful_op",
         "the collectives of a graph traced through ShardTensors as effects no compiler drops",
     ),
+    "with_effects": _at(
+        "torch._higher_order_ops.effects:with_effects",
+        "counting the collectives a compiled graph runs as effects (count_traffic)",
+    ),
     "EffectType": _at(
         "torch._higher_order_ops.effects:_EffectType",
         "the kind of effect (ORDERED) of a traced collective",

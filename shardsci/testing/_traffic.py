@@ -49,6 +49,7 @@ from shardsci.tensor._torch_compat import (
     _resolve_process_group,
     is_traceable_wrapper_subclass_type,
     tree_leaves,
+    with_effects,
 )
 from shardsci.testing._collective_asserts import assert_all_ranks
 
@@ -260,6 +261,11 @@ class _TrafficMode(TorchDispatchMode):
         # DTensor's sharding propagation runs ops on, move nothing: they run below.)
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
+        if isinstance(func, OpOverload) and func.namespace == "shardsci":
+            # A traced collective (NOTE [A traced collective is an effect]): its kernel runs
+            # with this mode on, which counts the functional collective it issues.
+            with self:
+                return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
         message = False
         if isinstance(func, OpOverload) and func.namespace in _NAMESPACES:
             message = self._count(func, args, kwargs)
@@ -317,6 +323,19 @@ class _TrafficMode(TorchDispatchMode):
                 entry = self.unread.pop(tensor.untyped_storage().data_ptr(), None)
                 if entry is not None:
                     self.traffic.log.append(Event("read", name, entry[0]))
+
+
+@with_effects.py_impl(_TrafficMode)
+def _effect_under_traffic_mode(
+    mode: _TrafficMode, token: torch.Tensor, op: OpOverload, *args: Any, **kwargs: Any
+) -> Any:
+    """A collective a compiled graph runs as an effect (NOTE [A traced collective is an
+    effect]): the effect's op runs under ``mode``, which counts the functional collective it
+    issues."""
+    with mode:  # the dense kernel (calling with_effects again would come back here)
+        return with_effects.dispatch(
+            torch._C.DispatchKey.CompositeExplicitAutograd, token, op, *args, **kwargs
+        )
 
 
 # ---------------------------------------------------------------------------- byte models
