@@ -223,6 +223,10 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch._higher_order_ops.effects:with_effects",
         "counting the collectives a compiled graph runs as effects (count_traffic)",
     ),
+    "DispatchKeySet": _at(
+        "torch._C:DispatchKeySet",
+        "running a traced collective's kernel with count_traffic's mode on, to count it",
+    ),
     "EffectType": _at(
         "torch._higher_order_ops.effects:_EffectType",
         "the kind of effect (ORDERED) of a traced collective",

@@ -44,6 +44,8 @@ import torch.distributed as dist
 
 from shardsci.tensor import CommStats, comm_counter
 from shardsci.tensor._torch_compat import (
+    DispatchKey,
+    DispatchKeySet,
     OpOverload,
     TorchDispatchMode,
     _resolve_process_group,
@@ -243,6 +245,10 @@ def counted_comm(what: str = "") -> Iterator[CommStats]:
 
 
 # ---------------------------------------------------------------------------- the mode
+# The kernel of shardsci's custom ops, below the Python key (where modes run).
+_DENSE = DispatchKeySet(DispatchKey.CompositeExplicitAutograd)
+
+
 class _TrafficMode(TorchDispatchMode):
     def __init__(self, traffic: Traffic, watch: frozenset[str]) -> None:
         super().__init__()
@@ -265,7 +271,7 @@ class _TrafficMode(TorchDispatchMode):
             # A traced collective (NOTE [A traced collective is an effect]): its kernel runs
             # with this mode on, which counts the functional collective it issues.
             with self:
-                return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+                return func.redispatch(_DENSE, *args, **kwargs)
         message = False
         if isinstance(func, OpOverload) and func.namespace in _NAMESPACES:
             message = self._count(func, args, kwargs)
@@ -334,7 +340,7 @@ def _effect_under_traffic_mode(
     issues."""
     with mode:  # the dense kernel (calling with_effects again would come back here)
         return with_effects.dispatch(
-            torch._C.DispatchKey.CompositeExplicitAutograd, token, op, *args, **kwargs
+            DispatchKey.CompositeExplicitAutograd, token, op, *args, **kwargs
         )
 
 
