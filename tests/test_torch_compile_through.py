@@ -554,18 +554,10 @@ def _compiled_reduction_body() -> None:
         )
 
 
-# 2 ranks, aot_eager: the compiled backward all-reduces the weight and the bias once per use
-# (4, in the graph) and the reducer all-reduces its bucket again (5 in all, eager 1): while
-# AOTAutograd traces the backward no gradient sink claims the promotions, so each use takes
-# the eager path (NOTE [Where the gradient of a replicated parameter is summed]). What the fix
-# needs: a traced promotion whose backward calls an effectful op on (this rank's contribution,
-# the weight saved from forward); under aot_eager that op receives the Parameter object itself
-# at run time (checked 2026-11-29), so it can find the live reducer that owns it, accept the
-# contribution and return zeros, or all-reduce it where the reducer cannot take it.
-@pytest.mark.xfail(
-    strict=True,
-    reason="a compiled step sums each use of a parameter in its graph, then the reducer again",
-)
+# 2 ranks, aot_eager: the compiled backward all-reduced the weight and the bias once per use
+# (4, in the graph) and the reducer its bucket again (5 in all, eager 1): AOTAutograd traced
+# the promotions with no sink active, so each use took the eager path. A traced promotion now
+# finds the reducer when the compiled backward runs (``_promotion._TracedPromotion``).
 def test_a_compiled_domain_parallel_step_reduces_each_gradient_once() -> None:
     """A weight used twice: eager, the reducer sums both uses' contributions in one bucketed
     all-reduce; the compiled step must issue no more (NOTE [Where the gradient of a replicated
