@@ -552,6 +552,20 @@ def _compiled_reduction_body() -> None:
             compiled[0] == eager[0] == 1,
             f"backward all-reduces: compiled {compiled[0]}, eager {eager[0]} (one bucket)",
         )
+        # torch.autograd.grad captures the gradients: the reducer cannot take them, so the
+        # compiled backward sums each use over the mesh itself.
+        rank = torch.distributed.get_rank()
+        x = ShardTensor.from_local(
+            whole[4 * rank : 4 + 3 * rank], mesh["domain"], [Shard(0)], {0: (4, 3)}
+        )
+        out = compiled_model(x)
+        captured = torch.autograd.grad(
+            (out * out).sum().full_tensor(), [model.linear.weight, model.linear.bias]
+        )
+        for part, value, one_process in zip(("weight", "bias"), captured, single[1:]):
+            assert_close_all_ranks(
+                value, one_process, atol=1e-12, rtol=1e-12, what=f"autograd.grad {part}"
+            )
 
 
 # 2 ranks, aot_eager: the compiled backward all-reduced the weight and the bias once per use
