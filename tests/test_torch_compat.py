@@ -428,6 +428,10 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "AOTDispatchAutograd": _aot_dispatch_autograd,
     "register_effectful_op": _takes("op", "effect"),
     "EffectType": _has("ORDERED"),
+    "with_effects": lambda hop: hop.name() == "with_effects",
+    "DispatchKeySet": lambda keys: keys(_torch_compat.DispatchKey.CPU).has(
+        _torch_compat.DispatchKey.CPU
+    ),
     "get_eval_frame_callback": lambda fn: fn() in (None, False),
     "get_proxy_mode": _proxy_mode,
     "disable_current_modes": _disable_modes,

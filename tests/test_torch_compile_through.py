@@ -13,6 +13,7 @@ shard empty) and 2x2 ranks, under ``aot_eager`` and inductor.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -24,6 +25,7 @@ from torch.distributed.tensor import Shard
 
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.models import MeshGraphNet
+from shardsci.parallel import domain_parallel
 from shardsci.tensor import ShardTensor
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._spec import ShardTensorSpec
@@ -32,6 +34,7 @@ from shardsci.testing import (
     Layout,
     assert_all_ranks,
     assert_close_all_ranks,
+    count_traffic,
     get_mesh,
     run_on_ranks,
 )
@@ -491,3 +494,86 @@ def test_zoo_model_traced_through_equals_the_single_process_model(
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_meshgraphnet_traced_through_equals_the_single_process_model(backend: str) -> None:
     run_on_ranks(2, _meshgraphnet_body, backend, timeout_s=900)
+
+
+class LinearTwice(nn.Module):
+    """One linear layer applied twice: its weight and bias are promoted twice a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(self.linear(x)))
+
+
+def _parallel_step(model: nn.Module, whole: torch.Tensor, sizes: tuple[int, ...]) -> tuple:
+    """A step of ``model`` on ``whole``'s rows split ``sizes`` over the ``domain`` axis: the
+    all-reduces its backward issues (``count_traffic``), the output's spec, the whole output,
+    and the weight's and bias's gradients."""
+    mesh = get_mesh((1, len(sizes)), ("dp", "domain"))["domain"]
+    rank = torch.distributed.get_rank()
+    start = sum(sizes[:rank])
+    x = ShardTensor.from_local(whole[start : start + sizes[rank]], mesh, [Shard(0)], {0: sizes})
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    loss = (out * out).sum().full_tensor()
+    with count_traffic() as traffic:
+        loss.backward()
+    grads = (model.linear.weight.grad.clone(), model.linear.bias.grad.clone())
+    return traffic.calls_by_kind["all_reduce"], out._spec, out.full_tensor(), *grads
+
+
+def _compiled_reduction_body() -> None:
+    with tracing_through_shardtensors():
+        whole = torch.randn(7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        reference = LinearTwice().double()
+        expected = reference(whole)
+        (expected * expected).sum().backward()
+        model = copy.deepcopy(reference)
+        mesh = get_mesh((1, 2), ("dp", "domain"))
+        model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
+        eager = _parallel_step(model, whole, (4, 3))
+        compiled_model = torch.compile(model, backend="aot_eager")
+        _parallel_step(compiled_model, whole, (4, 3))  # compiles
+        compiled = _parallel_step(compiled_model, whole, (4, 3))
+        single = (expected.detach(), reference.linear.weight.grad, reference.linear.bias.grad)
+        for name, step in (("eager", eager), ("compiled", compiled)):
+            assert_all_ranks(
+                (step[1].placements, [(s.dim, s.sizes) for s in step[1].shardings])
+                == ((Shard(0),), [(0, (4, 3))]),
+                f"{name}: output layout {step[1]}",
+            )
+            for part, value, one_process in zip(("output", "weight", "bias"), step[2:], single):
+                assert_close_all_ranks(
+                    value, one_process, atol=1e-12, rtol=1e-12, what=f"{name} {part} gradient"
+                )
+        assert_all_ranks(
+            compiled[0] == eager[0] == 1,
+            f"backward all-reduces: compiled {compiled[0]}, eager {eager[0]} (one bucket)",
+        )
+        # torch.autograd.grad captures the gradients: the reducer cannot take them, so the
+        # compiled backward sums each use over the mesh itself.
+        rank = torch.distributed.get_rank()
+        x = ShardTensor.from_local(
+            whole[4 * rank : 4 + 3 * rank], mesh["domain"], [Shard(0)], {0: (4, 3)}
+        )
+        out = compiled_model(x)
+        captured = torch.autograd.grad(
+            (out * out).sum().full_tensor(), [model.linear.weight, model.linear.bias]
+        )
+        for part, value, one_process in zip(("weight", "bias"), captured, single[1:]):
+            assert_close_all_ranks(
+                value, one_process, atol=1e-12, rtol=1e-12, what=f"autograd.grad {part}"
+            )
+
+
+# 2 ranks, aot_eager: the compiled backward all-reduced the weight and the bias once per use
+# (4, in the graph) and the reducer its bucket again (5 in all, eager 1): AOTAutograd traced
+# the promotions with no sink active, so each use took the eager path. A traced promotion now
+# finds the reducer when the compiled backward runs (``_promotion._TracedPromotion``).
+def test_a_compiled_domain_parallel_step_reduces_each_gradient_once() -> None:
+    """A weight used twice: eager, the reducer sums both uses' contributions in one bucketed
+    all-reduce; the compiled step must issue no more (NOTE [Where the gradient of a replicated
+    parameter is summed]), with the single-process gradients."""
+    run_on_ranks(2, _compiled_reduction_body, timeout_s=600)

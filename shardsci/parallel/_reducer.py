@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardsci.tensor._comm_stats import record_comm
+from shardsci.tensor._promotion import register_sink, unregister_sink
 from shardsci.tensor._torch_compat import _current_graph_task_id, _execution_engine
 
 __all__ = ["ContributionsToGrad", "GradientReducer", "ReductionGroup"]
@@ -99,6 +100,7 @@ class _Claims:
         self.accumulators: list[Any] = []
         self._index: dict[int, int] = {}
         self._meshes: dict[int, tuple[DeviceMesh, bool]] = {}
+        register_sink(self)
 
     def add(self, parameter: torch.Tensor) -> int:
         self._index[id(parameter)] = len(self.parameters)
@@ -307,6 +309,7 @@ class GradientReducer(_Claims):
         for hook in self._hooks:
             hook.remove()
         _REDUCERS.discard(self)
+        unregister_sink(self)
 
 
 def _buckets(

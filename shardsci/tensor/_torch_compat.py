@@ -219,6 +219,14 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch._higher_order_ops.effects:_register_effectful_op",
         "the collectives of a graph traced through ShardTensors as effects no compiler drops",
     ),
+    "with_effects": _at(
+        "torch._higher_order_ops.effects:with_effects",
+        "counting the collectives a compiled graph runs as effects (count_traffic)",
+    ),
+    "DispatchKeySet": _at(
+        "torch._C:DispatchKeySet",
+        "running a traced collective's kernel with count_traffic's mode on, to count it",
+    ),
     "EffectType": _at(
         "torch._higher_order_ops.effects:_EffectType",
         "the kind of effect (ORDERED) of a traced collective",

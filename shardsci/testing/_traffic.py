@@ -44,11 +44,14 @@ import torch.distributed as dist
 
 from shardsci.tensor import CommStats, comm_counter
 from shardsci.tensor._torch_compat import (
+    DispatchKey,
+    DispatchKeySet,
     OpOverload,
     TorchDispatchMode,
     _resolve_process_group,
     is_traceable_wrapper_subclass_type,
     tree_leaves,
+    with_effects,
 )
 from shardsci.testing._collective_asserts import assert_all_ranks
 
@@ -242,6 +245,10 @@ def counted_comm(what: str = "") -> Iterator[CommStats]:
 
 
 # ---------------------------------------------------------------------------- the mode
+# The kernel of shardsci's custom ops, below the Python key (where modes run).
+_DENSE = DispatchKeySet(DispatchKey.CompositeExplicitAutograd)
+
+
 class _TrafficMode(TorchDispatchMode):
     def __init__(self, traffic: Traffic, watch: frozenset[str]) -> None:
         super().__init__()
@@ -260,6 +267,11 @@ class _TrafficMode(TorchDispatchMode):
         # DTensor's sharding propagation runs ops on, move nothing: they run below.)
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
+        if isinstance(func, OpOverload) and func.namespace == "shardsci":
+            # A traced collective (NOTE [A traced collective is an effect]): its kernel runs
+            # with this mode on, which counts the functional collective it issues.
+            with self:
+                return func.redispatch(_DENSE, *args, **kwargs)
         message = False
         if isinstance(func, OpOverload) and func.namespace in _NAMESPACES:
             message = self._count(func, args, kwargs)
@@ -317,6 +329,19 @@ class _TrafficMode(TorchDispatchMode):
                 entry = self.unread.pop(tensor.untyped_storage().data_ptr(), None)
                 if entry is not None:
                     self.traffic.log.append(Event("read", name, entry[0]))
+
+
+@with_effects.py_impl(_TrafficMode)
+def _effect_under_traffic_mode(
+    mode: _TrafficMode, token: torch.Tensor, op: OpOverload, *args: Any, **kwargs: Any
+) -> Any:
+    """A collective a compiled graph runs as an effect (NOTE [A traced collective is an
+    effect]): the effect's op runs under ``mode``, which counts the functional collective it
+    issues."""
+    with mode:  # the dense kernel (calling with_effects again would come back here)
+        return with_effects.dispatch(
+            DispatchKey.CompositeExplicitAutograd, token, op, *args, **kwargs
+        )
 
 
 # ---------------------------------------------------------------------------- byte models
