@@ -97,7 +97,10 @@ class GradientSink(Protocol):
 _SINK: list[GradientSink | None] = [None]
 # Sinks alive in this process: a compiled backward looks up the one that owns a weight.
 _LIVE_SINKS: weakref.WeakSet[Any] = weakref.WeakSet()
-# The specs of traced promotions, by the index their backward's op carries.
+# The specs of traced promotions, by the index their backward's op carries (a custom op
+# takes no spec). An intern table, not a cache (NOTE [Caches are keyed by value]): compiled
+# graphs hold its indices, so an entry is never evicted nor cleared; one per distinct layout
+# a promotion was traced with in this process.
 _TRACED_SPECS: list[ShardTensorSpec] = []
 # Whether this process has said that parameter gradients are summed one use at a time.
 _EAGER_SUMS_SAID = [False]
