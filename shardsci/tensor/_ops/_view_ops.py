@@ -38,7 +38,7 @@ from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
-from shardsci.tensor._ops._common import accepts, reduced_now, with_dims_whole
+from shardsci.tensor._ops._common import accepts, dim_layout, reduced_now, with_dims_whole
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes, merged_hints
@@ -436,9 +436,7 @@ def _unbind(func, args, kwargs):
 # the inverse: sharded along the new dim, each rank stacking the slices it holds.
 def _unbind_held(x: ShardTensor, dim: int, e: int) -> tuple[ShardTensor, ...]:
     spec = x._spec
-    sharding = spec.sharding_by_dim[dim]
-    index = axis_group(spec.mesh, sharding.axes).index
-    starts = list(itertools.accumulate(sharding.sizes, initial=0))
+    sharding, group, starts = dim_layout(spec, dim)
     kept = [d for d in range(spec.ndim) if d != dim]
     new_dim = {d: k for k, d in enumerate(kept)}
     placements = [
@@ -469,7 +467,7 @@ def _unbind_held(x: ShardTensor, dim: int, e: int) -> tuple[ShardTensor, ...]:
         )
         local = (
             x._local.select(dim, i - starts[holder])
-            if index == holder
+            if group.index == holder
             else x._local.new_empty(empty)
         )
         pieces.append(ShardTensor(local, out_spec))
