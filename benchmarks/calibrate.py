@@ -203,30 +203,83 @@ def time_collectives(kind: str, repeats: int) -> list[dict]:
         out = torch.empty(x.numel() * world) if kind == "all_gather" else torch.empty_like(x)
         calls = max(2, min(20, (1 << 20) // nbytes))
         _call_once(kind, x, out)
-        samples, cpu = [], []
+        samples = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(calls):
                 _call_once(kind, x, out)
             samples.append((time.perf_counter() - start) / calls)
-            dist.barrier()
-            cpu_start = time.process_time()
-            for _ in range(calls):
-                _gap(matrix)
-                _call_once(kind, x, out)
-            cpu.append((time.process_time() - cpu_start) / calls - gap_s)
         per_message = 2 if kind == "p2p" else 1
+        cpu = _cpu_between_gaps_s(kind, x, out, calls, repeats, matrix, gap_s)
         results.append(
             {
                 "kind": kind,
                 "ranks": world,
                 "bytes": nbytes,
                 "seconds": statistics.median(samples) / per_message,
-                "cpu_seconds": statistics.median(cpu) / per_message,
+                "cpu_seconds": cpu / per_message,
             }
         )
     return results
+
+
+def _cpu_between_gaps_s(
+    kind: str,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    calls: int,
+    repeats: int,
+    matrix: torch.Tensor,
+    gap_s: float,
+) -> float:
+    """Median over ``repeats`` batches (each from a barrier) of the CPU seconds one ``kind``
+    call costs this rank between two ``_gap`` computations (``gap_s`` each)."""
+    cpu = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.process_time()
+        for _ in range(calls):
+            _gap(matrix)
+            _call_once(kind, x, out)
+        cpu.append((time.process_time() - start) / calls - gap_s)
+    return statistics.median(cpu)
+
+
+SMALL_CALLS = ("all_to_all", "all_gather", "all_reduce")
+"""The kinds ``measure_small_calls`` probes, at ``SIZES[0]`` bytes a rank."""
+
+
+def measure_small_calls(repeats: int) -> dict[str, float]:
+    """Rank body: the CPU seconds one small call (``SIZES[0]`` bytes a rank) of each of
+    ``SMALL_CALLS`` costs this rank between two computations, over all ranks, now (NOTE
+    [Host terms paired with the steps] in ``benchmarks/calibrate_steps.py``)."""
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    matrix = torch.randn(96, 96)
+    gap_s = _median_cpu_s(lambda: _gap(matrix), repeats)
+    cpu = {}
+    for kind in SMALL_CALLS:
+        x = torch.zeros(SIZES[0] // 4)
+        out = torch.empty(x.numel() * world) if kind == "all_gather" else torch.empty_like(x)
+        _call_once(kind, x, out)
+        cpu[kind] = _cpu_between_gaps_s(kind, x, out, 10, repeats, matrix, gap_s)
+    return cpu
+
+
+def at_small_calls(machine: Machine, cpu: dict[str, float], ranks: int) -> Machine:
+    """``machine`` with ``host_us_per_collective`` from small calls' CPU seconds on ``ranks``
+    ranks (``measure_small_calls``): the median over the kinds of what a call cost beyond
+    ``machine``'s per ring step and per byte terms, at least 0."""
+    per_call = [
+        seconds
+        - machine.host_us_per_collective_step * 1e-6 * ring_steps(kind, ranks)
+        - machine.host_s_per_byte_received * received_bytes(kind, ranks, SIZES[0])
+        for kind, seconds in cpu.items()
+    ]
+    return dataclasses.replace(
+        machine, host_us_per_collective=max(0.0, statistics.median(per_call)) * 1e6
+    )
 
 
 def measure_collectives(repeats: int) -> list[dict]:

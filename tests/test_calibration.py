@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import time
 
@@ -36,7 +37,7 @@ from benchmarks.calibrate_steps import (
     sharing,
 )
 from benchmarks.cost_model import fit, step_s
-from shardsci.planning._machine import Machine
+from shardsci.planning._machine import Machine, collective_host_s
 from shardsci.testing import run_on_ranks
 from tests.test_cost_model import TRUTH, synthetic_measurement
 
@@ -221,6 +222,62 @@ def _work_s(machine: Machine) -> float:
         + 0.5e9 / machine.fft_flops_per_s
         + 4e9 / (machine.memory_bytes_per_s)
     )
+
+
+def test_each_timed_step_is_predicted_at_the_small_call_cpu_its_own_call_probed(monkeypatch):
+    # NOTE [Host terms paired with the steps]: a call's small collectives cost 150 µs to
+    # 600 µs of CPU (the load), rank r (1 + r / 4) times more than rank 0; its steps issue 100
+    # small all-reduces (the CPU ``collective_host_s`` charges) besides 20 ms of compute.
+    machine = dataclasses.replace(
+        at_rates(Machine(), FAST),
+        host_us_per_collective=150.0,
+        host_us_per_collective_step=20.0,
+        host_s_per_byte_received=1e-9,
+    )
+    per_call_us = itertools.cycle([150.0, 600.0, 300.0, 450.0])
+
+    def step_s(machine: Machine, ranks: int) -> float:
+        issued = collective_host_s(machine, "all_reduce", ranks, 100, 100 * 512.0)
+        return _work_s(machine) / 100 + issued
+
+    def on_ranks(ranks, body, *args):
+        per_call = next(per_call_us)
+        per_rank = []
+        for rank in range(ranks):
+            slower = dataclasses.replace(machine, host_us_per_collective=per_call * (1 + rank / 4))
+            small = {
+                kind: collective_host_s(
+                    slower, kind, ranks, 1, received_bytes(kind, ranks, SIZES[0])
+                )
+                for kind in calibrate.SMALL_CALLS
+            }
+            seconds = step_s(slower, ranks)
+            per_rank.append(
+                {
+                    "wall": [seconds] * 2,
+                    "cpu": [seconds] * 2,
+                    "rates": FAST,
+                    "small_calls": small if ranks > 1 else {},
+                    "ops": 1,
+                }
+            )
+        return per_rank
+
+    monkeypatch.setattr(calibrate_steps, "on_ranks", on_ranks)
+    args = argparse.Namespace(ranks=[1, 2, 4], rounds=3, steps=2, size=128, nodes=4096)
+    measured = measure_steps("unet", args)
+    for ranks in (2, 4):
+        steps = measured[str(ranks)]
+        assert len(steps["small_calls"]) == 6 and all(steps["small_calls"])
+        predict_cpu = functools.partial(step_s, ranks=ranks)
+        paired = paired_ratios(
+            predict_cpu, machine, steps["cpu"], steps["rates"], steps["small_calls"], ranks
+        )
+        assert paired == pytest.approx([1.0] * 6)
+        # On the calibration's host terms alone, the loaded calls' steps are mispredicted.
+        unpaired = paired_ratios(predict_cpu, machine, steps["cpu"], steps["rates"])
+        assert max(abs(r - 1) for r in unpaired) > 0.4
+    assert measured["1"]["small_calls"] == [{}] * 6 == measured["plain"]["small_calls"]
 
 
 def test_each_timed_step_is_predicted_at_the_compute_rates_its_own_call_measured(monkeypatch):
