@@ -75,6 +75,7 @@ from benchmarks._common import (
 from benchmarks.host_overhead import time_variants
 from shardsci.planning._machine import Machine, collective_s, ring_steps
 from shardsci.planning._work import WorkCounter, contiguous_runs
+from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves, tree_map
 
 SIZES = (256, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes per rank's input
 KINDS = ("p2p", "all_to_all", "all_gather", "all_reduce")
@@ -372,6 +373,56 @@ def measure_compute(repeats: int) -> dict[str, float]:
     a, b, c = (torch.ones(16 * 1024 * 1024) for _ in range(3))
     rates["memory"] = 3 * a.numel() * 4 / _median_cpu_s(lambda: torch.add(a, b, out=c), repeats)
     return rates
+
+
+class _KernelRecorder(TorchDispatchMode):
+    """Every aten call on plain tensors while active (a ShardTensor step's local kernels),
+    with copies of its arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and all(type(t) is torch.Tensor for t in tensors):
+            copied = tree_map(
+                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
+            self.calls.append((func, *copied))
+        return out
+
+
+def measure_step_kernels(step: Callable[[], None], repeats: int) -> dict[str, float]:
+    """The FLOP rates of ``step``'s own kernels at its own shapes (NOTE [The step's own
+    kernels] in ``benchmarks/calibrate_steps.py``): ``flops``, FLOPs over CPU seconds of every
+    call with FLOPs but no FFT; ``fft``, of its FFTs; each call replayed alone on copies of
+    its arguments (median of ``repeats``), FLOPs as ``WorkCounter`` counts them."""
+    recorder = _KernelRecorder()
+    with recorder:
+        step()
+    flops, seconds = {"flops": 0.0, "fft": 0.0}, {"flops": 0.0, "fft": 0.0}
+    for func, args, kwargs in recorder.calls:
+        with WorkCounter() as counter:
+            func(*args, **kwargs)
+        if not (counter.flops or counter.fft_flops):
+            continue
+        kind = "fft" if counter.fft_flops else "flops"
+        flops[kind] += counter.fft_flops or counter.flops
+        seconds[kind] += _median_cpu_s(lambda f=func, a=args, k=kwargs: f(*a, **k), repeats)
+    return {kind: flops[kind] / seconds[kind] for kind in flops if seconds[kind] > 0}
+
+
+def at_step_kernels(machine: Machine, rates: dict[str, float]) -> Machine:
+    """``machine`` with ``sustained_flops`` and ``fft_flops_per_s`` the rates of a step's
+    own kernels (``measure_step_kernels``; a rate the step lacks stays ``machine``'s)."""
+    return dataclasses.replace(
+        machine,
+        sustained_flops=rates.get("flops", machine.sustained_flops),
+        fft_flops_per_s=rates.get("fft", machine.fft_flops_per_s),
+    )
 
 
 def at_rates(machine: Machine, rates: dict[str, float]) -> Machine:

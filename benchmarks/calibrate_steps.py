@@ -52,6 +52,19 @@ predicted with ``host_us_per_collective`` refitted to those calls (``at_small_ca
 slowest rank's: the most CPU), the per ring step and per byte terms staying the calibration's.
 The µs per aten op stay the calibration's (a ShardTensor step of its own would be needed).
 
+# NOTE [The step's own kernels]
+The calibration's compute probes (``COMPUTE``: convolutions and matmuls; ``rfft2`` and
+``irfft2`` of a ``(1, 32, 128, 128)`` field) are not the kernels every step runs: the FNO's 1x1
+convolutions take the unblocked ``_slow_conv2d`` path, its spectral contraction (a complex
+``bmm`` copying per mode) runs its FLOPs about 100x slower than a matmul, and its FFTs along
+one dim of a slab at other rates than a 2-D transform. So each timed call also records one
+step's own kernels and replays each call with FLOPs alone on copies of its arguments
+(``measure_step_kernels``, slowest rank): the FLOP rate of the FFTs and of every other call
+at the step's own shapes, and the prediction with those rates for ``sustained_flops`` and
+``fft_flops_per_s`` (``at_step_kernels``; host terms paired as above) is
+``cpu_ratio_with_step_kernels``: where it is within ``TOLERANCE`` and the paired ratio is
+not, the compute rates, not the FLOPs or the host terms, are what missed.
+
 ``--check`` fails when a ``cpu`` prediction misses by more than ``TOLERANCE`` without an
 explanation listed in ``EXPLAINED`` that holds, and names each: a quantified explanation (a
 term the record adds, ``cpu_ratio_with_*``) holds only while adding it brings the prediction
@@ -92,10 +105,12 @@ from benchmarks._common import (
 from benchmarks.calibrate import (
     at_rates,
     at_small_calls,
+    at_step_kernels,
     calibrate,
     emit_calibration,
     measure_compute,
     measure_small_calls,
+    measure_step_kernels,
 )
 from benchmarks.cost_model import (
     GEOMETRY,
@@ -145,6 +160,17 @@ EXPLAINED: dict[tuple[str, int], Explanation] = {
         "kernel time replaces the compute term",
         "cpu_ratio_with_measured_compute",
     ),
+    **{
+        ("fno", p): Explanation(
+            "compute: the FNO's kernels at its step's own shapes run off the probes' rates "
+            "(1 rank at 128², 2026-11-29, load 27: 1x1 convolutions 28 GFLOP/s against a 50 "
+            "GFLOP/s probe median, the complex spectral contraction 0.4, the FFTs along one "
+            "dim 18 against the 2-D probe's 13; planner11_data/fno_kernels_0640.jsonl); the "
+            "step's own kernels' rates replace the probes' (NOTE [The step's own kernels])",
+            "cpu_ratio_with_step_kernels",
+        )
+        for p in (2, 4)
+    },
     ("vit", 1): Explanation(
         "compute: the fused CPU attention kernel runs its FLOPs about 1.6x faster than the "
         "median rate of the convolutions and linears; the plain step's kernel time replaces "
@@ -203,14 +229,22 @@ def predicted_cpu(
 
 def time_step(name: str, mesh_shape: tuple[int, ...], shape: tuple, steps: int) -> dict:
     """Rank body: ``steps`` timed steps' wall and CPU seconds after one warm-up, the compute
-    probe (``rates``, NOTE [Compute rates paired with the steps]) and, on 2 or more ranks,
-    the small calls' (``small_calls``, NOTE [Host terms paired with the steps])."""
+    probe (``rates``, NOTE [Compute rates paired with the steps]), on 2 or more ranks the
+    small calls' (``small_calls``, NOTE [Host terms paired with the steps]), and the rates of
+    the step's own kernels (``kernel_rates``, NOTE [The step's own kernels])."""
     _, step = sharded_step(name, mesh_shape, shape)
     step()
     rates = measure_compute(PROBE_REPEATS)
     small_calls = measure_small_calls(PROBE_REPEATS) if math.prod(mesh_shape) > 1 else {}
+    kernels = measure_step_kernels(step, PROBE_REPEATS)
     wall, cpu = timed_steps(step, steps)
-    return {"wall": wall, "cpu": cpu, "rates": rates, "small_calls": small_calls}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "rates": rates,
+        "small_calls": small_calls,
+        "kernel_rates": kernels,
+    }
 
 
 def time_plain(name: str, size: int, nodes: int, steps: int) -> dict:
@@ -243,16 +277,21 @@ def paired_ratios(
     rates: list[dict[str, float]],
     small_calls: list[dict[str, float]] | None = None,
     ranks: int = 1,
+    kernel_rates: list[dict[str, float]] | None = None,
 ) -> list[float]:
     """Each timed step's predicted over measured CPU time, predicted by ``predict_cpu``
     (``Machine`` -> seconds) on ``machine`` at the compute rates its own call measured
     (``rates[i]`` for ``cpu[i]``; NOTE [Compute rates paired with the steps]) and, where
     given, the CPU of the small calls it probed on its ``ranks`` (``small_calls[i]``; NOTE
-    [Host terms paired with the steps])."""
+    [Host terms paired with the steps]) and the rates of its own kernels
+    (``kernel_rates[i]``; NOTE [The step's own kernels])."""
     small_calls = small_calls or [{} for _ in cpu]
+    kernel_rates = kernel_rates or [{} for _ in cpu]
     ratios = []
-    for seconds, step_rates, step_calls in zip(cpu, rates, small_calls, strict=True):
-        paired = at_rates(machine, step_rates)
+    for seconds, step_rates, step_calls, kernels in zip(
+        cpu, rates, small_calls, kernel_rates, strict=True
+    ):
+        paired = at_step_kernels(at_rates(machine, step_rates), kernels)
         if step_calls:
             paired = at_small_calls(paired, step_calls, ranks)
         ratios.append(predict_cpu(paired) / seconds)
@@ -266,6 +305,7 @@ def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
     cpu: dict[str, list[float]] = {}
     rates: dict[str, list[dict[str, float]]] = {}
     small_calls: dict[str, list[dict[str, float]]] = {}
+    kernel_rates: dict[str, list[dict[str, float]]] = {}
     ops: dict[str, int] = {}
 
     def run(variant: str) -> list[float]:
@@ -281,6 +321,9 @@ def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
         probed = [r.get("small_calls") for r in per_rank]
         call_small = slowest_small_calls(probed) if all(probed) else {}
         small_calls.setdefault(variant, []).extend(call_small for _ in range(args.steps))
+        kernels = [r.get("kernel_rates") for r in per_rank]
+        call_kernels = slowest_rates(kernels) if all(kernels) else {}
+        kernel_rates.setdefault(variant, []).extend(call_kernels for _ in range(args.steps))
         return [max(s) for s in zip(*(r["wall"] for r in per_rank))]
 
     variants = ["plain", *map(str, args.ranks)]
@@ -291,6 +334,7 @@ def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
             "cpu": cpu[v],
             "rates": rates[v],
             "small_calls": small_calls[v],
+            "kernel_rates": kernel_rates[v],
             "ops": ops.get(v),
         }
         for v in variants
@@ -376,6 +420,18 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
                 ranks,
             )
         )
+        at_kernels = statistics.median(
+            paired_ratios(
+                partial(predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores),
+                machine,
+                measured[str(ranks)]["cpu"],
+                measured[str(ranks)]["rates"],
+                measured[str(ranks)]["small_calls"],
+                ranks,
+                measured[str(ranks)]["kernel_rates"],
+            )
+        )
+        ratios["cpu_ratio_with_step_kernels"] = round(at_kernels, 2)
         compute_paired = statistics.median(
             paired_ratios(
                 partial(predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores),

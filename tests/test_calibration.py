@@ -12,6 +12,7 @@ import itertools
 import time
 
 import pytest
+import torch
 
 from benchmarks import calibrate, calibrate_steps
 from benchmarks.calibrate import (
@@ -278,6 +279,34 @@ def test_each_timed_step_is_predicted_at_the_small_call_cpu_its_own_call_probed(
         unpaired = paired_ratios(predict_cpu, machine, steps["cpu"], steps["rates"])
         assert max(abs(r - 1) for r in unpaired) > 0.4
     assert measured["1"]["small_calls"] == [{}] * 6 == measured["plain"]["small_calls"]
+
+
+def test_a_step_is_predicted_at_its_own_kernels_rates():
+    """NOTE [The step's own kernels]: a step whose kernels run at other rates than the
+    calibration's probes (FFTs 3x faster, the rest 4x slower) is predicted exactly at the rates
+    ``measure_step_kernels`` takes from its own calls, and mispredicted at the probes'."""
+    probe = at_rates(Machine(), FAST)
+    own = {"flops": probe.sustained_flops / 4, "fft": probe.fft_flops_per_s * 3}
+    seconds = _work_s(
+        dataclasses.replace(probe, sustained_flops=own["flops"], fft_flops_per_s=own["fft"])
+    )
+    at_kernels = paired_ratios(_work_s, probe, [seconds], [FAST], kernel_rates=[own])
+    assert at_kernels == pytest.approx([1.0])
+    assert paired_ratios(_work_s, probe, [seconds], [FAST])[0] < 0.7
+
+
+def test_the_step_kernels_are_its_own_calls_with_their_flops():
+    """``measure_step_kernels`` replays the step's calls with FLOPs: a matmul's and an FFT's
+    rates, each its WorkCounter FLOPs over a positive time; calls without FLOPs are skipped."""
+    a, x = torch.randn(64, 64), torch.randn(8, 256)
+
+    def step() -> None:
+        (a @ a).relu()
+        torch.fft.rfft(x, dim=-1)
+
+    rates = calibrate.measure_step_kernels(step, 3)
+    assert set(rates) == {"flops", "fft"} and min(rates.values()) > 0
+    assert calibrate.measure_step_kernels(lambda: a.relu(), 3) == {}
 
 
 def test_each_timed_step_is_predicted_at_the_compute_rates_its_own_call_measured(monkeypatch):
