@@ -377,7 +377,7 @@ def measure_compute(repeats: int) -> dict[str, float]:
 
 class _KernelRecorder(TorchDispatchMode):
     """Every aten call on plain tensors while active (a ShardTensor step's local kernels),
-    with copies of its arguments."""
+    with copies of its arguments; no collective (``c10d``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -387,7 +387,8 @@ class _KernelRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if tensors and all(type(t) is torch.Tensor for t in tensors):
+        local = tensors and all(type(t) is torch.Tensor for t in tensors)
+        if local and func.namespace == "aten":  # a collective is not replayed on one rank
             copied = tree_map(
                 lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
             )

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from benchmarks import calibrate, calibrate_steps
 from benchmarks.calibrate import (
@@ -39,7 +40,7 @@ from benchmarks.calibrate_steps import (
 )
 from benchmarks.cost_model import fit, step_s
 from shardsci.planning._machine import Machine, collective_host_s
-from shardsci.testing import run_on_ranks
+from shardsci.testing import count_traffic, run_on_ranks
 from tests.test_cost_model import TRUTH, synthetic_measurement
 
 TRUE = {"base_latency_s": 40e-6, "step_latency_s": 25e-6, "bytes_per_s": 1.5e9}
@@ -307,6 +308,24 @@ def test_the_step_kernels_are_its_own_calls_with_their_flops():
     rates = calibrate.measure_step_kernels(step, 3)
     assert set(rates) == {"flops", "fft"} and min(rates.values()) > 0
     assert calibrate.measure_step_kernels(lambda: a.relu(), 3) == {}
+
+
+def _kernels_of_a_step_with_a_collective() -> int:
+    """Rank body: the collectives ``measure_step_kernels`` issues for a step of one
+    all-reduce and a matmul (``count_traffic``)."""
+    a = torch.randn(32, 32)
+
+    def step() -> None:
+        dist.all_reduce(a @ a)
+
+    with count_traffic() as traffic:
+        calibrate.measure_step_kernels(step, 3)
+    return traffic.collective_calls
+
+
+def test_the_step_kernels_replay_no_collective():
+    # A replayed collective on some ranks only hangs the others (seen on 2 ranks).
+    assert run_on_ranks(2, _kernels_of_a_step_with_a_collective) == [1, 1]
 
 
 def test_each_timed_step_is_predicted_at_the_compute_rates_its_own_call_measured(monkeypatch):
