@@ -73,7 +73,7 @@ from benchmarks._common import (
     rank_pools,
 )
 from benchmarks.host_overhead import time_variants
-from shardsci.planning._machine import Machine, collective_s, ring_steps
+from shardsci.planning._machine import Machine, collective_host_s, collective_s, ring_steps
 from shardsci.planning._work import WorkCounter, contiguous_runs
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves, tree_map
 
@@ -268,18 +268,24 @@ def measure_small_calls(repeats: int) -> dict[str, float]:
     return cpu
 
 
-def at_small_calls(machine: Machine, cpu: dict[str, float], ranks: int) -> Machine:
-    """``machine`` with ``host_us_per_collective`` from small calls' CPU seconds on ``ranks``
-    ranks (``measure_small_calls``): the median over the kinds of what a call cost beyond
-    ``machine``'s per ring step and per byte terms, at least 0."""
-    per_call = [
-        seconds
-        - machine.host_us_per_collective_step * 1e-6 * ring_steps(kind, ranks)
-        - machine.host_s_per_byte_received * received_bytes(kind, ranks, SIZES[0])
+def small_call_scale(machine: Machine, cpu: dict[str, float], ranks: int) -> float:
+    """What small calls cost now on ``ranks`` ranks (``cpu``, from ``measure_small_calls``)
+    over what ``collective_host_s`` prices them at on ``machine``: the median over the kinds."""
+    return statistics.median(
+        seconds / collective_host_s(machine, kind, ranks, 1, received_bytes(kind, ranks, SIZES[0]))
         for kind, seconds in cpu.items()
-    ]
+    )
+
+
+def at_small_calls(machine: Machine, cpu: dict[str, float], ranks: int) -> Machine:
+    """``machine`` with its collective CPU terms (per call, per ring step, per byte) scaled by
+    ``small_call_scale``."""
+    scale = small_call_scale(machine, cpu, ranks)
     return dataclasses.replace(
-        machine, host_us_per_collective=max(0.0, statistics.median(per_call)) * 1e6
+        machine,
+        host_us_per_collective=machine.host_us_per_collective * scale,
+        host_us_per_collective_step=machine.host_us_per_collective_step * scale,
+        host_s_per_byte_received=machine.host_s_per_byte_received * scale,
     )
 
 

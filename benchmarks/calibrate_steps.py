@@ -48,9 +48,9 @@ was not what the calibration's calls on their own ranks, minutes earlier, gave. 
 call of 2 or more ranks also probes, on its own ranks right after the compute probe, the CPU
 one small call (``SIZES[0]`` bytes a rank) of each of ``SMALL_CALLS`` costs between two
 computations (``measure_small_calls``, as the calibration takes it), and its steps are
-predicted with ``host_us_per_collective`` refitted to those calls (``at_small_calls``, the
-slowest rank's: the most CPU), the per ring step and per byte terms staying the calibration's.
-The µs per aten op stay the calibration's (a ShardTensor step of its own would be needed).
+predicted with the calibration's collective CPU terms (per call, per ring step, per byte)
+scaled by what those calls cost now over what the terms price them at (``at_small_calls``,
+the slowest rank's: the most CPU). The µs per aten op stay the calibration's (a ShardTensor step of its own would be needed).
 
 # NOTE [The step's own kernels]
 The calibration's compute probes (``COMPUTE``: convolutions and matmuls; ``rfft2`` and
@@ -111,6 +111,7 @@ from benchmarks.calibrate import (
     measure_compute,
     measure_small_calls,
     measure_step_kernels,
+    small_call_scale,
 )
 from benchmarks.cost_model import (
     GEOMETRY,
@@ -455,14 +456,14 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
             "cpu": judge(paired, EXPLAINED.get((name, ranks)), ratios),
             "cpu_ratio_at_calibration": round(predicted["cpu"] / cpu["median"], 2),
             "cpu_ratio_compute_paired_only": round(compute_paired, 2),
-            "host_us_per_collective_paired": spread(
+            "collective_cpu_scale_paired": spread(
                 [
-                    at_small_calls(machine, calls, ranks).host_us_per_collective
+                    small_call_scale(machine, calls, ranks)
                     for calls in measured[str(ranks)]["small_calls"]
                     if calls
                 ]
-                or [machine.host_us_per_collective],
-                1,
+                or [1.0],
+                2,
             ),
             "sustained_gflops_paired": spread(
                 [at_rates(machine, r).sustained_flops / 1e9 for r in measured[str(ranks)]["rates"]]

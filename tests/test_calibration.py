@@ -227,26 +227,32 @@ def _work_s(machine: Machine) -> float:
 
 
 def test_each_timed_step_is_predicted_at_the_small_call_cpu_its_own_call_probed(monkeypatch):
-    # NOTE [Host terms paired with the steps]: a call's small collectives cost 150 µs to
-    # 600 µs of CPU (the load), rank r (1 + r / 4) times more than rank 0; its steps issue 100
-    # small all-reduces (the CPU ``collective_host_s`` charges) besides 20 ms of compute.
+    # NOTE [Host terms paired with the steps]: the load makes a call's collectives cost 1 to
+    # 4 times their calibrated CPU, rank r (1 + r / 4) times more than rank 0; its steps issue
+    # 100 small all-reduces (the CPU ``collective_host_s`` charges) besides 20 ms of compute.
     machine = dataclasses.replace(
         at_rates(Machine(), FAST),
         host_us_per_collective=150.0,
         host_us_per_collective_step=20.0,
         host_s_per_byte_received=1e-9,
     )
-    per_call_us = itertools.cycle([150.0, 600.0, 300.0, 450.0])
+    loads = itertools.cycle([1.0, 4.0, 2.0, 3.0])
 
     def step_s(machine: Machine, ranks: int) -> float:
         issued = collective_host_s(machine, "all_reduce", ranks, 100, 100 * 512.0)
         return _work_s(machine) / 100 + issued
 
     def on_ranks(ranks, body, *args):
-        per_call = next(per_call_us)
+        load = next(loads)
         per_rank = []
         for rank in range(ranks):
-            slower = dataclasses.replace(machine, host_us_per_collective=per_call * (1 + rank / 4))
+            scale = load * (1 + rank / 4)
+            slower = dataclasses.replace(
+                machine,
+                host_us_per_collective=150.0 * scale,
+                host_us_per_collective_step=20.0 * scale,
+                host_s_per_byte_received=1e-9 * scale,
+            )
             small = {
                 kind: collective_host_s(
                     slower, kind, ranks, 1, received_bytes(kind, ranks, SIZES[0])
