@@ -3,22 +3,25 @@
 import json
 import sys
 
-TOL = 0.25
 rows = []
+print(
+    "| model | ranks | measured CPU ms [q1-q3] | paired: compute + host (verdict) | compute only"
+    " | at step kernels | at calibration | small-call CPU / price, median [min-max] | load |"
+)
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 with open(sys.argv[1]) as f:
     for line in f:
         r = json.loads(line)
-        if r["record"] == "plain":
-            print(f"plain {r['model']}: compute ratio paired {r['compute_ratio_paired']} load {r['load_average']}")
         if r["record"] != "step":
             continue
-        c = r["cpu"]
-        verdict = "within" if c["within"] else ("explained" if c["ok"] else "MISS")
-        only = r["cpu_ratio_compute_paired_only"]
+        c, m, s = r["cpu"], r["measured_cpu_s"], r["collective_cpu_scale_paired"]
+        verdict = "within" if c["within"] else ("explained" if c["ok"] else "**miss**")
         rows.append(verdict)
         print(
-            f"| {r['model']} | {r['ranks']} | {c['ratio']} ({verdict}) | {only} "
-            f"| {r['cpu_ratio_with_step_kernels']} | {r['cpu_ratio_at_calibration']} "
-            f"| {r['collective_cpu_scale_paired']['median']} | {r['load_average']} |"
+            f"| {r['model']} | {r['ranks']} | {m['median'] * 1e3:.0f} [{m['q1'] * 1e3:.0f}-"
+            f"{m['q3'] * 1e3:.0f}] | {c['ratio']} ({verdict}) | "
+            f"{r['cpu_ratio_compute_paired_only']} | {r['cpu_ratio_with_step_kernels']} | "
+            f"{r['cpu_ratio_at_calibration']} | {s['median']} [{s['min']}-{s['max']}] | "
+            f"{r['load_average']} |"
         )
-print({v: rows.count(v) for v in ("within", "explained", "MISS")})
+print({v: rows.count(v) for v in ("within", "explained", "**miss**")})
