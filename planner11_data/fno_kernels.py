@@ -8,7 +8,6 @@ rates calibrate's probe measures now on the same ranks (``measure_compute``): wh
 model prices the step's FLOPs at. Usage: python planner11_data/fno_kernels.py 1 2 4"""
 
 import json
-import math
 import statistics
 import sys
 import time
@@ -34,8 +33,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if leaves and not any(isinstance(t, ShardTensor) for t in leaves):
-            copy = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
-                            (args, kwargs))
+            copy = tree_map(
+                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
             self.calls.append((func, copy, out))
         return out
 
@@ -83,9 +83,13 @@ def body(ranks: int, size: int) -> dict:
         entry["flops"] += flops
         entry["seconds"] += statistics.median(samples)
     rates = measure_compute(3)
-    return {"families": totals, "probe_gflops": {
-        "matmul_median": statistics.median(rates[n] for n in COMPUTE) / 1e9,
-        "fft": rates["fft"] / 1e9}}
+    return {
+        "families": totals,
+        "probe_gflops": {
+            "matmul_median": statistics.median(rates[n] for n in COMPUTE) / 1e9,
+            "fft": rates["fft"] / 1e9,
+        },
+    }
 
 
 if __name__ == "__main__":
@@ -93,6 +97,21 @@ if __name__ == "__main__":
         for ranks in map(int, sys.argv[1:]):
             per_rank = on_ranks(ranks, body, ranks, 128)
             r = per_rank[0]
-            fams = {k: {**v, "gflops": round(v["flops"] / v["seconds"] / 1e9, 2) if v["seconds"] else None,
-                        "seconds": round(v["seconds"], 4)} for k, v in r["families"].items()}
-            print(json.dumps({"ranks": ranks, "rank0": fams, "probe_gflops": {k: round(v, 2) for k, v in r["probe_gflops"].items()}}), flush=True)
+            fams = {
+                k: {
+                    **v,
+                    "gflops": round(v["flops"] / v["seconds"] / 1e9, 2) if v["seconds"] else None,
+                    "seconds": round(v["seconds"], 4),
+                }
+                for k, v in r["families"].items()
+            }
+            print(
+                json.dumps(
+                    {
+                        "ranks": ranks,
+                        "rank0": fams,
+                        "probe_gflops": {k: round(v, 2) for k, v in r["probe_gflops"].items()},
+                    }
+                ),
+                flush=True,
+            )
