@@ -73,8 +73,9 @@ from benchmarks._common import (
     rank_pools,
 )
 from benchmarks.host_overhead import time_variants
-from shardsci.planning._machine import Machine, collective_s, ring_steps
+from shardsci.planning._machine import Machine, collective_host_s, collective_s, ring_steps
 from shardsci.planning._work import WorkCounter, contiguous_runs
+from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves, tree_map
 
 SIZES = (256, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes per rank's input
 KINDS = ("p2p", "all_to_all", "all_gather", "all_reduce")
@@ -203,30 +204,89 @@ def time_collectives(kind: str, repeats: int) -> list[dict]:
         out = torch.empty(x.numel() * world) if kind == "all_gather" else torch.empty_like(x)
         calls = max(2, min(20, (1 << 20) // nbytes))
         _call_once(kind, x, out)
-        samples, cpu = [], []
+        samples = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(calls):
                 _call_once(kind, x, out)
             samples.append((time.perf_counter() - start) / calls)
-            dist.barrier()
-            cpu_start = time.process_time()
-            for _ in range(calls):
-                _gap(matrix)
-                _call_once(kind, x, out)
-            cpu.append((time.process_time() - cpu_start) / calls - gap_s)
         per_message = 2 if kind == "p2p" else 1
+        cpu = _cpu_between_gaps_s(kind, x, out, calls, repeats, matrix, gap_s)
         results.append(
             {
                 "kind": kind,
                 "ranks": world,
                 "bytes": nbytes,
                 "seconds": statistics.median(samples) / per_message,
-                "cpu_seconds": statistics.median(cpu) / per_message,
+                "cpu_seconds": cpu / per_message,
             }
         )
     return results
+
+
+def _cpu_between_gaps_s(
+    kind: str,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    calls: int,
+    repeats: int,
+    matrix: torch.Tensor,
+    gap_s: float,
+) -> float:
+    """Median over ``repeats`` batches (each from a barrier) of the CPU seconds one ``kind``
+    call costs this rank between two ``_gap`` computations (``gap_s`` each)."""
+    cpu = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.process_time()
+        for _ in range(calls):
+            _gap(matrix)
+            _call_once(kind, x, out)
+        cpu.append((time.process_time() - start) / calls - gap_s)
+    return statistics.median(cpu)
+
+
+SMALL_CALLS = ("all_to_all", "all_gather", "all_reduce")
+"""The kinds ``measure_small_calls`` probes, at ``SIZES[0]`` bytes a rank."""
+
+
+def measure_small_calls(repeats: int) -> dict[str, float]:
+    """Rank body: the CPU seconds one small call (``SIZES[0]`` bytes a rank) of each of
+    ``SMALL_CALLS`` costs this rank between two computations, over all ranks, now (NOTE
+    [Host terms paired with the steps] in ``benchmarks/calibrate_steps.py``)."""
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    matrix = torch.randn(96, 96)
+    gap_s = _median_cpu_s(lambda: _gap(matrix), repeats)
+    cpu = {}
+    for kind in SMALL_CALLS:
+        x = torch.zeros(SIZES[0] // 4)
+        out = torch.empty(x.numel() * world) if kind == "all_gather" else torch.empty_like(x)
+        _call_once(kind, x, out)
+        cpu[kind] = _cpu_between_gaps_s(kind, x, out, 10, repeats, matrix, gap_s)
+    return cpu
+
+
+def small_call_scale(machine: Machine, cpu: dict[str, float], ranks: int) -> float:
+    """What small calls cost now on ``ranks`` ranks (``cpu``, from ``measure_small_calls``)
+    over what ``collective_host_s`` prices them at on ``machine``: the median over the kinds."""
+    return statistics.median(
+        seconds / collective_host_s(machine, kind, ranks, 1, received_bytes(kind, ranks, SIZES[0]))
+        for kind, seconds in cpu.items()
+    )
+
+
+def at_small_calls(machine: Machine, cpu: dict[str, float], ranks: int) -> Machine:
+    """``machine`` with its collective CPU terms (per call, per ring step, per byte) scaled by
+    ``small_call_scale``."""
+    scale = small_call_scale(machine, cpu, ranks)
+    return dataclasses.replace(
+        machine,
+        host_us_per_collective=machine.host_us_per_collective * scale,
+        host_us_per_collective_step=machine.host_us_per_collective_step * scale,
+        host_s_per_byte_received=machine.host_s_per_byte_received * scale,
+    )
 
 
 def measure_collectives(repeats: int) -> list[dict]:
@@ -319,6 +379,57 @@ def measure_compute(repeats: int) -> dict[str, float]:
     a, b, c = (torch.ones(16 * 1024 * 1024) for _ in range(3))
     rates["memory"] = 3 * a.numel() * 4 / _median_cpu_s(lambda: torch.add(a, b, out=c), repeats)
     return rates
+
+
+class _KernelRecorder(TorchDispatchMode):
+    """Every aten call on plain tensors while active (a ShardTensor step's local kernels),
+    with copies of its arguments; no collective (``c10d``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        local = tensors and all(type(t) is torch.Tensor for t in tensors)
+        if local and func.namespace == "aten":  # a collective is not replayed on one rank
+            copied = tree_map(
+                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
+            self.calls.append((func, *copied))
+        return out
+
+
+def measure_step_kernels(step: Callable[[], None], repeats: int) -> dict[str, float]:
+    """The FLOP rates of ``step``'s own kernels at its own shapes (NOTE [The step's own
+    kernels] in ``benchmarks/calibrate_steps.py``): ``flops``, FLOPs over CPU seconds of every
+    call with FLOPs but no FFT; ``fft``, of its FFTs; each call replayed alone on copies of
+    its arguments (median of ``repeats``), FLOPs as ``WorkCounter`` counts them."""
+    recorder = _KernelRecorder()
+    with recorder:
+        step()
+    flops, seconds = {"flops": 0.0, "fft": 0.0}, {"flops": 0.0, "fft": 0.0}
+    for func, args, kwargs in recorder.calls:
+        with WorkCounter() as counter:
+            func(*args, **kwargs)
+        if not (counter.flops or counter.fft_flops):
+            continue
+        kind = "fft" if counter.fft_flops else "flops"
+        flops[kind] += counter.fft_flops or counter.flops
+        seconds[kind] += _median_cpu_s(lambda f=func, a=args, k=kwargs: f(*a, **k), repeats)
+    return {kind: flops[kind] / seconds[kind] for kind in flops if seconds[kind] > 0}
+
+
+def at_step_kernels(machine: Machine, rates: dict[str, float]) -> Machine:
+    """``machine`` with ``sustained_flops`` and ``fft_flops_per_s`` the rates of a step's
+    own kernels (``measure_step_kernels``; a rate the step lacks stays ``machine``'s)."""
+    return dataclasses.replace(
+        machine,
+        sustained_flops=rates.get("flops", machine.sustained_flops),
+        fft_flops_per_s=rates.get("fft", machine.fft_flops_per_s),
+    )
 
 
 def at_rates(machine: Machine, rates: dict[str, float]) -> Machine:

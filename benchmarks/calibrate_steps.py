@@ -39,8 +39,31 @@ count's, and ``plain``'s) measures the compute rates on its ranks (``measure_com
 each timed step is predicted on the calibrated machine with its own call's rates (``at_rates``;
 the slowest rank's, as a step counts as its slowest rank's): ``paired_ratios``, whose median is
 the ``cpu`` ratio judged. The ratio on the calibration's rates is kept
-(``cpu_ratio_at_calibration``). The host terms (µs per op, a collective's CPU) stay the
-calibration's: their probes need ranks of their own.
+(``cpu_ratio_at_calibration``).
+
+# NOTE [Host terms paired with the steps]
+A collective's CPU moves with the load as the compute rates do, and more: gloo's threads wake
+per call, and a call's CPU inside a 4-rank UNet step (550-640 µs for a small one, 2026-11-29)
+was not what the calibration's calls on their own ranks, minutes earlier, gave. So every timed
+call of 2 or more ranks also probes, on its own ranks right after the compute probe, the CPU
+one small call (``SIZES[0]`` bytes a rank) of each of ``SMALL_CALLS`` costs between two
+computations (``measure_small_calls``, as the calibration takes it), and its steps are
+predicted with the calibration's collective CPU terms (per call, per ring step, per byte)
+scaled by what those calls cost now over what the terms price them at (``at_small_calls``,
+the slowest rank's: the most CPU). The µs per aten op stay the calibration's (a ShardTensor step of its own would be needed).
+
+# NOTE [The step's own kernels]
+The calibration's compute probes (``COMPUTE``: convolutions and matmuls; ``rfft2`` and
+``irfft2`` of a ``(1, 32, 128, 128)`` field) are not the kernels every step runs: the FNO's 1x1
+convolutions take the unblocked ``_slow_conv2d`` path, its spectral contraction (a complex
+``bmm`` copying per mode) runs its FLOPs about 100x slower than a matmul, and its FFTs along
+one dim of a slab at other rates than a 2-D transform. So each timed call also records one
+step's own kernels and replays each call with FLOPs alone on copies of its arguments
+(``measure_step_kernels``, slowest rank): the FLOP rate of the FFTs and of every other call
+at the step's own shapes, and the prediction with those rates for ``sustained_flops`` and
+``fft_flops_per_s`` (``at_step_kernels``; host terms paired as above) is
+``cpu_ratio_with_step_kernels``: where it is within ``TOLERANCE`` and the paired ratio is
+not, the compute rates, not the FLOPs or the host terms, are what missed.
 
 ``--check`` fails when a ``cpu`` prediction misses by more than ``TOLERANCE`` without an
 explanation listed in ``EXPLAINED`` that holds, and names each: a quantified explanation (a
@@ -58,6 +81,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 from collections.abc import Callable
@@ -78,7 +102,17 @@ from benchmarks._common import (
     spread,
     timed_steps,
 )
-from benchmarks.calibrate import at_rates, calibrate, emit_calibration, measure_compute
+from benchmarks.calibrate import (
+    at_rates,
+    at_small_calls,
+    at_step_kernels,
+    calibrate,
+    emit_calibration,
+    measure_compute,
+    measure_small_calls,
+    measure_step_kernels,
+    small_call_scale,
+)
 from benchmarks.cost_model import (
     GEOMETRY,
     best_step,
@@ -127,6 +161,17 @@ EXPLAINED: dict[tuple[str, int], Explanation] = {
         "kernel time replaces the compute term",
         "cpu_ratio_with_measured_compute",
     ),
+    **{
+        ("fno", p): Explanation(
+            "compute: the FNO's kernels at its step's own shapes run off the probes' rates "
+            "(1 rank at 128², 2026-11-29, load 27: 1x1 convolutions 28 GFLOP/s against a 50 "
+            "GFLOP/s probe median, the complex spectral contraction 0.4, the FFTs along one "
+            "dim 18 against the 2-D probe's 13; planner11_data/fno_kernels_0640.jsonl); the "
+            "step's own kernels' rates replace the probes' (NOTE [The step's own kernels])",
+            "cpu_ratio_with_step_kernels",
+        )
+        for p in (2, 4)
+    },
     ("vit", 1): Explanation(
         "compute: the fused CPU attention kernel runs its FLOPs about 1.6x faster than the "
         "median rate of the convolutions and linears; the plain step's kernel time replaces "
@@ -184,13 +229,23 @@ def predicted_cpu(
 
 
 def time_step(name: str, mesh_shape: tuple[int, ...], shape: tuple, steps: int) -> dict:
-    """Rank body: ``steps`` timed steps' wall and CPU seconds after one warm-up and the
-    compute probe (``rates``, NOTE [Compute rates paired with the steps])."""
+    """Rank body: ``steps`` timed steps' wall and CPU seconds after one warm-up, the compute
+    probe (``rates``, NOTE [Compute rates paired with the steps]), on 2 or more ranks the
+    small calls' (``small_calls``, NOTE [Host terms paired with the steps]), and the rates of
+    the step's own kernels (``kernel_rates``, NOTE [The step's own kernels])."""
     _, step = sharded_step(name, mesh_shape, shape)
     step()
     rates = measure_compute(PROBE_REPEATS)
+    small_calls = measure_small_calls(PROBE_REPEATS) if math.prod(mesh_shape) > 1 else {}
+    kernels = measure_step_kernels(step, PROBE_REPEATS)
     wall, cpu = timed_steps(step, steps)
-    return {"wall": wall, "cpu": cpu, "rates": rates}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "rates": rates,
+        "small_calls": small_calls,
+        "kernel_rates": kernels,
+    }
 
 
 def time_plain(name: str, size: int, nodes: int, steps: int) -> dict:
@@ -211,19 +266,37 @@ def slowest_rates(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {kind: min(rates[kind] for rates in per_rank) for kind in per_rank[0]}
 
 
+def slowest_small_calls(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Each small call's CPU seconds at the slowest rank: the most over the ranks' probes."""
+    return {kind: max(cpu[kind] for cpu in per_rank) for kind in per_rank[0]}
+
+
 def paired_ratios(
     predict_cpu: Callable[[Machine], float],
     machine: Machine,
     cpu: list[float],
     rates: list[dict[str, float]],
+    small_calls: list[dict[str, float]] | None = None,
+    ranks: int = 1,
+    kernel_rates: list[dict[str, float]] | None = None,
 ) -> list[float]:
     """Each timed step's predicted over measured CPU time, predicted by ``predict_cpu``
     (``Machine`` -> seconds) on ``machine`` at the compute rates its own call measured
-    (``rates[i]`` for ``cpu[i]``; NOTE [Compute rates paired with the steps])."""
-    return [
-        predict_cpu(at_rates(machine, step_rates)) / seconds
-        for seconds, step_rates in zip(cpu, rates, strict=True)
-    ]
+    (``rates[i]`` for ``cpu[i]``; NOTE [Compute rates paired with the steps]) and, where
+    given, the CPU of the small calls it probed on its ``ranks`` (``small_calls[i]``; NOTE
+    [Host terms paired with the steps]) and the rates of its own kernels
+    (``kernel_rates[i]``; NOTE [The step's own kernels])."""
+    small_calls = small_calls or [{} for _ in cpu]
+    kernel_rates = kernel_rates or [{} for _ in cpu]
+    ratios = []
+    for seconds, step_rates, step_calls, kernels in zip(
+        cpu, rates, small_calls, kernel_rates, strict=True
+    ):
+        paired = at_step_kernels(at_rates(machine, step_rates), kernels)
+        if step_calls:
+            paired = at_small_calls(paired, step_calls, ranks)
+        ratios.append(predict_cpu(paired) / seconds)
+    return ratios
 
 
 def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
@@ -232,6 +305,8 @@ def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
     plain step."""
     cpu: dict[str, list[float]] = {}
     rates: dict[str, list[dict[str, float]]] = {}
+    small_calls: dict[str, list[dict[str, float]]] = {}
+    kernel_rates: dict[str, list[dict[str, float]]] = {}
     ops: dict[str, int] = {}
 
     def run(variant: str) -> list[float]:
@@ -244,12 +319,26 @@ def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
         cpu.setdefault(variant, []).extend(max(s) for s in zip(*(r["cpu"] for r in per_rank)))
         call_rates = slowest_rates([r["rates"] for r in per_rank])
         rates.setdefault(variant, []).extend(call_rates for _ in range(args.steps))
+        probed = [r.get("small_calls") for r in per_rank]
+        call_small = slowest_small_calls(probed) if all(probed) else {}
+        small_calls.setdefault(variant, []).extend(call_small for _ in range(args.steps))
+        kernels = [r.get("kernel_rates") for r in per_rank]
+        call_kernels = slowest_rates(kernels) if all(kernels) else {}
+        kernel_rates.setdefault(variant, []).extend(call_kernels for _ in range(args.steps))
         return [max(s) for s in zip(*(r["wall"] for r in per_rank))]
 
     variants = ["plain", *map(str, args.ranks)]
     wall = interleaved_steps(variants, args.rounds, run)
     return {
-        v: {"wall": wall[v], "cpu": cpu[v], "rates": rates[v], "ops": ops.get(v)} for v in variants
+        v: {
+            "wall": wall[v],
+            "cpu": cpu[v],
+            "rates": rates[v],
+            "small_calls": small_calls[v],
+            "kernel_rates": kernel_rates[v],
+            "ops": ops.get(v),
+        }
+        for v in variants
     }
 
 
@@ -328,6 +417,28 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
                 machine,
                 measured[str(ranks)]["cpu"],
                 measured[str(ranks)]["rates"],
+                measured[str(ranks)]["small_calls"],
+                ranks,
+            )
+        )
+        at_kernels = statistics.median(
+            paired_ratios(
+                partial(predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores),
+                machine,
+                measured[str(ranks)]["cpu"],
+                measured[str(ranks)]["rates"],
+                measured[str(ranks)]["small_calls"],
+                ranks,
+                measured[str(ranks)]["kernel_rates"],
+            )
+        )
+        ratios["cpu_ratio_with_step_kernels"] = round(at_kernels, 2)
+        compute_paired = statistics.median(
+            paired_ratios(
+                partial(predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores),
+                machine,
+                measured[str(ranks)]["cpu"],
+                measured[str(ranks)]["rates"],
             )
         )
         record = {
@@ -344,6 +455,16 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
             "measured_wall_s": wall,
             "cpu": judge(paired, EXPLAINED.get((name, ranks)), ratios),
             "cpu_ratio_at_calibration": round(predicted["cpu"] / cpu["median"], 2),
+            "cpu_ratio_compute_paired_only": round(compute_paired, 2),
+            "collective_cpu_scale_paired": spread(
+                [
+                    small_call_scale(machine, calls, ranks)
+                    for calls in measured[str(ranks)]["small_calls"]
+                    if calls
+                ]
+                or [1.0],
+                2,
+            ),
             "sustained_gflops_paired": spread(
                 [at_rates(machine, r).sustained_flops / 1e9 for r in measured[str(ranks)]["rates"]]
             ),

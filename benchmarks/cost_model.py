@@ -76,7 +76,7 @@ on 1 / 2 / 4 / 8 ranks (``step_profile``, 2026-11-28 15:08 UTC, load 12.8), the 
 being an index and an index op per exchange once a rank's own piece lies between its peers';
 this module's own runs count 1,010 (2 ranks) and 1,058 (4), which a law fitted on 2 and 4 ranks
 extrapolated as ``986 + 24 (P - 1)`` (13,250 at 512 ranks, an overestimate: nothing grows from
-4 to 8). The ops are therefore also counted at 8 ranks (``Geometry.op_meshes``) and the law is
+4 to 8). The ops are therefore also counted at 8 ranks (``Geometry.op_meshes``) and the law was
 fitted at the two largest rank counts, where a rank already has peers on both sides: on
 2026-11-29 (03:46 UTC) 955 / 987 / 991 ops on 2 / 4 / 8 ranks gave ``984 + 1 (P - 1)`` (1,495
 at 512 ranks) where the 2- and 4-rank fit gave ``939 + 16 (P - 1)`` (9,115). Collectives
@@ -91,11 +91,24 @@ while a rank's neighbours are bounded and its statistics, all-gathered at 16 ran
 all-reduced at 512). The MeshGraphNet's are counted on 16 parts too: 2,932 / 2,979 ops on 8 /
 16 parts of 100 nodes (04:41 UTC), 6 per added peer where 4 to 8 parts grew 72, since a METIS
 part of a 2-D mesh has a bounded number of neighbours: 5,893 ops at 512 ranks instead of 42,286.
-So the ops, and those of them the communication modules dispatch
-(``WorkCounter.communication_ops``), are fitted over the measured runs as the calls are
-(``call_laws``: ``fixed + per_peer (P - 1)``), not taken as one count; both are data, measured
-by every run, so a change to the library's collectives moves them. ``ops_host_s`` prices them
-(NOTE [One price per op]): the communication ops are plain ops on local pieces.
+The ops, and those of them the communication modules dispatch
+(``WorkCounter.communication_ops``), are therefore fitted as ``fixed + a messages + b peers``
+(``op_laws``) over the runs of more than 2 ranks (at 2 a rank has one side: the FNO's index op
+per exchange is missing there), where ``messages`` are the step's point-to-point messages
+(bounded by a rank's neighbours: NOTE [A rank's messages are bounded by its neighbours]) and
+``peers`` the ranks its all-to-alls and all-gathers hand a piece to (``pieces_from``, from
+``count_traffic``'s spans): every other rank for a transpose or a gather, a bounded
+neighbourhood for a graph part's exchange (``Fitted.peers_bound``: the most measured, where
+some run's pieces skipped a rank). A term the runs do not vary is folded into the constant.
+Per collective the packing is once (statistics are all-gathered into one tensor, or
+all-reduced), so ``b`` is what is left per peer: the UNet's step, 3,170 / 3,500 / 3,498 /
+3,828 ops on 2x2 / 2x4 / 4x2 / 4x4 blocks with 132 / 198 / 198 / 264 messages (2026-11-29
+06:20 UTC), is 2,510 + 5.0 per message, nothing per peer, and 3,828 at 512 ranks (16x32, 264
+messages) where ``fixed + per_peer (P - 1)`` fitted at 8 and 16 ranks put 24,226, and the
+halo messages' law of calls 8,514 messages. Both laws
+are data, measured by every run, so a change to the library's collectives moves them;
+``ops_host_s`` prices them (NOTE [One price per op]): the communication ops are plain ops on
+local pieces.
 """
 
 from __future__ import annotations
@@ -146,7 +159,7 @@ from shardsci.tensor._options import (
     normalization_statistics,
     statistics_all_reduced,
 )
-from shardsci.testing import Span, get_mesh
+from shardsci.testing import Span, Traffic, count_traffic, get_mesh
 
 GPUS = (8, 16, 32, 64, 128, 256, 512)
 FIT_TOLERANCE = 0.02  # of the largest measured bytes of a kind
@@ -173,8 +186,8 @@ class Geometry:
     grid: Callable[[int], tuple[int, ...]] = lambda p: (p,)
     op_meshes: tuple[tuple[int, ...], ...] = ()
     """Meshes beyond ``meshes`` where only the step's aten ops are counted (at the first of
-    ``shapes``): the ops' growth with the peers is fitted at the two largest rank counts
-    (NOTE [Ops per peer])."""
+    ``shapes``): the ops' growth with the messages and the peers is fitted on the runs of
+    more than 2 ranks (NOTE [Ops per peer])."""
 
 
 AXES = ("h", "w")
@@ -239,6 +252,8 @@ RECOMMENDED = {"unet": 512, "fno": 512, "vit": 512, "transolver": 512, "meshgrap
 LARGEST = {"unet": 8192, "fno": 8192, "vit": 8192, "transolver": 8192, "meshgraphnet": 50_000_000}
 GRAPH_BATCH = 1
 P2P = ("p2p", "p2p_rounds")
+PIECEWISE = ("all_to_all", "all_gather")
+"""The collectives that hand each peer its own piece (NOTE [Ops per peer])."""
 
 
 def laws(kind: str, ranks: int) -> list[float]:
@@ -301,6 +316,37 @@ def call_laws(ranks: int) -> list[float]:
     """How a kind's calls (or rounds of messages) grow with ``P``: fixed, or ``P - 1`` (a
     ring's rounds)."""
     return [1.0, ranks - 1.0]
+
+
+# NOTE [A rank's messages are bounded by its neighbours]
+# A halo round sends to and receives from the rank's neighbours along each split dim: one
+# at an end of that dim, two inside it, never more (corners travel in the second dim's round).
+# The UNet's step (2026-11-29 06:20 UTC, ``planner11_data/ops_unet_before.jsonl``) sends 66,
+# 132, 132 messages on 2, 4, 8 slabs and 132, 198, 198, 264 on 2x2, 2x4, 4x2, 4x4 blocks: 33
+# halo rounds a split dim, 2 messages (a send and a receive) per neighbour. A ring's messages
+# do grow with ``P``: ``P - 1`` rounds of one send and one receive. So a step's messages are
+# fitted as ``a neighbours + b (P - 1)`` (``message_laws``), not as calls are: the law
+# ``c + d (P - 1)`` of the calls, fitted on 2x2 and 2x4, put 8,514 halo messages in the
+# UNet's step at 512 ranks, where a rank of a 16x32 block sends 264.
+def neighbours(grid: tuple[int, ...]) -> int:
+    """The ranks a rank inside a ``grid`` of ranks exchanges halos with: two along each split
+    dim of three or more ranks, one along a dim of two."""
+    return sum(min(size - 1, 2) for size in grid)
+
+
+def message_laws(grid: tuple[int, ...]) -> list[float]:
+    """How a step's point-to-point messages grow on a ``grid`` of ranks: with the neighbours
+    (halos), or with ``P - 1`` (a ring's rounds; NOTE [A rank's messages are bounded by its
+    neighbours])."""
+    return [float(neighbours(grid)), math.prod(grid) - 1.0]
+
+
+def count_laws(label: str, mesh_shape: tuple[int, ...]) -> list[float]:
+    """The law of ``label``'s calls on a domain mesh of ``mesh_shape``: ``message_laws`` for
+    messages (which span the whole domain), ``call_laws`` over the label's group else."""
+    if label == "p2p":
+        return message_laws(mesh_shape)
+    return call_laws(group_size(label, mesh_shape))
 
 
 # --------------------------------------------------------------------------- measurement
@@ -378,14 +424,24 @@ def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exch
         calls, received = step_traffic(step, model, lambda span: span_label(span, mesh, axes))
         with WorkCounter() as counter:
             step()
+        with count_traffic() as traffic:
+            step()
     calls, received = _gathers_as_all_to_alls(calls), _gathers_as_all_to_alls(received)
     return {
         "calls": dict(calls),
         "received": dict(received),
+        "peers": len(pieces_from(traffic) - {dist.get_rank()}),
         "ops": counter.ops,
         "communication_ops": counter.communication_ops,
         "strided_runs": counter.strided_runs,
     }
+
+
+def pieces_from(traffic: Traffic) -> set[int]:
+    """The ranks this rank's all-to-alls and all-gathers move a piece to or from, itself
+    included (an all-to-all's span names only the ranks whose pieces are not empty: NOTE
+    [The span of a collective]): a graph part's neighbours, or the whole group."""
+    return {r for span in traffic.calls_by_span if span.kind in PIECEWISE for r in span.ranks}
 
 
 def _gathers_as_all_to_alls(by_label: dict[str, int]) -> Counter:
@@ -451,7 +507,9 @@ class Fitted:
     (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); the aten ops of the
     ShardTensor step and those of them its communication modules dispatch (``ops`` and
     ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer]); the runs of
-    its strided copies (``strided_runs``: coefficients of ``basis``, NOTE [Strided copies])."""
+    its strided copies (``strided_runs``: coefficients of ``basis``, NOTE [Strided copies]);
+    ``peers_bound``: the most peers a rank's pieces go to, ``None`` where they go to every
+    rank (NOTE [Ops per peer])."""
 
     model: str
     calls: dict[str, list[float]]
@@ -462,15 +520,22 @@ class Fitted:
     ops: list[float]
     communication_ops: list[float]
     strided_runs: list[float] = field(default_factory=list)
+    peers_bound: float | None = None
 
     def count(self, kind: str, ranks: int) -> float:
-        return max(0.0, sum(c * x for c, x in zip(self.calls.get(kind, []), call_laws(ranks))))
+        """Calls of ``kind`` (messages of ``"p2p"``) over a group of ``ranks``; the whole
+        domain's grid at ``ranks`` for messages (NOTE [A rank's messages are bounded by its
+        neighbours])."""
+        law = message_laws(GEOMETRY[self.model].grid(ranks)) if kind == "p2p" else call_laws(ranks)
+        return max(0.0, sum(c * x for c, x in zip(self.calls.get(kind, []), law)))
 
     def op_count(self, ranks: int) -> tuple[float, float]:
         """Aten ops of the busiest rank's step at ``ranks``, and those of them its
         communication modules dispatch (NOTE [Ops per peer])."""
+        peers = ranks - 1.0 if self.peers_bound is None else min(ranks - 1.0, self.peers_bound)
+        row = op_laws(self.count("p2p", ranks), peers)
         ops, communication = (
-            max(0.0, sum(c * x for c, x in zip(law, call_laws(ranks))))
+            max(0.0, sum(c * x for c, x in zip(law, row)))
             for law in (self.ops, self.communication_ops)
         )
         return ops, min(ops, communication)
@@ -509,6 +574,12 @@ class Fitted:
         return ops_host_s(machine, *self.op_count(ranks), sharded=True) + issued
 
 
+def op_laws(messages: float, peers: float) -> list[float]:
+    """How a step's aten ops grow (NOTE [Ops per peer]): a constant, a few per message
+    (``messages``), a few per peer a collective hands a piece to (``peers``)."""
+    return [1.0, messages, peers]
+
+
 def _polynomial(pixels: list[float], values: list[float]) -> list[float]:
     """``[c, a, b]`` of ``c + a p + b p²`` fitted to ``values`` at ``pixels``; ``b = 0`` where
     the quadratic term would be negative, and then ``c = 0`` where the constant would be."""
@@ -532,19 +603,21 @@ def fit(
     memory_values: list[float] | None = None,
     fft_values: list[float] | None = None,
 ) -> tuple:
-    """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``ops``;
-    ``ops_only``: a run whose ops alone are fitted) and the FLOPs, memory traffic and FFT
-    FLOPs at ``flop_sizes`` (none where not given); and per kind the worst misfit over the
+    """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``peers``,
+    ``ops``; ``ops_only``: a run whose ops alone are fitted) and the FLOPs, memory traffic and
+    FFT FLOPs at ``flop_sizes`` (none where not given); and per kind the worst misfit over the
     runs, relative to the kind's largest measured bytes. The ops' law is fitted to the runs
-    at the two largest rank counts (NOTE [Ops per peer])."""
+    of more than 2 ranks (NOTE [Ops per peer])."""
     basis = GEOMETRY[name].basis
     runs, all_runs = [r for r in runs if not r.get("ops_only")], runs
     kinds = sorted({k for r in runs for k in (*r["received"], *r["calls"])})
     calls, received, misfit = {}, {}, {}
     for kind in kinds:
-        groups = [group_size(kind, tuple(r.get("mesh", [r["ranks"]]))) for r in runs]
+        meshes = [tuple(r.get("mesh", [r["ranks"]])) for r in runs]
+        groups = [group_size(kind, mesh) for mesh in meshes]
         calls[kind] = least_squares(
-            [call_laws(g) for g in groups], [float(r["calls"].get(kind, 0)) for r in runs]
+            [count_laws(kind, mesh) for mesh in meshes],
+            [float(r["calls"].get(kind, 0)) for r in runs],
         )
         if kind == "p2p_rounds":
             continue
@@ -557,17 +630,31 @@ def fit(
     flops = _polynomial(pixels, flop_values)
     memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
     fft_flops = least_squares([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
-    largest = sorted({r["ranks"] for r in all_runs})[-2:]
-    op_runs = [r for r in all_runs if r["ranks"] in largest]
+    op_runs = [r for r in all_runs if r["ranks"] > 2]
+    rows = [op_laws(float(r["calls"].get("p2p", 0)), float(r["peers"])) for r in op_runs]
+    # A term the runs do not vary cannot be told from the constant: it is folded into it.
+    varying = [i == 0 or len({row[i] for row in rows}) > 1 for i in range(len(rows[0]))]
+    rows = [[x if keep else 0.0 for x, keep in zip(row, varying)] for row in rows]
     ops, communication_ops = (
-        least_squares([call_laws(r["ranks"]) for r in op_runs], [float(r[key]) for r in op_runs])
+        least_squares(rows, [float(r[key]) for r in op_runs])
         for key in ("ops", "communication_ops")
     )
+    bounded = any(r["peers"] < r["ranks"] - 1 for r in op_runs)
+    peers_bound = max(float(r["peers"]) for r in op_runs) if bounded else None
     strided = least_squares(
         [basis(r["shape"]) for r in runs], [float(r.get("strided_runs", 0)) for r in runs]
     )
     fitted = Fitted(
-        name, calls, received, flops, memory, fft_flops, ops, communication_ops, strided
+        name,
+        calls,
+        received,
+        flops,
+        memory,
+        fft_flops,
+        ops,
+        communication_ops,
+        strided,
+        peers_bound,
     )
     return fitted, misfit
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from benchmarks import calibrate, calibrate_steps
 from benchmarks.calibrate import (
@@ -36,8 +39,8 @@ from benchmarks.calibrate_steps import (
     sharing,
 )
 from benchmarks.cost_model import fit, step_s
-from shardsci.planning._machine import Machine
-from shardsci.testing import run_on_ranks
+from shardsci.planning._machine import Machine, collective_host_s
+from shardsci.testing import count_traffic, run_on_ranks
 from tests.test_cost_model import TRUTH, synthetic_measurement
 
 TRUE = {"base_latency_s": 40e-6, "step_latency_s": 25e-6, "bytes_per_s": 1.5e9}
@@ -221,6 +224,114 @@ def _work_s(machine: Machine) -> float:
         + 0.5e9 / machine.fft_flops_per_s
         + 4e9 / (machine.memory_bytes_per_s)
     )
+
+
+def test_each_timed_step_is_predicted_at_the_small_call_cpu_its_own_call_probed(monkeypatch):
+    # NOTE [Host terms paired with the steps]: the load makes a call's collectives cost 1 to
+    # 4 times their calibrated CPU, rank r (1 + r / 4) times more than rank 0; its steps issue
+    # 100 small all-reduces (the CPU ``collective_host_s`` charges) besides 20 ms of compute.
+    machine = dataclasses.replace(
+        at_rates(Machine(), FAST),
+        host_us_per_collective=150.0,
+        host_us_per_collective_step=20.0,
+        host_s_per_byte_received=1e-9,
+    )
+    loads = itertools.cycle([1.0, 4.0, 2.0, 3.0])
+
+    def step_s(machine: Machine, ranks: int) -> float:
+        issued = collective_host_s(machine, "all_reduce", ranks, 100, 100 * 512.0)
+        return _work_s(machine) / 100 + issued
+
+    def on_ranks(ranks, body, *args):
+        load = next(loads)
+        per_rank = []
+        for rank in range(ranks):
+            scale = load * (1 + rank / 4)
+            slower = dataclasses.replace(
+                machine,
+                host_us_per_collective=150.0 * scale,
+                host_us_per_collective_step=20.0 * scale,
+                host_s_per_byte_received=1e-9 * scale,
+            )
+            small = {
+                kind: collective_host_s(
+                    slower, kind, ranks, 1, received_bytes(kind, ranks, SIZES[0])
+                )
+                for kind in calibrate.SMALL_CALLS
+            }
+            seconds = step_s(slower, ranks)
+            per_rank.append(
+                {
+                    "wall": [seconds] * 2,
+                    "cpu": [seconds] * 2,
+                    "rates": FAST,
+                    "small_calls": small if ranks > 1 else {},
+                    "ops": 1,
+                }
+            )
+        return per_rank
+
+    monkeypatch.setattr(calibrate_steps, "on_ranks", on_ranks)
+    args = argparse.Namespace(ranks=[1, 2, 4], rounds=3, steps=2, size=128, nodes=4096)
+    measured = measure_steps("unet", args)
+    for ranks in (2, 4):
+        steps = measured[str(ranks)]
+        assert len(steps["small_calls"]) == 6 and all(steps["small_calls"])
+        predict_cpu = functools.partial(step_s, ranks=ranks)
+        paired = paired_ratios(
+            predict_cpu, machine, steps["cpu"], steps["rates"], steps["small_calls"], ranks
+        )
+        assert paired == pytest.approx([1.0] * 6)
+        # On the calibration's host terms alone, the loaded calls' steps are mispredicted.
+        unpaired = paired_ratios(predict_cpu, machine, steps["cpu"], steps["rates"])
+        assert max(abs(r - 1) for r in unpaired) > 0.4
+    assert measured["1"]["small_calls"] == [{}] * 6 == measured["plain"]["small_calls"]
+
+
+def test_a_step_is_predicted_at_its_own_kernels_rates():
+    """NOTE [The step's own kernels]: a step whose kernels run at other rates than the
+    calibration's probes (FFTs 3x faster, the rest 4x slower) is predicted exactly at the rates
+    ``measure_step_kernels`` takes from its own calls, and mispredicted at the probes'."""
+    probe = at_rates(Machine(), FAST)
+    own = {"flops": probe.sustained_flops / 4, "fft": probe.fft_flops_per_s * 3}
+    seconds = _work_s(
+        dataclasses.replace(probe, sustained_flops=own["flops"], fft_flops_per_s=own["fft"])
+    )
+    at_kernels = paired_ratios(_work_s, probe, [seconds], [FAST], kernel_rates=[own])
+    assert at_kernels == pytest.approx([1.0])
+    assert paired_ratios(_work_s, probe, [seconds], [FAST])[0] < 0.7
+
+
+def test_the_step_kernels_are_its_own_calls_with_their_flops():
+    """``measure_step_kernels`` replays the step's calls with FLOPs: a matmul's and an FFT's
+    rates, each its WorkCounter FLOPs over a positive time; calls without FLOPs are skipped."""
+    a, x = torch.randn(64, 64), torch.randn(8, 256)
+
+    def step() -> None:
+        (a @ a).relu()
+        torch.fft.rfft(x, dim=-1)
+
+    rates = calibrate.measure_step_kernels(step, 3)
+    assert set(rates) == {"flops", "fft"} and min(rates.values()) > 0
+    assert calibrate.measure_step_kernels(lambda: a.relu(), 3) == {}
+
+
+def _kernels_of_a_step_with_a_collective() -> int:
+    """Rank body: the collectives ``measure_step_kernels`` issues for a step of one
+    all-reduce and a matmul (``count_traffic``)."""
+    a = torch.randn(32, 32)
+
+    def step() -> None:
+        dist.all_reduce(a @ a)
+
+    with count_traffic() as traffic:
+        calibrate.measure_step_kernels(step, 3)
+    return traffic.collective_calls
+
+
+def test_the_step_kernels_replay_no_collective():
+    # A replayed collective on some ranks only hangs the others (seen on 2 ranks).
+    assert run_on_ranks(2, _kernels_of_a_step_with_a_collective) == [1, 1]
 
 
 def test_each_timed_step_is_predicted_at_the_compute_rates_its_own_call_measured(monkeypatch):

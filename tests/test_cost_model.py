@@ -19,6 +19,7 @@ from benchmarks.cost_model import (
     choose_exchange,
     fit,
     laws,
+    neighbours,
     step_s,
 )
 from shardsci import attention_exchange
@@ -41,7 +42,8 @@ TRUTH = {
     "all_to_all": lambda p, r, c: (p - 1) / p * r * 12 * 32 * 8.0,
     "all_reduce": lambda p, r, c: 2 * (p - 1) / p * 4096.0,
 }
-CALLS = {"p2p": 8, "p2p_rounds": 4, "all_gather": 5, "all_to_all": 16, "all_reduce": 2}
+# Calls; messages: a send and a receive per neighbour in each of 4 halo rounds.
+CALLS = {"p2p_rounds": 4, "all_gather": 5, "all_to_all": 16, "all_reduce": 2}
 
 
 def synthetic_runs(ranks=(2, 4), shapes=GEOMETRY["fno"].shapes) -> list[dict]:
@@ -50,8 +52,9 @@ def synthetic_runs(ranks=(2, 4), shapes=GEOMETRY["fno"].shapes) -> list[dict]:
         {
             "ranks": p,
             "shape": list(shape),
-            "calls": dict(CALLS),
+            "calls": {**CALLS, "p2p": 8 * neighbours((p,))},
             "received": {kind: bytes_(p, *shape) for kind, bytes_ in TRUTH.items()},
+            "peers": p - 1,
             "ops": 1000,
             "communication_ops": 0,
         }
@@ -126,8 +129,8 @@ def test_step_grows_by_the_fitted_laws():
 def test_ops_per_peer_grow_the_host_term():
     # NOTE [Ops per peer]: 700 ops of the ShardTensor step and 250 per peer, as the FNO's
     # 128² step measured while redistributions packed per peer (513, 985, 1485 on 1, 2, 4
-    # ranks), the communication modules'.
-    runs = synthetic_runs()
+    # ranks), the communication modules'; fitted on 4 and 8 ranks (NOTE [Ops per peer]).
+    runs = synthetic_runs(ranks=(2, 4, 8))
     for run in runs:
         run["ops"] = 700 + 250 * (run["ranks"] - 1)
         run["communication_ops"] = 250 * (run["ranks"] - 1)
@@ -159,6 +162,7 @@ def test_a_blocks_collective_over_one_axis_is_fitted_and_priced_over_that_axis()
             "shape": list(shape),
             "calls": {"all_reduce@h": 2, "all_to_all@w": 4},
             "received": {label: law(h, w, *shape) for label, law in truth.items()},
+            "peers": w - 1,
             "ops": 1000,
             "communication_ops": 0,
         }
@@ -267,7 +271,7 @@ def test_the_planner_and_the_cost_model_price_host_time_alike():
     """NOTE [One price per op]: the same step's ops cost the same host time in the dry run's
     projection (``parallel=auto``) as in the cost model; before, the planner priced the
     communication modules' ops at the ShardTensor rate (here 1.75x the cost model's figure)."""
-    runs = synthetic_runs()
+    runs = synthetic_runs(ranks=(2, 4, 8))
     for run in runs:
         run["ops"] = 700 + 250 * (run["ranks"] - 1)
         run["communication_ops"] = 250 * (run["ranks"] - 1)
@@ -297,3 +301,58 @@ def test_strided_copies_are_priced_as_the_planner_prices_them():
     free = Machine(strided_copy_s_per_run=0.0)
     extra = step_s(machine, fitted, 8, shape)["compute"] - step_s(free, fitted, 8, shape)["compute"]
     assert extra == pytest.approx(strided_copy_s(machine, 4500)) and extra == pytest.approx(4.5e-3)
+
+
+# The UNet's step at 16² a rank (2026-11-29 06:20 UTC, ``planner11_data/ops_unet_before.jsonl``,
+# ``count_traffic`` and ``WorkCounter`` on the busiest rank): block -> (messages, ops).
+UNET_BLOCKS = {(2, 2): (132, 3170), (2, 4): (198, 3500), (4, 2): (198, 3498), (4, 4): (264, 3828)}
+
+
+def test_a_halo_steps_messages_and_ops_stop_growing_at_a_ranks_neighbours():
+    """NOTE [A rank's messages are bounded by its neighbours], NOTE [Ops per peer]: fitted on
+    the UNet's counts, a step at 512 ranks (a 16x32 block) sends the 264 messages of a 4x4
+    block's inner rank and dispatches its ops; the laws of calls and ``P - 1`` put 8,514
+    messages and 24,226 ops there."""
+    runs = [
+        {
+            "ranks": h * w,
+            "mesh": [h, w],
+            "shape": list(GEOMETRY["unet"].shapes[0]),
+            "calls": {"p2p": messages, "p2p_rounds": 66, "all_to_all": 14},
+            "received": {"p2p": 197392.0, "all_to_all": 224.0 * (h * w - 1)},
+            "peers": h * w - 1,  # the statistics' all-gathers span the block
+            "ops": ops,
+            "communication_ops": ops - 1557,
+            "ops_only": (h, w) not in GEOMETRY["unet"].meshes,
+        }
+        for (h, w), (messages, ops) in UNET_BLOCKS.items()
+    ]
+    fitted, misfit = fit("unet", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    assert max(misfit.values()) < 1e-9
+    assert [fitted.count("p2p", p) for p in (4, 8, 16, 512)] == pytest.approx([132, 198, 264, 264])
+    ops, communication = fitted.op_count(512)
+    assert ops == pytest.approx(3828, rel=0.005) and communication == pytest.approx(
+        3828 - 1557, rel=0.01
+    )
+    assert fitted.op_count(8)[0] == pytest.approx(3499, rel=0.005)
+
+
+def test_a_graph_parts_peers_are_bounded_by_the_most_measured():
+    """NOTE [Ops per peer]: a graph part's exchanges reach its neighbouring parts only (the
+    spans of ``count_traffic`` name them): ops growing 30 a peer while the peers go 3, 5, 6 on
+    4, 8, 16 parts stay at 6 peers' worth at 512; a transpose's peers are every rank."""
+    runs = synthetic_runs(ranks=(2, 4, 8, 16))
+    peers = {2: 1, 4: 3, 8: 5, 16: 6}
+    for run in runs:
+        run["peers"] = peers[run["ranks"]]
+        run["ops"] = 2257 + 30 * run["peers"]
+        run["communication_ops"] = 30 * run["peers"]
+    fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    assert fitted.peers_bound == 6
+    assert fitted.op_count(512) == pytest.approx((2257 + 30 * 6, 30 * 6))
+    for run in runs:
+        run["peers"] = run["ranks"] - 1
+        run["ops"] = 2257 + 30 * run["peers"]
+    dense, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    assert dense.peers_bound is None
+    assert dense.op_count(512)[0] == pytest.approx(2257 + 30 * 511)
