@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 import shardsci
 from shardsci.handlers import scoped_handlers
@@ -123,3 +124,64 @@ def test_autograd_grad_of_a_sharded_loss_reaches_plain_tensor_inputs() -> None:
     derivatives: plain tensors among the inputs are graph nodes, not operands to promote (a
     promoted copy is a node nothing depends on, and autograd.grad raised)."""
     run_on_ranks(2, _autograd_grad_body)
+
+
+# ---------------------------------------------------------------------------- metadata reads
+class _FunctionCalls(TorchFunctionMode):
+    """Records every call on a ShardTensor that reaches ``__torch_function__`` while active
+    (a mode sees plain tensors' getters too, which without a mode cost no Python)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(a, shardsci.ShardTensor) for a in args):
+            self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _metadata_reads_body() -> None:
+    mesh = get_mesh((2,))
+    x = shardsci.distribute_tensor(
+        torch.arange(60.0, dtype=torch.float64).reshape(5, 6, 2), mesh, [Shard(0)], {0: (5, 0)}
+    ).requires_grad_()
+    squeezed = x.detach().clone()[:, :1]
+    squeezed.squeeze_(1)  # in place: the wrapper and its spec both change
+    pending = x.detach().sum(0)  # Partial
+    pending.mul_(2.0)  # still pending, made in place
+    whole = x.detach().sum(0)
+    whole.add_(1.0)  # reduced in place
+    (x.float() * 3).sum().full_tensor().backward()
+    cases = {
+        "uneven, empty shard": x,
+        "float32": x.float(),
+        "squeezed in place": squeezed,
+        "Partial": pending,
+        "reduced in place": whole,
+        "0-d": x.detach().sum(),
+        "gradient": x.grad,
+    }
+    for name, t in cases.items():
+        with _FunctionCalls() as seen:
+            read = (t.shape, t.dtype, t.ndim, t.device)
+        assert_all_ranks(
+            not seen.calls, f"{name}: metadata reads reached __torch_function__: {seen.calls}"
+        )
+        # torch's own getters (through __torch_function__): the wrapper's metadata
+        wrapper = (
+            torch.Tensor.shape.__get__(t),
+            torch.Tensor.dtype.__get__(t),
+            torch.Tensor.ndim.__get__(t),
+            torch.Tensor.device.__get__(t),
+        )
+        assert_all_ranks(
+            read == wrapper and type(read[0]) is torch.Size, f"{name}: {read} != {wrapper}"
+        )
+
+
+def test_metadata_reads_skip_torch_function_and_match_the_wrapper() -> None:
+    """NOTE [Metadata reads skip __torch_function__]: ``shape``, ``dtype``, ``ndim`` and
+    ``device`` of a ShardTensor call no Python dispatch and equal the wrapper's own metadata,
+    also after the ops that replace a ShardTensor's layout in place."""
+    run_on_ranks(2, _metadata_reads_body)

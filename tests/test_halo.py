@@ -17,6 +17,7 @@ from shardsci.tensor._halo import halo_exchange
 from shardsci.testing import (
     assert_all_ranks,
     assert_close_all_ranks,
+    count_traffic,
     counted_comm,
     get_mesh,
     run_on_ranks,
@@ -129,6 +130,41 @@ def _face_bytes_body() -> None:
 
 def test_halo_volume_is_the_faces() -> None:
     run_on_ranks(4, _face_bytes_body)
+
+
+def _posted_body() -> dict[str, object]:
+    batches = []
+    batched = torch.distributed.batch_isend_irecv
+
+    def counted(ops):
+        batches.append(len(ops))
+        return batched(ops)
+
+    with (
+        mock.patch.object(torch.distributed, "batch_isend_irecv", counted),
+        count_traffic() as traffic,
+    ):
+        _check((4,), (22, 3), [Shard(0)], {0: (6, 5, 7, 4)}, {0: (2, 1)}, {0: "periodic"})
+    return {
+        "batches": batches,
+        "messages": traffic.messages,
+        "rounds": traffic.p2p_rounds,
+        "bytes": (traffic.sent_by_kind["p2p"], traffic.received_by_kind["p2p"]),
+    }
+
+
+def test_gloo_messages_are_posted_one_by_one_in_one_round() -> None:
+    """NOTE [Messages posted one by one where the backend does not batch them]: on gloo no
+    ``batch_isend_irecv``; per rank and direction (forward, adjoint) the two neighbours'
+    messages each way, posted back to back (one round), the faces' bytes."""
+    face = 3 * 8
+    for result in run_on_ranks(4, _posted_body):
+        assert result == {
+            "batches": [],
+            "messages": 8,
+            "rounds": 2,
+            "bytes": (2 * 3 * face, 2 * 3 * face),
+        }, result
 
 
 def _too_wide_body() -> None:

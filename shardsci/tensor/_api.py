@@ -100,6 +100,34 @@ class ShardTensor(torch.Tensor):
     __torch_dispatch__ = classmethod(_dispatch.dispatch)  # type: ignore[assignment]
     __torch_function__ = classmethod(_function_dispatch.dispatch)  # type: ignore[assignment]
 
+    # NOTE [Metadata reads skip __torch_function__]
+    # On a subclass whose ``__torch_function__`` is not torch's disabled one, reading
+    # ``x.shape`` calls ``__torch_function__`` with ``Tensor.shape.__get__`` (torch's C getter
+    # checks for an override first): a Python dispatch for a value that never changes. A
+    # training step reads 400-800 of them, most from the handlers (1 rank, ViT 417, MeshGraphNet
+    # 772). DTensor avoids it by disabling ``__torch_function__`` altogether; ShardTensor needs
+    # it (function handlers, promotion of parameters), so these properties answer the reads
+    # from the layout instead: the wrapper was made with the spec's shape and dtype and the
+    # shard's device, and the only code that replaces ``_spec`` or ``_local`` in place keeps
+    # them equal to the wrapper's (the in-place view ops, which also reshape the wrapper, and a
+    # Partial made whole in place). ``requires_grad``, ``grad`` and ``grad_fn`` are the
+    # wrapper's autograd state, not the layout's: they keep torch's getters.
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return self._spec.shape
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self._spec.dtype
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        return len(self._spec.shape)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._local.device
+
     # ------------------------------------------------------------------ layout queries
     @property
     def local(self) -> torch.Tensor:

@@ -36,9 +36,11 @@ than two operands, both letters summed over.
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
+from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._dispatch import local_of
 from shardsci.tensor._ops._common import accepts, replicated_local, sharding_axes
@@ -73,14 +76,34 @@ class _Letter:
 def _linear(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, weight, bias = a.input, a.weight, a.bias
-    if x.ndim == 0 or not accepts(x, partial=True):
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, weight):
         return NotImplemented
     batch = string.ascii_lowercase[: x.ndim - 1]
     equation = f"{batch}i,oi->{batch}o"
-    out = _sharded_einsum(equation, [x, weight])
-    if out is NotImplemented or bias is None:
-        return out
-    return out + bias
+    operands = [x, weight]
+    layout = _product_layout(equation, tuple(map(_Operand, operands)))
+    if layout is None:
+        return NotImplemented
+    folded = bias is not None and _bias_folds(layout, bias)
+    local_bias = replicated_local(bias, layout.output.mesh, layout.output_axes) if folded else None
+    out = _product(
+        equation, operands, layout, lambda x_local, w_local: F.linear(x_local, w_local, local_bias)
+    )
+    return out if bias is None or folded else out + bias
+
+
+def _bias_folds(layout: _ProductLayout, bias: torch.Tensor) -> bool:
+    """Whether each rank adds ``bias`` to its own output rows inside the local ``linear``
+    (NOTE [A linear layer runs torch's linear on the shards]): whole output rows (the output
+    features unsharded, no pending sum) and a bias every rank holds whole."""
+    out = layout.output
+    whole = not isinstance(bias, ShardTensor) or not (bias._spec.shardings or bias._spec.partial)
+    return (
+        layout.ring is None
+        and whole
+        and not out.partial
+        and out.ndim - 1 not in out.sharding_by_dim
+    )
 
 
 def _matmul_operator(input, other):
@@ -180,36 +203,124 @@ def _matmul_as_einsum(x: torch.Tensor, y: torch.Tensor) -> str | None:
 
 
 # ---------------------------------------------------------------------------- the product
+# NOTE [A product's layout is worked out once per value]
+# Which letters are sharded, whether a ring resolves a conflict, which operands are cut to
+# which shards and the output's layout depend on the equation and the operands' layouts (a
+# ShardTensor's spec, a plain tensor's shape), not on their values: ``_product_layout`` works
+# them out once per value of those (NOTE [Caches are keyed by value]) and every later call
+# only cuts and multiplies its shards. What depends on the call stays per call: whether an
+# operand requires grad (``replicated_local``), the ring-or-gather choice of a ring product
+# (its gather policy sees every gather), and torch's own error for operands that do not fit.
+#
+# NOTE [A linear layer runs torch's linear on the shards]
+# ``F.linear`` is the einsum ``...i,oi->...o`` laid out as above, but its local product is
+# torch's ``linear`` of the local operands (one kernel, as the model on one process runs it),
+# not ``torch.einsum``, and its bias is added inside that kernel wherever each rank holds
+# whole output rows: the bias enters as a replicated operand (``replicated_local``), whose
+# gradient, a partial sum over the ranks' rows, is summed like a weight's. Elsewhere (output
+# features sharded, a pending sum over the input features) the bias is added to the sharded
+# output afterwards.
+class _Operand:
+    """An operand's value for the product's layout: a ShardTensor's spec, a plain tensor's
+    shape."""
+
+    __slots__ = ("_key", "shape", "spec")
+
+    def __init__(self, operand: torch.Tensor) -> None:
+        if isinstance(operand, ShardTensor):
+            self.spec, self.shape = operand._spec, operand._spec.shape
+            self._key: object = self.spec.key
+        else:
+            self.spec, self.shape = None, operand.shape
+            self._key = tuple(operand.shape)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Operand and self._key == other._key
+
+
+@dataclass(frozen=True)
+class _ProductLayout:
+    """How a product runs on the shards (NOTE [A product's layout is worked out once per
+    value]).
+
+    Attributes
+    ----------
+    subscripts : tuple of str
+        Each operand's letters.
+    ring : _Ring or None
+        The ring product resolving the operands' conflict, if any.
+    letters : dict
+        Every sharded letter -> its sharding.
+    sliced : dict
+        The letters each operand is cut to its shard of (all but the ring's moving letter).
+    output_axes : frozenset of int
+        Mesh axes that shard the output or hold its pending sum.
+    output : ShardTensorSpec
+        The output's layout, with the first ShardTensor operand's dtype.
+    """
+
+    subscripts: tuple[str, ...]
+    ring: _Ring | None
+    letters: dict[str, _Letter]
+    sliced: dict[str, _Letter]
+    output_axes: frozenset[int]
+    output: ShardTensorSpec
+
+
 def _sharded_einsum(equation: str, operands: list):
+    if not accepts(*operands):
+        return NotImplemented
+    layout = _product_layout(equation, tuple(map(_Operand, operands)))
+    if layout is None:
+        return NotImplemented
+    return _product(equation, operands, layout, functools.partial(torch.einsum, equation))
+
+
+@cached("product layouts", 1024)
+def _product_layout(equation: str, operands: tuple[_Operand, ...]) -> _ProductLayout | None:
+    """None when the product declines to the default path (module docstring)."""
     inputs, output = equation.split("->")
     subscripts = inputs.split(",")
     if len(subscripts) != len(operands) or any(
-        len(s) != o.ndim for s, o in zip(subscripts, operands)
+        len(s) != len(o.shape) for s, o in zip(subscripts, operands)
     ):
-        return NotImplemented
-    if not accepts(*operands):
-        return NotImplemented
-    sharded = [o for o in operands if isinstance(o, ShardTensor)]
-    mesh = sharded[0]._spec.mesh
-    if any(o._spec.mesh != mesh for o in sharded):
-        return NotImplemented
+        return None
+    sharded = [o.spec for o in operands if o.spec is not None]
+    mesh = sharded[0].mesh
+    if any(spec.mesh != mesh for spec in sharded):
+        return None
     ring = _ring_pair(subscripts, output, operands)
     letters = _sharded_letters(subscripts, operands, ring)
     if letters is None:
-        return NotImplemented
+        return None
+    output_axes = frozenset(a for letter in letters.values() for a in letter.axes)
+    sliced = {c: s for c, s in letters.items() if ring is None or c != ring.letter}
+    spec = _output_spec(output, sliced, sharded[0].dtype, operands, subscripts, mesh)
+    return _ProductLayout(tuple(subscripts), ring, letters, sliced, output_axes, spec)
+
+
+def _product(
+    equation: str, operands: list, layout: _ProductLayout, local_product: Callable
+) -> ShardTensor:
+    """The product of ``operands`` laid out by ``layout``: ``local_product`` of the local
+    operands, or the ring product."""
+    mesh, ring, subscripts = layout.output.mesh, layout.ring, layout.subscripts
     if ring is not None:
         _check_on_meta(equation, operands)
-    output_axes = {a for letter in letters.values() for a in letter.axes}
-    sliced = {c: s for c, s in letters.items() if ring is None or c != ring.letter}
     locals_ = [
-        _local_operand(o, s, sliced, output_axes, mesh) for o, s in zip(operands, subscripts)
+        _local_operand(o, s, layout.sliced, layout.output_axes, mesh)
+        for o, s in zip(operands, subscripts)
     ]
     if ring is None:
-        out = torch.einsum(equation, *locals_)
+        out = local_product(*locals_)
     else:
-        plan = _product_plan(ring, subscripts, output, operands, letters)
+        output = equation.split("->")[1]
+        plan = _product_plan(ring, list(subscripts), output, operands, layout.letters)
         out = ring_product(locals_[ring.staying], locals_[ring.moving], plan)
-    return from_local_spec(out, _output_spec(output, sliced, out, operands, subscripts, mesh))
+    return from_local_spec(out, layout.output.with_dtype(out.dtype))
 
 
 @dataclass(frozen=True)
@@ -224,13 +335,13 @@ class _Ring:
     axes: tuple[int, ...]
 
 
-def _ring_pair(subscripts: list[str], output: str, operands: list) -> _Ring | None:
+def _ring_pair(subscripts: list[str], output: str, operands: tuple[_Operand, ...]) -> _Ring | None:
     """The ring product resolving the operands' one conflict over a group of mesh axes;
     None when they have none, or it is not one a ring product resolves."""
-    if len(operands) != 2 or not all(isinstance(o, ShardTensor) for o in operands):
+    if len(operands) != 2 or any(o.spec is None for o in operands):
         return None
     by_axes = [
-        {s.axes: subscript[s.dim] for s in o._spec.shardings}
+        {s.axes: subscript[s.dim] for s in o.spec.shardings}
         for subscript, o in zip(subscripts, operands)
     ]
     conflicts = [
@@ -251,7 +362,9 @@ def _ring_pair(subscripts: list[str], output: str, operands: list) -> _Ring | No
     return _Ring(staying, moving, rows, letter, axes)
 
 
-def _broadcasts(letter: str, subscripts: list[str], operands: list, a: int, b: int) -> bool:
+def _broadcasts(
+    letter: str, subscripts: list[str], operands: tuple[_Operand, ...], a: int, b: int
+) -> bool:
     """Whether operand ``a`` has ``letter`` at size 1 against operand ``b``'s extent."""
     if letter not in subscripts[a]:
         return False
@@ -260,7 +373,7 @@ def _broadcasts(letter: str, subscripts: list[str], operands: list, a: int, b: i
 
 
 def _sharded_letters(
-    subscripts: list[str], operands: list, ring: _Ring | None
+    subscripts: list[str], operands: tuple[_Operand, ...], ring: _Ring | None
 ) -> dict[str, _Letter] | None:
     """Letter -> its sharding; None when operands disagree on a letter's sharding, letters
     share a mesh axis (other than ``ring``'s two), or a sharded operand has a letter whole
@@ -268,9 +381,9 @@ def _sharded_letters(
     operand's letter whole)."""
     letters: dict[str, _Letter] = {}
     for subscript, operand in zip(subscripts, operands):
-        if not isinstance(operand, ShardTensor):
+        if operand.spec is None:
             continue
-        for s in operand._spec.shardings:
+        for s in operand.spec.shardings:
             letter = _Letter(s.axes, s.sizes)
             if letters.setdefault(subscript[s.dim], letter) != letter:
                 return None
@@ -281,9 +394,9 @@ def _sharded_letters(
             if owner != c and (ring is None or {owner, c} != {ring.rows, ring.letter}):
                 return None
     for i, (subscript, operand) in enumerate(zip(subscripts, operands)):
-        if isinstance(operand, ShardTensor) and not _is_replicated(operand):
+        if operand.spec is not None and not _is_replicated(operand.spec):
             whole = {subscript[d] for d in _sliceable(subscript, operand, letters)}
-            whole -= {subscript[s.dim] for s in operand._spec.shardings}
+            whole -= {subscript[s.dim] for s in operand.spec.shardings}
             if ring is not None and i == ring.staying:
                 whole.discard(ring.letter)
             if whole:
@@ -291,7 +404,9 @@ def _sharded_letters(
     return letters
 
 
-def _sliceable(subscript: str, operand: torch.Tensor, letters: dict[str, _Letter]) -> dict:
+def _sliceable(
+    subscript: str, operand: torch.Tensor | _Operand, letters: dict[str, _Letter]
+) -> dict:
     """Dim -> sharding, for the dims of ``operand`` along a sharded letter (not those of size
     1 that broadcast against it)."""
     return {
@@ -330,19 +445,19 @@ def _product_plan(
     )
 
 
-def _is_replicated(t: ShardTensor) -> bool:
-    return all(isinstance(p, Replicate) for p in t._spec.placements)
+def _is_replicated(spec: ShardTensorSpec) -> bool:
+    return all(isinstance(p, Replicate) for p in spec.placements)
 
 
 def _local_operand(
     operand: torch.Tensor,
     subscript: str,
     letters: dict[str, _Letter],
-    output_axes: set[int],
+    output_axes: frozenset[int],
     mesh,
 ) -> torch.Tensor:
     """This rank's part of one operand, with the gradient placements of the module docstring."""
-    if isinstance(operand, ShardTensor) and not _is_replicated(operand):
+    if isinstance(operand, ShardTensor) and not _is_replicated(operand._spec):
         return operand.to_local(grad_placements=_grad_placements(operand._spec, output_axes))
     wanted = _sliceable(subscript, operand, letters)
     if not isinstance(operand, ShardTensor):
@@ -354,7 +469,7 @@ def _local_operand(
     return operand.to_local(grad_placements=_grad_placements(operand._spec, output_axes))
 
 
-def _grad_placements(spec: ShardTensorSpec, output_axes: set[int]) -> list[Placement]:
+def _grad_placements(spec: ShardTensorSpec, output_axes: frozenset[int]) -> list[Placement]:
     return [
         p if isinstance(p, Shard) else Partial() if a in output_axes else p
         for a, p in enumerate(spec.placements)
@@ -380,8 +495,8 @@ def _sliced_spec(spec: ShardTensorSpec, wanted: dict[int, _Letter]) -> ShardTens
 def _output_spec(
     output: str,
     letters: dict[str, _Letter],
-    out: torch.Tensor,
-    operands: list,
+    dtype: torch.dtype,
+    operands: tuple[_Operand, ...],
     subscripts: list[str],
     mesh,
 ) -> ShardTensorSpec:
@@ -406,11 +521,11 @@ def _output_spec(
         mesh,
         placements,
         [extents[c] for c in output],
-        out.dtype,
+        dtype,
         {d: letter.sizes for d, letter in shardings.items()},
         order={d: letter.axes for d, letter in shardings.items()},
         hints=merged_hints(
-            *(o._spec.hints + o._spec.shardings for o in operands if isinstance(o, ShardTensor))
+            *(o.spec.hints + o.spec.shardings for o in operands if o.spec is not None)
         ),
     )
 

@@ -1,0 +1,133 @@
+"""``F.linear`` on ShardTensors runs torch's linear on the shards, its bias added inside the
+kernel where each rank holds whole output rows and afterwards elsewhere (NOTE [A linear layer
+runs torch's linear on the shards]); a product's layout is worked out once per value of its
+operands (NOTE [A product's layout is worked out once per value]). Against one process in
+float64: values, every gradient (input, weight, bias) and the output's layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import shardsci
+from shardsci.tensor._ops import _matmul_ops
+from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+
+TOKENS = (3, 0, 5, 3)  # uneven, one rank empty
+
+
+def _linear(features_in: int, features_out: int, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(features_in, features_out, bias=bias, dtype=torch.float64)
+
+
+def _one_axis_body() -> None:
+    mesh = get_mesh((4,))
+    rows = Layout((Shard(1),), {1: TOKENS})
+    x = torch.randn(2, 11, 4, dtype=torch.float64)
+    for name, module in {
+        "bias folded": _linear(4, 7),
+        "no bias": _linear(4, 7, bias=False),
+    }.items():
+        check_against_reference(
+            lambda m, a: m(a), [x], [rows], mesh, module=module, out_layouts=[rows], what=name
+        )
+    # A bias given as a replicated ShardTensor is folded too, its gradient summed over the mesh.
+    w, b = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+    check_against_reference(
+        F.linear,
+        [x, w, b],
+        [rows, None, Layout((Replicate(),))],
+        mesh,
+        out_layouts=[rows],
+        what="replicated ShardTensor bias",
+    )
+    # The input features sharded: a pending sum over the mesh, the bias added afterwards.
+    features = Layout((Shard(2),), {2: TOKENS})
+    check_against_reference(
+        lambda m, a: m(a),
+        [torch.randn(2, 3, 11, dtype=torch.float64)],
+        [features],
+        mesh,
+        module=_linear(11, 5),
+        out_layouts=[Layout((Partial(),))],
+        what="features sharded",
+    )
+    # Rows and output features sharded over one axis (a ring product): the bias afterwards.
+    check_against_reference(
+        F.linear,
+        [torch.randn(11, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64), b[:1]],
+        [Layout((Shard(0),), {0: TOKENS}), Layout((Shard(0),), {0: TOKENS}), None],
+        mesh,
+        out_layouts=[Layout((Shard(0),), {0: TOKENS})],
+        not_a_gather="the weight's rows are the ring's moving operand",
+        what="ring",
+    )
+
+
+def test_linear_on_one_mesh_axis() -> None:
+    run_on_ranks(4, _one_axis_body)
+
+
+def _two_axes_body() -> None:
+    mesh = get_mesh((2, 2))
+    blocks = Layout((Shard(0), Shard(1)), {0: (1, 3), 1: (6, 0)})
+    check_against_reference(
+        lambda m, a: m(a),
+        [torch.randn(4, 6, 3, dtype=torch.float64)],
+        [blocks],
+        mesh,
+        module=_linear(3, 2),
+        out_layouts=[blocks],
+        what="2x2, an empty block",
+    )
+    # Features sharded over one axis, rows over the other: pending over the first only.
+    mixed = Layout((Shard(1), Shard(0)), {1: (2, 4), 0: (3, 1)})
+    check_against_reference(
+        lambda m, a: m(a),
+        [torch.randn(4, 6, dtype=torch.float64)],
+        [mixed],
+        mesh,
+        module=_linear(6, 5),
+        out_layouts=[Layout((Partial(), Shard(0)), {0: (3, 1)})],
+        what="2x2, features and rows sharded",
+    )
+
+
+def test_linear_on_a_two_axis_mesh() -> None:
+    run_on_ranks(4, _two_axes_body)
+
+
+def _layouts_worked_out_body() -> list[int]:
+    """How often each product's output layout is built over three calls of the same layouts."""
+    shardsci.clear_caches()
+    mesh = get_mesh((2,))
+    x = shardsci.distribute_tensor(torch.ones(2, 5, 4), mesh, [Shard(1)], {0: (4, 1)})
+    module, w = _linear(4, 3).float(), torch.ones(4, 2)
+    built = []
+    original = _matmul_ops._output_spec
+
+    def counted(*args, **kwargs):
+        built.append(args[0])
+        return original(*args, **kwargs)
+
+    _matmul_ops._output_spec = counted
+    try:
+        counts = []
+        for _ in range(3):
+            module(x).sum().full_tensor().backward()
+            torch.einsum("bli,io->blo", x, w)
+            x @ w
+            counts.append(len(built))
+    finally:
+        _matmul_ops._output_spec = original
+    return counts
+
+
+def test_a_product_layout_is_worked_out_once_per_value() -> None:
+    """NOTE [A product's layout is worked out once per value]: the second and third calls
+    build no output layout (linear, einsum and matmul: 3 layouts on the first)."""
+    for counts in run_on_ranks(2, _layouts_worked_out_body):
+        assert counts == [3, 3, 3], counts
