@@ -23,6 +23,7 @@ from shardsci.tensor._ops import (
     _scalar_ops,  # noqa: F401
     _scan_ops,  # noqa: F401
     _search_ops,  # noqa: F401
+    _slice_scatter_ops,  # noqa: F401
     _softmax_ops,  # noqa: F401
     _unpool_ops,  # noqa: F401
     _view_ops,  # noqa: F401
