@@ -317,9 +317,6 @@ UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
 #: none of the cases it applies to shows its bug.
 KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "__getitem__": (_GATHERED.cases((0,), ("2r-uneven", "2x2-uneven")),),
-    "_batch_norm_with_update": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "_chunk_cat": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "2x2-uneven", "2x2-last")),),
     "_segment_reduce.lengths": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
