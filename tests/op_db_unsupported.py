@@ -657,7 +657,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "take": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "torch.ops.aten._safe_softmax.default": (_GATHERED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "trapezoid": (_WRONG_LAYOUT.cases((0,), ("4r-random",)),),
     "triangular_solve": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
