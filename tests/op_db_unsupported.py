@@ -583,7 +583,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "qr": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "renorm": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "2x2-uneven", "2x2-last")),),
     "sort": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven",)),
