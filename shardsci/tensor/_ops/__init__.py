@@ -12,6 +12,7 @@ from shardsci.tensor._ops import (
     _fractional_pool_ops,  # noqa: F401
     _gather_scatter_ops,  # noqa: F401
     _gathered_ops,  # noqa: F401
+    _gradient_ops,  # noqa: F401
     _index_ops,  # noqa: F401
     _interpolate_ops,  # noqa: F401
     _loss_ops,  # noqa: F401
