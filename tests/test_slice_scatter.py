@@ -92,3 +92,30 @@ def _body(name: str) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_slice_write_keeps_the_field_layout(name: str) -> None:
     run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
+
+
+def _eager_writes_body() -> None:
+    mesh = get_mesh((2,))
+    layout = parse("S1; 1=2/5")
+    torch.manual_seed(0)
+    u = torch.randn(SHAPE, dtype=torch.float64)
+    g = torch.randn(6, 3, dtype=torch.float64)
+    writes = {"u[:, 1::2] = g": (slice(None), slice(1, None, 2)), "u[:, 0] = g": (..., 0)}
+    for what, key in writes.items():
+        expected = u.clone()
+        expected[key] = g[:, 0] if what == "u[:, 0] = g" else g
+        shard = _sharded(u, layout, mesh)
+        shard[key] = g[:, 0] if what == "u[:, 0] = g" else g
+        assert_all_ranks(
+            torch.equal(shard.full_tensor(), expected), f"eager {what}: the write was lost"
+        )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="eager u[:, 0] = g on a split dim is silently lost: select along a split dim "
+    "returns a broadcast copy, not a view, so copy_ writes into the copy (found here, not "
+    "fixed: the __setitem__ handler lives in _gather_scatter_ops)",
+)
+def test_an_eager_boundary_write_into_a_split_dim_is_kept() -> None:
+    run_on_ranks(2, _eager_writes_body)
