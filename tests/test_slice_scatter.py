@@ -1,5 +1,5 @@
 """A write into a slice of a sharded field (``slice_scatter``, ``select_scatter``: what
-functionalization and torch.compile make of a boundary write ``u[..., 0] = g``) keeps the
+functionalization makes of a boundary write ``u[..., 0] = g``) keeps the
 field's layout, against one process in float64: values, the gradients of the field and of
 the source, the output's placements and shard sizes (before, DTensor's rule replicated the
 written dim: every rank held the whole field), and no byte moved in forward (``count_traffic``)
@@ -114,8 +114,9 @@ def _eager_writes_body() -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="eager u[:, 0] = g on a split dim is silently lost: select along a split dim "
-    "returns a broadcast copy, not a view, so copy_ writes into the copy (found here, not "
-    "fixed: the __setitem__ handler lives in _gather_scatter_ops)",
+    "returns a broadcast copy, not a view, so copy_ writes into the copy (also compiled with "
+    "aot_eager through ShardTensors: wrong values; found here, not fixed: the __setitem__ "
+    "handler lives in _gather_scatter_ops)",
 )
 def test_an_eager_boundary_write_into_a_split_dim_is_kept() -> None:
     run_on_ranks(2, _eager_writes_body)

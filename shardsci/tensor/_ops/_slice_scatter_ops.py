@@ -1,11 +1,13 @@
 """``slice_scatter`` and ``select_scatter``: a write into a slice of a sharded tensor, kept in
 the tensor's layout.
 
-Functionalization and torch.compile turn an in-place write into a slice, ``u[..., 0] = g``
-(a Dirichlet boundary), into these ops. DTensor's rule replicates the sliced dim, so a
-compiled step with a boundary condition would gather the field. Here the output has the
-input's layout and each rank writes the part of the source that lands in its own shard
-(NOTE [A slice write lands where its cells are]).
+Functionalization turns an in-place write into a slice, ``u[..., 0] = g`` (a Dirichlet
+boundary), into these ops: a functionalized or exported graph run on ShardTensors calls them
+(under ``tracing_through_shardtensors`` the shards are functionalized instead, below this
+dispatch, and these handlers are not reached). DTensor's rule replicates the sliced dim, so
+such a graph would gather the field. Here the output has the input's layout and each rank
+writes the part of the source that lands in its own shard (NOTE [A slice write lands where
+its cells are]).
 """
 
 from __future__ import annotations
