@@ -39,19 +39,23 @@ def parse(text: str) -> Layout:
     """A layout in short form: placements per mesh axis, then each sharded dim's sizes.
 
     ``"S2; 2=7/4"`` is ``Layout((Shard(2),), {2: (7, 4)})``; ``"S0,S0; 0=2/1/1/1"`` nests dim
-    0 over both axes; ``"R,P"`` is (Replicate, Partial sum); ``"S1,S0; 0=1/3; 1=2/1"``. Tokens:
-    ``S<dim>``, ``R``, ``P`` (sum), ``Pavg``, ``Pmax``, ``Pmin``, ``Pnorm`` (the 2-norm partial).
+    0 over both axes, axis 0 outermost, and ``"S0,S0; 0[1,0]=2/1/1/1"`` axis 1 outermost;
+    ``"R,P"`` is (Replicate, Partial sum); ``"S1,S0; 0=1/3; 1=2/1"``. Tokens: ``S<dim>``, ``R``,
+    ``P`` (sum), ``Pavg``, ``Pmax``, ``Pmin``, ``Pnorm`` (the 2-norm partial).
     """
     head, *dims = [part.strip() for part in text.split(";")]
     placements = tuple(
         Shard(int(token[1:])) if token.startswith("S") else _PLACEMENTS[token]
         for token in (t.strip() for t in head.split(","))
     )
-    sizes = {}
+    sizes, order = {}, {}
     for part in dims:
         dim, values = part.split("=")
+        if "[" in dim:
+            dim, axes = dim.rstrip("]").split("[")
+            order[int(dim)] = tuple(int(a) for a in axes.split(","))
         sizes[int(dim)] = tuple(int(v) for v in values.split("/"))
-    return Layout(placements, sizes)
+    return Layout(placements, sizes, order)
 
 
 def _sizes(layout: Layout, shape: Sequence[int], mesh: Sequence[int]) -> dict[int, tuple]:

@@ -308,13 +308,24 @@ def test_rms_norm(case: Sharded) -> None:
 
 
 def _native_batch_norm_body(case: Sharded, statistics: Layout) -> None:
-    """aten's batch norm called directly: the output in the input's layout, the batch mean
-    and inverse standard deviation sharded like the channels."""
+    """aten's batch norms called directly: the output in the input's layout, the batch mean
+    and inverse standard deviation sharded like the channels; ``_batch_norm_with_update``
+    (what ``F.batch_norm`` becomes in traced graphs; before, it had no handler and gathered
+    the input) also updates the running statistics as one process does."""
     torch.manual_seed(0)
     channels = case.shape[1]
     x = torch.randn(case.shape, dtype=F64)
     w, b = torch.randn(channels, dtype=F64), torch.randn(channels, dtype=F64)
+    initial = torch.rand(channels, dtype=F64), torch.rand(channels, dtype=F64) + 1
+    running: list[tuple[torch.Tensor, torch.Tensor]] = []  # the reference's, then the shards'
+
+    def with_update(a, w, b):
+        mean, var = initial[0].clone(), initial[1].clone()
+        running.append((mean, var))
+        return torch.ops.aten._batch_norm_with_update(a, w, b, mean, var, 0.3, 1e-4)[:3]
+
     for what, call in {
+        "aten._batch_norm_with_update": with_update,
         "torch.native_batch_norm": lambda a, w, b: torch.native_batch_norm(
             a, w, b, None, None, True, 0.1, 1e-5
         ),
@@ -331,12 +342,21 @@ def _native_batch_norm_body(case: Sharded, statistics: Layout) -> None:
             rtol=0,
             what=f"{case}/{what}",
         )
+    (mean, var), (sharded_mean, sharded_var) = running
+    assert_all_ranks(
+        torch.allclose(sharded_mean, mean, rtol=0, atol=1e-12)
+        and torch.allclose(sharded_var, var, rtol=0, atol=1e-12),
+        f"{case}: running statistics {sharded_mean}, {sharded_var}; one process {mean}, {var}",
+    )
 
 
 @pytest.mark.parametrize(
     "case, statistics",
     [
+        (SPATIAL[1], Layout((Replicate(),), {})),
         (SPATIAL[3], Layout((Replicate(), Replicate()), {})),
+        (BATCH[1], Layout((Replicate(),), {})),
+        (CHANNELS[1], Layout((Shard(0),), {0: (2, 0, 2, 0)})),
         (CHANNELS[2], Layout((Shard(0), Replicate()), {0: (3, 1)})),
     ],
     ids=str,

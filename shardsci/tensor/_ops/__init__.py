@@ -12,6 +12,7 @@ from shardsci.tensor._ops import (
     _fractional_pool_ops,  # noqa: F401
     _gather_scatter_ops,  # noqa: F401
     _gathered_ops,  # noqa: F401
+    _gradient_ops,  # noqa: F401
     _index_ops,  # noqa: F401
     _interpolate_ops,  # noqa: F401
     _loss_ops,  # noqa: F401
@@ -23,6 +24,7 @@ from shardsci.tensor._ops import (
     _scalar_ops,  # noqa: F401
     _scan_ops,  # noqa: F401
     _search_ops,  # noqa: F401
+    _slice_scatter_ops,  # noqa: F401
     _softmax_ops,  # noqa: F401
     _unpool_ops,  # noqa: F401
     _view_ops,  # noqa: F401

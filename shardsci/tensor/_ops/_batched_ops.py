@@ -3,7 +3,8 @@ shards when only the independent dims are sharded.
 
 Padding as aten ops (``reflection_pad*``, ``replication_pad*``; ``F.pad`` itself has a halo
 handler) and their backward, ``unfold`` along a whole dim, average-pooling backward,
-``im2col``/``col2im`` with only the batch sharded, and ``renorm`` along the sharded dim: each
+``im2col``/``col2im`` with only the batch sharded, and ``renorm`` along the sharded dim (across
+it, a function handler reduces each slice's norm over the mesh instead): each
 rank computes its block of the output from its shards, with no communication, and the output
 keeps the input's shardings (the independent dims keep their positions). An op whose core
 dims are sharded is computed on gathered inputs (``_gathered_ops``), except two with
@@ -82,6 +83,32 @@ def _batched(func, args, kwargs):
     for s in spec.shardings:
         shape[s.dim] = spec.shape[s.dim]
     return ShardTensor(out, _with_shape(spec, shape, out.dtype))
+
+
+def _renorm_signature(input, p, dim, maxnorm):
+    """``torch.renorm`` and ``Tensor.renorm``."""
+
+
+@register_function_handler(torch.renorm, torch.Tensor.renorm)
+def _renorm_across_shards(func, args, kwargs):
+    """``renorm`` with dims other than ``dim`` (the core dims) sharded: each slice's p-norm is
+    reduced over the mesh by ``vector_norm``'s own handler (one all-reduce of a number per
+    slice), then every rank scales its cells by torch's factor, ``maxnorm / (norm + 1e-7)``
+    where the norm exceeds ``maxnorm``. The output keeps the input's layout (the aten path
+    gathers the core dims) and the gradient is autograd's through the norm, as
+    ``renorm_backward`` computes it."""
+    a = bind(func, args, kwargs, signature=_renorm_signature)
+    x = a.input
+    if not isinstance(x, ShardTensor) or x.ndim == 0:
+        return NotImplemented
+    dim = a.dim % x.ndim
+    core = [d for d in range(x.ndim) if d != dim]
+    if not accepts(x, sharded=core, floating=True):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors (a non-positive p), on every rank
+    norm = torch.linalg.vector_norm(x, a.p, dim=core, keepdim=True)
+    factor = torch.where(norm > a.maxnorm, a.maxnorm / (norm + 1e-7), torch.ones_like(norm))
+    return x * factor
 
 
 def _laid_out_like(t: torch.Tensor, spec: ShardTensorSpec) -> bool:

@@ -19,7 +19,12 @@ box exchange plus reductions]) and transformed, the last dim first. Its axes go 
    W-sharded spectrum, fft over W of a W-sharded one an H-sharded spectrum.
 4. else (every dim is transformed, e.g. a 1-D signal) the dim is gathered, transformed and
    sliced back to its shards.
-Axes joining a sharded dim nest in increasing mesh-axis order. rfft's real (last) dim is
+Axes joining a sharded dim nest inside its own axes: each of its shards is split further and
+its boundaries stay, so an output cell stays with the ranks along those axes that held the
+input cells it is computed from (NOTE [An output cell belongs to the shard it depends on] in
+``tests/expected_layouts.py``; fft along H of an (H/0, W/1) block gives W/(1, 0), each W
+block split between the two ranks that held its H halves, not W/(0, 1), which moves W's
+cells across axis 1). rfft's real (last) dim is
 transformed first, with the local dims or alone; irfft's real dim last, after every complex
 dim (c2r keeps only the real part of what the others produce). A moved dim takes the shard
 sizes last remembered (hints) for that dim, axes and extent, else ``torch.chunk``'s; a dim
@@ -55,7 +60,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
-from shardsci.tensor._binding import Arguments, bind
+from shardsci.tensor._binding import Arguments, bind, replaced
 from shardsci.tensor._caches import cached
 from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._redistribute import target_spec
@@ -129,6 +134,38 @@ def _fft(func, args, kwargs):
         steps, _ = _plan(layout, call.dims, x.ndim, kind.real, False)
     hints = merged_hints(x._spec.hints, x._spec.shardings)
     return _run(x, steps, call, hints)
+
+
+#: ``hfft*`` / ``ihfft*`` -> the real transform of the conjugate they are, with ``norm``
+#: swapped: ``ihfftn(x) = conj(rfftn(x))``, ``hfftn(x) = irfftn(conj(x))``.
+_CONJUGATE_TWINS = {
+    torch.fft.ihfft: torch.fft.rfft,
+    torch.fft.ihfft2: torch.fft.rfft2,
+    torch.fft.ihfftn: torch.fft.rfftn,
+    torch.fft.hfft: torch.fft.irfft,
+    torch.fft.hfft2: torch.fft.irfft2,
+    torch.fft.hfftn: torch.fft.irfftn,
+}
+_SWAPPED_NORM = {None: "forward", "backward": "forward", "forward": "backward", "ortho": "ortho"}
+
+
+@register_function_handler(*_CONJUGATE_TWINS)
+def _hermitian_fft(func, args, kwargs):
+    """Hermitian transforms take their real twin's path and layouts (DTensor gathered them):
+    the input (``hfft*``) or the output (``ihfft*``) conjugated, ``backward`` and ``forward``
+    normalisation swapped."""
+    a = bind(func, args, kwargs)
+    x = a.input
+    if not accepts(x, partial=True) or a.out is not None:
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors, named for this function, on every rank
+    inverse = func in (torch.fft.hfft, torch.fft.hfft2, torch.fft.hfftn)
+    values = {"norm": _SWAPPED_NORM[a.norm]}
+    if inverse:
+        values["input"] = torch.conj_physical(x)
+    args, kwargs = replaced(func, args, kwargs, values)
+    out = _CONJUGATE_TWINS[func](*args, **kwargs)
+    return out if inverse else torch.conj_physical(out)
 
 
 @dataclass(frozen=True)
@@ -231,7 +268,7 @@ def _plan(
         moved = axes_of.pop(dim)
         target = _target(dim, axes_of, dims, done, ndim)
         if target is not None:
-            axes_of[target] = tuple(sorted(axes_of.get(target, ()) + moved))
+            axes_of[target] = axes_of.get(target, ()) + moved
         steps.append(_Move(_frozen(axes_of)))
         transform([dim], real)
         if target is None:
@@ -401,13 +438,17 @@ def _moved_spec(
 def _sizes(
     spec: ShardTensorSpec, dim: int, axes: tuple[int, ...], memory: list[DimSharding]
 ) -> tuple[int, ...]:
-    """Unchanged sharding keeps its sizes; else the newest remembered ones; else chunk."""
+    """Unchanged sharding keeps its sizes; else the newest remembered ones; else, for axes
+    nested inside the dim's own, each shard chunked over them; else chunk."""
     current = spec.sharding_by_dim.get(dim)
     if current is not None and current.axes == axes:
         return current.sizes
     position = _remembered_at(memory, dim, axes, spec.shape[dim])
     if position is not None:
         return memory[position].sizes
+    if current is not None and axes[: len(current.axes)] == current.axes:
+        inner = [spec.mesh_shape[a] for a in axes[len(current.axes) :]]
+        return tuple(n for size in current.sizes for n in nested_chunk_sizes(size, inner))
     return nested_chunk_sizes(spec.shape[dim], [spec.mesh_shape[a] for a in axes])
 
 

@@ -27,8 +27,10 @@ sharding channels (C numbers each). GroupNorm needs each group on one rank: chan
 cut a group are moved to the nearest group boundaries first and the output moved back
 (``_groups_whole``; only the straddling channels move, nothing when the shards split between
 groups). aten's layer and batch norms called directly (``torch.native_layer_norm``,
-``torch.native_batch_norm``, ``torch._native_batch_norm_legit``) share these paths and return
-their statistics too. Declined (``NotImplemented``, default path): inputs with a Partial axis; running
+``torch.native_batch_norm``, ``torch._native_batch_norm_legit``, and
+``aten._batch_norm_with_update``, which ``F.batch_norm`` becomes in graphs torch.export and
+AOTAutograd trace) share these paths and return their statistics too. Declined
+(``NotImplemented``, default path): inputs with a Partial axis; running
 statistics that are ShardTensors; weights that are sharded ShardTensors.
 
 # NOTE [Normalisation statistics across shards]
@@ -124,6 +126,8 @@ from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec, coordinate_over_axes
 from shardsci.tensor._torch_compat import _native_batch_norm_legit
+
+aten = torch.ops.aten
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -620,15 +624,54 @@ def _native_batch_norm(func, args, kwargs):
     running_mean, running_var = (None, None) if given == 6 else (a.running_mean, a.running_var)
     if not accepts(x, replicated=[weight, bias], plain=[running_mean, running_var]):
         return NotImplemented
-    out, mean, var = _batch_normalized(
+    return _with_statistics(
         x, weight, bias, running_mean, running_var, a.training, a.momentum, a.eps
+    )
+
+
+def _updating(input, weight, bias, running_mean, running_var, momentum, eps):
+    """The parameters of ``aten._batch_norm_with_update`` (training, running statistics
+    updated in place)."""
+
+
+@register_function_handler(aten._batch_norm_with_update, aten._batch_norm_with_update.default)
+def _batch_norm_with_update(func, args, kwargs):
+    """The training batch norm that ``F.batch_norm`` becomes in traced graphs (torch.export,
+    AOTAutograd; such a graph run on ShardTensors calls it): as ``torch.native_batch_norm``,
+    plus the backend's reserve, an empty byte tensor on each rank (as the native kernel's:
+    this path keeps no cuDNN workspace)."""
+    a = bind(func, args, kwargs, signature=_updating)
+    x, weight, bias = a.input, a.weight, a.bias
+    if not accepts(x, replicated=[weight, bias], plain=[a.running_mean, a.running_var]):
+        return NotImplemented
+    out, mean, inverse_std = _with_statistics(
+        x, weight, bias, a.running_mean, a.running_var, True, a.momentum, a.eps
+    )
+    reserve = out.to_local().new_empty(0, dtype=torch.uint8)
+    return out, mean, inverse_std, from_local_spec(reserve, _per_channel(x, 0, torch.uint8))
+
+
+def _with_statistics(
+    x: ShardTensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+) -> tuple[ShardTensor, ShardTensor, ShardTensor]:
+    """Batch norm of ``x`` and its batch mean and inverse standard deviation (``(C,)``, laid
+    out by ``_per_channel``; empty when not training), as aten's batch norms return them."""
+    out, mean, var = _batch_normalized(
+        x, weight, bias, running_mean, running_var, training, momentum, eps
     )
     if mean is None:
         empty = out.to_local().new_empty(0)
         mean = inverse_std = from_local_spec(empty, _per_channel(x, 0, empty.dtype))
         return out, mean, inverse_std
     spec = _per_channel(x, x.shape[1], mean.dtype)
-    inverse_std = torch.rsqrt(var + a.eps).flatten()
+    inverse_std = torch.rsqrt(var + eps).flatten()
     return out, from_local_spec(mean.flatten(), spec), from_local_spec(inverse_std, spec)
 
 

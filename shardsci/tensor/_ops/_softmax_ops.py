@@ -35,6 +35,23 @@ def _softmax(func, args, kwargs):
     return aten.sub.Tensor(shifted, aten.log.default(total))
 
 
+@register_aten_handler(aten._safe_softmax.default)
+def _safe_softmax(func, args, kwargs):
+    """softmax whose rows of only ``-inf`` give zeros, not NaN (SDPA's math path with a
+    boolean mask): the softmax above (or the local one, along a whole dim) and a row test
+    ``all(x == -inf)`` reduced along ``dim`` like any ``all``, every piece in ``x``'s layout
+    (DTensor has no rule for it and gathered). Its backward is softmax's."""
+    a = bind(func, args, kwargs)
+    x, dim = a.self, a.dim
+    if not accepts(x):
+        return NotImplemented
+    if a.dtype is not None:
+        x = aten._to_copy.default(x, dtype=a.dtype)
+    out = aten._softmax.default(x, dim, False)
+    empty_rows = aten.all.dim(aten.eq.Scalar(x, float("-inf")), dim, True)
+    return aten.where.self(empty_rows, aten.zeros_like.default(out), out)
+
+
 @register_aten_handler(aten._softmax_backward_data.default)
 def _softmax_backward(func, args, kwargs):
     a = bind(func, args, kwargs)

@@ -1,0 +1,112 @@
+"""``slice_scatter`` and ``select_scatter``: a write into a slice of a sharded tensor, kept in
+the tensor's layout.
+
+Functionalization turns an in-place write into a slice, ``u[..., 0] = g`` (a Dirichlet
+boundary), into these ops: a functionalized or exported graph run on ShardTensors calls them
+(under ``tracing_through_shardtensors`` the shards are functionalized instead, below this
+dispatch, and these handlers are not reached). DTensor's rule replicates the sliced dim, so
+such a graph would gather the field. Here the output has the input's layout and each rank
+writes the part of the source that lands in its own shard (NOTE [A slice write lands where
+its cells are]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._binding import bind
+from shardsci.tensor._ops._common import accepts, dim_layout
+from shardsci.tensor._ops._index_ops import _selected_count, _slice_bounds
+from shardsci.tensor._redistribute import redistribute_local
+from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._shape_probe import probe_on_meta
+from shardsci.tensor._spec import ShardTensorSpec
+
+aten = torch.ops.aten
+
+
+# NOTE [A slice write lands where its cells are]
+# ``slice_scatter(x, src, dim, start, end, step)`` is ``x`` with the cells ``start:end:step``
+# of ``dim`` replaced by ``src``. Every output cell depends on one input cell (of ``x`` or of
+# ``src``) at its own position, so the output keeps ``x``'s layout. Along ``dim``, the rank
+# holding ``x``'s cells ``[o, o + n)`` writes the selected ones among them, which are the
+# source's rows ``[k, k + c)`` (``k`` selected before ``o``): the source is needed in ``x``'s
+# layout with ``dim`` cut into those counts (the layout ``x[start:end:step]`` has, so a
+# source computed from that slice is already there), and on every other dim as ``x``. A
+# replicated or plain source is cut locally; a source sharded alike is used as it is; any
+# other is redistributed to that layout, explicitly (a box exchange of the source only,
+# seen by the gather guard), never the field. The backward is autograd's: the gradient
+# sliced for the source, and written with zeros for ``x``, both kept in their layouts.
+@register_aten_handler(aten.slice_scatter.default)
+def _slice_scatter(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    x, src = a.self, a.src
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, src):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    dim = a.dim % x.ndim
+    start, end = _slice_bounds(x.shape[dim], a.start, a.end)
+    return _written(x, src, dim, start, end, a.step)
+
+
+@register_aten_handler(aten.select_scatter.default)
+def _select_scatter(func, args, kwargs):
+    """A select's write is a slice's of one row: ``src`` with ``dim`` put back."""
+    a = bind(func, args, kwargs)
+    x, src = a.self, a.src
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, src):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)
+    dim = a.dim % x.ndim
+    index = a.index % x.shape[dim]
+    return _written(x, aten.unsqueeze.default(src, dim), dim, index, index + 1, 1)
+
+
+def _written(x: ShardTensor, src: torch.Tensor, dim: int, start: int, end: int, step: int):
+    """``x`` with cells ``start:end:step`` of ``dim`` replaced by ``src``, in ``x``'s layout
+    (NOTE above)."""
+    spec = x._spec
+    if dim in spec.sharding_by_dim:
+        sharding, group, starts = dim_layout(spec, dim)
+        counts = tuple(
+            _selected_count(o, min(o + n, end), start, step) for o, n in zip(starts, sharding.sizes)
+        )
+        mine = group.index
+        lo = max(starts[mine], start)
+        first = start + -(-(lo - start) // step) * step - starts[mine]
+    else:
+        counts, mine, first = (len(range(start, end, step)),), 0, start
+    source = _source_local(src, _source_spec(spec, dim, counts))
+    out = x._local.clone()
+    if counts[mine]:
+        rows = slice(first, first + (counts[mine] - 1) * step + 1, step)
+        out[(slice(None),) * dim + (rows,)] = source
+    return ShardTensor(out, spec)
+
+
+def _source_spec(spec: ShardTensorSpec, dim: int, counts: tuple[int, ...]) -> ShardTensorSpec:
+    """``spec`` with ``dim`` holding ``counts`` cells per rank (whole when unsharded)."""
+    shape = list(spec.shape)
+    shape[dim] = sum(counts)
+    sizes = {s.dim: s.sizes for s in spec.shardings}
+    if dim in sizes:
+        sizes[dim] = counts
+    return ShardTensorSpec.build(
+        spec.mesh,
+        spec.placements,
+        shape,
+        spec.dtype,
+        sizes,
+        order={s.dim: s.axes for s in spec.shardings},
+    )
+
+
+def _source_local(src: torch.Tensor, target: ShardTensorSpec) -> torch.Tensor:
+    """This rank's part of ``src`` in the ``target`` layout: cut locally from a plain or
+    replicated source, redistributed from a sharded one (nothing moves when alike)."""
+    if isinstance(src, ShardTensor):
+        if src._spec.shardings:
+            return redistribute_local(src._local, src._spec, target.with_dtype(src.dtype))
+        src = src._local
+    return target.narrow(src)
