@@ -31,7 +31,6 @@ index.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +51,13 @@ from shardsci.tensor._gather_plan import (
     rows_sent_home,
     summed_rows,
 )
-from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local, sharding_axes
+from shardsci.tensor._ops._common import (
+    accepts,
+    dim_layout,
+    replicated_local,
+    sharding_axes,
+    sizes_at_extent,
+)
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._registry import (
     function_handler_for,
@@ -338,8 +343,7 @@ def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: 
             shard_output(d if d < dim else d + index.ndim - 1, sharding.axes, sharding.sizes)
             continue
         n = index.shape[d]  # gather reads position i along d from x's position i
-        bounds = [min(sum(sharding.sizes[:k]), n) for k in range(len(sharding.sizes) + 1)]
-        shard_output(d, sharding.axes, tuple(b - a for a, b in itertools.pairwise(bounds)))
+        shard_output(d, sharding.axes, sizes_at_extent(sharding.sizes, n))
         begin = min(starts[d], n)
         index = index.narrow(d, begin, min(starts[d] + local_sizes[d], n) - begin)
     plan, sliced = None, None
@@ -396,15 +400,12 @@ def _through_replicated(
 
 
 def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
-    """``x``, which every rank holds whole (the zeros that torch's backward of an aten
-    ``gather`` makes with ``new_zeros``), sharded like the gather's output ``source``, a dim
-    longer than the source's with its extra cells on the last rank: a layout from which that
-    gather reads ``source``'s layout (NOTE [A gather through a replicated index keeps the
-    input's layout]). A local slice; nothing moves."""
-    sizes = {
-        s.dim: (*s.sizes[:-1], s.sizes[-1] + x.shape[s.dim] - source.shape[s.dim])
-        for s in source.shardings
-    }
+    """``x``, which every rank holds whole (a plain destination), sharded like the gather's
+    output ``source``, a dim longer than the source's with its extra cells on the last rank:
+    a layout from which that gather reads ``source``'s layout (NOTE [A gather through a
+    replicated index keeps the input's layout]), the one ``new_zeros`` gives the zeros of
+    torch's backward (``_factory_ops``). A local slice; nothing moves."""
+    sizes = {s.dim: sizes_at_extent(s.sizes, x.shape[s.dim]) for s in source.shardings}
     order = {s.dim: s.axes for s in source.shardings}
     spec = ShardTensorSpec.build(
         x._spec.mesh, source.placements, x.shape, x.dtype, sizes, order=order
