@@ -38,10 +38,15 @@ def _cases() -> dict[str, object]:
     )
     near = near.clamp(0, SHAPE[1] - 1)  # each cell reads its own row or a neighbour
     rows0 = torch.tensor([1, 3, 3])
+    swapped = torch.arange(SHAPE[1]).reshape(-1, 2).flip(1).reshape(-1)  # 1, 0, 3, 2, ...
     return {
         "x[[1, 3]], a list key": lambda x: x[[1, 3]],
         "x[..., i, :, :], an ellipsis first": lambda x: x[..., rows0, :, :],
         "aten index along dim 0": lambda x: aten.index.Tensor(x, [rows0]),
+        "x[..., swapped, :], along the split dim": lambda x: x[..., swapped, :],
+        "aten index_select, along the split dim": lambda x: aten.index_select.default(
+            x, 1, swapped
+        ),
         "aten gather, a near index": lambda x: aten.gather.default(x, 1, near),
         "take_along_dim, a near index": lambda x: torch.take_along_dim(x, near, 1),
     }

@@ -294,7 +294,8 @@ def _gather(func, args, kwargs):
 # cells of those rows, so it may receive more than the cells it reads (for a random index,
 # up to the remote part of its block's rows, never more than gathering ``x`` would). The
 # backward is the plan's adjoint (the halo rows go home); at the aten level, torch's
-# ``scatter_add`` into zeros it makes whole takes ``_scatter_add_through_replicated``.
+# ``scatter_add``, ``index_add`` or accumulating ``index_put`` of the gradient into the zeros
+# it makes (sharded like the input, ``_factory_ops``) takes ``_added_through_replicated``.
 @dataclass(frozen=True)
 class _Reading:
     """What this rank reads of a tensor sharded on any dims through a replicated index (NOTE
@@ -413,33 +414,38 @@ def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
     return from_local_spec(spec.narrow(x.to_local()), spec)
 
 
-def _scatter_add_through_replicated(
-    func, args, kwargs, x: object, dim: int, index: object, src: object, *, in_place: bool
-) -> object:
-    """``scatter_add`` through a replicated index of a source laid out as the ``gather`` from
-    ``x`` with that index would be (the backward of that gather, NOTE [A gather through a
-    replicated index keeps the input's layout]): each rank adds its block of the source into
-    its rows and the halo rows the gather read, and the halo rows travel back to their owners,
-    unless the source is replicated over the gathered dim's axes (then each rank keeps the
-    sums of its own rows: every value is on every rank of that group). A destination every
-    rank holds whole is first cut to a layout that gather reads (``_cut_for``)."""
+def _added_through_replicated(
+    func, x: object, dim: int, index: object, src: object, add, *,
+    cell_wise: bool, in_place: bool, probe: tuple | None,
+) -> object:  # fmt: skip
+    """``add(into, dim, index, values)`` (``scatter_add``: ``cell_wise``, the index has ``x``'s
+    dims; ``index_add``, ``index_put`` with ``accumulate``: the index's dims replace ``dim``)
+    through a replicated index of a source laid out as the gather from ``x`` with that index
+    would be: the adjoint of that gather, its backward (NOTE [A gather through a replicated
+    index keeps the input's layout]). Each rank adds its block of the source into its rows
+    and the halo rows the gather read, and the halo rows travel back to their owners, unless
+    the source is replicated over the gathered dim's axes (then each rank keeps the sums of its
+    own rows: every value is on every rank of that group). A destination every rank holds
+    whole is first cut to a layout that ``gather`` reads (``_cut_for``). ``probe``: the call's
+    ``(args, kwargs)``, for torch's errors on shapes (None: the caller probed)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, src):
         return NotImplemented
-    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    if probe is not None:
+        probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
     dim = dim % x.ndim
     if not x._spec.shardings:
-        if in_place:
+        if in_place or not cell_wise:
             return NotImplemented  # the result would not fit the destination's layout
         x = _cut_for(x, src._spec)
-    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=True)
+    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=cell_wise)
     if not src._spec.same_layout(reading.spec):
         return NotImplemented
     destination, values, plan = x.to_local(), src.to_local(), reading.plan
     if plan is None:
-        out = destination.scatter_add(dim, reading.index, values)
+        out = add(destination.clone(), dim, reading.index, values)
     else:
         shape = [plan.owned + plan.halo if d == dim else n for d, n in enumerate(destination.shape)]
-        total = destination.new_zeros(shape).scatter_add(dim, reading.index, values)
+        total = add(destination.new_zeros(shape), dim, reading.index, values)
         if reading.replicated:
             total = total.narrow(dim, 0, plan.owned)
         else:
@@ -447,6 +453,11 @@ def _scatter_add_through_replicated(
         out = destination + total
     result = from_local_spec(out, x._spec.with_dtype(out.dtype))
     return x.copy_(result) if in_place else result
+
+
+def _sharded(t: object) -> bool:
+    """Whether ``t`` is a ShardTensor split along some dim."""
+    return isinstance(t, ShardTensor) and bool(t._spec.shardings)
 
 
 # ---------------------------------------------------------------------------- scatters
@@ -631,13 +642,19 @@ def _combined(
 def _index_add(func, args, kwargs):
     a = bind(func, args, kwargs)
     if _replicated_index(a.index) is not None and a.get("out") is None:
-        alpha = a.alpha
+        alpha, in_place = a.alpha, func is torch.Tensor.index_add_
+        if _sharded(a.source) and _replicated_index(a.index).ndim == 1:
+            return _added_through_replicated(
+                func, a.input, a.dim, a.index, a.source,
+                lambda into, dim, index, src: into.index_add_(dim, index, src, alpha=alpha),
+                cell_wise=False, in_place=in_place, probe=(args, kwargs),
+            )  # fmt: skip
         return _index_by_owner(
             func, args, kwargs, a,
             lambda into, dim, index, src: into.scatter_add_(
                 dim, index, src if alpha == 1 else src * alpha
             ),
-            in_place=func is torch.Tensor.index_add_,
+            in_place=in_place,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None or indexed.index.ndim != 1:
@@ -651,10 +668,12 @@ def _scatter_add(func, args, kwargs):
     a = bind(func, args, kwargs)
     if _replicated_index(a.index) is not None and a.get("out") is None:
         in_place = func is torch.Tensor.scatter_add_
-        if isinstance(a.src, ShardTensor) and a.src._spec.shardings:
-            return _scatter_add_through_replicated(
-                func, args, kwargs, a.input, a.dim, a.index, a.src, in_place=in_place
-            )
+        if _sharded(a.src):
+            return _added_through_replicated(
+                func, a.input, a.dim, a.index, a.src,
+                lambda into, dim, index, src: into.scatter_add_(dim, index, src),
+                cell_wise=True, in_place=in_place, probe=(args, kwargs),
+            )  # fmt: skip
         return _scatter_by_owner(
             func, args, kwargs, a.input, a.dim, a.index, a.src,
             lambda into, dim, index, src: into.scatter_add_(dim, index, src),
@@ -886,6 +905,26 @@ def _index_put(func, args, kwargs):
     """
     a = bind(func, args, kwargs, signature=_index_put_signature)
     x, values = a.input, a["values"]  # not ``a.values``: the dict's method
+    tensors = [i for i in a.indices if i is not None] if isinstance(a.indices, list | tuple) else []
+    if (
+        _sharded(values)
+        and a.accumulate
+        and len(tensors) == 1
+        and _replicated_index(tensors[0]) is not None
+        and isinstance(x, ShardTensor)
+    ):
+        # the gradient of ``x[..., idx]`` added into zeros: the adjoint of that gather
+        first = next(k for k, i in enumerate(a.indices) if i is not None)
+        index = _replicated_index(tensors[0])
+        index = torch.where(index < 0, index + x.shape[first], index)  # torch wraps negatives
+        probe_on_meta(aten.index_put.default, (x, [None] * first + [index], values, True))
+        return _added_through_replicated(
+            func, x, first, index, values,
+            lambda into, dim, index, src: aten.index_put_.default(
+                into, [None] * dim + [index], src, True
+            ),
+            cell_wise=False, in_place=func is torch.Tensor.index_put_, probe=None,
+        )  # fmt: skip
     advanced = _advanced_indices(a.indices, x)
     if advanced is None or not isinstance(values, torch.Tensor) or not accepts(x):
         return NotImplemented
