@@ -162,13 +162,20 @@ def _extended_rows(indexed: _Indexed, plan: GatherPlan) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- gathers
-def _tensor_key(key: object) -> tuple[int, list[torch.Tensor]] | None:
+def _tensor_key(key: object, ndim: int) -> tuple[int, list[torch.Tensor]] | None:
     """``(first dim, index tensors)`` for a key of adjacent index tensors after full slices
-    (``x[:, i, j]``) and before full slices or an ellipsis; else None."""
-    if isinstance(key, torch.Tensor):
-        return 0, [key]
+    (``x[:, i, j]``) and before full slices or an ellipsis, of a tensor of ``ndim`` dims; a
+    list of integers is an index tensor (``x[[1, 2]]``) and a leading ellipsis stands for
+    full slices (``x[..., i, :]``), as in torch; else None."""
+    if isinstance(key, (torch.Tensor, list)):
+        key = (key,)
     if not isinstance(key, tuple):
         return None
+    key = tuple(_as_index(k) for k in key)
+    if key and key[0] is Ellipsis:
+        if ndim < len(key) - 1:
+            return None  # torch's error
+        key = (slice(None),) * (ndim - len(key) + 1) + key[1:]
     positions = [i for i, k in enumerate(key) if isinstance(k, torch.Tensor)]
     if not positions or positions != list(range(positions[0], positions[0] + len(positions))):
         return None
@@ -180,10 +187,21 @@ def _tensor_key(key: object) -> tuple[int, list[torch.Tensor]] | None:
     return first, list(key[first:stop])
 
 
-def _getitem_key(key: object) -> tuple[int, torch.Tensor] | None:
+def _as_index(item: object) -> object:
+    """A list of integers as the index tensor torch reads it as; anything else as it is."""
+    if not isinstance(item, list) or not item:
+        return item
+    try:
+        index = torch.tensor(item)
+    except (TypeError, ValueError, RuntimeError):
+        return item  # a list of tensors or slices: torch's own conversion
+    return index if index.dtype == torch.int64 else item
+
+
+def _getitem_key(key: object, ndim: int) -> tuple[int, torch.Tensor] | None:
     """``(dim, index)`` for a key that is one integer tensor after full slices (``x[:, idx]``)
     and before full slices or an ellipsis; else None."""
-    found = _tensor_key(key)
+    found = _tensor_key(key, ndim)
     if found is None or len(found[1]) != 1:
         return None
     return found[0], found[1][0]
@@ -196,7 +214,9 @@ def _is_full_slice(item: object) -> bool:
 @register_function_handler(torch.Tensor.__getitem__)
 def _getitem(func, args, kwargs):
     a = bind(func, args, kwargs)
-    found = _getitem_key(a.key)
+    if not isinstance(a.self, torch.Tensor):
+        return NotImplemented
+    found = _getitem_key(a.key, a.self.ndim)
     if found is None:
         return NotImplemented
     dim, index = found
@@ -286,13 +306,16 @@ def _gather(func, args, kwargs):
 # the gathered dim, when it is sharded, an output of ``x``'s extent there (a permutation,
 # ``take_along_dim`` with an index of ``x``'s shape) keeps ``x``'s sizes: each rank reads its
 # own range of the index and receives the remote rows that range names (every rank knows
-# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``); an
-# output of another extent is replicated over those axes, each rank receiving every remote
-# row the index names. The index's range is checked on the whole index, so every rank raises
-# alike. A row of the rank's block is the unit that moves: for ``x[idx]`` and
-# ``index_select`` that is the byte bound of the output's layout; ``gather`` reads single
-# cells of those rows, so it may receive more than the cells it reads (for a random index,
-# up to the remote part of its block's rows, never more than gathering ``x`` would). The
+# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``). An
+# output of another extent through a 1-D index whose entries' owners never decrease along it
+# (a sorted index, ``x[[1, 2]]``, ``take``) holds each entry on the rank that owns its row:
+# nothing moves. Any other output of another extent is replicated over those axes, each
+# rank receiving every remote row the index names. The index's range is checked on the whole
+# index, so every rank raises alike. A row of the rank's block is the unit that moves: for
+# ``x[idx]`` and ``index_select`` that is the byte bound of the output's layout; ``gather``
+# reads single cells of those rows, so it may receive more than the cells it reads (for a
+# random index, up to the remote part of its block's rows, never more than gathering ``x``
+# would). The
 # backward is the plan's adjoint (the halo rows go home); at the aten level, torch's
 # ``scatter_add``, ``index_add`` or accumulating ``index_put`` of the gradient into the zeros
 # it makes (sharded like the input, ``_factory_ops``) takes ``_added_through_replicated``.
@@ -349,7 +372,13 @@ def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: 
         index = index.narrow(d, begin, min(starts[d] + local_sizes[d], n) - begin)
     plan, sliced = None, None
     if dim in spec.sharding_by_dim:
-        sharding, group, _ = dim_layout(spec, dim)
+        sharding, group, group_starts = dim_layout(spec, dim)
+        counts = None if cell_wise else _owned_runs(index, sharding.sizes, group_starts, extent)
+        if counts is not None:  # each rank reads its own rows only
+            shard_output(dim, sharding.axes, counts)
+            before = sum(counts[: group.index])
+            local = index[before : before + counts[group.index]] - group_starts[group.index]
+            return _Reading(local, None, False, _built(spec, placements, shape, sizes, order))
         sliced = dim if cell_wise else 0
         if index.shape[sliced] != extent or (not cell_wise and index.ndim != 1):
             sliced = None
@@ -359,15 +388,35 @@ def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: 
         index = plan.local_index
         if sliced is not None:
             shard_output(dim, sharding.axes, sharding.sizes)
-    out_spec = ShardTensorSpec.build(
+    out_spec = _built(spec, placements, shape, sizes, order)
+    return _Reading(index, plan, plan is not None and sliced is None, out_spec)
+
+
+def _built(spec: ShardTensorSpec, placements, shape, sizes: dict, order: dict) -> ShardTensorSpec:
+    """The output layout ``_reading`` states, on ``spec``'s mesh and dtype."""
+    return ShardTensorSpec.build(
         spec.mesh,
         placements,
         shape,
-        x.dtype,
+        spec.dtype,
         {d: sizes[d] for d in sorted(sizes)},
         order={d: order[d] for d in sorted(order)},
     )
-    return _Reading(index, plan, plan is not None and sliced is None, out_spec)
+
+
+def _owned_runs(
+    index: torch.Tensor, sizes: tuple[int, ...], starts: list[int], extent: int
+) -> tuple[int, ...] | None:
+    """How many entries of the 1-D ``index`` each rank owns, when an output of another extent
+    than ``extent`` can hold them where they are: the owners of its entries never decrease
+    along it (a sorted index, ``x[[1, 2]]``), so each rank's entries are one run; else None."""
+    if index.ndim != 1 or index.shape[0] == extent:
+        return None
+    ends = torch.tensor([a + n for a, n in zip(starts, sizes)], device=index.device)
+    owners = torch.searchsorted(ends, index, right=True)
+    if bool((owners[1:] < owners[:-1]).any()):
+        return None
+    return tuple(int(n) for n in torch.bincount(owners, minlength=len(sizes)))
 
 
 def _checked_index(func, x: ShardTensor, dim: int, index: object) -> torch.Tensor:
@@ -980,8 +1029,8 @@ def _setitem(func, args, kwargs):
     sharded gradient, which no handler takes)."""
     a = bind(func, args, kwargs)
     x, value = a.self, a.value
-    found = _tensor_key(a.key)
-    if not isinstance(x, ShardTensor) or found is None:
+    found = _tensor_key(a.key, x.ndim) if isinstance(x, ShardTensor) else None
+    if found is None:
         return NotImplemented
     first, tensors = found
     if not isinstance(value, torch.Tensor):
@@ -1086,6 +1135,59 @@ def _index_fill(func, args, kwargs):
 
 def _index_fill_signature(input, dim, index, value):
     """``index_fill``'s parameters (a builtin with several aten schemas)."""
+
+
+# ---------------------------------------------------------------------------- flat positions
+@register_function_handler(torch.put, torch.Tensor.put, torch.Tensor.put_)
+def _put(func, args, kwargs):
+    """``x.put(index, source)``: ``index_put`` (above) at the cells whose flat (row-major)
+    positions the replicated ``index`` names, unravelled into one index per dim, so that
+    each value is written where it lands on any layout and nothing moves."""
+    a = bind(func, args, kwargs, signature=_put_signature)
+    x, index, source = a.input, _replicated_index(a.index), a.source
+    if (
+        not isinstance(x, ShardTensor)
+        or x.ndim == 0
+        or index is None
+        or not isinstance(source, torch.Tensor)
+        or _sharded(source)
+        or not accepts(x)
+    ):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    flat = _flat_positions(func, x, index).reshape(-1)
+    cells = list(torch.unravel_index(flat, x.shape))
+    out = _index_put(torch.index_put, (x, cells, source.reshape(-1), a.accumulate), {})
+    return x.copy_(out) if func is torch.Tensor.put_ else out
+
+
+def _put_signature(input, index, source, accumulate=False):
+    """``put``'s parameters (a builtin without an inspectable signature)."""
+
+
+@register_function_handler(torch.take, torch.Tensor.take)
+def _take(func, args, kwargs):
+    """``x.take(index)``, ``x.reshape(-1)[index]``, through the replicated ``index`` (NOTE [A
+    gather through a replicated index keeps the input's layout]) when only the leading dim is
+    split: each shard is then a run of the flat order, and the flattened view keeps it."""
+    a = bind(func, args, kwargs)
+    x, index = a.input, _replicated_index(a.index)
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or index is None or not accepts(x):
+        return NotImplemented
+    if set(x._spec.sharding_by_dim) - {0} or a.get("out") is not None:
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    return _through_replicated(
+        func, x.reshape(-1), 0, _flat_positions(func, x, index), cell_wise=False
+    )
+
+
+def _flat_positions(func, x: ShardTensor, index: torch.Tensor) -> torch.Tensor:
+    """``index``'s flat positions into ``x``, negatives wrapped as torch does, checked in
+    range on every rank alike."""
+    flat = torch.where(index < 0, index + x.numel(), index)
+    _check_in_range(func, flat, 0, x.numel())
+    return flat
 
 
 # ---------------------------------------------------------------------------- below autograd
