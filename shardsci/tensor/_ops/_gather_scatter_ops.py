@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
@@ -230,17 +230,70 @@ def _getitem(func, args, kwargs):
 
 @register_aten_handler(aten.index.Tensor)
 def _index(func, args, kwargs):
-    """Aten's ``x[:, ..., idx]`` (one integer index after leading ``None``; the gradient of
-    ``index_put``'s values, a decomposed ``x[idx]``) through a replicated index, as ``x[idx]``
-    above; several indices or a mask take the default path."""
+    """Aten's ``x[:, ..., idx]`` (replicated integer indices or boolean masks after leading
+    ``None``, ``_advanced_indices``; the gradient of ``index_put``'s values, a decomposed
+    ``x[idx]``): one index as ``x[idx]`` above; several (``x[i, j]``, a 2-D mask) by
+    ``_cells_read``. Anything else takes the default path."""
     a = bind(func, args, kwargs)
-    indices = list(a.indices)
-    first = next((k for k, index in enumerate(indices) if index is not None), len(indices))
-    if len(indices) != first + 1 or _replicated_index(indices[first]) is None:
+    advanced = _advanced_indices(a.indices, a.self)
+    if advanced is None or not accepts(a.self):
         return NotImplemented
-    return _through_replicated(
-        torch.Tensor.__getitem__, a.self, first, indices[first], cell_wise=False
+    first, tensors = advanced
+    if len(tensors) == 1:
+        return _through_replicated(
+            torch.Tensor.__getitem__, a.self, first, tensors[0], cell_wise=False
+        )
+    probe_on_meta(func, (a.self, [None] * first + tensors), {})  # torch's errors, every rank
+    return _cells_read(a.self, first, tensors)
+
+
+def _cells_read(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> ShardTensor:
+    """``x[..., i, j, ...]`` through replicated integer indices of the adjacent dims from
+    ``first`` on, broadcast together into the entries' dims: each rank reads the entries whose
+    cells lie in its block and zeros for the others, so the entries are a pending sum over the
+    axes that split the indexed dims (each cell is on one rank of them); split dims outside
+    keep their split. Nothing moves: whoever needs the entries whole reduces them (an
+    all-reduce of the entries, not of ``x``), and their backward writes where they land."""
+    spec, last = x._spec, first + len(indices)
+    for k, index in enumerate(indices):  # torch wraps negatives; its range, on every rank
+        indices[k] = torch.where(index < 0, index + x.shape[first + k], index)
+        _check_in_range(torch.Tensor.__getitem__, indices[k], first + k, x.shape[first + k])
+    entries = torch.broadcast_shapes(*(index.shape for index in indices))
+    starts, sizes = spec.local_offsets(), spec.local_shape()
+    local_shape = (*sizes[:first], *entries, *sizes[last:])
+    if all(sizes[first:last]):
+        mine = torch.ones(entries, dtype=torch.bool, device=indices[0].device)
+        local = []
+        for d, index in enumerate(indices, start=first):
+            shifted = index - starts[d]
+            inside = (shifted >= 0) & (shifted < sizes[d])
+            mine = mine & inside
+            local.append(torch.where(inside, shifted, 0))
+        read = x._local[(slice(None),) * first + tuple(local)]
+        mine = mine.reshape((1,) * first + tuple(entries) + (1,) * (x.ndim - last))
+        out = torch.where(mine.to(read.device), read, 0)
+    else:
+        out = x._local.new_zeros(local_shape)
+    placements = list(spec.placements)
+    shardings = {}
+    for sharding in spec.shardings:
+        if first <= sharding.dim < last:
+            for axis in sharding.axes:
+                placements[axis] = Partial()
+            continue
+        d = sharding.dim if sharding.dim < first else sharding.dim - len(indices) + len(entries)
+        for axis in sharding.axes:
+            placements[axis] = Shard(d)
+        shardings[d] = sharding
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        (*x.shape[:first], *entries, *x.shape[last:]),
+        out.dtype,
+        {d: s.sizes for d, s in shardings.items()},
+        order={d: s.axes for d, s in shardings.items()},
     )
+    return from_local_spec(out, out_spec)
 
 
 @register_function_handler(torch.index_select, torch.Tensor.index_select)
@@ -812,13 +865,14 @@ def _scatter_by_owner(
     has probed the call and found the index in range (before expanding it)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
         return NotImplemented
-    if isinstance(src, ShardTensor) and (src._spec.shardings or src._spec.partial):
-        return NotImplemented
     spec, index, dim = x._spec, _replicated_index(index), dim % x.ndim
+    block = _source_block(src, spec, dim, index) if _sharded(src) else None
+    if (_sharded(src) and block is None) or (isinstance(src, ShardTensor) and src._spec.partial):
+        return NotImplemented
     if not checked:
         probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
         _check_in_range(func, index, dim, x.shape[dim])
-    if isinstance(src, torch.Tensor):
+    if isinstance(src, torch.Tensor) and block is None:
         src = replicated_local(src, spec.mesh, sharding_axes(spec))
     starts, sizes = spec.local_offsets(), spec.local_shape()
     for sharding in spec.shardings:
@@ -828,8 +882,9 @@ def _scatter_by_owner(
         begin = min(starts[d], index.shape[d])
         end = min(starts[d] + sizes[d], index.shape[d])
         index = index.narrow(d, begin, end - begin)
-        if isinstance(src, torch.Tensor):
+        if isinstance(src, torch.Tensor) and block is None:
             src = src.narrow(d, begin, end - begin)
+    src = src if block is None else block
     # the output, written in place: one new shard (and a spare slice), as torch's own scatter
     destination = x.to_local()
     if dim in spec.sharding_by_dim:
@@ -841,6 +896,28 @@ def _scatter_by_owner(
         out = scatter(destination.clone(), dim, index, src)
     result = from_local_spec(out, spec.with_dtype(out.dtype))
     return x.copy_(result) if in_place else result
+
+
+def _source_block(
+    src: ShardTensor, spec: ShardTensorSpec, dim: int, index: torch.Tensor
+) -> torch.Tensor | None:
+    """This rank's block of a split ``src`` laid out as the ``gather`` through ``index`` from a
+    tensor of layout ``spec`` along ``dim`` reads it when that output is not split along
+    ``dim`` (NOTE [A gather through a replicated index keeps the input's layout]: split dims
+    cut at the index's extent; a backward formula's masked source, ``scatter_reduce``'s prod,
+    is such a gather), its gradient summed over the axes of ``dim``; None when it is laid out
+    otherwise."""
+    wanted = {
+        s.dim: (s.axes, sizes_at_extent(s.sizes, index.shape[s.dim]))
+        for s in spec.shardings
+        if s.dim != dim
+    }
+    layout = src._spec
+    if layout.mesh != spec.mesh or {s.dim: (s.axes, s.sizes) for s in layout.shardings} != wanted:
+        return None
+    axes = set(spec.sharding_by_dim[dim].axes) if dim in spec.sharding_by_dim else set()
+    placements = [Partial() if a in axes else p for a, p in enumerate(layout.placements)]
+    return src.to_local(grad_placements=placements)
 
 
 @register_function_handler(torch.scatter, torch.Tensor.scatter, torch.Tensor.scatter_)
@@ -1048,19 +1125,17 @@ def _masked_index_put_accumulate(func, args, kwargs):
     """``x.index_put(indices, values.masked_fill(~mask, 0), accumulate=True)`` with every
     index clamped into its dim, as torch's decomposition computes it (a masked-out entry may
     name any cell): the ``index_put`` above, each entry added where it lands, nothing moved.
-    It is the backward of interpolation and of ``embedding`` by frequency. A sharded mask or
-    value, or an empty ``x``, takes the gathered fallback (``_gathered_ops``), as the op did
-    before; so does a value's gradient, torch's ``_unsafe_masked_index`` of the sharded
-    gradient."""
+    It is the backward of interpolation, of ``embedding`` by frequency and of
+    ``_unsafe_masked_index`` (``_masked_index``): a value sharded like that read is added
+    through its adjoint (``_added_through_replicated``). A sharded mask, a value in another
+    layout, or an empty ``x`` takes the gathered fallback (``_gathered_ops``)."""
     a = bind(func, args, kwargs)
     x, mask, values = a.self, a.mask, a["values"]  # not ``a.values``: the dict's method
     if (
         _advanced_indices(a.indices, x) is None
         or x.numel() == 0
-        or any(
-            isinstance(t, ShardTensor) and (t._spec.shardings or t._spec.partial)
-            for t in (mask, values)
-        )
+        or _sharded(mask)
+        or any(isinstance(t, ShardTensor) and t._spec.partial for t in (mask, values))
     ):
         return gathered(func, args, kwargs)
     indices = [
@@ -1068,7 +1143,28 @@ def _masked_index_put_accumulate(func, args, kwargs):
         for d, index in enumerate(a.indices)
     ]
     masked = values.masked_fill(~mask, 0)
-    return _index_put(torch.index_put, (x, indices, masked, True), {})
+    out = _index_put(torch.index_put, (x, indices, masked, True), {})
+    return gathered(func, args, kwargs) if out is NotImplemented else out
+
+
+@register_aten_handler(aten._unsafe_masked_index.default)
+def _masked_index(func, args, kwargs):
+    """``torch.where(mask, x[indices], fill)`` with every index clamped into its dim, as
+    torch's decomposition computes it (interpolation's and ``embedding``'s forward): the read
+    through ``_index`` (one index as ``x[idx]``; several where the cells are), then masked.
+    A sharded mask, or indices ``_index`` declines, take the gathered fallback."""
+    a = bind(func, args, kwargs)
+    x, mask = a.self, a.mask
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or _sharded(mask):
+        return gathered(func, args, kwargs)
+    indices = [
+        None if index is None else index.clamp(-x.shape[d], x.shape[d] - 1)
+        for d, index in enumerate(a.indices)
+    ]
+    read = _index(aten.index.Tensor, (x, indices), {})
+    if read is NotImplemented:
+        return gathered(func, args, kwargs)
+    return aten.where.ScalarOther(mask, read, a.fill)
 
 
 def _advanced_indices(indices: object, x: object) -> tuple[int, list[torch.Tensor]] | None:
@@ -1193,14 +1289,14 @@ def _flat_positions(func, x: ShardTensor, index: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- below autograd
 # The gathers and the scatters through a replicated index, reached at the aten level only (a
 # backward formula, a decomposition, a traced graph): the same handlers on the same arguments.
-# The gradient of a scatter's source (or of ``index_fill``'s value) is an aten ``gather`` or
-# ``index_select`` from the gradient, sharded like the destination, through the same index
-# (and a sum): the gathers above take it on any layout, so such a source may need a gradient.
-# So may ``index_put``'s values through one integer index: their gradient is an aten ``index``
-# through it (``_index``). The other sources that need one (``index_put``'s values through
-# several indices or a mask, the reductions ``scatter_reduce`` and ``index_reduce``) take the
-# default path, ``scatter_reduce`` the gathered fallback of ``_gathered_ops``, as a sharded
-# index does.
+# A source may need a gradient: torch's backward formula computes it from the gradient,
+# sharded like the destination, with ops that keep the layout. For a scatter's source (or
+# ``index_fill``'s value) that is an aten ``gather`` or ``index_select`` through the same
+# index (and a sum); for ``scatter_reduce`` and ``index_reduce`` also the result gathered
+# there and elementwise masks (ties of amax/amin, zeros of prod, the counts of mean, scattered
+# with ``scatter_add``); for ``index_put``'s values an aten ``index`` through the same
+# indices or mask (``_index``). A sharded index declines (``scatter_reduce``: the gathered
+# fallback of ``_gathered_ops``).
 _AT_TORCH_LEVEL = {
     aten.gather.default: torch.gather,
     aten.index_select.default: torch.index_select,
@@ -1215,13 +1311,6 @@ _AT_TORCH_LEVEL = {
     aten.index_fill.int_Tensor: torch.index_fill,
     aten.index_put.default: torch.index_put,
 }
-_SOURCE_GRADIENT_TAKEN = {
-    aten.scatter_add.default,
-    aten.scatter.src,
-    aten.index_add.default,
-    aten.index_copy.default,
-    aten.index_fill.int_Tensor,
-}
 
 
 @register_aten_handler(*_AT_TORCH_LEVEL)
@@ -1234,18 +1323,6 @@ def _below_autograd(func, args, kwargs):
         replicated = _advanced_indices(a.indices, a.self) is not None
     else:
         replicated = _replicated_index(a.index) is not None
-    sources = [a.get(name) for name in ("src", "source", "value", "values")]
-    graded = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in sources
-    )
-    if graded and func is aten.index_put.default:
-        # the values' gradient is an aten ``index`` through the same indices (``_index``)
-        graded = (
-            len([i for i in a.indices if i is not None]) != 1
-            or _replicated_index(next(i for i in a.indices if i is not None)) is None
-        )
-    elif graded:
-        graded = func not in _SOURCE_GRADIENT_TAKEN
-    if not replicated or graded:
+    if not replicated:
         return gathered(func, args, kwargs) if func is aten.scatter_reduce.two else NotImplemented
     return function_handler_for(torch_func)(torch_func, args, kwargs)

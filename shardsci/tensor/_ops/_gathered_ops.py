@@ -74,7 +74,6 @@ GATHERED = (
     aten._embedding_bag_per_sample_weights_backward,
     aten.fractional_max_pool2d_backward,
     aten.fractional_max_pool3d_backward,
-    aten._unsafe_masked_index,
 )
 
 
