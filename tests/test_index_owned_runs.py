@@ -2,10 +2,11 @@
 process, float64 (NOTE [A gather through a replicated index keeps the input's layout], NOTE
 [Scatters through a replicated index write where they land]).
 
-``x[[1, 2, 2, 5]]`` (a list key, with an ellipsis after or before it) and ``take`` with a
-1-D index whose entries' owners never decrease hold each entry on the rank that owns its row:
-the output is split along the gathered dim with each rank's count of entries, and no byte is
-received (``count_traffic``). An index whose owners go back (``x[[5, 0]]``) gives an output
+``x[[1, 2, 2, 5]]`` (a list key, with an ellipsis after or before it), ``x[[1, 2, 5], [0, 3,
+1]]`` (several indices: owners over the axes of the split indexed dims, row-major) and
+``take`` with a 1-D index whose entries' owners never decrease hold each entry on the rank
+that owns its cell: the output is split along the entries' dim with each rank's count of
+entries, and no byte is received in the forward (``count_traffic``). An index whose owners go back (``x[[5, 0]]``) gives an output
 replicated over that dim's axes. ``put`` (plain and accumulating, negative positions) keeps
 the input's layout on any layout and moves nothing. Values, the input's gradient and the
 output's layout (placements and shard sizes, stated here from the rule) on 2 uneven ranks,
@@ -94,6 +95,20 @@ def _cases(layout: Layout) -> dict[str, tuple]:
             True,
         ),
     }
+    # several indices: the entries' owners over the axes of the split indexed dims, row-major
+    pairs = ([1, 2, 5], [0, 3, 1])
+    owners = [0] * len(pairs[0])
+    for d in sorted(layout.sizes):
+        for k, position in enumerate(pairs[d]):
+            owners[k] = owners[k] * len(layout.sizes[d]) + _owned(
+                layout.sizes[d], [position]
+            ).index(1)
+    counts = tuple(owners.count(k) for k in range(math.prod(len(v) for v in layout.sizes.values())))
+    cases["x[[1, 2, 5], [0, 3, 1]], several indices"] = (
+        lambda x: x[pairs],
+        Layout((Shard(0),) * len(layout.placements), {0: counts}),
+        True,
+    )
     if set(layout.sizes) == {0}:  # the flat order runs through the shards of dim 0 alone
         owners = _owned(dim0, [p // row for p in flat])
         cases["take"] = (

@@ -31,6 +31,7 @@ index.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,17 +250,22 @@ def _index(func, args, kwargs):
 
 def _cells_read(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> ShardTensor:
     """``x[..., i, j, ...]`` through replicated integer indices of the adjacent dims from
-    ``first`` on, broadcast together into the entries' dims: each rank reads the entries whose
-    cells lie in its block and zeros for the others, so the entries are a pending sum over the
-    axes that split the indexed dims (each cell is on one rank of them); split dims outside
-    keep their split. Nothing moves: whoever needs the entries whole reduces them (an
-    all-reduce of the entries, not of ``x``), and their backward writes where they land."""
+    ``first`` on, broadcast together into the entries' dims. Entries along one dim whose
+    owners (row-major over the axes that split the indexed dims) never decrease along it are
+    held by their owners (``_entry_runs``). Otherwise each rank reads the entries whose cells
+    lie in its block and zeros for the others, so the entries are a pending sum over those
+    axes (each cell is on one rank of them). Split dims outside keep their split. Nothing
+    moves: whoever needs the entries whole reduces them (an all-reduce of the entries, not of
+    ``x``), and their backward writes where they land."""
     spec, last = x._spec, first + len(indices)
     for k, index in enumerate(indices):  # torch wraps negatives; its range, on every rank
         indices[k] = torch.where(index < 0, index + x.shape[first + k], index)
         _check_in_range(torch.Tensor.__getitem__, indices[k], first + k, x.shape[first + k])
     entries = torch.broadcast_shapes(*(index.shape for index in indices))
     starts, sizes = spec.local_offsets(), spec.local_shape()
+    runs = _entry_runs(x, first, indices) if len(entries) == 1 else None
+    if runs is not None:
+        return runs
     local_shape = (*sizes[:first], *entries, *sizes[last:])
     if all(sizes[first:last]):
         mine = torch.ones(entries, dtype=torch.bool, device=indices[0].device)
@@ -292,6 +298,52 @@ def _cells_read(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> Shar
         out.dtype,
         {d: s.sizes for d, s in shardings.items()},
         order={d: s.axes for d, s in shardings.items()},
+    )
+    return from_local_spec(out, out_spec)
+
+
+def _entry_runs(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> ShardTensor | None:
+    """``x[..., i, j, ...]`` (in-range indices of the dims from ``first`` on, broadcast to one
+    dim) with each entry on the rank that owns its cell, when the owners never decrease along
+    the entries: their dim is split over the axes of the split indexed dims (in dim order),
+    each rank reading its run of them from its own block; else None."""
+    spec, x_dims = x._spec, range(first, first + len(indices))
+    split = [spec.sharding_by_dim[d] for d in x_dims if d in spec.sharding_by_dim]
+    if not split or spec.partial:
+        return None
+    shape = torch.broadcast_shapes(*(index.shape for index in indices))
+    indices = [index.expand(shape) for index in indices]
+    owners, mine = torch.zeros_like(indices[0]), 0
+    for sharding in split:
+        _, group, starts = dim_layout(spec, sharding.dim)
+        ends = torch.tensor([a + n for a, n in zip(starts, sharding.sizes)], device=owners.device)
+        coordinate = torch.searchsorted(ends, indices[sharding.dim - first], right=True)
+        owners, mine = owners * group.size + coordinate, mine * group.size + group.index
+    if bool((owners[1:] < owners[:-1]).any()):
+        return None
+    counts = torch.bincount(owners, minlength=math.prod(len(s.sizes) for s in split)).tolist()
+    begin = sum(counts[:mine])
+    offsets = spec.local_offsets()
+    local = [index[begin : begin + counts[mine]] - offsets[d] for d, index in zip(x_dims, indices)]
+    out = x._local[(slice(None),) * first + tuple(local)]
+    axes = tuple(axis for s in split for axis in s.axes)
+    placements, sizes, order = list(spec.placements), {first: tuple(counts)}, {first: axes}
+    for axis in axes:
+        placements[axis] = Shard(first)
+    for sharding in spec.shardings:
+        if first <= sharding.dim < first + len(indices):
+            continue
+        d = sharding.dim if sharding.dim < first else sharding.dim - len(indices) + 1
+        for axis in sharding.axes:
+            placements[axis] = Shard(d)
+        sizes[d], order[d] = sharding.sizes, sharding.axes
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        (*x.shape[:first], shape[0], *x.shape[first + len(indices) :]),
+        out.dtype,
+        dict(sorted(sizes.items())),
+        order=dict(sorted(order.items())),
     )
     return from_local_spec(out, out_spec)
 
@@ -433,7 +485,7 @@ def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: 
             local = index[before : before + counts[group.index]] - group_starts[group.index]
             return _Reading(local, None, False, _built(spec, placements, shape, sizes, order))
         sliced = dim if cell_wise else 0
-        if index.shape[sliced] != extent or (not cell_wise and index.ndim != 1):
+        if (not cell_wise and index.ndim != 1) or index.shape[sliced] != extent:
             sliced = None
         plan = gather_plan(
             index, sharding.sizes, group, replicated=True, sliced=sliced, what=func.__name__
