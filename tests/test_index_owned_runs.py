@@ -6,7 +6,8 @@ process, float64 (NOTE [A gather through a replicated index keeps the input's la
 1]]`` (several indices: owners over the axes of the split indexed dims, row-major) and
 ``take`` with a 1-D index whose entries' owners never decrease hold each entry on the rank
 that owns its cell: the output is split along the entries' dim with each rank's count of
-entries, and no byte is received in the forward (``count_traffic``). An index whose owners go back (``x[[5, 0]]``) gives an output
+entries, and no byte is received in the forward (``count_traffic``). An outer product of
+indices of the input's extents (``x[i[:, None], j[None, :]]``) keeps the input's layout. An index whose owners go back (``x[[5, 0]]``) gives an output
 replicated over that dim's axes. ``put`` (plain and accumulating, negative positions) keeps
 the input's layout on any layout and moves nothing. Values, the input's gradient and the
 output's layout (placements and shard sizes, stated here from the rule) on 2 uneven ranks,
@@ -108,6 +109,13 @@ def _cases(layout: Layout) -> dict[str, tuple]:
         lambda x: x[pairs],
         Layout((Shard(0),) * len(layout.placements), {0: counts}),
         True,
+    )
+    # an outer product of indices of the input's extents (interpolation's): its layout kept
+    rows, columns = torch.tensor([3, 0, 5, 1, 4, 2]), torch.tensor([4, 2, 0, 1, 3])
+    cases["x[i[:, None], j[None, :]], an outer product"] = (
+        lambda x: x[rows[:, None], columns[None, :]],
+        layout,
+        False,
     )
     if set(layout.sizes) == {0}:  # the flat order runs through the shards of dim 0 alone
         owners = _owned(dim0, [p // row for p in flat])

@@ -25,8 +25,10 @@ These run above autograd: they compose the plan's differentiable exchanges with 
 ops, so the backward of a gather is a scatter-sum of the same plan and vice versa. Anything
 else (boolean masks, several tensor indices, an index sharded over other axes, a destination
 sharded on other dims too, unless the index is replicated) declines to the default path,
-except ``index_put``, which takes several indices and boolean masks through a replicated
-index.
+except ``index_put`` and aten's ``index``, which take several indices and boolean masks
+through a replicated index (``index`` reads where the cells are), and ``put`` and ``take``,
+which go through them by flat position. New tensors of the input's shape that backward
+formulas scatter into are laid out like it (``_factory_ops``).
 """
 
 from __future__ import annotations
@@ -266,6 +268,11 @@ def _cells_read(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> Shar
     runs = _entry_runs(x, first, indices) if len(entries) == 1 else None
     if runs is not None:
         return runs
+    outer = _outer(indices)
+    if outer is not None:  # x[i[:, None], j[None, :]] is x[i][:, j]
+        for d, index in enumerate(outer, start=first):
+            x = _through_replicated(torch.Tensor.__getitem__, x, d, index, cell_wise=False)
+        return x
     local_shape = (*sizes[:first], *entries, *sizes[last:])
     if all(sizes[first:last]):
         mine = torch.ones(entries, dtype=torch.bool, device=indices[0].device)
@@ -300,6 +307,22 @@ def _cells_read(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> Shar
         order={d: s.axes for d, s in shardings.items()},
     )
     return from_local_spec(out, out_spec)
+
+
+def _outer(indices: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The 1-D index of each dim when the indices broadcast as an outer product, the ``k``-th
+    index varying along the ``k``-th entries' dim only (``x[i[:, None], j[None, :]]``, as
+    interpolation indexes); else None."""
+    n = len(indices)
+    if len(torch.broadcast_shapes(*(index.shape for index in indices))) != n:
+        return None
+    found = []
+    for k, index in enumerate(indices):
+        shape = (1,) * (n - index.ndim) + tuple(index.shape)  # broadcasting pads on the left
+        if any(size != 1 for p, size in enumerate(shape) if p != k):
+            return None
+        found.append(index.reshape(-1))
+    return found
 
 
 def _entry_runs(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> ShardTensor | None:
