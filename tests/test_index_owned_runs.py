@@ -2,16 +2,18 @@
 process, float64 (NOTE [A gather through a replicated index keeps the input's layout], NOTE
 [Scatters through a replicated index write where they land]).
 
-``x[[1, 2, 2, 5]]`` (a list key, with an ellipsis after or before it), ``x[[1, 2, 5], [0, 3,
-1]]`` (several indices: owners over the axes of the split indexed dims, row-major) and
-``take`` with a 1-D index whose entries' owners never decrease hold each entry on the rank
-that owns its cell: the output is split along the entries' dim with each rank's count of
-entries, and no byte is received in the forward (``count_traffic``). An outer product of
-indices of the input's extents (``x[i[:, None], j[None, :]]``) keeps the input's layout. An index whose owners go back (``x[[5, 0]]``) gives an output
-replicated over that dim's axes. ``put`` (plain and accumulating, negative positions) keeps
-the input's layout on any layout and moves nothing. Values, the input's gradient and the
-output's layout (placements and shard sizes, stated here from the rule) on 2 uneven ranks,
-4 ranks with an empty shard and a 2x2 mesh.
+``x[[1, 2, 2, 5]]`` (a list key, with an ellipsis after or before it), ``x[mask]``,
+``x[[1, 2, 5], [0, 3, 1]]`` (several indices: owners over the axes of the split indexed dims,
+row-major) and ``take`` with a 1-D index whose entries' owners never decrease hold each entry
+on the rank that owns its cell: the output is split along the entries' dim with each rank's
+count of entries, no byte is received in the forward (``count_traffic``) and nothing is
+gathered in the backward (the gather guard set to "error"; but see ``_BACKWARD_GATHERS``). An index whose
+owners go back (``x[[5, 0]]``) gives an output replicated over that dim's axes. An outer
+product of indices of the input's extents (``x[i[:, None], j[None, :]]``) keeps the input's
+layout. ``put`` (plain and accumulating, negative positions) keeps the input's layout on any
+layout and moves nothing. Values, the input's gradient and the output's layout (placements
+and shard sizes, stated here from the rule) on 2 uneven ranks, 4 ranks with an empty shard
+and a 2x2 mesh.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from shardsci import gather_policy
 from shardsci.handlers import from_local_spec
 from shardsci.testing import (
     Layout,
@@ -79,6 +82,11 @@ def _cases(layout: Layout) -> dict[str, tuple]:
             True,
         ),
         "x[[5, 0]], owners going back": (lambda x: x[[5, 0]], _along_dim0(layout, None), False),
+        "x[mask], a boolean mask": (
+            lambda x: x[torch.tensor([True, False, True, True, False, True])],
+            _along_dim0(layout, _owned(dim0, [0, 2, 3, 5])),
+            True,
+        ),
         "put": (
             lambda x: x.put(
                 torch.tensor([3, 70, -1]), torch.tensor([1.0, 2.0, 3.0], dtype=x.dtype)
@@ -127,6 +135,12 @@ def _cases(layout: Layout) -> dict[str, tuple]:
     return cases
 
 
+#: Their backward adds the entries' gradient into zeros torch makes of the input's shape from
+#: it, of another number of dims: nothing says how to lay them out, so the entries (not the
+#: field) are gathered first.
+_BACKWARD_GATHERS = {"x[[1, 2, 5], [0, 3, 1]], several indices"}
+
+
 def _body(name: str) -> None:
     mesh_shape, layout = LAYOUTS[name]
     mesh = get_mesh(mesh_shape)
@@ -136,7 +150,9 @@ def _body(name: str) -> None:
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
     for what, (fn, expected, still) in _cases(layout).items():
         label = f"{name}: {what}"
-        check_against_reference(fn, [x], [layout], mesh, out_layouts=[expected], what=label)
+        guarded = still and what not in _BACKWARD_GATHERS
+        with gather_policy("error" if guarded else "allow"):  # forward and backward
+            check_against_reference(fn, [x], [layout], mesh, out_layouts=[expected], what=label)
         if still:
             with count_traffic() as traffic:
                 fn(shard)

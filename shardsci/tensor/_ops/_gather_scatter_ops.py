@@ -223,12 +223,26 @@ def _getitem(func, args, kwargs):
     if found is None:
         return NotImplemented
     dim, index = found
+    if _is_plain_mask(index):  # x[mask]: its positions, read above autograd as x[idx]
+        if dim + 1 > a.self.ndim or index.shape[0] != a.self.shape[dim]:
+            return NotImplemented  # torch's error
+        index = index.nonzero().squeeze(1)
     if _replicated_index(index) is not None:
         return _through_replicated(func, a.self, dim, index, cell_wise=False)
     indexed = _indexed(a.self, dim, index)
     if indexed is None:
         return NotImplemented
     return _select_rows(indexed, "x[index]", wrap_negative=True, keep_0d_dim=False)
+
+
+def _is_plain_mask(index: object) -> bool:
+    """Whether ``index`` is a 1-D boolean mask every rank holds whole (a plain tensor)."""
+    return (
+        isinstance(index, torch.Tensor)
+        and not isinstance(index, ShardTensor)
+        and index.dtype == torch.bool
+        and index.ndim == 1
+    )
 
 
 @register_aten_handler(aten.index.Tensor)
