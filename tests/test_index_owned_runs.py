@@ -7,7 +7,7 @@ process, float64 (NOTE [A gather through a replicated index keeps the input's la
 row-major) and ``take`` with a 1-D index whose entries' owners never decrease hold each entry
 on the rank that owns its cell: the output is split along the entries' dim with each rank's
 count of entries, no byte is received in the forward (``count_traffic``) and nothing is
-gathered in the backward (the gather guard set to "error"; but see ``_BACKWARD_GATHERS``). An index whose
+gathered in the backward (the gather guard set to "error"). An index whose
 owners go back (``x[[5, 0]]``) gives an output replicated over that dim's axes. An outer
 product of indices of the input's extents (``x[i[:, None], j[None, :]]``) keeps the input's
 layout. ``put`` (plain and accumulating, negative positions) keeps the input's layout on any
@@ -135,12 +135,6 @@ def _cases(layout: Layout) -> dict[str, tuple]:
     return cases
 
 
-#: Their backward adds the entries' gradient into zeros torch makes of the input's shape from
-#: it, of another number of dims: nothing says how to lay them out, so the entries (not the
-#: field) are gathered first.
-_BACKWARD_GATHERS = {"x[[1, 2, 5], [0, 3, 1]], several indices"}
-
-
 def _body(name: str) -> None:
     mesh_shape, layout = LAYOUTS[name]
     mesh = get_mesh(mesh_shape)
@@ -150,8 +144,7 @@ def _body(name: str) -> None:
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
     for what, (fn, expected, still) in _cases(layout).items():
         label = f"{name}: {what}"
-        guarded = still and what not in _BACKWARD_GATHERS
-        with gather_policy("error" if guarded else "allow"):  # forward and backward
+        with gather_policy("error" if still else "allow"):  # forward and backward
             check_against_reference(fn, [x], [layout], mesh, out_layouts=[expected], what=label)
         if still:
             with count_traffic() as traffic:

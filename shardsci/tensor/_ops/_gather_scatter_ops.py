@@ -56,6 +56,7 @@ from shardsci.tensor._gather_plan import (
 )
 from shardsci.tensor._ops._common import (
     accepts,
+    connected_empty,
     dim_layout,
     replicated_local,
     sharding_axes,
@@ -219,6 +220,14 @@ def _getitem(func, args, kwargs):
     a = bind(func, args, kwargs)
     if not isinstance(a.self, torch.Tensor):
         return NotImplemented
+    several = _tensor_key(a.key, a.self.ndim)
+    if several is not None and len(several[1]) > 1:  # x[i, j]: read above autograd too
+        first, tensors = several
+        advanced = _advanced_indices([None] * first + tensors, a.self)
+        if advanced is None or not accepts(a.self):
+            return NotImplemented
+        probe_on_meta(aten.index.Tensor, (a.self, [None] * first + tensors))  # torch's errors
+        return _cells_read(a.self, *advanced)
     found = _getitem_key(a.key, a.self.ndim)
     if found is None:
         return NotImplemented
@@ -296,11 +305,11 @@ def _cells_read(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> Shar
             inside = (shifted >= 0) & (shifted < sizes[d])
             mine = mine & inside
             local.append(torch.where(inside, shifted, 0))
-        read = x._local[(slice(None),) * first + tuple(local)]
+        read = x.to_local()[(slice(None),) * first + tuple(local)]
         mine = mine.reshape((1,) * first + tuple(entries) + (1,) * (x.ndim - last))
         out = torch.where(mine.to(read.device), read, 0)
     else:
-        out = x._local.new_zeros(local_shape)
+        out = connected_empty(list(local_shape), x._local, x.to_local())  # none of its cells
     placements = list(spec.placements)
     shardings = {}
     for sharding in spec.shardings:
@@ -362,7 +371,7 @@ def _entry_runs(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> Shar
     begin = sum(counts[:mine])
     offsets = spec.local_offsets()
     local = [index[begin : begin + counts[mine]] - offsets[d] for d, index in zip(x_dims, indices)]
-    out = x._local[(slice(None),) * first + tuple(local)]
+    out = x.to_local()[(slice(None),) * first + tuple(local)]
     axes = tuple(axis for s in split for axis in s.axes)
     placements, sizes, order = list(spec.placements), {first: tuple(counts)}, {first: axes}
     for axis in axes:
