@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardsci.tensor._api import ShardTensor
-from shardsci.tensor._binding import bind
+from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._ops._common import accepts, sizes_at_extent
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import ShardTensorSpec
@@ -42,5 +42,8 @@ def _new_like(func, args, kwargs):
         sizes,
         order={s.dim: s.axes for s in spec.shardings},
     )
-    local = func(x._local, list(out_spec.local_shape()), *args[2:], **kwargs)
+    args, kwargs = replaced(
+        func, args, kwargs, {"self": x._local, "size": list(out_spec.local_shape())}
+    )
+    local = func(*args, **kwargs)
     return ShardTensor(local, out_spec.with_dtype(local.dtype))
