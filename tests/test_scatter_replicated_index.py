@@ -8,9 +8,11 @@ one or two dims, accumulated or not), aten's ``_unsafe_masked_index_put_accumula
 interpolation's backward) and ``index_fill`` into a
 destination sharded along the scatter's dim, along another
 dim (with an empty shard, and rows the index does not reach) and both on a 2x2 mesh: values,
-the destination's and the source's gradients, the output's layout (the destination's
-placements and shard sizes), no byte received by ``count_traffic`` in the forward, and an
-out-of-range index refused on every rank.
+the destination's and the source's gradients (at the aten level too, for every reduction and
+for ``index_put`` through several indices or a mask), the output's layout (the destination's
+placements and shard sizes), no gather in the forward or the backward (the gather guard set to
+"error"), no byte received by ``count_traffic`` in the forward, and an out-of-range index
+refused on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.profiler import ProfilerActivity, profile
 
+from shardsci import gather_policy
 from shardsci.handlers import from_local_spec
 from shardsci.testing import (
     Layout,
@@ -154,7 +157,28 @@ def _cases() -> dict[str, object]:
         "aten index_fill, a graded value": lambda x, src: aten.index_fill.int_Tensor(
             x, 1, rows, src.sum()
         ),
+        # the values' gradient is an aten index through several indices or a mask
+        "aten index_put, two indices, a graded value": lambda x, src: aten.index_put.default(
+            x, [cells // SHAPE[1], cells % SHAPE[1]], _rows(src, 3, dim=0)[:, 0]
+        ),
+        "aten index_put, two indices, a graded value, accumulate": lambda x, src: (
+            aten.index_put.default(
+                x, [rows0[:3, None], rows[None, :3]], _rows(src, 3, dim=0)[:, :1], True
+            )
+        ),
+        "aten index_put, a 2-D mask, a graded value": lambda x, src: aten.index_put.default(
+            x, [torch.arange(SHAPE[0] * SHAPE[1]).reshape(SHAPE[:2]) % 3 == 1], src[0, :1, :1]
+        ),
     }
+    for reduce in ("sum", "prod", "mean", "amax", "amin"):
+        # the source's gradient: gathers of the gradient and the result, elementwise masks
+        cases[f"aten scatter_reduce.two {reduce}, a graded source"] = lambda x, src, r=reduce: (
+            aten.scatter_reduce.two(x, 1, index, src, r)
+        )
+        if reduce != "sum":
+            cases[f"aten index_reduce {reduce}, a graded source"] = lambda x, src, r=reduce: (
+                aten.index_reduce.default(x, 1, rows, _rows(src, 7), r, include_self=False)
+            )
     for reduce in ("sum", "prod", "mean", "amax", "amin"):
         for include_self in (True, False):
             cases[f"scatter_reduce {reduce}, include_self={include_self}"] = (
@@ -193,10 +217,11 @@ def _body(name: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(*SHAPE, dtype=torch.float64)
     src = torch.randn(4, 7, 3, dtype=torch.float64)  # the index's shape: torch's backward
-    for what, fn in _cases().items():
-        check_against_reference(
-            fn, [x, src], [layout, None], mesh, out_layouts=[layout], what=f"{name}: {what}"
-        )
+    with gather_policy("error"):  # forward and backward
+        for what, fn in _cases().items():
+            check_against_reference(
+                fn, [x, src], [layout, None], mesh, out_layouts=[layout], what=f"{name}: {what}"
+            )
     spec = layout.spec(mesh, x)
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
     for what, fn in _cases().items():

@@ -8,6 +8,7 @@ from shardsci.tensor._ops import (
     _diagonal_ops,  # noqa: F401
     _elementwise_ops,  # noqa: F401
     _embedding_ops,  # noqa: F401
+    _factory_ops,  # noqa: F401
     _fft_ops,  # noqa: F401
     _fractional_pool_ops,  # noqa: F401
     _gather_scatter_ops,  # noqa: F401

@@ -3,6 +3,7 @@ which a handler takes or declines a call."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable, Sequence
 
 import torch
@@ -145,6 +146,15 @@ def reduced_now(t: torch.Tensor) -> torch.Tensor:
         return t
     spec = grad_spec(t._spec)
     return ShardTensor(redistribute_local(t._local, t._spec, spec), spec)
+
+
+def sizes_at_extent(sizes: Sequence[int], extent: int) -> tuple[int, ...]:
+    """Shard sizes ``sizes`` of a dim cut at ``extent``, or with the last shard grown to reach
+    it: each rank keeps the cells of its range that the new extent has."""
+    bounds = [min(sum(sizes[:k]), extent) for k in range(len(sizes) + 1)]
+    cut = [b - a for a, b in itertools.pairwise(bounds)]
+    cut[-1] += max(extent - sum(sizes), 0)
+    return tuple(cut)
 
 
 def sharding_axes(spec: ShardTensorSpec) -> set[int]:

@@ -25,18 +25,20 @@ These run above autograd: they compose the plan's differentiable exchanges with 
 ops, so the backward of a gather is a scatter-sum of the same plan and vice versa. Anything
 else (boolean masks, several tensor indices, an index sharded over other axes, a destination
 sharded on other dims too, unless the index is replicated) declines to the default path,
-except ``index_put``, which takes several indices and boolean masks through a replicated
-index.
+except ``index_put`` and aten's ``index``, which take several indices and boolean masks
+through a replicated index (``index`` reads where the cells are), and ``put`` and ``take``,
+which go through them by flat position. New tensors of the input's shape that backward
+formulas scatter into are laid out like it (``_factory_ops``).
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
@@ -52,7 +54,14 @@ from shardsci.tensor._gather_plan import (
     rows_sent_home,
     summed_rows,
 )
-from shardsci.tensor._ops._common import accepts, dim_layout, replicated_local, sharding_axes
+from shardsci.tensor._ops._common import (
+    accepts,
+    connected_empty,
+    dim_layout,
+    replicated_local,
+    sharding_axes,
+    sizes_at_extent,
+)
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._registry import (
     function_handler_for,
@@ -157,13 +166,20 @@ def _extended_rows(indexed: _Indexed, plan: GatherPlan) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- gathers
-def _tensor_key(key: object) -> tuple[int, list[torch.Tensor]] | None:
+def _tensor_key(key: object, ndim: int) -> tuple[int, list[torch.Tensor]] | None:
     """``(first dim, index tensors)`` for a key of adjacent index tensors after full slices
-    (``x[:, i, j]``) and before full slices or an ellipsis; else None."""
-    if isinstance(key, torch.Tensor):
-        return 0, [key]
+    (``x[:, i, j]``) and before full slices or an ellipsis, of a tensor of ``ndim`` dims; a
+    list of integers is an index tensor (``x[[1, 2]]``) and a leading ellipsis stands for
+    full slices (``x[..., i, :]``), as in torch; else None."""
+    if isinstance(key, (torch.Tensor, list)):
+        key = (key,)
     if not isinstance(key, tuple):
         return None
+    key = tuple(_as_index(k) for k in key)
+    if key and key[0] is Ellipsis:
+        if ndim < len(key) - 1:
+            return None  # torch's error
+        key = (slice(None),) * (ndim - len(key) + 1) + key[1:]
     positions = [i for i, k in enumerate(key) if isinstance(k, torch.Tensor)]
     if not positions or positions != list(range(positions[0], positions[0] + len(positions))):
         return None
@@ -175,10 +191,21 @@ def _tensor_key(key: object) -> tuple[int, list[torch.Tensor]] | None:
     return first, list(key[first:stop])
 
 
-def _getitem_key(key: object) -> tuple[int, torch.Tensor] | None:
+def _as_index(item: object) -> object:
+    """A list of integers as the index tensor torch reads it as; anything else as it is."""
+    if not isinstance(item, list) or not item:
+        return item
+    try:
+        index = torch.tensor(item)
+    except (TypeError, ValueError, RuntimeError):
+        return item  # a list of tensors or slices: torch's own conversion
+    return index if index.dtype == torch.int64 else item
+
+
+def _getitem_key(key: object, ndim: int) -> tuple[int, torch.Tensor] | None:
     """``(dim, index)`` for a key that is one integer tensor after full slices (``x[:, idx]``)
     and before full slices or an ellipsis; else None."""
-    found = _tensor_key(key)
+    found = _tensor_key(key, ndim)
     if found is None or len(found[1]) != 1:
         return None
     return found[0], found[1][0]
@@ -191,10 +218,24 @@ def _is_full_slice(item: object) -> bool:
 @register_function_handler(torch.Tensor.__getitem__)
 def _getitem(func, args, kwargs):
     a = bind(func, args, kwargs)
-    found = _getitem_key(a.key)
+    if not isinstance(a.self, torch.Tensor):
+        return NotImplemented
+    several = _tensor_key(a.key, a.self.ndim)
+    if several is not None and len(several[1]) > 1:  # x[i, j]: read above autograd too
+        first, tensors = several
+        advanced = _advanced_indices([None] * first + tensors, a.self)
+        if advanced is None or not accepts(a.self):
+            return NotImplemented
+        probe_on_meta(aten.index.Tensor, (a.self, [None] * first + tensors))  # torch's errors
+        return _cells_read(a.self, *advanced)
+    found = _getitem_key(a.key, a.self.ndim)
     if found is None:
         return NotImplemented
     dim, index = found
+    if _is_plain_mask(index):  # x[mask]: its positions, read above autograd as x[idx]
+        if dim + 1 > a.self.ndim or index.shape[0] != a.self.shape[dim]:
+            return NotImplemented  # torch's error
+        index = index.nonzero().squeeze(1)
     if _replicated_index(index) is not None:
         return _through_replicated(func, a.self, dim, index, cell_wise=False)
     indexed = _indexed(a.self, dim, index)
@@ -203,19 +244,154 @@ def _getitem(func, args, kwargs):
     return _select_rows(indexed, "x[index]", wrap_negative=True, keep_0d_dim=False)
 
 
+def _is_plain_mask(index: object) -> bool:
+    """Whether ``index`` is a 1-D boolean mask every rank holds whole (a plain tensor)."""
+    return (
+        isinstance(index, torch.Tensor)
+        and not isinstance(index, ShardTensor)
+        and index.dtype == torch.bool
+        and index.ndim == 1
+    )
+
+
 @register_aten_handler(aten.index.Tensor)
 def _index(func, args, kwargs):
-    """Aten's ``x[:, ..., idx]`` (one integer index after leading ``None``; the gradient of
-    ``index_put``'s values, a decomposed ``x[idx]``) through a replicated index, as ``x[idx]``
-    above; several indices or a mask take the default path."""
+    """Aten's ``x[:, ..., idx]`` (replicated integer indices or boolean masks after leading
+    ``None``, ``_advanced_indices``; the gradient of ``index_put``'s values, a decomposed
+    ``x[idx]``): one index as ``x[idx]`` above; several (``x[i, j]``, a 2-D mask) by
+    ``_cells_read``. Anything else takes the default path."""
     a = bind(func, args, kwargs)
-    indices = list(a.indices)
-    first = next((k for k, index in enumerate(indices) if index is not None), len(indices))
-    if len(indices) != first + 1 or _replicated_index(indices[first]) is None:
+    advanced = _advanced_indices(a.indices, a.self)
+    if advanced is None or not accepts(a.self):
         return NotImplemented
-    return _through_replicated(
-        torch.Tensor.__getitem__, a.self, first, indices[first], cell_wise=False
+    first, tensors = advanced
+    if len(tensors) == 1:
+        return _through_replicated(
+            torch.Tensor.__getitem__, a.self, first, tensors[0], cell_wise=False
+        )
+    probe_on_meta(func, (a.self, [None] * first + tensors), {})  # torch's errors, every rank
+    return _cells_read(a.self, first, tensors)
+
+
+def _cells_read(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> ShardTensor:
+    """``x[..., i, j, ...]`` through replicated integer indices of the adjacent dims from
+    ``first`` on, broadcast together into the entries' dims. Entries along one dim whose
+    owners (row-major over the axes that split the indexed dims) never decrease along it are
+    held by their owners (``_entry_runs``). Otherwise each rank reads the entries whose cells
+    lie in its block and zeros for the others, so the entries are a pending sum over those
+    axes (each cell is on one rank of them). Split dims outside keep their split. Nothing
+    moves: whoever needs the entries whole reduces them (an all-reduce of the entries, not of
+    ``x``), and their backward writes where they land."""
+    spec, last = x._spec, first + len(indices)
+    for k, index in enumerate(indices):  # torch wraps negatives; its range, on every rank
+        indices[k] = torch.where(index < 0, index + x.shape[first + k], index)
+        _check_in_range(torch.Tensor.__getitem__, indices[k], first + k, x.shape[first + k])
+    entries = torch.broadcast_shapes(*(index.shape for index in indices))
+    starts, sizes = spec.local_offsets(), spec.local_shape()
+    runs = _entry_runs(x, first, indices) if len(entries) == 1 else None
+    if runs is not None:
+        return runs
+    outer = _outer(indices)
+    if outer is not None:  # x[i[:, None], j[None, :]] is x[i][:, j]
+        for d, index in enumerate(outer, start=first):
+            x = _through_replicated(torch.Tensor.__getitem__, x, d, index, cell_wise=False)
+        return x
+    local_shape = (*sizes[:first], *entries, *sizes[last:])
+    if all(sizes[first:last]):
+        mine = torch.ones(entries, dtype=torch.bool, device=indices[0].device)
+        local = []
+        for d, index in enumerate(indices, start=first):
+            shifted = index - starts[d]
+            inside = (shifted >= 0) & (shifted < sizes[d])
+            mine = mine & inside
+            local.append(torch.where(inside, shifted, 0))
+        read = x.to_local()[(slice(None),) * first + tuple(local)]
+        mine = mine.reshape((1,) * first + tuple(entries) + (1,) * (x.ndim - last))
+        out = torch.where(mine.to(read.device), read, 0)
+    else:
+        out = connected_empty(list(local_shape), x._local, x.to_local())  # none of its cells
+    placements = list(spec.placements)
+    shardings = {}
+    for sharding in spec.shardings:
+        if first <= sharding.dim < last:
+            for axis in sharding.axes:
+                placements[axis] = Partial()
+            continue
+        d = sharding.dim if sharding.dim < first else sharding.dim - len(indices) + len(entries)
+        for axis in sharding.axes:
+            placements[axis] = Shard(d)
+        shardings[d] = sharding
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        (*x.shape[:first], *entries, *x.shape[last:]),
+        out.dtype,
+        {d: s.sizes for d, s in shardings.items()},
+        order={d: s.axes for d, s in shardings.items()},
     )
+    return from_local_spec(out, out_spec)
+
+
+def _outer(indices: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The 1-D index of each dim when the indices broadcast as an outer product, the ``k``-th
+    index varying along the ``k``-th entries' dim only (``x[i[:, None], j[None, :]]``, as
+    interpolation indexes); else None."""
+    n = len(indices)
+    if len(torch.broadcast_shapes(*(index.shape for index in indices))) != n:
+        return None
+    found = []
+    for k, index in enumerate(indices):
+        shape = (1,) * (n - index.ndim) + tuple(index.shape)  # broadcasting pads on the left
+        if any(size != 1 for p, size in enumerate(shape) if p != k):
+            return None
+        found.append(index.reshape(-1))
+    return found
+
+
+def _entry_runs(x: ShardTensor, first: int, indices: list[torch.Tensor]) -> ShardTensor | None:
+    """``x[..., i, j, ...]`` (in-range indices of the dims from ``first`` on, broadcast to one
+    dim) with each entry on the rank that owns its cell, when the owners never decrease along
+    the entries: their dim is split over the axes of the split indexed dims (in dim order),
+    each rank reading its run of them from its own block; else None."""
+    spec, x_dims = x._spec, range(first, first + len(indices))
+    split = [spec.sharding_by_dim[d] for d in x_dims if d in spec.sharding_by_dim]
+    if not split or spec.partial:
+        return None
+    shape = torch.broadcast_shapes(*(index.shape for index in indices))
+    indices = [index.expand(shape) for index in indices]
+    owners, mine = torch.zeros_like(indices[0]), 0
+    for sharding in split:
+        _, group, starts = dim_layout(spec, sharding.dim)
+        ends = torch.tensor([a + n for a, n in zip(starts, sharding.sizes)], device=owners.device)
+        coordinate = torch.searchsorted(ends, indices[sharding.dim - first], right=True)
+        owners, mine = owners * group.size + coordinate, mine * group.size + group.index
+    if bool((owners[1:] < owners[:-1]).any()):
+        return None
+    counts = torch.bincount(owners, minlength=math.prod(len(s.sizes) for s in split)).tolist()
+    begin = sum(counts[:mine])
+    offsets = spec.local_offsets()
+    local = [index[begin : begin + counts[mine]] - offsets[d] for d, index in zip(x_dims, indices)]
+    out = x.to_local()[(slice(None),) * first + tuple(local)]
+    axes = tuple(axis for s in split for axis in s.axes)
+    placements, sizes, order = list(spec.placements), {first: tuple(counts)}, {first: axes}
+    for axis in axes:
+        placements[axis] = Shard(first)
+    for sharding in spec.shardings:
+        if first <= sharding.dim < first + len(indices):
+            continue
+        d = sharding.dim if sharding.dim < first else sharding.dim - len(indices) + 1
+        for axis in sharding.axes:
+            placements[axis] = Shard(d)
+        sizes[d], order[d] = sharding.sizes, sharding.axes
+    out_spec = ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        (*x.shape[:first], shape[0], *x.shape[first + len(indices) :]),
+        out.dtype,
+        dict(sorted(sizes.items())),
+        order=dict(sorted(order.items())),
+    )
+    return from_local_spec(out, out_spec)
 
 
 @register_function_handler(torch.index_select, torch.Tensor.index_select)
@@ -281,15 +457,19 @@ def _gather(func, args, kwargs):
 # the gathered dim, when it is sharded, an output of ``x``'s extent there (a permutation,
 # ``take_along_dim`` with an index of ``x``'s shape) keeps ``x``'s sizes: each rank reads its
 # own range of the index and receives the remote rows that range names (every rank knows
-# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``); an
-# output of another extent is replicated over those axes, each rank receiving every remote
-# row the index names. The index's range is checked on the whole index, so every rank raises
-# alike. A row of the rank's block is the unit that moves: for ``x[idx]`` and
-# ``index_select`` that is the byte bound of the output's layout; ``gather`` reads single
-# cells of those rows, so it may receive more than the cells it reads (for a random index,
-# up to the remote part of its block's rows, never more than gathering ``x`` would). The
+# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``). An
+# output of another extent through a 1-D index whose entries' owners never decrease along it
+# (a sorted index, ``x[[1, 2]]``, ``take``) holds each entry on the rank that owns its row:
+# nothing moves. Any other output of another extent is replicated over those axes, each
+# rank receiving every remote row the index names. The index's range is checked on the whole
+# index, so every rank raises alike. A row of the rank's block is the unit that moves: for
+# ``x[idx]`` and ``index_select`` that is the byte bound of the output's layout; ``gather``
+# reads single cells of those rows, so it may receive more than the cells it reads (for a
+# random index, up to the remote part of its block's rows, never more than gathering ``x``
+# would). The
 # backward is the plan's adjoint (the halo rows go home); at the aten level, torch's
-# ``scatter_add`` into zeros it makes whole takes ``_scatter_add_through_replicated``.
+# ``scatter_add``, ``index_add`` or accumulating ``index_put`` of the gradient into the zeros
+# it makes (sharded like the input, ``_factory_ops``) takes ``_added_through_replicated``.
 @dataclass(frozen=True)
 class _Reading:
     """What this rank reads of a tensor sharded on any dims through a replicated index (NOTE
@@ -338,15 +518,20 @@ def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: 
             shard_output(d if d < dim else d + index.ndim - 1, sharding.axes, sharding.sizes)
             continue
         n = index.shape[d]  # gather reads position i along d from x's position i
-        bounds = [min(sum(sharding.sizes[:k]), n) for k in range(len(sharding.sizes) + 1)]
-        shard_output(d, sharding.axes, tuple(b - a for a, b in itertools.pairwise(bounds)))
+        shard_output(d, sharding.axes, sizes_at_extent(sharding.sizes, n))
         begin = min(starts[d], n)
         index = index.narrow(d, begin, min(starts[d] + local_sizes[d], n) - begin)
     plan, sliced = None, None
     if dim in spec.sharding_by_dim:
-        sharding, group, _ = dim_layout(spec, dim)
+        sharding, group, group_starts = dim_layout(spec, dim)
+        counts = None if cell_wise else _owned_runs(index, sharding.sizes, group_starts, extent)
+        if counts is not None:  # each rank reads its own rows only
+            shard_output(dim, sharding.axes, counts)
+            before = sum(counts[: group.index])
+            local = index[before : before + counts[group.index]] - group_starts[group.index]
+            return _Reading(local, None, False, _built(spec, placements, shape, sizes, order))
         sliced = dim if cell_wise else 0
-        if index.shape[sliced] != extent or (not cell_wise and index.ndim != 1):
+        if (not cell_wise and index.ndim != 1) or index.shape[sliced] != extent:
             sliced = None
         plan = gather_plan(
             index, sharding.sizes, group, replicated=True, sliced=sliced, what=func.__name__
@@ -354,15 +539,35 @@ def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: 
         index = plan.local_index
         if sliced is not None:
             shard_output(dim, sharding.axes, sharding.sizes)
-    out_spec = ShardTensorSpec.build(
+    out_spec = _built(spec, placements, shape, sizes, order)
+    return _Reading(index, plan, plan is not None and sliced is None, out_spec)
+
+
+def _built(spec: ShardTensorSpec, placements, shape, sizes: dict, order: dict) -> ShardTensorSpec:
+    """The output layout ``_reading`` states, on ``spec``'s mesh and dtype."""
+    return ShardTensorSpec.build(
         spec.mesh,
         placements,
         shape,
-        x.dtype,
+        spec.dtype,
         {d: sizes[d] for d in sorted(sizes)},
         order={d: order[d] for d in sorted(order)},
     )
-    return _Reading(index, plan, plan is not None and sliced is None, out_spec)
+
+
+def _owned_runs(
+    index: torch.Tensor, sizes: tuple[int, ...], starts: list[int], extent: int
+) -> tuple[int, ...] | None:
+    """How many entries of the 1-D ``index`` each rank owns, when an output of another extent
+    than ``extent`` can hold them where they are: the owners of its entries never decrease
+    along it (a sorted index, ``x[[1, 2]]``), so each rank's entries are one run; else None."""
+    if index.ndim != 1 or index.shape[0] == extent:
+        return None
+    ends = torch.tensor([a + n for a, n in zip(starts, sizes)], device=index.device)
+    owners = torch.searchsorted(ends, index, right=True)
+    if bool((owners[1:] < owners[:-1]).any()):
+        return None
+    return tuple(int(n) for n in torch.bincount(owners, minlength=len(sizes)))
 
 
 def _checked_index(func, x: ShardTensor, dim: int, index: object) -> torch.Tensor:
@@ -396,15 +601,12 @@ def _through_replicated(
 
 
 def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
-    """``x``, which every rank holds whole (the zeros that torch's backward of an aten
-    ``gather`` makes with ``new_zeros``), sharded like the gather's output ``source``, a dim
-    longer than the source's with its extra cells on the last rank: a layout from which that
-    gather reads ``source``'s layout (NOTE [A gather through a replicated index keeps the
-    input's layout]). A local slice; nothing moves."""
-    sizes = {
-        s.dim: (*s.sizes[:-1], s.sizes[-1] + x.shape[s.dim] - source.shape[s.dim])
-        for s in source.shardings
-    }
+    """``x``, which every rank holds whole (a plain destination), sharded like the gather's
+    output ``source``, a dim longer than the source's with its extra cells on the last rank:
+    a layout from which that gather reads ``source``'s layout (NOTE [A gather through a
+    replicated index keeps the input's layout]), the one ``new_zeros`` gives the zeros of
+    torch's backward (``_factory_ops``). A local slice; nothing moves."""
+    sizes = {s.dim: sizes_at_extent(s.sizes, x.shape[s.dim]) for s in source.shardings}
     order = {s.dim: s.axes for s in source.shardings}
     spec = ShardTensorSpec.build(
         x._spec.mesh, source.placements, x.shape, x.dtype, sizes, order=order
@@ -412,33 +614,38 @@ def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
     return from_local_spec(spec.narrow(x.to_local()), spec)
 
 
-def _scatter_add_through_replicated(
-    func, args, kwargs, x: object, dim: int, index: object, src: object, *, in_place: bool
-) -> object:
-    """``scatter_add`` through a replicated index of a source laid out as the ``gather`` from
-    ``x`` with that index would be (the backward of that gather, NOTE [A gather through a
-    replicated index keeps the input's layout]): each rank adds its block of the source into
-    its rows and the halo rows the gather read, and the halo rows travel back to their owners,
-    unless the source is replicated over the gathered dim's axes (then each rank keeps the
-    sums of its own rows: every value is on every rank of that group). A destination every
-    rank holds whole is first cut to a layout that gather reads (``_cut_for``)."""
+def _added_through_replicated(
+    func, x: object, dim: int, index: object, src: object, add, *,
+    cell_wise: bool, in_place: bool, probe: tuple | None,
+) -> object:  # fmt: skip
+    """``add(into, dim, index, values)`` (``scatter_add``: ``cell_wise``, the index has ``x``'s
+    dims; ``index_add``, ``index_put`` with ``accumulate``: the index's dims replace ``dim``)
+    through a replicated index of a source laid out as the gather from ``x`` with that index
+    would be: the adjoint of that gather, its backward (NOTE [A gather through a replicated
+    index keeps the input's layout]). Each rank adds its block of the source into its rows
+    and the halo rows the gather read, and the halo rows travel back to their owners, unless
+    the source is replicated over the gathered dim's axes (then each rank keeps the sums of its
+    own rows: every value is on every rank of that group). A destination every rank holds
+    whole is first cut to a layout that ``gather`` reads (``_cut_for``). ``probe``: the call's
+    ``(args, kwargs)``, for torch's errors on shapes (None: the caller probed)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, src):
         return NotImplemented
-    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    if probe is not None:
+        probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
     dim = dim % x.ndim
     if not x._spec.shardings:
-        if in_place:
+        if in_place or not cell_wise:
             return NotImplemented  # the result would not fit the destination's layout
         x = _cut_for(x, src._spec)
-    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=True)
+    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=cell_wise)
     if not src._spec.same_layout(reading.spec):
         return NotImplemented
     destination, values, plan = x.to_local(), src.to_local(), reading.plan
     if plan is None:
-        out = destination.scatter_add(dim, reading.index, values)
+        out = add(destination.clone(), dim, reading.index, values)
     else:
         shape = [plan.owned + plan.halo if d == dim else n for d, n in enumerate(destination.shape)]
-        total = destination.new_zeros(shape).scatter_add(dim, reading.index, values)
+        total = add(destination.new_zeros(shape), dim, reading.index, values)
         if reading.replicated:
             total = total.narrow(dim, 0, plan.owned)
         else:
@@ -446,6 +653,11 @@ def _scatter_add_through_replicated(
         out = destination + total
     result = from_local_spec(out, x._spec.with_dtype(out.dtype))
     return x.copy_(result) if in_place else result
+
+
+def _sharded(t: object) -> bool:
+    """Whether ``t`` is a ShardTensor split along some dim."""
+    return isinstance(t, ShardTensor) and bool(t._spec.shardings)
 
 
 # ---------------------------------------------------------------------------- scatters
@@ -630,13 +842,19 @@ def _combined(
 def _index_add(func, args, kwargs):
     a = bind(func, args, kwargs)
     if _replicated_index(a.index) is not None and a.get("out") is None:
-        alpha = a.alpha
+        alpha, in_place = a.alpha, func is torch.Tensor.index_add_
+        if _sharded(a.source) and _replicated_index(a.index).ndim == 1:
+            return _added_through_replicated(
+                func, a.input, a.dim, a.index, a.source,
+                lambda into, dim, index, src: into.index_add_(dim, index, src, alpha=alpha),
+                cell_wise=False, in_place=in_place, probe=(args, kwargs),
+            )  # fmt: skip
         return _index_by_owner(
             func, args, kwargs, a,
             lambda into, dim, index, src: into.scatter_add_(
                 dim, index, src if alpha == 1 else src * alpha
             ),
-            in_place=func is torch.Tensor.index_add_,
+            in_place=in_place,
         )  # fmt: skip
     indexed = _indexed(a.input, a.dim, a.index) if a.get("out") is None else None
     if indexed is None or indexed.index.ndim != 1:
@@ -650,10 +868,12 @@ def _scatter_add(func, args, kwargs):
     a = bind(func, args, kwargs)
     if _replicated_index(a.index) is not None and a.get("out") is None:
         in_place = func is torch.Tensor.scatter_add_
-        if isinstance(a.src, ShardTensor) and a.src._spec.shardings:
-            return _scatter_add_through_replicated(
-                func, args, kwargs, a.input, a.dim, a.index, a.src, in_place=in_place
-            )
+        if _sharded(a.src):
+            return _added_through_replicated(
+                func, a.input, a.dim, a.index, a.src,
+                lambda into, dim, index, src: into.scatter_add_(dim, index, src),
+                cell_wise=True, in_place=in_place, probe=(args, kwargs),
+            )  # fmt: skip
         return _scatter_by_owner(
             func, args, kwargs, a.input, a.dim, a.index, a.src,
             lambda into, dim, index, src: into.scatter_add_(dim, index, src),
@@ -743,13 +963,14 @@ def _scatter_by_owner(
     has probed the call and found the index in range (before expanding it)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
         return NotImplemented
-    if isinstance(src, ShardTensor) and (src._spec.shardings or src._spec.partial):
-        return NotImplemented
     spec, index, dim = x._spec, _replicated_index(index), dim % x.ndim
+    block = _source_block(src, spec, dim, index) if _sharded(src) else None
+    if (_sharded(src) and block is None) or (isinstance(src, ShardTensor) and src._spec.partial):
+        return NotImplemented
     if not checked:
         probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
         _check_in_range(func, index, dim, x.shape[dim])
-    if isinstance(src, torch.Tensor):
+    if isinstance(src, torch.Tensor) and block is None:
         src = replicated_local(src, spec.mesh, sharding_axes(spec))
     starts, sizes = spec.local_offsets(), spec.local_shape()
     for sharding in spec.shardings:
@@ -759,8 +980,9 @@ def _scatter_by_owner(
         begin = min(starts[d], index.shape[d])
         end = min(starts[d] + sizes[d], index.shape[d])
         index = index.narrow(d, begin, end - begin)
-        if isinstance(src, torch.Tensor):
+        if isinstance(src, torch.Tensor) and block is None:
             src = src.narrow(d, begin, end - begin)
+    src = src if block is None else block
     # the output, written in place: one new shard (and a spare slice), as torch's own scatter
     destination = x.to_local()
     if dim in spec.sharding_by_dim:
@@ -772,6 +994,28 @@ def _scatter_by_owner(
         out = scatter(destination.clone(), dim, index, src)
     result = from_local_spec(out, spec.with_dtype(out.dtype))
     return x.copy_(result) if in_place else result
+
+
+def _source_block(
+    src: ShardTensor, spec: ShardTensorSpec, dim: int, index: torch.Tensor
+) -> torch.Tensor | None:
+    """This rank's block of a split ``src`` laid out as the ``gather`` through ``index`` from a
+    tensor of layout ``spec`` along ``dim`` reads it when that output is not split along
+    ``dim`` (NOTE [A gather through a replicated index keeps the input's layout]: split dims
+    cut at the index's extent; a backward formula's masked source, ``scatter_reduce``'s prod,
+    is such a gather), its gradient summed over the axes of ``dim``; None when it is laid out
+    otherwise."""
+    wanted = {
+        s.dim: (s.axes, sizes_at_extent(s.sizes, index.shape[s.dim]))
+        for s in spec.shardings
+        if s.dim != dim
+    }
+    layout = src._spec
+    if layout.mesh != spec.mesh or {s.dim: (s.axes, s.sizes) for s in layout.shardings} != wanted:
+        return None
+    axes = set(spec.sharding_by_dim[dim].axes) if dim in spec.sharding_by_dim else set()
+    placements = [Partial() if a in axes else p for a, p in enumerate(layout.placements)]
+    return src.to_local(grad_placements=placements)
 
 
 @register_function_handler(torch.scatter, torch.Tensor.scatter, torch.Tensor.scatter_)
@@ -885,6 +1129,26 @@ def _index_put(func, args, kwargs):
     """
     a = bind(func, args, kwargs, signature=_index_put_signature)
     x, values = a.input, a["values"]  # not ``a.values``: the dict's method
+    tensors = [i for i in a.indices if i is not None] if isinstance(a.indices, list | tuple) else []
+    if (
+        _sharded(values)
+        and a.accumulate
+        and len(tensors) == 1
+        and _replicated_index(tensors[0]) is not None
+        and isinstance(x, ShardTensor)
+    ):
+        # the gradient of ``x[..., idx]`` added into zeros: the adjoint of that gather
+        first = next(k for k, i in enumerate(a.indices) if i is not None)
+        index = _replicated_index(tensors[0])
+        index = torch.where(index < 0, index + x.shape[first], index)  # torch wraps negatives
+        probe_on_meta(aten.index_put.default, (x, [None] * first + [index], values, True))
+        return _added_through_replicated(
+            func, x, first, index, values,
+            lambda into, dim, index, src: aten.index_put_.default(
+                into, [None] * dim + [index], src, True
+            ),
+            cell_wise=False, in_place=func is torch.Tensor.index_put_, probe=None,
+        )  # fmt: skip
     advanced = _advanced_indices(a.indices, x)
     if advanced is None or not isinstance(values, torch.Tensor) or not accepts(x):
         return NotImplemented
@@ -940,8 +1204,8 @@ def _setitem(func, args, kwargs):
     sharded gradient, which no handler takes)."""
     a = bind(func, args, kwargs)
     x, value = a.self, a.value
-    found = _tensor_key(a.key)
-    if not isinstance(x, ShardTensor) or found is None:
+    found = _tensor_key(a.key, x.ndim) if isinstance(x, ShardTensor) else None
+    if found is None:
         return NotImplemented
     first, tensors = found
     if not isinstance(value, torch.Tensor):
@@ -959,19 +1223,17 @@ def _masked_index_put_accumulate(func, args, kwargs):
     """``x.index_put(indices, values.masked_fill(~mask, 0), accumulate=True)`` with every
     index clamped into its dim, as torch's decomposition computes it (a masked-out entry may
     name any cell): the ``index_put`` above, each entry added where it lands, nothing moved.
-    It is the backward of interpolation and of ``embedding`` by frequency. A sharded mask or
-    value, or an empty ``x``, takes the gathered fallback (``_gathered_ops``), as the op did
-    before; so does a value's gradient, torch's ``_unsafe_masked_index`` of the sharded
-    gradient."""
+    It is the backward of interpolation, of ``embedding`` by frequency and of
+    ``_unsafe_masked_index`` (``_masked_index``): a value sharded like that read is added
+    through its adjoint (``_added_through_replicated``). A sharded mask, a value in another
+    layout, or an empty ``x`` takes the gathered fallback (``_gathered_ops``)."""
     a = bind(func, args, kwargs)
     x, mask, values = a.self, a.mask, a["values"]  # not ``a.values``: the dict's method
     if (
         _advanced_indices(a.indices, x) is None
         or x.numel() == 0
-        or any(
-            isinstance(t, ShardTensor) and (t._spec.shardings or t._spec.partial)
-            for t in (mask, values)
-        )
+        or _sharded(mask)
+        or any(isinstance(t, ShardTensor) and t._spec.partial for t in (mask, values))
     ):
         return gathered(func, args, kwargs)
     indices = [
@@ -979,7 +1241,28 @@ def _masked_index_put_accumulate(func, args, kwargs):
         for d, index in enumerate(a.indices)
     ]
     masked = values.masked_fill(~mask, 0)
-    return _index_put(torch.index_put, (x, indices, masked, True), {})
+    out = _index_put(torch.index_put, (x, indices, masked, True), {})
+    return gathered(func, args, kwargs) if out is NotImplemented else out
+
+
+@register_aten_handler(aten._unsafe_masked_index.default)
+def _masked_index(func, args, kwargs):
+    """``torch.where(mask, x[indices], fill)`` with every index clamped into its dim, as
+    torch's decomposition computes it (interpolation's and ``embedding``'s forward): the read
+    through ``_index`` (one index as ``x[idx]``; several where the cells are), then masked.
+    A sharded mask, or indices ``_index`` declines, take the gathered fallback."""
+    a = bind(func, args, kwargs)
+    x, mask = a.self, a.mask
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or _sharded(mask):
+        return gathered(func, args, kwargs)
+    indices = [
+        None if index is None else index.clamp(-x.shape[d], x.shape[d] - 1)
+        for d, index in enumerate(a.indices)
+    ]
+    read = _index(aten.index.Tensor, (x, indices), {})
+    if read is NotImplemented:
+        return gathered(func, args, kwargs)
+    return aten.where.ScalarOther(mask, read, a.fill)
 
 
 def _advanced_indices(indices: object, x: object) -> tuple[int, list[torch.Tensor]] | None:
@@ -1048,17 +1331,70 @@ def _index_fill_signature(input, dim, index, value):
     """``index_fill``'s parameters (a builtin with several aten schemas)."""
 
 
+# ---------------------------------------------------------------------------- flat positions
+@register_function_handler(torch.put, torch.Tensor.put, torch.Tensor.put_)
+def _put(func, args, kwargs):
+    """``x.put(index, source)``: ``index_put`` (above) at the cells whose flat (row-major)
+    positions the replicated ``index`` names, unravelled into one index per dim, so that
+    each value is written where it lands on any layout and nothing moves."""
+    a = bind(func, args, kwargs, signature=_put_signature)
+    x, index, source = a.input, _replicated_index(a.index), a.source
+    if (
+        not isinstance(x, ShardTensor)
+        or x.ndim == 0
+        or index is None
+        or not isinstance(source, torch.Tensor)
+        or _sharded(source)
+        or not accepts(x)
+    ):
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    flat = _flat_positions(func, x, index).reshape(-1)
+    cells = list(torch.unravel_index(flat, x.shape))
+    out = _index_put(torch.index_put, (x, cells, source.reshape(-1), a.accumulate), {})
+    return x.copy_(out) if func is torch.Tensor.put_ else out
+
+
+def _put_signature(input, index, source, accumulate=False):
+    """``put``'s parameters (a builtin without an inspectable signature)."""
+
+
+@register_function_handler(torch.take, torch.Tensor.take)
+def _take(func, args, kwargs):
+    """``x.take(index)``, ``x.reshape(-1)[index]``, through the replicated ``index`` (NOTE [A
+    gather through a replicated index keeps the input's layout]) when only the leading dim is
+    split: each shard is then a run of the flat order, and the flattened view keeps it."""
+    a = bind(func, args, kwargs)
+    x, index = a.input, _replicated_index(a.index)
+    if not isinstance(x, ShardTensor) or x.ndim == 0 or index is None or not accepts(x):
+        return NotImplemented
+    if set(x._spec.sharding_by_dim) - {0} or a.get("out") is not None:
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
+    return _through_replicated(
+        func, x.reshape(-1), 0, _flat_positions(func, x, index), cell_wise=False
+    )
+
+
+def _flat_positions(func, x: ShardTensor, index: torch.Tensor) -> torch.Tensor:
+    """``index``'s flat positions into ``x``, negatives wrapped as torch does, checked in
+    range on every rank alike."""
+    flat = torch.where(index < 0, index + x.numel(), index)
+    _check_in_range(func, flat, 0, x.numel())
+    return flat
+
+
 # ---------------------------------------------------------------------------- below autograd
 # The gathers and the scatters through a replicated index, reached at the aten level only (a
 # backward formula, a decomposition, a traced graph): the same handlers on the same arguments.
-# The gradient of a scatter's source (or of ``index_fill``'s value) is an aten ``gather`` or
-# ``index_select`` from the gradient, sharded like the destination, through the same index
-# (and a sum): the gathers above take it on any layout, so such a source may need a gradient.
-# So may ``index_put``'s values through one integer index: their gradient is an aten ``index``
-# through it (``_index``). The other sources that need one (``index_put``'s values through
-# several indices or a mask, the reductions ``scatter_reduce`` and ``index_reduce``) take the
-# default path, ``scatter_reduce`` the gathered fallback of ``_gathered_ops``, as a sharded
-# index does.
+# A source may need a gradient: torch's backward formula computes it from the gradient,
+# sharded like the destination, with ops that keep the layout. For a scatter's source (or
+# ``index_fill``'s value) that is an aten ``gather`` or ``index_select`` through the same
+# index (and a sum); for ``scatter_reduce`` and ``index_reduce`` also the result gathered
+# there and elementwise masks (ties of amax/amin, zeros of prod, the counts of mean, scattered
+# with ``scatter_add``); for ``index_put``'s values an aten ``index`` through the same
+# indices or mask (``_index``). A sharded index declines (``scatter_reduce``: the gathered
+# fallback of ``_gathered_ops``).
 _AT_TORCH_LEVEL = {
     aten.gather.default: torch.gather,
     aten.index_select.default: torch.index_select,
@@ -1073,13 +1409,6 @@ _AT_TORCH_LEVEL = {
     aten.index_fill.int_Tensor: torch.index_fill,
     aten.index_put.default: torch.index_put,
 }
-_SOURCE_GRADIENT_TAKEN = {
-    aten.scatter_add.default,
-    aten.scatter.src,
-    aten.index_add.default,
-    aten.index_copy.default,
-    aten.index_fill.int_Tensor,
-}
 
 
 @register_aten_handler(*_AT_TORCH_LEVEL)
@@ -1092,18 +1421,6 @@ def _below_autograd(func, args, kwargs):
         replicated = _advanced_indices(a.indices, a.self) is not None
     else:
         replicated = _replicated_index(a.index) is not None
-    sources = [a.get(name) for name in ("src", "source", "value", "values")]
-    graded = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in sources
-    )
-    if graded and func is aten.index_put.default:
-        # the values' gradient is an aten ``index`` through the same indices (``_index``)
-        graded = (
-            len([i for i in a.indices if i is not None]) != 1
-            or _replicated_index(next(i for i in a.indices if i is not None)) is None
-        )
-    elif graded:
-        graded = func not in _SOURCE_GRADIENT_TAKEN
-    if not replicated or graded:
+    if not replicated:
         return gathered(func, args, kwargs) if func is aten.scatter_reduce.two else NotImplemented
     return function_handler_for(torch_func)(torch_func, args, kwargs)

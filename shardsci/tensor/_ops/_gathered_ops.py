@@ -2,8 +2,8 @@
 
 These ops have no layout a sharded input could keep: their output's size depends on the
 values (``nonzero``, ``masked_select``, ``unique``, ``linalg.lstsq``), or every output element
-may depend on every input element in an order the shards do not follow (``put``/``take`` by
-flat index, ``as_strided`` views that are not views of the layout, pairwise distances,
+may depend on every input element in an order the shards do not follow (``as_strided``
+views that are not views of the layout, pairwise distances,
 histograms, a hash, segment reductions, ``block_diag``, bilinear forms, the margin and CTC
 losses, embedding bags). Each sharded argument is gathered whole onto every rank (one
 all-gather each), the op runs on whole tensors, and its outputs are replicated ShardTensors:
@@ -74,7 +74,6 @@ GATHERED = (
     aten._embedding_bag_per_sample_weights_backward,
     aten.fractional_max_pool2d_backward,
     aten.fractional_max_pool3d_backward,
-    aten._unsafe_masked_index,
 )
 
 
