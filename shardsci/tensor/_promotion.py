@@ -297,20 +297,25 @@ def _traced_promotion(tensor: torch.Tensor, spec: ShardTensorSpec) -> ShardTenso
 def _summed_gradient(contribution: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
     """``weight``'s gradient from this rank's ``contribution`` (a partial sum over the mesh of
     traced promotion ``key``), decided when the compiled backward runs: zeros where a live
-    sink owns ``weight`` and takes the contribution (NOTE above), else the sum over the mesh."""
+    sink owns ``weight`` and takes the contribution (NOTE above), else the sum over the mesh.
+    Contiguous, as its fake result: inductor lays ``contribution`` out as it likes (a conv
+    weight's channels-last), and the compiled code trusts the fake's strides (NOTE [A traced
+    collective is an effect])."""
     spec = _TRACED_SPECS[key].with_dtype(contribution.dtype)
     for sink in list(_LIVE_SINKS):
         index = sink.claim(weight, spec.mesh)
         if index is not None and _builds_no_graph_into(sink.accumulator(index)):
             sink.accept(index, contribution)
-            return torch.zeros_like(contribution)
+            return contribution.new_zeros(contribution.shape)
+    if spec.mesh.size() == 1:  # nothing to sum; a custom op's result may not be its input
+        return contribution.clone(memory_format=torch.contiguous_format)
     partial = _as_placed(spec, (Partial(),) * len(spec.placements))
-    return redistribute_local(contribution, partial, grad_spec(spec))
+    return redistribute_local(contribution, partial, grad_spec(spec)).contiguous()
 
 
 @_summed_gradient.register_fake
 def _(contribution, weight, key):
-    return torch.empty_like(contribution)
+    return contribution.new_empty(contribution.shape)
 
 
 register_effectful_op(torch.ops.shardsci.summed_gradient.default, EffectType.ORDERED)
