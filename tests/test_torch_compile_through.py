@@ -607,7 +607,10 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
 # finds the reducer when the compiled backward runs (``_promotion._TracedPromotion``).
 # Inductor, conv-norm: the compiled backward failed ("expected size 4==4, stride 9==1",
 # ``summed_gradient``'s fake result had the channels-last strides inductor gave the weight's
-# contribution, its real one was contiguous). About 40 s with inductor at load 3. One rank:
+# contribution, its real one was contiguous), then issued 4 all-reduces (eager 2): inductor
+# saved a channels-last copy of each conv weight for backward (and fed the copy to every op in
+# the forward), which no sink owns, so their uses were summed in the graph. About 40 s with
+# inductor at load 3. One rank:
 # the compiled backward raised ("The output of this custom operator ... may not alias any
 # inputs": a sum over one rank returned the contribution itself).
 @pytest.mark.parametrize(
@@ -616,18 +619,7 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
         ("aot_eager", "linear-twice"),
         ("aot_eager", "conv-norm"),
         ("aot_eager", "linear-twice-one-rank"),
-        pytest.param(
-            "inductor",
-            "conv-norm",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.xfail(
-                    strict=True,
-                    reason="inductor hands summed_gradient a channels-last copy of each conv "
-                    "weight, which no sink owns: 4 backward all-reduces, eager 2",
-                ),
-            ],
-        ),
+        pytest.param("inductor", "conv-norm", marks=pytest.mark.slow),
     ],
 )
 def test_a_compiled_domain_parallel_step_reduces_each_gradient_once(

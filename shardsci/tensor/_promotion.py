@@ -39,6 +39,11 @@ that owns the weight and can finish it takes the contribution and the op returns
 otherwise the op sums it over the mesh, as the eager path does. Before, a compiled
 ``domain_parallel`` step all-reduced each use in the graph and the reducer again
 (``tests/test_torch_compile_through.py``, a linear layer used twice: 5 all-reduces, eager 1).
+The weight must reach the op as the Parameter: inductor's layout optimisation fed every op of
+a graph, and saved for backward, a channels-last copy of each convolution's weight, which no
+sink owns (a convolution and a GroupNorm: 4 all-reduces, eager 2), so it is off inside
+``tracing_through_shardtensors``. A weight the op meets as another tensor is still summed
+correctly, in the graph.
 """
 
 from __future__ import annotations
