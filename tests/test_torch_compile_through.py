@@ -530,24 +530,28 @@ PARALLEL_CASES = {
 all-reduces of an eager backward: one bucket of gradients, and the GroupNorm's statistics)."""
 
 
-def _domain_input(whole: torch.Tensor, dim: int, sizes: tuple[int, ...], mesh) -> ShardTensor:
+def _domain_input(
+    whole: torch.Tensor, dim: int, sizes: tuple[int, ...], mesh
+) -> tuple[torch.Tensor, ShardTensor]:
+    """This rank's slab of ``whole``, a leaf that requires grad, and it as a ShardTensor."""
     rank = torch.distributed.get_rank()
-    local = whole.narrow(dim, sum(sizes[:rank]), sizes[rank])
-    return ShardTensor.from_local(local, mesh, [Shard(dim)], {0: sizes})
+    leaf = whole.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone().requires_grad_()
+    return leaf, ShardTensor.from_local(leaf, mesh, [Shard(dim)], {0: sizes})
 
 
 def _parallel_step(model: nn.Module, whole: torch.Tensor, dim: int, sizes: tuple[int, ...]):
     """A step of ``model`` on ``whole`` split ``sizes`` along ``dim`` over the ``domain`` axis:
     the all-reduces its backward issues (``count_traffic``), the output's spec, the whole
-    output, and every parameter's gradient."""
+    output, this rank's input gradient and every parameter's gradient."""
     mesh = get_mesh((1, len(sizes)), ("dp", "domain"))["domain"]
     model.zero_grad(set_to_none=True)
-    out = model(_domain_input(whole, dim, sizes, mesh))
+    leaf, x = _domain_input(whole, dim, sizes, mesh)
+    out = model(x)
     loss = (out * out).sum().full_tensor()
     with count_traffic() as traffic:
         loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    return traffic.calls_by_kind["all_reduce"], out._spec, out.full_tensor(), *grads
+    return traffic.calls_by_kind["all_reduce"], out._spec, out.full_tensor(), leaf.grad, *grads
 
 
 def _compiled_reduction_body(backend: str, case: str) -> None:
@@ -557,8 +561,11 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
         whole = torch.randn(shape, dtype=torch.float64, generator=generator)
         torch.manual_seed(0)
         reference = module_type().double()
-        expected = reference(whole)
+        whole_leaf = whole.clone().requires_grad_()
+        expected = reference(whole_leaf)
         (expected * expected).sum().backward()
+        rank = torch.distributed.get_rank()
+        input_grad = whole_leaf.grad.narrow(dim, sum(sizes[:rank]), sizes[rank])
         model = copy.deepcopy(reference)
         mesh = get_mesh((1, len(sizes)), ("dp", "domain"))
         model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
@@ -567,14 +574,15 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
         _parallel_step(compiled_model, whole, dim, sizes)  # compiles
         compiled = _parallel_step(compiled_model, whole, dim, sizes)
         names = [name for name, _ in reference.named_parameters()]
-        single = (expected.detach(), *(p.grad for p in reference.parameters()))
+        single = (expected.detach(), input_grad, *(p.grad for p in reference.parameters()))
         for name, step in (("eager", eager), ("compiled", compiled)):
             assert_all_ranks(
                 (step[1].placements, [(s.dim, s.sizes) for s in step[1].shardings])
                 == ((Shard(dim),), [(dim, sizes)]),
                 f"{backend}, {case}: {name} output layout {step[1]}",
             )
-            for part, value, one_process in zip(["output", *names], step[2:], single):
+            parts = ["output", "input gradient", *names]
+            for part, value, one_process in zip(parts, step[2:], single):
                 assert_close_all_ranks(
                     value,
                     one_process,
@@ -589,9 +597,9 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
         )
         # torch.autograd.grad captures the gradients: the reducer cannot take them, so the
         # compiled backward sums each use over the mesh itself.
-        out = compiled_model(_domain_input(whole, dim, sizes, mesh["domain"]))
+        out = compiled_model(_domain_input(whole, dim, sizes, mesh["domain"])[1])
         captured = torch.autograd.grad((out * out).sum().full_tensor(), list(model.parameters()))
-        for part, value, one_process in zip(names, captured, single[1:]):
+        for part, value, one_process in zip(names, captured, single[2:]):
             assert_close_all_ranks(
                 value,
                 one_process,
