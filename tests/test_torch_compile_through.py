@@ -103,14 +103,16 @@ class SpectrumScaled(nn.Module):
 
 CASES = {
     "pointwise": (PointwiseChain, ()),
-    "conv": (ConvWithHalo, ("all_to_all_single", "all_reduce")),
+    "conv": (ConvWithHalo, ("all_to_all_single", "summed_gradient")),
     "mean": (Centered, ("all_reduce",)),
-    "flatten": (EinsumThenFlatten, ("all_reduce",)),
+    "flatten": (EinsumThenFlatten, ("summed_gradient",)),
     "interpolate": (UpThenDown, ("all_to_all_single",)),
     "fft": (SpectrumScaled, ("all_to_all_single", "all_gather")),
 }
 """Case -> (module, functional collectives its forward and backward graphs must contain, or
-none at all)."""
+none at all; a weight's gradient is summed by ``summed_gradient``, which all-reduces it at run
+time where no gradient sink takes it: NOTE [Where the gradient of a replicated parameter is
+summed])."""
 
 WHOLE_SHAPE = (2, 2, 11, 6)
 LAYOUTS = [Layout((Shard(2),), {2: (7, 4)}), Layout((Shard(2),), {2: (3, 8)})]
@@ -521,13 +523,35 @@ class ConvNormConv(nn.Module):
         return self.second(torch.tanh(self.norm(self.first(x))))
 
 
+class PositionalAdd(nn.Module):
+    """A parameter of the field's shape added to it (a positional embedding): its gradient is
+    sharded like the field, and summed over the mesh by an all-gather where no sink takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(1, 2, 11, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.position)
+
+
 PARALLEL_CASES = {
-    "linear-twice": (LinearTwice, (7, 4), 0, (4, 3), 1),
-    "conv-norm": (ConvNormConv, (2, 2, 11, 6), 2, (7, 4), 2),
-    "linear-twice-one-rank": (LinearTwice, (7, 4), 0, (7,), 0),
+    "linear-twice": (LinearTwice, (7, 4), 0, (4, 3), True, {"all_reduce": 1}),
+    "conv-norm": (ConvNormConv, (2, 2, 11, 6), 2, (7, 4), True, {"all_reduce": 2}),
+    "linear-twice-one-rank": (LinearTwice, (7, 4), 0, (7,), True, {"all_reduce": 0}),
+    "positional-unwrapped": (
+        PositionalAdd,
+        (2, 2, 11, 6),
+        2,
+        (7, 4),
+        False,
+        {"all_reduce": 0, "all_to_all": 1},
+    ),
 }
-"""Case -> (module, global input shape, the dim split over the ``domain`` axis, its sizes, the
-all-reduces of an eager backward: one bucket of gradients, and the GroupNorm's statistics)."""
+"""Case -> (module, global input shape, the dim split over the ``domain`` axis, its sizes,
+whether ``domain_parallel`` wraps it, the collectives of an eager backward that sum gradients,
+by kind: one bucket of gradients, the GroupNorm's statistics, the position's gradient gathered
+(an all-to-all of uneven shards), not all-reduced padded with zeros)."""
 
 
 def _domain_input(
@@ -551,11 +575,11 @@ def _parallel_step(model: nn.Module, whole: torch.Tensor, dim: int, sizes: tuple
     with count_traffic() as traffic:
         loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    return traffic.calls_by_kind["all_reduce"], out._spec, out.full_tensor(), leaf.grad, *grads
+    return traffic, out._spec, out.full_tensor(), leaf.grad, *grads
 
 
 def _compiled_reduction_body(backend: str, case: str) -> None:
-    module_type, shape, dim, sizes, reductions = PARALLEL_CASES[case]
+    module_type, shape, dim, sizes, wrapped, sums = PARALLEL_CASES[case]
     with tracing_through_shardtensors():
         generator = torch.Generator().manual_seed(3)
         whole = torch.randn(shape, dtype=torch.float64, generator=generator)
@@ -568,7 +592,8 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
         input_grad = whole_leaf.grad.narrow(dim, sum(sizes[:rank]), sizes[rank])
         model = copy.deepcopy(reference)
         mesh = get_mesh((1, len(sizes)), ("dp", "domain"))
-        model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
+        if wrapped:
+            model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
         eager = _parallel_step(model, whole, dim, sizes)
         compiled_model = torch.compile(model, backend=backend)
         _parallel_step(compiled_model, whole, dim, sizes)  # compiles
@@ -590,10 +615,17 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
                     rtol=1e-12,
                     what=f"{backend}, {case}: {name} {part}",
                 )
+        # (calls, bytes sent) of the kinds that sum gradients; eager halos are messages,
+        # compiled ones all-to-alls.
+        compiled_sums, eager_sums = (
+            {kind: (t.calls_by_kind[kind], t.sent_by_kind[kind]) for kind in sums}
+            for t in (compiled[0], eager[0])
+        )
         assert_all_ranks(
-            compiled[0] == eager[0] == reductions,
-            f"{backend}, {case}: backward all-reduces compiled {compiled[0]}, eager {eager[0]} "
-            f"(expected {reductions})",
+            compiled_sums == eager_sums
+            and {kind: calls for kind, (calls, _) in eager_sums.items()} == sums,
+            f"{backend}, {case}: backward (calls, bytes sent) compiled {compiled_sums}, eager "
+            f"{eager_sums} (expected calls {sums})",
         )
         # torch.autograd.grad captures the gradients: the reducer cannot take them, so the
         # compiled backward sums each use over the mesh itself.
@@ -627,6 +659,7 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
         ("aot_eager", "linear-twice"),
         ("aot_eager", "conv-norm"),
         ("aot_eager", "linear-twice-one-rank"),
+        ("aot_eager", "positional-unwrapped"),
         pytest.param("inductor", "conv-norm", marks=pytest.mark.slow),
     ],
 )
