@@ -425,6 +425,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,
     "functorch_config": _functorch_config,
+    "inductor_config": lambda config: isinstance(config.layout_optimization, bool),
     "AOTDispatchAutograd": _aot_dispatch_autograd,
     "register_effectful_op": _takes("op", "effect"),
     "EffectType": _has("ORDERED"),

@@ -103,14 +103,16 @@ class SpectrumScaled(nn.Module):
 
 CASES = {
     "pointwise": (PointwiseChain, ()),
-    "conv": (ConvWithHalo, ("all_to_all_single", "all_reduce")),
+    "conv": (ConvWithHalo, ("all_to_all_single", "summed_gradient")),
     "mean": (Centered, ("all_reduce",)),
-    "flatten": (EinsumThenFlatten, ("all_reduce",)),
+    "flatten": (EinsumThenFlatten, ("summed_gradient",)),
     "interpolate": (UpThenDown, ("all_to_all_single",)),
     "fft": (SpectrumScaled, ("all_to_all_single", "all_gather")),
 }
 """Case -> (module, functional collectives its forward and backward graphs must contain, or
-none at all)."""
+none at all; a weight's gradient is summed by ``summed_gradient``, which all-reduces it at run
+time where no gradient sink takes it: NOTE [Where the gradient of a replicated parameter is
+summed])."""
 
 WHOLE_SHAPE = (2, 2, 11, 6)
 LAYOUTS = [Layout((Shard(2),), {2: (7, 4)}), Layout((Shard(2),), {2: (3, 8)})]
@@ -507,64 +509,135 @@ class LinearTwice(nn.Module):
         return self.linear(torch.tanh(self.linear(x)))
 
 
-def _parallel_step(model: nn.Module, whole: torch.Tensor, sizes: tuple[int, ...]) -> tuple:
-    """A step of ``model`` on ``whole``'s rows split ``sizes`` over the ``domain`` axis: the
-    all-reduces its backward issues (``count_traffic``), the output's spec, the whole output,
-    and the weight's and bias's gradients."""
-    mesh = get_mesh((1, len(sizes)), ("dp", "domain"))["domain"]
+class ConvNormConv(nn.Module):
+    """Two 3x3 convolutions (halos, the second circular) around a GroupNorm (statistics
+    reduced over the mesh): inductor lays the convolutions' weights out channels-last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.second = nn.Conv2d(4, 2, 3, padding=1, padding_mode="circular")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.norm(self.first(x))))
+
+
+class PositionalAdd(nn.Module):
+    """A parameter of the field's shape added to it (a positional embedding): its gradient is
+    sharded like the field, and summed over the mesh by an all-gather where no sink takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(1, 2, 11, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.position)
+
+
+PARALLEL_CASES = {
+    "linear-twice": (LinearTwice, (7, 4), 0, (4, 3), True, {"all_reduce": 1}),
+    "conv-norm": (ConvNormConv, (2, 2, 11, 6), 2, (7, 4), True, {"all_reduce": 2}),
+    "linear-twice-one-rank": (LinearTwice, (7, 4), 0, (7,), True, {"all_reduce": 0}),
+    "positional-unwrapped": (
+        PositionalAdd,
+        (2, 2, 11, 6),
+        2,
+        (7, 4),
+        False,
+        {"all_reduce": 0, "all_to_all": 1},
+    ),
+}
+"""Case -> (module, global input shape, the dim split over the ``domain`` axis, its sizes,
+whether ``domain_parallel`` wraps it, the collectives of an eager backward that sum gradients,
+by kind: one bucket of gradients, the GroupNorm's statistics, the position's gradient gathered
+(an all-to-all of uneven shards), not all-reduced padded with zeros)."""
+
+
+def _domain_input(
+    whole: torch.Tensor, dim: int, sizes: tuple[int, ...], mesh
+) -> tuple[torch.Tensor, ShardTensor]:
+    """This rank's slab of ``whole``, a leaf that requires grad, and it as a ShardTensor."""
     rank = torch.distributed.get_rank()
-    start = sum(sizes[:rank])
-    x = ShardTensor.from_local(whole[start : start + sizes[rank]], mesh, [Shard(0)], {0: sizes})
+    leaf = whole.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone().requires_grad_()
+    return leaf, ShardTensor.from_local(leaf, mesh, [Shard(dim)], {0: sizes})
+
+
+def _parallel_step(model: nn.Module, whole: torch.Tensor, dim: int, sizes: tuple[int, ...]):
+    """A step of ``model`` on ``whole`` split ``sizes`` along ``dim`` over the ``domain`` axis:
+    the all-reduces its backward issues (``count_traffic``), the output's spec, the whole
+    output, this rank's input gradient and every parameter's gradient."""
+    mesh = get_mesh((1, len(sizes)), ("dp", "domain"))["domain"]
     model.zero_grad(set_to_none=True)
+    leaf, x = _domain_input(whole, dim, sizes, mesh)
     out = model(x)
     loss = (out * out).sum().full_tensor()
     with count_traffic() as traffic:
         loss.backward()
-    grads = (model.linear.weight.grad.clone(), model.linear.bias.grad.clone())
-    return traffic.calls_by_kind["all_reduce"], out._spec, out.full_tensor(), *grads
+    grads = [p.grad.clone() for p in model.parameters()]
+    return traffic, out._spec, out.full_tensor(), leaf.grad, *grads
 
 
-def _compiled_reduction_body() -> None:
+def _compiled_reduction_body(backend: str, case: str) -> None:
+    module_type, shape, dim, sizes, wrapped, sums = PARALLEL_CASES[case]
     with tracing_through_shardtensors():
-        whole = torch.randn(7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-        reference = LinearTwice().double()
-        expected = reference(whole)
+        generator = torch.Generator().manual_seed(3)
+        whole = torch.randn(shape, dtype=torch.float64, generator=generator)
+        torch.manual_seed(0)
+        reference = module_type().double()
+        whole_leaf = whole.clone().requires_grad_()
+        expected = reference(whole_leaf)
         (expected * expected).sum().backward()
+        rank = torch.distributed.get_rank()
+        input_grad = whole_leaf.grad.narrow(dim, sum(sizes[:rank]), sizes[rank])
         model = copy.deepcopy(reference)
-        mesh = get_mesh((1, 2), ("dp", "domain"))
-        model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
-        eager = _parallel_step(model, whole, (4, 3))
-        compiled_model = torch.compile(model, backend="aot_eager")
-        _parallel_step(compiled_model, whole, (4, 3))  # compiles
-        compiled = _parallel_step(compiled_model, whole, (4, 3))
-        single = (expected.detach(), reference.linear.weight.grad, reference.linear.bias.grad)
+        mesh = get_mesh((1, len(sizes)), ("dp", "domain"))
+        if wrapped:
+            model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
+        eager = _parallel_step(model, whole, dim, sizes)
+        compiled_model = torch.compile(model, backend=backend)
+        _parallel_step(compiled_model, whole, dim, sizes)  # compiles
+        compiled = _parallel_step(compiled_model, whole, dim, sizes)
+        names = [name for name, _ in reference.named_parameters()]
+        single = (expected.detach(), input_grad, *(p.grad for p in reference.parameters()))
         for name, step in (("eager", eager), ("compiled", compiled)):
             assert_all_ranks(
                 (step[1].placements, [(s.dim, s.sizes) for s in step[1].shardings])
-                == ((Shard(0),), [(0, (4, 3))]),
-                f"{name}: output layout {step[1]}",
+                == ((Shard(dim),), [(dim, sizes)]),
+                f"{backend}, {case}: {name} output layout {step[1]}",
             )
-            for part, value, one_process in zip(("output", "weight", "bias"), step[2:], single):
+            parts = ["output", "input gradient", *names]
+            for part, value, one_process in zip(parts, step[2:], single):
                 assert_close_all_ranks(
-                    value, one_process, atol=1e-12, rtol=1e-12, what=f"{name} {part} gradient"
+                    value,
+                    one_process,
+                    atol=1e-12,
+                    rtol=1e-12,
+                    what=f"{backend}, {case}: {name} {part}",
                 )
+        # (calls, bytes sent) of the kinds that sum gradients; eager halos are messages,
+        # compiled ones all-to-alls.
+        compiled_sums, eager_sums = (
+            {kind: (t.calls_by_kind[kind], t.sent_by_kind[kind]) for kind in sums}
+            for t in (compiled[0], eager[0])
+        )
         assert_all_ranks(
-            compiled[0] == eager[0] == 1,
-            f"backward all-reduces: compiled {compiled[0]}, eager {eager[0]} (one bucket)",
+            compiled_sums == eager_sums
+            and {kind: calls for kind, (calls, _) in eager_sums.items()} == sums,
+            f"{backend}, {case}: backward (calls, bytes sent) compiled {compiled_sums}, eager "
+            f"{eager_sums} (expected calls {sums})",
         )
         # torch.autograd.grad captures the gradients: the reducer cannot take them, so the
         # compiled backward sums each use over the mesh itself.
-        rank = torch.distributed.get_rank()
-        x = ShardTensor.from_local(
-            whole[4 * rank : 4 + 3 * rank], mesh["domain"], [Shard(0)], {0: (4, 3)}
-        )
-        out = compiled_model(x)
-        captured = torch.autograd.grad(
-            (out * out).sum().full_tensor(), [model.linear.weight, model.linear.bias]
-        )
-        for part, value, one_process in zip(("weight", "bias"), captured, single[1:]):
+        out = compiled_model(_domain_input(whole, dim, sizes, mesh["domain"])[1])
+        captured = torch.autograd.grad((out * out).sum().full_tensor(), list(model.parameters()))
+        for part, value, one_process in zip(names, captured, single[2:]):
             assert_close_all_ranks(
-                value, one_process, atol=1e-12, rtol=1e-12, what=f"autograd.grad {part}"
+                value,
+                one_process,
+                atol=1e-12,
+                rtol=1e-12,
+                what=f"{backend}, {case}: autograd.grad {part}",
             )
 
 
@@ -572,8 +645,29 @@ def _compiled_reduction_body() -> None:
 # (4, in the graph) and the reducer its bucket again (5 in all, eager 1): AOTAutograd traced
 # the promotions with no sink active, so each use took the eager path. A traced promotion now
 # finds the reducer when the compiled backward runs (``_promotion._TracedPromotion``).
-def test_a_compiled_domain_parallel_step_reduces_each_gradient_once() -> None:
-    """A weight used twice: eager, the reducer sums both uses' contributions in one bucketed
-    all-reduce; the compiled step must issue no more (NOTE [Where the gradient of a replicated
-    parameter is summed]), with the single-process gradients."""
-    run_on_ranks(2, _compiled_reduction_body, timeout_s=600)
+# Inductor, conv-norm: the compiled backward failed ("expected size 4==4, stride 9==1",
+# ``summed_gradient``'s fake result had the channels-last strides inductor gave the weight's
+# contribution, its real one was contiguous), then issued 4 all-reduces (eager 2): inductor
+# saved a channels-last copy of each conv weight for backward (and fed the copy to every op in
+# the forward), which no sink owns, so their uses were summed in the graph. About 40 s with
+# inductor at load 3. One rank:
+# the compiled backward raised ("The output of this custom operator ... may not alias any
+# inputs": a sum over one rank returned the contribution itself).
+@pytest.mark.parametrize(
+    "backend, case",
+    [
+        ("aot_eager", "linear-twice"),
+        ("aot_eager", "conv-norm"),
+        ("aot_eager", "linear-twice-one-rank"),
+        ("aot_eager", "positional-unwrapped"),
+        pytest.param("inductor", "conv-norm", marks=pytest.mark.slow),
+    ],
+)
+def test_a_compiled_domain_parallel_step_reduces_each_gradient_once(
+    backend: str, case: str
+) -> None:
+    """Eager, the reducer sums every use's contribution in bucketed all-reduces; the compiled
+    step must issue no more (NOTE [Where the gradient of a replicated parameter is summed]),
+    with the single-process output, layout and gradients, in float64 on 2 uneven ranks."""
+    world = len(PARALLEL_CASES[case][3])
+    run_on_ranks(world, _compiled_reduction_body, backend, case, timeout_s=600)

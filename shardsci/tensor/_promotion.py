@@ -32,13 +32,20 @@ parametrisation: its gradient must flow back through autograd).
 
 Compiled (``tracing_through_shardtensors``): while torch.compile traces, no sink can claim
 (AOTAutograd runs the promotion on fake tensors, outside the model's forward), so the choice
-moves to run time. A traced promotion's backward computes the partial contribution in the
-graph and hands it, with the weight saved from forward (the Parameter itself when the
-compiled backward runs), to ``shardsci::summed_gradient``, an ordered effect: a live sink
-that owns the weight and can finish it takes the contribution and the op returns zeros;
-otherwise the op sums it over the mesh, as the eager path does. Before, a compiled
-``domain_parallel`` step all-reduced each use in the graph and the reducer again
-(``tests/test_torch_compile_through.py``, a linear layer used twice: 5 all-reduces, eager 1).
+moves to run time. A traced promotion's backward hands its gradient's local shard, with the
+weight saved from forward (the Parameter itself when the compiled backward runs), to
+``shardsci::summed_gradient``, an ordered effect: a live sink that owns the weight and can
+finish it takes this rank's partial contribution and the op returns zeros; otherwise the op
+redistributes the gradient to the weight's layout, as the eager path does (an all-gather for a
+sharded gradient: an all-reduce of it padded with zeros sent 1056 bytes where eager sends 672,
+``tests/test_torch_compile_through.py``, a positional parameter and no sink). Before, a
+compiled ``domain_parallel`` step all-reduced each use in the graph and the reducer again
+(the same test, a linear layer used twice: 5 all-reduces, eager 1).
+The weight must reach the op as the Parameter: inductor's layout optimisation fed every op of
+a graph, and saved for backward, a channels-last copy of each convolution's weight, which no
+sink owns (a convolution and a GroupNorm: 4 all-reduces, eager 2), so it is off inside
+``tracing_through_shardtensors``. A weight the op meets as another tensor is still summed
+correctly, in the graph.
 """
 
 from __future__ import annotations
@@ -97,10 +104,10 @@ class GradientSink(Protocol):
 _SINK: list[GradientSink | None] = [None]
 # Sinks alive in this process: a compiled backward looks up the one that owns a weight.
 _LIVE_SINKS: weakref.WeakSet[Any] = weakref.WeakSet()
-# The specs of traced promotions, by the index their backward's op carries (a custom op
-# takes no spec). An intern table, not a cache (NOTE [Caches are keyed by value]): compiled
-# graphs hold its indices, so an entry is never evicted nor cleared; one per distinct layout
-# a promotion was traced with in this process.
+# The specs of traced promotions and of their gradients, by the indices their backward's op
+# carries (a custom op takes no spec). An intern table, not a cache (NOTE [Caches are keyed
+# by value]): compiled graphs hold its indices, so an entry is never evicted nor cleared; one
+# per distinct layout a promotion or its gradient was traced with in this process.
 _TRACED_SPECS: list[ShardTensorSpec] = []
 # Whether this process has said that parameter gradients are summed one use at a time.
 _EAGER_SUMS_SAID = [False]
@@ -131,7 +138,12 @@ def promote_replicated(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
     differentiable, its gradient summed over the mesh (NOTE above)."""
     spec = replicated_spec(tensor, mesh)
     if in_graph() and tensor.requires_grad:
-        return _traced_promotion(tensor, spec)
+        if mesh.size() > 1:
+            return _traced_promotion(tensor, spec)
+        # A mesh of one rank sums nothing: the eager road traces to no op, where a traced
+        # promotion costs a custom op per use at run time (about 50 us each, 64 a UNet step);
+        # a data-parallel reducer reads the gradient as a plain use's.
+        return from_local_spec(tensor, spec)
     sink, index = _claimed(tensor, mesh)
     if sink is not None:
         return _DeferredPromotion.apply(tensor, spec, sink, index)
@@ -184,8 +196,9 @@ def _say_eager_sums_once() -> None:
     )
 
 
-def partial_contribution(grad: ShardTensor) -> torch.Tensor:
-    """This rank's term of a sum over the mesh that gives ``grad`` whole.
+def partial_contribution(local: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """This rank's term of a sum over the mesh that gives whole the gradient whose local
+    shard is ``local``, laid out as ``spec``.
 
     Partial axes keep the local values; Replicate axes keep them on coordinate 0 only; Shard
     axes place the local shard at its offset in zeros. Exact: only zeros are added.
@@ -195,17 +208,16 @@ def partial_contribution(grad: ShardTensor) -> torch.Tensor:
     Tensor
         A local tensor of ``grad``'s global shape.
     """
-    spec = grad._spec
     coordinate = mesh_coordinate(spec.mesh)
     for axis, placement in enumerate(spec.placements):
         if isinstance(placement, Partial) and placement.reduce_op != "sum":
             raise NotImplementedError(f"a gradient with placement {placement} on axis {axis}")
         if isinstance(placement, Replicate) and coordinate[axis] != 0:
-            return grad._local.new_zeros(spec.shape)
+            return local.new_zeros(spec.shape)
     if not spec.shardings:
-        return grad._local
-    whole = grad._local.new_zeros(spec.shape)
-    spec.narrow(whole).copy_(grad._local)
+        return local
+    whole = local.new_zeros(spec.shape)
+    spec.narrow(whole).copy_(local)
     return whole
 
 
@@ -263,7 +275,7 @@ def _summed(
     this rank's contribution (NOTE above), else the gradient summed over the mesh now."""
     grad = _as_shard_tensor(grad, spec)
     if sink is not None and _builds_no_graph_into(sink.accumulator(index)):
-        sink.accept(index, partial_contribution(grad))
+        sink.accept(index, partial_contribution(grad._local, grad._spec))
         return None
     target = grad_spec(spec).with_dtype(grad.dtype)
     return redistribute_local(grad._local, grad._spec, target)
@@ -281,11 +293,16 @@ class _TracedPromotion(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         (tensor,) = ctx.saved_tensors
-        contribution = partial_contribution(_as_shard_tensor(grad, ctx.spec))
-        if ctx.spec not in _TRACED_SPECS:
-            _TRACED_SPECS.append(ctx.spec)
-        key = _TRACED_SPECS.index(ctx.spec)
-        return torch.ops.shardsci.summed_gradient(contribution, tensor, key), None
+        grad = _as_shard_tensor(grad, ctx.spec)
+        keys = [_traced_key(ctx.spec), _traced_key(grad._spec)]
+        return torch.ops.shardsci.summed_gradient(grad._local, tensor, *keys), None
+
+
+def _traced_key(spec: ShardTensorSpec) -> int:
+    """``spec``'s index in ``_TRACED_SPECS``, added if new."""
+    if spec not in _TRACED_SPECS:
+        _TRACED_SPECS.append(spec)
+    return _TRACED_SPECS.index(spec)
 
 
 @torch.compiler.allow_in_graph
@@ -294,23 +311,32 @@ def _traced_promotion(tensor: torch.Tensor, spec: ShardTensorSpec) -> ShardTenso
 
 
 @torch.library.custom_op("shardsci::summed_gradient", mutates_args=())
-def _summed_gradient(contribution: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
-    """``weight``'s gradient from this rank's ``contribution`` (a partial sum over the mesh of
-    traced promotion ``key``), decided when the compiled backward runs: zeros where a live
-    sink owns ``weight`` and takes the contribution (NOTE above), else the sum over the mesh."""
-    spec = _TRACED_SPECS[key].with_dtype(contribution.dtype)
+def _summed_gradient(
+    local: torch.Tensor, weight: torch.Tensor, key: int, grad_key: int
+) -> torch.Tensor:
+    """``weight``'s gradient from this rank's shard ``local`` of the gradient of traced
+    promotion ``key`` (laid out as ``grad_key``), decided when the compiled backward runs:
+    zeros where a live sink owns ``weight`` and takes this rank's partial contribution (NOTE
+    above), else the gradient redistributed to the weight's layout, as eager code does (an
+    all-gather for a sharded gradient, not an all-reduce of it padded with zeros).
+    Contiguous, as its fake result: inductor lays ``local`` out as it likes (a conv weight's
+    channels-last), and the compiled code trusts the fake's strides (NOTE [A traced
+    collective is an effect]); and never ``local`` itself, which a custom op may not return."""
+    spec, layout = _TRACED_SPECS[key], _TRACED_SPECS[grad_key]
     for sink in list(_LIVE_SINKS):
         index = sink.claim(weight, spec.mesh)
         if index is not None and _builds_no_graph_into(sink.accumulator(index)):
-            sink.accept(index, contribution)
-            return torch.zeros_like(contribution)
-    partial = _as_placed(spec, (Partial(),) * len(spec.placements))
-    return redistribute_local(contribution, partial, grad_spec(spec))
+            sink.accept(index, partial_contribution(local, layout))
+            return local.new_zeros(spec.shape)
+    summed = redistribute_local(local, layout, grad_spec(spec).with_dtype(local.dtype))
+    if summed.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        return summed.clone(memory_format=torch.contiguous_format)
+    return summed.contiguous()
 
 
 @_summed_gradient.register_fake
-def _(contribution, weight, key):
-    return torch.empty_like(contribution)
+def _(local, weight, key, grad_key):
+    return local.new_empty(_TRACED_SPECS[key].shape)
 
 
 register_effectful_op(torch.ops.shardsci.summed_gradient.default, EffectType.ORDERED)

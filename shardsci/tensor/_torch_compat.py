@@ -210,6 +210,10 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch._functorch.config",
         "tracing the gradient of a ShardTensor a compiled graph mutates in place as a ShardTensor",
     ),
+    "inductor_config": _at(
+        "torch._inductor.config",
+        "keeping inductor from feeding a traced promotion a channels-last copy of a weight",
+    ),
     "AOTDispatchAutograd": _at(
         "torch._functorch._aot_autograd.runtime_wrappers:AOTDispatchAutograd",
         "reading a plain gradient that reaches a compiled backward where a ShardTensor was "

@@ -126,6 +126,7 @@ from shardsci.tensor._torch_compat import (
     dynamo_config,
     functorch_config,
     get_proxy_mode,
+    inductor_config,
     is_fake,
     trace_rules,
 )
@@ -266,6 +267,12 @@ def tracing_through_shardtensors() -> Iterator[None]:
     # (``_plain_tangents_read_as_replicated``).
     plain_guess = functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass
     functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = True
+    # Inductor's layout optimisation replaces a convolution's weight, in every op of a graph,
+    # by a channels-last copy, which no gradient sink owns: each use of the weight was then
+    # summed in the graph and again by the reducer (NOTE [Where the gradient of a replicated
+    # parameter is summed]).
+    layout_optimization = inductor_config.layout_optimization
+    inductor_config.layout_optimization = False
     # Read when a backward is compiled, so graphs compiled inside keep it after the block;
     # resolved here, not at import (torch's AOTAutograd modules import one another in order).
     aot_autograd = _torch_compat.AOTDispatchAutograd
@@ -282,6 +289,7 @@ def tracing_through_shardtensors() -> Iterator[None]:
         aot_autograd.process_runtime_tangent = process_tangent
         dynamo_config.automatic_dynamic_shapes = automatic_dynamic
         functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = plain_guess
+        inductor_config.layout_optimization = layout_optimization
         trace_rules.BUILTIN_INLINE_WHEN_CALLED.discard(package)
         dynamo_config.nontraceable_tensor_subclasses.add(cls)
         _state["kept_out"] = cls
