@@ -338,7 +338,7 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
     for one core of a 2020s x86 server (float32 convolutions through oneDNN on one thread; a
     loopback TCP message), FFTs at a fifth of the convolutions' rate as ``benchmarks.calibrate``
     measured (4.7 against 22.7 GFLOP/s), complex matmuls at ``COMPLEX_MATMUL_FLOPS_PER_S``
-    (measured). ``benchmarks.calibrate`` fits all of them but the last; the choice
+    (measured). ``benchmarks.calibrate`` fits all of them; the choice
     of a decomposition on this machine is checked against measured step times by
     ``benchmarks/parallel_auto.py``.
     """
