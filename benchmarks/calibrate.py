@@ -350,6 +350,15 @@ def _spectral(channels: int, size: int) -> Callable[[], None]:
     return lambda: torch.fft.irfft2(torch.fft.rfft2(x), s=(size, size)).sum().backward()
 
 
+def _contraction(channels: int, modes: int) -> Callable[[], None]:
+    """The FNO's spectral contraction at its defaults (NOTE [Complex matmuls are counted
+    apart]): ``(1, C, 2 m, m)`` retained modes mixed by a ``(C, C, 2 m, m)`` complex weight."""
+    x = torch.randn(1, channels, 2 * modes, modes, dtype=torch.complex64)
+    weight = torch.randn(channels, channels, 2 * modes, modes, dtype=torch.complex64)
+    weight.requires_grad_(True)
+    return lambda: torch.einsum("bixy,ioxy->boxy", x, weight).abs().sum().backward()
+
+
 def _median_cpu_s(fn: Callable[[], None], repeats: int) -> float:
     """Median CPU seconds of ``fn`` after one warm-up call: a core's rate, which other
     processes on a shared machine disturb less than wall time."""
@@ -363,8 +372,9 @@ def _median_cpu_s(fn: Callable[[], None], repeats: int) -> float:
 
 
 def measure_compute(repeats: int) -> dict[str, float]:
-    """FLOP/s of each of ``COMPUTE`` (forward and backward, one thread, CPU time) and the
-    memory bandwidth (``memory``), bytes per second."""
+    """FLOP/s of each of ``COMPUTE`` (forward and backward, one thread, CPU time), of the
+    FFTs (``fft``) and of the spectral contraction (``complex_matmul``), and the memory
+    bandwidth (``memory``), bytes per second."""
     torch.set_num_threads(1)
     rates = {}
     for name, build in COMPUTE.items():
@@ -376,6 +386,10 @@ def measure_compute(repeats: int) -> dict[str, float]:
     with WorkCounter() as counter:
         spectral()
     rates["fft"] = counter.fft_flops / _median_cpu_s(spectral, repeats)
+    contraction = _contraction(32, 12)
+    with WorkCounter() as counter:
+        contraction()
+    rates["complex_matmul"] = counter.complex_matmul_flops / _median_cpu_s(contraction, repeats)
     a, b, c = (torch.ones(16 * 1024 * 1024) for _ in range(3))
     rates["memory"] = 3 * a.numel() * 4 / _median_cpu_s(lambda: torch.add(a, b, out=c), repeats)
     return rates
@@ -405,40 +419,47 @@ class _KernelRecorder(TorchDispatchMode):
 def measure_step_kernels(step: Callable[[], None], repeats: int) -> dict[str, float]:
     """The FLOP rates of ``step``'s own kernels at its own shapes (NOTE [The step's own
     kernels] in ``benchmarks/calibrate_steps.py``): ``flops``, FLOPs over CPU seconds of every
-    call with FLOPs but no FFT; ``fft``, of its FFTs; each call replayed alone on copies of
+    call with FLOPs but no FFT or complex matmul; ``fft``, of its FFTs; ``complex_matmul``, of
+    its complex matmuls; each call replayed alone on copies of
     its arguments (median of ``repeats``), FLOPs as ``WorkCounter`` counts them."""
     recorder = _KernelRecorder()
     with recorder:
         step()
-    flops, seconds = {"flops": 0.0, "fft": 0.0}, {"flops": 0.0, "fft": 0.0}
+    kinds = ("flops", "fft", "complex_matmul")
+    flops, seconds = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
     for func, args, kwargs in recorder.calls:
         with WorkCounter() as counter:
             func(*args, **kwargs)
-        if not (counter.flops or counter.fft_flops):
+        counted = (counter.flops, counter.fft_flops, counter.complex_matmul_flops)
+        if not any(counted):
             continue
-        kind = "fft" if counter.fft_flops else "flops"
-        flops[kind] += counter.fft_flops or counter.flops
+        kind, count = next((k, c) for k, c in zip(kinds, counted) if c)
+        flops[kind] += count
         seconds[kind] += _median_cpu_s(lambda f=func, a=args, k=kwargs: f(*a, **k), repeats)
     return {kind: flops[kind] / seconds[kind] for kind in flops if seconds[kind] > 0}
 
 
 def at_step_kernels(machine: Machine, rates: dict[str, float]) -> Machine:
-    """``machine`` with ``sustained_flops`` and ``fft_flops_per_s`` the rates of a step's
-    own kernels (``measure_step_kernels``; a rate the step lacks stays ``machine``'s)."""
+    """``machine`` with ``sustained_flops``, ``fft_flops_per_s`` and
+    ``complex_matmul_flops_per_s`` the rates of a step's own kernels
+    (``measure_step_kernels``; a rate the step lacks stays ``machine``'s)."""
     return dataclasses.replace(
         machine,
         sustained_flops=rates.get("flops", machine.sustained_flops),
         fft_flops_per_s=rates.get("fft", machine.fft_flops_per_s),
+        complex_matmul_flops_per_s=rates.get("complex_matmul", machine.complex_matmul_flops_per_s),
     )
 
 
 def at_rates(machine: Machine, rates: dict[str, float]) -> Machine:
     """``machine`` with the compute rates ``measure_compute`` measured (``rates``):
-    ``sustained_flops`` the median FLOP/s of ``COMPUTE``, the FFTs' and the memory's."""
+    ``sustained_flops`` the median FLOP/s of ``COMPUTE``, the FFTs', the complex matmuls'
+    and the memory's."""
     return dataclasses.replace(
         machine,
         sustained_flops=statistics.median(rates[name] for name in COMPUTE),
         fft_flops_per_s=rates["fft"],
+        complex_matmul_flops_per_s=rates["complex_matmul"],
         memory_bytes_per_s=rates["memory"],
     )
 
@@ -534,6 +555,9 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         f"{', '.join(COMPUTE)} forward+backward FLOPs (WorkCounter) per second, one thread",
         "fft_flops_per_s": "measured on this machine by benchmarks.calibrate: rfft2 + irfft2 "
         "of (1, 32, 128, 128), forward+backward FFT FLOPs (WorkCounter) per second, one thread",
+        "complex_matmul_flops_per_s": "measured on this machine by benchmarks.calibrate: the "
+        "FNO's spectral contraction (einsum of (1, 32, 24, 12) complex modes with a (32, 32, "
+        "24, 12) weight), forward+backward complex matmul FLOPs (WorkCounter) per second",
         "host_us_per_collective": "measured on this machine by benchmarks.calibrate: least "
         "squares of every timed call's CPU time on 2 and 4 gloo ranks (256 B-4 MiB), per call "
         "+ per ring step + per byte received",

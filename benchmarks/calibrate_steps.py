@@ -200,6 +200,7 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         sustained_flops=machine.sustained_flops * share,
         memory_bytes_per_s=machine.memory_bytes_per_s * share,
         fft_flops_per_s=machine.fft_flops_per_s * share,
+        complex_matmul_flops_per_s=machine.complex_matmul_flops_per_s * share,
         host_us_per_op=machine.host_us_per_op / share,
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
         host_us_per_collective=machine.host_us_per_collective / share,

@@ -17,8 +17,9 @@ polynomial in the pixel (or node) count, so that global attention's quadratic te
 so is the step's memory traffic (every non-view op's tensor arguments and results: kernels
 unfused). FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are counted apart]) and fitted as
 ``a p log2 p`` of the whole field, which a distributed FFT shares evenly over the ranks.
-Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``,
-and memory traffic at ``memory_bytes_per_s``, plus the runs of the step's strided copies
+Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``
+and complex matmul FLOPs at ``complex_matmul_flops_per_s`` (NOTE [Complex matmuls are counted
+apart]), and memory traffic at ``memory_bytes_per_s``, plus the runs of the step's strided copies
 (``WorkCounter.strided_runs``, fitted over the size basis) at ``strided_copy_s_per_run``
 (NOTE [Strided copies]), as the dry run prices them. Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
@@ -472,8 +473,9 @@ class _MemoryTraffic(TorchDispatchMode):
         return out
 
 
-def work(name: str, size: int) -> tuple[float, float, float]:
-    """FLOPs and FFT FLOPs (``WorkCounter``) and memory traffic (``_MemoryTraffic``) of one
+def work(name: str, size: int) -> tuple[float, float, float, float]:
+    """FLOPs, FFT FLOPs and complex matmul FLOPs (``WorkCounter``) and memory traffic
+    (``_MemoryTraffic``) of one
     plain training step at ``size``: H = W of a ``(1, 1, H, W)`` field, or a graph's nodes."""
     torch.manual_seed(0)
     model = CASES[name].build()
@@ -489,7 +491,12 @@ def work(name: str, size: int) -> tuple[float, float, float]:
     with WorkCounter() as counter, _MemoryTraffic() as traffic:
         out = model(*args)
         (out * out).mean().backward()
-    return float(counter.flops), float(counter.fft_flops), float(traffic.bytes)
+    return (
+        float(counter.flops),
+        float(counter.fft_flops),
+        float(counter.complex_matmul_flops),
+        float(traffic.bytes),
+    )
 
 
 FLOP_SIZES = {"meshgraphnet": (200, 400, 800), "field": (32, 64, 128)}
@@ -504,7 +511,9 @@ class Fitted:
     """One model's step, measured and fitted (NOTE [The cost model]): per kind, ``calls``
     (coefficients of ``call_laws``) and ``received`` bytes (of ``basis ⊗ laws``) of the busiest
     rank; FLOPs and memory traffic ``c + a p + b p²`` of a whole field of ``p`` pixels
-    (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); the aten ops of the
+    (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); complex matmul FLOPs ``c + a
+    p`` (``complex_matmul_flops``: ``[c, a]``; NOTE [Complex matmuls are counted apart]), all
+    of them shared by the ranks (an FNO's retained modes split as its field); the aten ops of the
     ShardTensor step and those of them its communication modules dispatch (``ops`` and
     ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer]); the runs of
     its strided copies (``strided_runs``: coefficients of ``basis``, NOTE [Strided copies]);
@@ -521,6 +530,7 @@ class Fitted:
     communication_ops: list[float]
     strided_runs: list[float] = field(default_factory=list)
     peers_bound: float | None = None
+    complex_matmul_flops: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     def count(self, kind: str, ranks: int) -> float:
         """Calls of ``kind`` (messages of ``"p2p"``) over a group of ``ranks``; the whole
@@ -560,6 +570,11 @@ class Fitted:
         """FFT FLOPs per rank: the whole field's, shared evenly by the ranks."""
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return self.fft_flops[0] * _p_log_p(whole) / ranks
+
+    def complex_matmul_per_rank(self, ranks: int, shape: tuple[float, ...]) -> float:
+        """Complex matmul FLOPs per rank: the whole field's, shared evenly by the ranks."""
+        constant, linear = self.complex_matmul_flops
+        return (constant + linear * GEOMETRY[self.model].pixels(shape) * ranks) / ranks
 
     def host_s(self, machine: Machine, ranks: int, shape: tuple[float, ...]) -> float:
         """Host seconds per step at ``ranks`` with local ``shape``: the ops as ``ops_host_s``
@@ -602,10 +617,11 @@ def fit(
     flop_values: list[float],
     memory_values: list[float] | None = None,
     fft_values: list[float] | None = None,
+    complex_matmul_values: list[float] | None = None,
 ) -> tuple:
     """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``peers``,
-    ``ops``; ``ops_only``: a run whose ops alone are fitted) and the FLOPs, memory traffic and
-    FFT FLOPs at ``flop_sizes`` (none where not given); and per kind the worst misfit over the
+    ``ops``; ``ops_only``: a run whose ops alone are fitted) and the FLOPs, memory traffic,
+    FFT FLOPs and complex matmul FLOPs at ``flop_sizes`` (none where not given); and per kind the worst misfit over the
     runs, relative to the kind's largest measured bytes. The ops' law is fitted to the runs
     of more than 2 ranks (NOTE [Ops per peer])."""
     basis = GEOMETRY[name].basis
@@ -630,6 +646,11 @@ def fit(
     flops = _polynomial(pixels, flop_values)
     memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
     fft_flops = least_squares([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
+    complex_matmul = (
+        least_squares([[1.0, p] for p in pixels], complex_matmul_values)
+        if complex_matmul_values
+        else [0.0, 0.0]
+    )
     op_runs = [r for r in all_runs if r["ranks"] > 2]
     rows = [op_laws(float(r["calls"].get("p2p", 0)), float(r["peers"])) for r in op_runs]
     # A term the runs do not vary cannot be told from the constant: it is folded into it.
@@ -655,6 +676,7 @@ def fit(
         communication_ops,
         strided,
         peers_bound,
+        complex_matmul,
     )
     return fitted, misfit
 
@@ -693,12 +715,13 @@ def measure_model(name: str) -> dict:
                 }
             )
     sizes = FLOP_SIZES.get(name, FLOP_SIZES["field"])
-    flops, fft_flops, memory = zip(*(work(name, s) for s in sizes))
+    flops, fft_flops, complex_matmul_flops, memory = zip(*(work(name, s) for s in sizes))
     return {
         "runs": runs,
         "flop_sizes": list(sizes),
         "flops": flops,
         "fft_flops": fft_flops,
+        "complex_matmul_flops": complex_matmul_flops,
         "memory_bytes": memory,
     }
 
@@ -714,6 +737,7 @@ def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
             measured["flops"],
             measured["memory_bytes"],
             measured["fft_flops"],
+            measured.get("complex_matmul_flops"),
         )
     return result, misfits
 
@@ -781,7 +805,8 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
     parts = {
         "compute": max(
             fitted.per_rank(fitted.flops, ranks, shape) / machine.sustained_flops
-            + fitted.fft_per_rank(ranks, shape) / machine.fft_flops_per_s,
+            + fitted.fft_per_rank(ranks, shape) / machine.fft_flops_per_s
+            + fitted.complex_matmul_per_rank(ranks, shape) / machine.complex_matmul_flops_per_s,
             fitted.per_rank(fitted.memory, ranks, shape) / machine.memory_bytes_per_s,
         )
         + strided_copy_s(machine, fitted.strided(shape))

@@ -17,8 +17,8 @@ called; ``decide`` returns; the step returns), so the parts add up to the whole 
 all-reduce plus the time it waits for the last rank to finish its backward: the last rank to
 arrive (``last_arrival``) waits least, and its wait is the all-reduce alone. Per candidate and
 round: the step's wall time (the slowest rank's sum of parts, median over the steps after
-``WARMUP_STEPS``), the CPU seconds of all ranks together, and each part's median over ranks
-and steps. The candidates are interleaved, their order reversed every round.
+``WARMUP_STEPS``), the CPU seconds of all ranks together, each part's median over ranks
+and steps, and each rank's parts (``by_rank_ms``, medians over its steps). The candidates are interleaved, their order reversed every round.
 
 Run ``python -m benchmarks.train_step_parts [--world 8] [--labels "dp=8" "dp=4 x slab H=2"]
 [--rounds 2] [--steps 8]``; JSON lines: ``parts`` per candidate and round, ``summary``.
@@ -215,7 +215,22 @@ def summarise(parts_dir: Path) -> dict:
             for part in (*PARTS, "gradient_wait")
         },
         "last_arrival_gradient_wait_ms": median_ms(r.get("gradient_wait_wall", 0.0) for r in last),
+        "by_rank_ms": {
+            rank: {
+                f"{part}_{clock}": median_ms(r.get(f"{part}_{clock}", 0.0) for r in mine)
+                for part in (*PARTS, "gradient_wait")
+                for clock in CLOCKS
+            }
+            for rank, mine in sorted(_by_rank(records).items())
+        },
     }
+
+
+def _by_rank(records: list[dict]) -> dict[int, list[dict]]:
+    ranks: dict[int, list[dict]] = {}
+    for record in records:
+        ranks.setdefault(record["rank"], []).append(record)
+    return ranks
 
 
 def main(argv: list[str] | None = None) -> None:

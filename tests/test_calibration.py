@@ -214,7 +214,7 @@ def test_a_calls_cpu_time_is_taken_between_computations_and_without_them():
         assert all(p["cpu_seconds"] < 1.5e-3 for p in points[:2]), points  # 2 ms gaps left out
 
 
-FAST = {name: 2e9 for name in COMPUTE} | {"fft": 1e9, "memory": 4e9}
+FAST = {name: 2e9 for name in COMPUTE} | {"fft": 1e9, "complex_matmul": 1e8, "memory": 4e9}
 
 
 def _work_s(machine: Machine) -> float:
@@ -303,16 +303,18 @@ def test_a_step_is_predicted_at_its_own_kernels_rates():
 
 
 def test_the_step_kernels_are_its_own_calls_with_their_flops():
-    """``measure_step_kernels`` replays the step's calls with FLOPs: a matmul's and an FFT's
-    rates, each its WorkCounter FLOPs over a positive time; calls without FLOPs are skipped."""
+    """``measure_step_kernels`` replays the step's calls with FLOPs: a matmul's, an FFT's and
+    a complex matmul's rates (NOTE [Complex matmuls are counted apart]), each its WorkCounter
+    FLOPs over a positive time; calls without FLOPs are skipped."""
     a, x = torch.randn(64, 64), torch.randn(8, 256)
 
     def step() -> None:
         (a @ a).relu()
-        torch.fft.rfft(x, dim=-1)
+        spectrum = torch.fft.rfft(x, dim=-1)
+        spectrum.T @ spectrum
 
     rates = calibrate.measure_step_kernels(step, 3)
-    assert set(rates) == {"flops", "fft"} and min(rates.values()) > 0
+    assert set(rates) == {"flops", "fft", "complex_matmul"} and min(rates.values()) > 0
     assert calibrate.measure_step_kernels(lambda: a.relu(), 3) == {}
 
 

@@ -18,6 +18,7 @@ from benchmarks.cost_model import (
     _gathers_as_all_to_alls,
     choose_exchange,
     fit,
+    fitted_models,
     laws,
     neighbours,
     step_s,
@@ -301,6 +302,24 @@ def test_strided_copies_are_priced_as_the_planner_prices_them():
     free = Machine(strided_copy_s_per_run=0.0)
     extra = step_s(machine, fitted, 8, shape)["compute"] - step_s(free, fitted, 8, shape)["compute"]
     assert extra == pytest.approx(strided_copy_s(machine, 4500)) and extra == pytest.approx(4.5e-3)
+
+
+def test_complex_matmuls_are_priced_at_their_own_rate():
+    """NOTE [Complex matmuls are counted apart]: a spectral contraction's FLOPs, fitted over
+    the field (``c + a p``) and shared by the ranks, add their own rate's seconds to the
+    compute, as the dry run prices them; an override of the rate moves them."""
+    sizes = [32, 64, 128]
+    measured = synthetic_measurement()
+    measured["complex_matmul_flops"] = [1e6 + 10.0 * s * s for s in sizes]
+    fitted = fitted_models("fno", measured)[0]["auto"]
+    shape = (100.0, 300.0)
+    whole = 1e6 + 10.0 * 8 * 100 * 300
+    assert fitted.complex_matmul_per_rank(8, shape) == pytest.approx(whole / 8)
+    unbound = ["memory_bytes_per_s=1e18"]  # compute-bound: the FLOPs' time is the compute
+    slow = override(Machine(), [*unbound, "complex_matmul_flops_per_s=1e9"])
+    fast = override(Machine(), [*unbound, "complex_matmul_flops_per_s=1e12"])
+    extra = step_s(slow, fitted, 8, shape)["compute"] - step_s(fast, fitted, 8, shape)["compute"]
+    assert extra == pytest.approx(whole / 8 * (1e-9 - 1e-12))
 
 
 # The UNet's step at 16² a rank (2026-11-29 06:20 UTC, ``planner11_data/ops_unet_before.jsonl``,

@@ -147,6 +147,10 @@ def test_projection_of_the_slowest_rank_class() -> None:
     assert p.step == pytest.approx(p.compute + p.host + p.communication)
     replicated = project(_plan(4, 4, [_class(10**9, 100, 0, 0)]), MACHINE)
     assert replicated.host == pytest.approx(100 * 10e-6 + 4000e-6)  # nothing split: plain ops
+    spectral = _class(10**9, 100, 10**6, 0)
+    spectral.complex_matmul_flops = 10**7  # NOTE [Complex matmuls are counted apart]
+    at_own_rate = dataclasses.replace(MACHINE, complex_matmul_flops_per_s=1e6)
+    assert project(_plan(4, 1, [spectral]), at_own_rate).compute == pytest.approx(1.0 + 10.0)
     overlapped = Machine(sustained_flops=1e9, host_us_per_op=10**5)
     # max(host, device): the ops, and 5 calls at NCCL's 10 µs each.
     assert project(plan, overlapped).step == pytest.approx(100 * 0.1 + 5 * 10e-6)

@@ -1,6 +1,7 @@
 """What a step asks of its device (``shardsci.planning._work.WorkCounter``): FLOPs by torch's
-formulas, the fused CPU attention counted as torch counts the GPU's, and FFTs counted apart
-(NOTE [FFT FLOPs are counted apart]), on real and meta tensors alike."""
+formulas, the fused CPU attention counted as torch counts the GPU's, FFTs counted apart
+(NOTE [FFT FLOPs are counted apart]) and complex matmuls counted apart (NOTE [Complex matmuls
+are counted apart]), on real and meta tensors alike."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from shardsci.models.fno import SpectralConv
 from shardsci.planning._work import WorkCounter, contiguous_runs
 from shardsci.tensor import _collectives
 from shardsci.tensor._shape_probe import shape_probe
@@ -48,6 +50,25 @@ def test_a_matmul_counts_by_torchs_formula():
     with WorkCounter() as work:
         a @ b
     assert (work.flops, work.fft_flops, work.ops) == (2 * 8 * 16 * 4, 0, 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_spectral_contraction_is_counted_apart_from_the_matmuls(device):
+    """NOTE [Complex matmuls are counted apart]: an FNO spectral layer's complex einsum,
+    forward and backward, counts in ``complex_matmul_flops`` at torch's ``2 m n k``, not in
+    ``flops``; a real matmul beside it stays in ``flops``."""
+    batch, width, modes = 2, 4, (3, 5)
+    layer = SpectralConv(width, width, modes).to(device)
+    x = torch.randn(batch, width, 16, 16, device=device)
+    with WorkCounter() as work:
+        layer(x).sum().backward()
+        torch.randn(8, 16, device=device) @ torch.randn(16, 4, device=device)
+    retained = 2 * modes[0] * modes[1]
+    forward = 2 * batch * width * width * retained
+    # backward: one more product, the weight's gradient (the input needs none)
+    assert work.complex_matmul_flops == 2 * forward
+    assert work.flops == 2 * 8 * 16 * 4
+    assert work.fft_flops > 0
 
 
 def test_a_shape_probe_is_an_op_but_no_work():

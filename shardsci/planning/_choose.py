@@ -18,7 +18,8 @@ that fails) is dropped with that problem as its reason. The others are ranked by
 projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
 
 - compute: the class's FLOPs (``WorkCounter``: its own shard's) at ``sustained_flops``, its
-  FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]), and the runs of its
+  FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]), its complex matmuls' at
+  ``complex_matmul_flops_per_s`` (NOTE [Complex matmuls are counted apart]), and the runs of its
   strided copies at ``strided_copy_s_per_run`` (NOTE [Strided copies]);
 - communication: every collective the dry run counted (``count_traffic``), by kind over the
   ranks it connects and the nodes they span (``collective_s``, NOTE [Collectives priced over
@@ -217,6 +218,7 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
         collectives["p2p"] = halo_s(machine, len(peers), plan.p2p_rounds, received, nodes)
         issued += collective_host_s(machine, "p2p", len(peers), plan.p2p_rounds, received)
     compute = plan.flops / machine.sustained_flops + plan.fft_flops / machine.fft_flops_per_s
+    compute += plan.complex_matmul_flops / machine.complex_matmul_flops_per_s
     compute += strided_copy_s(machine, plan.strided_runs)
     communication = sum(collectives.values())
     host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, sharded) + issued

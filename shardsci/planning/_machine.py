@@ -65,6 +65,11 @@ class Machine:
     log2 n`` FLOPs (NOTE [FFT FLOPs are counted apart]), a large transform (``n = 2^20``) in
     two passes that each read and write 8-byte complex values moves 32 bytes per point for
     100 FLOPs per point: ``100 / 32 x memory_bytes_per_s`` = 8.4e12, rounded down."""
+    complex_matmul_flops_per_s: float = 2.7e12
+    """Derived: an FNO's spectral contraction (NOTE [Complex matmuls are counted apart]) is one
+    small complex product per retained mode, ``(B, C_in) x (C_in, C_out)``, bound by reading
+    that mode's weight (8 bytes per complex entry) for ``2 B`` FLOPs per entry at torch's
+    count: ``B / 4`` FLOPs a byte, 1 at a batch of 4 per rank: ``memory_bytes_per_s``."""
     nvlink_bytes_per_s: float = 370e9
     """Assumed achievable per GPU and direction: 82 % of NVLink 4's 450 GB/s (H100 datasheet)."""
     ib_bytes_per_s: float = 45e9
@@ -316,6 +321,12 @@ UTC, load 0.5, 35 calls of 256 B-4 MiB on 2 and 4 gloo ranks): 607 µs of CPU pe
 receives (0 per call, 283 µs per ring step beside it)."""
 
 
+COMPLEX_MATMUL_FLOPS_PER_S = 0.42e9
+"""Measured here (``planner11_data/fno_kernels.py``, 2026-11-29 06:31 UTC, load 27, one rank):
+the FNO's spectral contraction at its step's shapes (128², 12 complex ``bmm`` calls a step),
+0.42 GFLOP/s at torch's count against 28 for the step's 1x1 convolutions."""
+
+
 def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:
     """This kind of machine: ``ranks_here`` CPU ranks sharing ``cores`` cores (default: those
     this process may use) and ``memory_bytes`` of RAM (default: ``MemTotal``), gloo over
@@ -326,7 +337,8 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
     at load 7-11, fitted to calls up to 16 KiB; the bytes: ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
     for one core of a 2020s x86 server (float32 convolutions through oneDNN on one thread; a
     loopback TCP message), FFTs at a fifth of the convolutions' rate as ``benchmarks.calibrate``
-    measured (4.7 against 22.7 GFLOP/s). ``benchmarks.calibrate`` fits all of them; the choice
+    measured (4.7 against 22.7 GFLOP/s), complex matmuls at ``COMPLEX_MATMUL_FLOPS_PER_S``
+    (measured). ``benchmarks.calibrate`` fits all of them; the choice
     of a decomposition on this machine is checked against measured step times by
     ``benchmarks/parallel_auto.py``.
     """
@@ -336,6 +348,7 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
     return Machine(
         sustained_flops=5e9 * share,
         fft_flops_per_s=1e9 * share,
+        complex_matmul_flops_per_s=COMPLEX_MATMUL_FLOPS_PER_S * share,
         memory_bytes_per_s=5e9 * share,
         nvlink_bytes_per_s=1e9 * share,
         ib_bytes_per_s=1e9 * share,

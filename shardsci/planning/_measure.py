@@ -65,10 +65,11 @@ class StepMeasurement:
         Bytes of the gradient reducer's buckets (``domain_parallel``), 0 without one.
     batch_specs : list of ShardTensorSpec
         Layouts of the batch's ShardTensors.
-    flops, aten_ops, communication_ops, fft_flops, strided_runs : int
-        FLOPs, aten ops, those of them a communication module dispatched, FFT FLOPs, and the
-        runs its copies' strided tensors are made of (NOTE [Strided copies]), of this rank's
-        step (``WorkCounter``).
+    flops, aten_ops, communication_ops, fft_flops, strided_runs, complex_matmul_flops : int
+        FLOPs, aten ops, those of them a communication module dispatched, FFT FLOPs, the runs
+        its copies' strided tensors are made of (NOTE [Strided copies]), and its complex
+        matmuls' FLOPs (NOTE [Complex matmuls are counted apart]), of this rank's step
+        (``WorkCounter``).
     """
 
     comm: CommStats
@@ -85,6 +86,7 @@ class StepMeasurement:
     communication_ops: int
     fft_flops: int
     strided_runs: int
+    complex_matmul_flops: int
 
 
 def measure_step(
@@ -174,6 +176,7 @@ def measure_step(
         communication_ops=work.communication_ops,
         fft_flops=work.fft_flops,
         strided_runs=work.strided_runs,
+        complex_matmul_flops=work.complex_matmul_flops,
     )
 
 

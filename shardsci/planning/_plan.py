@@ -108,6 +108,9 @@ class RankClassPlan:
         (``parallel=auto``, NOTE [One price per op]).
     strided_runs : int
         Runs of the strided tensors its copies read and write (NOTE [Strided copies]).
+    complex_matmul_flops : int
+        FLOPs of its complex matmuls (NOTE [Complex matmuls are counted apart]), not in
+        ``flops``.
     spans : list of SpanFigures
         The same step's collectives and messages as issued, by kind and the ranks they
         connect (``count_traffic``); ``p2p_rounds``: its rounds of messages posted together.
@@ -127,6 +130,7 @@ class RankClassPlan:
     spans: list[SpanFigures] = field(default_factory=list)
     p2p_rounds: int = 0
     strided_runs: int = 0
+    complex_matmul_flops: int = 0
 
 
 @dataclass
@@ -228,6 +232,7 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
         aten_ops=measured.aten_ops,
         communication_ops=measured.communication_ops,
         fft_flops=measured.fft_flops,
+        complex_matmul_flops=measured.complex_matmul_flops,
         spans=[
             SpanFigures(span.kind, list(span.ranks), calls, traffic.received_by_span[span])
             for span, calls in sorted(traffic.calls_by_span.items())

@@ -5,7 +5,9 @@ rank's own (a convolution of a quarter of the field counts a quarter of the FLOP
 exchange's and the shape probes' included. FLOPs follow ``torch.utils.flop_counter``'s
 formulas (matmuls, convolutions, attention), plus two it lacks: the fused CPU attention kernel,
 counted as torch counts the GPU's, and FFTs, counted apart (``fft_flops``) because a device
-runs them at a rate of their own (NOTE [FFT FLOPs are counted apart]). Elementwise ops count
+runs them at a rate of their own (NOTE [FFT FLOPs are counted apart]); matmuls of complex
+tensors (an FNO's spectral contraction) are counted apart too (``complex_matmul_flops``, NOTE
+[Complex matmuls are counted apart]). Elementwise ops count
 none. Everything is read from shapes, so it works on ``meta`` tensors in a dry run as on real
 ones. A shape probe (NOTE [Shape probes hold no memory]) is an op but no work: it runs
 torch's meta function on a stand-in of the whole field's shape, never a kernel, so its FLOPs
@@ -21,6 +23,17 @@ machine its step's kernels took 4x the projected compute. An FFT is also not a G
 libraries run it several times below the convolutions' rate, and cuFFT is bound by memory
 bandwidth, so the ``Machine`` prices ``fft_flops`` at ``fft_flops_per_s``, not at
 ``sustained_flops``.
+
+# NOTE [Complex matmuls are counted apart]
+The FNO's spectral contraction (``einsum`` of the retained modes with a complex weight: a
+complex ``bmm``, one small matrix product per mode) is a matmul to torch's flop counter, but
+no device runs it at a GEMM's rate: on this machine's CPU it ran at 0.42 GFLOP/s against 28
+for the same step's 1x1 convolutions (``planner11_data/fno_kernels_0640.jsonl``), a copy per
+mode; on a GPU its small per-mode products read each mode's weight once, bound by memory.
+So the FLOPs of every matmul-family call with a complex operand are counted in
+``complex_matmul_flops`` (at torch's formula, ``2 m n k`` per product: the count the rates
+were measured at), not in ``flops``, and the ``Machine`` prices them at
+``complex_matmul_flops_per_s``.
 """
 
 from __future__ import annotations
@@ -36,7 +49,14 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from shardsci.tensor._shape_probe import probing
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves
 
-__all__ = ["COMMUNICATION_MODULES", "COPIES", "WorkCounter", "contiguous_runs", "fft_flops"]
+__all__ = [
+    "COMMUNICATION_MODULES",
+    "COPIES",
+    "MATMULS",
+    "WorkCounter",
+    "contiguous_runs",
+    "fft_flops",
+]
 
 COMMUNICATION_MODULES = frozenset(
     f"shardsci.tensor.{name}"
@@ -67,6 +87,15 @@ aten = torch.ops.aten
 # as compute (``strided_copy_s``).
 COPIES = frozenset({aten.copy_, aten.clone, aten.cat, aten.stack, aten._to_copy})
 """The aten ops that copy: those whose strided tensors count runs (NOTE [Strided copies])."""
+
+
+MATMULS = frozenset({aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul})
+"""The matmul-family aten ops whose complex calls are counted apart (NOTE [Complex matmuls are
+counted apart])."""
+
+
+def _complex_operand(args: tuple) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_leaves(args))
 
 
 def contiguous_runs(tensor: torch.Tensor) -> int:
@@ -120,9 +149,10 @@ _FORMULAS: dict[Any, Callable[..., int]] = {
 class WorkCounter(TorchDispatchMode):
     """While active, count the aten ops dispatched (``ops``), those of them dispatched by a
     communication module (``communication_ops``, NOTE [One price per op] in ``_machine``),
-    their FLOPs (``flops``), their FFTs' FLOPs (``fft_flops``, not in ``flops``) and the runs
-    of the strided tensors their copies read and write (``strided_runs``, NOTE [Strided
-    copies]); a shape probe's are no work."""
+    their FLOPs (``flops``), their FFTs' FLOPs (``fft_flops``, not in ``flops``), their
+    complex matmuls' FLOPs (``complex_matmul_flops``, not in ``flops``, NOTE [Complex matmuls
+    are counted apart]) and the runs of the strided tensors their copies read and write
+    (``strided_runs``, NOTE [Strided copies]); a shape probe's are no work."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -130,6 +160,7 @@ class WorkCounter(TorchDispatchMode):
         self.communication_ops = 0
         self.flops = 0
         self.fft_flops = 0
+        self.complex_matmul_flops = 0
         self.strided_runs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # type: ignore[override]
@@ -145,7 +176,11 @@ class WorkCounter(TorchDispatchMode):
             self.strided_runs += _strided_runs((args, kwargs, out))
         formula = _FORMULAS.get(packet) or flop_registry.get(packet)
         if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
+            flops = int(formula(*args, **kwargs, out_val=out))
+            if packet in MATMULS and _complex_operand(args):
+                self.complex_matmul_flops += flops
+            else:
+                self.flops += flops
         else:
             self.fft_flops += int(fft_flops(func, args, out))
         return out
