@@ -166,7 +166,8 @@ EXPLAINED: dict[tuple[str, int], Explanation] = {
             "compute: the FNO's kernels at its step's own shapes run off the probes' rates "
             "(1 rank at 128², 2026-11-29, load 27: 1x1 convolutions 28 GFLOP/s against a 50 "
             "GFLOP/s probe median, the complex spectral contraction 0.4, the FFTs along one "
-            "dim 18 against the 2-D probe's 13; planner11_data/fno_kernels_0640.jsonl); the "
+            "dim 18 against the 2-D probe's 13; "
+            "benchmarks/records/2026-11-29-cost-model/fno_kernels_0640.jsonl); the "
             "step's own kernels' rates replace the probes' (NOTE [The step's own kernels])",
             "cpu_ratio_with_step_kernels",
         )

@@ -322,8 +322,9 @@ def call_laws(ranks: int) -> list[float]:
 # NOTE [A rank's messages are bounded by its neighbours]
 # A halo round sends to and receives from the rank's neighbours along each split dim: one
 # at an end of that dim, two inside it, never more (corners travel in the second dim's round).
-# The UNet's step (2026-11-29 06:20 UTC, ``planner11_data/ops_unet_before.jsonl``) sends 66,
-# 132, 132 messages on 2, 4, 8 slabs and 132, 198, 198, 264 on 2x2, 2x4, 4x2, 4x4 blocks: 33
+# The UNet's step (2026-11-29 06:20 UTC,
+# ``benchmarks/records/2026-11-29-cost-model/ops_unet_before.jsonl``) sends 66, 132, 132
+# messages on 2, 4, 8 slabs and 132, 198, 198, 264 on 2x2, 2x4, 4x2, 4x4 blocks: 33
 # halo rounds a split dim, 2 messages (a send and a receive) per neighbour. A ring's messages
 # do grow with ``P``: ``P - 1`` rounds of one send and one receive. So a step's messages are
 # fitted as ``a neighbours + b (P - 1)`` (``message_laws``), not as calls are: the law

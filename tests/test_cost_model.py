@@ -322,8 +322,9 @@ def test_complex_matmuls_are_priced_at_their_own_rate():
     assert extra == pytest.approx(whole / 8 * (1e-9 - 1e-12))
 
 
-# The UNet's step at 16² a rank (2026-11-29 06:20 UTC, ``planner11_data/ops_unet_before.jsonl``,
-# ``count_traffic`` and ``WorkCounter`` on the busiest rank): block -> (messages, ops).
+# The UNet's step at 16² a rank (2026-11-29 06:20 UTC, ``count_traffic`` and ``WorkCounter``
+# on the busiest rank, ``benchmarks/records/2026-11-29-cost-model/ops_unet_before.jsonl``):
+# block -> (messages, ops).
 UNET_BLOCKS = {(2, 2): (132, 3170), (2, 4): (198, 3500), (4, 2): (198, 3498), (4, 4): (264, 3828)}
 
 

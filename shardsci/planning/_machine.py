@@ -322,7 +322,8 @@ receives (0 per call, 283 µs per ring step beside it)."""
 
 
 COMPLEX_MATMUL_FLOPS_PER_S = 0.42e9
-"""Measured here (``planner11_data/fno_kernels.py``, 2026-11-29 06:31 UTC, load 27, one rank):
+"""Measured here (``benchmarks/records/2026-11-29-cost-model/fno_kernels.py``,
+2026-11-29 06:31 UTC, load 27, one rank):
 the FNO's spectral contraction at its step's shapes (128², 12 complex ``bmm`` calls a step),
 0.42 GFLOP/s at torch's count against 28 for the step's 1x1 convolutions."""
 

@@ -28,8 +28,9 @@ bandwidth, so the ``Machine`` prices ``fft_flops`` at ``fft_flops_per_s``, not a
 The FNO's spectral contraction (``einsum`` of the retained modes with a complex weight: a
 complex ``bmm``, one small matrix product per mode) is a matmul to torch's flop counter, but
 no device runs it at a GEMM's rate: on this machine's CPU it ran at 0.42 GFLOP/s against 28
-for the same step's 1x1 convolutions (``planner11_data/fno_kernels_0640.jsonl``), a copy per
-mode; on a GPU its small per-mode products read each mode's weight once, bound by memory.
+for the same step's 1x1 convolutions
+(``benchmarks/records/2026-11-29-cost-model/fno_kernels_0640.jsonl``), a copy per mode;
+on a GPU its small per-mode products read each mode's weight once, bound by memory.
 So the FLOPs of every matmul-family call with a complex operand are counted in
 ``complex_matmul_flops`` (at torch's formula, ``2 m n k`` per product: the count the rates
 were measured at), not in ``flops``, and the ``Machine`` prices them at

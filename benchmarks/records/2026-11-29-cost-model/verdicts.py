@@ -1,4 +1,4 @@
-"""Verdict table of a calibrate_steps run: python planner11_data/verdicts.py cs.jsonl"""
+"""Verdict table of a calibrate_steps run: python benchmarks/records/2026-11-29-cost-model/verdicts.py cs.jsonl"""
 
 import json
 import sys

@@ -5,7 +5,7 @@ replayed alone on copies of its arguments (CPU time, median of 3) and its FLOPs 
 WorkCounter counts them: FFTs (``_fft_*``), the spectral contraction (matmul-family calls on
 complex tensors), the 1x1 convolutions, and every other FLOP-bearing call. Printed with the
 rates calibrate's probe measures now on the same ranks (``measure_compute``): what the cost
-model prices the step's FLOPs at. Usage: python planner11_data/fno_kernels.py 1 2 4"""
+model prices the step's FLOPs at. Usage: python benchmarks/records/2026-11-29-cost-model/fno_kernels.py 1 2 4"""
 
 import json
 import statistics

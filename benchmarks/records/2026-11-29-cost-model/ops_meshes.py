@@ -1,6 +1,6 @@
 """Probe (issue 22, item 1): the busiest rank's aten ops, communication ops and traffic by
 label (count_traffic, as cost_model.measure counts them) of one model's step on 1-D and 2-D
-meshes. Usage: python planner11_data/ops_meshes.py unet 2 4 8 2x2 2x4 4x2 4x4"""
+meshes. Usage: python benchmarks/records/2026-11-29-cost-model/ops_meshes.py unet 2 4 8 2x2 2x4 4x2 4x4"""
 
 import json
 import math
