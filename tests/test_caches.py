@@ -41,6 +41,7 @@ def _bounded(maxsize: int) -> Iterator[list]:
         _propagation._PLANS,
         _propagation._SHARDINGS,
         _redistribute._EXCHANGE_PLANS,
+        _redistribute._PLANS,
         _spec._REPLICATED,
         _spec._RELAID,
         _redistribute._TARGETS,
@@ -118,6 +119,7 @@ _SMALL = {
     "sharding plans",
     "DTensor sharding propagations",
     "exchange plans",
+    "redistribution plans",
     "replicated specs",
     "relaid specs",
     "redistribution targets",
@@ -154,6 +156,49 @@ def test_equal_meshes_built_separately_share_cache_entries() -> None:
     for distinct, shared, groups, plans in run_on_ranks(2, _equal_meshes_body):
         assert distinct and shared and groups == 1
         assert plans["view plans"] == 1
+
+
+# ---------------------------------------------------------------------------- redistribution plans
+def _redistribution_plans_body() -> dict[str, object]:
+    """A redistribution is planned once per pair of layouts: the same moves again, on equal
+    specs built from a new mesh object, plan nothing; another dtype plans again (the steps hold
+    their specs); ``clear_caches`` empties the plans."""
+    shardsci.clear_caches()
+    made = []
+    real_plan = _redistribute._plan
+
+    def counting_plan(src, dst):
+        made.append((src.placements, dst.placements))
+        return real_plan(src, dst)
+
+    data = torch.arange(14.0, dtype=torch.float64).reshape(7, 2)
+    results, planned = [], []
+    _redistribute._plan = counting_plan
+    try:
+        for dtype in (torch.float64, torch.float64, torch.float32):
+            mesh = init_device_mesh("cpu", (2,))
+            x = shardsci.distribute_tensor(data.to(dtype), mesh, [Shard(0)], {0: (5, 2)})
+            whole = x.redistribute(placements=[Replicate()])
+            columns = whole.redistribute(placements=[Shard(1)])
+            results.append((whole.to_local().double(), columns.full_tensor().double()))
+            planned.append(len(made))
+    finally:
+        _redistribute._plan = real_plan
+    cached = shardsci.cache_sizes()["redistribution plans"]
+    shardsci.clear_caches()
+    return {
+        "planned": planned,
+        "cached": cached,
+        "cleared": shardsci.cache_sizes()["redistribution plans"],
+        "values": all(torch.equal(a, data) and torch.equal(b, data) for a, b in results),
+    }
+
+
+def test_a_redistribution_is_planned_once_per_pair_of_layouts() -> None:
+    for result in run_on_ranks(2, _redistribution_plans_body):
+        first, again, other_dtype = result.pop("planned")
+        assert 0 < first == again and other_dtype == 2 * first == result.pop("cached")
+        assert result == {"cleared": 0, "values": True}
 
 
 # ---------------------------------------------------------------------------- layout changes

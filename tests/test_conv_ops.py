@@ -185,3 +185,53 @@ def test_conv3d_block(mode) -> None:
 
 def test_conv_transpose3d_block() -> None:
     run_on_ranks(4, _conv3d_body, "zeros", True)
+
+
+# ---------------------------------------------------------------------------- autograd steps
+def _graph_nodes(root) -> list[str]:
+    seen, names, stack = set(), [], [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _one_step_body() -> dict[str, object]:
+    import shardsci
+
+    torch.manual_seed(0)
+    whole = torch.randn(1, 2, 9, 5, dtype=torch.float64)
+    weight = torch.randn(3, 2, 3, 3, dtype=torch.float64)
+    x = shardsci.distribute_tensor(whole, get_mesh((2,)), [Shard(2)], {0: (5, 4)})
+    x.requires_grad_()
+    y = F.conv2d(F.pad(x, (1, 1, 1, 1)), weight)  # the pad is local, the conv exchanges
+    nodes = _graph_nodes(y.grad_fn)
+    y.to_local().square().sum().backward()
+    leaf = whole.clone().requires_grad_()
+    expected = F.conv2d(F.pad(leaf, (1, 1, 1, 1)), weight)
+    expected.square().sum().backward()
+    return {
+        "to_local steps": nodes.count("_ToLocalBackward"),
+        "extension steps": nodes.count("_ExtendShardBackward") + nodes.count("_ExtendBackward"),
+        "layout": (tuple(y.placements), y._spec.sharding_by_dim[2].sizes),
+        "values": torch.allclose(y.full_tensor(), expected.detach(), rtol=1e-12, atol=1e-12),
+        "grad": torch.allclose(x.grad.full_tensor(), leaf.grad, rtol=1e-12, atol=1e-12),
+    }
+
+
+def test_a_halo_extension_is_one_autograd_step() -> None:
+    """NOTE [A shard extended in one autograd step]: the convolution's halo exchange records
+    one node, not ``to_local``'s and the extension's (the pad's ``to_local`` stays: its local
+    pad's backward is torch's); values and the input's gradient are one process's, float64."""
+    for result in run_on_ranks(2, _one_step_body):
+        assert result == {
+            "to_local steps": 1,
+            "extension steps": 1,
+            "layout": ((Shard(2),), (5, 4)),
+            "values": True,
+            "grad": True,
+        }, result

@@ -167,6 +167,48 @@ def test_gloo_messages_are_posted_one_by_one_in_one_round() -> None:
         }, result
 
 
+def _own_dtype_body() -> dict[str, object]:
+    """A periodic halo of one row on 2 ranks in several dtypes: the dtypes posted, the bytes
+    counted at the dispatcher, whether the values are the reference's."""
+    mesh = get_mesh((2,))
+    posted, results = [], {}
+    isend = torch.distributed.isend
+
+    def recorded(tensor, *args, **kwargs):
+        posted.append(tensor.dtype)
+        return isend(tensor, *args, **kwargs)
+
+    for dtype in (torch.float64, torch.bfloat16, torch.int64, torch.complex128, torch.bool):
+        whole = (torch.arange(15).reshape(5, 3) % 7).to(dtype)
+        x = shardsci.distribute_tensor(whole, mesh, [Shard(0)], {0: (3, 2)})
+        posted.clear()
+        with mock.patch.object(torch.distributed, "isend", recorded), count_traffic() as traffic:
+            extended = halo_exchange(x, {0: 1}, "periodic")
+        padded = torch.cat([whole[-1:], whole, whole[:1]])
+        expected = _window(padded, x._spec, mesh.get_coordinate(), {0: (1, 1)})
+        results[str(dtype)] = (
+            sorted({str(d) for d in posted}),
+            traffic.sent_by_kind["p2p"],
+            traffic.received_by_kind["p2p"],
+            extended.dtype == dtype and torch.equal(extended, expected),
+        )
+    return results
+
+
+def test_halo_messages_travel_in_their_own_dtype() -> None:
+    """NOTE [Messages in their own dtype]: standard dtypes are posted as they are, complex and
+    bool as bytes; the same bytes either way, the same values."""
+    for result in run_on_ranks(2, _own_dtype_body):
+        row = 3  # elements in one halo row; one row each way per rank (periodic, 2 ranks)
+        assert result == {
+            "torch.float64": (["torch.float64"], 2 * row * 8, 2 * row * 8, True),
+            "torch.bfloat16": (["torch.bfloat16"], 2 * row * 2, 2 * row * 2, True),
+            "torch.int64": (["torch.int64"], 2 * row * 8, 2 * row * 8, True),
+            "torch.complex128": (["torch.uint8"], 2 * row * 16, 2 * row * 16, True),
+            "torch.bool": (["torch.uint8"], 2 * row, 2 * row, True),
+        }, result
+
+
 def _too_wide_body() -> None:
     mesh = get_mesh((2,))
     x = shardsci.distribute_tensor(torch.randn(5, 2), mesh, [Shard(0)], {0: (3, 2)})

@@ -287,7 +287,10 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(buffer: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    if dtype.is_complex:
+    """``buffer`` (bytes, or already of ``dtype``) as a tensor of ``dtype`` and ``shape``."""
+    if buffer.dtype == dtype:
+        values = buffer
+    elif dtype.is_complex:
         real = buffer.view(dtype.to_real())
         values = torch.view_as_complex(real.reshape(-1, 2))
     else:
@@ -450,8 +453,29 @@ class PendingMessages:
         for work in self.works:
             work.wait()
         if self.counted:
-            record_comm(self.kind, self.sent, sum(b.numel() for b in self.buffers))
+            record_comm(self.kind, self.sent, sum(b.nbytes for b in self.buffers))
         return [_from_bytes(b, self.dtype, shape) for b, shape in zip(self.buffers, self.shapes)]
+
+
+# NOTE [Messages in their own dtype]
+# A point-to-point message moves bytes: gloo sends a tensor's bytes whatever its dtype, and NCCL
+# sends every dtype in ``_SENT_AS_IS`` natively. Those are sent and received as they are (a
+# contiguous tensor, a receive buffer of the message's dtype and shape); complex, bool and the
+# rest go as ``uint8`` views (``_as_bytes``, ``_from_bytes``). The same bytes travel either
+# way; the view, the reshape back and the dtype check per message are skipped (about 10 µs of
+# the calling thread a message on gloo, measured in host10's collective_calls).
+_SENT_AS_IS = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+    }
+)
 
 
 def start_send_recv(
@@ -477,13 +501,17 @@ def start_send_recv(
     posts = []
     sent = 0
     for dst, tensor in sends:
-        payload = _as_bytes(tensor)
-        sent += payload.numel()
+        payload = tensor.contiguous() if tensor.dtype in _SENT_AS_IS else _as_bytes(tensor)
+        sent += payload.nbytes
         posts.append((dist.isend, payload, group.group_ranks[dst]))
-    itemsize = dtype.itemsize
     buffers = []
     for src, shape in receives:
-        buffer = torch.empty(math.prod(shape) * itemsize, dtype=torch.uint8, device=device)
+        if dtype in _SENT_AS_IS:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            buffer = torch.empty(
+                math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device
+            )
         buffers.append(buffer)
         posts.append((dist.irecv, buffer, group.group_ranks[src]))
     works = _posted(group, posts)

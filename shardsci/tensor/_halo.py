@@ -46,6 +46,7 @@ __all__ = [
     "Extension",
     "added_to_owners",
     "extend",
+    "extended",
     "extension",
     "halo_exchange",
     "pad_locally",
@@ -449,16 +450,21 @@ class _Extend(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, ext: Extension, fill: float) -> torch.Tensor:  # type: ignore[override]
         ctx.ext = ext
-        buffer = local.new_empty(ext.buffer_shape(local.shape))
-        narrowed(buffer, ext.own).copy_(local)
-        for step in ext.steps:
-            _fill(buffer, step, _post(buffer, step.origin, step), fill)
-        return narrowed(buffer, ext.wanted)
+        return extended(local, ext, fill)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         return added_to_owners(grad, ctx.ext), None, None
+
+
+def extended(local: torch.Tensor, ext: Extension, fill: float = 0.0) -> torch.Tensor:
+    """``extend``'s result, built without autograd (the forward of its autograd Function)."""
+    buffer = local.new_empty(ext.buffer_shape(local.shape))
+    narrowed(buffer, ext.own).copy_(local)
+    for step in ext.steps:
+        _fill(buffer, step, _post(buffer, step.origin, step), fill)
+    return narrowed(buffer, ext.wanted)
 
 
 def added_to_owners(extended: torch.Tensor, ext: Extension) -> torch.Tensor:

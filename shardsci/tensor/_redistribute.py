@@ -131,7 +131,7 @@ def redistribute_local(
     if src.mesh != dst.mesh or src.shape != dst.shape:
         raise ValueError(f"cannot redistribute {src} to {dst}: mesh or global shape differ")
     check_redistribution(src, dst)
-    steps = _plan(src, dst)
+    steps = _PLANS.get_or_make((src.key, dst.key), lambda: _plan(src, dst))
     for step in steps:
         local = step.run(local)
     return local
@@ -290,7 +290,12 @@ class _ToPartial:
         return local
 
 
-def _plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> list:
+# The steps from one layout to another, planned once per pair of layouts (NOTE [Caches are keyed
+# by value]): a spec's key holds its dtype too, since the steps hold the specs they run on.
+_PLANS: BoundedCache[tuple, tuple] = BoundedCache("redistribution plans", 4096)
+
+
+def _plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> tuple:
     reduce_axes = [
         a for a, p in enumerate(src.placements) if isinstance(p, Partial) and dst.placements[a] != p
     ]
@@ -328,7 +333,7 @@ def _plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> list:
         if isinstance(p, Partial) and not isinstance(current.placements[axis], Partial):
             steps.append(_ToPartial(axis, p.reduce_op, current))
             current = _with_placement(current, axis, p)
-    return steps
+    return tuple(steps)
 
 
 def _where_to_all_reduce(

@@ -39,16 +39,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec
 from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._caches import cached
-from shardsci.tensor._halo import Extension, extend, extension, start_extend
+from shardsci.tensor._halo import (
+    Extension,
+    added_to_owners,
+    extend,
+    extended,
+    extension,
+    start_extend,
+)
 from shardsci.tensor._halo_plan import domain_range
 from shardsci.tensor._ops._common import connected_empty
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints, mesh_coordinate
+from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
     "Halo",
@@ -379,7 +389,7 @@ def pad_with_halo(
     ext, out_sizes, padded, covers, origins = _pad_plan(
         x._spec, tuple(sorted(windows.items())), tuple(sorted(boundary.items()))
     )
-    buffer = extend(x.to_local(), ext)
+    buffer = extend_shard(x, ext)
     local = narrowed(buffer, padded)
     result = from_local_spec(local, output_spec(x._spec, shape, out_sizes, local.dtype))
     result._halo = Halo(buffer, covers, origins, result._version, torch.is_grad_enabled())
@@ -399,7 +409,36 @@ def gather_windows_of(
         cells = x._halo.cells_for(x, ext)
         if cells is not None:
             return cells, out_sizes, out_ranges
-    return extend(x.to_local(), ext, fill), out_sizes, out_ranges
+    return extend_shard(x, ext, fill), out_sizes, out_ranges
+
+
+# NOTE [A shard extended in one autograd step]
+# ``extend(x.to_local(), ext)`` records two Python autograd nodes: ``to_local``'s, whose backward
+# wraps the gradient in a ShardTensor, and the extension's, whose backward sends the halo
+# gradients to their owners. ``extend_shard`` records one node doing both: the extension of
+# ``x``'s shard in forward, the owners' sums wrapped in ``to_local``'s gradient layout
+# (``grad_spec``) in backward. A zeros extension that is a local pad (NOTE [A local extension
+# is a pad]), one that moves nothing, and torch.compile's traces (which take ``to_local`` as
+# dynamo sees it, NOTE [torch.compile and ShardTensor]) keep the two steps.
+class _ExtendShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: ShardTensor, ext: Extension, fill: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.ext, ctx.grad_spec = ext, grad_spec(x._spec)
+        return extended(x._local, ext, fill)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardTensor, None, None]:  # type: ignore[override]
+        owned = added_to_owners(grad, ctx.ext)
+        return ShardTensor(owned, ctx.grad_spec.with_dtype(owned.dtype)), None, None
+
+
+def extend_shard(x: ShardTensor, ext: Extension, fill: float = 0.0) -> torch.Tensor:
+    """``extend(x.to_local(), ext, fill)`` in one autograd step where it exchanges (NOTE
+    above)."""
+    if ext.identity or ext.constant_pad is not None or in_graph():
+        return extend(x.to_local(), ext, fill)
+    return _ExtendShard.apply(x, ext, fill)
 
 
 def output_spec(
