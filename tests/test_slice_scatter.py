@@ -4,7 +4,8 @@ field's layout, against one process in float64: values, the gradients of the fie
 the source, the output's placements and shard sizes (before, DTensor's rule replicated the
 written dim: every rank held the whole field), and no byte moved in forward (``count_traffic``)
 when the source is plain, replicated or sharded like the slice it replaces. On the split dim
-and across it, with a step and negative indices; uneven, empty-shard and 2x2 layouts."""
+and across it, with a step and negative indices; uneven, empty-shard and 2x2 layouts. The
+same for ``x[key] = value`` with a basic key on a non-leaf ``x`` (the eager write above)."""
 
 from __future__ import annotations
 
@@ -94,29 +95,73 @@ def test_a_slice_write_keeps_the_field_layout(name: str) -> None:
     run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
 
 
-def _eager_writes_body() -> None:
-    mesh = get_mesh((2,))
-    layout = parse("S1; 1=2/5")
+#: name -> (key, the value's shape, or a Python scalar)
+KEYS = {
+    "u[:, 0] = g": ((slice(None), 0), (6,)),
+    "u[..., -1] = g, broadcast": ((..., -1), (1,)),
+    "u[1:5:3, 2:-1] = g": ((slice(1, 5, 3), slice(2, -1)), (2, 4)),
+    "u[-1, 1::2] = g": ((-1, slice(1, None, 2)), (3,)),
+    "u[None, :, -3:] = g": ((None, slice(None), slice(-3, None)), (1, 6, 3)),
+    "u[None, ..., 5, None] = g": ((None, ..., 5, None), (6, 1)),
+    "u[2, 4] = g, 0-d": ((2, 4), ()),
+    "u[3] = g": ((3,), (7,)),
+    "u[:, ::3] = 0.5": ((slice(None), slice(None, None, 3)), 0.5),
+}
+
+
+def _written(key: object):
+    """``u[key] = g`` on a non-leaf copy of ``u`` (``u`` and ``g`` both need gradients)."""
+
+    def write(u: torch.Tensor, g: object = None) -> torch.Tensor:
+        v = u * 1.0
+        v[key] = g
+        return v
+
+    return write
+
+
+def _setitem_body(name: str) -> None:
+    mesh_shape, layout, odd_columns = LAYOUTS[name]
+    mesh = get_mesh(mesh_shape)
     torch.manual_seed(0)
     u = torch.randn(SHAPE, dtype=torch.float64)
-    g = torch.randn(6, 3, dtype=torch.float64)
-    writes = {"u[:, 1::2] = g": (slice(None), slice(1, None, 2)), "u[:, 0] = g": (..., 0)}
-    for what, key in writes.items():
-        expected = u.clone()
-        expected[key] = g[:, 0] if what == "u[:, 0] = g" else g
-        shard = _sharded(u, layout, mesh)
-        shard[key] = g[:, 0] if what == "u[:, 0] = g" else g
-        assert_all_ranks(
-            torch.equal(shard.full_tensor(), expected), f"eager {what}: the write was lost"
+    replicated = Layout((Replicate(),) * len(mesh_shape))
+    for what, (key, value) in KEYS.items():
+        label = f"{name}: {what}"
+        write = _written(key)
+        if not isinstance(value, tuple):
+            check_against_reference(
+                lambda v, key=key, c=value: _written(key)(v, c), [u], [layout], mesh, what=label
+            )
+            continue
+        g = torch.randn(value, dtype=torch.float64)
+        check_against_reference(write, [u, g], [layout, None], mesh, what=label)
+        check_against_reference(
+            write, [u, g], [layout, replicated], mesh, what=f"{label}, replicated g"
         )
+        for source, g_layout in (("plain", None), ("replicated", replicated)):
+            shard_g = g if g_layout is None else _sharded(g, g_layout, mesh)
+            with count_traffic() as traffic:
+                out = write(_sharded(u, layout, mesh), shard_g)
+            assert_all_ranks(
+                traffic.received == 0, f"{label}, {source} g: received {traffic.received} bytes"
+            )
+            assert_all_ranks(
+                out.placements == layout.placements, f"{label}: placements {out.placements}"
+            )
+    # a value sharded like the slice it replaces: nothing moves
+    key = (slice(None), slice(1, None, 2))
+    g = torch.randn(6, 3, dtype=torch.float64)
+    check_against_reference(
+        _written(key), [u, g], [layout, odd_columns], mesh, what=f"{name}: alike"
+    )
+    with count_traffic() as traffic:
+        _written(key)(_sharded(u, layout, mesh), _sharded(g, odd_columns, mesh))
+    assert_all_ranks(traffic.received == 0, f"{name}: g alike: {traffic.received} bytes")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="eager u[:, 0] = g on a split dim is silently lost: select along a split dim "
-    "returns a broadcast copy, not a view, so copy_ writes into the copy (also compiled with "
-    "aot_eager through ShardTensors: wrong values; found here, not fixed: the __setitem__ "
-    "handler lives in _gather_scatter_ops)",
-)
-def test_an_eager_boundary_write_into_a_split_dim_is_kept() -> None:
-    run_on_ranks(2, _eager_writes_body)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_basic_key_write_into_a_split_dim_is_kept(name: str) -> None:
+    """``x[key] = value`` with ints, slices, an ellipsis and None (before, ``u[:, 0] = g`` on
+    a split dim was silently lost: the select is a broadcast copy)."""
+    run_on_ranks(math.prod(LAYOUTS[name][0]), _setitem_body, name)

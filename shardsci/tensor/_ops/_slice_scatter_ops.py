@@ -110,3 +110,62 @@ def _source_local(src: torch.Tensor, target: ShardTensorSpec) -> torch.Tensor:
             return redistribute_local(src._local, src._spec, target.with_dtype(src.dtype))
         src = src._local
     return target.narrow(src)
+
+
+# NOTE [A write through a basic key touching a split dim]
+# ``x[key] = value`` with a basic key (ints, slices, an ellipsis, None) is, in torch, a view
+# and a ``copy_`` into it. A select along a split dim is a copy (its owner broadcasts the
+# row), so that ``copy_`` would write into the copy and the write would be lost. When the key
+# touches a split dim, the write is made functional instead: every int ``i`` becomes the
+# slice ``i:i+1`` (and the value gains that dim), the value is broadcast to the key's view as
+# torch does, and the nested slices are written back outermost-last with ``slice_scatter``
+# (NOTE [A slice write lands where its cells are]): slices are views kept by their holders,
+# so nothing moves but a value sharded otherwise than its slice. The result is copied into
+# ``x`` in its own layout; autograd sees ``slice_scatter`` and ``copy_``, as functionalization
+# would write it. A key touching no split dim keeps torch's path (views).
+def write_basic_key(x: ShardTensor, key: object, value: object) -> bool:
+    """Write ``x[key] = value`` for a basic ``key`` that touches a split dim of ``x``, in
+    place; False (nothing done) for any other key (NOTE above)."""
+    items = key if isinstance(key, tuple) else (key,)
+    if not accepts(x) or not all(_is_basic(k) for k in items):
+        return False
+    view = torch.empty(x.shape, device="meta")[key]  # torch's errors for the key, every rank
+    consumed = sum(k is not None and k is not Ellipsis for k in items)
+    slices, ints, nones, dim, out_dim = {}, [], [], 0, 0
+    for k in items:
+        if k is Ellipsis:
+            dim += x.ndim - consumed
+            out_dim += x.ndim - consumed
+        elif k is None:
+            nones.append(out_dim)
+            out_dim += 1
+        elif isinstance(k, slice):
+            if k != slice(None):
+                slices[dim] = k.indices(x.shape[dim])
+            dim, out_dim = dim + 1, out_dim + 1
+        else:
+            index = k % x.shape[dim]
+            slices[dim] = (index, index + 1, 1)
+            ints.append(dim)
+            dim += 1
+    if not any(d in x._spec.sharding_by_dim for d in slices):
+        return False
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
+    written = value.to(x.dtype).expand(view.shape)
+    if nones:
+        written = written.squeeze(tuple(nones))
+    for d in ints:
+        written = written.unsqueeze(d)
+    dims = sorted(slices)
+    views = [x]
+    for d in dims[:-1]:
+        views.append(aten.slice.Tensor(views[-1], d, *slices[d]))
+    for d, outer in zip(reversed(dims), reversed(views)):
+        written = aten.slice_scatter.default(outer, written, d, *slices[d])
+    x.copy_(written)
+    return True
+
+
+def _is_basic(item: object) -> bool:
+    return type(item) is int or isinstance(item, slice) or item is None or item is Ellipsis
