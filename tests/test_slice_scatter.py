@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from shardsci import gather_policy
 from shardsci.handlers import from_local_spec
 from shardsci.testing import (
     Layout,
@@ -128,27 +129,18 @@ def _setitem_body(name: str) -> None:
     replicated = Layout((Replicate(),) * len(mesh_shape))
     for what, (key, value) in KEYS.items():
         label = f"{name}: {what}"
-        write = _written(key)
-        if not isinstance(value, tuple):
-            check_against_reference(
-                lambda v, key=key, c=value: _written(key)(v, c), [u], [layout], mesh, what=label
-            )
-            continue
-        g = torch.randn(value, dtype=torch.float64)
-        check_against_reference(write, [u, g], [layout, None], mesh, what=label)
-        check_against_reference(
-            write, [u, g], [layout, replicated], mesh, what=f"{label}, replicated g"
-        )
-        for source, g_layout in (("plain", None), ("replicated", replicated)):
-            shard_g = g if g_layout is None else _sharded(g, g_layout, mesh)
-            with count_traffic() as traffic:
-                out = write(_sharded(u, layout, mesh), shard_g)
-            assert_all_ranks(
-                traffic.received == 0, f"{label}, {source} g: received {traffic.received} bytes"
-            )
-            assert_all_ranks(
-                out.placements == layout.placements, f"{label}: placements {out.placements}"
-            )
+        # no gather, forward or backward, but for an outer int on a split dim (NOTE [A write
+        # through a basic key touching a split dim]: the value's gradient is gathered)
+        outer_int = len(mesh_shape) == 2 and what == "u[2, 4] = g, 0-d"
+        with gather_policy("allow" if outer_int else "error"):
+            _check_setitem(u, layout, replicated, mesh, label, key, value)
+    g = torch.randn(6, dtype=torch.float64)
+    for what, op in IN_PLACE.items():
+        check_against_reference(_in_place(op), [u, g], [layout, None], mesh, what=f"{name}: {what}")
+        with count_traffic() as traffic:
+            _in_place(op)(_sharded(u, layout, mesh), g)
+        # the select's broadcast of one column, no more
+        assert_all_ranks(traffic.received <= 2 * 6 * 8, f"{name}: {what}: {traffic.received} B")
     # a value sharded like the slice it replaces: nothing moves
     key = (slice(None), slice(1, None, 2))
     g = torch.randn(6, 3, dtype=torch.float64)
@@ -160,8 +152,48 @@ def _setitem_body(name: str) -> None:
     assert_all_ranks(traffic.received == 0, f"{name}: g alike: {traffic.received} bytes")
 
 
+def _check_setitem(u, layout, replicated, mesh, label, key, value) -> None:
+    if not isinstance(value, tuple):
+        check_against_reference(lambda v: _written(key)(v, value), [u], [layout], mesh, what=label)
+        return
+    write = _written(key)
+    g = torch.randn(value, dtype=torch.float64)
+    check_against_reference(write, [u, g], [layout, None], mesh, what=label)
+    check_against_reference(write, [u, g], [layout, replicated], mesh, what=f"{label}, R g")
+    for source, g_layout in (("plain", None), ("replicated", replicated)):
+        shard_g = g if g_layout is None else _sharded(g, g_layout, mesh)
+        with count_traffic() as traffic:
+            out = write(_sharded(u, layout, mesh), shard_g)
+        assert_all_ranks(
+            traffic.received == 0, f"{label}, {source} g: received {traffic.received} bytes"
+        )
+        assert_all_ranks(
+            out.placements == layout.placements, f"{label}: placements {out.placements}"
+        )
+
+
+#: name -> an in-place op on a select of ``v`` (a view on one process, a copy when split)
+IN_PLACE = {
+    "u[:, 0].zero_()": lambda v, g: v[:, 0].zero_(),
+    "u.select(1, -1).mul_(2)": lambda v, g: v.select(1, -1).mul_(2),
+    "u[:, 0].copy_(g)": lambda v, g: v[:, 0].copy_(g),
+    "u[:, 0] += g": lambda v, g: v[:, 0].__iadd__(g),
+    "u[:, 5].add_(u[:, 1] + g)": lambda v, g: v[:, 5].add_(v[:, 1] + g),
+}
+
+
+def _in_place(op):
+    def write(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        v = u * 1.0
+        op(v, g)
+        return v
+
+    return write
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_basic_key_write_into_a_split_dim_is_kept(name: str) -> None:
-    """``x[key] = value`` with ints, slices, an ellipsis and None (before, ``u[:, 0] = g`` on
+    """``x[key] = value`` with ints, slices, an ellipsis and None, and an in-place op on a
+    select (NOTE [An in-place op on a select's copy writes through]) (before, ``u[:, 0] = g`` on
     a split dim was silently lost: the select is a broadcast copy)."""
     run_on_ranks(math.prod(LAYOUTS[name][0]), _setitem_body, name)
