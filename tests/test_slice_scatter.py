@@ -17,9 +17,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardsci import gather_policy
 from shardsci.handlers import from_local_spec
+from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
+    assert_close_all_ranks,
     check_against_reference,
     count_traffic,
     get_mesh,
@@ -197,3 +199,45 @@ def test_a_basic_key_write_into_a_split_dim_is_kept(name: str) -> None:
     select (NOTE [An in-place op on a select's copy writes through]) (before, ``u[:, 0] = g`` on
     a split dim was silently lost: the select is a broadcast copy)."""
     run_on_ranks(math.prod(LAYOUTS[name][0]), _setitem_body, name)
+
+
+def _compiled_writes_body() -> None:
+    mesh = get_mesh((2,))
+    layout = parse("S1; 1=2/5")
+    torch.manual_seed(0)
+    u = torch.randn(SHAPE, dtype=torch.float64)
+    g = torch.randn(6, dtype=torch.float64)
+    writes = {
+        "u[:, 0] = g; u[1:5, -3::2] = 0.5": lambda v, g: _written(
+            (slice(1, 5), slice(-3, None, 2))
+        )(_written((slice(None), 0))(v, g), 0.5),
+        "u[:, 0].mul_(2); u[:, -1] += g": _in_place(
+            lambda v, g: (v[:, 0].mul_(2), v[:, -1].__iadd__(g))
+        ),
+    }
+    for what, write in writes.items():
+        whole, whole_g = u.clone().requires_grad_(), g.clone().requires_grad_()
+        expected = write(whole, whole_g)
+        projection = torch.randn(expected.shape, dtype=torch.float64)
+        (expected * projection).sum().backward()
+        torch._dynamo.reset()
+        shard = _sharded(u, layout, mesh).requires_grad_()
+        shard_g = g.clone().requires_grad_()
+        with tracing_through_shardtensors():
+            out = torch.compile(write, backend="aot_eager")(shard, shard_g)
+        (out.full_tensor() * projection).sum().backward()
+        for name, actual, reference in (
+            ("output", out.full_tensor(), expected),
+            ("grad of u", shard.grad.full_tensor(), whole.grad),
+            ("grad of g", shard_g.grad, whole_g.grad),
+        ):
+            assert_close_all_ranks(
+                actual, reference, atol=1e-12, rtol=1e-12, what=f"compiled {what}: {name}"
+            )
+        assert_all_ranks(out.placements == layout.placements, f"{what}: {out.placements}")
+
+
+def test_a_compiled_write_into_a_split_dim_is_kept() -> None:
+    """The writes above under ``torch.compile(aot_eager)`` through ShardTensors: before, the
+    write was lost (and a scalar write raised: ``aten.copy`` has no rule)."""
+    run_on_ranks(2, _compiled_writes_body)
