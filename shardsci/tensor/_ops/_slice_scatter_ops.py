@@ -7,7 +7,9 @@ boundary), into these ops: a functionalized or exported graph run on ShardTensor
 dispatch, and these handlers are not reached). DTensor's rule replicates the sliced dim, so
 such a graph would gather the field. Here the output has the input's layout and each rank
 writes the part of the source that lands in its own shard (NOTE [A slice write lands where
-its cells are]).
+its cells are]). An eager ``x[key] = value`` whose basic key touches a split dim is written
+through them too (``write_basic_key``), since the select it would otherwise write into is a
+copy (NOTE [A write through a basic key touching a split dim]).
 """
 
 from __future__ import annotations
