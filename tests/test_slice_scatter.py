@@ -241,3 +241,25 @@ def test_a_compiled_write_into_a_split_dim_is_kept() -> None:
     """The writes above under ``torch.compile(aot_eager)`` through ShardTensors: before, the
     write was lost (and a scalar write raised: ``aten.copy`` has no rule)."""
     run_on_ranks(2, _compiled_writes_body)
+
+
+def _view_of_a_copy_body() -> None:
+    mesh = get_mesh((2,))
+    layout = parse("S1; 1=2/5")
+    torch.manual_seed(0)
+    u = torch.randn(SHAPE, dtype=torch.float64)
+    expected = u.clone()
+    expected[1:3, 0] = 0
+    shard = _sharded(u, layout, mesh)
+    shard[:, 0][1:3].zero_()
+    assert_all_ranks(torch.equal(shard.full_tensor(), expected), "u[:, 0][1:3].zero_() lost")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a view of a select's copy (u[:, 0][1:3].zero_()) is not marked, so the write is "
+    "lost; it would take dispatch marking every aliasing output of a marked input with the "
+    "same view of the owner's row (NOTE [An in-place op on a select's copy writes through])",
+)
+def test_an_in_place_op_on_a_view_of_a_select_copy_is_kept() -> None:
+    run_on_ranks(2, _view_of_a_copy_body)
