@@ -47,7 +47,12 @@ class ShardTensor(torch.Tensor):
     _halo: Any
     """Cells around this shard gathered with it, for the next windowed op (NOTE [A padded
     tensor carries the halo its convolution reads] in ``_ops/_windows.py``), or None."""
-    __slots__ = ("_halo", "_local", "_spec")
+    _copy_of: tuple[torch.Tensor | None] | None
+    """For a select along a split dim (a broadcast copy), the owner's row of the selected
+    tensor (None on the other ranks), which an in-place op on the copy writes through to
+    (NOTE [An in-place op on a select's copy writes through] in ``_ops/_index_ops.py``);
+    else None."""
+    __slots__ = ("_copy_of", "_halo", "_local", "_spec")
 
     @staticmethod
     def __new__(
@@ -64,6 +69,7 @@ class ShardTensor(torch.Tensor):
         result._local = local
         result._spec = spec
         result._halo = None
+        result._copy_of = None
         return result
 
     def __repr__(self) -> str:  # type: ignore[override]

@@ -110,6 +110,11 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
     ops.append(func)
     try:
         path, result = _dispatched(func, route, args, kwargs)
+        if route.mutates and type(args[0]) is _ShardTensor and args[0]._copy_of is not None:
+            # NOTE [An in-place op on a select's copy writes through] in _ops/_index_ops.py
+            (row,) = args[0]._copy_of
+            if row is not None:
+                row.copy_(args[0]._local)
         check_result(args, result)
         return result
     finally:

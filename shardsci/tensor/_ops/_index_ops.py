@@ -164,6 +164,16 @@ def _resized(
 
 
 # ---------------------------------------------------------------------------- select
+# NOTE [An in-place op on a select's copy writes through]
+# A select along a split dim is a copy: its owner broadcasts the row. On one process it is a
+# view, and ``u[:, 0].zero_()``, ``u.select(1, 0).mul_(2)`` or ``u[:, 0] += g`` (an ``add_``
+# on it, then ``__setitem__``) write into ``u``; on the copy such a write was silently lost.
+# So the copy remembers the owner's row (``ShardTensor._copy_of``), and dispatch, after any
+# op that mutates its first argument, copies a marked tensor's new shard into that row on
+# the owner: every rank ran the op on the same replicated copy, so the owner's row gets what
+# every rank holds, and nothing moves. Autograd already treats the select as a view of
+# ``u``, so gradients see the write. Views of the copy (``u[:, 0][1:3].zero_()``) are not
+# marked: such a write is still lost.
 @register_aten_handler(aten.select.int)
 def _select(func, args, kwargs):
     a = bind(func, args, kwargs)
@@ -177,7 +187,9 @@ def _select(func, args, kwargs):
     shape = [n for d, n in enumerate(x._local.shape) if d != dim]
     piece = x._local.select(dim, index - starts[owner]) if group.index == owner else None
     local = broadcast(piece, owner, group, shape=shape, dtype=x.dtype, device=x._local.device)
-    return ShardTensor(local, _without_dim(x._spec, dim, sharding))
+    out = ShardTensor(local, _without_dim(x._spec, dim, sharding))
+    out._copy_of = (piece,)
+    return out
 
 
 def _without_dim(spec: ShardTensorSpec, dim: int, sharding: DimSharding) -> ShardTensorSpec:

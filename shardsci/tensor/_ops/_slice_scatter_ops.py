@@ -7,7 +7,9 @@ boundary), into these ops: a functionalized or exported graph run on ShardTensor
 dispatch, and these handlers are not reached). DTensor's rule replicates the sliced dim, so
 such a graph would gather the field. Here the output has the input's layout and each rank
 writes the part of the source that lands in its own shard (NOTE [A slice write lands where
-its cells are]).
+its cells are]). An eager ``x[key] = value`` whose basic key touches a split dim is written
+through them too (``write_basic_key``), since the select it would otherwise write into is a
+copy (NOTE [A write through a basic key touching a split dim]).
 """
 
 from __future__ import annotations
@@ -110,3 +112,76 @@ def _source_local(src: torch.Tensor, target: ShardTensorSpec) -> torch.Tensor:
             return redistribute_local(src._local, src._spec, target.with_dtype(src.dtype))
         src = src._local
     return target.narrow(src)
+
+
+# NOTE [A write through a basic key touching a split dim]
+# ``x[key] = value`` with a basic key (ints, slices, an ellipsis, None) is, in torch, a view
+# and a ``copy_`` into it. A select along a split dim is a copy (its owner broadcasts the
+# row), so that ``copy_`` would write into the copy and the write would be lost. When the key
+# touches a split dim, the write is made functional instead: the value is broadcast to the
+# key's view as torch does, and the nested views are written back innermost-first with
+# ``slice_scatter`` and ``select_scatter`` (NOTE [A slice write lands where its cells are]),
+# then copied into ``x`` in its own layout; autograd sees those ops and ``copy_``, as
+# functionalization would write it. The views are the key's slices (kept by their holders),
+# selects on whole dims (local views) and, innermost, one select on a split dim; its
+# gradient for the value is the owner's row broadcast. Any other int on a split dim is a
+# one-cell slice and the value gains that dim, so nothing moves in forward, but the value's
+# gradient then squeezes a one-cell split dim, a guarded gather of the value's size
+# (``u[2, 4] = g`` on 2x2). A key touching no split dim keeps torch's path (views).
+def write_basic_key(x: ShardTensor, key: object, value: object) -> bool:
+    """Write ``x[key] = value`` for a basic ``key`` that touches a split dim of ``x``, in
+    place; False (nothing done) for any other key (NOTE above)."""
+    items = key if isinstance(key, tuple) else (key,)
+    if not accepts(x) or not all(_is_basic(k) for k in items):
+        return False
+    target = torch.empty(x.shape, device="meta")[key]  # torch's errors for the key, every rank
+    consumed = sum(k is not None and k is not Ellipsis for k in items)
+    slices, ints, nones, dim, out_dim = {}, [], [], 0, 0
+    for k in items:
+        if k is Ellipsis:
+            dim += x.ndim - consumed
+            out_dim += x.ndim - consumed
+        elif k is None:
+            nones.append(out_dim)
+            out_dim += 1
+        elif isinstance(k, slice):
+            if k != slice(None):
+                slices[dim] = k.indices(x.shape[dim])
+            dim, out_dim = dim + 1, out_dim + 1
+        else:
+            index = k % x.shape[dim]
+            slices[dim] = (index, index + 1, 1)
+            ints.append(dim)
+            dim += 1
+    if not any(d in x._spec.sharding_by_dim for d in slices):
+        return False
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
+    written = value.to(x.dtype).expand(target.shape)
+    if nones:
+        written = written.squeeze(tuple(nones))
+    # ints on whole dims, and the last on a split dim, are selects; other ints are slices
+    split = x._spec.sharding_by_dim
+    selects = [d for d in ints if d not in split] + [d for d in ints if d in split][-1:]
+    levels = [d for d in sorted(slices) if d not in selects] + selects
+    for d in sorted(set(ints) - set(selects)):
+        written = written.unsqueeze(d - sum(s < d for s in selects))
+    # each level's dim in the tensor it writes into (the selects above it dropped a dim)
+    at = [d - sum(s < d for s in levels[:k] if s in selects) for k, d in enumerate(levels)]
+    views = [x]
+    for d, position in zip(levels[:-1], at):
+        if d in selects:
+            views.append(aten.select.int(views[-1], position, slices[d][0]))
+        else:
+            views.append(aten.slice.Tensor(views[-1], position, *slices[d]))
+    for d, position, outer in zip(reversed(levels), reversed(at), reversed(views)):
+        if d in selects:
+            written = aten.select_scatter.default(outer, written, position, slices[d][0])
+        else:
+            written = aten.slice_scatter.default(outer, written, position, *slices[d])
+    x.copy_(written)
+    return True
+
+
+def _is_basic(item: object) -> bool:
+    return type(item) is int or isinstance(item, slice) or item is None or item is Ellipsis
