@@ -413,36 +413,23 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
         ratios = {
             "cpu_ratio_with_measured_compute": round(corrected / cpu["median"], 2),
         }
-        paired = statistics.median(
-            paired_ratios(
-                partial(predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores),
-                machine,
-                measured[str(ranks)]["cpu"],
-                measured[str(ranks)]["rates"],
-                measured[str(ranks)]["small_calls"],
-                ranks,
-            )
+        run = measured[str(ranks)]
+        predict_cpu = partial(
+            predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores
         )
-        at_kernels = statistics.median(
-            paired_ratios(
-                partial(predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores),
-                machine,
-                measured[str(ranks)]["cpu"],
-                measured[str(ranks)]["rates"],
-                measured[str(ranks)]["small_calls"],
-                ranks,
-                measured[str(ranks)]["kernel_rates"],
+
+        # each step paired with its call's small-call CPU, also its kernels' rates, or neither
+        paired, at_kernels, compute_paired = (
+            statistics.median(
+                paired_ratios(predict_cpu, machine, run["cpu"], run["rates"], *pairings)
+            )
+            for pairings in (
+                (run["small_calls"], ranks),
+                (run["small_calls"], ranks, run["kernel_rates"]),
+                (),
             )
         )
         ratios["cpu_ratio_with_step_kernels"] = round(at_kernels, 2)
-        compute_paired = statistics.median(
-            paired_ratios(
-                partial(predicted_cpu, models=models, ranks=ranks, shape=shape, cores=args.cores),
-                machine,
-                measured[str(ranks)]["cpu"],
-                measured[str(ranks)]["rates"],
-            )
-        )
         record = {
             "model": name,
             "ranks": ranks,
