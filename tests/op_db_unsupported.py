@@ -358,7 +358,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
-    "cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "fft.ihfft": (_SPECTRUM_MOVED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "fft.rfft": (_SPECTRUM_MOVED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "geqrf": (
@@ -372,7 +371,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "linalg.cholesky_ex": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "linalg.cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "linalg.eig": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
