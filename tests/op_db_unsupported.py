@@ -166,16 +166,6 @@ _SPECTRUM_MOVED = Bug(
     "wrong",
     r"^output \d+: layout: mesh axis \d+ is S\(\d\); expected Shard\(\d\)",
 )
-#: A vector times a batched matrix (``v @ A``, ``A`` of 3 dims or more, sharded along its
-#: last two dims): ``at::matmul`` folds the batch dims into the rows, which moves the column
-#: split to the batch dim (values and gradients right).
-_MATMUL_FOLDED = Bug(
-    "vector-matrix product folded",
-    "at::matmul folds a batched matrix's dims for a vector product, so a split of its columns "
-    "comes back on the batch dim",
-    "wrong",
-    r"^output \d+: layout: mesh axis \d+ is S\(\d\); expected Shard\(\d\)",
-)
 #: ``linear`` of a vector, or ``trapezoid`` along a dim, that a single rank holds whole (the
 #: others empty): the contraction or sum returns partial sums, as over any split dim; the cells
 #: depend on that one rank only, so the stated layout is that rank holding the output (values
@@ -368,7 +358,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
-    "cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "fft.ihfft": (_SPECTRUM_MOVED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "fft.rfft": (_SPECTRUM_MOVED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "geqrf": (
@@ -382,7 +371,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "linalg.cholesky_ex": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "linalg.cross": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "linalg.eig": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -655,10 +643,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "unbind": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
     "unbind_copy": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
-    "__rmatmul__": (
-        _MATMUL_FOLDED.cases((13,), ("4r-empty",)),
-        _MATMUL_FOLDED.cases((8, 9, 13), ("2x2-last",)),
-    ),
     "nn.functional.linear": (_ONE_HOLDER_PARTIAL.cases((8, 12), ("4r-random",)),),
     "roll": (_FLAT_ROLL_GATHERED.cases((13,), ("4r-empty", "2x2-uneven", "2x2-last")),),
 }

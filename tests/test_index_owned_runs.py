@@ -9,8 +9,10 @@ on the rank that owns its cell: the output is split along the entries' dim with 
 count of entries, no byte is received in the forward (``count_traffic``) and nothing is
 gathered in the backward (the gather guard set to "error"). An index whose
 owners go back (``x[[5, 0]]``) gives an output replicated over that dim's axes. An outer
-product of indices of the input's extents (``x[i[:, None], j[None, :]]``) keeps the input's
-layout. ``put`` (plain and accumulating, negative positions) keeps the input's layout on any
+product of indices of the input's extents (``x[i[:, None], j[None, :]]``, and aten's
+``_unsafe_masked_index``, bilinear interpolation's decomposed read) keeps the input's layout,
+and its backward sends the rows it read back to their owners (as many bytes in all as the
+forward received), nothing gathered. ``put`` (plain and accumulating, negative positions) keeps the input's layout on any
 layout and moves nothing. Values, the input's gradient and the output's layout (placements
 and shard sizes, stated here from the rule) on 2 uneven ranks, 4 ranks with an empty shard
 and a 2x2 mesh.
@@ -61,7 +63,8 @@ def _along_dim0(layout: Layout, dim0: tuple[int, ...] | None) -> Layout:
 
 
 def _cases(layout: Layout) -> dict[str, tuple]:
-    """``(fn, expected layout, moves nothing)``."""
+    """``(fn, expected layout, what moves)``: "nothing", "rows" (the rows a read names travel,
+    and back in the backward, nothing gathered) or "a gather" (the output is replicated)."""
     dim0 = tuple(layout.sizes[0])
     row = math.prod(SHAPE[1:])
     flat = [1 * row + 3, 2 * row, 2 * row + 1, 5 * row + 7]  # rows 1, 2, 2, 5
@@ -69,30 +72,34 @@ def _cases(layout: Layout) -> dict[str, tuple]:
         "x[[1, 2, 2, 5]]": (
             lambda x: x[[1, 2, 2, 5]],
             _along_dim0(layout, _owned(dim0, [1, 2, 2, 5])),
-            True,
+            "nothing",
         ),
         "x[[0, 3], ...]": (
             lambda x: x[[0, 3], ...],
             _along_dim0(layout, _owned(dim0, [0, 3])),
-            True,
+            "nothing",
         ),
         "x[..., [4, 5], :, :]": (
             lambda x: x[..., [4, 5], :, :],
             _along_dim0(layout, _owned(dim0, [4, 5])),
-            True,
+            "nothing",
         ),
-        "x[[5, 0]], owners going back": (lambda x: x[[5, 0]], _along_dim0(layout, None), False),
+        "x[[5, 0]], owners going back": (
+            lambda x: x[[5, 0]],
+            _along_dim0(layout, None),
+            "a gather",
+        ),
         "x[mask], a boolean mask": (
             lambda x: x[torch.tensor([True, False, True, True, False, True])],
             _along_dim0(layout, _owned(dim0, [0, 2, 3, 5])),
-            True,
+            "nothing",
         ),
         "put": (
             lambda x: x.put(
                 torch.tensor([3, 70, -1]), torch.tensor([1.0, 2.0, 3.0], dtype=x.dtype)
             ),
             layout,
-            True,
+            "nothing",
         ),
         "put_, accumulate, duplicates": (
             lambda x: x.clone().put_(
@@ -101,7 +108,7 @@ def _cases(layout: Layout) -> dict[str, tuple]:
                 accumulate=True,
             ),
             layout,
-            True,
+            "nothing",
         ),
     }
     # several indices: the entries' owners over the axes of the split indexed dims, row-major
@@ -116,21 +123,33 @@ def _cases(layout: Layout) -> dict[str, tuple]:
     cases["x[[1, 2, 5], [0, 3, 1]], several indices"] = (
         lambda x: x[pairs],
         Layout((Shard(0),) * len(layout.placements), {0: counts}),
-        True,
+        "nothing",
     )
     # an outer product of indices of the input's extents (interpolation's): its layout kept
     rows, columns = torch.tensor([3, 0, 5, 1, 4, 2]), torch.tensor([4, 2, 0, 1, 3])
     cases["x[i[:, None], j[None, :]], an outer product"] = (
         lambda x: x[rows[:, None], columns[None, :]],
         layout,
-        False,
+        "rows",
+    )
+    # bilinear interpolation's read as torch decomposes it (compiled upsampling): clamped
+    # indices, out-of-range entries masked to a fill; its backward is an accumulating
+    # index_put of the gradient through both indices
+    beyond = torch.tensor([3, 0, 7, 1, 4, -1])
+    mask = ((beyond >= 0) & (beyond < SHAPE[0]))[:, None, None].expand(6, 5, 4)
+    cases["aten _unsafe_masked_index, an outer product"] = (
+        lambda x: torch.ops.aten._unsafe_masked_index.default(
+            x, mask, [beyond.clamp(0, SHAPE[0] - 1)[:, None], columns[None, :]], -2.5
+        ),
+        layout,
+        "rows",
     )
     if set(layout.sizes) == {0}:  # the flat order runs through the shards of dim 0 alone
         owners = _owned(dim0, [p // row for p in flat])
         cases["take"] = (
             lambda x: torch.take(x, torch.tensor(flat)),
             Layout((Shard(0),), {0: owners}),
-            True,
+            "nothing",
         )
     return cases
 
@@ -142,14 +161,30 @@ def _body(name: str) -> None:
     x = torch.randn(*SHAPE, dtype=torch.float64)
     spec = layout.spec(mesh, x)
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
-    for what, (fn, expected, still) in _cases(layout).items():
+    for what, (fn, expected, moves) in _cases(layout).items():
         label = f"{name}: {what}"
-        with gather_policy("error" if still else "allow"):  # forward and backward
+        with gather_policy("allow" if moves == "a gather" else "error"):  # forward, backward
             check_against_reference(fn, [x], [layout], mesh, out_layouts=[expected], what=label)
-        if still:
-            with count_traffic() as traffic:
-                fn(shard)
-            assert_all_ranks(traffic.received == 0, f"{label}: received {traffic.received} bytes")
+        if moves == "a gather":
+            continue
+        read = shard.detach().requires_grad_()
+        with count_traffic() as forward:
+            out = fn(read)
+        if moves == "nothing":
+            assert_all_ranks(forward.received == 0, f"{label}: received {forward.received} bytes")
+            continue
+        with count_traffic() as backward:
+            out.backward(torch.ones_like(out))
+        # the adjoint sends each row the read brought back to its owner, nothing more: the
+        # ranks receive as many bytes in all as in the forward (a rank receives what the
+        # others read from it)
+        totals = torch.tensor([forward.received, backward.received])
+        torch.distributed.all_reduce(totals)
+        assert_all_ranks(
+            totals[1] == totals[0],
+            f"{label}: the ranks received {int(totals[1])} bytes in the backward, "
+            f"{int(totals[0])} in the forward",
+        )
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -1,6 +1,7 @@
 """Ops that DTensor has no rule for and torch decomposes only through prims (meant for
 tracing, not for running on ShardTensors), composed here from ops that have rules or
-handlers: the ``*_copy`` twins of views, ``rsub``, ``addr``, ``vdot``, ``trace``, ``rot90``,
+handlers: the ``*_copy`` twins of views, ``rsub``, ``addr``, ``vdot``, ``linalg_cross``,
+``trace``, ``rot90``,
 ``glu`` and its backward, ``count_nonzero``, ``norm`` with an optional
 p and ``masked_fill`` with a tensor value.
 
@@ -16,6 +17,7 @@ import torch
 from shardsci.tensor._binding import bind
 from shardsci.tensor._ops._common import normalized_dims
 from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._shape_probe import probe_on_meta
 
 aten = torch.ops.aten
 
@@ -82,6 +84,30 @@ def _vdot(func, args, kwargs):
     a = bind(func, args, kwargs)
     x = aten.conj_physical.default(a.self) if a.self.dtype.is_complex else a.self
     return aten.sum.default(aten.mul.Tensor(x, a.other))
+
+
+@register_aten_handler(aten.linalg_cross.default)
+def _cross(func, args, kwargs):
+    """``x x y`` along ``dim`` (``cross``, ``linalg.cross``; a vorticity ``curl`` of vector
+    fields) as ``x[i + 1] * y[i + 2] - x[i + 2] * y[i + 1]``, its components rotated by an
+    ``index_select`` with a replicated index: the fields keep their layout, and a split of the
+    size-3 dim itself moves only the components each rank's rotated copy needs (an index of
+    that dim's extent keeps its split, NOTE [A gather through a replicated index keeps the
+    input's layout]). Broadcasting operands of another rank take the default path."""
+    a = bind(func, args, kwargs)
+    x, y = a.self, a.other
+    if x.ndim != y.ndim or x.ndim == 0:
+        return NotImplemented
+    probe_on_meta(func, args, kwargs)  # torch's errors (a dim not of size 3), on every rank
+    dim = a.dim % x.ndim
+
+    def turned(t: torch.Tensor, shift: int) -> torch.Tensor:  # t[i + shift] at i
+        index = torch.tensor([(k + shift) % 3 for k in range(3)], device=t.device)
+        return aten.index_select.default(t, dim, index)
+
+    return aten.sub.Tensor(
+        aten.mul.Tensor(turned(x, 1), turned(y, 2)), aten.mul.Tensor(turned(x, 2), turned(y, 1))
+    )
 
 
 @register_aten_handler(aten.trace.default)

@@ -1130,26 +1130,10 @@ def _index_put(func, args, kwargs):
     """
     a = bind(func, args, kwargs, signature=_index_put_signature)
     x, values = a.input, a["values"]  # not ``a.values``: the dict's method
-    tensors = [i for i in a.indices if i is not None] if isinstance(a.indices, list | tuple) else []
-    if (
-        _sharded(values)
-        and a.accumulate
-        and len(tensors) == 1
-        and _replicated_index(tensors[0]) is not None
-        and isinstance(x, ShardTensor)
-    ):
-        # the gradient of ``x[..., idx]`` added into zeros: the adjoint of that gather
-        first = next(k for k, i in enumerate(a.indices) if i is not None)
-        index = _replicated_index(tensors[0])
-        index = torch.where(index < 0, index + x.shape[first], index)  # torch wraps negatives
-        probe_on_meta(aten.index_put.default, (x, [None] * first + [index], values, True))
-        return _added_through_replicated(
-            func, x, first, index, values,
-            lambda into, dim, index, src: aten.index_put_.default(
-                into, [None] * dim + [index], src, True
-            ),
-            cell_wise=False, in_place=func is torch.Tensor.index_put_, probe=None,
-        )  # fmt: skip
+    if _sharded(values) and a.accumulate and isinstance(x, ShardTensor):
+        # the gradient of ``x[..., i]`` or ``x[..., i[:, None], j[None, :]]`` added into
+        # zeros: the adjoint of that read
+        return _added_through_reads(func, x, a.indices, values)
     advanced = _advanced_indices(a.indices, x)
     if advanced is None or not isinstance(values, torch.Tensor) or not accepts(x):
         return NotImplemented
@@ -1221,6 +1205,50 @@ def _setitem(func, args, kwargs):
 
 def _index_put_signature(input, indices, values, accumulate=False):
     """``index_put``'s parameters (a builtin without an inspectable signature)."""
+
+
+def _added_through_reads(func, x: ShardTensor, indices: object, values: ShardTensor) -> object:
+    """``index_put(x, [None, ..., i, j, ...], values, accumulate=True)`` where ``values`` is
+    laid out as ``x[..., i, j, ...]`` reads them: one index (its dims replace one dim), or
+    1-D indices broadcast as an outer product (``x[i[:, None], j[None, :]]``, as
+    interpolation indexes; ``_outer``), read one dim after the other (``x[i][:, j]``,
+    ``_cells_read``). The adjoint of those reads in reverse order, each
+    ``_added_through_replicated``: the values go back through ``j`` into zeros laid out as
+    ``x[i]``, then through ``i`` into ``x``; nothing is gathered."""
+    first = 0
+    if isinstance(indices, list | tuple):
+        while first < len(indices) and indices[first] is None:
+            first += 1
+    tensors = [_replicated_index(i) for i in indices[first:]] if first < len(indices) else []
+    if not tensors or any(i is None for i in tensors):
+        return NotImplemented
+    reads = tensors if len(tensors) == 1 else _outer(tensors)
+    if reads is None or first + len(reads) > x.ndim:
+        return NotImplemented
+    reads = [
+        torch.where(index < 0, index + x.shape[d], index)  # torch wraps negatives
+        for d, index in enumerate(reads, start=first)
+    ]
+    probe_on_meta(aten.index_put.default, (x, [None] * first + tensors, values, True))
+    # the destinations of the reads: ``x``, then zeros laid out as each read's output
+    into = [x]
+    for d, index in enumerate(reads[:-1], start=first):
+        _check_in_range(torch.index_put, index, d, into[-1].shape[d])
+        spec = _reading(func, into[-1], d, index, cell_wise=False).spec
+        zeros = values.to_local().new_zeros(spec.local_shape())
+        into.append(from_local_spec(zeros, spec.with_dtype(values.dtype)))
+    for d, index, destination in reversed(list(zip(range(first, x.ndim), reads, into))):
+        values = _added_through_replicated(
+            func, destination, d, index, values,
+            lambda into, dim, index, src: aten.index_put_.default(
+                into, [None] * dim + [index], src, True
+            ),
+            cell_wise=False, in_place=func is torch.Tensor.index_put_ and destination is x,
+            probe=None,
+        )  # fmt: skip
+        if values is NotImplemented:
+            return NotImplemented
+    return values
 
 
 @register_aten_handler(aten._unsafe_masked_index_put_accumulate.default)

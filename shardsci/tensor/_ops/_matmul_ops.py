@@ -118,15 +118,24 @@ def _matrix_product(input, mat2, out_dtype=None, *, out=None):
 _MATMUL_SIGNATURES = {torch.Tensor.__matmul__: _matmul_operator}
 
 
-@register_function_handler(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+@register_function_handler(
+    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__
+)
 def _matmul(func, args, kwargs):
+    """``x @ y`` as an einsum. ``Tensor.__rmatmul__`` (``y.__rmatmul__(x)``, ``x @ y`` with a
+    plain ``x``) is taken here too: left to its default, it calls ``at::matmul``, which folds
+    a batched ``y``'s dims for a vector ``x`` and brings a split of ``y``'s columns back on
+    the batch dim."""
     a = bind(func, args, kwargs, signature=_MATMUL_SIGNATURES.get(func))
     if getattr(a, "out", None) is not None:
         return NotImplemented
-    equation = _matmul_as_einsum(a.input, a.other)
+    x, y = (a.other, a.self) if func is torch.Tensor.__rmatmul__ else (a.input, a.other)
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return NotImplemented
+    equation = _matmul_as_einsum(x, y)
     if equation is None:
         return NotImplemented
-    return _sharded_einsum(equation, [a.input, a.other])
+    return _sharded_einsum(equation, [x, y])
 
 
 @register_function_handler(torch.mm, torch.Tensor.mm)
