@@ -465,6 +465,14 @@ ZOO_THROUGH = [
     ("inductor", "vit", (2,)),
     ("inductor", "transolver", (2,)),
 ]
+# Rows known to fail, by id. The inductor FNO on 2 uneven ranks: rank 0 aborts in gloo
+# ("1536 vs 1280 ... Received data size doesn't match expected size"), the ranks posting
+# messages of different sizes at one point; seen at b1bd4df, c549900 and 0597cf2 on
+# 2026-11-29, cause not found (a guess: inductor schedules the ranks' collectives in different
+# orders for their different local shapes).
+ZOO_THROUGH_FAILING = {
+    "inductor-fno-2": "inductor FNO on 2 uneven ranks: gloo message size mismatch (1536 vs 1280)",
+}
 
 
 @pytest.mark.slow
@@ -472,8 +480,15 @@ ZOO_THROUGH = [
 @pytest.mark.parametrize(
     "backend, name, mesh_shape",
     [
-        pytest.param(*row, id=f"{row[0]}-{row[1]}-{'x'.join(map(str, row[2]))}")
+        pytest.param(
+            *row,
+            id=case,
+            marks=[pytest.mark.xfail(strict=True, reason=ZOO_THROUGH_FAILING[case])]
+            if case in ZOO_THROUGH_FAILING
+            else [],
+        )
         for row in ZOO_THROUGH
+        for case in [f"{row[0]}-{row[1]}-{'x'.join(map(str, row[2]))}"]
     ],
 )
 def test_zoo_model_traced_through_equals_the_single_process_model(
