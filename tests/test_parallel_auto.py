@@ -13,12 +13,14 @@ import json
 import math
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
+from benchmarks.parallel_auto import step_times
 from shardsci.planning import (
     PLAN_FILE,
     Candidate,
@@ -40,7 +42,7 @@ from shardsci.planning import (
 )
 from shardsci.planning._choose import decompositions, project
 from shardsci.planning._machine import Machine, collective_s, gloo_cpu
-from shardsci.training import ConfigError
+from shardsci.training import ConfigError, _progress
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -342,3 +344,16 @@ def test_the_machine_and_its_overrides_from_the_command_line(tmp_path: Path) -> 
         _machine(ParallelConfig(machine="h100", machine_overrides=["ib=1"]), 8)
     with pytest.raises(ConfigError, match=r"parallel\.machine='tpu': expected 'h100', 'cpu'"):
         _machine(ParallelConfig(machine="tpu"), 8)
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def test_a_runs_step_times_are_read_back_from_the_throughput_its_trainer_logs(monkeypatch):
+    """``benchmarks.parallel_auto`` times each step of a run from the cumulative throughput
+    ``train.py`` logs after every step: the trainer's own ``Progress`` on a clock whose steps
+    last known times gives them back, the first step's warm-up apart."""
+    durations = [4.0, 1.5, 0.5, 0.75, 0.5, 2.0]
+    clock = itertools.accumulate([10.0, *durations])
+    monkeypatch.setattr(_progress, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    progress = _progress.Progress(len(durations), 0, cells_per_step=16 * 64**2, enabled=False)
+    logged = [progress.step(loss=0.0) for _ in durations]
+    assert step_times(logged, 16 * 64**2) == pytest.approx(durations)
