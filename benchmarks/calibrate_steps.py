@@ -118,6 +118,7 @@ from benchmarks.cost_model import (
     best_step,
     fitted_models,
     measure_model,
+    recounted,
     sharded_step,
 )
 from benchmarks.host_overhead import _OpCounter, training_step
@@ -498,7 +499,8 @@ def main(argv: list[str] | None = None) -> None:
     with rank_pools():
         machine = _machine(args)
         for name in args.models:
-            models, _ = fitted_models(name, saved.get(name) or measure_model(name))
+            measured = recounted(name, saved[name]) if name in saved else measure_model(name)
+            models, _ = fitted_models(name, measured)
             for record in hold(name, machine, models, args):
                 verdict = record["cpu"]
                 table[f"{name}_{record['ranks']}"] = {
