@@ -22,15 +22,17 @@ machine, up to the number of cores). The ``choice`` record gives the largest
 load average is no such measure here: the run's own ranks lift it (8 ranks: to about 8).
 
 Run ``python -m benchmarks.parallel_auto [--worlds 4 8] [--rounds 2] [--steps 6] [--resolution
-64] [--batch 16] [--model fno] [--check]``; on a quiet machine an 8-rank run takes about
+64] [--batch 16] [--model fno] [--budget-s S] [--check]``; on a quiet machine an 8-rank run takes about
 ``25 s + rounds x 10 candidates x (14 s + steps x 1 s)`` (2026-11-29: 16-22 s a 4-step run of
 dp=8 and dp=4 x slab H=2 at load 2-6); ``--replay out.jsonl`` ranks an earlier output's runs
 again with today's projection (the same settings), training nothing. A run's ``run_cpu_s`` is
 the CPU time of the whole ``train.py`` run, every rank and the start-up included
 (``RUSAGE_CHILDREN``).
-JSON lines: ``run`` (one per run, its ``step_s`` and ``steps_s``, CPU, load and
+``--budget-s`` stops before a round that would end past it (a round's time: the mean of the
+rounds so far; ``stopped`` says after which), so a loaded machine gives fewer rounds, not an
+overrun. JSON lines: ``run`` (one per run, its ``step_s`` and ``steps_s``, CPU, load and
 ``others_cores``), ``candidate`` (world, label, mesh, projected parts in ms, measured
-``step_s``), ``choice`` per world (chosen, best measured, ``ratio``), ``summary``.
+``step_s``), ``choice`` per world (chosen, best measured, ``ratio``, ``rounds`` run), ``summary``.
 """
 
 from __future__ import annotations
@@ -160,7 +162,12 @@ def replayed(paths: list[str], world: int) -> list[dict]:
     return [r for r in records if r.get("record") == "run" and r["world"] == world]
 
 
-def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
+def measure_world(
+    world: int, args: argparse.Namespace, scratch: Path, deadline: float | None
+) -> Goal:
+    """Choose for ``world`` ranks, run every candidate ``--rounds`` times (fewer where another
+    round would end past ``deadline``, a ``time.monotonic()``; at least one), emit the records
+    and return the goal."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=[*recipe_overrides(args), f"run_dir={scratch}"])
     choice = choose(cfg, world)
@@ -177,7 +184,13 @@ def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
     if missing:
         raise SystemExit(f"--replay: no run of {missing} on {world} ranks in {args.replay}")
     order = list(enumerate(choice.ranked))
-    for round_index in range(0 if args.replay else args.rounds):
+    rounds, started = 0 if args.replay else args.rounds, time.monotonic()
+    for round_index in range(rounds):
+        per_round = (time.monotonic() - started) / max(round_index, 1)
+        if round_index and deadline is not None and time.monotonic() + per_round > deadline:
+            emit("stopped", world=world, rounds=round_index, round_s=round(per_round, 1))
+            rounds = round_index
+            break
         for number, candidate in order:
             run_dir = scratch / f"world{world}_candidate{number}_round{round_index}"
             configs = scratch / f"world{world}_candidate{number}_configs"
@@ -222,6 +235,7 @@ def measure_world(world: int, args: argparse.Namespace, scratch: Path) -> Goal:
         ratio=round(ratio, 3),
         measured_order=sorted(medians, key=medians.get),
         others_cores_max=max(others) if others else None,
+        rounds=rounds,
     )
     return Goal(
         f"{world} ranks: chosen within {GOAL_RATIO}x of the best measured", ratio <= GOAL_RATIO
@@ -245,13 +259,17 @@ def main(argv: list[str] | None = None) -> None:
         metavar="JSONL",
         help="rank again the runs of these earlier outputs instead of training",
     )
-    args = parse_arguments(parser, argv)
-    with tempfile.TemporaryDirectory() as scratch:
-        goals = [measure_world(world, args, Path(scratch)) for world in args.worlds]
-    emit_summary(
-        goals,
-        args.check,
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="start no round that would end past this many seconds from now (rounds so far: "
+        "their mean); at least one round runs",
     )
+    args = parse_arguments(parser, argv)
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
+    with tempfile.TemporaryDirectory() as scratch:
+        goals = [measure_world(world, args, Path(scratch), deadline) for world in args.worlds]
+    emit_summary(goals, args.check)
 
 
 if __name__ == "__main__":
