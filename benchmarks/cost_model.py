@@ -537,8 +537,9 @@ class Fitted:
     """One model's step, measured and fitted (NOTE [The cost model]): per kind, ``calls``
     (coefficients of ``call_laws``) and ``received`` bytes (of ``basis ⊗ laws``) of the busiest
     rank; FLOPs, memory traffic and that of the ops without FLOPs (``flop_free_memory``, NOTE
-    [Kernels without FLOPs]) ``c + a p + b p²`` of a whole field of ``p`` pixels (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); complex matmul FLOPs ``c + a
-    p`` (``complex_matmul_flops``: ``[c, a]``; NOTE [Complex matmuls are counted apart]), all
+    [Kernels without FLOPs]) ``c + a p + b p²`` of a whole field of ``p`` pixels (nodes); FFT
+    FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); complex matmul FLOPs ``c + a p``
+    (``complex_matmul_flops``: ``[c, a]``; NOTE [Complex matmuls are counted apart]), all
     of them shared by the ranks (an FNO's retained modes split as its field); the aten ops of the
     ShardTensor step and those of them its communication modules dispatch (``ops`` and
     ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer]); the runs of
@@ -583,8 +584,8 @@ class Fitted:
 
     def per_rank(self, coefficients: list[float], ranks: int, shape: tuple[float, ...]) -> float:
         """FLOPs (``self.flops``) or memory bytes (``self.memory``, ``self.flop_free_memory``)
-        per rank: the whole
-        field's over the ranks, plus the constant (the parameters' share) on every rank."""
+        per rank: the whole field's over the ranks, plus the constant (the parameters' share)
+        on every rank."""
         constant, linear, quadratic = coefficients
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return constant + (linear * whole + quadratic * whole**2) / ranks
@@ -761,7 +762,7 @@ def work_at(name: str, sizes: list[int]) -> dict[str, list[float]]:
 def recounted(name: str, measured: dict) -> dict:
     """``measured`` (``measure_model``'s JSON, perhaps a saved one) with the traffic of the
     ops without FLOPs counted on the plain model where it lacks it (saved before 2026-11-29
-    09:40 UTC; NOTE [Kernels without FLOPs]): seconds, no ranks."""
+    09:21 UTC; NOTE [Kernels without FLOPs]): seconds, no ranks."""
     if "flop_free_memory_bytes" in measured:
         return measured
     counted = work_at(name, measured["flop_sizes"])

@@ -178,7 +178,7 @@ def measure_world(
         measured[run["label"]].append(run["step_s"])
         if "run_cpu_s" in run:  # not in outputs from before 2026-11-28 17:20 UTC
             cpu_measured[run["label"]].append(run["run_cpu_s"])
-        if "others_cores" in run:  # not in outputs from before 2026-11-29 09:40 UTC
+        if "others_cores" in run:  # not in outputs from before 2026-11-29 09:16 UTC
             others.append(run["others_cores"])
     missing = [label for label, runs in measured.items() if args.replay and not runs]
     if missing:
