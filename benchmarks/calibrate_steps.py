@@ -162,8 +162,12 @@ _FNO_BY_PART = (
 # benchmarks/README.md).
 EXPLAINED: dict[tuple[str, int], Explanation] = {
     ("unet", 1): Explanation(
-        "host: 32.6 µs per op is the UNet's at a 16² tile, its small kernels included; at "
-        "128² the 1-rank step is 40 ms over the plain step's kernels, the host term 126 ms"
+        "compute: the step's 3x3 convolutions run faster than the probes' median (77.8 GFLOP/s "
+        "in the plain step at 128², 2026-11-29 09:18 UTC, load 6, benchmarks/records/"
+        "2026-11-29-cost-model/unet_parts_128.json, against 47-66 from the probes at load "
+        "13-15); the step's own kernels' rates replace the probes' (NOTE [The step's own "
+        "kernels])",
+        "cpu_ratio_with_step_kernels",
     ),
     **{("fno", p): Explanation(_FNO_BY_PART) for p in RANKS},
     ("vit", 1): Explanation(
