@@ -324,16 +324,18 @@ def test_complex_matmuls_are_priced_at_their_own_rate():
 
 
 def test_the_traffic_of_ops_without_flops_is_counted_apart():
-    """NOTE [Kernels without FLOPs]: of a convolution (FLOPs) and a GELU after it (none), the
-    GELU's bytes read and written are the traffic without FLOPs; both are the traffic."""
+    """NOTE [Kernels without FLOPs]: of a convolution and an FFT (FLOPs) and a GELU between
+    them (none), the GELU's bytes read and written are the traffic without FLOPs; all three
+    are the traffic."""
     conv, x = torch.nn.Conv2d(2, 3, 1), torch.randn(1, 2, 8, 8)
     with torch.no_grad(), cost_model._MemoryTraffic() as traffic:
-        torch.nn.functional.gelu(conv(x))
+        spectrum = torch.fft.rfft2(torch.nn.functional.gelu(conv(x)))
     nbytes = 4  # float32
     gelu = 2 * 3 * 8 * 8 * nbytes
     convolution = (x.numel() + conv.weight.numel() + conv.bias.numel() + 3 * 8 * 8) * nbytes
+    fft = 3 * 8 * 8 * nbytes + spectrum.numel() * spectrum.element_size()
     assert traffic.flop_free_bytes == gelu
-    assert traffic.bytes == gelu + convolution
+    assert traffic.bytes == gelu + convolution + fft
 
 
 def test_kernels_without_flops_add_their_traffic_to_the_compute():
