@@ -22,12 +22,12 @@ machine, up to the number of cores). The ``choice`` record gives the largest
 load average is no such measure here: the run's own ranks lift it (8 ranks: to about 8).
 
 Run ``python -m benchmarks.parallel_auto [--worlds 4 8] [--rounds 2] [--steps 6] [--resolution
-64] [--batch 16] [--model fno] [--budget-s S] [--check]``; on a quiet machine an 8-rank run takes about
-``25 s + rounds x 10 candidates x (14 s + steps x 1 s)`` (2026-11-29: 16-22 s a 4-step run of
-dp=8 and dp=4 x slab H=2 at load 2-6); ``--replay out.jsonl`` ranks an earlier output's runs
-again with today's projection (the same settings), training nothing. A run's ``run_cpu_s`` is
-the CPU time of the whole ``train.py`` run, every rank and the start-up included
-(``RUSAGE_CHILDREN``).
+64] [--batch 16] [--model fno] [--budget-s S] [--check]``. With 8 ranks ``choose`` takes about
+20 s and a run of a candidate about 13 s of start-up plus its steps (0.5-1.7 s each, the first
+about 2 s more): about 23 s at ``--steps 6``, 10 candidates a round (2026-11-29, load 4-13:
+benchmarks/README.md). ``--replay out.jsonl`` ranks an earlier output's runs again with today's
+projection (the same settings), training nothing. A run's ``run_cpu_s`` is the CPU time of the
+whole ``train.py`` run, every rank and the start-up included (``RUSAGE_CHILDREN``).
 ``--budget-s`` stops before a round that would end past it (a round's time: the mean of the
 rounds so far; ``stopped`` says after which), so a loaded machine gives fewer rounds, not an
 overrun. JSON lines: ``run`` (one per run, its ``step_s`` and ``steps_s``, CPU, load and
