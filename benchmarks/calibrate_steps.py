@@ -150,7 +150,7 @@ _FNO_BY_PART = (
     "compute and host, by part (the plain step at 128² on one core, each aten op's CPU time, "
     "2026-11-29 09:12 UTC, load 5.5, benchmarks/records/2026-11-29-cost-model/"
     "fno_parts_128.json): its 1x1 convolutions take 31 ms against 12.5 priced (the "
-    "projection's 128->1 backward alone 11 ms at 1.4 GFLOP/s), its kernels without FLOPs 25 "
+    "projection's 128->1 backward 11 ms of them, 1.4 GFLOP/s), its kernels without FLOPs 25 "
     "ms against 13 (GELU's erf at 5-7 GB/s against a copy's 21); and the ShardTensor step "
     "costs 43 ms of CPU more than the plain step (128 against 85 ms at 1 rank, 09:21 UTC, "
     "load 9), where the host term prices 8.6 ms: every model's ops at the UNet's 15.8 µs, "
