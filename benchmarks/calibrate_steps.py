@@ -118,6 +118,7 @@ from benchmarks.cost_model import (
     best_step,
     fitted_models,
     measure_model,
+    recounted,
     sharded_step,
 )
 from benchmarks.host_overhead import _OpCounter, training_step
@@ -145,34 +146,30 @@ _GROWS_WITH_SHARD = (
     "the host term is ops x µs per op at a 16² tile: its 1-rank step is {} ms over the plain "
     "step at 128² (plain and step records, 2026-11-27, load 4-10), the host term {} ms"
 )
-# (model, ranks) -> why a ``cpu`` prediction misses by more than ``TOLERANCE`` (2026-11-27
-# and, for the FNO and ViT, 2026-11-28; 128² and 4,096 nodes; how each was found:
+_FNO_BY_PART = (
+    "compute and host, by part (the plain step at 128² on one core, each aten op's CPU time, "
+    "2026-11-29 09:12 UTC, load 5.5, benchmarks/records/2026-11-29-cost-model/"
+    "fno_parts_128.json): its 1x1 convolutions take 31 ms against 12.5 priced (the "
+    "projection's 128->1 backward 11 ms of them, 1.4 GFLOP/s), its kernels without FLOPs 25 "
+    "ms against 13 (GELU's erf at 5-7 GB/s against a copy's 21); and the ShardTensor step "
+    "costs 43 ms of CPU more than the plain step (128 against 85 ms at 1 rank, 09:21 UTC, "
+    "load 9), where the host term prices 8.6 ms: every model's ops at the UNet's 15.8 µs, "
+    "while the FNO's ShardTensor ops add 70 µs a plain op at a 24² tile (host_overhead, "
+    "09:24 UTC, load 8)"
+)
+# (model, ranks) -> why a ``cpu`` prediction misses by more than ``TOLERANCE`` (2026-11-27,
+# the ViT 2026-11-28, the FNO 2026-11-29; 128² and 4,096 nodes; how each was found:
 # benchmarks/README.md).
 EXPLAINED: dict[tuple[str, int], Explanation] = {
     ("unet", 1): Explanation(
-        "host: 32.6 µs per op is the UNet's at a 16² tile, its small kernels included; at "
-        "128² the 1-rank step is 40 ms over the plain step's kernels, the host term 126 ms"
+        "compute: the step's 3x3 convolutions run faster than the probes' median (77.8 GFLOP/s "
+        "in the plain step at 128², 2026-11-29 09:18 UTC, load 6, benchmarks/records/"
+        "2026-11-29-cost-model/unet_parts_128.json, against 47-66 from the probes at load "
+        "13-15); the step's own kernels' rates replace the probes' (NOTE [The step's own "
+        "kernels])",
+        "cpu_ratio_with_step_kernels",
     ),
-    ("fno", 1): Explanation(
-        "compute: the FNO's kernels are not FLOP-shaped on this CPU (torch.profiler, plain "
-        "step at 128², 2026-11-28): the complex bmm of the spectral weights runs a copy per "
-        "mode (29% of the step, 21k copy_ calls a step), its 1x1 convolutions take the "
-        "unblocked _slow_conv2d path (32%), GELU and its backward 14%; the plain step's "
-        "kernel time replaces the compute term",
-        "cpu_ratio_with_measured_compute",
-    ),
-    **{
-        ("fno", p): Explanation(
-            "compute: the FNO's kernels at its step's own shapes run off the probes' rates "
-            "(1 rank at 128², 2026-11-29, load 27: 1x1 convolutions 28 GFLOP/s against a 50 "
-            "GFLOP/s probe median, the complex spectral contraction 0.4, the FFTs along one "
-            "dim 18 against the 2-D probe's 13; "
-            "benchmarks/records/2026-11-29-cost-model/fno_kernels_0640.jsonl); the "
-            "step's own kernels' rates replace the probes' (NOTE [The step's own kernels])",
-            "cpu_ratio_with_step_kernels",
-        )
-        for p in (2, 4)
-    },
+    **{("fno", p): Explanation(_FNO_BY_PART) for p in RANKS},
     ("vit", 1): Explanation(
         "compute: the fused CPU attention kernel runs its FLOPs about 1.6x faster than the "
         "median rate of the convolutions and linears; the plain step's kernel time replaces "
@@ -498,7 +495,8 @@ def main(argv: list[str] | None = None) -> None:
     with rank_pools():
         machine = _machine(args)
         for name in args.models:
-            models, _ = fitted_models(name, saved.get(name) or measure_model(name))
+            measured = recounted(name, saved[name]) if name in saved else measure_model(name)
+            models, _ = fitted_models(name, measured)
             for record in hold(name, machine, models, args):
                 verdict = record["cpu"]
                 table[f"{name}_{record['ranks']}"] = {

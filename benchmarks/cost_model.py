@@ -19,7 +19,9 @@ unfused). FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are counted apart]) and
 ``a p log2 p`` of the whole field, which a distributed FFT shares evenly over the ranks.
 Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``
 and complex matmul FLOPs at ``complex_matmul_flops_per_s`` (NOTE [Complex matmuls are counted
-apart]), and memory traffic at ``memory_bytes_per_s``, plus the runs of the step's strided copies
+apart]), and the memory traffic of the ops that count FLOPs at ``memory_bytes_per_s``; plus the
+memory traffic of the ops that count none at that rate (NOTE [Kernels without FLOPs]), plus
+the runs of the step's strided copies
 (``WorkCounter.strided_runs``, fitted over the size basis) at ``strided_copy_s_per_run``
 (NOTE [Strided copies]), as the dry run prices them. Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
@@ -64,6 +66,20 @@ strong: ``P_0 T(P_0) / (P T(P))`` from ``P_0 = 8``.
 Goals (issue 22): weak-scaling efficiency at least 0.9 at 512 GPUs at each model's
 recommended tile (``RECOMMENDED``). Run ``python -m benchmarks.cost_model [--models unet fno]
 [--set host_us_per_op=0 plain_host_us_per_op=0] [--check]`` (≈2 min here); JSON lines on stdout, fields in README.md.
+
+# NOTE [Kernels without FLOPs]
+A step's kernels run one after another, each bound by its FLOPs or by its bytes (a roofline
+per kernel), so the step's compute is the sum over kernels of the longer of the two, not the
+longer of the step's two sums: that hides every kernel that counts no FLOPs (GELU and its
+backward, the residual adds, the FFTs' pads and copies, zeros) under the FLOP-bound ones. The
+FNO's plain step at 128² on one core (2026-11-29 09:12 UTC, load 5.5; each aten op's thread
+CPU time): 25 ms of its 96 in kernels that count no FLOPs, 300 MB of traffic, priced at 0
+while its FLOP time (43 ms) exceeded its whole traffic's (24 ms). So ``_MemoryTraffic``
+counts the bytes of the ops ``counts_flops`` rejects apart (``flop_free_bytes``), fitted like
+the memory traffic (``Fitted.flop_free_memory``), and ``step_s`` adds them at
+``memory_bytes_per_s`` to the longer of the FLOPs' time and the rest of the traffic's. On an
+H100 the FNO's compute, bound by its traffic, barely moves (its FLOP-bound kernels' bytes
+still take longer than their FLOPs).
 
 # NOTE [Ops per peer]
 A step's aten ops may grow with its ranks: a collective over ``P`` ranks that packs and
@@ -154,7 +170,7 @@ from shardsci.planning._machine import (
     span_nodes,
     strided_copy_s,
 )
-from shardsci.planning._work import WorkCounter
+from shardsci.planning._work import WorkCounter, counts_flops
 from shardsci.tensor._options import (
     attention_exchange_choice,
     normalization_statistics,
@@ -459,25 +475,33 @@ def _gathers_as_all_to_alls(by_label: dict[str, int]) -> Counter:
 
 class _MemoryTraffic(TorchDispatchMode):
     """Bytes every non-view op reads and writes (its tensor arguments and results): the
-    memory traffic of a step whose ops each run as one kernel, without fusion."""
+    memory traffic of a step whose ops each run as one kernel, without fusion (``bytes``);
+    and of those the ops that count no FLOPs (``flop_free_bytes``, NOTE [Kernels without
+    FLOPs])."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
+        self.flop_free_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
         if not getattr(func, "is_view", False):
-            for t in tree_leaves((args, kwargs, out)):
-                if isinstance(t, torch.Tensor):
-                    self.bytes += t.numel() * t.element_size()
+            moved = sum(
+                t.numel() * t.element_size()
+                for t in tree_leaves((args, kwargs, out))
+                if isinstance(t, torch.Tensor)
+            )
+            self.bytes += moved
+            if not counts_flops(func):
+                self.flop_free_bytes += moved
         return out
 
 
-def work(name: str, size: int) -> tuple[float, float, float, float]:
-    """FLOPs, FFT FLOPs and complex matmul FLOPs (``WorkCounter``) and memory traffic
-    (``_MemoryTraffic``) of one
-    plain training step at ``size``: H = W of a ``(1, 1, H, W)`` field, or a graph's nodes."""
+def work(name: str, size: int) -> tuple[float, float, float, float, float]:
+    """FLOPs, FFT FLOPs and complex matmul FLOPs (``WorkCounter``), memory traffic and that
+    of the ops without FLOPs (``_MemoryTraffic``) of one plain training step at ``size``: H =
+    W of a ``(1, 1, H, W)`` field, or a graph's nodes."""
     torch.manual_seed(0)
     model = CASES[name].build()
     if name == "meshgraphnet":
@@ -497,6 +521,7 @@ def work(name: str, size: int) -> tuple[float, float, float, float]:
         float(counter.fft_flops),
         float(counter.complex_matmul_flops),
         float(traffic.bytes),
+        float(traffic.flop_free_bytes),
     )
 
 
@@ -511,9 +536,10 @@ def _kron(a: list[float], b: list[float]) -> list[float]:
 class Fitted:
     """One model's step, measured and fitted (NOTE [The cost model]): per kind, ``calls``
     (coefficients of ``call_laws``) and ``received`` bytes (of ``basis ⊗ laws``) of the busiest
-    rank; FLOPs and memory traffic ``c + a p + b p²`` of a whole field of ``p`` pixels
-    (nodes); FFT FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); complex matmul FLOPs ``c + a
-    p`` (``complex_matmul_flops``: ``[c, a]``; NOTE [Complex matmuls are counted apart]), all
+    rank; FLOPs, memory traffic and that of the ops without FLOPs (``flop_free_memory``, NOTE
+    [Kernels without FLOPs]) ``c + a p + b p²`` of a whole field of ``p`` pixels (nodes); FFT
+    FLOPs ``a p log2 p`` (``fft_flops``: ``[a]``); complex matmul FLOPs ``c + a p``
+    (``complex_matmul_flops``: ``[c, a]``; NOTE [Complex matmuls are counted apart]), all
     of them shared by the ranks (an FNO's retained modes split as its field); the aten ops of the
     ShardTensor step and those of them its communication modules dispatch (``ops`` and
     ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer]); the runs of
@@ -532,6 +558,7 @@ class Fitted:
     strided_runs: list[float] = field(default_factory=list)
     peers_bound: float | None = None
     complex_matmul_flops: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    flop_free_memory: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
 
     def count(self, kind: str, ranks: int) -> float:
         """Calls of ``kind`` (messages of ``"p2p"``) over a group of ``ranks``; the whole
@@ -556,8 +583,9 @@ class Fitted:
         return max(0.0, sum(c * x for c, x in zip(self.received.get(kind, []), row)))
 
     def per_rank(self, coefficients: list[float], ranks: int, shape: tuple[float, ...]) -> float:
-        """FLOPs (``self.flops``) or memory bytes (``self.memory``) per rank: the whole
-        field's over the ranks, plus the constant (the parameters' share) on every rank."""
+        """FLOPs (``self.flops``) or memory bytes (``self.memory``, ``self.flop_free_memory``)
+        per rank: the whole field's over the ranks, plus the constant (the parameters' share)
+        on every rank."""
         constant, linear, quadratic = coefficients
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return constant + (linear * whole + quadratic * whole**2) / ranks
@@ -619,11 +647,13 @@ def fit(
     memory_values: list[float] | None = None,
     fft_values: list[float] | None = None,
     complex_matmul_values: list[float] | None = None,
+    flop_free_memory_values: list[float] | None = None,
 ) -> tuple:
     """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``peers``,
     ``ops``; ``ops_only``: a run whose ops alone are fitted) and the FLOPs, memory traffic,
     FFT FLOPs and complex matmul FLOPs at ``flop_sizes`` (none where not given); and per kind the worst misfit over the
-    runs, relative to the kind's largest measured bytes. The ops' law is fitted to the runs
+    runs, relative to the kind's largest measured bytes. The memory traffic of the ops without
+    FLOPs (``flop_free_memory_values``) likewise. The ops' law is fitted to the runs
     of more than 2 ranks (NOTE [Ops per peer])."""
     basis = GEOMETRY[name].basis
     runs, all_runs = [r for r in runs if not r.get("ops_only")], runs
@@ -645,7 +675,10 @@ def fit(
         misfit[kind] = max(abs(f - v) for f, v in zip(fitted, values)) / max(max(values), 1.0)
     pixels = [s if name == "meshgraphnet" else s * s for s in flop_sizes]
     flops = _polynomial(pixels, flop_values)
-    memory = _polynomial(pixels, memory_values) if memory_values else [0.0, 0.0, 0.0]
+    memory, flop_free_memory = (
+        _polynomial(pixels, values) if values else [0.0, 0.0, 0.0]
+        for values in (memory_values, flop_free_memory_values)
+    )
     fft_flops = least_squares([[_p_log_p(p)] for p in pixels], fft_values) if fft_values else [0.0]
     complex_matmul = (
         least_squares([[1.0, p] for p in pixels], complex_matmul_values)
@@ -678,6 +711,7 @@ def fit(
         strided,
         peers_bound,
         complex_matmul,
+        flop_free_memory,
     )
     return fitted, misfit
 
@@ -716,15 +750,23 @@ def measure_model(name: str) -> dict:
                 }
             )
     sizes = FLOP_SIZES.get(name, FLOP_SIZES["field"])
-    flops, fft_flops, complex_matmul_flops, memory = zip(*(work(name, s) for s in sizes))
-    return {
-        "runs": runs,
-        "flop_sizes": list(sizes),
-        "flops": flops,
-        "fft_flops": fft_flops,
-        "complex_matmul_flops": complex_matmul_flops,
-        "memory_bytes": memory,
-    }
+    return {"runs": runs, "flop_sizes": list(sizes), **work_at(name, sizes)}
+
+
+def work_at(name: str, sizes: list[int]) -> dict[str, list[float]]:
+    """``work`` of ``name`` at each of ``sizes``, by field of ``measure_model``'s JSON."""
+    keys = ("flops", "fft_flops", "complex_matmul_flops", "memory_bytes", "flop_free_memory_bytes")
+    return dict(zip(keys, map(list, zip(*(work(name, s) for s in sizes)))))
+
+
+def recounted(name: str, measured: dict) -> dict:
+    """``measured`` (``measure_model``'s JSON, perhaps a saved one) with the traffic of the
+    ops without FLOPs counted on the plain model where it lacks it (saved before 2026-11-29
+    09:21 UTC; NOTE [Kernels without FLOPs]): seconds, no ranks."""
+    if "flop_free_memory_bytes" in measured:
+        return measured
+    counted = work_at(name, measured["flop_sizes"])
+    return {**measured, "flop_free_memory_bytes": counted["flop_free_memory_bytes"]}
 
 
 def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
@@ -739,6 +781,7 @@ def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
             measured["memory_bytes"],
             measured["fft_flops"],
             measured.get("complex_matmul_flops"),
+            measured.get("flop_free_memory_bytes"),
         )
     return result, misfits
 
@@ -803,13 +846,15 @@ def statistics_s(machine: Machine, ranks: int, calls: float, received: float) ->
 def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...]) -> dict:
     """Seconds per step of each part (NOTE [The cost model]) at ``ranks`` with local
     ``shape``; ``total``: ``max(host, device)``."""
+    flop_free = fitted.per_rank(fitted.flop_free_memory, ranks, shape)
     parts = {
         "compute": max(
             fitted.per_rank(fitted.flops, ranks, shape) / machine.sustained_flops
             + fitted.fft_per_rank(ranks, shape) / machine.fft_flops_per_s
             + fitted.complex_matmul_per_rank(ranks, shape) / machine.complex_matmul_flops_per_s,
-            fitted.per_rank(fitted.memory, ranks, shape) / machine.memory_bytes_per_s,
+            (fitted.per_rank(fitted.memory, ranks, shape) - flop_free) / machine.memory_bytes_per_s,
         )
+        + flop_free / machine.memory_bytes_per_s  # NOTE [Kernels without FLOPs]
         + strided_copy_s(machine, fitted.strided(shape))
     }
     if ranks > 1:
@@ -968,7 +1013,7 @@ def main(argv: list[str] | None = None) -> None:
     summary, goals, measured_all = {}, [], {}
     with rank_pools():
         for name in args.models:
-            measured = saved.get(name) or measure_model(name)
+            measured = recounted(name, saved[name]) if name in saved else measure_model(name)
             measured_all[name] = measured
             models, misfits = fitted_models(name, measured)
             emit(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from benchmarks import cost_model
 from benchmarks.cost_model import (
@@ -320,6 +321,43 @@ def test_complex_matmuls_are_priced_at_their_own_rate():
     fast = override(Machine(), [*unbound, "complex_matmul_flops_per_s=1e12"])
     extra = step_s(slow, fitted, 8, shape)["compute"] - step_s(fast, fitted, 8, shape)["compute"]
     assert extra == pytest.approx(whole / 8 * (1e-9 - 1e-12))
+
+
+def test_the_traffic_of_ops_without_flops_is_counted_apart():
+    """NOTE [Kernels without FLOPs]: of a convolution and an FFT (FLOPs) and a GELU between
+    them (none), the GELU's bytes read and written are the traffic without FLOPs; all three
+    are the traffic."""
+    conv, x = torch.nn.Conv2d(2, 3, 1), torch.randn(1, 2, 8, 8)
+    with torch.no_grad(), cost_model._MemoryTraffic() as traffic:
+        spectrum = torch.fft.rfft2(torch.nn.functional.gelu(conv(x)))
+    nbytes = 4  # float32
+    gelu = 2 * 3 * 8 * 8 * nbytes
+    convolution = (x.numel() + conv.weight.numel() + conv.bias.numel() + 3 * 8 * 8) * nbytes
+    fft = 3 * 8 * 8 * nbytes + spectrum.numel() * spectrum.element_size()
+    assert traffic.flop_free_bytes == gelu
+    assert traffic.bytes == gelu + convolution + fft
+
+
+def test_kernels_without_flops_add_their_traffic_to_the_compute():
+    """NOTE [Kernels without FLOPs]: the traffic of the ops without FLOPs, fitted over the field
+    and shared by the ranks, adds its seconds to a FLOP-bound step's compute (a roofline per
+    kernel, not per step) and is not counted twice in a memory-bound one."""
+    sizes = [32, 64, 128]
+    measured = synthetic_measurement()  # 5e4 FLOPs and 4e3 bytes a pixel
+    measured["flop_free_memory_bytes"] = [1e3 * s * s for s in sizes]
+    fitted = fitted_models("fno", measured)[0]["auto"]
+    shape, ranks = (100.0, 300.0), 8
+    pixels = shape[0] * shape[1]
+    assert fitted.per_rank(fitted.flop_free_memory, ranks, shape) == pytest.approx(1e3 * pixels)
+    rest = ["fft_flops_per_s=1e30", "strided_copy_s_per_run=0", "memory_bytes_per_s=1e11"]
+    flop_bound = override(Machine(), [*rest, "sustained_flops=1e12"])
+    assert step_s(flop_bound, fitted, ranks, shape)["compute"] == pytest.approx(
+        5e4 * pixels / 1e12 + 1e3 * pixels / 1e11
+    )
+    memory_bound = override(Machine(), [*rest, "sustained_flops=1e16"])
+    assert step_s(memory_bound, fitted, ranks, shape)["compute"] == pytest.approx(
+        4e3 * pixels / 1e11
+    )
 
 
 # The UNet's step at 16² a rank (2026-11-29 06:20 UTC, ``count_traffic`` and ``WorkCounter``

@@ -7,18 +7,22 @@ The budget case is slow: ``pytest -m slow tests/test_parallel_auto.py``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
 import math
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
+from benchmarks import parallel_auto
+from benchmarks.parallel_auto import step_times
 from shardsci.planning import (
     PLAN_FILE,
     Candidate,
@@ -40,7 +44,7 @@ from shardsci.planning import (
 )
 from shardsci.planning._choose import decompositions, project
 from shardsci.planning._machine import Machine, collective_s, gloo_cpu
-from shardsci.training import ConfigError
+from shardsci.training import ConfigError, _progress
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -342,3 +346,53 @@ def test_the_machine_and_its_overrides_from_the_command_line(tmp_path: Path) -> 
         _machine(ParallelConfig(machine="h100", machine_overrides=["ib=1"]), 8)
     with pytest.raises(ConfigError, match=r"parallel\.machine='tpu': expected 'h100', 'cpu'"):
         _machine(ParallelConfig(machine="tpu"), 8)
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def test_a_runs_step_times_are_read_back_from_the_throughput_its_trainer_logs(monkeypatch):
+    """``benchmarks.parallel_auto`` times each step of a run from the cumulative throughput
+    ``train.py`` logs after every step: the trainer's own ``Progress`` on a clock whose steps
+    last known times gives them back, the first step's warm-up apart."""
+    durations = [4.0, 1.5, 0.5, 0.75, 0.5, 2.0]
+    clock = itertools.accumulate([10.0, *durations])
+    monkeypatch.setattr(_progress, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    progress = _progress.Progress(len(durations), 0, cells_per_step=16 * 64**2, enabled=False)
+    logged = [progress.step(loss=0.0) for _ in durations]
+    assert step_times(logged, 16 * 64**2) == pytest.approx(durations)
+
+
+def test_the_rounds_alternate_and_stop_before_one_would_overrun_the_budget(
+    monkeypatch, capsys, tmp_path: Path
+):
+    """``parallel_auto`` on stubbed runs of 10 s each on a stepped clock: two candidates, 3
+    rounds asked, 45 s of budget: a second round (ending at 40 s) runs, in the reverse order,
+    a third (60 s) does not; the choice is judged on the rounds run and says how many."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(parallel_auto, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    candidates = [
+        SimpleNamespace(
+            label=label,
+            projection=SimpleNamespace(compute=0.1, communication=0.0, host=0.0, step=0.1),
+            decomposition=SimpleNamespace(mesh="8"),
+            peak_bytes=0,
+        )
+        for label in ("dp=8", "slab H=8")
+    ]
+    choice = SimpleNamespace(ranked=candidates, dropped=[], best=candidates[0])
+    monkeypatch.setattr(parallel_auto, "choose", lambda cfg, world: choice)
+    monkeypatch.setattr(parallel_auto, "candidate_overrides", lambda c, configs: [c.label])
+    seconds = {"dp=8": 1.05, "slab H=8": 1.0}
+
+    def run_steps(overrides, run_dir, args):
+        clock.now += 10.0
+        return {"step_s": seconds[overrides[-1]], "run_cpu_s": 1.0, "others_cores": 0.1}
+
+    monkeypatch.setattr(parallel_auto, "run_steps", run_steps)
+    args = argparse.Namespace(model="fno", batch=16, resolution=64, steps=6, rounds=3, replay=[])
+    goal = parallel_auto.measure_world(8, args, tmp_path, deadline=45.0)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    runs = [(r["round"], r["label"]) for r in records if r["record"] == "run"]
+    assert runs == [(0, "dp=8"), (0, "slab H=8"), (1, "slab H=8"), (1, "dp=8")]
+    (choice_record,) = [r for r in records if r["record"] == "choice"]
+    assert choice_record["rounds"] == 2 and choice_record["ratio"] == pytest.approx(1.05)
+    assert goal.met

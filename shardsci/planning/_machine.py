@@ -57,9 +57,11 @@ class Machine:
     sustained_flops: float = 100e12
     """Assumed: 20 % of the H100 SXM's 494.7 TFLOP/s dense TF32 (NVIDIA H100 datasheet)."""
     memory_bytes_per_s: float = 2.7e12
-    """Assumed: 80 % of the H100 SXM's 3.35 TB/s HBM3 (H100 datasheet). A step's compute is
-    the longer of its FLOPs at ``sustained_flops`` (plus its FFTs' at ``fft_flops_per_s``) and
-    its memory traffic at this rate."""
+    """Assumed: 80 % of the H100 SXM's 3.35 TB/s HBM3 (H100 datasheet). The cost model
+    (``benchmarks/cost_model.py``) prices a step's compute as the longer of its FLOPs at
+    ``sustained_flops`` (plus its FFTs' at ``fft_flops_per_s``) and the memory traffic of its
+    ops that count FLOPs at this rate, plus the traffic of its ops that count none (NOTE
+    [Kernels without FLOPs] there); the planner does not use it."""
     fft_flops_per_s: float = 8e12
     """Derived: single-precision FFTs are bound by HBM bandwidth on an H100. Counted at ``5 n
     log2 n`` FLOPs (NOTE [FFT FLOPs are counted apart]), a large transform (``n = 2^20``) in

@@ -56,6 +56,7 @@ __all__ = [
     "MATMULS",
     "WorkCounter",
     "contiguous_runs",
+    "counts_flops",
     "fft_flops",
 ]
 
@@ -118,6 +119,10 @@ def _transformed_points(shape: torch.Size, dims: list[int]) -> int:
     return math.prod(shape[d] for d in dims)
 
 
+FFTS = frozenset({aten._fft_c2c, aten._fft_r2c, aten._fft_c2r})
+"""The aten FFTs, whose FLOPs are counted apart (NOTE [FFT FLOPs are counted apart])."""
+
+
 def fft_flops(func: Any, args: tuple, out: Any) -> float:
     """FLOPs of one aten FFT call (NOTE [FFT FLOPs are counted apart]); 0 for any other op."""
     packet = func._overloadpacket
@@ -145,6 +150,13 @@ _FORMULAS: dict[Any, Callable[..., int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
 }
+
+
+def counts_flops(func: Any) -> bool:
+    """Whether ``WorkCounter`` counts FLOPs of the aten op ``func`` (a formula of torch's flop
+    counter or of ours, or an FFT): elementwise ops, copies and pads count none."""
+    packet = func._overloadpacket
+    return packet in _FORMULAS or packet in flop_registry or packet in FFTS
 
 
 class WorkCounter(TorchDispatchMode):
