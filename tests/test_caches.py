@@ -44,6 +44,7 @@ def _bounded(maxsize: int) -> Iterator[list]:
         _redistribute._PLANS,
         _spec._REPLICATED,
         _spec._RELAID,
+        _spec._REMEMBERED,
         _redistribute._TARGETS,
         _collectives._GROUPS,
     ]
@@ -122,6 +123,7 @@ _SMALL = {
     "redistribution plans",
     "replicated specs",
     "relaid specs",
+    "remembered specs",
     "redistribution targets",
     "axis groups",
 }
@@ -255,6 +257,44 @@ def test_layout_changes_are_validated_once_and_compare_by_value() -> None:
         assert "sum to 3" in result.pop("refused")
         assert result.pop("other sizes") is False
         assert all(result.values()), result
+
+
+def _remembered_body() -> dict[str, object]:
+    """The fast path merges the hints of operands of one layout (``remembering``) once per
+    value of the specs: the same op again, and on a deep copy of a spec (equal, not the
+    same object), merges nothing; the result remembers both operands' sizes."""
+    import copy
+
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+    data = torch.randn(7, 4, dtype=torch.float64)
+    x = shardsci.distribute_tensor(data, mesh, [Shard(0)], {0: (5, 2)})
+    # y has x's layout and remembers a split of dim 1 that x never had
+    y = x.redistribute(placements=[Shard(1)]).redistribute(placements=[Shard(0)])
+    merges = []
+    real_merge = _spec.merged_hints
+
+    def counting_merge(*groups):
+        merges.append(groups)
+        return real_merge(*groups)
+
+    _spec.merged_hints = counting_merge
+    try:
+        sums = [x + y for _ in range(3)]
+        again = copy.deepcopy(x._spec).remembering(y._spec.hints)
+    finally:
+        _spec.merged_hints = real_merge
+    return {
+        "merges": len(merges),
+        "same spec": all(s._spec is sums[0]._spec for s in sums) and again is sums[0]._spec,
+        "remembers y": set(y._spec.hints) <= set(sums[0]._spec.hints) != set(x._spec.hints),
+        "values": all(torch.equal(s.full_tensor(), 2 * data) for s in sums),
+    }
+
+
+def test_operands_hints_are_merged_once_per_value() -> None:
+    for result in run_on_ranks(2, _remembered_body):
+        assert result == {"merges": 1, "same spec": True, "remembers y": True, "values": True}
 
 
 # ---------------------------------------------------------------------------- gather plans
