@@ -297,6 +297,49 @@ def test_operands_hints_are_merged_once_per_value() -> None:
         assert result == {"merges": 1, "same spec": True, "remembers y": True, "values": True}
 
 
+def _view_shapes_body() -> dict[str, object]:
+    """A view's target shape (a -1 filled in) is worked out once per value: three views of
+    one layout, and of another tensor of that layout, infer it once; a bad shape still
+    raises torch's error on every call."""
+    from shardsci.tensor._ops import _view_ops
+
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+    data = torch.randn(7, 4, dtype=torch.float64)
+    x, y = (shardsci.distribute_tensor(d, mesh, [Shard(0)], {0: (5, 2)}) for d in (data, -data))
+    inferred = []
+    real_infer = _view_ops.infer_size
+
+    def counting_infer(numel, shape):
+        inferred.append(shape)
+        return real_infer(numel, shape)
+
+    _view_ops.infer_size = counting_infer
+    try:
+        views = [x.view(7, 2, -1) for _ in range(3)] + [y.view(7, 2, -1)]
+        errors = []
+        for _ in range(2):
+            try:
+                x.view(7, 3, -1)
+            except RuntimeError as error:
+                errors.append(str(error))
+    finally:
+        _view_ops.infer_size = real_infer
+    return {
+        "inferred": len(inferred) - len(errors),
+        "errors": len(errors),
+        "values": all(
+            torch.equal(v.full_tensor(), d.view(7, 2, 2))
+            for v, d in zip(views, [data] * 3 + [-data])
+        ),
+    }
+
+
+def test_a_views_shape_is_inferred_once_per_value() -> None:
+    for result in run_on_ranks(2, _view_shapes_body):
+        assert result == {"inferred": 1, "errors": 2, "values": True}
+
+
 # ---------------------------------------------------------------------------- gather plans
 def _line_group() -> _collectives.AxisGroup:
     """Rank 0 of two along one axis: enough for a replicated index, whose plan is local."""
