@@ -44,6 +44,7 @@ def _bounded(maxsize: int) -> Iterator[list]:
         _redistribute._PLANS,
         _spec._REPLICATED,
         _spec._RELAID,
+        _spec._REMEMBERED,
         _redistribute._TARGETS,
         _collectives._GROUPS,
     ]
@@ -122,6 +123,7 @@ _SMALL = {
     "redistribution plans",
     "replicated specs",
     "relaid specs",
+    "remembered specs",
     "redistribution targets",
     "axis groups",
 }
@@ -255,6 +257,87 @@ def test_layout_changes_are_validated_once_and_compare_by_value() -> None:
         assert "sum to 3" in result.pop("refused")
         assert result.pop("other sizes") is False
         assert all(result.values()), result
+
+
+def _remembered_body() -> dict[str, object]:
+    """The fast path merges the hints of operands of one layout (``remembering``) once per
+    value of the specs: the same op again, and on a deep copy of a spec (equal, not the
+    same object), merges nothing; the result remembers both operands' sizes."""
+    import copy
+
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+    data = torch.randn(7, 4, dtype=torch.float64)
+    x = shardsci.distribute_tensor(data, mesh, [Shard(0)], {0: (5, 2)})
+    # y has x's layout and remembers a split of dim 1 that x never had
+    y = x.redistribute(placements=[Shard(1)]).redistribute(placements=[Shard(0)])
+    merges = []
+    real_merge = _spec.merged_hints
+
+    def counting_merge(*groups):
+        merges.append(groups)
+        return real_merge(*groups)
+
+    _spec.merged_hints = counting_merge
+    try:
+        sums = [x + y for _ in range(3)]
+        again = copy.deepcopy(x._spec).remembering(y._spec.hints)
+    finally:
+        _spec.merged_hints = real_merge
+    return {
+        "merges": len(merges),
+        "same spec": all(s._spec is sums[0]._spec for s in sums) and again is sums[0]._spec,
+        "remembers y": set(y._spec.hints) <= set(sums[0]._spec.hints) != set(x._spec.hints),
+        "values": all(torch.equal(s.full_tensor(), 2 * data) for s in sums),
+    }
+
+
+def test_operands_hints_are_merged_once_per_value() -> None:
+    for result in run_on_ranks(2, _remembered_body):
+        assert result == {"merges": 1, "same spec": True, "remembers y": True, "values": True}
+
+
+def _view_shapes_body() -> dict[str, object]:
+    """A view's target shape (a -1 filled in) is worked out once per value: three views of
+    one layout, and of another tensor of that layout, infer it once; a bad shape still
+    raises torch's error on every call."""
+    from shardsci.tensor._ops import _view_ops
+
+    shardsci.clear_caches()
+    mesh = init_device_mesh("cpu", (2,))
+    data = torch.randn(7, 4, dtype=torch.float64)
+    x, y = (shardsci.distribute_tensor(d, mesh, [Shard(0)], {0: (5, 2)}) for d in (data, -data))
+    inferred = []
+    real_infer = _view_ops.infer_size
+
+    def counting_infer(numel, shape):
+        inferred.append(shape)
+        return real_infer(numel, shape)
+
+    _view_ops.infer_size = counting_infer
+    try:
+        views = [x.view(7, 2, -1) for _ in range(3)] + [y.view(7, 2, -1)]
+        errors = []
+        for _ in range(2):
+            try:
+                x.view(7, 3, -1)
+            except RuntimeError as error:
+                errors.append(str(error))
+    finally:
+        _view_ops.infer_size = real_infer
+    return {
+        "inferred": len(inferred) - len(errors),
+        "errors": len(errors),
+        "values": all(
+            torch.equal(v.full_tensor(), d.view(7, 2, 2))
+            for v, d in zip(views, [data] * 3 + [-data])
+        ),
+    }
+
+
+def test_a_views_shape_is_inferred_once_per_value() -> None:
+    for result in run_on_ranks(2, _view_shapes_body):
+        assert result == {"inferred": 1, "errors": 2, "values": True}
 
 
 # ---------------------------------------------------------------------------- gather plans

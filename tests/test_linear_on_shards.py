@@ -55,6 +55,19 @@ def _one_axis_body() -> None:
         out_layouts=[Layout((Partial(),))],
         what="features sharded",
     )
+    # A pending sum of whole tensors, no bias: each rank's term through torch's linear, the
+    # output pending the same way (NOTE [A linear layer of a pending sum runs on each rank's
+    # term]); with a bias, the default path.
+    for bias in (False, True):
+        check_against_reference(
+            lambda m, a: m(a.sum(1)),
+            [x],
+            [rows],
+            mesh,
+            module=_linear(4, 7, bias=bias),
+            out_layouts=[Layout((Partial(),))],
+            what=f"a pending sum, bias {bias}",
+        )
     # Rows and output features sharded over one axis (a ring product): the bias afterwards.
     check_against_reference(
         F.linear,
@@ -94,10 +107,50 @@ def _two_axes_body() -> None:
         out_layouts=[Layout((Partial(), Shard(0)), {0: (3, 1)})],
         what="2x2, features and rows sharded",
     )
+    # A pending sum over both axes, of a 1-D input.
+    check_against_reference(
+        lambda m, a: m(a.sum((0, 1))),
+        [torch.randn(4, 6, 3, dtype=torch.float64)],
+        [blocks],
+        mesh,
+        module=_linear(3, 2, bias=False),
+        out_layouts=[Layout((Partial(), Partial()))],
+        what="2x2, a pending sum over both axes",
+    )
 
 
 def test_linear_on_a_two_axis_mesh() -> None:
     run_on_ranks(4, _two_axes_body)
+
+
+def _pending_sum_paths_body() -> dict[str, dict[str, int]]:
+    """The dispatch paths of the linear of a pending sum, forward and backward (the sum
+    made before the tally)."""
+    from shardsci.tensor._dispatch import tally_paths
+
+    mesh = get_mesh((2, 2))
+    x = shardsci.distribute_tensor(
+        torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True),
+        mesh,
+        [Shard(0), Shard(1)],
+        {0: (1, 3), 1: (6, 0)},
+    )
+    pending = x.sum((0, 1))
+    weight = _linear(3, 2, bias=False).weight
+    with tally_paths() as tally:
+        out = F.linear(pending, weight)
+    assert out.placements == (Partial(), Partial())
+    ones = shardsci.distribute_tensor(torch.ones(2, dtype=torch.float64), mesh, [Replicate()] * 2)
+    with tally_paths() as backward:
+        torch.autograd.grad(out, (pending, weight), ones)
+    return {"forward": dict(tally.ops), "backward": dict(backward.ops)}
+
+
+def test_the_linear_of_a_pending_sum_dispatches_no_planned_op() -> None:
+    """Was: a transpose, a view and a matrix product planned on ShardTensors (propagation),
+    again in backward."""
+    for paths in run_on_ranks(4, _pending_sum_paths_body):
+        assert "propagation" not in paths["forward"] | paths["backward"], paths
 
 
 def _layouts_worked_out_body() -> list[int]:

@@ -338,12 +338,16 @@ class ShardTensorSpec:
 
     def remembering(self, *groups: tuple[DimSharding, ...]) -> ShardTensorSpec:
         """This layout with the hints of other specs of the same layout merged after its own
-        (NOTE [Shard-size hints]), interned."""
-        hints = merged_hints(self.hints, *groups)
-        if hints == self.hints:
-            return self
-        spec = replace(self, hints=hints)
-        return _INTERNED.setdefault(spec.key, spec)
+        (NOTE [Shard-size hints]), interned. Cached per value of the arguments: the fast
+        path asks it on every op whose operands remember different sizes (a gradient and
+        the activation it meets, in backward)."""
+        key = (self.key, groups)
+        spec = _REMEMBERED.get(key)
+        if spec is None:
+            hints = merged_hints(self.hints, *groups)
+            spec = self if hints == self.hints else replace(self, hints=hints)
+            spec = _REMEMBERED.put(key, _INTERNED.setdefault(spec.key, spec))
+        return spec
 
     def relaid(
         self,
@@ -490,6 +494,7 @@ def _checked_sharding(
 
 _RELAID: BoundedCache[tuple, ShardTensorSpec] = BoundedCache("relaid specs", 4096)
 _REPLICATED: BoundedCache[tuple, ShardTensorSpec] = BoundedCache("replicated specs", 1024)
+_REMEMBERED: BoundedCache[tuple, ShardTensorSpec] = BoundedCache("remembered specs", 1024)
 
 
 def replicated_spec(tensor: torch.Tensor, mesh: DeviceMesh) -> ShardTensorSpec:

@@ -76,6 +76,8 @@ class _Letter:
 def _linear(func, args, kwargs):
     a = bind(func, args, kwargs)
     x, weight, bias = a.input, a.weight, a.bias
+    if bias is None and _pending_sum_of_wholes(x) and _whole_matrix(weight):
+        return _linear_of_pending_sum(x, weight)
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, weight):
         return NotImplemented
     batch = string.ascii_lowercase[: x.ndim - 1]
@@ -104,6 +106,56 @@ def _bias_folds(layout: _ProductLayout, bias: torch.Tensor) -> bool:
         and not out.partial
         and out.ndim - 1 not in out.sharding_by_dim
     )
+
+
+# NOTE [A linear layer of a pending sum runs on each rank's term]
+# ``F.linear(x, w)`` without a bias is linear in ``x``: where ``x`` is a pending sum of whole
+# tensors (Partial over some mesh axes, no dim split: Transolver's slice tokens, sums over
+# the points), each rank applies torch's linear to its own term and the output is the same
+# pending sum, as the default path's rule gives (``Partial @ Replicate``), without its
+# decomposition (a transpose, views and a matrix product dispatched on ShardTensors, each
+# planned, and again in backward). The gradient of ``x`` is whole on every rank (a pending
+# sum's gradient is replicated); the weight's, this rank's term times the whole output
+# gradient, is a partial sum over the pending axes, summed like every weight's (NOTE [Where
+# the gradient of a replicated parameter is summed]). With a bias the default path adds it
+# to one term only, so such calls stay there.
+def _pending_sum_of_wholes(x: object) -> bool:
+    if type(x) is not ShardTensor or x.ndim == 0:
+        return False
+    spec = x._spec
+    return (
+        spec.partial
+        and not spec.shardings
+        and all(
+            type(p) is Replicate or (type(p) is Partial and p.reduce_op == "sum")
+            for p in spec.placements
+        )
+    )
+
+
+def _whole_matrix(weight: object) -> bool:
+    """A 2-D weight every rank holds whole: a plain tensor or a replicated ShardTensor."""
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return False
+    return not isinstance(weight, ShardTensor) or _is_replicated(weight._spec)
+
+
+def _linear_of_pending_sum(x: ShardTensor, weight: torch.Tensor) -> ShardTensor:
+    spec = x._spec
+    mesh = spec.mesh
+    pending = {a for a, p in enumerate(spec.placements) if isinstance(p, Partial)}
+    local_weight = replicated_local(weight, mesh, pending)
+    local_x = x.to_local(grad_placements=[Replicate()] * mesh.ndim)
+    out = F.linear(local_x, local_weight)
+    return from_local_spec(out, _pending_output(_Operand(x), out.shape[-1]).with_dtype(out.dtype))
+
+
+@cached("pending linear layouts", 256)
+def _pending_output(operand: _Operand, features: int) -> ShardTensorSpec:
+    """The layout of the linear of pending sum ``operand`` with ``features`` outputs."""
+    spec = operand.spec
+    shape = (*spec.shape[:-1], features)
+    return ShardTensorSpec.build(spec.mesh, spec.placements, shape, spec.dtype, hints=spec.hints)
 
 
 def _matmul_operator(input, other):

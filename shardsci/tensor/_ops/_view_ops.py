@@ -61,7 +61,7 @@ def _view(func, args, kwargs):
     x = a.self
     spec = x._spec
     numel = math.prod(spec.shape)
-    out_shape = tuple(infer_size(numel, list(a["shape" if "shape" in a else "size"])))
+    out_shape = _inferred_shape(numel, a["shape" if "shape" in a else "size"])
     if not spec.shardings and numel:
         if func is not aten.view.default or _viewable(x._local, out_shape):
             return NotImplemented
@@ -83,6 +83,21 @@ def _view(func, args, kwargs):
         with contextlib.suppress(*_VIEW_REFUSED):
             return ShardTensor(local.view(local_shape), out_spec)
     return ShardTensor(local.reshape(local_shape), out_spec)
+
+
+def _inferred_shape(numel: int, shape: list[int]) -> tuple[int, ...]:
+    """``shape`` with its -1 filled in and its count checked against ``numel`` (DTensor's
+    ``infer_size``), cached per value: it runs torch's symbolic-shape guards on every size, a
+    third of a view's host time otherwise."""
+    try:
+        return _inferred(numel, tuple(shape))
+    except TypeError:  # a symbolic size (torch.compile's dynamic shapes) is no value
+        return tuple(infer_size(numel, list(shape)))
+
+
+@cached("inferred view shapes", 1024)
+def _inferred(numel: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(infer_size(numel, list(shape)))
 
 
 @cached("view plans", 4096)
