@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 from torch.distributed.tensor import Shard
 
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.models import MeshGraphNet
+from shardsci.models.fno import SpectralConv
 from shardsci.parallel import domain_parallel
-from shardsci.tensor import ShardTensor
+from shardsci.tensor import ShardTensor, _graph_collectives
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.tensor._torch_compile import tracing_through_shardtensors
@@ -443,6 +446,94 @@ def test_one_sided_halos_compiled_equal_eager_and_one_process(
     run_on_ranks(world, _one_sided_body, backend, layout_name, timeout_s=600)
 
 
+def _latest_ready_first(nodes: list) -> list:
+    """Inductor's scheduler nodes in the order that differs most from the lowering order
+    while keeping every dependency the scheduler knows of: of the nodes whose inputs are
+    computed, the one lowered last runs first. A pass of inductor's own may choose any such
+    order (the peak-memory reordering does, from a rank's own buffer sizes)."""
+    producer = {name: node for node in nodes for name in node.get_buffer_names()}
+    done: set = set()
+    order = []
+    while len(order) < len(nodes):
+        ready = [
+            node
+            for node in nodes
+            if node not in done
+            and all(
+                producer.get(dep.name, node) in done | {node} for dep in node.unmet_dependencies
+            )
+        ]
+        order.append(ready[-1])
+        done.add(ready[-1])
+    return order
+
+
+def _two_reductions(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    group = torch.distributed.group.WORLD
+    return _graph_collectives.all_reduce(x, "sum", group), _graph_collectives.all_reduce(
+        y, "max", group
+    )
+
+
+def _effects_in_order_body() -> None:
+    rank = torch.distributed.get_rank()
+    x, y = torch.full((3,), rank + 1.0), torch.full((4,), rank + 1.0)
+    with (
+        tracing_through_shardtensors(),
+        torch.compiler.config.patch(force_disable_caches=True),
+        torch._inductor.config.patch(_post_fusion_custom_pass=_latest_ready_first),
+    ):
+        (first, second), codes = run_and_get_code(torch.compile(_two_reductions), x, y)
+    calls = re.findall(r"shardsci\.all_reduce\.default\([^)]*'(sum|max)'", "\n".join(codes))
+    assert_all_ranks(calls == ["sum", "max"], f"all-reduces in the compiled code's order: {calls}")
+    assert_all_ranks(
+        first.eq(3).all().item() and second.eq(2).all().item(),
+        f"all-reduced sum {first.tolist()} (expected 3s), max {second.tolist()} (expected 2s)",
+    )
+
+
+# Inductor (torch 2.11-2.13) dropped the ordering edge between two effects (NOTE [A traced
+# collective is an effect]): a schedule that runs the last-lowered ready node first put the
+# "max" all-reduce before the "sum" one. On 2 ranks of 10/6 rows two spectral layers under
+# inductor aborted gloo so ("1536 vs 1280"), as the inductor FNO on 2 ranks did.
+def test_inductor_keeps_the_collectives_of_a_graph_in_program_order() -> None:
+    run_on_ranks(2, _effects_in_order_body, timeout_s=300)
+
+
+class TwoSpectralLayers(nn.Module):
+    """The FNO's spectral layers without its pointwise path: per layer, an FFT along the
+    sharded dim moves the field to W and back, an all-to-all each way and each way again
+    in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(SpectralConv(4, 4, (3, 3)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _spectral_body() -> None:
+    with tracing_through_shardtensors():
+        mesh = get_mesh((2,))
+        model = TwoSpectralLayers().double()
+        whole = torch.randn(2, 4, 16, 12, dtype=torch.float64)
+        layout = Layout((Shard(2),), {2: (10, 6)})
+        with torch.compiler.config.patch(force_disable_caches=True):
+            compiled = torch.compile(model, backend="inductor")
+            _compiled_equals_eager(compiled, [whole], [layout], mesh, "spectral", reference=model)
+
+
+# The all-to-alls of the backward ran in different orders on the two ranks until inductor's
+# schedule kept the effect edges (test above): rank 0 aborted in gloo ("1536 vs 1280").
+# About 50 s at load 7 (inductor compiles forward and backward).
+@pytest.mark.slow
+def test_inductor_spectral_layers_on_uneven_ranks_equal_one_process() -> None:
+    run_on_ranks(2, _spectral_body, timeout_s=600)
+
+
 # The zoo models that trace through (NOTE [torch.compile and ShardTensor] lists those that do
 # not and why). About 60 s for the FNO (load 9), 220 s for the ViT and 340 s for the
 # Transolver (load 6-10) on this machine; at load 10-20 the Transolver on 2x2 147 s, the
@@ -465,31 +556,14 @@ ZOO_THROUGH = [
     ("inductor", "vit", (2,)),
     ("inductor", "transolver", (2,)),
 ]
-# Rows known to fail, by id. The inductor FNO on 2 uneven ranks: rank 0 aborts in gloo
-# ("1536 vs 1280 ... Received data size doesn't match expected size"), the ranks posting
-# messages of different sizes at one point; seen at b1bd4df, c549900 and 0597cf2 on
-# 2026-11-29, cause not found (a guess: inductor schedules the ranks' collectives in different
-# orders for their different local shapes).
-ZOO_THROUGH_FAILING = {
-    "inductor-fno-2": "inductor FNO on 2 uneven ranks: gloo message size mismatch (1536 vs 1280)",
-}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(
     "backend, name, mesh_shape",
-    [
-        pytest.param(
-            *row,
-            id=case,
-            marks=[pytest.mark.xfail(strict=True, reason=ZOO_THROUGH_FAILING[case])]
-            if case in ZOO_THROUGH_FAILING
-            else [],
-        )
-        for row in ZOO_THROUGH
-        for case in [f"{row[0]}-{row[1]}-{'x'.join(map(str, row[2]))}"]
-    ],
+    ZOO_THROUGH,
+    ids=[f"{backend}-{name}-{'x'.join(map(str, shape))}" for backend, name, shape in ZOO_THROUGH],
 )
 def test_zoo_model_traced_through_equals_the_single_process_model(
     backend: str, name: str, mesh_shape: tuple[int, ...]

@@ -119,6 +119,7 @@ from typing import Any
 import torch
 
 from shardsci.tensor import _torch_compat
+from shardsci.tensor._graph_collectives import effects_in_program_order
 from shardsci.tensor._torch_compat import (
     _get_dispatch_mode,
     _TorchDispatchModeKey,
@@ -283,7 +284,8 @@ def tracing_through_shardtensors() -> Iterator[None]:
     torch.compiler.reset()
     _state["kept_out"] = None
     try:
-        yield
+        with effects_in_program_order():
+            yield
     finally:
         torch.compiler.reset()
         aot_autograd.process_runtime_tangent = process_tangent
