@@ -106,7 +106,7 @@ class SpectrumScaled(nn.Module):
 
 CASES = {
     "pointwise": (PointwiseChain, ()),
-    "conv": (ConvWithHalo, ("all_to_all_single", "summed_gradient")),
+    "conv": (ConvWithHalo, ("all_to_all_single", "summed_gradients")),
     "mean": (Centered, ("all_reduce",)),
     "flatten": (EinsumThenFlatten, ("summed_gradient",)),
     "interpolate": (UpThenDown, ("all_to_all_single",)),
@@ -114,8 +114,8 @@ CASES = {
 }
 """Case -> (module, functional collectives its forward and backward graphs must contain, or
 none at all; a weight's gradient is summed by ``summed_gradient``, which all-reduces it at run
-time where no gradient sink takes it: NOTE [Where the gradient of a replicated parameter is
-summed])."""
+time where no gradient sink takes it, the gradients of a graph's two or more uses by one
+``summed_gradients``: NOTE [Where the gradient of a replicated parameter is summed])."""
 
 WHOLE_SHAPE = (2, 2, 11, 6)
 LAYOUTS = [Layout((Shard(2),), {2: (7, 4)}), Layout((Shard(2),), {2: (3, 8)})]
@@ -684,7 +684,10 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
         if wrapped:
             model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
         eager = _parallel_step(model, whole, dim, sizes)
-        compiled_model = torch.compile(model, backend=backend)
+        recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+        compiled_model = torch.compile(
+            model, backend=recorder if backend == "aot_eager" else backend
+        )
         _parallel_step(compiled_model, whole, dim, sizes)  # compiles
         compiled = _parallel_step(compiled_model, whole, dim, sizes)
         names = [name for name, _ in reference.named_parameters()]
@@ -715,6 +718,20 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
             and {kind: calls for kind, (calls, _) in eager_sums.items()} == sums,
             f"{backend}, {case}: backward (calls, bytes sent) compiled {compiled_sums}, eager "
             f"{eager_sums} (expected calls {sums})",
+        )
+        # One op hands a backward's every use of a weight to the reducer (or sums it).
+        gradient_ops = [
+            [
+                node.args[1]._opname
+                for node in graph.graph.nodes
+                if node.target is torch.ops.higher_order.with_effects
+                and node.args[1]._opname.startswith("summed_gradient")
+            ]
+            for graph in recorder.bw_graphs
+        ]
+        assert_all_ranks(
+            all(len(ops) <= 1 for ops in gradient_ops),
+            f"{backend}, {case}: gradient ops per backward graph {gradient_ops} (expected one)",
         )
         # torch.autograd.grad captures the gradients: the reducer cannot take them, so the
         # compiled backward sums each use over the mesh itself.

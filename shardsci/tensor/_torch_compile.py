@@ -281,6 +281,13 @@ def tracing_through_shardtensors() -> Iterator[None]:
     aot_autograd.process_runtime_tangent = staticmethod(
         _plain_tangents_read_as_replicated(process_tangent.__func__, cls)
     )
+    # One op sums a backward's gradients of replicated weights, not one per use (NOTE [Where
+    # the gradient of a replicated parameter is summed]); imported here, as _promotion
+    # imports this module.
+    from shardsci.tensor._promotion import one_gradient_op_per_graph
+
+    joint_pass = functorch_config.joint_custom_pass
+    functorch_config.joint_custom_pass = one_gradient_op_per_graph
     torch.compiler.reset()
     _state["kept_out"] = None
     try:
@@ -292,6 +299,7 @@ def tracing_through_shardtensors() -> Iterator[None]:
         dynamo_config.automatic_dynamic_shapes = automatic_dynamic
         functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = plain_guess
         inductor_config.layout_optimization = layout_optimization
+        functorch_config.joint_custom_pass = joint_pass
         trace_rules.BUILTIN_INLINE_WHEN_CALLED.discard(package)
         dynamo_config.nontraceable_tensor_subclasses.add(cls)
         _state["kept_out"] = cls
