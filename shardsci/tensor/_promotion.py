@@ -320,8 +320,7 @@ def _traced_promotion(tensor: torch.Tensor, spec: ShardTensorSpec) -> ShardTenso
     return _TracedPromotion.apply(tensor, spec)
 
 
-@torch.library.custom_op("shardsci::summed_gradient", mutates_args=())
-def _summed_gradient(
+def _gradient_sum(
     local: torch.Tensor, weight: torch.Tensor, key: int, grad_key: int
 ) -> torch.Tensor:
     """``weight``'s gradient from this rank's shard ``local`` of the gradient of traced
@@ -344,6 +343,14 @@ def _summed_gradient(
     return summed.contiguous()
 
 
+@torch.library.custom_op("shardsci::summed_gradient", mutates_args=())
+def _summed_gradient(
+    local: torch.Tensor, weight: torch.Tensor, key: int, grad_key: int
+) -> torch.Tensor:
+    """``_gradient_sum`` as an op of a compiled backward."""
+    return _gradient_sum(local, weight, key, grad_key)
+
+
 @_summed_gradient.register_fake
 def _(local, weight, key, grad_key):
     return local.new_empty(_TRACED_SPECS[key].shape)
@@ -356,10 +363,10 @@ def _summed_gradients(
     keys: list[int],
     grad_keys: list[int],
 ) -> list[torch.Tensor]:
-    """``summed_gradient`` of each entry in one op: every use of a weight in a compiled
+    """``_gradient_sum`` of each entry in one op: every use of a weight in a compiled
     backward (``one_gradient_op_per_graph``)."""
     entries = zip(contributions, weights, keys, grad_keys, strict=True)
-    return [_summed_gradient(*entry) for entry in entries]
+    return [_gradient_sum(*entry) for entry in entries]
 
 
 @_summed_gradients.register_fake
