@@ -437,6 +437,10 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "inductor_config": lambda config: isinstance(config.layout_optimization, bool),
     "inductor_lowerings": _inductor_lowerings,
     "inductor_virtualized": _has("graph"),
+    "inductor_decomposition": lambda module: (
+        torch.ops.aten.add.Tensor in module.fast_random_decomps()
+        and torch.ops.aten.add.Tensor in module.decompositions
+    ),
     "AOTDispatchAutograd": _aot_dispatch_autograd,
     "register_effectful_op": _takes("op", "effect"),
     "EffectType": _has("ORDERED"),

@@ -500,6 +500,18 @@ def test_inductor_keeps_the_collectives_of_a_graph_in_program_order() -> None:
     run_on_ranks(2, _effects_in_order_body, timeout_s=300)
 
 
+# Inductor's decomposition of a complex add views its operands as real pairs, which an empty
+# tensor's strides refused ("self.stride(0) must be divisible by 2 to view Double as
+# ComplexDouble", plain torch 2.13 too): the FNO on a 2x2 mesh failed to compile so, on the
+# rank whose FFT shard holds no kept mode.
+@pytest.mark.parametrize("shape", [(4, 0), (2, 4, 0, 3)])
+def test_inductor_adds_empty_complex_shards(shape: tuple[int, ...]) -> None:
+    x = torch.zeros(shape, dtype=torch.complex128)
+    with tracing_through_shardtensors(), torch.compiler.config.patch(force_disable_caches=True):
+        total = torch.compile(torch.add, backend="inductor")(x, x)
+    assert total.shape == shape and total.dtype == torch.complex128
+
+
 class TwoSpectralLayers(nn.Module):
     """The FNO's spectral layers without its pointwise path: per layer, an FFT along the
     sharded dim moves the field to W and back, an all-to-all each way and each way again

@@ -219,6 +219,11 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "keeping the collectives of a graph traced through ShardTensors in program order in "
         "inductor's schedule (the lowering of with_effects)",
     ),
+    "inductor_decomposition": _at(
+        "torch._inductor.decomposition",
+        "leaving the sum of empty complex shards to aten (inductor's decomposition of a "
+        "complex add refuses their strides)",
+    ),
     "inductor_virtualized": _at(
         "torch._inductor.virtualized:V",
         "the graph inductor is lowering, whose effect ordering edges shardsci re-keys",
