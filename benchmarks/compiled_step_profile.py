@@ -8,7 +8,7 @@ and of the same model on plain tensors, makes ``--warmup`` steps (compilation), 
 with cProfile. From the profile, per step (``PIECES``): the compiled forward and backward, the
 collectives the graphs run (``_c10d_functional`` calls: count, issue time, waiting time), the
 tangent checks at the backward's entry, the parameter gradients' ``summed_gradient`` ops
-(one per use of a weight), the gradient reducer's hooks and its end of backward,
+(one per use of a weight) or ``summed_gradients`` (one per backward graph), the gradient reducer's hooks and its end of backward,
 ShardTensor ops run eagerly outside the graphs (the loss), ``zero_grad``. Times are cProfile's
 cumulative wall time under the profiler (waiting for the other rank included); counts are
 exact. The summary holds each model's CPU ratio (slowest rank's CPU time per step, unprofiled)
@@ -56,6 +56,7 @@ PIECES: dict[str, tuple[str, str, str]] = {
     ),
     "graph_wait": ("~", "<built-in method torch._ops._c10d_functional.wait_tensor>", "own"),
     "summed_gradient": ("shardsci/tensor/_promotion.py", "_summed_gradient", "cumulative"),
+    "summed_gradients": ("shardsci/tensor/_promotion.py", "_summed_gradients", "cumulative"),
     "reducer_hooks": ("shardsci/parallel/_reducer.py", "on_accumulate", "cumulative"),
     "reducer_end_of_backward": ("shardsci/parallel/_reducer.py", "_end_backward", "cumulative"),
     "eager_shardtensor_ops": ("shardsci/tensor/_dispatch.py", "dispatch", "cumulative"),

@@ -380,6 +380,15 @@ def _aot_dispatch_autograd(cls: type) -> None:
     assert {"original_subclass_type", "meta"} <= fields, fields
 
 
+def _inductor_lowerings(lowerings: dict) -> None:
+    """A dict from op to lowering that holds ``with_effects``' own, which takes the token
+    and the op first; inductor's graph records effect edges in ``additional_star_deps``."""
+    from torch._inductor.graph import GraphLowering
+
+    _takes("token", "op")(lowerings[torch.ops.higher_order.with_effects])
+    assert "additional_star_deps" in inspect.getsource(GraphLowering.__init__)
+
+
 SMOKE: dict[str, Callable[[object], None]] = {
     "DTensorSpec": _takes("mesh", "placements", "tensor_meta", "shard_order"),
     "TensorMeta": _tensor_meta,
@@ -426,6 +435,12 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "trace_rules": _trace_rules,
     "functorch_config": _functorch_config,
     "inductor_config": lambda config: isinstance(config.layout_optimization, bool),
+    "inductor_lowerings": _inductor_lowerings,
+    "inductor_virtualized": _has("graph"),
+    "inductor_decomposition": lambda module: (
+        torch.ops.aten.add.Tensor in module.fast_random_decomps()
+        and torch.ops.aten.add.Tensor in module.decompositions
+    ),
     "AOTDispatchAutograd": _aot_dispatch_autograd,
     "register_effectful_op": _takes("op", "effect"),
     "EffectType": _has("ORDERED"),

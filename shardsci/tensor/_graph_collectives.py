@@ -29,16 +29,39 @@ shardsci's collectives by the compiler). Their results are contiguous, and so ar
 results: inductor lays out an op's input as it likes, so a fake result shaped like its input
 (``empty_like``) promised a UNet's weight gradient channels-last strides the real all-reduce
 did not have ("expected ... stride 9==1", inductor, 2 ranks).
+
+Inductor (torch 2.11-2.13) drops the token once it lowers the graph: its ``with_effects``
+lowering records an ordering edge to the previous effect under the new op's buffer name
+(``bufN``) where the scheduler looks edges up by operation name (``opN``), so the edge is
+never read (pytorch/pytorch#189209, open). The schedule then orders effects by data alone,
+and the peak-memory reordering (``reorder_for_peak_memory``, on by default) chooses an order
+from buffer sizes, which are a rank's own: the FNO on 2 ranks of 10/6 rows ran its backward's
+all-to-alls in another order on rank 0 than on rank 1 (gloo: "1536 vs 1280 ... Received data
+size doesn't match expected size"; the graphs AOTAutograd traced agreed on both ranks).
+``effects_in_program_order`` re-keys each edge by operation name while
+``tracing_through_shardtensors`` is active, so every pass of the scheduler keeps it; where
+torch already keys them so, it changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+from shardsci.tensor import _torch_compat
 from shardsci.tensor._torch_compat import EffectType, register_effectful_op
 
-__all__ = ["all_gather", "all_reduce", "all_to_all_single", "broadcast"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "effects_in_program_order",
+]
 
 _c10d = torch.ops._c10d_functional
 
@@ -113,3 +136,42 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Group rank ``src``'s ``tensor`` on every member, kept alive."""
     return _broadcast(tensor, src, group.group_name)
+
+
+def _lowered_in_program_order(lower: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's lowering of ``with_effects``, whose ordering edges to the previous effect
+    are then keyed by operation name, as the scheduler reads them (NOTE [A traced collective
+    is an effect])."""
+
+    def with_effects(*args: Any, **kwargs: Any) -> Any:
+        graph = _torch_compat.inductor_virtualized.graph
+        first = len(graph.operations)
+        result = lower(*args, **kwargs)
+        edges = graph.additional_star_deps
+        for operation in graph.operations[first:]:
+            by_buffer = edges.pop(operation.get_name(), None)
+            if by_buffer:
+                edges[operation.get_operation_name()] |= by_buffer
+        return result
+
+    return with_effects
+
+
+@contextmanager
+def effects_in_program_order() -> Iterator[None]:
+    """Inside the block, graphs inductor compiles run their effects (shardsci's collectives,
+    the summed gradients) in program order on every rank (NOTE [A traced collective is an
+    effect])."""
+    lowerings = _torch_compat.inductor_lowerings
+    hop = torch.ops.higher_order.with_effects
+    lower = lowerings[hop]
+    lowerings[hop] = _lowered_in_program_order(lower)
+    # Inductor's caches key a graph by its config, not by its lowerings: code compiled
+    # without the edges (a cache written before, or outside the block) must not be reused.
+    tag = torch.compiler.config.cache_key_tag
+    torch.compiler.config.cache_key_tag = f"{tag}+shardsci-effects-in-program-order"
+    try:
+        yield
+    finally:
+        torch.compiler.config.cache_key_tag = tag
+        lowerings[hop] = lower

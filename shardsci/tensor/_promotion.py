@@ -41,6 +41,13 @@ sharded gradient: an all-reduce of it padded with zeros sent 1056 bytes where ea
 ``tests/test_torch_compile_through.py``, a positional parameter and no sink). Before, a
 compiled ``domain_parallel`` step all-reduced each use in the graph and the reducer again
 (the same test, a linear layer used twice: 5 all-reduces, eager 1).
+A graph's uses are handed over in one op: AOTAutograd's joint graph passes through
+``one_gradient_op_per_graph`` (functorch's ``joint_custom_pass``, set inside
+``tracing_through_shardtensors``, so under every backend), which replaces its
+``summed_gradient`` effects by one ``summed_gradients`` (lists) where the last one was (the
+compiled 2-rank ViT step: 56 effect calls, ~46 us each, became one; the same bytes and
+collectives, ``tests/test_torch_compile_through.py``, the linear layer used twice and the
+convolutions around a GroupNorm).
 The weight must reach the op as the Parameter: inductor's layout optimisation fed every op of
 a graph, and saved for backward, a channels-last copy of each convolution's weight, which no
 sink owns (a convolution and a GroupNorm: 4 all-reduces, eager 2), so it is off inside
@@ -50,6 +57,7 @@ correctly, in the graph.
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -76,12 +84,14 @@ from shardsci.tensor._torch_compat import (
     EffectType,
     _will_engine_execute_node,
     register_effectful_op,
+    with_effects,
 )
 from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
     "GradientSink",
     "gradient_sink",
+    "one_gradient_op_per_graph",
     "partial_contribution",
     "promote_replicated",
     "promoted_local",
@@ -310,8 +320,7 @@ def _traced_promotion(tensor: torch.Tensor, spec: ShardTensorSpec) -> ShardTenso
     return _TracedPromotion.apply(tensor, spec)
 
 
-@torch.library.custom_op("shardsci::summed_gradient", mutates_args=())
-def _summed_gradient(
+def _gradient_sum(
     local: torch.Tensor, weight: torch.Tensor, key: int, grad_key: int
 ) -> torch.Tensor:
     """``weight``'s gradient from this rank's shard ``local`` of the gradient of traced
@@ -334,11 +343,103 @@ def _summed_gradient(
     return summed.contiguous()
 
 
+@torch.library.custom_op("shardsci::summed_gradient", mutates_args=())
+def _summed_gradient(
+    local: torch.Tensor, weight: torch.Tensor, key: int, grad_key: int
+) -> torch.Tensor:
+    """``_gradient_sum`` as an op of a compiled backward."""
+    return _gradient_sum(local, weight, key, grad_key)
+
+
 @_summed_gradient.register_fake
 def _(local, weight, key, grad_key):
     return local.new_empty(_TRACED_SPECS[key].shape)
 
 
+@torch.library.custom_op("shardsci::summed_gradients", mutates_args=())
+def _summed_gradients(
+    contributions: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    keys: list[int],
+    grad_keys: list[int],
+) -> list[torch.Tensor]:
+    """``_gradient_sum`` of each entry in one op: every use of a weight in a compiled
+    backward (``one_gradient_op_per_graph``)."""
+    entries = zip(contributions, weights, keys, grad_keys, strict=True)
+    return [_gradient_sum(*entry) for entry in entries]
+
+
+@_summed_gradients.register_fake
+def _(contributions, weights, keys, grad_keys):
+    return [c.new_empty(_TRACED_SPECS[key].shape) for c, key in zip(contributions, keys)]
+
+
 register_effectful_op(torch.ops.shardsci.summed_gradient.default, EffectType.ORDERED)
+register_effectful_op(torch.ops.shardsci.summed_gradients.default, EffectType.ORDERED)
+
+
+def one_gradient_op_per_graph(module: torch.fx.GraphModule, inputs: Any) -> torch.fx.GraphModule:
+    """``module`` (AOTAutograd's joint graph, ``inputs`` its inputs) with its
+    ``summed_gradient`` effects, one per use of a weight (~46 us each through the effect
+    wrapper), replaced by one ``summed_gradients`` where the last of them was, and what reads
+    the earlier ones' gradients (a sum over uses) moved after it; unchanged where the last one
+    needs any of that."""
+    graph = module.graph
+    single = torch.ops.shardsci.summed_gradient.default
+    nodes = [n for n in graph.nodes if n.target is with_effects and n.args[1] is single]
+    if len(nodes) < 2:
+        return module
+    last = nodes[-1]
+    outputs = [{user.args[1]: user for user in n.users} for n in nodes]  # 0: token, 1: gradient
+    later = {out[1] for out in outputs[:-1] if 1 in out}
+    moved = []
+    for node in graph.nodes:
+        if node is last:
+            break
+        if node not in later and any(a in later for a in node.all_input_nodes):
+            later.add(node)
+            moved.append(node)
+    needed, stack = set(), [a for n in nodes for a in n.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    if needed & later:
+        return module
+    for node, out in zip(nodes[:-1], outputs[:-1]):  # out of the effect chain
+        if 0 in out:
+            out[0].replace_all_uses_with(node.args[0])
+    columns = [list(column) for column in zip(*(n.args[2:] for n in nodes))]
+    values = [out[1].meta.get("val") if 1 in out else None for out in outputs]
+    with graph.inserting_before(last):
+        batch = graph.call_function(
+            with_effects, (last.args[0], torch.ops.shardsci.summed_gradients.default, *columns)
+        )
+        token = graph.call_function(operator.getitem, (batch, 0))
+        gradients = graph.call_function(operator.getitem, (batch, 1))
+        results = [graph.call_function(operator.getitem, (gradients, i)) for i in range(len(nodes))]
+    token.meta["val"] = outputs[-1][0].meta.get("val") if 0 in outputs[-1] else None
+    gradients.meta["val"] = values
+    batch.meta["val"] = (token.meta["val"], values)
+    for result, value in zip(results, values):
+        result.meta["val"] = value
+    if 0 in outputs[-1]:
+        outputs[-1][0].replace_all_uses_with(token)
+    for out, result in zip(outputs, results):
+        if 1 in out:
+            out[1].replace_all_uses_with(result)
+    after = results[-1]
+    for node in moved:
+        after.append(node)
+        after = node
+    for node in reversed(nodes):
+        for user in list(node.users):
+            graph.erase_node(user)
+        graph.erase_node(node)
+    graph.lint()
+    module.recompile()
+    return module
+
 
 _function_dispatch.bind_promotion(ShardTensor, promote_replicated)

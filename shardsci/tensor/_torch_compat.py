@@ -214,6 +214,20 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch._inductor.config",
         "keeping inductor from feeding a traced promotion a channels-last copy of a weight",
     ),
+    "inductor_lowerings": _at(
+        "torch._inductor.lowering:lowerings",
+        "keeping the collectives of a graph traced through ShardTensors in program order in "
+        "inductor's schedule (the lowering of with_effects)",
+    ),
+    "inductor_decomposition": _at(
+        "torch._inductor.decomposition",
+        "leaving the sum of empty complex shards to aten (inductor's decomposition of a "
+        "complex add refuses their strides)",
+    ),
+    "inductor_virtualized": _at(
+        "torch._inductor.virtualized:V",
+        "the graph inductor is lowering, whose effect ordering edges shardsci re-keys",
+    ),
     "AOTDispatchAutograd": _at(
         "torch._functorch._aot_autograd.runtime_wrappers:AOTDispatchAutograd",
         "reading a plain gradient that reaches a compiled backward where a ShardTensor was "

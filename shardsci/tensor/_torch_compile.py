@@ -119,6 +119,7 @@ from typing import Any
 import torch
 
 from shardsci.tensor import _torch_compat
+from shardsci.tensor._graph_collectives import effects_in_program_order
 from shardsci.tensor._torch_compat import (
     _get_dispatch_mode,
     _TorchDispatchModeKey,
@@ -217,6 +218,38 @@ def forget_eager_under_compile_warning() -> None:
     watching = _state["kept_out"] is not None
 
 
+def _empty_sums_left_to_aten(decompose: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's decomposition of ``aten.add`` that leaves an empty operand to aten: for
+    complex operands it views them as real pairs, which an empty tensor's strides refuse
+    (torch 2.13: ``torch.compile(lambda x, y: x + y)`` on two ``(4, 0)`` complex tensors
+    raises "self.stride(0) must be divisible by 2 to view Double as ComplexDouble"), and a
+    rank's FFT shard is empty where it holds no kept mode (the FNO on a 2x2 mesh)."""
+
+    def add(x: Any, y: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in (x, y)):
+            return NotImplemented
+        return decompose(x, y, *args, **kwargs)
+
+    return add
+
+
+@contextmanager
+def _empty_complex_sums_compiled() -> Iterator[None]:
+    """Inside the block inductor compiles sums of empty complex shards
+    (``_empty_sums_left_to_aten``), in both of its decomposition tables."""
+    module = _torch_compat.inductor_decomposition
+    tables = [module.decompositions, module.fast_random_decomps()]
+    op = torch.ops.aten.add.Tensor
+    kept = [table[op] for table in tables]
+    for table, decompose in zip(tables, kept):
+        table[op] = _empty_sums_left_to_aten(decompose)
+    try:
+        yield
+    finally:
+        for table, decompose in zip(tables, kept):
+            table[op] = decompose
+
+
 def _plain_tangents_read_as_replicated(
     process: Callable[..., Any], cls: type
 ) -> Callable[..., Any]:
@@ -280,16 +313,25 @@ def tracing_through_shardtensors() -> Iterator[None]:
     aot_autograd.process_runtime_tangent = staticmethod(
         _plain_tangents_read_as_replicated(process_tangent.__func__, cls)
     )
+    # One op sums a backward's gradients of replicated weights, not one per use (NOTE [Where
+    # the gradient of a replicated parameter is summed]); imported here, as _promotion
+    # imports this module.
+    from shardsci.tensor._promotion import one_gradient_op_per_graph
+
+    joint_pass = functorch_config.joint_custom_pass
+    functorch_config.joint_custom_pass = one_gradient_op_per_graph
     torch.compiler.reset()
     _state["kept_out"] = None
     try:
-        yield
+        with effects_in_program_order(), _empty_complex_sums_compiled():
+            yield
     finally:
         torch.compiler.reset()
         aot_autograd.process_runtime_tangent = process_tangent
         dynamo_config.automatic_dynamic_shapes = automatic_dynamic
         functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = plain_guess
         inductor_config.layout_optimization = layout_optimization
+        functorch_config.joint_custom_pass = joint_pass
         trace_rules.BUILTIN_INLINE_WHEN_CALLED.discard(package)
         dynamo_config.nontraceable_tensor_subclasses.add(cls)
         _state["kept_out"] = cls
