@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -109,6 +110,20 @@ KEYS = {
     "u[2, 4] = g, 0-d": ((2, 4), ()),
     "u[3] = g": ((3,), (7,)),
     "u[:, ::3] = 0.5": ((slice(None), slice(None, None, 3)), 0.5),
+    # scalar items torch reads as ints or as a new one-cell dim (NOTE [Scalar index items as
+    # torch reads them]): before, numpy ints raised or their write was lost
+    "u[np.int64(-1), 1::2] = g": ((np.int64(-1), slice(1, None, 2)), (3,)),
+    "u[1:5, np.int32(0)] = g": ((slice(1, 5), np.int32(0)), (4,)),
+    "u[:, torch.tensor(5)] = g": ((slice(None), torch.tensor(5)), (6,)),
+    "u[torch.tensor(-2), 2:] = g": ((torch.tensor(-2), slice(2, None)), (5,)),
+    "u[..., True] = g": ((..., True), (6, 7, 1)),
+    "u[1:4, True, 0] = g": ((slice(1, 4), True, 0), (3, 1)),
+    "u[torch.tensor(True), 3] = g": ((torch.tensor(True), 3), (1, 7)),
+    "u[:, torch.tensor(1, dtype=torch.uint8), -1] = g": (
+        (slice(None), torch.tensor(1, dtype=torch.uint8), -1),
+        (6, 1),
+    ),
+    "u[2:, False] = g, nothing": ((slice(2, None), False), (1, 0, 7)),
 }
 
 

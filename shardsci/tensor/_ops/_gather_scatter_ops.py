@@ -63,7 +63,7 @@ from shardsci.tensor._ops._common import (
     sizes_at_extent,
 )
 from shardsci.tensor._ops._gathered_ops import gathered
-from shardsci.tensor._ops._slice_scatter_ops import write_basic_key
+from shardsci.tensor._ops._slice_scatter_ops import basic_form, write_basic_key
 from shardsci.tensor._registry import (
     function_handler_for,
     register_aten_handler,
@@ -1186,16 +1186,19 @@ def _setitem(func, args, kwargs):
     slices and before full slices or an ellipsis (``x[i, j] = v``, ``x[:, mask] = 0``): the
     in-place ``index_put`` above, so that a value needing a gradient is written through the
     replicated index too (below autograd, its gradient would be an aten gather from the
-    sharded gradient, which no handler takes). A basic key (ints, slices, an ellipsis, None)
-    that touches a split dim is written through ``slice_scatter`` (NOTE [A write through a
-    basic key touching a split dim]); any other basic key keeps torch's view and ``copy_``."""
+    sharded gradient, which no handler takes). A basic key (ints, slices, an ellipsis, None;
+    numpy ints, 0-d int tensors and scalar bools as torch reads them, NOTE [Scalar index items
+    as torch reads them]) that touches a split dim is written through ``slice_scatter`` (NOTE
+    [A write through a basic key touching a split dim]); any other basic key keeps torch's
+    view and ``copy_``."""
     a = bind(func, args, kwargs)
     x, value = a.self, a.value
     if not isinstance(x, ShardTensor):
         return NotImplemented
-    found = _tensor_key(a.key, x.ndim)
+    key = basic_form(a.key)  # NOTE [Scalar index items as torch reads them]
+    found = _tensor_key(key, x.ndim)
     if found is None:
-        return None if write_basic_key(x, a.key, value) else NotImplemented
+        return None if write_basic_key(x, key, value) else NotImplemented
     first, tensors = found
     if not isinstance(value, torch.Tensor):
         value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
