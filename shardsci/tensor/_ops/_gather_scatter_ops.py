@@ -221,7 +221,8 @@ def _getitem(func, args, kwargs):
     a = bind(func, args, kwargs)
     if not isinstance(a.self, torch.Tensor):
         return NotImplemented
-    several = _tensor_key(a.key, a.self.ndim)
+    key = basic_form(a.key)  # x[:, torch.tensor(0)] is a select, a view (not an index read)
+    several = _tensor_key(key, a.self.ndim)
     if several is not None and len(several[1]) > 1:  # x[i, j]: read above autograd too
         first, tensors = several
         advanced = _advanced_indices([None] * first + tensors, a.self)
@@ -229,7 +230,7 @@ def _getitem(func, args, kwargs):
             return NotImplemented
         probe_on_meta(aten.index.Tensor, (a.self, [None] * first + tensors))  # torch's errors
         return _cells_read(a.self, *advanced)
-    found = _getitem_key(a.key, a.self.ndim)
+    found = _getitem_key(key, a.self.ndim)
     if found is None:
         return NotImplemented
     dim, index = found
