@@ -15,7 +15,14 @@ import math
 import pytest
 import torch
 
-from shardsci.testing import check_against_reference, get_mesh, run_on_ranks
+from shardsci.handlers import from_local_spec
+from shardsci.testing import (
+    assert_all_ranks,
+    check_against_reference,
+    count_traffic,
+    get_mesh,
+    run_on_ranks,
+)
 from tests.expected_layouts import parse
 
 SHAPE = (6, 7)
@@ -114,9 +121,7 @@ def _outcome(check) -> str:
         check()
     except NotImplementedError as error:
         message = str(error)
-        assert "writes into a tensor that aten." in message and "would be lost" in message, (
-            message
-        )
+        assert "writes into a tensor that aten." in message and "would be lost" in message, message
         return "raises"
     return "kept"
 
@@ -157,3 +162,36 @@ def test_a_write_into_a_view_is_kept_or_refused_on_every_rank(name: str) -> None
     assert all(o == outcomes[0] for o in outcomes), outcomes  # every rank alike
     raised = {what for what, outcome in outcomes[0].items() if outcome == "raises"}
     assert raised == RAISES[name], (sorted(raised - RAISES[name]), sorted(RAISES[name] - raised))
+
+
+#: writes into views that are views on every rank, known without asking: no byte moves
+NO_AGREEMENT = {
+    "u[:, 1:4].mul_(2)": lambda v: v[:, 1:4].mul_(2),
+    "u[2:4, ::2][:, 1:].add_(1)": lambda v: v[2:4, ::2][:, 1:].add_(1),
+    "u.t()[1:3].zero_()": lambda v: v.t()[1:3].zero_(),
+    "u.narrow(0, 1, 3)[:, 2:].mul_(2)": lambda v: v.narrow(0, 1, 3)[:, 2:].mul_(2),
+}
+
+
+def _no_agreement_body(name: str) -> None:
+    mesh_shape, layout = LAYOUTS[name]
+    mesh = get_mesh(mesh_shape)
+    layout = parse(layout)
+    torch.manual_seed(0)
+    u = torch.randn(SHAPE, dtype=torch.float64)
+    for what, op in NO_AGREEMENT.items():
+        shard = layout.spec(mesh, u)
+        v = from_local_spec(shard.narrow(u).clone(), shard)
+        with count_traffic() as traffic:
+            op(v)
+        assert_all_ranks(traffic.received == 0, f"{name}: {what}: {traffic.received} B")
+        expected = u.clone()
+        op(expected)
+        assert_all_ranks(torch.equal(v.full_tensor(), expected), f"{name}: {what}: lost")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_write_into_a_slice_or_local_view_asks_no_rank(name: str) -> None:
+    """The agreement (one all-reduce) is made only where a handler may have copied: a write
+    into slices (of a transpose, of slices) moves nothing."""
+    run_on_ranks(math.prod(LAYOUTS[name][0]), _no_agreement_body, name)
