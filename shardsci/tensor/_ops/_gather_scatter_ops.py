@@ -1405,12 +1405,13 @@ def _take(func, args, kwargs):
     x, index = a.input, _replicated_index(a.index)
     if not isinstance(x, ShardTensor) or x.ndim == 0 or index is None or not accepts(x):
         return NotImplemented
-    if set(x._spec.sharding_by_dim) - {0} or a.get("out") is not None:
+    if a.get("out") is not None:
         return NotImplemented
     probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
-    return _through_replicated(
-        func, x.reshape(-1), 0, _flat_positions(func, x, index), cell_wise=False
-    )
+    flat = _flat_positions(func, x, index)
+    if set(x._spec.sharding_by_dim) - {0}:  # the cells' coordinates, read as x[i, j, ...]
+        return x[torch.unravel_index(flat, x.shape)]
+    return _through_replicated(func, x.reshape(-1), 0, flat, cell_wise=False)
 
 
 def _flat_positions(func, x: ShardTensor, index: torch.Tensor) -> torch.Tensor:
