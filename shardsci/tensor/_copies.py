@@ -35,7 +35,8 @@ from typing import NamedTuple
 import torch
 
 from shardsci.tensor._collectives import all_reduce, axis_group
-from shardsci.tensor._torch_compat import OpOverload
+from shardsci.tensor._torch_compat import OpOverload, _get_dispatch_mode, _TorchDispatchModeKey
+from shardsci.tensor._torch_compile import in_graph
 
 __all__ = [
     "CopyOf",
@@ -93,6 +94,8 @@ def mark_view(func: OpOverload, x: torch.Tensor, result: object, path: str) -> N
     """Mark the ShardTensor outputs of view op ``func`` on ``x`` (NOTE above). ``path``:
     ``"handler"`` (a view or a copy, rank by rank), ``"copy"`` (a lazy view materialised, a
     copy on every rank), else the same local view on every rank (the op on the shards)."""
+    if _tracing():
+        return
     if path == "copy":
         mark_moved(func, result)
     agreed = path != "handler"
@@ -120,6 +123,8 @@ def mark_view(func: OpOverload, x: torch.Tensor, result: object, path: str) -> N
 def mark_moved(func: OpOverload, result: object) -> None:
     """Mark the outputs of view op ``func`` as copies on every rank (run on its first
     argument moved to another layout, or a lazy view materialised; NOTE above)."""
+    if _tracing():
+        return
     for out in result if isinstance(result, (list, tuple)) else (result,):
         if isinstance(out, torch.Tensor) and hasattr(out, "_copy_of"):
             out._copy_of = CopyOf(func, True, agreed=True)
@@ -166,6 +171,12 @@ def _copied_anywhere(x: torch.Tensor, copied: bool) -> bool:
 def returns_view(func: OpOverload) -> bool:
     """Whether torch's ``func`` returns a view of an argument."""
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def _tracing() -> bool:
+    """Whether torch.compile traces or propagates fake shards: there a write is made
+    functional below these marks, and a fake shard has no storage to compare."""
+    return in_graph() or _get_dispatch_mode(_TorchDispatchModeKey.FAKE) is not None
 
 
 def _copied(out: torch.Tensor, source: torch.Tensor) -> bool:

@@ -1399,8 +1399,10 @@ def _put_signature(input, index, source, accumulate=False):
 @register_function_handler(torch.take, torch.Tensor.take)
 def _take(func, args, kwargs):
     """``x.take(index)``, ``x.reshape(-1)[index]``, through the replicated ``index`` (NOTE [A
-    gather through a replicated index keeps the input's layout]) when only the leading dim is
-    split: each shard is then a run of the flat order, and the flattened view keeps it."""
+    gather through a replicated index keeps the input's layout]): when only the leading dim is
+    split, each shard is a run of the flat order, and the flattened view keeps it; else the
+    cells are read by their coordinates, ``x[i, j, ...]``, each entry held by its cell's
+    owner where the owners never decrease along the index."""
     a = bind(func, args, kwargs)
     x, index = a.input, _replicated_index(a.index)
     if not isinstance(x, ShardTensor) or x.ndim == 0 or index is None or not accepts(x):
