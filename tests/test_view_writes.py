@@ -6,7 +6,9 @@ Swept over the view ops that return a copy on a split dim (``diagonal``, ``unfol
 ``as_strided``, ``narrow``, ``t``/``permute``, ``view``/``reshape``/``flatten`` across a split
 dim, ``unbind``, ``split``/``chunk``, ``squeeze`` of a one-cell split, ``conj``, ``.real``/
 ``.imag``, views of a select's copy) on 2 uneven ranks, 4 ranks with an empty shard and 2x2
-blocks. Before, 8 to 13 of these writes per layout were silently lost."""
+blocks. Before, the writes through a view, reshape or flatten across a split dim, ``unfold``,
+``as_strided``, a gathered ``unbind`` or ``squeeze``, ``conj`` and views of a select's copy
+were silently lost."""
 
 from __future__ import annotations
 
