@@ -146,10 +146,7 @@ def _setitem_body(name: str) -> None:
     replicated = Layout((Replicate(),) * len(mesh_shape))
     for what, (key, value) in KEYS.items():
         label = f"{name}: {what}"
-        # no gather, forward or backward, but for an outer int on a split dim (NOTE [A write
-        # through a basic key touching a split dim]: the value's gradient is gathered)
-        outer_int = len(mesh_shape) == 2 and what == "u[2, 4] = g, 0-d"
-        with gather_policy("allow" if outer_int else "error"):
+        with gather_policy("error"):  # no gather, forward or backward
             _check_setitem(u, layout, replicated, mesh, label, key, value)
     g = torch.randn(6, dtype=torch.float64)
     for what, op in IN_PLACE.items():

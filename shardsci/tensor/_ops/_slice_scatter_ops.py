@@ -126,9 +126,9 @@ def _source_local(src: torch.Tensor, target: ShardTensorSpec) -> torch.Tensor:
 # functionalization would write it. The views are the key's slices (kept by their holders),
 # selects on whole dims (local views) and, innermost, one select on a split dim; its
 # gradient for the value is the owner's row broadcast. Any other int on a split dim is a
-# one-cell slice and the value gains that dim, so nothing moves in forward, but the value's
-# gradient then squeezes a one-cell split dim, a guarded gather of the value's size
-# (``u[2, 4] = g`` on 2x2). A key touching no split dim keeps torch's path (views).
+# one-cell slice and the value gains that dim, so nothing moves in forward; the value's
+# gradient then squeezes a one-cell split dim, which its holder broadcasts (``u[2, 4] = g``
+# on 2x2: the value's bytes, no gather). A key touching no split dim keeps torch's path.
 def write_basic_key(x: ShardTensor, key: object, value: object) -> bool:
     """Write ``x[key] = value`` for a basic ``key`` that touches a split dim of ``x``, in
     place; False (nothing done) for any other key (NOTE above)."""
