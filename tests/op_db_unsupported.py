@@ -135,16 +135,6 @@ _FLAT_ROLL_GATHERED = Bug(
     "wrong",
     _GATHERED.message,
 )
-#: ``take`` (flat positions) from a tensor split along a dim other than the leading one: the
-#: shards are not runs of the flat order (with only the leading dim split, the flat view keeps
-#: the split and each entry stays with its owner, ``_gather_scatter_ops._take``).
-_FLAT_TAKE_GATHERED = Bug(
-    "take from a non-leading split gathered",
-    "take of a tensor split along a dim other than the leading one is replicated (its shards "
-    "are not runs of the flat order)",
-    "wrong",
-    _GATHERED.message,
-)
 #: An output sharded along another dim, or with other boundaries, than its cells'
 #: dependencies state (values and gradients right).
 _WRONG_LAYOUT = Bug(
@@ -631,7 +621,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "svd_lowrank": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "take": (_FLAT_TAKE_GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),),
     "trapezoid": (_ONE_HOLDER_PARTIAL.cases((0,), ("4r-random",)),),
     "triangular_solve": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),

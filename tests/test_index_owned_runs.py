@@ -4,7 +4,8 @@ process, float64 (NOTE [A gather through a replicated index keeps the input's la
 
 ``x[[1, 2, 2, 5]]`` (a list key, with an ellipsis after or before it), ``x[mask]``,
 ``x[[1, 2, 5], [0, 3, 1]]`` (several indices: owners over the axes of the split indexed dims,
-row-major) and ``take`` with a 1-D index whose entries' owners never decrease hold each entry
+row-major) and ``take`` with a 1-D index whose entries' owners never decrease (on any layout:
+read as ``x[i, j, k]`` when a dim other than the leading one is split) hold each entry
 on the rank that owns its cell: the output is split along the entries' dim with each rank's
 count of entries, no byte is received in the forward (``count_traffic``) and nothing is
 gathered in the backward (the gather guard set to "error"). An index whose
@@ -113,16 +114,9 @@ def _cases(layout: Layout) -> dict[str, tuple]:
     }
     # several indices: the entries' owners over the axes of the split indexed dims, row-major
     pairs = ([1, 2, 5], [0, 3, 1])
-    owners = [0] * len(pairs[0])
-    for d in sorted(layout.sizes):
-        for k, position in enumerate(pairs[d]):
-            owners[k] = owners[k] * len(layout.sizes[d]) + _owned(
-                layout.sizes[d], [position]
-            ).index(1)
-    counts = tuple(owners.count(k) for k in range(math.prod(len(v) for v in layout.sizes.values())))
     cases["x[[1, 2, 5], [0, 3, 1]], several indices"] = (
         lambda x: x[pairs],
-        Layout((Shard(0),) * len(layout.placements), {0: counts}),
+        _held_by_owners(layout, list(zip(*pairs, strict=True))),
         "nothing",
     )
     # an outer product of indices of the input's extents (interpolation's): its layout kept
@@ -144,14 +138,28 @@ def _cases(layout: Layout) -> dict[str, tuple]:
         layout,
         "rows",
     )
-    if set(layout.sizes) == {0}:  # the flat order runs through the shards of dim 0 alone
-        owners = _owned(dim0, [p // row for p in flat])
-        cases["take"] = (
-            lambda x: torch.take(x, torch.tensor(flat)),
-            Layout((Shard(0),), {0: owners}),
-            "nothing",
-        )
+    # take: the flat positions' cells, each held by its owner (read as x[i, j, k] when a dim
+    # other than the leading one is split: the shards are not runs of the flat order)
+    cells = [torch.unravel_index(torch.tensor(p), SHAPE) for p in flat]
+    cases["take"] = (
+        lambda x: torch.take(x, torch.tensor(flat)),
+        _held_by_owners(layout, [tuple(int(c) for c in cell) for cell in cells]),
+        "nothing",
+    )
     return cases
+
+
+def _held_by_owners(layout: Layout, cells: list[tuple[int, ...]]) -> Layout:
+    """The layout of entries read from ``cells`` (owners never decreasing), each held by the
+    rank owning its cell: owners over the axes of the split dims, row-major."""
+    owners = [0] * len(cells)
+    for d in sorted(layout.sizes):
+        for k, cell in enumerate(cells):
+            owners[k] = owners[k] * len(layout.sizes[d]) + _owned(layout.sizes[d], [cell[d]]).index(
+                1
+            )
+    counts = tuple(owners.count(k) for k in range(math.prod(len(v) for v in layout.sizes.values())))
+    return Layout((Shard(0),) * len(layout.placements), {0: counts})
 
 
 def _body(name: str) -> None:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from shardsci.tensor import _dispatch, _function_dispatch
 from shardsci.tensor._caches import cached
+from shardsci.tensor._copies import CopyOf
 from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
@@ -47,11 +48,11 @@ class ShardTensor(torch.Tensor):
     _halo: Any
     """Cells around this shard gathered with it, for the next windowed op (NOTE [A padded
     tensor carries the halo its convolution reads] in ``_ops/_windows.py``), or None."""
-    _copy_of: tuple[torch.Tensor | None] | None
-    """For a select along a split dim (a broadcast copy), the owner's row of the selected
-    tensor (None on the other ranks), which an in-place op on the copy writes through to
-    (NOTE [An in-place op on a select's copy writes through] in ``_ops/_index_ops.py``);
-    else None."""
+    _copy_of: CopyOf | None
+    """For the output of a view op that is a copy here (a select along a split dim, a
+    reshape that moves cells), or a view of one: what made it, and where an in-place op on it
+    writes through, if anywhere (NOTE [A write into a view that is a copy] in
+    ``_copies.py``); else None."""
     __slots__ = ("_copy_of", "_halo", "_local", "_spec")
 
     @staticmethod

@@ -30,6 +30,13 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardsci.tensor import _propagation
 from shardsci.tensor._caches import cached, register_cache
+from shardsci.tensor._copies import (
+    after_write,
+    before_write,
+    mark_moved,
+    mark_view,
+    returns_view,
+)
 from shardsci.tensor._gather_guard import asked_for, check_result, dispatching
 from shardsci.tensor._propagation import (
     Plan,
@@ -72,6 +79,7 @@ class _Route(NamedTuple):
     mutates: bool
     dim_argument: int | None
     in_place_view: bool
+    view: str | None  # torch's op returns a view: "view", or "copy" where it runs as a copy
 
 
 _ROUTES: dict[OpOverload, _Route] = {}
@@ -89,6 +97,7 @@ def _route(func: OpOverload) -> _Route:
         _mutates_first_argument(runs),
         _DIM_ARGUMENT.get(runs),
         runs in _IN_PLACE_VIEWS,
+        ("view" if runs is func else "copy") if returns_view(func) else None,
     )
     _ROUTES[func] = route
     return route
@@ -109,12 +118,15 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
     ops = dispatching()  # NOTE [Gathers an op was not asked to make]
     ops.append(func)
     try:
+        # NOTE [A write into a view that is a copy] in _copies.py
+        copy = route.mutates and type(args[0]) is _ShardTensor and args[0]._copy_of is not None
+        if copy:
+            before_write(func, args[0])
         path, result = _dispatched(func, route, args, kwargs)
-        if route.mutates and type(args[0]) is _ShardTensor and args[0]._copy_of is not None:
-            # NOTE [An in-place op on a select's copy writes through] in _ops/_index_ops.py
-            (row,) = args[0]._copy_of
-            if row is not None:
-                row.copy_(args[0]._local)
+        if copy:
+            after_write(args[0])
+        elif route.view is not None and type(args[0]) is _ShardTensor:
+            mark_view(func, args[0], result, "copy" if route.view == "copy" else path)
         check_result(args, result)
         return result
     finally:
@@ -283,6 +295,7 @@ _LAYOUT_PRESERVING = {
     aten.full_like.default,
     aten.zero_.default,
     aten.fill_.Scalar,
+    aten.fill_.Tensor,
 }
 
 
@@ -296,6 +309,7 @@ _VALUE_FREE = {
     aten.full_like.default,
     aten.zero_.default,
     aten.fill_.Scalar,
+    aten.fill_.Tensor,
 }
 
 
@@ -588,6 +602,8 @@ def run_with_propagation(
         return args[0]
     result = _wrap(out, plan.outputs, plan, func)
     plan.checked = True
+    if plan.targets and plan.targets[0] is not None and returns_view(func):
+        mark_moved(func, result)  # NOTE [A write into a view that is a copy] in _copies.py
     return result
 
 

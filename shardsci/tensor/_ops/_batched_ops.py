@@ -22,6 +22,7 @@ import torch
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import Arguments, bind
+from shardsci.tensor._copies import CopyOf
 from shardsci.tensor._dispatch import local_of
 from shardsci.tensor._ops._common import accepts, connected_empty
 from shardsci.tensor._ops._gathered_ops import gathered
@@ -201,7 +202,10 @@ def _unfold_sharded(func, args, kwargs):
         out = connected_empty(local_shape, extended, extended)
     shape = [*x.shape, size]
     shape[dim] = windows[dim].output_extent(x.shape[dim])
-    return from_local_spec(out, output_spec(spec, shape, out_sizes, out.dtype))
+    result = from_local_spec(out, output_spec(spec, shape, out_sizes, out.dtype))
+    if func is torch.Tensor.unfold:  # torch's view is a copy here: a write into it raises
+        result._copy_of = CopyOf(aten.unfold.default, True, agreed=True)
+    return result
 
 
 @register_aten_handler(aten.pixel_shuffle.default, aten.pixel_unshuffle.default)

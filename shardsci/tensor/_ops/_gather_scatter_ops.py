@@ -63,7 +63,7 @@ from shardsci.tensor._ops._common import (
     sizes_at_extent,
 )
 from shardsci.tensor._ops._gathered_ops import gathered
-from shardsci.tensor._ops._slice_scatter_ops import write_basic_key
+from shardsci.tensor._ops._slice_scatter_ops import basic_form, write_basic_key
 from shardsci.tensor._registry import (
     function_handler_for,
     register_aten_handler,
@@ -221,7 +221,8 @@ def _getitem(func, args, kwargs):
     a = bind(func, args, kwargs)
     if not isinstance(a.self, torch.Tensor):
         return NotImplemented
-    several = _tensor_key(a.key, a.self.ndim)
+    key = basic_form(a.key)  # x[:, torch.tensor(0)] is a select, a view (not an index read)
+    several = _tensor_key(key, a.self.ndim)
     if several is not None and len(several[1]) > 1:  # x[i, j]: read above autograd too
         first, tensors = several
         advanced = _advanced_indices([None] * first + tensors, a.self)
@@ -229,7 +230,7 @@ def _getitem(func, args, kwargs):
             return NotImplemented
         probe_on_meta(aten.index.Tensor, (a.self, [None] * first + tensors))  # torch's errors
         return _cells_read(a.self, *advanced)
-    found = _getitem_key(a.key, a.self.ndim)
+    found = _getitem_key(key, a.self.ndim)
     if found is None:
         return NotImplemented
     dim, index = found
@@ -1186,16 +1187,19 @@ def _setitem(func, args, kwargs):
     slices and before full slices or an ellipsis (``x[i, j] = v``, ``x[:, mask] = 0``): the
     in-place ``index_put`` above, so that a value needing a gradient is written through the
     replicated index too (below autograd, its gradient would be an aten gather from the
-    sharded gradient, which no handler takes). A basic key (ints, slices, an ellipsis, None)
-    that touches a split dim is written through ``slice_scatter`` (NOTE [A write through a
-    basic key touching a split dim]); any other basic key keeps torch's view and ``copy_``."""
+    sharded gradient, which no handler takes). A basic key (ints, slices, an ellipsis, None;
+    numpy ints, 0-d int tensors and scalar bools as torch reads them, NOTE [Scalar index items
+    as torch reads them]) that touches a split dim is written through ``slice_scatter`` (NOTE
+    [A write through a basic key touching a split dim]); any other basic key keeps torch's
+    view and ``copy_``."""
     a = bind(func, args, kwargs)
     x, value = a.self, a.value
     if not isinstance(x, ShardTensor):
         return NotImplemented
-    found = _tensor_key(a.key, x.ndim)
+    key = basic_form(a.key)  # NOTE [Scalar index items as torch reads them]
+    found = _tensor_key(key, x.ndim)
     if found is None:
-        return None if write_basic_key(x, a.key, value) else NotImplemented
+        return None if write_basic_key(x, key, value) else NotImplemented
     first, tensors = found
     if not isinstance(value, torch.Tensor):
         value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
@@ -1395,18 +1399,21 @@ def _put_signature(input, index, source, accumulate=False):
 @register_function_handler(torch.take, torch.Tensor.take)
 def _take(func, args, kwargs):
     """``x.take(index)``, ``x.reshape(-1)[index]``, through the replicated ``index`` (NOTE [A
-    gather through a replicated index keeps the input's layout]) when only the leading dim is
-    split: each shard is then a run of the flat order, and the flattened view keeps it."""
+    gather through a replicated index keeps the input's layout]): when only the leading dim is
+    split, each shard is a run of the flat order, and the flattened view keeps it; else the
+    cells are read by their coordinates, ``x[i, j, ...]``, each entry held by its cell's
+    owner where the owners never decrease along the index."""
     a = bind(func, args, kwargs)
     x, index = a.input, _replicated_index(a.index)
     if not isinstance(x, ShardTensor) or x.ndim == 0 or index is None or not accepts(x):
         return NotImplemented
-    if set(x._spec.sharding_by_dim) - {0} or a.get("out") is not None:
+    if a.get("out") is not None:
         return NotImplemented
     probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
-    return _through_replicated(
-        func, x.reshape(-1), 0, _flat_positions(func, x, index), cell_wise=False
-    )
+    flat = _flat_positions(func, x, index)
+    if set(x._spec.sharding_by_dim) - {0}:  # the cells' coordinates, read as x[i, j, ...]
+        return x[torch.unravel_index(flat, x.shape)]
+    return _through_replicated(func, x.reshape(-1), 0, flat, cell_wise=False)
 
 
 def _flat_positions(func, x: ShardTensor, index: torch.Tensor) -> torch.Tensor:

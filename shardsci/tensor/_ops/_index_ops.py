@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import AxisGroup, axis_group, broadcast
+from shardsci.tensor._copies import local_view, select_copy
 from shardsci.tensor._intervals import gather_intervals
 from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._redistribute import redistribute_local
@@ -75,7 +76,9 @@ def _slice(func, args, kwargs):
         ]
     )
     spec = _resized(x._spec, dim, counts, remember=sharding)
-    return ShardTensor(local, spec.with_dtype(local.dtype))
+    out = ShardTensor(local, spec.with_dtype(local.dtype))
+    out._copy_of = local_view(func)  # NOTE [A write into a view that is a copy]
+    return out
 
 
 @register_aten_handler(aten.split.Tensor, aten.split_with_sizes.default)
@@ -168,12 +171,12 @@ def _resized(
 # A select along a split dim is a copy: its owner broadcasts the row. On one process it is a
 # view, and ``u[:, 0].zero_()``, ``u.select(1, 0).mul_(2)`` or ``u[:, 0] += g`` (an ``add_``
 # on it, then ``__setitem__``) write into ``u``; on the copy such a write was silently lost.
-# So the copy remembers the owner's row (``ShardTensor._copy_of``), and dispatch, after any
-# op that mutates its first argument, copies a marked tensor's new shard into that row on
-# the owner: every rank ran the op on the same replicated copy, so the owner's row gets what
-# every rank holds, and nothing moves. Autograd already treats the select as a view of
-# ``u``, so gradients see the write. Views of the copy (``u[:, 0][1:3].zero_()``) are not
-# marked: such a write is still lost.
+# So the copy remembers the owner's row and its own shard (``ShardTensor._copy_of``), and
+# dispatch, after any op that mutates the copy or a view of it (``u[:, 0][1:3].zero_()``,
+# which shares that shard), copies the shard into that row on the owner: every rank ran the
+# op on the same replicated copy, so the owner's row gets what every rank holds, and nothing
+# moves (NOTE [A write into a view that is a copy] in ``_copies.py``). Autograd already
+# treats the select as a view of ``u``, so gradients see the write.
 @register_aten_handler(aten.select.int)
 def _select(func, args, kwargs):
     a = bind(func, args, kwargs)
@@ -188,7 +191,7 @@ def _select(func, args, kwargs):
     piece = x._local.select(dim, index - starts[owner]) if group.index == owner else None
     local = broadcast(piece, owner, group, shape=shape, dtype=x.dtype, device=x._local.device)
     out = ShardTensor(local, _without_dim(x._spec, dim, sharding))
-    out._copy_of = (piece,)
+    out._copy_of = select_copy(func, local, piece)
     return out
 
 

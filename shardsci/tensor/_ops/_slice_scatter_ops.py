@@ -14,6 +14,7 @@ copy (NOTE [A write through a basic key touching a split dim]).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shardsci.tensor._api import ShardTensor
@@ -125,9 +126,9 @@ def _source_local(src: torch.Tensor, target: ShardTensorSpec) -> torch.Tensor:
 # functionalization would write it. The views are the key's slices (kept by their holders),
 # selects on whole dims (local views) and, innermost, one select on a split dim; its
 # gradient for the value is the owner's row broadcast. Any other int on a split dim is a
-# one-cell slice and the value gains that dim, so nothing moves in forward, but the value's
-# gradient then squeezes a one-cell split dim, a guarded gather of the value's size
-# (``u[2, 4] = g`` on 2x2). A key touching no split dim keeps torch's path (views).
+# one-cell slice and the value gains that dim, so nothing moves in forward; the value's
+# gradient then squeezes a one-cell split dim, which its holder broadcasts (``u[2, 4] = g``
+# on 2x2: the value's bytes, no gather). A key touching no split dim keeps torch's path.
 def write_basic_key(x: ShardTensor, key: object, value: object) -> bool:
     """Write ``x[key] = value`` for a basic ``key`` that touches a split dim of ``x``, in
     place; False (nothing done) for any other key (NOTE above)."""
@@ -181,6 +182,48 @@ def write_basic_key(x: ShardTensor, key: object, value: object) -> bool:
             written = aten.slice_scatter.default(outer, written, position, *slices[d])
     x.copy_(written)
     return True
+
+
+# NOTE [Scalar index items as torch reads them]
+# Torch reads a numpy integer and a 0-d integer tensor (other than uint8) in a key as an int
+# (a select, a view), and a scalar bool (Python's, a 0-d bool or uint8 tensor) as a
+# new dim of one cell indexed by a mask: where the key holds no other index tensor, ``True``
+# adds that dim as ``None`` does, and ``False`` selects none of it (a write of nothing).
+# Written in those terms, a key such as ``u[np.int64(0), 1:3]`` or ``u[..., True]`` takes
+# the write through ``slice_scatter`` above instead of torch's view of a select's copy, where
+# the write was lost.
+def basic_form(key: object) -> object:
+    """``key`` with its scalar items in the form torch reads them (NOTE above): numpy integers
+    and 0-d integer tensors as ints, scalar bools as None (``True``) or ``False``, when no
+    other index tensor is left; else the ints only."""
+    items = key if isinstance(key, tuple) else (key,)
+    items = tuple(_as_int(k) for k in items)
+    if any(_is_index_tensor(k) and not _is_scalar_bool(k) for k in items):
+        return items
+    return tuple(None if _is_scalar_bool(k) and bool(k) else k for k in items)
+
+
+def _as_int(item: object) -> object:
+    if isinstance(item, np.integer):
+        return int(item)
+    if isinstance(item, torch.Tensor) and item.ndim == 0 and _selects(item.dtype):
+        return int(item.item())
+    return item
+
+
+def _selects(dtype: torch.dtype) -> bool:
+    """Whether a 0-d tensor of ``dtype`` indexes as an int (a select) in torch."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint8))
+
+
+def _is_scalar_bool(item: object) -> bool:
+    if isinstance(item, torch.Tensor):
+        return item.ndim == 0 and item.dtype in (torch.bool, torch.uint8)
+    return isinstance(item, bool)  # a numpy bool is torch's error
+
+
+def _is_index_tensor(item: object) -> bool:
+    return isinstance(item, (torch.Tensor, list, np.ndarray))
 
 
 def _is_basic(item: object) -> bool:

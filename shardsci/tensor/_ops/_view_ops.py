@@ -373,8 +373,10 @@ def _remembered(
 def _squeeze(func, args, kwargs):
     """Squeeze the dims of global extent 1, named explicitly: on the shards, a bare
     ``squeeze()`` would also drop a sharded dim whose shard happens to hold one element. A
-    sharded dim of extent 1 lives on one rank: it is replicated (the owner broadcasts its
-    element) before it is squeezed; DTensor refuses to squeeze a sharded dim."""
+    sharded dim of extent 1 lives on one rank: squeezing it is selecting its one cell, which
+    that rank broadcasts (``select``'s handler: the output's bytes, a gradient kept in the
+    input's layout, and a write into the result written through, NOTE [An in-place op on a
+    select's copy writes through]); DTensor refuses to squeeze a sharded dim."""
     a = bind(func, args, kwargs)
     x = a.self
     if func._overloadname == "default":
@@ -384,11 +386,14 @@ def _squeeze(func, args, kwargs):
     squeezed = sorted({d % x.ndim for d in dims if x.ndim and x.shape[d % x.ndim] == 1})
     if not squeezed:
         return aten.alias.default(x) if func in _VIEWS else aten.clone.default(x)
-    if any(d in x._spec.sharding_by_dim for d in squeezed):
-        x = with_dims_whole(x, squeezed)
-    elif func._overloadname == "dims" and list(dims) == squeezed:
+    split = [d for d in squeezed if d in x._spec.sharding_by_dim]
+    if not split and func._overloadname == "dims" and list(dims) == squeezed:
         return NotImplemented
-    return func.overloadpacket.dims(x, squeezed)
+    for d in reversed(split):
+        x = aten.select.int(x, d, 0)
+    whole = [d - sum(s < d for s in split) for d in squeezed if d not in split]
+    out = func.overloadpacket.dims(x, whole) if whole else x
+    return out if func in _VIEWS or not split else aten.clone.default(out)
 
 
 _VIEWS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
