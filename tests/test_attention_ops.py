@@ -405,6 +405,53 @@ def test_multihead_attention(batch_first: bool) -> None:
     run_on_ranks(4, _multihead_body, batch_first)
 
 
+# Queries (L, N, E = 8) with L split (fewer tokens than ranks in two), attending to a whole
+# memory of S = 9 tokens: mesh, layout, L.
+WEIGHTS_CASES = {
+    "2r-7/4": ((2,), Layout((Shard(0),), {0: (7, 4)}), 11),
+    "4r-0/1/1/1": ((4,), Layout((Shard(0),), {0: (0, 1, 1, 1)}), 3),
+    "2x2-nested-L": ((2, 2), Layout((Shard(0), Shard(0)), {0: (0, 1, 1, 1)}), 3),
+}
+
+
+def _multihead_weights_body(name: str) -> None:
+    """``need_weights=True`` with an additive mask: ``F.multi_head_attention_forward`` computes
+    the scores itself by ``baddbmm`` below ``__torch_function__``. The output keeps the
+    queries' layout and the weights (N, L, S) their rows, values and every gradient as one
+    process, and the forward moves no byte (``count_traffic``): queries' rows against a
+    whole memory need nothing from another rank (DTensor's bmm rule, which shards no dim over
+    more ranks than it has cells, gathered the rows)."""
+    mesh_shape, layout, length = WEIGHTS_CASES[name]
+    mesh = get_mesh(mesh_shape)
+    module = nn.MultiheadAttention(8, 2).double()
+    x = torch.randn(length, 2, 8, dtype=torch.float64)
+    memory = torch.randn(9, 2, 8, dtype=torch.float64)
+    mask = torch.randn(length, 9, dtype=torch.float64)
+    weights = Layout((Shard(1),) * len(mesh_shape), {1: layout.sizes[0]})
+    check_against_reference(
+        lambda m, q, kv, bias: m(q, kv, kv, need_weights=True, attn_mask=bias),
+        [x, memory, mask],
+        [layout, None, None],
+        mesh,
+        module=module,
+        out_layouts=[layout, weights],
+        what=name,
+    )
+    spec = layout.spec(mesh, x)
+    queries = from_local_spec(spec.narrow(x), spec)
+    with torch.no_grad(), count_traffic() as traffic:
+        module(queries, memory, memory, need_weights=True, attn_mask=mask)
+    assert_all_ranks(
+        traffic.received == 0 and traffic.collective_calls == 0,
+        f"{name}: the forward received {traffic.as_dict()}; expected nothing",
+    )
+
+
+@pytest.mark.parametrize("name", list(WEIGHTS_CASES))
+def test_multihead_attention_weights_keep_the_rows(name: str) -> None:
+    run_on_ranks(math.prod(WEIGHTS_CASES[name][0]), _multihead_weights_body, name)
+
+
 def _errors_body() -> None:
     mesh = get_mesh((2,))
     x = torch.randn(1, 2, 9, 4, dtype=torch.float64)
