@@ -495,10 +495,14 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "native_batch_norm": (
         Accepted(
             _GATHERED.message,
-            "statistics on one rank: the batch mean and inverse standard deviation are "
-            "replicated over the axes sharding reduced dims (as native_layer_norm's), where the "
-            "cells' dependencies assign them to the one rank holding every reduced cell (4r-random "
-            "puts all of dim 2 on rank 2); the output itself keeps its layout",
+            "kept: the batch mean and inverse standard deviation (C,) are replicated over the "
+            "axes sharding reduced dims, for every layout, where the dependency rule assigns "
+            "them to the one rank holding every reduced cell (4r-random puts all of dim 2 on "
+            "rank 2). Every rank needs them: they update the running statistics, plain buffers "
+            "that every rank keeps identical (in place, in training); a layout giving them to "
+            "one rank where the other shards happen to be empty would leave the others' "
+            "buffers stale to save C numbers. Nothing is gathered: the output keeps its "
+            "layout, the statistics are combined from each rank's per-channel sums",
             (0,),
             ("4r-random",),
             "wrong",
