@@ -511,7 +511,17 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "nn.functional.embedding": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+        Accepted(
+            r"^output 0: layout: mesh axis 0 is P\(sum\); expected Shard\(0\) \(depends: ",
+            "a table split along the vocabulary: each looked-up row belongs to the rank "
+            "holding it, which the index's value decides and no layout may depend on; the "
+            "lookup is a pending sum over the vocabulary axes, zero but on that rank (NOTE [A "
+            "split table is looked up where it lies] in shardsci/tensor/_ops/_embedding_ops.py)"
+            "; nothing is gathered",
+            (0,),
+            ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last"),
+            "wrong",
+        ),
     ),
     "nn.functional.embedding_bag": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "nn.functional.grid_sample": (
