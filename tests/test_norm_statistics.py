@@ -17,6 +17,7 @@ from shardsci.tensor._options import (
     normalization_statistics,
     statistics_all_reduced,
 )
+from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves
 from shardsci.testing import Layout, assert_all_ranks, count_traffic, run_on_ranks
 from tests.layouts import Sharded
 from tests.test_norm_ops import F64, _module_body, _sharded
@@ -74,6 +75,53 @@ def _collectives_body(mode: str, crossover: int, expected: dict[str, int]) -> No
 )
 def test_collectives_issued(mode: str, crossover: int, expected: dict[str, int]) -> None:
     run_on_ranks(4, _collectives_body, mode, crossover, expected)
+
+
+# Ops that move a shard's values without computing on them: a reshape's copy of a strided shard.
+_COPIES = frozenset({"aten.clone.default", "aten._unsafe_view.default"})
+
+
+class _ShardReads(TorchDispatchMode):
+    """The aten ops that compute on ``shard``'s values: on its storage, through views, or
+    on a copy of it (copies, views and collectives aside)."""
+
+    def __init__(self, shard: torch.Tensor) -> None:
+        super().__init__()
+        self.storages, self.reads = {shard.untyped_storage().data_ptr()}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if name.startswith("aten.") and not func.is_view and self._reads(args, kwargs):
+            if name in _COPIES:
+                self.storages.add(out.untyped_storage().data_ptr())
+            else:
+                self.reads.append(name)
+        return out
+
+    def _reads(self, args, kwargs) -> bool:
+        return any(
+            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages
+            for a in tree_leaves((args, kwargs))
+        )
+
+
+def _passes_body(case: Sharded) -> None:
+    """GroupNorm's forward below the crossover: the statistics in one pass over the shard
+    (``var_mean``), the output in a second (NOTE [Normalisation statistics across shards])."""
+    torch.manual_seed(0)
+    x = _sharded(torch.randn(case.shape, dtype=F64), case)
+    module = torch.nn.GroupNorm(2, 4, dtype=F64)
+    local = x.to_local()
+    with normalization_statistics("all_gather"), _ShardReads(local) as reads:
+        module(x)
+    passes = ["aten.var_mean.correction", "aten.addcmul.default"]
+    assert_all_ranks(not local.numel() or reads.reads == passes, f"{case}: {reads.reads}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_group_norm_reads_its_shard_twice(case: Sharded) -> None:
+    run_on_ranks(case.world, _passes_body, case)
 
 
 def test_rule_is_the_machine_crossover() -> None:

@@ -39,11 +39,12 @@ rank from the spec (true shard sizes; 0 for an empty shard). The ranks of the gr
 mesh axes that shard reduced dims (``P`` of them) combine their parts in one of two ways,
 chosen by ``normalization_statistics`` (``tensor/_options.py``):
 
-- **all-gather** (Chan et al.): every rank reduces its shard to a mean ``m_k`` and a sum of
-  squared deviations ``M2_k`` (two local passes); one all-gather gives every rank all the
-  ``(m_k, M2_k)``, and each combines them
+- **all-gather** (Chan et al.): every rank reduces its shard to a mean ``m_k`` and a biased
+  variance ``v_k`` (one local pass, ``torch.var_mean``; zeros for an empty shard); one
+  all-gather gives every rank all the ``(m_k, v_k)``, and each combines them with the
+  weights ``w_k = n_k / n``
 
-      n = Σ n_k,   mean = Σ n_k m_k / n,   M2 = Σ (M2_k + n_k (m_k − mean)²),   var = M2 / n.
+      n = Σ n_k,   mean = Σ w_k m_k,   var = Σ w_k (v_k + (m_k − mean)²).
 
   One collective of ``P - 1`` ring steps, ``2 (P - 1)`` numbers per row received.
 - **all-reduce**: one all-reduce of the row sums gives the mean ``Σ x / n``; a second, of
@@ -182,17 +183,27 @@ class _Statistics:
             mean = self.summed(x.sum(dims, keepdim=True)) / self.total
             m2 = self.summed((x - mean).square_().sum(dims, keepdim=True))
             return mean, m2 / self.total
-        mean = x.sum(dims, keepdim=True) / max(self.local_count, 1)
-        m2 = (x - mean).square_().sum(dims, keepdim=True)
+        mean, var = self._local_moments(x, dims)
         if self.group is None:
-            return mean, m2 / self.total
-        gathered = all_gather(torch.stack([mean, m2]), self.group)
-        counts = torch.tensor(self.counts, dtype=x.dtype, device=x.device)
-        counts = counts.reshape(-1, *[1] * mean.ndim)
-        means, m2s = gathered[:, 0], gathered[:, 1]
-        mean = (counts * means).sum(0) / self.total
-        m2 = (m2s + counts * (means - mean).square()).sum(0)
-        return mean, m2 / self.total
+            return mean, var
+        gathered = all_gather(torch.stack([mean, var]), self.group)
+        weights = torch.tensor(self.counts, dtype=x.dtype, device=x.device) / self.total
+        weights = weights.reshape(-1, *[1] * mean.ndim)
+        means, variances = gathered.unbind(1)
+        mean = (weights * means).sum(0)
+        var = (weights * (variances + (means - mean).square_())).sum(0)
+        return mean, var
+
+    def _local_moments(
+        self, x: torch.Tensor, dims: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's row means and biased variances (keepdim) in one pass over ``x``
+        (``var_mean``); zeros for an empty shard, whose weight in the combination is 0."""
+        if self.local_count == 0:
+            zeros = x.new_zeros([1 if d in dims else n for d, n in enumerate(x.shape)])
+            return zeros, zeros
+        var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+        return mean, var
 
     def row_sums(self, terms: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
         """Sums over the reduced dims of the global tensor, for stacked ``terms`` (dim 0)."""
@@ -264,10 +275,11 @@ class _ChannelNorm(torch.autograd.Function):
     of every shard. Also returns the mean and the biased variance (keepdim, not
     differentiable).
 
-    Fused (NOTE [Normalisation statistics across shards]): forward reads ``x`` twice (moments,
-    then ``x · scale + shift`` with per-row, per-channel coefficients), backward three times
-    (the per-channel sums ``Σ g`` and ``Σ g x``, then ``g α + x β + γ``), instead of a pass per
-    elementwise op; the parameters' gradients are the local parts of those sums.
+    Fused (NOTE [Normalisation statistics across shards]): forward reads ``x`` twice (the
+    moments in one ``var_mean``, two passes from the all-reduce crossover on; then ``x · scale
+    + shift`` with per-row, per-channel coefficients), backward three times (the per-channel
+    sums ``Σ g`` and ``Σ g x``, then ``g α + x β + γ``), instead of a pass per elementwise op;
+    the parameters' gradients are the local parts of those sums.
     """
 
     @staticmethod
