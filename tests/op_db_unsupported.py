@@ -536,8 +536,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _OVERLAP_OWNER.cases((24, 26), ("2x2-uneven",)),
     ),
     "nn.functional.multi_head_attention_forward": (
-        _GATHERED.cases((0,), ("4r-empty", "4r-random")),
-        _WRONG_LAYOUT.cases((0,), ("2x2-uneven", "2x2-last")),
+        _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-last")),
     ),
     "nn.functional.nll_loss": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
