@@ -7,6 +7,7 @@ NOTE [Ring attention]); the cost rule; ``nn.MultiheadAttention``; refused dropou
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
 import pytest
@@ -23,6 +24,7 @@ from shardsci.testing import (
     assert_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
+    count_traffic,
     counted_comm,
     get_mesh,
     run_on_ranks,
@@ -196,7 +198,7 @@ def _layouts_body() -> None:
         "replicated-keys": ([q, kv, kv], [queries, None, None]),
         # Heads sharded, sequence whole: every rank attends locally.
         "heads": ([q, q, q], [Layout((Shard(1),), {1: (1, 0, 2, 0)})] * 3),
-        # A sharded feature dim is made whole first.
+        # Split features stay split; keys and values move from tokens to features.
         "features": ([q, q, q], [Layout((Shard(3),), {3: (1, 1, 2, 0)}), queries, queries]),
         # A 3-D query broadcast against 4-D keys and values, sharded over heads or tokens.
         "broadcast-heads": ([q[0], kv, kv], [Layout((Shard(0),), {0: (1, 0, 2, 0)}), None, None]),
@@ -205,12 +207,11 @@ def _layouts_body() -> None:
             [Layout((Shard(1),), {1: (3, 0, 5, 3)}), Layout((Shard(2),), {2: (2, 2, 0, 5)}), None],
         ),
     }
-    # The queries' layout, except: heads stay sharded; queries whose features were made whole
-    # (and so every token) give every rank the whole output; a broadcast query's dims move one
-    # place right.
+    # The queries' layout, except: heads and features stay sharded; a broadcast query's dims
+    # move one place right.
     outputs = {
         "heads": cases["heads"][1][0],
-        "features": Layout((Replicate(),)),
+        "features": cases["features"][1][0],
         "broadcast-heads": cases["heads"][1][0],
     }
     for name, (inputs, layouts) in cases.items():
@@ -227,6 +228,92 @@ def _layouts_body() -> None:
 
 def test_cross_attention_replicated_keys_heads_and_features() -> None:
     run_on_ranks(4, _layouts_body)
+
+
+# ---------------------------------------------------------------------------- features
+# (B, H, L, E) queries, keys and values with the feature dim E = 3 split (NOTE [Attention over a
+# split feature dim]): 2 ranks uneven, 4 with an empty shard, 2x2 with L split too.
+FEATURE_CASES = {
+    "2r-3/5": ((2,), Layout((Shard(3),), {3: (3, 5)})),
+    "4r-0/3/4/1": ((4,), Layout((Shard(3),), {3: (0, 3, 4, 1)})),
+    "2x2-L-and-E": ((2, 2), Layout((Shard(2), Shard(3)), {2: (7, 4), 3: (5, 3)})),
+}
+FEATURE_VARIANTS = ["plain", "causal", "learned-bias", "gqa-causal"]
+
+
+def _features_body(name: str, variant: str) -> None:
+    """Values, gradients (the learned bias's too) and the output's layout (the queries')
+    against one process."""
+    mesh_shape, layout = FEATURE_CASES[name]
+    mesh = get_mesh(mesh_shape)
+    kwargs, mask_kind = VARIANTS[variant]
+    batch, heads, length, width = 2, 3, 11, 8
+    q = torch.randn(batch, 6 if kwargs.get("enable_gqa") else heads, length, width).double()
+    k, v = (torch.randn(batch, heads, length, width, dtype=torch.float64) for _ in range(2))
+    mask, _ = _mask(mask_kind, (batch, heads, length, width))
+    inputs, layouts = [q, k, v], [layout] * 3
+    if mask is not None:
+        inputs.append(mask)
+        layouts.append(None)
+
+    def attention(query, key, value, *mask):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask[0] if mask else None, **kwargs
+        )
+
+    with attention_exchange("ring"):
+        check_against_reference(
+            attention,
+            inputs,
+            layouts,
+            mesh,
+            out_layouts=[layout],
+            not_a_gather=EVERY_KEY,  # where the rows the features move to are the tokens
+            what=name,
+        )
+
+
+@pytest.mark.parametrize("variant", FEATURE_VARIANTS)
+@pytest.mark.parametrize("name", list(FEATURE_CASES))
+def test_split_features_stay_split(name: str, variant: str) -> None:
+    run_on_ranks(math.prod(FEATURE_CASES[name][0]), _features_body, name, variant)
+
+
+def _feature_bytes_body() -> None:
+    """Bytes of one call over split features, counted by ``count_traffic``: the split moves to
+    the heads (one all-to-all each of q, k and v), attention is local, and the output moves
+    back (one all-to-all); the backward moves the output's gradient and the three gradients
+    likewise (NOTE [A split feature dim moves to the rows]). A gather of the features would
+    receive ``3 B H L (E - E_r)`` elements forward."""
+    mesh = get_mesh((4,))
+    batch, heads, length, width = 2, 4, 11, 8
+    sizes = (0, 3, 4, 1)
+    layout = Layout((Shard(3),), {3: sizes})
+    tensors = []
+    for _ in range(3):
+        x = torch.randn(batch, heads, length, width, dtype=torch.float64)
+        spec = layout.spec(mesh, x)
+        tensors.append(from_local_spec(spec.narrow(x).requires_grad_(True), spec))
+    with attention_exchange("ring"), count_traffic() as forward:
+        out = F.scaled_dot_product_attention(*tensors, is_causal=True)
+    with count_traffic() as backward:
+        (out * out).sum().to_local().sum().backward()
+    mine = sizes[torch.distributed.get_rank()]
+    to_heads = batch * length * (width - mine) * 8  # one head's features this rank lacks
+    to_features = batch * (heads - 1) * length * mine * 8  # its features of the other heads
+    expected = {
+        "forward": ({"all_to_all": 3 * to_heads + to_features}, 4),
+        "backward": ({"all_to_all": to_heads + 3 * to_features}, 4),
+    }
+    got = {
+        "forward": (dict(forward.received_by_kind), forward.collective_calls),
+        "backward": (dict(backward.received_by_kind), backward.collective_calls),
+    }
+    assert_all_ranks(got == expected, f"received, collectives {got}; expected {expected}")
+
+
+def test_split_feature_bytes() -> None:
+    run_on_ranks(4, _feature_bytes_body)
 
 
 # ---------------------------------------------------------------------------- bytes
@@ -316,6 +403,53 @@ def _multihead_body(batch_first: bool) -> None:
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_multihead_attention(batch_first: bool) -> None:
     run_on_ranks(4, _multihead_body, batch_first)
+
+
+# Queries (L, N, E = 8) with L split (fewer tokens than ranks in two), attending to a whole
+# memory of S = 9 tokens: mesh, layout, L.
+WEIGHTS_CASES = {
+    "2r-7/4": ((2,), Layout((Shard(0),), {0: (7, 4)}), 11),
+    "4r-0/1/1/1": ((4,), Layout((Shard(0),), {0: (0, 1, 1, 1)}), 3),
+    "2x2-nested-L": ((2, 2), Layout((Shard(0), Shard(0)), {0: (0, 1, 1, 1)}), 3),
+}
+
+
+def _multihead_weights_body(name: str) -> None:
+    """``need_weights=True`` with an additive mask: ``F.multi_head_attention_forward`` computes
+    the scores itself by ``baddbmm`` below ``__torch_function__``. The output keeps the
+    queries' layout and the weights (N, L, S) their rows, values and every gradient as one
+    process, and the forward moves no byte (``count_traffic``): queries' rows against a
+    whole memory need nothing from another rank (DTensor's bmm rule, which shards no dim over
+    more ranks than it has cells, gathered the rows)."""
+    mesh_shape, layout, length = WEIGHTS_CASES[name]
+    mesh = get_mesh(mesh_shape)
+    module = nn.MultiheadAttention(8, 2).double()
+    x = torch.randn(length, 2, 8, dtype=torch.float64)
+    memory = torch.randn(9, 2, 8, dtype=torch.float64)
+    mask = torch.randn(length, 9, dtype=torch.float64)
+    weights = Layout((Shard(1),) * len(mesh_shape), {1: layout.sizes[0]})
+    check_against_reference(
+        lambda m, q, kv, bias: m(q, kv, kv, need_weights=True, attn_mask=bias),
+        [x, memory, mask],
+        [layout, None, None],
+        mesh,
+        module=module,
+        out_layouts=[layout, weights],
+        what=name,
+    )
+    spec = layout.spec(mesh, x)
+    queries = from_local_spec(spec.narrow(x), spec)
+    with torch.no_grad(), count_traffic() as traffic:
+        module(queries, memory, memory, need_weights=True, attn_mask=mask)
+    assert_all_ranks(
+        traffic.received == 0 and traffic.collective_calls == 0,
+        f"{name}: the forward received {traffic.as_dict()}; expected nothing",
+    )
+
+
+@pytest.mark.parametrize("name", list(WEIGHTS_CASES))
+def test_multihead_attention_weights_keep_the_rows(name: str) -> None:
+    run_on_ranks(math.prod(WEIGHTS_CASES[name][0]), _multihead_weights_body, name)
 
 
 def _errors_body() -> None:

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Shard
 
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
-from shardsci import ShardTensor
+from shardsci import ShardTensor, attention_exchange
 from shardsci.distributed import LaunchEnv
 from shardsci.graph import GraphPartition, PartitionedGraph, partition_nodes
 from shardsci.models import MeshGraphNet
@@ -61,7 +61,7 @@ from shardsci.training import (
     instantiate,
     parallelize,
 )
-from tests.zoo import MODELS
+from tests.zoo import ATTENTION_EXCHANGES, MODELS
 
 META = torch.device("meta")
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,7 +332,7 @@ def test_a_zoo_step_creates_every_tensor_on_the_mesh_device(model: str, case: Fi
         mesh, names = _mesh(case.mesh)
         module = domain_parallel(MODELS[model]().to(META), mesh, domain_axes=names)
         x = _field(case, mesh)
-        with watching() as watch:
+        with watching() as watch, attention_exchange(ATTENTION_EXCHANGES.get(model, "auto")):
             _steps(module, lambda: module(x).square().mean())
     assert_created_on(watch, f"{model} on {case.name}, rank {case.rank}")
 

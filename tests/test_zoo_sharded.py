@@ -19,7 +19,7 @@ from shardsci.testing import (
     run_on_ranks,
 )
 from tests.layouts import Sharded
-from tests.zoo import MODELS
+from tests.zoo import ATTENTION_EXCHANGES, MODELS
 
 # (B, C, H, W) fields; H and W multiples of 4 (the UNet's depth 2, the ViT's patches of 2).
 FIELDS = [
@@ -80,8 +80,7 @@ def _model_body(model: str, case_name: str) -> None:
     # No op may gather behind the model's back (NOTE [Gathers an op was not asked to make]).
     # Under "error" attention takes the ring: "vit" asks for the all-gather of its tiny keys
     # and values (NOTE [Ring or all-gather]) so that both exchanges run.
-    exchange = {"vit": "all_gather", "vit-ring": "ring"}.get(model, "auto")
-    with gather_policy("error"), attention_exchange(exchange):
+    with gather_policy("error"), attention_exchange(ATTENTION_EXCHANGES.get(model, "auto")):
         check_against_reference(
             lambda m, a: m(a),
             [x],

@@ -7,8 +7,8 @@ planning on first use, 257 s with a mask) and ran the fused CPU kernel on empty 
 1. The call is checked on meta tensors first, so bad shapes fail on every rank, before any
    collective, with torch's own message; ``dropout_p > 0`` is refused the same way.
 2. Layouts are aligned to the query's: the query keeps its sharding of batch, head and sequence
-   (L) dims (a sharded feature dim, a Partial, or a head dim with grouped-query attention are
-   made whole first); key and value get the query's batch and head shardings and their key (S)
+   (L) dims (a Partial, or a head dim with grouped-query attention, are made whole first; a
+   split feature dim moves, NOTE [A split feature dim moves to the rows]); key and value get the query's batch and head shardings and their key (S)
    dim is sharded over the mesh axes that shard L, in their own sizes when they already are
    (self-attention: no data moves), else ``torch.chunk``'s. A mask gets the query's shardings of
    the dims it does not broadcast along, and keeps every key; its gradient (float masks) comes
@@ -16,6 +16,18 @@ planning on first use, 257 s with a mask) and ran the fused CPU kernel on empty 
 3. ``_ring_attention`` computes each rank's query block against every key: locally when L is
    not sharded, else over the group of ranks along L's axes by the ring or the all-gather
    (NOTE [Ring or all-gather], in ``_ring``). The output has the query's layout.
+
+NOTE [A split feature dim moves to the rows]
+Every score reads a query's and a key's whole feature dim E. Where the caller splits E (a
+channel-split field whose channels are the features), gathering E would give every rank whole
+queries, keys and values; completing partial scores instead (one all-reduce of the L x S scores
+per head, forward, and of ``dO v^T`` backward) receives more bytes than that gather wherever
+L > E. So the axes splitting E split the rows instead, by one all-to-all of q, k and v each:
+the largest batch or head dim no axis splits (``torch.chunk``'s sizes), where it has a row for
+every rank of those axes, else L itself (nested inside L's own axes, keys' S alike, so the
+ring runs over both). Attention is then local along those axes, and the output moves back to
+the query's layout, its last dim E_v split like E (one all-to-all): no rank holds more than
+its share of any operand.
 
 The CPU fused kernel's two aten ops (forward, backward) are handled the same way, for the
 callers that reach them below ``__torch_function__`` (``nn.MultiheadAttention``).
@@ -46,7 +58,12 @@ from shardsci.tensor._ops._ring_attention import (
 )
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._shape_probe import probe_on_meta
-from shardsci.tensor._spec import ShardTensorSpec, nested_chunk_sizes, replicated_spec
+from shardsci.tensor._spec import (
+    DimSharding,
+    ShardTensorSpec,
+    nested_chunk_sizes,
+    replicated_spec,
+)
 
 aten = torch.ops.aten
 
@@ -67,7 +84,7 @@ def _scaled_dot_product_attention(func, args, kwargs):
     q, k, v = _broadcast_batch_dims(q, k, v, enable_gqa)
     call = _Aligned.build(q, k, v, mask, scale, is_causal, enable_gqa)
     local = attend(call.q.to_local(), call.k.to_local(), call.v.to_local(), call.mask, call.plan)
-    return from_local_spec(local, call.output_spec(out.shape, local.dtype))
+    return call.returned(from_local_spec(local, call.output_spec(out.shape, local.dtype)))
 
 
 def _broadcast_batch_dims(q, k, v, enable_gqa: bool) -> tuple:
@@ -102,7 +119,7 @@ def _flash_attention_cpu(func, args, kwargs):
             call.q._local, call.k._local, call.v._local, call.mask, call.plan
         )
     return (
-        ShardTensor(out, call.output_spec(out_meta.shape, out.dtype)),
+        call.returned(ShardTensor(out, call.output_spec(out_meta.shape, out.dtype))),
         ShardTensor(lse.to(lse_meta.dtype), call.output_spec(lse_meta.shape, lse_meta.dtype)),
     )
 
@@ -168,6 +185,7 @@ class _Aligned:
     v: ShardTensor
     mask: torch.Tensor | None
     plan: AttentionPlan
+    features: ShardTensorSpec | None
 
     @classmethod
     def build(cls, q, k, v, mask, scale, is_causal, enable_gqa) -> _Aligned:
@@ -182,11 +200,19 @@ class _Aligned:
         if mask is not None:
             target, grad_placements = layouts.mask
             local_mask = redistribute(mask, target).to_local(grad_placements=grad_placements)
-        return cls(mesh, q, k, v, local_mask, layouts.plan(scale, is_causal))
+        plan = layouts.plan(scale, is_causal)
+        return cls(mesh, q, k, v, local_mask, plan, layouts.features)
 
     def output_spec(self, shape: torch.Size, dtype: torch.dtype) -> ShardTensorSpec:
         """The layout of an output (or log-sum-exp) indexed like the query's leading dims."""
         return _indexed_like(self.q._spec, shape, dtype)
+
+    def returned(self, out: ShardTensor) -> ShardTensor:
+        """The output in the query's layout, its split features back in place (NOTE [A split
+        feature dim moves to the rows])."""
+        if self.features is None:
+            return out
+        return redistribute(out, _indexed_like(self.features, out.shape, out.dtype))
 
 
 @dataclass(frozen=True)
@@ -203,12 +229,16 @@ class _Layouts:
         The plan's part that layouts decide (scale, causal and ring are the call's).
     gathered_bytes : int
         The keys and values this rank would hold gathered (NOTE [Ring or all-gather]).
+    features : ShardTensorSpec or None
+        Where the query's feature dim is split: its layout before the split moved (NOTE [A
+        split feature dim moves to the rows]), which the output returns to.
     """
 
     qkv: tuple[ShardTensorSpec, ShardTensorSpec, ShardTensorSpec]
     mask: tuple[ShardTensorSpec, tuple[Placement, ...]] | None
     sequence: AttentionPlan
     gathered_bytes: int
+    features: ShardTensorSpec | None
 
     def plan(self, scale: float | None, causal: bool) -> AttentionPlan:
         """The call's plan; where the sequence is split, the ring-or-gather choice is asked
@@ -234,7 +264,9 @@ def _layouts(
     """The aligned layouts and the sequence's plan for operands laid out as given: planned
     once per value, not on every call of a training step (NOTE [Caches are keyed by value])."""
     repeats = q.shape[-3] // k.shape[-3] if q.ndim >= 3 and enable_gqa else 1
-    q = _query_layout(q, repeats)
+    given = _query_layout(q, repeats)
+    features = given if q.ndim - 1 in given.sharding_by_dim else None
+    q = given if features is None else _features_moved(given, repeats)
     k, v = _key_value_layouts(q, k, v)
     sequence = q.ndim - 2
     if unsplit(q, (sequence,)):  # every key on this rank: no ring, no gather
@@ -248,19 +280,41 @@ def _layouts(
         plan = AttentionPlan(group, starts, keys.sizes, query_start, 1.0, False, repeats, False)
         rows = math.prod(k.local_shape()[:-2]) * k.shape[-2]
         gathered = rows * (k.shape[-1] + v.shape[-1]) * k.dtype.itemsize
-    return _Layouts((q, k, v), None if mask is None else _mask_layout(mask, q), plan, gathered)
+    mask_layout = None if mask is None else _mask_layout(mask, q)
+    return _Layouts((q, k, v), mask_layout, plan, gathered, features)
 
 
 @cached("attention output layouts", 1024)
 def _indexed_like(query: ShardTensorSpec, shape: torch.Size, dtype: torch.dtype) -> ShardTensorSpec:
+    """``shape`` (an output, or a log-sum-exp without the last dim) laid out like the query's
+    dims it indexes: a dim of another extent (the values' E_v) in ``torch.chunk``'s sizes."""
+    kept = [s for s in query.shardings if s.dim < len(shape)]
+    sizes = {
+        s.dim: s.sizes
+        if shape[s.dim] == query.shape[s.dim]
+        else nested_chunk_sizes(shape[s.dim], [query.mesh_shape[a] for a in s.axes])
+        for s in kept
+    }
+    return _rebuilt_as(query, kept, shape, dtype, sizes)
+
+
+def _rebuilt_as(
+    spec: ShardTensorSpec,
+    shardings: Sequence[DimSharding],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    sizes: dict[int, tuple[int, ...]],
+) -> ShardTensorSpec:
+    """A tensor of ``shape`` on ``spec``'s mesh split as ``shardings`` say, in ``sizes``;
+    every other axis replicated (``spec``'s strides kept for its own shape)."""
+    placements: list[Placement] = [Replicate()] * spec.mesh.ndim
+    for s in shardings:
+        for axis in s.axes:
+            placements[axis] = Shard(s.dim)
+    order = {s.dim: s.axes for s in shardings}
+    stride = spec.stride if tuple(shape) == tuple(spec.shape) else None
     return ShardTensorSpec.build(
-        query.mesh,
-        query.placements,
-        shape,
-        dtype,
-        {s.dim: s.sizes for s in query.shardings},
-        order={s.dim: s.axes for s in query.shardings},
-        hints=query.hints,
+        spec.mesh, placements, shape, dtype, sizes, stride=stride, order=order, hints=spec.hints
     )
 
 
@@ -290,15 +344,40 @@ def _moved(x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
 
 
 def _query_layout(spec: ShardTensorSpec, repeats: int) -> ShardTensorSpec:
-    """The query's layout with Partial axes reduced and its feature dim (and, with
-    grouped-query attention, its head dim) whole."""
-    whole = {spec.ndim - 1} | ({spec.ndim - 3} if repeats > 1 else set())
+    """The query's layout with Partial axes reduced and, with grouped-query attention, its
+    head dim whole."""
+    whole = {spec.ndim - 3} if repeats > 1 else set()
     kept = [s for s in spec.shardings if s.dim not in whole]
-    placements = [Replicate()] * spec.mesh.ndim
-    for s in kept:
-        for axis in s.axes:
-            placements[axis] = Shard(s.dim)
-    return _rebuilt(spec, placements, {s.dim: s.sizes for s in kept}, {s.dim: s.axes for s in kept})
+    return _rebuilt_as(spec, kept, spec.shape, spec.dtype, {s.dim: s.sizes for s in kept})
+
+
+def _features_moved(spec: ShardTensorSpec, repeats: int) -> ShardTensorSpec:
+    """``spec`` (a query layout whose feature dim is split) with the feature axes splitting a
+    batch or head dim, else the sequence dim, instead (NOTE [A split feature dim moves to the
+    rows])."""
+    feature, sequence = spec.ndim - 1, spec.ndim - 2
+    moved = spec.sharding_by_dim[feature]
+    ranks = math.prod(spec.mesh_shape[a] for a in moved.axes)
+    fixed = {spec.ndim - 3} if repeats > 1 else set()
+    free = [
+        d
+        for d in range(spec.ndim - 2)
+        if d not in fixed and d not in spec.sharding_by_dim and spec.shape[d] >= ranks
+    ]
+    parts = [spec.mesh_shape[a] for a in moved.axes]
+    kept = [s for s in spec.shardings if s.dim not in (feature, sequence)]
+    rows = spec.sharding_by_dim.get(sequence)
+    if free:
+        target = max(free, key=lambda d: spec.shape[d])
+        kept.append(DimSharding(target, moved.axes, nested_chunk_sizes(spec.shape[target], parts)))
+        if rows is not None:
+            kept.append(rows)
+    else:
+        outer = rows.sizes if rows is not None else (spec.shape[sequence],)
+        axes = (rows.axes if rows is not None else ()) + moved.axes
+        sizes = tuple(size for piece in outer for size in nested_chunk_sizes(piece, parts))
+        kept.append(DimSharding(sequence, axes, sizes))
+    return _rebuilt_as(spec, kept, spec.shape, spec.dtype, {s.dim: s.sizes for s in kept})
 
 
 def _key_value_layouts(

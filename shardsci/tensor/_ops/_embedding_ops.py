@@ -4,20 +4,31 @@ Each rank looks up its own indices: the output is sharded like the indices (plus
 embedding dim, whole), with no communication. The table's gradient is each rank's scatter of
 its output gradient, a partial sum over the axes sharding the indices, reduced once where
 the gradient is used (NOTE [Autograd interaction between torch.Tensor and ShardTensor]).
-Frequency-scaled gradients need counts over all indices, and a table sharded by rows is
-looked up in whole: both are gathered (``_gathered_ops``).
+Frequency-scaled gradients need counts over all indices: gathered (``_gathered_ops``).
+
+NOTE [A split table is looked up where it lies]
+A table split along its embedding dim (columns) gives each rank its columns of every lookup:
+the output's last dim is split like the table's. A table split along the vocabulary (rows,
+as Megatron's vocabulary-parallel embedding) gives each index's row to the one rank holding
+it: each rank looks up the indices in its rows and writes 0 for the others, so the output is a
+pending sum (Partial) over the vocabulary axes, which rank holds a row being data. Indices
+sharded over other axes keep their split. Nothing is gathered; the table's gradient is each
+rank's scatter into its own rows and columns (a partial sum over the indices' axes). Handled
+by ``F.embedding`` (``_split_table``), above autograd, where the table's layout is known to the
+backward.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._ops._common import accepts, sharding_axes
 from shardsci.tensor._ops._gathered_ops import gathered
-from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec
 
 aten = torch.ops.aten
@@ -27,6 +38,69 @@ def _whole_table(weight: torch.Tensor) -> torch.Tensor | None:
     if not isinstance(weight, ShardTensor):
         return weight
     return None if weight._spec.shardings or weight._spec.partial else weight._local
+
+
+def _embedding_parameters(
+    input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+    sparse=False,
+):  # fmt: skip
+    """``F.embedding``'s parameters."""
+
+
+@register_function_handler(F.embedding)
+def _split_table(func, args, kwargs):
+    """NOTE [A split table is looked up where it lies]."""
+    a = bind(func, args, kwargs, signature=_embedding_parameters)
+    weight, indices = a.weight, a.input
+    if not isinstance(weight, ShardTensor) or not weight._spec.shardings:
+        return NotImplemented
+    index_axes = sharding_axes(indices._spec) if isinstance(indices, ShardTensor) else set()
+    if (
+        a.max_norm is not None  # renormalises the table in place
+        or a.scale_grad_by_freq
+        or a.sparse
+        or index_axes & sharding_axes(weight._spec)
+        or not accepts(weight, indices)
+    ):
+        return NotImplemented
+    spec = weight._spec
+    grad_placements = [Partial() if i in index_axes else p for i, p in enumerate(spec.placements)]
+    table = weight.to_local(grad_placements=grad_placements)
+    local = indices._local if isinstance(indices, ShardTensor) else indices
+    first, rows = spec.local_offsets()[0], spec.local_shape()[0]
+    mine = (local >= first) & (local < first + rows)
+    if rows == 0:  # no row to look up; kept connected to the table for its gradient
+        out = table.sum() * 0 + table.new_zeros((*local.shape, table.shape[1]))
+    else:
+        padding = a.padding_idx
+        if padding is not None:
+            padding = padding % spec.shape[0] - first
+        out = torch.embedding(
+            table,
+            torch.where(mine, local - first, 0),
+            padding if padding is not None and 0 <= padding < rows else -1,
+        )
+        out = torch.where(mine.unsqueeze(-1), out, 0)
+    return from_local_spec(out, _looked_up(spec, indices, out.dtype))
+
+
+def _looked_up(table: ShardTensorSpec, indices: torch.Tensor, dtype: torch.dtype):
+    """The lookup's layout: the indices' split, the table's columns' on the last dim, a
+    pending sum over the axes splitting its rows."""
+    shape = [*indices.shape, table.shape[1]]
+    placements: list = [Replicate()] * table.mesh.ndim
+    sizes, order = {}, {}
+    shardings = list(indices._spec.shardings) if isinstance(indices, ShardTensor) else []
+    for s in shardings:
+        sizes[s.dim], order[s.dim] = s.sizes, s.axes
+        for axis in s.axes:
+            placements[axis] = Shard(s.dim)
+    for s in table.shardings:
+        for axis in s.axes:
+            placements[axis] = Partial() if s.dim == 0 else Shard(len(shape) - 1)
+        if s.dim == 1:
+            sizes[len(shape) - 1], order[len(shape) - 1] = s.sizes, s.axes
+    return ShardTensorSpec.build(table.mesh, placements, shape, dtype, sizes, order=order)
 
 
 @register_aten_handler(aten.embedding.default)

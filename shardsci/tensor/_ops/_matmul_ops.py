@@ -206,6 +206,15 @@ def _bmm(func, args, kwargs):
     return _sharded_einsum("bnk,bkm->bnm", [a.input, a.mat2])
 
 
+@register_aten_handler(aten.bmm.default)
+def _aten_bmm(func, args, kwargs):
+    """``bmm`` reached below ``__torch_function__`` (inside ``F.multi_head_attention_forward``,
+    and in the backward of every product): as ``torch.bmm``. DTensor's rule gathered a
+    row-sharded operand with an empty shard."""
+    a = bind(func, args, kwargs)
+    return _sharded_einsum("bnk,bkm->bnm", [a.self, a.mat2])
+
+
 def _einsum_parameters(equation, *operands):
     """The parameters of ``torch.einsum``, whose operands may also come as one list."""
 
@@ -714,12 +723,17 @@ def _addmm_signature(input, mat1, mat2, *, beta=1, alpha=1, out=None):
     """``torch.addmm``'s parameters (its dense and sparse overloads share them)."""
 
 
-@register_aten_handler(aten.addbmm.default)
-def _addbmm(func, args, kwargs):
-    """``beta input + alpha sum_b batch1[b] @ batch2[b]``, from ops with rules."""
+@register_aten_handler(aten.addbmm.default, aten.baddbmm.default)
+def _add_batched_product(func, args, kwargs):
+    """``beta input + alpha sum_b batch1[b] @ batch2[b]`` (addbmm) or ``beta input + alpha
+    batch1 @ batch2`` (baddbmm: ``F.multi_head_attention_forward``'s masked scores, row-sharded
+    queries against whole keys), from ops with rules: the bias is added to the product's
+    shards, never the product gathered to the bias's layout."""
     a = bind(func, args, kwargs)
     product = aten.bmm.default(a.batch1, a.batch2)
-    product = aten.mul.Scalar(aten.sum.dim_IntList(product, [0]), a.alpha)
+    if func is aten.addbmm.default:
+        product = aten.sum.dim_IntList(product, [0])
+    product = aten.mul.Scalar(product, a.alpha)
     if a.beta == 0:  # input ignored, NaN included
         return aten.add.Tensor(aten.zeros_like.default(a.self), product)
     return aten.add.Tensor(aten.mul.Scalar(a.self, a.beta), product)

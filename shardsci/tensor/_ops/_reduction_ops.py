@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind
@@ -251,15 +251,23 @@ def _arg_extreme_along(x: ShardTensor, dim: int, keepdim: bool, largest: bool) -
     result = torch.gather(gathered[1], 0, choice.unsqueeze(0)).squeeze(0)
     if not keepdim:
         result = result.squeeze(dim)
-    return ShardTensor(result, _reduced_spec(spec, dim, keepdim))
+    return ShardTensor(result, reduced_spec(spec, dim, keepdim))
 
 
-def _reduced_spec(spec: ShardTensorSpec, dim: int, keepdim: bool) -> ShardTensorSpec:
-    """Spec after reducing ``dim`` to an int64 index: its axes become Replicate."""
+def reduced_spec(
+    spec: ShardTensorSpec,
+    dim: int,
+    keepdim: bool,
+    dtype: torch.dtype = torch.int64,
+    placement: Placement | None = None,
+) -> ShardTensorSpec:
+    """Spec after reducing ``dim`` (default: to an int64 index): its axes hold ``placement``
+    (default Replicate; Partial for a pending sum), the other sharded dims keep their sizes."""
+    placement = Replicate() if placement is None else placement
     placements = []
     for p in spec.placements:
         if isinstance(p, Shard) and p.dim == dim:
-            placements.append(Replicate())
+            placements.append(placement)
         elif isinstance(p, Shard) and p.dim > dim and not keepdim:
             placements.append(Shard(p.dim - 1))
         else:
@@ -275,7 +283,7 @@ def _reduced_spec(spec: ShardTensorSpec, dim: int, keepdim: bool) -> ShardTensor
         if s.dim != dim:
             new_dim = s.dim - 1 if s.dim > dim and not keepdim else s.dim
             sizes[new_dim], order[new_dim] = s.sizes, s.axes
-    return ShardTensorSpec.build(spec.mesh, placements, shape, torch.int64, sizes, order=order)
+    return ShardTensorSpec.build(spec.mesh, placements, shape, dtype, sizes, order=order)
 
 
 def _flat_arg_extreme(x: ShardTensor, largest: bool) -> ShardTensor:
