@@ -12,7 +12,13 @@ reference) and with its first tensor argument sharded as a layout says (``SWEEP_
   random or uninitialised output (``op_db_unsupported.VALUES_NOT_COMPARED``), or the gradients
   when the reference's own backward raised;
 - ``error``: every rank raised the same type of error, with a message that names the op;
-- ``wrong``: it ran everywhere and some output, layout or gradient differs (silently wrong);
+- ``gathered``: right but for an output replicated on a mesh axis where it should be split
+  (``op_db_unsupported.GATHERED_LAYOUT``), and not silently: the gather guard recorded a
+  gather, and the case run again under ``gather_policy("error")`` raised ``GatherError`` on
+  every rank (NOTE [Gathers an op was not asked to make] in
+  ``shardsci/tensor/_gather_guard.py``);
+- ``wrong``: it ran everywhere and some output, layout or gradient differs (silently wrong),
+  a gathered output among them that the guard did not see or did not refuse;
 - ``unclear``: every rank raised, but the message does not say which op failed;
 - ``some-ranks``: only some ranks raised, they raised different errors, or a rank died or
   hung (found by a deadline on a separate process group, see NOTE [Agreeing on a case's
@@ -56,7 +62,7 @@ from tests.expected_layouts import AxisRule, Dependence, axis_rules, cell_owners
 from tests.op_db_layouts import SWEEP_LAYOUTS, SweepLayout
 
 LAYOUTS = SWEEP_LAYOUTS
-OUTCOMES = ("ok", "not-checked", "error", "wrong", "some-ranks", "unclear", "skipped")
+OUTCOMES = ("ok", "not-checked", "error", "gathered", "wrong", "some-ranks", "unclear", "skipped")
 _ATOL = 1e-7
 _RTOL = 1e-7
 
@@ -624,12 +630,42 @@ def _noted(gather) -> str:
     )
 
 
+def _gathered_only(problem: str | None) -> bool:
+    """Whether ``problem`` (one rank's, ``" | "``-separated) is only outputs replicated
+    where they should be split."""
+    from tests.op_db_unsupported import GATHERED_LAYOUT
+
+    return problem is not None and all(re.match(GATHERED_LAYOUT, p) for p in problem.split(" | "))
+
+
+_REFUSED = "refused"
+
+
+def _under_error(key: str, sample, sharded: Layout, mesh, unchecked: str | None) -> str:
+    """The case run again under ``gather_policy("error")``: ``_REFUSED`` where it raised
+    ``GatherError``, else what it did."""
+    from shardsci import GatherError, gather_policy
+
+    try:
+        with warnings.catch_warnings(), gather_policy("error"):
+            warnings.simplefilter("ignore")
+            run_case(database()[key], sample, sharded, mesh, unchecked)
+    except GatherError:
+        return _REFUSED
+    except Exception as exc:
+        return f"under gather_policy('error') it raised {type(exc).__name__}, not GatherError"
+    return "under gather_policy('error') it ran"
+
+
 def verdict_of_case(
     key: str, sample, sharded: Layout | None, mesh, unchecked: str | None
 ) -> tuple[tuple, CaseNotes]:
-    """This rank's view of one case: ``("ran", problem, unchecked)``, ``("raised", type,
-    message)`` or ``("skip", why)``; and its notes (rank 0's: kept out of the verdict, so
-    that the ranks' verdicts agree when nothing differs)."""
+    """This rank's view of one case: ``("ran", problem, unchecked, guard)``, ``("raised",
+    type, message)`` or ``("skip", why)``; and its notes (rank 0's: kept out of the verdict,
+    so that the ranks' verdicts agree when nothing differs). ``guard``, where some rank's
+    outputs are only gathered (``_gathered_only``): ``_REFUSED`` if the guard recorded a
+    gather and ``gather_policy("error")`` refuses the case, else what it did (None
+    elsewhere)."""
     from shardsci import gather_policy, record_gathers
 
     if sharded is None:
@@ -644,7 +680,13 @@ def verdict_of_case(
     if result.problem and result.problem.startswith("skip: "):
         return ("skip", result.problem[len("skip: ") :]), CaseNotes()
     notes = CaseNotes(result.layout, tuple(dict.fromkeys(map(_noted, seen))))
-    return ("ran", result.problem, result.unchecked), notes
+    guard = None
+    # The layout is rank 0's to check: the ranks agree before any of them runs the case again.
+    if _on_any_rank(_gathered_only(result.problem)):
+        seen_anywhere = _on_any_rank(bool(seen))
+        guard = _under_error(key, sample, sharded, mesh, unchecked) if seen_anywhere else None
+        guard = guard or "the gather guard saw no gather"
+    return ("ran", result.problem, result.unchecked, guard), notes
 
 
 def sweep_body(
@@ -703,7 +745,12 @@ def classify(name: str, verdicts: list[tuple]) -> tuple[str, str]:
     if kinds == {"ran"}:
         problems = [(r, v[1]) for r, v in enumerate(verdicts) if v[1]]
         if problems:
-            return "wrong", "; ".join(f"rank {r}: {p}" for r, p in problems)
+            detail = "; ".join(f"rank {r}: {p}" for r, p in problems)
+            guard = {v[3] for v in verdicts}
+            if guard == {_REFUSED} and all(_gathered_only(p) for _, p in problems):
+                return "gathered", detail
+            said = sorted(g for g in guard if g not in (None, _REFUSED))
+            return "wrong", " | ".join([detail, *said])
         unchecked = sorted({v[2] for v in verdicts if v[2]})
         if unchecked:
             return "not-checked", "; ".join(unchecked)
@@ -813,7 +860,7 @@ def counts(records: list[dict]) -> dict[str, int]:
     return result
 
 
-_NOT_OK = ("wrong", "unclear", "some-ranks", "error")
+_NOT_OK = ("gathered", "wrong", "unclear", "some-ranks", "error")
 
 
 def wrong_values(record: dict) -> bool:
@@ -852,6 +899,7 @@ _COLUMNS = (
     ("ok", "ok"),
     ("not-checked", "not checked"),
     ("error", "clear error"),
+    ("gathered", "gathered, said"),
     ("wrong", "wrong"),
     ("wrong_values", "of which values"),
     ("some-ranks", "some ranks"),
@@ -898,7 +946,10 @@ def write_summary(path: Path, records: list[dict], samples: int | None, pattern:
         "[An output cell belongs to the shard it depends on] in `tests/expected_layouts.py`) "
         "and the gradient of every differentiable tensor argument (see "
         "`tests/op_db_sweep.py`). *clear error*: the same error naming the op on every rank, "
-        "each accepted by op, sample and message in `tests/op_db_unsupported.py`. *not "
+        "each accepted by op, sample and message in `tests/op_db_unsupported.py`. *gathered, "
+        "said*: right but for an output replicated where it should be split, a gather the "
+        "guard recorded and `gather_policy('error')` refuses on every rank (each listed "
+        "with its reason); a gather the guard misses is *wrong*. *not "
         "checked*: random or uninitialised values, or a reference whose backward raised. "
         "*layout unstated*: ok or not-checked cases with an output axis no rule states "
         "(a reduction or contraction over the sharded dim).\n\n"

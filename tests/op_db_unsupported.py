@@ -29,8 +29,10 @@ class Accepted:
     layouts : tuple of str, optional
         The sweep layouts on which it does (default: any).
     outcome : str
-        ``"error"`` (a clear error on every rank) or, for a known bug, ``"wrong"``,
-        ``"unclear"`` or ``"some-ranks"``.
+        ``"error"`` (a clear error on every rank) or, for a known bug, ``"gathered"``
+        (an output replicated where it should be split, which the gather guard saw and
+        ``gather_policy("error")`` refuses on every rank), ``"wrong"``, ``"unclear"`` or
+        ``"some-ranks"``.
     """
 
     message: str
@@ -46,12 +48,12 @@ class Accepted:
         return self.layouts is None or record["layout"] in self.layouts
 
     def accepts(self, record: dict) -> bool:
-        """Whether this entry accepts ``record``, a case of its op: a wrong case only if
-        ``message`` matches each of its problems (so that a known wrong layout does not hide
-        a new wrong gradient), any other case if it matches its detail."""
+        """Whether this entry accepts ``record``, a case of its op: a wrong or gathered case
+        only if ``message`` matches each of its problems (so that a known wrong layout does
+        not hide a new wrong gradient), any other case if it matches its detail."""
         if not self.applies(record) or record["outcome"] != self.outcome:
             return False
-        if self.outcome != "wrong":
+        if self.outcome not in ("wrong", "gathered"):
             return re.search(self.message, record["detail"]) is not None
         problems = re.split(r" \| |; rank \d+: |^rank \d+: ", record["detail"])
         return all(re.search(self.message, p) for p in problems if p)
@@ -88,22 +90,26 @@ _CHUNKED_LOSS = "a torch_nn custom op without a decomposition; no handler yet"
 _NOT_STRIDED = "ShardTensors shard strided tensors only"
 _RESIZE = "changes the storage in place; a shard cannot grow into its neighbour's elements"
 
-#: An output replicated where its cells' dependencies state a sharded one (NOTE [An output
-#: cell belongs to the shard it depends on] in tests/expected_layouts.py): values and
-#: gradients right, but every rank ends up holding the whole extent.
+#: A problem of a case whose output is replicated on a mesh axis where its cells'
+#: dependencies state a split (NOTE [An output cell belongs to the shard it depends on] in
+#: tests/expected_layouts.py).
+GATHERED_LAYOUT = r"^output \d+: layout: mesh axis \d+ is R; expected "
+#: An output replicated where its cells' dependencies state a sharded one: values and
+#: gradients right, but every rank ends up holding the whole extent; not silently: the gather
+#: guard saw it (warned under "warn") and refuses it on every rank under "error".
 _GATHERED = Bug(
     "gathered output",
-    "the output is Replicate on a mesh axis whose shards its cells depend on: a silent gather "
-    "(issue 20, item 2)",
-    "wrong",
-    r"^output \d+: layout: mesh axis \d+ is R; expected ",
+    "the output is Replicate on a mesh axis whose shards its cells depend on: a gather the "
+    "guard reports (issue 20, item 2)",
+    "gathered",
+    GATHERED_LAYOUT,
 )
 #: Sorting along a sharded dim (``sort``, ``argsort``, ``msort``): values and gradients right.
 _SORT_GATHERED = Bug(
     "sort along a sharded dim gathered",
     "no distributed sort (a sample sort exchanging only what moves): the sorted dim is "
     "replicated and sorted whole on every rank",
-    "wrong",
+    "gathered",
     _GATHERED.message,
 )
 #: A factorisation or triangular solve over sharded matrix dims (``svd``, ``linalg.svd``,
@@ -112,7 +118,7 @@ _FACTORED_GATHERED = Bug(
     "sharded matrix gathered",
     "no distributed factorisation or triangular solve: a matrix split along its rows or "
     "columns is replicated and factored whole on every rank (batch dims keep their split)",
-    "wrong",
+    "gathered",
     _GATHERED.message,
 )
 #: ``unbind`` along a sharded dim where no other dim is whole (a 2-D tensor split along both
@@ -122,7 +128,7 @@ _UNBIND_GATHERED = Bug(
     "unbind with no whole dim gathered",
     "with every other dim sharded, the unbound dim is replicated first (one all-gather) "
     "instead of each slice's part staying with the rank that holds it",
-    "wrong",
+    "gathered",
     _GATHERED.message,
 )
 #: ``roll`` without dims (flat order) where a dim other than the leading one is sharded: the
@@ -132,7 +138,7 @@ _FLAT_ROLL_GATHERED = Bug(
     "flat roll of a non-leading split gathered",
     "roll without dims of a tensor sharded along a dim other than the leading one is "
     "replicated (its shards are not runs of the flat order)",
-    "wrong",
+    "gathered",
     _GATHERED.message,
 )
 #: An output sharded along another dim, or with other boundaries, than its cells'
@@ -484,7 +490,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "multinomial": (_GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),),
     "native_batch_norm": (
         Accepted(
-            _GATHERED.message,
+            rf"{GATHERED_LAYOUT}|^the gather guard saw no gather$",
             "kept: the batch mean and inverse standard deviation (C,) are replicated over the "
             "axes sharding reduced dims, for every layout, where the dependency rule assigns "
             "them to the one rank holding every reduced cell (4r-random puts all of dim 2 on "
@@ -492,7 +498,8 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
             "that every rank keeps identical (in place, in training); a layout giving them to "
             "one rank where the other shards happen to be empty would leave the others' "
             "buffers stale to save C numbers. Nothing is gathered: the output keeps its "
-            "layout, the statistics are combined from each rank's per-channel sums",
+            "layout, the statistics are combined from each rank's per-channel sums (an "
+            "all-reduce: the guard rightly says nothing)",
             (0,),
             ("4r-random",),
             "wrong",
@@ -551,7 +558,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
             "reduce-scatter onto the heads would keep 1/p per rank (not done)",
             (0,),
             ("2x2-last",),
-            "wrong",
+            "gathered",
         ),
     ),
     "nn.functional.nll_loss": (

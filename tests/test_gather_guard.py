@@ -650,3 +650,57 @@ def test_a_pending_result_held_whole_counts_where_it_is_made(layout: str) -> Non
     results = run_on_ranks(math.prod(mesh_shape), _pending_result_body, layout)
     assert len({r["message"] for r in results}) == 1, "ranks raised different messages"
     assert all(r["held"] > r["share"] for r in results), results
+
+
+# A backward formula that builds its input's gradient as a plain tensor of the global shape
+# (``zeros(sizes)`` scattered into, as ``max_pool2d_with_indices_backward``'s does): every rank
+# holds the whole gradient before the backward of ``from_local`` slices it; no collective, so
+# only that backward can say it. A ZeroTensor gradient (``sgn``'s) holds no storage.
+class _GradientBuiltWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.shape = x.shape
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return torch.full(ctx.shape, 2.0, dtype=torch.float64)
+
+
+def _built_whole_body(world: int) -> dict[str, object]:
+    whole, field = _field(world)
+    spec = field._spec
+    local = field._local.detach().requires_grad_()
+    x = from_local_spec(local, spec)
+    with gather_policy("allow"), record_gathers() as seen:
+        _GradientBuiltWhole.apply(x).sum().full_tensor().backward()
+        x.sgn().sum().full_tensor().backward()
+    expected = spec.narrow(torch.full(SHAPE, 2.0, dtype=torch.float64))
+    assert_close_all_ranks(local.grad, expected, atol=0, rtol=0, what="gradient")
+    noted = [(g.what, g.op, g.bytes_per_rank, g.bytes_per_rank_before) for g in seen]
+    wanted = [("a gradient built whole", "a backward formula", whole.numel() * 8, None)]
+    assert_all_ranks(
+        len(noted) == 1 and noted[0][:3] == wanted[0][:3], f"recorded {noted}, expected {wanted}"
+    )
+    loss = _GradientBuiltWhole.apply(from_local_spec(local, spec)).sum().full_tensor()
+
+    def refused() -> None:
+        with gather_policy("error"):
+            loss.backward()
+
+    error = assert_raises_all_ranks(
+        GatherError, r"a backward formula would build a gradient whole, a float64 tensor", refused
+    )
+    return {"message": str(error), "before": noted[0][3]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_gradient_built_whole_by_a_backward_formula_counts(world: int) -> None:
+    """NOTE [Gathers an op was not asked to make]: a gradient built plain at the global shape
+    of a sharded tensor is recorded with its bytes and refused on every rank under "error";
+    a ZeroTensor gradient is not."""
+    results = run_on_ranks(world, _built_whole_body, world)
+    assert len({r["message"] for r in results}) == 1, "ranks raised different messages"
+    largest = {2: 7, 4: 5}[world]
+    assert results[0]["before"] == 2 * 4 * largest * 6 * 8, results[0]
+    assert "in the backward of _FromLocalBackward" in results[0]["message"], results[0]

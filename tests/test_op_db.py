@@ -15,7 +15,8 @@ message, and fail the sweep once they no longer show the bug (see ``tests/op_db_
   per layout: ``python -m tests.op_db_sweep --samples 1`` (see its ``--help``).
 
 The sweep itself is checked here too: an op implemented as "gather everything, compute, lay
-the result out again" fails it by its layout; a handler that drops a plain argument's
+the result out again" fails it by its layout, and a listed gather the gather guard does not
+see fails it as ``wrong``; a handler that drops a plain argument's
 gradient fails it; an error the list does not accept for that sample or message, or raised
 on some ranks only, fails it; random values and a reference whose backward raises are
 counted as not checked, never as correct.
@@ -155,15 +156,57 @@ def _gathering_fallback_body(how: str) -> tuple[str, str]:
     return outcome, detail
 
 
-@pytest.mark.parametrize("how", ["plain", "replicated", "chunk"])
-def test_a_gathering_fallback_fails_the_sweep(how: str) -> None:
-    """Registered for one op, a fallback that gathers makes its case wrong, by its layout
-    (the values are right). A fallback that re-splits exactly as it should is not visible to
-    the sweep; ``check_against_reference``'s traffic check catches it
+@pytest.mark.parametrize(
+    ("how", "expected"), [("plain", "wrong"), ("replicated", "gathered"), ("chunk", "wrong")]
+)
+def test_a_gathering_fallback_fails_the_sweep(how: str, expected: str) -> None:
+    """Registered for one op, a fallback that gathers fails the sweep by its layout (the
+    values are right): ``gathered`` where it replicates through the guard (its
+    ``full_tensor()`` inside an op), ``wrong`` where the layout is wrong otherwise; either
+    way a case no entry lists. A fallback that re-splits exactly as it should is not visible
+    to the sweep; ``check_against_reference``'s traffic check catches it
     (``tests/test_reference_checker.py``)."""
     outcome, detail = run_on_ranks(2, _gathering_fallback_body, how)[0]
-    assert outcome == "wrong", (outcome, detail)
+    assert outcome == expected, (outcome, detail)
     assert ": layout: " in detail, detail
+    record = {"op": "sin", "sample": 0, "layout": "2r-uneven", "outcome": outcome}
+    assert problems([{**record, "detail": detail}], Expectations.load())
+
+
+def _gather_unguarded_body(key: str, sample: int, layout: str) -> list[tuple[str, str]]:
+    """The case classified as the sweep does it, then again with the guard's check of
+    redistributions made a no-op (a gather past the guard)."""
+    from shardsci.tensor import _redistribute
+
+    mesh = get_mesh(LAYOUTS[layout].mesh)
+    ((_, case, sharded),) = selected_samples(key, LAYOUTS[layout], None, (sample,))
+    outcomes = []
+    for unguarded in (False, True):
+        check = _redistribute.check_redistribution
+        if unguarded:
+            _redistribute.check_redistribution = lambda src, dst: None
+        try:
+            verdict, _ = verdict_of_case(key, case, sharded, mesh, None)
+        finally:
+            _redistribute.check_redistribution = check
+        outcomes.append(classify(database()[key].name, agree(verdict, f"{key} {unguarded}")))
+    return outcomes
+
+
+def test_a_gather_the_guard_misses_fails_the_sweep() -> None:
+    """A listed gathered case (``argsort`` along the sharded dim: no distributed sort) is
+    ``gathered`` and accepted while the guard sees its gather; with the guard's check
+    bypassed, the same case is ``wrong`` (``the gather guard saw no gather``) and no entry
+    accepts it."""
+    key, sample, layout = "argsort", 1, "2r-uneven"
+    said, silent = run_on_ranks(2, _gather_unguarded_body, key, sample, layout)[0]
+    expectations = Expectations.load()
+    record = {"op": key, "sample": sample, "layout": layout}
+    assert said[0] == "gathered", said
+    assert problems([{**record, "outcome": said[0], "detail": said[1]}], expectations) == []
+    assert silent[0] == "wrong", silent
+    assert silent[1].endswith(" | the gather guard saw no gather"), silent
+    assert problems([{**record, "outcome": silent[0], "detail": silent[1]}], expectations)
 
 
 def _mul_dropping_the_other_gradient(func, args, kwargs):
@@ -237,13 +280,14 @@ def test_a_reference_whose_backward_raises_is_not_checked() -> None:
 def test_a_case_with_something_unchecked_is_not_counted_correct() -> None:
     """Random values (dropout) or a reference whose backward raised: ``not-checked`` on the
     ranks' agreement, never ``ok``; a problem on one rank makes the case wrong."""
-    unchecked = ("ran", None, "values random in this sample")
+    unchecked = ("ran", None, "values random in this sample", None)
     assert classify("dropout", [unchecked, unchecked]) == (
         "not-checked",
         "values random in this sample",
     )
-    assert classify("sin", [("ran", None, None)] * 2) == ("ok", "")
-    outcome, detail = classify("sin", [("ran", None, None), ("ran", "output 0: layout: x", None)])
+    assert classify("sin", [("ran", None, None, None)] * 2) == ("ok", "")
+    wrong = ("ran", "output 0: layout: x", None, None)
+    outcome, detail = classify("sin", [("ran", None, None, None), wrong])
     assert (outcome, detail) == ("wrong", "rank 1: output 0: layout: x")
 
 

@@ -286,6 +286,13 @@ def _current_node(fn: Callable) -> None:
     assert seen and seen[0] is not None
 
 
+def _zerotensor(is_zerotensor: Callable) -> None:
+    """``sgn``'s gradient is a ZeroTensor (no storage); an ordinary tensor is not."""
+    x = torch.ones(3, requires_grad=True)
+    assert is_zerotensor(torch.autograd.grad(x.sgn().sum(), x)[0])
+    assert not is_zerotensor(torch.zeros(3))
+
+
 def _decompositions(table: object) -> None:
     assert torch.ops.aten.addr.default in table  # type: ignore[operator]
     x = torch.arange(3.0)
@@ -430,6 +437,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
         _torch_compat._meta_in_tls_dispatch_include
     ),
     "_current_autograd_node": _current_node,
+    "Tensor_is_zerotensor": _zerotensor,
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
     "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,

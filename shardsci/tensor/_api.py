@@ -23,10 +23,11 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from shardsci.tensor import _dispatch, _function_dispatch
 from shardsci.tensor._caches import cached
 from shardsci.tensor._copies import CopyOf
+from shardsci.tensor._gather_guard import check_built_whole
 from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
-from shardsci.tensor._torch_compat import _make_wrapper_subclass
+from shardsci.tensor._torch_compat import Tensor_is_zerotensor, _make_wrapper_subclass
 
 __all__ = ["ShardTensor", "from_local_spec", "grad_spec", "redistribute"]
 
@@ -308,10 +309,13 @@ def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
 def _as_shard_tensor(grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     """A gradient as a ShardTensor. A plain one comes from a backward formula that builds a
     fresh tensor of the global shape (``zeros(sizes)``), the same on every rank: it is read
-    as replicated."""
+    as replicated, a gradient built whole (the gather guard's to judge, NOTE [Gathers an op
+    was not asked to make])."""
     if isinstance(grad, ShardTensor):
         return grad
     if grad.shape == spec.shape:
+        if not Tensor_is_zerotensor(grad):  # a zero gradient with no storage holds nothing
+            check_built_whole(spec.with_dtype(grad.dtype))
         return ShardTensor(grad, replicated_spec(grad, spec.mesh))
     raise TypeError(
         f"expected a gradient of shape {tuple(spec.shape)} for {spec}, got a plain tensor "

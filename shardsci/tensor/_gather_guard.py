@@ -20,7 +20,12 @@ made, since it may never be reduced: an op whose output is pending over a mesh a
 shards an operand, each rank's part at least that whole operand (``A @ x`` with a plain ``A``
 contracting the dim of ``x`` the axis splits) counts as it returns (``_dispatch`` calls
 :func:`check_result`); a reduction's pending result (``x.sum(2)``) holds less than what it
-reduced and does not.
+reduced and does not. So does a gradient built whole: a backward formula that makes a plain
+tensor of its input's global shape (``zeros(sizes)``, scattered into) has every rank hold the
+whole extent of a sharded tensor's gradient before it is sliced back to that tensor's layout; no
+collective runs, so no redistribution sees it, and the backward of ``from_local`` or of a
+redistribution, which receives it, calls :func:`check_built_whole` (whatever the op stack:
+nobody asks for it).
 
 Who asked. A gather counts when an op makes it, as its fallback: while an op is dispatched (an
 aten or function handler runs, the pointwise fast path runs, or the default path moves operands
@@ -81,6 +86,7 @@ __all__ = [
     "GatherError",
     "GatherWarning",
     "asked_for",
+    "check_built_whole",
     "check_redistribution",
     "check_result",
     "dispatching",
@@ -223,8 +229,10 @@ class Gather:
         along a dim the target splits, reduced by a reduce-scatter: the rank held the whole
         extent before the collective, not after it), ``"a pending result"`` (the op's output
         is such a sum, each rank's part at least the whole operand ``source``; said where it
-        is made, as it may never be reduced), or ``"the keys and values"``
-        (attention's; the shape and layout are the keys').
+        is made, as it may never be reduced), ``"a gradient built whole"`` (a backward
+        formula's plain tensor of the global shape, ``source`` replicated, to be sliced to
+        ``target``), or ``"the keys and values"`` (attention's; the shape and layout are the
+        keys').
     source, target : ShardTensorSpec
         The layout before and after.
     total_bytes : int
@@ -261,6 +269,9 @@ class Gather:
                 ("would make", "made"),
                 f"a pending sum, held whole, from a {described}",
             )
+        elif self.what == "a gradient built whole":
+            # No collective: a backward formula made it at the global shape on every rank.
+            verb, described = (("would build", "built"), f"a gradient whole, a {described},")
         elif self.what == "a pending sum":
             # Held whole since the op that left the sum pending; the reduction splits it.
             verb, described = (
@@ -359,6 +370,22 @@ def check_result(operands: Sequence[object], result: object) -> None:
             held = _largest_shard(spec)
             before = _largest_shard(source)
             _enforce(ops, "a pending result", source, spec, _bytes_of(spec), before, held)
+
+
+def check_built_whole(spec: ShardTensorSpec) -> None:
+    """Apply the policy to a gradient built plain at the global shape of a tensor laid out as
+    ``spec``, before it is sliced to ``spec``: nothing unless each rank then holds more of
+    it than ``spec``'s largest shard."""
+    if _POLICY[0] == "allow" and not _RECORDERS:
+        return
+    total = _bytes_of(spec)
+    held = _largest_shard(spec)
+    if total > held:
+        whole = ShardTensorSpec.build(
+            spec.mesh, [Replicate()] * spec.mesh.ndim, spec.shape, spec.dtype
+        )
+        ops = _THREAD.ops or ["a backward formula"]
+        _enforce(ops, "a gradient built whole", whole, spec, total, held, total)
 
 
 def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTensorSpec | None:
@@ -541,6 +568,8 @@ _PUBLIC_NAMES: dict[object, str] = {}
 
 
 def _op_name(op: object) -> str:
+    if isinstance(op, str):
+        return op
     if isinstance(op, OpOverload):
         return str(op)
     if not _PUBLIC_NAMES:

@@ -196,6 +196,10 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     "_current_autograd_node": _at(
         "torch._C:_current_autograd_node", "which autograd node a backward op belongs to"
     ),
+    "Tensor_is_zerotensor": _at(
+        "torch:Tensor._is_zerotensor",
+        "a backward formula's zero gradient that holds no storage (not a gradient built whole)",
+    ),
     "Module_call_impl": _at(
         "torch.nn.modules.module:Module._call_impl",
         "the frame of a module's call, for naming the module an unasked-for gather ran in",
