@@ -156,17 +156,6 @@ _SPECTRUM_MOVED = Bug(
     "wrong",
     r"^output \d+: layout: mesh axis \d+ is S\(\d\); expected Shard\(\d\)",
 )
-#: ``linear`` of a vector, or ``trapezoid`` along a dim, that a single rank holds whole (the
-#: others empty): the contraction or sum returns partial sums, as over any split dim; the cells
-#: depend on that one rank only, so the stated layout is that rank holding the output (values
-#: and gradients right).
-_ONE_HOLDER_PARTIAL = Bug(
-    "contraction over a one-holder split partial",
-    "a contraction over a dim one rank holds whole returns Partial (every rank holds an "
-    "output of zeros but one) instead of that rank holding the output",
-    "wrong",
-    r"^output \d+: layout: mesh axis \d+ is P\(sum\); expected Shard",
-)
 #: A cell that two overlapping windows share (kernel > stride) read by max unpooling: its
 #: dependencies give it to the rank whose window's maximum it is, which the indices' values
 #: decide; the layout cannot depend on them and gives it to the later window's rank (NOTE in
@@ -650,7 +639,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "svd_lowrank": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "trapezoid": (_ONE_HOLDER_PARTIAL.cases((0,), ("4r-random",)),),
     "triangular_solve": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
@@ -661,7 +649,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "unbind": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
     "unbind_copy": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
-    "nn.functional.linear": (_ONE_HOLDER_PARTIAL.cases((8, 12), ("4r-random",)),),
     "roll": (_FLAT_ROLL_GATHERED.cases((13,), ("4r-empty", "2x2-uneven", "2x2-last")),),
 }
 
