@@ -156,6 +156,21 @@ _SPECTRUM_MOVED = Bug(
     "wrong",
     r"^output \d+: layout: mesh axis \d+ is S\(\d\); expected Shard\(\d\)",
 )
+#: ``trapezoid`` along a dim that a single rank holds whole (the others empty): ``sum`` over
+#: it stays a pending sum, although only that rank's term is not zeros. Contractions keep such
+#: an output on its holder (NOTE [A sum over a dim one rank holds stays with that rank] in
+#: ``shardsci/tensor/_ops/_common.py``); a sum does not yet, because its output meets its input
+#: again (softmax, var, logsumexp, every reduction's backward) and the pointwise rule replicates
+#: a one-holder shard on another dim, or on a broadcast dim of size 1, instead of seeing that
+#: both lie on the same rank: a refused gather where the pending sum is an all-reduce of the
+#: output (values and gradients right).
+_ONE_HOLDER_SUM = Bug(
+    "sum over a one-holder split dim pending",
+    "a sum over a dim one rank holds whole returns Partial (every rank holds an output of "
+    "zeros but one) instead of that rank holding the output",
+    "wrong",
+    r"^output \d+: layout: mesh axis \d+ is P\(sum\); expected Shard",
+)
 #: A cell that two overlapping windows share (kernel > stride) read by max unpooling: its
 #: dependencies give it to the rank whose window's maximum it is, which the indices' values
 #: decide; the layout cannot depend on them and gives it to the later window's rank (NOTE in
@@ -639,6 +654,7 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "svd_lowrank": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
+    "trapezoid": (_ONE_HOLDER_SUM.cases((0, 4), ("4r-random",)),),
     "triangular_solve": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),

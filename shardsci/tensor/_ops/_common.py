@@ -161,7 +161,7 @@ def sizes_at_extent(sizes: Sequence[int], extent: int) -> tuple[int, ...]:
 
 
 # NOTE [A sum over a dim one rank holds stays with that rank]
-# A contraction or a sum over a split dim leaves a pending sum (Partial) over the dim's axes.
+# A contraction over a split dim leaves a pending sum (Partial) over the dim's axes.
 # Where one rank holds the dim whole and the others' shards are empty (an uneven split, a
 # slice of one rank's part), every other rank's term is an output-sized buffer of zeros: the
 # output depends on that rank alone. It keeps it: those axes shard an output dim, the holder
@@ -172,8 +172,10 @@ def sizes_at_extent(sizes: Sequence[int], extent: int) -> tuple[int, ...]:
 # an empty gradient, their operands' shards being empty along the summed dim. A 0-d output
 # has no dim to carry the axes: it stays a pending sum, one zero per other rank. A dim no
 # rank holds (extent 0) sums to zeros on every rank and stays pending.
-# Where: ``_matmul_ops`` (einsum, matmul, linear, bmm, ``aten.mm`` over split columns) and
-# ``_reduction_ops._sum`` (sum, mean, and what composes them: trapezoid).
+# Where: ``_matmul_ops`` (einsum, matmul, linear, bmm, ``aten.mm`` over split columns). Not
+# yet ``sum``: its output meets its input again (softmax, var, logsumexp, its own backward),
+# and the pointwise rule replicates a one-holder shard on another dim, or on a broadcast dim
+# of size 1, instead of seeing that both lie on the same rank.
 @cached("one-holder layouts", 256)
 def held_by_one(
     spec: ShardTensorSpec,

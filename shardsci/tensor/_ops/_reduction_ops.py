@@ -1,8 +1,5 @@
 """Reductions whose DTensor rules are wrong or wasteful on uneven or empty shards.
 
-- ``sum`` over a split dim that one rank holds whole: that rank keeps the output, the
-  others' zeros dropped (NOTE [A sum over a dim one rank holds stays with that rank] in
-  ``_common``), where DTensor leaves a pending sum.
 - ``mean``: DTensor averages local means (``Partial("avg")``), wrong for unequal shards; here
   it is a sum over the true count.
 - ``var``/``std`` over a sharded dim: DTensor gathers the whole tensor; here two passes (mean,
@@ -32,8 +29,6 @@ from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._dispatch import local_of, run_with_propagation
 from shardsci.tensor._ops._common import (
     accepts,
-    held_by_one,
-    held_local,
     normalized_dims,
     reduced_now,
     sharding_axes,
@@ -42,22 +37,6 @@ from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import ShardTensorSpec
 
 aten = torch.ops.aten
-
-
-# ---------------------------------------------------------------------------- sum
-@register_aten_handler(aten.sum.dim_IntList)
-def _sum(func, args, kwargs):
-    """DTensor's sum, with a split dim one rank holds whole kept by that rank."""
-    a = bind(func, args, kwargs)
-    x = a.self
-    dims = normalized_dims(a.dim, x.ndim)
-    summed = tuple((s.axes, s.sizes) for s in x._spec.shardings if s.dim in dims)
-    if not any(sum(map(bool, sizes)) == 1 for _, sizes in summed):
-        return NotImplemented
-    out = run_with_propagation(func, args, kwargs)
-    first = dims if a.keepdim else ()
-    spec, held = held_by_one(out._spec, summed, first)
-    return ShardTensor(held_local(out._local, spec, held), spec)
 
 
 # ---------------------------------------------------------------------------- mean
