@@ -14,16 +14,13 @@ one dim (the FNO's transposes) and constants (statistics, the loss) alike; the f
 reproduce every measured shape (``FIT_TOLERANCE``). FLOPs are counted as the dry run counts
 them (``shardsci.planning._work.WorkCounter``) on the plain model at three sizes, fitted as a
 polynomial in the pixel (or node) count, so that global attention's quadratic term is kept;
-so is the step's memory traffic (every non-view op's tensor arguments and results: kernels
-unfused). FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are counted apart]) and fitted as
-``a p log2 p`` of the whole field, which a distributed FFT shares evenly over the ranks.
-Compute is the longer of FLOPs at ``sustained_flops`` plus FFT FLOPs at ``fft_flops_per_s``
-and complex matmul FLOPs at ``complex_matmul_flops_per_s`` (NOTE [Complex matmuls are counted
-apart]), and the memory traffic of the ops that count FLOPs at ``memory_bytes_per_s``; plus the
-memory traffic of the ops that count none at that rate (NOTE [Kernels without FLOPs]), plus
-the runs of the step's strided copies
-(``WorkCounter.strided_runs``, fitted over the size basis) at ``strided_copy_s_per_run``
-(NOTE [Strided copies]), as the dry run prices them. Host time per step is the aten ops the
+so are the step's memory traffic (every non-view op's tensor arguments and results: kernels
+unfused) and that of its ops without FLOPs. FFTs' FLOPs are counted apart (NOTE [FFT FLOPs are
+counted apart]) and fitted as ``a p log2 p`` of the whole field, which a distributed FFT shares
+evenly over the ranks. The runs of the step's strided copies (``WorkCounter.strided_runs``,
+NOTE [Strided copies]) are fitted over the size basis. Compute is all of these priced by
+``compute_s``, the dry run's own pricing (NOTE [One price per op], NOTE [Kernels without
+FLOPs]). Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
 (``ops_host_s``, NOTE [One price per op]), plus what issuing each
 collective call and halo round costs the host's CPU (``collective_host_s``: per call, per
@@ -66,20 +63,6 @@ strong: ``P_0 T(P_0) / (P T(P))`` from ``P_0 = 8``.
 Goals (issue 22): weak-scaling efficiency at least 0.9 at 512 GPUs at each model's
 recommended tile (``RECOMMENDED``). Run ``python -m benchmarks.cost_model [--models unet fno]
 [--set host_us_per_op=0 plain_host_us_per_op=0] [--check]`` (≈2 min here); JSON lines on stdout, fields in README.md.
-
-# NOTE [Kernels without FLOPs]
-A step's kernels run one after another, each bound by its FLOPs or by its bytes (a roofline
-per kernel), so the step's compute is the sum over kernels of the longer of the two, not the
-longer of the step's two sums: that hides every kernel that counts no FLOPs (GELU and its
-backward, the residual adds, the FFTs' pads and copies, zeros) under the FLOP-bound ones. The
-FNO's plain step at 128² on one core (2026-11-29 09:12 UTC, load 5.5; each aten op's thread
-CPU time): 25 ms of its 96 in kernels that count no FLOPs, 300 MB of traffic, priced at 0
-while its FLOP time (43 ms) exceeded its whole traffic's (24 ms). So ``_MemoryTraffic``
-counts the bytes of the ops ``counts_flops`` rejects apart (``flop_free_bytes``), fitted like
-the memory traffic (``Fitted.flop_free_memory``), and ``step_s`` adds them at
-``memory_bytes_per_s`` to the longer of the FLOPs' time and the rest of the traffic's. On an
-H100 the FNO's compute, bound by its traffic, barely moves (its FLOP-bound kernels' bytes
-still take longer than their FLOPs).
 
 # NOTE [Ops per peer]
 A step's aten ops may grow with its ranks: a collective over ``P`` ranks that packs and
@@ -142,8 +125,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from benchmarks._common import (
     Goal,
@@ -165,12 +146,12 @@ from shardsci.planning._machine import (
     all_reduce_s,
     collective_host_s,
     collective_s,
+    compute_s,
     ops_host_s,
     override,
     span_nodes,
-    strided_copy_s,
 )
-from shardsci.planning._work import WorkCounter, counts_flops
+from shardsci.planning._work import WorkCounter
 from shardsci.tensor._options import (
     attention_exchange_choice,
     normalization_statistics,
@@ -473,35 +454,10 @@ def _gathers_as_all_to_alls(by_label: dict[str, int]) -> Counter:
     return merged
 
 
-class _MemoryTraffic(TorchDispatchMode):
-    """Bytes every non-view op reads and writes (its tensor arguments and results): the
-    memory traffic of a step whose ops each run as one kernel, without fusion (``bytes``);
-    and of those the ops that count no FLOPs (``flop_free_bytes``, NOTE [Kernels without
-    FLOPs])."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-        self.flop_free_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
-        if not getattr(func, "is_view", False):
-            moved = sum(
-                t.numel() * t.element_size()
-                for t in tree_leaves((args, kwargs, out))
-                if isinstance(t, torch.Tensor)
-            )
-            self.bytes += moved
-            if not counts_flops(func):
-                self.flop_free_bytes += moved
-        return out
-
-
 def work(name: str, size: int) -> tuple[float, float, float, float, float]:
-    """FLOPs, FFT FLOPs and complex matmul FLOPs (``WorkCounter``), memory traffic and that
-    of the ops without FLOPs (``_MemoryTraffic``) of one plain training step at ``size``: H =
-    W of a ``(1, 1, H, W)`` field, or a graph's nodes."""
+    """FLOPs, FFT FLOPs, complex matmul FLOPs, memory traffic and that of the ops without FLOPs
+    (``WorkCounter``) of one plain training step at ``size``: H = W of a ``(1, 1, H, W)``
+    field, or a graph's nodes."""
     torch.manual_seed(0)
     model = CASES[name].build()
     if name == "meshgraphnet":
@@ -513,15 +469,15 @@ def work(name: str, size: int) -> tuple[float, float, float, float, float]:
         )
     else:
         args = (torch.randn(1, 1, size, size),)
-    with WorkCounter() as counter, _MemoryTraffic() as traffic:
+    with WorkCounter() as counter:
         out = model(*args)
         (out * out).mean().backward()
     return (
         float(counter.flops),
         float(counter.fft_flops),
         float(counter.complex_matmul_flops),
-        float(traffic.bytes),
-        float(traffic.flop_free_bytes),
+        float(counter.memory_bytes),
+        float(counter.flop_free_bytes),
     )
 
 
@@ -846,16 +802,16 @@ def statistics_s(machine: Machine, ranks: int, calls: float, received: float) ->
 def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...]) -> dict:
     """Seconds per step of each part (NOTE [The cost model]) at ``ranks`` with local
     ``shape``; ``total``: ``max(host, device)``."""
-    flop_free = fitted.per_rank(fitted.flop_free_memory, ranks, shape)
     parts = {
-        "compute": max(
-            fitted.per_rank(fitted.flops, ranks, shape) / machine.sustained_flops
-            + fitted.fft_per_rank(ranks, shape) / machine.fft_flops_per_s
-            + fitted.complex_matmul_per_rank(ranks, shape) / machine.complex_matmul_flops_per_s,
-            (fitted.per_rank(fitted.memory, ranks, shape) - flop_free) / machine.memory_bytes_per_s,
+        "compute": compute_s(
+            machine,
+            flops=fitted.per_rank(fitted.flops, ranks, shape),
+            fft_flops=fitted.fft_per_rank(ranks, shape),
+            complex_matmul_flops=fitted.complex_matmul_per_rank(ranks, shape),
+            memory_bytes=fitted.per_rank(fitted.memory, ranks, shape),
+            flop_free_bytes=fitted.per_rank(fitted.flop_free_memory, ranks, shape),
+            strided_runs=fitted.strided(shape),
         )
-        + flop_free / machine.memory_bytes_per_s  # NOTE [Kernels without FLOPs]
-        + strided_copy_s(machine, fitted.strided(shape))
     }
     if ranks > 1:
         for kind in fitted.received:

@@ -1,7 +1,8 @@
 """What a step asks of its device (``shardsci.planning._work.WorkCounter``): FLOPs by torch's
 formulas, the fused CPU attention counted as torch counts the GPU's, FFTs counted apart
 (NOTE [FFT FLOPs are counted apart]) and complex matmuls counted apart (NOTE [Complex matmuls
-are counted apart]), on real and meta tensors alike."""
+are counted apart]), on real and meta tensors alike; the memory traffic, that of the ops
+without FLOPs apart (NOTE [Kernels without FLOPs])."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
@@ -133,3 +135,35 @@ def test_copies_count_the_runs_of_their_strided_tensors() -> None:
     with WorkCounter() as along_h:
         torch.cat([x[:, :, :2].flatten(), x[:, :, 2:].flatten()])
     assert (along_w.strided_runs, along_h.strided_runs) == (2 * 2 * 3 * 4, 2 * 2 * 3)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_traffic_of_ops_without_flops_is_counted_apart(device):
+    """NOTE [Kernels without FLOPs]: of a convolution and an FFT (FLOPs) and a GELU between
+    them (none), the GELU's bytes read and written are the traffic without FLOPs; all three
+    are the traffic; a view moves nothing."""
+    conv = torch.nn.Conv2d(2, 3, 1, device=device)
+    x = torch.randn(1, 2, 8, 8, device=device)
+    with torch.no_grad(), WorkCounter() as work:
+        spectrum = torch.fft.rfft2(F.gelu(conv(x)).view(1, 3, 64).view(1, 3, 8, 8))
+    nbytes = 4  # float32
+    gelu = 2 * 3 * 8 * 8 * nbytes
+    convolution = (x.numel() + conv.weight.numel() + conv.bias.numel() + 3 * 8 * 8) * nbytes
+    fft = 3 * 8 * 8 * nbytes + spectrum.numel() * spectrum.element_size()
+    assert work.flop_free_bytes == gelu
+    assert work.memory_bytes == gelu + convolution + fft
+
+
+def test_a_collectives_buffers_are_not_memory_traffic():
+    """NOTE [Kernels without FLOPs]: the bytes a collective moves are its communication's
+    (priced by the collectives' costs), not the kernels' memory traffic."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x, y = torch.ones(256), torch.empty(256)
+        with WorkCounter() as work:
+            dist.all_reduce(x)
+            dist.all_to_all_single(y, x)
+    finally:
+        dist.destroy_process_group()
+    assert work.ops >= 2
+    assert (work.memory_bytes, work.flop_free_bytes) == (0, 0)

@@ -17,10 +17,12 @@ a candidate with a problem (a rank over the memory budget, ranks left without ce
 that fails) is dropped with that problem as its reason. The others are ranked by the
 projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
 
-- compute: the class's FLOPs (``WorkCounter``: its own shard's) at ``sustained_flops``, its
-  FFTs' at ``fft_flops_per_s`` (NOTE [FFT FLOPs are counted apart]), its complex matmuls' at
-  ``complex_matmul_flops_per_s`` (NOTE [Complex matmuls are counted apart]), and the runs of its
-  strided copies at ``strided_copy_s_per_run`` (NOTE [Strided copies]);
+- compute: the class's kernels (``WorkCounter``: its own shard's) as ``compute_s`` prices them
+  (NOTE [One price per op]): the longer of its FLOPs' time (at ``sustained_flops``, its FFTs'
+  at ``fft_flops_per_s``, its complex matmuls' at ``complex_matmul_flops_per_s``) and its
+  FLOP-counting ops' memory traffic at ``memory_bytes_per_s``, plus the traffic of its ops
+  without FLOPs (NOTE [Kernels without FLOPs]) and the runs of its strided copies (NOTE
+  [Strided copies]);
 - communication: every collective the dry run counted (``count_traffic``), by kind over the
   ranks it connects and the nodes they span (``collective_s``, NOTE [Collectives priced over
   their own ranks]): an all-reduce over one axis of a block over that axis's ranks, the
@@ -39,8 +41,7 @@ one device under pure data parallelism is one whose single sample does not fit, 
 decomposition fits it only with fewer samples than ranks (``global_batch < P``), which the
 error for "nothing fits" says. The printed table
 (``format_choice``) gives every candidate's memory, projected parts and why it lost: the part
-that costs it most over the winner, or its problem. Known limit: elementwise ops count
-no FLOPs (memory-bound work is missing from compute).
+that costs it most over the winner, or its problem.
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ from shardsci.planning._machine import (
     Machine,
     collective_host_s,
     collective_s,
+    compute_s,
     gloo_cpu,
     halo_s,
     ops_host_s,
     override,
     span_nodes,
-    strided_copy_s,
 )
 from shardsci.planning._plan import RankClassPlan, RunPlan
 from shardsci.training import (
@@ -217,9 +218,15 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
         received = sum(span.received for span in messages)
         collectives["p2p"] = halo_s(machine, len(peers), plan.p2p_rounds, received, nodes)
         issued += collective_host_s(machine, "p2p", len(peers), plan.p2p_rounds, received)
-    compute = plan.flops / machine.sustained_flops + plan.fft_flops / machine.fft_flops_per_s
-    compute += plan.complex_matmul_flops / machine.complex_matmul_flops_per_s
-    compute += strided_copy_s(machine, plan.strided_runs)
+    compute = compute_s(
+        machine,
+        flops=plan.flops,
+        fft_flops=plan.fft_flops,
+        complex_matmul_flops=plan.complex_matmul_flops,
+        memory_bytes=plan.memory_bytes,
+        flop_free_bytes=plan.flop_free_bytes,
+        strided_runs=plan.strided_runs,
+    )
     communication = sum(collectives.values())
     host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, sharded) + issued
     device = compute + communication

@@ -10,9 +10,10 @@ from here (library code never imports ``benchmarks/``). ``Machine()`` is an H100
 Change a parameter here and every projection moves with it.
 
 NOTE [One price per op]
-Host time is priced the same way wherever a step is projected (``ops_host_s``: the dry run's
-``parallel=auto`` and ``benchmarks/cost_model.py`` alike): a step on plain tensors (nothing
-split: data parallelism) pays ``plain_host_us_per_op`` per aten op; a ShardTensor step pays
+A step is priced the same way wherever it is projected (the dry run's ``parallel=auto`` and
+``benchmarks/cost_model.py`` alike): its kernels by ``compute_s`` (FLOPs and memory traffic,
+NOTE [Kernels without FLOPs] in ``_work``), its host time by ``ops_host_s``: a step on plain
+tensors (nothing split: data parallelism) pays ``plain_host_us_per_op`` per aten op; a ShardTensor step pays
 ``host_us_per_op`` per aten op (its average over a whole step: the handlers' Python included),
 except for the ops a communication module dispatches (``_work.COMMUNICATION_MODULES``: slicing,
 packing and unpacking each peer's piece, halos), which are plain ops on local pieces and pay
@@ -36,6 +37,7 @@ __all__ = [
     "all_to_all_s",
     "collective_host_s",
     "collective_s",
+    "compute_s",
     "gloo_cpu",
     "halo_s",
     "ops_host_s",
@@ -57,11 +59,10 @@ class Machine:
     sustained_flops: float = 100e12
     """Assumed: 20 % of the H100 SXM's 494.7 TFLOP/s dense TF32 (NVIDIA H100 datasheet)."""
     memory_bytes_per_s: float = 2.7e12
-    """Assumed: 80 % of the H100 SXM's 3.35 TB/s HBM3 (H100 datasheet). The cost model
-    (``benchmarks/cost_model.py``) prices a step's compute as the longer of its FLOPs at
-    ``sustained_flops`` (plus its FFTs' at ``fft_flops_per_s``) and the memory traffic of its
-    ops that count FLOPs at this rate, plus the traffic of its ops that count none (NOTE
-    [Kernels without FLOPs] there); the planner does not use it."""
+    """Assumed: 80 % of the H100 SXM's 3.35 TB/s HBM3 (H100 datasheet). ``compute_s`` prices
+    a step's compute as the longer of its FLOPs' time and the memory traffic of its ops that
+    count FLOPs at this rate, plus the traffic of its ops that count none (NOTE [Kernels
+    without FLOPs] in ``_work``)."""
     fft_flops_per_s: float = 8e12
     """Derived: single-precision FFTs are bound by HBM bandwidth on an H100. Counted at ``5 n
     log2 n`` FLOPs (NOTE [FFT FLOPs are counted apart]), a large transform (``n = 2^20``) in
@@ -256,6 +257,36 @@ def strided_copy_s(machine: Machine, runs: float) -> float:
     """Device seconds the ``runs`` of a step's strided copies add to their bytes (NOTE
     [Strided copies] in ``_work``): compute, in both projections."""
     return runs * machine.strided_copy_s_per_run
+
+
+def compute_s(
+    machine: Machine,
+    *,
+    flops: float,
+    fft_flops: float,
+    complex_matmul_flops: float,
+    memory_bytes: float,
+    flop_free_bytes: float,
+    strided_runs: float,
+) -> float:
+    """Device seconds of a rank's kernels (NOTE [One price per op]): the longer of its
+    ``flops`` at ``sustained_flops``, ``fft_flops`` at ``fft_flops_per_s`` (NOTE [FFT FLOPs
+    are counted apart] in ``_work``) and ``complex_matmul_flops`` at
+    ``complex_matmul_flops_per_s`` (NOTE [Complex matmuls are counted apart]), and the
+    traffic of the ops that count FLOPs (``memory_bytes - flop_free_bytes``) at
+    ``memory_bytes_per_s``; plus the traffic of those that count none (NOTE [Kernels without
+    FLOPs]) at that rate and the runs of the strided copies (``strided_copy_s``)."""
+    flop_s = (
+        flops / machine.sustained_flops
+        + fft_flops / machine.fft_flops_per_s
+        + complex_matmul_flops / machine.complex_matmul_flops_per_s
+    )
+    flop_bound_traffic_s = (memory_bytes - flop_free_bytes) / machine.memory_bytes_per_s
+    return (
+        max(flop_s, flop_bound_traffic_s)
+        + flop_free_bytes / machine.memory_bytes_per_s
+        + strided_copy_s(machine, strided_runs)
+    )
 
 
 def ops_host_s(machine: Machine, ops: float, communication_ops: float, sharded: bool) -> float:

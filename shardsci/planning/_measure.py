@@ -70,6 +70,9 @@ class StepMeasurement:
         its copies' strided tensors are made of (NOTE [Strided copies]), and its complex
         matmuls' FLOPs (NOTE [Complex matmuls are counted apart]), of this rank's step
         (``WorkCounter``).
+    memory_bytes, flop_free_bytes : int
+        The bytes its non-view ops read and write, and those of the ops without FLOPs (NOTE
+        [Kernels without FLOPs]).
     """
 
     comm: CommStats
@@ -87,6 +90,8 @@ class StepMeasurement:
     fft_flops: int
     strided_runs: int
     complex_matmul_flops: int
+    memory_bytes: int
+    flop_free_bytes: int
 
 
 def measure_step(
@@ -177,6 +182,8 @@ def measure_step(
         fft_flops=work.fft_flops,
         strided_runs=work.strided_runs,
         complex_matmul_flops=work.complex_matmul_flops,
+        memory_bytes=work.memory_bytes,
+        flop_free_bytes=work.flop_free_bytes,
     )
 
 

@@ -111,6 +111,9 @@ class RankClassPlan:
     complex_matmul_flops : int
         FLOPs of its complex matmuls (NOTE [Complex matmuls are counted apart]), not in
         ``flops``.
+    memory_bytes, flop_free_bytes : int
+        Bytes its non-view ops read and write, and those of them of ops without FLOPs (NOTE
+        [Kernels without FLOPs]).
     spans : list of SpanFigures
         The same step's collectives and messages as issued, by kind and the ranks they
         connect (``count_traffic``); ``p2p_rounds``: its rounds of messages posted together.
@@ -131,6 +134,8 @@ class RankClassPlan:
     p2p_rounds: int = 0
     strided_runs: int = 0
     complex_matmul_flops: int = 0
+    memory_bytes: int = 0
+    flop_free_bytes: int = 0
 
 
 @dataclass
@@ -239,6 +244,8 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
         ],
         p2p_rounds=traffic.p2p_rounds,
         strided_runs=measured.strided_runs,
+        memory_bytes=measured.memory_bytes,
+        flop_free_bytes=measured.flop_free_bytes,
     )
 
 

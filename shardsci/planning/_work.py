@@ -7,12 +7,15 @@ formulas (matmuls, convolutions, attention), plus two it lacks: the fused CPU at
 counted as torch counts the GPU's, and FFTs, counted apart (``fft_flops``) because a device
 runs them at a rate of their own (NOTE [FFT FLOPs are counted apart]); matmuls of complex
 tensors (an FNO's spectral contraction) are counted apart too (``complex_matmul_flops``, NOTE
-[Complex matmuls are counted apart]). Elementwise ops count
-none. Everything is read from shapes, so it works on ``meta`` tensors in a dry run as on real
-ones. A shape probe (NOTE [Shape probes hold no memory]) is an op but no work: it runs
-torch's meta function on a stand-in of the whole field's shape, never a kernel, so its FLOPs
-are not counted (counted, they grew a split FNO's FFT FLOPs per rank with its ranks: 1.2x on
-2 ranks of a domain, 1.9x on 8).
+[Complex matmuls are counted apart]). Elementwise ops count no FLOPs; every op's memory
+traffic is counted (``memory_bytes``), and that of the ops without FLOPs apart
+(``flop_free_bytes``, NOTE [Kernels without FLOPs]). Everything is read from shapes, so it
+works on ``meta`` tensors in a dry run as on real ones. A shape probe (NOTE [Shape probes
+hold no memory]) is an op but no work: it runs torch's meta function on a stand-in of the
+whole field's shape, never a kernel, so its FLOPs are not counted (counted, they grew a split
+FNO's FFT FLOPs per rank with its ranks: 1.2x on 2 ranks of a domain, 1.9x on 8). Nor is an
+op dispatched on ShardTensors (the autograd engine's, on their gradients) work: ShardTensor
+runs it as ops on local shards, counted as they run.
 
 # NOTE [FFT FLOPs are counted apart]
 A complex transform of ``n`` points costs ``5 n log2 n`` FLOPs (the radix-2 count every FFT
@@ -35,6 +38,22 @@ So the FLOPs of every matmul-family call with a complex operand are counted in
 ``complex_matmul_flops`` (at torch's formula, ``2 m n k`` per product: the count the rates
 were measured at), not in ``flops``, and the ``Machine`` prices them at
 ``complex_matmul_flops_per_s``.
+
+# NOTE [Kernels without FLOPs]
+A step's kernels run one after another, each bound by its FLOPs or by its bytes (a roofline
+per kernel), so the step's compute is the sum over kernels of the longer of the two, not the
+longer of the step's two sums: that hides every kernel that counts no FLOPs (GELU and its
+backward, the residual adds, the FFTs' pads and copies, zeros) under the FLOP-bound ones. The
+FNO's plain step at 128² on one core (2026-11-29 09:12 UTC, load 5.5; each aten op's thread
+CPU time): 25 ms of its 96 in kernels that count no FLOPs, 300 MB of traffic, priced at 0
+while its FLOP time (43 ms) exceeded its whole traffic's (24 ms). So ``WorkCounter`` counts
+the bytes every non-view op reads and writes (``memory_bytes``: kernels unfused) and of those
+the ops ``counts_flops`` rejects apart (``flop_free_bytes``); a collective's buffers are not
+memory traffic (its bytes are its communication's). ``_machine.compute_s`` prices them, for the
+dry run's ``parallel=auto`` and ``benchmarks/cost_model.py`` alike: the flop-free bytes at
+``memory_bytes_per_s`` added to the longer of the FLOPs' time and the rest of the traffic's.
+On an H100 the FNO's compute, bound by its traffic, barely moves (its FLOP-bound kernels'
+bytes still take longer than their FLOPs).
 """
 
 from __future__ import annotations
@@ -47,6 +66,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from shardsci.tensor import ShardTensor
 from shardsci.tensor._shape_probe import probing
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves
 
@@ -89,6 +109,11 @@ aten = torch.ops.aten
 # as compute (``strided_copy_s``).
 COPIES = frozenset({aten.copy_, aten.clone, aten.cat, aten.stack, aten._to_copy})
 """The aten ops that copy: those whose strided tensors count runs (NOTE [Strided copies])."""
+
+
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
+"""The aten namespaces of collectives: their buffers are communication, not memory traffic
+(NOTE [Kernels without FLOPs])."""
 
 
 MATMULS = frozenset({aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul})
@@ -164,7 +189,8 @@ class WorkCounter(TorchDispatchMode):
     communication module (``communication_ops``, NOTE [One price per op] in ``_machine``),
     their FLOPs (``flops``), their FFTs' FLOPs (``fft_flops``, not in ``flops``), their
     complex matmuls' FLOPs (``complex_matmul_flops``, not in ``flops``, NOTE [Complex matmuls
-    are counted apart]) and the runs of the strided tensors their copies read and write
+    are counted apart]), the bytes its non-view ops read and write and those of them without
+    FLOPs (``memory_bytes``, ``flop_free_bytes``, NOTE [Kernels without FLOPs]) and the runs of the strided tensors their copies read and write
     (``strided_runs``, NOTE [Strided copies]); a shape probe's are no work."""
 
     def __init__(self) -> None:
@@ -175,6 +201,8 @@ class WorkCounter(TorchDispatchMode):
         self.fft_flops = 0
         self.complex_matmul_flops = 0
         self.strided_runs = 0
+        self.memory_bytes = 0
+        self.flop_free_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
@@ -182,8 +210,9 @@ class WorkCounter(TorchDispatchMode):
         self.ops += 1
         if _called_from(COMMUNICATION_MODULES):
             self.communication_ops += 1
-        if probing():
+        if probing() or _on_shard_tensors((args, kwargs)):
             return out
+        self._count_traffic(func, (args, kwargs, out))
         packet = func._overloadpacket
         if packet in COPIES:
             self.strided_runs += _strided_runs((args, kwargs, out))
@@ -197,6 +226,22 @@ class WorkCounter(TorchDispatchMode):
         else:
             self.fft_flops += int(fft_flops(func, args, out))
         return out
+
+    def _count_traffic(self, func: Any, tensors: Any) -> None:
+        if func.is_view or func.namespace in COLLECTIVE_NAMESPACES:
+            return
+        moved = sum(t.nbytes for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+        self.memory_bytes += moved
+        if not counts_flops(func):
+            self.flop_free_bytes += moved
+
+
+def _on_shard_tensors(arguments: Any) -> bool:
+    """Whether an op is dispatched on ShardTensors: an op but no kernel, as ShardTensor runs it
+    as ops on local shards, which are counted (counted at both levels, an elementwise op's
+    bytes were those of its whole field and of its shard again: 1.2 GB of traffic without
+    FLOPs a rank in the FNO's step at 64² on slabs of 8 ranks, 0.45 on 8 replicas)."""
+    return any(isinstance(t, ShardTensor) for t in tree_leaves(arguments))
 
 
 def _strided_runs(tensors: Any) -> int:
