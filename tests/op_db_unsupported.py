@@ -398,18 +398,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "linalg.lu_factor_ex": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "linalg.multi_dot": (
-        Accepted(
-            r"^output 0: layout: mesh axis 0 is P\(sum\); expected Shard\(1\) \(one holder: 1x2\)$",
-            "one rank holds every contracted column (sizes 0/2/0/0): its product is pending a "
-            "sum over the axis, so every rank holds a (2, 2) output, zeros on three; the cells' "
-            "dependencies give it all to that rank (NOTE [A product over sharded columns is a "
-            "pending sum] in shardsci/tensor/_ops/_matmul_ops.py)",
-            (3,),
-            ("4r-empty",),
-            "wrong",
-        ),
-    ),
     "linalg.pinv": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
