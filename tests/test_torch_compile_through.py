@@ -551,7 +551,8 @@ def test_inductor_spectral_layers_on_uneven_ranks_equal_one_process() -> None:
 # Transolver (load 6-10) on this machine; at load 10-20 the Transolver on 2x2 147 s, the
 # 3-D FNO and Transolver on 2 ranks 79 and 69 s, the FNO with inductor 203 s; the ViT with
 # inductor 437 s at load 5-21, the Transolver with inductor 303 s at load 6-15 (both ran
-# past 600 s at load 15-20); the FNO with inductor on 2x2 475 s at load 10-65.
+# past 600 s at load 15-20); the FNO with inductor on 2x2 475 s at load 10-65, the UNet with
+# inductor on 2x2 1120 s at load 17-40.
 ZOO_THROUGH = [
     ("aot_eager", "unet", (2,)),
     ("aot_eager", "unet", (2, 2)),
@@ -564,6 +565,7 @@ ZOO_THROUGH = [
     ("aot_eager", "fno-3d", (2,)),
     ("aot_eager", "transolver-3d", (2,)),
     ("inductor", "unet", (2,)),
+    ("inductor", "unet", (2, 2)),
     ("inductor", "fno", (2,)),
     ("inductor", "fno", (2, 2)),
     ("inductor", "vit", (2,)),
