@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, grad_spec, redistribute
+from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, axis_group
 from shardsci.tensor._promotion import promoted_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
@@ -20,6 +21,8 @@ __all__ = [
     "accepts",
     "connected_empty",
     "dim_layout",
+    "held_by_one",
+    "held_local",
     "no_empty_shard",
     "normalized_dims",
     "reduced_now",
@@ -155,6 +158,66 @@ def sizes_at_extent(sizes: Sequence[int], extent: int) -> tuple[int, ...]:
     cut = [b - a for a, b in itertools.pairwise(bounds)]
     cut[-1] += max(extent - sum(sizes), 0)
     return tuple(cut)
+
+
+# NOTE [A sum over a dim one rank holds stays with that rank]
+# A contraction over a split dim leaves a pending sum (Partial) over the dim's axes.
+# Where one rank holds the dim whole and the others' shards are empty (an uneven split, a
+# slice of one rank's part), every other rank's term is an output-sized buffer of zeros: the
+# output depends on that rank alone. It keeps it: those axes shard an output dim, the holder
+# holding all of it and the others none; the dim is the summed dim itself where it is kept,
+# else the first dim no axis splits, else the first dim, with the holder's axes nested
+# outermost over its split (the holder's row of ranks keeps its split, the others none). No
+# byte moves; the others' zeros are dropped (``held_local``), and in backward they receive
+# an empty gradient, their operands' shards being empty along the summed dim. A 0-d output
+# has no dim to carry the axes: it stays a pending sum, one zero per other rank. A dim no
+# rank holds (extent 0) sums to zeros on every rank and stays pending.
+# Where: ``_matmul_ops`` (einsum, matmul, linear, bmm, ``aten.mm`` over split columns). Not
+# yet ``sum``: its output meets its input again (softmax, var, logsumexp, its own backward),
+# and the pointwise rule replicates a one-holder shard on another dim, or on a broadcast dim
+# of size 1, instead of seeing that both lie on the same rank.
+@cached("one-holder layouts", 256)
+def held_by_one(
+    spec: ShardTensorSpec,
+    summed: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...],
+    first: tuple[int, ...] = (),
+) -> tuple[ShardTensorSpec, tuple[int, ...]]:
+    """``spec``, an output pending a sum over the axes of the split dims ``summed`` (each as
+    its ``(axes, sizes)``), with each such sum one rank holds whole kept by that rank (NOTE [A
+    sum over a dim one rank holds stays with that rank]), along the first free dim of
+    ``first`` and then ``0 .. ndim-1``; and the output dims it now shards so."""
+    placements = list(spec.placements)
+    sizes = {s.dim: s.sizes for s in spec.shardings}
+    order = {s.dim: s.axes for s in spec.shardings}
+    held = []
+    for axes, dim_sizes in summed:
+        holders = [k for k, n in enumerate(dim_sizes) if n]
+        pending = all(placements[a] == Partial("sum") for a in axes)
+        if len(holders) != 1 or spec.ndim == 0 or not pending:
+            continue
+        candidates = (*first, *range(spec.ndim))
+        e = next((d for d in candidates if d not in sizes), candidates[0])
+        inner = sizes.get(e, (spec.shape[e],))
+        sizes[e] = tuple(n if k == holders[0] else 0 for k in range(len(dim_sizes)) for n in inner)
+        order[e] = (*axes, *order.get(e, ()))
+        for axis in axes:
+            placements[axis] = Shard(e)
+        held.append(e)
+    if not held:
+        return spec, ()
+    out = ShardTensorSpec.build(
+        spec.mesh, placements, spec.shape, spec.dtype, sizes, order=order, hints=spec.hints
+    )
+    return out, tuple(held)
+
+
+def held_local(local: torch.Tensor, spec: ShardTensorSpec, dims: Iterable[int]) -> torch.Tensor:
+    """``local``, a rank's whole term of an output along ``dims``, cut to its part of them in
+    ``spec`` (``held_by_one``'s): all of it on the holder, nothing elsewhere."""
+    shape = spec.local_shape()
+    for dim in dims:
+        local = local.narrow(dim, 0, shape[dim])
+    return local
 
 
 def sharding_axes(spec: ShardTensorSpec) -> set[int]:

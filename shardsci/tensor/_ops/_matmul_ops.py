@@ -9,7 +9,9 @@ shard sizes):
   (an all-to-all) and changes the output layout;
 - a letter the product sums over (the contracted dim sharded in both operands, with the same
   boundaries) leaves each rank a partial sum: the output is ``Partial`` over its axes, summed
-  when the next op needs it (no data moves here);
+  when the next op needs it (no data moves here); where one rank holds the letter whole, that
+  rank keeps the output instead (NOTE [A sum over a dim one rank holds stays with that rank]
+  in ``_common``);
 - a replicated operand (plain tensor or replicated ShardTensor) that contains a sharded letter
   is sliced to this rank's shard of it; its local gradient is the part its shard of the output
   contributes, so it is read as ``Partial`` over the mesh axes that shard the output and
@@ -52,7 +54,13 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._dispatch import local_of
-from shardsci.tensor._ops._common import accepts, replicated_local, sharding_axes
+from shardsci.tensor._ops._common import (
+    accepts,
+    held_by_one,
+    held_local,
+    replicated_local,
+    sharding_axes,
+)
 from shardsci.tensor._ops._ring import Blocks, ring_chosen
 from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
 from shardsci.tensor._promotion import promote_replicated
@@ -330,6 +338,9 @@ class _ProductLayout:
         Mesh axes that shard the output or hold its pending sum.
     output : ShardTensorSpec
         The output's layout, with the first ShardTensor operand's dtype.
+    held : tuple of int
+        Output dims that one rank holds whole and the others not at all, where a sum one rank
+        holds is kept by it (``_common.held_by_one``).
     """
 
     subscripts: tuple[str, ...]
@@ -338,6 +349,7 @@ class _ProductLayout:
     sliced: dict[str, _Letter]
     output_axes: frozenset[int]
     output: ShardTensorSpec
+    held: tuple[int, ...]
 
 
 def _sharded_einsum(equation: str, operands: list):
@@ -368,8 +380,8 @@ def _product_layout(equation: str, operands: tuple[_Operand, ...]) -> _ProductLa
         return None
     output_axes = frozenset(a for letter in letters.values() for a in letter.axes)
     sliced = {c: s for c, s in letters.items() if ring is None or c != ring.letter}
-    spec = _output_spec(output, sliced, sharded[0].dtype, operands, subscripts, mesh)
-    return _ProductLayout(tuple(subscripts), ring, letters, sliced, output_axes, spec)
+    spec, held = _output_spec(output, sliced, sharded[0].dtype, operands, subscripts, mesh)
+    return _ProductLayout(tuple(subscripts), ring, letters, sliced, output_axes, spec, held)
 
 
 def _product(
@@ -390,6 +402,7 @@ def _product(
         output = equation.split("->")[1]
         plan = _product_plan(ring, list(subscripts), output, operands, layout.letters)
         out = ring_product(locals_[ring.staying], locals_[ring.moving], plan)
+    out = held_local(out, layout.output, layout.held)
     return from_local_spec(out, layout.output.with_dtype(out.dtype))
 
 
@@ -569,8 +582,9 @@ def _output_spec(
     operands: tuple[_Operand, ...],
     subscripts: list[str],
     mesh,
-) -> ShardTensorSpec:
-    """Sharded along the letters the output keeps, Partial over the axes of those it sums."""
+) -> tuple[ShardTensorSpec, tuple[int, ...]]:
+    """Sharded along the letters the output keeps, Partial over the axes of those it sums
+    but one rank holds (kept by that rank along the dims returned, ``held_by_one``)."""
     extents: dict[str, int] = {}
     for o, subscript in zip(operands, subscripts):
         for d, c in enumerate(subscript):
@@ -587,7 +601,7 @@ def _output_spec(
             for axis in letters[c].axes:
                 placements[axis] = Shard(position)
             shardings[position] = letters[c]
-    return ShardTensorSpec.build(
+    spec = ShardTensorSpec.build(
         mesh,
         placements,
         [extents[c] for c in output],
@@ -597,6 +611,9 @@ def _output_spec(
         hints=merged_hints(
             *(o.spec.hints + o.spec.shardings for o in operands if o.spec is not None)
         ),
+    )
+    return held_by_one(
+        spec, tuple((s.axes, s.sizes) for c, s in letters.items() if c not in output)
     )
 
 
@@ -637,7 +654,9 @@ def _rows_kept(x: ShardTensor, out: torch.Tensor, columns: int) -> ShardTensor:
 # ``aten.mm(x, w)`` with ``x``'s columns (the contracted dim) sharded and ``w`` replicated, as
 # ``linalg.multi_dot`` and autograd reach it: each rank multiplies its columns by the rows of
 # ``w`` they meet, and the output is pending a sum over the axes that shard the columns
-# (its rows keep theirs), moving nothing; DTensor's rule gathers ``x`` instead.
+# (its rows keep theirs), moving nothing, or kept by the one rank that holds the columns
+# (NOTE [A sum over a dim one rank holds stays with that rank]); DTensor's rule gathers
+# ``x`` instead.
 def _columns_sharded(x: object, other: object) -> bool:
     """Whether ``x @ other`` is a ShardTensor sharded on its columns, and perhaps its rows,
     times a replicated matrix (NOTE [A product over sharded columns is a pending sum])."""
@@ -658,16 +677,19 @@ def _columns_summed(x: ShardTensor, other: torch.Tensor) -> ShardTensor:
         Partial() if axis in columns.axes else p for axis, p in enumerate(spec.placements)
     ]
     rows = spec.sharding_by_dim.get(0)
-    out_spec = ShardTensorSpec.build(
-        spec.mesh,
-        placements,
-        (x.shape[0], other.shape[1]),
-        out.dtype,
-        {0: rows.sizes} if rows else {},
-        order={0: rows.axes} if rows else {},
-        hints=merged_hints(spec.hints + spec.shardings),
+    out_spec, held = held_by_one(
+        ShardTensorSpec.build(
+            spec.mesh,
+            placements,
+            (x.shape[0], other.shape[1]),
+            out.dtype,
+            {0: rows.sizes} if rows else {},
+            order={0: rows.axes} if rows else {},
+            hints=merged_hints(spec.hints + spec.shardings),
+        ),
+        ((columns.axes, columns.sizes),),
     )
-    return ShardTensor(out, out_spec)
+    return ShardTensor(held_local(out, out_spec, held), out_spec)
 
 
 @register_aten_handler(aten.mm.default)
