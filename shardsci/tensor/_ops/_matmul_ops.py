@@ -12,6 +12,9 @@ shard sizes):
   when the next op needs it (no data moves here); where one rank holds the letter whole, that
   rank keeps the output instead (NOTE [A sum over a dim one rank holds stays with that rank]
   in ``_common``);
+- an operand whose dim one rank holds whole (a held letter) is multiplied on that rank, the
+  others computing nothing, and the output stays with it (NOTE [A product of held operands
+  runs on their holder]);
 - a replicated operand (plain tensor or replicated ShardTensor) that contains a sharded letter
   is sliced to this rank's shard of it; its local gradient is the part its shard of the output
   contributes, so it is read as ``Partial`` over the mesh axes that shard the output and
