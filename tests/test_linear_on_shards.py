@@ -133,7 +133,7 @@ def _pending_sum_paths_body() -> dict[str, dict[str, int]]:
         torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True),
         mesh,
         [Shard(0), Shard(1)],
-        {0: (1, 3), 1: (6, 0)},
+        {0: (1, 3), 1: (4, 2)},  # two holders per axis: a pending sum over both
     )
     pending = x.sum((0, 1))
     weight = _linear(3, 2, bias=False).weight

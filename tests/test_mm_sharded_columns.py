@@ -27,7 +27,7 @@ from tests.expected_layouts import parse
 # product's expected layout.
 LAYOUTS = {
     "2r-columns-1/1": ((2,), Layout((Shard(1),), {1: (1, 1)}), parse("P")),
-    "4r-columns-0/2/0/0": ((4,), Layout((Shard(1),), {1: (0, 2, 0, 0)}), parse("P")),
+    "4r-columns-0/2/0/0": ((4,), Layout((Shard(1),), {1: (0, 2, 0, 0)}), parse("S0; 0=0/3/0/0")),
     "4r-columns-1/0/0/1": ((4,), Layout((Shard(1),), {1: (1, 0, 0, 1)}), parse("P")),
     "2x2-rows-columns": (
         (2, 2),

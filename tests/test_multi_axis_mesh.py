@@ -108,11 +108,13 @@ def _norms(x: torch.Tensor) -> dict[str, nn.Module]:
 REDUCTIONS = {
     "mean": (lambda a: a.mean(dim=(2, 3)), "P,P", "P,P,S2; 2=4/0"),
     "var": (lambda a: a.var(dim=(-2, -1)), "P,P", "S2,P,P; 2=3/2"),
-    # The flattened block: the inner dims' axes nest under H's, each H piece chunked.
+    # The flattened block: the inner dims' axes nest under H's, each H piece chunked; but W,
+    # held whole by one rank of its axis (0/6, 4/0), stays with it, its axis nested outermost
+    # (NOTE [A dim one rank holds is whole on that rank]): no byte moves along it.
     "softmax over the block": (
         lambda a: torch.softmax(a.flatten(2), -1),
-        "S2,S2; 2=18/12/6/6",
-        "S2,S2,S2; 2=20/20/20/0/20/20/0/0",
+        "S2,S2; 2[1,0]=0/0/30/12",
+        "S2,S2,S2; 2[2,0,1]=40/20/20/20/0/0/0/0",
     ),
     "softmax over one axis": (lambda a: torch.softmax(a, 2), None, None),
 }

@@ -9,7 +9,12 @@ shard sizes):
   (an all-to-all) and changes the output layout;
 - a letter the product sums over (the contracted dim sharded in both operands, with the same
   boundaries) leaves each rank a partial sum: the output is ``Partial`` over its axes, summed
-  when the next op needs it (no data moves here);
+  when the next op needs it (no data moves here); where one rank holds the letter whole, that
+  rank keeps the output instead (NOTE [A sum over a dim one rank holds stays with that rank]
+  in ``_common``);
+- an operand whose dim one rank holds whole (a held letter) is multiplied on that rank, the
+  others computing nothing, and the output stays with it (NOTE [A product of held operands
+  runs on their holder]);
 - a replicated operand (plain tensor or replicated ShardTensor) that contains a sharded letter
   is sliced to this rank's shard of it; its local gradient is the part its shard of the output
   contributes, so it is read as ``Partial`` over the mesh axes that shard the output and
@@ -52,13 +57,28 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._dispatch import local_of
-from shardsci.tensor._ops._common import accepts, replicated_local, sharding_axes
+from shardsci.tensor._ops._common import (
+    Held,
+    accepts,
+    connected_empty,
+    held_by_one,
+    held_local,
+    held_on,
+    replicated_local,
+    sharding_axes,
+    without_held,
+)
 from shardsci.tensor._ops._ring import Blocks, ring_chosen
 from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._shape_probe import probe_on_meta
-from shardsci.tensor._spec import ShardTensorSpec, merged_hints
+from shardsci.tensor._spec import (
+    ShardTensorSpec,
+    index_over_axes,
+    merged_hints,
+    mesh_coordinate,
+)
 
 aten = torch.ops.aten
 
@@ -296,13 +316,19 @@ class _Operand:
 
     __slots__ = ("_key", "shape", "spec")
 
-    def __init__(self, operand: torch.Tensor) -> None:
-        if isinstance(operand, ShardTensor):
-            self.spec, self.shape = operand._spec, operand._spec.shape
-            self._key: object = self.spec.key
+    def __init__(self, operand: torch.Tensor | ShardTensorSpec) -> None:
+        spec = operand._spec if isinstance(operand, ShardTensor) else operand
+        if isinstance(spec, ShardTensorSpec):
+            self.spec, self.shape = spec, spec.shape
+            self._key: object = spec.key
         else:
             self.spec, self.shape = None, operand.shape
             self._key = tuple(operand.shape)
+
+    def whole(self) -> _Operand:
+        """This operand with its held axes taken off (NOTE [A dim one rank holds is whole on
+        that rank])."""
+        return self if self.spec is None else _Operand(without_held(self.spec)[0])
 
     def __hash__(self) -> int:
         return hash(self._key)
@@ -330,6 +356,9 @@ class _ProductLayout:
         Mesh axes that shard the output or hold its pending sum.
     output : ShardTensorSpec
         The output's layout, with the first ShardTensor operand's dtype.
+    held : tuple of _HeldLetters
+        The operands' held axes, each with its holder and letters (NOTE [A product of held
+        operands runs on their holder]).
     """
 
     subscripts: tuple[str, ...]
@@ -338,6 +367,7 @@ class _ProductLayout:
     sliced: dict[str, _Letter]
     output_axes: frozenset[int]
     output: ShardTensorSpec
+    held: tuple[_HeldLetters, ...]
 
 
 def _sharded_einsum(equation: str, operands: list):
@@ -362,14 +392,131 @@ def _product_layout(equation: str, operands: tuple[_Operand, ...]) -> _ProductLa
     mesh = sharded[0].mesh
     if any(spec.mesh != mesh for spec in sharded):
         return None
+    held = _held_letters(subscripts, operands)
+    if held is None:
+        return None
+    operands = tuple(o.whole() for o in operands)
     ring = _ring_pair(subscripts, output, operands)
     letters = _sharded_letters(subscripts, operands, ring)
     if letters is None:
         return None
-    output_axes = frozenset(a for letter in letters.values() for a in letter.axes)
+    held_axes = frozenset(a for axes in held for a in axes)
+    output_axes = frozenset(a for letter in letters.values() for a in letter.axes) | held_axes
     sliced = {c: s for c, s in letters.items() if ring is None or c != ring.letter}
     spec = _output_spec(output, sliced, sharded[0].dtype, operands, subscripts, mesh)
-    return _ProductLayout(tuple(subscripts), ring, letters, sliced, output_axes, spec)
+    spec = _held_output(spec, output, held)
+    holders = tuple(
+        _HeldLetters(axes, holder, frozenset(c for _, c in found))
+        for axes, (holder, found) in held.items()
+    )
+    return _ProductLayout(tuple(subscripts), ring, letters, sliced, output_axes, spec, holders)
+
+
+@dataclass(frozen=True)
+class _HeldLetters:
+    """Mesh ``axes`` along which the rank at index ``holder`` holds all of ``letters``."""
+
+    axes: tuple[int, ...]
+    holder: int
+    letters: frozenset[str]
+
+
+# NOTE [A product of held operands runs on their holder]
+# Operands with held axes (NOTE [A dim one rank holds is whole on that rank] in ``_common``:
+# along them one rank holds all of a dim, the others nothing) are multiplied as if those dims
+# were whole, on the holder: the holder's row of ranks computes the product of what it holds
+# (laid out by the rules above, from the operands with their held axes taken off), and every
+# other rank along the held axes, whose shards are empty along a held letter, an output of
+# nothing (connected to its inputs, so that it takes part in their backward). The output
+# keeps the held axes, nested outermost, on the dim of a held letter it keeps (the largest
+# operand's: the field rather than the few tokens it meets), else on its first dim no axis
+# splits, else its first dim: the holder holds the output whole along them. A held letter
+# summed over is so kept by its holder (NOTE [A sum over a dim one rank holds stays with that
+# rank]); a 0-d output has no dim for the axes and is pending a sum over them, the others'
+# terms zeros. The other ranks run the local product on their operands cut to nothing along
+# the held letters (a weight's rows too), so that every operand, a bias inside ``linear``
+# included, takes part in the backward, and their output is cut to their empty shard of it.
+# Operands held along one axis by different ranks, or held along an axis that another
+# operand splits, decline to the default path.
+def _held_letters(
+    subscripts: list[str], operands: tuple[_Operand, ...]
+) -> dict[tuple[int, ...], tuple[int, list[tuple[int, str]]]] | None:
+    """Held mesh axes -> (their holder, (operand size, letter) per operand holding a letter
+    along them) (NOTE [A product of held operands runs on their holder]); None when the
+    operands disagree on a holder or another operand splits a held axis."""
+    held: dict[tuple[int, ...], tuple[int, list[tuple[int, str]]]] = {}
+    for subscript, operand in zip(subscripts, operands):
+        if operand.spec is None:
+            continue
+        for h in without_held(operand.spec)[1]:
+            holder, found = held.setdefault(h.axes, (h.holder, []))
+            if holder != h.holder:
+                return None
+            found.append((math.prod(operand.shape), subscript[h.dim]))
+    axes = [a for group in held for a in group]
+    if len(axes) != len(set(axes)):
+        return None
+    for operand in operands:
+        if operand.spec is not None and sharding_axes(operand.whole().spec) & set(axes):
+            return None
+    return held
+
+
+def _held_output(
+    spec: ShardTensorSpec,
+    output: str,
+    held: dict[tuple[int, ...], tuple[int, list[tuple[int, str]]]],
+) -> ShardTensorSpec:
+    """``spec`` with the held axes kept by their holder (NOTE [A product of held operands
+    runs on their holder])."""
+    taken = set(spec.sharding_by_dim)
+    kept, pending = [], []
+    for axes, (holder, found) in held.items():
+        letters = [(n, c) for n, c in found if c in output]
+        if letters:
+            dim = output.index(max(letters, key=lambda t: t[0])[1])
+        elif spec.ndim:
+            dim = next((d for d in range(spec.ndim) if d not in taken), 0)
+        else:
+            pending.extend(axes)
+            continue
+        taken.add(dim)
+        kept.append(Held(dim, axes, holder))
+    if pending:
+        placements = [Partial() if a in pending else p for a, p in enumerate(spec.placements)]
+        spec = spec.relaid(
+            placements,
+            {s.dim: s.sizes for s in spec.shardings},
+            order={s.dim: s.axes for s in spec.shardings},
+        )
+    return held_on(spec, kept) if kept else spec
+
+
+def _not_held(held: tuple[_HeldLetters, ...], mesh) -> frozenset[str]:
+    """The held letters of which this rank holds nothing."""
+    coordinate = mesh_coordinate(mesh)
+    return frozenset(
+        c
+        for h in held
+        if index_over_axes(coordinate, h.axes, mesh.shape) != h.holder
+        for c in h.letters
+    )
+
+
+def _cut(local: torch.Tensor, subscript: str, letters: frozenset[str]) -> torch.Tensor:
+    """``local`` with nothing along ``letters``."""
+    for d, c in enumerate(subscript):
+        if c in letters:
+            local = local.narrow(d, 0, 0)
+    return local
+
+
+def _fitted(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A rank's output of nothing (``_cut`` operands) in its empty shard's ``shape``."""
+    for d, n in enumerate(shape):
+        if out.shape[d] > n:
+            out = out.narrow(d, 0, n)
+    return out.reshape(shape)
 
 
 def _product(
@@ -384,7 +531,13 @@ def _product(
         _local_operand(o, s, layout.sliced, layout.output_axes, mesh)
         for o, s in zip(operands, subscripts)
     ]
-    if ring is None:
+    empty = _not_held(layout.held, mesh) if layout.held else frozenset()
+    if empty and ring is not None:
+        out = connected_empty(list(layout.output.local_shape()), locals_[0], *locals_)
+    elif empty:
+        locals_ = [_cut(t, s, empty) for t, s in zip(locals_, subscripts)]
+        out = _fitted(local_product(*locals_), layout.output.local_shape())
+    elif ring is None:
         out = local_product(*locals_)
     else:
         output = equation.split("->")[1]
@@ -637,7 +790,9 @@ def _rows_kept(x: ShardTensor, out: torch.Tensor, columns: int) -> ShardTensor:
 # ``aten.mm(x, w)`` with ``x``'s columns (the contracted dim) sharded and ``w`` replicated, as
 # ``linalg.multi_dot`` and autograd reach it: each rank multiplies its columns by the rows of
 # ``w`` they meet, and the output is pending a sum over the axes that shard the columns
-# (its rows keep theirs), moving nothing; DTensor's rule gathers ``x`` instead.
+# (its rows keep theirs), moving nothing, or kept by the one rank that holds the columns
+# (NOTE [A sum over a dim one rank holds stays with that rank]); DTensor's rule gathers
+# ``x`` instead.
 def _columns_sharded(x: object, other: object) -> bool:
     """Whether ``x @ other`` is a ShardTensor sharded on its columns, and perhaps its rows,
     times a replicated matrix (NOTE [A product over sharded columns is a pending sum])."""
@@ -658,16 +813,19 @@ def _columns_summed(x: ShardTensor, other: torch.Tensor) -> ShardTensor:
         Partial() if axis in columns.axes else p for axis, p in enumerate(spec.placements)
     ]
     rows = spec.sharding_by_dim.get(0)
-    out_spec = ShardTensorSpec.build(
-        spec.mesh,
-        placements,
-        (x.shape[0], other.shape[1]),
-        out.dtype,
-        {0: rows.sizes} if rows else {},
-        order={0: rows.axes} if rows else {},
-        hints=merged_hints(spec.hints + spec.shardings),
+    out_spec, held = held_by_one(
+        ShardTensorSpec.build(
+            spec.mesh,
+            placements,
+            (x.shape[0], other.shape[1]),
+            out.dtype,
+            {0: rows.sizes} if rows else {},
+            order={0: rows.axes} if rows else {},
+            hints=merged_hints(spec.hints + spec.shardings),
+        ),
+        ((columns.axes, columns.sizes),),
     )
-    return ShardTensor(out, out_spec)
+    return ShardTensor(held_local(out, out_spec, held), out_spec)
 
 
 @register_aten_handler(aten.mm.default)

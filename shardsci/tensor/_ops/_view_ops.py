@@ -16,6 +16,10 @@ the view is decomposed into groups of input dims that become groups of output di
   flatten]);
 - a flatten then a split that mixes dims (``(B, H * D) -> (B * H, D)``): both rules in turn,
   the head's shard boundaries moved to the nearest ones that fall on whole output rows.
+Mesh axes along which one rank holds a dim whole (a contraction's output kept by its holder,
+a dim of extent 1) are taken off first and nested back, outermost, on the output dim the held
+dim becomes: the holder's view, no byte moved (NOTE [A dim one rank holds is whole on that
+rank] in ``_common``); the rules above never move or replicate them.
 
 ``unbind`` and ``stack`` remove / insert a dim: local unbinds and stacks (a sharded dim is
 unbound after an all-gather), the layout and its memory renumbered.
@@ -38,7 +42,15 @@ from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
-from shardsci.tensor._ops._common import accepts, dim_layout, reduced_now, with_dims_whole
+from shardsci.tensor._ops._common import (
+    Held,
+    accepts,
+    dim_layout,
+    held_on,
+    reduced_now,
+    with_dims_whole,
+    without_held,
+)
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import register_aten_handler
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec, chunk_sizes, merged_hints
@@ -108,9 +120,31 @@ def _view_plan(
     returns to (NOTE [An unflatten returns to the layout before the flatten]) or None; cached
     per layout and shape, as a training step views the same layouts every iteration."""
     groups = _view_groups(tuple(spec.shape), out_shape)
-    needed = _layout_for_view(spec, groups, out_shape)
+    whole, held = without_held(spec) if out_shape else (spec, ())
+    needed = _layout_for_view(whole, groups, out_shape)
     out_spec = _output_spec(needed, groups, out_shape, _carried_hints(spec, groups))
-    return needed, out_spec, _unflattened(spec, groups, out_spec)
+    restored = _unflattened(whole, groups, out_spec)
+    if held:
+        moved = _held_targets(held, groups, len(out_shape))
+        needed, out_spec = held_on(needed, held), held_on(out_spec, moved)
+        restored = None if restored is None else held_on(restored, moved)
+    return needed, out_spec, restored
+
+
+def _held_targets(held: tuple[Held, ...], groups: list[Group], ndim: int) -> list[Held]:
+    """``held`` moved to the output dims their dims become (NOTE [A dim one rank holds is
+    whole on that rank]): the first of the dim's group; for a dim in no group (of extent 1),
+    the same dim if it is an output dim in no group, else the first such, else dim 0."""
+    first_out = {d: out_dims[0] for in_dims, out_dims in groups for d in in_dims}
+    grouped = {d for _, out_dims in groups for d in out_dims}
+    free = [d for d in range(ndim) if d not in grouped]
+    targets = []
+    for h in held:
+        target = first_out.get(h.dim)
+        if target is None:
+            target = h.dim if h.dim in free else (free or [0])[0]
+        targets.append(Held(target, h.axes, h.holder))
+    return targets
 
 
 #: What ``Tensor.view`` raises for a shape the memory layout cannot take: RuntimeError on a
