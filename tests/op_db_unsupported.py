@@ -549,18 +549,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _OVERLAP_OWNER.cases((24,), ("4r-random",)),
         _OVERLAP_OWNER.cases((24, 26), ("2x2-uneven",)),
     ),
-    "nn.functional.multi_head_attention_forward": (
-        Accepted(
-            r"^output 0: layout: mesh axis 1 is R; expected Shard\(2\) \(same-shape or partial",
-            "the embedding dim split (axis 1): the in-projection contracts over it, a pending "
-            "sum of the whole projection that the reshapes into heads reduce to Replicate (one "
-            "all-reduce; every rank of the axis then holds all of q, k and v's features); a "
-            "reduce-scatter onto the heads would keep 1/p per rank (not done)",
-            (0,),
-            ("2x2-last",),
-            "gathered",
-        ),
-    ),
     "nn.functional.nll_loss": (
         Accepted(
             r"^output 0: layout: mesh axis \d is P\(sum\); expected Shard\(0\) \(depends: ",
