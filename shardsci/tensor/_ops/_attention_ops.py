@@ -325,34 +325,20 @@ def _layouts(
 @cached("attention output layouts", 1024)
 def _indexed_like(query: ShardTensorSpec, shape: torch.Size, dtype: torch.dtype) -> ShardTensorSpec:
     """``shape`` (an output, or a log-sum-exp without the last dim) laid out like the query's
-    dims it indexes: a dim of another extent (the values' E_v) in ``torch.chunk``'s sizes."""
-    kept = [s for s in query.shardings if s.dim < len(shape)]
-    sizes = {
-        s.dim: s.sizes
+    dims it indexes: a dim of another extent (the values' E_v) in ``torch.chunk``'s sizes;
+    the query's strides kept for its own shape."""
+    kept = [
+        s
         if shape[s.dim] == query.shape[s.dim]
-        else nested_chunk_sizes(shape[s.dim], [query.mesh_shape[a] for a in s.axes])
-        for s in kept
-    }
-    return _rebuilt_as(query, kept, shape, dtype, sizes)
-
-
-def _rebuilt_as(
-    spec: ShardTensorSpec,
-    shardings: Sequence[DimSharding],
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    sizes: dict[int, tuple[int, ...]],
-) -> ShardTensorSpec:
-    """A tensor of ``shape`` on ``spec``'s mesh split as ``shardings`` say, in ``sizes``;
-    every other axis replicated (``spec``'s strides kept for its own shape)."""
-    placements: list[Placement] = [Replicate()] * spec.mesh.ndim
-    for s in shardings:
-        for axis in s.axes:
-            placements[axis] = Shard(s.dim)
-    order = {s.dim: s.axes for s in shardings}
-    stride = spec.stride if tuple(shape) == tuple(spec.shape) else None
-    return ShardTensorSpec.build(
-        spec.mesh, placements, shape, dtype, sizes, stride=stride, order=order, hints=spec.hints
+        else replace(
+            s, sizes=nested_chunk_sizes(shape[s.dim], [query.mesh_shape[a] for a in s.axes])
+        )
+        for s in query.shardings
+        if s.dim < len(shape)
+    ]
+    stride = query.stride if tuple(shape) == tuple(query.shape) else None
+    return ShardTensorSpec.from_shardings(
+        query.mesh, kept, shape, dtype, stride=stride, hints=query.hints
     )
 
 
@@ -385,8 +371,7 @@ def _query_layout(spec: ShardTensorSpec, repeats: int) -> ShardTensorSpec:
     """The query's layout with Partial axes reduced and, with grouped-query attention, its
     head dim whole."""
     whole = {spec.ndim - 3} if repeats > 1 else set()
-    kept = [s for s in spec.shardings if s.dim not in whole]
-    return _rebuilt_as(spec, kept, spec.shape, spec.dtype, {s.dim: s.sizes for s in kept})
+    return _relaid(spec, [s for s in spec.shardings if s.dim not in whole])
 
 
 def _features_moved(
@@ -419,7 +404,14 @@ def _features_moved(
         axes = (rows.axes if rows is not None else ()) + moved.axes
         sizes = tuple(size for piece in outer for size in nested_chunk_sizes(piece, parts))
         kept.append(DimSharding(sequence, axes, sizes))
-    return _rebuilt_as(spec, kept, spec.shape, spec.dtype, {s.dim: s.sizes for s in kept})
+    return _relaid(spec, kept)
+
+
+def _relaid(spec: ShardTensorSpec, shardings: Sequence[DimSharding]) -> ShardTensorSpec:
+    """``spec``'s tensor split as ``shardings`` say, every other axis replicated."""
+    return ShardTensorSpec.from_shardings(
+        spec.mesh, shardings, spec.shape, spec.dtype, stride=spec.stride, hints=spec.hints
+    )
 
 
 def _key_value_layouts(
