@@ -177,6 +177,20 @@ _ONE_HOLDER_SUM = Bug(
     "wrong",
     r"^output \d+: layout: mesh axis \d+ is P\(sum\); expected Shard",
 )
+#: ``masked_select`` of a split tensor: the output is the selected elements in flat
+#: (row-major) order, its length the mask's count. Kept local it could be: with only the leading
+#: dim split each rank's selection is one run of the output (its size known to all by one
+#: all-gather of p counts); with another dim split the ranks' selections interleave in the flat
+#: order, and each element would move to the rank owning its output place (an all-to-all of at
+#: most what each rank selected). Neither is built: the input is gathered, and the guard says so.
+_SELECTION_GATHERED = Bug(
+    "masked selection gathered",
+    "masked_select gathers its input (one all-gather; the guard reports it) where the "
+    "selected elements could stay with their owners: one run per rank with the leading dim "
+    "split (sizes by an all-gather of counts), an all-to-all into flat order otherwise",
+    "gathered",
+    _GATHERED.message,
+)
 #: A cell that two overlapping windows share (kernel > stride) read by max unpooling: its
 #: dependencies give it to the rank whose window's maximum it is, which the indices' values
 #: decide; the layout cannot depend on them and gives it to the later window's rank (NOTE in
@@ -470,7 +484,25 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "masked_scatter": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "masked_select": (_GATHERED.cases((0,), ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last")),),
+    "_unsafe_masked_index": (
+        Accepted(
+            r"^output 0: layout: mesh axis 0 is R; expected Shard\(0\) \(depends: "
+            r"|^the gather guard saw no gather$",
+            "plain indices into every dim, read as x[i][:, j][:, :, k]: each output row "
+            "belongs to the rank holding the input row i names, which the index values decide "
+            "(here in no increasing owner order) and no layout may depend on; every rank "
+            "fetches the rows i reads (a halo of the rows read, NOTE [A gather through a "
+            "replicated index keeps the input's layout]: the guard counts no gather, though an "
+            "index reaching every row makes it one) and holds the read whole",
+            (5,),
+            ("2r-uneven", "2x2-uneven"),
+            "wrong",
+        ),
+    ),
+    "masked_select": (
+        _SELECTION_GATHERED.cases((0, 1, 5), ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last")),
+        _SELECTION_GATHERED.cases((3,), ("2r-uneven", "2x2-uneven")),
+    ),
     "matrix_exp": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -497,7 +529,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
             "wrong",
         ),
     ),
-    "nn.functional.bilinear": (_GATHERED.cases((2,), ("2x2-uneven", "2x2-last")),),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
     "nn.functional.embedding": (
         Accepted(
@@ -540,18 +571,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.max_unpool3d": (
         _OVERLAP_OWNER.cases((24,), ("4r-random",)),
         _OVERLAP_OWNER.cases((24, 26), ("2x2-uneven",)),
-    ),
-    "nn.functional.multi_head_attention_forward": (
-        Accepted(
-            r"^output 0: layout: mesh axis 1 is R; expected Shard\(2\) \(same-shape or partial",
-            "the embedding dim split (axis 1): the in-projection contracts over it, a pending "
-            "sum of the whole projection that the reshapes into heads reduce to Replicate (one "
-            "all-reduce; every rank of the axis then holds all of q, k and v's features); a "
-            "reduce-scatter onto the heads would keep 1/p per rank (not done)",
-            (0,),
-            ("2x2-last",),
-            "gathered",
-        ),
     ),
     "nn.functional.nll_loss": (
         Accepted(

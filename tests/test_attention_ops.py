@@ -452,6 +452,98 @@ def test_multihead_attention_weights_keep_the_rows(name: str) -> None:
     run_on_ranks(math.prod(WEIGHTS_CASES[name][0]), _multihead_weights_body, name)
 
 
+# Tokens (L, N, E) = (5, 3, 8), two heads, with the embedding dim E split: alone (uneven; with
+# an empty shard), beside the batch N or the tokens L on a 2x2 mesh. E's axes move onto N
+# where N has a row for each of their ranks (2r, 2x2 beside L), else onto L (4r; 2x2 beside
+# N, which another axis splits), whose keys then take the ring: mesh, layout, the rows E's
+# axes split ("batch" or "tokens"), and the layout of the attention weights (N, L, S) these
+# rows give (``torch.chunk``'s sizes).
+EMBEDDING_CASES = {
+    "2r-E-5/3": ((2,), Layout((Shard(2),), {2: (5, 3)}), "batch", Layout((Shard(0),), {0: (2, 1)})),
+    "4r-E-0/3/4/1": (
+        (4,),
+        Layout((Shard(2),), {2: (0, 3, 4, 1)}),
+        "tokens",
+        Layout((Shard(1),), {1: (2, 2, 1, 0)}),
+    ),
+    "2x2-N-and-E": (
+        (2, 2),
+        Layout((Shard(1), Shard(2)), {1: (1, 2), 2: (3, 5)}),
+        "tokens",
+        Layout((Shard(0), Shard(1)), {0: (1, 2), 1: (3, 2)}),
+    ),
+    "2x2-L-and-E": (
+        (2, 2),
+        Layout((Shard(0), Shard(2)), {0: (4, 1), 2: (5, 3)}),
+        "batch",
+        Layout((Shard(1), Shard(0)), {1: (4, 1), 0: (2, 1)}),
+    ),
+}
+EMBEDDING_VARIANTS = ["self", "weights-and-mask", "cross", "separate-projections"]
+
+
+def _split_embedding_body(name: str, variant: str) -> None:
+    """``nn.MultiheadAttention`` on tokens whose embedding dim is split: output values, the
+    input's and every parameter's gradient as one process, the output in the input's layout;
+    under the gather guard's "error" the forward gathers nothing and moves data by all-to-alls
+    (and the ring's sends) only: no all-reduce of a pending projection (``count_traffic``)."""
+    from shardsci import gather_policy
+
+    mesh_shape, layout, rows, weights = EMBEDDING_CASES[name]
+    mesh = get_mesh(mesh_shape)
+    separate = variant == "separate-projections"
+    module = nn.MultiheadAttention(8, 2, kdim=8 if separate else None, vdim=6 if separate else None)
+    module = module.double()
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    memory = torch.randn(5, 3, 8, dtype=torch.float64)  # as long as x: laid out like it
+    if variant == "self":
+        fn, inputs, layouts = (lambda m, t: m(t, t, t, need_weights=False)[0]), [x], [layout]
+    elif variant == "weights-and-mask":
+        mask = torch.randn(5, 5, dtype=torch.float64)
+        fn = lambda m, t, bias: m(t, t, t, need_weights=True, attn_mask=bias)  # noqa: E731
+        inputs, layouts = [x, mask], [layout, None]
+    elif variant == "cross":
+        fn = lambda m, t, kv: m(t, kv, kv, need_weights=False)[0]  # noqa: E731
+        inputs, layouts = [x, memory], [layout, None]
+    else:
+        values = torch.randn(5, 3, 6, dtype=torch.float64)
+        fn = lambda m, t, k, v: m(t, k, v, need_weights=False)[0]  # noqa: E731
+        inputs, layouts = [x, memory, values], [layout, layout, None]
+    out_layouts = [layout, weights] if variant == "weights-and-mask" else [layout]
+    with attention_exchange("ring"):
+        check_against_reference(
+            fn,
+            inputs,
+            layouts,
+            mesh,
+            module=module,
+            out_layouts=out_layouts,
+            not_a_gather=EVERY_KEY if rows == "tokens" else "",
+            what=f"{name} {variant}",
+        )
+        sharded = [_laid_out(t, given, mesh) for t, given in zip(inputs, layouts)]
+        with torch.no_grad(), gather_policy("error"), count_traffic() as traffic:
+            fn(module, *sharded)
+    kinds = set(traffic.received_by_kind)
+    assert_all_ranks(
+        kinds <= {"all_to_all", "p2p"},
+        f"{name}: the forward received {traffic.as_dict()}; expected all-to-alls and sends",
+    )
+
+
+def _laid_out(t: torch.Tensor, layout: Layout | None, mesh) -> torch.Tensor:
+    if layout is None:
+        return t
+    spec = layout.spec(mesh, t)
+    return from_local_spec(spec.narrow(t), spec)
+
+
+@pytest.mark.parametrize("variant", EMBEDDING_VARIANTS)
+@pytest.mark.parametrize("name", list(EMBEDDING_CASES))
+def test_multihead_attention_split_embedding_stays_split(name: str, variant: str) -> None:
+    run_on_ranks(math.prod(EMBEDDING_CASES[name][0]), _split_embedding_body, name, variant)
+
+
 def _errors_body() -> None:
     mesh = get_mesh((2,))
     x = torch.randn(1, 2, 9, 4, dtype=torch.float64)

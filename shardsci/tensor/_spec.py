@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -241,6 +241,33 @@ class ShardTensorSpec:
             stride = contiguous_stride(shape)
         spec = cls(mesh, placements, shape, tuple(stride), dtype, tuple(shardings), hints)
         return _INTERNED.setdefault(spec.key, spec)
+
+    @classmethod
+    def from_shardings(
+        cls,
+        mesh: DeviceMesh,
+        shardings: Iterable[DimSharding],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        pending: Iterable[int] = (),
+        stride: Sequence[int] | None = None,
+        hints: tuple[DimSharding, ...] = (),
+    ) -> ShardTensorSpec:
+        """A spec from its dims' shardings: each ``DimSharding``'s dim split over its axes
+        (outermost first) in its sizes, a pending sum (``Partial``) over the mesh axes
+        ``pending``, every other axis replicated; validated and interned by :meth:`build`."""
+        placements: list[Placement] = [Replicate()] * mesh.ndim
+        for axis in pending:
+            placements[axis] = Partial()
+        sizes, order = {}, {}
+        for s in shardings:
+            sizes[s.dim], order[s.dim] = s.sizes, s.axes
+            for axis in s.axes:
+                placements[axis] = Shard(s.dim)
+        return cls.build(
+            mesh, placements, shape, dtype, sizes, stride=stride, order=order, hints=hints
+        )
 
     # ------------------------------------------------------------------ queries
     @property

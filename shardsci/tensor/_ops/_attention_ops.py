@@ -27,7 +27,8 @@ the largest batch or head dim no axis splits (``torch.chunk``'s sizes), where it
 every rank of those axes, else L itself (nested inside L's own axes, keys' S alike, so the
 ring runs over both). Attention is then local along those axes, and the output moves back to
 the query's layout, its last dim E_v split like E (one all-to-all): no rank holds more than
-its share of any operand.
+its share of any operand. ``F.multi_head_attention_forward`` moves a split embedding dim the
+same way before its in-projection, which contracts it (``_multi_head_attention``).
 
 The CPU fused kernel's two aten ops (forward, backward) are handled the same way, for the
 callers that reach them below ``__torch_function__`` (``nn.MultiheadAttention``).
@@ -36,7 +37,7 @@ callers that reach them below ``__torch_function__`` (``nn.MultiheadAttention``)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, redistribute
-from shardsci.tensor._binding import bind
+from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._ops._common import accepts, unsplit
@@ -144,6 +145,42 @@ def _flash_attention_cpu_backward(func, args, kwargs):
             _returned(grad, aligned, given)
             for grad, aligned, given in zip(grads[:3], (call.q, call.k, call.v), (q, k, v))
         )
+
+
+@register_function_handler(F.multi_head_attention_forward)
+def _multi_head_attention(func, args, kwargs):
+    """NOTE [A split feature dim moves to the rows], before the in-projection: it contracts
+    the embedding dim E, so with E split each rank would hold every feature of its tokens'
+    projections as a pending sum (a gather the guard reports), which the reshapes into heads
+    reduce to Replicate. Instead a query, key or value whose E is split moves those
+    axes onto its batch dim N where N has a row for each of their ranks, else onto its
+    tokens, nested inside their own axes (one all-to-all each, every rank keeping its share:
+    no gather); projections and attention are then local along those axes (keys split by
+    tokens take the ring), and the output returns to the query's layout (one all-to-all).
+    The attention weights keep the rows they were computed in. Weights and biases whole."""
+    a = bind(func, args, kwargs)
+    operands = {"query": a.query, "key": a.key, "value": a.value}
+    parameters = (
+        a.in_proj_weight, a.in_proj_bias, a.bias_k, a.bias_v, a.out_proj_weight,
+        a.out_proj_bias, a.q_proj_weight, a.k_proj_weight, a.v_proj_weight, a.static_k,
+        a.static_v,
+    )  # fmt: skip
+    split = {name: t for name, t in operands.items() if _features_split(t)}
+    if not split or not accepts(*operands.values(), replicated=parameters):
+        return NotImplemented
+    moved: dict[int, ShardTensor] = {}  # by identity: self-attention keeps one packed projection
+    for t in split.values():
+        if id(t) not in moved:
+            moved[id(t)] = redistribute(t, _features_moved(t._spec, sequence=0))
+    args, kwargs = replaced(func, args, kwargs, {n: moved[id(t)] for n, t in split.items()})
+    out, attention = func(*args, **kwargs)
+    if "query" in split:
+        out = redistribute(out, _indexed_like(split["query"]._spec, out.shape, out.dtype))
+    return out, attention
+
+
+def _features_split(t: object) -> bool:
+    return isinstance(t, ShardTensor) and t.ndim - 1 in t._spec.sharding_by_dim
 
 
 def _returned(grad: torch.Tensor, aligned: ShardTensor, given: torch.Tensor) -> torch.Tensor:
@@ -266,7 +303,8 @@ def _layouts(
     repeats = q.shape[-3] // k.shape[-3] if q.ndim >= 3 and enable_gqa else 1
     given = _query_layout(q, repeats)
     features = given if q.ndim - 1 in given.sharding_by_dim else None
-    q = given if features is None else _features_moved(given, repeats)
+    heads = {q.ndim - 3} if repeats > 1 else set()
+    q = given if features is None else _features_moved(given, q.ndim - 2, heads)
     k, v = _key_value_layouts(q, k, v)
     sequence = q.ndim - 2
     if unsplit(q, (sequence,)):  # every key on this rank: no ring, no gather
@@ -287,34 +325,20 @@ def _layouts(
 @cached("attention output layouts", 1024)
 def _indexed_like(query: ShardTensorSpec, shape: torch.Size, dtype: torch.dtype) -> ShardTensorSpec:
     """``shape`` (an output, or a log-sum-exp without the last dim) laid out like the query's
-    dims it indexes: a dim of another extent (the values' E_v) in ``torch.chunk``'s sizes."""
-    kept = [s for s in query.shardings if s.dim < len(shape)]
-    sizes = {
-        s.dim: s.sizes
+    dims it indexes: a dim of another extent (the values' E_v) in ``torch.chunk``'s sizes;
+    the query's strides kept for its own shape."""
+    kept = [
+        s
         if shape[s.dim] == query.shape[s.dim]
-        else nested_chunk_sizes(shape[s.dim], [query.mesh_shape[a] for a in s.axes])
-        for s in kept
-    }
-    return _rebuilt_as(query, kept, shape, dtype, sizes)
-
-
-def _rebuilt_as(
-    spec: ShardTensorSpec,
-    shardings: Sequence[DimSharding],
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    sizes: dict[int, tuple[int, ...]],
-) -> ShardTensorSpec:
-    """A tensor of ``shape`` on ``spec``'s mesh split as ``shardings`` say, in ``sizes``;
-    every other axis replicated (``spec``'s strides kept for its own shape)."""
-    placements: list[Placement] = [Replicate()] * spec.mesh.ndim
-    for s in shardings:
-        for axis in s.axes:
-            placements[axis] = Shard(s.dim)
-    order = {s.dim: s.axes for s in shardings}
-    stride = spec.stride if tuple(shape) == tuple(spec.shape) else None
-    return ShardTensorSpec.build(
-        spec.mesh, placements, shape, dtype, sizes, stride=stride, order=order, hints=spec.hints
+        else replace(
+            s, sizes=nested_chunk_sizes(shape[s.dim], [query.mesh_shape[a] for a in s.axes])
+        )
+        for s in query.shardings
+        if s.dim < len(shape)
+    ]
+    stride = query.stride if tuple(shape) == tuple(query.shape) else None
+    return ShardTensorSpec.from_shardings(
+        query.mesh, kept, shape, dtype, stride=stride, hints=query.hints
     )
 
 
@@ -347,22 +371,25 @@ def _query_layout(spec: ShardTensorSpec, repeats: int) -> ShardTensorSpec:
     """The query's layout with Partial axes reduced and, with grouped-query attention, its
     head dim whole."""
     whole = {spec.ndim - 3} if repeats > 1 else set()
-    kept = [s for s in spec.shardings if s.dim not in whole]
-    return _rebuilt_as(spec, kept, spec.shape, spec.dtype, {s.dim: s.sizes for s in kept})
+    return _relaid(spec, [s for s in spec.shardings if s.dim not in whole])
 
 
-def _features_moved(spec: ShardTensorSpec, repeats: int) -> ShardTensorSpec:
-    """``spec`` (a query layout whose feature dim is split) with the feature axes splitting a
-    batch or head dim, else the sequence dim, instead (NOTE [A split feature dim moves to the
-    rows])."""
-    feature, sequence = spec.ndim - 1, spec.ndim - 2
+def _features_moved(
+    spec: ShardTensorSpec, sequence: int, fixed: Collection[int] = ()
+) -> ShardTensorSpec:
+    """``spec`` (a layout whose last, feature dim is split) with the feature axes splitting
+    the largest other dim no axis splits (not ``sequence``, not one of ``fixed``) where it
+    has a row for every rank of those axes, else ``sequence``, nested inside its own axes
+    (NOTE [A split feature dim moves to the rows])."""
+    feature = spec.ndim - 1
     moved = spec.sharding_by_dim[feature]
     ranks = math.prod(spec.mesh_shape[a] for a in moved.axes)
-    fixed = {spec.ndim - 3} if repeats > 1 else set()
     free = [
         d
-        for d in range(spec.ndim - 2)
-        if d not in fixed and d not in spec.sharding_by_dim and spec.shape[d] >= ranks
+        for d in range(spec.ndim)
+        if d not in (feature, sequence, *fixed)
+        and d not in spec.sharding_by_dim
+        and spec.shape[d] >= ranks
     ]
     parts = [spec.mesh_shape[a] for a in moved.axes]
     kept = [s for s in spec.shardings if s.dim not in (feature, sequence)]
@@ -377,7 +404,14 @@ def _features_moved(spec: ShardTensorSpec, repeats: int) -> ShardTensorSpec:
         axes = (rows.axes if rows is not None else ()) + moved.axes
         sizes = tuple(size for piece in outer for size in nested_chunk_sizes(piece, parts))
         kept.append(DimSharding(sequence, axes, sizes))
-    return _rebuilt_as(spec, kept, spec.shape, spec.dtype, {s.dim: s.sizes for s in kept})
+    return _relaid(spec, kept)
+
+
+def _relaid(spec: ShardTensorSpec, shardings: Sequence[DimSharding]) -> ShardTensorSpec:
+    """``spec``'s tensor split as ``shardings`` say, every other axis replicated."""
+    return ShardTensorSpec.from_shardings(
+        spec.mesh, shardings, spec.shape, spec.dtype, stride=spec.stride, hints=spec.hints
+    )
 
 
 def _key_value_layouts(

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._ops._common import accepts, sharding_axes
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 aten = torch.ops.aten
 
@@ -88,19 +88,12 @@ def _looked_up(table: ShardTensorSpec, indices: torch.Tensor, dtype: torch.dtype
     """The lookup's layout: the indices' split, the table's columns' on the last dim, a
     pending sum over the axes splitting its rows."""
     shape = [*indices.shape, table.shape[1]]
-    placements: list = [Replicate()] * table.mesh.ndim
-    sizes, order = {}, {}
     shardings = list(indices._spec.shardings) if isinstance(indices, ShardTensor) else []
-    for s in shardings:
-        sizes[s.dim], order[s.dim] = s.sizes, s.axes
-        for axis in s.axes:
-            placements[axis] = Shard(s.dim)
-    for s in table.shardings:
-        for axis in s.axes:
-            placements[axis] = Partial() if s.dim == 0 else Shard(len(shape) - 1)
-        if s.dim == 1:
-            sizes[len(shape) - 1], order[len(shape) - 1] = s.sizes, s.axes
-    return ShardTensorSpec.build(table.mesh, placements, shape, dtype, sizes, order=order)
+    shardings += [
+        DimSharding(len(shape) - 1, s.axes, s.sizes) for s in table.shardings if s.dim == 1
+    ]
+    rows = [axis for s in table.shardings if s.dim == 0 for axis in s.axes]
+    return ShardTensorSpec.from_shardings(table.mesh, shardings, shape, dtype, pending=rows)
 
 
 @register_aten_handler(aten.embedding.default)
