@@ -72,18 +72,25 @@ _ONE_RANK = textwrap.dedent(
     store, compile_it = sys.argv[1], sys.argv[2] == "compile"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
-    report = {"hashes": [], "counters": []}
+    report = {"hashes": [], "counters": [], "errors": []}
     with tracing_through_shardtensors():
         compiled = torch.compile(lambda x: torch.tanh(x) * 2 - x.mean(), backend="inductor")
         for rows in (4, 5):
             whole = torch.randn(rows, 6, dtype=torch.float64)
             spec = ShardTensorSpec.build(mesh, [Shard(0)], whole.shape, whole.dtype)
-            x = from_local_spec(whole.clone().requires_grad_(), spec)
+            leaf = whole.clone().requires_grad_()
+            x = from_local_spec(leaf, spec)
             report["hashes"].append(x._stable_hash_for_caching())
             if compile_it:
                 torch._dynamo.utils.counters.clear()
-                compiled(x).sum().backward()
+                y = compiled(x)
+                (y * y).sum().backward()
                 report["counters"].append(dict(torch._dynamo.utils.counters["aot_autograd"]))
+                expected = whole.clone().requires_grad_()
+                z = torch.tanh(expected) * 2 - expected.mean()
+                (z * z).sum().backward()
+                errors = (y.to_local() - z, leaf.grad - expected.grad)
+                report["errors"].append(max(e.abs().max().item() for e in errors))
     dist.destroy_process_group()
     print(json.dumps(report))
     """
@@ -92,7 +99,8 @@ _ONE_RANK = textwrap.dedent(
 
 def _one_rank_process(tmp_path, name: str, mode: str, seed: str) -> dict:
     """``_ONE_RANK`` in a new process (its own ``PYTHONHASHSEED``), the inductor cache in
-    ``tmp_path``: each layout's stable hash and, compiled, AOTAutograd's cache counters."""
+    ``tmp_path``: each layout's stable hash and, compiled, AOTAutograd's cache counters and
+    the largest difference from eager plain torch."""
     env = dict(os.environ, PYTHONHASHSEED=seed, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run(
         [sys.executable, "-c", _ONE_RANK, str(tmp_path / name), mode],
@@ -122,3 +130,5 @@ def test_a_new_process_finds_the_graphs_compiled_by_the_last(tmp_path) -> None:
     hits = [c.get("autograd_cache_hit", 0) for c in second["counters"]]
     assert saved == [1, 1], first["counters"]  # two layouts, two entries
     assert hits == [1, 1], second["counters"]
+    # The cached graphs compute what eager code does (output and input gradient, float64).
+    assert max(first["errors"] + second["errors"]) < 1e-12, (first["errors"], second["errors"])
