@@ -76,18 +76,24 @@ class AxisGroup:
 # A halo exchange is a few messages to neighbours, which every member of the axis's group
 # takes part in. On gloo a point-to-point message costs far more than the same bytes in one
 # collective: 2 gloo ranks, 2 KiB each way, load 20-50 (``benchmarks/call_waiting.py``):
-# isend + irecv 0.08 ms of the thread's CPU and 2.5 ms of wall, one ``all_to_all_single`` 0.06
-# and 0.28 ms; ``benchmarks/halo_collective.py`` measures whole exchanges both ways on 2, 4
-# and 8 ranks. So on gloo such an exchange goes as one ``all_to_all_single`` over the axis's
-# group, with a zero split for every member that is not a neighbour: the same bytes, one call
-# instead of a message each way per neighbour (as in a compiled graph, where there is no
-# functional point-to-point collective). Elsewhere it stays messages: NCCL already launches
-# a batch of messages as one group, and its all-to-all posts a send and a receive per peer
-# (zero-byte ones skipped), so it would save nothing there and cost a loop over every member
-# of a large group. The rule is ``messages_in_one_collective``; a stand-in backend (the dry
-# run's fake process group) follows the backend its mesh's device would have, so that a
-# dry run counts what the real run issues. Every member must call the exchange, messages or
-# not (``start_send_recv``'s ``everyone_joins``).
+# isend + irecv 0.08 ms of the thread's CPU and 2.5 ms of wall, one ``all_to_all_single``
+# 0.06 and 0.28 ms. ``benchmarks/halo_collective.py`` runs the same work both ways, paired
+# and alternated (2026-11-29 13:02-13:27 UTC, load 14-88, records in
+# ``benchmarks/records/2026-11-29-halo-collective``): a UNet training step's process CPU,
+# all-to-all over messages, on 2 ranks 0.76 at a 16² tile per rank and 0.68 at 64²; 4 ranks
+# 0.65 / 0.76; 2x2 0.88 / 0.89; 8 ranks (16²) 0.76, 2x4 0.91; a circular pad's forward and
+# backward 0.21-1.0; the same bytes. So on gloo such an exchange goes as one
+# ``all_to_all_single`` over the axis's group, with a zero split for every member that is
+# not a neighbour: one call instead of a message each way per neighbour (as in a compiled
+# graph, where there is no functional point-to-point collective). Elsewhere it stays
+# messages: NCCL already launches a batch of messages as one group, and torch's NCCL
+# all-to-all with split sizes posts a send and a receive for every peer, zero-byte ones
+# included (``_nccl_should_send_recv`` is true for every count from NCCL 2.14 on; read in
+# torch's source, not measured): 2 (P - 1) legs for a 2-neighbour exchange, O(P) on a large
+# group. The rule is ``messages_in_one_collective``; a stand-in backend (the dry run's fake
+# process group) follows the backend torch gives its mesh's device, so that a dry run counts
+# what the real run issues. Every member must call the exchange, messages or not
+# (``start_send_recv``'s ``everyone_joins``).
 GLOO_LARGEST_GROUP = 8
 """The largest group on gloo whose exchanges go as one all-to-all: measured up to 8 ranks
 (``benchmarks/halo_collective.py``); gloo's all-to-all visits every member, so a larger
