@@ -2,7 +2,7 @@
 ``gather_policy("error")``: ``amax``/``amin`` (over one dim, with ``keepdim``, over several
 and over all), ``max``/``min`` with a dim (values and indices) and ``max()``; values, the
 gradient and the output's layout, on uneven rows, rows one rank holds whole (the others
-empty), a 2x2 block and rows nested over two axes of a 2x2x2 mesh. Ties across shards (data of
+empty), rows with empty shards on 4 ranks, a 2x2 block and rows nested over two axes of a 2x2x2 mesh. Ties across shards (data of
 few distinct values) check the gradient's rule: ``amax`` splits it among the tied cells,
 ``max`` with a dim gives it to the first one, as torch.
 
@@ -23,6 +23,7 @@ from shardsci import gather_policy
 from shardsci.handlers import from_local_spec
 from shardsci.testing import (
     Layout,
+    assert_raises_all_ranks,
     check_against_reference,
     count_traffic,
     get_mesh,
@@ -32,6 +33,9 @@ from shardsci.testing import (
 LAYOUTS = {  # name: mesh, input shape, input layout
     "2r-uneven": ((2,), (3, 5), Layout((Shard(0),), {0: (2, 1)})),
     "2r-one-holder": ((2,), (6, 5), Layout((Shard(0),), {0: (6, 0)})),
+    # 40 rows: each rank receives a few rows, far below the input it lacks (which
+    # check_against_reference watches for on 3 ranks or more)
+    "4r-empty": ((4,), (40, 3), Layout((Shard(0),), {0: (15, 0, 25, 0)})),
     "2x2-blocks": ((2, 2), (3, 4), Layout((Shard(0), Shard(1)), {0: (2, 1), 1: (1, 3)})),
     "2x2x2-nested": (
         (2, 2, 2),
@@ -121,3 +125,17 @@ def test_max_along_a_split_dim_moves_rows_not_the_input(layout: str) -> None:
     for result in run_on_ranks(math.prod(mesh_shape), _bytes_body, layout):
         assert result["forward"] <= ranks_along_dim * row, result
         assert result["backward"] == 0, result
+
+
+def _empty_dim_body() -> None:
+    mesh = get_mesh((2,))
+    spec = Layout((Shard(0),), {0: (0, 0)}).spec(mesh, torch.zeros(0, 3, dtype=torch.float64))
+    x = from_local_spec(torch.zeros(0, 3, dtype=torch.float64), spec)
+    with gather_policy("error"):
+        assert_raises_all_ranks(
+            IndexError, r"max\(\): Expected reduction dim 0 to have non-zero size", lambda: x.max(0)
+        )
+
+
+def test_max_along_an_empty_dim_raises_torchs_error_on_every_rank() -> None:
+    run_on_ranks(2, _empty_dim_body)

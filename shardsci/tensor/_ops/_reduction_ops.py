@@ -214,15 +214,16 @@ def _max_min_along(func, args, kwargs):
     chosen cell picks its value and the others add zeros (a pending sum over the dim's axes,
     all-reduced). The gradient of a value goes to its cell alone, as torch's does (``amax``
     splits it among ties): backward moves no byte. The other overloads (``max(x)``,
-    ``max(x, other)``) and a dim no axis splits take their usual paths."""
+    ``max(x, other)``, ``out=``), a dim no axis splits, a dim of extent 0 (torch's error, on
+    every rank) and bool tensors (no pending sum of them) take their usual paths."""
     if len(args) + len(kwargs) < 2 or not set(kwargs) <= {"dim", "keepdim"}:
         return NotImplemented
     a = bind(func, args, kwargs, signature=_max_min_dim_signature)
     x = a.input
     if not isinstance(x, ShardTensor) or not isinstance(a.dim, int) or x.dtype == torch.bool:
         return NotImplemented
-    dim, keepdim = a.dim % x.ndim, bool(a.keepdim)
-    if not accepts(x, sharded=[dim]):
+    dim, keepdim = a.dim % max(x.ndim, 1), bool(a.keepdim)
+    if not accepts(x, sharded=[dim]) or x.shape[dim] == 0:
         return NotImplemented
     largest = func in (torch.max, torch.Tensor.max)
     indices = _arg_extreme_along(x, dim, True, largest)
