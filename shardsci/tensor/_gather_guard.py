@@ -393,8 +393,10 @@ def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTen
     one, else None: ``spec`` is pending (Partial) over mesh axes that shard the operand, and
     each rank's part of it is more than the operand's largest shard and at least as much as
     a rank would hold of the operand gathered over those axes. (A reduction's pending result
-    is smaller than what it reduced: ``x.sum(2)`` of a field split along H holds one row.)"""
-    held = _largest_shard(spec)
+    is smaller than what it reduced: ``x.sum(2)`` of a field split along H holds one row.)
+    Counted in elements, not bytes: a result of a wider dtype than its operand (the int64
+    count of a bool mask, as in ``amax``'s backward) holds no more of its extent."""
+    held = _largest_elements(spec)
     pending = {a for a, p in enumerate(spec.placements) if isinstance(p, Partial)}
     for operand in operands:
         for t in operand if isinstance(operand, (tuple, list)) else (operand,):
@@ -402,8 +404,8 @@ def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTen
             if (
                 source is not None
                 and any(pending.intersection(s.axes) for s in source.shardings)
-                and held > _largest_shard(source)
-                and held >= _largest_shard(source, gathered_over=pending)
+                and held > _largest_elements(source)
+                and held >= _largest_elements(source, gathered_over=pending)
             ):
                 return source
     return None
@@ -537,15 +539,20 @@ def _pieces(spec: ShardTensorSpec) -> int:
 
 
 def _largest_shard(spec: ShardTensorSpec, gathered_over: Collection[int] = ()) -> int:
-    """Bytes of the largest shard of ``spec`` on any rank (a mesh axis shards at most one dim,
-    so the largest extents of different dims meet on one rank); with a dim whole where one of
-    the mesh axes ``gathered_over`` shards it."""
+    """Bytes of the largest shard of ``spec`` on any rank (:func:`_largest_elements`)."""
+    return _largest_elements(spec, gathered_over) * spec.dtype.itemsize
+
+
+def _largest_elements(spec: ShardTensorSpec, gathered_over: Collection[int] = ()) -> int:
+    """Elements of the largest shard of ``spec`` on any rank (a mesh axis shards at most one
+    dim, so the largest extents of different dims meet on one rank); with a dim whole where
+    one of the mesh axes ``gathered_over`` shards it."""
     elements = 1
     for dim, extent in enumerate(spec.shape):
         sharding = spec.sharding_by_dim.get(dim)
         whole = sharding is None or any(a in gathered_over for a in sharding.axes)
         elements *= extent if whole else max(sharding.sizes)
-    return elements * spec.dtype.itemsize
+    return elements
 
 
 def _bytes_of(spec: ShardTensorSpec) -> int:

@@ -9,6 +9,9 @@
   in torch; here empty shards contribute the reduction's identity.
 - ``argmax``/``argmin`` over a sharded dim: DTensor gathers the whole tensor; here ranks
   exchange only their best (value, global index) pairs.
+- ``max``/``min`` along a sharded dim (values and indices): DTensor gathers the whole tensor;
+  here the indices are ``argmax``'s and each value is picked by the rank holding its cell (a
+  pending sum of one term, all-reduced), so its gradient goes to that cell alone, as torch's.
 - ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
   before it shifts the shards, so the result keeps the input's other shardings.
 - ``histc``, ``histogram``: DTensor has no rule; here each rank counts its own elements
@@ -23,17 +26,18 @@ import math
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from shardsci.tensor._api import ShardTensor
+from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._dispatch import local_of, run_with_propagation
 from shardsci.tensor._ops._common import (
     accepts,
+    connected_empty,
     normalized_dims,
     reduced_now,
     sharding_axes,
 )
-from shardsci.tensor._registry import register_aten_handler
+from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._spec import ShardTensorSpec
 
 aten = torch.ops.aten
@@ -197,6 +201,51 @@ def _argmax_argmin(func, args, kwargs):
     if not accepts(x, sharded=[dim]):
         return NotImplemented
     return _arg_extreme_along(x, dim, bool(a.keepdim), func is aten.argmax.default)
+
+
+def _max_min_dim_signature(input, dim, keepdim=False):
+    """``torch.max``/``torch.min`` (and the Tensor methods) with a dim."""
+
+
+@register_function_handler(torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)
+def _max_min_along(func, args, kwargs):
+    """``(values, indices)`` along a sharded dim without gathering it: the indices are
+    ``argmax``'s (an exchange of each rank's best per output element); the rank holding each
+    chosen cell picks its value and the others add zeros (a pending sum over the dim's axes,
+    all-reduced). The gradient of a value goes to its cell alone, as torch's does (``amax``
+    splits it among ties): backward moves no byte. The other overloads (``max(x)``,
+    ``max(x, other)``, ``out=``), a dim no axis splits, a dim of extent 0 (torch's error, on
+    every rank) and bool tensors (no pending sum of them) take their usual paths."""
+    if len(args) + len(kwargs) < 2 or not set(kwargs) <= {"dim", "keepdim"}:
+        return NotImplemented
+    a = bind(func, args, kwargs, signature=_max_min_dim_signature)
+    x = a.input
+    if not isinstance(x, ShardTensor) or not isinstance(a.dim, int) or x.dtype == torch.bool:
+        return NotImplemented
+    dim, keepdim = a.dim % max(x.ndim, 1), bool(a.keepdim)
+    if not accepts(x, sharded=[dim]) or x.shape[dim] == 0:
+        return NotImplemented
+    largest = func in (torch.max, torch.Tensor.max)
+    indices = _arg_extreme_along(x, dim, True, largest)
+    spec = x._spec
+    local = x.to_local()
+    offset = spec.local_offsets()[dim]
+    at = indices._local - offset
+    if local.shape[dim] == 0:
+        term = connected_empty(list(at.shape), local, local)
+    else:
+        mine = (at >= 0) & (at < local.shape[dim])
+        picked = local.gather(dim, at.clamp(0, local.shape[dim] - 1))
+        term = torch.where(mine, picked, torch.zeros_like(picked))
+    pending = reduced_spec(spec, dim, True, x.dtype, Partial())
+    values = redistribute(from_local_spec(term, pending), indices._spec.with_dtype(x.dtype))
+    if not keepdim:
+        values, indices = values.squeeze(dim), indices.squeeze(dim)
+    return (
+        torch.return_types.max((values, indices))
+        if largest
+        else torch.return_types.min((values, indices))
+    )
 
 
 def _best_of(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:
