@@ -1,18 +1,20 @@
-"""A fetch through an index that leaves a rank holding every row of the indexed dim is a gather
-the guard governs (NOTE [Gathers an op was not asked to make], ``check_fetch``), against one
+"""An index read that replicates its output, or a fetch that leaves a rank holding every row of
+the indexed dim, at least half of them fetched, is a gather the guard governs (NOTE [Gathers
+an op was not asked to make], ``check_replicated_read``, ``check_fetch``), against one
 process, float64.
 
 The op-database sweep's ``_unsafe_masked_index`` sample 5 pattern (plain indices into every
-dim, read as ``x[i][:, j][:, :, k]``, the first reaching every row in no increasing owner
+dim, read as ``x[i][:, j][:, :, k]``, ``i`` reaching four of five rows in no increasing owner
 order, so the read is replicated over dim 0's axes) on 2 uneven ranks, 4 ranks with empty
 shards and a 2x2 mesh: under ``"warn"`` one ``GatherWarning`` naming the op and the bytes
 (forward and backward), values, gradient and layout as one process; under ``"error"`` a
-``GatherError`` on every rank before any byte moves. Halo-sized fetches (a replicated index
-reading a neighbour's rows, a sharded index naming its neighbours' rows, a permutation on an
-uneven split whose big shard fetches the few rows it lacks) run under ``"error"``. A sharded
-index whose one rank names every row is refused on every rank after the plan's exchange of
-counts, before the rows move. ``gather`` with an index of the input's shape on a 2x2 mesh,
-where only the ranks of one column of the mesh reach every row, is refused on all four ranks.
+``GatherError`` on every rank before any byte moves. Halo-sized fetches that keep the layout
+(each rank's range of a shifted or reversed index reading a neighbour's rows, a sharded index
+naming its neighbours' rows, a permutation on an uneven split whose big shard fetches the row
+it lacks) run under ``"error"``. A sharded index whose one rank names every row is refused on
+every rank after the plan's exchange of counts, before the rows move. ``gather`` with an
+index of the input's shape on a 2x2 mesh, where only the ranks of one column of the mesh reach
+every row, is refused on all four ranks.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ LAYOUTS = {
     "4r-empty": ((4,), Layout((Shard(0),), {0: (2, 0, 3, 0)})),
     "2x2-uneven": ((2, 2), Layout((Shard(0), Shard(1)), {0: (2, 3), 1: (1, 3)})),
 }
-# x[i][:, j][:, :, k]: i reaches every row of dim 0, its owners going back (replicated read);
-# j's owners never decrease along it (each entry stays with the rank holding its column).
-ROWS = torch.tensor([4, 0, 3, 1, 2, 0])
+# x[i][:, j][:, :, k]: i reaches rows 0, 1, 2 and 4, its owners going back (a replicated
+# read, as sample 5's); j's owners never decrease along it (each entry stays with its column).
+ROWS = torch.tensor([0, 4, 1, 0, 2, 1])
 COLUMNS = torch.tensor([1, 3])
 DEPTHS = torch.tensor([2, 0])
 
@@ -73,10 +75,12 @@ def _bytes(n: int) -> str:
     return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB"
 
 
-def _expected_bytes(layout: Layout) -> tuple[int, int]:
-    """(bytes on the most loaded rank with dim 0 whole, before): the message's figures."""
+def _expected_bytes(layout: Layout) -> tuple[int, int, int]:
+    """(bytes of the read ``x[i]``, on the most loaded rank, of ``x`` on the most loaded
+    rank before): the message's figures."""
     others = max(layout.sizes.get(1, (SHAPE[1],))) * SHAPE[2] * 8
-    return SHAPE[0] * others, max(layout.sizes[0]) * others
+    read = len(ROWS) * math.prod(SHAPE[1:]) * 8
+    return read, len(ROWS) * others, max(layout.sizes[0]) * others
 
 
 def _warn_body(name: str) -> list[str]:
@@ -95,16 +99,16 @@ def _warn_body(name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_read_reaching_every_row_is_said_once_with_its_bytes(name: str) -> None:
+def test_a_replicated_read_is_said_once_with_its_bytes(name: str) -> None:
     results = run_on_ranks(math.prod(LAYOUTS[name][0]), _warn_body, name)
     assert all(r == results[0] for r in results), results
     assert len(results[0]) == 1, results[0]  # forward and backward: one warning
     message = results[0][0]
-    after, before = _expected_bytes(LAYOUTS[name][1])
-    assert message.startswith(f"shardsci: {OP} fetched every row of the indexed dim"), message
+    read, after, before = _expected_bytes(LAYOUTS[name][1])
+    assert message.startswith(f"shardsci: {OP} replicated its read through an index"), message
     assert f"of a float64 tensor of shape {SHAPE}" in message, message
     assert f"holds up to {_bytes(after)}, up to {_bytes(before)} before" in message, message
-    assert f"({_bytes(math.prod(SHAPE) * 8)} in all)" in message, message
+    assert f"({_bytes(read)} in all)" in message, message
 
 
 def _refused_body(name: str) -> str:
@@ -132,26 +136,22 @@ def _refused_body(name: str) -> str:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_read_reaching_every_row_is_refused_on_every_rank(name: str) -> None:
+def test_a_replicated_read_is_refused_on_every_rank(name: str) -> None:
     results = run_on_ranks(math.prod(LAYOUTS[name][0]), _refused_body, name)
     assert all(r == results[0] for r in results), results
     assert results[0].startswith(f"shardsci refused a gather (gather policy 'error'): {OP}")
-    assert "would fetch every row of the indexed dim" in results[0], results[0]
+    assert "would replicate its read through an index" in results[0], results[0]
 
 
 # ---------------------------------------------------------------------------- not refused
 def _halo_cases(layout: Layout) -> dict[str, tuple]:
-    """``(fn, out layout)``: fetches that leave no rank holding every row at least half
-    fetched; on ``layout`` (dim 0 of extent 5)."""
-    neighbours = torch.tensor([1, 2, 1, 3])  # rows 1-3, owners going back: replicated
-    permutation = torch.tensor([4, 3, 2, 1, 0])  # each rank's own range: the layout kept
-    replicated_rows = Layout(
-        tuple(Replicate() if p == Shard(0) else p for p in layout.placements),
-        {d: s for d, s in layout.sizes.items() if d != 0},
-    )
+    """Fetches that keep ``layout`` (dim 0 of extent 5), no rank holding every row at least
+    half fetched: each rank reads its own range of the index."""
+    shifted = torch.tensor([1, 2, 3, 4, 0])
+    reversed_rows = torch.tensor([4, 3, 2, 1, 0])
     return {
-        "x[i], a neighbour's rows": (lambda x: x[neighbours], replicated_rows),
-        "index_select, a permutation": (lambda x: x.index_select(0, permutation), layout),
+        "x[i], rows shifted by one": lambda x: x[shifted],
+        "index_select, rows reversed": lambda x: x.index_select(0, reversed_rows),
     }
 
 
@@ -160,9 +160,9 @@ def _halo_body(name: str) -> None:
     mesh = get_mesh(mesh_shape)
     torch.manual_seed(0)
     x = torch.randn(SHAPE, dtype=torch.float64)
-    for what, (fn, out_layout) in _halo_cases(layout).items():
+    for what, fn in _halo_cases(layout).items():
         with gather_policy("error"), record_gathers() as seen:
-            check_against_reference(fn, [x], [layout], mesh, out_layouts=[out_layout], what=what)
+            check_against_reference(fn, [x], [layout], mesh, what=what)
         assert_all_ranks(not seen, f"{name}: {what}: {seen}")
 
 

@@ -16,11 +16,17 @@ The rows an index reaches count when some rank gets them all: a gather or select
 index (``x[idx]``, ``index_select``, ``gather``, ``take``, an aten ``index`` or
 ``_unsafe_masked_index``) fetches onto each rank the remote rows of the indexed dim its part of
 the index names (NOTE [Gathers along a sharded dim go through a cached halo plan] in
-``_gather_plan``). Where that leaves a rank holding every row of the dim, at least half of
+``_gather_plan``). A read whose output is replicated over the axes that split the indexed dim
+(a replicated index whose entries' owners go back, so that no split of the output holds each
+entry where its row lies: ``x[[5, 0]]``) counts whatever rows it reaches: every rank fetches
+every row the index names and holds the whole read, a layout split into fewer pieces than the
+input's, as if read from the input gathered (:func:`check_replicated_read`). Where a fetch
+leaves a rank holding every row of the dim, at least half of
 them fetched, the rank holds what the dim made ``Replicate`` over its axes gives it, at least
 twice what it held: a gather on that rank, whatever its size (:func:`check_fetch`, before the
-rows move). Not counted: a fetch of fewer rows, which are rows the rank's own part of the
-output reads (a window's halo, a graph partition's boundary: memory the output's size
+rows move; an output that keeps the input's split, or is split like a sharded index, may
+still read from everywhere: ``take_along_dim`` with an index of the input's shape). Not
+counted there: a fetch of fewer rows, which are rows the rank's own part of the output reads (a window's halo, a graph partition's boundary: memory the output's size
 chose), and a rank that held most of the dim fetching the rest (an uneven split: ``(4, 1)``
 rows, a permutation sending the fifth row to the first rank): less than double what it held, as
 a halo as wide as its shard would leave it. Which rows a rank reaches is data: the fetch's
@@ -107,6 +113,7 @@ __all__ = [
     "check_built_whole",
     "check_fetch",
     "check_redistribution",
+    "check_replicated_read",
     "check_result",
     "dispatching",
     "gather_policy",
@@ -251,7 +258,9 @@ class Gather:
         is made, as it may never be reduced), ``"a gradient built whole"`` (a backward
         formula's plain tensor of the global shape, ``source`` replicated, to be sliced to
         ``target``), ``"the rows an index reads"`` (every row of the indexed dim fetched onto
-        some rank, ``target`` that dim whole) or ``"the keys and values"`` (attention's; the
+        some rank, ``target`` that dim whole), ``"a read through an index"`` (``target`` the
+        read's layout, replicated where ``source`` split the indexed dim; ``total_bytes`` and
+        ``bytes_per_rank`` the read's) or ``"the keys and values"`` (attention's; the
         shape and layout are the keys').
     source, target : ShardTensorSpec
         The layout before and after.
@@ -297,6 +306,12 @@ class Gather:
             verb, described = (
                 ("would fetch", "fetched"),
                 f"every row of the indexed dim of a {described}, through an index,",
+            )
+        elif self.what == "a read through an index":
+            # The read, replicated: every rank holds all of it, from every rank's rows.
+            verb, described = (
+                ("would replicate", "replicated"),
+                f"its read through an index of a {described},",
             )
         elif self.what == "a pending sum":
             # Held whole since the op that left the sum pending; the reduction splits it.
@@ -435,6 +450,21 @@ def check_fetch(spec: ShardTensorSpec, dim: int, rows: Iterable[tuple[int, int]]
         whole = _whole_along(spec, dim)
         before, after = _largest_shard(spec), _largest_shard(whole)
         _enforce(ops, "the rows an index reads", spec, whole, _bytes_of(spec), before, after)
+
+
+def check_replicated_read(source: ShardTensorSpec, read: ShardTensorSpec) -> None:
+    """Apply the policy to a read through an index from a tensor laid out as ``source`` whose
+    output, laid out as ``read``, is replicated over the axes that split the indexed dim,
+    before its rows move: nothing unless the read holds elements and is split into fewer
+    pieces than ``source`` (NOTE [Gathers an op was not asked to make])."""
+    ops = _THREAD.ops
+    if not ops or (_POLICY[0] == "allow" and not _RECORDERS):
+        return
+    if ops[-1] is _ASKED or ops[-1] in _VALUE_READS or math.prod(read.shape) == 0:
+        return
+    if _pieces(read) < _pieces(source):
+        before, after = _largest_shard(source), _largest_shard(read)
+        _enforce(ops, "a read through an index", source, read, _bytes_of(read), before, after)
 
 
 def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTensorSpec | None:

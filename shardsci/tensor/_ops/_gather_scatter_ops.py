@@ -46,7 +46,7 @@ from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
 from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._collectives import AxisGroup
-from shardsci.tensor._gather_guard import check_fetch
+from shardsci.tensor._gather_guard import check_fetch, check_replicated_read
 from shardsci.tensor._gather_plan import (
     GatherPlan,
     compact,
@@ -476,9 +476,10 @@ def _gather(func, args, kwargs):
 # output of another extent through a 1-D index whose entries' owners never decrease along it
 # (a sorted index, ``x[[1, 2]]``, ``take``) holds each entry on the rank that owns its row:
 # nothing moves. Any other output of another extent is replicated over those axes, each
-# rank receiving every remote row the index names. A fetch, through a replicated or a sharded
-# index, that leaves a rank holding every row of the gathered dim is a gather the guard
-# governs (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
+# rank receiving every remote row the index names: a gather the guard governs
+# (``check_replicated_read``); so is a fetch, through a replicated or a sharded index, that
+# leaves a rank holding every row of the gathered dim, at least half of them fetched
+# (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
 # index, so every rank raises alike. A row of the rank's block is the unit that moves: for
 # ``x[idx]`` and ``index_select`` that is the byte bound of the output's layout; ``gather``
 # reads single cells of those rows, so it may receive more than the cells it reads (for a
@@ -613,12 +614,15 @@ def _through_replicated(
     reading = _reading(func, x, dim, index, cell_wise=cell_wise)
     rows = x.to_local()
     if reading.plan is not None:
-        held = (
-            _rows_held_by_coordinate(x._spec, dim, index, sliced=not reading.replicated)
-            if cell_wise and len(x._spec.shardings) > 1
-            else _rows_held(x._spec.sharding_by_dim[dim].sizes, reading.plan)
-        )
-        check_fetch(x._spec, dim, held)
+        if reading.replicated:
+            check_replicated_read(x._spec, reading.spec)
+        else:
+            held = (
+                _rows_held_by_coordinate(x._spec, dim, index)
+                if cell_wise and len(x._spec.shardings) > 1
+                else _rows_held(x._spec.sharding_by_dim[dim].sizes, reading.plan)
+            )
+            check_fetch(x._spec, dim, held)
         rows = halo_extend(rows, reading.plan, dim, replicated_output=reading.replicated)
     local = reading.index
     out = rows.gather(dim, local) if cell_wise else rows[(slice(None),) * dim + (local,)]
@@ -626,21 +630,20 @@ def _through_replicated(
 
 
 def _rows_held_by_coordinate(
-    spec: ShardTensorSpec, dim: int, index: torch.Tensor, *, sliced: bool
+    spec: ShardTensorSpec, dim: int, index: torch.Tensor
 ) -> Iterator[tuple[int, int]]:
     """``(rows owned, rows held after the fetch)`` of ``dim`` on every rank of the mesh for
-    ``gather`` through the replicated ``index`` (``x``'s dims) from a tensor laid out as
-    ``spec``, split on other dims too: each rank reads the part of the index its ranges of
-    those dims cut (and of ``dim`` when ``sliced``), as ``_reading`` does, so the groups of
+    ``gather`` through the replicated ``index`` (``x``'s dims, its extent along ``dim``), the
+    output keeping the layout of ``x`` (laid out as ``spec``), split on other dims too: each
+    rank reads the part of the index its ranges cut, as ``_reading`` does, so the groups of
     ranks along ``dim``'s axes fetch differently; every rank works them all out from the
     whole index it holds."""
     for coordinate in itertools.product(*map(range, spec.mesh_shape)):
         offsets, sizes = spec.local_offsets(coordinate), spec.local_shape(coordinate)
         part = index
         for d in spec.sharding_by_dim:
-            if d != dim or sliced:
-                begin = min(offsets[d], index.shape[d])
-                part = part.narrow(d, begin, min(offsets[d] + sizes[d], index.shape[d]) - begin)
+            begin = min(offsets[d], index.shape[d])
+            part = part.narrow(d, begin, min(offsets[d] + sizes[d], index.shape[d]) - begin)
         start, owned = offsets[dim], sizes[dim]
         values = part.unique()
         yield owned, owned + int(((values < start) | (values >= start + owned)).sum())
