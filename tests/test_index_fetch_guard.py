@@ -241,6 +241,10 @@ def _one_column_body() -> None:
         )
     with gather_policy("allow"):
         check_against_reference(lambda t: t.gather(0, index), [x], [layout], mesh)
+    # column 0's ranks each read one row of the other's: three of four rows, not refused
+    index[:, :2] = torch.tensor([[2, 0], [0, 1], [1, 3], [2, 3]])
+    with gather_policy("error"):
+        check_against_reference(lambda t: t.gather(0, index), [x], [layout], mesh)
 
 
 def test_a_gather_only_some_groups_of_ranks_reach_whole_is_refused_on_every_rank() -> None:
