@@ -288,6 +288,32 @@ def _graph_break_body(name: str) -> None:
                     _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
 
 
+def _sharding_shapes_break_body() -> None:
+    with tracing_through_shardtensors():
+        mesh = get_mesh((2,))
+        whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
+        spec = LAYOUTS[0].spec(mesh, whole)
+        x = from_local_spec(spec.narrow(whole).contiguous(), spec)
+        explained = torch._dynamo.explain(RoundTrip())(x)
+        reasons = [str(b.reason) for b in explained.break_reasons]
+        assert_all_ranks(
+            explained.graph_count == 2
+            and len(reasons) == 1
+            and "returned non-Tensor" in reasons[0]
+            and "sharding_shapes" in reasons[0],
+            f"{explained.graph_count} graphs, breaks {reasons}",
+        )
+
+
+# ``x.sharding_shapes()`` is not traced (dynamo puts a subclass's own method into its graph as
+# a method call, whose dict result it cannot hold): it breaks the graph there, with dynamo's
+# reason naming it, and the rest compiles; never a silent eager run of the whole function.
+# About 85 s at load 50.
+@pytest.mark.slow
+def test_sharding_shapes_breaks_the_graph_with_dynamos_reason() -> None:
+    run_on_ranks(2, _sharding_shapes_break_body, timeout_s=300)
+
+
 # Both break dynamo's graph, with dynamo's reasons (``TORCH_LOGS=graph_breaks``): the round
 # trip at ``x.sharding_shapes()`` ("torch.* op returned non-Tensor"), the loop at the
 # explicit break. The round trip on the second layout failed to compile ("unhashable type:
@@ -510,6 +536,23 @@ def test_inductor_adds_empty_complex_shards(shape: tuple[int, ...]) -> None:
     with tracing_through_shardtensors(), torch.compiler.config.patch(force_disable_caches=True):
         total = torch.compile(torch.add, backend="inductor")(x, x)
     assert total.shape == shape and total.dtype == torch.complex128
+
+
+# A user's own joint pass was replaced by shardsci's for the whole ``with`` block: it never ran.
+def test_a_users_joint_pass_runs_after_shardscis() -> None:
+    seen = []
+
+    def users_pass(module: torch.fx.GraphModule, inputs: object) -> torch.fx.GraphModule:
+        seen.append(len(module.graph.nodes))
+        return module
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    with torch._functorch.config.patch(joint_custom_pass=users_pass):
+        with tracing_through_shardtensors():
+            torch.compile(lambda t: (t.sin() * 2).sum(), backend="aot_eager")(x).backward()
+        assert torch._functorch.config.joint_custom_pass is users_pass
+    assert len(seen) == 1 and seen[0] > 0, f"the user's pass ran on {seen} joint graphs"
+    assert torch.allclose(x.grad, 2 * x.detach().cos())
 
 
 class TwoSpectralLayers(nn.Module):

@@ -13,6 +13,7 @@ in ``_promotion``).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,6 +105,31 @@ class ShardTensor(torch.Tensor):
         if self._spec.same_layout(expected) and self._spec.dtype == expected.dtype:
             return ShardTensor(self._local, expected)
         return redistribute(self, expected)
+
+    def _stable_hash_for_caching(self) -> str:
+        """This input's part of AOTAutograd's cache key (torch's NOTE [Tensor subclass stable
+        hashing for AOT autograd cache]); it replaces, for a subclass that has it, the pickled
+        flatten context, which holds the device mesh and is not the same in two processes, so
+        a graph cached by one process was never found by the next.
+
+        The key is the layout by value (``ShardTensorSpec.stable_text``: placements, every
+        shard extent and hint, mesh), this rank's mesh coordinate and its shard's metadata:
+        the graph AOTAutograd traces through a ShardTensor is the rank's own (a halo's split
+        sizes, a boundary rank's one-sided exchange), and ranks of one machine share the cache
+        directory, so two ranks with equal shards but different neighbours must not share an
+        entry. Two layouts never do."""
+        local = self._local
+        value = (
+            self._spec.stable_text,
+            self._spec.mesh.get_coordinate(),
+            tuple(local.shape),
+            local.stride(),
+            local.storage_offset(),
+            local.dtype,
+            str(local.device),
+            self.requires_grad,
+        )
+        return hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()
 
     __torch_dispatch__ = classmethod(_dispatch.dispatch)  # type: ignore[assignment]
     __torch_function__ = classmethod(_function_dispatch.dispatch)  # type: ignore[assignment]

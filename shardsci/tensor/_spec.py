@@ -324,6 +324,15 @@ class ShardTensorSpec:
         )
 
     @cached_property
+    def stable_text(self) -> str:
+        """Everything in ``key``, as text that is the same in every process (no ``hash`` or
+        ``id``): the mesh by its device type, ranks and axis names. For AOTAutograd's cache key
+        (``ShardTensor._stable_hash_for_caching``)."""
+        mesh = (self.mesh.device_type, self.mesh.mesh.tolist(), self.mesh.mesh_dim_names)
+        fields = (self.placements, tuple(self.shape), self.stride, self.dtype)
+        return repr((mesh, *fields, self.shardings, self.hints))
+
+    @cached_property
     def partial(self) -> bool:
         """Whether any mesh axis holds a pending reduction."""
         return any(isinstance(p, Partial) for p in self.placements)

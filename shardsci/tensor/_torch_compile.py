@@ -78,8 +78,11 @@ a cache's size, recompiling at every call (the MeshGraphNet's second call raised
 constants as shard sizes do (a user's ``ShardTensor.from_local(torch.sin(
 x.to_local()), x.device_mesh, x.placements, x.sharding_shapes())`` on a second layout put
 SymInts into the spec: "unhashable type: non-nested SymInt"). That round trip still breaks
-the graph at ``x.sharding_shapes()``: dynamo routes a subclass's own method through
-``__torch_function__`` and calls it in its graph ("torch.* op returned non-Tensor").
+the graph at ``x.sharding_shapes()``, with dynamo's reason ("torch.* op returned non-Tensor
+... op: call_method; target: sharding_shapes"): dynamo puts a subclass's own method into its
+graph as a method call, whose dict result a graph cannot hold; a function handler registered
+for the method did not change that (2026-11-29). ``torch._dynamo.explain`` shows one break
+there (``tests/test_torch_compile_through.py``); the rest of the function compiles.
 The FNO's compiled backward first met a gradient whose spec equals the traced one in layout
 but is another object ("we guessed its metadata incorrectly"), which
 ``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. An output of a compiled
@@ -144,6 +147,9 @@ __all__ = [
 ]
 
 _state: dict[str, type | None] = {"kept_out": None}
+
+JointPass = Callable[[torch.fx.GraphModule, Any], torch.fx.GraphModule]
+"""functorch's ``joint_custom_pass``: (joint graph, its inputs) -> joint graph."""
 
 #: True while an eager ShardTensor op under ``torch.compile`` would still be news: dynamo is
 #: kept out and the warning not yet given. Read on every ShardTensor function call.
@@ -269,6 +275,20 @@ def _plain_tangents_read_as_replicated(
     return process_runtime_tangent
 
 
+def _ours_then(ours: JointPass, users: JointPass | None) -> JointPass:
+    """AOTAutograd's ``joint_custom_pass``: shardsci's, then the one the user had set, if any.
+    Theirs runs last so that it sees the joint graph the partitioner will receive, as it
+    would without shardsci; ours looks only for shardsci's own gradient effects, which a
+    user's pass has no reason to know about."""
+    if users is None:
+        return ours
+
+    def joint_custom_pass(module: torch.fx.GraphModule, inputs: Any) -> torch.fx.GraphModule:
+        return users(ours(module, inputs), inputs)
+
+    return joint_custom_pass
+
+
 @contextmanager
 def tracing_through_shardtensors() -> Iterator[None]:
     """Experimental: inside the ``with`` block ``torch.compile`` traces through ShardTensors
@@ -319,7 +339,7 @@ def tracing_through_shardtensors() -> Iterator[None]:
     from shardsci.tensor._promotion import one_gradient_op_per_graph
 
     joint_pass = functorch_config.joint_custom_pass
-    functorch_config.joint_custom_pass = one_gradient_op_per_graph
+    functorch_config.joint_custom_pass = _ours_then(one_gradient_op_per_graph, joint_pass)
     torch.compiler.reset()
     _state["kept_out"] = None
     try:
