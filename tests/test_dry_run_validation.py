@@ -43,7 +43,6 @@ from shardsci.distributed import LaunchEnv
 from shardsci.planning import RunPlan, plan_run
 from shardsci.recipes.cfd.task import random_next_step
 from shardsci.testing import Traffic, count_traffic, run_on_ranks
-from shardsci.testing._traffic import P2P_KINDS
 from shardsci.training import (
     ParallelConfig,
     Parallelism,
@@ -173,16 +172,14 @@ def _measured_step(overrides: list[str]) -> dict:
 def _predicted(plan: RunPlan, rank: int) -> dict:
     predicted = next(c for c in plan.classes if rank in c.members)
     figures = predicted.collectives.values()
-    point_to_point = [f for kind, f in predicted.collectives.items() if kind in P2P_KINDS]
+    point_to_point = [f for f in predicted.collectives.values() if f.message_batches]
     memory = predicted.memory
     return {
         "traffic": {
             "sent": sum(f.sent for f in figures),
             "received": sum(f.received for f in figures),
-            "collectives": sum(
-                f.calls for kind, f in predicted.collectives.items() if kind not in P2P_KINDS
-            ),
-            "p2p_rounds": sum(f.calls for f in point_to_point),
+            "collectives": sum(f.calls - f.message_batches for f in figures),
+            "p2p_rounds": sum(f.message_batches for f in point_to_point),
             "p2p_sent": sum(f.sent for f in point_to_point),
             "p2p_received": sum(f.received for f in point_to_point),
         },

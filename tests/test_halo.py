@@ -3,6 +3,8 @@ shards, 1-D and 2-D block decompositions, exact adjoint, bytes at the face lower
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from unittest import mock
 
 import pytest
@@ -12,7 +14,7 @@ from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardsci
-from shardsci.tensor import _halo
+from shardsci.tensor import _collectives, _halo
 from shardsci.tensor._halo import halo_exchange
 from shardsci.testing import (
     assert_all_ranks,
@@ -132,7 +134,22 @@ def test_halo_volume_is_the_faces() -> None:
     run_on_ranks(4, _face_bytes_body)
 
 
-def _posted_body() -> dict[str, object]:
+@contextmanager
+def halos_as(way: str) -> Iterator[None]:
+    """Halo exchanges ``way`` (``"messages"`` or ``"all_to_all"``) inside the block, whatever
+    the rule says of this backend: axis groups made afresh with the rule replaced."""
+    shardsci.tensor.clear_caches()
+    rule = mock.patch.object(
+        _collectives, "messages_in_one_collective", lambda backend, size: way == "all_to_all"
+    )
+    try:
+        with rule:
+            yield
+    finally:
+        shardsci.tensor.clear_caches()
+
+
+def _posted_body(way: str | None) -> dict[str, object]:
     batches = []
     batched = torch.distributed.batch_isend_irecv
 
@@ -141,35 +158,62 @@ def _posted_body() -> dict[str, object]:
         return batched(ops)
 
     with (
+        halos_as(way) if way else nullcontext(),
         mock.patch.object(torch.distributed, "batch_isend_irecv", counted),
         count_traffic() as traffic,
     ):
         _check((4,), (22, 3), [Shard(0)], {0: (6, 5, 7, 4)}, {0: (2, 1)}, {0: "periodic"})
+    me = torch.distributed.get_rank()
     return {
         "batches": batches,
         "messages": traffic.messages,
         "rounds": traffic.p2p_rounds,
-        "bytes": (traffic.sent_by_kind["p2p"], traffic.received_by_kind["p2p"]),
+        "all_to_alls": traffic.collectives["c10d::alltoall_base_"],
+        "spans": {
+            span.ranks: n for span, n in traffic.calls_by_span.items() if span.kind != "all_reduce"
+        },
+        "bytes": {
+            kind: (traffic.sent_by_kind[kind], traffic.received_by_kind[kind])
+            for kind in ("p2p", "all_to_all")
+        },
+        "neighbours": tuple(sorted({me, (me - 1) % 4, (me + 1) % 4})),
     }
 
 
-def test_gloo_messages_are_posted_one_by_one_in_one_round() -> None:
-    """NOTE [Messages posted one by one where the backend does not batch them]: on gloo no
-    ``batch_isend_irecv``; per rank and direction (forward, adjoint) the two neighbours'
-    messages each way, posted back to back (one round), the faces' bytes."""
+def _faces_both_ways() -> tuple[int, int]:
+    """Bytes a rank of ``_posted_body`` sends and receives, forward and adjoint: a periodic
+    halo of (2, 1) rows of 3 float64 on each rank of 4, so 3 rows in and 3 out each way."""
     face = 3 * 8
-    for result in run_on_ranks(4, _posted_body):
-        assert result == {
-            "batches": [],
-            "messages": 8,
-            "rounds": 2,
-            "bytes": (2 * 3 * face, 2 * 3 * face),
-        }, result
+    return 2 * 3 * face, 2 * 3 * face
 
 
-def _own_dtype_body() -> dict[str, object]:
-    """A periodic halo of one row on 2 ranks in several dtypes: the dtypes posted, the bytes
-    counted at the dispatcher, whether the values are the reference's."""
+def test_gloo_halos_are_one_all_to_all_per_exchange() -> None:
+    """NOTE [An exchange of messages as one all-to-all where messages are slow]: on gloo (the
+    rule as it stands, no override) each exchange, forward and adjoint, is one
+    ``all_to_all_single`` over the axis's group connecting the rank with its two neighbours
+    only, no message, the faces' bytes. Fails if eager halos revert to messages on gloo."""
+    for result in run_on_ranks(4, _posted_body, None):
+        assert result["all_to_alls"] == 2, result
+        assert (result["messages"], result["rounds"], result["batches"]) == (0, 0, []), result
+        assert result["spans"] == {result["neighbours"]: 2}, result
+        assert result["bytes"] == {"p2p": (0, 0), "all_to_all": _faces_both_ways()}, result
+
+
+def test_halo_messages_are_posted_one_by_one_in_one_round() -> None:
+    """Where the rule says messages, NOTE [Messages posted one by one where the backend does
+    not batch them]: on gloo no ``batch_isend_irecv``; per rank and direction (forward,
+    adjoint) a message to and one from each of the two neighbours, posted back to back (one
+    round), the same bytes as one all-to-all."""
+    for result in run_on_ranks(4, _posted_body, "messages"):
+        assert result["batches"] == [] and result["all_to_alls"] == 0, result
+        assert (result["messages"], result["rounds"]) == (2 * 2 * 2, 2), result
+        assert result["bytes"] == {"p2p": _faces_both_ways(), "all_to_all": (0, 0)}, result
+
+
+def _own_dtype_body(way: str) -> dict[str, object]:
+    """A periodic halo of one row on 2 ranks in several dtypes, exchanged ``way``: the dtypes
+    posted as messages, the bytes counted at the dispatcher, whether the values are the
+    reference's."""
     mesh = get_mesh((2,))
     posted, results = [], {}
     isend = torch.distributed.isend
@@ -178,34 +222,42 @@ def _own_dtype_body() -> dict[str, object]:
         posted.append(tensor.dtype)
         return isend(tensor, *args, **kwargs)
 
-    for dtype in (torch.float64, torch.bfloat16, torch.int64, torch.complex128, torch.bool):
-        whole = (torch.arange(15).reshape(5, 3) % 7).to(dtype)
-        x = shardsci.distribute_tensor(whole, mesh, [Shard(0)], {0: (3, 2)})
-        posted.clear()
-        with mock.patch.object(torch.distributed, "isend", recorded), count_traffic() as traffic:
-            extended = halo_exchange(x, {0: 1}, "periodic")
-        padded = torch.cat([whole[-1:], whole, whole[:1]])
-        expected = _window(padded, x._spec, mesh.get_coordinate(), {0: (1, 1)})
-        results[str(dtype)] = (
-            sorted({str(d) for d in posted}),
-            traffic.sent_by_kind["p2p"],
-            traffic.received_by_kind["p2p"],
-            extended.dtype == dtype and torch.equal(extended, expected),
-        )
+    with halos_as(way):
+        for dtype in (torch.float64, torch.bfloat16, torch.int64, torch.complex128, torch.bool):
+            whole = (torch.arange(15).reshape(5, 3) % 7).to(dtype)
+            x = shardsci.distribute_tensor(whole, mesh, [Shard(0)], {0: (3, 2)})
+            posted.clear()
+            with (
+                mock.patch.object(torch.distributed, "isend", recorded),
+                count_traffic() as traffic,
+            ):
+                extended = halo_exchange(x, {0: 1}, "periodic")
+            padded = torch.cat([whole[-1:], whole, whole[:1]])
+            expected = _window(padded, x._spec, mesh.get_coordinate(), {0: (1, 1)})
+            results[str(dtype)] = (
+                sorted({str(d) for d in posted}),
+                traffic.sent,
+                traffic.received,
+                extended.dtype == dtype and torch.equal(extended, expected),
+            )
     return results
 
 
-def test_halo_messages_travel_in_their_own_dtype() -> None:
+@pytest.mark.parametrize("way", ["messages", "all_to_all"])
+def test_halo_messages_travel_in_their_own_dtype(way) -> None:
     """NOTE [Messages in their own dtype]: standard dtypes are posted as they are, complex and
-    bool as bytes; the same bytes either way, the same values."""
-    for result in run_on_ranks(2, _own_dtype_body):
-        row = 3  # elements in one halo row; one row each way per rank (periodic, 2 ranks)
+    bool as bytes; one all-to-all moves every dtype as bytes; the same bytes either way, the
+    same values."""
+    row = 3  # elements in one halo row; one row each way per rank (periodic, 2 ranks)
+    as_is = {"messages": lambda dtype: [dtype], "all_to_all": lambda dtype: []}[way]
+    as_bytes = [] if way == "all_to_all" else ["torch.uint8"]
+    for result in run_on_ranks(2, _own_dtype_body, way):
         assert result == {
-            "torch.float64": (["torch.float64"], 2 * row * 8, 2 * row * 8, True),
-            "torch.bfloat16": (["torch.bfloat16"], 2 * row * 2, 2 * row * 2, True),
-            "torch.int64": (["torch.int64"], 2 * row * 8, 2 * row * 8, True),
-            "torch.complex128": (["torch.uint8"], 2 * row * 16, 2 * row * 16, True),
-            "torch.bool": (["torch.uint8"], 2 * row, 2 * row, True),
+            "torch.float64": (as_is("torch.float64"), 2 * row * 8, 2 * row * 8, True),
+            "torch.bfloat16": (as_is("torch.bfloat16"), 2 * row * 2, 2 * row * 2, True),
+            "torch.int64": (as_is("torch.int64"), 2 * row * 8, 2 * row * 8, True),
+            "torch.complex128": (as_bytes, 2 * row * 16, 2 * row * 16, True),
+            "torch.bool": (as_bytes, 2 * row, 2 * row, True),
         }, result
 
 

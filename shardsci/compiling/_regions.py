@@ -258,8 +258,8 @@ def _probe(
     """Run ``forward`` eagerly and find out whether it was local (all ranks agreeing)."""
     moved = [0]
 
-    def on_comm(original: Callable, kind: str, sent: int, received: int) -> None:
-        original(kind, sent, received)
+    def on_comm(original: Callable, kind: str, sent: int, received: int, **how: bool) -> None:
+        original(kind, sent, received, **how)
         moved[0] += sent + received
 
     def on_layout_change(original: Callable, local: torch.Tensor, src, dst) -> torch.Tensor:

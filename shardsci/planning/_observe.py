@@ -201,8 +201,10 @@ class StepObserver:
     def _optimizer_ends(self, *args: Any) -> None:
         self._in_optimizer = False
 
-    def _record_comm(self, original: Callable, kind: str, sent: int, received: int) -> None:
-        original(kind, sent, received)
+    def _record_comm(
+        self, original: Callable, kind: str, sent: int, received: int, **how: bool
+    ) -> None:
+        original(kind, sent, received, **how)
         layer, phase = self.location()
         self.events.append(CommEvent(kind, sent, received, layer, phase))
         for move in self._open:

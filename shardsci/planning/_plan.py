@@ -32,11 +32,14 @@ __all__ = [
 
 @dataclass
 class CollectiveFigures:
-    """Collectives of one kind on one rank: calls and bytes (NOTE [What a byte count means])."""
+    """Collectives of one kind on one rank: calls and bytes (NOTE [What a byte count means]);
+    ``message_batches`` of the calls were batches of point-to-point messages (a halo
+    exchange on a backend where it does not go as one all-to-all)."""
 
     calls: int = 0
     sent: int = 0
     received: int = 0
+    message_batches: int = 0
 
 
 @dataclass
@@ -211,7 +214,10 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
     collectives: dict[str, CollectiveFigures] = {}
     for kind, calls in measured.comm.calls.items():
         collectives[kind] = CollectiveFigures(
-            calls, measured.comm.sent[kind], measured.comm.received[kind]
+            calls,
+            measured.comm.sent[kind],
+            measured.comm.received[kind],
+            measured.comm.message_batches[kind],
         )
     return RankClassPlan(
         ranks=len(ranks),

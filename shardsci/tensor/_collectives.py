@@ -58,6 +58,9 @@ class AxisGroup:
     posts_one_by_one : bool
         Whether point-to-point messages are posted one call each rather than as one batch
         (NOTE [Messages posted one by one where the backend does not batch them]).
+    messages_in_one_collective : bool
+        Whether an exchange every member joins goes as one all-to-all rather than as messages
+        (NOTE [An exchange of messages as one all-to-all where messages are slow]).
     """
 
     group: dist.ProcessGroup
@@ -66,6 +69,56 @@ class AxisGroup:
     group_ranks: tuple[int, ...]
     global_ranks: tuple[int, ...]
     posts_one_by_one: bool = False
+    messages_in_one_collective: bool = False
+
+
+# NOTE [An exchange of messages as one all-to-all where messages are slow]
+# A halo exchange is a few messages to neighbours, which every member of the axis's group
+# takes part in. On gloo a point-to-point message costs far more than the same bytes in one
+# collective: 2 gloo ranks, 2 KiB each way, load 20-50 (``benchmarks/call_waiting.py``):
+# isend + irecv 0.08 ms of the thread's CPU and 2.5 ms of wall, one ``all_to_all_single``
+# 0.06 and 0.28 ms. ``benchmarks/halo_collective.py`` runs the same work both ways, paired
+# and alternated (2026-11-29 13:02-13:27 UTC, load 14-88, records in
+# ``benchmarks/records/2026-11-29-halo-collective``): a UNet training step's process CPU,
+# all-to-all over messages, on 2 ranks 0.76 at a 16² tile per rank and 0.68 at 64²; 4 ranks
+# 0.65 / 0.76; 2x2 0.88 / 0.89; 8 ranks (16²) 0.76, 2x4 0.91; a circular pad's forward and
+# backward 0.21-1.0; the same bytes. So on gloo such an exchange goes as one
+# ``all_to_all_single`` over the axis's group, with a zero split for every member that is
+# not a neighbour: one call instead of a message each way per neighbour (as in a compiled
+# graph, where there is no functional point-to-point collective). Elsewhere it stays
+# messages: NCCL already launches a batch of messages as one group, and torch's NCCL
+# all-to-all with split sizes posts a send and a receive for every peer, zero-byte ones
+# included (``_nccl_should_send_recv`` is true for every count from NCCL 2.14 on; read in
+# torch's source, not measured): 2 (P - 1) legs for a 2-neighbour exchange, O(P) on a large
+# group. The rule is ``messages_in_one_collective``; a stand-in backend (the dry run's fake
+# process group) follows the backend torch gives its mesh's device, so that a dry run counts
+# what the real run issues. Every member must call the exchange, messages or not
+# (``start_send_recv``'s ``everyone_joins``).
+GLOO_LARGEST_GROUP = 8
+"""The largest group on gloo whose exchanges go as one all-to-all: measured up to 8 ranks
+(``benchmarks/halo_collective.py``); gloo's all-to-all visits every member, so a larger
+group is left to messages until measured."""
+
+
+def messages_in_one_collective(backend: str, size: int) -> bool:
+    """Whether an exchange of messages that every member of a group of ``size`` ranks on
+    ``backend`` joins goes as one all-to-all (NOTE [An exchange of messages as one all-to-all
+    where messages are slow])."""
+    return backend == "gloo" and 1 < size <= GLOO_LARGEST_GROUP
+
+
+# torch's own choice per device, before any registered backend claims a device.
+_BUILT_IN_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
+
+
+def _backend(group: dist.ProcessGroup, device_type: str) -> str:
+    """``group``'s backend, or for a registered one (a stand-in such as the dry run's fake
+    process group) the backend torch built in for ``device_type``, if any."""
+    backend = str(dist.get_backend(group))
+    if dist.Backend.backend_type_map.get(backend) != dist.ProcessGroup.BackendType.CUSTOM:
+        return backend
+    built_in = _BUILT_IN_BACKENDS.get(device_type)
+    return backend if built_in is None else built_in
 
 
 # Keyed by the mesh's value, which keeps the mesh (and its groups) alive while cached
@@ -103,6 +156,9 @@ def axis_group(mesh: DeviceMesh, axes: Sequence[int]) -> AxisGroup:
         group_ranks=tuple(members.index(r) for r in mine),
         global_ranks=tuple(mine),
         posts_one_by_one=dist.get_backend(group) == "gloo",
+        messages_in_one_collective=messages_in_one_collective(
+            _backend(group, mesh.device_type), len(mine)
+        ),
     )
     return _GROUPS.put(key, result)
 
@@ -448,12 +504,16 @@ class PendingMessages:
     counted: bool = True
     """False for messages in a compiled graph, which are not counted (NOTE [torch.compile and
     ShardTensor])."""
+    as_messages: bool = True
+    """False when they went as one all-to-all (NOTE [An exchange of messages as one all-to-all
+    where messages are slow])."""
 
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
             work.wait()
         if self.counted:
-            record_comm(self.kind, self.sent, sum(b.nbytes for b in self.buffers))
+            received = sum(b.nbytes for b in self.buffers)
+            record_comm(self.kind, self.sent, received, as_messages=self.as_messages)
         return [_from_bytes(b, self.dtype, shape) for b, shape in zip(self.buffers, self.shapes)]
 
 
@@ -486,17 +546,29 @@ def start_send_recv(
     dtype: torch.dtype,
     device: torch.device,
     kind: str = "p2p",
+    everyone_joins: bool = False,
 ) -> PendingMessages:
     """Post point-to-point messages and return at once: ``sends`` are (flat index, tensor),
     ``receives`` are (flat index, shape).
 
     Both sides must agree: each send on one rank matches a receive on its peer, in the same
-    order for a given pair.
+    order for a given pair. With ``everyone_joins`` (every member of the group calls this for
+    the same exchange, with messages or none), the messages go as one all-to-all where the
+    group's backend makes messages slow (NOTE [An exchange of messages as one all-to-all where
+    messages are slow]).
     """
+    shapes = [shape for _, shape in receives]
     if in_graph():
         buffers = _traced_send_recv(group, sends, receives, dtype=dtype, device=device)
+        return PendingMessages([], buffers, shapes, dtype, kind, 0, counted=False)
+    if everyone_joins and group.messages_in_one_collective:
+        send, send_bytes, recv_bytes, cut = _one_payload(group, sends, receives, dtype, device)
+        recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
+        work = dist.all_to_all_single(
+            recv, send, recv_bytes, send_bytes, group=group.group, async_op=True
+        )
         return PendingMessages(
-            [], buffers, [shape for _, shape in receives], dtype, kind, 0, counted=False
+            [work], cut(recv), shapes, dtype, kind, sum(send_bytes), as_messages=False
         )
     posts = []
     sent = 0
@@ -565,9 +637,23 @@ def _traced_send_recv(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """``start_send_recv``'s messages in a compiled graph: one functional all-to-all with a
-    zero split for every rank this one neither sends to nor receives from (there is no
-    functional point-to-point collective), each pair's messages in order within its split."""
+    """``start_send_recv``'s messages in a compiled graph: one functional all-to-all (there is
+    no functional point-to-point collective)."""
+    send, send_bytes, recv_bytes, cut = _one_payload(group, sends, receives, dtype, device)
+    return cut(_graph_collectives.all_to_all_single(send, recv_bytes, send_bytes, group.group))
+
+
+def _one_payload(
+    group: AxisGroup,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    receives: Sequence[tuple[int, Sequence[int]]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, list[int], list[int], Callable[[torch.Tensor], list[torch.Tensor]]]:
+    """Messages as one all-to-all's payload: the bytes sent, the split sizes sent to and
+    received from each group rank (zero for every rank this one neither sends to nor
+    receives from), and how to cut the received bytes into the messages, each pair's
+    messages in order within its split."""
     to_rank: list[list[torch.Tensor]] = [[] for _ in range(group.size)]
     for dst, tensor in sends:
         to_rank[group.group_ranks[dst]].append(_as_bytes(tensor))
@@ -580,13 +666,14 @@ def _traced_send_recv(
     send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
     send_bytes = [sum(p.numel() for p in payloads) for payloads in to_rank]
     recv_bytes = [sum(received_nbytes[i] for i in order) for order in from_rank]
-    recv = _graph_collectives.all_to_all_single(
-        send.to(device), recv_bytes, send_bytes, group.group
-    )
-    buffers: list[torch.Tensor] = [recv] * len(receives)
-    start = 0
-    for order in from_rank:
-        for i in order:
-            buffers[i] = recv[start : start + received_nbytes[i]]
-            start += received_nbytes[i]
-    return buffers
+
+    def cut(recv: torch.Tensor) -> list[torch.Tensor]:
+        buffers: list[torch.Tensor] = [recv] * len(receives)
+        start = 0
+        for order in from_rank:
+            for i in order:
+                buffers[i] = recv[start : start + received_nbytes[i]]
+                start += received_nbytes[i]
+        return buffers
+
+    return send.to(device), send_bytes, recv_bytes, cut

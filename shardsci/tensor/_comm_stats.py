@@ -32,12 +32,23 @@ class CommStats:
     sent, received : dict[str, int]
         Collective kind -> bytes sent to / received from other ranks.
     calls : dict[str, int]
-        Collective kind -> number of collectives issued.
+        Collective kind -> number of collectives issued (or batches of point-to-point
+        messages).
+    message_batches : dict[str, int]
+        Collective kind -> how many of its ``calls`` were batches of point-to-point messages
+        rather than one collective (a halo exchange: NOTE [An exchange of messages as one
+        all-to-all where messages are slow]).
     """
 
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    message_batches: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def collective_calls(self) -> int:
+        """Collectives issued, batches of messages apart."""
+        return sum(self.calls.values()) - sum(self.message_batches.values())
 
     @property
     def total_sent(self) -> int:
@@ -82,9 +93,11 @@ def comm_counter() -> Iterator[CommStats]:
         _ACTIVE.remove(stats)
 
 
-def record_comm(kind: str, sent: int, received: int) -> None:
-    """Add one collective to every active counter."""
+def record_comm(kind: str, sent: int, received: int, *, as_messages: bool = False) -> None:
+    """Add one collective (``as_messages``: one batch of point-to-point messages) to every
+    active counter."""
     for stats in _ACTIVE:
         stats.sent[kind] += sent
         stats.received[kind] += received
         stats.calls[kind] += 1
+        stats.message_batches[kind] += as_messages

@@ -175,9 +175,12 @@ class _Step:
         return (*self.around[real], (self.dim, start, length))
 
     def skips_exchange(self, sends: list, receives: list) -> bool:
-        """Whether this rank posts nothing for the step: it has no messages, and in a
-        compiled graph (one collective for the whole group) nobody else has either."""
-        return not sends and not receives and not (in_graph() and self.anyone_exchanges)
+        """Whether this rank posts nothing for the step: it has no messages, and where the
+        step is one collective for the whole group (a compiled graph, or NOTE [An exchange
+        of messages as one all-to-all where messages are slow]) nobody else has either."""
+        if sends or receives or not self.anyone_exchanges:
+            return not sends and not receives
+        return not (in_graph() or self.group.messages_in_one_collective)
 
 
 @dataclass(frozen=True)
@@ -338,7 +341,13 @@ def _post(
     if step.skips_exchange(sends, receives):
         return None
     return start_send_recv(
-        step.group, sends, receives, dtype=source.dtype, device=source.device, kind="halo"
+        step.group,
+        sends,
+        receives,
+        dtype=source.dtype,
+        device=source.device,
+        kind="halo",
+        everyone_joins=True,
     )
 
 
@@ -414,7 +423,13 @@ def _post_adjoint(
     if step.skips_exchange(sends, receives):
         return None
     return start_send_recv(
-        step.group, sends, receives, dtype=grad.dtype, device=grad.device, kind="halo"
+        step.group,
+        sends,
+        receives,
+        dtype=grad.dtype,
+        device=grad.device,
+        kind="halo",
+        everyone_joins=True,
     )
 
 

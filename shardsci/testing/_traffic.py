@@ -22,8 +22,8 @@ domain group whose pieces to the other ranks are empty, and NCCL posts no messag
 piece), and a message, which connects its two ends.
 
 With ``watch``, the counter also keeps the order of events (``Traffic.log``): each collective
-and message as it is posted, the first op that reads each received message (which cannot run
-before the message arrived), and every call of the watched ops. That is how a test sees
+and message as it is posted, the first op that reads each received message or all-to-all
+output (which cannot run before it arrived), and every call of the watched ops. That is how a test sees
 whether compute ran while messages were in flight, without timing anything.
 
 :func:`counted_comm` runs both counts side by side and fails, on every rank, when they
@@ -57,7 +57,6 @@ from shardsci.testing._collective_asserts import assert_all_ranks
 
 __all__ = [
     "KINDS",
-    "P2P_KINDS",
     "Event",
     "Span",
     "Traffic",
@@ -65,10 +64,6 @@ __all__ = [
     "counted_comm",
     "traffic_problems",
 ]
-
-# The kinds shardsci records for point-to-point batches: one record per batch, however many
-# messages (or none), so only their bytes are comparable with a count of messages.
-P2P_KINDS = frozenset({"p2p", "halo"})
 
 _NAMESPACES = ("c10d", "_c10d_functional")
 # Ops of those namespaces that move no payload.
@@ -214,7 +209,7 @@ def count_traffic(watch: Collection[str] = ()) -> Iterator[Traffic]:
 def traffic_problems(stats: CommStats, traffic: Traffic) -> list[str]:
     """How shardsci's own count ``stats`` differs from the independent ``traffic``."""
     problems = [f"collectives with no byte model: {traffic.unknown}"] if traffic.unknown else []
-    recorded_calls = sum(n for kind, n in stats.calls.items() if kind not in P2P_KINDS)
+    recorded_calls = stats.collective_calls
     if (stats.total_sent, stats.total_received) != (traffic.sent, traffic.received):
         problems.append(
             f"shardsci recorded {stats.total_sent} bytes sent and {stats.total_received} "
@@ -301,10 +296,11 @@ class _TrafficMode(TorchDispatchMode):
             self.traffic.collectives[name] += 1
         if self.watch:
             index = None
-            if name in _RECEIVES:
+            if name in _RECEIVED_INTO:
                 index = self.receives
                 self.receives += 1
-                for buffer in values["tensors"]:
+                received = values[_RECEIVED_INTO[name]]
+                for buffer in received if isinstance(received, list) else [received]:
                     if buffer.numel():
                         self.unread[buffer.untyped_storage().data_ptr()] = (index, buffer)
             self.traffic.log.append(Event("post", name, index))
@@ -554,7 +550,14 @@ _MODELS: dict[str, tuple[str, Model]] = {
     "_c10d_functional::broadcast": ("broadcast", _functional_broadcast),
     "_c10d_functional::broadcast_": ("broadcast", _functional_broadcast),
 }
-_RECEIVES = frozenset({"c10d::recv_", "c10d::recv_any_source_"})
+# Ops that receive into a buffer, and its argument: what ``Traffic.log`` follows to its first
+# read (an all-to-all's output: a halo exchange as one collective, NOTE [An exchange of
+# messages as one all-to-all where messages are slow]).
+_RECEIVED_INTO = {
+    "c10d::recv_": "tensors",
+    "c10d::recv_any_source_": "tensors",
+    "c10d::alltoall_base_": "output",
+}
 
 KINDS: dict[str, str] = {name: kind for name, (kind, _) in _MODELS.items()}
 """Collective or message op name -> its kind (those of NOTE [What a byte count means]; messages
