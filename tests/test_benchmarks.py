@@ -160,6 +160,8 @@ SLOW_SMOKES = {
         {"GOAL_RATIO": lambda _: 0.5},
         ("2 ranks: latency-bound all-reduces priced within",),
     ),
+    # No goals: the per-path figures and one model's step against them (1 rank).
+    "calibrate_dispatch": Smoke("--repeats 1 --models fno --steps 1"),
     "core_share": Smoke("--world 2 --rounds 1 --chunks 2 --per-chunk 1"),
     "step_profile": Smoke("--models fno --ranks 1 2 --size 32 --rounds 1 --steps 1"),
     "recipe_throughput": Smoke(

@@ -364,3 +364,16 @@ def test_each_timed_step_is_predicted_at_the_compute_rates_its_own_call_measured
     # On the calibration's rates alone, the slow calls' steps are mispredicted.
     unpaired = [_work_s(calibrated) / seconds for seconds in measured["4"]["cpu"]]
     assert max(abs(r - 1) for r in unpaired) > 0.5
+
+
+def test_a_steps_shardtensor_calls_are_priced_by_their_path():
+    """NOTE [Host time by dispatch path]: fifty handler-path ops cost what fifty handler calls
+    cost, not what fifty fast-path ops cost; a function handler's call is priced apart."""
+    from benchmarks.calibrate_dispatch import path_figures, price_step
+
+    figures = {"fast": 10.0, "propagation": 40.0, "handler": 60.0, "function": 100.0}
+    assert price_step({"path_ops": {"handler": 50}, "function_calls": 0}, figures) == 3000.0
+    assert price_step({"path_ops": {"fast": 50}, "function_calls": 0}, figures) == 500.0
+    assert price_step({"path_ops": {"fast": 1}, "function_calls": 2}, figures) == 210.0
+    added = {"fast": {"add": [1.0, 3.0, 2.0], "mul": [9.0, 9.0]}, "function": {"conv": [5.0]}}
+    assert path_figures(added) == {"fast": 5.5, "function": 5.0}

@@ -157,9 +157,25 @@ def test_operands_sharded_like_the_field_along_some_dims_take_the_fast_path(
     run_on_ranks(case.world, _partly_sharded_body, case)
 
 
-def test_tallies_do_not_nest() -> None:
-    with tally_paths(), pytest.raises(RuntimeError, match="do not nest"), tally_paths():
-        pass
+def _nested_tallies_body() -> None:
+    mesh = get_mesh((1,))
+    x = from_local_spec(
+        torch.ones(4, 3), ShardTensorSpec.build(mesh, [Shard(0)], (4, 3), torch.float32)
+    )
+    with torch.no_grad(), tally_paths() as outer:
+        _ = x + x
+        with tally_paths() as inner:
+            _ = x * 2.0
+        _ = x.sum(0)
+    assert dict(inner.ops) == {"fast": 1}, dict(inner.ops)
+    assert dict(outer.ops) == {"fast": 2, "propagation": 1}, dict(outer.ops)
+    assert set(outer.seconds) == {"fast", "propagation"}
+
+
+def test_tallies_nest_each_counting_every_op_in_it() -> None:
+    """A tally opened inside another (a ``WorkCounter`` in a ``host_overhead`` tally) counts
+    its own block's ops; the outer one counts them too."""
+    run_on_ranks(1, _nested_tallies_body)
 
 
 def _spec_key_body() -> None:

@@ -167,3 +167,30 @@ def test_a_collectives_buffers_are_not_memory_traffic():
         dist.destroy_process_group()
     assert work.ops >= 2
     assert (work.memory_bytes, work.flop_free_bytes) == (0, 0)
+
+
+def _paths_body() -> None:
+    from shardsci import Shard, ShardTensor
+    from shardsci.testing import get_mesh
+
+    mesh = get_mesh((1,))
+    x = ShardTensor.from_local(torch.randn(1, 2, 8, 8), mesh, [Shard(2)], {0: (8,)})
+    weight = torch.randn(2, 2, 3, 3)
+    with torch.no_grad(), WorkCounter() as work:
+        y = x + x  # fast
+        y = y.mean(dim=(-2, -1))  # propagation
+        z = torch.constant_pad_nd(x, (1, 1))  # an aten handler
+        z = F.conv2d(z, weight)  # a function handler, its own ops inside it
+        z * 2.0  # fast
+        torch.randn(3) * 2  # plain: no path
+    assert dict(work.path_ops) == {"fast": 2, "propagation": 1, "handler": 1}, work.path_ops
+    assert work.function_calls == 1
+    assert isinstance(y, ShardTensor) and isinstance(z, ShardTensor)
+
+
+def test_ops_on_shard_tensors_are_counted_by_dispatch_path_and_function_handler_calls():
+    """NOTE [Host time by dispatch path] (``benchmarks/calibrate_dispatch.py``): a
+    ShardTensor op's host time depends on its path, so ``WorkCounter`` counts them apart."""
+    from shardsci.testing import run_on_ranks
+
+    run_on_ranks(1, _paths_body)

@@ -60,13 +60,18 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardsci.tensor import ShardTensor
+from shardsci.tensor._dispatch import tally_paths
+from shardsci.tensor._registry import function_handler_for
 from shardsci.tensor._shape_probe import probing
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves
 
@@ -191,10 +196,17 @@ class WorkCounter(TorchDispatchMode):
     complex matmuls' FLOPs (``complex_matmul_flops``, not in ``flops``, NOTE [Complex matmuls
     are counted apart]), the bytes its non-view ops read and write and those of them without
     FLOPs (``memory_bytes``, ``flop_free_bytes``, NOTE [Kernels without FLOPs]) and the runs of the strided tensors their copies read and write
-    (``strided_runs``, NOTE [Strided copies]); a shape probe's are no work."""
+    (``strided_runs``, NOTE [Strided copies]); a shape probe's are no work. And the aten ops
+    on ShardTensors by the dispatch path they took (``path_ops``: ``fast``, ``propagation``,
+    ``handler``; nested ones included, NOTE [Dispatch paths]) and the calls of function
+    handlers (``function_calls``): what a ShardTensor op costs the host depends on them (NOTE
+    [Host time by dispatch path] in ``benchmarks/calibrate_dispatch.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.path_ops: Counter[str] = Counter()
+        self._function_calls = _FunctionHandlerCalls()
+        self._paths = ExitStack()
         self.ops = 0
         self.communication_ops = 0
         self.flops = 0
@@ -203,6 +215,23 @@ class WorkCounter(TorchDispatchMode):
         self.strided_runs = 0
         self.memory_bytes = 0
         self.flop_free_bytes = 0
+
+    @property
+    def function_calls(self) -> int:
+        """Calls of torch functions with a registered function handler on ShardTensors, the
+        outermost ones (a handler's own calls are inside its cost)."""
+        return self._function_calls.calls
+
+    def __enter__(self) -> WorkCounter:
+        self.path_ops = self._paths.enter_context(tally_paths()).ops
+        self._paths.enter_context(self._function_calls)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            self._paths.close()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
@@ -234,6 +263,22 @@ class WorkCounter(TorchDispatchMode):
         self.memory_bytes += moved
         if not counts_flops(func):
             self.flop_free_bytes += moved
+
+
+class _FunctionHandlerCalls(TorchFunctionMode):
+    """While active, count the calls of torch functions on ShardTensors that have a registered
+    function handler (``calls``); not those made inside one (a mode is off in its own
+    ``__torch_function__``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:  # type: ignore[override]
+        kwargs = kwargs or {}
+        if function_handler_for(func) is not None and _on_shard_tensors((args, kwargs)):
+            self.calls += 1
+        return func(*args, **kwargs)
 
 
 def _on_shard_tensors(arguments: Any) -> bool:

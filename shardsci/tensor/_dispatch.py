@@ -112,8 +112,10 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
         return _in_place_view(func, args, kwargs)
     if route.dim_argument is not None:
         args, kwargs = _explicit_reduction_dims(func, args, kwargs)
-    tally = _TALLY
-    start = tally.enter() if tally is not None else 0.0
+    tallies = _TALLIES
+    start = time.perf_counter() if tallies else 0.0
+    for tally in tallies:
+        tally.enter()
     path = "raised"
     ops = dispatching()  # NOTE [Gathers an op was not asked to make]
     ops.append(func)
@@ -131,7 +133,7 @@ def dispatch(cls: type, func: OpOverload, types: Any, args: tuple = (), kwargs: 
         return result
     finally:
         ops.pop()
-        if tally is not None:
+        for tally in tallies:
             tally.leave(path, start)
 
 
@@ -155,7 +157,10 @@ def _dispatched(func: OpOverload, route: _Route, args: tuple, kwargs: dict) -> t
 # cached plan of ``_propagation``, which may run the op's decomposition, each inner op
 # dispatched on its own). ``tally_paths`` counts them, for ``benchmarks.host_overhead``: every
 # op by path, and the host time of the outermost ones (an op a handler runs is inside its
-# caller's time). Off (one global read per op) unless a tally is open.
+# caller's time); and for ``planning._work.WorkCounter``, which counts a step's ops by path
+# (what an op costs the host depends on it: NOTE [Host time by dispatch path] in
+# ``benchmarks/calibrate_dispatch.py``). Tallies nest: each open one counts every op in it.
+# Off (one global read per op) unless a tally is open.
 @dataclass
 class PathTally:
     """Ops dispatched per path while a :func:`tally_paths` block is open.
@@ -175,9 +180,8 @@ class PathTally:
     seconds: Counter = field(default_factory=Counter)
     _depth: int = 0
 
-    def enter(self) -> float:
+    def enter(self) -> None:
         self._depth += 1
-        return time.perf_counter()
 
     def leave(self, path: str, start: float) -> None:
         self._depth -= 1
@@ -187,21 +191,20 @@ class PathTally:
             self.seconds[path] += time.perf_counter() - start
 
 
-_TALLY: PathTally | None = None
+_TALLIES: tuple[PathTally, ...] = ()
 
 
 @contextmanager
 def tally_paths() -> Iterator[PathTally]:
     """Count the dispatch path of every aten op on a ShardTensor in the block (NOTE
-    [Dispatch paths]); one tally at a time."""
-    global _TALLY
-    if _TALLY is not None:
-        raise RuntimeError("tally_paths blocks do not nest")
-    _TALLY = tally = PathTally()
+    [Dispatch paths]); blocks nest, each counting every op in it."""
+    global _TALLIES
+    tally = PathTally()
+    _TALLIES = (*_TALLIES, tally)
     try:
         yield tally
     finally:
-        _TALLY = None
+        _TALLIES = tuple(t for t in _TALLIES if t is not tally)
 
 
 # NOTE [Shards never carry a conjugate or negative bit]
