@@ -92,8 +92,8 @@ class AxisGroup:
 # included (``_nccl_should_send_recv`` is true for every count from NCCL 2.14 on; read in
 # torch's source, not measured): 2 (P - 1) legs for a 2-neighbour exchange, O(P) on a large
 # group. The rule is ``messages_in_one_collective``; a stand-in backend (the dry run's fake
-# process group) follows the backend torch gives its mesh's device, so that a dry run counts
-# what the real run issues. Every member must call the exchange, messages or not
+# process group) follows the backend it stands in for (``stand_in``: the target run's), else
+# the one torch gives its mesh's device, so that a dry run counts what the real run issues. Every member must call the exchange, messages or not
 # (``start_send_recv``'s ``everyone_joins``).
 GLOO_LARGEST_GROUP = 8
 """The largest group on gloo whose exchanges go as one all-to-all: measured up to 8 ranks
