@@ -100,3 +100,18 @@ def test_fsdp2_over_replicas_is_refused_naming_the_alternative(tmp_path: Path) -
     cfg = _compose([*SMALL, "mesh=2x2", "train.dp_mode=fsdp2", f"run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"fsdp2 over 2 data-parallel replicas.*dp_mode=ddp"):
         plan_run(cfg)
+
+
+@pytest.mark.parametrize(("machine", "as_messages"), [("cpu", False), ("h100", True)])
+def test_halos_are_counted_as_the_target_issues_them(tmp_path: Path, machine, as_messages):
+    """The dry run's process groups stand in for the target's backend (``target_backend``):
+    planned for an H100 cluster, a 4-rank slab's halos are message batches (NCCL), planned
+    for this CPU one all-to-all each (gloo, NOTE [An exchange of messages as one all-to-all
+    where messages are slow]); the mesh is on this CPU either way. The bytes agree."""
+    overrides = [*SMALL, "mesh=4", "parallel=slab", f"parallel.machine={machine}"]
+    plan = plan_run(_compose([*overrides, f"run_dir={tmp_path}"]))
+    halo = plan.classes[0].collectives["halo"]
+    assert halo.calls > 0
+    assert halo.message_batches == (halo.calls if as_messages else 0)
+    kinds = {span.kind for span in plan.classes[0].spans}
+    assert ("p2p" in kinds) is as_messages

@@ -266,6 +266,18 @@ def _mode_on_stack(fn: Callable) -> None:
         assert fn() is True
 
 
+def _push_and_pop_mode(push: Callable) -> None:
+    """``_push_mode(mode)`` puts ``mode`` on the dispatch-mode stack, ``_pop_mode()`` takes it
+    off and returns it (``WorkCounter``'s NOTE [Work on local shards])."""
+    mode = _torch_compat.TorchDispatchMode()
+    push(mode)
+    try:
+        assert _torch_compat.any_torch_dispatch_mode_on_stack()
+    finally:
+        assert _torch_compat._pop_mode() is mode
+    assert not _torch_compat.any_torch_dispatch_mode_on_stack()
+
+
 def _meta_in_tls(get: Callable) -> None:
     set_ = _torch_compat._set_meta_in_tls_dispatch_include
     assert get() is False
@@ -431,6 +443,8 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "decomposition_table": _decompositions,
     "no_dispatch": _no_dispatch,
     "tree_leaves": _tree_leaves,
+    "_push_mode": _push_and_pop_mode,
+    "_pop_mode": callable,  # type: ignore[dict-item]
     "any_torch_dispatch_mode_on_stack": _mode_on_stack,
     "_meta_in_tls_dispatch_include": _meta_in_tls,
     "_set_meta_in_tls_dispatch_include": lambda fn: _meta_in_tls(

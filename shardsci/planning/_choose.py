@@ -53,12 +53,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.distributed import LaunchEnv, init_distributed
-from shardsci.planning._dry_run import plan_run
+from shardsci.planning._dry_run import plan_run, target_machine
 from shardsci.planning._machine import (
     HALO_KINDS,
     Machine,
@@ -436,7 +435,7 @@ def chosen_config(cfg: DictConfig, decomposition: Decomposition) -> DictConfig:
 
 
 def _machine(parallel: ParallelConfig, ranks_here: int) -> tuple[Machine, str]:
-    name = parallel.machine or ("h100" if torch.cuda.is_available() else "cpu")
+    name = target_machine(parallel.machine)
     if name not in ("h100", "cpu"):
         raise ConfigError(f"parallel.machine={name!r}: expected 'h100', 'cpu' or null")
     machine = Machine() if name == "h100" else gloo_cpu(ranks_here)

@@ -108,10 +108,11 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
     notes: list[str] = []
     simulations: list[_Simulation] = []
     try:
-        first = _simulate(cfg, recipe, 0, plan, train)
+        backend = target_backend(parallel.machine)
+        first = _simulate(cfg, recipe, 0, plan, train, backend)
         simulations.append(first)
         for ranks in first.classes[1:]:
-            simulations.append(_simulate(cfg, recipe, ranks[0], plan, train))
+            simulations.append(_simulate(cfg, recipe, ranks[0], plan, train, backend))
     except StepFailed as failure:
         problems.append(str(failure))
     if not simulations:
@@ -149,12 +150,32 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
     )
 
 
+def target_machine(configured: str | None) -> str:
+    """The machine a run is planned for: ``parallel.machine`` (``"h100"`` or ``"cpu"``), by
+    default ``"h100"`` where CUDA is available, else ``"cpu"``."""
+    return configured or ("h100" if torch.cuda.is_available() else "cpu")
+
+
+def target_backend(configured: str | None) -> str:
+    """The backend of the run planned for ``parallel.machine``: NCCL on an H100 cluster, gloo
+    on CPUs. The dry run's process groups stand in for it (``simulated_rank``), so a halo is
+    counted as the target issues it (messages on NCCL, one all-to-all on gloo), though the
+    simulated mesh is on this process's CPU."""
+    return "nccl" if target_machine(configured) == "h100" else "gloo"
+
+
 def _simulate(
-    cfg: DictConfig, recipe: Recipe, rank: int, plan: ParallelPlan, train: TrainConfig
+    cfg: DictConfig,
+    recipe: Recipe,
+    rank: int,
+    plan: ParallelPlan,
+    train: TrainConfig,
+    backend: str,
 ) -> _Simulation:
     """Simulate ``rank``'s step: its model, parallelised as the trainer does it (its gradient
-    reducer is this rank's), and its optimiser, in steady state."""
-    with simulated_rank(rank, plan.world_size):
+    reducer is this rank's), and its optimiser, in steady state, on process groups standing
+    in for ``backend``'s."""
+    with simulated_rank(rank, plan.world_size, backend):
         parallelism = Parallelism.build(plan, device_type="cpu")
         if train.dp_mode is DataParallelMode.fsdp2 and plan.dp_size > 1:
             raise ConfigError(

@@ -14,8 +14,27 @@ works on ``meta`` tensors in a dry run as on real ones. A shape probe (NOTE [Sha
 hold no memory]) is an op but no work: it runs torch's meta function on a stand-in of the
 whole field's shape, never a kernel, so its FLOPs are not counted (counted, they grew a split
 FNO's FFT FLOPs per rank with its ranks: 1.2x on 2 ranks of a domain, 1.9x on 8). Nor is an
-op dispatched on ShardTensors (the autograd engine's, on their gradients) work: ShardTensor
-runs it as ops on local shards, counted as they run.
+op dispatched on ShardTensors work: ShardTensor runs it as ops on local shards, counted as
+they run (NOTE [Work on local shards]).
+
+# NOTE [Work on local shards]
+A dispatch mode is off inside its own ``__torch_dispatch__``: a mode that passed an op on
+ShardTensors on (``func(*args)``) saw none of the local kernels ShardTensor ran for it. So on
+the fast and propagation paths (and in aten handlers) ``WorkCounter`` counted no FLOPs or
+bytes (``x + x``, GELU and ``mean`` of a ``(1, 4, 64, 64)`` field: 393,232 bytes on the plain
+tensor, 0 on a 1-rank ShardTensor), unless a mode below it happened to hand the op back (the
+traffic counter of a test does; the dry run entered ``WorkCounter`` last, above them), and a
+domain-split candidate of ``parallel=auto`` lacked work a data-parallel one counted. Every
+other mode here returns ``NotImplemented`` for such an op, so that torch runs ShardTensor's
+``__torch_dispatch__`` with it on; ``WorkCounter`` runs that ``__torch_dispatch__`` itself with
+the mode pushed again (the modes below it hand the op on alike), so every kernel on a plain
+tensor is counted once, wherever it is dispatched from (a function handler's at the top, an
+aten handler's or a path's inside the op); an op on ShardTensors never is. Nor do ops
+on fake tensors (DTensor's sharding propagation) or a plan's checks of local shapes on
+``meta`` stand-ins (shape probes, NOTE [Shape probes hold no memory]) count work. The ops
+inside a ShardTensor op are work but not ``ops``: ``ops`` and
+``communication_ops`` count what the step dispatches at the top, the figure
+``host_us_per_op`` was measured against (NOTE [One price per op] in ``_machine``).
 
 # NOTE [FFT FLOPs are counted apart]
 A complex transform of ``n`` points costs ``5 n log2 n`` FLOPs (the radix-2 count every FFT
@@ -73,7 +92,13 @@ from shardsci.tensor import ShardTensor
 from shardsci.tensor._dispatch import tally_paths
 from shardsci.tensor._registry import function_handler_for
 from shardsci.tensor._shape_probe import probing
-from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves
+from shardsci.tensor._torch_compat import (
+    TorchDispatchMode,
+    _pop_mode,
+    _push_mode,
+    is_fake,
+    tree_leaves,
+)
 
 __all__ = [
     "COMMUNICATION_MODULES",
@@ -215,6 +240,7 @@ class WorkCounter(TorchDispatchMode):
         self.strided_runs = 0
         self.memory_bytes = 0
         self.flop_free_bytes = 0
+        self._inside_shard_tensor_ops = 0
 
     @property
     def function_calls(self) -> int:
@@ -235,11 +261,14 @@ class WorkCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
+        if not self._inside_shard_tensor_ops:
+            self.ops += 1
+            if _called_from(COMMUNICATION_MODULES):
+                self.communication_ops += 1
+        if _on_shard_tensors((args, kwargs)):
+            return self._on_local_shards(func, types, args, kwargs)
         out = func(*args, **kwargs)
-        self.ops += 1
-        if _called_from(COMMUNICATION_MODULES):
-            self.communication_ops += 1
-        if probing() or _on_shard_tensors((args, kwargs)):
+        if probing() or _on_fake_tensors((args, kwargs, out)):
             return out
         self._count_traffic(func, (args, kwargs, out))
         packet = func._overloadpacket
@@ -255,6 +284,16 @@ class WorkCounter(TorchDispatchMode):
         else:
             self.fft_flops += int(fft_flops(func, args, out))
         return out
+
+    def _on_local_shards(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        """Run an op on ShardTensors with this mode on (NOTE [Work on local shards])."""
+        self._inside_shard_tensor_ops += 1
+        _push_mode(self)
+        try:
+            return ShardTensor.__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            _pop_mode()
+            self._inside_shard_tensor_ops -= 1
 
     def _count_traffic(self, func: Any, tensors: Any) -> None:
         if func.is_view or func.namespace in COLLECTIVE_NAMESPACES:
@@ -287,6 +326,12 @@ def _on_shard_tensors(arguments: Any) -> bool:
     bytes were those of its whole field and of its shard again: 1.2 GB of traffic without
     FLOPs a rank in the FNO's step at 64² on slabs of 8 ranks, 0.45 on 8 replicas)."""
     return any(isinstance(t, ShardTensor) for t in tree_leaves(arguments))
+
+
+def _on_fake_tensors(tensors: Any) -> bool:
+    """Whether an op runs on (or makes) fake tensors: DTensor's sharding propagation learning
+    an output's metadata inside a ShardTensor op, no kernel (NOTE [Work on local shards])."""
+    return any(isinstance(t, torch.Tensor) and is_fake(t) for t in tree_leaves(tensors))
 
 
 def _strided_runs(tensors: Any) -> int:

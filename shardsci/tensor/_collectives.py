@@ -35,6 +35,7 @@ __all__ = [
     "exchange",
     "exchange_packed",
     "send_recv",
+    "stand_in",
     "start_send_recv",
 ]
 
@@ -91,8 +92,8 @@ class AxisGroup:
 # included (``_nccl_should_send_recv`` is true for every count from NCCL 2.14 on; read in
 # torch's source, not measured): 2 (P - 1) legs for a 2-neighbour exchange, O(P) on a large
 # group. The rule is ``messages_in_one_collective``; a stand-in backend (the dry run's fake
-# process group) follows the backend torch gives its mesh's device, so that a dry run counts
-# what the real run issues. Every member must call the exchange, messages or not
+# process group) follows the backend it stands in for (``stand_in``: the target run's), else
+# the one torch gives its mesh's device, so that a dry run counts what the real run issues. Every member must call the exchange, messages or not
 # (``start_send_recv``'s ``everyone_joins``).
 GLOO_LARGEST_GROUP = 8
 """The largest group on gloo whose exchanges go as one all-to-all: measured up to 8 ranks
@@ -110,15 +111,25 @@ def messages_in_one_collective(backend: str, size: int) -> bool:
 # torch's own choice per device, before any registered backend claims a device.
 _BUILT_IN_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
 
+_STAND_INS: dict[str, str] = {}
+"""Registered backends that stand in for a built-in one -> that backend (``stand_in``)."""
+
+
+def stand_in(name: str, backend: str) -> None:
+    """Make the registered backend ``name`` count as the built-in ``backend`` wherever a rule
+    depends on a group's backend: the dry run's fake process group stands in for the target's
+    (NCCL for a GPU cluster planned on this CPU), so its plan counts what that run issues."""
+    _STAND_INS[name] = backend
+
 
 def _backend(group: dist.ProcessGroup, device_type: str) -> str:
     """``group``'s backend, or for a registered one (a stand-in such as the dry run's fake
-    process group) the backend torch built in for ``device_type``, if any."""
+    process group) the backend it stands in for (``stand_in``), else the backend torch built
+    in for ``device_type``, if any."""
     backend = str(dist.get_backend(group))
     if dist.Backend.backend_type_map.get(backend) != dist.ProcessGroup.BackendType.CUSTOM:
         return backend
-    built_in = _BUILT_IN_BACKENDS.get(device_type)
-    return backend if built_in is None else built_in
+    return _STAND_INS.get(backend) or _BUILT_IN_BACKENDS.get(device_type, backend)
 
 
 # Keyed by the mesh's value, which keeps the mesh (and its groups) alive while cached

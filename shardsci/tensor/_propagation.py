@@ -43,6 +43,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._caches import BoundedCache, register_cache
 from shardsci.tensor._gather_guard import gathers
+from shardsci.tensor._shape_probe import shape_probe
 from shardsci.tensor._spec import (
     DimSharding,
     ShardTensorSpec,
@@ -402,7 +403,8 @@ class _LocalArgs:
                 continue
             tried.add(key)
             try:
-                out = self._run_on_meta(shapes, shape_argument)
+                with shape_probe():
+                    out = self._run_on_meta(shapes, shape_argument)
             except NotImplementedError:  # no meta kernel: cannot tell
                 return None
             except Exception as exc:

@@ -181,6 +181,14 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     ),
     "tree_map": _at("torch.utils._pytree:tree_map", "mapping over nested results"),
     "tree_leaves": _at("torch.utils._pytree:tree_leaves", "the tensors in nested arguments"),
+    "_push_mode": _at(
+        "torch.utils._python_dispatch:_push_mode",
+        "a work counter on inside a ShardTensor op, counting its local kernels",
+    ),
+    "_pop_mode": _at(
+        "torch.utils._python_dispatch:_pop_mode",
+        "a work counter on inside a ShardTensor op, counting its local kernels",
+    ),
     "any_torch_dispatch_mode_on_stack": _at(
         "torch.utils._python_dispatch:any_torch_dispatch_mode_on_stack",
         "whether a dispatch mode (fake tensors, a tracer) is active",
