@@ -8,7 +8,9 @@ and through ``check_against_reference`` a rank left waiting). Under ``"allow"`` 
 gradient and layout (replicated) as one process; under ``"error"`` a ``GatherError`` on every
 rank, also through ``check_against_reference``. On 2 uneven ranks, ``x`` split along dim 0 and
 the index along dim 1 over the same axis, DTensor reshards ``x`` like the index (no mask, no
-gather): the output is split like the index, and ``"error"`` does not refuse it.
+gather): the output is split like the index, and ``"error"`` does not refuse it. A
+``_MaskPartial`` that reaches shardsci's reduction anyway (no rank has its mask) is refused with
+one clear error on every rank, before the all-reduce.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import math
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _MaskPartial
 
 from shardsci import GatherError, gather_policy
 from shardsci.handlers import from_local_spec
+from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
@@ -98,3 +102,15 @@ def test_gather_through_split_index_allowed_matches_one_process(name: str) -> No
 @pytest.mark.parametrize("name", list(CASES))
 def test_gather_through_split_index_refused_or_not_on_every_rank(name: str) -> None:
     run_on_ranks(math.prod(CASES[name][0]), _error_on_every_rank, name)
+
+
+def _maskless_reduction_refused() -> None:
+    mesh = get_mesh((2,))
+    masked = _MaskPartial(offset_shape=torch.Size([4]), offset_dim=0)
+    spec = ShardTensorSpec.build(mesh, [masked], (1, 4), torch.float64, {})
+    t = from_local_spec(torch.zeros(1, 4, dtype=torch.float64), spec)
+    assert_raises_all_ranks(NotImplementedError, "never saved", t.redistribute, mesh, [Replicate()])
+
+
+def test_maskless_mask_partial_refused_on_every_rank() -> None:
+    run_on_ranks(2, _maskless_reduction_refused)
