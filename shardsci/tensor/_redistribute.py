@@ -450,7 +450,15 @@ def _reduce_with_placement(
     local: torch.Tensor, axis: int, spec: ShardTensorSpec, group: AxisGroup
 ) -> torch.Tensor:
     """Partial subclasses with their own reduction (e.g. the p-norm partial of ``norm``)."""
-    result = spec.placements[axis]._reduce_value(local, spec.mesh, axis)
+    placement = spec.placements[axis]
+    if getattr(getattr(placement, "mask_buffer", None), "data", False) is None:
+        # DTensor's _MaskPartial keeps its mask from its own dispatch, which shardsci replaces:
+        # no rank has it, so every rank says so here, before the all-reduce.
+        raise NotImplementedError(
+            f"shardsci cannot reduce DTensor's {placement} over mesh axis {axis}: the mask it "
+            "needs was never saved; redistribute the indexed input to the layout you want first"
+        )
+    result = placement._reduce_value(local, spec.mesh, axis)
     nbytes = local.numel() * local.element_size()
     ring = 2 * (group.size - 1) * nbytes // group.size
     record_comm("all_reduce", ring, ring)

@@ -27,7 +27,8 @@ else (boolean masks, several tensor indices, an index sharded over other axes, a
 sharded on other dims too, unless the index is replicated) declines to the default path,
 except ``index_put`` and aten's ``index``, which take several indices and boolean masks
 through a replicated index (``index`` reads where the cells are), and ``put`` and ``take``,
-which go through them by flat position. New tensors of the input's shape that backward
+which go through them by flat position; a declined aten ``gather`` or ``index_select`` that
+DTensor would read as a ``_MaskPartial`` takes the gathered fallback (``_masked_by_dtensor``). New tensors of the input's shape that backward
 formulas scatter into are laid out like it (``_factory_ops``).
 """
 
@@ -708,6 +709,23 @@ def _added_through_replicated(
 def _sharded(t: object) -> bool:
     """Whether ``t`` is a ShardTensor split along some dim."""
     return isinstance(t, ShardTensor) and bool(t._spec.shardings)
+
+
+def _masked_by_dtensor(x: object, dim: int, index: object) -> bool:
+    """Whether DTensor's rule for a gather from ``x`` along ``dim`` through ``index`` would
+    read ``x``'s rows there as a ``_MaskPartial``: an axis splits ``x`` along ``dim`` and the
+    index is whole over it. shardsci's reductions do not have the mask that partial needs, so
+    such a gather takes the gathered fallback (``x.gather(0, x.argmax(0, keepdim=True))`` on a
+    2x2 mesh, the index split along dim 1 like ``x``); an index split over that axis lets
+    DTensor reshard ``x`` like the index instead."""
+    if not isinstance(x, ShardTensor) or x.ndim == 0:
+        return False
+    sharding = x._spec.sharding_by_dim.get(dim % x.ndim)
+    if sharding is None:
+        return False
+    if not isinstance(index, ShardTensor):
+        return True
+    return any(isinstance(index._spec.placements[axis], Replicate) for axis in sharding.axes)
 
 
 # ---------------------------------------------------------------------------- scatters
@@ -1504,7 +1522,10 @@ def _below_autograd(func, args, kwargs):
     a = bind(func, args, kwargs)
     torch_func = _AT_TORCH_LEVEL[func]
     if func in (aten.gather.default, aten.index_select.default):
-        return function_handler_for(torch_func)(torch_func, args, kwargs)
+        out = function_handler_for(torch_func)(torch_func, args, kwargs)
+        if out is NotImplemented and _masked_by_dtensor(a.self, a.dim, a.index):
+            return gathered(func, args, kwargs)
+        return out
     if func is aten.index_put.default:
         replicated = _advanced_indices(a.indices, a.self) is not None
     else:

@@ -1,0 +1,116 @@
+"""``gather`` from an input split along the gathered dim through an index split along another
+dim, against one process, float64.
+
+``x.gather(0, x.argmax(0, keepdim=True))`` on a 2x2 mesh (the index split along dim 1 like
+``x``, whole over dim 0's axis) takes the gathered fallback: DTensor's rule gives a
+``_MaskPartial`` whose mask shardsci does not keep (a bare ``AssertionError`` on every rank,
+and through ``check_against_reference`` a rank left waiting). Under ``"allow"`` values,
+gradient and layout (replicated) as one process; under ``"error"`` a ``GatherError`` on every
+rank, also through ``check_against_reference``. On 2 uneven ranks, ``x`` split along dim 0 and
+the index along dim 1 over the same axis, DTensor reshards ``x`` like the index (no mask, no
+gather): the output is split like the index, and ``"error"`` does not refuse it. A
+``_MaskPartial`` that reaches shardsci's reduction anyway (no rank has its mask) is refused with
+one clear error on every rank, before the all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _MaskPartial
+
+from shardsci import GatherError, gather_policy
+from shardsci.handlers import from_local_spec
+from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.testing import (
+    Layout,
+    assert_all_ranks,
+    assert_raises_all_ranks,
+    check_against_reference,
+    get_mesh,
+    run_on_ranks,
+)
+
+SHAPE = (3, 4)
+# (mesh, x's layout, the index's layout: None for x.argmax(0, keepdim=True) of the ShardTensor)
+CASES = {
+    "2x2-uneven": ((2, 2), Layout((Shard(0), Shard(1)), {0: (2, 1), 1: (1, 3)}), None),
+    "2r-uneven": ((2,), Layout((Shard(0),), {0: (2, 1)}), Layout((Shard(1),), {1: (1, 3)})),
+}
+GATHERED = ["2x2-uneven"]  # the others keep the index's layout
+
+
+def _operands(name: str):
+    mesh_shape, layout, index_layout = CASES[name]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(SHAPE, dtype=torch.float64)
+    index = x.argmax(0, keepdim=True)
+    spec = layout.spec(mesh, x)
+    leaf = spec.narrow(x).contiguous().requires_grad_()
+    t = from_local_spec(leaf, spec)
+    if index_layout is None:
+        i = t.argmax(0, keepdim=True)
+        assert_all_ranks(i._spec.shardings[0].dim == 1, f"the index is split on dim 1: {i._spec}")
+    else:
+        index_spec = index_layout.spec(mesh, index)
+        i = from_local_spec(index_spec.narrow(index).contiguous(), index_spec)
+    return mesh, layout, index_layout, x, index, spec, leaf, t, i
+
+
+def _allow_matches_one_process(name: str) -> None:
+    mesh, _, _, x, index, spec, leaf, t, i = _operands(name)
+    reference = x.clone().requires_grad_()
+    expected = reference.gather(0, index)
+    (expected * expected).sum().backward()
+    with gather_policy("allow"):
+        out = t.gather(0, i)
+        (out * out).sum().backward()
+    if name in GATHERED:
+        layout_ok = out._spec.placements == (Replicate(),) * mesh.ndim
+    else:
+        layout_ok = out._spec.same_layout(i._spec.with_dtype(out.dtype))
+    assert_all_ranks(layout_ok, f"layout {out._spec}")
+    assert_all_ranks(tuple(out.shape) == tuple(expected.shape), f"shape {out.shape}")
+    assert_all_ranks(torch.equal(out.full_tensor(), expected.detach()), "values")
+    assert_all_ranks(torch.equal(leaf.grad, spec.narrow(reference.grad)), "gradient")
+
+
+def _error_on_every_rank(name: str) -> None:
+    mesh, layout, index_layout, x, index, _, _, t, i = _operands(name)
+    if index_layout is None:
+        args = (lambda x: x.gather(0, x.argmax(0, keepdim=True)), [x], [layout])
+    else:
+        args = (lambda x, i: x.gather(0, i), [x, index], [layout, index_layout])
+    with gather_policy("error"):
+        if name not in GATHERED:
+            torch.gather(t, 0, i)
+            check_against_reference(*args, mesh, out_layouts=[index_layout])
+            return
+        assert_raises_all_ranks(GatherError, "aten.gather", torch.gather, t, 0, i)
+        assert_raises_all_ranks(GatherError, "aten.gather", check_against_reference, *args, mesh)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gather_through_split_index_allowed_matches_one_process(name: str) -> None:
+    run_on_ranks(math.prod(CASES[name][0]), _allow_matches_one_process, name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gather_through_split_index_refused_or_not_on_every_rank(name: str) -> None:
+    run_on_ranks(math.prod(CASES[name][0]), _error_on_every_rank, name)
+
+
+def _maskless_reduction_refused() -> None:
+    mesh = get_mesh((2,))
+    masked = _MaskPartial(offset_shape=torch.Size([4]), offset_dim=0)
+    spec = ShardTensorSpec.build(mesh, [masked], (1, 4), torch.float64, {})
+    t = from_local_spec(torch.zeros(1, 4, dtype=torch.float64), spec)
+    assert_raises_all_ranks(NotImplementedError, "never saved", t.redistribute, mesh, [Replicate()])
+
+
+def test_maskless_mask_partial_refused_on_every_rank() -> None:
+    run_on_ranks(2, _maskless_reduction_refused)
