@@ -333,29 +333,38 @@ def _post(
     for other, outgoing, incoming in step.peers:
         if outgoing:
             parts = [_view(source, step, r.start - origin, r.cells, real=True) for r in outgoing]
-            sends.append(
-                (other, _packed(torch.cat(parts, dim) if len(parts) > 1 else parts[0], keep))
-            )
+            sends.append((other, _message(parts, dim, keep)))
         if incoming:
             receives.append((other, _message_shape(source, step, sum(r.cells for r in incoming))))
+    return _exchange(step, sends, receives, source)
+
+
+def _message(parts: list[torch.Tensor], dim: int, keep: list | None) -> torch.Tensor:
+    """The runs ``parts`` sent to one peer as one message, joined along ``dim`` (packed
+    contiguous and kept in ``keep`` where given)."""
+    message = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+    if keep is not None:
+        message = message.contiguous()
+        keep.append(message)
+    return message
+
+
+def _exchange(
+    step: _Step, sends: list, receives: list, like: torch.Tensor
+) -> PendingMessages | None:
+    """Post the step's messages, in ``like``'s dtype and device, or nothing where this rank
+    takes no part in the step (``_Step.skips_exchange``)."""
     if step.skips_exchange(sends, receives):
         return None
     return start_send_recv(
         step.group,
         sends,
         receives,
-        dtype=source.dtype,
-        device=source.device,
+        dtype=like.dtype,
+        device=like.device,
         kind="halo",
         everyone_joins=True,
     )
-
-
-def _packed(message: torch.Tensor, keep: list | None) -> torch.Tensor:
-    if keep is not None:
-        message = message.contiguous()
-        keep.append(message)
-    return message
 
 
 def _fill(
@@ -415,22 +424,10 @@ def _post_adjoint(
                 _run_grad(_view(grad, step, r.position + step.shift, r.length, True), r, dim)
                 for r in provided
             ]
-            sends.append(
-                (other, _packed(torch.cat(parts, dim) if len(parts) > 1 else parts[0], keep))
-            )
+            sends.append((other, _message(parts, dim, keep)))
         if used:
             receives.append((other, _message_shape(grad, step, sum(r.cells for r in used))))
-    if step.skips_exchange(sends, receives):
-        return None
-    return start_send_recv(
-        step.group,
-        sends,
-        receives,
-        dtype=grad.dtype,
-        device=grad.device,
-        kind="halo",
-        everyone_joins=True,
-    )
+    return _exchange(step, sends, receives, grad)
 
 
 def _add_received(
