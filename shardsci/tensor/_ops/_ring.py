@@ -21,8 +21,9 @@ of the ring's bytes in 2 collectives instead of 3 (N - 1) hops (a message each w
 gloo one all-to-all: ``_Shift``), but holds the whole gathered operand on every rank. So
 (:func:`ring_chosen`): gather while the operand this rank would hold gathered is at most
 ``gather_limit_bytes`` (default 16 MiB, ``shardsci.attention_exchange``), the ring above
-that, where memory stays at one block per rank. The callers pass bytes computed from global sizes and the shards of dims sharded over
-other mesh axes, which every rank of a group shares, so the ranks of a group decide alike.
+that, where memory stays at one block per rank. The callers pass bytes computed from global
+sizes and the shards of dims sharded over other mesh axes, which every rank of a group
+shares, so the ranks of a group decide alike.
 :func:`all_gather_blocks` is the only place either caller gathers an operand whole.
 """
 
