@@ -8,6 +8,7 @@ NOTE [Ring attention]); the cost rule; ``nn.MultiheadAttention``; refused dropou
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from unittest import mock
 
 import pytest
@@ -29,6 +30,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.exchange_ways import exchanges_as
 from tests.layouts import Sharded
 
 # (B, H, L, E) queries (and keys, values) with the sequence dim L = 2 sharded.
@@ -134,6 +136,19 @@ def test_sharded_sequence(case: Sharded, variant: str) -> None:
 @pytest.mark.parametrize("variant", ["causal", "learned-bias", "gqa-causal"])
 def test_sharded_sequence_all_gather(case: Sharded, variant: str) -> None:
     run_on_ranks(case.world, _sdpa_body, case.name, variant, "all_gather")
+
+
+def _sdpa_messages_body(case_name: str, variant: str) -> None:
+    with exchanges_as("messages"):
+        _sdpa_body(case_name, variant, "ring")
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=str)
+@pytest.mark.parametrize("variant", ["causal", "learned-bias"])
+def test_sharded_sequence_ring_as_messages(case: Sharded, variant: str) -> None:
+    """The ring's hops as point-to-point messages (gloo sends them as all-to-alls: NOTE [An
+    exchange of messages as one all-to-all where messages are slow]), as on NCCL."""
+    run_on_ranks(case.world, _sdpa_messages_body, case.name, variant)
 
 
 def _unsplit_body(case_name: str, variant: str) -> None:
@@ -320,37 +335,56 @@ def test_split_feature_bytes() -> None:
 BYTE_CASES = {"2r": ((7, 4), (2,)), "4r-empty": ((3, 0, 5, 3), (4,)), "2x2": ((2, 4, 0, 5), (2, 2))}
 
 
-def _bytes_body(name: str, mode: str) -> None:
-    """Bytes received per rank: the ring's bound (NOTE [Ring attention])."""
+ROW = 2 * 3 * (4 + 5) * 8
+"""Bytes of one token of keys and values in ``_byte_inputs``: batch 2, 3 heads, widths 4 + 5."""
+
+
+def _byte_inputs(name: str) -> list[torch.Tensor]:
+    """``(2, 3, L, 4)`` queries and keys and ``(2, 3, L, 5)`` values of ``BYTE_CASES[name]``,
+    their sequence split as it says, requiring gradients."""
     sizes, mesh_shape = BYTE_CASES[name]
     mesh = get_mesh(mesh_shape)
-    batch, heads, width, value_width = 2, 3, 4, 5
-    length = sum(sizes)
     layout = Layout((Shard(2),) * len(mesh_shape), {2: sizes})
     tensors = []
-    for last in (width, width, value_width):
-        x = torch.randn(batch, heads, length, last, dtype=torch.float64)
+    for last in (4, 4, 5):
+        x = torch.randn(2, 3, sum(sizes), last, dtype=torch.float64)
         spec = layout.spec(mesh, x)
         tensors.append(from_local_spec(spec.narrow(x).requires_grad_(True), spec))
+    return tensors
+
+
+def _ring_bytes(name: str, rank: int) -> dict[str, int]:
+    """Bytes rank ``rank`` receives by the ring in a causal attention of ``_byte_inputs``,
+    forward and backward (NOTE [Ring attention]): every block of keys and values but its own,
+    and in the backward those again and every gradient accumulator but its previous
+    neighbour's."""
+    sizes = BYTE_CASES[name][0]
+    lacking = (sum(sizes) - sizes[rank]) * ROW
+    previous = (sum(sizes) - sizes[(rank - 1) % len(sizes)]) * ROW
+    return {"forward": lacking, "backward": lacking + previous}
+
+
+def _bytes_body(name: str, mode: str) -> None:
+    """Bytes received per rank: the ring's bound (NOTE [Ring attention])."""
+    tensors = _byte_inputs(name)
     with attention_exchange(mode), counted_comm() as forward:
         out = F.scaled_dot_product_attention(*tensors, is_causal=True)
     loss = (out * out).sum().to_local().sum()
     with counted_comm() as backward:
         loss.backward()
     me = torch.distributed.get_rank()
-    n = len(sizes)
-    row = batch * heads * (width + value_width) * 8
+    sizes = BYTE_CASES[name][0]
+    ring = _ring_bytes(name, me)
     kind = "p2p" if mode == "ring" else "all_gather"
-    expected_forward = (length - sizes[me]) * row
     if mode == "ring":
-        expected_backward = {"p2p": (length - sizes[me] + length - sizes[(me - 1) % n]) * row}
+        expected_backward = {"p2p": ring["backward"]}
     else:
-        expected_backward = {"reduce_scatter": (n - 1) * sizes[me] * row}
+        expected_backward = {"reduce_scatter": (len(sizes) - 1) * sizes[me] * ROW}
     assert_all_ranks(
-        dict(forward.received) == {kind: expected_forward}
+        dict(forward.received) == {kind: ring["forward"]}
         and {k: v for k, v in backward.received.items() if k != "all_reduce"} == expected_backward,
         f"{name} {mode}: forward {forward.as_dict()}, backward {backward.as_dict()}; expected "
-        f"{kind} {expected_forward} and {expected_backward}",
+        f"{kind} {ring['forward']} and {expected_backward}",
     )
 
 
@@ -358,6 +392,52 @@ def _bytes_body(name: str, mode: str) -> None:
 @pytest.mark.parametrize("name", list(BYTE_CASES))
 def test_bytes_at_the_ring_bound(name: str, mode: str) -> None:
     run_on_ranks(len(BYTE_CASES[name][0]), _bytes_body, name, mode)
+
+
+def _hops_body(name: str, way: str | None) -> dict[str, dict[str, object]]:
+    """One causal attention by the ring, forward and backward, counted by ``count_traffic``:
+    the ring's hops sent ``way`` (None: as the rule has it for gloo)."""
+    tensors = _byte_inputs(name)
+    with exchanges_as(way) if way else nullcontext(), attention_exchange("ring"):
+        with count_traffic() as forward:
+            out = F.scaled_dot_product_attention(*tensors, is_causal=True)
+        loss = (out * out).sum().to_local().sum()
+        with count_traffic() as backward:
+            loss.backward()
+    return {
+        step: {
+            "all_to_alls": traffic.collectives["c10d::alltoall_base_"],
+            "messages": traffic.messages,
+            "received": {k: v for k, v in traffic.received_by_kind.items() if k != "all_reduce"},
+            "connected": {
+                r for span in traffic.calls_by_span if span.kind != "all_reduce" for r in span.ranks
+            },
+        }
+        for step, traffic in {"forward": forward, "backward": backward}.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(BYTE_CASES))
+def test_gloo_ring_hops_are_one_all_to_all_each(name: str) -> None:
+    """NOTE [An exchange of messages as one all-to-all where messages are slow]: on gloo (the
+    rule as it stands) each hop of the ring, its empty blocks included, is one all-to-all over
+    the group that every rank joins, connecting a rank with its two ring neighbours only, the
+    ring's bytes and no message: ``N - 1`` hops forward, ``2 (N - 1)`` backward (the blocks
+    once more and their gradient accumulators). As messages, the same bytes and no
+    all-to-all. Fails if the ring's hops revert to messages on gloo."""
+    n = len(BYTE_CASES[name][0])
+    for way in (None, "messages"):
+        for rank, result in enumerate(run_on_ranks(n, _hops_body, name, way)):
+            expected = _ring_bytes(name, rank)
+            for step, hops in {"forward": n - 1, "backward": 2 * (n - 1)}.items():
+                got = result[step]
+                kind = "p2p" if way == "messages" else "all_to_all"
+                assert got["received"] == {kind: expected[step]}, (way, rank, step, got)
+                assert got["connected"] <= {rank, (rank - 1) % n, (rank + 1) % n}, (way, got)
+                if way == "messages":
+                    assert got["all_to_alls"] == 0 and got["messages"] > 0, (rank, step, got)
+                else:
+                    assert (got["all_to_alls"], got["messages"]) == (hops, 0), (rank, step, got)
 
 
 def _cost_rule_body() -> None:

@@ -61,7 +61,7 @@ def _one_halo_byte_more(bound: Callable) -> Callable:
 SMOKES = {
     # 2 ranks, one call of each kind.
     "call_waiting": Smoke("--rounds 1 --calls 1 --channels 8 --tile 4"),
-    "halo_collective": Smoke("--meshes 2 --work pad --tiles 4 --rounds 1 --steps 1"),
+    "halo_collective": Smoke("--meshes 2 --work pad ring --tiles 4 --rounds 1 --steps 1"),
     "dispatch_overhead": Smoke(
         "--rounds 3 --warmup 1",
         {"GOAL_RATIO": lambda _: 0.0},

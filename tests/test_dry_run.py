@@ -115,3 +115,20 @@ def test_halos_are_counted_as_the_target_issues_them(tmp_path: Path, machine, as
     assert halo.message_batches == (halo.calls if as_messages else 0)
     kinds = {span.kind for span in plan.classes[0].spans}
     assert ("p2p" in kinds) is as_messages
+
+
+@pytest.mark.parametrize(("machine", "as_messages"), [("cpu", False), ("h100", True)])
+def test_ring_hops_are_counted_as_the_target_issues_them(tmp_path: Path, machine, as_messages):
+    """A ViT's ring attention on a 2-rank slab follows the same rule as halos: planned for an
+    H100 cluster each hop is a batch of messages (NCCL), for this CPU one all-to-all (gloo);
+    the library counts them as ``"p2p"`` either way."""
+    from shardsci import attention_exchange
+
+    overrides = [*SMALL, "model=vit", "mesh=2", "parallel=slab", f"parallel.machine={machine}"]
+    with attention_exchange("ring"):
+        plan = plan_run(_compose([*overrides, f"run_dir={tmp_path}"]))
+    hops = plan.classes[0].collectives["p2p"]
+    assert hops.calls > 0
+    assert hops.message_batches == (hops.calls if as_messages else 0)
+    kinds = {span.kind for span in plan.classes[0].spans}
+    assert ("p2p" in kinds) is as_messages

@@ -3,8 +3,7 @@ shards, 1-D and 2-D block decompositions, exact adjoint, bytes at the face lower
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from unittest import mock
 
 import pytest
@@ -14,7 +13,7 @@ from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardsci
-from shardsci.tensor import _collectives, _halo
+from shardsci.tensor import _halo
 from shardsci.tensor._halo import halo_exchange
 from shardsci.testing import (
     assert_all_ranks,
@@ -24,6 +23,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.exchange_ways import exchanges_as
 
 MODES = {
     "zeros": "constant",
@@ -134,21 +134,6 @@ def test_halo_volume_is_the_faces() -> None:
     run_on_ranks(4, _face_bytes_body)
 
 
-@contextmanager
-def halos_as(way: str) -> Iterator[None]:
-    """Halo exchanges ``way`` (``"messages"`` or ``"all_to_all"``) inside the block, whatever
-    the rule says of this backend: axis groups made afresh with the rule replaced."""
-    shardsci.tensor.clear_caches()
-    rule = mock.patch.object(
-        _collectives, "messages_in_one_collective", lambda backend, size: way == "all_to_all"
-    )
-    try:
-        with rule:
-            yield
-    finally:
-        shardsci.tensor.clear_caches()
-
-
 def _posted_body(way: str | None) -> dict[str, object]:
     batches = []
     batched = torch.distributed.batch_isend_irecv
@@ -158,7 +143,7 @@ def _posted_body(way: str | None) -> dict[str, object]:
         return batched(ops)
 
     with (
-        halos_as(way) if way else nullcontext(),
+        exchanges_as(way) if way else nullcontext(),
         mock.patch.object(torch.distributed, "batch_isend_irecv", counted),
         count_traffic() as traffic,
     ):
@@ -222,7 +207,7 @@ def _own_dtype_body(way: str) -> dict[str, object]:
         posted.append(tensor.dtype)
         return isend(tensor, *args, **kwargs)
 
-    with halos_as(way):
+    with exchanges_as(way):
         for dtype in (torch.float64, torch.bfloat16, torch.int64, torch.complex128, torch.bool):
             whole = (torch.arange(15).reshape(5, 3) % 7).to(dtype)
             x = shardsci.distribute_tensor(whole, mesh, [Shard(0)], {0: (3, 2)})

@@ -17,12 +17,14 @@ from torch.distributed.tensor import Partial, Shard
 
 from shardsci import attention_exchange
 from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._collectives import axis_group
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
     count_traffic,
+    counted_comm,
     get_mesh,
     run_on_ranks,
 )
@@ -195,6 +197,14 @@ TRAFFIC_CASES = {
 }
 
 
+def _hop_calls(mesh, axes: int) -> int:
+    """Collectives the ring issues for ``N - 1`` hops over the first ``axes`` mesh axes: one
+    all-to-all each where the rule sends its messages so (gloo: NOTE [An exchange of messages
+    as one all-to-all where messages are slow]), else none (messages)."""
+    group = axis_group(mesh, tuple(range(axes)))
+    return group.size - 1 if group.messages_in_one_collective else 0
+
+
 def _sharded(x: torch.Tensor, layout: Layout, mesh) -> torch.Tensor:
     spec = layout.spec(mesh, x)
     return from_local_spec(spec.narrow(x).clone().requires_grad_(True), spec)
@@ -221,9 +231,10 @@ def _traffic_body(name: str, mode: str) -> None:
     lacking = (length - sizes[me]) * row
     if mode == "ring":
         largest = max((sizes[j] for j in range(n) if j != me), default=0) * row
+        hops = _hop_calls(mesh, len(mesh_shape))
         expected = {
-            "forward": (lacking, largest, 0),
-            "backward": (lacking + (length - sizes[(me - 1) % n]) * row, None, 0),
+            "forward": (lacking, largest, hops),
+            "backward": (lacking + (length - sizes[(me - 1) % n]) * row, None, 2 * hops),
         }
     else:
         expected = {
@@ -255,11 +266,11 @@ def _cost_rule_body() -> None:
     gathered = 1 * 2 * 9 * 4 * 8
     chosen = {}
     for limit in (gathered, gathered - 1):
-        with attention_exchange("auto", gather_limit_bytes=limit), count_traffic() as traffic:
+        with attention_exchange("auto", gather_limit_bytes=limit), counted_comm() as stats:
             q @ k.transpose(-2, -1)
-        chosen[limit] = (traffic.collective_calls, traffic.messages > 0)
-    expected = {gathered: (1, False), gathered - 1: (0, True)}
-    assert_all_ranks(chosen == expected, f"(collectives, messages) by limit: {chosen}")
+        chosen[limit] = set(stats.calls)
+    expected = {gathered: {"all_gather"}, gathered - 1: {"p2p"}}
+    assert_all_ranks(chosen == expected, f"exchanges chosen by limit: {chosen}")
 
 
 def test_cost_rule() -> None:
@@ -379,7 +390,8 @@ def _block_traffic_body(mode: str) -> None:
         out = block(x)
     lacking = (12 - sizes[me]) * row
     largest = max(s for j, s in enumerate(sizes) if j != me) * row
-    expected = (2 * lacking, largest if mode == "ring" else lacking, 0 if mode == "ring" else 2)
+    ring = 2 * _hop_calls(mesh, 1)  # k, then v
+    expected = (2 * lacking, largest if mode == "ring" else lacking, ring if mode == "ring" else 2)
     got = (traffic.received, traffic.largest_received, traffic.collective_calls)
     assert_all_ranks(
         got == expected and out._spec.placements == (Shard(1),),

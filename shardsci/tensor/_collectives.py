@@ -94,7 +94,11 @@ class AxisGroup:
 # group. The rule is ``messages_in_one_collective``; a stand-in backend (the dry run's fake
 # process group) follows the backend it stands in for (``stand_in``: the target run's), else
 # the one torch gives its mesh's device, so that a dry run counts what the real run issues. Every member must call the exchange, messages or not
-# (``start_send_recv``'s ``everyone_joins``).
+# (``start_send_recv``'s ``everyone_joins``). A hop of the ring (``_ops/_ring``: attention's
+# keys and values, a ring product's moving operand) is such an exchange too, every rank of the
+# group making every hop: on gloo its forward and backward took 0.27-0.49 of the messages'
+# process CPU, a ViT step 0.64-0.98 (2, 4 and 2x2 ranks, load 24-60), on 8 ranks 0.64-1.00
+# (records in ``benchmarks/records/2026-11-29-ring-collective``).
 GLOO_LARGEST_GROUP = 8
 """The largest group on gloo whose exchanges go as one all-to-all: measured up to 8 ranks
 (``benchmarks/halo_collective.py``); gloo's all-to-all visits every member, so a larger

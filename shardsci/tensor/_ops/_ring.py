@@ -17,12 +17,13 @@ NOTE [Ring or all-gather]
   gradient to its owner in one reduce-scatter (``(N - 1) S_r`` rows received,
   :func:`reduce_scatter_blocks`). Memory: the whole operand, per call, until the backward.
 Both move the same bytes in the forward; over a training step the all-gather moves about 2/3
-of the ring's bytes in 2 collectives instead of 3 (N - 1) messages, but holds the whole
-gathered operand on every rank. So (:func:`ring_chosen`): gather while the operand this rank
-would hold gathered is at most ``gather_limit_bytes`` (default 16 MiB,
-``shardsci.attention_exchange``), the ring above that, where memory stays at one block per
-rank. The callers pass bytes computed from global sizes and the shards of dims sharded over
-other mesh axes, which every rank of a group shares, so the ranks of a group decide alike.
+of the ring's bytes in 2 collectives instead of 3 (N - 1) hops (a message each way, or on
+gloo one all-to-all: ``_Shift``), but holds the whole gathered operand on every rank. So
+(:func:`ring_chosen`): gather while the operand this rank would hold gathered is at most
+``gather_limit_bytes`` (default 16 MiB, ``shardsci.attention_exchange``), the ring above
+that, where memory stays at one block per rank. The callers pass bytes computed from global
+sizes and the shards of dims sharded over other mesh axes, which every rank of a group
+shares, so the ranks of a group decide alike.
 :func:`all_gather_blocks` is the only place either caller gathers an operand whole.
 """
 
@@ -98,7 +99,10 @@ def ring_chosen(
 class _Shift:
     """One hop around the ring: send a block to the next rank, receive the previous rank's.
 
-    Empty blocks travel as no message: both sides know every block's shape."""
+    Empty blocks travel as no message: both sides know every block's shape. Every rank of the
+    group makes every hop (its block empty or not), so a hop goes as one all-to-all where
+    messages are slow (NOTE [An exchange of messages as one all-to-all where messages are
+    slow]: gloo), as a halo exchange does."""
 
     def __init__(self, group: AxisGroup, block: torch.Tensor, incoming: tuple[int, ...]):
         me, n = group.index, group.size
@@ -107,7 +111,13 @@ class _Shift:
         sends = [((me + 1) % n, block)] if block.numel() else []
         receives = [((me - 1) % n, incoming)] if math.prod(incoming) else []
         self.pending = start_send_recv(
-            group, sends, receives, dtype=block.dtype, device=block.device, kind="p2p"
+            group,
+            sends,
+            receives,
+            dtype=block.dtype,
+            device=block.device,
+            kind="p2p",
+            everyone_joins=True,
         )
 
     def wait(self) -> torch.Tensor:
