@@ -34,7 +34,9 @@ formulas scatter into are laid out like it (``_factory_ops``).
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,7 @@ from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
 from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._collectives import AxisGroup
+from shardsci.tensor._gather_guard import check_fetch, check_replicated_read
 from shardsci.tensor._gather_plan import (
     GatherPlan,
     compact,
@@ -164,7 +167,17 @@ def _output_spec(
 
 
 def _extended_rows(indexed: _Indexed, plan: GatherPlan) -> torch.Tensor:
+    """This rank's rows of ``x`` and the halo rows its index names (the index is replicated
+    over the other mesh axes: every group of ranks along the indexed dim's axes fetches as
+    the plan's table says)."""
+    check_fetch(indexed.x._spec, indexed.dim, _rows_held(indexed.sharding.sizes, plan))
     return halo_extend(indexed.x.to_local(), plan, indexed.dim)
+
+
+def _rows_held(sizes: tuple[int, ...], plan: GatherPlan) -> Iterator[tuple[int, int]]:
+    """``(rows owned, rows held after the fetch)`` of the indexed dim, split as ``sizes`` over
+    the plan's group, on each rank of it."""
+    return ((n, n + sum(received)) for n, received in zip(sizes, plan.halo_counts))
 
 
 # ---------------------------------------------------------------------------- gathers
@@ -464,7 +477,10 @@ def _gather(func, args, kwargs):
 # output of another extent through a 1-D index whose entries' owners never decrease along it
 # (a sorted index, ``x[[1, 2]]``, ``take``) holds each entry on the rank that owns its row:
 # nothing moves. Any other output of another extent is replicated over those axes, each
-# rank receiving every remote row the index names. The index's range is checked on the whole
+# rank receiving every remote row the index names: a gather the guard governs
+# (``check_replicated_read``); so is a fetch, through a replicated or a sharded index, that
+# leaves a rank holding every row of the gathered dim, at least half of them fetched
+# (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
 # index, so every rank raises alike. A row of the rank's block is the unit that moves: for
 # ``x[idx]`` and ``index_select`` that is the byte bound of the output's layout; ``gather``
 # reads single cells of those rows, so it may receive more than the cells it reads (for a
@@ -595,12 +611,44 @@ def _through_replicated(
     if probe is not None:
         probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
     dim = dim % x.ndim
-    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=cell_wise)
-    rows, index = x.to_local(), reading.index
+    index = _checked_index(func, x, dim, index)
+    reading = _reading(func, x, dim, index, cell_wise=cell_wise)
+    rows = x.to_local()
     if reading.plan is not None:
+        if reading.replicated:
+            check_replicated_read(x._spec, reading.spec)
+        else:
+            held = (
+                _rows_held_by_coordinate(x._spec, dim, index)
+                if cell_wise and len(x._spec.shardings) > 1
+                else _rows_held(x._spec.sharding_by_dim[dim].sizes, reading.plan)
+            )
+            check_fetch(x._spec, dim, held)
         rows = halo_extend(rows, reading.plan, dim, replicated_output=reading.replicated)
-    out = rows.gather(dim, index) if cell_wise else rows[(slice(None),) * dim + (index,)]
+    local = reading.index
+    out = rows.gather(dim, local) if cell_wise else rows[(slice(None),) * dim + (local,)]
     return from_local_spec(out, reading.spec.with_dtype(out.dtype))
+
+
+def _rows_held_by_coordinate(
+    spec: ShardTensorSpec, dim: int, index: torch.Tensor
+) -> Iterator[tuple[int, int]]:
+    """``(rows owned, rows held after the fetch)`` of ``dim`` on every rank of the mesh for
+    ``gather`` through the replicated ``index`` (``x``'s dims, its extent along ``dim``), the
+    output keeping the layout of ``x`` (laid out as ``spec``), split on other dims too: each
+    rank reads the part of the index its ranges cut, as ``_reading`` does, so the groups of
+    ranks along ``dim``'s axes fetch differently; every rank works them all out from the
+    whole index it holds."""
+    for coordinate in itertools.product(*map(range, spec.mesh_shape)):
+        offsets, sizes = spec.local_offsets(coordinate), spec.local_shape(coordinate)
+        part = index
+        for d in spec.sharding_by_dim:
+            begin = min(offsets[d], index.shape[d])
+            part = part.narrow(d, begin, min(offsets[d] + sizes[d], index.shape[d]) - begin)
+        start, owned = offsets[dim], sizes[dim]
+        reached = torch.zeros(spec.shape[dim], dtype=torch.bool, device=index.device)
+        reached[part.reshape(-1)] = True  # a scatter, not a sort: unique costs 10x more
+        yield owned, owned + int(reached.sum()) - int(reached[start : start + owned].sum())
 
 
 def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
