@@ -486,17 +486,16 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "_unsafe_masked_index": (
         Accepted(
-            r"^output 0: layout: mesh axis 0 is R; expected Shard\(0\) \(depends: "
-            r"|^the gather guard saw no gather$",
+            GATHERED_LAYOUT,
             "plain indices into every dim, read as x[i][:, j][:, :, k]: each output row "
             "belongs to the rank holding the input row i names, which the index values decide "
             "(here in no increasing owner order) and no layout may depend on; every rank "
-            "fetches the rows i reads (a halo of the rows read, NOTE [A gather through a "
-            "replicated index keeps the input's layout]: the guard counts no gather, though an "
-            "index reaching every row makes it one) and holds the read whole",
+            "fetches the rows i reads and holds the read whole, and i reaches every row: a "
+            "gather the guard reports and refuses under 'error' (check_fetch, NOTE [Gathers an "
+            "op was not asked to make])",
             (5,),
             ("2r-uneven", "2x2-uneven"),
-            "wrong",
+            "gathered",
         ),
     ),
     "masked_select": (
@@ -667,6 +666,21 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "svd_lowrank": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
+    ),
+    "take_along_dim": (
+        Accepted(
+            GATHERED_LAYOUT,
+            "without a dim: gather along the flattened input through a smaller flat index. A "
+            "cell-wise gather whose output has another extent than the input along the "
+            "gathered dim is replicated over its axes (NOTE [A gather through a replicated "
+            "index keeps the input's layout]) where, 1-D, it could hold each entry with its "
+            "row's owner as index_select does (here all on one rank): a read through an index "
+            "replicated, which the guard reports and refuses under 'error' "
+            "(check_replicated_read)",
+            (3,),
+            ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last"),
+            "gathered",
+        ),
     ),
     "trapezoid": (_ONE_HOLDER_SUM.cases((0, 4), ("4r-random",)),),
     "triangular_solve": (

@@ -2,15 +2,19 @@
 dim, against one process, float64.
 
 ``x.gather(0, x.argmax(0, keepdim=True))`` on a 2x2 mesh (the index split along dim 1 like
-``x``, whole over dim 0's axis) takes the gathered fallback: DTensor's rule gives a
-``_MaskPartial`` whose mask shardsci does not keep (a bare ``AssertionError`` on every rank,
-and through ``check_against_reference`` a rank left waiting). Under ``"allow"`` values,
-gradient and layout (replicated) as one process; under ``"error"`` a ``GatherError`` on every
-rank, also through ``check_against_reference``. On 2 uneven ranks, ``x`` split along dim 0 and
-the index along dim 1 over the same axis, DTensor reshards ``x`` like the index (no mask, no
-gather): the output is split like the index, and ``"error"`` does not refuse it. A
-``_MaskPartial`` that reaches shardsci's reduction anyway (no rank has its mask) is refused with
-one clear error on every rank, before the all-reduce.
+``x``, whole over dim 0's axis): each mesh column reads through its part of the index as
+through a replicated index, fetching only the rows it names from the other rank of its
+column (before, DTensor's rule gave a ``_MaskPartial`` whose mask shardsci does not keep, and
+then the gathered fallback copied all of ``x`` to every rank). Under ``"allow"`` values,
+gradient and layout (the index's) as one process, and fewer bytes received on every rank
+(``count_traffic``) than the gathered fallback's; under ``"error"`` a ``GatherError`` on every
+rank (the read is replicated over dim 0's axis), also through ``check_against_reference``. An
+index of ``x``'s shape split like ``x`` whose one mesh column reaches every row is refused on
+all four ranks, and an entry out of range in one column raises on all four. On 2 uneven ranks,
+``x`` split along dim 0 and the index along dim 1 over the same axis, DTensor reshards ``x``
+like the index (no mask, no gather): the output is split like the index, and ``"error"`` does
+not refuse it. A ``_MaskPartial`` that reaches shardsci's reduction anyway (no rank has its
+mask) is refused with one clear error on every rank, before the all-reduce.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from shardsci.testing import (
     assert_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
+    count_traffic,
     get_mesh,
     run_on_ranks,
 )
@@ -40,7 +45,10 @@ CASES = {
     "2x2-uneven": ((2, 2), Layout((Shard(0), Shard(1)), {0: (2, 1), 1: (1, 3)}), None),
     "2r-uneven": ((2,), Layout((Shard(0),), {0: (2, 1)}), Layout((Shard(1),), {1: (1, 3)})),
 }
-GATHERED = ["2x2-uneven"]  # the others keep the index's layout
+REPLICATED_READ = ["2x2-uneven"]  # a forward read replicated over dim 0's axis: refused
+# under "error"; bytes every rank of the 2x2 mesh received from the gathered fallback (each
+# got all of x), measured with count_traffic before each column read through its index
+GATHERED_FALLBACK_BYTES = (104, 56, 112, 80)
 
 
 def _operands(name: str):
@@ -62,18 +70,22 @@ def _operands(name: str):
 
 
 def _allow_matches_one_process(name: str) -> None:
-    mesh, _, _, x, index, spec, leaf, t, i = _operands(name)
+    _, _, _, x, index, spec, leaf, t, i = _operands(name)
     reference = x.clone().requires_grad_()
     expected = reference.gather(0, index)
     (expected * expected).sum().backward()
     with gather_policy("allow"):
-        out = t.gather(0, i)
+        with count_traffic() as traffic:
+            out = t.gather(0, i)
         (out * out).sum().backward()
-    if name in GATHERED:
-        layout_ok = out._spec.placements == (Replicate(),) * mesh.ndim
-    else:
-        layout_ok = out._spec.same_layout(i._spec.with_dtype(out.dtype))
+    layout_ok = out._spec.same_layout(i._spec.with_dtype(out.dtype))
     assert_all_ranks(layout_ok, f"layout {out._spec}")
+    if name in REPLICATED_READ:
+        fallback = GATHERED_FALLBACK_BYTES[torch.distributed.get_rank()]
+        assert_all_ranks(
+            traffic.received < fallback,
+            f"received {traffic.received} B, the gathered fallback {fallback} B",
+        )
     assert_all_ranks(tuple(out.shape) == tuple(expected.shape), f"shape {out.shape}")
     assert_all_ranks(torch.equal(out.full_tensor(), expected.detach()), "values")
     assert_all_ranks(torch.equal(leaf.grad, spec.narrow(reference.grad)), "gradient")
@@ -86,12 +98,13 @@ def _error_on_every_rank(name: str) -> None:
     else:
         args = (lambda x, i: x.gather(0, i), [x, index], [layout, index_layout])
     with gather_policy("error"):
-        if name not in GATHERED:
+        if name not in REPLICATED_READ:
             torch.gather(t, 0, i)
             check_against_reference(*args, mesh, out_layouts=[index_layout])
             return
-        assert_raises_all_ranks(GatherError, "aten.gather", torch.gather, t, 0, i)
-        assert_raises_all_ranks(GatherError, "aten.gather", check_against_reference, *args, mesh)
+        refused = "gather would replicate its read through an index"
+        assert_raises_all_ranks(GatherError, refused, torch.gather, t, 0, i)
+        assert_raises_all_ranks(GatherError, refused, check_against_reference, *args, mesh)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -102,6 +115,48 @@ def test_gather_through_split_index_allowed_matches_one_process(name: str) -> No
 @pytest.mark.parametrize("name", list(CASES))
 def test_gather_through_split_index_refused_or_not_on_every_rank(name: str) -> None:
     run_on_ranks(math.prod(CASES[name][0]), _error_on_every_rank, name)
+
+
+def _split_index_body() -> None:
+    """``gather`` along dim 0 of a (4, 4) block on a 2x2 mesh through an index of its shape
+    split like it: mesh column 0 (columns 0-1) reads rows the other rank of its column owns,
+    every row between them; column 1 reads its own rows. Only column 0 knows its fetch; every
+    rank must still refuse. Then an entry out of range in column 1 only: every rank raises."""
+    mesh = get_mesh((2, 2))
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    layout = Layout((Shard(0), Shard(1)), {0: (2, 2), 1: (2, 2)})
+    index = torch.arange(4)[:, None].repeat(1, 4)
+    index[:, :2] = torch.tensor([[2, 3], [3, 2], [0, 1], [1, 0]])
+    index_layout = Layout((Replicate(), Shard(1)), {1: (2, 2)})
+    spec = layout.spec(mesh, x)
+    t = from_local_spec(spec.narrow(x), spec)
+
+    def split(values: torch.Tensor) -> torch.Tensor:
+        index_spec = index_layout.spec(mesh, values)
+        return from_local_spec(index_spec.narrow(values).contiguous(), index_spec)
+
+    with gather_policy("error"):
+        assert_raises_all_ranks(
+            GatherError, r"gather would fetch", lambda: t.gather(0, split(index))
+        )
+    with gather_policy("allow"):
+        out = t.gather(0, split(index))
+    assert_all_ranks(out._spec.same_layout(spec), f"layout {out._spec}")
+    assert_all_ranks(torch.equal(out.full_tensor(), x.gather(0, index)), "values")
+    # column 0's ranks each read one row of the other's: three of four rows, not refused
+    index[:, :2] = torch.tensor([[2, 0], [0, 1], [1, 3], [2, 3]])
+    with gather_policy("error"):
+        out = t.gather(0, split(index))
+    assert_all_ranks(torch.equal(out.full_tensor(), x.gather(0, index)), "values, 3 of 4")
+    index[0, 3] = 4
+    assert_raises_all_ranks(
+        IndexError, "out of bounds for dim 0 with size 4", lambda: t.gather(0, split(index))
+    )
+
+
+def test_a_split_index_is_checked_alike_on_every_rank() -> None:
+    run_on_ranks(4, _split_index_body)
 
 
 def _maskless_reduction_refused() -> None:

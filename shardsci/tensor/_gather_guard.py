@@ -10,7 +10,36 @@ user can judge. Not gathers: a move that keeps the number of pieces (``Shard(i) 
 a 2x2 block to slabs split over both axes, a rebalance of uneven sizes: each rank's share
 stays), a pending reduction done (``Partial -> Replicate``: an all-reduce of what each rank
 holds), a slice (``Replicate -> Shard``), and collectives on data that is not a sharded extent
-of an operand (the statistics a norm or a scan exchanges, a halo, the rows an index reaches).
+of an operand (the statistics a norm or a scan exchanges, a halo, the rows an index reaches
+while no rank gets all of them).
+The rows an index reaches count when some rank gets them all: a gather or selection through an
+index (``x[idx]``, ``index_select``, ``gather``, ``take``, an aten ``index`` or
+``_unsafe_masked_index``) fetches onto each rank the remote rows of the indexed dim its part of
+the index names (NOTE [Gathers along a sharded dim go through a cached halo plan] in
+``_gather_plan``). A read whose output is replicated over the axes that split the indexed dim
+(a replicated index whose entries' owners go back, so that no split of the output holds each
+entry where its row lies: ``x[[5, 0]]``) counts whatever rows it reaches: every rank fetches
+every row the index names and holds the whole read, a layout split into fewer pieces than the
+input's, as if read from the input gathered (:func:`check_replicated_read`), in a forward. In a
+backward such a read is a formula's gradient of a scatter's source through that index (or the
+values it compares with that source: ``scatter_reduce``'s ``amax``), replicated over those
+axes as the forward held that source: a scatter through a replicated index takes a source
+split over them only where the gather through that index keeps them split, and its read is
+then not replicated (NOTE [Scatters through a replicated index write where they land]). It
+holds the layout of a forward input, chosen in the forward, as the backward of a
+redistribution returns (``tests/test_scatter_replicated_index.py``: aten-level scatters from
+a plain source that needs a gradient, under ``"error"``). Where a fetch
+leaves a rank holding every row of the dim, at least half of
+them fetched, the rank holds what the dim made ``Replicate`` over its axes gives it, at least
+twice what it held: a gather on that rank, whatever its size (:func:`check_fetch`, before the
+rows move; an output that keeps the input's split, or is split like a sharded index, may
+still read from everywhere: ``take_along_dim`` with an index of the input's shape). Not
+counted there: a fetch of fewer rows, which are rows the rank's own part of the output reads (a window's halo, a graph partition's boundary: memory the output's size
+chose), and a rank that held most of the dim fetching the rest (an uneven split: ``(4, 1)``
+rows, a permutation sending the fifth row to the first rank): less than double what it held, as
+a halo as wide as its shard would leave it. Which rows a rank reaches is data: the fetch's
+plan holds every rank's counts (exchanged when the index is sharded, computed by each rank
+from a replicated one), so every rank decides alike.
 A pending sum held whole counts too: a redistribution that reduces a ``Partial`` axis into a
 ``Shard`` (a reduce-scatter) finds every rank holding the sum's whole extent along the dim the
 target splits, since the op that left it pending; the memory per rank was a gather's before
@@ -54,7 +83,10 @@ reduced, gathers nothing today, and the default path); attention asks
 :func:`may_gather_blocks` (so does a product of two token-sharded operands). The verdict reads only specs, the op stack and the policy,
 which all ranks share (the policy must be set alike on every rank: the environment variable or
 the same code), so under ``"error"`` every rank raises the same :class:`GatherError` at the
-same redistribution, before its collective, and none is left waiting.
+same redistribution, before its collective, and none is left waiting. A fetch through an index
+is decided where its rows are about to move (``_ops/_gather_scatter_ops``), from the rows every
+rank holds after it, which its plan states alike on every rank (a sharded index's plan learns
+them in its exchange of counts, which every rank runs before any decides).
 """
 
 from __future__ import annotations
@@ -66,7 +98,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -87,7 +119,9 @@ __all__ = [
     "GatherWarning",
     "asked_for",
     "check_built_whole",
+    "check_fetch",
     "check_redistribution",
+    "check_replicated_read",
     "check_result",
     "dispatching",
     "gather_policy",
@@ -231,8 +265,11 @@ class Gather:
         is such a sum, each rank's part at least the whole operand ``source``; said where it
         is made, as it may never be reduced), ``"a gradient built whole"`` (a backward
         formula's plain tensor of the global shape, ``source`` replicated, to be sliced to
-        ``target``), or ``"the keys and values"`` (attention's; the shape and layout are the
-        keys').
+        ``target``), ``"the rows an index reads"`` (every row of the indexed dim fetched onto
+        some rank, ``target`` that dim whole), ``"a read through an index"`` (``target`` the
+        read's layout, replicated where ``source`` split the indexed dim; ``total_bytes`` and
+        ``bytes_per_rank`` the read's) or ``"the keys and values"`` (attention's; the
+        shape and layout are the keys').
     source, target : ShardTensorSpec
         The layout before and after.
     total_bytes : int
@@ -272,6 +309,18 @@ class Gather:
         elif self.what == "a gradient built whole":
             # No collective: a backward formula made it at the global shape on every rank.
             verb, described = (("would build", "built"), f"a gradient whole, a {described},")
+        elif self.what == "the rows an index reads":
+            # No redistribution: the fetch brought some rank every row of the indexed dim.
+            verb, described = (
+                ("would fetch", "fetched"),
+                f"every row of the indexed dim of a {described}, through an index,",
+            )
+        elif self.what == "a read through an index":
+            # The read, replicated: every rank holds all of it, from every rank's rows.
+            verb, described = (
+                ("would replicate", "replicated"),
+                f"its read through an index of a {described},",
+            )
         elif self.what == "a pending sum":
             # Held whole since the op that left the sum pending; the reduction splits it.
             verb, described = (
@@ -386,6 +435,48 @@ def check_built_whole(spec: ShardTensorSpec) -> None:
         )
         ops = _THREAD.ops or ["a backward formula"]
         _enforce(ops, "a gradient built whole", whole, spec, total, held, total)
+
+
+def check_fetch(spec: ShardTensorSpec, dim: int, rows: Iterable[tuple[int, int]]) -> None:
+    """Apply the policy to the rows of ``dim`` (sharded) of a tensor laid out as ``spec`` that
+    an index fetches, before they move: nothing unless some rank then holds every row of
+    ``dim``, at least half of them fetched (NOTE [Gathers an op was not asked to make]).
+
+    Parameters
+    ----------
+    rows : iterable of (int, int)
+        ``(rows owned, rows held after the fetch)`` of ``dim`` on every rank, the same on
+        every rank; read only when the policy is not ``"allow"`` or a recorder listens.
+    """
+    ops = _THREAD.ops
+    if not ops or (_POLICY[0] == "allow" and not _RECORDERS):
+        return
+    if ops[-1] is _ASKED or ops[-1] in _VALUE_READS or math.prod(spec.shape) == 0:
+        return
+    extent = spec.shape[dim]
+    if any(held == extent >= 2 * owned for owned, held in rows):
+        whole = _whole_along(spec, dim)
+        before, after = _largest_shard(spec), _largest_shard(whole)
+        _enforce(ops, "the rows an index reads", spec, whole, _bytes_of(spec), before, after)
+
+
+def check_replicated_read(source: ShardTensorSpec, read: ShardTensorSpec) -> None:
+    """Apply the policy to a read through an index from a tensor laid out as ``source`` whose
+    output, laid out as ``read``, is replicated over the axes that split the indexed dim,
+    before its rows move: nothing unless the read holds elements, is split into fewer pieces
+    than ``source`` and is made in a forward (NOTE [Gathers an op was not asked to make]: a
+    backward formula's read is the gradient of a scatter's source, which the forward held
+    replicated over those axes)."""
+    ops = _THREAD.ops
+    if not ops or (_POLICY[0] == "allow" and not _RECORDERS):
+        return
+    if ops[-1] is _ASKED or ops[-1] in _VALUE_READS or math.prod(read.shape) == 0:
+        return
+    if _current_autograd_node() is not None:
+        return
+    if _pieces(read) < _pieces(source):
+        before, after = _largest_shard(source), _largest_shard(read)
+        _enforce(ops, "a read through an index", source, read, _bytes_of(read), before, after)
 
 
 def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTensorSpec | None:

@@ -10,7 +10,9 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
 - a replicated index (a plain tensor) gives an output that keeps the input's shards along the
   dims it keeps, and along the gathered dim when the output has the input's extent there
   (else replicated over its axes); each rank receives only the remote rows its part of the
-  output names (NOTE [A gather through a replicated index keeps the input's layout]); a
+  output names (NOTE [A gather through a replicated index keeps the input's layout]); so
+  does ``gather`` through an index split like the input on its other dims and whole over
+  the gathered dim's axes (``x.gather(0, x.argmax(0, keepdim=True))`` on a 2x2 mesh); a
   scatter through one (the scatter and ``index_*`` families,
   ``index_put`` and aten's ``_unsafe_masked_index_put_accumulate``, ``index_fill``) writes,
   without communication, into a destination sharded on any dims (NOTE [Scatters through a
@@ -34,7 +36,9 @@ formulas scatter into are laid out like it (``_factory_ops``).
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +48,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
 from shardsci.tensor._box_packing import narrowed
-from shardsci.tensor._collectives import AxisGroup
+from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group
+from shardsci.tensor._gather_guard import check_fetch, check_replicated_read
 from shardsci.tensor._gather_plan import (
     GatherPlan,
     compact,
@@ -164,7 +169,17 @@ def _output_spec(
 
 
 def _extended_rows(indexed: _Indexed, plan: GatherPlan) -> torch.Tensor:
+    """This rank's rows of ``x`` and the halo rows its index names (the index is replicated
+    over the other mesh axes: every group of ranks along the indexed dim's axes fetches as
+    the plan's table says)."""
+    check_fetch(indexed.x._spec, indexed.dim, _rows_held(indexed.sharding.sizes, plan))
     return halo_extend(indexed.x.to_local(), plan, indexed.dim)
+
+
+def _rows_held(sizes: tuple[int, ...], plan: GatherPlan) -> Iterator[tuple[int, int]]:
+    """``(rows owned, rows held after the fetch)`` of the indexed dim, split as ``sizes`` over
+    the plan's group, on each rank of it."""
+    return ((n, n + sum(received)) for n, received in zip(sizes, plan.halo_counts))
 
 
 # ---------------------------------------------------------------------------- gathers
@@ -441,6 +456,10 @@ def _gather(func, args, kwargs):
         return _through_replicated(
             func, a.input, a.dim, a.index, cell_wise=True, probe=(args, kwargs)
         )
+    if _split_like_input(a.input, a.dim, a.index):
+        return _through_replicated(
+            func, a.input, a.dim, a.index, cell_wise=True, probe=(args, kwargs), split=True
+        )
     indexed = _indexed(a.input, a.dim, a.index)
     if indexed is None or indexed.index_sharding.dim != indexed.dim:
         return NotImplemented
@@ -464,8 +483,16 @@ def _gather(func, args, kwargs):
 # output of another extent through a 1-D index whose entries' owners never decrease along it
 # (a sorted index, ``x[[1, 2]]``, ``take``) holds each entry on the rank that owns its row:
 # nothing moves. Any other output of another extent is replicated over those axes, each
-# rank receiving every remote row the index names. The index's range is checked on the whole
-# index, so every rank raises alike. A row of the rank's block is the unit that moves: for
+# rank receiving every remote row the index names: a gather the guard governs
+# (``check_replicated_read``); so is a fetch, through a replicated or a sharded index, that
+# leaves a rank holding every row of the gathered dim, at least half of them fetched
+# (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
+# index, so every rank raises alike. ``gather`` through an index already split so, as ``x``'s
+# other dims cut at its extent and whole over the gathered dim's axes (an ``argmax`` of ``x``
+# with ``keepdim``), reads the same way: each group of ranks along those axes holds its part
+# of the index whole, which is all it would read of a replicated one; one all-reduce over the
+# mesh shares the range check and, for ``check_fetch``, every group's rows fetched
+# (``_agreed_rows``). A row of the rank's block is the unit that moves: for
 # ``x[idx]`` and ``index_select`` that is the byte bound of the output's layout; ``gather``
 # reads single cells of those rows, so it may receive more than the cells it reads (for a
 # random index, up to the remote part of its block's rows, never more than gathering ``x``
@@ -498,12 +525,18 @@ class _Reading:
     spec: ShardTensorSpec
 
 
-def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: bool) -> _Reading:
+def _reading(
+    func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: bool,
+    shape: tuple[int, ...] | None = None,
+) -> _Reading:  # fmt: skip
     """How this rank reads ``x`` through the replicated ``index`` along ``dim`` (non-negative,
     checked in range on every rank alike): ``gather`` (``cell_wise``: the index has ``x``'s
-    dims) or a selection (the index's dims replace ``dim``)."""
+    dims) or a selection (the index's dims replace ``dim``). ``shape``: the index's global
+    shape when ``index`` is already this rank's part of one split like ``x`` on the other
+    dims (``_split_like_input``), which is then not cut again."""
     spec, extent = x._spec, x.shape[dim]
-    shape = tuple(index.shape) if cell_wise else (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
+    split, shape = shape is not None, shape or tuple(index.shape)
+    shape = shape if cell_wise else (*x.shape[:dim], *shape, *x.shape[dim + 1 :])
     starts, local_sizes = spec.local_offsets(), spec.local_shape()
     placements = [Replicate()] * spec.mesh.ndim
     sizes, order = {}, {}
@@ -520,8 +553,10 @@ def _reading(func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: 
         if not cell_wise:
             shard_output(d if d < dim else d + index.ndim - 1, sharding.axes, sharding.sizes)
             continue
-        n = index.shape[d]  # gather reads position i along d from x's position i
+        n = shape[d]  # gather reads position i along d from x's position i
         shard_output(d, sharding.axes, sizes_at_extent(sharding.sizes, n))
+        if split:
+            continue
         begin = min(starts[d], n)
         index = index.narrow(d, begin, min(starts[d] + local_sizes[d], n) - begin)
     plan, sliced = None, None
@@ -584,23 +619,113 @@ def _checked_index(func, x: ShardTensor, dim: int, index: object) -> torch.Tenso
 
 
 def _through_replicated(
-    func, x: object, dim: int, index: object, *, cell_wise: bool, probe: tuple | None = None
-) -> object:
+    func, x: object, dim: int, index: object, *, cell_wise: bool, probe: tuple | None = None,
+    split: bool = False,
+) -> object:  # fmt: skip
     """``gather`` (``cell_wise``: the index has ``x``'s dims) or ``x[index]`` /
     ``index_select`` (the index's dims replace ``dim``) through a replicated index (NOTE [A
     gather through a replicated index keeps the input's layout]); ``probe``: the call's
-    ``(args, kwargs)``, for torch's errors on shapes."""
+    ``(args, kwargs)``, for torch's errors on shapes; ``split``: ``gather`` through an index
+    split like ``x`` on its other dims (``_split_like_input``)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
         return NotImplemented
     if probe is not None:
         probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
     dim = dim % x.ndim
-    reading = _reading(func, x, dim, _checked_index(func, x, dim, index), cell_wise=cell_wise)
-    rows, index = x.to_local(), reading.index
+    held = None
+    if split:
+        shape, index = tuple(index.shape), index.to_local()
+        in_range = not bool(((index < 0) | (index >= x.shape[dim])).any())
+        reading = _reading(func, x, dim, index, cell_wise=True, shape=shape) if in_range else None
+        held = _agreed_rows(func, x._spec, dim, shape, reading)
+    else:
+        index = _checked_index(func, x, dim, index)
+        reading = _reading(func, x, dim, index, cell_wise=cell_wise)
+    rows = x.to_local()
     if reading.plan is not None:
+        if reading.replicated:
+            check_replicated_read(x._spec, reading.spec)
+        else:
+            if held is None:
+                held = (
+                    _rows_held_by_coordinate(x._spec, dim, index)
+                    if cell_wise and len(x._spec.shardings) > 1
+                    else _rows_held(x._spec.sharding_by_dim[dim].sizes, reading.plan)
+                )
+            check_fetch(x._spec, dim, held)
         rows = halo_extend(rows, reading.plan, dim, replicated_output=reading.replicated)
-    out = rows.gather(dim, index) if cell_wise else rows[(slice(None),) * dim + (index,)]
+    local = reading.index
+    out = rows.gather(dim, local) if cell_wise else rows[(slice(None),) * dim + (local,)]
     return from_local_spec(out, reading.spec.with_dtype(out.dtype))
+
+
+def _split_like_input(x: object, dim: int, index: object) -> bool:
+    """Whether ``gather`` from ``x`` along ``dim`` takes an index split as ``x``'s other dims
+    cut at the index's extent and whole over every other axis (``x.gather(0,
+    x.argmax(0, keepdim=True))`` on a 2x2 mesh): each group of ranks along ``dim``'s axes
+    holds one part of the index, whole among them, and reads through it as through a
+    replicated index (NOTE [A gather through a replicated index keeps the input's layout])."""
+    if not isinstance(x, ShardTensor) or not isinstance(index, ShardTensor) or x.ndim == 0:
+        return False
+    spec, layout, dim = x._spec, index._spec, dim % x.ndim
+    if index.dtype not in _INDEX_DTYPES or layout.mesh != spec.mesh or layout.partial:
+        return False
+    if dim not in spec.sharding_by_dim or index.ndim != x.ndim or not layout.shardings:
+        return False
+    wanted = {
+        s.dim: (s.axes, sizes_at_extent(s.sizes, index.shape[s.dim]))
+        for s in spec.shardings
+        if s.dim != dim
+    }
+    return {s.dim: (s.axes, s.sizes) for s in layout.shardings} == wanted
+
+
+def _agreed_rows(
+    func, spec: ShardTensorSpec, dim: int, shape: tuple[int, ...], reading: _Reading | None
+) -> list[tuple[int, int]] | None:
+    """For ``gather`` from ``x`` (laid out as ``spec``) through an index of ``shape`` split
+    like ``x`` on its other dims, ``reading`` this rank's part of it (None: an entry outside
+    ``dim``'s extent): an ``IndexError`` on every rank alike when any rank's part is out of
+    range, and, for an output of ``x``'s extent along ``dim``, the ``(rows owned, rows held
+    after the fetch)`` of ``dim`` on every rank of the mesh, for ``check_fetch`` (else None).
+    Each rank knows its own group's part of both (the groups along ``dim``'s axes read
+    different parts of the index); one all-reduce over the mesh shares them."""
+    extent, ranks = spec.shape[dim], spec.mesh.mesh.flatten().tolist()
+    sliced = shape[dim] == extent
+    shared = torch.zeros(1 + 2 * len(ranks) * sliced, dtype=torch.int64)
+    shared[0] = reading is None
+    if sliced and reading is not None:
+        sharding, group, _ = dim_layout(spec, dim)
+        for rank, rows in zip(group.global_ranks, _rows_held(sharding.sizes, reading.plan)):
+            at = 1 + 2 * ranks.index(rank)
+            shared[at : at + 2] = torch.tensor(rows)
+    shared = all_reduce(shared, axis_group(spec.mesh, tuple(range(spec.mesh.ndim))), "max")
+    if shared[0]:
+        raise IndexError(f"{func.__name__}: an index is out of bounds for dim {dim} with size "
+                         f"{extent}")  # fmt: skip
+    rows = shared[1:].tolist()
+    return list(zip(rows[::2], rows[1::2])) if sliced else None
+
+
+def _rows_held_by_coordinate(
+    spec: ShardTensorSpec, dim: int, index: torch.Tensor
+) -> Iterator[tuple[int, int]]:
+    """``(rows owned, rows held after the fetch)`` of ``dim`` on every rank of the mesh for
+    ``gather`` through the replicated ``index`` (``x``'s dims, its extent along ``dim``), the
+    output keeping the layout of ``x`` (laid out as ``spec``), split on other dims too: each
+    rank reads the part of the index its ranges cut, as ``_reading`` does, so the groups of
+    ranks along ``dim``'s axes fetch differently; every rank works them all out from the
+    whole index it holds."""
+    for coordinate in itertools.product(*map(range, spec.mesh_shape)):
+        offsets, sizes = spec.local_offsets(coordinate), spec.local_shape(coordinate)
+        part = index
+        for d in spec.sharding_by_dim:
+            begin = min(offsets[d], index.shape[d])
+            part = part.narrow(d, begin, min(offsets[d] + sizes[d], index.shape[d]) - begin)
+        start, owned = offsets[dim], sizes[dim]
+        reached = torch.zeros(spec.shape[dim], dtype=torch.bool, device=index.device)
+        reached[part.reshape(-1)] = True  # a scatter, not a sort: unique costs 10x more
+        yield owned, owned + int(reached.sum()) - int(reached[start : start + owned].sum())
 
 
 def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
@@ -667,8 +792,8 @@ def _masked_by_dtensor(x: object, dim: int, index: object) -> bool:
     """Whether DTensor's rule for a gather from ``x`` along ``dim`` through ``index`` would
     read ``x``'s rows there as a ``_MaskPartial``: an axis splits ``x`` along ``dim`` and the
     index is whole over it. shardsci's reductions do not have the mask that partial needs, so
-    such a gather takes the gathered fallback (``x.gather(0, x.argmax(0, keepdim=True))`` on a
-    2x2 mesh, the index split along dim 1 like ``x``); an index split over that axis lets
+    such a gather that no handler takes (an index split otherwise than ``x``'s other dims:
+    ``_split_like_input``) takes the gathered fallback; an index split over that axis lets
     DTensor reshard ``x`` like the index instead."""
     if not isinstance(x, ShardTensor) or x.ndim == 0:
         return False
