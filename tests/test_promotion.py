@@ -3,8 +3,10 @@ single-device one.
 
 ``promoted_local`` (``shardsci/tensor/_promotion.py``) is ``promote_replicated`` followed by
 ``to_local`` in one node: every use of a weight by a convolution, a norm or a product takes it.
-Checked on 2 ranks against one process in float64, with the gradient summed eagerly (no
-model wrapper) and through ``domain_parallel``'s gradient sink.
+Checked on 2 ranks and 1 rank against one process in float64, with the gradient summed
+eagerly (no model wrapper) and through ``domain_parallel``'s gradient sink. On a mesh of one
+rank without a sink the weight is its own local operand (NOTE [A mesh of one rank sums
+nothing]).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci import ShardTensor
 from shardsci.parallel import domain_parallel
@@ -51,7 +53,7 @@ def _gradient_body(wrapped: bool) -> None:
     (reference(x) ** 2).sum().backward()
 
     model = _Conv()
-    sizes = (4, 3)  # uneven rows over 2 ranks
+    sizes = (4, 3) if world == 2 else (7,)  # uneven rows over 2 ranks
     start = sum(sizes[:rank])
     local = x[:, :, start : start + sizes[rank]].contiguous()
     if wrapped:
@@ -71,6 +73,20 @@ def _gradient_body(wrapped: bool) -> None:
         )
 
 
+@pytest.mark.parametrize("world", [2, 1], ids=["2r", "1r"])
 @pytest.mark.parametrize("wrapped", [False, True], ids=["eager-sums", "domain-parallel"])
-def test_a_promoted_weight_gets_the_single_device_gradient(wrapped: bool) -> None:
-    run_on_ranks(2, _gradient_body, wrapped)
+def test_a_promoted_weight_gets_the_single_device_gradient(wrapped: bool, world: int) -> None:
+    run_on_ranks(world, _gradient_body, wrapped)
+
+
+def _one_rank_body() -> tuple[bool, bool]:
+    weight = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    one = promoted_local(weight, get_mesh((1,)), [Partial()])
+    two = promoted_local(weight, get_mesh((1, 1), ("dp", "domain")), [Replicate(), Partial()])
+    return one is weight, two is weight
+
+
+def test_a_weight_on_a_mesh_of_one_rank_is_its_own_local_operand() -> None:
+    """NOTE [A mesh of one rank sums nothing]: no autograd node, no sum, the weight itself
+    (1-D and 2-D meshes of one rank)."""
+    assert run_on_ranks(1, _one_rank_body) == [(True, True)]

@@ -94,12 +94,14 @@ def mark_view(func: OpOverload, x: torch.Tensor, result: object, path: str) -> N
     """Mark the ShardTensor outputs of view op ``func`` on ``x`` (NOTE above). ``path``:
     ``"handler"`` (a view or a copy, rank by rank), ``"copy"`` (a lazy view materialised, a
     copy on every rank), else the same local view on every rank (the op on the shards)."""
+    mark = x._copy_of
+    if mark is None and path not in ("handler", "copy"):
+        return  # a view on every rank of a tensor that is no copy: nothing to mark
     if _tracing():
         return
     if path == "copy":
         mark_moved(func, result)
     agreed = path != "handler"
-    mark = x._copy_of
     outputs = result if isinstance(result, (list, tuple)) else (result,)
     for out in outputs:
         if type(out) is not type(x) or out is x:

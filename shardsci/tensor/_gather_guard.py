@@ -98,7 +98,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -488,13 +488,13 @@ def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTen
     Counted in elements, not bytes: a result of a wider dtype than its operand (the int64
     count of a bool mask, as in ``amax``'s backward) holds no more of its extent."""
     held = _largest_elements(spec)
-    pending = {a for a, p in enumerate(spec.placements) if isinstance(p, Partial)}
+    pending = tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Partial))
     for operand in operands:
         for t in operand if isinstance(operand, (tuple, list)) else (operand,):
             source = getattr(t, "_spec", None)
             if (
                 source is not None
-                and any(pending.intersection(s.axes) for s in source.shardings)
+                and any(a in pending for s in source.shardings for a in s.axes)
                 and held > _largest_elements(source)
                 and held >= _largest_elements(source, gathered_over=pending)
             ):
@@ -629,15 +629,17 @@ def _pieces(spec: ShardTensorSpec) -> int:
     return math.prod(len(s.sizes) for s in spec.shardings)
 
 
-def _largest_shard(spec: ShardTensorSpec, gathered_over: Collection[int] = ()) -> int:
+def _largest_shard(spec: ShardTensorSpec, gathered_over: tuple[int, ...] = ()) -> int:
     """Bytes of the largest shard of ``spec`` on any rank (:func:`_largest_elements`)."""
     return _largest_elements(spec, gathered_over) * spec.dtype.itemsize
 
 
-def _largest_elements(spec: ShardTensorSpec, gathered_over: Collection[int] = ()) -> int:
+@cached("largest shards", 4096)
+def _largest_elements(spec: ShardTensorSpec, gathered_over: tuple[int, ...] = ()) -> int:
     """Elements of the largest shard of ``spec`` on any rank (a mesh axis shards at most one
     dim, so the largest extents of different dims meet on one rank); with a dim whole where
-    one of the mesh axes ``gathered_over`` shards it."""
+    one of the mesh axes ``gathered_over`` shards it. Cached per layout: every op with a
+    pending result asks (``check_result``)."""
     elements = 1
     for dim, extent in enumerate(spec.shape):
         sharding = spec.sharding_by_dim.get(dim)

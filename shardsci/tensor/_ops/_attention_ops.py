@@ -93,7 +93,10 @@ def _broadcast_batch_dims(q, k, v, enable_gqa: bool) -> tuple:
     query against 4-D keys): the layouts below index dims from the front. With grouped-query
     attention the head dims stay as they are."""
     per_item = 3 if enable_gqa and min(t.ndim for t in (q, k, v)) >= 3 else 2
-    batch = torch.broadcast_shapes(*(t.shape[:-per_item] for t in (q, k, v)))
+    batches = [t.shape[:-per_item] for t in (q, k, v)]
+    if batches[0] == batches[1] == batches[2]:
+        return q, k, v  # the common case, without torch.broadcast_shapes (tens of us a call)
+    batch = torch.broadcast_shapes(*batches)
     return tuple(
         t if t.shape[:-per_item] == batch else t.expand(*batch, *t.shape[-per_item:])
         for t in (q, k, v)
