@@ -111,6 +111,7 @@ from benchmarks.calibrate import (
     measure_compute,
     measure_small_calls,
     measure_step_kernels,
+    scaled_collective_host,
     small_call_scale,
 )
 from benchmarks.cost_model import (
@@ -193,7 +194,7 @@ def layout(name: str, ranks: int, size: int, nodes: int) -> tuple[tuple[int, ...
 def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
     """``machine`` for ``ranks`` processes on ``cores`` cores: compute and host rates shared."""
     share = min(1.0, cores / ranks)
-    return dataclasses.replace(
+    shared = dataclasses.replace(
         machine,
         sustained_flops=machine.sustained_flops * share,
         memory_bytes_per_s=machine.memory_bytes_per_s * share,
@@ -201,10 +202,8 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         complex_matmul_flops_per_s=machine.complex_matmul_flops_per_s * share,
         host_us_per_op=machine.host_us_per_op / share,
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
-        host_us_per_collective=machine.host_us_per_collective / share,
-        host_us_per_collective_step=machine.host_us_per_collective_step / share,
-        host_s_per_byte_received=machine.host_s_per_byte_received / share,
     )
+    return scaled_collective_host(shared, 1 / share)
 
 
 def predict(machine: Machine, models: dict, ranks: int, shape: tuple, cores: int) -> dict:

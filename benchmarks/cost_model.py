@@ -24,7 +24,8 @@ FLOPs]). Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
 (``ops_host_s``, NOTE [One price per op]), plus what issuing each
 collective call and halo round costs the host's CPU (``collective_host_s``: per call, per
-ring step and per byte received).
+ring step and per byte received; an all-to-all per call and per other rank of its group, NOTE
+[What an all-to-all posts]: a halo gloo sends as one all-to-all).
 
 Projected (``project``) on ``Machine`` (every parameter with its source; ``--set
 name=value`` overrides any), per rank: ``max(host, compute + communication)``, host time
@@ -910,6 +911,8 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
         plain_host_us_per_op=0.0,
         host_us_per_collective=0.0,
         host_us_per_collective_step=0.0,
+        host_us_per_all_to_all=0.0,
+        host_us_per_all_to_all_peer=0.0,
         host_s_per_byte_received=0.0,
     )
     first, strong_limit, efficiency = None, None, 1.0

@@ -137,7 +137,12 @@ def test_ops_per_peer_grow_the_host_term():
         run["communication_ops"] = 250 * (run["ranks"] - 1)
     fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
     assert fitted.op_count(512) == pytest.approx((700 + 250 * 511, 250 * 511))
-    machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
+    machine = Machine(
+        host_us_per_op=50.0,
+        plain_host_us_per_op=20.0,
+        host_us_per_collective=0,
+        host_us_per_all_to_all=0,
+    )
     assert fitted.host_s(machine, 512, (16, 32)) == pytest.approx(
         (700 * 50 + 250 * 511 * 20) * 1e-6
     )
@@ -277,7 +282,12 @@ def test_the_planner_and_the_cost_model_price_host_time_alike():
         run["ops"] = 700 + 250 * (run["ranks"] - 1)
         run["communication_ops"] = 250 * (run["ranks"] - 1)
     fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
-    machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
+    machine = Machine(
+        host_us_per_op=50.0,
+        plain_host_us_per_op=20.0,
+        host_us_per_collective=0,
+        host_us_per_all_to_all=0,
+    )
     ops, communication = fitted.op_count(8)
     memory = MemoryPlan(0, 0, 0, 0, 0, 0, 0, "")
     rank_class = RankClassPlan(

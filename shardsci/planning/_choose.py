@@ -27,6 +27,8 @@ projected time of their slowest rank class on ``Machine`` (NOTE [One machine mod
   ranks it connects and the nodes they span (``collective_s``, NOTE [Collectives priced over
   their own ranks]): an all-reduce over one axis of a block over that axis's ranks, the
   gradient all-reduces over the whole mesh; the rounds of messages (halos) as one term;
+  an all-to-all's device time over the ranks it connects, its host time over its whole group
+  (NOTE [What an all-to-all posts]: a halo sent as one all-to-all);
 - host: the class's aten ops as ``ops_host_s`` prices them (NOTE [One price per op]: its
   communication modules' ops and every op of an unsplit step at ``plain_host_us_per_op``, the
   ShardTensor step's others at ``host_us_per_op``), and its collectives and halo rounds as
@@ -198,8 +200,9 @@ def project(plan: RunPlan, machine: Machine) -> Projection:
 
 def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Projection:
     """Every collective over the ranks it connects and the nodes they span (NOTE
-    [Collectives priced over their own ranks]); the rounds of messages as one halo term,
-    over every peer, at the slowest link's."""
+    [Collectives priced over their own ranks]), an all-to-all's host time over its whole
+    group (NOTE [What an all-to-all posts]); the rounds of messages as one halo term, over
+    every peer, at the slowest link's."""
     collectives: dict[str, float] = defaultdict(float)
     issued = 0.0
     messages = [span for span in plan.spans if span.kind in HALO_KINDS]
@@ -210,7 +213,8 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
         collectives[f"{span.kind} over {ranks}"] += collective_s(
             machine, span.kind, ranks, span.calls, span.received, span.calls, nodes
         )
-        issued += collective_host_s(machine, span.kind, ranks, span.calls, span.received)
+        posted = span.group if span.kind == "all_to_all" else ranks
+        issued += collective_host_s(machine, span.kind, posted, span.calls, span.received)
     if messages:
         peers = sorted({rank for span in messages for rank in span.ranks})
         nodes = max(span_nodes(machine, span.ranks) for span in messages)
