@@ -134,6 +134,11 @@ class Machine:
     field's row, hundreds of bytes at the tiles the zoo recommends) at about the bandwidth of
     a contiguous one. On a CPU each run of a strided copy costs a few ns more than its bytes
     (NOTE [Strided copies] in ``_work``; ``benchmarks.calibrate`` measures it)."""
+    backend: str = "nccl"
+    """The collective library the machine's runs use. How a halo exchange is issued depends on
+    it (messages on NCCL, one all-to-all on gloo: ``messages_in_one_collective``), so a step
+    measured on gloo ranks here is measured as this backend issues it (``issued_as``) before
+    it is projected onto this machine (``benchmarks.cost_model``)."""
     host_overlaps_device: bool = True
     """A GPU's kernels run while the host launches the next ones: a step costs ``max(host,
     device)``. On a CPU the same core does both: ``host + device``."""
@@ -150,14 +155,16 @@ def override(machine: Machine, settings: list[str]) -> Machine:
         One line naming a setting that is not ``name=value`` of a ``Machine`` field.
     """
     known = {f.name: f.type for f in fields(Machine)}
-    changes: dict[str, float | int | bool] = {}
+    changes: dict[str, float | int | bool | str] = {}
     for setting in settings:
         name, _, value = setting.partition("=")
         if name not in known or not value:
             raise ValueError(f"{setting!r}: expected name=value, name one of {list(known)}")
         kind = known[name]
         try:
-            if kind in (bool, "bool"):
+            if kind in (str, "str"):
+                changes[name] = value
+            elif kind in (bool, "bool"):
                 if value not in ("true", "false"):
                     raise ValueError(value)
                 changes[name] = value == "true"
@@ -441,6 +448,7 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         host_us_per_all_to_all_peer=GLOO_HOST_US_PER_ALL_TO_ALL_PEER / share,
         host_s_per_byte_received=GLOO_HOST_S_PER_BYTE / share,
         strided_copy_s_per_run=STRIDED_COPY_S_PER_RUN / share,
+        backend="gloo",
         host_overlaps_device=False,
         memory_gib=memory_bytes / ranks_here / 2**30,
     )
