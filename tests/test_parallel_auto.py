@@ -356,19 +356,19 @@ def test_a_field_too_large_for_one_device_gets_a_domain_decomposition(tmp_path: 
 
 
 def test_the_machine_and_its_overrides_from_the_command_line(tmp_path: Path) -> None:
-    from shardsci.planning._choose import _machine
+    from shardsci.planning._dry_run import planned_machine
     from shardsci.training import ParallelConfig, config_from
 
     override = 'parallel.machine_overrides=["ib_bytes_per_s=25e9","gpus_per_node=4"]'
     cfg = _compose(["+recipe=cfd", "parallel.machine=h100", override, f"run_dir={tmp_path}"])
-    machine, name = _machine(config_from(ParallelConfig, cfg.parallel), 8)
+    machine, name = planned_machine(config_from(ParallelConfig, cfg.parallel), 8)
     assert (name, machine.ib_bytes_per_s, machine.gpus_per_node) == ("h100", 25e9, 4)
-    cpu, _ = _machine(ParallelConfig(machine="cpu"), 4)
+    cpu, _ = planned_machine(ParallelConfig(machine="cpu"), 4)
     assert not cpu.host_overlaps_device and cpu.gpus_per_node == 4
     with pytest.raises(ConfigError, match=r"parallel.machine_overrides: 'ib=1': expected"):
-        _machine(ParallelConfig(machine="h100", machine_overrides=["ib=1"]), 8)
+        planned_machine(ParallelConfig(machine="h100", machine_overrides=["ib=1"]), 8)
     with pytest.raises(ConfigError, match=r"parallel\.machine='tpu': expected 'h100', 'cpu'"):
-        _machine(ParallelConfig(machine="tpu"), 8)
+        planned_machine(ParallelConfig(machine="tpu"), 8)
 
 
 # ---------------------------------------------------------------------------- the benchmark

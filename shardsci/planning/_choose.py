@@ -59,17 +59,15 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.distributed import LaunchEnv, init_distributed
-from shardsci.planning._dry_run import plan_run, target_machine
+from shardsci.planning._dry_run import plan_run, planned_machine
 from shardsci.planning._machine import (
     HALO_KINDS,
     Machine,
     collective_host_s,
     collective_s,
     compute_s,
-    gloo_cpu,
     halo_s,
     ops_host_s,
-    override,
     span_nodes,
 )
 from shardsci.planning._plan import RankClassPlan, RunPlan
@@ -320,7 +318,7 @@ def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> C
         If no candidate fits (naming the closest and why), or the machine settings are bad.
     """
     parallel = config_from(ParallelConfig, cfg.parallel)
-    machine, machine_name = _machine(parallel, ranks_here or world_size)
+    machine, machine_name = planned_machine(parallel, ranks_here or world_size)
     budget, source = _budget(parallel, cfg, machine, machine_name)
     recipe = get_recipe(cfg.recipe)
     batch = int(cfg.train.global_batch)
@@ -436,17 +434,6 @@ def chosen_config(cfg: DictConfig, decomposition: Decomposition) -> DictConfig:
     OmegaConf.update(chosen, "parallel.domain", parallel.domain, merge=False)
     OmegaConf.update(chosen, "parallel.choose", False)
     return chosen
-
-
-def _machine(parallel: ParallelConfig, ranks_here: int) -> tuple[Machine, str]:
-    name = target_machine(parallel.machine)
-    if name not in ("h100", "cpu"):
-        raise ConfigError(f"parallel.machine={name!r}: expected 'h100', 'cpu' or null")
-    machine = Machine() if name == "h100" else gloo_cpu(ranks_here)
-    try:
-        return override(machine, list(parallel.machine_overrides)), name
-    except ValueError as error:
-        raise ConfigError(f"parallel.machine_overrides: {error}") from None
 
 
 def _budget(
