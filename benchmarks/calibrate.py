@@ -16,10 +16,19 @@ formula shows as a residual rather than being absorbed into a parameter:
   GLOO_NO_TREE_S`` (never chosen) and the all-reduces fitted as rings. Each point's
   fitted-over-measured ratio is emitted (``collective`` records), with the CPU time a call
   costs the slowest rank (``cpu_seconds``: c10d and gloo on the host).
-- ``host_us_per_collective``, ``host_us_per_collective_step`` and
-  ``host_s_per_byte_received``: a second least-squares fit (absolute residuals, each
-  non-negative), of every call's ``cpu_seconds`` as ``per call + per step x ring steps
-  (ring_steps) + per byte x bytes received``: what ``collective_host_s`` charges the host.
+- ``host_us_per_collective``, ``host_us_per_collective_step``, ``host_us_per_all_to_all``,
+  ``host_us_per_all_to_all_peer`` and ``host_s_per_byte_received``: a second least-squares
+  fit (absolute residuals, each non-negative), of every call's ``cpu_seconds`` as ``per call +
+  per step x ring steps (ring_steps) + per byte x bytes received``, an all-to-all's as ``per
+  all-to-all + per other rank of its group + per byte`` (NOTE [What an all-to-all posts]):
+  what ``collective_host_s`` charges the host. Besides the whole all-to-alls above, the fit
+  has halos sent as one all-to-all (``time_halo_all_to_alls``: a piece to each neighbour of a
+  ring, none to the others) over groups of 2, 4 and 8 ranks: the per-peer term is a
+  difference between groups of a few hundred µs, below one run's noise at this machine's
+  load (a probe of 2026-11-29 read -0.11 to 0.39 ms a call at load 18-22). So each group is
+  measured in ``HALO_ROUNDS`` rounds, the groups' order reversed every round, each round's
+  figure the slowest rank's median over ``3 x repeats`` batches, and a point is the median
+  of its rounds (``halo`` records give every round's figure and the load).
   A call's CPU time is taken between two short computations (``GAP_MATMULS``), as a step
   issues it: back to back, gloo's threads stay awake and a small call costs half as much.
   Until 2026-11-29 only the calls up to 16 KiB were fitted, without the bytes: gloo's copies
@@ -78,6 +87,9 @@ from shardsci.planning._work import WorkCounter, contiguous_runs
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves, tree_map
 
 SIZES = (256, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes per rank's input
+HALO_SIZES = (256, 16 * 1024, 64 * 1024)  # bytes of one face: a halo sends one per side
+HALO_WORLDS = (2, 4, 8)
+HALO_ROUNDS = 5
 KINDS = ("p2p", "all_to_all", "all_gather", "all_reduce")
 WORLDS = {"p2p": (2,), "all_to_all": (2, 4), "all_gather": (2, 4), "all_reduce": (2, 4)}
 # Gloo's all-reduce is a ring: a tree latency no all-reduce here would choose.
@@ -218,6 +230,7 @@ def time_collectives(kind: str, repeats: int) -> list[dict]:
                 "kind": kind,
                 "ranks": world,
                 "bytes": nbytes,
+                "received": received_bytes(kind, world, nbytes),
                 "seconds": statistics.median(samples) / per_message,
                 "cpu_seconds": cpu / per_message,
             }
@@ -280,13 +293,98 @@ def small_call_scale(machine: Machine, cpu: dict[str, float], ranks: int) -> flo
 def at_small_calls(machine: Machine, cpu: dict[str, float], ranks: int) -> Machine:
     """``machine`` with its collective CPU terms (per call, per ring step, per byte) scaled by
     ``small_call_scale``."""
-    scale = small_call_scale(machine, cpu, ranks)
+    return scaled_collective_host(machine, small_call_scale(machine, cpu, ranks))
+
+
+COLLECTIVE_HOST_FIELDS = (
+    "host_us_per_collective",
+    "host_us_per_collective_step",
+    "host_us_per_all_to_all",
+    "host_us_per_all_to_all_peer",
+    "host_s_per_byte_received",
+)
+"""The ``Machine`` fields ``collective_host_s`` prices with."""
+
+
+def scaled_collective_host(machine: Machine, scale: float) -> Machine:
+    """``machine`` with every collective CPU term (``COLLECTIVE_HOST_FIELDS``) times
+    ``scale``."""
     return dataclasses.replace(
-        machine,
-        host_us_per_collective=machine.host_us_per_collective * scale,
-        host_us_per_collective_step=machine.host_us_per_collective_step * scale,
-        host_s_per_byte_received=machine.host_s_per_byte_received * scale,
+        machine, **{name: getattr(machine, name) * scale for name in COLLECTIVE_HOST_FIELDS}
     )
+
+
+def neighbour_splits(world: int, rank: int, rows: int) -> list[int]:
+    """Rows of an all-to-all's piece for each rank of a ring of ``world``: ``rows`` for each
+    neighbour (both faces to the one other rank of a ring of 2), none for the others: a
+    periodic halo sent as one all-to-all (NOTE [What an all-to-all posts])."""
+    splits = [0] * world
+    for side in (-1, 1):
+        splits[(rank + side) % world] += rows
+    splits[rank] = 0
+    return splits
+
+
+def time_halo_all_to_alls(repeats: int) -> list[dict]:
+    """Rank body: the CPU seconds one halo all-to-all (``neighbour_splits``, a face of each
+    of ``HALO_SIZES`` bytes) costs this rank between two ``_gap`` computations (median over
+    ``3 x repeats`` batches of 10)."""
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    matrix = torch.randn(96, 96)
+    gap_s = _median_cpu_s(lambda: _gap(matrix), repeats)
+    results = []
+    for nbytes in HALO_SIZES:
+        splits = neighbour_splits(world, rank, nbytes // 4)
+        x, out = torch.zeros(sum(splits)), torch.empty(sum(splits))
+        dist.all_to_all_single(out, x, splits, splits)
+        cpu = []
+        for _ in range(3 * repeats):
+            dist.barrier()
+            start = time.process_time()
+            for _ in range(10):
+                _gap(matrix)
+                dist.all_to_all_single(out, x, splits, splits)
+            cpu.append((time.process_time() - start) / 10 - gap_s)
+        received = 4 * sum(splits) - 4 * splits[rank]
+        results.append(
+            {
+                "kind": "all_to_all",
+                "pieces": "neighbours",
+                "ranks": world,
+                "bytes": nbytes,
+                "received": received,
+                "cpu_seconds": statistics.median(cpu),
+            }
+        )
+    return results
+
+
+def measure_halo_all_to_alls(repeats: int) -> list[dict]:
+    """``time_halo_all_to_alls`` on every group of ``HALO_WORLDS`` in ``HALO_ROUNDS``
+    rounds, the order reversed every round: a point per group and size, its ``cpu_seconds``
+    the median of its rounds' slowest ranks (``rounds``: each round's, ``loads``: the
+    1-minute load average at each round's start)."""
+    rounds: dict[tuple[int, int], list[float]] = {}
+    first: dict[tuple[int, int], dict] = {}
+    loads = []
+    for r in range(HALO_ROUNDS):
+        loads.append(os.getloadavg()[0])
+        for world in HALO_WORLDS if r % 2 == 0 else tuple(reversed(HALO_WORLDS)):
+            per_rank = on_ranks(world, time_halo_all_to_alls, repeats)
+            for measured in zip(*per_rank):
+                key = (world, measured[0]["bytes"])
+                first.setdefault(key, measured[0])
+                rounds.setdefault(key, []).append(max(m["cpu_seconds"] for m in measured))
+    return [
+        {
+            **first[key],
+            "cpu_seconds": statistics.median(values),
+            "rounds": values,
+            "loads": loads,
+        }
+        for key, values in sorted(rounds.items())
+    ]
 
 
 def measure_collectives(repeats: int) -> list[dict]:
@@ -301,23 +399,29 @@ def measure_collectives(repeats: int) -> list[dict]:
     return points
 
 
-def fit_collective_host(points: list[dict]) -> tuple[float, float, float]:
-    """``(host_us_per_collective, host_us_per_collective_step, host_s_per_byte_received)``:
-    every call's CPU time (``cpu_seconds``) as ``per call + per step x ring_steps + per byte x
-    received_bytes`` (``collective_host_s``), least squares on absolute residuals (a step
-    adds its calls' CPU seconds: the costly calls matter, not a 40 µs message's 10 %), each
-    coefficient kept non-negative (``nonnegative_fit``)."""
-    rows = [
-        [
-            1.0,
-            float(ring_steps(p["kind"], p["ranks"])),
-            received_bytes(p["kind"], p["ranks"], p["bytes"]),
-        ]
-        for p in points
-    ]
+def host_row(point: dict) -> list[float]:
+    """Coefficients of ``COLLECTIVE_HOST_FIELDS`` (µs, µs, µs, µs, s a byte) in the CPU
+    seconds ``collective_host_s`` charges for one call of ``point`` (``kind``, ``ranks``: its
+    group, ``received``)."""
+    ranks, received = float(point["ranks"]), float(point["received"])
+    if point["kind"] == "all_to_all":
+        return [0.0, 0.0, 1e-6, 1e-6 * (ranks - 1), received]
+    return [1e-6, 1e-6 * ring_steps(point["kind"], point["ranks"]), 0.0, 0.0, received]
+
+
+def fit_collective_host(points: list[dict]) -> dict[str, float]:
+    """``COLLECTIVE_HOST_FIELDS`` fitted to every call's CPU time (``cpu_seconds``) as
+    ``collective_host_s`` prices it (``host_row``), least squares on absolute residuals (a
+    step adds its calls' CPU seconds: the costly calls matter, not a 40 µs message's 10 %),
+    each coefficient kept non-negative (``nonnegative_fit``)."""
+    rows = [host_row(p) for p in points]
     cpu = [p["cpu_seconds"] for p in points]
-    per_call, per_step, per_byte = nonnegative_fit(rows, cpu, [1.0] * len(cpu))
-    return per_call * 1e6, per_step * 1e6, per_byte
+    # Columns scaled to order 1 for the solver; the coefficients scaled back.
+    scales = [max(abs(r[i]) for r in rows) or 1.0 for i in range(len(rows[0]))]
+    fitted = nonnegative_fit(
+        [[x / c for x, c in zip(r, scales)] for r in rows], cpu, [1.0] * len(cpu)
+    )
+    return dict(zip(COLLECTIVE_HOST_FIELDS, (f / c for f, c in zip(fitted, scales))))
 
 
 # --------------------------------------------------------------------------- compute
@@ -504,13 +608,15 @@ def measure_host(repeats: int) -> tuple[float, float]:
 # --------------------------------------------------------------------------- the machine
 def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[str, float]]:
     """Measure and fit (NOTE [Calibrating the machine]): the machine, each fitted
-    parameter's source, the collective points and the compute rates."""
+    parameter's source, the collective points (the timed calls', then the halo all-to-alls')
+    and the compute rates."""
     points = measure_collectives(repeats)
     network = fit_collectives(points)
+    halos = measure_halo_all_to_alls(repeats)
     rates = measure_compute(repeats)
     host_us, plain_us = measure_host(repeats)
     strided_copy_s = measure_strided_copy(repeats)
-    per_call_us, per_step_us, per_byte_s = fit_collective_host(points)
+    host = fit_collective_host(points + halos)
     machine = dataclasses.replace(
         at_rates(
             gloo_machine(
@@ -521,9 +627,7 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
             ),
             rates,
         ),
-        host_us_per_collective=per_call_us,
-        host_us_per_collective_step=per_step_us,
-        host_s_per_byte_received=per_byte_s,
+        **host,
         host_us_per_op=host_us,
         plain_host_us_per_op=plain_us,
         strided_copy_s_per_run=strided_copy_s,
@@ -559,9 +663,12 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         "FNO's spectral contraction (einsum of (1, 32, 24, 12) complex modes with a (32, 32, "
         "24, 12) weight), forward+backward complex matmul FLOPs (WorkCounter) per second",
         "host_us_per_collective": "measured on this machine by benchmarks.calibrate: least "
-        "squares of every timed call's CPU time on 2 and 4 gloo ranks (256 B-4 MiB), per call "
-        "+ per ring step + per byte received",
+        "squares of every timed call's CPU time on 2 and 4 gloo ranks (256 B-4 MiB) and of "
+        "halo all-to-alls on 2, 4 and 8 (faces of 256 B-64 KiB), per call + per ring step "
+        "(an all-to-all: per call + per other rank of its group) + per byte received",
         "host_us_per_collective_step": "the same fit, per ring step",
+        "host_us_per_all_to_all": "the same fit, per all-to-all",
+        "host_us_per_all_to_all_peer": "the same fit, per other rank of an all-to-all's group",
         "host_s_per_byte_received": "the same fit, per byte the busiest rank receives",
         "memory_bytes_per_s": "measured on this machine by benchmarks.calibrate: "
         "torch.add of 64 MiB float32 arrays, 3 arrays' bytes per second, one thread",
@@ -574,18 +681,23 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         "host_overlaps_device": "a CPU launches and runs its kernels on one core",
         "memory_gib": "a quarter of this machine's RAM (4 ranks)",
     }
-    return machine, sources, points, rates
+    return machine, sources, points + halos, rates
 
 
 def emit_calibration(machine: Machine, sources: dict, points: list[dict], rates: dict) -> None:
     """The ``collective``, ``compute`` and ``parameters`` records of one calibration."""
     for p in points:
+        charged = collective_host_s(machine, p["kind"], p["ranks"], 1, p["received"])
+        if "pieces" in p:
+            emit("halo", **p, charged_cpu_s=charged)
+            continue
         predicted = predicted_collective_s(machine, p["kind"], p["ranks"], p["bytes"])
         emit(
             "collective",
             **p,
             predicted_s=predicted,
             predicted_over_measured=round(predicted / p["seconds"], 3),
+            charged_cpu_s=charged,
         )
     emit("compute", **{k: round(v / 1e9, 3) for k, v in rates.items()}, unit="G per s")
     emit("parameters", **dataclasses.asdict(machine), sources=sources)
@@ -605,7 +717,8 @@ def main(argv: list[str] | None = None) -> None:
                 {"machine": dataclasses.asdict(machine), "sources": sources, "points": points}
             )
         )
-    ratios = [predicted_collective_s(machine, **_call(p)) / p["seconds"] for p in points]
+    timed = [p for p in points if "pieces" not in p]
+    ratios = [predicted_collective_s(machine, **_call(p)) / p["seconds"] for p in timed]
     emit_summary(
         [],
         args.check,
@@ -619,6 +732,8 @@ def main(argv: list[str] | None = None) -> None:
         plain_host_us_per_op=round(machine.plain_host_us_per_op, 1),
         host_us_per_collective=round(machine.host_us_per_collective, 1),
         host_us_per_collective_step=round(machine.host_us_per_collective_step, 1),
+        host_us_per_all_to_all=round(machine.host_us_per_all_to_all, 1),
+        host_us_per_all_to_all_peer=round(machine.host_us_per_all_to_all_peer, 1),
         host_us_per_mib_received=round(machine.host_s_per_byte_received * 2**20 * 1e6, 1),
         strided_copy_ns_per_run=round(machine.strided_copy_s_per_run * 1e9, 2),
         collective_fit_worst=round(max(ratios, key=lambda r: abs(r - 1)), 2),

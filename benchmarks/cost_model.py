@@ -2,9 +2,10 @@
 one measured small step per model.
 
 # NOTE [The cost model]
-Measured here, per model, on real gloo ranks (``measure``): one training step (forward, a
-mean-square loss, backward, gradients reduced by ``domain_parallel``) at several small local
-shapes, its traffic counted by ``shardsci.testing.count_traffic`` per collective kind (calls,
+Measured here, per model, on real gloo ranks (``measure``), exchanges issued as the target
+machine's backend issues them (NOTE [Measured as the target issues it]): one training step
+(forward, a mean-square loss, backward, gradients reduced by ``domain_parallel``) at several
+small local shapes, its traffic counted by ``shardsci.testing.count_traffic`` per collective kind (calls,
 bytes received by the busiest rank, rounds of point-to-point messages), and the gradient
 all-reduces apart (the step's traffic beyond the same step under ``no_sync()``). Each kind's
 bytes are fitted over the shapes as a linear function of the model's size basis (``basis``: a
@@ -24,7 +25,8 @@ FLOPs]). Host time per step is the aten ops the
 ShardTensor step dispatches (NOTE [Ops per peer]), priced as the dry run prices them
 (``ops_host_s``, NOTE [One price per op]), plus what issuing each
 collective call and halo round costs the host's CPU (``collective_host_s``: per call, per
-ring step and per byte received).
+ring step and per byte received; an all-to-all per call and per other rank of its group, NOTE
+[What an all-to-all posts]: a halo gloo sends as one all-to-all).
 
 Projected (``project``) on ``Machine`` (every parameter with its source; ``--set
 name=value`` overrides any), per rank: ``max(host, compute + communication)``, host time
@@ -63,6 +65,18 @@ strong: ``P_0 T(P_0) / (P T(P))`` from ``P_0 = 8``.
 Goals (issue 22): weak-scaling efficiency at least 0.9 at 512 GPUs at each model's
 recommended tile (``RECOMMENDED``). Run ``python -m benchmarks.cost_model [--models unet fno]
 [--set host_us_per_op=0 plain_host_us_per_op=0] [--check]`` (≈2 min here); JSON lines on stdout, fields in README.md.
+
+# NOTE [Measured as the target issues it]
+How a halo exchange is issued depends on the backend (NOTE [An exchange of messages as one
+all-to-all where messages are slow] in ``shardsci/tensor/_collectives.py``): gloo, which these
+measurements run on, sends each as one all-to-all over its axis's group, NCCL as messages to
+the neighbours. Measured as gloo issues it and projected onto H100s, every halo was priced as
+an all-to-all over its axis (``P - 1`` peers at ``P`` ranks) and the ops were fitted on no
+messages: the UNet's weak efficiency at 512 GPUs read 0.007 with 27,226 ops a step
+(2026-11-29, after halo20), against 0.034 with 3,828 before. So ``measure`` runs inside
+``issued_as(machine.backend)``: for an H100 cluster the halos go as messages on these gloo
+ranks, as they will on NCCL; for this machine (``calibrate_steps``, ``gloo_cpu``) as
+all-to-alls. A saved measurement records its backend (``measurements`` refuses another).
 
 # NOTE [Ops per peer]
 A step's aten ops may grow with its ranks: a collective over ``P`` ranks that packs and
@@ -152,6 +166,7 @@ from shardsci.planning._machine import (
     span_nodes,
 )
 from shardsci.planning._work import WorkCounter
+from shardsci.tensor._collectives import issued_as
 from shardsci.tensor._options import (
     attention_exchange_choice,
     normalization_statistics,
@@ -411,10 +426,18 @@ def sharded_step(
     return model, step
 
 
-def measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exchange: str) -> dict:
+def measure(
+    name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exchange: str, backend: str
+) -> dict:
     """Rank body: one step's traffic at this local ``shape`` by kind (``count_traffic``;
     ``gradient_all_reduce``: what the step issues beyond the same step under ``no_sync()``),
-    attention exchanged by ``exchange``, and the ops the step dispatches."""
+    attention exchanged by ``exchange``, exchanges issued as ``backend`` issues them (NOTE
+    [Measured as the target issues it]), and the ops the step dispatches."""
+    with issued_as(backend):
+        return _measure(name, mesh_shape, shape, exchange)
+
+
+def _measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exchange: str) -> dict:
     model, step = sharded_step(name, mesh_shape, shape)
     axes = AXES[: len(mesh_shape)]
     mesh = get_mesh((1, *mesh_shape), ("dp", *axes))
@@ -672,8 +695,9 @@ def fit(
     return fitted, misfit
 
 
-def measure_model(name: str) -> dict:
-    """Every run of ``name`` (each exchange, mesh and shape) and its FLOPs, as JSON."""
+def measure_model(name: str, backend: str) -> dict:
+    """Every run of ``name`` (each exchange, mesh and shape), its exchanges issued as
+    ``backend`` issues them, and its FLOPs, as JSON."""
     geometry = GEOMETRY[name]
     exchanges = ("all_gather", "ring") if name == "vit" else ("auto",)
     runs: dict[str, list[dict]] = {}
@@ -682,7 +706,7 @@ def measure_model(name: str) -> dict:
         for mesh_shape in geometry.meshes:
             for shape in geometry.shapes:
                 per_rank = on_ranks(
-                    math.prod(mesh_shape), measure, name, mesh_shape, shape, exchange
+                    math.prod(mesh_shape), measure, name, mesh_shape, shape, exchange, backend
                 )
                 busiest = max(per_rank, key=lambda r: sum(r["received"].values()))
                 runs[exchange].append(
@@ -695,7 +719,9 @@ def measure_model(name: str) -> dict:
                 )
         for mesh_shape in geometry.op_meshes:
             shape = geometry.shapes[0]
-            per_rank = on_ranks(math.prod(mesh_shape), measure, name, mesh_shape, shape, exchange)
+            per_rank = on_ranks(
+                math.prod(mesh_shape), measure, name, mesh_shape, shape, exchange, backend
+            )
             runs[exchange].append(
                 {
                     "ranks": math.prod(mesh_shape),
@@ -706,7 +732,28 @@ def measure_model(name: str) -> dict:
                 }
             )
     sizes = FLOP_SIZES.get(name, FLOP_SIZES["field"])
-    return {"runs": runs, "flop_sizes": list(sizes), **work_at(name, sizes)}
+    return {"backend": backend, "runs": runs, "flop_sizes": list(sizes), **work_at(name, sizes)}
+
+
+def measurements(name: str, saved: dict, backend: str) -> dict:
+    """``name``'s measurements with its exchanges issued as ``backend`` issues them:
+    ``saved``'s (``measure_model``'s JSON by model) where it holds them, else measured now.
+
+    Raises
+    ------
+    SystemExit
+        One line where ``saved`` holds ``name`` measured as another backend issues its
+        exchanges, or without saying which (saved before 2026-11-29 17:00 UTC).
+    """
+    if name not in saved:
+        return measure_model(name, backend)
+    if saved[name].get("backend") != backend:
+        raise SystemExit(
+            f"{name}: the saved measurements issue exchanges as "
+            f"{saved[name].get('backend', 'an unrecorded backend')}, this machine's runs as "
+            f"{backend}: measure again without them"
+        )
+    return recounted(name, saved[name])
 
 
 def work_at(name: str, sizes: list[int]) -> dict[str, list[float]]:
@@ -910,6 +957,8 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
         plain_host_us_per_op=0.0,
         host_us_per_collective=0.0,
         host_us_per_collective_step=0.0,
+        host_us_per_all_to_all=0.0,
+        host_us_per_all_to_all_peer=0.0,
         host_s_per_byte_received=0.0,
     )
     first, strong_limit, efficiency = None, None, 1.0
@@ -969,7 +1018,7 @@ def main(argv: list[str] | None = None) -> None:
     summary, goals, measured_all = {}, [], {}
     with rank_pools():
         for name in args.models:
-            measured = recounted(name, saved[name]) if name in saved else measure_model(name)
+            measured = measurements(name, saved, machine.backend)
             measured_all[name] = measured
             models, misfits = fitted_models(name, measured)
             emit(

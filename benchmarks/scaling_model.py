@@ -49,6 +49,7 @@ from shardsci import Shard, ShardTensor, distribute_tensor
 from shardsci.models import UNet
 from shardsci.parallel import domain_parallel
 from shardsci.planning._machine import Machine, all_gather_s, all_reduce_s, halo_s
+from shardsci.tensor._collectives import issued_as
 from shardsci.testing import get_mesh
 
 MEASURED_TILE = 32  # H and W per rank in the 3x3 measurement (default)
@@ -58,11 +59,17 @@ STRONG_FIELD = 8192  # H = W of the whole field, batch 1
 
 
 # --------------------------------------------------------------------------- measurement
-def measure_block(tile: int) -> dict:
-    """Rank body (9 ranks): one step on a 3x3 block of ``tile x tile`` shards: this rank's
-    collectives and bytes received by kind (``p2p_rounds``: halo exchanges) under
-    ``no_sync()``, and the gradient all-reduces: what the same step with gradient reduction
-    issues beyond that."""
+def measure_block(tile: int, backend: str) -> dict:
+    """Rank body (9 ranks): one step on a 3x3 block of ``tile x tile`` shards, its halo
+    exchanges issued as ``backend`` issues them (``issued_as``: messages on NCCL, where gloo
+    sends one all-to-all): this rank's collectives and bytes received by kind
+    (``p2p_rounds``: halo exchanges) under ``no_sync()``, and the gradient all-reduces: what
+    the same step with gradient reduction issues beyond that."""
+    with issued_as(backend):
+        return _measure_block(tile)
+
+
+def _measure_block(tile: int) -> dict:
     mesh = get_mesh((1, 3, 3), ("dp", "h", "w"))
     torch.manual_seed(0)
     model = domain_parallel(
@@ -179,8 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         "--tile", type=int, default=MEASURED_TILE, help="H and W per rank when measuring"
     )
     args = parse_arguments(parser, argv)
+    machine = Machine()
     with rank_pools():
-        per_rank = on_ranks(9, measure_block, args.tile)
+        per_rank = on_ranks(9, measure_block, args.tile, machine.backend)
     worst = max(per_rank, key=lambda r: sum(r["received"].values()))
     measured = {
         "tile": args.tile,
@@ -191,7 +199,6 @@ def main(argv: list[str] | None = None) -> None:
         ),
     }
     flops = flops_per_pixel()
-    machine = Machine()
     emit("measured", mesh="3x3", **measured, flops_per_pixel=flops)
     emit("parameters", **asdict(machine))
     summary = project(measured, flops, machine)

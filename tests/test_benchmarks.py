@@ -96,7 +96,7 @@ SMOKES = {
     "cost_model": Smoke(
         "--models fno",
         {
-            "measure_model": lambda _: lambda name: synthetic_measurement(),
+            "measure_model": lambda _: lambda name, backend: synthetic_measurement(),
             "WEAK_GOAL": lambda _: 2.0,
         },
         ("fno: weak-scaling efficiency at 512 GPUs",),

@@ -20,6 +20,7 @@ from benchmarks.cost_model import (
     fit,
     fitted_models,
     laws,
+    measurements,
     neighbours,
     step_s,
 )
@@ -31,6 +32,7 @@ from shardsci.planning._machine import (
     all_gather_s,
     all_reduce_s,
     collective_s,
+    gloo_cpu,
     override,
     strided_copy_s,
 )
@@ -137,7 +139,12 @@ def test_ops_per_peer_grow_the_host_term():
         run["communication_ops"] = 250 * (run["ranks"] - 1)
     fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
     assert fitted.op_count(512) == pytest.approx((700 + 250 * 511, 250 * 511))
-    machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
+    machine = Machine(
+        host_us_per_op=50.0,
+        plain_host_us_per_op=20.0,
+        host_us_per_collective=0,
+        host_us_per_all_to_all=0,
+    )
     assert fitted.host_s(machine, 512, (16, 32)) == pytest.approx(
         (700 * 50 + 250 * 511 * 20) * 1e-6
     )
@@ -226,10 +233,10 @@ def test_override_names_what_it_takes():
 def test_fitted_laws_predict_a_measured_step_at_8_ranks():
     """The FNO fitted on 2 and 4 ranks predicts, per kind, the bytes and calls of the busiest
     rank of a real step on 8 ranks (``count_traffic``) at a shape it was not measured at."""
-    measured = cost_model.measure_model("fno")
+    measured = cost_model.measure_model("fno", "nccl")
     (fitted,), _ = zip(*[cost_model.fit("fno", r, [32], [1.0]) for r in measured["runs"].values()])
     shape = (16, 48)
-    per_rank = cost_model.on_ranks(8, cost_model.measure, "fno", (8,), shape, "auto")
+    per_rank = cost_model.on_ranks(8, cost_model.measure, "fno", (8,), shape, "auto", "nccl")
     busiest = max(per_rank, key=lambda r: sum(r["received"].values()))
     for kind, nbytes in busiest["received"].items():
         assert fitted.bytes(kind, 8, shape) == pytest.approx(nbytes, rel=0.02, abs=64), kind
@@ -277,7 +284,12 @@ def test_the_planner_and_the_cost_model_price_host_time_alike():
         run["ops"] = 700 + 250 * (run["ranks"] - 1)
         run["communication_ops"] = 250 * (run["ranks"] - 1)
     fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
-    machine = Machine(host_us_per_op=50.0, plain_host_us_per_op=20.0, host_us_per_collective=0)
+    machine = Machine(
+        host_us_per_op=50.0,
+        plain_host_us_per_op=20.0,
+        host_us_per_collective=0,
+        host_us_per_all_to_all=0,
+    )
     ops, communication = fitted.op_count(8)
     memory = MemoryPlan(0, 0, 0, 0, 0, 0, 0, "")
     rank_class = RankClassPlan(
@@ -435,3 +447,34 @@ def test_a_graph_parts_peers_are_bounded_by_the_most_measured():
     dense, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
     assert dense.peers_bound is None
     assert dense.op_count(512)[0] == pytest.approx(2257 + 30 * 511)
+
+
+HALO_KINDS = ("p2p", "all_to_all@h", "all_to_all@w")
+
+
+def test_a_step_is_measured_as_the_machine_it_is_projected_onto_issues_its_halos():
+    """NOTE [Measured as the target issues it]: on these gloo ranks, a 2x2 UNet step measured
+    for the H100 machine (NCCL) counts its halos as messages and none as an all-to-all along
+    an axis of the block; measured for this machine (gloo) as one all-to-all each over an
+    axis's 2 ranks, and no message. Each rank receives the same halo bytes either way."""
+    by_machine = {
+        name: cost_model.on_ranks(
+            4, cost_model.measure, "unet", (2, 2), (16, 16), "auto", machine.backend
+        )
+        for name, machine in (("h100", Machine()), ("cpu", gloo_cpu(4)))
+    }
+    for h100, cpu in zip(by_machine["h100"], by_machine["cpu"]):
+        assert h100["calls"]["p2p"] > 0 and not set(h100["calls"]) & set(HALO_KINDS[1:])
+        assert "p2p" not in cpu["calls"] and set(cpu["calls"]) >= set(HALO_KINDS[1:])
+        assert cpu["calls"]["all_to_all@h"] == cpu["calls"]["all_to_all@w"] > 0
+        halo_bytes = [sum(r["received"].get(k, 0) for k in HALO_KINDS) for r in (h100, cpu)]
+        assert halo_bytes[0] == halo_bytes[1] > 0
+
+
+def test_saved_measurements_of_another_backend_are_refused():
+    """A measurement saved as gloo issues its halos is not projected onto NCCL's machine (NOTE
+    [Measured as the target issues it]); one that does not say which backend neither."""
+    saved = {"fno": {"backend": "gloo"}, "vit": {}}
+    for name in saved:
+        with pytest.raises(SystemExit, match=f"{name}: the saved measurements .* as nccl"):
+            measurements(name, saved, Machine().backend)

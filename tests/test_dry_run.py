@@ -102,19 +102,31 @@ def test_fsdp2_over_replicas_is_refused_naming_the_alternative(tmp_path: Path) -
         plan_run(cfg)
 
 
-@pytest.mark.parametrize(("machine", "as_messages"), [("cpu", False), ("h100", True)])
+@pytest.mark.parametrize(
+    ("machine", "as_messages"),
+    [("cpu", False), ("h100", True), ('h100 parallel.machine_overrides=["backend=gloo"]', False)],
+    ids=["cpu", "h100", "h100-on-gloo"],
+)
 def test_halos_are_counted_as_the_target_issues_them(tmp_path: Path, machine, as_messages):
-    """The dry run's process groups stand in for the target's backend (``target_backend``):
+    """The dry run's process groups stand in for the target's backend (``Machine.backend``):
     planned for an H100 cluster, a 4-rank slab's halos are message batches (NCCL), planned
     for this CPU one all-to-all each (gloo, NOTE [An exchange of messages as one all-to-all
-    where messages are slow]); the mesh is on this CPU either way. The bytes agree."""
-    overrides = [*SMALL, "mesh=4", "parallel=slab", f"parallel.machine={machine}"]
+    where messages are slow]); the mesh is on this CPU either way. The bytes agree. Each
+    all-to-all is kept with its group of 4, which prices its host time (NOTE [What an
+    all-to-all posts]), and the ranks it connects: a rank and its neighbours. A machine's
+    ``backend`` overridden is followed (``planned_machine``)."""
+    name, *more = machine.split()
+    overrides = [*SMALL, "mesh=4", "parallel=slab", f"parallel.machine={name}", *more]
     plan = plan_run(_compose([*overrides, f"run_dir={tmp_path}"]))
-    halo = plan.classes[0].collectives["halo"]
-    assert halo.calls > 0
-    assert halo.message_batches == (halo.calls if as_messages else 0)
-    kinds = {span.kind for span in plan.classes[0].spans}
-    assert ("p2p" in kinds) is as_messages
+    for plan_class in plan.classes:
+        halo = plan_class.collectives["halo"]
+        assert halo.calls > 0
+        assert halo.message_batches == (halo.calls if as_messages else 0)
+        kinds = {span.kind for span in plan_class.spans}
+        assert ("p2p" in kinds) is as_messages
+        all_to_alls = [span for span in plan_class.spans if span.kind == "all_to_all"]
+        assert sum(span.calls for span in all_to_alls) == (0 if as_messages else halo.calls)
+        assert all(span.group == 4 and len(span.ranks) <= 3 for span in all_to_alls)
 
 
 @pytest.mark.parametrize(("machine", "as_messages"), [("cpu", False), ("h100", True)])

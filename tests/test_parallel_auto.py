@@ -107,8 +107,8 @@ def _class(
         "grad_all_reduce": CollectiveFigures(1, grad_bytes, grad_bytes),
         **({"halo": CollectiveFigures(4, halo_bytes, halo_bytes)} if halo_bytes else {}),
     }
-    spans = [SpanFigures("all_reduce", [0, 1, 2, 3], 1, grad_bytes)]
-    spans += [SpanFigures("p2p", [0, 1], 8, halo_bytes)] if halo_bytes else []
+    spans = [SpanFigures("all_reduce", [0, 1, 2, 3], 1, grad_bytes, 4)]
+    spans += [SpanFigures("p2p", [0, 1], 8, halo_bytes, 4)] if halo_bytes else []
     return RankClassPlan(
         1, 0, [0], [0], memory, collectives, {}, flops, ops, fft_flops, 0, spans,
         p2p_rounds=4 if halo_bytes else 0,
@@ -158,6 +158,23 @@ def test_projection_of_the_slowest_rank_class() -> None:
     overlapped = Machine(sustained_flops=1e9, host_us_per_op=10**5)
     # max(host, device): the ops, and 5 calls at NCCL's 10 µs each.
     assert project(plan, overlapped).step == pytest.approx(100 * 0.1 + 5 * 10e-6)
+
+
+def test_a_halo_sent_as_one_all_to_all_costs_the_host_by_its_group() -> None:
+    """NOTE [What an all-to-all posts]: rank 1 of a 4-rank slab sends its halos as one
+    all-to-all over the axis's group of 4 with pieces for ranks 0 and 2 only: its device
+    time is priced over those 3 ranks, its host time per other rank of the group (3), not of
+    its span (2) nor as ring steps."""
+    machine = dataclasses.replace(
+        MACHINE, host_us_per_all_to_all=300.0, host_us_per_all_to_all_peer=100.0
+    )
+    halo = _class(0, 0, 0, 0)
+    halo.spans = [SpanFigures("all_to_all", [0, 1, 2], 10, 10**6, 4)]
+    p = project(_plan(4, 1, [halo]), machine)
+    assert p.host == pytest.approx(10 * (300 + 3 * 100) * 1e-6 + 10**6 * 1e-9)
+    assert p.collectives == {
+        "all_to_all over 3": pytest.approx(collective_s(machine, "all_to_all", 3, 10, 10**6, 10))
+    }
 
 
 def _candidate(label: str, step: float, host: float, halo: float) -> Candidate:
@@ -339,19 +356,19 @@ def test_a_field_too_large_for_one_device_gets_a_domain_decomposition(tmp_path: 
 
 
 def test_the_machine_and_its_overrides_from_the_command_line(tmp_path: Path) -> None:
-    from shardsci.planning._choose import _machine
+    from shardsci.planning._dry_run import planned_machine
     from shardsci.training import ParallelConfig, config_from
 
     override = 'parallel.machine_overrides=["ib_bytes_per_s=25e9","gpus_per_node=4"]'
     cfg = _compose(["+recipe=cfd", "parallel.machine=h100", override, f"run_dir={tmp_path}"])
-    machine, name = _machine(config_from(ParallelConfig, cfg.parallel), 8)
+    machine, name = planned_machine(config_from(ParallelConfig, cfg.parallel), 8)
     assert (name, machine.ib_bytes_per_s, machine.gpus_per_node) == ("h100", 25e9, 4)
-    cpu, _ = _machine(ParallelConfig(machine="cpu"), 4)
+    cpu, _ = planned_machine(ParallelConfig(machine="cpu"), 4)
     assert not cpu.host_overlaps_device and cpu.gpus_per_node == 4
     with pytest.raises(ConfigError, match=r"parallel.machine_overrides: 'ib=1': expected"):
-        _machine(ParallelConfig(machine="h100", machine_overrides=["ib=1"]), 8)
+        planned_machine(ParallelConfig(machine="h100", machine_overrides=["ib=1"]), 8)
     with pytest.raises(ConfigError, match=r"parallel\.machine='tpu': expected 'h100', 'cpu'"):
-        _machine(ParallelConfig(machine="tpu"), 8)
+        planned_machine(ParallelConfig(machine="tpu"), 8)
 
 
 # ---------------------------------------------------------------------------- the benchmark

@@ -190,29 +190,30 @@ def _spans_on_a_2x2_mesh() -> dict:
         for work in works:
             work.wait()
     return {
-        "calls": {(s.kind, s.ranks): n for s, n in traffic.calls_by_span.items()},
-        "received": {(s.kind, s.ranks): n for s, n in traffic.received_by_span.items()},
+        "calls": {(s.kind, s.ranks, s.group): n for s, n in traffic.calls_by_span.items()},
+        "received": {(s.kind, s.ranks, s.group): n for s, n in traffic.received_by_span.items()},
     }
 
 
 def test_each_collective_is_kept_with_the_ranks_it_connects() -> None:
     """NOTE [The span of a collective], against the rank grid ``arange(4).view(2, 2)``: the
     all-reduce spans one column, the all-to-all the ranks it sends non-empty pieces to (one
-    row, though issued over all 4), each message its two ends."""
+    row, though issued over all 4: its group, which its host time grows with), each message
+    its two ends."""
     grid = torch.arange(4).view(2, 2)
     for r, result in enumerate(run_on_ranks(4, _spans_on_a_2x2_mesh)):
         column = tuple(grid[:, r % 2].tolist())
         row = tuple(grid[r // 2].tolist())
         pair = tuple(sorted((r, (r + 2) % 4)))
         assert result["calls"] == {
-            ("all_reduce", column): 1,
-            ("all_to_all", row): 1,
-            ("p2p", pair): 2,
+            ("all_reduce", column, 2): 1,
+            ("all_to_all", row, 4): 1,
+            ("p2p", pair, 4): 2,
         }
         assert result["received"] == {
-            ("all_reduce", column): 3 * F64,  # the ring's 2 (P - 1) / P of 3 float64
-            ("all_to_all", row): F64,
-            ("p2p", pair): 5 * F64,
+            ("all_reduce", column, 2): 3 * F64,  # the ring's 2 (P - 1) / P of 3 float64
+            ("all_to_all", row, 4): F64,
+            ("p2p", pair, 4): 5 * F64,
         }
 
 

@@ -27,6 +27,8 @@ projected time of their slowest rank class on ``Machine`` (NOTE [One machine mod
   ranks it connects and the nodes they span (``collective_s``, NOTE [Collectives priced over
   their own ranks]): an all-reduce over one axis of a block over that axis's ranks, the
   gradient all-reduces over the whole mesh; the rounds of messages (halos) as one term;
+  an all-to-all's device time over the ranks it connects, its host time over its whole group
+  (NOTE [What an all-to-all posts]: a halo sent as one all-to-all);
 - host: the class's aten ops as ``ops_host_s`` prices them (NOTE [One price per op]: its
   communication modules' ops and every op of an unsplit step at ``plain_host_us_per_op``, the
   ShardTensor step's others at ``host_us_per_op``), and its collectives and halo rounds as
@@ -57,17 +59,15 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.distributed import LaunchEnv, init_distributed
-from shardsci.planning._dry_run import plan_run, target_machine
+from shardsci.planning._dry_run import plan_run, planned_machine
 from shardsci.planning._machine import (
     HALO_KINDS,
     Machine,
     collective_host_s,
     collective_s,
     compute_s,
-    gloo_cpu,
     halo_s,
     ops_host_s,
-    override,
     span_nodes,
 )
 from shardsci.planning._plan import RankClassPlan, RunPlan
@@ -198,8 +198,9 @@ def project(plan: RunPlan, machine: Machine) -> Projection:
 
 def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Projection:
     """Every collective over the ranks it connects and the nodes they span (NOTE
-    [Collectives priced over their own ranks]); the rounds of messages as one halo term,
-    over every peer, at the slowest link's."""
+    [Collectives priced over their own ranks]), an all-to-all's host time over its whole
+    group (NOTE [What an all-to-all posts]); the rounds of messages as one halo term, over
+    every peer, at the slowest link's."""
     collectives: dict[str, float] = defaultdict(float)
     issued = 0.0
     messages = [span for span in plan.spans if span.kind in HALO_KINDS]
@@ -210,7 +211,8 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
         collectives[f"{span.kind} over {ranks}"] += collective_s(
             machine, span.kind, ranks, span.calls, span.received, span.calls, nodes
         )
-        issued += collective_host_s(machine, span.kind, ranks, span.calls, span.received)
+        posted = span.group if span.kind == "all_to_all" else ranks
+        issued += collective_host_s(machine, span.kind, posted, span.calls, span.received)
     if messages:
         peers = sorted({rank for span in messages for rank in span.ranks})
         nodes = max(span_nodes(machine, span.ranks) for span in messages)
@@ -316,7 +318,7 @@ def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> C
         If no candidate fits (naming the closest and why), or the machine settings are bad.
     """
     parallel = config_from(ParallelConfig, cfg.parallel)
-    machine, machine_name = _machine(parallel, ranks_here or world_size)
+    machine, machine_name = planned_machine(parallel, ranks_here or world_size)
     budget, source = _budget(parallel, cfg, machine, machine_name)
     recipe = get_recipe(cfg.recipe)
     batch = int(cfg.train.global_batch)
@@ -432,17 +434,6 @@ def chosen_config(cfg: DictConfig, decomposition: Decomposition) -> DictConfig:
     OmegaConf.update(chosen, "parallel.domain", parallel.domain, merge=False)
     OmegaConf.update(chosen, "parallel.choose", False)
     return chosen
-
-
-def _machine(parallel: ParallelConfig, ranks_here: int) -> tuple[Machine, str]:
-    name = target_machine(parallel.machine)
-    if name not in ("h100", "cpu"):
-        raise ConfigError(f"parallel.machine={name!r}: expected 'h100', 'cpu' or null")
-    machine = Machine() if name == "h100" else gloo_cpu(ranks_here)
-    try:
-        return override(machine, list(parallel.machine_overrides)), name
-    except ValueError as error:
-        raise ConfigError(f"parallel.machine_overrides: {error}") from None
 
 
 def _budget(

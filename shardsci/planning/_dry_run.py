@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.distributed import LaunchEnv
+from shardsci.planning._machine import Machine, gloo_cpu, override
 from shardsci.planning._measure import (
     StepFailed,
     StepMeasurement,
@@ -108,7 +109,11 @@ def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan
     notes: list[str] = []
     simulations: list[_Simulation] = []
     try:
-        backend = target_backend(parallel.machine)
+        # The target's backend (``Machine.backend``: NCCL on an H100 cluster, gloo on CPUs):
+        # the simulated process groups stand in for it (``simulated_rank``), so a halo is
+        # counted as the target issues it (messages on NCCL, one all-to-all on gloo), though
+        # the simulated mesh is on this process's CPU.
+        backend = planned_machine(parallel, 1)[0].backend
         first = _simulate(cfg, recipe, 0, plan, train, backend)
         simulations.append(first)
         for ranks in first.classes[1:]:
@@ -156,12 +161,25 @@ def target_machine(configured: str | None) -> str:
     return configured or ("h100" if torch.cuda.is_available() else "cpu")
 
 
-def target_backend(configured: str | None) -> str:
-    """The backend of the run planned for ``parallel.machine``: NCCL on an H100 cluster, gloo
-    on CPUs. The dry run's process groups stand in for it (``simulated_rank``), so a halo is
-    counted as the target issues it (messages on NCCL, one all-to-all on gloo), though the
-    simulated mesh is on this process's CPU."""
-    return "nccl" if target_machine(configured) == "h100" else "gloo"
+def planned_machine(parallel: ParallelConfig, ranks_here: int) -> tuple[Machine, str]:
+    """The ``Machine`` a run is planned for and its name: ``parallel.machine``'s preset (an
+    H100 cluster, or ``gloo_cpu`` with ``ranks_here`` ranks on this machine) with
+    ``parallel.machine_overrides``.
+
+    Raises
+    ------
+    ConfigError
+        One line naming an unknown machine or an override that is not ``name=value`` of a
+        ``Machine`` field.
+    """
+    name = target_machine(parallel.machine)
+    if name not in ("h100", "cpu"):
+        raise ConfigError(f"parallel.machine={name!r}: expected 'h100', 'cpu' or null")
+    machine = Machine() if name == "h100" else gloo_cpu(ranks_here)
+    try:
+        return override(machine, list(parallel.machine_overrides)), name
+    except ValueError as error:
+        raise ConfigError(f"parallel.machine_overrides: {error}") from None
 
 
 def _simulate(

@@ -113,6 +113,16 @@ class Machine:
     """NCCL's kernels run the ring's ``P - 1`` steps on the device: none on the host. Gloo runs
     them on the host's CPU, each step's copies and sends (``benchmarks.calibrate`` fits both
     figures from the CPU time a call costs on 2 and 4 ranks)."""
+    host_us_per_all_to_all: float = 10.0
+    """Assumed, as ``host_us_per_collective``: the host CPU time of issuing one all-to-all
+    (NOTE [What an all-to-all posts]); ``collective_host_s`` charges it per call, plus
+    ``host_us_per_all_to_all_peer`` per other rank of its group."""
+    host_us_per_all_to_all_peer: float = 0.0
+    """NCCL posts an all-to-all's sends and receives in one group that its kernels run on the
+    device: none on the host. Gloo posts and waits for each on the host's CPU, one pair per
+    other rank of the group whether its piece is empty or not (NOTE [What an all-to-all
+    posts]; ``benchmarks.calibrate`` fits it with ``host_us_per_all_to_all`` from the CPU time
+    of all-to-alls over groups of 2, 4 and 8 ranks, whole and to neighbours only)."""
     host_s_per_byte_received: float = 0.0
     """NCCL's kernels move a collective's bytes on the device: none on the host. Gloo moves
     them through the host's CPU (over loopback TCP a byte is copied into the socket and out
@@ -124,6 +134,11 @@ class Machine:
     field's row, hundreds of bytes at the tiles the zoo recommends) at about the bandwidth of
     a contiguous one. On a CPU each run of a strided copy costs a few ns more than its bytes
     (NOTE [Strided copies] in ``_work``; ``benchmarks.calibrate`` measures it)."""
+    backend: str = "nccl"
+    """The collective library the machine's runs use. How a halo exchange is issued depends on
+    it (messages on NCCL, one all-to-all on gloo: ``messages_in_one_collective``), so a step
+    measured on gloo ranks here is measured as this backend issues it (``issued_as``) before
+    it is projected onto this machine (``benchmarks.cost_model``)."""
     host_overlaps_device: bool = True
     """A GPU's kernels run while the host launches the next ones: a step costs ``max(host,
     device)``. On a CPU the same core does both: ``host + device``."""
@@ -140,14 +155,16 @@ def override(machine: Machine, settings: list[str]) -> Machine:
         One line naming a setting that is not ``name=value`` of a ``Machine`` field.
     """
     known = {f.name: f.type for f in fields(Machine)}
-    changes: dict[str, float | int | bool] = {}
+    changes: dict[str, float | int | bool | str] = {}
     for setting in settings:
         name, _, value = setting.partition("=")
         if name not in known or not value:
             raise ValueError(f"{setting!r}: expected name=value, name one of {list(known)}")
         kind = known[name]
         try:
-            if kind in (bool, "bool"):
+            if kind in (str, "str"):
+                changes[name] = value
+            elif kind in (bool, "bool"):
                 if value not in ("true", "false"):
                     raise ValueError(value)
                 changes[name] = value == "true"
@@ -299,18 +316,36 @@ def ops_host_s(machine: Machine, ops: float, communication_ops: float, sharded: 
     return (own * machine.host_us_per_op + communication_ops * machine.plain_host_us_per_op) * 1e-6
 
 
+# NOTE [What an all-to-all posts]
+# An all-to-all's pieces to some ranks may be empty: a halo sent as one all-to-all over a mesh
+# axis's group (NOTE [An exchange of messages as one all-to-all where messages are slow] in
+# ``shardsci/tensor/_collectives.py``) has a piece for each neighbour only. Its host cost still
+# grows with its whole group: gloo's ``alltoallv`` (gloo/alltoallv.cc) posts a send and a
+# receive to every other rank of the group, empty ones included, and waits for them all; so
+# does torch's NCCL all-to-all with NCCL 2.14 or later (``_nccl_should_send_recv`` in
+# torch/csrc/cuda/nccl.cpp: zero-byte messages are sent), though there the device runs them.
+# So ``collective_host_s`` prices an all-to-all by its group (``count_traffic``'s
+# ``Span.group``) and bytes: ``host_us_per_all_to_all`` a call, ``host_us_per_all_to_all_peer``
+# per other rank of the group, ``host_s_per_byte_received`` per byte; not by the ring steps
+# of the collectives whose ``P - 1`` steps run one after another. The device's time
+# (``collective_s``) stays priced over the ranks it connects: an empty piece moves nothing.
 def collective_host_s(
     machine: Machine, kind: str, ranks: int, calls: float, received: float
 ) -> float:
     """Host CPU seconds of ``calls`` calls of ``kind`` (rounds of messages for a halo) over
     groups of ``ranks``, the busiest rank receiving ``received`` bytes in all: each
-    ``host_us_per_collective`` plus ``host_us_per_collective_step`` per ring step, and
+    ``host_us_per_collective`` plus ``host_us_per_collective_step`` per ring step, an
+    all-to-all ``host_us_per_all_to_all`` plus ``host_us_per_all_to_all_peer`` per other rank
+    of its group (NOTE [What an all-to-all posts]: ``ranks`` is its group's size), and
     ``host_s_per_byte_received`` per byte."""
     if ranks == 1:
         return 0.0
-    steps = ring_steps(kind, ranks)
-    issued = calls * (machine.host_us_per_collective + machine.host_us_per_collective_step * steps)
-    return issued * 1e-6 + received * machine.host_s_per_byte_received
+    if kind == "all_to_all":
+        each = machine.host_us_per_all_to_all + machine.host_us_per_all_to_all_peer * (ranks - 1)
+    else:
+        steps = ring_steps(kind, ranks)
+        each = machine.host_us_per_collective + machine.host_us_per_collective_step * steps
+    return calls * each * 1e-6 + received * machine.host_s_per_byte_received
 
 
 def collective_s(
@@ -354,6 +389,17 @@ UTC, load 0.5, 35 calls of 256 B-4 MiB on 2 and 4 gloo ranks): 607 µs of CPU pe
 receives (0 per call, 283 µs per ring step beside it)."""
 
 
+GLOO_HOST_US_PER_ALL_TO_ALL_PEER = 48.0
+"""Measured here (``benchmarks.calibrate``'s fit of every call's CPU time, 2026-11-29 16:03
+UTC, load 16-21): an all-to-all's CPU time is 0 a call plus 47.7 µs per other rank of its
+group (NOTE [What an all-to-all posts]), from halo all-to-alls (a face to each neighbour) over
+2, 4 and 8 gloo ranks, median of 5 alternated rounds: 65 / 155 / 553 µs a call with 256 B
+faces (rounds 65-74 / 128-185 / 339-951, one round of the first -4), and whole all-to-alls on
+2 and 4 ranks; ring steps were priced 250 µs each by the same fit. Before it, a halo
+all-to-all over 4 ranks was priced as ring steps over the 3 ranks it connects (2 x 197 µs by
+the old fit on the same calls) and a round of halo messages 197 µs."""
+
+
 COMPLEX_MATMUL_FLOPS_PER_S = 0.42e9
 """Measured here (``benchmarks/records/2026-11-29-cost-model/fno_kernels.py``,
 2026-11-29 06:31 UTC, load 27, one rank):
@@ -368,7 +414,8 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
 
     Sources: the host figures are measured here (``benchmarks.host_overhead``; issuing a
     collective: ``benchmarks.calibrate`` on 2026-11-28, 251 µs a call plus 375 µs a ring step
-    at load 7-11, fitted to calls up to 16 KiB; the bytes: ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
+    at load 7-11, fitted to calls up to 16 KiB; an all-to-all per rank of its group:
+    ``GLOO_HOST_US_PER_ALL_TO_ALL_PEER``; the bytes: ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
     for one core of a 2020s x86 server (float32 convolutions through oneDNN on one thread; a
     loopback TCP message), FFTs at a fifth of the convolutions' rate as ``benchmarks.calibrate``
     measured (4.7 against 22.7 GFLOP/s), complex matmuls at ``COMPLEX_MATMUL_FLOPS_PER_S``
@@ -397,8 +444,11 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         plain_host_us_per_op=25.0 / share,
         host_us_per_collective=250.0 / share,
         host_us_per_collective_step=375.0 / share,
+        host_us_per_all_to_all=0.0,
+        host_us_per_all_to_all_peer=GLOO_HOST_US_PER_ALL_TO_ALL_PEER / share,
         host_s_per_byte_received=GLOO_HOST_S_PER_BYTE / share,
         strided_copy_s_per_run=STRIDED_COPY_S_PER_RUN / share,
+        backend="gloo",
         host_overlaps_device=False,
         memory_gib=memory_bytes / ranks_here / 2**30,
     )

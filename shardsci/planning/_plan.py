@@ -58,12 +58,16 @@ class SpanFigures:
         Collectives (messages, for ``"p2p"``).
     received : int
         Bytes this rank received through them (NOTE [What a byte count means]).
+    group : int
+        Ranks of the process group they were issued over: what an all-to-all's host time
+        grows with (NOTE [What an all-to-all posts]).
     """
 
     kind: str
     ranks: list[int]
     calls: int
     received: int
+    group: int
 
 
 @dataclass
@@ -245,7 +249,9 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
         fft_flops=measured.fft_flops,
         complex_matmul_flops=measured.complex_matmul_flops,
         spans=[
-            SpanFigures(span.kind, list(span.ranks), calls, traffic.received_by_span[span])
+            SpanFigures(
+                span.kind, list(span.ranks), calls, traffic.received_by_span[span], span.group
+            )
             for span, calls in sorted(traffic.calls_by_span.items())
         ],
         p2p_rounds=traffic.p2p_rounds,

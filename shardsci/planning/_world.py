@@ -22,8 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from shardsci.tensor import clear_caches
-from shardsci.tensor._collectives import stand_in
+from shardsci.tensor._collectives import issued_as
 from shardsci.tensor._torch_compat import FakeProcessGroup
 
 __all__ = ["META", "simulated_rank"]
@@ -32,8 +31,7 @@ META = torch.device("meta")
 """Where a dry run's tensors live: shapes and dtypes without storage."""
 
 _BACKEND = "shardsci_dry_run"
-"""The fake process group's backend name; ``simulated_rank`` registers one per backend it
-stands in for (``_BACKEND + "_nccl"``)."""
+"""The fake process group's backend name."""
 
 
 def _fake_process_group(common_options, backend_options):
@@ -46,31 +44,29 @@ def _fake_process_group(common_options, backend_options):
 def simulated_rank(rank: int, world_size: int, backend: str = "gloo") -> Iterator[None]:
     """Make this process rank ``rank`` of a fake world of ``world_size`` ranks whose process
     groups stand in for ``backend``'s, the target run's (``"nccl"`` on GPUs): the rules that
-    depend on a group's backend (how a halo is issued) follow it, whatever device the
-    simulated mesh is on.
+    depend on a group's backend (how a halo is issued) follow it (``issued_as``), whatever
+    device the simulated mesh is on.
 
     Raises
     ------
     RuntimeError
         If a real default process group exists (a dry run must not touch a real job).
     """
-    name = f"{_BACKEND}_{backend}"
-    if name not in dist.Backend.backend_list:
+    if _BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(
-            name, _fake_process_group, extended_api=True, devices=["cpu", "cuda", "meta"]
+            _BACKEND, _fake_process_group, extended_api=True, devices=["cpu", "cuda", "meta"]
         )
-        stand_in(name, backend)
     if dist.is_initialized():
         raise RuntimeError(
             "a dry run needs a process without a default process group; this one is already "
             f"rank {dist.get_rank()} of {dist.get_world_size()}"
         )
     # Cached plans hold the process groups they were made with (NOTE [Caches are keyed by
-    # value]): each simulated rank gets a new world, so none may outlive it.
-    clear_caches()
-    dist.init_process_group(name, store=dist.HashStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        clear_caches()
+    # value]): each simulated rank gets a new world, so none may outlive it (``issued_as``
+    # empties the caches on entry and exit).
+    with issued_as(backend):
+        dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -10,8 +10,9 @@ alike.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardsci.tensor import _graph_collectives
-from shardsci.tensor._caches import BoundedCache
+from shardsci.tensor._caches import BoundedCache, clear_caches
 from shardsci.tensor._comm_stats import record_comm
 from shardsci.tensor._spec import mesh_coordinate
 from shardsci.tensor._torch_compat import all_gather_single, disable_current_modes
@@ -34,8 +35,8 @@ __all__ = [
     "broadcast",
     "exchange",
     "exchange_packed",
+    "issued_as",
     "send_recv",
-    "stand_in",
     "start_send_recv",
 ]
 
@@ -91,14 +92,15 @@ class AxisGroup:
 # all-to-all with split sizes posts a send and a receive for every peer, zero-byte ones
 # included (``_nccl_should_send_recv`` is true for every count from NCCL 2.14 on; read in
 # torch's source, not measured): 2 (P - 1) legs for a 2-neighbour exchange, O(P) on a large
-# group. The rule is ``messages_in_one_collective``; a stand-in backend (the dry run's fake
-# process group) follows the backend it stands in for (``stand_in``: the target run's), else
-# the one torch gives its mesh's device, so that a dry run counts what the real run issues. Every member must call the exchange, messages or not
-# (``start_send_recv``'s ``everyone_joins``). A hop of the ring (``_ops/_ring``: attention's
-# keys and values, a ring product's moving operand) is such an exchange too, every rank of the
-# group making every hop: on gloo its forward and backward took 0.27-0.49 of the messages'
-# process CPU, a ViT step 0.64-0.98 (2, 4 and 2x2 ranks, load 24-60), on 8 ranks 0.64-1.00
-# (records in ``benchmarks/records/2026-11-29-ring-collective``).
+# group. The rule is ``messages_in_one_collective``, applied to the group's backend, or inside
+# ``issued_as`` to the target run's: the dry run's fake process group, or gloo ranks measuring a
+# step for an NCCL cluster (``benchmarks.cost_model``), count what the target run issues.
+# Every member must call the exchange, messages or not (``start_send_recv``'s
+# ``everyone_joins``). A hop of the ring (``_ops/_ring``: attention's keys and values, a ring
+# product's moving operand) is such an exchange too, every rank of the group making every hop:
+# on gloo its forward and backward took 0.27-0.49 of the messages' process CPU, a ViT step
+# 0.64-0.98 (2, 4 and 2x2 ranks, load 24-60), on 8 ranks 0.64-1.00 (records in
+# ``benchmarks/records/2026-11-29-ring-collective``).
 GLOO_LARGEST_GROUP = 8
 """The largest group on gloo whose exchanges go as one all-to-all: measured up to 8 ranks
 (``benchmarks/halo_collective.py``); gloo's all-to-all visits every member, so a larger
@@ -115,25 +117,39 @@ def messages_in_one_collective(backend: str, size: int) -> bool:
 # torch's own choice per device, before any registered backend claims a device.
 _BUILT_IN_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
 
-_STAND_INS: dict[str, str] = {}
-"""Registered backends that stand in for a built-in one -> that backend (``stand_in``)."""
+_ISSUED_AS: list[str] = []
+"""The backends ``issued_as`` is inside, innermost last."""
 
 
-def stand_in(name: str, backend: str) -> None:
-    """Make the registered backend ``name`` count as the built-in ``backend`` wherever a rule
-    depends on a group's backend: the dry run's fake process group stands in for the target's
-    (NCCL for a GPU cluster planned on this CPU), so its plan counts what that run issues."""
-    _STAND_INS[name] = backend
+@contextlib.contextmanager
+def issued_as(backend: str) -> Iterator[None]:
+    """Within, every rule that depends on a group's backend (how an exchange is issued:
+    ``messages_in_one_collective``) follows ``backend``, the target run's, whatever the groups
+    run on: a dry run's fake process group stands in for NCCL on a GPU cluster planned on
+    this CPU, and gloo ranks measuring a step for that cluster issue its halos as NCCL would
+    (messages), so that both count what the target run issues. Only what is issued changes:
+    messages are still posted as the group's own backend posts them (``posts_one_by_one``).
+    Caches are emptied on entry and exit: their plans hold groups made under the other
+    rule."""
+    clear_caches()
+    _ISSUED_AS.append(backend)
+    try:
+        yield
+    finally:
+        _ISSUED_AS.pop()
+        clear_caches()
 
 
 def _backend(group: dist.ProcessGroup, device_type: str) -> str:
-    """``group``'s backend, or for a registered one (a stand-in such as the dry run's fake
-    process group) the backend it stands in for (``stand_in``), else the backend torch built
-    in for ``device_type``, if any."""
+    """The backend whose rules ``group`` follows: that of ``issued_as`` inside one; else
+    ``group``'s, or for a registered one (the dry run's fake process group) the backend torch
+    built in for ``device_type``, if any."""
+    if _ISSUED_AS:
+        return _ISSUED_AS[-1]
     backend = str(dist.get_backend(group))
     if dist.Backend.backend_type_map.get(backend) != dist.ProcessGroup.BackendType.CUSTOM:
         return backend
-    return _STAND_INS.get(backend) or _BUILT_IN_BACKENDS.get(device_type, backend)
+    return _BUILT_IN_BACKENDS.get(device_type, backend)
 
 
 # Keyed by the mesh's value, which keeps the mesh (and its groups) alive while cached

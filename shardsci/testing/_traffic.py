@@ -18,8 +18,13 @@ node decides its link. Each collective is kept under its ``Span``: its kind and 
 ranks it connects this rank with, this rank included: its process group's ranks, except for
 an all-to-all, whose ranks are those this rank sends a non-empty piece to or receives one from
 (the library issues a transpose over one axis of a block as an all-to-all over the whole
-domain group whose pieces to the other ranks are empty, and NCCL posts no message for an empty
-piece), and a message, which connects its two ends.
+domain group whose pieces to the other ranks are empty: they move no byte), and a message,
+which connects its two ends. It also keeps the ``group``: the size of the process group the op
+was issued over, which is what an all-to-all's host time grows with, since gloo (and torch's
+NCCL all-to-all on NCCL 2.14 or later) posts a message to every rank of its group, empty
+pieces included (NOTE [What an all-to-all posts] in ``shardsci/planning/_machine.py``): a halo
+sent as one all-to-all over a 4-rank axis connects a rank with its 2 neighbours but is posted
+to all 4.
 
 With ``watch``, the counter also keeps the order of events (``Traffic.log``): each collective
 and message as it is posted, the first op that reads each received message or all-to-all
@@ -107,10 +112,13 @@ class Span(NamedTuple):
         The kind of collective issued (``KINDS``; ``"p2p"`` for a message).
     ranks : tuple of int
         The global ranks it connects this rank with, this rank included, ascending.
+    group : int
+        Ranks in the process group it was issued over (a message's: its group's).
     """
 
     kind: str
     ranks: tuple[int, ...]
+    group: int
 
 
 @dataclass
@@ -288,7 +296,11 @@ class _TrafficMode(TorchDispatchMode):
         values = dict(zip((a.name for a in bound), args)) | kwargs
         sent, received = model(values)
         point_to_point = kind == "p2p"
-        self.traffic._add(Span(kind, _connected(name, values)), sent, received)
+        group = _group(
+            values["process_group"] if "process_group" in values else values["group_name"]
+        )
+        span = Span(kind, _connected(name, values, group), group.size())
+        self.traffic._add(span, sent, received)
         if point_to_point:
             self.traffic.messages += 1
             self.traffic.p2p_rounds += not self.after_message
@@ -356,10 +368,9 @@ def _group(value: Any) -> dist.ProcessGroup:
     return dist.ProcessGroup.unbox(value)
 
 
-def _connected(name: str, values: dict[str, Any]) -> tuple[int, ...]:
-    """The global ranks a collective or message connects this rank with, itself included
-    (NOTE [The span of a collective])."""
-    group = _group(values["process_group"] if "process_group" in values else values["group_name"])
+def _connected(name: str, values: dict[str, Any], group: dist.ProcessGroup) -> tuple[int, ...]:
+    """The global ranks a collective or message over ``group`` connects this rank with,
+    itself included (NOTE [The span of a collective])."""
     ranks = dist.get_process_group_ranks(group)
     me = group.rank()
     if name in ("c10d::send", "c10d::recv_"):
