@@ -9,9 +9,12 @@
   in torch; here empty shards contribute the reduction's identity.
 - ``argmax``/``argmin`` over a sharded dim: DTensor gathers the whole tensor; here ranks
   exchange only their best (value, global index) pairs.
-- ``max``/``min`` along a sharded dim (values and indices): DTensor gathers the whole tensor;
-  here the indices are ``argmax``'s and each value is picked by the rank holding its cell (a
-  pending sum of one term, all-reduced), so its gradient goes to that cell alone, as torch's.
+- ``max``/``min`` along a sharded dim (values and indices; ``torch.max`` and ``aten.max.dim``
+  called directly, bools too): DTensor gathers the whole tensor; here the indices are
+  ``argmax``'s and each value is picked by the rank holding its cell (a pending sum of one
+  term, all-reduced), so its gradient goes to that cell alone, as torch's.
+- ``sum``, ``amax``, ``amin`` over a dim one rank holds whole: the result stays with that rank
+  (NOTE [A sum over a dim one rank holds stays with that rank] in ``_common``), not pending.
 - ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
   before it shifts the shards, so the result keeps the input's other shardings.
 - ``histc``, ``histogram``: DTensor has no rule; here each rank counts its own elements
@@ -33,6 +36,8 @@ from shardsci.tensor._dispatch import local_of, run_with_propagation
 from shardsci.tensor._ops._common import (
     accepts,
     connected_empty,
+    held_by_one,
+    held_local,
     normalized_dims,
     reduced_now,
     sharding_axes,
@@ -54,6 +59,33 @@ def _mean(func, args, kwargs):
         return NotImplemented
     total = aten.sum.dim_IntList(x, list(dims), bool(a.get("keepdim", False)), dtype=a.dtype)
     return aten.div.Scalar(total, math.prod(x.shape[d] for d in dims))
+
+
+# ---------------------------------------------------------------------------- sum
+@register_aten_handler(aten.sum.dim_IntList)
+def _sum(func, args, kwargs):
+    """A sum over a dim one rank holds stays with that rank (NOTE [A sum over a dim one rank
+    holds stays with that rank] in ``_common``); other sums take the default path."""
+    a = bind(func, args, kwargs)
+    x = a.self
+    dims = normalized_dims(a.dim, x.ndim)
+    if not accepts(x, sharded=dims, partial=True):
+        return NotImplemented
+    return kept_by_holder(run_with_propagation(func, args, kwargs), x, dims, bool(a.keepdim))
+
+
+def kept_by_holder(
+    out: ShardTensor, x: ShardTensor, dims: tuple[int, ...], keepdim: bool
+) -> ShardTensor:
+    """``out``, a reduction of ``x`` over ``dims`` pending over their axes, kept by the rank
+    that holds a reduced dim whole (``held_by_one``): on the reduced dim where it is kept."""
+    if not isinstance(out, ShardTensor) or not isinstance(x, ShardTensor):
+        return out
+    reduced = [s for s in x._spec.shardings if s.dim in dims]
+    # Kept, each held dim carries its own axes.
+    first = tuple(s.dim for s in reduced if sum(map(bool, s.sizes)) == 1) if keepdim else ()
+    spec, held = held_by_one(out._spec, tuple((s.axes, s.sizes) for s in reduced), first)
+    return ShardTensor(held_local(out._local, spec, held), spec) if held else out
 
 
 # ---------------------------------------------------------------------------- var / std
@@ -132,7 +164,9 @@ _AMIN = _empty_safe(torch.ops.aten.amin.default, largest_identity=True)
 @register_aten_handler(aten.amax.default, aten.amin.default)
 def _amax_amin(func, args, kwargs):
     local = _AMAX if func is aten.amax.default else _AMIN
-    return run_with_propagation(func, args, kwargs, local_impl=local)
+    out = run_with_propagation(func, args, kwargs, local_impl=local)
+    a = bind(func, args, kwargs)
+    return kept_by_holder(out, a.self, normalized_dims(a.dim, a.self.ndim), bool(a.keepdim))
 
 
 @register_aten_handler(aten.aminmax.default)
