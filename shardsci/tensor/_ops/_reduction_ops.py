@@ -243,23 +243,43 @@ def _max_min_dim_signature(input, dim, keepdim=False):
 
 @register_function_handler(torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)
 def _max_min_along(func, args, kwargs):
-    """``(values, indices)`` along a sharded dim without gathering it: the indices are
-    ``argmax``'s (an exchange of each rank's best per output element); the rank holding each
-    chosen cell picks its value and the others add zeros (a pending sum over the dim's axes,
-    all-reduced). The gradient of a value goes to its cell alone, as torch's does (``amax``
-    splits it among ties): backward moves no byte. The other overloads (``max(x)``,
-    ``max(x, other)``, ``out=``), a dim no axis splits, a dim of extent 0 (torch's error, on
-    every rank) and bool tensors (no pending sum of them) take their usual paths."""
+    """``torch.max``/``torch.min`` with a dim (``_values_and_indices``), above autograd: the
+    gradient of a value goes to its cell alone, computed from the ShardTensor ops that pick it
+    (backward moves no byte). The other overloads (``max(x)``, ``max(x, other)``, ``out=``)
+    take their usual paths, and so does what ``_values_and_indices`` declines."""
     if len(args) + len(kwargs) < 2 or not set(kwargs) <= {"dim", "keepdim"}:
         return NotImplemented
     a = bind(func, args, kwargs, signature=_max_min_dim_signature)
-    x = a.input
-    if not isinstance(x, ShardTensor) or not isinstance(a.dim, int) or x.dtype == torch.bool:
-        return NotImplemented
-    dim, keepdim = a.dim % max(x.ndim, 1), bool(a.keepdim)
-    if not accepts(x, sharded=[dim]) or x.shape[dim] == 0:
+    if not isinstance(a.input, ShardTensor) or not isinstance(a.dim, int):
         return NotImplemented
     largest = func in (torch.max, torch.Tensor.max)
+    found = _values_and_indices(a.input, a.dim, bool(a.keepdim), largest)
+    if found is NotImplemented:
+        return NotImplemented
+    return torch.return_types.max(found) if largest else torch.return_types.min(found)
+
+
+@register_aten_handler(aten.max.dim, aten.min.dim)
+def _max_min_dim(func, args, kwargs):
+    """``aten.max.dim``/``aten.min.dim`` called directly (a decomposition, a compiled graph):
+    ``_values_and_indices`` below autograd, whose backward (``max``'s formula: the gradient
+    scattered through the indices) runs on the ShardTensor ops it calls."""
+    a = bind(func, args, kwargs)
+    return _values_and_indices(a.self, a.dim, bool(a.keepdim), func is aten.max.dim)
+
+
+def _values_and_indices(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
+    """``(values, indices)`` of max (``largest``) or min along a sharded ``dim`` without
+    gathering it: the indices are ``argmax``'s (an exchange of each rank's best per output
+    element); the rank holding each chosen cell picks its value and the others add zeros (a
+    pending sum over the dim's axes, all-reduced; bools as 0/1 bytes). NotImplemented for a
+    dim no axis splits and a dim of extent 0 (torch's error, on every rank)."""
+    dim = dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim]) or x.shape[dim] == 0:
+        return NotImplemented
+    dtype = x.dtype
+    if dtype == torch.bool:
+        x = aten._to_copy.default(x, dtype=torch.uint8)
     indices = _arg_extreme_along(x, dim, True, largest)
     spec = x._spec
     local = x.to_local()
@@ -273,13 +293,11 @@ def _max_min_along(func, args, kwargs):
         term = torch.where(mine, picked, torch.zeros_like(picked))
     pending = reduced_spec(spec, dim, True, x.dtype, Partial())
     values = redistribute(from_local_spec(term, pending), indices._spec.with_dtype(x.dtype))
+    if dtype == torch.bool:
+        values = aten._to_copy.default(values, dtype=torch.bool)
     if not keepdim:
         values, indices = values.squeeze(dim), indices.squeeze(dim)
-    return (
-        torch.return_types.max((values, indices))
-        if largest
-        else torch.return_types.min((values, indices))
-    )
+    return values, indices
 
 
 def _best_of(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:
