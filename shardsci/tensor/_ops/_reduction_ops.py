@@ -62,7 +62,7 @@ def _mean(func, args, kwargs):
 
 
 # ---------------------------------------------------------------------------- sum
-@register_aten_handler(aten.sum.dim_IntList)
+@register_aten_handler(aten.sum.dim_IntList, aten.nansum.default)
 def _sum(func, args, kwargs):
     """A sum over a dim one rank holds stays with that rank (NOTE [A sum over a dim one rank
     holds stays with that rank] in ``_common``); other sums take the default path."""

@@ -423,9 +423,10 @@ def _squeeze(func, args, kwargs):
     split = [d for d in squeezed if d in x._spec.sharding_by_dim]
     if not split and func._overloadname == "dims" and list(dims) == squeezed:
         return NotImplemented
-    if split and not any(d in without_held(x._spec)[0].sharding_by_dim for d in split):
+    kept = x.ndim > len(squeezed)
+    if split and kept and not any(d in without_held(x._spec)[0].sharding_by_dim for d in split):
         # Held dims of extent 1 (NOTE [A dim one rank holds is whole on that rank]): the view
-        # rule drops them, the holder keeping its cells.
+        # rule drops them, the holder keeping its cells (a 0-d result has no dim to keep them).
         out = aten.view.default(x, [n for d, n in enumerate(x.shape) if d not in squeezed])
         return out if func in _VIEWS else aten.clone.default(out)
     for d in reversed(split):
