@@ -23,6 +23,7 @@ from shardsci import gather_policy
 from shardsci.handlers import from_local_spec
 from shardsci.testing import (
     Layout,
+    assert_all_ranks,
     assert_raises_all_ranks,
     check_against_reference,
     count_traffic,
@@ -54,6 +55,23 @@ OPS = {
     "max(0)": (lambda t: tuple(t.max(0)), (0,), False, Replicate()),
     "min(0, keepdim)": (lambda t: tuple(torch.min(t, 0, keepdim=True)), (0,), True, Replicate()),
     "max(dim=-1)": (lambda t: tuple(torch.max(t, dim=-1)), (1,), False, Replicate()),
+    # aten's overloads called directly (decompositions, compiled graphs): below autograd
+    "aten.max.dim(0)": (lambda t: tuple(torch.ops.aten.max.dim(t, 0)), (0,), False, Replicate()),
+    "aten.min.dim(0, keepdim)": (
+        lambda t: tuple(torch.ops.aten.min.dim(t, 0, True)),
+        (0,),
+        True,
+        Replicate(),
+    ),
+}
+
+
+# A max or min over a dim one rank holds whole stays with that rank (NOTE [A sum over a dim one
+# rank holds stays with that rank] in ``_ops/_common.py``), on the reduced dim where it is
+# kept, else the first dim; a 0-d one stays pending.
+KEPT_BY_HOLDER = {
+    ("2r-one-holder", "amax(0)"): Layout((Shard(0),), {0: (5, 0)}),
+    ("2r-one-holder", "amin(0, keepdim)"): Layout((Shard(0),), {0: (1, 0)}),
 }
 
 
@@ -81,7 +99,7 @@ def _body(layout_name: str, ties: bool) -> None:
     if ties:
         x = torch.randint(0, 2, shape).to(torch.float64)
     for name, (fn, dims, keepdim, held) in OPS.items():
-        out = _reduced(layout, dims, keepdim, held)
+        out = KEPT_BY_HOLDER.get((layout_name, name)) or _reduced(layout, dims, keepdim, held)
         with gather_policy("error"):
             check_against_reference(
                 fn,
@@ -98,6 +116,38 @@ def _body(layout_name: str, ties: bool) -> None:
 def test_max_min_along_a_split_dim_equal_one_process(layout: str, ties: bool) -> None:
     mesh_shape = LAYOUTS[layout][0]
     run_on_ranks(math.prod(mesh_shape), _body, layout, ties)
+
+
+def _bool_body(layout_name: str) -> None:
+    mesh_shape, shape, layout = LAYOUTS[layout_name]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(shape) > 0.5
+    spec = layout.spec(mesh, x)
+    shard = from_local_spec(spec.narrow(x).contiguous(), spec)
+    ops = {
+        "torch.max": torch.max,
+        "torch.min": torch.min,
+        "aten.max.dim": torch.ops.aten.max.dim,
+        "aten.min.dim": torch.ops.aten.min.dim,
+    }
+    for name, op in ops.items():
+        with gather_policy("error"):
+            values, indices = op(shard, 0)
+        expected_values, expected_indices = op(x, 0)
+        assert_all_ranks(
+            values.dtype == torch.bool
+            and torch.equal(values.full_tensor(), expected_values)
+            and torch.equal(indices.full_tensor(), expected_indices),
+            f"{layout_name}: {name} of bools differs from one process",
+        )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_max_min_of_bools_along_a_split_dim_gather_nothing(layout: str) -> None:
+    """Bools take the same route as numbers, their values summed as 0/1 bytes (was: the
+    gathered fallback, refused under "error")."""
+    run_on_ranks(math.prod(LAYOUTS[layout][0]), _bool_body, layout)
 
 
 # Taller than the reference cases, so that a gather (many rows) and the exchange (a few) differ.

@@ -106,8 +106,10 @@ def _norms(x: torch.Tensor) -> dict[str, nn.Module]:
 
 # name -> (fn, stated output layout on the block, on the volume; None: the input's)
 REDUCTIONS = {
-    "mean": (lambda a: a.mean(dim=(2, 3)), "P,P", "P,P,S2; 2=4/0"),
-    "var": (lambda a: a.var(dim=(-2, -1)), "P,P", "S2,P,P; 2=3/2"),
+    # A sum over W, held whole by one rank of its axis, stays with that rank on the first
+    # free dim (NOTE [A sum over a dim one rank holds stays with that rank]): no pending sum.
+    "mean": (lambda a: a.mean(dim=(2, 3)), "P,S0; 0=0/3", "P,P,S2; 2=4/0"),
+    "var": (lambda a: a.var(dim=(-2, -1)), "P,S0; 0=0/3", "S2,P,S0; 0=2/0; 2=3/2"),
     # The flattened block: the inner dims' axes nest under H's, each H piece chunked; but W,
     # held whole by one rank of its axis (0/6, 4/0), stays with it, its axis nested outermost
     # (NOTE [A dim one rank holds is whole on that rank]): no byte moves along it.

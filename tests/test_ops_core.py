@@ -441,12 +441,17 @@ def _expand_a_sharded_unit_dim_body() -> None:
     mesh = get_mesh((4,))
     x = torch.randn(1, 3, dtype=torch.float64)
     one_owner = Layout((Shard(0),), {0: (0, 1, 0, 0)})
-    for name, fn in {
-        "expand": lambda t: t.expand(2, 5, 3),
-        "broadcast_to": lambda t: torch.broadcast_to(t, (5, 3)),
-        "kept": lambda t: t.expand(1, 3) * 2,
-    }.items():
-        out = one_owner if name == "kept" else Layout((Replicate(),))
+    # The owner expands its row, the others their empty shard: the expansion stays with the
+    # owner (NOTE [A dim one rank holds is whole on that rank]).
+    for name, fn, out in [
+        ("expand", lambda t: t.expand(2, 5, 3), Layout((Shard(1),), {1: (0, 5, 0, 0)})),
+        (
+            "broadcast_to",
+            lambda t: torch.broadcast_to(t, (5, 3)),
+            Layout((Shard(0),), {0: (0, 5, 0, 0)}),
+        ),
+        ("kept", lambda t: t.expand(1, 3) * 2, one_owner),
+    ]:
         check_against_reference(
             fn, [x], [one_owner], mesh, out_layouts=[out], what=name,
             not_a_gather="every rank's expansion is made of the owner's one row",
@@ -454,7 +459,8 @@ def _expand_a_sharded_unit_dim_body() -> None:
 
 
 def test_expanding_a_sharded_dim_of_extent_one() -> None:
-    """The one rank holding the element broadcasts it (DTensor's rule raised a KeyError)."""
+    """The one rank holding the element expands it and keeps the result (DTensor's rule raised a
+    KeyError; then the owner broadcast it)."""
     run_on_ranks(4, _expand_a_sharded_unit_dim_body)
 
 
@@ -527,13 +533,15 @@ def test_all_over_several_dims(mesh_shape: tuple[int, ...]) -> None:
 def _native_group_norm_body(mesh_shape: tuple[int, ...]) -> None:
     # (N, C, *spatial), groups, input layout, layout of the mean and rstd (N, G). Channel
     # shards move to group boundaries (rounded to the nearer one); the statistics are sharded
-    # like the groups (a single group replicated, as a unit dim's view is) and replicated over
-    # the axes that shard spatial dims.
+    # like the groups and replicated over the axes that shard spatial dims, except along axes
+    # where one rank holds the reduced dims whole: there they stay with it.
     whole = Layout((Replicate(),) * len(mesh_shape))
     if len(mesh_shape) == 1:
         cases = [
-            ((1, 2), 1, Layout((Shard(1),), {1: (1, 1)}), whole),  # one group: one rank's
-            ((2, 4, 3), 1, Layout((Shard(1),), {1: (1, 3)}), whole),
+            # one group: one rank's, and its statistics stay with it (NOTE [A sum over a dim
+            # one rank holds stays with that rank])
+            ((1, 2), 1, Layout((Shard(1),), {1: (1, 1)}), Layout((Shard(0),), {0: (0, 1)})),
+            ((2, 4, 3), 1, Layout((Shard(1),), {1: (1, 3)}), Layout((Shard(0),), {0: (0, 2)})),
             ((2, 4, 3), 2, Layout((Shard(1),), {1: (1, 3)}), Layout((Shard(1),), {1: (0, 2)})),
             ((2, 6, 4), 3, Layout((Shard(1),), {1: (4, 2)}), Layout((Shard(1),), {1: (2, 1)})),
             ((2, 4, 7), 2, Layout((Shard(2),), {2: (6, 1)}), whole),
@@ -541,7 +549,9 @@ def _native_group_norm_body(mesh_shape: tuple[int, ...]) -> None:
         ]
     else:
         cases = [
-            ((2, 4, 5, 3), 2, Layout((Shard(2), Shard(3)), {2: (1, 4), 3: (3, 0)}), whole),
+            # W held by one rank of axis 1: the statistics stay with it along that axis
+            ((2, 4, 5, 3), 2, Layout((Shard(2), Shard(3)), {2: (1, 4), 3: (3, 0)}),
+             Layout((Replicate(), Shard(0)), {0: (2, 0)})),
             ((2, 6, 5), 3, Layout((Shard(1), Shard(2)), {1: (4, 2), 2: (2, 3)}),
              Layout((Shard(1), Replicate()), {1: (2, 1)})),
         ]  # fmt: skip

@@ -43,6 +43,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._caches import BoundedCache, register_cache
 from shardsci.tensor._gather_guard import gathers
+from shardsci.tensor._held import Held, held_on, without_held
 from shardsci.tensor._shape_probe import shape_probe
 from shardsci.tensor._spec import (
     DimSharding,
@@ -238,8 +239,37 @@ def _make_plan(
 ) -> Plan:
     mesh = _common_mesh(func, leaves, kwargs)
     sources = [_spec_of(v, mesh) for v in leaves]
+    held = _held_pointwise(func, sources)
     try:
-        sharding = _propagate(func, leaves, structure, kwargs, sources, mesh)
+        plan = _plan_on(func, leaves, structure, kwargs, local_impl, mesh, sources)
+    except NotImplementedError:
+        if held is None:
+            raise
+        return _plan_on(func, leaves, structure, kwargs, local_impl, mesh, sources, held)
+    if held is None or not any(t is not None and s.shardings for s, t in held.moved(plan)):
+        return plan
+    try:
+        return _plan_on(func, leaves, structure, kwargs, local_impl, mesh, sources, held)
+    except NotImplementedError:
+        return plan
+
+
+def _plan_on(
+    func: OpOverload,
+    leaves: list,
+    structure: tuple,
+    kwargs: dict,
+    local_impl: Callable[..., object] | None,
+    mesh,
+    sources: list[ShardTensorSpec | None],
+    held: _HeldOperands | None = None,
+) -> Plan:
+    """The plan for ``func`` on operands laid out as ``sources``; with ``held``, DTensor's rule
+    decides on the operands with their held axes taken off, and they are put back (NOTE [A
+    pointwise op on held operands runs on their holder])."""
+    seen = sources if held is None else list(held.off)
+    try:
+        sharding = _propagate(func, leaves, structure, kwargs, seen, mesh)
     except (NotImplementedError, RuntimeError):
         # An in-place op whose destination would have to change layout (DTensor refuses), or
         # with no rule of its own: its out-of-place twin runs and the result is copied back.
@@ -248,24 +278,26 @@ def _make_plan(
         raise
     if sharding is None:
         return Plan("decompose", func)
-    op, suggested, values, extra_args = _suggestion(func, sharding, leaves, sources)
-    targets = _aligned_targets(func, sources, suggested)
-    reduced_first = _reduced_first(func, leaves, structure, kwargs, sources, targets, mesh)
+    op, suggested, values, extra_args = _suggestion(func, sharding, leaves, seen)
+    targets = _aligned_targets(func, seen, suggested)
+    reduced_first = _reduced_first(func, leaves, structure, kwargs, seen, targets, mesh)
     if reduced_first is not None:
         sharding, (op, suggested, values, extra_args), targets = reduced_first
-    if _has_uneven_average(sharding.output_spec, sources):
+    if _has_uneven_average(sharding.output_spec, seen):
         raise NotImplementedError(
             f"{func} averages over unevenly sharded dims (a mean of unequal shards is not the "
             f"average of their means); it needs a shardsci handler"
         )
-    if _mutates_first_argument(func) and not sources[0].same_layout(targets[0]):
-        return Plan("copy_back", func)
     sizes_by_axes = _sizes_by_axes(targets)
     shape_argument = None
     if sharding.use_val_from_redistribute_schema or op in _PROPAGATOR.op_to_shape_and_stride_idx:
         shape_argument = _local_shape_argument(op, sharding.output_spec, sizes_by_axes, func)
-    hints = merged_hints(*(s.hints + s.shardings for s in sources if s is not None))
+    hints = merged_hints(*(s.hints + s.shardings for s in seen if s is not None))
     outputs = _output_specs(sharding.output_spec, sizes_by_axes, mesh, func, hints)
+    if held is not None:
+        targets, outputs = held.restored(targets), held.restored_outputs(outputs)
+    if _mutates_first_argument(func) and not sources[0].same_layout(targets[0]):
+        return Plan("copy_back", func)
     local_args = _LocalArgs(local_impl or op, op, structure, values, targets, extra_args, kwargs)
     problem = local_args.misfit(mesh, outputs, sharding.output_spec, sizes_by_axes, func)
     if problem is not None:
@@ -287,6 +319,110 @@ def _make_plan(
         returns_destination=_mutates_first_argument(func),
         empty_outputs=not (_mutates_first_argument(func) or func.is_view) and _all_empty(outputs),
     )
+
+
+# NOTE [A pointwise op on held operands runs on their holder]
+# A pointwise op whose operand one rank holds whole along some mesh axes (NOTE [A dim one rank
+# holds is whole on that rank] in ``_held``) meets, typically, a statistic of it held by the
+# same rank: ``x / x.sum(d, keepdim=True)`` with ``x`` held along ``d``, the sum of extent 1
+# there (NOTE [A sum over a dim one rank holds stays with that rank] in ``_ops/_common``).
+# DTensor's rule reads the statistic's dim of extent 1 as a broadcast dim it must replicate:
+# the holder would send its statistic to every rank. Where the plan would move a held operand
+# so, DTensor's rule is asked again with the held axes taken off every operand (the dims whole,
+# as the holder sees them), and they are put back, outermost, on the output dim the held dims
+# broadcast to and on every operand spanning that dim (a replicated one is narrowed there: no
+# byte moves); an operand broadcast along it (extent 1, not held) stays replicated. The holder
+# computes the op; the others compute it on empty shards. An operand held on another dim
+# (a statistic reduced without ``keepdim``, then unsqueezed) is moved onto that one: its
+# holder keeps its cells, no byte moves (the dim is the largest operand's that spans its
+# output dim). Taken only where every operand sharded along a held
+# axis is held along it by the same rank, and no operand is pending along it.
+@dataclass(frozen=True)
+class _HeldOperands:
+    """Operands of a pointwise op with their held axes taken off (``off``), and how to put them
+    back: held axes -> (their holder, the output dim they hold) over ``shape``, the output's."""
+
+    sources: tuple[ShardTensorSpec | None, ...]
+    off: tuple[ShardTensorSpec | None, ...]
+    held: tuple[tuple[tuple[int, ...], int, int], ...]
+    shape: tuple[int, ...]
+
+    def moved(self, plan: Plan) -> list[tuple[ShardTensorSpec, ShardTensorSpec | None]]:
+        """The held operands and where ``plan`` moves them (None: nowhere)."""
+        if plan.action != "run":
+            return []
+        return [
+            (s, t)
+            for s, o, t in zip(self.sources, self.off, plan.targets)
+            if s is not None and o is not s
+        ]
+
+    def _back(self, spec: ShardTensorSpec, source: ShardTensorSpec | None) -> ShardTensorSpec:
+        axes = [a for group, _, _ in self.held for a in group]
+        if any(not isinstance(spec.placements[a], Replicate) for a in axes):
+            raise NotImplementedError("the rule lays out an operand along a held axis")
+        kept = []
+        for axes, holder, e in self.held:
+            d = e - (len(self.shape) - spec.ndim)
+            if d < 0:
+                continue
+            was_held = source is not None and all(
+                isinstance(source.placements[a], Shard) for a in axes
+            )
+            if spec.shape[d] == self.shape[e] or was_held:
+                kept.append(Held(d, axes, holder))
+        return held_on(spec, kept) if kept else spec
+
+    def restored(self, targets: list[ShardTensorSpec | None]) -> list[ShardTensorSpec | None]:
+        return [t if t is None else self._back(t, s) for t, s in zip(targets, self.sources)]
+
+    def restored_outputs(self, outputs: object) -> object:
+        if isinstance(outputs, ShardTensorSpec):
+            return self._back(outputs, None)
+        if isinstance(outputs, (tuple, list)):
+            return type(outputs)(self.restored_outputs(o) for o in outputs)
+        return outputs
+
+
+def _held_pointwise(
+    func: OpOverload, sources: list[ShardTensorSpec | None]
+) -> _HeldOperands | None:
+    """The operands of a pointwise ``func`` with their held axes taken off, if they have any and
+    agree on them (NOTE [A pointwise op on held operands runs on their holder]); else None."""
+    if torch.Tag.pointwise not in func.tags:
+        return None
+    specs = [s for s in sources if s is not None]
+    if not any(without_held(s)[1] for s in specs):
+        return None
+    try:
+        shape = tuple(torch.broadcast_shapes(*(s.shape for s in specs)))
+    except RuntimeError:
+        return None
+    # held axes -> (holder, output dim, rank of the operand that chose it: spanning that dim
+    # of the output, then largest)
+    found: dict[tuple[int, ...], tuple[int, int, tuple[bool, int]]] = {}
+    off: list[ShardTensorSpec | None] = []
+    for s in sources:
+        if s is None:
+            off.append(None)
+            continue
+        spec, held = without_held(s)
+        for h in held:
+            e = h.dim + len(shape) - s.ndim
+            rank = (shape[e] == s.shape[h.dim], math.prod(s.shape))
+            holder, _, best = found.setdefault(h.axes, (h.holder, e, rank))
+            if holder != h.holder:
+                return None
+            if rank > best:
+                found[h.axes] = (holder, e, rank)
+        off.append(spec)
+    axes = [a for group in found for a in group]
+    if len(set(axes)) != len(axes) or any(
+        not isinstance(o.placements[a], Replicate) for o in off if o is not None for a in axes
+    ):
+        return None
+    held = tuple((group, holder, e) for group, (holder, e, _) in found.items())
+    return _HeldOperands(tuple(sources), tuple(off), held, shape)
 
 
 # NOTE [A pending sum is reduced rather than an operand gathered]

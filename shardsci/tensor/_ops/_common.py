@@ -4,9 +4,7 @@ which a handler takes or declines a call."""
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,6 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardsci.tensor._api import ShardTensor, grad_spec, redistribute
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, axis_group
+from shardsci.tensor._held import Held, held_axes, held_on, without_held
 from shardsci.tensor._promotion import promoted_local
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import DimSharding, ShardTensorSpec
@@ -178,13 +177,19 @@ def sizes_at_extent(sizes: Sequence[int], extent: int) -> tuple[int, ...]:
 # an empty gradient, their operands' shards being empty along the summed dim. A 0-d output
 # has no dim to carry the axes: it stays a pending sum, one zero per other rank. A dim no
 # rank holds (extent 0) sums to zeros on every rank and stays pending.
+# The same holds of a pending max or min (the others' terms are its identity).
 # Where: ``_matmul_ops`` (einsum, matmul, linear, bmm: NOTE [A product of held operands runs
-# on their holder]; ``aten.mm`` over split columns: ``held_by_one``). Not
-# yet ``sum``: its output meets its input again (softmax, var, logsumexp, its own backward),
-# and the pointwise rule replicates a one-holder shard on another dim, or on a broadcast dim
-# of size 1, instead of seeing that both lie on the same rank.
-# Such a layout is kept by what follows where the op's rule sees the held axes as "the whole
-# dim, on the holder" (NOTE [A dim one rank holds is whole on that rank]).
+# on their holder]; ``aten.mm`` over split columns: ``held_by_one``) and ``_reduction_ops``
+# (``sum``, ``amax``, ``amin``, hence mean, var, logsumexp and softmax; with ``keepdim`` each
+# held dim carries its own axes). Such a layout is kept by what follows where the op's rule
+# sees the held axes as "the whole dim, on the holder" (NOTE [A dim one rank holds is whole
+# on that rank] in ``_held``): the statistic meeting its input (NOTE [A pointwise op on held
+# operands runs on their holder] in ``_propagation``), ``expand`` (the sum's backward) and
+# ``squeeze`` of a held dim of extent 1 (``_view_ops``).
+# Pending reductions whose value is one rank's term where the others' are their identity.
+_ONE_TERM_REDUCTIONS = frozenset({"sum", "max", "min"})
+
+
 @cached("one-holder layouts", 256)
 def held_by_one(
     spec: ShardTensorSpec,
@@ -199,7 +204,11 @@ def held_by_one(
     held: list[Held] = []
     for axes, dim_sizes in summed:
         holders = [k for k, n in enumerate(dim_sizes) if n]
-        pending = all(spec.placements[a] == Partial("sum") for a in axes)
+        pending = all(
+            isinstance(spec.placements[a], Partial)
+            and spec.placements[a].reduce_op in _ONE_TERM_REDUCTIONS
+            for a in axes
+        )
         if len(holders) != 1 or spec.ndim == 0 or not pending:
             continue
         candidates = (*first, *range(spec.ndim))
@@ -209,84 +218,6 @@ def held_by_one(
     if not held:
         return spec, ()
     return held_on(spec, held), tuple(h.dim for h in held)
-
-
-# NOTE [A dim one rank holds is whole on that rank]
-# A dim sharded over mesh axes along which one rank holds all of it, the others nothing (a
-# contraction's output kept by its holder, NOTE above; a slice of one rank's part; a dim of
-# extent 1), is, for the ranks that hold anything, a whole dim: along those axes there is one
-# piece, on the holder. A rule that reads such axes as splitting the dim (every rank holds
-# part, so the dim must be gathered before the op works across it) would broadcast the
-# holder's part to every rank. So a rule takes the held axes off first (``without_held``: the
-# dim whole, as the holder sees it), decides on what is left, and nests them back, outermost,
-# on the output dim the held dim becomes (``held_on``): the holder's row of ranks does the
-# op, the others hold empty shards and do it on nothing. No byte moves along held axes.
-# Where: ``_view_ops._view_plan`` (view, reshape, flatten, unflatten) and
-# ``_matmul_ops._product_layout`` (NOTE [A product of held operands runs on their holder]).
-@dataclass(frozen=True)
-class Held:
-    """Mesh ``axes`` along which the rank at index ``holder`` over them holds all of ``dim``
-    (NOTE [A dim one rank holds is whole on that rank])."""
-
-    dim: int
-    axes: tuple[int, ...]
-    holder: int
-
-
-def held_axes(
-    sharding: DimSharding, mesh_shape: Sequence[int]
-) -> tuple[Held | None, tuple[int, ...]]:
-    """The outermost axes of ``sharding`` along which one rank holds its whole dim (None if
-    the first already splits it, none holds any, or they are axes of one rank: a one-rank
-    mesh splits nothing), and the sizes within the holder's block over the remaining axes."""
-    found, inner_sizes = None, sharding.sizes
-    blocks = 1
-    for j, axis in enumerate(sharding.axes, 1):
-        blocks *= mesh_shape[axis]
-        inner = len(sharding.sizes) // blocks
-        full = [k for k in range(blocks) if any(sharding.sizes[k * inner : (k + 1) * inner])]
-        if len(full) != 1:
-            break
-        if blocks > 1:
-            found = Held(sharding.dim, sharding.axes[:j], full[0])
-            inner_sizes = sharding.sizes[full[0] * inner : (full[0] + 1) * inner]
-    return found, inner_sizes
-
-
-@cached("layouts without held axes", 1024)
-def without_held(spec: ShardTensorSpec) -> tuple[ShardTensorSpec, tuple[Held, ...]]:
-    """``spec`` with every held axis (``held_axes``) replicated, its dim whole there and split
-    over the rest of its axes as within the holder's block; and the held axes taken off."""
-    placements = list(spec.placements)
-    sizes, order, held = {}, {}, []
-    for s in spec.shardings:
-        found, inner = held_axes(s, spec.mesh_shape)
-        count = 0 if found is None else len(found.axes)
-        if found is not None:
-            held.append(found)
-            for axis in found.axes:
-                placements[axis] = Replicate()
-        if count < len(s.axes):
-            sizes[s.dim], order[s.dim] = inner, s.axes[count:]
-    if not held:
-        return spec, ()
-    return spec.relaid(placements, sizes, order=order), tuple(held)
-
-
-def held_on(spec: ShardTensorSpec, held: Iterable[Held]) -> ShardTensorSpec:
-    """``spec`` with each of ``held``'s axes sharding its dim, nested outermost: the holder
-    holds what ``spec`` lays out along the dim, the other ranks along those axes nothing."""
-    placements = list(spec.placements)
-    sizes = {s.dim: s.sizes for s in spec.shardings}
-    order = {s.dim: s.axes for s in spec.shardings}
-    for h in held:
-        count = math.prod(spec.mesh_shape[a] for a in h.axes)
-        inner = sizes.get(h.dim, (spec.shape[h.dim],))
-        sizes[h.dim] = tuple(n if k == h.holder else 0 for k in range(count) for n in inner)
-        order[h.dim] = (*h.axes, *order.get(h.dim, ()))
-        for axis in h.axes:
-            placements[axis] = Shard(h.dim)
-    return spec.relaid(placements, sizes, order=order)
 
 
 def held_local(local: torch.Tensor, spec: ShardTensorSpec, dims: Iterable[int]) -> torch.Tensor:

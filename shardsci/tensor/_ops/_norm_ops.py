@@ -574,7 +574,8 @@ def _native_group_norm(func, args, kwargs):
     straddling group move, nothing else), then the group statistics by sharded reductions, so
     the normalised input keeps the input's layout and the mean and rstd ``(N, G)`` are
     sharded like the batch and the groups, replicated over the axes that shard the reduced
-    dims. Composed of ShardTensor ops, its gradients through all three outputs are autograd's
+    dims (kept by the rank along an axis that holds them whole: NOTE [A sum over a dim one
+    rank holds stays with that rank]). Composed of ShardTensor ops, its gradients through all three outputs are autograd's
     (DTensor's rule replicated a sharded spatial dim, and with one group over two channel
     shards gave wrong gradients through the mean and rstd)."""
     a = bind(func, args, kwargs)

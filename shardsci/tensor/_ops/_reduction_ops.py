@@ -9,9 +9,12 @@
   in torch; here empty shards contribute the reduction's identity.
 - ``argmax``/``argmin`` over a sharded dim: DTensor gathers the whole tensor; here ranks
   exchange only their best (value, global index) pairs.
-- ``max``/``min`` along a sharded dim (values and indices): DTensor gathers the whole tensor;
-  here the indices are ``argmax``'s and each value is picked by the rank holding its cell (a
-  pending sum of one term, all-reduced), so its gradient goes to that cell alone, as torch's.
+- ``max``/``min`` along a sharded dim (values and indices; ``torch.max`` and ``aten.max.dim``
+  called directly, bools too): DTensor gathers the whole tensor; here the indices are
+  ``argmax``'s and each value is picked by the rank holding its cell (a pending sum of one
+  term, all-reduced), so its gradient goes to that cell alone, as torch's.
+- ``sum``, ``amax``, ``amin`` over a dim one rank holds whole: the result stays with that rank
+  (NOTE [A sum over a dim one rank holds stays with that rank] in ``_common``), not pending.
 - ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
   before it shifts the shards, so the result keeps the input's other shardings.
 - ``histc``, ``histogram``: DTensor has no rule; here each rank counts its own elements
@@ -33,6 +36,8 @@ from shardsci.tensor._dispatch import local_of, run_with_propagation
 from shardsci.tensor._ops._common import (
     accepts,
     connected_empty,
+    held_by_one,
+    held_local,
     normalized_dims,
     reduced_now,
     sharding_axes,
@@ -54,6 +59,33 @@ def _mean(func, args, kwargs):
         return NotImplemented
     total = aten.sum.dim_IntList(x, list(dims), bool(a.get("keepdim", False)), dtype=a.dtype)
     return aten.div.Scalar(total, math.prod(x.shape[d] for d in dims))
+
+
+# ---------------------------------------------------------------------------- sum
+@register_aten_handler(aten.sum.dim_IntList, aten.nansum.default)
+def _sum(func, args, kwargs):
+    """A sum over a dim one rank holds stays with that rank (NOTE [A sum over a dim one rank
+    holds stays with that rank] in ``_common``); other sums take the default path."""
+    a = bind(func, args, kwargs)
+    x = a.self
+    dims = normalized_dims(a.dim, x.ndim)
+    if not accepts(x, sharded=dims, partial=True):
+        return NotImplemented
+    return kept_by_holder(run_with_propagation(func, args, kwargs), x, dims, bool(a.keepdim))
+
+
+def kept_by_holder(
+    out: ShardTensor, x: ShardTensor, dims: tuple[int, ...], keepdim: bool
+) -> ShardTensor:
+    """``out``, a reduction of ``x`` over ``dims`` pending over their axes, kept by the rank
+    that holds a reduced dim whole (``held_by_one``): on the reduced dim where it is kept."""
+    if not isinstance(out, ShardTensor) or not isinstance(x, ShardTensor):
+        return out
+    reduced = [s for s in x._spec.shardings if s.dim in dims]
+    # Kept, each held dim carries its own axes.
+    first = tuple(s.dim for s in reduced if sum(map(bool, s.sizes)) == 1) if keepdim else ()
+    spec, held = held_by_one(out._spec, tuple((s.axes, s.sizes) for s in reduced), first)
+    return ShardTensor(held_local(out._local, spec, held), spec) if held else out
 
 
 # ---------------------------------------------------------------------------- var / std
@@ -132,7 +164,9 @@ _AMIN = _empty_safe(torch.ops.aten.amin.default, largest_identity=True)
 @register_aten_handler(aten.amax.default, aten.amin.default)
 def _amax_amin(func, args, kwargs):
     local = _AMAX if func is aten.amax.default else _AMIN
-    return run_with_propagation(func, args, kwargs, local_impl=local)
+    out = run_with_propagation(func, args, kwargs, local_impl=local)
+    a = bind(func, args, kwargs)
+    return kept_by_holder(out, a.self, normalized_dims(a.dim, a.self.ndim), bool(a.keepdim))
 
 
 @register_aten_handler(aten.aminmax.default)
@@ -209,23 +243,43 @@ def _max_min_dim_signature(input, dim, keepdim=False):
 
 @register_function_handler(torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)
 def _max_min_along(func, args, kwargs):
-    """``(values, indices)`` along a sharded dim without gathering it: the indices are
-    ``argmax``'s (an exchange of each rank's best per output element); the rank holding each
-    chosen cell picks its value and the others add zeros (a pending sum over the dim's axes,
-    all-reduced). The gradient of a value goes to its cell alone, as torch's does (``amax``
-    splits it among ties): backward moves no byte. The other overloads (``max(x)``,
-    ``max(x, other)``, ``out=``), a dim no axis splits, a dim of extent 0 (torch's error, on
-    every rank) and bool tensors (no pending sum of them) take their usual paths."""
+    """``torch.max``/``torch.min`` with a dim (``_values_and_indices``), above autograd: the
+    gradient of a value goes to its cell alone, computed from the ShardTensor ops that pick it
+    (backward moves no byte). The other overloads (``max(x)``, ``max(x, other)``, ``out=``)
+    take their usual paths, and so does what ``_values_and_indices`` declines."""
     if len(args) + len(kwargs) < 2 or not set(kwargs) <= {"dim", "keepdim"}:
         return NotImplemented
     a = bind(func, args, kwargs, signature=_max_min_dim_signature)
-    x = a.input
-    if not isinstance(x, ShardTensor) or not isinstance(a.dim, int) or x.dtype == torch.bool:
-        return NotImplemented
-    dim, keepdim = a.dim % max(x.ndim, 1), bool(a.keepdim)
-    if not accepts(x, sharded=[dim]) or x.shape[dim] == 0:
+    if not isinstance(a.input, ShardTensor) or not isinstance(a.dim, int):
         return NotImplemented
     largest = func in (torch.max, torch.Tensor.max)
+    found = _values_and_indices(a.input, a.dim, bool(a.keepdim), largest)
+    if found is NotImplemented:
+        return NotImplemented
+    return torch.return_types.max(found) if largest else torch.return_types.min(found)
+
+
+@register_aten_handler(aten.max.dim, aten.min.dim)
+def _max_min_dim(func, args, kwargs):
+    """``aten.max.dim``/``aten.min.dim`` called directly (a decomposition, a compiled graph):
+    ``_values_and_indices`` below autograd, whose backward (``max``'s formula: the gradient
+    scattered through the indices) runs on the ShardTensor ops it calls."""
+    a = bind(func, args, kwargs)
+    return _values_and_indices(a.self, a.dim, bool(a.keepdim), func is aten.max.dim)
+
+
+def _values_and_indices(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
+    """``(values, indices)`` of max (``largest``) or min along a sharded ``dim`` without
+    gathering it: the indices are ``argmax``'s (an exchange of each rank's best per output
+    element); the rank holding each chosen cell picks its value and the others add zeros (a
+    pending sum over the dim's axes, all-reduced; bools as 0/1 bytes). NotImplemented for a
+    dim no axis splits and a dim of extent 0 (torch's error, on every rank)."""
+    dim = dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim]) or x.shape[dim] == 0:
+        return NotImplemented
+    dtype = x.dtype
+    if dtype == torch.bool:
+        x = aten._to_copy.default(x, dtype=torch.uint8)
     indices = _arg_extreme_along(x, dim, True, largest)
     spec = x._spec
     local = x.to_local()
@@ -239,13 +293,11 @@ def _max_min_along(func, args, kwargs):
         term = torch.where(mine, picked, torch.zeros_like(picked))
     pending = reduced_spec(spec, dim, True, x.dtype, Partial())
     values = redistribute(from_local_spec(term, pending), indices._spec.with_dtype(x.dtype))
+    if dtype == torch.bool:
+        values = aten._to_copy.default(values, dtype=torch.bool)
     if not keepdim:
         values, indices = values.squeeze(dim), indices.squeeze(dim)
-    return (
-        torch.return_types.max((values, indices))
-        if largest
-        else torch.return_types.min((values, indices))
-    )
+    return values, indices
 
 
 def _best_of(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:

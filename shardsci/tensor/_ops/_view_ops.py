@@ -423,6 +423,12 @@ def _squeeze(func, args, kwargs):
     split = [d for d in squeezed if d in x._spec.sharding_by_dim]
     if not split and func._overloadname == "dims" and list(dims) == squeezed:
         return NotImplemented
+    kept = x.ndim > len(squeezed)
+    if split and kept and not any(d in without_held(x._spec)[0].sharding_by_dim for d in split):
+        # Held dims of extent 1 (NOTE [A dim one rank holds is whole on that rank]): the view
+        # rule drops them, the holder keeping its cells (a 0-d result has no dim to keep them).
+        out = aten.view.default(x, [n for d, n in enumerate(x.shape) if d not in squeezed])
+        return out if func in _VIEWS else aten.clone.default(out)
     for d in reversed(split):
         x = aten.select.int(x, d, 0)
     whole = [d - sum(s < d for s in split) for d in squeezed if d not in split]
@@ -450,9 +456,34 @@ def _expand(func, args, kwargs):
     pending = (bool(broadcast) or len(a.size) > x.ndim) and bool(x._spec.partial)
     if not accepts(x, partial=True) or not (pending or accepts(x, sharded=broadcast)):
         return NotImplemented
+    whole, held = without_held(x._spec)
+    if not pending and held and not any(d in whole.sharding_by_dim for d in broadcast):
+        return _expand_held(x, list(a.size), whole, held)
     x = reduced_now(x) if pending else x
     args, kwargs = replaced(func, args, kwargs, {"self": with_dims_whole(x, broadcast)})
     return func(*args, **kwargs)
+
+
+def _expand_held(
+    x: ShardTensor, size: list[int], whole: ShardTensorSpec, held: tuple[Held, ...]
+) -> ShardTensor:
+    """``x`` expanded to ``size`` where the sharded dims it broadcasts are held by one rank
+    (NOTE [A dim one rank holds is whole on that rank]): the holder expands its extent-1 dim,
+    the others their empty one, and the dim stays with the holder. No byte moves."""
+    lead = len(size) - x.ndim
+    shape = [x.shape[d - lead] if n == -1 else n for d, n in enumerate(size)]
+    stride = torch.empty_strided(x.shape, x._spec.stride, device="meta").expand(shape).stride()
+    spec = ShardTensorSpec.build(
+        whole.mesh,
+        [Shard(p.dim + lead) if isinstance(p, Shard) else p for p in whole.placements],
+        shape,
+        x.dtype,
+        {s.dim + lead: s.sizes for s in whole.shardings},
+        stride=stride,
+        order={s.dim + lead: s.axes for s in whole.shardings},
+    )
+    spec = held_on(spec, [Held(h.dim + lead, h.axes, h.holder) for h in held])
+    return ShardTensor(x._local.expand(spec.local_shape()), spec)
 
 
 @register_aten_handler(aten.unbind.int)
