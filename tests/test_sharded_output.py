@@ -206,7 +206,7 @@ def _partial_body(directory: str) -> None:
     """A Partial field is reduced (an all-reduce of the local block) before it is written."""
     mesh = get_mesh((2, 2))
     x = torch.randn(4, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    spec = ShardTensorSpec.build(mesh, (Shard(1), Shard(2)), x.shape, x.dtype, {1: (6, 0)})
+    spec = ShardTensorSpec.build(mesh, (Shard(1), Shard(2)), x.shape, x.dtype, {1: (4, 2)})
     summed = from_local_spec(spec.narrow(x).clone(), spec).sum(dim=1)  # (4, 5)
     assert_all_ranks(summed.spec.partial, f"expected a Partial sum, got {summed.spec}")
     path = Path(directory) / "partial.h5"
