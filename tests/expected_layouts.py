@@ -260,9 +260,11 @@ def on_multiples(sizes: Sequence[int], step: int) -> tuple[int, ...]:
 # rank order moves nothing there, and the dim holds the split dim's own sizes, as a flip
 # along the split dim keeps them (``rot90`` of a square split by rows is sharded by columns
 # with the rows' sizes; before, the square shape made it keep Shard(0) of a dim no rank split).
-# Where no dim (or
-# more than one) carries the axis of an output of another shape, nothing is stated. The probe
-# runs the op on one process only: the library's answer plays no part in the expectation.
+# The probe cannot move a NaN or an infinity: a cell unmoved by a block holding one may still
+# read it (``nansum`` of ``[nan, 2]`` split between the two), so it is owned by no block.
+# Where no dim (or more than one) carries the axis of an output of another shape, nothing is
+# stated. The probe runs the op on one process only: the library's answer plays no part in
+# the expectation.
 
 
 @dataclass(frozen=True)
@@ -370,6 +372,7 @@ def cell_owners(
     if not (x.is_floating_point() or x.is_complex()):
         return None
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    movable = [bool(x.narrow(dim, a, n).isfinite().all()) for a, n in zip(starts, sizes)]
     try:
         with torch.no_grad():
             base = list(call(x))
@@ -400,21 +403,26 @@ def cell_owners(
             for seen in changed
         ]
         blocks_read = sum(block.to(torch.int64) for block in per_block)
-        combined = bool((blocks_read > 1).any()) and not bool((blocks_read == 1).any())
-        carrying, mirrored = _carrying_dims(per_block, b.shape)
+        # a cell unmoved by a block holding NaN or infinity may still read it: not owned
+        unsure = torch.zeros(b.shape, dtype=torch.bool)
+        for block, finite in zip(per_block, movable):
+            if not finite:
+                unsure |= ~block
+        single = (blocks_read == 1) & ~unsure
+        combined = bool((blocks_read > 1).any()) and not bool(single.any())
+        carrying, mirrored = _carrying_dims(per_block, single, b.shape)
         result.append(Dependence(carrying, combined, mirrored))
     return result
 
 
 def _carrying_dims(
-    per_block: Sequence[torch.Tensor], shape: Sequence[int]
+    per_block: Sequence[torch.Tensor], single: torch.Tensor, shape: Sequence[int]
 ) -> tuple[dict[int, tuple[int | None, ...]], dict[int, tuple[int | None, ...]]]:
     """Output dim -> owners along it, for the dims that carry the axis and for those that
-    carry it mirrored (see the NOTE)."""
+    carry it mirrored (see the NOTE); ``single`` marks the cells owned by one block."""
     if not per_block or math.prod(shape) == 0:
         return {}, {}
     stacked = torch.stack(list(per_block))  # (blocks, *shape)
-    single = stacked.sum(0) == 1
     owner = torch.where(single, stacked.to(torch.int64).argmax(0), -1)
     carrying, mirrored = {}, {}
     for e in range(len(shape)):

@@ -343,6 +343,39 @@ def test_the_dependency_probe_sees_a_window_maximum_reach_both_shards(pool: str)
         assert cell_owners(call, x, 2, (5, 5)) == expected, draw
 
 
+def test_a_cell_unmoved_by_a_block_holding_nan_is_not_owned() -> None:
+    """NOTE [An output cell belongs to the shard it depends on]: the probe cannot move a NaN,
+    so ``nansum`` of the row ``[nan, 2]`` did not change with the NaN's block and seemed owned
+    by the other's (the op database's nansum sample 32 on 2x2-uneven and 2x2-last expected the
+    row sums split on the columns' axis, where a pending sum is right)."""
+    from tests.expected_layouts import Dependence, cell_owners
+
+    def call(a: torch.Tensor) -> list[torch.Tensor]:
+        return [a.nansum(-1)]
+
+    x = torch.tensor([[float("nan"), 2.0], [0.0, 1.0]], dtype=torch.float64)
+    assert cell_owners(call, x, 1, (1, 1)) == [Dependence({}, combined=True)]
+    # split by rows, the sums still follow their rows where the probe can tell
+    assert cell_owners(call, x, 0, (1, 1)) == [Dependence({0: (0, None)})]
+    assert cell_owners(call, x.nan_to_num(), 0, (1, 1)) == [Dependence({0: (0, 1)})]
+
+
+def _nansum_nan_sample_body(layout: str) -> tuple[str, str]:
+    mesh = get_mesh(LAYOUTS[layout].mesh)
+    ((_, case, sharded),) = selected_samples("nansum", LAYOUTS[layout], None, (32,))
+    verdict, _ = verdict_of_case("nansum", case, sharded, mesh, None)
+    return classify("nansum", agree(verdict, f"nansum 32 {layout}"))
+
+
+@pytest.mark.parametrize("layout", ["2x2-uneven", "2x2-last", "2r-uneven", "4r-empty"])
+def test_nansum_of_rows_holding_nan_matches_one_process(layout: str) -> None:
+    """The op database's nansum sample 32, ``[[nan, 2], [0, 1]].nansum(-1)``, against one
+    process (values, float64 gradient and layout, as the sweep checks them): a pending sum
+    over the split columns, the rows kept where they are split."""
+    outcome = run_on_ranks(LAYOUTS[layout].world, _nansum_nan_sample_body, layout)[0]
+    assert outcome[0] == "ok", outcome
+
+
 def _rules(call, x: torch.Tensor, layout) -> list:
     from tests.expected_layouts import axis_rules, cell_owners
 
