@@ -106,13 +106,21 @@ class ProcessorBlock(nn.Module):
         self.node_mlp = mlp(2 * config.hidden, config.hidden, config, config.layer_norm)
 
     def forward(
-        self, nodes: torch.Tensor, edges: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(N, *B, H)`` nodes and ``(E, *B, H)`` edges in, the same shapes out."""
+        self,
+        nodes: torch.Tensor,
+        edges: torch.Tensor,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        update_edges: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(N, *B, H)`` nodes and ``(E, *B, H)`` edges in, the same shapes out; edges
+        ``None`` when not ``update_edges``. The last block's edges are read by nothing: a
+        compiled block that returned them got autograd's zeros of the global edge shape
+        as their gradient, on every rank (NOTE [torch.compile and ShardTensor])."""
         messages = self.edge_mlp(torch.cat([edges, nodes[src], nodes[dst]], dim=-1))
         incoming = aggregate(messages, dst, nodes, self.aggregation)
         nodes = nodes + self.node_mlp(torch.cat([nodes, incoming], dim=-1))
-        return nodes, edges + messages
+        return nodes, edges + messages if update_edges else None
 
 
 class MeshGraphNet(nn.Module):
@@ -166,8 +174,9 @@ class MeshGraphNet(nn.Module):
         src, dst = edge_index[0], edge_index[1]
         nodes = self.node_encoder(node_features)
         edges = self.edge_encoder(edge_features)
-        for block in self.processor:
-            nodes, edges = block(nodes, edges, src, dst)
+        last = len(self.processor) - 1
+        for i, block in enumerate(self.processor):
+            nodes, edges = block(nodes, edges, src, dst, update_edges=i < last)
         return self.decoder(nodes)
 
     def num_parameters(self) -> int:

@@ -90,12 +90,16 @@ graph that no loss reaches gets plain zeros of the global shape as its gradient 
 autograd fills an undefined gradient of a Function's output from its size alone), where
 AOTAutograd traced a ShardTensor: "Expected a ShardTensor tangent but got a plain Tensor". A
 graph break inside a block that returns two fields makes such outputs: the MeshGraphNet's last
-processor block returns edges its decoder never reads. Inside the ``with`` block AOTAutograd's
-check of each incoming gradient (``AOTDispatchAutograd.process_runtime_tangent``) first reads a
-plain one there as replicated, as eager code does (``_api._as_shard_tensor``), and the coercion
-above moves it to the traced layout (``tests/test_torch_compile_through.py``, an output no loss
-reaches). Correct, but each such output costs every rank a tensor of the global shape per
-backward, allocated by autograd before shardsci sees it: detach what no loss needs.
+processor block returned edges its decoder never reads (it no longer updates them). Inside
+the ``with`` block AOTAutograd's check of each incoming gradient
+(``AOTDispatchAutograd.process_runtime_tangent``) first reads a plain one there as replicated,
+as eager code does (``_api._as_shard_tensor``), and the coercion above moves it to the traced
+layout (``tests/test_torch_compile_through.py``, an output no loss reaches). Correct, but
+each such output costs every rank a tensor of the global shape per backward, allocated by
+autograd before shardsci sees it, which the gather guard names ("a backward formula built a
+gradient whole ... in the backward of CompiledFunctionBackward"): return from a compiled
+frame nothing that no loss needs. ``tests/test_torch_compile_through.py`` steps the
+compiled MeshGraphNet under ``gather_policy("error")``.
 The other way round: AOTAutograd guesses that the gradient of an input a graph mutates in
 place is plain (autograd's zeros, when nothing reads the input afterwards) and traced one of
 the global shape; the MeshGraphNet's aggregation (``zeros_like(nodes).index_add_``, whose
