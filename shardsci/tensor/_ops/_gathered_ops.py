@@ -33,7 +33,6 @@ GATHERED = (
     # dynamic output shapes
     aten.nonzero,
     aten.nonzero_static,
-    aten.masked_select,
     aten.masked_select_backward,
     aten._unique2,
     aten.unique_dim,
@@ -45,8 +44,6 @@ GATHERED = (
     aten.as_strided,
     aten.as_strided_copy,
     aten.as_strided_scatter,
-    aten.masked_scatter,
-    aten.masked_scatter_backward,
     # every output from every input
     aten._pdist_forward,
     aten._pdist_backward,
