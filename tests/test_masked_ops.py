@@ -199,3 +199,21 @@ def test_a_selection_interleaving_blocks_is_gathered_and_said() -> None:
     """On 2-D blocks the ranks' selections interleave in the output: gathered, refused under
     "error" on every rank."""
     run_on_ranks(4, _interleaved_body)
+
+
+def _short_source_body() -> str:
+    mesh = get_mesh((2,))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    spec = ROWS.spec(mesh, x)
+    shard = from_local_spec(spec.narrow(x).contiguous(), spec)
+    try:
+        shard.masked_scatter(torch.ones(5, 4, dtype=torch.bool), torch.zeros(19, dtype=x.dtype))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_short_source_is_torchs_error_on_every_rank() -> None:
+    """The count is known to every rank before anything moves: each raises torch's error."""
+    messages = run_on_ranks(2, _short_source_body)
+    assert messages == ["Number of elements of source < number of ones in mask"] * 2
