@@ -131,9 +131,11 @@ class _LinearNode(torch.autograd.Function):
         g = local_gradient(grad, plan.output)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
+        rows = g.reshape(-1, g.shape[-1])  # a copy of a broadcast gradient, made once
         if need_x:
-            grad_x = ShardTensor(g.matmul(_local(weight)), plan.input_grad.with_dtype(g.dtype))
-        rows = g.reshape(-1, g.shape[-1])
+            w = _local(weight)
+            local = rows.mm(w).view(*g.shape[:-1], w.shape[-1])  # an empty shard: no -1
+            grad_x = ShardTensor(local, plan.input_grad.with_dtype(g.dtype))
         if need_w:
             x_rows = x._local.reshape(-1, x._local.shape[-1])
             grad_w = _routed(ctx.routes[0], rows.t().mm(x_rows))
