@@ -10,6 +10,10 @@ Values, the input's gradient and the output's layout (the index's split on the i
 ``x``'s other dims kept, replicated over dim 0's axis) as one process; on 2x2 uneven, 2x2 with
 empty shards of both ``x`` and the index, a 2-D index with a negative position, and 2x2x2; and
 forward bytes per rank by ``count_traffic`` against the gathered fallback's, measured alike.
+Aten ``index``'s backward (torch's: an accumulating ``index_put`` through the same split index
+into ``grad.new_zeros``, laid out like the gradient) adds each rank's part where its rows lie,
+under ``"error"`` and with fewer bytes than the fallback; but through a 2-D index, whose zeros
+``new_zeros`` makes whole (another rank than the gradient's), it still gathers.
 An index split over the axis that splits ``x``'s other dim is not such an index (the output
 would be split over one axis on two dims): it takes the default path, as before.
 
@@ -101,16 +105,26 @@ def _matches_one_process(name: str, read: str) -> None:
     expected = READS[read](reference, index)
     weight = torch.randn(expected.shape, dtype=torch.float64)
     (expected * weight).sum().backward()
+    u, aten_leaf, _ = _sharded(mesh, x, layout, grad=True)
+    stated = out_layout.spec(mesh, expected)
+    weighted = from_local_spec(stated.narrow(weight), stated)
     with gather_policy("error"):  # as many pieces as x: not a gather
         out = READS[read](t, i)
-        aten_read = aten.index.Tensor(t.detach(), [i])  # as a backward formula or a trace reads
-    stated = out_layout.spec(mesh, expected)
+        # as a backward formula or a trace reads; its backward is torch's: an accumulating
+        # index_put through the same split index into zeros laid out like the gradient
+        aten_read = aten.index.Tensor(u, [i])
+        if name != "2x2-2d-index":
+            (aten_read * weighted).sum().backward()
+    if name == "2x2-2d-index":  # zeros of another rank than the gradient's: held whole
+        with gather_policy("allow"):
+            (aten_read * weighted).sum().backward()
     assert_all_ranks(out._spec.same_layout(stated), f"layout {out._spec}, stated {stated}")
     assert_all_ranks(torch.equal(out.full_tensor(), expected.detach()), "values")
-    (out * from_local_spec(stated.narrow(weight), stated)).sum().backward()
+    (out * weighted).sum().backward()
     assert_all_ranks(torch.allclose(leaf.grad, spec.narrow(reference.grad)), "gradient")
     assert_all_ranks(aten_read._spec.same_layout(stated), f"aten layout {aten_read._spec}")
     assert_all_ranks(torch.equal(aten_read.full_tensor(), expected.detach()), "aten values")
+    assert_all_ranks(torch.allclose(aten_leaf.grad, spec.narrow(reference.grad)), "aten gradient")
 
 
 @pytest.mark.parametrize("read", list(READS))
@@ -135,6 +149,20 @@ def _fewer_bytes_than_the_fallback() -> None:
         with count_traffic() as fallback:
             whole = gathered(aten.index_select.default, (t, 0, i), {})
     assert_all_ranks(torch.equal(out.full_tensor(), whole.full_tensor()), "values")
+    # aten index's backward: an accumulating index_put through the index into zeros laid out
+    # like the gradient, as torch's formula makes them
+    zeros = out.new_zeros(x.shape)
+    with gather_policy("allow"):
+        with count_traffic() as added:
+            back = aten.index_put.default(zeros, [i], out, True)
+        with count_traffic() as added_fallback:
+            whole_back = gathered(aten.index_put.default, (zeros, [i], out, True), {})
+    assert_all_ranks(torch.equal(back.full_tensor(), whole_back.full_tensor()), "gradient")
+    assert_all_ranks(back._spec.same_layout(zeros._spec), f"gradient layout {back._spec}")
+    assert_all_ranks(
+        added.received < added_fallback.received,
+        f"backward received {added.received} B; the fallback {added_fallback.received} B",
+    )
     start, size = t._spec.local_offsets()[0], t._spec.local_shape()[0]
     part = index_spec.narrow(index)
     remote = int(((part < start) | (part >= start + size)).sum())
