@@ -219,3 +219,30 @@ def _range_checked_alike_2r() -> None:
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_an_index_out_of_range_raises_alike_on_every_rank(ranks: int) -> None:
     run_on_ranks(ranks, _range_checked_alike_2r if ranks == 2 else _range_checked_alike_2x2)
+
+
+def _added_through_an_index_split_like_x() -> None:
+    """``index_put(x, [i], v, accumulate=True)`` with ``x`` split 4/2, ``i`` (a negative entry
+    and a repeat) and ``v`` split 2/3 over the same axis: each rank adds its part where its
+    rows lie (the route of aten ``index``'s backward above), in ``x``'s layout; an entry out of
+    range in one part raises on every rank."""
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    x, v = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 5, dtype=torch.float64)
+    index = torch.tensor([5, 0, -3, 3, 3])
+    t, _, spec = _sharded(mesh, x, Layout((Shard(0),), {0: (4, 2)}))
+    parts = Layout((Shard(0),), {0: (2, 3)})
+    i, _, _ = _sharded(mesh, index, parts)
+    w, _, _ = _sharded(mesh, v, parts)
+    expected = x.index_put([index], v, accumulate=True)
+    with gather_policy("error"):
+        for out in (torch.index_put(t, [i], w, True), aten.index_put.default(t, [i], w, True)):
+            assert_all_ranks(out._spec.same_layout(spec), f"layout {out._spec}")
+            assert_all_ranks(torch.allclose(out.full_tensor(), expected), "values")
+    bad, _, _ = _sharded(mesh, torch.tensor([5, 0, 9, 3, 1]), parts)
+    message = "index value 9 on rank 1"
+    assert_raises_all_ranks(IndexError, message, torch.index_put, t, [bad], w, True)
+
+
+def test_accumulating_index_put_through_an_index_split_like_x() -> None:
+    run_on_ranks(2, _added_through_an_index_split_like_x)
