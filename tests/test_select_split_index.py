@@ -10,6 +10,10 @@ Values, the input's gradient and the output's layout (the index's split on the i
 ``x``'s other dims kept, replicated over dim 0's axis) as one process; on 2x2 uneven, 2x2 with
 empty shards of both ``x`` and the index, a 2-D index with a negative position, and 2x2x2; and
 forward bytes per rank by ``count_traffic`` against the gathered fallback's, measured alike.
+Aten ``index``'s backward (torch's: an accumulating ``index_put`` through the same split index
+into ``grad.new_zeros``, laid out like the gradient) adds each rank's part where its rows lie,
+under ``"error"`` and with fewer bytes than the fallback; but through a 2-D index, whose zeros
+``new_zeros`` makes whole (another rank than the gradient's), it still gathers.
 An index split over the axis that splits ``x``'s other dim is not such an index (the output
 would be split over one axis on two dims): it takes the default path, as before.
 
@@ -101,16 +105,26 @@ def _matches_one_process(name: str, read: str) -> None:
     expected = READS[read](reference, index)
     weight = torch.randn(expected.shape, dtype=torch.float64)
     (expected * weight).sum().backward()
+    u, aten_leaf, _ = _sharded(mesh, x, layout, grad=True)
+    stated = out_layout.spec(mesh, expected)
+    weighted = from_local_spec(stated.narrow(weight), stated)
     with gather_policy("error"):  # as many pieces as x: not a gather
         out = READS[read](t, i)
-        aten_read = aten.index.Tensor(t.detach(), [i])  # as a backward formula or a trace reads
-    stated = out_layout.spec(mesh, expected)
+        # as a backward formula or a trace reads; its backward is torch's: an accumulating
+        # index_put through the same split index into zeros laid out like the gradient
+        aten_read = aten.index.Tensor(u, [i])
+        if name != "2x2-2d-index":
+            (aten_read * weighted).sum().backward()
+    if name == "2x2-2d-index":  # zeros of another rank than the gradient's: held whole
+        with gather_policy("allow"):
+            (aten_read * weighted).sum().backward()
     assert_all_ranks(out._spec.same_layout(stated), f"layout {out._spec}, stated {stated}")
     assert_all_ranks(torch.equal(out.full_tensor(), expected.detach()), "values")
-    (out * from_local_spec(stated.narrow(weight), stated)).sum().backward()
+    (out * weighted).sum().backward()
     assert_all_ranks(torch.allclose(leaf.grad, spec.narrow(reference.grad)), "gradient")
     assert_all_ranks(aten_read._spec.same_layout(stated), f"aten layout {aten_read._spec}")
     assert_all_ranks(torch.equal(aten_read.full_tensor(), expected.detach()), "aten values")
+    assert_all_ranks(torch.allclose(aten_leaf.grad, spec.narrow(reference.grad)), "aten gradient")
 
 
 @pytest.mark.parametrize("read", list(READS))
@@ -135,6 +149,20 @@ def _fewer_bytes_than_the_fallback() -> None:
         with count_traffic() as fallback:
             whole = gathered(aten.index_select.default, (t, 0, i), {})
     assert_all_ranks(torch.equal(out.full_tensor(), whole.full_tensor()), "values")
+    # aten index's backward: an accumulating index_put through the index into zeros laid out
+    # like the gradient, as torch's formula makes them
+    zeros = out.new_zeros(x.shape)
+    with gather_policy("allow"):
+        with count_traffic() as added:
+            back = aten.index_put.default(zeros, [i], out, True)
+        with count_traffic() as added_fallback:
+            whole_back = gathered(aten.index_put.default, (zeros, [i], out, True), {})
+    assert_all_ranks(torch.equal(back.full_tensor(), whole_back.full_tensor()), "gradient")
+    assert_all_ranks(back._spec.same_layout(zeros._spec), f"gradient layout {back._spec}")
+    assert_all_ranks(
+        added.received < added_fallback.received,
+        f"backward received {added.received} B; the fallback {added_fallback.received} B",
+    )
     start, size = t._spec.local_offsets()[0], t._spec.local_shape()[0]
     part = index_spec.narrow(index)
     remote = int(((part < start) | (part >= start + size)).sum())
@@ -191,3 +219,30 @@ def _range_checked_alike_2r() -> None:
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_an_index_out_of_range_raises_alike_on_every_rank(ranks: int) -> None:
     run_on_ranks(ranks, _range_checked_alike_2r if ranks == 2 else _range_checked_alike_2x2)
+
+
+def _added_through_an_index_split_like_x() -> None:
+    """``index_put(x, [i], v, accumulate=True)`` with ``x`` split 4/2, ``i`` (a negative entry
+    and a repeat) and ``v`` split 2/3 over the same axis: each rank adds its part where its
+    rows lie (the route of aten ``index``'s backward above), in ``x``'s layout; an entry out of
+    range in one part raises on every rank."""
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    x, v = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 5, dtype=torch.float64)
+    index = torch.tensor([5, 0, -3, 3, 3])
+    t, _, spec = _sharded(mesh, x, Layout((Shard(0),), {0: (4, 2)}))
+    parts = Layout((Shard(0),), {0: (2, 3)})
+    i, _, _ = _sharded(mesh, index, parts)
+    w, _, _ = _sharded(mesh, v, parts)
+    expected = x.index_put([index], v, accumulate=True)
+    with gather_policy("error"):
+        for out in (torch.index_put(t, [i], w, True), aten.index_put.default(t, [i], w, True)):
+            assert_all_ranks(out._spec.same_layout(spec), f"layout {out._spec}")
+            assert_all_ranks(torch.allclose(out.full_tensor(), expected), "values")
+    bad, _, _ = _sharded(mesh, torch.tensor([5, 0, 9, 3, 1]), parts)
+    message = "index value 9 on rank 1"
+    assert_raises_all_ranks(IndexError, message, torch.index_put, t, [bad], w, True)
+
+
+def test_accumulating_index_put_through_an_index_split_like_x() -> None:
+    run_on_ranks(2, _added_through_an_index_split_like_x)

@@ -1510,6 +1510,8 @@ def _added_through_reads(func, x: ShardTensor, indices: object, values: ShardTen
     if isinstance(indices, list | tuple):
         while first < len(indices) and indices[first] is None:
             first += 1
+    if _split_adjoint(x, indices, values):
+        return _added_through_split(func, x, first, indices[first], values)
     tensors = [_replicated_index(i) for i in indices[first:]] if first < len(indices) else []
     if not tensors or any(i is None for i in tensors):
         return NotImplemented
@@ -1540,6 +1542,64 @@ def _added_through_reads(func, x: ShardTensor, indices: object, values: ShardTen
         if values is NotImplemented:
             return NotImplemented
     return values
+
+
+def _added_through_split(
+    func, x: ShardTensor, dim: int, index: ShardTensor, values: ShardTensor
+) -> object:
+    """``index_put(x, [None, ..., index], values, accumulate=True)`` through a ShardTensor
+    ``index`` split over the axes that split ``x`` along ``dim``, ``values`` split like the
+    index on its dims and like ``x`` on the others (``_split_adjoint``): the backward of
+    aten's ``index`` through an index split over axes that split no dim of the input
+    (``_split_index``), torch's ``index_put`` into ``grad.new_zeros``, laid out like the
+    gradient (``_factory_ops``). Each rank adds its values into its own rows and halo rows
+    for the rows others own (``gather_plan`` of its part of the index, which checks the range
+    on every rank alike), and the halo rows travel to their owners (one exchange); the result
+    keeps ``x``'s layout. Out of place only."""
+    if func is torch.Tensor.index_put_ or not accepts(x, values):
+        return NotImplemented
+    probe_on_meta(aten.index_put.default, (x, [None] * dim + [index], values, True))
+    sharding, group, _ = dim_layout(x._spec, dim)
+    plan = gather_plan(
+        index.to_local(), sharding.sizes, group, replicated=False, wrap_negative=True,
+        what="index_put",
+    )  # fmt: skip
+    destination = x.to_local()
+    shape = [plan.owned + plan.halo if d == dim else n for d, n in enumerate(destination.shape)]
+    total = aten.index_put_.default(
+        destination.new_zeros(shape), [None] * dim + [plan.local_index], values.to_local(), True
+    )
+    out = destination + halo_reduce(total, plan, dim)
+    return from_local_spec(out, x._spec.with_dtype(out.dtype))
+
+
+def _split_adjoint(x: object, indices: object, values: object) -> bool:
+    """Whether ``index_put(x, indices, values, accumulate=True)`` takes
+    ``_added_through_split``: one ShardTensor index after leading ``None``, split over the
+    axes that split ``x`` along the dim it names (and over none other), ``values`` split
+    like it on its dims and like ``x`` on the others, none of them partial. (An ``x`` every
+    rank holds whole, the zeros of a backward through an index of several dims, is not
+    served: its sum of each group's part would be a pending sum held whole.)"""
+    if not isinstance(x, ShardTensor) or not isinstance(values, ShardTensor) or x.ndim == 0:
+        return False
+    if not isinstance(indices, list | tuple) or not indices:
+        return False
+    dim, index = len(indices) - 1, indices[-1]
+    if any(i is not None for i in indices[:dim]) or not isinstance(index, ShardTensor):
+        return False
+    spec, layout = x._spec, index._spec
+    if index.dtype not in _INDEX_DTYPES or dim >= x.ndim or not layout.shardings:
+        return False
+    if any(t._spec.partial or t._spec.mesh != spec.mesh for t in (x, index, values)):
+        return False
+    if dim not in spec.sharding_by_dim:
+        return False
+    if set(spec.sharding_by_dim[dim].axes) != sharding_axes(layout):
+        return False
+    shift, others = index.ndim - 1, spec.sharding_by_dim.items()
+    wanted = {d if d < dim else d + shift: (s.axes, s.sizes) for d, s in others if d != dim}
+    wanted |= {dim + s.dim: (s.axes, s.sizes) for s in layout.shardings}
+    return {s.dim: (s.axes, s.sizes) for s in values._spec.shardings} == wanted
 
 
 @register_aten_handler(aten._unsafe_masked_index_put_accumulate.default)
@@ -1748,7 +1808,9 @@ def _below_autograd(func, args, kwargs):
             return gathered(func, args, kwargs)
         return out
     if func is aten.index_put.default:
-        replicated = _advanced_indices(a.indices, a.self) is not None
+        replicated = _advanced_indices(a.indices, a.self) is not None or (
+            a.accumulate and _split_adjoint(a.self, a.indices, a["values"])
+        )
     else:
         replicated = _replicated_index(a.index) is not None
     if not replicated:
