@@ -30,6 +30,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.test_conv_ops import _graph_nodes
 
 
 def _linear(features_in: int, features_out: int, bias: bool = True) -> nn.Linear:
@@ -99,18 +100,6 @@ def _even_and_one_rank_body() -> None:
 @pytest.mark.parametrize("world", [1, 2], ids=["1r", "2r"])
 def test_linear_node_even_shards_and_one_rank(world: int) -> None:
     run_on_ranks(world, _even_and_one_rank_body)
-
-
-def _graph_nodes(root) -> list[str]:
-    seen, names, stack = set(), [], [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
 
 
 def _node_count_body(wrapped: bool) -> list[str]:
