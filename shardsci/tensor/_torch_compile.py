@@ -229,9 +229,9 @@ def allow_in_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
 # compiled run needs dynamo. So shardsci does not import it: what shardsci tells dynamo (ShardTensor
 # and ``shardsci.tensor`` on its skip lists, the ``allow_in_graph`` wrappers) is told by an
 # import hook when something imports torch._dynamo (torch.compile does, before it traces),
-# or at once where it is already imported. tests/test_compile.py checks that importing
-# shardsci's training command does not import dynamo, and that dynamo imported afterwards
-# keeps ShardTensor out and lets the wrappers in.
+# or at once where it is already imported. tests/test_dynamo_on_demand.py checks that
+# importing shardsci's training command does not import dynamo, and that dynamo imported
+# afterwards keeps ShardTensor out and lets the wrappers in.
 _allowed_in_graph: list[Callable[..., Any]] = []
 
 
