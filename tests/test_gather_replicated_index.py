@@ -10,7 +10,8 @@ it, along another dim with an empty shard, both on a 2x2 mesh, and along two oth
 dim kept when the output has the input's extent there, else replicated) and, per rank, the
 bytes received by ``count_traffic``: in the forward exactly the remote rows of the gathered
 dim that the rank's part of the index names, each once (none when the gathered dim is not
-split); in the backward (a gradient with other strides) exactly the rows the others read from
+split), or for an output replicated over the gathered dim's axes, a ring all-reduce of the
+read where that moves fewer bytes than the fetch; in the backward (a gradient with other strides) exactly the rows the others read from
 the rank, or none when the output is replicated over the gathered dim's axes.
 """
 
@@ -126,8 +127,11 @@ def _parts(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> list[t
 
 def _bounds(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> tuple[int, int]:
     """Bytes this rank must receive in the forward (the distinct remote rows of dim 1 its part
-    of the index names, each a row of its block) and in the backward (the rows of its own the
-    others read, when the output is sharded along dim 1; none when it is replicated there)."""
+    of the index names, each a row of its block; for an output replicated over dim 1's axis,
+    a ring all-reduce of the read, ``2 (n - 1) / n`` of its bytes, where that is less than
+    the rows the rank of the group receiving most would fetch) and in the backward (the rows
+    of its own the others read, when the output is sharded along dim 1; none when it is
+    replicated there)."""
     spec = layout.spec(mesh, torch.empty(SHAPE, dtype=torch.float64))
     if DIM not in spec.sharding_by_dim:
         return 0, 0
@@ -139,6 +143,12 @@ def _bounds(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> tuple
     me = mesh.get_coordinate()[axis]
     forward = sum(int(v) not in mine for v in torch.unique(parts[me]))
     if not _keeps_gathered_dim(index, cell_wise):
+        sizes, n = layout.sizes[DIM], len(layout.sizes[DIM])
+        ranges = [range(sum(sizes[:k]), sum(sizes[: k + 1])) for k in range(n)]
+        most = max(sum(int(v) not in r for v in torch.unique(parts[me])) for r in ranges) * row
+        read = parts[me].numel() * (8 if cell_wise else row)
+        if 2 * (n - 1) * read < n * most:
+            return 2 * (n - 1) * read // n, 0
         return forward * row, 0
     backward = sum(int(v) in mine for k, p in enumerate(parts) if k != me for v in torch.unique(p))
     return forward * row, backward * row

@@ -324,3 +324,30 @@ def test_the_gradient_of_aten_index_puts_values_reads_only_their_rows() -> None:
     """Through one index, the values' gradient (an aten ``index`` of the sharded gradient)
     receives the rows the index names, not the gradient field (1920-7680 bytes here)."""
     run_on_ranks(2, _values_gradient_body)
+
+
+def _source_gradient_body() -> None:
+    """``scatter_add`` into x (6, 5, 4) split 4/1 along dim 1 from a plain source (6, 3, 4)
+    that needs a gradient: the backward reads the gradient through the index, replicated
+    (the source was). Fetching the rows it names took 768 B on one rank (192 B on the
+    other); one all-reduce of what each rank reads of its own rows takes the read's 576 B on
+    each (a ring of 2), the fewer for the rank that receives most."""
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    index = torch.randint(0, 5, (6, 3, 4))
+    spec = Layout((Shard(1),), {1: (4, 1)}).spec(mesh, x)
+    shard = from_local_spec(spec.narrow(x).contiguous(), spec)
+    src = torch.randn(6, 3, 4, dtype=torch.float64, requires_grad=True)
+    reference = src.detach().clone().requires_grad_()
+    x.scatter_add(1, index, reference).pow(2).sum().backward()
+    with gather_policy("error"):
+        out = aten.scatter_add.default(shard, 1, index, src)
+        with count_traffic() as traffic:
+            out.pow(2).sum().backward()
+    assert_all_ranks(torch.allclose(src.grad, reference.grad), "the source's gradient")
+    assert_all_ranks(traffic.received == 576, f"the backward received {traffic.as_dict()}")
+
+
+def test_a_plain_sources_gradient_is_one_all_reduce_of_the_read() -> None:
+    run_on_ranks(2, _source_gradient_body)

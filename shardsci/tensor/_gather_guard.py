@@ -20,12 +20,14 @@ the index names (NOTE [Gathers along a sharded dim go through a cached halo plan
 (a replicated index whose entries' owners go back, so that no split of the output holds each
 entry where its row lies: ``x[[5, 0]]``) counts whatever rows it reaches: every rank fetches
 every row the index names and holds the whole read, a layout split into fewer pieces than the
-input's, as if read from the input gathered (:func:`check_replicated_read`), in a forward. In a
-backward such a read is a formula's gradient of a scatter's source through that index (or the
-values it compares with that source: ``scatter_reduce``'s ``amax``), replicated over those
-axes as the forward held that source: a scatter through a replicated index takes a source
-split over them only where the gather through that index keeps them split, and its read is
-then not replicated (NOTE [Scatters through a replicated index write where they land]). It
+input's, as if read from the input gathered (:func:`check_replicated_read`), in a forward
+(a read through an index split over other axes, ``x[idx]`` with ``idx`` split where ``x`` is
+whole, keeps as many pieces as the input: only its fetch counts, as below). In a backward
+such a read is a formula's gradient of a scatter's source through that index (or the values
+it compares with that source: ``scatter_reduce``'s ``amax``), replicated over those axes as
+the forward held that source: a scatter through a replicated index takes a source split over
+them only where the gather through that index keeps them split, and its read is then not
+replicated (NOTE [Scatters through a replicated index write where they land]). It
 holds the layout of a forward input, chosen in the forward, as the backward of a
 redistribution returns (``tests/test_scatter_replicated_index.py``: aten-level scatters from
 a plain source that needs a gradient, under ``"error"``). Where a fetch
@@ -460,23 +462,26 @@ def check_fetch(spec: ShardTensorSpec, dim: int, rows: Iterable[tuple[int, int]]
         _enforce(ops, "the rows an index reads", spec, whole, _bytes_of(spec), before, after)
 
 
-def check_replicated_read(source: ShardTensorSpec, read: ShardTensorSpec) -> None:
+def check_replicated_read(source: ShardTensorSpec, read: ShardTensorSpec) -> bool:
     """Apply the policy to a read through an index from a tensor laid out as ``source`` whose
     output, laid out as ``read``, is replicated over the axes that split the indexed dim,
     before its rows move: nothing unless the read holds elements, is split into fewer pieces
     than ``source`` and is made in a forward (NOTE [Gathers an op was not asked to make]: a
     backward formula's read is the gradient of a scatter's source, which the forward held
-    replicated over those axes)."""
+    replicated over those axes). Returns whether the policy was applied (False under
+    ``"allow"`` with no recorder)."""
     ops = _THREAD.ops
     if not ops or (_POLICY[0] == "allow" and not _RECORDERS):
-        return
+        return False
     if ops[-1] is _ASKED or ops[-1] in _VALUE_READS or math.prod(read.shape) == 0:
-        return
+        return False
     if _current_autograd_node() is not None:
-        return
-    if _pieces(read) < _pieces(source):
-        before, after = _largest_shard(source), _largest_shard(read)
-        _enforce(ops, "a read through an index", source, read, _bytes_of(read), before, after)
+        return False
+    if _pieces(read) >= _pieces(source):
+        return False
+    before, after = _largest_shard(source), _largest_shard(read)
+    _enforce(ops, "a read through an index", source, read, _bytes_of(read), before, after)
+    return True
 
 
 def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTensorSpec | None:

@@ -51,7 +51,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardsci.tensor._caches import BoundedCache, register_cache
-from shardsci.tensor._collectives import AxisGroup, exchange
+from shardsci.tensor._collectives import AxisGroup, all_reduce, exchange
 
 __all__ = [
     "GatherPlan",
@@ -416,6 +416,26 @@ class _HaloReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         return extended_rows(grad.contiguous(), ctx.plan, ctx.dim), None, None
+
+
+class _SummedRead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, read: torch.Tensor, plan: GatherPlan):  # type: ignore[override]
+        return all_reduce(read, plan.group, "sum")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        # Every rank holds the whole output gradient: its own entries' share is complete.
+        return grad, None
+
+
+def summed_read(read: torch.Tensor, plan: GatherPlan) -> torch.Tensor:
+    """The sum over the plan's group of each rank's ``read``, which holds the entries of its
+    own rows and zeros for the others: the whole read, on every rank of the group, by one
+    all-reduce instead of a fetch of the rows (:func:`halo_extend` with
+    ``replicated_output``). Differentiable; as there, the output's gradient is the same on
+    every rank of the group."""
+    return _SummedRead.apply(read, plan)
 
 
 def halo_extend(

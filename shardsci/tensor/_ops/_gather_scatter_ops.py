@@ -12,11 +12,12 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   (else replicated over its axes); each rank receives only the remote rows its part of the
   output names (NOTE [A gather through a replicated index keeps the input's layout]); so
   does ``gather`` through an index split like the input on its other dims and whole over
-  the gathered dim's axes (``x.gather(0, x.argmax(0, keepdim=True))`` on a 2x2 mesh); a
-  scatter through one (the scatter and ``index_*`` families,
-  ``index_put`` and aten's ``_unsafe_masked_index_put_accumulate``, ``index_fill``) writes,
-  without communication, into a destination sharded on any dims (NOTE [Scatters through a
-  replicated index write where they land]);
+  the gathered dim's axes (``x.gather(0, x.argmax(0, keepdim=True))`` on a 2x2 mesh), and
+  ``x[idx]`` or ``index_select`` through an index split over axes that split no dim of the
+  input (its output split there on the index's dims); a scatter through one (the scatter
+  and ``index_*`` families, ``index_put`` and aten's ``_unsafe_masked_index_put_accumulate``,
+  ``index_fill``) writes, without communication, into a destination sharded on any dims
+  (NOTE [Scatters through a replicated index write where they land]);
 - scatters run locally when every index value is owned by the rank that holds it (as for a
   graph's destinations); otherwise they write through the index into the rows this rank owns
   plus its halo, and the halo rows travel back to their owners, where sum and mean add them
@@ -58,6 +59,7 @@ from shardsci.tensor._gather_plan import (
     halo_extend,
     halo_reduce,
     rows_sent_home,
+    summed_read,
     summed_rows,
 )
 from shardsci.tensor._ops._common import (
@@ -256,6 +258,8 @@ def _getitem(func, args, kwargs):
         index = index.nonzero().squeeze(1)
     if _replicated_index(index) is not None:
         return _through_replicated(func, a.self, dim, index, cell_wise=False)
+    if _split_index(a.self, dim, index, cell_wise=False):
+        return _through_replicated(func, a.self, dim, index, cell_wise=False, split=True)
     indexed = _indexed(a.self, dim, index)
     if indexed is None:
         return NotImplemented
@@ -276,9 +280,15 @@ def _is_plain_mask(index: object) -> bool:
 def _index(func, args, kwargs):
     """Aten's ``x[:, ..., idx]`` (replicated integer indices or boolean masks after leading
     ``None``, ``_advanced_indices``; the gradient of ``index_put``'s values, a decomposed
-    ``x[idx]``): one index as ``x[idx]`` above; several (``x[i, j]``, a 2-D mask) by
-    ``_cells_read``. Anything else takes the default path."""
+    ``x[idx]``): one index as ``x[idx]`` above (a ShardTensor index too, ``_split_index``);
+    several (``x[i, j]``, a 2-D mask) by ``_cells_read``. Anything else takes the default
+    path."""
     a = bind(func, args, kwargs)
+    first = next((k for k, i in enumerate(a.indices) if i is not None), len(a.indices))
+    index = a.indices[first] if first == len(a.indices) - 1 else None
+    if _split_index(a.self, first, index, cell_wise=False):
+        getitem = torch.Tensor.__getitem__
+        return _through_replicated(getitem, a.self, first, index, cell_wise=False, split=True)
     advanced = _advanced_indices(a.indices, a.self)
     if advanced is None or not accepts(a.self):
         return NotImplemented
@@ -422,6 +432,10 @@ def _index_select(func, args, kwargs):
         if index.ndim > 1:
             return NotImplemented
         return _through_replicated(func, a.input, a.dim, index.reshape(-1), cell_wise=False)
+    if _split_index(a.input, a.dim, a.index, cell_wise=False):
+        if a.index.ndim != 1:
+            return NotImplemented
+        return _through_replicated(func, a.input, a.dim, a.index, cell_wise=False, split=True)
     indexed = _indexed(a.input, a.dim, a.index)
     if indexed is None or indexed.index.ndim > 1:
         return NotImplemented
@@ -456,7 +470,7 @@ def _gather(func, args, kwargs):
         return _through_replicated(
             func, a.input, a.dim, a.index, cell_wise=True, probe=(args, kwargs)
         )
-    if _split_like_input(a.input, a.dim, a.index):
+    if _split_index(a.input, a.dim, a.index, cell_wise=True):
         return _through_replicated(
             func, a.input, a.dim, a.index, cell_wise=True, probe=(args, kwargs), split=True
         )
@@ -487,16 +501,27 @@ def _gather(func, args, kwargs):
 # (``check_replicated_read``); so is a fetch, through a replicated or a sharded index, that
 # leaves a rank holding every row of the gathered dim, at least half of them fetched
 # (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
-# index, so every rank raises alike. ``gather`` through an index already split so, as ``x``'s
-# other dims cut at its extent and whole over the gathered dim's axes (an ``argmax`` of ``x``
-# with ``keepdim``), reads the same way: each group of ranks along those axes holds its part
-# of the index whole, which is all it would read of a replicated one; one all-reduce over the
-# mesh shares the range check and, for ``check_fetch``, every group's rows fetched
-# (``_agreed_rows``). A row of the rank's block is the unit that moves: for
+# index, so every rank raises alike, naming its first entry out of range
+# (``_first_out_of_range``). ``gather`` through an index already split so, as ``x``'s other
+# dims cut at its extent and whole over the gathered dim's axes (an ``argmax`` of ``x`` with
+# ``keepdim``), reads the same way: each group of ranks along those axes holds its part of the
+# index whole, which is all it would read of a replicated one; so do ``x[idx]`` and
+# ``index_select`` through an index split over axes that split no dim of ``x``, their output
+# split like the index on its dims and replicated over the read dim's axes, ``x``'s gradient
+# summed over the index's axes (each group read a different part). One all-reduce over the
+# mesh shares the range check, naming the entry of least position in the whole index as a
+# replicated one would, and, for ``check_fetch``, every rank's rows fetched (``_agreed_rows``).
+# A selection through an index split over an axis that splits another dim of ``x`` is not
+# served (its output would be split over that axis on two dims): it takes the default path.
+# A row of the rank's block is the unit that moves: for
 # ``x[idx]`` and ``index_select`` that is the byte bound of the output's layout; ``gather``
 # reads single cells of those rows, so it may receive more than the cells it reads (for a
 # random index, up to the remote part of its block's rows, never more than gathering ``x``
-# would). The
+# would). A read replicated over the gathered dim's axes is instead the sum over them of
+# what each rank reads of its own rows (zeros where the index names another's), one
+# all-reduce of the read (``summed_read``), where that moves fewer bytes than the fetch onto
+# the rank of the group that receives most (``_summing_is_cheaper``): a few cells of wide
+# rows, as a backward formula's read of a scatter's gradient through its index. The
 # backward is the plan's adjoint (the halo rows go home); at the aten level, torch's
 # ``scatter_add``, ``index_add`` or accumulating ``index_put`` of the gradient into the zeros
 # it makes (sharded like the input, ``_factory_ops``) takes ``_added_through_replicated``.
@@ -527,15 +552,16 @@ class _Reading:
 
 def _reading(
     func, x: ShardTensor, dim: int, index: torch.Tensor, *, cell_wise: bool,
-    shape: tuple[int, ...] | None = None,
+    split: ShardTensorSpec | None = None,
 ) -> _Reading:  # fmt: skip
     """How this rank reads ``x`` through the replicated ``index`` along ``dim`` (non-negative,
     checked in range on every rank alike): ``gather`` (``cell_wise``: the index has ``x``'s
-    dims) or a selection (the index's dims replace ``dim``). ``shape``: the index's global
-    shape when ``index`` is already this rank's part of one split like ``x`` on the other
-    dims (``_split_like_input``), which is then not cut again."""
+    dims) or a selection (the index's dims replace ``dim``). ``split``: the index's layout
+    when ``index`` is this rank's part of one whole over ``dim``'s axes (``_split_index``),
+    which is then not cut again; a selection's output is split like it on the index's dims
+    and replicated over ``dim``'s axes."""
     spec, extent = x._spec, x.shape[dim]
-    split, shape = shape is not None, shape or tuple(index.shape)
+    shape = tuple(index.shape) if split is None else tuple(split.shape)
     shape = shape if cell_wise else (*x.shape[:dim], *shape, *x.shape[dim + 1 :])
     starts, local_sizes = spec.local_offsets(), spec.local_shape()
     placements = [Replicate()] * spec.mesh.ndim
@@ -555,21 +581,26 @@ def _reading(
             continue
         n = shape[d]  # gather reads position i along d from x's position i
         shard_output(d, sharding.axes, sizes_at_extent(sharding.sizes, n))
-        if split:
+        if split is not None:
             continue
         begin = min(starts[d], n)
         index = index.narrow(d, begin, min(starts[d] + local_sizes[d], n) - begin)
+    if split is not None and not cell_wise:
+        for sharding in split.shardings:
+            shard_output(dim + sharding.dim, sharding.axes, sharding.sizes)
     plan, sliced = None, None
     if dim in spec.sharding_by_dim:
         sharding, group, group_starts = dim_layout(spec, dim)
-        counts = None if cell_wise else _owned_runs(index, sharding.sizes, group_starts, extent)
+        runs = not cell_wise and split is None  # a split index's groups would hold other runs
+        counts = _owned_runs(index, sharding.sizes, group_starts, extent) if runs else None
         if counts is not None:  # each rank reads its own rows only
             shard_output(dim, sharding.axes, counts)
             before = sum(counts[: group.index])
             local = index[before : before + counts[group.index]] - group_starts[group.index]
             return _Reading(local, None, False, _built(spec, placements, shape, sizes, order))
         sliced = dim if cell_wise else 0
-        if (not cell_wise and index.ndim != 1) or index.shape[sliced] != extent:
+        selection_cut = index.ndim == 1 and split is None  # a split index's parts are not cut
+        if (not cell_wise and not selection_cut) or index.shape[sliced] != extent:
             sliced = None
         plan = gather_plan(
             index, sharding.sizes, group, replicated=True, sliced=sliced, what=func.__name__
@@ -625,52 +656,108 @@ def _through_replicated(
     """``gather`` (``cell_wise``: the index has ``x``'s dims) or ``x[index]`` /
     ``index_select`` (the index's dims replace ``dim``) through a replicated index (NOTE [A
     gather through a replicated index keeps the input's layout]); ``probe``: the call's
-    ``(args, kwargs)``, for torch's errors on shapes; ``split``: ``gather`` through an index
-    split like ``x`` on its other dims (``_split_like_input``)."""
+    ``(args, kwargs)``, for torch's errors on shapes; ``split``: through a ShardTensor index
+    whole over ``dim``'s axes (``_split_index``), each group of ranks along them reading
+    through its part."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
         return NotImplemented
     if probe is not None:
         probe_on_meta(func, *probe)  # torch's errors for shapes and dtypes, on every rank
     dim = dim % x.ndim
-    held = None
+    rows, held = x.to_local(), None
     if split:
-        shape, index = tuple(index.shape), index.to_local()
-        in_range = not bool(((index < 0) | (index >= x.shape[dim])).any())
-        reading = _reading(func, x, dim, index, cell_wise=True, shape=shape) if in_range else None
-        held = _agreed_rows(func, x._spec, dim, shape, reading)
+        layout, index = index._spec, index.to_local()
+        if func is torch.Tensor.__getitem__:  # Python's negative positions
+            index = torch.where(index < 0, index + x.shape[dim], index)
+        if not cell_wise:  # x is whole over the index's axes, each group reading its part
+            rows = x.to_local(grad_placements=_summed_over(x._spec, sharding_axes(layout)))
+        bad = _first_out_of_range(index, x.shape[dim])
+        reading = None
+        if bad is None:
+            reading = _reading(func, x, dim, index, cell_wise=cell_wise, split=layout)
+        summed = reading is not None and _summing_is_cheaper(rows, dim, reading, cell_wise)
+        fetched = None if reading is None or summed or reading.plan is None else reading.plan
+        checked = not cell_wise or layout.shape[dim] == x.shape[dim]  # check_fetch's rows
+        held = _agreed_rows(func, x._spec, dim, layout, bad, fetched, rows=checked)
     else:
         index = _checked_index(func, x, dim, index)
         reading = _reading(func, x, dim, index, cell_wise=cell_wise)
-    rows = x.to_local()
+        summed = _summing_is_cheaper(rows, dim, reading, cell_wise)
+        if reading.plan is not None and not reading.replicated:
+            held = (
+                _rows_held_by_coordinate(x._spec, dim, index)
+                if cell_wise and len(x._spec.shardings) > 1
+                else _rows_held(x._spec.sharding_by_dim[dim].sizes, reading.plan)
+            )
     if reading.plan is not None:
-        if reading.replicated:
-            check_replicated_read(x._spec, reading.spec)
-        else:
-            if held is None:
-                held = (
-                    _rows_held_by_coordinate(x._spec, dim, index)
-                    if cell_wise and len(x._spec.shardings) > 1
-                    else _rows_held(x._spec.sharding_by_dim[dim].sizes, reading.plan)
-                )
+        counted = reading.replicated and check_replicated_read(x._spec, reading.spec)
+        if held is not None and not counted:
             check_fetch(x._spec, dim, held)
+        if summed:
+            out = summed_read(_owned_entries(rows, dim, reading, cell_wise), reading.plan)
+            return from_local_spec(out, reading.spec.with_dtype(out.dtype))
         rows = halo_extend(rows, reading.plan, dim, replicated_output=reading.replicated)
     local = reading.index
     out = rows.gather(dim, local) if cell_wise else rows[(slice(None),) * dim + (local,)]
     return from_local_spec(out, reading.spec.with_dtype(out.dtype))
 
 
-def _split_like_input(x: object, dim: int, index: object) -> bool:
-    """Whether ``gather`` from ``x`` along ``dim`` takes an index split as ``x``'s other dims
-    cut at the index's extent and whole over every other axis (``x.gather(0,
-    x.argmax(0, keepdim=True))`` on a 2x2 mesh): each group of ranks along ``dim``'s axes
-    holds one part of the index, whole among them, and reads through it as through a
-    replicated index (NOTE [A gather through a replicated index keeps the input's layout])."""
+def _summing_is_cheaper(rows: torch.Tensor, dim: int, reading: _Reading, cell_wise: bool) -> bool:
+    """Whether a read replicated over ``dim``'s axes (NOTE [A gather through a replicated
+    index keeps the input's layout]) moves fewer bytes as one all-reduce of what each rank
+    reads of its own ``rows`` (``summed_read``: a ring's ``2 (n - 1) / n`` of the read) than
+    as the fetch of the whole remote rows it names onto the rank that receives most (a cell
+    of each for ``gather``): the same answer on every rank of the group, which reads the
+    same index into the same other dims' ranges. Not for complex values."""
+    plan = reading.plan
+    if plan is None or not reading.replicated or rows.is_complex():
+        return False
+    per_row = math.prod(n for d, n in enumerate(rows.shape) if d != dim)
+    fetched = max(sum(counts) for counts in plan.halo_counts) * per_row
+    read = reading.index.numel() * (1 if cell_wise else per_row)
+    return 2 * (plan.group.size - 1) * read < plan.group.size * fetched
+
+
+def _owned_entries(
+    rows: torch.Tensor, dim: int, reading: _Reading, cell_wise: bool
+) -> torch.Tensor:
+    """The read through ``reading``'s index of this rank's own ``rows`` along ``dim``, zeros
+    where it names another rank's rows: this rank's term of ``summed_read``."""
+    plan, local = reading.plan, reading.index
+    inside = local < plan.owned  # the plan numbers a rank's own rows first
+    if plan.owned == 0:  # a row of zeros to read, so that the read stays connected to ``rows``
+        rows = torch.cat(
+            [rows, rows.new_zeros([1 if d == dim else n for d, n in enumerate(rows.shape)])], dim
+        )
+    own = torch.where(inside, local, 0)
+    if cell_wise:
+        read = rows.gather(dim, own)
+    else:
+        read = rows[(slice(None),) * dim + (own,)]
+        inside = inside.reshape((1,) * dim + tuple(inside.shape) + (1,) * (rows.ndim - dim - 1))
+    return torch.where(inside, read, read.new_zeros(()))
+
+
+def _split_index(x: object, dim: int, index: object, *, cell_wise: bool) -> bool:
+    """Whether a read from ``x``, split along ``dim``, takes the ShardTensor ``index`` split
+    over other mesh axes, whole over ``dim``'s: for ``gather`` (``cell_wise``), split as
+    ``x``'s other dims cut at the index's extent (``x.gather(0, x.argmax(0, keepdim=True))``
+    on a 2x2 mesh); for a selection (``x[index]``, ``index_select``), over axes that split no
+    dim of ``x`` (its output is split there on the index's dims). Each group of ranks along
+    ``dim``'s axes holds one part of the index, whole among them, and reads through it as
+    through a replicated index (NOTE [A gather through a replicated index keeps the input's
+    layout]). A selection through an index split over an axis that splits another dim of
+    ``x`` is not one: its output would be split over that axis on two dims."""
     if not isinstance(x, ShardTensor) or not isinstance(index, ShardTensor) or x.ndim == 0:
         return False
     spec, layout, dim = x._spec, index._spec, dim % x.ndim
     if index.dtype not in _INDEX_DTYPES or layout.mesh != spec.mesh or layout.partial:
         return False
-    if dim not in spec.sharding_by_dim or index.ndim != x.ndim or not layout.shardings:
+    if dim not in spec.sharding_by_dim or not layout.shardings:
+        return False
+    if not cell_wise:
+        return not sharding_axes(layout) & sharding_axes(spec)
+    if index.ndim != x.ndim:
         return False
     wanted = {
         s.dim: (s.axes, sizes_at_extent(s.sizes, index.shape[s.dim]))
@@ -681,30 +768,71 @@ def _split_like_input(x: object, dim: int, index: object) -> bool:
 
 
 def _agreed_rows(
-    func, spec: ShardTensorSpec, dim: int, shape: tuple[int, ...], reading: _Reading | None
-) -> list[tuple[int, int]] | None:
-    """For ``gather`` from ``x`` (laid out as ``spec``) through an index of ``shape`` split
-    like ``x`` on its other dims, ``reading`` this rank's part of it (None: an entry outside
-    ``dim``'s extent): an ``IndexError`` on every rank alike when any rank's part is out of
-    range, and, for an output of ``x``'s extent along ``dim``, the ``(rows owned, rows held
-    after the fetch)`` of ``dim`` on every rank of the mesh, for ``check_fetch`` (else None).
-    Each rank knows its own group's part of both (the groups along ``dim``'s axes read
-    different parts of the index); one all-reduce over the mesh shares them."""
-    extent, ranks = spec.shape[dim], spec.mesh.mesh.flatten().tolist()
-    sliced = shape[dim] == extent
-    shared = torch.zeros(1 + 2 * len(ranks) * sliced, dtype=torch.int64)
-    shared[0] = reading is None
-    if sliced and reading is not None:
-        sharding, group, _ = dim_layout(spec, dim)
-        for rank, rows in zip(group.global_ranks, _rows_held(sharding.sizes, reading.plan)):
-            at = 1 + 2 * ranks.index(rank)
-            shared[at : at + 2] = torch.tensor(rows)
+    func, spec: ShardTensorSpec, dim: int, layout: ShardTensorSpec,
+    bad: tuple[int, int] | None, fetch: GatherPlan | None, *, rows: bool,
+) -> list[tuple[int, int]] | None:  # fmt: skip
+    """For a read from ``x`` (laid out as ``spec``) along ``dim`` through an index laid out as
+    ``layout``, whole over ``dim``'s axes (``_split_index``), of which this rank's part holds
+    ``bad``, the ``(flat position, value)`` of its first entry outside ``dim``'s extent
+    (``_first_out_of_range``), or None: torch's ``IndexError`` on every rank alike, naming the
+    entry of least position in the whole index, as ``_check_in_range`` would. Else, with
+    ``rows``, the ``(rows owned, rows held after the fetch)`` of ``dim`` on every rank of the
+    mesh, for ``check_fetch`` (a rank that fetches nothing, ``fetch`` None, holds none more).
+    Each rank knows its own part of both (the groups along ``dim``'s axes read different parts
+    of the index); one all-reduce over the mesh shares them: one number for the range
+    (``_ranked``), then, with ``rows``, one per rank."""
+    ranks = spec.mesh.mesh.flatten().tolist()
+    shared = torch.full((1 + len(ranks) * rows,), -1, dtype=torch.int64)
+    if bad is not None:
+        shared[0] = _ranked(_global_position(layout, bad[0]), bad[1])
+    elif rows and fetch is not None:
+        shared[1 + ranks.index(spec.mesh.get_rank())] = fetch.owned + fetch.halo
     shared = all_reduce(shared, axis_group(spec.mesh, tuple(range(spec.mesh.ndim))), "max")
-    if shared[0]:
-        raise IndexError(f"{func.__name__}: an index is out of bounds for dim {dim} with size "
-                         f"{extent}")  # fmt: skip
-    rows = shared[1:].tolist()
-    return list(zip(rows[::2], rows[1::2])) if sliced else None
+    if shared[0] >= 0:
+        raise _out_of_range(func, _unranked(int(shared[0])), dim, spec.shape[dim])
+    if not rows:
+        return None
+    coordinates = itertools.product(*map(range, spec.mesh_shape))  # the ranks' order above
+    owned = [spec.local_shape(c)[dim] for c in coordinates]
+    return [(n, max(n, held)) for n, held in zip(owned, shared[1:].tolist())]
+
+
+_WORD = 1 << 32
+
+
+def _ranked(position: int, value: int) -> int:
+    """A bad index entry as one non-negative int64 whose maximum over the ranks is the entry
+    of least position (below ``2**31``; the first ``2**31 - 1`` positions are told apart) and
+    carries its value (saturated to int32, ``_unranked``)."""
+    order = (1 << 31) - 1 - min(position, (1 << 31) - 1)
+    return order * _WORD + min(max(value, -(1 << 31)), (1 << 31) - 1) + (1 << 31)
+
+
+def _unranked(ranked: int) -> int | str:
+    """The value ``_ranked`` carries; beyond int32 by its bound (``">= 2147483647"``)."""
+    value = ranked % _WORD - (1 << 31)
+    if value == (1 << 31) - 1:
+        return f">= {value}"
+    return f"<= {value}" if value == -(1 << 31) else value
+
+
+def _global_position(layout: ShardTensorSpec, position: int) -> int:
+    """The row-major position in the whole tensor laid out as ``layout`` of the entry at
+    row-major ``position`` in this rank's part of it."""
+    coordinate = []
+    for n in reversed(layout.local_shape()):
+        position, at = divmod(position, n)
+        coordinate.append(at)
+    flat = 0
+    for at, offset, n in zip(reversed(coordinate), layout.local_offsets(), layout.shape):
+        flat = flat * n + offset + at
+    return flat
+
+
+def _summed_over(spec: ShardTensorSpec, axes: set[int]) -> list:
+    """``spec``'s placements with ``Partial`` on ``axes`` (over which it is replicated): the
+    gradient of a shard each rank along them read a different part of."""
+    return [Partial() if axis in axes else p for axis, p in enumerate(spec.placements)]
 
 
 def _rows_held_by_coordinate(
@@ -793,7 +921,7 @@ def _masked_by_dtensor(x: object, dim: int, index: object) -> bool:
     read ``x``'s rows there as a ``_MaskPartial``: an axis splits ``x`` along ``dim`` and the
     index is whole over it. shardsci's reductions do not have the mask that partial needs, so
     such a gather that no handler takes (an index split otherwise than ``x``'s other dims:
-    ``_split_like_input``) takes the gathered fallback; an index split over that axis lets
+    ``_split_index``) takes the gathered fallback; an index split over that axis lets
     DTensor reshard ``x`` like the index instead."""
     if not isinstance(x, ShardTensor) or x.ndim == 0:
         return False
@@ -1185,15 +1313,31 @@ def _check_in_range(func, index: torch.Tensor, dim: int, extent: int) -> None:
     """torch's ``IndexError`` for an index outside ``[0, extent)``, on every rank alike (every
     rank holds the whole index). On an accelerator, a device-side assert instead, without
     waiting for the device, as torch's own scatter kernels check their indices there."""
-    out_of_range = (index < 0) | (index >= extent)
     if index.device.type != "cpu":
         message = f"{func.__name__}: an index is out of bounds for dim {dim} with size {extent}"
-        torch.ops.aten._assert_async.msg(~out_of_range.any(), message)
+        in_range = ((index >= 0) & (index < extent)).all()
+        torch.ops.aten._assert_async.msg(in_range, message)
         return
-    if bool(out_of_range.any()):
-        bad = int(index[out_of_range][0])
-        raise IndexError(f"{func.__name__}: index {bad} is out of bounds for dim {dim} with size "
-                         f"{extent}")  # fmt: skip
+    bad = _first_out_of_range(index, extent)
+    if bad is not None:
+        raise _out_of_range(func, bad[1], dim, extent)
+
+
+def _first_out_of_range(index: torch.Tensor, extent: int) -> tuple[int, int] | None:
+    """``(flat position, value)`` of the first entry of ``index`` (row-major) outside
+    ``[0, extent)``, else None: what both routes name, the replicated one from the whole index
+    (``_check_in_range``), the split one from the part with the least position
+    (``_agreed_rows``)."""
+    outside = ((index < 0) | (index >= extent)).reshape(-1)
+    if not bool(outside.any()):
+        return None
+    position = int(outside.to(torch.uint8).argmax())  # the first True
+    return position, int(index.reshape(-1)[position])
+
+
+def _out_of_range(func, value: int, dim: int, extent: int) -> IndexError:
+    return IndexError(f"{func.__name__}: index {value} is out of bounds for dim {dim} with size "
+                      f"{extent}")  # fmt: skip
 
 
 def _index_by_owner(func, args, kwargs, a, scatter, *, in_place: bool) -> object:
