@@ -96,15 +96,19 @@ fitted at the two largest rank counts, where a rank already has peers on both si
 at 512 ranks) where the 2- and 4-rank fit gave ``939 + 16 (P - 1)`` (9,115). Collectives
 outside redistribution (graph gathers, scans, rings) still pack per peer that sends or receives
 something: the UNet's halos and the MeshGraphNet's graph exchanges grow with a rank's
-neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4; 3,041 and 3,221 on 2 and 4 parts), which this
+neighbours (3,333 ops on 2x2 ranks, 3,696 on 2x4, 2026-11-29 04:34 UTC; 1,659 and 1,838 on 2
+and 4 parts of 100 nodes, 19:40 UTC), which this
 law extrapolates as if they grew with ``P``. So the UNet's ops are also counted on 4x4 blocks:
 3,269 / 3,632 / 4,026 ops on 2x2 / 2x4 / 4x4 (2026-11-29 04:34 UTC) grow by 91 per added peer
 from 4 to 8 ranks and by 49 from 8 to 16, and a law fitted at 4 and 8 ranks put 51,338 ops in
 a step at 512 ranks where one fitted at 8 and 16 puts about 28,000 (still an overestimate
 while a rank's neighbours are bounded and its statistics, all-gathered at 16 ranks here, are
-all-reduced at 512). The MeshGraphNet's are counted on 16 parts too: 2,932 / 2,979 ops on 8 /
-16 parts of 100 nodes (04:41 UTC), 6 per added peer where 4 to 8 parts grew 72, since a METIS
-part of a 2-D mesh has a bounded number of neighbours: 5,893 ops at 512 ranks instead of 42,286.
+all-reduced at 512). The MeshGraphNet's are counted on 16 parts too, since a METIS part of a
+2-D mesh has a bounded number of neighbours: 2,127 / 2,174 ops on 8 / 16 parts of 100 nodes,
+both with 6 peers, where 4 parts had 3 (2026-11-29 19:40 UTC, as NCCL issues them,
+``benchmarks/records/2026-11-29-cost-model-remeasured/mgn_ops.json``; at 04:41, before main's
+host cuts, 2,932 / 2,979): 2,148 ops at 512 ranks by the law below (5,893 by the law of 04:41,
+42,286 by one that grew with every rank).
 The ops, and those of them the communication modules dispatch
 (``WorkCounter.communication_ops``), are therefore fitted as ``fixed + a messages + b peers``
 (``op_laws``) over the runs of more than 2 ranks (at 2 a rank has one side: the FNO's index op

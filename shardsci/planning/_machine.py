@@ -386,7 +386,22 @@ along W."""
 GLOO_HOST_S_PER_BYTE = 5.8e-10
 """Measured here (``benchmarks.calibrate``'s fit of every call's CPU time, 2026-11-29 03:24
 UTC, load 0.5, 35 calls of 256 B-4 MiB on 2 and 4 gloo ranks): 607 µs of CPU per MiB a rank
-receives (0 per call, 283 µs per ring step beside it)."""
+receives (0 per call, 283 µs per ring step beside it). Kept though later fits read more: 613
+µs at load 16-21 (2026-11-29 15:58 UTC), 972 and 919 at load 11-24 and 17-48 (18:45, 18:50):
+a copy's CPU grows with the other processes' load, which this figure, taken on a quiet
+machine, leaves out (``calibrate_steps`` scales it with the load it meets, NOTE [Host terms
+paired with the steps])."""
+
+
+GLOO_HOST_US_PER_COLLECTIVE_STEP = 243.0
+"""Measured here (``benchmarks.calibrate``'s fit of every call's CPU time, three fits on
+2026-11-29: 15:58 UTC at load 16-21, 18:45 at load 11-24 and 18:50 at load 17-48): a
+collective's CPU time is 0 / 0 / 29 µs a call plus 250 / 243 / 189 µs per ring step (the
+median of each), fitted with its bytes and with the all-to-alls' own terms
+(``benchmarks/records/2026-11-29-cost-model-remeasured``). The figures of 2026-11-28 (251 µs
+a call plus 375 µs a step, at load 7-11) came from a fit to calls up to 16 KiB without a term
+for bytes or for an all-to-all's peers: they priced a small all-reduce on 2 ranks at 1.0 ms
+where it costs 0.38-0.49 ms."""
 
 
 GLOO_HOST_US_PER_ALL_TO_ALL_PEER = 48.0
@@ -395,7 +410,10 @@ UTC, load 16-21): an all-to-all's CPU time is 0 a call plus 47.7 µs per other r
 group (NOTE [What an all-to-all posts]), from halo all-to-alls (a face to each neighbour) over
 2, 4 and 8 gloo ranks, median of 5 alternated rounds: 65 / 155 / 553 µs a call with 256 B
 faces (rounds 65-74 / 128-185 / 339-951, one round of the first -4), and whole all-to-alls on
-2 and 4 ranks; ring steps were priced 250 µs each by the same fit. Before it, a halo
+2 and 4 ranks; ring steps were priced 250 µs each by the same fit. Refitted at 18:45 and 18:50
+UTC (load 11-24 and 17-48): 45 µs a call plus 40.7 µs a peer, and 0 plus 58.0; the halo
+all-to-alls' rounds spread as widely (4 ranks, 256 B faces: 119-469 and 169-349 µs a call).
+Before it, a halo
 all-to-all over 4 ranks was priced as ring steps over the 3 ranks it connects (2 x 197 µs by
 the old fit on the same calls) and a round of halo messages 197 µs."""
 
@@ -413,9 +431,9 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
     loopback, one host. Compute and memory are shared equally by the ranks.
 
     Sources: the host figures are measured here (``benchmarks.host_overhead``; issuing a
-    collective: ``benchmarks.calibrate`` on 2026-11-28, 251 µs a call plus 375 µs a ring step
-    at load 7-11, fitted to calls up to 16 KiB; an all-to-all per rank of its group:
-    ``GLOO_HOST_US_PER_ALL_TO_ALL_PEER``; the bytes: ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
+    collective: ``GLOO_HOST_US_PER_COLLECTIVE_STEP`` a ring step and nothing a call; an
+    all-to-all per rank of its group: ``GLOO_HOST_US_PER_ALL_TO_ALL_PEER``; the bytes:
+    ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
     for one core of a 2020s x86 server (float32 convolutions through oneDNN on one thread; a
     loopback TCP message), FFTs at a fifth of the convolutions' rate as ``benchmarks.calibrate``
     measured (4.7 against 22.7 GFLOP/s), complex matmuls at ``COMPLEX_MATMUL_FLOPS_PER_S``
@@ -442,8 +460,8 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         gpus_per_node=max(ranks_here, 1),
         host_us_per_op=53.0 / share,
         plain_host_us_per_op=25.0 / share,
-        host_us_per_collective=250.0 / share,
-        host_us_per_collective_step=375.0 / share,
+        host_us_per_collective=0.0,
+        host_us_per_collective_step=GLOO_HOST_US_PER_COLLECTIVE_STEP / share,
         host_us_per_all_to_all=0.0,
         host_us_per_all_to_all_peer=GLOO_HOST_US_PER_ALL_TO_ALL_PEER / share,
         host_s_per_byte_received=GLOO_HOST_S_PER_BYTE / share,
