@@ -178,16 +178,30 @@ _ONE_HOLDER_SUM = Bug(
     r"^output \d+: layout: mesh axis \d+ is P\(sum\); expected Shard",
 )
 #: ``masked_select`` of a split tensor: the output is the selected elements in flat
-#: (row-major) order, its length the mask's count. Kept local it could be: with only the leading
-#: dim split each rank's selection is one run of the output (its size known to all by one
-#: all-gather of p counts); with another dim split the ranks' selections interleave in the flat
-#: order, and each element would move to the rank owning its output place (an all-to-all of at
-#: most what each rank selected). Neither is built: the input is gathered, and the guard says so.
+#: (row-major) order, its length the mask's count. With only the leading dim split each rank's
+#: selection is one run of the output, kept local (NOTE [A masked cell's number in row-major
+#: order] in ``shardsci/tensor/_ops/_masked_ops.py``); with another dim split the ranks'
+#: selections interleave in the flat order, and each element would move to the rank owning its
+#: output place (an all-to-all of at most what each rank selected). That is not built: the
+#: input is gathered, and the guard says so.
 _SELECTION_GATHERED = Bug(
-    "masked selection gathered",
-    "masked_select gathers its input (one all-gather; the guard reports it) where the "
-    "selected elements could stay with their owners: one run per rank with the leading dim "
-    "split (sizes by an all-gather of counts), an all-to-all into flat order otherwise",
+    "masked selection across blocks gathered",
+    "masked_select with a dim other than the leading one split gathers its input (one "
+    "all-gather; the guard reports it): the ranks' selections interleave in the output's "
+    "row-major order, and an all-to-all into that order is not built",
+    "gathered",
+    _GATHERED.message,
+)
+#: ``as_strided_scatter(x, src, size, stride, offset)`` writes ``src`` through strides over the
+#: whole tensor's contiguous storage: where each written element lands (which rank's block) is
+#: stride arithmetic over the global storage, not a layout of ``x``, and the source's gradient
+#: is read back through ``as_strided`` (gathered too). Each rank could write the elements
+#: landing in its block from a whole source with no communication; not built.
+_STRIDED_GATHERED = Bug(
+    "strided write over the whole storage gathered",
+    "as_strided_scatter addresses the global storage by strides: x is gathered whole (one "
+    "all-gather; the guard reports it), written, and returned replicated; its backward reads "
+    "the gradient through as_strided, gathered alike",
     "gathered",
     _GATHERED.message,
 )
@@ -359,8 +373,11 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     ),
     "as_strided_copy": (_GATHERED.cases((0,), ("4r-empty", "4r-random")),),
     "as_strided_scatter": (
-        _GATHERED.cases((0,), ("4r-empty", "4r-random")),
-        _GATHERED.cases((2,), ("2r-uneven", "2x2-uneven", "2x2-last")),
+        _STRIDED_GATHERED.cases((0, 1), ("4r-empty", "4r-random")),
+        _STRIDED_GATHERED.cases(
+            (2, 3, 4), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")
+        ),
+        _STRIDED_GATHERED.cases((5, 6), ("2r-uneven", "4r-empty", "4r-random")),
     ),
     "block_diag": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty")),
@@ -481,9 +498,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "lu_unpack": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "masked_scatter": (
-        _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
     "_unsafe_masked_index": (
         Accepted(
             GATHERED_LAYOUT,
@@ -499,8 +513,8 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         ),
     ),
     "masked_select": (
-        _SELECTION_GATHERED.cases((0, 1, 5), ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last")),
-        _SELECTION_GATHERED.cases((3,), ("2r-uneven", "2x2-uneven")),
+        _SELECTION_GATHERED.cases((0, 1, 5), ("2x2-uneven", "2x2-last")),
+        _SELECTION_GATHERED.cases((3,), ("2x2-uneven",)),
     ),
     "matrix_exp": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),

@@ -95,6 +95,34 @@ CASES = {
         [Layout((Shard(0), Shard(1), Shard(2)), {0: (1, 1), 1: (1, 2), 2: (0, 6)})],
         None,
     ),
+    "2r-max-dim": (
+        (2,),
+        lambda t: tuple(t.max(0)),
+        [(6, 4)],
+        [ROWS_HELD],
+        [parse("S0; 0=4/0")] * 2,
+    ),
+    "2r-min-dim-keepdim": (
+        (2,),
+        lambda t: tuple(t.min(0, keepdim=True)),
+        [(6, 4)],
+        [ROWS_HELD],
+        [parse("S0; 0=1/0")] * 2,
+    ),
+    "4r-empty-max-dim": (
+        (4,),
+        lambda t: tuple(t.max(0)),
+        [(6, 4)],
+        [Layout((Shard(0),), {0: (0, 6, 0, 0)})],
+        [parse("S0; 0=0/4/0/0")] * 2,
+    ),
+    "2x2-max-dim": (
+        (2, 2),
+        lambda t: tuple(t.max(1)),
+        [(4, 6)],
+        [Layout((Shard(0), Shard(1)), {0: (2, 2), 1: (6, 0)})],
+        [parse("S0,S0; 0[1,0]=2/2/0/0")] * 2,
+    ),
     "2r-slice-tokens": (
         (2,),
         _slice_tokens,
@@ -110,7 +138,9 @@ def _body(name: str) -> None:
     mesh = get_mesh(mesh_shape)
     torch.manual_seed(0)
     inputs = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
-    out_layouts = None if expected is None else [expected]
+    out_layouts = (
+        None if expected is None else expected if isinstance(expected, list) else [expected]
+    )
     with gather_policy("error"):
         check_against_reference(fn, inputs, layouts, mesh, out_layouts=out_layouts, what=name)
     shards = []
@@ -120,7 +150,8 @@ def _body(name: str) -> None:
     with gather_policy("allow"), count_traffic() as forward:
         out = fn(*shards)
     with gather_policy("allow"), count_traffic() as backward:
-        torch.autograd.grad(out.to_local().sum(), shards)
+        values = out[0] if isinstance(out, tuple) else out
+        torch.autograd.grad(values.to_local().sum(), shards)
     assert_all_ranks(
         forward.received == 0 and backward.received == 0,
         f"{name}: received {forward.received} B forward, {backward.received} B backward",

@@ -68,10 +68,14 @@ OPS = {
 
 # A max or min over a dim one rank holds whole stays with that rank (NOTE [A sum over a dim one
 # rank holds stays with that rank] in ``_ops/_common.py``), on the reduced dim where it is
-# kept, else the first dim; a 0-d one stays pending.
+# kept, else the first dim; a 0-d one stays pending. ``torch.max``/``torch.min`` with a dim
+# too (values and indices); aten's overloads called directly keep the all-reduced values (their
+# backward scatters through the indices, which a held index layout would make gather).
 KEPT_BY_HOLDER = {
     ("2r-one-holder", "amax(0)"): Layout((Shard(0),), {0: (5, 0)}),
     ("2r-one-holder", "amin(0, keepdim)"): Layout((Shard(0),), {0: (1, 0)}),
+    ("2r-one-holder", "max(0)"): Layout((Shard(0),), {0: (5, 0)}),
+    ("2r-one-holder", "min(0, keepdim)"): Layout((Shard(0),), {0: (1, 0)}),
 }
 
 

@@ -18,6 +18,7 @@ from shardsci.tensor._ops import (
     _index_ops,  # noqa: F401
     _interpolate_ops,  # noqa: F401
     _loss_ops,  # noqa: F401
+    _masked_ops,  # noqa: F401
     _matmul_ops,  # noqa: F401
     _norm_ops,  # noqa: F401
     _pad_ops,  # noqa: F401

@@ -181,11 +181,12 @@ def sizes_at_extent(sizes: Sequence[int], extent: int) -> tuple[int, ...]:
 # Where: ``_matmul_ops`` (einsum, matmul, linear, bmm: NOTE [A product of held operands runs
 # on their holder]; ``aten.mm`` over split columns: ``held_by_one``) and ``_reduction_ops``
 # (``sum``, ``amax``, ``amin``, hence mean, var, logsumexp and softmax; with ``keepdim`` each
-# held dim carries its own axes). Such a layout is kept by what follows where the op's rule
-# sees the held axes as "the whole dim, on the holder" (NOTE [A dim one rank holds is whole
-# on that rank] in ``_held``): the statistic meeting its input (NOTE [A pointwise op on held
-# operands runs on their holder] in ``_propagation``), ``expand`` (the sum's backward) and
-# ``squeeze`` of a held dim of extent 1 (``_view_ops``).
+# held dim carries its own axes; ``max``/``min`` with a dim, values and indices alike, by
+# torch's own kernel on the holder: ``_held_extremes``). Such a layout is kept by what follows
+# where the op's rule sees the held axes as "the whole dim, on the holder" (NOTE [A dim one
+# rank holds is whole on that rank] in ``_held``): the statistic meeting its input (NOTE [A
+# pointwise op on held operands runs on their holder] in ``_propagation``), ``expand`` (the
+# sum's backward) and ``squeeze`` of a held dim of extent 1 (``_view_ops``).
 # Pending reductions whose value is one rank's term where the others' are their identity.
 _ONE_TERM_REDUCTIONS = frozenset({"sum", "max", "min"})
 

@@ -1,7 +1,8 @@
 """Ops computed on the whole tensor, gathered onto every rank: the documented fallback.
 
 These ops have no layout a sharded input could keep: their output's size depends on the
-values (``nonzero``, ``masked_select``, ``unique``, ``linalg.lstsq``), or every output element
+values (``nonzero``, ``unique``, ``linalg.lstsq``; ``masked_select`` and ``masked_scatter``
+where ``_masked_ops`` declines), or every output element
 may depend on every input element in an order the shards do not follow (``as_strided``
 views that are not views of the layout, pairwise distances,
 histograms, a hash, segment reductions, ``block_diag``, bilinear forms, the margin and CTC
@@ -33,7 +34,6 @@ GATHERED = (
     # dynamic output shapes
     aten.nonzero,
     aten.nonzero_static,
-    aten.masked_select,
     aten.masked_select_backward,
     aten._unique2,
     aten.unique_dim,
@@ -45,8 +45,6 @@ GATHERED = (
     aten.as_strided,
     aten.as_strided_copy,
     aten.as_strided_scatter,
-    aten.masked_scatter,
-    aten.masked_scatter_backward,
     # every output from every input
     aten._pdist_forward,
     aten._pdist_backward,

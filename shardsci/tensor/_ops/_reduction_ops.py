@@ -33,6 +33,7 @@ from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import axis_group, exchange
 from shardsci.tensor._dispatch import local_of, run_with_propagation
+from shardsci.tensor._held import held_axes
 from shardsci.tensor._ops._common import (
     accepts,
     connected_empty,
@@ -253,7 +254,9 @@ def _max_min_along(func, args, kwargs):
     if not isinstance(a.input, ShardTensor) or not isinstance(a.dim, int):
         return NotImplemented
     largest = func in (torch.max, torch.Tensor.max)
-    found = _values_and_indices(a.input, a.dim, bool(a.keepdim), largest)
+    found = _held_extremes(a.input, a.dim, bool(a.keepdim), largest)
+    if found is None:
+        found = _values_and_indices(a.input, a.dim, bool(a.keepdim), largest)
     if found is NotImplemented:
         return NotImplemented
     return torch.return_types.max(found) if largest else torch.return_types.min(found)
@@ -298,6 +301,38 @@ def _values_and_indices(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
     if not keepdim:
         values, indices = values.squeeze(dim), indices.squeeze(dim)
     return values, indices
+
+
+def _held_extremes(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
+    """``(values, indices)`` along a ``dim`` one rank holds whole, kept by that rank like a
+    sum (NOTE [A sum over a dim one rank holds stays with that rank] in ``_common``): torch's
+    own max or min on the holder, empty outputs elsewhere, no byte moved. None where no rank
+    holds ``dim`` whole or the output has no dim to carry the held axes (0-d). Above autograd
+    only: the values' gradient reaches the holder's cells through ``to_local``; below it,
+    ``max``'s backward would scatter through held indices, which ``aten.scatter`` gathers."""
+    dim = dim % max(x.ndim, 1)
+    if not accepts(x, sharded=[dim]) or x.shape[dim] == 0:
+        return None
+    spec = x._spec
+    sharding = spec.sharding_by_dim[dim]
+    held, _ = held_axes(sharding, spec.mesh_shape)
+    if held is None or held.axes != sharding.axes or (x.ndim == 1 and not keepdim):
+        return None
+    placement = Partial("max" if largest else "min")
+    pending = reduced_spec(spec, dim, keepdim, x.dtype, placement)
+    first = (dim,) if keepdim else ()
+    out_spec, _ = held_by_one(pending, ((sharding.axes, sharding.sizes),), first)
+    local = x.to_local()
+    if local.shape[dim] == 0:
+        shape = list(out_spec.local_shape())
+        values = connected_empty(shape, local, local)
+        indices = torch.zeros(shape, dtype=torch.int64, device=local.device)
+    else:
+        values, indices = (torch.max if largest else torch.min)(local, dim, keepdim=keepdim)
+    return (
+        from_local_spec(values, out_spec),
+        ShardTensor(indices, out_spec.with_dtype(torch.int64)),
+    )
 
 
 def _best_of(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:
