@@ -1,7 +1,7 @@
 """The training command's rank body on the rank pool, for tests whose subject is what a run
 computes rather than how the command starts it.
 
-A ``train.py`` process costs its own start-up (``import shardsci.train``, about 6.6 s of CPU
+A ``train.py`` process costs its own start-up (``import shardsci.train``, about 5.3 s of CPU
 here, then forking its ranks); a pool rank has paid it once for the whole suite. The body below
 does on each pool rank what ``train_recipe`` does on a rank that ``train.py`` forked, in the
 pool's process group instead of a new one, so its losses, metrics and checkpoints are those of

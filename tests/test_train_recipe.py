@@ -278,7 +278,7 @@ def slurm() -> None:
 
 def test_the_recipe_runs_as_an_sbatch_job(slurm: None, dataset: Path, tmp_path: Path) -> None:
     """``scripts/slurm/train.sbatch`` with 2 tasks and mesh=1x2: every task is a process of
-    its own that pays the whole start-up (about 6.6 s of CPU), and SLURM's part (the launch
+    its own that pays the whole start-up (about 5.3 s of CPU), and SLURM's part (the launch
     detected from SLURM's variables) is the same for any number of tasks; a 2-D mesh under
     SLURM is the slow submitit test's (2x2), and through the command the short run's (2x2)."""
     run_dir = tmp_path / "run"

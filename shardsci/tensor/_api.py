@@ -29,6 +29,7 @@ from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
 from shardsci.tensor._torch_compat import Tensor_is_zerotensor, _make_wrapper_subclass
+from shardsci.tensor._torch_compile import allow_in_graph
 
 __all__ = ["ShardTensor", "from_local_spec", "grad_spec", "redistribute"]
 
@@ -395,12 +396,12 @@ class _ToLocal(torch.autograd.Function):
 # Calls dynamo puts into its graph whole, for AOTAutograd to trace the autograd Function
 # inside: dynamo's own trace of ``_FromLocal``/``_ToLocal`` fails with an internal error when
 # the spec holds a graph input (the mesh) (NOTE [torch.compile and ShardTensor]).
-@torch.compiler.allow_in_graph
+@allow_in_graph
 def _from_local(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     return _FromLocal.apply(local, spec)
 
 
-@torch.compiler.allow_in_graph
+@allow_in_graph
 def _to_local(x: ShardTensor, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:
     return _ToLocal.apply(x, grad_placements)
 

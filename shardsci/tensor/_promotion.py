@@ -87,7 +87,7 @@ from shardsci.tensor._torch_compat import (
     register_effectful_op,
     with_effects,
 )
-from shardsci.tensor._torch_compile import in_graph
+from shardsci.tensor._torch_compile import allow_in_graph, in_graph
 
 __all__ = [
     "GradientSink",
@@ -333,7 +333,7 @@ def _traced_key(spec: ShardTensorSpec) -> int:
     return _TRACED_SPECS.index(spec)
 
 
-@torch.compiler.allow_in_graph
+@allow_in_graph
 def _traced_promotion(tensor: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     return _TracedPromotion.apply(tensor, spec)
 

@@ -117,7 +117,10 @@ real one raises RuntimeError): ``tests/test_torch_compile_through.py``'s ``flatt
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -131,16 +134,13 @@ from shardsci.tensor._torch_compat import (
     _get_dispatch_mode,
     _TorchDispatchModeKey,
     disable_current_modes,
-    dynamo_config,
-    functorch_config,
     get_proxy_mode,
-    inductor_config,
     is_fake,
-    trace_rules,
 )
 
 __all__ = [
     "EagerUnderCompileWarning",
+    "allow_in_graph",
     "forget_eager_under_compile_warning",
     "graph_constant",
     "in_graph",
@@ -204,12 +204,69 @@ def graph_constant(plan: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def keep_dynamo_out(cls: type) -> None:
-    """Called once by ``shardsci.tensor`` with the ShardTensor class: the default."""
+    """Called once by ``shardsci.tensor`` with the ShardTensor class: the default, set in
+    dynamo's config when dynamo loads (NOTE [Dynamo is configured when it loads])."""
     global watching
-    dynamo_config.nontraceable_tensor_subclasses.add(cls)
-    trace_rules.add("shardsci.tensor")
     _state["kept_out"] = cls
     watching = not _warned
+    if "torch._dynamo" in sys.modules:
+        _configure_dynamo()
+
+
+def allow_in_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.allow_in_graph``, applied when dynamo loads (NOTE [Dynamo is
+    configured when it loads]); returns ``fn`` itself, as torch's does."""
+    _allowed_in_graph.append(fn)
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.allow_in_graph(fn)
+    return fn
+
+
+# NOTE [Dynamo is configured when it loads]
+# Importing torch._dynamo (and the inductor modules it imports) cost about 1 s of CPU, a
+# sixth of a rank's start-up (``import shardsci.train``: 6.3 s before, 5.3 s after, 2026-11-29,
+# benchmarks/records/2026-11-29-startup), which every rank of every run paid although only a
+# compiled run needs dynamo. So shardsci does not import it: what shardsci tells dynamo (ShardTensor
+# and ``shardsci.tensor`` on its skip lists, the ``allow_in_graph`` wrappers) is told by an
+# import hook when something imports torch._dynamo (torch.compile does, before it traces),
+# or at once where it is already imported. tests/test_compile.py checks that importing
+# shardsci's training command does not import dynamo, and that dynamo imported afterwards
+# keeps ShardTensor out and lets the wrappers in.
+_allowed_in_graph: list[Callable[..., Any]] = []
+
+
+def _configure_dynamo() -> None:
+    """Tell dynamo what shardsci registered so far (the hook runs it once dynamo loads)."""
+    for fn in _allowed_in_graph:
+        torch.compiler.allow_in_graph(fn)
+    if _state["kept_out"] is not None:
+        _torch_compat.dynamo_config.nontraceable_tensor_subclasses.add(_state["kept_out"])
+        _torch_compat.trace_rules.add("shardsci.tensor")
+
+
+class _ConfigureDynamoWhenItLoads(importlib.abc.MetaPathFinder):
+    """Finds ``torch._dynamo`` as the other finders do, and has its loader call
+    ``_configure_dynamo`` once the module has run; then leaves ``sys.meta_path``."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def run_then_configure(module: Any) -> None:
+            run_module(module)
+            _configure_dynamo()
+
+        spec.loader.exec_module = run_then_configure  # type: ignore[method-assign]
+        return spec
+
+
+if "torch._dynamo" not in sys.modules:
+    sys.meta_path.insert(0, _ConfigureDynamoWhenItLoads())
 
 
 def warn_eager_under_compile() -> None:
@@ -303,6 +360,11 @@ def tracing_through_shardtensors() -> Iterator[None]:
         yield
         return
     global watching
+    dynamo_config, trace_rules = _torch_compat.dynamo_config, _torch_compat.trace_rules
+    functorch_config, inductor_config = (
+        _torch_compat.functorch_config,
+        _torch_compat.inductor_config,
+    )
     dynamo_config.nontraceable_tensor_subclasses.discard(cls)
     watching = False
     # shardsci.tensor stays on dynamo's skip list for frames of its own and is inlined where
