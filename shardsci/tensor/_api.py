@@ -31,7 +31,13 @@ from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
 from shardsci.tensor._torch_compat import Tensor_is_zerotensor, _make_wrapper_subclass
 from shardsci.tensor._torch_compile import allow_in_graph
 
-__all__ = ["ShardTensor", "from_local_spec", "grad_spec", "redistribute"]
+__all__ = [
+    "ShardTensor",
+    "from_local_spec",
+    "grad_spec",
+    "local_gradient",
+    "redistribute",
+]
 
 ShardingShapes = str | Mapping[int, Sequence[Sequence[int] | int]]
 
@@ -333,6 +339,13 @@ def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
     return target_spec(spec, placements)
 
 
+def local_gradient(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """This rank's shard of ``grad``, the gradient of a tensor laid out as ``spec``, in the
+    layout ``grad_spec(spec)``: what ``from_local``'s backward returns for its local tensor."""
+    grad = _as_shard_tensor(grad, spec)
+    return redistribute_local(grad._local, grad._spec, grad_spec(spec).with_dtype(grad.dtype))
+
+
 def _as_shard_tensor(grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     """A gradient as a ShardTensor. A plain one comes from a backward formula that builds a
     fresh tensor of the global shape (``zeros(sizes)``), the same on every rank: it is read
@@ -372,9 +385,7 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        grad = _as_shard_tensor(grad, ctx.spec)
-        target = grad_spec(ctx.spec).with_dtype(grad.dtype)
-        return redistribute_local(grad._local, grad._spec, target), None
+        return local_gradient(grad, ctx.spec), None
 
 
 class _ToLocal(torch.autograd.Function):

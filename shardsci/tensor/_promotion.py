@@ -63,6 +63,7 @@ import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -91,11 +92,14 @@ from shardsci.tensor._torch_compile import allow_in_graph, in_graph
 
 __all__ = [
     "GradientSink",
+    "Promotion",
     "gradient_sink",
     "one_gradient_op_per_graph",
     "partial_contribution",
     "promote_replicated",
+    "promoted_gradient",
     "promoted_local",
+    "promotion_of",
 ]
 
 
@@ -171,12 +175,45 @@ def promoted_local(
     (convolutions, norms, products) takes this path."""
     if in_graph():  # dynamo traces the two nodes (NOTE [torch.compile and ShardTensor])
         return promote_replicated(tensor, mesh).to_local(grad_placements=grad_placements)
+    promotion = promotion_of(tensor, mesh, grad_placements)
+    if promotion is None:
+        return tensor
+    return _PromotedLocal.apply(tensor, promotion)
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """How the gradient of one use of a weight promoted to ``spec`` is summed: its local
+    gradient read as ``local_grad``, handed to ``sink`` at ``index`` or summed now (NOTE
+    above)."""
+
+    spec: ShardTensorSpec
+    local_grad: ShardTensorSpec
+    sink: GradientSink | None
+    index: int | None
+
+
+def promotion_of(
+    tensor: torch.Tensor, mesh: DeviceMesh, grad_placements: Sequence[Placement]
+) -> Promotion | None:
+    """How ``promoted_local`` sums ``tensor``'s gradient; None where the weight is its own
+    local operand (NOTE [A mesh of one rank sums nothing]). For an autograd Function that
+    uses a weight's local operand directly (``_ops/_linear_node.py``)."""
     spec = replicated_spec(tensor, mesh)
     sink, index = _claimed(tensor, spec)
     if sink is None and math.prod(spec.mesh_shape) == 1:
-        return tensor  # NOTE [A mesh of one rank sums nothing]
-    local_grad = _as_placed(spec, tuple(grad_placements))
-    return _PromotedLocal.apply(tensor, spec, local_grad, sink, index)
+        return None
+    return Promotion(spec, _as_placed(spec, tuple(grad_placements)), sink, index)
+
+
+def promoted_gradient(promotion: Promotion | None, grad: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a use of a weight, promoted as ``promotion``, returns for its local
+    gradient ``grad``: ``grad`` itself where the weight was its own local operand, None where
+    a sink takes it, else summed over the mesh now."""
+    if promotion is None:
+        return grad
+    shard = ShardTensor(grad, promotion.local_grad.with_dtype(grad.dtype))
+    return _summed(shard, promotion.spec, promotion.sink, promotion.index)
 
 
 # NOTE [A mesh of one rank sums nothing]
@@ -277,23 +314,13 @@ class _PromotedLocal(torch.autograd.Function):
     """A promotion and ``to_local`` in one node (``promoted_local``)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        tensor: torch.Tensor,
-        spec: ShardTensorSpec,
-        local_grad: ShardTensorSpec,
-        sink: GradientSink | None,
-        index: int | None,
-    ) -> torch.Tensor:
-        ctx.spec, ctx.local_grad, ctx.sink, ctx.index = spec, local_grad, sink, index
+    def forward(ctx: Any, tensor: torch.Tensor, promotion: Promotion) -> torch.Tensor:  # type: ignore[override]
+        ctx.promotion = promotion
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(
-        ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:  # type: ignore[override]
-        shard = ShardTensor(grad, ctx.local_grad.with_dtype(grad.dtype))
-        return _summed(shard, ctx.spec, ctx.sink, ctx.index), None, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+        return promoted_gradient(ctx.promotion, grad), None
 
 
 def _summed(

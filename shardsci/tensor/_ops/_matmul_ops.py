@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
+from shardsci.tensor._api import ShardTensor, _as_placed, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
@@ -68,6 +68,7 @@ from shardsci.tensor._ops._common import (
     sharding_axes,
     without_held,
 )
+from shardsci.tensor._ops._linear_node import LinearPlan, linear_node
 from shardsci.tensor._ops._ring import Blocks, ring_chosen
 from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
 from shardsci.tensor._promotion import promote_replicated
@@ -79,6 +80,7 @@ from shardsci.tensor._spec import (
     merged_hints,
     mesh_coordinate,
 )
+from shardsci.tensor._torch_compile import in_graph
 
 aten = torch.ops.aten
 
@@ -100,18 +102,67 @@ def _linear(func, args, kwargs):
         return _linear_of_pending_sum(x, weight)
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x, weight):
         return NotImplemented
-    batch = string.ascii_lowercase[: x.ndim - 1]
-    equation = f"{batch}i,oi->{batch}o"
-    operands = [x, weight]
-    layout = _product_layout(equation, tuple(map(_Operand, operands)))
+    equation = _LINEAR_EQUATIONS[x.ndim]
+    keys = (_Operand(x), _Operand(weight))
+    layout = _product_layout(equation, keys)
     if layout is None:
         return NotImplemented
     folded = bias is not None and _bias_folds(layout, bias)
+    if bias is None or folded:
+        plan = _one_node_plan(equation, keys)
+        if plan is not None and not in_graph():
+            composed = functools.partial(_composed_linear, layout=layout, folded=folded)
+            return linear_node(x, weight, bias, plan, composed)
+    return _composed_linear(x, weight, bias, layout, folded)
+
+
+_LINEAR_EQUATIONS = {
+    n: f"{string.ascii_lowercase[: n - 1]}i,oi->{string.ascii_lowercase[: n - 1]}o"
+    for n in range(1, 27)
+}
+
+
+def _composed_linear(
+    x: ShardTensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layout: _ProductLayout,
+    folded: bool,
+) -> ShardTensor:
+    """``F.linear`` laid out as ``layout``, composed of the operands' local views and torch's
+    linear (NOTE [A linear layer runs torch's linear on the shards])."""
     local_bias = replicated_local(bias, layout.output.mesh, layout.output_axes) if folded else None
     out = _product(
-        equation, operands, layout, lambda x_local, w_local: F.linear(x_local, w_local, local_bias)
+        _LINEAR_EQUATIONS[x.ndim],
+        [x, weight],
+        layout,
+        lambda x_local, w_local: F.linear(x_local, w_local, local_bias),
     )
     return out if bias is None or folded else out + bias
+
+
+@cached("one-node linear plans", 256)
+def _one_node_plan(equation: str, operands: tuple[_Operand, _Operand]) -> LinearPlan | None:
+    """The layouts of the linear of ``operands`` as one autograd node, where each rank
+    multiplies its own rows by the whole weight (NOTE [A linear layer is one autograd node]);
+    None elsewhere."""
+    layout = _product_layout(equation, operands)
+    x, weight = operands
+    if (
+        layout is None
+        or layout.ring is not None
+        or layout.held
+        or x.spec.partial
+        or {"i", "o"} & layout.letters.keys()
+        or (weight.spec is not None and not _is_replicated(weight.spec))
+    ):
+        return None
+    output_axes = layout.output_axes
+    weight_grad = tuple(
+        Partial() if a in output_axes else Replicate() for a in range(x.spec.mesh.ndim)
+    )
+    input_grad = _as_placed(x.spec, tuple(_grad_placements(x.spec, output_axes)))
+    return LinearPlan(layout.output, input_grad, weight_grad)
 
 
 def _bias_folds(layout: _ProductLayout, bias: torch.Tensor) -> bool:
@@ -134,7 +185,8 @@ def _bias_folds(layout: _ProductLayout, bias: torch.Tensor) -> bool:
 # the points), each rank applies torch's linear to its own term and the output is the same
 # pending sum, as the default path's rule gives (``Partial @ Replicate``), without its
 # decomposition (a transpose, views and a matrix product dispatched on ShardTensors, each
-# planned, and again in backward). The gradient of ``x`` is whole on every rank (a pending
+# planned, and again in backward), in one autograd node (NOTE [A linear layer is one
+# autograd node] in ``_linear_node``). The gradient of ``x`` is whole on every rank (a pending
 # sum's gradient is replicated); the weight's, this rank's term times the whole output
 # gradient, is a partial sum over the pending axes, summed like every weight's (NOTE [Where
 # the gradient of a replicated parameter is summed]). With a bias the default path adds it
@@ -161,21 +213,39 @@ def _whole_matrix(weight: object) -> bool:
 
 
 def _linear_of_pending_sum(x: ShardTensor, weight: torch.Tensor) -> ShardTensor:
-    spec = x._spec
-    mesh = spec.mesh
-    pending = {a for a, p in enumerate(spec.placements) if isinstance(p, Partial)}
+    plan = _pending_plan(_Operand(x), weight.shape[0])
+    if in_graph():
+        return _composed_pending_linear(x, weight, None, plan)
+    composed = functools.partial(_composed_pending_linear, plan=plan)
+    return linear_node(x, weight, None, plan, composed)
+
+
+def _composed_pending_linear(
+    x: ShardTensor, weight: torch.Tensor, bias: None, plan: LinearPlan
+) -> ShardTensor:
+    """The linear of pending sum ``x`` composed of the operands' local views and torch's
+    linear (``bias`` is None: the signature of ``linear_node``'s composition)."""
+    mesh = x._spec.mesh
+    pending = {a for a, p in enumerate(plan.weight_grad) if isinstance(p, Partial)}
     local_weight = replicated_local(weight, mesh, pending)
-    local_x = x.to_local(grad_placements=[Replicate()] * mesh.ndim)
+    local_x = x.to_local(grad_placements=plan.input_grad.placements)
     out = F.linear(local_x, local_weight)
-    return from_local_spec(out, _pending_output(_Operand(x), out.shape[-1]).with_dtype(out.dtype))
+    return from_local_spec(out, plan.output.with_dtype(out.dtype))
 
 
 @cached("pending linear layouts", 256)
-def _pending_output(operand: _Operand, features: int) -> ShardTensorSpec:
-    """The layout of the linear of pending sum ``operand`` with ``features`` outputs."""
+def _pending_plan(operand: _Operand, features: int) -> LinearPlan:
+    """The layouts of the linear of pending sum ``operand`` with ``features`` outputs: the
+    output pending as the input, the input's gradient whole, the weight's pending over the
+    input's pending axes."""
     spec = operand.spec
     shape = (*spec.shape[:-1], features)
-    return ShardTensorSpec.build(spec.mesh, spec.placements, shape, spec.dtype, hints=spec.hints)
+    output = ShardTensorSpec.build(spec.mesh, spec.placements, shape, spec.dtype, hints=spec.hints)
+    input_grad = _as_placed(spec, (Replicate(),) * spec.mesh.ndim)
+    weight_grad = tuple(
+        Partial() if isinstance(p, Partial) else Replicate() for p in spec.placements
+    )
+    return LinearPlan(output, input_grad, weight_grad)
 
 
 def _matmul_operator(input, other):
@@ -309,7 +379,8 @@ def _matmul_as_einsum(x: torch.Tensor, y: torch.Tensor) -> str | None:
 # whole output rows: the bias enters as a replicated operand (``replicated_local``), whose
 # gradient, a partial sum over the ranks' rows, is summed like a weight's. Elsewhere (output
 # features sharded, a pending sum over the input features) the bias is added to the sharded
-# output afterwards.
+# output afterwards. Where each rank multiplies its own rows by the whole weight, the call is
+# one autograd node (NOTE [A linear layer is one autograd node] in ``_linear_node``).
 class _Operand:
     """An operand's value for the product's layout: a ShardTensor's spec, a plain tensor's
     shape."""
