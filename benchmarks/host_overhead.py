@@ -37,7 +37,11 @@ same two steps with the model ``torch.compile``'d, both inside ``tracing_through
 (NOTE [torch.compile and ShardTensor]; entering it drops dynamo's compiled code, so the two
 compiled variants are timed together, apart from the eager ones): ``torch_compiled`` against
 ``shardtensor_compiled``, two untimed steps first (compilation), then interleaved as above,
-and the frames compiled before and during the timed steps (none during: no recompilation).
+and the frames compiled before and during the timed steps (none during: no recompilation),
+the graph breaks dynamo met while compiling (``torch._dynamo.utils.counters``, with their
+first reasons) and the largest difference of the second untimed step's output and gradients
+from an eager step of the same variant on the same data (relative to the eager values'
+largest magnitude; float32).
 ``aot_eager`` runs AOTAutograd's graphs op by op (no generated code): its ratio measures what
 tracing removes from the host path, not inductor's fused kernels, the goal's backend.
 
@@ -139,11 +143,30 @@ def _graph(world: int, nodes: int, sharded: bool, mesh) -> tuple:
     )
 
 
+class TrainingStep:
+    """This rank's training step of a zoo model (``benchmarks.compile.CASES``): a call makes
+    one step and returns its output, detached; ``model`` then holds the step's gradients."""
+
+    def __init__(self, model: nn.Module, run: Callable[..., torch.Tensor], args: tuple) -> None:
+        self.model, self.run, self.args = model, run, args
+
+    def step(self) -> torch.Tensor:
+        self.model.zero_grad(set_to_none=True)
+        out = self.run(*self.args)
+        loss = (out * out).mean()
+        if isinstance(loss, ShardTensor):
+            loss = loss.full_tensor()
+        loss.backward()
+        return out.detach()
+
+    __call__ = step
+
+
 def training_step(
     name: str, sharded: bool, tile: int, nodes: int, compiled: nn.Module | None = None
-) -> Callable[[], None]:
-    """This rank's step of the zoo model ``name`` (``benchmarks.compile.CASES``); with
-    ``compiled`` (a ``CompileCounterWithBackend``), of the model ``torch.compile``'d by it."""
+) -> TrainingStep:
+    """This rank's step of the zoo model ``name``; with ``compiled`` (a
+    ``CompileCounterWithBackend``), of the model ``torch.compile``'d by it."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     model: nn.Module = CASES[name].build()
@@ -157,16 +180,29 @@ def training_step(
         args = _graph(world, nodes, sharded, mesh)
     else:
         args = _field(world, max(tile, MIN_TILE.get(name, 0)), sharded, mesh)
+    return TrainingStep(model, run, args)
 
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        out = run(*args)
-        loss = (out * out).mean()
-        if isinstance(loss, ShardTensor):
-            loss = loss.full_tensor()
-        loss.backward()
 
-    return step
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, ShardTensor) else t
+
+
+def _values(step: TrainingStep, out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A step's output and its model's gradients, whole."""
+    return {"out": _whole(out)} | {
+        name: _whole(p.grad) for name, p in step.model.named_parameters() if p.grad is not None
+    }
+
+
+def _largest_difference(found: dict, reference: dict) -> float:
+    """The largest difference of a step's ``_values`` from ``reference``'s (an eager step of
+    the same model on the same data), each relative to the reference's largest magnitude."""
+    if found.keys() != reference.keys():
+        return float("inf")  # a gradient missing on one side
+    return max(
+        ((found[k] - reference[k]).abs().max() / reference[k].abs().max().clamp_min(1e-30)).item()
+        for k in reference
+    )
 
 
 # --------------------------------------------------------------------------- rank body
@@ -204,23 +240,41 @@ def _timed(step: Callable[[], None], steps: int, cpu: list[float]) -> list[float
 
 def time_compiled(name: str, rounds: int, steps: int, tile: int, nodes: int, backend: str) -> dict:
     """Rank body: both variants ``torch.compile``'d with ``backend`` and traced through
-    ShardTensors; per variant every timed step's (wall, CPU) seconds, and the frames compiled
-    by the two untimed steps and during the timed ones."""
+    ShardTensors; per variant every timed step's (wall, CPU) seconds, the frames compiled and
+    graph breaks met by the two untimed steps, the frames compiled during the timed ones, and
+    how far the second untimed step's output and gradients are from an eager step's."""
     torch.set_num_threads(1)
+    reference = {}
+    for v in VARIANTS:
+        eager = training_step(name, v == "shardtensor", tile, nodes)
+        reference[v] = _values(eager, eager())
     with tracing_through_shardtensors():
         counters = {v: torch._dynamo.testing.CompileCounterWithBackend(backend) for v in VARIANTS}
         runs = {
             v: training_step(name, v == "shardtensor", tile, nodes, compiled=counters[v])
             for v in VARIANTS
         }
-        for step in runs.values():
+        breaks: dict[str, Counter[str]] = {}
+        difference = {}
+        for v, step in runs.items():
+            torch._dynamo.utils.counters["graph_break"].clear()
             step()  # compiles
-            step()  # a step after the first, which some guards (grads set) differ from
+            out = step()  # a step after the first, which some guards (grads set) differ from
+            breaks[v] = Counter(torch._dynamo.utils.counters["graph_break"])
+            difference[v] = _largest_difference(_values(step, out), reference[v])
         frames = {v: counters[v].frame_count for v in VARIANTS}
         cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
         wall = interleaved_steps(list(VARIANTS), rounds, lambda v: _timed(runs[v], steps, cpu[v]))
     recompiled = {v: counters[v].frame_count - frames[v] for v in VARIANTS}
-    return {"wall": wall, "cpu": cpu, "frames": frames, "recompiled": recompiled}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "frames": frames,
+        "recompiled": recompiled,
+        "graph_breaks": {v: sum(b.values()) for v, b in breaks.items()},
+        "break_reasons": {v: sorted(b)[:3] for v, b in breaks.items()},
+        "difference": difference,
+    }
 
 
 # --------------------------------------------------------------------------- reporting
@@ -289,7 +343,12 @@ def report_compiled(name: str, world: int, args: argparse.Namespace) -> dict[str
         ratio_spread=spread(sorted(s / t for s, t in zip(wall["shardtensor"], wall["torch"])), 2),
         cpu_ratio=round(spread(cpu["shardtensor"])["median"] / spread(cpu["torch"])["median"], 2),
         frames=per_rank[0]["frames"],
+        graph_breaks={v: max(r["graph_breaks"][v] for r in per_rank) for v in VARIANTS},
+        break_reasons=per_rank[0]["break_reasons"],
         recompiled_while_timed={v: max(r["recompiled"][v] for r in per_rank) for v in VARIANTS},
+        max_rel_diff_from_eager={
+            v: float(f"{max(r['difference'][v] for r in per_rank):.2e}") for v in VARIANTS
+        },
     )
     return {"ratio": round(ratio, 2), "step_s": median}
 

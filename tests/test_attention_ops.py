@@ -8,6 +8,7 @@ NOTE [Ring attention]); the cost rule; ``nn.MultiheadAttention``; refused dropou
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import nullcontext
 from unittest import mock
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from shardsci import attention_exchange
+from shardsci import GatherWarning, attention_exchange
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._ops import _attention_ops
 from shardsci.testing import (
@@ -459,6 +460,74 @@ def _cost_rule_body() -> None:
 
 def test_cost_rule() -> None:
     run_on_ranks(2, _cost_rule_body)
+
+
+# ---------------------------------------------------------------------------- no rank has any
+# A sequence empty on every rank: every block is empty, so no hop of the ring moves anything.
+NOBODY = {"2r": (2,), "2x2": (2, 2)}
+
+
+def _nobody_body(name: str) -> dict[str, dict[str, tuple]]:
+    """Values, gradients and the output's layout against one process (self- and causal
+    attention over no tokens; 11 queries split as usual over no keys: zeros, as torch gives),
+    then one causal call's collectives, bytes and messages counted by ``count_traffic``, the
+    hops sent as the rule has it for gloo and as messages. A ``GatherWarning`` fails it: the
+    ranks, forked from the pool's zygote, do not have pytest's warning filters."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GatherWarning)
+        return _nobody_checks(name)
+
+
+def _nobody_checks(name: str) -> dict[str, dict[str, tuple]]:
+    mesh_shape = NOBODY[name]
+    mesh = get_mesh(mesh_shape)
+    n = math.prod(mesh_shape)
+    nothing = Layout((Shard(2),) * len(mesh_shape), {2: (0,) * n})
+    queries = Layout((Shard(2),) * len(mesh_shape), {2: (7, 4) if n == 2 else (2, 4, 0, 5)})
+    q, k, v = (torch.randn(2, 3, 0, width, dtype=torch.float64) for width in (4, 4, 5))
+    cases = {
+        "plain": ({}, [q, k, v], nothing),
+        "causal": ({"is_causal": True}, [q, k, v], nothing),
+        "no keys": ({}, [torch.randn(2, 3, 11, 4, dtype=torch.float64), k, v], queries),
+    }
+    for mode in ("ring", "all_gather"):
+        for what, (kwargs, inputs, out) in cases.items():
+            with attention_exchange(mode):
+                check_against_reference(
+                    lambda *qkv, kwargs=kwargs: F.scaled_dot_product_attention(*qkv, **kwargs),
+                    inputs,
+                    [out, nothing, nothing],
+                    mesh,
+                    out_layouts=[out],
+                    what=f"{name} {mode} {what}",
+                )
+    counted = {}
+    for way in (None, "messages"):
+        tensors = [
+            from_local_spec(x.requires_grad_(True), nothing.spec(mesh, x)) for x in (q, k, v)
+        ]
+        with exchanges_as(way) if way else nullcontext(), attention_exchange("ring"):
+            with count_traffic() as forward:
+                out = F.scaled_dot_product_attention(*tensors, is_causal=True)
+            with count_traffic() as backward:
+                (out * out).sum().to_local().sum().backward()
+        counted[way or "rule"] = {
+            step: (dict(t.collectives), t.received, t.messages)
+            for step, t in {"forward": forward, "backward": backward}.items()
+        }
+    return counted
+
+
+@pytest.mark.parametrize("name", list(NOBODY))
+def test_a_sequence_no_rank_has(name: str) -> None:
+    """Equal to one process with empty outputs of the queries' layout, by the ring and the
+    all-gather, and no hang; the ring makes no hop in which no block moves (``Blocks.any_moves``:
+    before, each hop was an empty all-to-all on gloo), messages or all-to-alls, as the
+    all-gather of nothing makes no collective."""
+    n = math.prod(NOBODY[name])
+    nothing = {step: ({}, 0, 0) for step in ("forward", "backward")}
+    for counted in run_on_ranks(n, _nobody_body, name):
+        assert counted == {"rule": nothing, "messages": nothing}, counted
 
 
 # ---------------------------------------------------------------------------- modules, errors

@@ -8,6 +8,7 @@ choosing between them (NOTE [Ring or all-gather]); a ViT/UNETR-style and a Swin-
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Partial, Shard
 
-from shardsci import attention_exchange
+from shardsci import GatherWarning, attention_exchange
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._collectives import axis_group
 from shardsci.testing import (
@@ -49,7 +50,12 @@ CASES = [
         Layout((Shard(2), Shard(1)), {1: (2, 1), 2: (5, 6)}),
     ),
 ]
-CASE_BY_NAME = {c.name: c for c in CASES}
+# The tokens empty on every rank: no block moves, so the ring makes no hop (``_traffic_body``).
+NOBODY = [
+    Sharded("2r-none", (2,), (2, 3, 0, 4), Layout((Shard(2),), {2: (0, 0)})),
+    Sharded("2x2-none", (2, 2), (2, 3, 0, 4), Layout((Shard(2), Shard(2)), {2: (0,) * 4})),
+]
+CASE_BY_NAME = {c.name: c for c in CASES + NOBODY}
 
 # Why a ring product may receive as many bytes as a gather of its moving operand.
 EVERY_KEY = "every row meets every key: each rank receives, block by block, the keys it lacks"
@@ -98,6 +104,22 @@ def _products_body(case_name: str, mode: str, names: list[str]) -> None:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_scores_and_values_by_ring(case: Sharded) -> None:
     run_on_ranks(case.world, _products_body, case.name, "ring", list(PRODUCTS))
+
+
+def _nobody_body(case_name: str, mode: str) -> None:
+    """A ``GatherWarning`` fails it: the ranks, forked from the pool's zygote, do not have
+    pytest's warning filters."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GatherWarning)
+        _products_body(case_name, mode, list(PRODUCTS))
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_gather"])
+@pytest.mark.parametrize("case", NOBODY, ids=str)
+def test_tokens_no_rank_has(case: Sharded, mode: str) -> None:
+    """Every product over tokens empty on every rank: equal to one process, empty outputs laid
+    out as the rows, no hang (bytes and hops: ``test_bytes_of_the_ring_and_the_all_gather``)."""
+    run_on_ranks(case.world, _nobody_body, case.name, mode)
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=str)
@@ -194,6 +216,8 @@ TRAFFIC_CASES = {
     "2r": ((7, 4), (2,)),
     "4r-empty": ((3, 0, 5, 3), (4,)),
     "2x2": ((2, 4, 0, 5), (2, 2)),
+    "2r-none": ((0, 0), (2,)),
+    "2x2-none": ((0, 0, 0, 0), (2, 2)),
 }
 
 
@@ -231,15 +255,16 @@ def _traffic_body(name: str, mode: str) -> None:
     lacking = (length - sizes[me]) * row
     if mode == "ring":
         largest = max((sizes[j] for j in range(n) if j != me), default=0) * row
-        hops = _hop_calls(mesh, len(mesh_shape))
+        hops = _hop_calls(mesh, len(mesh_shape)) if length else 0  # no block: no hop
         expected = {
             "forward": (lacking, largest, hops),
             "backward": (lacking + (length - sizes[(me - 1) % n]) * row, None, 2 * hops),
         }
     else:
+        calls = 1 if length else 0  # an exchange of nothing makes no collective
         expected = {
-            "forward": (lacking, lacking, 1),
-            "backward": ((n - 1) * sizes[me] * row, None, 1),
+            "forward": (lacking, lacking, calls),
+            "backward": ((n - 1) * sizes[me] * row, None, calls),
         }
     got = {
         step: (t.received, t.largest_received if step == "forward" else None, t.collective_calls)

@@ -489,9 +489,11 @@ def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTen
     one, else None: ``spec`` is pending (Partial) over mesh axes that shard the operand, and
     each rank's part of it is more than the operand's largest shard and at least as much as
     a rank would hold of the operand gathered over those axes. (A reduction's pending result
-    is smaller than what it reduced: ``x.sum(2)`` of a field split along H holds one row.)
-    Counted in elements, not bytes: a result of a wider dtype than its operand (the int64
-    count of a bool mask, as in ``amax``'s backward) holds no more of its extent."""
+    is smaller than what it reduced: ``x.sum(2)`` of a field split along H holds one row; and
+    an operand with no element, empty on every rank, gathers nothing: ``x.sum()`` of a
+    sequence no rank has holds one zero.) Counted in elements, not bytes: a result of a wider
+    dtype than its operand (the int64 count of a bool mask, as in ``amax``'s backward) holds
+    no more of its extent."""
     held = _largest_elements(spec)
     pending = tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Partial))
     for operand in operands:
@@ -500,6 +502,7 @@ def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTen
             if (
                 source is not None
                 and any(a in pending for s in source.shardings for a in s.axes)
+                and math.prod(source.shape) > 0
                 and held > _largest_elements(source)
                 and held >= _largest_elements(source, gathered_over=pending)
             ):

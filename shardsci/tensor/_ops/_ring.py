@@ -11,7 +11,8 @@ NOTE [Ring or all-gather]
   behind it, so that it arrives at the block's owner last, holding the sum of every rank's
   contribution (:func:`circulate_gradients`). Bytes received per rank: forward ``S - S_r``
   rows; backward ``S - S_r`` rows plus ``S - S_{r-1}`` gradient rows. Memory: one block
-  (plus one in flight) at a time.
+  (plus one in flight) at a time. Where no rank has any of the dim (``S = 0``), no hop is
+  made (:meth:`Blocks.any_moves`), as the all-gather of nothing makes no collective.
 - **all-gather**: every rank receives every block at once (``S - S_r`` rows, one exchange,
   :func:`all_gather_blocks`) and keeps them for the backward, which returns each block's
   gradient to its owner in one reduce-scatter (``(N - 1) S_r`` rows received,
@@ -80,6 +81,13 @@ class Blocks:
         shape[self.dim] = self.sizes[owner]
         return tuple(shape)
 
+    def any_moves(self, like: torch.Tensor) -> bool:
+        """Whether any block of a tensor shaped like ``like`` holds an element. Where none
+        does (a sequence no rank has), no hop moves anything on any rank and none is made;
+        every rank of the group decides alike (``like``'s other dims are split by other mesh
+        axes, the same across the group)."""
+        return any(math.prod(self.shape(like, owner)) for owner in range(len(self.sizes)))
+
 
 def ring_chosen(
     gathered_bytes: int, operands: Sequence[tuple[ShardTensorSpec, int]], what: str
@@ -102,12 +110,18 @@ class _Shift:
     Empty blocks travel as no message: both sides know every block's shape. Every rank of the
     group makes every hop (its block empty or not), so a hop goes as one all-to-all where
     messages are slow (NOTE [An exchange of messages as one all-to-all where messages are
-    slow]: gloo), as a halo exchange does."""
+    slow]: gloo), as a halo exchange does; no rank makes a hop in which no block moves
+    (``moves`` False: ``Blocks.any_moves``), as no rank makes a halo step nobody exchanges in."""
 
-    def __init__(self, group: AxisGroup, block: torch.Tensor, incoming: tuple[int, ...]):
+    def __init__(
+        self, group: AxisGroup, block: torch.Tensor, incoming: tuple[int, ...], moves: bool
+    ):
         me, n = group.index, group.size
         self.incoming = incoming
         self.like = block
+        self.pending = None
+        if not moves:
+            return
         sends = [((me + 1) % n, block)] if block.numel() else []
         receives = [((me - 1) % n, incoming)] if math.prod(incoming) else []
         self.pending = start_send_recv(
@@ -121,7 +135,7 @@ class _Shift:
         )
 
     def wait(self) -> torch.Tensor:
-        received = self.pending.wait()
+        received = self.pending.wait() if self.pending is not None else []
         if received:
             return received[0]
         return self.like.new_zeros(self.incoming)
@@ -134,9 +148,11 @@ def circulate(block: torch.Tensor, blocks: Blocks) -> Iterator[tuple[int, torch.
     must consume every pair (every rank of the group takes part in every hop)."""
     group = blocks.group
     me, n = group.index, group.size
+    moves = blocks.any_moves(block)
     for step in range(n):
         owner = (me - step) % n
-        hop = _Shift(group, block, blocks.shape(block, (owner - 1) % n)) if step < n - 1 else None
+        incoming = blocks.shape(block, (owner - 1) % n)
+        hop = _Shift(group, block, incoming, moves) if step < n - 1 else None
         yield owner, block
         if hop is not None:
             block = hop.wait()
@@ -156,18 +172,20 @@ def circulate_gradients(
     me, n = group.index, group.size
     if n == 1:
         return contribution(me, block)
-    current = _Shift(group, block, blocks.shape(block, (me - 1) % n)).wait()
+    moves = blocks.any_moves(block)
+    current = _Shift(group, block, blocks.shape(block, (me - 1) % n), moves).wait()
     accumulated = None
     for step in range(1, n):
         owner = (me - step) % n
         previous = (owner - 1) % n
-        hop = _Shift(group, current, blocks.shape(current, previous)) if step < n - 1 else None
+        incoming = blocks.shape(current, previous)
+        hop = _Shift(group, current, incoming, moves) if step < n - 1 else None
         grads = contribution(owner, current)
         if accumulated is not None:
             grads = grads + accumulated
         # To the next rank, which meets block ``owner`` next, or owns it after the last step;
         # from the previous rank, the accumulator of the block this rank meets next.
-        accumulated = _Shift(group, grads, blocks.shape(grads, previous)).wait()
+        accumulated = _Shift(group, grads, blocks.shape(grads, previous), moves).wait()
         if hop is not None:
             current = hop.wait()
     return contribution(me, block) + accumulated
