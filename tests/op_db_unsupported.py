@@ -550,7 +550,10 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
             "holding it, which the index's value decides and no layout may depend on; the "
             "lookup is a pending sum over the vocabulary axes, zero but on that rank (NOTE [A "
             "split table is looked up where it lies] in shardsci/tensor/_ops/_embedding_ops.py)"
-            "; nothing is gathered",
+            "; no row moves, but where a rank looks up at least as many indices as the table "
+            "has rows, its part of the pending lookup holds as much as the table gathered "
+            "along the vocabulary, and the guard counts it as a pending sum held whole (NOTE "
+            "[Gathers an op was not asked to make])",
             (0,),
             ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last"),
             "wrong",

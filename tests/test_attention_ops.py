@@ -8,7 +8,6 @@ NOTE [Ring attention]); the cost rule; ``nn.MultiheadAttention``; refused dropou
 from __future__ import annotations
 
 import math
-import warnings
 from contextlib import nullcontext
 from unittest import mock
 
@@ -19,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from shardsci import GatherWarning, attention_exchange
+from shardsci.tensor import _gather_guard
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._ops import _attention_ops
 from shardsci.testing import (
@@ -177,9 +177,12 @@ def _planned_once_body() -> None:
     spec = layout.spec(mesh, x)
     mask = torch.randn(1, 3, 11, 11, dtype=torch.float64, requires_grad=True)
     misses, choices = [], []
-    with mock.patch.object(
-        _attention_ops, "ring_chosen", wraps=_attention_ops.ring_chosen
-    ) as chosen:
+    with (
+        attention_exchange("ring"),
+        mock.patch.object(
+            _attention_ops, "ring_chosen", wraps=_attention_ops.ring_chosen
+        ) as chosen,
+    ):
         for _ in range(3):
             before = _attention_ops._layouts.cache_info().misses
             tokens = from_local_spec(spec.narrow(x).requires_grad_(True), spec)
@@ -231,15 +234,16 @@ def _layouts_body() -> None:
         "broadcast-heads": cases["heads"][1][0],
     }
     for name, (inputs, layouts) in cases.items():
-        check_against_reference(
-            attention,
-            inputs,
-            layouts,
-            mesh,
-            out_layouts=[outputs.get(name, queries)],
-            not_a_gather=EVERY_KEY,
-            what=name,
-        )
+        with attention_exchange("ring"):
+            check_against_reference(
+                attention,
+                inputs,
+                layouts,
+                mesh,
+                out_layouts=[outputs.get(name, queries)],
+                not_a_gather=EVERY_KEY,
+                what=name,
+            )
 
 
 def test_cross_attention_replicated_keys_heads_and_features() -> None:
@@ -442,15 +446,22 @@ def test_gloo_ring_hops_are_one_all_to_all_each(name: str) -> None:
 
 
 def _cost_rule_body() -> None:
-    """Small keys and values are gathered; above the limit (here 0 bytes), the ring."""
+    """Small keys and values are gathered, and the gather is said (a ``GatherWarning``); above
+    the limit (here 0 bytes), the ring, which says nothing (pytest's filter makes a warning an
+    error in the ranks)."""
     mesh = get_mesh((2,))
     x = torch.randn(1, 2, 9, 4, dtype=torch.float64)
     layout = Layout((Shard(2),), {2: (5, 4)})
     spec = layout.spec(mesh, x)
     tokens = from_local_spec(spec.narrow(x), spec)
     chosen = {}
+    said = {
+        "small": pytest.warns(GatherWarning, match="the keys and values"),
+        "large": nullcontext(),
+    }
+    _gather_guard.forget_warnings()
     for name, limit in {"small": 1 << 20, "large": 0}.items():
-        with attention_exchange("auto", gather_limit_bytes=limit), counted_comm() as s:
+        with attention_exchange("auto", gather_limit_bytes=limit), counted_comm() as s, said[name]:
             F.scaled_dot_product_attention(tokens, tokens, tokens)
         chosen[name] = set(s.calls)
     assert_all_ranks(
@@ -471,14 +482,8 @@ def _nobody_body(name: str) -> dict[str, dict[str, tuple]]:
     """Values, gradients and the output's layout against one process (self- and causal
     attention over no tokens; 11 queries split as usual over no keys: zeros, as torch gives),
     then one causal call's collectives, bytes and messages counted by ``count_traffic``, the
-    hops sent as the rule has it for gloo and as messages. A ``GatherWarning`` fails it: the
-    ranks, forked from the pool's zygote, do not have pytest's warning filters."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", GatherWarning)
-        return _nobody_checks(name)
-
-
-def _nobody_checks(name: str) -> dict[str, dict[str, tuple]]:
+    hops sent as the rule has it for gloo and as messages. A ``GatherWarning`` fails it:
+    pytest's filter reaches the ranks."""
     mesh_shape = NOBODY[name]
     mesh = get_mesh(mesh_shape)
     n = math.prod(mesh_shape)
@@ -539,14 +544,15 @@ def _multihead_body(batch_first: bool) -> None:
     if not batch_first:
         x = x.transpose(0, 1).contiguous()
     layout = Layout((Shard(dim),), {dim: (3, 0, 5, 3)})
-    check_against_reference(
-        lambda m, a: m(a, a, a, need_weights=False)[0],
-        [x],
-        [layout],
-        mesh,
-        module=module,
-        not_a_gather=EVERY_KEY,
-    )
+    with attention_exchange("ring"):
+        check_against_reference(
+            lambda m, a: m(a, a, a, need_weights=False)[0],
+            [x],
+            [layout],
+            mesh,
+            module=module,
+            not_a_gather=EVERY_KEY,
+        )
 
 
 @pytest.mark.parametrize("batch_first", [True, False])

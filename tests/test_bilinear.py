@@ -21,6 +21,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
+from tests.stated_gathers import allowed_if, pending
 
 # name -> (mesh, x1 (N, ..., 3), x1's layout, x2's layout (None: plain), the output's layout,
 # bytes each rank receives in the forward)
@@ -51,18 +52,21 @@ def _bilinear_body(name: str) -> None:
     x2 = torch.randn(*shape[:-1], 4, dtype=torch.float64)
     x2_layout = layout if other == "same" else None
     out_layout = layout if expected == "rows" else expected
-    check_against_reference(
-        lambda m, a, b: m(a, b),
-        [x1, x2],
-        [layout, x2_layout],
-        mesh,
-        module=module,
-        out_layouts=[out_layout],
-        what=name,
-    )
+    # A pending output is the sum of each rank's split features, held whole along them: a
+    # GatherWarning (NOTE [Gathers an op was not asked to make]) that these cases state.
+    with allowed_if(pending(out_layout)):
+        check_against_reference(
+            lambda m, a, b: m(a, b),
+            [x1, x2],
+            [layout, x2_layout],
+            mesh,
+            module=module,
+            out_layouts=[out_layout],
+            what=name,
+        )
     spec = layout.spec(mesh, x1)
     a = from_local_spec(spec.narrow(x1), spec)
-    with torch.no_grad(), count_traffic() as traffic:
+    with torch.no_grad(), count_traffic() as traffic, allowed_if(pending(out_layout)):
         module(a, x2)
     assert_all_ranks(
         traffic.received == received,

@@ -26,6 +26,7 @@ from scipy.spatial import Delaunay
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from shardsci import attention_exchange
 from shardsci.compiling import compile_regions, region_summary
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.models import MeshGraphNet, UNet
@@ -39,7 +40,7 @@ from shardsci.testing import (
     get_mesh,
     run_on_ranks,
 )
-from tests.zoo import MODELS
+from tests.zoo import ATTENTION_EXCHANGES, MODELS
 
 FAST = "aot_eager"
 
@@ -219,14 +220,18 @@ def _zoo_regions_body(backend: str, name: str, mesh_shape: tuple[int, ...]) -> N
     volume = name.endswith("3d")
     whole = torch.randn((1, 2, 8, 6, 6) if volume else (2, 2, 16, 12), dtype=torch.float64)
     layouts = (VOLUME_LAYOUTS if volume else FIELD_LAYOUTS)[mesh_shape]
-    _probe_call(model, whole, layouts[0], mesh)
     frames = []
-    for first, layout in zip((True, False), layouts):
-        what = f"{name} {dict(layout.sizes)}"
-        # New shard sizes must reuse the compiled code: a guard failing raises, with its reason.
-        with torch._dynamo.config.patch(error_on_recompile=not first):
-            _compiled_equals_eager(model, [whole], [layout], mesh, what)
-        frames.append(counter.frame_count)
+    # The ViT's attention asks for its exchange by name, as in test_zoo_sharded: "auto" would
+    # gather its tiny keys and values unasked (NOTE [Ring or all-gather]).
+    with attention_exchange(ATTENTION_EXCHANGES.get(name, "auto")):
+        _probe_call(model, whole, layouts[0], mesh)
+        for first, layout in zip((True, False), layouts):
+            what = f"{name} {dict(layout.sizes)}"
+            # New shard sizes must reuse the compiled code: a guard failing raises, with its
+            # reason.
+            with torch._dynamo.config.patch(error_on_recompile=not first):
+                _compiled_equals_eager(model, [whole], [layout], mesh, what)
+            frames.append(counter.frame_count)
     assert_all_ranks(
         frames[0] > 0 and frames[1] == frames[0],
         f"{name}: compiled frames after each layout: {frames} (expected no recompilation)",

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from shardsci import GatherWarning
 from shardsci.testing import (
     RankFailure,
     _pool,
@@ -408,3 +410,20 @@ def test_local_tensor_mode_matches_real_ranks_on_even_shards(shape: tuple[int, .
 def test_run_local_tensor_refuses_a_process_with_a_process_group() -> None:
     with pytest.raises(RuntimeError, match="this one has a 'fake' group of 2 ranks"):
         run_local_tensor(2, _nest_run_local_tensor)
+
+
+def _warn_a_gather() -> int:
+    warnings.warn("a gather the test did not ask for", GatherWarning, stacklevel=1)
+    return 1
+
+
+def test_a_rank_body_runs_under_the_callers_warning_filters() -> None:
+    """pytest's ``error::shardsci.GatherWarning`` reaches the ranks, which are forked from a
+    zygote that never saw it (the last call: a failure closes the pool)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GatherWarning)
+        assert run_on_ranks(2, _warn_a_gather) == [1, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GatherWarning)
+        with pytest.raises(RankFailure, match="GatherWarning: a gather the test did not ask"):
+            run_on_ranks(2, _warn_a_gather)

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Shard
 
 from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
 from tests.expected_layouts import parse
+from tests.stated_gathers import allowed_if, pending
 
 # (equation, operand shapes, layout of the first operand, layout of the result): a
 # batch-sharded linear map, a spectral convolution's mode-wise channel mix sharded along a mode
@@ -62,9 +63,10 @@ def _contraction_body(name: str, library: str) -> None:
         return torch.view_as_real(out) if out.is_complex() else out
 
     layouts = [layout] + [None] * (len(operands) - 1)
-    check_against_reference(
-        fn, operands, layouts, mesh, out_layouts=[result], what=f"{library} {equation}"
-    )
+    with allowed_if(pending(result)):  # a partial sum, each rank's held whole
+        check_against_reference(
+            fn, operands, layouts, mesh, out_layouts=[result], what=f"{library} {equation}"
+        )
 
 
 @pytest.mark.parametrize("library", ["opt_einsum", "torch"])

@@ -12,8 +12,17 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import shardsci
+from shardsci import attention_exchange
+from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._ops import _matmul_ops
-from shardsci.testing import Layout, check_against_reference, get_mesh, run_on_ranks
+from shardsci.testing import (
+    Layout,
+    assert_all_ranks,
+    check_against_reference,
+    count_traffic,
+    get_mesh,
+    run_on_ranks,
+)
 
 TOKENS = (3, 0, 5, 3)  # uneven, one rank empty
 
@@ -69,14 +78,30 @@ def _one_axis_body() -> None:
             what=f"a pending sum, bias {bias}",
         )
     # Rows and output features sharded over one axis (a ring product): the bias afterwards.
-    check_against_reference(
-        F.linear,
-        [torch.randn(11, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64), b[:1]],
-        [Layout((Shard(0),), {0: TOKENS}), Layout((Shard(0),), {0: TOKENS}), None],
-        mesh,
-        out_layouts=[Layout((Shard(0),), {0: TOKENS})],
-        not_a_gather="the weight's rows are the ring's moving operand",
-        what="ring",
+    # The ring is asked for ("auto" would all-gather these few rows of the weight), and its
+    # forward checked by count_traffic: the weight's rows move one block a hop, so no rank
+    # receives more at once than the largest block of another rank (an all-gather: all it
+    # lacks).
+    tokens = Layout((Shard(0),), {0: TOKENS})
+    a, w = torch.randn(11, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64)
+    with attention_exchange("ring"):
+        check_against_reference(
+            F.linear,
+            [a, w, b[:1]],
+            [tokens, tokens, None],
+            mesh,
+            out_layouts=[tokens],
+            not_a_gather="the weight's rows are the ring's moving operand",
+            what="ring",
+        )
+        spec = tokens.spec(mesh, a)
+        with torch.no_grad(), count_traffic() as traffic:
+            F.linear(*(from_local_spec(spec.narrow(t), spec) for t in (a, w)), b[:1])
+    me = torch.distributed.get_rank()
+    block = max(n for rank, n in enumerate(TOKENS) if rank != me) * w[0].nbytes
+    assert_all_ranks(
+        traffic.largest_received == block,
+        f"ring: largest receive {traffic.largest_received} B, expected one block, {block} B",
     )
 
 

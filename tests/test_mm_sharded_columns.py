@@ -22,6 +22,7 @@ from shardsci.testing import (
     run_on_ranks,
 )
 from tests.expected_layouts import parse
+from tests.stated_gathers import allowed_if, pending
 
 # Of a (3, 2) matrix (DTensor's rule gathers it; it pends a (3, 4) one's sum) -> the
 # product's expected layout.
@@ -46,14 +47,17 @@ def _body(name: str) -> None:
     mesh = get_mesh(mesh_shape)
     torch.manual_seed(0)
     x, b, c = torch.randn(3, 2, dtype=torch.float64), *torch.randn(2, 2, 2, dtype=torch.float64)
+    # A pending product holds each rank's sum whole: the guard counts it (NOTE [Gathers an op
+    # was not asked to make]), and these cases state it.
     for what, fn in CALLS.items():
-        check_against_reference(
-            fn, [x, b, c], [layout, None, None], mesh, out_layouts=[expected],
-            what=f"{name}: {what}",
-        )  # fmt: skip
+        with allowed_if(pending(expected)):
+            check_against_reference(
+                fn, [x, b, c], [layout, None, None], mesh, out_layouts=[expected],
+                what=f"{name}: {what}",
+            )  # fmt: skip
     spec = layout.spec(mesh, x)
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
-    with count_traffic() as traffic:
+    with count_traffic() as traffic, allowed_if(pending(expected)):
         CALLS["multi_dot"](shard, b, c)
     assert_all_ranks(traffic.received == 0, f"{name}: received {traffic.received} bytes")
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
-from shardsci import ShardTensor
+from shardsci import ShardTensor, attention_exchange
 from shardsci.tensor import _copies, _gather_guard
 from shardsci.testing import get_mesh, run_on_ranks
 
@@ -49,7 +49,8 @@ def _attention_body() -> bool:
     )
     broadcast, torch.broadcast_shapes = torch.broadcast_shapes, _refuse
     try:
-        out = F.scaled_dot_product_attention(q, k, v)
+        with attention_exchange("ring"):  # "auto" would gather these few keys and values
+            out = F.scaled_dot_product_attention(q, k, v)
     finally:
         torch.broadcast_shapes = broadcast
     want = F.scaled_dot_product_attention(*(t.full_tensor() for t in (q, k, v)))

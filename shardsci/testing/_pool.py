@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -214,8 +215,10 @@ def _run_request(request: bytes) -> bytes:
     torch.manual_seed(_SEED)
     before = registered_handlers()  # before unpickling, which may import the test module
     try:
-        fn, args, kwargs = pickle.loads(request)
-        result = fn(*args, **kwargs)
+        fn, args, kwargs, filters = pickle.loads(request)
+        with warnings.catch_warnings():
+            _take_warning_filters(filters)
+            result = fn(*args, **kwargs)
         _check_no_handler_outlives(before)
     except BaseException:
         return _failure_reply()
@@ -223,6 +226,21 @@ def _run_request(request: bytes) -> bytes:
         return _success_reply(result)
     except Exception:
         return _failure_reply("the rank body returned a value that cannot be pickled:\n")
+
+
+def _take_warning_filters(filters: list[tuple[Any, ...]]) -> None:
+    """Make the caller's warning filters this rank's (inside ``catch_warnings``): a rank is
+    forked from the pool's zygote, which never saw them, so pytest's ``filterwarnings``
+    (``error::shardsci.GatherWarning``) would otherwise not reach a rank body."""
+    warnings.resetwarnings()
+    for action, message, category, module, lineno in reversed(filters):
+        warnings.filterwarnings(
+            action,
+            getattr(message, "pattern", message) or "",  # a compiled pattern, a string or None
+            category,
+            getattr(module, "pattern", module) or "",
+            lineno,
+        )
 
 
 def _check_no_handler_outlives(before: dict[Any, Callable]) -> None:
@@ -454,13 +472,27 @@ def _check_positive(**values: float) -> None:
 
 
 def _encode_request(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
+    """The pickled call, with the caller's warning filters (``_take_warning_filters``)."""
     try:
-        return pickle.dumps((fn, tuple(args), kwargs))
+        return pickle.dumps((fn, tuple(args), kwargs, _picklable_warning_filters()))
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise TypeError(
             f"cannot send {fn!r} and its arguments to the ranks: the body must be a module-level "
             f"function and its arguments picklable ({exc})"
         ) from exc
+
+
+def _picklable_warning_filters() -> list[tuple[Any, ...]]:
+    """The caller's warning filters, but one whose category cannot be pickled (a class
+    defined in a function), which a rank could not apply."""
+    filters = []
+    for entry in warnings.filters:
+        try:
+            pickle.dumps(entry)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            continue
+        filters.append(entry)
+    return filters
 
 
 def _name_of(fn: Callable[..., Any]) -> str:

@@ -12,9 +12,12 @@ the output's last dim is split like the table's. A table split along the vocabul
 as Megatron's vocabulary-parallel embedding) gives each index's row to the one rank holding
 it: each rank looks up the indices in its rows and writes 0 for the others, so the output is a
 pending sum (Partial) over the vocabulary axes, which rank holds a row being data. Indices
-sharded over other axes keep their split. Nothing is gathered; the table's gradient is each
-rank's scatter into its own rows and columns (a partial sum over the indices' axes). Handled
-by ``F.embedding`` (``_split_table``), above autograd, where the table's layout is known to the
+sharded over other axes keep their split. No row moves; but where a rank looks up at least as
+many indices as the table has rows, its part of the pending lookup holds as much as the table
+gathered along the vocabulary, and the gather guard counts it as a pending sum held whole
+(NOTE [Gathers an op was not asked to make]). The table's gradient is each rank's scatter
+into its own rows and columns (a partial sum over the indices' axes). Handled by
+``F.embedding`` (``_split_table``), above autograd, where the table's layout is known to the
 backward.
 """
 
