@@ -1011,10 +1011,24 @@ def _sharded_mm(func, args, kwargs):
     a = bind(func, args, kwargs)
     if _columns_sharded(a.self, a.mat2):
         return _columns_summed(a.self, a.mat2)
-    if not _row_sharded(a.self, a.mat2):
-        return NotImplemented
-    out = aten.mm.default(a.self._local, local_of(a.mat2))
-    return _rows_kept(a.self, out, a.mat2.shape[1])
+    if _row_sharded(a.self, a.mat2):
+        out = aten.mm.default(a.self._local, local_of(a.mat2))
+        return _rows_kept(a.self, out, a.mat2.shape[1])
+    if _any_held(a.self, a.mat2):
+        return _sharded_einsum("nk,km->nm", [a.self, a.mat2])
+    return NotImplemented
+
+
+# NOTE [A backward product of held operands stays on their holder]
+# A product one rank holds (NOTE [A product of held operands runs on their holder]) reaches
+# ``aten.mm`` again in its backward with held operands on both sides or beside a replicated
+# one (the weight's gradient ``x^T @ grad``, both held by the holder; then ``b^T @ grad`` of
+# a plain ``b`` it came from), which neither rule above serves: it is laid out as that
+# einsum, kept by the holder, rather than declined to DTensor's rule, which replicates the
+# held operand onto every rank.
+def _any_held(x: object, other: object) -> bool:
+    """Whether an operand of ``x @ other`` is a ShardTensor with held axes."""
+    return any(isinstance(t, ShardTensor) and without_held(t._spec)[1] for t in (x, other))
 
 
 @register_aten_handler(aten.addmm.default)
