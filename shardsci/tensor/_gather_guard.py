@@ -51,7 +51,10 @@ made, since it may never be reduced: an op whose output is pending over a mesh a
 shards an operand, each rank's part at least that whole operand (``A @ x`` with a plain ``A``
 contracting the dim of ``x`` the axis splits) counts as it returns (``_dispatch`` calls
 :func:`check_result`); a reduction's pending result (``x.sum(2)``) holds less than what it
-reduced and does not. So does a gradient built whole: a backward formula that makes a plain
+reduced and does not; nor, in a backward, does one no larger than a replicated parameter whose
+gradient the running autograd node returns (the weight's gradient ``grad_out^T @ x`` of an
+aten-level ``addmm`` over token-split rows, larger than a rank's rows only while they are
+few): every rank holds that parameter, and its gradient, whole anyway, and no layout avoids it. So does a gradient built whole: a backward formula that makes a plain
 tensor of its input's global shape (``zeros(sizes)``, scattered into) has every rank hold the
 whole extent of a sharded tensor's gradient before it is sliced back to that tensor's layout; no
 collective runs, so no redistribution sees it, and the backward of ``from_local`` or of a
@@ -417,7 +420,7 @@ def check_result(operands: Sequence[object], result: object) -> None:
         if spec is None or not spec.partial:
             continue
         source = pending_whole(operands, spec)
-        if source is not None:
+        if source is not None and not _within_a_parameter(spec):
             held = _largest_shard(spec)
             before = _largest_shard(source)
             _enforce(ops, "a pending result", source, spec, _bytes_of(spec), before, held)
@@ -508,6 +511,35 @@ def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTen
             ):
                 return source
     return None
+
+
+def _within_a_parameter(spec: ShardTensorSpec) -> bool:
+    """Whether ``spec``, a pending result made in a backward, holds on each rank no more than
+    a replicated leaf whose gradient the running autograd node returns, through a chain of
+    one-input nodes (``W.t()``, a promotion): a parameter's gradient, which every rank holds
+    whole anyway (NOTE [Gathers an op was not asked to make])."""
+    node = _current_autograd_node()
+    if node is None:
+        return False
+    held = _largest_elements(spec)
+    return any(_is_replicated(leaf) and leaf.numel() >= held for leaf in _leaves_fed(node))
+
+
+def _leaves_fed(node: object, depth: int = 4) -> Iterator[torch.Tensor]:
+    """The leaves whose gradients ``node`` returns, directly or through one-input nodes."""
+    for fn, _ in node.next_functions:
+        for _ in range(depth):
+            if fn is None or hasattr(fn, "variable"):
+                break
+            following = [f for f, _ in fn.next_functions if f is not None]
+            fn = following[0] if len(following) == 1 else None
+        if fn is not None and hasattr(fn, "variable"):
+            yield fn.variable
+
+
+def _is_replicated(t: torch.Tensor) -> bool:
+    spec = getattr(t, "_spec", None)
+    return spec is None or all(isinstance(p, Replicate) for p in spec.placements)
 
 
 def may_gather_blocks(

@@ -1014,9 +1014,21 @@ def _sharded_mm(func, args, kwargs):
     if _row_sharded(a.self, a.mat2):
         out = aten.mm.default(a.self._local, local_of(a.mat2))
         return _rows_kept(a.self, out, a.mat2.shape[1])
-    if _any_held(a.self, a.mat2):
+    if _any_held(a.self, a.mat2) or _contracted_in_both(a.self, a.mat2):
         return _sharded_einsum("nk,km->nm", [a.self, a.mat2])
     return NotImplemented
+
+
+def _contracted_in_both(x: object, other: object) -> bool:
+    """Whether ``x @ other`` contracts a dim both ShardTensors split (a weight's gradient
+    ``grad^T @ x`` over token-split rows): a pending sum by the module docstring's rule,
+    where DTensor's rule gathers an uneven or empty split."""
+    return (
+        isinstance(x, ShardTensor)
+        and isinstance(other, ShardTensor)
+        and 1 in x._spec.sharding_by_dim
+        and 0 in other._spec.sharding_by_dim
+    )
 
 
 # NOTE [A backward product of held operands stays on their holder]
