@@ -73,7 +73,10 @@ replicated output). Not counted:
   every rank holds whole already);
 - the backward of a redistribution and of shardsci's autograd Functions, run by the autograd
   engine outside any op: they return gradients to the layouts of their forward inputs, which
-  were chosen in the forward. Backward *ops* (``index_add``, ``masked_select_backward``) are
+  were chosen in the forward; so does an aten backward handler returning the gradient of a
+  forward input it had realigned to that input's layout (the fused attention's key and value
+  gradients to a replicated memory's projections: ``_attention_ops._returned``), which no
+  rank held less of in the forward. Backward *ops* (``index_add``, ``masked_select_backward``) are
   dispatched like any op and counted.
 Attention's keys and values are the one sharded extent gathered by a collective of its own
 rather than by a redistribution: an all-gather chosen by ``attention_exchange("auto")`` counts
