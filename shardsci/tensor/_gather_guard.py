@@ -51,10 +51,12 @@ made, since it may never be reduced: an op whose output is pending over a mesh a
 shards an operand, each rank's part at least that whole operand (``A @ x`` with a plain ``A``
 contracting the dim of ``x`` the axis splits) counts as it returns (``_dispatch`` calls
 :func:`check_result`); a reduction's pending result (``x.sum(2)``) holds less than what it
-reduced and does not; nor, in a backward, does one no larger than a replicated parameter whose
-gradient the running autograd node returns (the weight's gradient ``grad_out^T @ x`` of an
-aten-level ``addmm`` over token-split rows, larger than a rank's rows only while they are
-few): every rank holds that parameter, and its gradient, whole anyway, and no layout avoids it. So does a gradient built whole: a backward formula that makes a plain
+reduced and does not; nor, in a backward, does one no larger than a replicated tensor the running
+autograd node holds anyway: a parameter whose gradient it returns (the weight's gradient
+``grad_out^T @ x`` of an aten-level ``addmm`` over token-split rows, larger than a rank's rows
+only while they are few), or a forward input it saved (the values of a whole memory, whose
+gradient ``attn^T @ grad_out`` contracts the split queries): every rank holds that tensor,
+and its gradient, whole anyway, and no layout avoids it. So does a gradient built whole: a backward formula that makes a plain
 tensor of its input's global shape (``zeros(sizes)``, scattered into) has every rank hold the
 whole extent of a sharded tensor's gradient before it is sliced back to that tensor's layout; no
 collective runs, so no redistribution sees it, and the backward of ``from_local`` or of a
@@ -518,14 +520,29 @@ def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTen
 
 def _within_a_parameter(spec: ShardTensorSpec) -> bool:
     """Whether ``spec``, a pending result made in a backward, holds on each rank no more than
-    a replicated leaf whose gradient the running autograd node returns, through a chain of
-    one-input nodes (``W.t()``, a promotion): a parameter's gradient, which every rank holds
-    whole anyway (NOTE [Gathers an op was not asked to make])."""
+    a replicated tensor every rank holds whole anyway: a leaf whose gradient the running
+    autograd node returns, through a chain of one-input nodes (``W.t()``, a promotion), or a
+    forward input the node saved (NOTE [Gathers an op was not asked to make])."""
     node = _current_autograd_node()
     if node is None:
         return False
     held = _largest_elements(spec)
-    return any(_is_replicated(leaf) and leaf.numel() >= held for leaf in _leaves_fed(node))
+    return any(
+        _is_replicated(t) and t.numel() >= held
+        for t in itertools.chain(_leaves_fed(node), _saved(node))
+    )
+
+
+def _saved(node: object) -> Iterator[torch.Tensor]:
+    """The tensors ``node`` saved in the forward (``_saved_self``, ``_saved_mat2``, ...)."""
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed, or not a tensor's slot
+                continue
+            if isinstance(value, torch.Tensor):
+                yield value
 
 
 def _leaves_fed(node: object, depth: int = 4) -> Iterator[torch.Tensor]:
