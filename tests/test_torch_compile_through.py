@@ -25,7 +25,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 from torch.distributed.tensor import Shard
 
-from shardsci import gather_policy
+from shardsci import gather_policy, record_gathers
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.models import MeshGraphNet
 from shardsci.models.fno import SpectralConv
@@ -351,11 +351,19 @@ class TwoFieldsWithABreak(nn.Module):
 
 
 def _unused_output_body() -> None:
-    with tracing_through_shardtensors():
+    # Autograd's plain zeros for the output no loss reaches are allocated at the global shape
+    # before shardsci sees them (NOTE [torch.compile and ShardTensor]): that gradient built
+    # whole is stated, and it is the only gather.
+    with tracing_through_shardtensors(), gather_policy("allow"), record_gathers() as gathers:
         mesh = get_mesh((2,))
         compiled = torch.compile(TwoFieldsWithABreak(), backend="aot_eager")
         whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
         _compiled_equals_eager(compiled, [whole], LAYOUTS[:1], mesh, "unused output")
+    made = {(g.what, g.backward_of) for g in gathers}
+    assert_all_ranks(
+        made == {("a gradient built whole", "CompiledFunctionBackward")},
+        f"unused output: gathers {sorted(made)}; expected the zeros autograd built whole only",
+    )
 
 
 # Failed with "Expected a ShardTensor tangent but got a plain Tensor (tangent index: 1)" in

@@ -51,7 +51,12 @@ made, since it may never be reduced: an op whose output is pending over a mesh a
 shards an operand, each rank's part at least that whole operand (``A @ x`` with a plain ``A``
 contracting the dim of ``x`` the axis splits) counts as it returns (``_dispatch`` calls
 :func:`check_result`); a reduction's pending result (``x.sum(2)``) holds less than what it
-reduced and does not. So does a gradient built whole: a backward formula that makes a plain
+reduced and does not; nor, in a backward, does one no larger than a replicated tensor the running
+autograd node holds anyway: a parameter whose gradient it returns (the weight's gradient
+``grad_out^T @ x`` of an aten-level ``addmm`` over token-split rows, larger than a rank's rows
+only while they are few), or a forward input it saved (the values of a whole memory, whose
+gradient ``attn^T @ grad_out`` contracts the split queries): every rank holds that tensor,
+and its gradient, whole anyway, and no layout avoids it. So does a gradient built whole: a backward formula that makes a plain
 tensor of its input's global shape (``zeros(sizes)``, scattered into) has every rank hold the
 whole extent of a sharded tensor's gradient before it is sliced back to that tensor's layout; no
 collective runs, so no redistribution sees it, and the backward of ``from_local`` or of a
@@ -70,7 +75,10 @@ replicated output). Not counted:
   every rank holds whole already);
 - the backward of a redistribution and of shardsci's autograd Functions, run by the autograd
   engine outside any op: they return gradients to the layouts of their forward inputs, which
-  were chosen in the forward. Backward *ops* (``index_add``, ``masked_select_backward``) are
+  were chosen in the forward; so does an aten backward handler returning the gradient of a
+  forward input it had realigned to that input's layout (the fused attention's key and value
+  gradients to a replicated memory's projections: ``_attention_ops._returned``), which no
+  rank held less of in the forward. Backward *ops* (``index_add``, ``masked_select_backward``) are
   dispatched like any op and counted.
 Attention's keys and values are the one sharded extent gathered by a collective of its own
 rather than by a redistribution: an all-gather chosen by ``attention_exchange("auto")`` counts
@@ -417,7 +425,7 @@ def check_result(operands: Sequence[object], result: object) -> None:
         if spec is None or not spec.partial:
             continue
         source = pending_whole(operands, spec)
-        if source is not None:
+        if source is not None and not _within_a_parameter(spec):
             held = _largest_shard(spec)
             before = _largest_shard(source)
             _enforce(ops, "a pending result", source, spec, _bytes_of(spec), before, held)
@@ -508,6 +516,50 @@ def pending_whole(operands: Sequence[object], spec: ShardTensorSpec) -> ShardTen
             ):
                 return source
     return None
+
+
+def _within_a_parameter(spec: ShardTensorSpec) -> bool:
+    """Whether ``spec``, a pending result made in a backward, holds on each rank no more than
+    a replicated tensor every rank holds whole anyway: a leaf whose gradient the running
+    autograd node returns, through a chain of one-input nodes (``W.t()``, a promotion), or a
+    forward input the node saved (NOTE [Gathers an op was not asked to make])."""
+    node = _current_autograd_node()
+    if node is None:
+        return False
+    held = _largest_elements(spec)
+    return any(
+        _is_replicated(t) and t.numel() >= held
+        for t in itertools.chain(_leaves_fed(node), _saved(node))
+    )
+
+
+def _saved(node: object) -> Iterator[torch.Tensor]:
+    """The tensors ``node`` saved in the forward (``_saved_self``, ``_saved_mat2``, ...)."""
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed, or not a tensor's slot
+                continue
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def _leaves_fed(node: object, depth: int = 4) -> Iterator[torch.Tensor]:
+    """The leaves whose gradients ``node`` returns, directly or through one-input nodes."""
+    for fn, _ in node.next_functions:
+        for _ in range(depth):
+            if fn is None or hasattr(fn, "variable"):
+                break
+            following = [f for f, _ in fn.next_functions if f is not None]
+            fn = following[0] if len(following) == 1 else None
+        if fn is not None and hasattr(fn, "variable"):
+            yield fn.variable
+
+
+def _is_replicated(t: torch.Tensor) -> bool:
+    spec = getattr(t, "_spec", None)
+    return spec is None or all(isinstance(p, Replicate) for p in spec.placements)
 
 
 def may_gather_blocks(

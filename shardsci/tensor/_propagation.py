@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -245,13 +245,35 @@ def _make_plan(
     except NotImplementedError:
         if held is None:
             raise
-        return _plan_on(func, leaves, structure, kwargs, local_impl, mesh, sources, held)
+        return _held_plan(func, leaves, structure, kwargs, local_impl, mesh, sources, held)
     if held is None or not any(t is not None and s.shardings for s, t in held.moved(plan)):
         return plan
     try:
-        return _plan_on(func, leaves, structure, kwargs, local_impl, mesh, sources, held)
+        return _held_plan(func, leaves, structure, kwargs, local_impl, mesh, sources, held)
     except NotImplementedError:
         return plan
+
+
+def _held_plan(
+    func: OpOverload,
+    leaves: list,
+    structure: tuple,
+    kwargs: dict,
+    local_impl: Callable[..., object] | None,
+    mesh,
+    sources: list[ShardTensorSpec | None],
+    held: _HeldOperands,
+) -> Plan:
+    """The plan of a pointwise op on held operands run on their holder, its pending operands
+    reduced first where the rule would lay an operand out along a held axis to meet them (NOTE
+    [A pointwise op on held operands runs on their holder])."""
+    try:
+        return _plan_on(func, leaves, structure, kwargs, local_impl, mesh, sources, held)
+    except NotImplementedError:
+        if not any(o is not None and o.partial for o in held.off):
+            raise
+    reduced = held.pending_reduced()
+    return _plan_on(func, leaves, structure, kwargs, local_impl, mesh, sources, reduced)
 
 
 def _plan_on(
@@ -336,7 +358,11 @@ def _plan_on(
 # (a statistic reduced without ``keepdim``, then unsqueezed) is moved onto that one: its
 # holder keeps its cells, no byte moves (the dim is the largest operand's that spans its
 # output dim). Taken only where every operand sharded along a held
-# axis is held along it by the same rank, and no operand is pending along it.
+# axis is held along it by the same rank, and no operand is pending along it. An operand
+# pending over another axis (``x - x.var(...)``'s statistics in ``VarBackward0``, pending
+# over the axis of a dim split there) may lead the rule to slice an operand along a held
+# axis to meet it; the pending sums are then reduced first (``Partial -> Replicate``, an
+# all-reduce of a statistic, no gather) and the rule asked again.
 @dataclass(frozen=True)
 class _HeldOperands:
     """Operands of a pointwise op with their held axes taken off (``off``), and how to put them
@@ -356,6 +382,20 @@ class _HeldOperands:
             for s, o, t in zip(self.sources, self.off, plan.targets)
             if s is not None and o is not s
         ]
+
+    def pending_reduced(self) -> _HeldOperands:
+        """These operands with every pending sum reduced (``Partial -> Replicate``)."""
+        off = tuple(
+            None
+            if o is None
+            else o.relaid(
+                [Replicate() if isinstance(p, Partial) else p for p in o.placements],
+                {s.dim: s.sizes for s in o.shardings},
+                order={s.dim: s.axes for s in o.shardings},
+            )
+            for o in self.off
+        )
+        return replace(self, off=off)
 
     def _back(self, spec: ShardTensorSpec, source: ShardTensorSpec | None) -> ShardTensorSpec:
         axes = [a for group, _, _ in self.held for a in group]

@@ -49,6 +49,7 @@ from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, redist
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
+from shardsci.tensor._gather_guard import asked_for
 from shardsci.tensor._ops._common import accepts, unsplit
 from shardsci.tensor._ops._ring import ring_chosen
 from shardsci.tensor._ops._ring_attention import (
@@ -187,11 +188,14 @@ def _features_split(t: object) -> bool:
 
 
 def _returned(grad: torch.Tensor, aligned: ShardTensor, given: torch.Tensor) -> torch.Tensor:
-    """A gradient computed in the aligned layout, in the layout of the input it belongs to."""
+    """A gradient computed in the aligned layout, in the layout of the input it belongs to:
+    the forward's, as a redistribution's backward returns it (not an op's gather: NOTE
+    [Gathers an op was not asked to make])."""
     sharded = ShardTensor(grad, aligned._spec.with_dtype(grad.dtype))
-    if isinstance(given, ShardTensor):
-        return _moved(sharded, grad_spec(given._spec))
-    return _moved(sharded, replicated_spec(grad, aligned._spec.mesh))._local
+    with asked_for():
+        if isinstance(given, ShardTensor):
+            return _moved(sharded, grad_spec(given._spec))
+        return _moved(sharded, replicated_spec(grad, aligned._spec.mesh))._local
 
 
 def _probe(func, qkv: tuple, mask: torch.Tensor | None, *args, **kwargs):

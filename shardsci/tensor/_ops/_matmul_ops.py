@@ -69,7 +69,7 @@ from shardsci.tensor._ops._common import (
     without_held,
 )
 from shardsci.tensor._ops._linear_node import LinearPlan, linear_node
-from shardsci.tensor._ops._ring import Blocks, ring_chosen
+from shardsci.tensor._ops._ring import Blocks, ring_chosen, sum_around
 from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
 from shardsci.tensor._promotion import promote_replicated
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
@@ -299,10 +299,117 @@ def _bmm(func, args, kwargs):
 @register_aten_handler(aten.bmm.default)
 def _aten_bmm(func, args, kwargs):
     """``bmm`` reached below ``__torch_function__`` (inside ``F.multi_head_attention_forward``,
-    and in the backward of every product): as ``torch.bmm``. DTensor's rule gathered a
-    row-sharded operand with an empty shard."""
+    and in the backward of every product): as ``torch.bmm``, or summed around the ring into
+    the layout of an operand (NOTE [A backward product over a dim both operands split is
+    summed around the ring]). DTensor's rule gathered a row-sharded operand with an empty
+    shard."""
     a = bind(func, args, kwargs)
-    return _sharded_einsum("bnk,bkm->bnm", [a.self, a.mat2])
+    operands = [a.self, a.mat2]
+    if not accepts(*operands):
+        return NotImplemented
+    keys = tuple(map(_Operand, operands))
+    scattered = _scattered_sum(_BMM, keys)
+    if scattered is not None and not _records_graph(operands):
+        return _summed_around(_BMM, operands, scattered)
+    return _sharded_einsum(_BMM, operands)
+
+
+_BMM = "bnk,bkm->bnm"
+
+
+# NOTE [A backward product over a dim both operands split is summed around the ring]
+# The backward of a product of token-sharded operands (``F.multi_head_attention_forward``'s
+# ``bmm`` with ``need_weights=True``, below ``__torch_function__``, so not the ring product's
+# own backward) contracts the tokens, split alike in both operands: the gradient of the keys
+# ``q^T @ grad_scores``, of the values ``attn^T @ grad_out``. As a pending sum (the rule of
+# the module docstring) each rank would hold the whole key-sized gradient, to be
+# reduce-scattered into the keys' layout when it reaches them. Where the output has the shape
+# of an operand split along another dim over the contracted letter's axes with the same
+# sizes (self-attention: keys as long as the queries, laid out alike), each rank instead
+# computes its term of every rank's block of that dim in turn and the blocks' accumulators
+# pass around the ring (``sum_around``), each arriving at its owner summed: the output is
+# laid out like that operand, and no rank holds more than two blocks of it (its own and one in
+# flight), the bytes of the reduce-scatter it replaces. Only where no graph is recorded (a
+# backward without ``create_graph``): that sum has no adjoint here.
+@dataclass(frozen=True)
+class _Scattered:
+    """A product's pending sum over ``blocks``' axes returned as the blocks of ``dim`` of
+    ``output`` (the output's letter ``letter``)."""
+
+    output: ShardTensorSpec
+    letter: str
+    axes: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dim: int
+
+
+@cached("products summed around the ring", 256)
+def _scattered_sum(equation: str, operands: tuple[_Operand, ...]) -> _Scattered | None:
+    """How a product pending over one letter's axes is summed into the layout of an operand
+    of its shape (NOTE [A backward product over a dim both operands split is summed around
+    the ring]); None where it is not."""
+    layout = _product_layout(equation, operands)
+    output = equation.split("->")[1]
+    if layout is None or layout.ring is not None or layout.held:
+        return None
+    contracted = [c for c in layout.letters if c not in output]
+    if len(contracted) != 1:
+        return None
+    summed = layout.letters[contracted[0]]
+    spec = layout.output
+    pending = {a for a, p in enumerate(spec.placements) if isinstance(p, Partial)}
+    if pending != set(summed.axes):
+        return None
+    for operand in operands:
+        if operand.spec is None or tuple(operand.shape) != tuple(spec.shape):
+            continue
+        for s in operand.spec.shardings:
+            if (s.axes, s.sizes) != (summed.axes, summed.sizes) or output[s.dim] in layout.letters:
+                continue
+            placements = [
+                Shard(s.dim) if a in pending else p for a, p in enumerate(spec.placements)
+            ]
+            kept = {t.dim: t for t in spec.shardings} | {s.dim: s}
+            scattered = spec.relaid(
+                placements,
+                {d: t.sizes for d, t in kept.items()},
+                order={d: t.axes for d, t in kept.items()},
+            )
+            if scattered.layout_key == operand.spec.with_dtype(spec.dtype).layout_key:
+                return _Scattered(scattered, output[s.dim], s.axes, s.sizes, s.dim)
+    return None
+
+
+def _records_graph(operands: list) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(o, torch.Tensor) and o.requires_grad for o in operands
+    )
+
+
+def _summed_around(equation: str, operands: list, scattered: _Scattered) -> ShardTensor:
+    """The product of ``operands``, each rank's terms of every block of ``scattered.dim``
+    summed around the ring onto the block's owner."""
+    layout = _product_layout(equation, tuple(map(_Operand, operands)))
+    mesh = layout.output.mesh
+    subscripts = layout.subscripts
+    locals_ = [
+        _local_operand(o, s, layout.sliced, layout.output_axes, mesh)
+        for o, s in zip(operands, subscripts)
+    ]
+    blocks = Blocks(axis_group(mesh, scattered.axes), scattered.sizes, scattered.dim)
+    letter = scattered.letter
+
+    def contribution(owner: int) -> torch.Tensor:
+        start, size = blocks.starts[owner], blocks.sizes[owner]
+        parts = [
+            t.narrow(s.index(letter), start, size) if letter in s else t
+            for t, s in zip(locals_, subscripts)
+        ]
+        return torch.einsum(equation, *parts)
+
+    like = torch.empty(scattered.output.local_shape(), device="meta")
+    out = sum_around(like, blocks, contribution)
+    return from_local_spec(out, scattered.output.with_dtype(out.dtype))
 
 
 def _einsum_parameters(equation, *operands):
@@ -904,10 +1011,36 @@ def _sharded_mm(func, args, kwargs):
     a = bind(func, args, kwargs)
     if _columns_sharded(a.self, a.mat2):
         return _columns_summed(a.self, a.mat2)
-    if not _row_sharded(a.self, a.mat2):
-        return NotImplemented
-    out = aten.mm.default(a.self._local, local_of(a.mat2))
-    return _rows_kept(a.self, out, a.mat2.shape[1])
+    if _row_sharded(a.self, a.mat2):
+        out = aten.mm.default(a.self._local, local_of(a.mat2))
+        return _rows_kept(a.self, out, a.mat2.shape[1])
+    if _any_held(a.self, a.mat2) or _contracted_in_both(a.self, a.mat2):
+        return _sharded_einsum("nk,km->nm", [a.self, a.mat2])
+    return NotImplemented
+
+
+def _contracted_in_both(x: object, other: object) -> bool:
+    """Whether ``x @ other`` contracts a dim both ShardTensors split (a weight's gradient
+    ``grad^T @ x`` over token-split rows): a pending sum by the module docstring's rule,
+    where DTensor's rule gathers an uneven or empty split."""
+    return (
+        isinstance(x, ShardTensor)
+        and isinstance(other, ShardTensor)
+        and 1 in x._spec.sharding_by_dim
+        and 0 in other._spec.sharding_by_dim
+    )
+
+
+# NOTE [A backward product of held operands stays on their holder]
+# A product one rank holds (NOTE [A product of held operands runs on their holder]) reaches
+# ``aten.mm`` again in its backward with held operands on both sides or beside a replicated
+# one (the weight's gradient ``x^T @ grad``, both held by the holder; then ``b^T @ grad`` of
+# a plain ``b`` it came from), which neither rule above serves: it is laid out as that
+# einsum, kept by the holder, rather than declined to DTensor's rule, which replicates the
+# held operand onto every rank.
+def _any_held(x: object, other: object) -> bool:
+    """Whether an operand of ``x @ other`` is a ShardTensor with held axes."""
+    return any(isinstance(t, ShardTensor) and without_held(t._spec)[1] for t in (x, other))
 
 
 @register_aten_handler(aten.addmm.default)

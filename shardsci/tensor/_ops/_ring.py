@@ -48,6 +48,7 @@ __all__ = [
     "circulate_gradients",
     "reduce_scatter_blocks",
     "ring_chosen",
+    "sum_around",
 ]
 
 
@@ -167,28 +168,46 @@ def circulate_gradients(
     ``contribution(owner, block)`` (a tensor shaped like the block) to it.
 
     The other ranks' blocks come first, in ring order, each block's gradient accumulator one
-    hop behind it; this rank's own block last, when its accumulator has come home."""
+    hop behind it (:func:`sum_around`); this rank's own block last, when its accumulator has
+    come home."""
+    me = blocks.group.index
+    met = circulate(block, blocks)
+    next(met)  # this rank's own block: met last, below
+
+    def at(owner: int) -> torch.Tensor:
+        if owner == me:
+            return contribution(me, block)
+        _, current = next(met)
+        return contribution(owner, current)
+
+    return sum_around(block, blocks, at)
+
+
+def sum_around(
+    like: torch.Tensor, blocks: Blocks, contribution: Callable[[int], torch.Tensor]
+) -> torch.Tensor:
+    """This rank's block of a sum over the group: of every rank's ``contribution(owner)``
+    (block ``owner`` of a tensor shaped like ``like`` along ``blocks.dim``) to it.
+
+    Each block's accumulator passes around the ring and arrives at its owner last: a
+    reduce-scatter that holds one block (plus one in flight) at a time, never the whole sum.
+    ``contribution`` is called for the other ranks' blocks in ring order (``me - 1``,
+    ``me - 2``, ...), this rank's own last; every rank of the group must call this."""
     group = blocks.group
     me, n = group.index, group.size
     if n == 1:
-        return contribution(me, block)
-    moves = blocks.any_moves(block)
-    current = _Shift(group, block, blocks.shape(block, (me - 1) % n), moves).wait()
+        return contribution(me)
+    moves = blocks.any_moves(like)
     accumulated = None
     for step in range(1, n):
         owner = (me - step) % n
-        previous = (owner - 1) % n
-        incoming = blocks.shape(current, previous)
-        hop = _Shift(group, current, incoming, moves) if step < n - 1 else None
-        grads = contribution(owner, current)
+        grads = contribution(owner)
         if accumulated is not None:
             grads = grads + accumulated
         # To the next rank, which meets block ``owner`` next, or owns it after the last step;
         # from the previous rank, the accumulator of the block this rank meets next.
-        accumulated = _Shift(group, grads, blocks.shape(grads, previous), moves).wait()
-        if hop is not None:
-            current = hop.wait()
-    return contribution(me, block) + accumulated
+        accumulated = _Shift(group, grads, blocks.shape(grads, (owner - 1) % n), moves).wait()
+    return contribution(me) + accumulated
 
 
 def all_gather_blocks(block: torch.Tensor, blocks: Blocks) -> torch.Tensor:
