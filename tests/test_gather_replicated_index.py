@@ -47,6 +47,10 @@ LAYOUTS = {
     "4r-empty-other-dim": ((4,), Layout((Shard(0),), {0: (2, 0, 3, 1)})),
     "2x2-both": ((2, 2), Layout((Shard(0), Shard(1)), {0: (4, 2), 1: (1, 4)})),
     "2x2-other-dims": ((2, 2), Layout((Shard(2), Shard(0)), {2: (3, 1), 0: (1, 5)})),
+    "2x2x2-every-dim": (
+        (2, 2, 2),
+        Layout((Shard(0), Shard(1), Shard(2)), {0: (4, 2), 1: (3, 2), 2: (0, 4)}),
+    ),
 }
 
 
@@ -216,6 +220,9 @@ def _body(name: str) -> None:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if "2x2x2" in n else n for n in LAYOUTS],
+)
 def test_a_gather_through_a_replicated_index_keeps_the_input_layout(name: str) -> None:
     run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
