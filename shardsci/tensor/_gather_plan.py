@@ -243,12 +243,12 @@ def _build(
             + [rows[read == me] - starts[me] for r, (rows, read) in enumerate(named) if r != me]
         )
     else:
-        halo_counts, reports = _exchange_counts(owners, group, report, index.device)
+        halo_counts, reports = _exchange_counts(owners, group, report, device)
     for rank, (count, value, _, _) in enumerate(reports):
         if count:
             _raise_out_of_range(what, rank, value, extent, len(reports))
     if not replicated:
-        send_rows = _exchange_requests(wanted, owners, group, starts, halo_counts, index.device)
+        send_rows = _exchange_requests(wanted, owners, group, starts, halo_counts, device)
     negative = next(((r, v) for r, (_, _, count, v) in enumerate(reports) if count), None)
     halo_ids = wanted[owners != me]
     offset, owned = int(starts[me]), int(starts[me + 1] - starts[me])
