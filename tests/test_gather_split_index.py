@@ -9,8 +9,9 @@ then the gathered fallback copied all of ``x`` to every rank). Under ``"allow"``
 gradient and layout (the index's) as one process, and fewer bytes received on every rank
 (``count_traffic``) than the gathered fallback's; under ``"error"`` a ``GatherError`` on every
 rank (the read is replicated over dim 0's axis), also through ``check_against_reference``. An
-index of ``x``'s shape split like ``x`` whose one mesh column reaches every row is refused on
-all four ranks, and an entry out of range in one column raises on all four. On 2 uneven ranks,
+index of ``x``'s shape split like ``x`` whose one mesh column reads every cell of the other
+rank's block fetches only those cells, and is not refused; an entry out of range in one
+column raises on all four. On 2 uneven ranks,
 ``x`` split along dim 0 and the index along dim 1 over the same axis, DTensor reshards ``x``
 like the index (no mask, no gather): the output is split like the index, and ``"error"`` does
 not refuse it. A ``_MaskPartial`` that reaches shardsci's reduction anyway (no rank has its
@@ -119,9 +120,11 @@ def test_gather_through_split_index_refused_or_not_on_every_rank(name: str) -> N
 
 def _split_index_body() -> None:
     """``gather`` along dim 0 of a (4, 4) block on a 2x2 mesh through an index of its shape
-    split like it: mesh column 0 (columns 0-1) reads rows the other rank of its column owns,
-    every row between them; column 1 reads its own rows. Only column 0 knows its fetch; every
-    rank must still refuse. Then an entry out of range in column 1 only: every rank raises."""
+    split like it: mesh column 0 (columns 0-1) reads only cells the other rank of its column
+    owns, every cell of that rank's block; column 1 reads its own. Each rank of column 0
+    receives those 4 cells (32 B), no more than its output's part, so under ``"error"`` it is
+    not refused (NOTE [A cell-wise read moves cells]); every rank receives the range check's
+    12 B. Then an entry out of range in column 1 only: every rank raises."""
     mesh = get_mesh((2, 2))
     torch.manual_seed(0)
     x = torch.randn(4, 4, dtype=torch.float64)
@@ -136,19 +139,12 @@ def _split_index_body() -> None:
         index_spec = index_layout.spec(mesh, values)
         return from_local_spec(index_spec.narrow(values).contiguous(), index_spec)
 
-    with gather_policy("error"):
-        assert_raises_all_ranks(
-            GatherError, r"gather would fetch", lambda: t.gather(0, split(index))
-        )
-    with gather_policy("allow"):
+    with gather_policy("error"), count_traffic() as traffic:
         out = t.gather(0, split(index))
     assert_all_ranks(out._spec.same_layout(spec), f"layout {out._spec}")
     assert_all_ranks(torch.equal(out.full_tensor(), x.gather(0, index)), "values")
-    # column 0's ranks each read one row of the other's: three of four rows, not refused
-    index[:, :2] = torch.tensor([[2, 0], [0, 1], [1, 3], [2, 3]])
-    with gather_policy("error"):
-        out = t.gather(0, split(index))
-    assert_all_ranks(torch.equal(out.full_tensor(), x.gather(0, index)), "values, 3 of 4")
+    expected = (32 if mesh.get_coordinate()[1] == 0 else 0) + 12
+    assert_all_ranks(traffic.received == expected, f"received {traffic.received} B")
     index[0, 3] = 4
     assert_raises_all_ranks(
         IndexError, "out of bounds for dim 0 with size 4", lambda: t.gather(0, split(index))
@@ -171,12 +167,13 @@ def test_maskless_mask_partial_refused_on_every_rank() -> None:
     run_on_ranks(2, _maskless_reduction_refused)
 
 
-def _cells_summed_body() -> None:
+def _cells_fetched_body() -> None:
     """x (64, 64) in 40/24 x 32/32 blocks: each mesh column reads 32 cells of its part of the
     argmax, a (1, 32) read replicated over dim 0's axis. Fetching the rows those cells lie
-    in moved 1.8-5.9 KB per rank; one all-reduce of the cells each rank reads of its own rows
-    moves the read's 256 B (a ring of 2), beside the range check's 8 B all-reduce over the 4
-    ranks (12 B received), and nothing in the backward."""
+    in moved 1.8-5.9 KB per rank, and one all-reduce of the cells each rank reads of its own
+    rows the read's 256 B (a ring of 2); each rank now receives the remote cells it reads,
+    8 B each (NOTE [A cell-wise read moves cells]), beside the range check's 8 B all-reduce
+    over the 4 ranks (12 B received), and nothing in the backward."""
     mesh = get_mesh((2, 2))
     torch.manual_seed(0)
     x = torch.randn(64, 64, dtype=torch.float64)
@@ -194,8 +191,12 @@ def _cells_summed_body() -> None:
     assert_all_ranks(torch.equal(out.full_tensor(), x.amax(0, keepdim=True)), "values")
     assert_all_ranks(torch.equal(leaf.grad, spec.narrow(reference.grad)), "gradient")
     received = (forward.received, backward.received)
-    assert_all_ranks(received == (256 + 12, 0), f"received {received} B forward, backward")
+    row, column = mesh.get_coordinate()
+    read = x.argmax(0)[32 * column : 32 * (column + 1)]
+    remote = int(((read < 40) if row == 1 else (read >= 40)).sum())
+    expected = (8 * remote + 12, 0)
+    assert_all_ranks(received == expected, f"received {received} B forward, backward")
 
 
-def test_gather_through_split_index_sums_the_cells_read() -> None:
-    run_on_ranks(4, _cells_summed_body)
+def test_gather_through_split_index_fetches_the_cells_read() -> None:
+    run_on_ranks(4, _cells_fetched_body)

@@ -35,7 +35,9 @@ leaves a rank holding every row of the dim, at least half of
 them fetched, the rank holds what the dim made ``Replicate`` over its axes gives it, at least
 twice what it held: a gather on that rank, whatever its size (:func:`check_fetch`, before the
 rows move; an output that keeps the input's split, or is split like a sharded index, may
-still read from everywhere: ``take_along_dim`` with an index of the input's shape). Not
+still read from everywhere: ``index_select`` of a permutation swapping two shards;
+``gather`` and ``take_along_dim`` fetch only the cells they read, at most their output's
+part, and never count: NOTE [A cell-wise read moves cells] in ``_gather_plan``). Not
 counted there: a fetch of fewer rows, which are rows the rank's own part of the output reads (a window's halo, a graph partition's boundary: memory the output's size
 chose), and a rank that held most of the dim fetching the rest (an uneven split: ``(4, 1)``
 rows, a permutation sending the fifth row to the first rank): less than double what it held, as

@@ -44,6 +44,7 @@ collective of the plan, so every rank raises the same ``IndexError`` and none is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,8 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class GatherPlan:
-    """How one rank's index into a sharded dim reaches the rows it names.
+    """How one rank's index into a sharded dim reaches the rows it names (the cells, for a
+    cell-wise read: NOTE [A cell-wise read moves cells]; "rows" below are then cells).
 
     Attributes
     ----------
@@ -115,6 +117,7 @@ def gather_plan(
     *,
     replicated: bool,
     sliced: int | None = None,
+    cells: tuple[int, tuple[int, ...]] | None = None,
     wrap_negative: bool = False,
     what: str = "index",
 ) -> GatherPlan:
@@ -133,6 +136,12 @@ def gather_plan(
         With ``replicated``: each rank reads only its own range of the index along this dim
         of it, cut like the indexed dim (``index.shape[sliced] == sum(sizes)``), as for an
         output sharded like the input; the plan's ``local_index`` covers that range.
+    cells : (int, tuple of int), optional
+        With ``replicated``: ``(dim, block)`` for a cell-wise read (``gather``: the index has
+        the tensor's dims, ``dim`` the indexed one, each entry reading the cell at its own
+        position along the others), ``block`` the shape of this rank's block of the tensor,
+        the same on every rank of ``group``, the index already cut to it along the other dims.
+        The plan then moves single cells, not rows (NOTE [A cell-wise read moves cells]).
     wrap_negative : bool
         Read ``-k`` as ``extent - k`` (Python indexing); else a negative value raises (on
         every rank: the plan knows every rank's negative values).
@@ -145,12 +154,12 @@ def gather_plan(
         On every rank, for a value outside ``[-extent, extent)`` on any rank, or a negative
         one without ``wrap_negative``.
     """
-    plans, key = _cache_slot(index, sizes, group, (replicated, sliced))
+    plans, key = _cache_slot(index, sizes, group, (replicated, sliced, cells))
     found = plans.get(key)
     if found is not None and found[0] == index._version:
         plan = found[1]
     else:
-        plan = _build(index, sizes, group, replicated, sliced, what)
+        plan = _build(index, sizes, group, replicated, sliced, cells, what)
         plans.put(key, (index._version, plan))
     if plan.negative is not None and not wrap_negative:
         _raise_out_of_range(what, *plan.negative, sum(sizes), len(plan.halo_counts))
@@ -163,12 +172,12 @@ def remember_plan(index: torch.Tensor, sizes: tuple[int, ...], plan: GatherPlan)
     derived without communication, from data every rank holds (a graph partition, NOTE [A
     partitioned graph's halo plan comes from its partition] in ``shardsci.graph._graph``).
     Every rank must remember the plan of corresponding indices, as every rank must build it."""
-    plans, key = _cache_slot(index, sizes, plan.group, (False, None))
+    plans, key = _cache_slot(index, sizes, plan.group, (False, None, None))
     plans.put(key, (index._version, plan))
 
 
 def _cache_slot(
-    index: torch.Tensor, sizes: tuple[int, ...], group: AxisGroup, how: tuple[bool, int | None]
+    index: torch.Tensor, sizes: tuple[int, ...], group: AxisGroup, how: tuple
 ) -> tuple[BoundedCache, tuple]:
     """The plans of ``index``'s storage, and the key of this view and layout among them."""
     storage = index.untyped_storage()
@@ -202,14 +211,19 @@ def _build(
     group: AxisGroup,
     replicated: bool,
     sliced: int | None,
+    cells: tuple[int, tuple[int, ...]] | None,
     what: str,
 ) -> GatherPlan:
     extent = sum(sizes)
     starts = torch.tensor([sum(sizes[:k]) for k in range(len(sizes) + 1)], dtype=torch.int64)
     me = group.index
     report = _report(_given(compact(index)[0]), extent)  # every value this rank holds
+    device, row_starts = index.device, starts
+    if cells is not None:  # NOTE [A cell-wise read moves cells]
+        index, per_row = _cell_numbers(index, *cells)
+        starts = starts * per_row
     if sliced is not None:
-        ranges = [index.narrow(sliced, int(starts[k]), sizes[k]) for k in range(group.size)]
+        ranges = [index.narrow(sliced, int(row_starts[k]), sizes[k]) for k in range(group.size)]
         index = ranges[me]
     distinct, expand_to = compact(index)
     values, wanted, owners = _owners(_given(distinct), starts)
@@ -229,22 +243,46 @@ def _build(
             + [rows[read == me] - starts[me] for r, (rows, read) in enumerate(named) if r != me]
         )
     else:
-        halo_counts, reports = _exchange_counts(owners, group, report, index.device)
+        halo_counts, reports = _exchange_counts(owners, group, report, device)
     for rank, (count, value, _, _) in enumerate(reports):
         if count:
             _raise_out_of_range(what, rank, value, extent, len(reports))
     if not replicated:
-        send_rows = _exchange_requests(wanted, owners, group, starts, halo_counts, index.device)
+        send_rows = _exchange_requests(wanted, owners, group, starts, halo_counts, device)
     negative = next(((r, v) for r, (_, _, count, v) in enumerate(reports) if count), None)
     halo_ids = wanted[owners != me]
-    offset, owned = int(starts[me]), sizes[me]
+    offset, owned = int(starts[me]), int(starts[me + 1] - starts[me])
     positions = torch.where(
         (values >= offset) & (values < offset + owned),
         values - offset,
         owned + torch.searchsorted(halo_ids, values),
     )
-    local_index = positions.reshape(distinct.shape).to(index.device).expand(expand_to)
-    return GatherPlan(group, owned, halo_counts, send_rows.to(index.device), local_index, negative)
+    local_index = positions.reshape(distinct.shape).to(device).expand(expand_to)
+    return GatherPlan(group, owned, halo_counts, send_rows.to(device), local_index, negative)
+
+
+# NOTE [A cell-wise read moves cells]
+# ``gather`` reads, for each entry of its index, one cell: the entry's own position along
+# every dim but the indexed one, the entry's value along it. Through a replicated index cut
+# to a rank's block along the other dims, every rank of the group along the indexed dim holds
+# the same block shape there, so the ranks' blocks, each moved to put the indexed dim first
+# and flattened, are one 1-D dim split over the group, ``sizes`` times the cells of a row
+# each, and an entry is the cell ``value * per_row + its position in the row``. The plan is
+# then a plan for that flat dim: a rank receives exactly the distinct remote cells its part
+# of the index reads, each once, and its backward sends exactly those cells' gradients home.
+# Fetching whole rows instead made a rank hold every row it reads a cell of: for a random
+# index, every row of the indexed dim.
+def _cell_numbers(
+    index: torch.Tensor, dim: int, block: tuple[int, ...]
+) -> tuple[torch.Tensor, int]:
+    """Each entry of ``index`` (global rows along ``dim``, cut to a block of shape ``block``
+    along the other dims) as the number of the cell it reads in the block flattened with
+    ``dim`` first, rows numbered globally; and the cells in a row."""
+    per_row = math.prod(n for d, n in enumerate(block) if d != dim)
+    shape = [1 if d == dim else n for d, n in enumerate(block)]
+    within = torch.arange(per_row, dtype=torch.int64).reshape(shape)
+    within = within[tuple(slice(0, n) for n in index.shape)]
+    return index.to(torch.int64).cpu() * per_row + within, per_row
 
 
 def _given(index: torch.Tensor) -> torch.Tensor:

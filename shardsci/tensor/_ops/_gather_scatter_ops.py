@@ -486,21 +486,21 @@ def _gather(func, args, kwargs):
 # NOTE [A gather through a replicated index keeps the input's layout]
 # A gather (``x[idx]``, ``index_select``, ``gather``) whose index every rank holds whole
 # computes on each rank the part of the output its own shard of ``x`` anchors, and moves only
-# rows of the gathered dim. Along a sharded dim ``d`` of ``x`` other than the gathered one,
+# rows of the gathered dim (cells of them, for ``gather``). Along a sharded dim ``d`` of ``x`` other than the gathered one,
 # ``gather``'s output cell reads ``x`` in the same position along ``d``, so each rank takes the
 # index's positions of its own range (cut at the index's extent) and its output is sharded
 # along ``d`` with those sizes; ``x[idx]`` and ``index_select`` keep ``x``'s sizes there. Along
 # the gathered dim, when it is sharded, an output of ``x``'s extent there (a permutation,
 # ``take_along_dim`` with an index of ``x``'s shape) keeps ``x``'s sizes: each rank reads its
-# own range of the index and receives the remote rows that range names (every rank knows
+# own range of the index and receives the remote rows (cells) that range names (every rank knows
 # every rank's range: a plan built without communication, ``gather_plan(sliced=...)``). An
 # output of another extent through a 1-D index whose entries' owners never decrease along it
 # (a sorted index, ``x[[1, 2]]``, ``take``) holds each entry on the rank that owns its row:
 # nothing moves. Any other output of another extent is replicated over those axes, each
-# rank receiving every remote row the index names: a gather the guard governs
-# (``check_replicated_read``); so is a fetch, through a replicated or a sharded index, that
-# leaves a rank holding every row of the gathered dim, at least half of them fetched
-# (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
+# rank receiving every remote row (or cell) the index names: a gather the guard governs
+# (``check_replicated_read``); so is a selection's fetch, through a replicated or a sharded
+# index, that leaves a rank holding every row of the gathered dim, at least half of them
+# fetched (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
 # index, so every rank raises alike, naming its first entry out of range
 # (``_first_out_of_range``). ``gather`` through an index already split so, as ``x``'s other
 # dims cut at its extent and whole over the gathered dim's axes (an ``argmax`` of ``x`` with
@@ -510,19 +510,20 @@ def _gather(func, args, kwargs):
 # split like the index on its dims and replicated over the read dim's axes, ``x``'s gradient
 # summed over the index's axes (each group read a different part). One all-reduce over the
 # mesh shares the range check, naming the entry of least position in the whole index as a
-# replicated one would, and, for ``check_fetch``, every rank's rows fetched (``_agreed_rows``).
+# replicated one would, and, for a selection's ``check_fetch``, every rank's rows fetched
+# (``_agreed_rows``).
 # A selection through an index split over an axis that splits another dim of ``x`` is not
 # served (its output would be split over that axis on two dims): it takes the default path.
-# A row of the rank's block is the unit that moves: for
-# ``x[idx]`` and ``index_select`` that is the byte bound of the output's layout; ``gather``
-# reads single cells of those rows, so it may receive more than the cells it reads (for a
-# random index, up to the remote part of its block's rows, never more than gathering ``x``
-# would). A read replicated over the gathered dim's axes is instead the sum over them of
-# what each rank reads of its own rows (zeros where the index names another's), one
-# all-reduce of the read (``summed_read``), where that moves fewer bytes than the fetch onto
-# the rank of the group that receives most (``_summing_is_cheaper``): a few cells of wide
-# rows, as a backward formula's read of a scatter's gradient through its index. The
-# backward is the plan's adjoint (the halo rows go home); at the aten level, torch's
+# For ``x[idx]`` and ``index_select`` a row of the rank's block is the unit that moves, the
+# byte bound of the output's layout; ``gather`` reads single cells, and a cell is the unit
+# that moves (NOTE [A cell-wise read moves cells] in ``_gather_plan``): a rank receives the
+# distinct remote cells its part of the output reads, at most that part's size, so such a
+# fetch is never a gather (no ``check_fetch``). A selection replicated over the gathered
+# dim's axes is instead the sum over them of what each rank reads of its own rows (zeros
+# where the index names another's), one all-reduce of the read (``summed_read``), where that
+# moves fewer bytes than the fetch onto the rank of the group that receives most
+# (``_summing_is_cheaper``; never for cells, which the fetch moves at most once each). The
+# backward is the plan's adjoint (the halo rows or cells go home); at the aten level, torch's
 # ``scatter_add``, ``index_add`` or accumulating ``index_put`` of the gradient into the zeros
 # it makes (sharded like the input, ``_factory_ops``) takes ``_added_through_replicated``.
 @dataclass(frozen=True)
@@ -602,9 +603,11 @@ def _reading(
         selection_cut = index.ndim == 1 and split is None  # a split index's parts are not cut
         if (not cell_wise and not selection_cut) or index.shape[sliced] != extent:
             sliced = None
+        cells = (dim, tuple(local_sizes)) if cell_wise else None
         plan = gather_plan(
-            index, sharding.sizes, group, replicated=True, sliced=sliced, what=func.__name__
-        )
+            index, sharding.sizes, group, replicated=True, sliced=sliced, cells=cells,
+            what=func.__name__,
+        )  # fmt: skip
         index = plan.local_index
         if sliced is not None:
             shard_output(dim, sharding.axes, sharding.sizes)
@@ -672,55 +675,63 @@ def _through_replicated(
         if not cell_wise:  # x is whole over the index's axes, each group reading its part
             rows = x.to_local(grad_placements=_summed_over(x._spec, sharding_axes(layout)))
         bad = _first_out_of_range(index, x.shape[dim])
-        reading = None
+        reading, read_dim, gathering = None, dim, cell_wise
         if bad is None:
             reading = _reading(func, x, dim, index, cell_wise=cell_wise, split=layout)
-        summed = reading is not None and _summing_is_cheaper(rows, dim, reading, cell_wise)
+            rows, read_dim, gathering = _read_rows(rows, dim, reading, cell_wise)
+        summed = reading is not None and _summing_is_cheaper(rows, read_dim, reading)
         fetched = None if reading is None or summed or reading.plan is None else reading.plan
-        checked = not cell_wise or layout.shape[dim] == x.shape[dim]  # check_fetch's rows
-        held = _agreed_rows(func, x._spec, dim, layout, bad, fetched, rows=checked)
+        # a cell-wise read fetches at most its output's part (NOTE [A cell-wise read moves cells])
+        held = _agreed_rows(func, x._spec, dim, layout, bad, fetched, rows=not cell_wise)
     else:
         index = _checked_index(func, x, dim, index)
         reading = _reading(func, x, dim, index, cell_wise=cell_wise)
-        summed = _summing_is_cheaper(rows, dim, reading, cell_wise)
-        if reading.plan is not None and not reading.replicated:
-            held = (
-                _rows_held_by_coordinate(x._spec, dim, index)
-                if cell_wise and len(x._spec.shardings) > 1
-                else _rows_held(x._spec.sharding_by_dim[dim].sizes, reading.plan)
-            )
+        rows, read_dim, gathering = _read_rows(rows, dim, reading, cell_wise)
+        summed = _summing_is_cheaper(rows, read_dim, reading)
+        if reading.plan is not None and not reading.replicated and not cell_wise:
+            held = _rows_held(x._spec.sharding_by_dim[dim].sizes, reading.plan)
     if reading.plan is not None:
         counted = reading.replicated and check_replicated_read(x._spec, reading.spec)
         if held is not None and not counted:
             check_fetch(x._spec, dim, held)
         if summed:
-            out = summed_read(_owned_entries(rows, dim, reading, cell_wise), reading.plan)
+            out = summed_read(_owned_entries(rows, read_dim, reading), reading.plan)
             return from_local_spec(out, reading.spec.with_dtype(out.dtype))
-        rows = halo_extend(rows, reading.plan, dim, replicated_output=reading.replicated)
+        rows = halo_extend(rows, reading.plan, read_dim, replicated_output=reading.replicated)
     local = reading.index
-    out = rows.gather(dim, local) if cell_wise else rows[(slice(None),) * dim + (local,)]
+    out = rows.gather(read_dim, local) if gathering else rows[(slice(None),) * read_dim + (local,)]
     return from_local_spec(out, reading.spec.with_dtype(out.dtype))
 
 
-def _summing_is_cheaper(rows: torch.Tensor, dim: int, reading: _Reading, cell_wise: bool) -> bool:
+def _read_rows(
+    rows: torch.Tensor, dim: int, reading: _Reading, cell_wise: bool
+) -> tuple[torch.Tensor, int, bool]:
+    """``(rows, dim, cell_wise)`` as ``reading`` reads them: for a cell-wise read whose plan
+    moves cells (NOTE [A cell-wise read moves cells]), this rank's block with ``dim`` first,
+    flattened, read as a selection along dim 0; else as given."""
+    if not cell_wise or reading.plan is None:
+        return rows, dim, cell_wise
+    return rows.movedim(dim, 0).reshape(-1), 0, False
+
+
+def _summing_is_cheaper(rows: torch.Tensor, dim: int, reading: _Reading) -> bool:
     """Whether a read replicated over ``dim``'s axes (NOTE [A gather through a replicated
     index keeps the input's layout]) moves fewer bytes as one all-reduce of what each rank
     reads of its own ``rows`` (``summed_read``: a ring's ``2 (n - 1) / n`` of the read) than
-    as the fetch of the whole remote rows it names onto the rank that receives most (a cell
-    of each for ``gather``): the same answer on every rank of the group, which reads the
-    same index into the same other dims' ranges. Not for complex values."""
+    as the fetch of the whole remote rows it names onto the rank that receives most: the same
+    answer on every rank of the group, which reads the same index into the same other dims'
+    ranges. Never for a cell-wise read, whose rows are single cells (``_read_rows``): it
+    fetches at most what it reads. Not for complex values."""
     plan = reading.plan
     if plan is None or not reading.replicated or rows.is_complex():
         return False
     per_row = math.prod(n for d, n in enumerate(rows.shape) if d != dim)
     fetched = max(sum(counts) for counts in plan.halo_counts) * per_row
-    read = reading.index.numel() * (1 if cell_wise else per_row)
+    read = reading.index.numel() * per_row
     return 2 * (plan.group.size - 1) * read < plan.group.size * fetched
 
 
-def _owned_entries(
-    rows: torch.Tensor, dim: int, reading: _Reading, cell_wise: bool
-) -> torch.Tensor:
+def _owned_entries(rows: torch.Tensor, dim: int, reading: _Reading) -> torch.Tensor:
     """The read through ``reading``'s index of this rank's own ``rows`` along ``dim``, zeros
     where it names another rank's rows: this rank's term of ``summed_read``."""
     plan, local = reading.plan, reading.index
@@ -729,12 +740,8 @@ def _owned_entries(
         rows = torch.cat(
             [rows, rows.new_zeros([1 if d == dim else n for d, n in enumerate(rows.shape)])], dim
         )
-    own = torch.where(inside, local, 0)
-    if cell_wise:
-        read = rows.gather(dim, own)
-    else:
-        read = rows[(slice(None),) * dim + (own,)]
-        inside = inside.reshape((1,) * dim + tuple(inside.shape) + (1,) * (rows.ndim - dim - 1))
+    read = rows[(slice(None),) * dim + (torch.where(inside, local, 0),)]
+    inside = inside.reshape((1,) * dim + tuple(inside.shape) + (1,) * (rows.ndim - dim - 1))
     return torch.where(inside, read, read.new_zeros(()))
 
 
@@ -835,27 +842,6 @@ def _summed_over(spec: ShardTensorSpec, axes: set[int]) -> list:
     return [Partial() if axis in axes else p for axis, p in enumerate(spec.placements)]
 
 
-def _rows_held_by_coordinate(
-    spec: ShardTensorSpec, dim: int, index: torch.Tensor
-) -> Iterator[tuple[int, int]]:
-    """``(rows owned, rows held after the fetch)`` of ``dim`` on every rank of the mesh for
-    ``gather`` through the replicated ``index`` (``x``'s dims, its extent along ``dim``), the
-    output keeping the layout of ``x`` (laid out as ``spec``), split on other dims too: each
-    rank reads the part of the index its ranges cut, as ``_reading`` does, so the groups of
-    ranks along ``dim``'s axes fetch differently; every rank works them all out from the
-    whole index it holds."""
-    for coordinate in itertools.product(*map(range, spec.mesh_shape)):
-        offsets, sizes = spec.local_offsets(coordinate), spec.local_shape(coordinate)
-        part = index
-        for d in spec.sharding_by_dim:
-            begin = min(offsets[d], index.shape[d])
-            part = part.narrow(d, begin, min(offsets[d] + sizes[d], index.shape[d]) - begin)
-        start, owned = offsets[dim], sizes[dim]
-        reached = torch.zeros(spec.shape[dim], dtype=torch.bool, device=index.device)
-        reached[part.reshape(-1)] = True  # a scatter, not a sort: unique costs 10x more
-        yield owned, owned + int(reached.sum()) - int(reached[start : start + owned].sum())
-
-
 def _cut_for(x: ShardTensor, source: ShardTensorSpec) -> ShardTensor:
     """``x``, which every rank holds whole (a plain destination), sharded like the gather's
     output ``source``, a dim longer than the source's with its extra cells on the last rank:
@@ -900,12 +886,21 @@ def _added_through_replicated(
     if plan is None:
         out = add(destination.clone(), dim, reading.index, values)
     else:
-        shape = [plan.owned + plan.halo if d == dim else n for d, n in enumerate(destination.shape)]
-        total = add(destination.new_zeros(shape), dim, reading.index, values)
-        if reading.replicated:
-            total = total.narrow(dim, 0, plan.owned)
+        into, at, _ = _read_rows(destination, dim, reading, cell_wise)
+        shape = [plan.owned + plan.halo if d == at else n for d, n in enumerate(into.shape)]
+        if cell_wise:  # the plan's cells, NOTE [A cell-wise read moves cells]
+            total = into.new_zeros(shape).index_add_(
+                0, reading.index.reshape(-1), values.reshape(-1)
+            )
         else:
-            total = halo_reduce(total, plan, dim)
+            total = add(into.new_zeros(shape), at, reading.index, values)
+        if reading.replicated:
+            total = total.narrow(at, 0, plan.owned)
+        else:
+            total = halo_reduce(total, plan, at)
+        if cell_wise:
+            moved = destination.movedim(dim, 0).shape
+            total = total.reshape(moved).movedim(0, dim)
         out = destination + total
     result = from_local_spec(out, x._spec.with_dtype(out.dtype))
     return x.copy_(result) if in_place else result
