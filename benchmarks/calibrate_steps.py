@@ -50,7 +50,9 @@ one small call (``SIZES[0]`` bytes a rank) of each of ``SMALL_CALLS`` costs betw
 computations (``measure_small_calls``, as the calibration takes it), and its steps are
 predicted with the calibration's collective CPU terms (per call, per ring step, per byte)
 scaled by what those calls cost now over what the terms price them at (``at_small_calls``,
-the slowest rank's: the most CPU). The µs per aten op stay the calibration's (a ShardTensor step of its own would be needed).
+the slowest rank's: the most CPU). The µs per aten op (``host_us_per_op``,
+``host_us_per_communication_op``) stay the calibration's (a ShardTensor step of its own would be
+needed).
 
 # NOTE [The step's own kernels]
 The calibration's compute probes (``COMPUTE``: convolutions and matmuls; ``rfft2`` and
@@ -201,6 +203,7 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         complex_matmul_flops_per_s=machine.complex_matmul_flops_per_s * share,
         host_us_per_op=machine.host_us_per_op / share,
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
+        host_us_per_communication_op=machine.host_us_per_communication_op / share,
     )
     return scaled_collective_host(shared, 1 / share)
 
