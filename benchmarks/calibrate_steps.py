@@ -178,7 +178,21 @@ EXPLAINED: dict[tuple[str, int], Explanation] = {
         "the compute term",
         "cpu_ratio_with_measured_compute",
     ),
-    **{("transolver", p): Explanation(_GROWS_WITH_SHARD.format(565, 87)) for p in RANKS},
+    **{
+        ("transolver", p): Explanation(
+            "compute: its kernels without FLOPs run at 0.4x the memory rate they are priced "
+            "at. In the plain step at 128² (each aten op's thread CPU time, 2026-11-29 22:10 "
+            "UTC, load 45, benchmarks/records/2026-11-29-host-per-op/"
+            "transolver_parts_128.json), its adds and divides (most of them broadcasting), "
+            "sums, layer norms, softmaxes and GELUs, forward and backward, move 1.95 GB in "
+            "355 ms: 5.5 GB/s, the layer norms 2.0-3.7, against the 13-14 GB/s of calibrate's "
+            "contiguous add. That is 144 ms priced, 211 more measured: the plain step's "
+            "kernels took 593 ms against 383 predicted (19:14 UTC). The plain step's kernel "
+            "time replaces the compute term",
+            "cpu_ratio_with_measured_compute",
+        )
+        for p in RANKS
+    },
     **{("meshgraphnet", p): Explanation(_GROWS_WITH_SHARD.format(485, 99)) for p in RANKS},
 }
 
