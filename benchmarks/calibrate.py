@@ -44,6 +44,16 @@ formula shows as a residual rather than being absorbed into a parameter:
   the cost model's memory traffic counts them (arguments and result).
 - ``host_us_per_op`` and ``plain_host_us_per_op``: ``benchmarks.host_overhead``'s measurement
   (a UNet step at a 16² tile on 1 rank; CPU time over the aten ops dispatched).
+- ``host_us_per_communication_op``: a periodic halo exchange's forward and backward
+  (``time_halo_exchange``: ``extend`` of a ``COMMUNICATION_SHARD`` shard and its adjoint) on 2
+  ranks and on 2x2 (``COMMUNICATION_MESHES``), every op of it dispatched by the communication
+  modules (``WorkCounter.communication_ops``); its CPU time between two computations, in
+  ``HALO_ROUNDS`` alternated rounds as the halo all-to-alls, less what ``collective_host_s``
+  charges its all-to-alls on the fitted machine (``count_traffic``'s calls) and its other ops
+  at ``plain_host_us_per_op``, over its communication ops (``communication_op_us``); the
+  median over the meshes (``halo_exchange`` records). A step's communication ops cost their
+  modules' Python around each slice and copy (a 4-rank UNet step's profile: about 20 µs an
+  op), which the plain ops' rate left out.
 - ``strided_copy_s_per_run`` (NOTE [Strided copies]): the CPU time of copying a piece of a
   field narrowed along W less that of the same bytes narrowed along H, over the runs the first
   has more (``contiguous_runs``), for FNO-sized fields split 2, 4 and 8 ways (``STRIDED``);
@@ -65,6 +75,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -82,9 +93,12 @@ from benchmarks._common import (
     rank_pools,
 )
 from benchmarks.host_overhead import time_variants
+from shardsci import Shard, ShardTensor
 from shardsci.planning._machine import Machine, collective_host_s, collective_s, ring_steps
 from shardsci.planning._work import WorkCounter, contiguous_runs
+from shardsci.tensor._halo import Extension, extend, extension
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves, tree_map
+from shardsci.testing import count_traffic, get_mesh
 
 SIZES = (256, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes per rank's input
 HALO_SIZES = (256, 16 * 1024, 64 * 1024)  # bytes of one face: a halo sends one per side
@@ -424,6 +438,116 @@ def fit_collective_host(points: list[dict]) -> dict[str, float]:
     return dict(zip(COLLECTIVE_HOST_FIELDS, (f / c for f, c in zip(fitted, scales))))
 
 
+# --------------------------------------------------------------------------- communication ops
+COMMUNICATION_MESHES = ((2,), (2, 2))
+"""Meshes ``measure_communication_ops`` exchanges halos on: 2 ranks splitting H, and 2x2
+blocks (the UNet's 4 ranks in ``benchmarks.calibrate_steps``)."""
+COMMUNICATION_SHARD = (1, 16, 32, 32)
+"""A rank's shard ``(B, C, H, W)`` of the exchanged field: a UNet level of width 16 at a 32²
+tile."""
+
+
+def _halo_extension(x: ShardTensor, dims: tuple[int, ...]) -> Extension:
+    """The extension a circular 3x3 convolution of ``x`` asks for: one cell each side of every
+    split dim of ``dims``, periodic (as ``halo_exchange`` plans it)."""
+    requests = []
+    for dim in dims:
+        sizes = x._spec.sharding_by_dim[dim].sizes
+        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        requests.append(
+            (dim, tuple((o - 1, o + n + 1) for o, n in zip(offsets, sizes)), "periodic")
+        )
+    return extension(x._spec, tuple(requests))
+
+
+def time_halo_exchange(mesh_shape: tuple[int, ...], repeats: int) -> dict:
+    """Rank body: one halo exchange of a ``COMMUNICATION_SHARD`` shard split over
+    ``mesh_shape`` (H, then W), forward and backward (``extend``, ``torch.autograd.grad``),
+    the CPU seconds a call costs this rank between two ``_gap`` computations (median over
+    ``3 x repeats`` batches of 10), its aten ops (``ops``; ``communication_ops``: those the
+    communication modules dispatch, ``WorkCounter``) and its collectives (``calls``: kind,
+    ranks posted to, calls and bytes received, by ``count_traffic``)."""
+    torch.set_num_threads(1)
+    mesh = get_mesh(mesh_shape)
+    dims = (2, 3)[: len(mesh_shape)]
+    local = torch.randn(COMMUNICATION_SHARD)
+    sizes = {
+        axis: (COMMUNICATION_SHARD[dim],) * n for axis, (dim, n) in enumerate(zip(dims, mesh_shape))
+    }
+    x = ShardTensor.from_local(local, mesh, [Shard(d) for d in dims], sizes)
+    ext = _halo_extension(x, dims)
+    leaf = local.clone().requires_grad_()
+    grad = torch.randn(ext.buffer_shape(local.shape))
+
+    def exchange() -> None:
+        torch.autograd.grad(extend(leaf, ext), leaf, grad)
+
+    exchange()
+    with WorkCounter() as work, count_traffic() as traffic:
+        exchange()
+    matrix = torch.randn(96, 96)
+    gap_s = _median_cpu_s(lambda: _gap(matrix), repeats)
+    cpu = []
+    for _ in range(3 * repeats):
+        dist.barrier()
+        start = time.process_time()
+        for _ in range(10):
+            _gap(matrix)
+            exchange()
+        cpu.append((time.process_time() - start) / 10 - gap_s)
+    calls = [
+        {
+            "kind": span.kind,
+            "posted": span.group if span.kind == "all_to_all" else len(span.ranks),
+            "calls": n,
+            "received": traffic.received_by_span[span],
+        }
+        for span, n in traffic.calls_by_span.items()
+    ]
+    return {
+        "mesh": list(mesh_shape),
+        "ops": work.ops,
+        "communication_ops": work.communication_ops,
+        "calls": calls,
+        "cpu_seconds": statistics.median(cpu),
+    }
+
+
+def measure_communication_ops(repeats: int) -> list[dict]:
+    """``time_halo_exchange`` on each of ``COMMUNICATION_MESHES`` in ``HALO_ROUNDS`` rounds,
+    the order reversed every round: per mesh the slowest rank's, its ``cpu_seconds`` the
+    median of its rounds' (``rounds``: each round's; ``loads``: the 1-minute load average at
+    each round's start)."""
+    rounds: dict[tuple[int, ...], list[float]] = {}
+    first: dict[tuple[int, ...], dict] = {}
+    loads = []
+    for r in range(HALO_ROUNDS):
+        loads.append(os.getloadavg()[0])
+        meshes = COMMUNICATION_MESHES if r % 2 == 0 else tuple(reversed(COMMUNICATION_MESHES))
+        for mesh_shape in meshes:
+            per_rank = on_ranks(math.prod(mesh_shape), time_halo_exchange, mesh_shape, repeats)
+            slowest = max(per_rank, key=lambda m: m["cpu_seconds"])
+            first.setdefault(mesh_shape, slowest)
+            rounds.setdefault(mesh_shape, []).append(slowest["cpu_seconds"])
+    return [
+        {**first[m], "cpu_seconds": statistics.median(v), "rounds": v, "loads": loads}
+        for m, v in rounds.items()
+    ]
+
+
+def communication_op_us(machine: Machine, exchange: dict) -> float:
+    """µs of CPU per communication op of one measured halo exchange (``time_halo_exchange``):
+    its CPU time less its collectives' as ``collective_host_s`` prices them on ``machine``
+    (the fitted collective terms) and its other ops at ``plain_host_us_per_op``, over its
+    communication ops."""
+    issued = sum(
+        collective_host_s(machine, c["kind"], c["posted"], c["calls"], c["received"])
+        for c in exchange["calls"]
+    )
+    others = (exchange["ops"] - exchange["communication_ops"]) * machine.plain_host_us_per_op
+    return (exchange["cpu_seconds"] * 1e6 - issued * 1e6 - others) / exchange["communication_ops"]
+
+
 # --------------------------------------------------------------------------- compute
 def _conv(channels: int, size: int) -> Callable[[], None]:
     conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
@@ -617,6 +741,7 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
     host_us, plain_us = measure_host(repeats)
     strided_copy_s = measure_strided_copy(repeats)
     host = fit_collective_host(points + halos)
+    exchanges = measure_communication_ops(repeats)
     machine = dataclasses.replace(
         at_rates(
             gloo_machine(
@@ -633,6 +758,12 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         strided_copy_s_per_run=strided_copy_s,
         host_overlaps_device=False,
         memory_gib=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4 / 2**30,
+    )
+    machine = dataclasses.replace(
+        machine,
+        host_us_per_communication_op=statistics.median(
+            communication_op_us(machine, e) for e in exchanges
+        ),
     )
     network_source = (
         "measured on this machine by benchmarks.calibrate: least squares over "
@@ -675,18 +806,26 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         "host_us_per_op": "measured on this machine by benchmarks.calibrate with "
         "benchmarks.host_overhead: ShardTensor UNet step at 16², 1 rank, CPU s per aten op",
         "plain_host_us_per_op": "the same, plain torch's step",
+        "host_us_per_communication_op": "measured on this machine by benchmarks.calibrate: "
+        "a periodic halo exchange's forward and backward of a (1, 16, 32, 32) shard on 2 "
+        "ranks (H split) and 2x2, CPU s between computations less its collectives' "
+        "(collective_host_s) and its other ops' (plain_host_us_per_op), per op the "
+        "communication modules dispatch; the median over the two",
         "strided_copy_s_per_run": "measured on this machine by benchmarks.calibrate: copies "
         "of W- against H-narrowed pieces of (4, 32-64, 64-128, 16-128) fields, CPU s per "
         "extra run, one thread, median",
         "host_overlaps_device": "a CPU launches and runs its kernels on one core",
         "memory_gib": "a quarter of this machine's RAM (4 ranks)",
     }
-    return machine, sources, points + halos, rates
+    return machine, sources, points + halos + exchanges, rates
 
 
 def emit_calibration(machine: Machine, sources: dict, points: list[dict], rates: dict) -> None:
     """The ``collective``, ``compute`` and ``parameters`` records of one calibration."""
     for p in points:
+        if "communication_ops" in p:
+            emit("halo_exchange", **p, us_per_communication_op=communication_op_us(machine, p))
+            continue
         charged = collective_host_s(machine, p["kind"], p["ranks"], 1, p["received"])
         if "pieces" in p:
             emit("halo", **p, charged_cpu_s=charged)
@@ -717,7 +856,7 @@ def main(argv: list[str] | None = None) -> None:
                 {"machine": dataclasses.asdict(machine), "sources": sources, "points": points}
             )
         )
-    timed = [p for p in points if "pieces" not in p]
+    timed = [p for p in points if "pieces" not in p and "communication_ops" not in p]
     ratios = [predicted_collective_s(machine, **_call(p)) / p["seconds"] for p in timed]
     emit_summary(
         [],
@@ -730,6 +869,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_gb_per_s=round(machine.memory_bytes_per_s / 1e9, 2),
         host_us_per_op=round(machine.host_us_per_op, 1),
         plain_host_us_per_op=round(machine.plain_host_us_per_op, 1),
+        host_us_per_communication_op=round(machine.host_us_per_communication_op, 1),
         host_us_per_collective=round(machine.host_us_per_collective, 1),
         host_us_per_collective_step=round(machine.host_us_per_collective_step, 1),
         host_us_per_all_to_all=round(machine.host_us_per_all_to_all, 1),

@@ -50,7 +50,9 @@ one small call (``SIZES[0]`` bytes a rank) of each of ``SMALL_CALLS`` costs betw
 computations (``measure_small_calls``, as the calibration takes it), and its steps are
 predicted with the calibration's collective CPU terms (per call, per ring step, per byte)
 scaled by what those calls cost now over what the terms price them at (``at_small_calls``,
-the slowest rank's: the most CPU). The µs per aten op stay the calibration's (a ShardTensor step of its own would be needed).
+the slowest rank's: the most CPU). The µs per aten op (``host_us_per_op``,
+``host_us_per_communication_op``) stay the calibration's (a ShardTensor step of its own would be
+needed).
 
 # NOTE [The step's own kernels]
 The calibration's compute probes (``COMPUTE``: convolutions and matmuls; ``rfft2`` and
@@ -176,7 +178,21 @@ EXPLAINED: dict[tuple[str, int], Explanation] = {
         "the compute term",
         "cpu_ratio_with_measured_compute",
     ),
-    **{("transolver", p): Explanation(_GROWS_WITH_SHARD.format(565, 87)) for p in RANKS},
+    **{
+        ("transolver", p): Explanation(
+            "compute: its kernels without FLOPs run at 0.4x the memory rate they are priced "
+            "at. In the plain step at 128² (each aten op's thread CPU time, 2026-11-29 22:10 "
+            "UTC, load 45, benchmarks/records/2026-11-29-host-per-op/"
+            "transolver_parts_128.json), its adds and divides (most of them broadcasting), "
+            "sums, layer norms, softmaxes and GELUs, forward and backward, move 1.95 GB in "
+            "355 ms: 5.5 GB/s, the layer norms 2.0-3.7, against the 13-14 GB/s of calibrate's "
+            "contiguous add. That is 144 ms priced, 211 more measured: the plain step's "
+            "kernels took 593 ms against 383 predicted (19:14 UTC). The plain step's kernel "
+            "time replaces the compute term",
+            "cpu_ratio_with_measured_compute",
+        )
+        for p in RANKS
+    },
     **{("meshgraphnet", p): Explanation(_GROWS_WITH_SHARD.format(485, 99)) for p in RANKS},
 }
 
@@ -201,6 +217,7 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         complex_matmul_flops_per_s=machine.complex_matmul_flops_per_s * share,
         host_us_per_op=machine.host_us_per_op / share,
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
+        host_us_per_communication_op=machine.host_us_per_communication_op / share,
     )
     return scaled_collective_host(shared, 1 / share)
 

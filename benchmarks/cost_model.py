@@ -125,8 +125,8 @@ all-reduced), so ``b`` is what is left per peer: the UNet's step, 3,170 / 3,500 
 messages) where ``fixed + per_peer (P - 1)`` fitted at 8 and 16 ranks put 24,226, and the
 halo messages' law of calls 8,514 messages. Both laws
 are data, measured by every run, so a change to the library's collectives moves them;
-``ops_host_s`` prices them (NOTE [One price per op]): the communication ops are plain ops on
-local pieces.
+``ops_host_s`` prices them (NOTE [One price per op]): the communication ops at
+``host_us_per_communication_op``.
 """
 
 from __future__ import annotations
@@ -959,6 +959,7 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
         machine,
         host_us_per_op=0.0,
         plain_host_us_per_op=0.0,
+        host_us_per_communication_op=0.0,
         host_us_per_collective=0.0,
         host_us_per_collective_step=0.0,
         host_us_per_all_to_all=0.0,

@@ -154,6 +154,8 @@ SLOW_SMOKES = {
     # Not smoked: calibrate_steps (it reads calibrate's and cost_model's saved files;
     # tests/test_calibration.py checks its logic) and calibrate_bandwidth (root, namespaces).
     "calibrate": Smoke("--repeats 1"),
+    # One run of calibrate's host measurement (UNet at 16², 1 rank); no goals.
+    "calibrate_host": Smoke("--runs 1 --repeats 1"),
     # 2 ranks, 1 batch per size; the ratio goal patched to be missed.
     "oversubscribed_allreduce": Smoke(
         "--worlds 2 --repeats 1",

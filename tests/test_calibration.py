@@ -394,3 +394,40 @@ def test_a_steps_shardtensor_calls_are_priced_by_their_path():
     assert price_step({"path_ops": {"fast": 1}, "function_calls": 2}, figures) == 210.0
     added = {"fast": {"add": [1.0, 3.0, 2.0], "mul": [9.0, 9.0]}, "function": {"conv": [5.0]}}
     assert path_figures(added) == {"fast": 5.5, "function": 5.0}
+
+
+def test_a_communication_op_costs_its_exchanges_cpu_less_its_collectives_and_other_ops():
+    """NOTE [One price per op]: 40 communication ops at 20 µs, 10 others at the plain 5 µs and
+    two halo all-to-alls over groups of 4 (100 µs a call, 50 a peer, 1 ns a byte of 10 kB)."""
+    machine = Machine(
+        plain_host_us_per_op=5.0,
+        host_us_per_all_to_all=100.0,
+        host_us_per_all_to_all_peer=50.0,
+        host_s_per_byte_received=1e-9,
+    )
+    calls = [{"kind": "all_to_all", "posted": 4, "calls": 2, "received": 10**4}]
+    cpu_us = 40 * 20 + 10 * 5 + 2 * (100 + 3 * 50) + 10
+    exchange = {"ops": 50, "communication_ops": 40, "calls": calls, "cpu_seconds": cpu_us * 1e-6}
+    assert calibrate.communication_op_us(machine, exchange) == pytest.approx(20.0)
+
+
+def test_a_timed_halo_exchange_is_the_communication_modules_ops_and_one_all_to_all_a_way():
+    """``time_halo_exchange`` on 2 ranks: every op it counts is a communication module's, its
+    collectives are one halo all-to-all forward and one backward over the group of 2, each
+    bringing a face of the shard from each side."""
+    for result in run_on_ranks(2, calibrate.time_halo_exchange, (2,), 1):
+        assert result["ops"] == result["communication_ops"] > 0
+        _, channels, _, width = calibrate.COMMUNICATION_SHARD
+        face = channels * width * 4
+        assert result["calls"] == [
+            {"kind": "all_to_all", "posted": 2, "calls": 2, "received": 2 * 2 * face}
+        ]
+        assert result["cpu_seconds"] > 0
+
+
+def test_the_host_price_command_times_the_plain_step_per_op():
+    """``benchmarks.calibrate_host``'s plain step (on the CPU here; ``--device cuda`` on a
+    GPU host): CPU µs per aten op, a few µs to a few hundred."""
+    from benchmarks.calibrate_host import plain_us_per_op_on
+
+    assert 0.1 < plain_us_per_op_on("cpu", 2) < 1000

@@ -141,7 +141,7 @@ def test_ops_per_peer_grow_the_host_term():
     assert fitted.op_count(512) == pytest.approx((700 + 250 * 511, 250 * 511))
     machine = Machine(
         host_us_per_op=50.0,
-        plain_host_us_per_op=20.0,
+        host_us_per_communication_op=20.0,
         host_us_per_collective=0,
         host_us_per_all_to_all=0,
     )
@@ -286,7 +286,7 @@ def test_the_planner_and_the_cost_model_price_host_time_alike():
     fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
     machine = Machine(
         host_us_per_op=50.0,
-        plain_host_us_per_op=20.0,
+        host_us_per_communication_op=20.0,
         host_us_per_collective=0,
         host_us_per_all_to_all=0,
     )

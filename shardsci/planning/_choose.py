@@ -29,9 +29,10 @@ projected time of their slowest rank class on ``Machine`` (NOTE [One machine mod
   gradient all-reduces over the whole mesh; the rounds of messages (halos) as one term;
   an all-to-all's device time over the ranks it connects, its host time over its whole group
   (NOTE [What an all-to-all posts]: a halo sent as one all-to-all);
-- host: the class's aten ops as ``ops_host_s`` prices them (NOTE [One price per op]: its
-  communication modules' ops and every op of an unsplit step at ``plain_host_us_per_op``, the
-  ShardTensor step's others at ``host_us_per_op``), and its collectives and halo rounds as
+- host: the class's aten ops as ``ops_host_s`` prices them (NOTE [One price per op]: every op
+  of an unsplit step at ``plain_host_us_per_op``, its communication modules' ops at
+  ``host_us_per_communication_op``, the ShardTensor step's others at ``host_us_per_op``), and
+  its collectives and halo rounds as
   issuing them costs the host (``collective_host_s``, each over its own ranks);
 - step: ``max(host, compute + communication)`` on a GPU, their sum on a CPU.
 

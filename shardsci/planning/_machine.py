@@ -16,9 +16,10 @@ NOTE [Kernels without FLOPs] in ``_work``), its host time by ``ops_host_s``: a s
 tensors (nothing split: data parallelism) pays ``plain_host_us_per_op`` per aten op; a ShardTensor step pays
 ``host_us_per_op`` per aten op (its average over a whole step: the handlers' Python included),
 except for the ops a communication module dispatches (``_work.COMMUNICATION_MODULES``: slicing,
-packing and unpacking each peer's piece, halos), which are plain ops on local pieces and pay
-``plain_host_us_per_op``. These grow with the peers of a collective (NOTE [Ops per peer] in
-``benchmarks/cost_model.py``: the FNO's 250 more per added peer).
+packing and unpacking each peer's piece, halos), which are plain ops on local pieces with the
+modules' own Python around them and pay ``host_us_per_communication_op`` (``benchmarks.calibrate``
+fits it from halo exchanges on 2 and 4 ranks). These grow with the peers of a collective (NOTE
+[Ops per peer] in ``benchmarks/cost_model.py``: the FNO's 250 more per added peer).
 """
 
 from __future__ import annotations
@@ -50,6 +51,31 @@ __all__ = [
 
 HALO_KINDS = ("p2p", "halo")
 """Kinds of traffic that are rounds of point-to-point messages, not collectives."""
+
+
+GLOO_HOST_US_PER_OP = 18.5
+"""Measured here (``benchmarks.calibrate``'s ``host_us_per_op``, a ShardTensor UNet step at a
+16² tile on 1 rank, CPU time over its aten ops; three runs on 2026-11-29, 18.5 / 23.3 / 18.1 µs
+at 21:51-21:54 / 21:56-22:00 / 22:00-22:03 UTC, load 1.4-20.9 / 12.2-14.2 / 14.2-16.2): the
+median (``benchmarks/records/2026-11-29-host-per-op``). The runs of 18:45 and 18:50 that day
+read 16.2 and 26.9, and 15:58 read 15.8. It was 53 until then, from an older measurement."""
+
+
+GLOO_PLAIN_HOST_US_PER_OP = 8.7
+"""Measured here with ``GLOO_HOST_US_PER_OP`` (the same runs, the plain step beside it): 8.3 /
+10.7 / 8.7 µs an aten op, the median (``benchmarks/records/2026-11-29-host-per-op``). 7.4 and
+12.2 at 18:45 and 18:50 UTC; 25 until then."""
+
+
+GLOO_HOST_US_PER_COMMUNICATION_OP = 23.85
+"""Measured here (``benchmarks.calibrate``'s ``host_us_per_communication_op``: a periodic halo
+exchange's forward and backward of a ``(1, 16, 32, 32)`` shard on 2 ranks and on 2x2, its CPU
+time between computations less its all-to-alls' as the same run's collective fit prices them,
+over its 43 and 91 ops, all dispatched by communication modules, five alternated rounds, the
+median over the two meshes; runs 2 and 3 of ``GLOO_HOST_US_PER_OP``): 26.3 and 21.4 µs, the
+median (``benchmarks/records/2026-11-29-host-per-op``); 2 ranks read 19.2 and 20.8, 2x2 33.3
+and 22.1. A profile of the 4-rank UNet's step (2026-11-29 18:58 UTC) put about 20 µs on each of
+its communication ops, which were charged the plain 7.4 until then."""
 
 
 @dataclass(frozen=True)
@@ -93,17 +119,24 @@ class Machine:
     (the network step 9.6 against 2.7): about 3x, rounded."""
     gpus_per_node: int = 8
     """DGX H100 / HGX H100."""
-    host_us_per_op: float = 53.0
-    """Measured here (``benchmarks.host_overhead``, UNet, 1 rank, 16² tile): a ShardTensor
-    step's CPU time (``time.process_time``, which the machine's load disturbs less than wall
-    time) over the aten ops it dispatches (1 rank: none by communication modules, which
-    ``ops_host_s`` prices as plain ops, NOTE [One price per op]); the ViT and Transolver
-    measure 83-104 µs. A cluster's host core may be faster: override with ``--set
+    host_us_per_op: float = GLOO_HOST_US_PER_OP
+    """Assumed: an H100 node's host core as fast as this machine's, so the figure measured here
+    (``GLOO_HOST_US_PER_OP``: a ShardTensor step's CPU time over the aten ops it dispatches, a
+    UNet at a 16² tile on 1 rank, none of them by communication modules, which ``ops_host_s``
+    prices apart, NOTE [One price per op]). Until 2026-11-29 it was 53, from an older
+    measurement that ``benchmarks.calibrate`` no longer reproduced. A cluster's host core may be
+    faster or slower: ``benchmarks.calibrate_host`` measures one; override with ``--set
     host_us_per_op=...``."""
-    plain_host_us_per_op: float = 25.0
-    """Measured here (``benchmarks.host_overhead``, UNet, 1 rank): a plain torch step's CPU time
-    over its aten ops; what an op on plain tensors costs the host (a data-parallel replica's
-    whole step, the local kernels a ShardTensor op runs)."""
+    plain_host_us_per_op: float = GLOO_PLAIN_HOST_US_PER_OP
+    """Assumed as ``host_us_per_op``: ``GLOO_PLAIN_HOST_US_PER_OP``, a plain torch step's CPU
+    time over its aten ops; what an op on plain tensors costs the host (a data-parallel
+    replica's whole step). 25 until 2026-11-29. A GPU host also launches each op's kernel
+    (``benchmarks.calibrate_host --device cuda`` measures that)."""
+    host_us_per_communication_op: float = GLOO_HOST_US_PER_COMMUNICATION_OP
+    """Assumed as ``host_us_per_op``: ``GLOO_HOST_US_PER_COMMUNICATION_OP``, what an op a
+    communication module dispatches costs the host, the modules' Python around it included
+    (slicing, packing and unpacking a halo's or a collective's pieces; NOTE [One price per
+    op]). Until 2026-11-29 these ops were charged ``plain_host_us_per_op``."""
     host_us_per_collective: float = 10.0
     """Assumed: the host CPU time of issuing one collective or one round of halo messages
     through NCCL (argument checks, stream ordering, a kernel launch: several µs each).
@@ -313,7 +346,8 @@ def ops_host_s(machine: Machine, ops: float, communication_ops: float, sharded: 
     if not sharded:
         return ops * machine.plain_host_us_per_op * 1e-6
     own = ops - communication_ops
-    return (own * machine.host_us_per_op + communication_ops * machine.plain_host_us_per_op) * 1e-6
+    communication = communication_ops * machine.host_us_per_communication_op
+    return (own * machine.host_us_per_op + communication) * 1e-6
 
 
 # NOTE [What an all-to-all posts]
@@ -430,7 +464,8 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
     this process may use) and ``memory_bytes`` of RAM (default: ``MemTotal``), gloo over
     loopback, one host. Compute and memory are shared equally by the ranks.
 
-    Sources: the host figures are measured here (``benchmarks.host_overhead``; issuing a
+    Sources: the host figures are measured here (an aten op: ``GLOO_HOST_US_PER_OP``,
+    ``GLOO_PLAIN_HOST_US_PER_OP``, ``GLOO_HOST_US_PER_COMMUNICATION_OP``; issuing a
     collective: ``GLOO_HOST_US_PER_COLLECTIVE_STEP`` a ring step and nothing a call; an
     all-to-all per rank of its group: ``GLOO_HOST_US_PER_ALL_TO_ALL_PEER``; the bytes:
     ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
@@ -458,8 +493,9 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         ll_bandwidth_fraction=1.0,
         simple_latency_factor=1.0,
         gpus_per_node=max(ranks_here, 1),
-        host_us_per_op=53.0 / share,
-        plain_host_us_per_op=25.0 / share,
+        host_us_per_op=GLOO_HOST_US_PER_OP / share,
+        plain_host_us_per_op=GLOO_PLAIN_HOST_US_PER_OP / share,
+        host_us_per_communication_op=GLOO_HOST_US_PER_COMMUNICATION_OP / share,
         host_us_per_collective=0.0,
         host_us_per_collective_step=GLOO_HOST_US_PER_COLLECTIVE_STEP / share,
         host_us_per_all_to_all=0.0,
