@@ -27,6 +27,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         pool.preload_in_ranks("shardsci.train", *sorted(modules))
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Each test is told of its gathers: the guard says each (op, call site) once per process
+    (NOTE [Gathers an op was not asked to make]), so without this a test would pass in the
+    suite because an earlier test in this process had already been told. The rank pool does
+    the same before each rank body (``_pool._run_request``)."""
+    guard = sys.modules.get("shardsci.tensor._gather_guard")
+    if guard is not None:
+        guard.forget_warnings()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop the rank pools that ``run_on_ranks`` kept alive for the session."""
     from shardsci.testing import shutdown_pools

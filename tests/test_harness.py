@@ -417,6 +417,28 @@ def _warn_a_gather() -> int:
     return 1
 
 
+def _gather_at_one_call_site() -> int:
+    import shardsci
+
+    mesh = get_mesh((2,))
+    x = shardsci.distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
+    torch.cdist(x, x)  # cdist gathers its sharded rows (a GATHERED op)
+    return 1
+
+
+def test_a_rank_body_is_told_of_a_gather_an_earlier_body_was_told_of() -> None:
+    """The guard says each (op, call site) once per process; the pool forgets before each
+    body, so a body is told even where an earlier body on the same ranks was (the last call:
+    a failure closes the pool)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GatherWarning)
+        assert run_on_ranks(2, _gather_at_one_call_site) == [1, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GatherWarning)
+        with pytest.raises(RankFailure, match="GatherWarning"):
+            run_on_ranks(2, _gather_at_one_call_site)
+
+
 def test_a_rank_body_runs_under_the_callers_warning_filters() -> None:
     """pytest's ``error::shardsci.GatherWarning`` reaches the ranks, which are forked from a
     zygote that never saw it (the last call: a failure closes the pool)."""

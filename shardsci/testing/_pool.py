@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardsci.tensor._gather_guard import forget_warnings
 from shardsci.tensor._registry import outliving_handlers, registered_handlers
 from shardsci.tensor._torch_compat import (
     LocalTensorMode,
@@ -216,6 +217,7 @@ def _run_request(request: bytes) -> bytes:
     before = registered_handlers()  # before unpickling, which may import the test module
     try:
         fn, args, kwargs, filters = pickle.loads(request)
+        forget_warnings()  # each body is told of its gathers, whatever ran on this rank before
         with warnings.catch_warnings():
             _take_warning_filters(filters)
             result = fn(*args, **kwargs)
