@@ -2,8 +2,8 @@
 
 ``train.launch`` is called in this process on composed configs with the rank starter
 (``run_ranks``) replaced by a tripwire, so a check that happened only inside the ranks would
-trip it. Two subprocess
-runs check what a user sees: one line on standard error, exit status 2, and the traceback
+trip it. One subprocess
+run checks what a user sees: one line on standard error, exit status 2, and the traceback
 only with ``HYDRA_FULL_ERROR=1``.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -160,43 +159,19 @@ def test_the_quick_start_passes_the_checks(tmp_path: Path) -> None:
     assert plan.world_size == 8 and plan.dp_size == 4
 
 
-@pytest.fixture(scope="module")
-def refused(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], tuple]]:
-    """``train.py +recipe=cfd <override>`` for each refused override below, each in a
-    directory of its own and without ``run_dir``, all started at once (two start-ups in about
-    the time of one on two idle cores): ``refused(override)`` waits for that run and gives
-    its ``(returncode, stderr, directory)``. Whatever still runs at the end is killed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    started = {}
-    for override in ("mesh=1000", "train.stpes=3"):
-        cwd = tmp_path_factory.mktemp("refused")
-        process = subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), "+recipe=cfd", override],
-            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        started[override] = (process, cwd)
-
-    def finished(override: str) -> tuple[int, str, Path]:
-        process, cwd = started[override]
-        _, stderr = process.communicate(timeout=120)
-        return process.returncode, stderr, cwd
-
-    yield finished
-    for process, _ in started.values():
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def test_a_user_sees_one_line_and_no_traceback(refused) -> None:
+def test_a_user_sees_one_line_and_no_traceback(tmp_path: Path) -> None:
     """Without ``run_dir``: Hydra makes a run directory under ``outputs/`` before the check
     fails, and the failed run removes it (tests/test_command.py's ``mesh=-1x2`` case, which
     fails on the same path, runs under ``-m slow``)."""
-    returncode, stderr, tmp_path = refused("mesh=1000")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "+recipe=cfd", "mesh=1000"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     limit, why = max_local_ranks()
-    assert returncode == EXIT_USER_ERROR, stderr
-    assert stderr.splitlines() == [
+    assert done.returncode == EXIT_USER_ERROR, done.stderr
+    assert done.stderr.splitlines() == [
         f"error: mesh=1000 needs 1000 ranks, but train.py starts at most {limit} on this "
         f"machine ({why}); run larger meshes with torchrun or srun over several nodes"
     ]
@@ -263,10 +238,15 @@ def test_overrides_that_compose_or_carry_a_flag_are_left_to_hydra(
     train.check_composition(["+recipe=cfd", "train.stepz=3"])  # Hydra's own report follows
 
 
-def test_a_misspelt_key_is_one_line_and_leaves_no_run_directory(refused) -> None:
-    returncode, stderr, tmp_path = refused("train.stpes=3")
-    assert returncode == EXIT_USER_ERROR, stderr
-    assert stderr.splitlines() == [
+def test_a_misspelt_key_is_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "+recipe=cfd", "train.stpes=3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == EXIT_USER_ERROR, done.stderr
+    assert done.stderr.splitlines() == [
         "error: Could not override 'train.stpes': Key 'stpes' not in 'TrainConfig'; to append "
         "to your config use +train.stpes=3"
     ]
