@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -65,24 +66,50 @@ logger.finish()
 """
 
 
-def test_offline_wandb_makes_no_network_lookup(tmp_path: Path) -> None:
-    done = _python("-c", _LOG_ONE_STEP, str(tmp_path), "offline", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "NETWORK" not in done.stderr, done.stderr
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
+@pytest.fixture(scope="module")
+def wandb_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str | None], tuple]]:
+    """``_LOG_ONE_STEP`` in a fresh process for each case below (``None``: no ``WANDB_MODE``
+    or ``WANDB_DIR``), all started at once: three start-ups in about the time of two on two
+    idle cores. Each test waits for its own; whatever still runs at the end is killed."""
+    started = {}
+    for mode in (None, "disabled", "offline"):
+        tmp_path = tmp_path_factory.mktemp(f"wandb-{mode}")
+        run_dir, wandb_dir = tmp_path / "run", tmp_path / "elsewhere"
+        run_dir.mkdir()
+        wandb_dir.mkdir()
+        env = {} if mode is None else {"WANDB_MODE": mode, "WANDB_DIR": str(wandb_dir)}
+        process = subprocess.Popen(
+            [sys.executable, "-c", _LOG_ONE_STEP, str(run_dir), "offline"], cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        started[mode] = (process, run_dir, wandb_dir)
+
+    def finished(mode: str | None) -> tuple[subprocess.Popen, str, Path, Path]:
+        """The finished process of ``mode``, its stderr, its run directory and WANDB_DIR."""
+        process, run_dir, wandb_dir = started[mode]
+        _, stderr = process.communicate(timeout=TIMEOUT_S)
+        return process, stderr, run_dir, wandb_dir
+
+    yield finished
+    for process, _, _ in started.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_offline_wandb_makes_no_network_lookup(wandb_runs) -> None:
+    done, stderr, run_dir, _ = wandb_runs(None)
+    assert done.returncode == 0, stderr
+    assert "NETWORK" not in stderr, stderr
+    assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
 @pytest.mark.parametrize("mode", ["disabled", "offline"])
-def test_wandb_environment_variables_win_over_the_config(tmp_path: Path, mode: str) -> None:
+def test_wandb_environment_variables_win_over_the_config(wandb_runs, mode: str) -> None:
     """The config says offline into the run directory; WANDB_MODE and WANDB_DIR say otherwise."""
-    run_dir, wandb_dir = tmp_path / "run", tmp_path / "elsewhere"
-    run_dir.mkdir()
-    wandb_dir.mkdir()
-    done = _python(
-        "-c", _LOG_ONE_STEP, str(run_dir), "offline", cwd=tmp_path,
-        WANDB_MODE=mode, WANDB_DIR=str(wandb_dir),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done, stderr, run_dir, wandb_dir = wandb_runs(mode)
+    assert done.returncode == 0, stderr
     assert not (run_dir / "wandb").exists()
     written = list((wandb_dir / "wandb").glob("offline-run-*"))
     assert bool(written) == (mode == "offline")

@@ -97,26 +97,40 @@ _ONE_RANK = textwrap.dedent(
 )
 
 
-def _one_rank_process(tmp_path, name: str, mode: str, seed: str) -> dict:
+def _start(tmp_path, name: str, mode: str, seed: str) -> subprocess.Popen:
     """``_ONE_RANK`` in a new process (its own ``PYTHONHASHSEED``), the inductor cache in
-    ``tmp_path``: each layout's stable hash and, compiled, AOTAutograd's cache counters and
-    the largest difference from eager plain torch."""
+    ``tmp_path``."""
     env = dict(os.environ, PYTHONHASHSEED=seed, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
-    done = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", _ONE_RANK, str(tmp_path / name), mode],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=900,
-        check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _reports(*processes: subprocess.Popen) -> list[dict]:
+    """What each process reported: each layout's stable hash and, compiled, AOTAutograd's
+    cache counters and the largest difference from eager plain torch. Those not finished are
+    killed on a failure."""
+    try:
+        reports = []
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=900)
+            assert process.returncode == 0, stderr[-3000:]
+            reports.append(json.loads(stdout.strip().splitlines()[-1]))
+        return reports
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def test_the_cache_key_of_a_layout_is_the_same_in_a_new_process(tmp_path) -> None:
-    first = _one_rank_process(tmp_path, "a", "hash", "1")
-    second = _one_rank_process(tmp_path, "b", "hash", "2")
+    # Side by side: two start-ups in about the time of one on two idle cores.
+    first, second = _reports(_start(tmp_path, "a", "hash", "1"), _start(tmp_path, "b", "hash", "2"))
     assert first["hashes"] == second["hashes"]
     assert first["hashes"][0] != first["hashes"][1]
 
@@ -124,8 +138,9 @@ def test_the_cache_key_of_a_layout_is_the_same_in_a_new_process(tmp_path) -> Non
 # About 2 minutes at load 20-40 (inductor compiles two layouts, forward and backward, once).
 @pytest.mark.slow
 def test_a_new_process_finds_the_graphs_compiled_by_the_last(tmp_path) -> None:
-    first = _one_rank_process(tmp_path, "a", "compile", "1")
-    second = _one_rank_process(tmp_path, "b", "compile", "2")
+    # One after the other: the second process reads what the first wrote in the cache.
+    [first] = _reports(_start(tmp_path, "a", "compile", "1"))
+    [second] = _reports(_start(tmp_path, "b", "compile", "2"))
     saved = [c.get("autograd_cache_saved", 0) for c in first["counters"]]
     hits = [c.get("autograd_cache_hit", 0) for c in second["counters"]]
     assert saved == [1, 1], first["counters"]  # two layouts, two entries
