@@ -21,10 +21,18 @@ gradients as torch's linear backward does and returns each as the composition wo
 A backward that builds a graph (``create_graph=True``) recomputes the composition from the
 saved inputs and differentiates it, so that second derivatives are the composition's. Under
 torch.compile the composition is traced (its nodes end in one graph there).
+
+Under autocast the forward's ``F.linear`` computes in autocast's dtype, but the backward runs
+outside autocast: as torch's own nodes do (they saved the cast copies), it computes in the
+dtype the forward did (the output's) and returns each gradient in its input's dtype, and the
+composition is recomputed under the forward's autocast. Without this a bfloat16 step failed
+in the backward's product on float32 weights (found by ``scripts/gpu_check.sh`` on an H200,
+2026-11-29; ``tests/test_linear_node.py`` checks it on the CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +128,10 @@ class _LinearNode(torch.autograd.Function):
         out = F.linear(x._local, _local(weight), _local(bias))
         ctx.save_for_backward(x, weight, bias)
         ctx.plan, ctx.routes, ctx.composed = plan, routes, composed
+        device = out.device.type
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if autocast else None
+        ctx.compute_dtype = out.dtype
         return ShardTensor(out, plan.output.with_dtype(out.dtype))
 
     @staticmethod
@@ -128,19 +140,20 @@ class _LinearNode(torch.autograd.Function):
         if torch.is_grad_enabled():
             return (*_composed_gradients(ctx, x, weight, bias, grad), None, None, None)
         plan = ctx.plan
-        g = local_gradient(grad, plan.output)
+        dtype = ctx.compute_dtype
+        g = local_gradient(grad, plan.output).to(dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         rows = g.reshape(-1, g.shape[-1])  # a copy of a broadcast gradient, made once
         if need_x:
-            w = _local(weight)
+            w = _local(weight).to(dtype)
             local = rows.mm(w).view(*g.shape[:-1], w.shape[-1])  # an empty shard: no -1
-            grad_x = ShardTensor(local, plan.input_grad.with_dtype(g.dtype))
+            grad_x = ShardTensor(local.to(x.dtype), plan.input_grad.with_dtype(x.dtype))
         if need_w:
-            x_rows = x._local.reshape(-1, x._local.shape[-1])
-            grad_w = _routed(ctx.routes[0], rows.t().mm(x_rows))
+            x_rows = x._local.reshape(-1, x._local.shape[-1]).to(dtype)
+            grad_w = _routed(ctx.routes[0], rows.t().mm(x_rows).to(weight.dtype))
         if need_b:
-            grad_b = _routed(ctx.routes[1], rows.sum(0))
+            grad_b = _routed(ctx.routes[1], rows.sum(0).to(bias.dtype))
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -153,6 +166,8 @@ def _composed_gradients(
 ) -> list[torch.Tensor | None]:
     """The gradients of the composition, differentiable (``create_graph=True``)."""
     inputs = [t for t, need in zip((x, weight, bias), ctx.needs_input_grad) if need]
-    out = ctx.composed(x, weight, bias)
+    autocast = ctx.autocast
+    with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
+        out = ctx.composed(x, weight, bias)
     found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
     return [next(found) if need else None for need in ctx.needs_input_grad[:3]]
