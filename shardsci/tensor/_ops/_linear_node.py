@@ -21,18 +21,16 @@ gradients as torch's linear backward does and returns each as the composition wo
 A backward that builds a graph (``create_graph=True``) recomputes the composition from the
 saved inputs and differentiates it, so that second derivatives are the composition's. Under
 torch.compile the composition is traced (its nodes end in one graph there).
-
-Under autocast the forward's ``F.linear`` computes in autocast's dtype, but the backward runs
-outside autocast: as torch's own nodes do (they saved the cast copies), it computes in the
-dtype the forward did (the output's) and returns each gradient in its input's dtype, and the
-composition is recomputed under the forward's autocast. Without this a bfloat16 step failed
-in the backward's product on float32 weights (found by ``scripts/gpu_check.sh`` on an H200,
-2026-11-29; ``tests/test_linear_node.py`` checks it on the CPU).
+Under autocast the composition runs instead (``_matmul_ops._linear``): torch's own nodes save
+the copies autocast cast to bfloat16 or float16 for the backward, where this node would save
+its float32 input and weight and recompute outside autocast. Measured before that rule: every
+bf16 step with a linear layer raised in this backward (an H200, ``scripts/gpu_check.sh``,
+2026-11-29), and with the dtypes mended the node saved 1.36-1.46x the bytes for backward that
+plain torch does (one-rank ViT and Transolver; ``tests/test_autocast.py`` checks both).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,10 +126,6 @@ class _LinearNode(torch.autograd.Function):
         out = F.linear(x._local, _local(weight), _local(bias))
         ctx.save_for_backward(x, weight, bias)
         ctx.plan, ctx.routes, ctx.composed = plan, routes, composed
-        device = out.device.type
-        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-        ctx.autocast = (device, torch.get_autocast_dtype(device)) if autocast else None
-        ctx.compute_dtype = out.dtype
         return ShardTensor(out, plan.output.with_dtype(out.dtype))
 
     @staticmethod
@@ -140,20 +134,19 @@ class _LinearNode(torch.autograd.Function):
         if torch.is_grad_enabled():
             return (*_composed_gradients(ctx, x, weight, bias, grad), None, None, None)
         plan = ctx.plan
-        dtype = ctx.compute_dtype
-        g = local_gradient(grad, plan.output).to(dtype)
+        g = local_gradient(grad, plan.output)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         rows = g.reshape(-1, g.shape[-1])  # a copy of a broadcast gradient, made once
         if need_x:
-            w = _local(weight).to(dtype)
+            w = _local(weight)
             local = rows.mm(w).view(*g.shape[:-1], w.shape[-1])  # an empty shard: no -1
-            grad_x = ShardTensor(local.to(x.dtype), plan.input_grad.with_dtype(x.dtype))
+            grad_x = ShardTensor(local, plan.input_grad.with_dtype(g.dtype))
         if need_w:
-            x_rows = x._local.reshape(-1, x._local.shape[-1]).to(dtype)
-            grad_w = _routed(ctx.routes[0], rows.t().mm(x_rows).to(weight.dtype))
+            x_rows = x._local.reshape(-1, x._local.shape[-1])
+            grad_w = _routed(ctx.routes[0], rows.t().mm(x_rows))
         if need_b:
-            grad_b = _routed(ctx.routes[1], rows.sum(0).to(bias.dtype))
+            grad_b = _routed(ctx.routes[1], rows.sum(0))
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -166,8 +159,6 @@ def _composed_gradients(
 ) -> list[torch.Tensor | None]:
     """The gradients of the composition, differentiable (``create_graph=True``)."""
     inputs = [t for t, need in zip((x, weight, bias), ctx.needs_input_grad) if need]
-    autocast = ctx.autocast
-    with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
-        out = ctx.composed(x, weight, bias)
+    out = ctx.composed(x, weight, bias)
     found = iter(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
     return [next(found) if need else None for need in ctx.needs_input_grad[:3]]
