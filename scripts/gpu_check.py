@@ -5,6 +5,7 @@ of each model, so a run stopped at its time limit keeps what it measured (``"com
 false until the last variant has run; ``scripts/gpu_check.sh`` gathers it).
 
     python scripts/gpu_check.py [--device cuda|cpu] [--size N] [--repeats R] [--out FILE]
+                                [--models NAME ...] [--variants VARIANT ...]
 
 One rank: the default process group is a world of one (NCCL on CUDA, gloo on the CPU) and the
 DeviceMesh has one ``domain`` axis. A step is forward, ``square().mean()`` backward and an AdamW
@@ -82,15 +83,23 @@ def _variant(model: nn.Module, variant: str) -> nn.Module:
 
 
 def check_model(
-    name: str, mesh, device: torch.device, size: int, repeats: int, result: dict, save: Callable
+    name: str,
+    mesh,
+    device: torch.device,
+    size: int,
+    repeats: int,
+    variants: list[str],
+    result: dict,
+    save: Callable,
 ) -> None:
-    """Fill ``result`` with the model's figures, calling ``save`` after each variant."""
+    """Fill ``result`` with the model's figures for each of ``variants``, calling ``save``
+    after each."""
     shape = (1, 2, size // 2, size // 2, size // 2) if name.endswith("3d") else (2, 2, size, size)
     torch.manual_seed(0)
     x = torch.randn(shape, device=device)
     sharded_x = distribute_tensor(x, mesh, [Shard(2)])
     result["input"] = list(shape)
-    for variant in VARIANTS:
+    for variant in variants:
         try:
             torch.manual_seed(0)
             plain = MODELS[name]().to(device)
@@ -138,7 +147,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--size", type=int, default=64, help="cells per side of a 2-D field")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", type=Path, help="the JSON file (default: stdout, at the end)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -164,6 +174,7 @@ def main() -> None:
             ),
             "size": args.size,
             "repeats": args.repeats,
+            "variants": args.variants,
             "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "models": {},
@@ -178,7 +189,16 @@ def main() -> None:
 
         for name in args.models:
             summary["models"][name] = {}
-            check_model(name, mesh, device, args.size, args.repeats, summary["models"][name], save)
+            check_model(
+                name,
+                mesh,
+                device,
+                args.size,
+                args.repeats,
+                args.variants,
+                summary["models"][name],
+                save,
+            )
         summary["complete"] = True
         save()
     finally:

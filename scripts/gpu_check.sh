@@ -7,16 +7,18 @@
 # borrows) and nothing can be fetched: the project's other dependencies travel as wheels in
 # .whl/ (README, "Torch versions"), installed with --no-deps --no-index into DIR/site, and
 # shardsci itself is used from this checkout (PYTHONPATH), so pip never touches torch.
-# Steps, each under its own time limit (8 minutes in all, wheels included; not yet timed on a GPU):
+# Steps, each under its own time limit (8 minutes in all, wheels included):
 #   1. environment: nvidia-smi, torch, CUDA, NCCL                        (DIR/environment.json)
 #   2. pytest -m gpu tests/test_gpu.py: ShardTensors, halos, collectives, halo overlap on
 #      the device's side stream (NOTE [Halo overlap on streams]),
 #      every zoo model's float64 step against plain torch, NCCL world of one (DIR/gpu_tests.xml)
-#   3. scripts/gpu_check.py: every zoo model's step against plain torch,
-#      time and peak memory, float32 and bf16 autocast, compile_regions,
-#      torch.compile                                                     (DIR/models.json)
-#   4. DIR/summary.json: the three together, with each step's status and seconds.
-# Two ranks sharing one GPU are not run: NCCL refuses them (summary.json says so).
+#   3. scripts/gpu_two_ranks.py: two ranks on the one GPU, NCCL's answer, then the same
+#      checks on uneven shards over gloo with CUDA tensors                (DIR/two_ranks.json)
+#   4. scripts/gpu_check.py: every zoo model's step against plain torch, time and peak
+#      memory, float32 and bf16 autocast                                  (DIR/models.json)
+#   5. the same with compile_regions and torch.compile                    (DIR/compiled.json)
+#   6. DIR/summary.json: all of them, with each step's status and seconds.
+# NCCL takes one rank per GPU: step 3 records what it says to two, and runs them over gloo.
 # --device cpu runs the same steps on the CPU with gloo (the GPU tests with
 # SHARDSCI_TEST_DEVICE=cpu), which is what this machine can check; --dry-run prints the
 # commands without running them. Exit status: 0 when every step passed.
@@ -71,13 +73,18 @@ run environment 30 bash -c "$python -c '$environment' >'$out/environment.json' &
 
 test_env=()
 [[ "$device" == cpu ]] && test_env=(env SHARDSCI_TEST_DEVICE=cpu)
-run gpu_tests 210 "${test_env[@]}" "$python" -m pytest -q -p no:cacheprovider -m gpu \
+run gpu_tests 120 "${test_env[@]}" "$python" -m pytest -q -p no:cacheprovider -m gpu \
     tests/test_gpu.py --junitxml="$out/gpu_tests.xml"
+
+run two_ranks 90 "$python" scripts/gpu_two_ranks.py --device "$device" --nccl-seconds 30 \
+    --gloo-seconds 75 --out "$out/two_ranks.json"
 
 size=64
 [[ "$device" == cpu ]] && size=16
-run models 210 "$python" scripts/gpu_check.py --device "$device" --size "$size" \
-    --repeats 10 --out "$out/models.json"
+run models 90 "$python" scripts/gpu_check.py --device "$device" --size "$size" \
+    --repeats 10 --variants eager bf16 --out "$out/models.json"
+run compiled 150 "$python" scripts/gpu_check.py --device "$device" --size "$size" \
+    --repeats 10 --variants compile_regions torch.compile --out "$out/compiled.json"
 
 if [[ $dry_run -eq 1 ]]; then
     printf '%s\n' "${statuses[@]}"
@@ -114,7 +121,9 @@ summary = {
     "environment": load("environment.json"),
     "steps": steps,
     "gpu_tests": tests,
+    "two_ranks": load("two_ranks.json"),
     "models": load("models.json"),
+    "compiled": load("compiled.json"),
     "passed": all(s["exit_status"] == 0 for s in steps.values()),
 }
 (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -46,8 +46,8 @@ def overlap_halos(enabled: bool = True) -> Iterator[None]:
     instead of the single synchronous one (NOTE [A padded tensor carries the halo its
     convolution reads]). On a GPU the messages are packed and posted on a side stream of the
     device, ordered by events, so that the interior's kernels overlap them (NOTE [Halo overlap
-    on streams]: checked on the CPU against a stand-in for the streams, not yet run on a GPU);
-    on the CPU no stream is created.
+    on streams]: checked on the CPU against a stand-in for the streams, and on an H200 on two
+    ranks sharing it over gloo, ``scripts/gpu_two_ranks.py``); on the CPU no stream is created.
     """
     with _within(_OVERLAP, enabled):
         yield

@@ -21,6 +21,12 @@ gradients as torch's linear backward does and returns each as the composition wo
 A backward that builds a graph (``create_graph=True``) recomputes the composition from the
 saved inputs and differentiates it, so that second derivatives are the composition's. Under
 torch.compile the composition is traced (its nodes end in one graph there).
+Under autocast the composition runs instead (``_matmul_ops._linear``): torch's own nodes save
+the copies autocast cast to bfloat16 or float16 for the backward, where this node would save
+its float32 input and weight and recompute outside autocast. Measured before that rule: every
+bf16 step with a linear layer raised in this backward (an H200, ``scripts/gpu_check.sh``,
+2026-11-29), and with the dtypes mended the node saved 1.36-1.46x the bytes for backward that
+plain torch does (one-rank ViT and Transolver; ``tests/test_autocast.py`` checks both).
 """
 
 from __future__ import annotations

@@ -110,10 +110,17 @@ def _linear(func, args, kwargs):
     folded = bias is not None and _bias_folds(layout, bias)
     if bias is None or folded:
         plan = _one_node_plan(equation, keys)
-        if plan is not None and not in_graph():
+        if plan is not None and not in_graph() and not _autocasting(x):
             composed = functools.partial(_composed_linear, layout=layout, folded=folded)
             return linear_node(x, weight, bias, plan, composed)
     return _composed_linear(x, weight, bias, layout, folded)
+
+
+def _autocasting(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device (NOTE [A linear layer is one autograd node]:
+    the composition runs there)."""
+    device = x.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
 _LINEAR_EQUATIONS = {
@@ -214,7 +221,7 @@ def _whole_matrix(weight: object) -> bool:
 
 def _linear_of_pending_sum(x: ShardTensor, weight: torch.Tensor) -> ShardTensor:
     plan = _pending_plan(_Operand(x), weight.shape[0])
-    if in_graph():
+    if in_graph() or _autocasting(x):
         return _composed_pending_linear(x, weight, None, plan)
     composed = functools.partial(_composed_pending_linear, plan=plan)
     return linear_node(x, weight, None, plan, composed)

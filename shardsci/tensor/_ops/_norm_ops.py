@@ -215,6 +215,15 @@ class _Statistics:
         return local if self.group is None else all_reduce(local, self.group, "sum")
 
 
+# NOTE [A norm saves what it returns]
+# The normalisations compute in float32 or wider (a bfloat16 row's statistics would lose
+# most of their digits) and return x̂ in the input's dtype. Their backward reads x̂ from the
+# tensor they return, widened again, not from a float32 copy of it: the affine product after
+# them saves that same tensor, so a norm adds no activation of its own to what the step keeps
+# for the backward, as torch's own layer norm keeps its input alone. Saving the float32 x̂
+# kept 1.5x a bfloat16 input's bytes per norm (a one-rank ViT forward under bf16 autocast
+# saved 1.28x plain torch's bytes, 2026-11-29; ``tests/test_autocast.py``). The backward's
+# x̂ is then rounded to the input's dtype, as torch's is computed from the rounded input.
 class _Normalize(torch.autograd.Function):
     """x̂ = (x − mean) / sqrt(var + eps) with statistics over every shard (NOTE above).
     Also returns the mean and the biased variance (keepdim, not differentiable)."""
@@ -226,21 +235,22 @@ class _Normalize(torch.autograd.Function):
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         mean, var = stats.moments(wide, dims)
         inverse_std = torch.rsqrt(var + eps)
-        normalized = (wide - mean) * inverse_std
-        ctx.save_for_backward(normalized, inverse_std)
-        ctx.dims, ctx.stats, ctx.dtype = dims, stats, x.dtype
+        normalized = ((wide - mean) * inverse_std).to(x.dtype)
+        ctx.save_for_backward(normalized, inverse_std)  # NOTE [A norm saves what it returns]
+        ctx.dims, ctx.stats = dims, stats
         ctx.mark_non_differentiable(mean, var)
-        return normalized.to(x.dtype), mean, var
+        return normalized, mean, var
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        normalized, inverse_std = ctx.saved_tensors
-        grad = grad.to(normalized.dtype)
+        returned, inverse_std = ctx.saved_tensors
+        normalized = returned.to(inverse_std.dtype)
+        grad = grad.to(inverse_std.dtype)
         sums = ctx.stats.row_sums(torch.stack([grad, grad * normalized]), ctx.dims)
         n = ctx.stats.total
         grad_x = inverse_std * (grad - sums[0] / n - normalized * (sums[1] / n))
-        return grad_x.to(ctx.dtype), None, None, None
+        return grad_x.to(returned.dtype), None, None, None
 
 
 class _RootMeanSquare(torch.autograd.Function):
@@ -254,19 +264,20 @@ class _RootMeanSquare(torch.autograd.Function):
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         squares = stats.summed(wide.square().sum(dims, keepdim=True))
         inverse_rms = torch.rsqrt(squares / stats.total + eps)
-        normalized = wide * inverse_rms
-        ctx.save_for_backward(normalized, inverse_rms)
-        ctx.dims, ctx.stats, ctx.dtype = dims, stats, x.dtype
-        return normalized.to(x.dtype)
+        normalized = (wide * inverse_rms).to(x.dtype)
+        ctx.save_for_backward(normalized, inverse_rms)  # NOTE [A norm saves what it returns]
+        ctx.dims, ctx.stats = dims, stats
+        return normalized
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        normalized, inverse_rms = ctx.saved_tensors
-        grad = grad.to(normalized.dtype)
+        returned, inverse_rms = ctx.saved_tensors
+        normalized = returned.to(inverse_rms.dtype)
+        grad = grad.to(inverse_rms.dtype)
         sums = ctx.stats.row_sums((grad * normalized)[None], ctx.dims)[0]
         grad_x = inverse_rms * (grad - normalized * (sums / ctx.stats.total))
-        return grad_x.to(ctx.dtype), None, None, None
+        return grad_x.to(returned.dtype), None, None, None
 
 
 class _ChannelNorm(torch.autograd.Function):
