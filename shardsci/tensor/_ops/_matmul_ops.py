@@ -57,6 +57,7 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import axis_group
 from shardsci.tensor._dispatch import local_of
+from shardsci.tensor._ops._autocast import autocast_dtype
 from shardsci.tensor._ops._common import (
     Held,
     accepts,
@@ -110,17 +111,10 @@ def _linear(func, args, kwargs):
     folded = bias is not None and _bias_folds(layout, bias)
     if bias is None or folded:
         plan = _one_node_plan(equation, keys)
-        if plan is not None and not in_graph() and not _autocasting(x):
+        if plan is not None and not in_graph() and autocast_dtype(x) is None:
             composed = functools.partial(_composed_linear, layout=layout, folded=folded)
             return linear_node(x, weight, bias, plan, composed)
     return _composed_linear(x, weight, bias, layout, folded)
-
-
-def _autocasting(x: torch.Tensor) -> bool:
-    """Whether autocast is on for ``x``'s device (NOTE [A linear layer is one autograd node]:
-    the composition runs there)."""
-    device = x.device.type
-    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
 _LINEAR_EQUATIONS = {
@@ -221,7 +215,7 @@ def _whole_matrix(weight: object) -> bool:
 
 def _linear_of_pending_sum(x: ShardTensor, weight: torch.Tensor) -> ShardTensor:
     plan = _pending_plan(_Operand(x), weight.shape[0])
-    if in_graph() or _autocasting(x):
+    if in_graph() or autocast_dtype(x) is not None:
         return _composed_pending_linear(x, weight, None, plan)
     composed = functools.partial(_composed_pending_linear, plan=plan)
     return linear_node(x, weight, None, plan, composed)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from shardsci.tensor._collectives import AxisGroup
+from shardsci.tensor._ops._autocast import cast_for_autocast
 from shardsci.tensor._ops._ring import (
     Blocks,
     all_gather_blocks,
@@ -90,7 +91,8 @@ def attend(
         return F.scaled_dot_product_attention(
             q, k, v, scale=plan.scale, is_causal=plan.causal, enable_gqa=plan.kv_repeats > 1
         )
-    return _Attention.apply(q, k, v, mask, plan)
+    with cast_for_autocast(q, k, v, mask) as (q, k, v, mask):
+        return _Attention.apply(q, k, v, mask, plan)
 
 
 # NOTE [Attention over keys all held here is torch's]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from shardsci.tensor._ops._autocast import cast_for_autocast
 from shardsci.tensor._ops._ring import (
     Blocks,
     all_gather_blocks,
@@ -103,7 +104,8 @@ class ProductPlan:
 def ring_product(staying: torch.Tensor, moving: torch.Tensor, plan: ProductPlan) -> torch.Tensor:
     """Differentiable ``einsum`` of local ``staying`` and ``moving`` over the moving operand's
     blocks in the whole group (NOTE [Ring product]); the output holds the letter whole."""
-    return _RingProduct.apply(staying, moving, plan)
+    with cast_for_autocast(staying, moving) as (staying, moving):
+        return _RingProduct.apply(staying, moving, plan)
 
 
 class _RingProduct(torch.autograd.Function):
