@@ -124,7 +124,7 @@ from benchmarks.cost_model import (
     sharded_step,
 )
 from benchmarks.host_overhead import _OpCounter, training_step
-from shardsci.planning._machine import Machine
+from shardsci.planning._machine import Machine, dispatch_prices, gloo_cpu
 
 RANKS = (1, 2, 4)
 TOLERANCE = 0.25
@@ -218,6 +218,10 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         host_us_per_op=machine.host_us_per_op / share,
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
         host_us_per_communication_op=machine.host_us_per_communication_op / share,
+        host_us_per_fast_op=machine.host_us_per_fast_op / share,
+        host_us_per_propagation_op=machine.host_us_per_propagation_op / share,
+        host_us_per_handler_op=machine.host_us_per_handler_op / share,
+        host_us_per_function_call=machine.host_us_per_function_call / share,
     )
     return scaled_collective_host(shared, 1 / share)
 
@@ -496,7 +500,10 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
 def _machine(args: argparse.Namespace) -> Machine:
     """The fitted machine: from ``--machine``, else calibrated now."""
     if args.machine:
-        return Machine(**json.loads(Path(args.machine).read_text())["machine"])
+        saved = json.loads(Path(args.machine).read_text())["machine"]
+        # saved before the Machine priced calls by dispatch path: this machine's presets
+        here = dispatch_prices(gloo_cpu(1, cores=1, memory_bytes=1))
+        return Machine(**{**here, **saved})
     machine, sources, points, rates = calibrate(args.repeats)
     emit_calibration(machine, sources, points, rates)
     return machine
