@@ -94,7 +94,14 @@ from benchmarks._common import (
 )
 from benchmarks.host_overhead import time_variants
 from shardsci import Shard, ShardTensor
-from shardsci.planning._machine import Machine, collective_host_s, collective_s, ring_steps
+from shardsci.planning._machine import (
+    Machine,
+    collective_host_s,
+    collective_s,
+    dispatch_prices,
+    gloo_cpu,
+    ring_steps,
+)
 from shardsci.planning._work import WorkCounter, contiguous_runs
 from shardsci.tensor._halo import Extension, extend, extension
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves, tree_map
@@ -755,6 +762,7 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         **host,
         host_us_per_op=host_us,
         plain_host_us_per_op=plain_us,
+        **dispatch_prices(gloo_cpu(1, cores=1, memory_bytes=1)),
         strided_copy_s_per_run=strided_copy_s,
         host_overlaps_device=False,
         memory_gib=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4 / 2**30,

@@ -124,7 +124,7 @@ from benchmarks.cost_model import (
     sharded_step,
 )
 from benchmarks.host_overhead import _OpCounter, training_step
-from shardsci.planning._machine import Machine
+from shardsci.planning._machine import Machine, dispatch_prices, gloo_cpu
 
 RANKS = (1, 2, 4)
 TOLERANCE = 0.25
@@ -218,6 +218,10 @@ def sharing(machine: Machine, ranks: int, cores: int) -> Machine:
         host_us_per_op=machine.host_us_per_op / share,
         plain_host_us_per_op=machine.plain_host_us_per_op / share,
         host_us_per_communication_op=machine.host_us_per_communication_op / share,
+        host_us_per_fast_op=machine.host_us_per_fast_op / share,
+        host_us_per_propagation_op=machine.host_us_per_propagation_op / share,
+        host_us_per_handler_op=machine.host_us_per_handler_op / share,
+        host_us_per_function_call=machine.host_us_per_function_call / share,
     )
     return scaled_collective_host(shared, 1 / share)
 
@@ -362,6 +366,17 @@ def measured_compute(machine: Machine, plain: dict) -> float:
     return statistics.median(plain["cpu"]) - plain["ops"] * machine.plain_host_us_per_op * 1e-6
 
 
+def scaling_ratio(
+    predicted_s: float, measured_s: float, predicted_1: dict, measured: dict
+) -> float | None:
+    """Predicted ``T(P) / T(1)`` over measured, CPU time (``predicted_s`` and ``measured_s``
+    at ``P``); ``None`` where 1 rank was not timed (``--ranks`` without 1)."""
+    if "1" not in measured:
+        return None
+    measured_1 = statistics.median(measured["1"]["cpu"])
+    return round(predicted_s / predicted_1["cpu"] / (measured_s / measured_1), 2)
+
+
 def judge(ratio: float, explanation: Explanation | None, ratios: dict[str, float]) -> dict:
     """``ratio`` (predicted over measured), whether within ``TOLERANCE``, and whether that is
     met or explained: by a named term, or by a quantified one whose ratio (in ``ratios``) is
@@ -386,7 +401,8 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
     plain = measured["plain"]
     alone = statistics.median(plain["wall"]) / statistics.median(plain["cpu"])
     whole = layout(name, 1, args.size, args.nodes)[1]
-    compute_1 = predict(machine, models, 1, whole, args.cores)["parts"]["compute"]
+    predicted_1 = predict(machine, models, 1, whole, args.cores)
+    compute_1 = predicted_1["parts"]["compute"]
     kernels = measured_compute(machine, plain)
     host_1 = plain["ops"] * machine.plain_host_us_per_op * 1e-6
     plain_compute_ratios = paired_ratios(
@@ -421,7 +437,6 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
         # (scaled as the model scales its compute to ``ranks``).
         compute = predicted["cpu_compute"]
         corrected = predicted["cpu"] - compute + kernels * compute / compute_1
-        cpu_1, predicted_1 = measured["1"]["cpu"], predict(machine, models, 1, whole, args.cores)
         ratios = {
             "cpu_ratio_with_measured_compute": round(corrected / cpu["median"], 2),
         }
@@ -470,9 +485,8 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
                 [at_rates(machine, r).sustained_flops / 1e9 for r in measured[str(ranks)]["rates"]]
             ),
             **ratios,
-            "cpu_scaling_ratio": round(
-                predicted["cpu"] / predicted_1["cpu"] / (cpu["median"] / statistics.median(cpu_1)),
-                2,
+            "cpu_scaling_ratio": scaling_ratio(
+                predicted["cpu"], cpu["median"], predicted_1, measured
             ),
             "wall_ratio": round(predicted["wall"] / wall["median"], 2),
             "wall_over_cpu_1_rank": round(alone, 2),
@@ -486,7 +500,10 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
 def _machine(args: argparse.Namespace) -> Machine:
     """The fitted machine: from ``--machine``, else calibrated now."""
     if args.machine:
-        return Machine(**json.loads(Path(args.machine).read_text())["machine"])
+        saved = json.loads(Path(args.machine).read_text())["machine"]
+        # saved before the Machine priced calls by dispatch path: this machine's presets
+        here = dispatch_prices(gloo_cpu(1, cores=1, memory_bytes=1))
+        return Machine(**{**here, **saved})
     machine, sources, points, rates = calibrate(args.repeats)
     emit_calibration(machine, sources, points, rates)
     return machine

@@ -159,6 +159,7 @@ from shardsci import Shard, ShardTensor, attention_exchange
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.parallel import domain_parallel
 from shardsci.planning._machine import (
+    DISPATCH_PATHS,
     Machine,
     all_gather_s,
     all_reduce_s,
@@ -459,6 +460,7 @@ def _measure(name: str, mesh_shape: tuple[int, ...], shape: tuple[int, ...], exc
         "peers": len(pieces_from(traffic) - {dist.get_rank()}),
         "ops": counter.ops,
         "communication_ops": counter.communication_ops,
+        "dispatch_calls": counter.dispatch_calls,
         "strided_runs": counter.strided_runs,
     }
 
@@ -528,7 +530,9 @@ class Fitted:
     ``communication_ops``: coefficients of ``call_laws``, NOTE [Ops per peer]); the runs of
     its strided copies (``strided_runs``: coefficients of ``basis``, NOTE [Strided copies]);
     ``peers_bound``: the most peers a rank's pieces go to, ``None`` where they go to every
-    rank (NOTE [Ops per peer])."""
+    rank (NOTE [Ops per peer]); ``dispatch_calls``: per dispatch path, coefficients of
+    ``op_laws`` for its ShardTensor calls (NOTE [Host time by dispatch path]), ``None`` where
+    the runs did not count them (saved before 2026-11-30)."""
 
     model: str
     calls: dict[str, list[float]]
@@ -542,6 +546,7 @@ class Fitted:
     peers_bound: float | None = None
     complex_matmul_flops: list[float] = field(default_factory=lambda: [0.0, 0.0])
     flop_free_memory: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    dispatch_calls: dict[str, list[float]] | None = None
 
     def count(self, kind: str, ranks: int) -> float:
         """Calls of ``kind`` (messages of ``"p2p"``) over a group of ``ranks``; the whole
@@ -553,13 +558,23 @@ class Fitted:
     def op_count(self, ranks: int) -> tuple[float, float]:
         """Aten ops of the busiest rank's step at ``ranks``, and those of them its
         communication modules dispatch (NOTE [Ops per peer])."""
-        peers = ranks - 1.0 if self.peers_bound is None else min(ranks - 1.0, self.peers_bound)
-        row = op_laws(self.count("p2p", ranks), peers)
         ops, communication = (
-            max(0.0, sum(c * x for c, x in zip(law, row)))
-            for law in (self.ops, self.communication_ops)
+            self._by_op_laws(law, ranks) for law in (self.ops, self.communication_ops)
         )
         return ops, min(ops, communication)
+
+    def dispatch_count(self, ranks: int) -> dict[str, float] | None:
+        """The busiest rank's ShardTensor calls by dispatch path at ``ranks`` (NOTE [Host time
+        by dispatch path]), ``None`` where not counted."""
+        if self.dispatch_calls is None:
+            return None
+        return {path: self._by_op_laws(law, ranks) for path, law in self.dispatch_calls.items()}
+
+    def _by_op_laws(self, law: list[float], ranks: int) -> float:
+        """A count fitted by ``op_laws`` (``law``: its coefficients) at ``ranks``."""
+        peers = ranks - 1.0 if self.peers_bound is None else min(ranks - 1.0, self.peers_bound)
+        row = op_laws(self.count("p2p", ranks), peers)
+        return max(0.0, sum(c * x for c, x in zip(law, row)))
 
     def bytes(self, kind: str, ranks: int, shape: tuple[float, ...]) -> float:
         row = _kron(GEOMETRY[self.model].basis(shape), laws(kind_of(kind), ranks))
@@ -598,7 +613,9 @@ class Fitted:
             calls = self.count("p2p_rounds" if kind == "p2p" else kind, group)
             received = self.bytes(kind, group, shape)
             issued += collective_host_s(machine, kind_of(kind), group, calls, received)
-        return ops_host_s(machine, *self.op_count(ranks), sharded=True) + issued
+        ops, communication = self.op_count(ranks)
+        calls = self.dispatch_count(ranks)
+        return ops_host_s(machine, ops, communication, True, calls) + issued
 
 
 def op_laws(messages: float, peers: float) -> list[float]:
@@ -677,6 +694,12 @@ def fit(
         least_squares(rows, [float(r[key]) for r in op_runs])
         for key in ("ops", "communication_ops")
     )
+    dispatch_calls = None
+    if all("dispatch_calls" in r for r in op_runs):
+        dispatch_calls = {
+            path: least_squares(rows, [float(r["dispatch_calls"].get(path, 0)) for r in op_runs])
+            for path in DISPATCH_PATHS
+        }
     bounded = any(r["peers"] < r["ranks"] - 1 for r in op_runs)
     peers_bound = max(float(r["peers"]) for r in op_runs) if bounded else None
     strided = least_squares(
@@ -695,6 +718,7 @@ def fit(
         peers_bound,
         complex_matmul,
         flop_free_memory,
+        dispatch_calls,
     )
     return fitted, misfit
 
@@ -965,6 +989,7 @@ def project(machine: Machine, models: dict[str, Fitted]) -> dict:
         host_us_per_all_to_all=0.0,
         host_us_per_all_to_all_peer=0.0,
         host_s_per_byte_received=0.0,
+        host_calls_in_step_factor=0.0,
     )
     first, strong_limit, efficiency = None, None, 1.0
     for ranks in GPUS:

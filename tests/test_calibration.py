@@ -42,7 +42,7 @@ from benchmarks.calibrate_steps import (
     predict,
     sharing,
 )
-from benchmarks.cost_model import fit, step_s
+from benchmarks.cost_model import fit, fitted_models, step_s
 from shardsci.planning._machine import Machine, collective_host_s
 from shardsci.testing import count_traffic, run_on_ranks
 from tests.test_cost_model import TRUTH, synthetic_measurement
@@ -431,3 +431,24 @@ def test_the_host_price_command_times_the_plain_step_per_op():
     from benchmarks.calibrate_host import plain_us_per_op_on
 
     assert 0.1 < plain_us_per_op_on("cpu", 2) < 1000
+
+
+def test_ranks_without_one_are_held_and_scaled_only_against_a_timed_rank(monkeypatch, capsys):
+    """``calibrate_steps --ranks 4`` (1 not timed; it raised KeyError) holds the 4-rank step,
+    its scaling ratio ``None``; with 1 timed the ratio is a number. No ranks run: every call's
+    steps take what ``_work_s`` costs at the probes' rates."""
+    seconds = _work_s(at_rates(Machine(), FAST))
+
+    def on_ranks(ranks, body, *args):
+        timed = {"wall": [seconds] * 2, "cpu": [seconds] * 2, "rates": FAST, "ops": 1}
+        return [timed for _ in range(ranks)]
+
+    monkeypatch.setattr(calibrate_steps, "on_ranks", on_ranks)
+    models, _ = fitted_models("fno", synthetic_measurement())
+    for ranks, scaling in (([4], None), ([1, 4], float)):
+        args = argparse.Namespace(ranks=ranks, rounds=1, steps=2, size=128, nodes=4096, cores=2)
+        records = calibrate_steps.hold("fno", at_rates(Machine(), FAST), models, args)
+        assert [r["ranks"] for r in records] == ranks
+        found = records[-1]["cpu_scaling_ratio"]
+        assert found is None if scaling is None else isinstance(found, float)
+    capsys.readouterr()

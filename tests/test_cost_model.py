@@ -300,6 +300,42 @@ def test_the_planner_and_the_cost_model_price_host_time_alike():
     assert fitted.host_s(machine, 8, (16, 32)) == pytest.approx((700 * 50 + 250 * 7 * 20) * 1e-6)
 
 
+def test_calls_are_priced_by_their_dispatch_path_alike_in_the_planner_and_the_cost_model():
+    """NOTE [Host time by dispatch path]: a step's aten ops at the plain rate and its
+    ShardTensor calls at their path's price times the in-step factor, in the cost model (the
+    counts fitted over ranks as the ops are: function calls one more per peer) and in the
+    dry run's projection alike; a measurement without path counts (saved before) prices
+    every op at ``host_us_per_op``."""
+    runs = synthetic_runs(ranks=(2, 4, 8))
+    for run in runs:
+        calls = {"fast": 40, "propagation": 10, "handler": 5, "function": 20 + run["ranks"]}
+        run["dispatch_calls"] = calls
+    fitted, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    machine = Machine(
+        plain_host_us_per_op=5.0,
+        host_us_per_fast_op=10.0,
+        host_us_per_propagation_op=40.0,
+        host_us_per_handler_op=60.0,
+        host_us_per_function_call=100.0,
+        host_calls_in_step_factor=2.0,
+        host_us_per_collective=0,
+        host_us_per_all_to_all=0,
+    )
+    expected = (1000 * 5 + 2 * (40 * 10 + 10 * 40 + 5 * 60 + 28 * 100)) * 1e-6
+    assert fitted.host_s(machine, 8, (16, 32)) == pytest.approx(expected)
+    memory = MemoryPlan(0, 0, 0, 0, 0, 0, 0, "")
+    rank_class = RankClassPlan(
+        1, 0, [0], [0], memory, {}, {}, aten_ops=1000, dispatch_calls=fitted.dispatch_count(8)
+    )
+    plan = RunPlan("cfd", "8", "", 8, "m", 0, 1, [rank_class], [], None, [], [])
+    assert project(plan, machine).host == pytest.approx(expected)
+    for run in runs:
+        del run["dispatch_calls"]
+    saved, _ = fit("fno", runs, [32, 64, 128], [5e4 * s * s for s in (32, 64, 128)])
+    assert saved.dispatch_calls is None
+    assert saved.host_s(machine, 8, (16, 32)) == pytest.approx(1000 * machine.host_us_per_op * 1e-6)
+
+
 def test_the_planner_and_the_cost_model_price_compute_alike():
     """NOTE [One price per op]: one rank's kernels (FLOPs, FFTs, complex matmuls, memory
     traffic, that of the ops without FLOPs, strided runs) cost the same device time in the dry

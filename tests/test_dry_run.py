@@ -114,7 +114,9 @@ def test_halos_are_counted_as_the_target_issues_them(tmp_path: Path, machine, as
     where messages are slow]); the mesh is on this CPU either way. The bytes agree. Each
     all-to-all is kept with its group of 4, which prices its host time (NOTE [What an
     all-to-all posts]), and the ranks it connects: a rank and its neighbours. A machine's
-    ``backend`` overridden is followed (``planned_machine``)."""
+    ``backend`` overridden is followed (``planned_machine``). Every class carries its
+    ShardTensor calls by dispatch path, the convolutions' function handlers among them (NOTE
+    [Host time by dispatch path])."""
     name, *more = machine.split()
     overrides = [*SMALL, "mesh=4", "parallel=slab", f"parallel.machine={name}", *more]
     plan = plan_run(_compose([*overrides, f"run_dir={tmp_path}"]))
@@ -127,6 +129,9 @@ def test_halos_are_counted_as_the_target_issues_them(tmp_path: Path, machine, as
         all_to_alls = [span for span in plan_class.spans if span.kind == "all_to_all"]
         assert sum(span.calls for span in all_to_alls) == (0 if as_messages else halo.calls)
         assert all(span.group == 4 and len(span.ranks) <= 3 for span in all_to_alls)
+        calls = plan_class.dispatch_calls
+        assert calls["function"] > 0 and calls["fast"] > 0
+        assert set(calls) <= {"fast", "propagation", "handler", "function"}
 
 
 @pytest.mark.parametrize(("machine", "as_messages"), [("cpu", False), ("h100", True)])

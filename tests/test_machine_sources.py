@@ -72,3 +72,68 @@ def test_the_presets_take_the_measured_figures() -> None:
         assert machine.host_us_per_communication_op == _machine.GLOO_HOST_US_PER_COMMUNICATION_OP
     shared = gloo_cpu(4, cores=2, memory_bytes=2**30)
     assert shared.host_us_per_communication_op == 2 * _machine.GLOO_HOST_US_PER_COMMUNICATION_OP
+
+
+# constant -> what it prices: a dispatch path's ``added_us_per_call`` of a
+# ``benchmarks.calibrate_dispatch`` summary, or ``factor``: its ``in_step_factor``
+DISPATCH_MEASURED = {
+    f"{machine}_{name}": what
+    for machine in ("GLOO", "H200")
+    for name, what in (
+        ("HOST_US_PER_FAST_OP", "fast"),
+        ("HOST_US_PER_PROPAGATION_OP", "propagation"),
+        ("HOST_US_PER_HANDLER_OP", "handler"),
+        ("HOST_US_PER_FUNCTION_CALL", "function"),
+        ("HOST_CALLS_IN_STEP_FACTOR", "factor"),
+    )
+}
+
+
+def _dispatch_runs(records: Path, what: str) -> list[float]:
+    """Each ``calibrate_dispatch`` run's figure of ``what`` in ``records``: a path's µs a call,
+    or the in-step factor of its 1-rank UNet step at the run's figures (``in_step_factor``)."""
+    from benchmarks.calibrate_dispatch import in_step_factor
+
+    figures = []
+    for path in sorted(records.glob("*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        summary = [s for s in lines if s.get("record") == "summary" and "added_us_per_call" in s]
+        if not summary:
+            continue
+        added = summary[0]["added_us_per_call"]
+        if what != "factor":
+            figures.append(added[what])
+            continue
+        unet = next(
+            s
+            for s in lines
+            if s.get("model") == "unet" and "path_ops" in s and s.get("ranks", 1) == 1
+        )
+        step = {**unet, "cpu_s": {v: [s["median"]] for v, s in unet["cpu_ms"].items()}}
+        figures.append(round(in_step_factor(step, added) / 1e3, 2))
+    return figures
+
+
+@pytest.mark.parametrize("constant", sorted(DISPATCH_MEASURED))
+def test_a_dispatch_price_is_the_median_of_the_runs_its_docstring_names(constant: str) -> None:
+    """NOTE [Host time by dispatch path]: each path's price and the in-step factor."""
+    doc = " ".join(_docstrings()[constant].split())
+    named = re.search(r"benchmarks/records/[\w./-]+", doc)
+    assert named, f"{constant}'s docstring names no records folder"
+    figures = _dispatch_runs(ROOT / named.group(0).rstrip(".)"), DISPATCH_MEASURED[constant])
+    assert figures, f"{named.group(0)}: no calibrate_dispatch run"
+    assert getattr(_machine, constant) == pytest.approx(statistics.median(figures), abs=0.05)
+    for figure in figures:
+        assert f"{figure:g}" in doc, f"{constant}'s docstring does not state the run's {figure}"
+
+
+def test_the_presets_price_calls_by_their_path() -> None:
+    """``gloo_cpu`` prices a call by path at this machine's figures (shared by ranks beyond the
+    cores, as every host figure); the H100 preset at the H200 host's."""
+    cpu, shared = gloo_cpu(1, cores=1, memory_bytes=2**30), gloo_cpu(4, cores=2, memory_bytes=2**30)
+    for name in DISPATCH_MEASURED:
+        field = name.split("_", 1)[1].lower()
+        preset = cpu if name.startswith("GLOO") else Machine()
+        assert getattr(preset, field) == getattr(_machine, name)
+        if name.startswith("GLOO") and "FACTOR" not in name:
+            assert getattr(shared, field) == 2 * getattr(_machine, name)

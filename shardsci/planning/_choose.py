@@ -31,7 +31,8 @@ projected time of their slowest rank class on ``Machine`` (NOTE [One machine mod
   (NOTE [What an all-to-all posts]: a halo sent as one all-to-all);
 - host: the class's aten ops as ``ops_host_s`` prices them (NOTE [One price per op]: every op
   of an unsplit step at ``plain_host_us_per_op``, its communication modules' ops at
-  ``host_us_per_communication_op``, the ShardTensor step's others at ``host_us_per_op``), and
+  ``host_us_per_communication_op``, the ShardTensor step's others at ``plain_host_us_per_op``
+  and its ShardTensor calls by dispatch path, NOTE [Host time by dispatch path]), and
   its collectives and halo rounds as
   issuing them costs the host (``collective_host_s``, each over its own ranks);
 - step: ``max(host, compute + communication)`` on a GPU, their sum on a CPU.
@@ -230,7 +231,8 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
         strided_runs=plan.strided_runs,
     )
     communication = sum(collectives.values())
-    host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, sharded) + issued
+    host = ops_host_s(machine, plan.aten_ops, plan.communication_ops, sharded, plan.dispatch_calls)
+    host += issued
     device = compute + communication
     step = max(host, device) if machine.host_overlaps_device else host + device
     return Projection(compute, communication, host, step, dict(collectives))

@@ -13,13 +13,34 @@ NOTE [One price per op]
 A step is priced the same way wherever it is projected (the dry run's ``parallel=auto`` and
 ``benchmarks/cost_model.py`` alike): its kernels by ``compute_s`` (FLOPs and memory traffic,
 NOTE [Kernels without FLOPs] in ``_work``), its host time by ``ops_host_s``: a step on plain
-tensors (nothing split: data parallelism) pays ``plain_host_us_per_op`` per aten op; a ShardTensor step pays
-``host_us_per_op`` per aten op (its average over a whole step: the handlers' Python included),
-except for the ops a communication module dispatches (``_work.COMMUNICATION_MODULES``: slicing,
+tensors (nothing split: data parallelism) pays ``plain_host_us_per_op`` per aten op; a
+ShardTensor step's aten ops pay the same, and its ShardTensor calls what each adds by its
+dispatch path (NOTE [Host time by dispatch path]); where a step's calls were not counted by
+path (a measurement saved before they were), its aten ops pay ``host_us_per_op`` (its average
+over a whole UNet step: the handlers' Python included). Either way except for the ops a
+communication module dispatches (``_work.COMMUNICATION_MODULES``: slicing,
 packing and unpacking each peer's piece, halos), which are plain ops on local pieces with the
 modules' own Python around them and pay ``host_us_per_communication_op`` (``benchmarks.calibrate``
 fits it from halo exchanges on 2 and 4 ranks). These grow with the peers of a collective (NOTE
 [Ops per peer] in ``benchmarks/cost_model.py``: the FNO's 250 more per added peer).
+
+NOTE [Host time by dispatch path]
+What a ShardTensor call adds to the host's time over the same call on plain tensors depends
+on the way it takes (``benchmarks.calibrate_dispatch``: on this machine fast 21, propagation
+38, handler 55 µs an aten op, a function handler's call 88): an aten op on ShardTensors takes
+the ``fast``, ``propagation`` or ``handler`` path (NOTE [Dispatch paths] in
+``shardsci.tensor._dispatch``), and a torch function with a function handler (``function``)
+runs that handler's Python. ``WorkCounter`` counts a step's calls by path (``dispatch_calls``);
+``ops_host_s`` charges each path's calls ``host_us_per_<path>`` times
+``host_calls_in_step_factor``, on top of every aten op at ``plain_host_us_per_op``. The
+factor is measured, not assumed: the per-path figures come from calls timed in a loop, and
+in a step the same calls cost more (2.3-2.7x on the UNet's step here, 3.5x on the H200
+host's; candidates in benchmarks/README.md, not yet taken apart), so it is the UNet's 1-rank
+step's CPU time less its aten ops at the plain rate of the same run, over its calls at the
+run's per-path figures (``benchmarks.calibrate_dispatch``'s ``in_step_factor``). The UNet's
+host term is then its measurement; the other models' are the check
+(``benchmarks.calibrate_dispatch --worlds 1 2``: ``host_ratio_by_path`` beside
+``host_ratio_flat``).
 """
 
 from __future__ import annotations
@@ -27,10 +48,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 __all__ = [
+    "DISPATCH_PATHS",
+    "DISPATCH_PRICES",
     "HALO_KINDS",
     "Machine",
     "all_gather_s",
@@ -39,14 +62,21 @@ __all__ = [
     "collective_host_s",
     "collective_s",
     "compute_s",
+    "dispatch_prices",
     "gloo_cpu",
     "halo_s",
     "ops_host_s",
     "override",
+    "path_us",
     "ring_steps",
     "span_nodes",
     "strided_copy_s",
 ]
+
+
+DISPATCH_PATHS = ("fast", "propagation", "handler", "function")
+"""The ways a ShardTensor call takes, each priced apart (NOTE [Host time by dispatch path]):
+an aten op's three dispatch paths, and a function handler's call."""
 
 
 HALO_KINDS = ("p2p", "halo")
@@ -76,6 +106,58 @@ median over the two meshes; runs 2 and 3 of ``GLOO_HOST_US_PER_OP``): 26.3 and 2
 median (``benchmarks/records/2026-11-29-host-per-op``); 2 ranks read 19.2 and 20.8, 2x2 33.3
 and 22.1. A profile of the 4-rank UNet's step (2026-11-29 18:58 UTC) put about 20 µs on each of
 its communication ops, which were charged the plain 7.4 until then."""
+
+
+GLOO_HOST_US_PER_FAST_OP = 21.0
+"""Measured here (NOTE [Host time by dispatch path]): what an aten op on the ``fast`` path adds
+over the plain op, three runs: 18.4 / 37.7 / 21.0 µs, the median
+(benchmarks/records/2026-11-29-host-by-path)."""
+
+
+GLOO_HOST_US_PER_PROPAGATION_OP = 38.3
+"""Measured here as ``GLOO_HOST_US_PER_FAST_OP``, the ``propagation`` path: 38.3 / 42.4 / 31.0
+µs, the median (benchmarks/records/2026-11-29-host-by-path)."""
+
+
+GLOO_HOST_US_PER_HANDLER_OP = 55.1
+"""Measured here as ``GLOO_HOST_US_PER_FAST_OP``, the ``handler`` path: 55.1 / 67.5 / 50.5 µs,
+the median (benchmarks/records/2026-11-29-host-by-path)."""
+
+
+GLOO_HOST_US_PER_FUNCTION_CALL = 88.0
+"""Measured here as ``GLOO_HOST_US_PER_FAST_OP``, a function handler's call: 88.0 / 106.8 /
+76.8 µs, the median (benchmarks/records/2026-11-29-host-by-path)."""
+
+
+GLOO_HOST_CALLS_IN_STEP_FACTOR = 2.41
+"""Measured here (NOTE [Host time by dispatch path], ``in_step_factor`` of the same three
+runs): 2.27 / 2.67 / 2.41, the median (benchmarks/records/2026-11-29-host-by-path)."""
+
+
+H200_HOST_US_PER_FAST_OP = 15.8
+"""Measured on the H200 machine's host CPU (16 cores of an Intel Xeon, one rank, load 1.5,
+2026-11-29 22:26-22:33 UTC): ``benchmarks.calibrate_dispatch --repeats 5 --steps 5``, one
+run: 15.8 µs (benchmarks/records/2026-11-29-gpu-h200/after)."""
+
+
+H200_HOST_US_PER_PROPAGATION_OP = 41.5
+"""As ``H200_HOST_US_PER_FAST_OP``, the ``propagation`` path: 41.5 µs
+(benchmarks/records/2026-11-29-gpu-h200/after)."""
+
+
+H200_HOST_US_PER_HANDLER_OP = 51.0
+"""As ``H200_HOST_US_PER_FAST_OP``, the ``handler`` path: 51.0 µs
+(benchmarks/records/2026-11-29-gpu-h200/after)."""
+
+
+H200_HOST_US_PER_FUNCTION_CALL = 72.8
+"""As ``H200_HOST_US_PER_FAST_OP``, a function handler's call: 72.8 µs
+(benchmarks/records/2026-11-29-gpu-h200/after)."""
+
+
+H200_HOST_CALLS_IN_STEP_FACTOR = 3.51
+"""As ``H200_HOST_US_PER_FAST_OP``, ``in_step_factor`` of the same run: 3.51
+(benchmarks/records/2026-11-29-gpu-h200/after)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +202,9 @@ class Machine:
     gpus_per_node: int = 8
     """DGX H100 / HGX H100."""
     host_us_per_op: float = GLOO_HOST_US_PER_OP
-    """Assumed: an H100 node's host core as fast as this machine's, so the figure measured here
+    """What a ShardTensor step's aten op costs where its calls were not counted by dispatch
+    path (a measurement saved before they were; else NOTE [Host time by dispatch path]).
+    Assumed: an H100 node's host core as fast as this machine's, so the figure measured here
     (``GLOO_HOST_US_PER_OP``: a ShardTensor step's CPU time over the aten ops it dispatches, a
     UNet at a 16² tile on 1 rank, none of them by communication modules, which ``ops_host_s``
     prices apart, NOTE [One price per op]). Until 2026-11-29 it was 53, from an older
@@ -137,6 +221,19 @@ class Machine:
     communication module dispatches costs the host, the modules' Python around it included
     (slicing, packing and unpacking a halo's or a collective's pieces; NOTE [One price per
     op]). Until 2026-11-29 these ops were charged ``plain_host_us_per_op``."""
+    host_us_per_fast_op: float = H200_HOST_US_PER_FAST_OP
+    """Measured on an H200 machine's host CPU (``H200_HOST_US_PER_FAST_OP``): what an aten op
+    on ShardTensors that takes the ``fast`` path adds over the plain op (NOTE [Host time by
+    dispatch path]). ``benchmarks.calibrate_dispatch`` measures another host's."""
+    host_us_per_propagation_op: float = H200_HOST_US_PER_PROPAGATION_OP
+    """As ``host_us_per_fast_op``, the ``propagation`` path (``H200_HOST_US_PER_PROPAGATION_OP``)."""
+    host_us_per_handler_op: float = H200_HOST_US_PER_HANDLER_OP
+    """As ``host_us_per_fast_op``, the ``handler`` path (``H200_HOST_US_PER_HANDLER_OP``)."""
+    host_us_per_function_call: float = H200_HOST_US_PER_FUNCTION_CALL
+    """As ``host_us_per_fast_op``, a function handler's call (``H200_HOST_US_PER_FUNCTION_CALL``)."""
+    host_calls_in_step_factor: float = H200_HOST_CALLS_IN_STEP_FACTOR
+    """What a step's ShardTensor calls cost over the same calls at the per-path figures
+    (``H200_HOST_CALLS_IN_STEP_FACTOR``, the H200 host's; NOTE [Host time by dispatch path])."""
     host_us_per_collective: float = 10.0
     """Assumed: the host CPU time of issuing one collective or one round of halo messages
     through NCCL (argument checks, stream ordering, a kernel launch: several µs each).
@@ -339,15 +436,49 @@ def compute_s(
     )
 
 
-def ops_host_s(machine: Machine, ops: float, communication_ops: float, sharded: bool) -> float:
+DISPATCH_PRICES = (
+    "host_us_per_fast_op",
+    "host_us_per_propagation_op",
+    "host_us_per_handler_op",
+    "host_us_per_function_call",
+    "host_calls_in_step_factor",
+)
+"""The ``Machine`` fields that price a ShardTensor call by its dispatch path."""
+
+
+def dispatch_prices(machine: Machine) -> dict[str, float]:
+    """``machine``'s ``DISPATCH_PRICES``, by field."""
+    return {name: getattr(machine, name) for name in DISPATCH_PRICES}
+
+
+def path_us(machine: Machine, path: str) -> float:
+    """µs a ShardTensor call on dispatch ``path`` (one of ``DISPATCH_PATHS``) adds, as a loop
+    measures it (NOTE [Host time by dispatch path])."""
+    if path == "function":
+        return machine.host_us_per_function_call
+    return getattr(machine, f"host_us_per_{path}_op")
+
+
+def ops_host_s(
+    machine: Machine,
+    ops: float,
+    communication_ops: float,
+    sharded: bool,
+    dispatch_calls: Mapping[str, float] | None = None,
+) -> float:
     """Host CPU seconds of a step's ``ops`` aten ops, ``communication_ops`` of them dispatched
     by communication modules, on ShardTensors (``sharded``) or plain tensors (NOTE [One price
-    per op])."""
+    per op]); ``dispatch_calls``: its ShardTensor calls by dispatch path (``DISPATCH_PATHS``,
+    NOTE [Host time by dispatch path]), ``None`` where they were not counted."""
     if not sharded:
         return ops * machine.plain_host_us_per_op * 1e-6
     own = ops - communication_ops
     communication = communication_ops * machine.host_us_per_communication_op
-    return (own * machine.host_us_per_op + communication) * 1e-6
+    if dispatch_calls is None:
+        return (own * machine.host_us_per_op + communication) * 1e-6
+    calls = sum(n * path_us(machine, path) for path, n in dispatch_calls.items())
+    added = calls * machine.host_calls_in_step_factor
+    return (own * machine.plain_host_us_per_op + added + communication) * 1e-6
 
 
 # NOTE [What an all-to-all posts]
@@ -465,7 +596,9 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
     loopback, one host. Compute and memory are shared equally by the ranks.
 
     Sources: the host figures are measured here (an aten op: ``GLOO_HOST_US_PER_OP``,
-    ``GLOO_PLAIN_HOST_US_PER_OP``, ``GLOO_HOST_US_PER_COMMUNICATION_OP``; issuing a
+    ``GLOO_PLAIN_HOST_US_PER_OP``, ``GLOO_HOST_US_PER_COMMUNICATION_OP``; a ShardTensor call by
+    its dispatch path: ``GLOO_HOST_US_PER_FAST_OP`` and the three beside it, times
+    ``GLOO_HOST_CALLS_IN_STEP_FACTOR``; issuing a
     collective: ``GLOO_HOST_US_PER_COLLECTIVE_STEP`` a ring step and nothing a call; an
     all-to-all per rank of its group: ``GLOO_HOST_US_PER_ALL_TO_ALL_PEER``; the bytes:
     ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
@@ -496,6 +629,11 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         host_us_per_op=GLOO_HOST_US_PER_OP / share,
         plain_host_us_per_op=GLOO_PLAIN_HOST_US_PER_OP / share,
         host_us_per_communication_op=GLOO_HOST_US_PER_COMMUNICATION_OP / share,
+        host_us_per_fast_op=GLOO_HOST_US_PER_FAST_OP / share,
+        host_us_per_propagation_op=GLOO_HOST_US_PER_PROPAGATION_OP / share,
+        host_us_per_handler_op=GLOO_HOST_US_PER_HANDLER_OP / share,
+        host_us_per_function_call=GLOO_HOST_US_PER_FUNCTION_CALL / share,
+        host_calls_in_step_factor=GLOO_HOST_CALLS_IN_STEP_FACTOR,
         host_us_per_collective=0.0,
         host_us_per_collective_step=GLOO_HOST_US_PER_COLLECTIVE_STEP / share,
         host_us_per_all_to_all=0.0,

@@ -73,6 +73,9 @@ class StepMeasurement:
     memory_bytes, flop_free_bytes : int
         The bytes its non-view ops read and write, and those of the ops without FLOPs (NOTE
         [Kernels without FLOPs]).
+    dispatch_calls : dict
+        Its ShardTensor calls by dispatch path (``WorkCounter.dispatch_calls``, NOTE [Host
+        time by dispatch path]).
     """
 
     comm: CommStats
@@ -92,6 +95,7 @@ class StepMeasurement:
     complex_matmul_flops: int
     memory_bytes: int
     flop_free_bytes: int
+    dispatch_calls: dict[str, int]
 
 
 def measure_step(
@@ -184,6 +188,7 @@ def measure_step(
         complex_matmul_flops=work.complex_matmul_flops,
         memory_bytes=work.memory_bytes,
         flop_free_bytes=work.flop_free_bytes,
+        dispatch_calls=work.dispatch_calls,
     )
 
 

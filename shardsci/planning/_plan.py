@@ -121,6 +121,9 @@ class RankClassPlan:
     memory_bytes, flop_free_bytes : int
         Bytes its non-view ops read and write, and those of them of ops without FLOPs (NOTE
         [Kernels without FLOPs]).
+    dispatch_calls : dict or None
+        Its ShardTensor calls by dispatch path (NOTE [Host time by dispatch path]); ``None``
+        where not counted.
     spans : list of SpanFigures
         The same step's collectives and messages as issued, by kind and the ranks they
         connect (``count_traffic``); ``p2p_rounds``: its rounds of messages posted together.
@@ -143,6 +146,7 @@ class RankClassPlan:
     complex_matmul_flops: int = 0
     memory_bytes: int = 0
     flop_free_bytes: int = 0
+    dispatch_calls: dict[str, int] | None = None
 
 
 @dataclass
@@ -258,6 +262,7 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
         strided_runs=measured.strided_runs,
         memory_bytes=measured.memory_bytes,
         flop_free_bytes=measured.flop_free_bytes,
+        dispatch_calls=dict(measured.dispatch_calls),
     )
 
 

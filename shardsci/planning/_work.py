@@ -248,6 +248,13 @@ class WorkCounter(TorchDispatchMode):
         outermost ones (a handler's own calls are inside its cost)."""
         return self._function_calls.calls
 
+    @property
+    def dispatch_calls(self) -> dict[str, int]:
+        """The ShardTensor calls by the way they took (``DISPATCH_PATHS`` in ``_machine``):
+        ``path_ops`` and, as ``function``, ``function_calls``; what ``ops_host_s`` prices
+        (NOTE [Host time by dispatch path])."""
+        return {**self.path_ops, "function": self.function_calls}
+
     def __enter__(self) -> WorkCounter:
         self.path_ops = self._paths.enter_context(tally_paths()).ops
         self._paths.enter_context(self._function_calls)
