@@ -69,13 +69,16 @@ OPS = {
 # A max or min over a dim one rank holds whole stays with that rank (NOTE [A sum over a dim one
 # rank holds stays with that rank] in ``_ops/_common.py``), on the reduced dim where it is
 # kept, else the first dim; a 0-d one stays pending. ``torch.max``/``torch.min`` with a dim
-# too (values and indices); aten's overloads called directly keep the all-reduced values (their
-# backward scatters through the indices, which a held index layout would make gather).
+# too (values and indices), and aten's overloads called directly (their backward scatters
+# through the held indices on the holder: NOTE [A scatter through an index its holder holds
+# writes on that holder]).
 KEPT_BY_HOLDER = {
     ("2r-one-holder", "amax(0)"): Layout((Shard(0),), {0: (5, 0)}),
     ("2r-one-holder", "amin(0, keepdim)"): Layout((Shard(0),), {0: (1, 0)}),
     ("2r-one-holder", "max(0)"): Layout((Shard(0),), {0: (5, 0)}),
     ("2r-one-holder", "min(0, keepdim)"): Layout((Shard(0),), {0: (1, 0)}),
+    ("2r-one-holder", "aten.max.dim(0)"): Layout((Shard(0),), {0: (5, 0)}),
+    ("2r-one-holder", "aten.min.dim(0, keepdim)"): Layout((Shard(0),), {0: (1, 0)}),
 }
 
 
@@ -205,3 +208,78 @@ def _empty_dim_body() -> None:
 
 def test_max_along_an_empty_dim_raises_torchs_error_on_every_rank() -> None:
     run_on_ranks(2, _empty_dim_body)
+
+
+# aten ``max.dim``/``min.dim`` over a dim one rank holds whole, split over other axes elsewhere:
+# values and indices kept by the holder, as ``torch.max``'s, and the backward (zeros of the
+# input's layout, then a scatter through the held indices) local. Per case: mesh, shape, the
+# input's layout (dim 0 held by one rank), the output's layout without and with ``keepdim``.
+HELD = {
+    "2r": (
+        (2,),
+        (6, 5),
+        Layout((Shard(0),), {0: (6, 0)}),
+        Layout((Shard(0),), {0: (5, 0)}),
+        Layout((Shard(0),), {0: (1, 0)}),
+    ),
+    "2x2": (
+        (2, 2),
+        (5, 4),
+        Layout((Shard(0), Shard(1)), {0: (0, 5), 1: (1, 3)}),
+        Layout((Shard(0), Shard(0)), {0: (0, 0, 1, 3)}, {0: (0, 1)}),
+        Layout((Shard(0), Shard(1)), {0: (0, 1), 1: (1, 3)}),
+    ),
+    "2x1x2": (
+        (2, 1, 2),
+        (5, 4),
+        Layout((Shard(0), Replicate(), Shard(1)), {0: (0, 5), 1: (4, 0)}),
+        Layout((Shard(0), Replicate(), Shard(0)), {0: (0, 0, 4, 0)}, {0: (0, 2)}),
+        Layout((Shard(0), Replicate(), Shard(1)), {0: (0, 1), 1: (4, 0)}),
+    ),
+}
+HELD_OPS = {
+    "aten.max.dim(0)": (torch.ops.aten.max.dim, False),
+    "aten.min.dim(0, keepdim)": (torch.ops.aten.min.dim, True),
+    "aten.max.dim(0, keepdim)": (torch.ops.aten.max.dim, True),
+    "aten.min.dim(0)": (torch.ops.aten.min.dim, False),
+}
+
+
+def _held_body(name: str, ties: bool) -> None:
+    mesh_shape, shape, layout, dropped, kept = HELD[name]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randint(0, 2, shape).to(torch.float64) if ties else torch.randn(shape).double()
+    for op_name, (op, keepdim) in HELD_OPS.items():
+        out = kept if keepdim else dropped
+        with gather_policy("error"):
+            check_against_reference(
+                lambda t, op=op, keepdim=keepdim: tuple(op(t, 0, keepdim)),
+                [x],
+                [layout],
+                mesh,
+                out_layouts=[out, out],
+                what=f"{name}: {op_name}",
+            )
+        spec = layout.spec(mesh, x)
+        leaf = spec.narrow(x).clone().requires_grad_()
+        with gather_policy("error"), count_traffic() as traffic:
+            values, _ = op(from_local_spec(leaf, spec), 0, keepdim)
+            values.to_local().sum().backward()
+        assert_all_ranks(
+            traffic.received == 0 and torch.equal(leaf.grad, spec.narrow(_held_gradient(x, op))),
+            f"{name}: {op_name} received {traffic.as_dict()}, or its gradient differs; "
+            "expected no byte moved, the gradient on the holder's cells",
+        )
+
+
+def _held_gradient(x: torch.Tensor, op) -> torch.Tensor:
+    whole = x.clone().requires_grad_()
+    op(whole, 0)[0].sum().backward()
+    return whole.grad
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("name", list(HELD))
+def test_aten_max_min_dim_over_a_held_dim_stay_on_the_holder(name: str, ties: bool) -> None:
+    run_on_ranks(math.prod(HELD[name][0]), _held_body, name, ties)

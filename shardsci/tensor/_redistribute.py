@@ -19,6 +19,7 @@ every transition against the cheapest of these ways, computed from boxes alone.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -54,7 +55,7 @@ from shardsci.tensor._spec import (
     mesh_coordinate,
 )
 
-__all__ = ["redistribute_local", "target_spec"]
+__all__ = ["largest_receive", "redistribute_local", "target_spec"]
 
 
 # ----------------------------------------------------------------------------- target specs
@@ -579,6 +580,15 @@ def _make_exchange_plan(src: ShardTensorSpec, dst: ShardTensorSpec) -> _Exchange
             and receive_side.index is None
             and _box_shape(receive_side.region) == out_shape
         ),
+    )
+
+
+def largest_receive(src: ShardTensorSpec, dst: ShardTensorSpec) -> int:
+    """Elements the busiest rank receives moving from ``src`` to ``dst`` (neither Partial):
+    its target box less the part of it it holds, the bytes one box exchange moves."""
+    coordinates = itertools.product(*(range(n) for n in src.mesh.shape))
+    return max(
+        _volume(_box(dst, c)) - _volume(_intersect(_box(dst, c), _box(src, c))) for c in coordinates
     )
 
 

@@ -465,7 +465,10 @@ class ShardTensorSpec:
 # - ``_ops/_fft_ops``: a moved dim takes the sizes last remembered for that dim, axes and
 #   extent; an inverse transform returns to the layout the hints remember;
 # - ``_ops/_index_ops``: a slice's backward writes into the remembered forward layout when its
-#   counts match; ``select_backward`` finds the forward's sharding among the newest hints.
+#   counts match; ``select_backward`` finds the forward's sharding among the newest hints;
+# - ``_ops/_factory_ops``: ``x.new_zeros(shape)`` along a dim of another extent takes the
+#   sizes the newest hint for that dim, axes and extent remembers (a reduction's output
+#   remembers its input's sizes: ``_reduction_ops.reduced_spec``).
 # The dispatch fast path (operands of one layout) merges every operand's hints after the first
 # operand's (``ShardTensorSpec.remembering``), so a product keeps the memory of either factor.
 # Hints are not part of ``same_layout``: two specs with the same shards are the same layout.

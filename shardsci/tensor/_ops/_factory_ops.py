@@ -14,7 +14,7 @@ from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._ops._common import accepts, sizes_at_extent
 from shardsci.tensor._registry import register_aten_handler
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec
 
 aten = torch.ops.aten
 
@@ -26,14 +26,16 @@ def _new_like(func, args, kwargs):
     """A new tensor with as many dims as the source is sharded like it: along a sharded dim of
     the same extent with the same sizes, along one of another extent with the sizes cut there
     or with the extra cells on the last rank (the layout from which a ``gather`` with a
-    smaller index reads its output's layout). The values do not depend on the layout, so no
+    smaller index reads its output's layout), unless the source remembers sizes for that
+    extent (NOTE [Shard-size hints]: ``max``'s gradient, kept by the rank holding the
+    reduced dim, makes zeros of the input's layout). The values do not depend on the layout, so no
     byte moves, and no rank holds more of a sharded dim than its shard."""
     a = bind(func, args, kwargs)
     x, size = a.self, tuple(a.size)
     if not accepts(x) or len(size) != x.ndim:
         return NotImplemented
     spec = x._spec
-    sizes = {s.dim: sizes_at_extent(s.sizes, size[s.dim]) for s in spec.shardings}
+    sizes = {s.dim: _sizes_at(spec, s, size[s.dim]) for s in spec.shardings}
     out_spec = ShardTensorSpec.build(
         spec.mesh,
         spec.placements,
@@ -47,3 +49,13 @@ def _new_like(func, args, kwargs):
     )
     local = func(*args, **kwargs)
     return ShardTensor(local, out_spec.with_dtype(local.dtype))
+
+
+def _sizes_at(spec: ShardTensorSpec, sharding: DimSharding, extent: int) -> tuple[int, ...]:
+    """The sizes of ``sharding``'s dim at ``extent``: its own at its extent, else the newest
+    hint's for that dim, axes and extent, else cut or grown on the last rank."""
+    if extent != sharding.extent:
+        for hint in reversed(spec.hints):
+            if (hint.dim, hint.axes, hint.extent) == (sharding.dim, sharding.axes, extent):
+                return hint.sizes
+    return sizes_at_extent(sharding.sizes, extent)

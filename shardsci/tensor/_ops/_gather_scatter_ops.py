@@ -49,6 +49,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
 from shardsci.tensor._box_packing import narrowed
+from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group
 from shardsci.tensor._gather_guard import check_fetch, check_replicated_read
 from shardsci.tensor._gather_plan import (
@@ -62,6 +63,7 @@ from shardsci.tensor._gather_plan import (
     summed_read,
     summed_rows,
 )
+from shardsci.tensor._held import without_held
 from shardsci.tensor._ops._common import (
     accepts,
     connected_empty,
@@ -1808,6 +1810,67 @@ def _below_autograd(func, args, kwargs):
         )
     else:
         replicated = _replicated_index(a.index) is not None
+    if not replicated and func in _ON_THE_HOLDER:
+        return _scattered_on_the_holder(func, args, kwargs)
     if not replicated:
         return gathered(func, args, kwargs) if func is aten.scatter_reduce.two else NotImplemented
     return function_handler_for(torch_func)(torch_func, args, kwargs)
+
+
+# NOTE [A scatter through an index its holder holds writes on that holder]
+# ``max``/``min`` with a dim over a dim one rank holds whole keep their values and indices on
+# that rank (NOTE [A sum over a dim one rank holds stays with that rank] in ``_common``), so
+# their backward (torch's formula: zeros of the input's shape, laid out like the input since
+# the gradient remembers its sizes, NOTE [Shard-size hints]; then ``scatter(dim, indices,
+# grad)``) meets a destination whose scatter dim one rank holds whole, and an index and source
+# held along the same axes by the same rank, their positions global along that dim. Every
+# position lands in the holder's range, which starts at 0: each rank scatters its own shards
+# (the holder all of the dim's rows, the others none), without moving a byte, and the output
+# keeps the destination's layout. Taken by the scatters without a reduction across entries
+# (``scatter`` of a source or a value, ``scatter_add``) where destination and index have the
+# same held axes (NOTE [A dim one rank holds is whole on that rank]), the scatter dim's among
+# them, and with those taken off no axis splits the scatter dim in either, the index is split
+# on its other dims as the destination (cut at the index's extent) and the source as the
+# index; anything else declines as before (DTensor's rule gathers the destination over the
+# held axes).
+_ON_THE_HOLDER = frozenset({aten.scatter.src, aten.scatter.value, aten.scatter_add.default})
+
+
+def _scattered_on_the_holder(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    x, index = a.self, a.index
+    src = a.value if func is aten.scatter.value else a.src
+    if not isinstance(x, ShardTensor) or not isinstance(index, ShardTensor) or x.ndim == 0:
+        return NotImplemented
+    if not accepts(x, index, *([src] if isinstance(src, torch.Tensor) else [])):
+        return NotImplemented
+    dim = a.dim % x.ndim
+    if isinstance(src, torch.Tensor) and not (
+        isinstance(src, ShardTensor) and src._spec.shape == index._spec.shape
+        and src._spec.shardings == index._spec.shardings
+    ):  # fmt: skip
+        return NotImplemented
+    if not _held_alike(x._spec, index._spec, dim):
+        return NotImplemented
+    local_src = src._local if isinstance(src, ShardTensor) else src
+    out = func(x._local, dim, index._local, local_src)
+    return from_local_spec(out, x._spec.with_dtype(out.dtype))
+
+
+@cached("scatters on the holder", 256)
+def _held_alike(destination: ShardTensorSpec, index: ShardTensorSpec, dim: int) -> bool:
+    """Whether the scatter of ``index`` into ``destination`` along ``dim`` writes on each
+    rank's own shards (NOTE [A scatter through an index its holder holds writes on that
+    holder])."""
+    if destination.partial or index.partial or destination.mesh != index.mesh:
+        return False
+    whole, held = without_held(destination)
+    index_whole, index_held = without_held(index)
+    if not any(h.dim == dim for h in held) or set(held) != set(index_held):
+        return False
+    if dim in whole.sharding_by_dim or dim in index_whole.sharding_by_dim:
+        return False
+    wanted = {
+        s.dim: (s.axes, sizes_at_extent(s.sizes, index.shape[s.dim])) for s in whole.shardings
+    }
+    return {s.dim: (s.axes, s.sizes) for s in index_whole.shardings} == wanted

@@ -42,6 +42,7 @@ than two operands, both letters summed over.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import string
 from collections import Counter
@@ -73,13 +74,16 @@ from shardsci.tensor._ops._linear_node import LinearPlan, linear_node
 from shardsci.tensor._ops._ring import Blocks, ring_chosen, sum_around
 from shardsci.tensor._ops._ring_product import ProductPlan, ring_product
 from shardsci.tensor._promotion import promote_replicated
+from shardsci.tensor._redistribute import largest_receive
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 from shardsci.tensor._shape_probe import probe_on_meta
 from shardsci.tensor._spec import (
+    DimSharding,
     ShardTensorSpec,
     index_over_axes,
     merged_hints,
     mesh_coordinate,
+    nested_chunk_sizes,
 )
 from shardsci.tensor._torch_compile import in_graph
 
@@ -302,12 +306,14 @@ def _aten_bmm(func, args, kwargs):
     """``bmm`` reached below ``__torch_function__`` (inside ``F.multi_head_attention_forward``,
     and in the backward of every product): as ``torch.bmm``, or summed around the ring into
     the layout of an operand (NOTE [A backward product over a dim both operands split is
-    summed around the ring]). DTensor's rule gathered a row-sharded operand with an empty
-    shard."""
+    summed around the ring]), an operand whose split disagrees realigned first (NOTE [A
+    product realigns the operand whose split disagrees]). DTensor's rule gathered a
+    row-sharded operand with an empty shard."""
     a = bind(func, args, kwargs)
     operands = [a.self, a.mat2]
     if not accepts(*operands):
         return NotImplemented
+    operands = _realigned(_BMM, operands)
     keys = tuple(map(_Operand, operands))
     scattered = _scattered_sum(_BMM, keys)
     if scattered is not None and not _records_graph(operands):
@@ -552,10 +558,121 @@ class _ProductLayout:
 def _sharded_einsum(equation: str, operands: list):
     if not accepts(*operands):
         return NotImplemented
+    operands = _realigned(equation, operands)
     layout = _product_layout(equation, tuple(map(_Operand, operands)))
     if layout is None:
         return NotImplemented
     return _product(equation, operands, layout, functools.partial(torch.einsum, equation))
+
+
+# NOTE [A product realigns the operand whose split disagrees]
+# Two operands may split their letters so that no product layout fits, though one all-to-all
+# of one operand would make them fit. In the backward of ``F.multi_head_attention_forward``
+# with ``need_weights=True`` on a 2x2 mesh (batch on one axis, tokens on the other), the
+# output's gradient comes back from the views that merged batch and tokens with its tokens
+# split over both axes, nested, while the values split the batch over one of them; DTensor's
+# rule then gathers the gradient over an axis. Instead the operand that disagrees moves: each
+# letter it shares with the other is split as the other splits it, and each of its other
+# letters keeps the axes left to it (a nested split losing its inner axes keeps its outer
+# blocks, each the sum of the inner blocks it held, so those rows stay where they are; else
+# the sizes a hint remembers for those axes; else torch.chunk's). Taken only where the moved
+# operand still splits over every axis it split (a realignment, each rank holding a like
+# share: an all-to-all, never a gather) and the product then has a layout. Where either
+# operand could move, the one whose product leaves the busiest rank the smaller output does
+# (moving the other may leave a pending sum held whole: attention weights split like the
+# gradient's nested tokens, the batch whole), then the one whose busiest rank receives fewer
+# bytes (``largest_receive``, the bytes the box exchange moves).
+def _realigned(equation: str, operands: list) -> list:
+    """``operands`` with the one whose split disagrees realigned to the other (NOTE [A
+    product realigns the operand whose split disagrees]); unchanged where they agree or no
+    realignment makes them fit."""
+    keys = tuple(map(_Operand, operands))
+    plan = _realignment(equation, keys)
+    if plan is None:
+        return operands
+    moved, spec = plan
+    operands = list(operands)
+    operands[moved] = redistribute(operands[moved], spec)
+    return operands
+
+
+@cached("product realignments", 256)
+def _realignment(
+    equation: str, operands: tuple[_Operand, ...]
+) -> tuple[int, ShardTensorSpec] | None:
+    """Which operand moves, and to which layout; None where none does."""
+    if len(operands) != 2 or _product_layout(equation, operands) is not None:
+        return None
+    subscripts = equation.split("->")[0].split(",")
+    best = None
+    for moved in (0, 1):
+        spec = _agreeing_spec(subscripts, operands, moved)
+        if spec is None:
+            continue
+        stays = operands[1 - moved]
+        keys = (_Operand(spec), stays) if moved == 0 else (stays, _Operand(spec))
+        layout = _product_layout(equation, keys)
+        if layout is None:
+            continue
+        cost = (_largest_shard(layout.output), largest_receive(operands[moved].spec, spec))
+        if best is None or cost < best[0]:
+            best = (cost, moved, spec)
+    return None if best is None else best[1:]
+
+
+def _largest_shard(spec: ShardTensorSpec) -> int:
+    """Elements of the largest shard of ``spec`` (a pending sum's, held whole per rank)."""
+    coordinates = itertools.product(*(range(n) for n in spec.mesh.shape))
+    return max(math.prod(spec.local_shape(c)) for c in coordinates)
+
+
+def _agreeing_spec(
+    subscripts: list[str], operands: tuple[_Operand, ...], moved: int
+) -> ShardTensorSpec | None:
+    """Operand ``moved`` split as the other splits their shared letters, its own other
+    letters on the axes left (NOTE [A product realigns the operand whose split disagrees]);
+    None where either is not a ShardTensor without a pending sum, or the move would drop an
+    axis."""
+    src, other = operands[moved].spec, operands[1 - moved].spec
+    if src is None or other is None or src.partial or other.partial or _is_replicated(src):
+        return None
+    mine, theirs = subscripts[moved], subscripts[1 - moved]
+    wanted: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for s in other.shardings:
+        c = theirs[s.dim]
+        if c in mine and src.shape[mine.index(c)] == s.extent:
+            wanted[mine.index(c)] = (s.axes, s.sizes)
+    taken = {a for axes, _ in wanted.values() for a in axes}
+    for s in src.shardings:
+        kept = tuple(a for a in s.axes if a not in taken)
+        if s.dim in wanted or not kept:
+            continue
+        wanted[s.dim] = (kept, _kept_sizes(src, s, kept))
+        taken.update(kept)
+    if {a for s in src.shardings for a in s.axes} - taken:
+        return None
+    placements: list[Placement] = [Replicate()] * src.mesh.ndim
+    for dim, (axes, _) in wanted.items():
+        for axis in axes:
+            placements[axis] = Shard(dim)
+    spec = src.relaid(
+        placements,
+        {d: sizes for d, (_, sizes) in wanted.items()},
+        order={d: axes for d, (axes, _) in wanted.items()},
+    )
+    return None if spec.same_layout(src) else spec
+
+
+def _kept_sizes(spec: ShardTensorSpec, s: DimSharding, kept: tuple[int, ...]) -> tuple[int, ...]:
+    """The sizes of dim ``s.dim`` split over ``kept``, a subset of its axes ``s.axes``."""
+    shape = spec.mesh.shape
+    if kept == s.axes[: len(kept)]:
+        inner = math.prod(shape[a] for a in s.axes[len(kept) :])
+        return tuple(sum(s.sizes[k : k + inner]) for k in range(0, len(s.sizes), inner))
+    for hint in reversed(spec.hints):
+        if hint.axes == kept and hint.extent == s.extent:
+            return hint.sizes
+    return nested_chunk_sizes(s.extent, [shape[a] for a in kept])
 
 
 @cached("product layouts", 1024)

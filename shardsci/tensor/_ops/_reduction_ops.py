@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -44,7 +45,7 @@ from shardsci.tensor._ops._common import (
     sharding_axes,
 )
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
-from shardsci.tensor._spec import ShardTensorSpec
+from shardsci.tensor._spec import ShardTensorSpec, merged_hints
 
 aten = torch.ops.aten
 
@@ -254,9 +255,7 @@ def _max_min_along(func, args, kwargs):
     if not isinstance(a.input, ShardTensor) or not isinstance(a.dim, int):
         return NotImplemented
     largest = func in (torch.max, torch.Tensor.max)
-    found = _held_extremes(a.input, a.dim, bool(a.keepdim), largest)
-    if found is None:
-        found = _values_and_indices(a.input, a.dim, bool(a.keepdim), largest)
+    found = _extremes(a.input, a.dim, bool(a.keepdim), largest)
     if found is NotImplemented:
         return NotImplemented
     return torch.return_types.max(found) if largest else torch.return_types.min(found)
@@ -265,10 +264,17 @@ def _max_min_along(func, args, kwargs):
 @register_aten_handler(aten.max.dim, aten.min.dim)
 def _max_min_dim(func, args, kwargs):
     """``aten.max.dim``/``aten.min.dim`` called directly (a decomposition, a compiled graph):
-    ``_values_and_indices`` below autograd, whose backward (``max``'s formula: the gradient
-    scattered through the indices) runs on the ShardTensor ops it calls."""
+    as ``torch.max`` with a dim, below autograd (``_extremes``); the backward (``max``'s formula: the gradient scattered through
+    the indices) runs on the ShardTensor ops it calls."""
     a = bind(func, args, kwargs)
-    return _values_and_indices(a.self, a.dim, bool(a.keepdim), func is aten.max.dim)
+    return _extremes(a.self, a.dim, bool(a.keepdim), func is aten.max.dim)
+
+
+def _extremes(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
+    """``(values, indices)`` of max or min along ``dim``: kept by the rank holding it whole
+    (``_held_extremes``), else ``_values_and_indices``."""
+    found = _held_extremes(x, dim, keepdim, largest)
+    return _values_and_indices(x, dim, keepdim, largest) if found is None else found
 
 
 def _values_and_indices(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
@@ -308,8 +314,10 @@ def _held_extremes(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
     sum (NOTE [A sum over a dim one rank holds stays with that rank] in ``_common``): torch's
     own max or min on the holder, empty outputs elsewhere, no byte moved. None where no rank
     holds ``dim`` whole or the output has no dim to carry the held axes (0-d). Above autograd
-    only: the values' gradient reaches the holder's cells through ``to_local``; below it,
-    ``max``'s backward would scatter through held indices, which ``aten.scatter`` gathers."""
+    the values' gradient reaches the holder's cells through ``to_local``; below it (aten's
+    overloads), ``max``'s backward scatters through the held indices on the holder (NOTE [A
+    scatter through an index its holder holds writes on that holder] in
+    ``_gather_scatter_ops``)."""
     dim = dim % max(x.ndim, 1)
     if not accepts(x, sharded=[dim]) or x.shape[dim] == 0:
         return None
@@ -398,7 +406,9 @@ def reduced_spec(
     placement: Placement | None = None,
 ) -> ShardTensorSpec:
     """Spec after reducing ``dim`` (default: to an int64 index): its axes hold ``placement``
-    (default Replicate; Partial for a pending sum), the other sharded dims keep their sizes."""
+    (default Replicate; Partial for a pending sum), the other sharded dims keep their sizes.
+    It remembers the input's shardings (NOTE [Shard-size hints]), ``dim``'s too where it is
+    kept: the layout a backward formula's new tensor of the input's shape takes."""
     placement = Replicate() if placement is None else placement
     placements = []
     for p in spec.placements:
@@ -419,7 +429,14 @@ def reduced_spec(
         if s.dim != dim:
             new_dim = s.dim - 1 if s.dim > dim and not keepdim else s.dim
             sizes[new_dim], order[new_dim] = s.sizes, s.axes
-    return ShardTensorSpec.build(spec.mesh, placements, shape, dtype, sizes, order=order)
+    hints = tuple(
+        replace(h, dim=h.dim - 1 if h.dim > dim and not keepdim else h.dim)
+        for h in merged_hints(spec.hints, spec.shardings)
+        if keepdim or h.dim != dim
+    )
+    return ShardTensorSpec.build(
+        spec.mesh, placements, shape, dtype, sizes, order=order, hints=hints
+    )
 
 
 def _flat_arg_extreme(x: ShardTensor, largest: bool) -> ShardTensor:
