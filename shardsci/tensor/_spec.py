@@ -465,7 +465,12 @@ class ShardTensorSpec:
 # - ``_ops/_fft_ops``: a moved dim takes the sizes last remembered for that dim, axes and
 #   extent; an inverse transform returns to the layout the hints remember;
 # - ``_ops/_index_ops``: a slice's backward writes into the remembered forward layout when its
-#   counts match; ``select_backward`` finds the forward's sharding among the newest hints.
+#   counts match; ``select_backward`` finds the forward's sharding among the newest hints;
+# - ``_ops/_factory_ops._new_layout``: ``new_zeros`` and kin of another shape take, for a dim
+#   of changed extent, the newest hint for that dim and extent over axes the source leaves
+#   replicated (a read through an index, ``_gather_scatter_ops._reading``, remembers the
+#   input's shardings at the input's dims for this: NOTE [New tensors of a backward take the
+#   forward's layout]).
 # The dispatch fast path (operands of one layout) merges every operand's hints after the first
 # operand's (``ShardTensorSpec.remembering``), so a product keeps the memory of either factor.
 # Hints are not part of ``same_layout``: two specs with the same shards are the same layout.
