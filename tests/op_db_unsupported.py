@@ -177,21 +177,6 @@ _ONE_HOLDER_SUM = Bug(
     "wrong",
     r"^output \d+: layout: mesh axis \d+ is P\(sum\); expected Shard",
 )
-#: ``masked_select`` of a split tensor: the output is the selected elements in flat
-#: (row-major) order, its length the mask's count. With only the leading dim split each rank's
-#: selection is one run of the output, kept local (NOTE [A masked cell's number in row-major
-#: order] in ``shardsci/tensor/_ops/_masked_ops.py``); with another dim split the ranks'
-#: selections interleave in the flat order, and each element would move to the rank owning its
-#: output place (an all-to-all of at most what each rank selected). That is not built: the
-#: input is gathered, and the guard says so.
-_SELECTION_GATHERED = Bug(
-    "masked selection across blocks gathered",
-    "masked_select with a dim other than the leading one split gathers its input (one "
-    "all-gather; the guard reports it): the ranks' selections interleave in the output's "
-    "row-major order, and an all-to-all into that order is not built",
-    "gathered",
-    _GATHERED.message,
-)
 #: ``as_strided_scatter(x, src, size, stride, offset)`` writes ``src`` through strides over the
 #: whole tensor's contiguous storage: where each written element lands (which rank's block) is
 #: stride arithmetic over the global storage, not a layout of ``x``, and the source's gradient
@@ -511,10 +496,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
             ("2r-uneven", "2x2-uneven"),
             "gathered",
         ),
-    ),
-    "masked_select": (
-        _SELECTION_GATHERED.cases((0, 1, 5), ("2x2-uneven", "2x2-last")),
-        _SELECTION_GATHERED.cases((3,), ("2x2-uneven",)),
     ),
     "matrix_exp": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),

@@ -11,9 +11,12 @@ Values, the input's gradient and the output's layout (the index's split on the i
 empty shards of both ``x`` and the index, a 2-D index with a negative position, and 2x2x2; and
 forward bytes per rank by ``count_traffic`` against the gathered fallback's, measured alike.
 Aten ``index``'s backward (torch's: an accumulating ``index_put`` through the same split index
-into ``grad.new_zeros``, laid out like the gradient) adds each rank's part where its rows lie,
-under ``"error"`` and with fewer bytes than the fallback; but through a 2-D index, whose zeros
-``new_zeros`` makes whole (another rank than the gradient's), it still gathers.
+into ``grad.new_zeros(x.shape)``, which takes ``x``'s layout from the read's hints, NOTE [New
+tensors of a backward take the forward's layout]) adds each rank's part where its rows lie and
+reduces the touched rows over the index's axes (NOTE [A write through an index split elsewhere
+reduces the rows it touched]), under ``"error"``, through 1-D and 2-D indices, with the
+gradient laid out as the read states or replicated (a sum's), and with fewer bytes than the
+fallback.
 An index split over the axis that splits ``x``'s other dim is not such an index (the output
 would be split over one axis on two dims): it takes the default path, as before.
 
@@ -70,6 +73,22 @@ CASES = {
         Layout((Replicate(), Shard(1)), {1: (1, 2)}),
         Layout((Replicate(), Shard(1)), {1: (1, 2)}),
     ),
+    "2x2-2d-empty": (
+        (2, 2),
+        (6, 5),
+        Layout((Shard(0), Replicate()), {0: (0, 6)}),
+        [[5, 0, 3], [3, 1, -1]],
+        Layout((Replicate(), Shard(1)), {1: (3, 0)}),
+        Layout((Replicate(), Shard(1)), {1: (3, 0)}),
+    ),
+    "2x2x2-2d-index": (
+        (2, 2, 2),
+        (6, 5, 4),
+        Layout((Shard(0), Replicate(), Shard(2)), {0: (4, 2), 2: (1, 3)}),
+        [[4, 1, 5], [0, 2, -2]],
+        Layout((Replicate(), Shard(0), Replicate()), {0: (1, 1)}),
+        Layout((Replicate(), Shard(0), Shard(3)), {0: (1, 1), 3: (1, 3)}),
+    ),
     "2x2x2-uneven": (
         (2, 2, 2),
         (6, 5, 4),
@@ -108,16 +127,19 @@ def _matches_one_process(name: str, read: str) -> None:
     u, aten_leaf, _ = _sharded(mesh, x, layout, grad=True)
     stated = out_layout.spec(mesh, expected)
     weighted = from_local_spec(stated.narrow(weight), stated)
+    v, summed_leaf, _ = _sharded(mesh, x, layout, grad=True)
     with gather_policy("error"):  # as many pieces as x: not a gather
         out = READS[read](t, i)
         # as a backward formula or a trace reads; its backward is torch's: an accumulating
-        # index_put through the same split index into zeros laid out like the gradient
+        # index_put through the same split index into zeros laid out like x
         aten_read = aten.index.Tensor(u, [i])
-        if name != "2x2-2d-index":
-            (aten_read * weighted).sum().backward()
-    if name == "2x2-2d-index":  # zeros of another rank than the gradient's: held whole
-        with gather_policy("allow"):
-            (aten_read * weighted).sum().backward()
+        zeros = []  # the backward's zeros, as torch's formula makes them from the gradient
+        aten_read.register_hook(lambda g: zeros.append(g.new_zeros(x.shape)._spec))
+        (aten_read * weighted).sum().backward()
+        aten.index.Tensor(v, [i]).sum().backward()  # a replicated gradient
+    ones = torch.zeros_like(x).index_put_([index], torch.ones(expected.shape).double(), True)
+    assert_all_ranks(torch.equal(summed_leaf.grad, spec.narrow(ones)), "summed gradient")
+    assert_all_ranks(zeros[0].same_layout(spec), f"the backward's zeros {zeros[0]}, x {spec}")
     assert_all_ranks(out._spec.same_layout(stated), f"layout {out._spec}, stated {stated}")
     assert_all_ranks(torch.equal(out.full_tensor(), expected.detach()), "values")
     (out * weighted).sum().backward()
@@ -130,13 +152,14 @@ def _matches_one_process(name: str, read: str) -> None:
 @pytest.mark.parametrize("read", list(READS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_select_through_split_index_matches_one_process(name: str, read: str) -> None:
-    if name == "2x2-2d-index" and read == "index_select":
+    if "2d" in name and read == "index_select":
         pytest.skip("index_select takes a 1-D index")
     run_on_ranks(math.prod(CASES[name][0]), _matches_one_process, name, read)
 
 
 def _fewer_bytes_than_the_fallback() -> None:
-    """x (64, 64) split 40/24 along dim 0; 16 rows named by an index split 6/10 over axis 1."""
+    """x (64, 64) split 40/24 along dim 0; 16 rows named by an index split 6/10 over axis 1
+    (and as (2, 8) split 3/5 on dim 1, for aten ``index``'s backward)."""
     mesh = get_mesh((2, 2))
     torch.manual_seed(0)
     x = torch.randn(64, 64, dtype=torch.float64)
@@ -151,18 +174,22 @@ def _fewer_bytes_than_the_fallback() -> None:
     assert_all_ranks(torch.equal(out.full_tensor(), whole.full_tensor()), "values")
     # aten index's backward: an accumulating index_put through the index into zeros laid out
     # like the gradient, as torch's formula makes them
-    zeros = out.new_zeros(x.shape)
-    with gather_policy("allow"):
-        with count_traffic() as added:
-            back = aten.index_put.default(zeros, [i], out, True)
-        with count_traffic() as added_fallback:
-            whole_back = gathered(aten.index_put.default, (zeros, [i], out, True), {})
-    assert_all_ranks(torch.equal(back.full_tensor(), whole_back.full_tensor()), "gradient")
-    assert_all_ranks(back._spec.same_layout(zeros._spec), f"gradient layout {back._spec}")
-    assert_all_ranks(
-        added.received < added_fallback.received,
-        f"backward received {added.received} B; the fallback {added_fallback.received} B",
-    )
+    j, _, _ = _sharded(mesh, index.reshape(2, 8), Layout((Replicate(), Shard(1)), {1: (3, 5)}))
+    for index_now in (i, j):  # a 1-D index and a 2-D one
+        read = out if index_now is i else aten.index.Tensor(t, [j])
+        zeros = read.new_zeros(x.shape)  # x's layout, not the index's 6/58 cut
+        assert_all_ranks(zeros._spec.same_layout(t._spec), f"zeros laid out {zeros._spec}")
+        with gather_policy("allow"):
+            with count_traffic() as added:
+                back = aten.index_put.default(zeros, [index_now], read, True)
+            with count_traffic() as added_fallback:
+                whole_back = gathered(aten.index_put.default, (zeros, [index_now], read, True), {})
+        assert_all_ranks(torch.equal(back.full_tensor(), whole_back.full_tensor()), "gradient")
+        assert_all_ranks(back._spec.same_layout(zeros._spec), f"gradient layout {back._spec}")
+        assert_all_ranks(
+            added.received < added_fallback.received,
+            f"backward received {added.received} B; the fallback {added_fallback.received} B",
+        )
     start, size = t._spec.local_offsets()[0], t._spec.local_shape()[0]
     part = index_spec.narrow(index)
     remote = int(((part < start) | (part >= start + size)).sum())

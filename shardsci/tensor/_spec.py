@@ -466,7 +466,11 @@ class ShardTensorSpec:
 #   extent; an inverse transform returns to the layout the hints remember;
 # - ``_ops/_index_ops``: a slice's backward writes into the remembered forward layout when its
 #   counts match; ``select_backward`` finds the forward's sharding among the newest hints;
-# - ``_ops/_factory_ops``: ``x.new_zeros(shape)`` along a dim of another extent takes the
+# - ``_ops/_factory_ops._new_layout``: ``new_zeros`` and kin of another shape take, for a dim
+#   of changed extent, the newest hint for that dim and extent over axes the source leaves
+#   replicated (a read through an index, ``_gather_scatter_ops._reading``, remembers the
+#   input's shardings at the input's dims for this: NOTE [New tensors of a backward take the
+#   forward's layout]); a dim split over the same axes at another extent takes the
 #   sizes the newest hint for that dim, axes and extent remembers (a reduction's output
 #   remembers its input's sizes: ``_reduction_ops.reduced_spec``).
 # The dispatch fast path (operands of one layout) merges every operand's hints after the first

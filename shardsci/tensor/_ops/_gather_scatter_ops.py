@@ -74,13 +74,14 @@ from shardsci.tensor._ops._common import (
 )
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._ops._slice_scatter_ops import basic_form, write_basic_key
+from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import (
     function_handler_for,
     register_aten_handler,
     register_function_handler,
 )
 from shardsci.tensor._shape_probe import probe_on_meta
-from shardsci.tensor._spec import DimSharding, ShardTensorSpec
+from shardsci.tensor._spec import DimSharding, ShardTensorSpec, merged_hints
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -618,7 +619,9 @@ def _reading(
 
 
 def _built(spec: ShardTensorSpec, placements, shape, sizes: dict, order: dict) -> ShardTensorSpec:
-    """The output layout ``_reading`` states, on ``spec``'s mesh and dtype."""
+    """The output layout ``_reading`` states, on ``spec``'s mesh and dtype, remembering the
+    input's shardings at the input's dims, where its backward's zeros take them (NOTE [New
+    tensors of a backward take the forward's layout] in ``_factory_ops``)."""
     return ShardTensorSpec.build(
         spec.mesh,
         placements,
@@ -626,6 +629,7 @@ def _built(spec: ShardTensorSpec, placements, shape, sizes: dict, order: dict) -
         spec.dtype,
         {d: sizes[d] for d in sorted(sizes)},
         order={d: order[d] for d in sorted(order)},
+        hints=merged_hints(spec.hints, spec.shardings),
     )
 
 
@@ -1415,6 +1419,8 @@ def _index_put(func, args, kwargs):
     """
     a = bind(func, args, kwargs, signature=_index_put_signature)
     x, values = a.input, a["values"]  # not ``a.values``: the dict's method
+    if _split_elsewhere(x, a.indices, values):
+        return _put_through_split_elsewhere(func, x, a.indices, values, a.accumulate)
     if _sharded(values) and a.accumulate and isinstance(x, ShardTensor):
         # the gradient of ``x[..., i]`` or ``x[..., i[:, None], j[None, :]]`` added into
         # zeros: the adjoint of that read
@@ -1597,6 +1603,126 @@ def _split_adjoint(x: object, indices: object, values: object) -> bool:
     wanted = {d if d < dim else d + shift: (s.axes, s.sizes) for d, s in others if d != dim}
     wanted |= {dim + s.dim: (s.axes, s.sizes) for s in layout.shardings}
     return {s.dim: (s.axes, s.sizes) for s in values._spec.shardings} == wanted
+
+
+# NOTE [A write through an index split elsewhere reduces the rows it touched]
+# ``index_put(x, [None, ..., index], values)`` where ``index`` is split over mesh axes that
+# split no dim of ``x`` (``x`` split on any dims, or replicated), and ``values`` has the shape
+# of the read ``x[..., index]``, moved to that read's layout (``_split_index``: the index's
+# split on the index's dims, ``x``'s on the others, replicated over the read dim's axes; a
+# local slice where the values are whole, as a plain tensor or a loss's replicated gradient
+# is). It is the backward of that read at aten level (torch's
+# ``index_put`` into ``grad.new_zeros(x.shape)``, which takes ``x``'s layout: NOTE [New tensors
+# of a backward take the forward's layout] in ``_factory_ops``), and the user's
+# ``x.index_put_((index,), values)`` with index and values split alike. ``x`` is whole over the
+# index's axes, whose ranks hold different parts of the index: each rank writes its entries
+# that land in its block of ``x`` (the others go to a spare row; another group of ranks holds
+# those rows and the same entries); the ranks along the index's axes agree which rows of the
+# block any of them touched (one all-reduce of a byte per row, ``max``), then reduce only those
+# rows (one all-reduce of the touched rows): their sum (``accumulate``), or the value of the
+# last rank along those axes that wrote the row (torch leaves the choice among duplicates
+# open; an int32 per row says which rank). The result keeps ``x``'s layout; ``x`` is never
+# held whole. No gradient flows through the reduction: a call that needs one (grad mode on and
+# ``x`` or ``values`` requiring grad) is not served (the default path gathers).
+def _split_elsewhere(x: object, indices: object, values: object) -> bool:
+    """Whether ``index_put(x, indices, values)`` takes ``_put_through_split_elsewhere`` (NOTE
+    [A write through an index split elsewhere reduces the rows it touched])."""
+    if not isinstance(x, ShardTensor) or not isinstance(values, torch.Tensor) or x.ndim == 0:
+        return False
+    if not isinstance(indices, list | tuple) or not indices:
+        return False
+    dim, index = len(indices) - 1, indices[-1]
+    if any(i is not None for i in indices[:dim]) or not isinstance(index, ShardTensor):
+        return False
+    layout = index._spec
+    if dim >= x.ndim or index.dtype not in _INDEX_DTYPES or x._spec.partial:
+        return False
+    if layout.mesh != x._spec.mesh or layout.partial or not layout.shardings:
+        return False
+    if sharding_axes(layout) & sharding_axes(x._spec):
+        return False
+    if isinstance(values, ShardTensor) and (
+        values._spec.partial or values._spec.mesh != x._spec.mesh
+    ):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad):
+        return False
+    return values.shape == (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
+
+
+def _read_layout(x: ShardTensor, dim: int, index: ShardTensor, dtype) -> ShardTensorSpec:
+    """The layout of ``x[..., index]`` along ``dim`` through an index split elsewhere
+    (``_split_index``): the index's split on the index's dims, ``x``'s on its other dims,
+    replicated over ``dim``'s axes."""
+    spec, shift = x._spec, index.ndim - 1
+    shardings = {
+        d if d < dim else d + shift: s for d, s in spec.sharding_by_dim.items() if d != dim
+    }
+    shardings |= {dim + s.dim: s for s in index._spec.shardings}
+    placements = [Replicate()] * spec.mesh.ndim
+    for d, s in shardings.items():
+        for axis in s.axes:
+            placements[axis] = Shard(d)
+    return ShardTensorSpec.build(
+        spec.mesh,
+        placements,
+        (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :]),
+        dtype,
+        {d: s.sizes for d, s in sorted(shardings.items())},
+        order={d: s.axes for d, s in sorted(shardings.items())},
+    )
+
+
+def _put_through_split_elsewhere(
+    func, x: ShardTensor, indices: list, values: ShardTensor, accumulate: bool
+) -> ShardTensor:
+    """``index_put`` through an index split over axes that split no dim of ``x`` (NOTE [A write
+    through an index split elsewhere reduces the rows it touched]); in place for
+    ``Tensor.index_put_``."""
+    dim, index = len(indices) - 1, indices[-1]
+    probe_on_meta(aten.index_put.default, (x, indices, values, accumulate))
+    spec, layout = x._spec, index._spec
+    local = index.to_local()
+    local = torch.where(local < 0, local + x.shape[dim], local)  # torch wraps negatives
+    _agreed_rows(
+        func, spec, dim, layout, _first_out_of_range(local, x.shape[dim]), None, rows=False
+    )
+    # the values in the read's layout: a local slice where they are whole over its axes
+    target = _read_layout(x, dim, index, values.dtype)
+    if isinstance(values, ShardTensor):
+        values = redistribute_local(values.to_local(), values._spec, target)
+    else:
+        values = target.narrow(values)
+    block = x.to_local()
+    start, size = spec.local_offsets()[dim], spec.local_shape()[dim]
+    shifted = _shifted(local, start, size)
+    group = axis_group(spec.mesh, tuple(sorted(sharding_axes(layout))))
+    padded = [n + (d == dim) for d, n in enumerate(block.shape)]
+    written = block.new_zeros(padded)
+    aten.index_put_.default(written, [None] * dim + [shifted], values, accumulate)
+    marks = torch.full((size + 1,), -1, dtype=torch.int32, device=block.device)
+    marks[shifted.reshape(-1)] = group.index
+    if accumulate:  # whether any rank touched the row is enough
+        touched = marks[:size].ge(0).to(torch.uint8)
+        rows = all_reduce(touched, group, "max").nonzero().squeeze(1) if size else marks[:0]
+        mine = None
+    else:
+        last = all_reduce(marks[:size], group, "max") if size else marks[:0]
+        rows = last.ge(0).nonzero().squeeze(1)
+        mine = last[rows].eq(group.index)
+    out = block.clone(memory_format=torch.contiguous_format)
+    if rows.numel():
+        part = written.index_select(dim, rows)
+        if mine is not None:  # only the row's last writer contributes
+            shape = [-1 if d == dim else 1 for d in range(part.ndim)]
+            part = torch.where(mine.reshape(shape), part, part.new_zeros(()))
+        reduced = all_reduce(part, group, "sum")
+        if accumulate:
+            out.index_add_(dim, rows, reduced)
+        else:
+            out.index_copy_(dim, rows, reduced)
+    result = from_local_spec(out, spec.with_dtype(out.dtype))
+    return x.copy_(result) if func is torch.Tensor.index_put_ else result
 
 
 @register_aten_handler(aten._unsafe_masked_index_put_accumulate.default)
@@ -1805,8 +1931,10 @@ def _below_autograd(func, args, kwargs):
             return gathered(func, args, kwargs)
         return out
     if func is aten.index_put.default:
-        replicated = _advanced_indices(a.indices, a.self) is not None or (
-            a.accumulate and _split_adjoint(a.self, a.indices, a["values"])
+        replicated = (
+            _advanced_indices(a.indices, a.self) is not None
+            or (a.accumulate and _split_adjoint(a.self, a.indices, a["values"]))
+            or _split_elsewhere(a.self, a.indices, a["values"])
         )
     else:
         replicated = _replicated_index(a.index) is not None
@@ -1833,6 +1961,13 @@ def _below_autograd(func, args, kwargs):
 # on its other dims as the destination (cut at the index's extent) and the source as the
 # index; anything else declines as before (DTensor's rule gathers the destination over the
 # held axes).
+# The same scatters meet a destination split along the scatter dim with an index (and source)
+# whole along it and split as the destination on the other dims: ``max`` over a split dim
+# all-reduces its values and indices over that dim's axes, and its gradient's zeros take the
+# input's layout (NOTE [New tensors of a backward take the forward's layout]). Each rank then
+# writes the entries landing in its range, shifted to its shard, the others sent to a spare
+# slice dropped afterwards (as NOTE [Scatters through a replicated index write where they
+# land]), without moving a byte; the index's range is agreed over the mesh first.
 _ON_THE_HOLDER = frozenset({aten.scatter.src, aten.scatter.value, aten.scatter_add.default})
 
 
@@ -1850,11 +1985,37 @@ def _scattered_on_the_holder(func, args, kwargs):
         and src._spec.shardings == index._spec.shardings
     ):  # fmt: skip
         return NotImplemented
-    if not _held_alike(x._spec, index._spec, dim):
-        return NotImplemented
     local_src = src._local if isinstance(src, ShardTensor) else src
-    out = func(x._local, dim, index._local, local_src)
+    if _held_alike(x._spec, index._spec, dim):
+        out = func(x._local, dim, index._local, local_src)
+        return from_local_spec(out, x._spec.with_dtype(out.dtype))
+    if not _whole_along(x._spec, index._spec, dim):
+        return NotImplemented
+    # every rank of the mesh raises torch's IndexError alike (one all-reduce of one number)
+    _agreed_rows(func, x._spec, dim, index._spec, _first_out_of_range(index._local, x.shape[dim]),
+                 None, rows=False)  # fmt: skip
+    start, size = x._spec.local_offsets()[dim], x._spec.local_shape()[dim]
+    spare = x._local.new_zeros([1 if d == dim else n for d, n in enumerate(x._local.shape)])
+    into = torch.cat([x._local, spare], dim)
+    out = func(into, dim, _shifted(index._local, start, size), local_src).narrow(dim, 0, size)
     return from_local_spec(out, x._spec.with_dtype(out.dtype))
+
+
+@cached("scatters into blocks", 256)
+def _whole_along(destination: ShardTensorSpec, index: ShardTensorSpec, dim: int) -> bool:
+    """Whether ``index`` is whole along ``dim``, which ``destination`` splits, and laid out
+    as ``destination`` on its other dims, cut at the index's extent (NOTE [A scatter through
+    an index its holder holds writes on that holder], its second route)."""
+    if destination.partial or index.partial or destination.mesh != index.mesh:
+        return False
+    if dim not in destination.sharding_by_dim or dim in index.sharding_by_dim:
+        return False
+    wanted = {
+        s.dim: (s.axes, sizes_at_extent(s.sizes, index.shape[s.dim]))
+        for s in destination.shardings
+        if s.dim != dim
+    }
+    return {s.dim: (s.axes, s.sizes) for s in index.shardings} == wanted
 
 
 @cached("scatters on the holder", 256)
