@@ -9,10 +9,11 @@ built with ``create_graph=True`` and differentiated again:
   ``torch.autograd.functional.hvp`` computes);
 - the PINN residual: ``grad`` of ``|du/dx|²`` w.r.t. θ, ``u`` the model's output.
 
-The derivatives w.r.t. x must be ShardTensors laid out as x (placements and shard sizes); the
-parameters' are plain tensors, summed over the mesh. Cases: 1 rank, 2 ranks uneven, a rank
-with an empty shard, and 2x2 blocks. Where an op cannot differentiate its backward, asking
-for the second derivative must raise, never return a wrong value.
+x is ``from_local`` of a leaf shard, so the derivatives w.r.t. x are compared as this rank's
+shard of one process's; the parameters' are plain tensors, summed over the mesh; the model's
+output keeps x's shard sizes. Cases: 1 rank, 2 ranks uneven, a rank with an empty shard, and
+2x2 blocks. Where an op cannot differentiate its backward, asking for the second derivative
+must raise, never return a wrong value.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def _body(case_name: str, layout_name: str) -> None:
 
 
 # Where the layout, not the case, sends a second derivative through a first_order_only
-# backward: a layer norm over rows of which one rank holds none takes the statistics' path.
+# backward: with an empty shard, a layer norm runs shardsci's norm Function.
 RAISES = {("layernorm", "2r-empty"): "second derivatives through a normalisation over split dims"}
 
 # Open: a convolution's second derivative with a rank whose shard is empty aborts the ranks
