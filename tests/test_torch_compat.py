@@ -189,6 +189,15 @@ def _graph_task_id(fn: Callable) -> None:
     assert seen and seen[0] >= 0
 
 
+def _delayed_error(cls: Callable) -> None:
+    """``DelayedError(message, n)`` applied to n tensors: n outputs whose backward raises it."""
+    a, b = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+    out = cls(b"no second derivative here", 2)(a, b)
+    assert len(out) == 2 and out[0].grad_fn is not None
+    with pytest.raises(RuntimeError, match="no second derivative here"):
+        out[1].sum().backward()
+
+
 def _will_execute(fn: Callable) -> None:
     w = torch.ones(2, requires_grad=True)
     accumulator = (w * 1).grad_fn.next_functions[0][0]
@@ -428,6 +437,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "_disabled_torch_function_impl": _disabled_torch_function,
     "_dispatch_has_kernel_for_dispatch_key": _kernel_query,
     "DispatchKey": _has("CompositeImplicitAutograd"),
+    "DelayedError": _delayed_error,
     "_current_graph_task_id": _graph_task_id,
     "_will_engine_execute_node": _will_execute,
     "_execution_engine": _engine,

@@ -35,7 +35,9 @@ __all__ = [
     "ShardTensor",
     "from_local_spec",
     "grad_spec",
+    "gradient_shard",
     "local_gradient",
+    "moved_local",
     "redistribute",
 ]
 
@@ -341,9 +343,54 @@ def grad_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
 
 def local_gradient(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
     """This rank's shard of ``grad``, the gradient of a tensor laid out as ``spec``, in the
-    layout ``grad_spec(spec)``: what ``from_local``'s backward returns for its local tensor."""
+    layout ``grad_spec(spec)``: what ``from_local``'s backward returns for its local tensor.
+    Differentiable in a backward that builds a graph (NOTE [Second derivatives through
+    ShardTensors])."""
     grad = _as_shard_tensor(grad, spec)
-    return redistribute_local(grad._local, grad._spec, grad_spec(spec).with_dtype(grad.dtype))
+    return moved_local(grad, grad_spec(spec).with_dtype(grad.dtype))
+
+
+# NOTE [Second derivatives through ShardTensors]
+# A backward that builds a graph (``create_graph=True``, or ``torch.autograd.grad`` of a
+# gradient) runs with grad mode on, and what it returns is differentiated again. The
+# wrapper's autograd sees only ShardTensors: the plain ``_local`` inside never requires grad,
+# so a backward that reads a gradient's ``_local`` (to move it) or wraps a plain gradient
+# with ``ShardTensor(...)`` returns a value with no graph behind it, and a second derivative
+# through it is silently missing terms (``grad`` of ``y.square().sum()`` w.r.t. a weight,
+# then w.r.t. x, was wrong on 1 and 2 ranks for a linear layer and a convolution). So every
+# crossing in a backward goes through ``moved_local`` and ``gradient_shard``: outside a
+# graph-building backward the direct, cheap move (as before); inside one the autograd
+# Functions (``redistribute``, ``to_local``, ``from_local``), whose backwards are the same
+# moves again. shardsci's own autograd Functions follow one of two rules: a backward written
+# in differentiable ops (the halo's extension and its sum to the owners are each other's
+# adjoint, ``_halo._AddedToOwners`` and ``_gather_plan``'s pair; the linear node recomputes
+# its composition), or ``_first_order.first_order_only`` (the norms over split dims, ring
+# attention and the ring product, the overlapped halo, the scans, unpooling, scatter
+# extrema), whose results raise when differentiated: never a silently wrong value
+# (``tests/test_higher_order_grad.py``). torch's ``once_differentiable`` is not enough: it
+# marks the results only when an incoming gradient requires grad, but a backward also reads
+# what its forward saved (a norm's input, a product's operands), so ``grad`` of ``u.sum()``
+# w.r.t. x with ``create_graph=True`` (a constant incoming gradient) returned a derivative with
+# no graph behind it, and a loss built on it silently lost those terms.
+def _builds_graph(grad: torch.Tensor) -> bool:
+    """Whether ``grad``, met in a backward, is to be differentiated again."""
+    return grad.requires_grad and torch.is_grad_enabled()
+
+
+def moved_local(grad: ShardTensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """This rank's shard of ``grad`` moved to ``spec``; differentiable where a backward
+    builds a graph (NOTE above)."""
+    if _builds_graph(grad):
+        return _to_local(redistribute(grad, spec), None)
+    return redistribute_local(grad._local, grad._spec, spec)
+
+
+def gradient_shard(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """A ShardTensor of layout ``spec`` over this rank's ``local``, met in a backward;
+    differentiable where the backward builds a graph (NOTE above)."""
+    if _builds_graph(local):
+        return _from_local(local, spec)
+    return ShardTensor(local, spec)
 
 
 def _as_shard_tensor(grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
@@ -356,7 +403,7 @@ def _as_shard_tensor(grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     if grad.shape == spec.shape:
         if not Tensor_is_zerotensor(grad):  # a zero gradient with no storage holds nothing
             check_built_whole(spec.with_dtype(grad.dtype))
-        return ShardTensor(grad, replicated_spec(grad, spec.mesh))
+        return gradient_shard(grad, replicated_spec(grad, spec.mesh))
     raise TypeError(
         f"expected a gradient of shape {tuple(spec.shape)} for {spec}, got a plain tensor "
         f"of shape {tuple(grad.shape)}"
@@ -401,7 +448,7 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardTensor, None]:  # type: ignore[override]
-        return ShardTensor(grad, ctx.grad_spec.with_dtype(grad.dtype)), None
+        return gradient_shard(grad, ctx.grad_spec.with_dtype(grad.dtype)), None
 
 
 # Calls dynamo puts into its graph whole, for AOTAutograd to trace the autograd Function

@@ -442,6 +442,9 @@ class _HaloExtend(torch.autograd.Function):
         if ctx.replicated:
             # Every rank holds the whole output gradient: the owner's share is complete.
             return grad.narrow(ctx.dim, 0, ctx.plan.owned), None, None, None
+        if grad.requires_grad and torch.is_grad_enabled():  # each other's adjoint (NOTE
+            # [Second derivatives through ShardTensors] in ``_api.py``)
+            return _HaloReduce.apply(grad.contiguous(), ctx.plan, ctx.dim), None, None, None
         return summed_rows(grad.contiguous(), ctx.plan, ctx.dim), None, None, None
 
 
@@ -453,6 +456,8 @@ class _HaloReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        if grad.requires_grad and torch.is_grad_enabled():
+            return _HaloExtend.apply(grad.contiguous(), ctx.plan, ctx.dim, False), None, None
         return extended_rows(grad.contiguous(), ctx.plan, ctx.dim), None, None
 
 

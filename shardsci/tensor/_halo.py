@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from shardsci.tensor._box_packing import Narrowing, narrowed
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, PendingMessages, axis_group, start_send_recv
+from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._halo_plan import HaloPlan, Run, domain_range, halo_plan
 from shardsci.tensor._spec import ShardTensorSpec
 from shardsci.tensor._streams import stream_ops
@@ -51,6 +51,7 @@ __all__ = [
     "halo_exchange",
     "pad_locally",
     "start_extend",
+    "summed_to_owners",
 ]
 
 # (dim, the range each member of the dim's group wants, boundary): one dim of an extension.
@@ -465,9 +466,30 @@ class _Extend(torch.autograd.Function):
         return extended(local, ext, fill)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return added_to_owners(grad, ctx.ext), None, None
+        return summed_to_owners(grad, ctx.ext), None, None
+
+
+class _AddedToOwners(torch.autograd.Function):
+    """``added_to_owners`` in a backward that builds a graph: its adjoint is the extension
+    (with zeros beyond the boundary), so a second derivative through a halo is one more
+    exchange (NOTE [Second derivatives through ShardTensors] in ``_api.py``)."""
+
+    @staticmethod
+    def forward(ctx: Any, extended: torch.Tensor, ext: Extension) -> torch.Tensor:  # type: ignore[override]
+        ctx.ext = ext
+        return added_to_owners(extended, ext)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return extend(grad.contiguous(), ctx.ext), None
+
+
+def summed_to_owners(grad: torch.Tensor, ext: Extension) -> torch.Tensor:
+    """``added_to_owners(grad, ext)``, differentiable where a backward builds a graph."""
+    if grad.requires_grad and torch.is_grad_enabled():
+        return _AddedToOwners.apply(grad, ext)
+    return added_to_owners(grad, ext)
 
 
 def extended(local: torch.Tensor, ext: Extension, fill: float = 0.0) -> torch.Tensor:
@@ -613,7 +635,7 @@ class _Post(torch.autograd.Function):
         return local.view_as(local)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("an overlapped halo exchange (overlap_halos)")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         pending, ctx.state.backward = ctx.state.backward, None
         if pending is not None:
@@ -635,7 +657,7 @@ class _Finish(torch.autograd.Function):
         return narrowed(buffer, ext.wanted)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("an overlapped halo exchange (overlap_halos)")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         buffer, step = _grad_buffer(grad, ctx.ext), ctx.ext.steps[0]
         _fold_boundary(buffer, step)

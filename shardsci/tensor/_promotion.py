@@ -79,6 +79,8 @@ from shardsci.tensor._api import (
     _as_shard_tensor,
     from_local_spec,
     grad_spec,
+    gradient_shard,
+    moved_local,
 )
 from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._spec import ShardTensorSpec, mesh_coordinate, replicated_spec
@@ -212,7 +214,7 @@ def promoted_gradient(promotion: Promotion | None, grad: torch.Tensor) -> torch.
     a sink takes it, else summed over the mesh now."""
     if promotion is None:
         return grad
-    shard = ShardTensor(grad, promotion.local_grad.with_dtype(grad.dtype))
+    shard = gradient_shard(grad, promotion.local_grad.with_dtype(grad.dtype))
     return _summed(shard, promotion.spec, promotion.sink, promotion.index)
 
 
@@ -332,8 +334,7 @@ def _summed(
     if sink is not None and _builds_no_graph_into(sink.accumulator(index)):
         sink.accept(index, partial_contribution(grad._local, grad._spec))
         return None
-    target = grad_spec(spec).with_dtype(grad.dtype)
-    return redistribute_local(grad._local, grad._spec, target)
+    return moved_local(grad, grad_spec(spec).with_dtype(grad.dtype))
 
 
 class _TracedPromotion(torch.autograd.Function):

@@ -161,6 +161,10 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "whether an op decomposes (CompositeImplicitAutograd) instead of being propagated",
     ),
     "DispatchKey": _at("torch._C:DispatchKey", "the dispatch key of composite ops"),
+    "DelayedError": _at(
+        "torch._C:_functions.DelayedError",
+        "results of a backward that raise when differentiated (first_order_only)",
+    ),
     "_current_graph_task_id": _at(
         "torch._C:_current_graph_task_id", "telling one backward pass from the next"
     ),

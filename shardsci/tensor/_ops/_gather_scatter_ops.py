@@ -51,6 +51,7 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._caches import cached
 from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group
+from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._gather_guard import check_fetch, check_replicated_read
 from shardsci.tensor._gather_plan import (
     GatherPlan,
@@ -1077,6 +1078,7 @@ class _ScatterExtremum(torch.autograd.Function):
         return result
 
     @staticmethod
+    @first_order_only("scatter_reduce amax/amin across ranks")
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         destination, values, result, touched = ctx.saved_tensors
         plan, dim, index = ctx.plan, ctx.dim, ctx.plan.local_index

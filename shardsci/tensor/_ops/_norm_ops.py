@@ -102,7 +102,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
@@ -115,6 +114,7 @@ from shardsci.tensor._collectives import (
     axis_group,
     exchange,
 )
+from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._ops._common import (
     accepts,
     no_empty_shard,
@@ -242,7 +242,7 @@ class _Normalize(torch.autograd.Function):
         return normalized, mean, var
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("a normalisation over split dims")
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         returned, inverse_std = ctx.saved_tensors
         normalized = returned.to(inverse_std.dtype)
@@ -270,7 +270,7 @@ class _RootMeanSquare(torch.autograd.Function):
         return normalized
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("an RMS norm")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         returned, inverse_rms = ctx.saved_tensors
         normalized = returned.to(inverse_rms.dtype)
@@ -319,7 +319,7 @@ class _ChannelNorm(torch.autograd.Function):
         return torch.addcmul(shift, wide, scale).to(out_dtype), mean, var
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("a batch or group norm over split dims")
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, mean, inverse_std, weight = ctx.saved_tensors
         wide = x.to(torch.promote_types(x.dtype, torch.float32))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from shardsci.tensor._collectives import AxisGroup
+from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._ops._autocast import cast_for_autocast
 from shardsci.tensor._ops._ring import (
     Blocks,
@@ -126,6 +127,7 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("attention over a split sequence")
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, mask, out, lse, gathered = ctx.saved_tensors
         wants_mask = mask is not None and mask.is_floating_point() and ctx.needs_input_grad[3]

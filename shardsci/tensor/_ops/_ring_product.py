@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._ops._autocast import cast_for_autocast
 from shardsci.tensor._ops._ring import (
     Blocks,
@@ -122,7 +122,7 @@ class _RingProduct(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("a ring product")
     def backward(ctx, grad):  # type: ignore[override]
         staying, moving, gathered = ctx.saved_tensors
         plan, (wants_staying, wants_moving) = ctx.plan, ctx.needs_input_grad[:2]

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._collectives import AxisGroup, all_gather
+from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
 
@@ -134,7 +134,7 @@ class _CumProd(torch.autograd.Function):
         return scanned if before is None else scanned * before
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("cumprod along a split dim")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         local, scanned, before, *totals = ctx.saved_tensors
         dim, group = ctx.dim, ctx.group
@@ -205,7 +205,7 @@ class _CumulativeExtremum(torch.autograd.Function):
         return values, indices
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("cummax/cummin along a split dim")
     def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple:  # type: ignore[override]
         indices, prior_index = ctx.saved_tensors
         dim, start, size = ctx.dim, ctx.start, ctx.size

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import all_reduce, axis_group
+from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._halo import Extension, added_to_owners, extend, extension
 from shardsci.tensor._ops._common import accepts
 from shardsci.tensor._ops._pool_ops import _per_dim, _ravel, _stride, _unravel
@@ -166,7 +166,7 @@ class _Unpool(torch.autograd.Function):
         return written
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("max_unpool")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
         (positions,) = ctx.saved_tensors
         cells = extend(grad.contiguous(), ctx.ext)

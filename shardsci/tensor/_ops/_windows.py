@@ -42,18 +42,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec
+from shardsci.tensor._api import ShardTensor, from_local_spec, grad_spec, gradient_shard
 from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._caches import cached
 from shardsci.tensor._halo import (
     Extension,
-    added_to_owners,
     extend,
     extended,
     extension,
     start_extend,
+    summed_to_owners,
 )
 from shardsci.tensor._halo_plan import domain_range
 from shardsci.tensor._ops._common import connected_empty
@@ -427,10 +426,9 @@ class _ExtendShard(torch.autograd.Function):
         return extended(x._local, ext, fill)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardTensor, None, None]:  # type: ignore[override]
-        owned = added_to_owners(grad, ctx.ext)
-        return ShardTensor(owned, ctx.grad_spec.with_dtype(owned.dtype)), None, None
+        owned = summed_to_owners(grad, ctx.ext)
+        return gradient_shard(owned, ctx.grad_spec.with_dtype(owned.dtype)), None, None
 
 
 def extend_shard(x: ShardTensor, ext: Extension, fill: float = 0.0) -> torch.Tensor:

@@ -1,0 +1,228 @@
+"""Second derivatives through ShardTensors against one process (NOTE [Second derivatives
+through ShardTensors] in ``shardsci/tensor/_api.py``).
+
+For each op or model, in float64, on the same global data as a plain run, three quantities
+built with ``create_graph=True`` and differentiated again:
+
+- the gradient penalty: ``grad`` of ``|dL/dθ|²`` w.r.t. the input x and the parameters θ;
+- the Hessian-vector product in x: ``grad`` of ``<dL/dx, v>`` w.r.t. x and θ (what
+  ``torch.autograd.functional.hvp`` computes);
+- the PINN residual: ``grad`` of ``|du/dx|²`` w.r.t. θ, ``u`` the model's output.
+
+x is ``from_local`` of a leaf shard, so the derivatives w.r.t. x are compared as this rank's
+shard of one process's; the parameters' are plain tensors, summed over the mesh; the model's
+output keeps x's shard sizes. Cases: 1 rank, 2 ranks uneven, a rank with an empty shard, and
+2x2 blocks. Where an op cannot differentiate its backward, asking for the second derivative
+must raise, never return a wrong value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+import shardsci
+from shardsci import ShardTensor
+from shardsci.tensor._api import from_local_spec
+from shardsci.tensor._ops import _matmul_ops
+from shardsci.testing import assert_all_ranks, assert_raises_all_ranks, get_mesh, run_on_ranks
+
+F64 = torch.float64
+
+
+class _Pointwise(nn.Module):
+    """``tanh(x * p)²``: pointwise ops with a parameter broadcast over the split dims."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.linspace(0.5, 1.5, channels, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.p).square()
+
+
+class _Reduction(nn.Module):
+    """A mean over the split dim 0 and a sum over dim 1, weighted."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.linspace(-1.0, 1.0, channels, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * self.p).mean(dim=0) * x.square().sum(dim=0)
+
+
+class _ConvNet(nn.Module):
+    """A small PINN-style network: two padded 3x3 convolutions around a tanh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Conv2d(2, 3, 3, padding=1, dtype=F64)
+        self.b = nn.Conv2d(3, 1, 3, padding=1, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return make()
+
+    return build
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model, its input's shape and the tensor dims the mesh axes split (1-D: the first)."""
+
+    make: Callable[[], nn.Module]
+    shape: tuple[int, ...]
+    dims: tuple[int, int]
+    composed: bool = False
+    """Run a linear layer as its composition, not as one autograd node."""
+    raises: str = ""
+    """On more than one rank: the error a second derivative through it raises (its backward
+    is ``first_order_only``)."""
+
+
+CASES = {
+    "pointwise": Case(_seeded(lambda: _Pointwise(4)), (6, 5, 4), (0, 1)),
+    "linear-node": Case(_seeded(lambda: nn.Linear(4, 3, dtype=F64)), (6, 5, 4), (0, 1)),
+    "linear-composed": Case(
+        _seeded(lambda: nn.Linear(4, 3, dtype=F64)), (6, 5, 4), (0, 1), composed=True
+    ),
+    "conv2d-padded": Case(
+        _seeded(lambda: nn.Conv2d(2, 3, 3, padding=1, dtype=F64)), (1, 2, 6, 5), (2, 3)
+    ),
+    "groupnorm": Case(
+        _seeded(lambda: nn.GroupNorm(1, 2, dtype=F64)),
+        (1, 2, 6, 5),
+        (2, 3),
+        raises="second derivatives through a batch or group norm over split dims",
+    ),
+    "layernorm": Case(_seeded(lambda: nn.LayerNorm(4, dtype=F64)), (6, 5, 4), (0, 1)),
+    "reduction": Case(_seeded(lambda: _Reduction(5)), (6, 5), (0, 1)),
+    "convnet": Case(_ConvNet, (1, 2, 6, 5), (2, 3)),
+}
+
+# Mesh shape and the shard sizes along the split dims (None: one rank).
+LAYOUTS = {
+    "1r": ((1,), None),
+    "2r-uneven": ((2,), ((4, 2),)),
+    "2r-empty": ((2,), ((0, 6),)),
+    "2x2": ((2, 2), ((3, 3), (2, 3))),
+}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, ShardTensor) else t
+
+
+def _quantities(
+    model: nn.Module, leaf: torch.Tensor, x: torch.Tensor, v: torch.Tensor
+) -> list[torch.Tensor]:
+    """The three second-order quantities of the module docstring, for input ``x`` (``leaf``
+    itself, or a ShardTensor over the local ``leaf``) and direction ``v`` laid out as x. The
+    first derivative in x, ``du``, comes first."""
+    params = list(model.parameters())
+
+    def loss() -> torch.Tensor:
+        return _whole(model(x).square().sum())
+
+    def grad(out: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch.autograd.grad(out, inputs, materialize_grads=True))
+
+    first = torch.autograd.grad(loss(), params, create_graph=True, materialize_grads=True)
+    found = grad(sum(g.square().sum() for g in first), [leaf, *params])
+
+    (dx,) = torch.autograd.grad(loss(), x, create_graph=True)
+    found += grad(_whole((dx * v).sum()), [leaf, *params])
+
+    (du,) = torch.autograd.grad(_whole(model(x).sum()), x, create_graph=True)
+    return [du, *found, *grad(_whole(du.square().sum()), params)]
+
+
+def _body(case_name: str, layout_name: str) -> None:
+    case = CASES[case_name]
+    mesh_shape, sizes = LAYOUTS[layout_name]
+    generator = torch.Generator().manual_seed(3)
+    whole = torch.randn(case.shape, dtype=F64, generator=generator)
+    direction = torch.randn(case.shape, dtype=F64, generator=generator)
+    leaf = whole.clone().requires_grad_()
+    want = _quantities(case.make(), leaf, leaf, direction)
+
+    mesh = get_mesh(mesh_shape)
+    placements = [Shard(d) for d in case.dims[: len(mesh_shape)]]
+    shapes = None if sizes is None else dict(enumerate(sizes))
+    v = shardsci.distribute_tensor(direction, mesh, placements, shapes)
+    leaf = v.spec.narrow(whole).clone().requires_grad_()
+    x = from_local_spec(leaf, v.spec)
+    raises = RAISES.get((case_name, layout_name), case.raises if mesh.size() > 1 else "")
+    if raises:
+        assert_raises_all_ranks(RuntimeError, raises, _quantities, case.make(), leaf, x, v)
+        return
+    original = _matmul_ops._one_node_plan
+    if case.composed:
+        _matmul_ops._one_node_plan = lambda equation, operands: None
+    try:
+        found = _quantities(case.make(), leaf, x, v)
+    finally:
+        _matmul_ops._one_node_plan = original
+
+    out = case.make()(x)
+    if out.ndim == x.ndim:
+        kept = [(s.dim, s.sizes) for s in out.spec.shardings] == [
+            (s.dim, s.sizes) for s in x.spec.shardings
+        ]
+        assert_all_ranks(kept, f"{case_name} {layout_name}: output {out.spec}, x {x.spec}")
+    for i, (got, expected) in enumerate(zip(found, want, strict=True)):
+        got = _whole(got) if i == 0 else got
+        if got.shape != expected.shape:  # a derivative in x: this rank's shard
+            expected = v.spec.narrow(expected)
+        error = (got - expected).abs().max().item() if got.numel() else 0.0
+        close = torch.allclose(got, expected, rtol=1e-10, atol=1e-10)
+        assert_all_ranks(close, f"{case_name} {layout_name}: quantity {i} differs by {error:.3g}")
+
+
+# Where the layout, not the case, sends a second derivative through a first_order_only
+# backward: with an empty shard, a layer norm runs shardsci's norm Function.
+RAISES = {("layernorm", "2r-empty"): "second derivatives through a normalisation over split dims"}
+
+# Open: a convolution's second derivative with a rank whose shard is empty aborts the ranks
+# (gloo: the ranks' graphs issue different collectives; the empty rank's first derivative is
+# built from ``connected_empty``'s zeros, which carry no graph).
+OPEN = {("conv2d-padded", "2r-empty"), ("convnet", "2r-empty")}
+
+# Run by default (each under 3 s on a quiet machine); the rest are slow.
+DEFAULT = {
+    ("pointwise", "2r-empty"),
+    ("linear-node", "2r-uneven"),
+    ("linear-composed", "2x2"),
+    ("conv2d-padded", "2x2"),
+    ("groupnorm", "2r-uneven"),
+    ("reduction", "2r-uneven"),
+    ("convnet", "2r-uneven"),
+}
+
+
+def _marks(case_name: str, layout_name: str) -> tuple[pytest.MarkDecorator, ...]:
+    if (case_name, layout_name) in OPEN:
+        reason = "open: a second derivative with an empty shard aborts the ranks (OPEN above)"
+        return (pytest.mark.slow, pytest.mark.skip(reason=reason))
+    return () if (case_name, layout_name) in DEFAULT else (pytest.mark.slow,)
+
+
+@pytest.mark.parametrize(
+    ("case_name", "layout_name"),
+    [pytest.param(c, x, id=f"{c}-{x}", marks=_marks(c, x)) for c in CASES for x in LAYOUTS],
+)
+def test_second_derivatives_match_one_process(case_name: str, layout_name: str) -> None:
+    run_on_ranks(math.prod(LAYOUTS[layout_name][0]), _body, case_name, layout_name)
