@@ -228,6 +228,8 @@ def test_cast_for_autocast_takes_dtype_and_device_from_one_tensor() -> None:
     """The first tensor that is not None gives both (the device was read from the first
     argument, None here: an AttributeError)."""
     x, mask = torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_dtype(x) == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16), cast_for_autocast(None, x, mask) as cast:
         assert not torch.is_autocast_enabled("cpu")
         assert cast[0] is None and cast[2] is mask
