@@ -211,16 +211,17 @@ def _ring_attention_body(name: str, variant: str) -> dict[str, tuple[float, floa
     return errors
 
 
-@pytest.mark.parametrize("variant", ["causal", "bool-mask", "learned-bias"])
+@pytest.mark.parametrize("variant", ["plain", "causal", "bool-mask", "learned-bias"])
 @pytest.mark.parametrize("name", list(RING_CASES))
 def test_ring_attention_under_autocast_is_as_accurate_as_one_process(
     name: str, variant: str
 ) -> None:
-    """Ring attention's blocks computed by matmuls (a mask, causal) under bfloat16 autocast:
-    scores, softmax and every sum across blocks in float32, as torch's fused kernel keeps
-    them (NOTE [Ring attention in a lower precision]); output and every gradient within 3x
-    one process's error against float64, plus 2⁻¹⁰; the output's dtype and layout as one
-    process's."""
+    """Ring attention under bfloat16 autocast, its blocks by the CPU's fused kernel (plain)
+    or by matmuls (a mask, causal): scores, softmax and every sum across blocks in float32,
+    as torch's fused kernel keeps them (NOTE [Ring attention in a lower precision]); output
+    and every gradient within 3x one process's error against float64, plus 2⁻¹⁰ (measured:
+    at most 1.37x; rounding in bfloat16 made it up to 5.4x); the output's dtype and layout
+    as one process's."""
     run_on_ranks(math.prod(RING_CASES[name][0]), _ring_attention_body, name, variant)
 
 
