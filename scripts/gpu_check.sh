@@ -13,7 +13,8 @@
 #      the device's side stream (NOTE [Halo overlap on streams]),
 #      every zoo model's float64 step against plain torch, NCCL world of one (DIR/gpu_tests.xml)
 #   3. scripts/gpu_two_ranks.py: two ranks on the one GPU, NCCL's answer, then the same
-#      checks on uneven shards over gloo with CUDA tensors                (DIR/two_ranks.json)
+#      checks on uneven shards over gloo with CUDA tensors, and ring attention under bf16
+#      autocast against torch's SDPA (accuracy, peak memory)             (DIR/two_ranks.json)
 #   4. scripts/gpu_check.py: every zoo model's step against plain torch, time and peak
 #      memory, float32 and bf16 autocast                                  (DIR/models.json)
 #   5. the same with compile_regions and torch.compile                    (DIR/compiled.json)

@@ -417,6 +417,14 @@ def _inductor_lowerings(lowerings: dict) -> None:
     assert "additional_star_deps" in inspect.getsource(GraphLowering.__init__)
 
 
+def _autocast_on(is_on: Callable[[], bool]) -> None:
+    assert is_on() is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert is_on() is True
+        with torch.autocast("cpu", enabled=False):
+            assert is_on() is False
+
+
 SMOKE: dict[str, Callable[[object], None]] = {
     "DTensorSpec": _takes("mesh", "placements", "tensor_meta", "shard_order"),
     "TensorMeta": _tensor_meta,
@@ -438,6 +446,7 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "_dispatch_has_kernel_for_dispatch_key": _kernel_query,
     "DispatchKey": _has("CompositeImplicitAutograd"),
     "DelayedError": _delayed_error,
+    "_is_any_autocast_enabled": _autocast_on,
     "_current_graph_task_id": _graph_task_id,
     "_will_engine_execute_node": _will_execute,
     "_execution_engine": _engine,

@@ -13,8 +13,10 @@ gradients and ``lse = -inf`` (as torch's math backend). The key/value blocks tra
 accumulator is the sum of every query block's contribution to its keys and values. (Called as
 the fused kernel's two aten ops, from inside ``nn.MultiheadAttention``, the all-gather's
 backward cannot keep the blocks and gathers them again.)
-Scores are computed with plain matmuls in the inputs' dtype, never by a fused kernel, so empty
-blocks (a rank with no queries or no keys) are ordinary zero-size products.
+A block is computed by the CPU's fused kernel where it can (NOTE [A block's attention by the
+fused kernel]), else with plain matmuls, so that empty blocks (a rank with no queries or no
+keys) are ordinary zero-size products; in a lower precision, with float32 inside (NOTE [Ring
+attention in a lower precision]).
 """
 
 from __future__ import annotations
@@ -138,37 +140,47 @@ class _Attention(torch.autograd.Function):
 
 
 def attention_forward(q, k, v, mask, plan):
-    """Output ``(*B, H_q, L_r, E_v)``, log-sum-exp ``(*B, H_q, L_r)`` and, for the
-    all-gather, the gathered keys and values (else None)."""
+    """Output ``(*B, H_q, L_r, E_v)`` in ``q``'s dtype, log-sum-exp ``(*B, H_q, L_r)`` (float32
+    for bfloat16 or float16 operands: NOTE [Ring attention in a lower precision]) and, for
+    the all-gather, the gathered keys and values (else None)."""
+    kv = None
     if plan.group is None or plan.group.size == 1:
         out, lse = _block_forward(q, k, v, mask, plan, 0)
-        return out, lse, None
-    if plan.ring:
+    elif plan.ring:
         out, lse = _ring_forward(q, k, v, mask, plan)
-        return out, lse, None
-    kv = all_gather_blocks(torch.cat([k, v], dim=-1), plan.blocks)
-    width = k.shape[-1]
-    out, lse = _block_forward(q, kv[..., :width], kv[..., width:], mask, plan, 0)
-    return out, lse, kv
+    else:
+        kv = all_gather_blocks(torch.cat([k, v], dim=-1), plan.blocks)
+        width = k.shape[-1]
+        out, lse = _block_forward(q, kv[..., :width], kv[..., width:], mask, plan, 0)
+    return out.to(q.dtype), lse, kv
 
 
 def attention_backward(grad_out, q, k, v, mask, plan, out, lse, gathered, mask_grad):
     """Gradients ``(q, k, v, mask)`` of this rank's blocks (the mask's None unless
     ``mask_grad``); ``gathered`` as returned by :func:`attention_forward` (None: gather
     again)."""
-    state = _BackwardState(grad_out, q, mask, plan, out, lse, (grad_out * out).sum(-1), mask_grad)
+    wide = _accumulator(q.dtype)
+    delta = (grad_out.to(wide) * out.to(wide)).sum(-1)
+    state = _BackwardState(grad_out, q, mask, plan, out, lse, delta, mask_grad)
+    width = k.shape[-1]
     if plan.group is None or plan.group.size == 1:
         grads = state.block(k, v, mask, 0)
-        return state.grad_q, grads.k, grads.v, grads.mask
-    if plan.ring:
+        grad_k, grad_v, grad_mask = grads.k, grads.v, grads.mask
+    elif plan.ring:
         grad_k, grad_v = _ring_backward(state, k, v)
-        return state.grad_q, grad_k, grad_v, state.grad_mask
-    width = k.shape[-1]
-    if gathered is None:
-        gathered = all_gather_blocks(torch.cat([k, v], dim=-1), plan.blocks)
-    grads = state.block(gathered[..., :width], gathered[..., width:], mask, 0)
-    mine = reduce_scatter_blocks(torch.cat([grads.k, grads.v], dim=-1), plan.blocks)
-    return state.grad_q, mine[..., :width], mine[..., width:], grads.mask
+        grad_mask = state.grad_mask
+    else:
+        if gathered is None:
+            gathered = all_gather_blocks(torch.cat([k, v], dim=-1), plan.blocks)
+        grads = state.block(gathered[..., :width], gathered[..., width:], mask, 0)
+        mine = reduce_scatter_blocks(_sent(torch.cat([grads.k, grads.v], dim=-1), k), plan.blocks)
+        grad_k, grad_v, grad_mask = mine[..., :width], mine[..., width:], grads.mask
+    return (
+        state.grad_q.to(q.dtype),
+        grad_k.to(k.dtype),
+        grad_v.to(v.dtype),
+        None if grad_mask is None else grad_mask.to(mask.dtype),
+    )
 
 
 # ---------------------------------------------------------------------------- block math
@@ -224,7 +236,43 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 # diagonal is offset, CUDA) the scores are computed here.
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-_FLASH_DTYPES = (torch.float32, torch.float64)  # others: a float32 log-sum-exp would promote
+_FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# NOTE [Ring attention in a lower precision]
+# Torch's fused attention kernels take bfloat16 (or float16) operands but keep float32 inside:
+# the scores, their softmax and log-sum-exp, the output's accumulator; in backward, delta and
+# dS. The ring does the same, so that a split sequence is as accurate as one process's kernel
+# (``tests/test_autocast.py``: rounding scores, probabilities and the running output in
+# bfloat16 made the gradients' errors up to 5.4x one process's; now at most 1.4x). The fused
+# kernel takes a bfloat16 block as it is (its output rounded once per block, its log-sum-exp
+# float32); elsewhere the block's operands are widened to float32 for its matmuls. Those
+# copies are of one block, not of the sequence: the query, key and value blocks, the output's
+# gradient, and the L_r x S_j scores per head in float32. Measured on one block of 8 heads x
+# 512 queries x 512 keys, E = 64 (``LiveMemory``): peak 13 -> 27 MiB forward and 23 -> 46 MiB
+# backward by matmuls, about 7 and 11 bytes more per score; where the fused kernel takes the
+# block, 0.5 and 2.5 MiB (its own workspace not counted). Across blocks, the output and the
+# query's and mask's gradients accumulate in float32, cast to the operands' dtype once at the
+# end. A key or value block's gradient crosses ranks in the operands' dtype, so the backward
+# moves the bytes it moved before: each rank's share is rounded once before the ranks add
+# them, as in a sharded linear layer's weight gradient (float32 there would move 1.5x the
+# backward's bytes, for key gradients 1.12x one process's error instead of 1.37x). float32
+# and float64 operands are computed exactly as before (nothing is widened).
+_NARROW = (torch.float16, torch.bfloat16)
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a block's softmax and the sums across blocks are kept in."""
+    return torch.float32 if dtype in _NARROW else dtype
+
+
+def _widened(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.dtype not in _NARROW else t.float()
+
+
+def _sent(grads: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A key/value block's gradient as it crosses ranks: in ``like``'s dtype (NOTE above)."""
+    return grads.to(like.dtype)
 
 
 def _fused(q, k, v, mask, plan) -> bool:
@@ -245,6 +293,7 @@ def _block_forward(q, k, v, mask, plan, key_start):
     if _fused(q, k, v, mask, plan):
         repeats = plan.kv_repeats
         return _FLASH(q, _expanded(k, repeats), _expanded(v, repeats), scale=plan.scale)
+    q, k, v, mask = (_widened(t) for t in (q, k, v, mask))
     scores = _scores(q, k, mask, plan, key_start)
     lse = torch.logsumexp(scores, dim=-1)
     probabilities = torch.exp(scores - _finite(lse)[..., None])
@@ -254,7 +303,7 @@ def _block_forward(q, k, v, mask, plan, key_start):
 def _combine(out, lse, block_out, block_lse):
     """Merge a block's partial softmax into the running one (NOTE [Ring attention])."""
     if out is None:
-        return block_out, block_lse
+        return block_out.to(_accumulator(block_out.dtype)), block_lse
     total = torch.logaddexp(lse, block_lse)
     finite = _finite(total)
     out = (
@@ -287,6 +336,7 @@ def _block_backward(q, k, v, mask, plan, key_start, grad_out, out, lse, delta, g
         )  # fmt: skip
         grad_q += block_grad_q
         return _Grads(_grouped(grad_k, repeats), _grouped(grad_v, repeats), None)
+    q, k, v, mask, grad_out = (_widened(t) for t in (q, k, v, mask, grad_out))
     scores = _scores(q, k, mask, plan, key_start)
     probabilities = torch.exp(scores - _finite(lse)[..., None])
     grad_v = torch.matmul(probabilities.transpose(-2, -1), grad_out)
@@ -324,8 +374,10 @@ class _BackwardState:
     grad_mask: torch.Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.grad_q = torch.zeros_like(self.q)
-        self.grad_mask = torch.zeros_like(self.mask) if self.mask_grad else None
+        self.grad_q = torch.zeros_like(self.q, dtype=_accumulator(self.q.dtype))
+        self.grad_mask = None
+        if self.mask_grad:
+            self.grad_mask = torch.zeros_like(self.mask, dtype=_accumulator(self.mask.dtype))
 
     def block(self, k, v, mask, key_start) -> _Grads:
         return _block_backward(
@@ -344,7 +396,7 @@ class _BackwardState:
                 self.grad_mask += grads.mask
             else:
                 self.grad_mask.narrow(-1, start, size).copy_(grads.mask)
-        return torch.cat([grads.k, grads.v], dim=-1)
+        return _sent(torch.cat([grads.k, grads.v], dim=-1), kv)
 
 
 # ---------------------------------------------------------------------------- ring
