@@ -106,6 +106,11 @@ SMOKES = {
         {"lower_bound_bytes": lambda bound: lambda nodes: bound(nodes) + 1},
         ("halo bytes per layer at the lower bound",),
     ),
+    "unmoved_strategy": Smoke(
+        "--rounds 1 --cases sin",
+        {"GOAL_SPEEDUP": lambda _: 1e9},
+        ("the unmoved route at least",),
+    ),
     "first_call": Smoke(
         "--limit 1 --rounds 1 --warm 1",
         {"GOAL_MS": lambda _: -1.0},

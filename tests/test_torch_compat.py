@@ -425,7 +425,40 @@ def _autocast_on(is_on: Callable[[], bool]) -> None:
             assert is_on() is False
 
 
+def _sharding_prop(module: object) -> None:
+    _takes("mesh", "op_schema", "strategy_info", "output_tensor_meta")(
+        module._expand_single_dim_strategy_to_mesh  # type: ignore[attr-defined]
+    )
+
+
+def _prepared_single_dim_strategy(cls: type) -> None:
+    _takes("self", "strategy_fn", "op_schema", "output_tensor_meta")(cls.__init__)
+    source = inspect.getsource(cls.__init__)
+    read = ("num_outputs", "expanded_strategies", "element_mesh", "allow_unbacked_sharding",
+            "allow_uneven_sharding", "remapped_different_mesh_args")  # fmt: skip
+    assert all(f"self.{name}" in source for name in read), read
+
+
+def _expand_to_full_mesh(fn: Callable) -> None:
+    _takes("mesh", "op_schema", "single_mesh_dim_strategies")(fn)
+    keywords = {"output_tensor_meta", "input_index", "inplace_op", "allow_unbacked_sharding",
+                "allow_uneven_sharding", "different_mesh_args"}  # fmt: skip
+    assert keywords <= set(_parameters(fn)), _parameters(fn)
+
+
+SINCE_2_13 = {
+    "dtensor_sharding_prop",
+    "_PreparedSingleDimStrategy",
+    "expand_to_full_mesh_op_strategy",
+    "TupleStrategy",
+}
+"""Resolved on torch 2.13 only (``_unmoved_strategy.install``)."""
+
 SMOKE: dict[str, Callable[[object], None]] = {
+    "dtensor_sharding_prop": _sharding_prop,
+    "_PreparedSingleDimStrategy": _prepared_single_dim_strategy,
+    "expand_to_full_mesh_op_strategy": _expand_to_full_mesh,
+    "TupleStrategy": lambda cls: "children" in inspect.signature(cls).parameters,
     "DTensorSpec": _takes("mesh", "placements", "tensor_meta", "shard_order"),
     "TensorMeta": _tensor_meta,
     "OpSchema": _takes("op", "args_schema", "kwargs_schema", "schema_info"),
@@ -508,6 +541,8 @@ def test_every_private_symbol_has_a_smoke_test():
 
 @pytest.mark.parametrize("name", sorted(PRIVATE_SYMBOLS))
 def test_private_symbol_behaves_as_shardsci_expects(name):
+    if name in SINCE_2_13 and _torch_compat.torch_release() < (2, 13):
+        pytest.skip("not used before torch 2.13")
     value = getattr(_torch_compat, name)
     result = SMOKE[name](value)
     assert result is None or result is True, f"{name}: smoke test returned {result!r}"

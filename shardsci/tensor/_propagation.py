@@ -69,8 +69,11 @@ from shardsci.tensor._torch_compat import (
 )
 from shardsci.tensor._torch_compat import dtensor_redistribute as _dtensor_redistribute
 from shardsci.tensor._torch_compat import sharding_propagator as _PROPAGATOR
+from shardsci.tensor._unmoved_strategy import install as install_unmoved_strategy
 
 backport_sharding_rules()  # torch 2.11's gaps (none on 2.12 and 2.13)
+# NOTE [An op whose operands need not move skips DTensor's full strategy expansion]
+install_unmoved_strategy()
 
 __all__ = ["Plan", "decomposition", "flatten_args", "functional_twin", "plan_for", "unflatten_args"]
 

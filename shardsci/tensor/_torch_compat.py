@@ -111,6 +111,23 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch.distributed.tensor:DTensor._op_dispatcher.sharding_propagator",
         "DTensor's sharding rules, reused for ops without a shardsci handler",
     ),
+    "dtensor_sharding_prop": _at(
+        "torch.distributed.tensor._sharding_prop",
+        "where DTensor's propagation looks up its single-dim expansion, fronted by the search "
+        "for an unmoved combination",
+    ),
+    "_PreparedSingleDimStrategy": _at(
+        "torch.distributed.tensor._ops.single_dim_strategy:_PreparedSingleDimStrategy",
+        "an op's single-axis rules with their placeholders filled in",
+    ),
+    "expand_to_full_mesh_op_strategy": _at(
+        "torch.distributed.tensor._ops.utils:expand_to_full_mesh_op_strategy",
+        "DTensor's expansion of single-axis rules to a mesh, run on the rules that move no operand",
+    ),
+    "TupleStrategy": _at(
+        "torch.distributed.tensor._op_schema:TupleStrategy",
+        "a list-of-tensors argument in DTensor's propagation (left to its full expansion)",
+    ),
     "dtensor_redistribute": _at(
         "torch.distributed.tensor._redistribute",
         "DTensor's redistribution planner caches, cleared by clear_caches()",
