@@ -62,21 +62,25 @@ class PrivateSymbol:
         Attribute path inside it (dotted); empty for the module itself.
     why : str
         What shardsci uses it for, shown when it is missing.
+    after : str
+        A torch module to import first, where ``module`` imported on its own is a circular
+        import in torch; empty for none.
     """
 
     module: str
     path: str
     why: str
+    after: str = ""
 
     @property
     def qualified_name(self) -> str:
         return f"{self.module}.{self.path}" if self.path else self.module
 
 
-def _at(location: str, why: str) -> PrivateSymbol:
+def _at(location: str, why: str, after: str = "") -> PrivateSymbol:
     """``"torch.x._y:Name.attr"`` -> a PrivateSymbol (module before the colon)."""
     module, _, path = location.partition(":")
-    return PrivateSymbol(module, path, why)
+    return PrivateSymbol(module, path, why, after)
 
 
 #: Exported name -> where it comes from. Names keep torch's spelling so that a grep for the
@@ -269,6 +273,7 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch._functorch._aot_autograd.runtime_wrappers:AOTDispatchAutograd",
         "reading a plain gradient that reaches a compiled backward where a ShardTensor was "
         "traced (autograd's zeros for an output the loss does not reach) as replicated",
+        after="torch._functorch.aot_autograd",  # runtime_wrappers imports back from it
     ),
     "register_effectful_op": _at(
         "torch._higher_order_ops.effects:_register_effectful_op",
@@ -344,6 +349,8 @@ def resolve(name: str) -> Any:
     missing and why shardsci needs it."""
     symbol = PRIVATE_SYMBOLS[name]
     try:
+        if symbol.after:
+            importlib.import_module(symbol.after)
         value: Any = importlib.import_module(symbol.module)
         for part in filter(None, symbol.path.split(".")):
             value = getattr(value, part)
