@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -285,12 +285,22 @@ class AxisRule:
         ``"mirrored"`` (the input's sizes along the dim that carries the split reversed) or
         ``"one holder"`` (one coordinate holds the whole split dim, and every output dim
         carries it: sharded along any dim that coordinate holds whole).
+    documented : str
+        A layout the library documents for this op where the rule states another (NOTE [A
+        layout an op documents over its dependencies]): ``""`` (none), ``"moved"`` (sharded
+        along another dim, or nested with other axes on ``dim``) or ``"pending sum"``
+        (Partial(sum)).
     """
 
     axis: int
     dim: int
     owners: tuple[int | None, ...]
     rule: str
+    documented: str = ""
+
+    @property
+    def text(self) -> str:
+        return f"{self.rule} or {self.documented}" if self.documented else self.rule
 
 
 @dataclass(frozen=True)
@@ -492,6 +502,41 @@ def axis_rules(
     return rules
 
 
+# NOTE [A layout an op documents over its dependencies]
+# Two kinds of op leave an output, on purpose and documented, where the cells' dependencies
+# (NOTE [An output cell belongs to the shard it depends on]) state another layout; the rule
+# takes the documented one as well, for those ops and those axes only:
+# - a transform along a split dim (``fft.*``): every spectrum cell reads every shard of the
+#   dim, so an output of the input's shape is "same-shape or partial"; the library moves the
+#   dim's axes onto another dim, one all-to-all, where ending on the input's dim would take a
+#   second (NOTE [Where a distributed FFT leaves the spectrum] in
+#   ``shardsci/tensor/_ops/_fft_ops.py``; its inverse returns to the input's layout). Such an
+#   axis may shard another dim, or its own nested with other axes (a 2-D block transformed
+#   along both dims is split along one of them over both axes): "moved". No cell has an owner
+#   there, so no split of it moves less than another.
+# - a lookup in a table split along its vocabulary (``nn.functional.embedding``, the table's
+#   dim 0): a looked-up row depends on the one shard that holds it, which the index's value
+#   decides and no layout can depend on; the lookup is a pending sum over the vocabulary axes,
+#   zero but on that rank (NOTE [A split table is looked up where it lies] in
+#   ``shardsci/tensor/_ops/_embedding_ops.py``). Such an axis may be Partial(sum).
+# Anything else (a replicated output; a pending sum of a lookup in a table split by columns,
+# whose output keeps the columns' split) still breaks the rule.
+def documented(op: str, rules: Sequence[AxisRule], input_layout: Layout) -> list[AxisRule]:
+    """``rules`` for an output of the op named ``op`` (an OpInfo key) of an input laid out as
+    ``input_layout``, each also taking the layout the op documents (NOTE [A layout an op
+    documents over its dependencies])."""
+    placements = input_layout.placements
+    result = []
+    for r in rules:
+        also = ""
+        if op.startswith("fft.") and r.rule == "same-shape or partial":
+            also = "moved"
+        elif op == "nn.functional.embedding" and placements[r.axis] == Shard(0):
+            also = "pending sum"
+        result.append(replace(r, documented=also))
+    return result
+
+
 def _renames(owners: Sequence[int | None], kept: Sequence[int]) -> bool:
     """Whether an output dim's ``owners`` are the input dim's ``kept`` owners, index for index
     (an index of no owner agrees with any)."""
@@ -513,6 +558,13 @@ def held_where(
         p = placements[rule.axis]
         if rule.rule == "same-shape or partial" and isinstance(p, Partial):
             continue
+        if rule.documented == "moved" and isinstance(p, Shard):
+            e = p.dim % len(shape)
+            axes_on_e = [q for q in placements if isinstance(q, Shard) and q.dim % len(shape) == e]
+            if e != rule.dim or len(axes_on_e) > 1:
+                continue  # on another dim, or nested with other axes on the same one
+        if rule.documented == "pending sum" and p == Partial("sum"):
+            continue
         if rule.rule == "one holder" and isinstance(p, Shard):
             e, holder = p.dim % len(shape), rule.owners[0]
             if all(
@@ -523,7 +575,7 @@ def held_where(
                 continue
         if not (isinstance(p, Shard) and p.dim % len(shape) == rule.dim):
             return (
-                f"mesh axis {rule.axis} is {p}; expected Shard({rule.dim}) ({rule.rule}: "
+                f"mesh axis {rule.axis} is {p}; expected Shard({rule.dim}) ({rule.text}: "
                 f"{_owners_text(rule.owners)})"
             )
         for coordinate in coordinates(mesh):
@@ -537,7 +589,7 @@ def held_where(
                 return (
                     f"the rank at {coordinate} holds dim {rule.dim} indices {misplaced[:6]} "
                     f"owned by coordinates {[rule.owners[j] for j in misplaced[:6]]} of mesh "
-                    f"axis {rule.axis} ({rule.rule}: {_owners_text(rule.owners)})"
+                    f"axis {rule.axis} ({rule.text}: {_owners_text(rule.owners)})"
                 )
     return ""
 
@@ -559,6 +611,7 @@ __all__ = [
     "axis_rules",
     "cell_owners",
     "counted",
+    "documented",
     "every_shard_even",
     "held_where",
     "interpolation_anchors",

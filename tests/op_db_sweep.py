@@ -58,7 +58,14 @@ import torch.distributed as dist
 from shardsci.testing import Layout, RankFailure, get_mesh, run_on_ranks
 from tests.agreement import agree
 from tests.boxes import dim_shardings
-from tests.expected_layouts import AxisRule, Dependence, axis_rules, cell_owners, held_where
+from tests.expected_layouts import (
+    AxisRule,
+    Dependence,
+    axis_rules,
+    cell_owners,
+    documented,
+    held_where,
+)
 from tests.op_db_layouts import SWEEP_LAYOUTS, SweepLayout
 
 LAYOUTS = SWEEP_LAYOUTS
@@ -447,7 +454,8 @@ def _layout_rules(
     op, sample, rebuild, first: torch.Tensor, layout: Layout, mesh: tuple, expected: list
 ) -> list[list[AxisRule]]:
     """Per output: the rules its layout must follow (NOTE [An output cell belongs to the
-    shard it depends on])."""
+    shard it depends on]), with the layouts the op documents (NOTE [A layout an op documents
+    over its dependencies])."""
     shardings = dim_shardings(layout, first.shape, mesh)
 
     def call(x: torch.Tensor) -> list:
@@ -466,12 +474,13 @@ def _layout_rules(
             rules.append([])
             continue
         per_axis = {a: owners[i] for a, owners in owners_per_axis.items() if i < len(owners)}
-        rules.append(axis_rules(per_axis, layout, first.shape, e.shape, mesh))
+        stated = axis_rules(per_axis, layout, first.shape, e.shape, mesh)
+        rules.append(documented(op_key(op), stated, layout))
     return rules
 
 
 def _rules_text(rules: list[AxisRule], layout: Layout) -> str:
-    by_axis = {r.axis: r.rule for r in rules}
+    by_axis = {r.axis: r.text for r in rules}
     return "/".join(by_axis.get(a, "-") for a in range(len(layout.placements)))
 
 

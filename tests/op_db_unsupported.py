@@ -150,18 +150,6 @@ _WRONG_LAYOUT = Bug(
     "wrong",
     r"^output \d+: layout: ",
 )
-#: A transform along a split dim whose spectrum happens to have the input's extent (``rfft``
-#: or ``ihfft`` of 6 cells with ``n=10``): its cells depend on every shard of that dim, and the
-#: same-shape rule states the input's layout, which would take a second all-to-all back; the
-#: spectrum is left on another dim (NOTE [Where a distributed FFT leaves the spectrum] in
-#: ``shardsci/tensor/_ops/_fft_ops.py``), as for every other ``n`` (values and gradients right).
-_SPECTRUM_MOVED = Bug(
-    "spectrum of the input's extent moved",
-    "a transform along a split dim moves its axes onto another dim; where the spectrum has the "
-    "input's extent the same-shape rule expects the input's layout",
-    "wrong",
-    r"^output \d+: layout: mesh axis \d+ is S\(\d\); expected Shard\(\d\)",
-)
 #: ``trapezoid`` along a dim that a single rank holds whole (the others empty): ``sum`` over
 #: it stays a pending sum, although only that rank's term is not zeros. Contractions keep such
 #: an output on its holder (NOTE [A sum over a dim one rank holds stays with that rank] in
@@ -374,8 +362,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
     "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
-    "fft.ihfft": (_SPECTRUM_MOVED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
-    "fft.rfft": (_SPECTRUM_MOVED.cases((0,), ("2x2-uneven", "2x2-last")),),
     "geqrf": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -524,22 +510,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         ),
     ),
     "nn.functional.ctc_loss": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven", "2x2-last")),),
-    "nn.functional.embedding": (
-        Accepted(
-            r"^output 0: layout: mesh axis 0 is P\(sum\); expected Shard\(0\) \(depends: ",
-            "a table split along the vocabulary: each looked-up row belongs to the rank "
-            "holding it, which the index's value decides and no layout may depend on; the "
-            "lookup is a pending sum over the vocabulary axes, zero but on that rank (NOTE [A "
-            "split table is looked up where it lies] in shardsci/tensor/_ops/_embedding_ops.py)"
-            "; no row moves, but where a rank looks up at least as many indices as the table "
-            "has rows, its part of the pending lookup holds as much as the table gathered "
-            "along the vocabulary, and the guard counts it as a pending sum held whole (NOTE "
-            "[Gathers an op was not asked to make])",
-            (0,),
-            ("2r-uneven", "4r-random", "2x2-uneven", "2x2-last"),
-            "wrong",
-        ),
-    ),
     "nn.functional.embedding_bag": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "nn.functional.grid_sample": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),

@@ -255,6 +255,7 @@ class _FakeOp:
     backward that raises (the reference's); ShardTensors take the ordinary product."""
 
     supports_autograd = True
+    name, variant_test_name = "fake", ""
 
     def __call__(self, x):
         from shardsci.tensor import ShardTensor
@@ -477,3 +478,71 @@ def test_a_split_held_by_one_rank_may_move_to_any_dim_it_holds() -> None:
     for held in (1, 2):
         assert held_where(rules, [Shard(held)], {held: (0, 0, 0, 5)}, {}, x.shape, (4,)) == ""
     assert held_where(rules, [Shard(1)], {1: (0, 0, 1, 4)}, {}, x.shape, (4,)) != ""
+
+
+def test_a_transform_along_the_split_dim_may_move_it() -> None:
+    """NOTE [A layout an op documents over its dependencies]: the op database's fft.fftn and
+    fft.ifftn sample 1, over every dim of a (5, 6, 7) tensor split along dim 0 into (2, 3).
+    Every spectrum cell reads both shards, so the same-shape rule asked for Shard(0) or a
+    pending sum; the library leaves the spectrum on dim 2 (NOTE [Where a distributed FFT
+    leaves the spectrum]), which the fft ops' rule takes, and no other op's."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from tests.expected_layouts import AxisRule, documented, held_where, parse
+
+    layout = parse("S0; 0=2/3")
+    x = torch.randn(5, 6, 7, dtype=torch.float64)
+    stated = _rules(lambda a: [torch.fft.fftn(a, norm="ortho")], x, layout)
+    assert [(r.dim, r.rule) for r in stated] == [(0, "same-shape or partial")]
+    rules = documented("fft.fftn", stated, layout)
+    assert [r.text for r in rules] == ["same-shape or partial or moved"]
+    for placement, sizes in ((Shard(2), {2: (4, 3)}), (Shard(0), {0: (2, 3)}), (Partial(), {})):
+        assert held_where(rules, [placement], sizes, {}, x.shape, (2,)) == ""
+    assert held_where(rules, [Replicate()], {}, {}, x.shape, (2,)) != ""
+    assert held_where(rules, [Shard(0)], {0: (3, 2)}, {}, x.shape, (2,)) != ""
+    # fft2 of a 2-D block: the last transformed dim split over both axes, nested
+    block = parse("S0,S2; 0=2/3; 2=4/3")
+    on_both = [r for r in documented("fft.fftn", stated, layout)] + [
+        AxisRule(1, 2, (0,) * 4 + (1,) * 3, "same-shape or partial", "moved")
+    ]
+    nested = {0: (2, 3), 2: (2, 2, 2, 1)}
+    assert held_where(on_both, [Shard(2), Shard(2)], nested, {}, x.shape, (2, 2)) == ""
+    assert held_where(on_both, block.placements, {2: (3, 4), 0: (2, 3)}, {}, x.shape, (2, 2)) != ""
+    assert held_where(stated, [Shard(2)], {2: (4, 3)}, {}, x.shape, (2,)) != ""
+    other = documented("linalg.matrix_exp", stated, layout)
+    assert held_where(other, [Shard(2)], {2: (4, 3)}, {}, x.shape, (2,)) != ""
+    # a transform along an unsplit dim keeps the strict rule
+    along_w = documented("fft.fft", _rules(lambda a: [torch.fft.fft(a)], x, layout), layout)
+    assert [r.text for r in along_w] == ["same-shape"]
+    assert held_where(along_w, [Shard(2)], {2: (4, 3)}, {}, x.shape, (2,)) != ""
+
+
+def test_a_lookup_in_a_table_split_by_rows_may_be_a_pending_sum() -> None:
+    """NOTE [A layout an op documents over its dependencies]: the op database's
+    nn.functional.embedding sample 0, index 7 in a (10, 5) table split by rows into (4, 6).
+    The looked-up row lies in the second shard, so the output's 5 cells depend on it alone
+    and the rule asked for Shard(0), all on that rank: which rank holds it, the index's value
+    decides. The library returns a pending sum over the vocabulary axes (NOTE [A split table
+    is looked up where it lies]), which the embedding's rule takes; a table split by columns
+    keeps the strict rule."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from tests.expected_layouts import documented, held_where, parse
+
+    index = torch.tensor(7)
+    table = torch.randn(10, 5, dtype=torch.float64)
+    layout = parse("S0; 0=4/6")
+    stated = _rules(lambda w: [F.embedding(index, w)], table, layout)
+    assert [(r.dim, r.owners, r.rule) for r in stated] == [(0, (1,) * 5, "depends")]
+    rules = documented("nn.functional.embedding", stated, layout)
+    assert held_where(rules, [Partial()], {}, {}, (5,), (2,)) == ""
+    assert held_where(rules, [Shard(0)], {0: (0, 5)}, {}, (5,), (2,)) == ""
+    for wrong in (Replicate(), Partial("avg")):
+        assert held_where(rules, [wrong], {}, {}, (5,), (2,)) != ""
+    assert held_where(stated, [Partial()], {}, {}, (5,), (2,)) != ""
+    by_columns = parse("S1; 1=2/3")
+    looked_up = _rules(lambda w: [F.embedding(index, w)], table, by_columns)
+    kept = documented("nn.functional.embedding", looked_up, by_columns)
+    assert [r.text for r in kept] == ["depends"]
+    assert held_where(kept, [Partial()], {}, {}, (5,), (2,)) != ""
