@@ -771,10 +771,14 @@ def _split_index(x: object, dim: int, index: object, *, cell_wise: bool) -> bool
         return False
     if not cell_wise:
         return not sharding_axes(layout) & sharding_axes(spec)
-    if index.ndim != x.ndim:
-        return False
+    return index.ndim == x.ndim and _split_as_elsewhere(layout, spec, dim)
+
+
+def _split_as_elsewhere(layout: ShardTensorSpec, spec: ShardTensorSpec, dim: int) -> bool:
+    """Whether ``layout`` (of as many dims as ``spec``) splits every dim but ``dim`` as
+    ``spec`` does, cut at ``layout``'s extents, and leaves ``dim`` whole."""
     wanted = {
-        s.dim: (s.axes, sizes_at_extent(s.sizes, index.shape[s.dim]))
+        s.dim: (s.axes, sizes_at_extent(s.sizes, layout.shape[s.dim]))
         for s in spec.shardings
         if s.dim != dim
     }
@@ -2010,14 +2014,7 @@ def _whole_along(destination: ShardTensorSpec, index: ShardTensorSpec, dim: int)
     an index its holder holds writes on that holder], its second route)."""
     if destination.partial or index.partial or destination.mesh != index.mesh:
         return False
-    if dim not in destination.sharding_by_dim or dim in index.sharding_by_dim:
-        return False
-    wanted = {
-        s.dim: (s.axes, sizes_at_extent(s.sizes, index.shape[s.dim]))
-        for s in destination.shardings
-        if s.dim != dim
-    }
-    return {s.dim: (s.axes, s.sizes) for s in index.shardings} == wanted
+    return dim in destination.sharding_by_dim and _split_as_elsewhere(index, destination, dim)
 
 
 @cached("scatters on the holder", 256)
