@@ -1,8 +1,8 @@
-"""Probe (issue 22): the Transolver's plain step at N² (batch 1, one thread), the thread CPU time
+"""Probe (issue 22): a zoo model's plain step at N² (default the Transolver; batch 1, one thread), the thread CPU time
 and bytes of its ops without FLOPs by kernel family (pointwise, reduction/normalization, copy)
 and by whether an input broadcasts (a tensor input with fewer elements than the output), each
 round alternated with calibrate's contiguous add (64 MiB float32, 3 arrays' bytes) and the
-same add at 10 MB (the step's typical size). Usage: PYTHONPATH=$PWD python families.py 128 5"""
+same add at 10 MB (the step's typical size). Usage: PYTHONPATH=$PWD python families.py 128 5 [model]"""
 
 import json
 import os
@@ -12,10 +12,9 @@ import time
 from collections import Counter
 
 import torch
-from torch.utils.flop_counter import flop_registry
 
 from benchmarks.compile import CASES
-from shardsci.planning._work import COPIES, fft_flops
+from shardsci.planning._work import COPIES, counts_flops
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves
 
 aten = torch.ops.aten
@@ -86,8 +85,7 @@ class ByFamily(TorchDispatchMode):
         inside, inner = time.thread_time() - start, self.nested.pop()
         if self.nested:
             self.nested[-1] += inside
-        formula = flop_registry.get(func._overloadpacket)
-        if formula or getattr(func, "is_view", False) or fft_flops(func, args, out):
+        if counts_flops(func) or getattr(func, "is_view", False):
             return out
         fam = family(func, args, out)
         moved = sum(
@@ -114,8 +112,9 @@ def add_rate(numel: int, repeats: int) -> float:
 def main() -> None:
     torch.set_num_threads(1)
     size, rounds = int(sys.argv[1]), int(sys.argv[2])
+    name = sys.argv[3] if len(sys.argv) > 3 else "transolver"
     torch.manual_seed(0)
-    model, x = CASES["transolver"].build(), torch.randn(1, 1, size, size)
+    model, x = CASES[name].build(), torch.randn(1, 1, size, size)
 
     def step():
         out = model(x)
@@ -143,6 +142,7 @@ def main() -> None:
         tot_b, tot_s = sum(watch.bytes.values()), sum(watch.seconds.values())
         per_round.append(
             {
+                "model": name,
                 "round": r,
                 "load": round(load, 1),
                 "add_64MiB_GB_per_s": round(big, 2),
