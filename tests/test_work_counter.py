@@ -154,6 +154,17 @@ def test_the_traffic_of_ops_without_flops_is_counted_apart(device):
     assert work.memory_bytes == gelu + convolution + fft
 
 
+def test_an_unsafe_view_moves_no_bytes():
+    """NOTE [Kernels without FLOPs]: ``aten._unsafe_view`` (a matmul's result reshaped, not
+    marked a view by torch) aliases its input: no traffic; the matmul's is counted."""
+    a, b = torch.randn(2, 3, 4), torch.randn(4, 5)
+    with torch.no_grad(), WorkCounter() as work:
+        out = torch.ops.aten._unsafe_view(torch.mm(a.view(6, 4), b), (2, 3, 5))
+    assert out.shape == (2, 3, 5)
+    assert work.flop_free_bytes == 0
+    assert work.memory_bytes == (a.numel() + b.numel() + out.numel()) * 4
+
+
 def test_a_collectives_buffers_are_not_memory_traffic():
     """NOTE [Kernels without FLOPs]: the bytes a collective moves are its communication's
     (priced by the collectives' costs), not the kernels' memory traffic."""

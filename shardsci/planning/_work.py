@@ -66,7 +66,8 @@ backward, the residual adds, the FFTs' pads and copies, zeros) under the FLOP-bo
 FNO's plain step at 128² on one core (2026-11-29 09:12 UTC, load 5.5; each aten op's thread
 CPU time): 25 ms of its 96 in kernels that count no FLOPs, 300 MB of traffic, priced at 0
 while its FLOP time (43 ms) exceeded its whole traffic's (24 ms). So ``WorkCounter`` counts
-the bytes every non-view op reads and writes (``memory_bytes``: kernels unfused) and of those
+the bytes every non-view op reads and writes (``memory_bytes``: kernels unfused; an
+alias torch does not mark a view, ``ALIASES``, moves none) and of those
 the ops ``counts_flops`` rejects apart (``flop_free_bytes``); a collective's buffers are not
 memory traffic (its bytes are its communication's). ``_machine.compute_s`` prices them, for the
 dry run's ``parallel=auto`` and ``benchmarks/cost_model.py`` alike: the flop-free bytes at
@@ -101,6 +102,7 @@ from shardsci.tensor._torch_compat import (
 )
 
 __all__ = [
+    "ALIASES",
     "COMMUNICATION_MODULES",
     "COPIES",
     "MATMULS",
@@ -144,6 +146,13 @@ COPIES = frozenset({aten.copy_, aten.clone, aten.cat, aten.stack, aten._to_copy}
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 """The aten namespaces of collectives: their buffers are communication, not memory traffic
 (NOTE [Kernels without FLOPs])."""
+
+
+ALIASES = frozenset({aten._unsafe_view.default})
+"""Aten ops that return an alias of their input though torch does not mark them views
+(``is_view`` is False): they move no bytes (``aten._unsafe_view``: a matmul's result reshaped,
+67.5 MB a Transolver step at 128² counted as traffic for 0.4 ms measured,
+``benchmarks/records/2026-11-30-flop-free-families``)."""
 
 
 MATMULS = frozenset({aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul})
@@ -303,7 +312,7 @@ class WorkCounter(TorchDispatchMode):
             self._inside_shard_tensor_ops -= 1
 
     def _count_traffic(self, func: Any, tensors: Any) -> None:
-        if func.is_view or func.namespace in COLLECTIVE_NAMESPACES:
+        if func.is_view or func in ALIASES or func.namespace in COLLECTIVE_NAMESPACES:
             return
         moved = sum(t.nbytes for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
         self.memory_bytes += moved
