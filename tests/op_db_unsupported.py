@@ -150,21 +150,6 @@ _WRONG_LAYOUT = Bug(
     "wrong",
     r"^output \d+: layout: ",
 )
-#: ``trapezoid`` along a dim that a single rank holds whole (the others empty): ``sum`` over
-#: it stays a pending sum, although only that rank's term is not zeros. Contractions keep such
-#: an output on its holder (NOTE [A sum over a dim one rank holds stays with that rank] in
-#: ``shardsci/tensor/_ops/_common.py``); a sum does not yet, because its output meets its input
-#: again (softmax, var, logsumexp, every reduction's backward) and the pointwise rule replicates
-#: a one-holder shard on another dim, or on a broadcast dim of size 1, instead of seeing that
-#: both lie on the same rank: a refused gather where the pending sum is an all-reduce of the
-#: output (values and gradients right).
-_ONE_HOLDER_SUM = Bug(
-    "sum over a one-holder split dim pending",
-    "a sum over a dim one rank holds whole returns Partial (every rank holds an output of "
-    "zeros but one) instead of that rank holding the output",
-    "wrong",
-    r"^output \d+: layout: mesh axis \d+ is P\(sum\); expected Shard",
-)
 #: ``as_strided_scatter(x, src, size, stride, offset)`` writes ``src`` through strides over the
 #: whole tensor's contiguous storage: where each written element lands (which rank's block) is
 #: stride arithmetic over the global storage, not a layout of ``x``, and the source's gradient
@@ -361,7 +346,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "cholesky": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "combinations": (_GATHERED.cases((6,), ("2r-uneven",)),),
     "geqrf": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
@@ -650,7 +634,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
             "gathered",
         ),
     ),
-    "trapezoid": (_ONE_HOLDER_SUM.cases((0, 4), ("4r-random",)),),
     "triangular_solve": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random")),
         _GATHERED.cases((1,), ("2x2-uneven", "2x2-last")),
