@@ -180,7 +180,10 @@ def _run_windowed(x, windows, boundary, weight, bias, local_op, *, channels, fil
         local_shape[1] = channels
         for dim, (first, stop) in out_ranges.items():
             local_shape[dim] = stop - first
-        if any(local_shape[d] == 0 for d in out_ranges):
+        empty = [d for d in out_ranges if local_shape[d] == 0]
+        if empty and _builds_graph_through(extended, w, b):
+            out = _empty_by_probe(extended, w, b, local_op, {d: windows[d] for d in empty})
+        elif empty:
             out = connected_empty(local_shape, extended, extended, w, b)
         else:
             out = local_op(extended, w, b)
@@ -194,6 +197,39 @@ def _run_windowed(x, windows, boundary, weight, bias, local_op, *, channels, fil
     for dim, window in windows.items():
         shape[dim] = window.output_extent(x.shape[dim])
     return from_local_spec(out, output_spec(spec, shape, out_sizes, out.dtype))
+
+
+# NOTE [An empty shard's convolution in a graph]
+# A rank whose convolution output is empty (NOTE [A rank with an empty shard computes
+# nothing]) must leave the same autograd graph as the other ranks, or a second derivative
+# (``create_graph=True``, NOTE [Second derivatives through ShardTensors] in ``_api.py``)
+# issues different collectives on the ranks and aborts or hangs them: ``connected_empty``'s
+# zeros have gradients that depend on nothing (the empty rank's derivative in x did not require
+# grad, the other rank's did), and making them depend on every input sends a bias's gradient
+# through a mesh sum that the other ranks, whose input gradient does not depend on the bias,
+# never issue (the ranks reduced the bias and the weight in different orders: gloo aborted).
+# So where autograd records the op, the empty rank runs the convolution itself on its window
+# padded with zeros to one output per empty dim, and keeps none of it: each gradient then
+# depends on what the other ranks' does (the input's on the weight, the weight's on the
+# input, the bias's on neither), all zeros, and the collectives match.
+def _builds_graph_through(*inputs: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
+
+def _empty_by_probe(extended, w, b, local_op, windows):
+    """``local_op(extended, w, b)`` where the windows of ``windows``' dims hold no output:
+    run on ``extended`` padded with zeros to one output each, then cut to none (NOTE above)."""
+    probe = extended
+    for dim, window in windows.items():
+        missing = max(window.span - probe.shape[dim], 0)
+        if missing:
+            shape = list(probe.shape)
+            shape[dim] = missing
+            probe = torch.cat([probe, probe.new_zeros(shape)], dim)
+    out = local_op(probe, w, b)
+    for dim in windows:
+        out = out.narrow(dim, 0, 0)
+    return out
 
 
 # ---------------------------------------------------------------------------- conv_transpose
