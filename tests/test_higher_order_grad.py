@@ -104,6 +104,9 @@ CASES = {
     "conv2d-padded": Case(
         _seeded(lambda: nn.Conv2d(2, 3, 3, padding=1, dtype=F64)), (1, 2, 6, 5), (2, 3)
     ),
+    "conv-transpose2d": Case(
+        _seeded(lambda: nn.ConvTranspose2d(2, 3, 3, padding=1, dtype=F64)), (1, 2, 6, 5), (2, 3)
+    ),
     "groupnorm": Case(
         _seeded(lambda: nn.GroupNorm(1, 2, dtype=F64)),
         (1, 2, 6, 5),
@@ -124,7 +127,7 @@ LAYOUTS = {
     "2x2-empty": ((2, 2), ((0, 6), (2, 3))),
 }
 # Layouts run for some cases only.
-ONLY = {"2x2-empty": {"conv2d-padded", "convnet"}}
+ONLY = {"2x2-empty": {"conv2d-padded", "conv-transpose2d", "convnet"}}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -210,6 +213,7 @@ DEFAULT = {
     ("conv2d-padded", "2x2"),
     ("conv2d-padded", "2r-empty"),
     ("conv2d-padded", "2x2-empty"),
+    ("conv-transpose2d", "2r-empty"),
     ("groupnorm", "2r-uneven"),
     ("reduction", "2r-uneven"),
     ("convnet", "2r-uneven"),

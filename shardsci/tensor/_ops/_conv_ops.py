@@ -211,7 +211,9 @@ def _run_windowed(x, windows, boundary, weight, bias, local_op, *, channels, fil
 # So where autograd records the op, the empty rank runs the convolution itself on its window
 # padded with zeros to one output per empty dim, and keeps none of it: each gradient then
 # depends on what the other ranks' does (the input's on the weight, the weight's on the
-# input, the bias's on neither), all zeros, and the collectives match.
+# input, the bias's on neither), all zeros, and the collectives match. A transposed
+# convolution does the same on its input padded to one cell per empty dim, its output's
+# zeros connected through the sum of that empty result (``_run_transposed``).
 def _builds_graph_through(*inputs: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
 
@@ -219,17 +221,22 @@ def _builds_graph_through(*inputs: torch.Tensor | None) -> bool:
 def _empty_by_probe(extended, w, b, local_op, windows):
     """``local_op(extended, w, b)`` where the windows of ``windows``' dims hold no output:
     run on ``extended`` padded with zeros to one output each, then cut to none (NOTE above)."""
-    probe = extended
-    for dim, window in windows.items():
-        missing = max(window.span - probe.shape[dim], 0)
-        if missing:
-            shape = list(probe.shape)
-            shape[dim] = missing
-            probe = torch.cat([probe, probe.new_zeros(shape)], dim)
+    probe = _padded_to(extended, {dim: window.span for dim, window in windows.items()})
     out = local_op(probe, w, b)
     for dim in windows:
         out = out.narrow(dim, 0, 0)
     return out
+
+
+def _padded_to(t: torch.Tensor, extents: dict[int, int]) -> torch.Tensor:
+    """``t`` with zeros appended along each dim of ``extents`` up to that extent."""
+    for dim, extent in extents.items():
+        missing = max(extent - t.shape[dim], 0)
+        if missing:
+            shape = list(t.shape)
+            shape[dim] = missing
+            t = torch.cat([t, t.new_zeros(shape)], dim)
+    return t
 
 
 # ---------------------------------------------------------------------------- conv_transpose
@@ -272,7 +279,15 @@ def _run_transposed(x, windows, weight, bias, func, stride, dilation, groups, ch
         channels,
         *(stop - first for first, stop in out_ranges.values()),
     ]
-    if any(extended.shape[d] == 0 for d in windows):
+    empty = [d for d in windows if extended.shape[d] == 0]
+    if empty and _builds_graph_through(extended, w, b):
+        padded = _padded_to(extended, dict.fromkeys(empty, 1))
+        probe = func(padded, w, None, stride, 0, 0, groups, dilation)
+        for dim in empty:
+            probe = probe.narrow(dim, 0, 0)
+        # NOTE [An empty shard's convolution in a graph]
+        out = extended.new_zeros(local_shape) + probe.sum()
+    elif empty:
         out = connected_empty(local_shape, extended, extended, w)
     else:
         full = func(extended, w, None, stride, 0, 0, groups, dilation)
