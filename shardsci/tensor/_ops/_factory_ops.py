@@ -9,7 +9,7 @@ then a scatter into it): every rank would allocate the whole field it did not as
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind, replaced
@@ -90,16 +90,10 @@ def _new_layout(spec: ShardTensorSpec, size: tuple[int, ...]) -> ShardTensorSpec
                 break
     if not same and not shardings:
         return None
-    placements = [Replicate()] * spec.mesh.ndim
-    for d, (axes, _) in shardings.items():
-        for axis in axes:
-            placements[axis] = Shard(d)
-    return ShardTensorSpec.build(
+    return ShardTensorSpec.from_shardings(
         spec.mesh,
-        placements,
+        [DimSharding(d, axes, sizes) for d, (axes, sizes) in shardings.items()],
         size,
         spec.dtype,
-        {d: sizes for d, (_, sizes) in sorted(shardings.items())},
-        order={d: axes for d, (axes, _) in sorted(shardings.items())},
         hints=spec.hints,
     )

@@ -1591,11 +1591,10 @@ def _split_adjoint(x: object, indices: object, values: object) -> bool:
     served: its sum of each group's part would be a pending sum held whole.)"""
     if not isinstance(x, ShardTensor) or not isinstance(values, ShardTensor) or x.ndim == 0:
         return False
-    if not isinstance(indices, list | tuple) or not indices:
+    found = _one_split_index(indices)
+    if found is None:
         return False
-    dim, index = len(indices) - 1, indices[-1]
-    if any(i is not None for i in indices[:dim]) or not isinstance(index, ShardTensor):
-        return False
+    dim, index = found
     spec, layout = x._spec, index._spec
     if index.dtype not in _INDEX_DTYPES or dim >= x.ndim or not layout.shardings:
         return False
@@ -1609,6 +1608,17 @@ def _split_adjoint(x: object, indices: object, values: object) -> bool:
     wanted = {d if d < dim else d + shift: (s.axes, s.sizes) for d, s in others if d != dim}
     wanted |= {dim + s.dim: (s.axes, s.sizes) for s in layout.shardings}
     return {s.dim: (s.axes, s.sizes) for s in values._spec.shardings} == wanted
+
+
+def _one_split_index(indices: object) -> tuple[int, ShardTensor] | None:
+    """``(dim, index)`` where ``indices`` (``index_put``'s) is leading ``None``s and one
+    ShardTensor index along ``dim``; None otherwise."""
+    if not isinstance(indices, list | tuple) or not indices:
+        return None
+    dim, index = len(indices) - 1, indices[-1]
+    if any(i is not None for i in indices[:dim]) or not isinstance(index, ShardTensor):
+        return None
+    return dim, index
 
 
 # NOTE [A write through an index split elsewhere reduces the rows it touched]
@@ -1635,11 +1645,10 @@ def _split_elsewhere(x: object, indices: object, values: object) -> bool:
     [A write through an index split elsewhere reduces the rows it touched])."""
     if not isinstance(x, ShardTensor) or not isinstance(values, torch.Tensor) or x.ndim == 0:
         return False
-    if not isinstance(indices, list | tuple) or not indices:
+    found = _one_split_index(indices)
+    if found is None:
         return False
-    dim, index = len(indices) - 1, indices[-1]
-    if any(i is not None for i in indices[:dim]) or not isinstance(index, ShardTensor):
-        return False
+    dim, index = found
     layout = index._spec
     if dim >= x.ndim or index.dtype not in _INDEX_DTYPES or x._spec.partial:
         return False
@@ -1661,22 +1670,14 @@ def _read_layout(x: ShardTensor, dim: int, index: ShardTensor, dtype) -> ShardTe
     (``_split_index``): the index's split on the index's dims, ``x``'s on its other dims,
     replicated over ``dim``'s axes."""
     spec, shift = x._spec, index.ndim - 1
-    shardings = {
-        d if d < dim else d + shift: s for d, s in spec.sharding_by_dim.items() if d != dim
-    }
-    shardings |= {dim + s.dim: s for s in index._spec.shardings}
-    placements = [Replicate()] * spec.mesh.ndim
-    for d, s in shardings.items():
-        for axis in s.axes:
-            placements[axis] = Shard(d)
-    return ShardTensorSpec.build(
-        spec.mesh,
-        placements,
-        (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :]),
-        dtype,
-        {d: s.sizes for d, s in sorted(shardings.items())},
-        order={d: s.axes for d, s in sorted(shardings.items())},
-    )
+    shardings = [
+        DimSharding(s.dim if s.dim < dim else s.dim + shift, s.axes, s.sizes)
+        for s in spec.shardings
+        if s.dim != dim
+    ]
+    shardings += [DimSharding(dim + s.dim, s.axes, s.sizes) for s in index._spec.shardings]
+    shape = (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
+    return ShardTensorSpec.from_shardings(spec.mesh, shardings, shape, dtype)
 
 
 def _put_through_split_elsewhere(
