@@ -312,6 +312,32 @@ def test_the_lists_accept_only_their_samples_layouts_and_messages() -> None:
     assert stale([other], expectations) == [f"op: {entry}"]
 
 
+def test_the_summary_counts_layouts_apart_from_values_and_gives_reasons(tmp_path) -> None:
+    """``docs/op_db_sweep.md``'s figures: a wrong layout the gather guard commented on is no
+    wrong value; a rerun's record replaces the first run's; each case short of ok is
+    listed with the reason of the entry that accepts it, or as not listed."""
+    import json
+
+    from tests.op_db_sweep import read_records, short_of_ok, wrong_values
+
+    layout = "rank 0: output 0: layout: mesh axis 0 is R; expected Shard(0) (depends: 1x1)"
+    assert not wrong_values(_record("wrong", f"{layout} | the gather guard saw no gather"))
+    assert wrong_values(_record("wrong", f"{layout} | output 1: Tensor-likes are not close!"))
+    first, rerun = tmp_path / "first.jsonl", tmp_path / "rerun.jsonl"
+    first.write_text(json.dumps(_record("wrong", layout)) + "\n")
+    rerun.write_text(json.dumps(_record("ok", "")) + "\n")
+    assert [r["outcome"] for r in read_records([first, rerun])] == ["ok"]
+    entry = Accepted(r"ValueError: ", "why not", samples=(3,))
+    expectations = Expectations({"op": (entry,)}, {}, {})
+    rows = short_of_ok(
+        [_record("error", "ValueError: op"), _record("wrong", layout, sample=4)], expectations
+    )
+    assert [(r["outcome"], r["samples"], r["reason"][:11]) for r in rows] == [
+        ("error", {"4r-empty": [3]}, "why not"),
+        ("wrong", {"4r-empty": [4]}, "not listed:"),
+    ]
+
+
 def test_a_known_bug_is_accepted_until_it_is_fixed() -> None:
     """Like a strict xfail: a known bug's entry accepts its cases, and fails the sweep once
     none of the cases it applies to shows the bug."""
