@@ -323,26 +323,14 @@ DEFAULT = {
     ("avgpool2d-stride2", "2r-uneven"),
     ("bilinear", "2r-empty"),
     ("pad-reflect", "2r-empty"),
-    ("einsum", "2r-empty"),
+    ("einsum", "2x2-empty"),
     ("cumsum", "2r-empty"),
     ("attention", "2r-empty"),
 }
 
-# A product summing over a split dim (the 2-D meshes split dim 1, which ``bmm`` and
-# ``einsum`` contract) has a wrong second derivative, with or without an empty shard: the
-# gradient penalty's derivative in x differs by 691 on 2x2 (found by grad3, not fixed).
-XFAIL = {
-    (c, x): "a product over a split dim: wrong second derivative (not fixed)"
-    for c in ("bmm", "einsum")
-    for x in ("2x2", "2x2-empty")
-}
-
 
 def _marks(case_name: str, layout_name: str) -> tuple[pytest.MarkDecorator, ...]:
-    marks = () if (case_name, layout_name) in DEFAULT else (pytest.mark.slow,)
-    if (case_name, layout_name) in XFAIL:
-        marks += (pytest.mark.xfail(reason=XFAIL[case_name, layout_name], strict=True),)
-    return marks
+    return () if (case_name, layout_name) in DEFAULT else (pytest.mark.slow,)
 
 
 @pytest.mark.parametrize(
