@@ -11,9 +11,11 @@ built with ``create_graph=True`` and differentiated again:
 
 x is ``from_local`` of a leaf shard, so the derivatives w.r.t. x are compared as this rank's
 shard of one process's; the parameters' are plain tensors, summed over the mesh; the model's
-output keeps x's shard sizes. Cases: 1 rank, 2 ranks uneven, a rank with an empty shard, and
-2x2 blocks (for the convolutions also with an empty block: every rank must issue the same
-collectives, NOTE [An empty shard's convolution in a graph] in ``_ops/_conv_ops.py``). Where
+output is laid out as ``Case.layout`` says. Cases: 1 rank, 2 ranks uneven, a rank with an
+empty shard, and 2x2 blocks, also with an empty block for the convolutions and for every op
+whose empty shard computes nothing (pooling, interpolation, pads, unfold, products, scans,
+``torch.gradient``, attention: every rank must issue the same collectives, NOTE [A rank with
+an empty shard computes nothing] in ``_ops/_common.py``). Where
 an op cannot differentiate its backward, asking for the second derivative must raise, never
 return a wrong value.
 """
