@@ -7,9 +7,14 @@ Importing this module registers the run schemas and the config resolvers and fin
 NOTE [Composition errors in one line]
 Hydra reports its own composition errors (a misspelt key, an unknown choice, a value of the
 wrong type, an override it cannot parse) from inside ``hydra.main``, where no handler of ours
-runs: several lines, exit status 1. So a command composes the overrides once with Hydra's
-compose API first (about 0.15 s) and turns those errors into the one line and exit status of
-every other config mistake. With a flag (``-m``, ``--cfg``, ``--help``...) it leaves the
+runs: several lines, exit status 1. So a command (``run_composed``) runs ``hydra.main`` with
+``HYDRA_FULL_ERROR=1``, under which Hydra raises its errors instead of printing them, and turns
+a composition error into the one line and exit status of every other config mistake; the run
+itself (``run_launched``) starts with the variable as the user had it, so its errors, its ranks
+and Hydra's report of a failed run are what they were. Composing the overrides a third time
+(Hydra composes twice: ``get_mode``, then the run), as ``check_composition`` does, cost 4.5 s of
+start-up per process at load 50, paid by every rank. ``check_composition`` stays for the
+in-process tests of the one line. With a flag (``-m``, ``--cfg``, ``--help``...) it leaves the
 command line to Hydra: a sweep is not one config. ``HYDRA_FULL_ERROR=1`` skips the check, so
 Hydra's full report appears. A renamed key (``RENAMED_KEYS``) is one line naming the new key,
 sweeps included.
@@ -30,6 +35,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.training import (
+    TRACEBACK_VAR,
     ConfigError,
     check_renamed_keys,
     discover_recipes,
@@ -40,7 +46,7 @@ from shardsci.training import (
 )
 from shardsci.training._renamed import renamed_key_hint
 
-__all__ = ["CONFIG_MODULE", "check_composition", "run_launched"]
+__all__ = ["CONFIG_MODULE", "check_composition", "run_composed", "run_launched"]
 
 CONFIG_MODULE = "shardsci.configs"
 """Where the commands' configs are: ``config.yaml`` (training) and ``predict.yaml``."""
@@ -78,6 +84,34 @@ def check_composition(arguments: list[str], config_name: str = "config") -> None
         raise ConfigError(_one_line(error)) from error
 
 
+_HYDRA_RAISES = False
+"""Whether ``run_composed`` set ``HYDRA_FULL_ERROR`` for Hydra's composition, which
+``run_launched`` takes back before the run."""
+
+
+def run_composed(arguments: list[str], run: Callable[[], None]) -> None:
+    """Call ``run`` (a ``hydra.main`` function) with Hydra's composition errors of
+    ``arguments`` (``sys.argv[1:]``) raised as ``ConfigError`` in one line; with a flag, or a
+    traceback requested, Hydra reports them itself. NOTE [Composition errors in one line]."""
+    global _HYDRA_RAISES
+    check_renamed_keys([a for a in arguments if not a.startswith("-")])
+    if traceback_requested() or any(argument.startswith("-") for argument in arguments):
+        run()
+        return
+    os.environ[TRACEBACK_VAR] = "1"
+    _HYDRA_RAISES = True
+    try:
+        run()
+    except HydraException as error:
+        if not _HYDRA_RAISES:  # raised by the run, and printed by Hydra as before
+            raise
+        raise ConfigError(_one_line(error)) from error
+    finally:
+        if _HYDRA_RAISES:
+            os.environ.pop(TRACEBACK_VAR, None)
+            _HYDRA_RAISES = False
+
+
 def _one_line(error: HydraException) -> str:
     """Hydra's composition error as one line: its first line, the cause's first line, its
     hints; for a missing config the choices there are."""
@@ -98,6 +132,10 @@ def run_launched(cfg: DictConfig, launch: Callable[[DictConfig, bool], int]) -> 
     """Inside ``hydra.main``: ``launch(cfg, multirun)``, its user errors as one line (NOTE
     [Errors for people]); a run that failed leaves no run directory holding only Hydra's files.
     Exits with the run's status when it is not 0."""
+    global _HYDRA_RAISES
+    if _HYDRA_RAISES:  # composed: the run sees HYDRA_FULL_ERROR as the user set it (unset)
+        os.environ.pop(TRACEBACK_VAR, None)
+        _HYDRA_RAISES = False
     run_dir = Path(cfg.run_dir)
     try:
         with reported():

@@ -21,7 +21,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from shardsci._commands import CONFIG_MODULE, check_composition, run_launched
+from shardsci._commands import CONFIG_MODULE, run_composed, run_launched
 from shardsci.distributed import detect_launch_env
 from shardsci.training import (
     ConfigError,
@@ -53,10 +53,9 @@ def launch(cfg: DictConfig, multirun: bool = False) -> int:
 
 
 def main() -> None:
-    """The command: check that the overrides compose, then run (``_run``)."""
+    """The command: run ``_run``, Hydra's composition errors in one line."""
     with reported():
-        check_composition(sys.argv[1:], "predict")
-    _run()
+        run_composed(sys.argv[1:], _run)
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="predict")

@@ -18,6 +18,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import shardsci.train as train
+from shardsci._commands import run_composed
 from shardsci.distributed import detect_launch_env
 from shardsci.training import (
     EXIT_USER_ERROR,
@@ -251,6 +252,24 @@ def test_a_misspelt_key_is_one_line_and_leaves_no_run_directory(tmp_path: Path) 
         "to your config use +train.stpes=3"
     ]
     assert not (tmp_path / "outputs").exists()
+
+
+def test_hydras_own_composition_is_the_one_checked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The command does not compose a third time: ``hydra.main``'s composition error, raised
+    under HYDRA_FULL_ERROR for the moment, is the one line; the variable is unset after."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", "+recipe=cfd", "model=unett"])
+    monkeypatch.setattr(train, "check_composition", None)  # not called
+    with pytest.raises(ConfigError) as refused:
+        run_composed(sys.argv[1:], train._run)
+    assert str(refused.value) == (
+        "In 'recipe/cfd': Could not find 'model/unett'; expected one of: fno, meshgraphnet, "
+        "transolver, unet, vit"
+    )
+    assert "HYDRA_FULL_ERROR" not in os.environ and not (tmp_path / "outputs").exists()
 
 
 def test_hydra_full_error_shows_the_traceback(
