@@ -1834,6 +1834,7 @@ def _masked_index_put_accumulate(func, args, kwargs):
         None if index is None else index.clamp(-x.shape[d], x.shape[d] - 1)
         for d, index in enumerate(a.indices)
     ]
+    indices = _in_owner_order(indices, mask, x)
     masked = values.masked_fill(~mask, 0)
     out = _index_put(torch.index_put, (x, indices, masked, True), {})
     return gathered(func, args, kwargs) if out is NotImplemented else out
@@ -1853,10 +1854,54 @@ def _masked_index(func, args, kwargs):
         None if index is None else index.clamp(-x.shape[d], x.shape[d] - 1)
         for d, index in enumerate(a.indices)
     ]
-    read = _index(aten.index.Tensor, (x, indices), {})
+    read = _index(aten.index.Tensor, (x, _in_owner_order(indices, mask, x)), {})
     if read is NotImplemented:
         return gathered(func, args, kwargs)
     return aten.where.ScalarOther(mask, read, a.fill)
+
+
+# NOTE [An entry every mask hides reads the row before it]
+# ``_unsafe_masked_index(x, mask, indices, fill)`` (interpolation, ``embedding``) reads
+# ``x[indices]`` and puts ``fill`` where the mask is False. A position along an index whose
+# every output cell the mask hides depends on no row of ``x`` (NOTE [An output cell belongs to
+# the shard it depends on] in ``tests/expected_layouts.py``: its owner is "any"), yet its
+# clamped value names some row, which may break the owners' increasing order and turn a read
+# that moves nothing (``_owned_runs``) into one every rank holds whole, fetching every remote
+# row it names (``check_fetch`` reports it as a gather). So each such
+# position reads the row of the last position before it that the mask shows (the first one
+# shown, before any): the output is the same, and the read follows the owners of the cells
+# that depend on anything. The backward (``_unsafe_masked_index_put_accumulate``, its values
+# zero there) takes the same indices, so its source has the read's layout.
+def _in_owner_order(indices: list, mask: torch.Tensor, x: ShardTensor) -> list:
+    """``indices`` (clamped, plain integer tensors after leading ``None``) with each position
+    every mask hides reading the row the last shown position before it reads (NOTE above).
+    Only indices with one dim of more than one entry are changed; others are returned as
+    given."""
+    tensors = [i for i in indices if i is not None]
+    if not tensors or any(
+        isinstance(i, ShardTensor) or i.dtype not in _INDEX_DTYPES for i in tensors
+    ):
+        return indices
+    first = next(k for k, i in enumerate(indices) if i is not None)
+    if any(i is None for i in indices[first:]):
+        return indices
+    entries = torch.broadcast_shapes(*(i.shape for i in tensors))
+    shape = (*x.shape[:first], *entries, *x.shape[first + len(tensors) :])
+    shown = (mask.to_local() if isinstance(mask, ShardTensor) else mask).expand(shape)
+    out = list(indices)
+    for k, index in enumerate(tensors):
+        sized = [d for d, n in enumerate(index.shape) if n != 1]
+        if len(sized) != 1:
+            continue
+        along = first + len(entries) - index.ndim + sized[0]
+        care = shown.movedim(along, 0).reshape(shape[along], -1).any(1)
+        if bool(care.all()) or not bool(care.any()):
+            continue
+        positions = torch.arange(care.numel(), device=care.device)
+        last = torch.cummax(torch.where(care, positions, -1), 0).values
+        last = torch.where(last >= 0, last, care.nonzero()[0, 0])
+        out[first + k] = index.reshape(-1)[last].reshape(index.shape)
+    return out
 
 
 def _advanced_indices(indices: object, x: object) -> tuple[int, list[torch.Tensor]] | None:
