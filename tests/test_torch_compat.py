@@ -337,7 +337,7 @@ def _no_dispatch(cm: Callable) -> None:
 
 
 def _dynamo_config(config: object) -> None:
-    assert isinstance(config.nontraceable_tensor_subclasses, set)  # type: ignore[attr-defined]
+    assert isinstance(config.fake_tensor_cache_enabled, bool)  # type: ignore[attr-defined]
 
 
 def _functorch_config(config: object) -> None:
@@ -510,7 +510,15 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,
     "functorch_config": _functorch_config,
-    "inductor_config": lambda config: isinstance(config.layout_optimization, bool),
+    "GraphLowering": lambda cls: (
+        "is_inference" in inspect.signature(cls.decide_layout_opt).parameters
+    ),
+    "aot_autograd_module": lambda module: callable(
+        module.run_functionalized_fw_and_collect_metadata
+    ),
+    "aot_graph_compile": lambda module: _takes("joint_gm", "joint_inputs", "aot_config")(
+        module.run_joint_graph_passes_on_hops
+    ),
     "inductor_lowerings": _inductor_lowerings,
     "inductor_virtualized": _has("graph"),
     "inductor_decomposition": lambda module: (
@@ -524,7 +532,6 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "DispatchKeySet": lambda keys: keys(_torch_compat.DispatchKey.CPU).has(
         _torch_compat.DispatchKey.CPU
     ),
-    "get_eval_frame_callback": lambda fn: fn() in (None, False),
     "get_proxy_mode": _proxy_mode,
     "disable_current_modes": _disable_modes,
     "nn_pad": lambda pad: pad(torch.ones(1, 2), (1, 0), "constant", 0.0).tolist() == [[0.0, 1, 1]],
