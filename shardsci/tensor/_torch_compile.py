@@ -21,7 +21,9 @@ graph). What makes tracing through sound, each scoped to ShardTensors or shardsc
   x.placements, x.sharding_shapes())`` on a second layout put SymInts into the spec:
   "unhashable type: non-nested SymInt"). A plain tensor the user passes into a compiled
   function and turns into a ShardTensor there is the user's: if its size changes, dynamo
-  makes it dynamic as torch does; ``torch._dynamo.mark_static`` it.
+  makes it dynamic as torch does; ``torch._dynamo.mark_static`` it. The mark is an attribute
+  that stays on the tensor: a user's tensor given to ``from_local`` as the shard, compiled
+  later as a plain input, is static too.
 - Collectives are effects in the graph while tracing (``in_graph``): ``_collectives`` issues
   all-to-all, all-reduce, all-gather and broadcast as ``_graph_collectives``' ops, which wrap
   the ``_c10d_functional`` ones and which no compiler removes or reorders (NOTE [A traced
@@ -108,7 +110,10 @@ plain zeros, where they come, are read as replicated as above
 Inductor's layout optimisation is declined for a graph that holds shardsci's ops
 (``GraphLowering.decide_layout_opt``; ``tests/test_torch_compile_through.py``'s inductor
 ``conv-norm`` step, NOTE [Where the gradient of a replicated parameter is summed]); a graph
-without them is optimised as torch decides. shardsci's joint pass (one op sums a backward's
+without them is optimised as torch decides, which includes the forward of a ShardTensor
+convolution that exchanges no halo (a one-rank mesh, a layout split along the batch) whose
+backward holds the gradient's op: not run yet (torch 2.13 decides per graph, from the graph
+alone). shardsci's joint pass (one op sums a backward's
 gradients of a replicated weight) runs after AOTAutograd's own joint passes, before a user's
 ``joint_custom_pass``, which shardsci leaves as the user set it.
 The ViT and the Transolver failed in dynamo's fake run of ``flatten`` until the view rule's
