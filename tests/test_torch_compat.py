@@ -336,10 +336,6 @@ def _no_dispatch(cm: Callable) -> None:
     assert seen == []
 
 
-def _dynamo_config(config: object) -> None:
-    assert isinstance(config.fake_tensor_cache_enabled, bool)  # type: ignore[attr-defined]
-
-
 def _functorch_config(config: object) -> None:
     flag = config.disable_guess_zero_tangent_for_mutated_input_subclass  # type: ignore[attr-defined]
     assert isinstance(flag, bool)
@@ -507,7 +503,6 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "_current_autograd_node": _current_node,
     "Tensor_is_zerotensor": _zerotensor,
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
-    "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,
     "functorch_config": _functorch_config,
     "GraphLowering": lambda cls: (

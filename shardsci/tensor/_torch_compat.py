@@ -242,9 +242,6 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "the frame of a module's call, for naming the module an unasked-for gather ran in",
     ),
     # --- torch.compile and the dry-run planner
-    "dynamo_config": _at(
-        "torch._dynamo.config", "the fake-tensor cache, off for a first-call profile"
-    ),
     "trace_rules": _at(
         "torch._dynamo.trace_rules",
         "keeping dynamo from compiling shardsci.tensor's frames on their own (inlined instead)",
