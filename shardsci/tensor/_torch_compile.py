@@ -17,13 +17,17 @@ graph). What makes tracing through sound, each scoped to ShardTensors or shardsc
 - Shard sizes are constants of the graph, never SymInts: ``__tensor_flatten__`` marks the
   ShardTensor and its local shard static (``static_for_dynamo``, ``mark_static``'s mark), so
   automatic dynamic shapes, left on for everyone, do not make a new layout's shard sizes
-  SymInts (a user's ``ShardTensor.from_local(torch.sin(x.to_local()), x.device_mesh,
-  x.placements, x.sharding_shapes())`` on a second layout put SymInts into the spec:
-  "unhashable type: non-nested SymInt"). A plain tensor the user passes into a compiled
-  function and turns into a ShardTensor there is the user's: if its size changes, dynamo
-  makes it dynamic as torch does; ``torch._dynamo.mark_static`` it. The mark is an attribute
-  that stays on the tensor: a user's tensor given to ``from_local`` as the shard, compiled
-  later as a plain input, is static too.
+  SymInts. Inside the opt-in this replaced (before 2026-11-30), automatic dynamic shapes were
+  off for everyone, after a user's ``ShardTensor.from_local(torch.sin(x.to_local()),
+  x.device_mesh, x.placements, x.sharding_shapes())`` on a second layout put SymInts into the
+  spec ("unhashable type: non-nested SymInt"). With torch's default and without the marks,
+  that round trip, the halo convolutions, the global mean and a new global shape
+  (``tests/test_torch_compile_cache.py``) all passed on 2026-11-30: no test is known to fail
+  without the marks; they are kept as the one place that says shard sizes are static. A
+  plain tensor the user passes into a compiled function and turns into a ShardTensor there is
+  the user's: if its size changes, dynamo makes it dynamic as torch does. The mark is an
+  attribute that stays on the tensor: a user's tensor given to ``from_local`` as the shard,
+  compiled later as a plain input, is static too.
 - Collectives are effects in the graph while tracing (``in_graph``): ``_collectives`` issues
   all-to-all, all-reduce, all-gather and broadcast as ``_graph_collectives``' ops, which wrap
   the ``_c10d_functional`` ones and which no compiler removes or reorders (NOTE [A traced
