@@ -336,7 +336,9 @@ def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> C
             )
             continue
         try:
-            plan = plan_run(chosen_config(cfg, decomposition), device_memory_gib=budget)
+            plan = plan_run(
+                chosen_config(cfg, decomposition), device_memory_gib=budget, until_problem=True
+            )
         except ConfigError as error:
             candidate.problem = str(error)
             continue
