@@ -7,6 +7,7 @@ Run the slow check with ``pytest -m slow tests/test_cost_model.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -28,14 +29,18 @@ from shardsci import attention_exchange
 from shardsci.planning import MemoryPlan, RankClassPlan, RunPlan
 from shardsci.planning._choose import project
 from shardsci.planning._machine import (
+    GLOO_FLOP_FREE_BYTES_PER_S,
     Machine,
     all_gather_s,
     all_reduce_s,
     collective_s,
+    flop_free_rate,
+    flop_free_s,
     gloo_cpu,
     override,
     strided_copy_s,
 )
+from shardsci.planning._work import FLOP_FREE_FAMILIES
 
 # Per kind, true bytes as a function of (ranks P, rows r, cols c): a halo of the faces, fixed
 # in P; statistics all-gathered, a fixed piece per rank; a transposed volume of kept modes.
@@ -514,3 +519,30 @@ def test_saved_measurements_of_another_backend_are_refused():
     for name in saved:
         with pytest.raises(SystemExit, match=f"{name}: the saved measurements .* as nccl"):
             measurements(name, saved, Machine().backend)
+
+
+def test_kernels_without_flops_are_priced_by_family():
+    """NOTE [Kernels without FLOPs by family]: each family's bytes at its ``Machine`` rate (a
+    rate left None at ``memory_bytes_per_s``), flop-free bytes not counted by family at
+    ``memory_bytes_per_s``; the dry run's projection prices a rank class's families alike;
+    ``gloo_cpu`` shares each measured rate among the ranks of a core."""
+    assert {f.name for f in dataclasses.fields(Machine)} >= {
+        f"{family}_bytes_per_s" for family in FLOP_FREE_FAMILIES
+    }
+    machine = override(
+        Machine(memory_bytes_per_s=1e9),
+        ["pointwise_strided_bytes_per_s=1e8", "reduction_bytes_per_s=2e8"],
+    )
+    by_family = {"pointwise_strided": 1e6, "reduction": 1e6, "copy": 1e6}
+    assert flop_free_s(machine, 4e6, by_family) == pytest.approx(1e-2 + 5e-3 + 1e-3 + 1e-3)
+    assert flop_free_s(machine, 4e6) == pytest.approx(4e-3)
+    rank_class = RankClassPlan(
+        1, 0, [0], [0], MemoryPlan(0, 0, 0, 0, 0, 0, 0, ""), {}, {},
+        flop_free_bytes=4_000_000, flop_free_bytes_by_family=by_family,
+    )  # fmt: skip
+    plan = RunPlan("cfd", "1", "", 1, "m", 0, 1, [rank_class], [], None, [], [])
+    assert project(plan, machine).compute == pytest.approx(1.7e-2)
+    one, shared = gloo_cpu(1, cores=1, memory_bytes=2**30), gloo_cpu(4, cores=2, memory_bytes=2**30)
+    for family, rate in GLOO_FLOP_FREE_BYTES_PER_S.items():
+        assert flop_free_rate(one, family) == rate
+        assert flop_free_rate(shared, family) == rate / 2

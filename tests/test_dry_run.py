@@ -44,15 +44,27 @@ def test_a_launched_dry_run_plans_on_rank_0_only(monkeypatch, rank: int) -> None
     assert (status, len(planned)) == ((7, 1) if rank == 0 else (0, 0))
 
 
+POOLED_TO_NOTHING = [*SMALL, "mesh=4", "parallel=slab", "data.dataset.solver.resolution=16"]
+POOLED_TO_NOTHING_PROBLEM = (
+    "layer downs.2.pool (AvgPool2d) leaves ranks without cells: its output (2, 64, 2, 2) "
+    "has 2 cells in dim 2 over 4 ranks of mesh axes (domain), split 1,0,1,0, so 2 ranks "
+    "hold none; use at most 2 ranks there or a larger field (and 10 later layers)"
+)
+
+
 def test_a_downsampling_that_leaves_ranks_without_cells_is_named(tmp_path: Path) -> None:
     """16 rows over 4 ranks: the third pooling leaves 2 rows, so 2 ranks hold none."""
-    overrides = [*SMALL, "mesh=4", "parallel=slab", "data.dataset.solver.resolution=16"]
-    plan = plan_run(_compose([*overrides, f"run_dir={tmp_path}"]))
-    assert plan.problems == [
-        "layer downs.2.pool (AvgPool2d) leaves ranks without cells: its output (2, 64, 2, 2) "
-        "has 2 cells in dim 2 over 4 ranks of mesh axes (domain), split 1,0,1,0, so 2 ranks "
-        "hold none; use at most 2 ranks there or a larger field (and 10 later layers)"
-    ]
+    plan = plan_run(_compose([*POOLED_TO_NOTHING, f"run_dir={tmp_path}"]))
+    assert plan.problems == [POOLED_TO_NOTHING_PROBLEM]
+    assert plan.simulated_ranks == len(plan.classes) > 1
+
+
+def test_a_plan_asked_to_stop_at_a_problem_simulates_one_rank(tmp_path: Path) -> None:
+    """NOTE [A dry run stops at a problem when asked]: the whole plan's problem (above), from
+    the first simulated rank alone."""
+    plan = plan_run(_compose([*POOLED_TO_NOTHING, f"run_dir={tmp_path}"]), until_problem=True)
+    assert plan.problems == [POOLED_TO_NOTHING_PROBLEM]
+    assert plan.simulated_ranks == len(plan.classes) == 1
 
 
 def test_too_many_ranks_for_the_field_and_a_batch_that_does_not_split(tmp_path: Path) -> None:

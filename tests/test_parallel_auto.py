@@ -44,6 +44,7 @@ from shardsci.planning import (
 )
 from shardsci.planning._choose import decompositions, project
 from shardsci.planning._machine import Machine, collective_s, gloo_cpu
+from shardsci.planning._work import FLOP_FREE_FAMILIES
 from shardsci.training import ConfigError, _progress
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -285,8 +286,9 @@ def test_a_w_split_is_priced_above_an_h_split_by_its_strided_copies(tmp_path: Pa
     assert runs["W"] > 1.2 * runs["H"] > 0
     flops = {dim: {(c.flops, c.fft_flops) for c in plan.classes} for dim, plan in plans.items()}
     assert flops["W"] == flops["H"]
-    # The memory traffic apart (the W slab's transposes move other bytes).
-    machine = dataclasses.replace(gloo_cpu(2), memory_bytes_per_s=math.inf)
+    # The memory traffic apart (the W slab's transposes move other bytes), every family's too.
+    families = {f"{family}_bytes_per_s": None for family in FLOP_FREE_FAMILIES}
+    machine = dataclasses.replace(gloo_cpu(2), memory_bytes_per_s=math.inf, **families)
     assert machine.strided_copy_s_per_run > 0
     w, h = (project(plans[dim], machine) for dim in "WH")
     extra = (runs["W"] - runs["H"]) * machine.strided_copy_s_per_run

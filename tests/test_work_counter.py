@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from shardsci.models.fno import SpectralConv
-from shardsci.planning._work import WorkCounter, contiguous_runs
+from shardsci.planning._work import FLOP_FREE_FAMILIES, WorkCounter, contiguous_runs
 from shardsci.tensor import _collectives
 from shardsci.tensor._shape_probe import shape_probe
 
@@ -293,3 +293,28 @@ def test_a_unet_step_on_two_ranks_counts_the_plain_steps_work_and_its_halos():
     extra = sum(r["memory_bytes"] for r in ranks) - plain["memory_bytes"]
     halos = sum(r["received"] for r in ranks)
     assert 0 < extra < 2 * halos, (extra, halos)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_traffic_of_ops_without_flops_is_counted_by_family(device):
+    """NOTE [Kernels without FLOPs by family]: a contiguous add, an add broadcasting a row, an
+    add of a transposed operand, a sum and a clone each count their bytes in their own family,
+    and the families add up to the flop-free traffic."""
+    x, row = torch.randn(8, 16, device=device), torch.randn(16, device=device)
+    square = torch.randn(16, 16, device=device)
+    with torch.no_grad(), WorkCounter() as work:
+        x + x
+        x + row
+        square.t() + square
+        x.sum(dim=0)
+        x.clone()
+    nbytes = 4  # float32
+    assert dict(work.flop_free_bytes_by_family) == {
+        "pointwise_contiguous": 3 * 128 * nbytes,
+        "pointwise_broadcast": (128 + 16 + 128) * nbytes,
+        "pointwise_strided": 3 * 256 * nbytes,
+        "reduction": (128 + 16) * nbytes,
+        "copy": 2 * 128 * nbytes,
+    }
+    assert sum(work.flop_free_bytes_by_family.values()) == work.flop_free_bytes
+    assert set(work.flop_free_bytes_by_family) == set(FLOP_FREE_FAMILIES)

@@ -14,15 +14,16 @@ ranks each collective connects. Each candidate is dry-run as the run itself
 would be (``plan_run``: the model, the trainer's step, every byte, every layer's peak memory
 on every rank class; NOTE [A dry run executes the library on one simulated rank at a time]);
 a candidate with a problem (a rank over the memory budget, ranks left without cells, a step
-that fails) is dropped with that problem as its reason. The others are ranked by the
+that fails) is dropped with that problem as its reason (ranks left without cells after its
+first simulated rank, NOTE [A dry run stops at a problem when asked]). The others are ranked by the
 projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
 
 - compute: the class's kernels (``WorkCounter``: its own shard's) as ``compute_s`` prices them
   (NOTE [One price per op]): the longer of its FLOPs' time (at ``sustained_flops``, its FFTs'
   at ``fft_flops_per_s``, its complex matmuls' at ``complex_matmul_flops_per_s``) and its
   FLOP-counting ops' memory traffic at ``memory_bytes_per_s``, plus the traffic of its ops
-  without FLOPs (NOTE [Kernels without FLOPs]) and the runs of its strided copies (NOTE
-  [Strided copies]);
+  without FLOPs, each family at its rate (NOTE [Kernels without FLOPs by family]), and the
+  runs of its strided copies (NOTE [Strided copies]);
 - communication: every collective the dry run counted (``count_traffic``), by kind over the
   ranks it connects and the nodes they span (``collective_s``, NOTE [Collectives priced over
   their own ranks]): an all-reduce over one axis of a block over that axis's ranks, the
@@ -228,6 +229,7 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
         complex_matmul_flops=plan.complex_matmul_flops,
         memory_bytes=plan.memory_bytes,
         flop_free_bytes=plan.flop_free_bytes,
+        flop_free_bytes_by_family=plan.flop_free_bytes_by_family,
         strided_runs=plan.strided_runs,
     )
     communication = sum(collectives.values())
@@ -336,7 +338,9 @@ def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> C
             )
             continue
         try:
-            plan = plan_run(chosen_config(cfg, decomposition), device_memory_gib=budget)
+            plan = plan_run(
+                chosen_config(cfg, decomposition), device_memory_gib=budget, until_problem=True
+            )
         except ConfigError as error:
             candidate.problem = str(error)
             continue

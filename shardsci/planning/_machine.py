@@ -63,6 +63,8 @@ __all__ = [
     "collective_s",
     "compute_s",
     "dispatch_prices",
+    "flop_free_rate",
+    "flop_free_s",
     "gloo_cpu",
     "halo_s",
     "ops_host_s",
@@ -259,6 +261,22 @@ class Machine:
     of it, and reduced there for an all-reduce), so a call's CPU time grows with the bytes a
     rank receives (``count_traffic``'s figure): ``benchmarks.calibrate`` fits this with the
     two figures above from every call up to 4 MiB."""
+    pointwise_contiguous_bytes_per_s: float | None = None
+    """The rate of the bytes of flop-free pointwise ops on contiguous tensors of one shape
+    (NOTE [Kernels without FLOPs by family] in ``_work``); None: ``memory_bytes_per_s``. The
+    H100 preset's one assumption for every family: no family is measured on a GPU, and an
+    elementwise kernel streams HBM at about the rate of any other."""
+    pointwise_broadcast_bytes_per_s: float | None = None
+    """As ``pointwise_contiguous_bytes_per_s``, a pointwise op with an input of fewer
+    elements than its output (a broadcast)."""
+    pointwise_strided_bytes_per_s: float | None = None
+    """As ``pointwise_contiguous_bytes_per_s``, a pointwise op with a non-contiguous tensor."""
+    reduction_bytes_per_s: float | None = None
+    """As ``pointwise_contiguous_bytes_per_s``, reductions and normalizations (sums, layer and
+    group norms, softmaxes, forward and backward)."""
+    copy_bytes_per_s: float | None = None
+    """As ``pointwise_contiguous_bytes_per_s``, copies and indexing (``copy_``, ``clone``,
+    ``cat``, gathers and scatters, a slice's backward)."""
     strided_copy_s_per_run: float = 0.0
     """Assumed 0: a GPU's copy kernels read and write a strided piece's rows (``W / n`` of a
     field's row, hundreds of bytes at the tiles the zoo recommends) at about the bandwidth of
@@ -406,6 +424,27 @@ def strided_copy_s(machine: Machine, runs: float) -> float:
     return runs * machine.strided_copy_s_per_run
 
 
+def flop_free_rate(machine: Machine, family: str) -> float:
+    """Bytes per second of the flop-free kernels of ``family`` (one of ``_work``'s
+    ``FLOP_FREE_FAMILIES``): its ``<family>_bytes_per_s``, else ``memory_bytes_per_s``."""
+    rate = getattr(machine, f"{family}_bytes_per_s")
+    return machine.memory_bytes_per_s if rate is None else rate
+
+
+def flop_free_s(
+    machine: Machine, flop_free_bytes: float, by_family: Mapping[str, float] | None = None
+) -> float:
+    """Device seconds of a step's kernels without FLOPs (NOTE [Kernels without FLOPs by
+    family] in ``_work``): each family's bytes of ``by_family`` at its rate
+    (``flop_free_rate``), the rest of ``flop_free_bytes`` (all of it where the families were
+    not counted) at ``memory_bytes_per_s``."""
+    by_family = by_family or {}
+    rest = flop_free_bytes - sum(by_family.values())
+    return rest / machine.memory_bytes_per_s + sum(
+        nbytes / flop_free_rate(machine, family) for family, nbytes in by_family.items()
+    )
+
+
 def compute_s(
     machine: Machine,
     *,
@@ -415,6 +454,7 @@ def compute_s(
     memory_bytes: float,
     flop_free_bytes: float,
     strided_runs: float,
+    flop_free_bytes_by_family: Mapping[str, float] | None = None,
 ) -> float:
     """Device seconds of a rank's kernels (NOTE [One price per op]): the longer of its
     ``flops`` at ``sustained_flops``, ``fft_flops`` at ``fft_flops_per_s`` (NOTE [FFT FLOPs
@@ -422,7 +462,8 @@ def compute_s(
     ``complex_matmul_flops_per_s`` (NOTE [Complex matmuls are counted apart]), and the
     traffic of the ops that count FLOPs (``memory_bytes - flop_free_bytes``) at
     ``memory_bytes_per_s``; plus the traffic of those that count none (NOTE [Kernels without
-    FLOPs]) at that rate and the runs of the strided copies (``strided_copy_s``)."""
+    FLOPs]) by family where counted so (``flop_free_s``) and the runs of the strided copies
+    (``strided_copy_s``)."""
     flop_s = (
         flops / machine.sustained_flops
         + fft_flops / machine.fft_flops_per_s
@@ -431,7 +472,7 @@ def compute_s(
     flop_bound_traffic_s = (memory_bytes - flop_free_bytes) / machine.memory_bytes_per_s
     return (
         max(flop_s, flop_bound_traffic_s)
-        + flop_free_bytes / machine.memory_bytes_per_s
+        + flop_free_s(machine, flop_free_bytes, flop_free_bytes_by_family)
         + strided_copy_s(machine, strided_runs)
     )
 
@@ -590,6 +631,22 @@ the FNO's spectral contraction at its step's shapes (128², 12 complex ``bmm`` c
 0.42 GFLOP/s at torch's count against 28 for the step's 1x1 convolutions."""
 
 
+GLOO_FLOP_FREE_BYTES_PER_S = {
+    "pointwise_contiguous": 9.5e9,
+    "pointwise_broadcast": 7.3e9,
+    "pointwise_strided": 3.9e9,
+    "reduction": 4.7e9,
+    "copy": 7.9e9,
+}
+"""Measured here (NOTE [Kernels without FLOPs by family] in ``_work``): each family's bytes over
+its ops' own thread CPU time inside the Transolver's plain step at 128² on one thread, 14
+rounds of 2026-11-30 01:34-01:35 UTC at load 6.4-9.4, the median
+(``benchmarks/records/2026-11-30-flop-free-families``, ``paired_1.jsonl`` and
+``paired_2.jsonl``: 9.525, 7.25, 3.88, 4.705 GB/s); the copies without ``aten._unsafe_view``
+(an alias, which the record's 17.5 counted): 7.9 (benchmarks/README.md, "Measured 2026-11-30
+(planner21 ...)")."""
+
+
 def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:
     """This kind of machine: ``ranks_here`` CPU ranks sharing ``cores`` cores (default: those
     this process may use) and ``memory_bytes`` of RAM (default: ``MemTotal``), gloo over
@@ -601,7 +658,8 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
     ``GLOO_HOST_CALLS_IN_STEP_FACTOR``; issuing a
     collective: ``GLOO_HOST_US_PER_COLLECTIVE_STEP`` a ring step and nothing a call; an
     all-to-all per rank of its group: ``GLOO_HOST_US_PER_ALL_TO_ALL_PEER``; the bytes:
-    ``GLOO_HOST_S_PER_BYTE``); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
+    ``GLOO_HOST_S_PER_BYTE``); the kernels without FLOPs by family
+    (``GLOO_FLOP_FREE_BYTES_PER_S``, measured); FLOP/s and gloo's latency and bandwidth are assumptions of the right order
     for one core of a 2020s x86 server (float32 convolutions through oneDNN on one thread; a
     loopback TCP message), FFTs at a fifth of the convolutions' rate as ``benchmarks.calibrate``
     measured (4.7 against 22.7 GFLOP/s), complex matmuls at ``COMPLEX_MATMUL_FLOPS_PER_S``
@@ -640,6 +698,10 @@ def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None
         host_us_per_all_to_all_peer=GLOO_HOST_US_PER_ALL_TO_ALL_PEER / share,
         host_s_per_byte_received=GLOO_HOST_S_PER_BYTE / share,
         strided_copy_s_per_run=STRIDED_COPY_S_PER_RUN / share,
+        **{
+            f"{family}_bytes_per_s": rate * share
+            for family, rate in GLOO_FLOP_FREE_BYTES_PER_S.items()
+        },
         backend="gloo",
         host_overlaps_device=False,
         memory_gib=memory_bytes / ranks_here / 2**30,

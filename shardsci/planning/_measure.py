@@ -73,6 +73,8 @@ class StepMeasurement:
     memory_bytes, flop_free_bytes : int
         The bytes its non-view ops read and write, and those of the ops without FLOPs (NOTE
         [Kernels without FLOPs]).
+    flop_free_bytes_by_family : dict
+        ``flop_free_bytes`` by family (NOTE [Kernels without FLOPs by family]).
     dispatch_calls : dict
         Its ShardTensor calls by dispatch path (``WorkCounter.dispatch_calls``, NOTE [Host
         time by dispatch path]).
@@ -95,6 +97,7 @@ class StepMeasurement:
     complex_matmul_flops: int
     memory_bytes: int
     flop_free_bytes: int
+    flop_free_bytes_by_family: dict[str, int]
     dispatch_calls: dict[str, int]
 
 
@@ -188,6 +191,7 @@ def measure_step(
         complex_matmul_flops=work.complex_matmul_flops,
         memory_bytes=work.memory_bytes,
         flop_free_bytes=work.flop_free_bytes,
+        flop_free_bytes_by_family=dict(work.flop_free_bytes_by_family),
         dispatch_calls=work.dispatch_calls,
     )
 

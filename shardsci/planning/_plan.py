@@ -121,6 +121,9 @@ class RankClassPlan:
     memory_bytes, flop_free_bytes : int
         Bytes its non-view ops read and write, and those of them of ops without FLOPs (NOTE
         [Kernels without FLOPs]).
+    flop_free_bytes_by_family : dict or None
+        ``flop_free_bytes`` by family (NOTE [Kernels without FLOPs by family]); ``None`` where
+        not counted.
     dispatch_calls : dict or None
         Its ShardTensor calls by dispatch path (NOTE [Host time by dispatch path]); ``None``
         where not counted.
@@ -146,6 +149,7 @@ class RankClassPlan:
     complex_matmul_flops: int = 0
     memory_bytes: int = 0
     flop_free_bytes: int = 0
+    flop_free_bytes_by_family: dict[str, int] | None = None
     dispatch_calls: dict[str, int] | None = None
 
 
@@ -262,6 +266,7 @@ def class_plan(ranks: list[int], coordinate: list[int], measured: StepMeasuremen
         strided_runs=measured.strided_runs,
         memory_bytes=measured.memory_bytes,
         flop_free_bytes=measured.flop_free_bytes,
+        flop_free_bytes_by_family=dict(measured.flop_free_bytes_by_family),
         dispatch_calls=dict(measured.dispatch_calls),
     )
 

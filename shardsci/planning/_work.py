@@ -105,11 +105,13 @@ __all__ = [
     "ALIASES",
     "COMMUNICATION_MODULES",
     "COPIES",
+    "FLOP_FREE_FAMILIES",
     "MATMULS",
     "WorkCounter",
     "contiguous_runs",
     "counts_flops",
     "fft_flops",
+    "flop_free_family",
 ]
 
 COMMUNICATION_MODULES = frozenset(
@@ -158,6 +160,70 @@ ALIASES = frozenset({aten._unsafe_view.default})
 MATMULS = frozenset({aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul})
 """The matmul-family aten ops whose complex calls are counted apart (NOTE [Complex matmuls are
 counted apart])."""
+
+
+# NOTE [Kernels without FLOPs by family]
+# One bandwidth does not price a step's kernels without FLOPs: inside the Transolver's plain step
+# at 128² on this machine (``benchmarks/records/2026-11-30-flop-free-families``, one thread,
+# each op's own thread CPU time) strided pointwise ops ran at 3.9 GB/s, reductions and
+# normalizations 4.7, broadcasting pointwise 7.3, contiguous pointwise 9.5 and copies 7.9
+# (``_unsafe_view`` left out, ``ALIASES``), and priced at one rate the step's flop-free time came
+# out at 0.37 of measured. So ``WorkCounter`` counts the flop-free bytes by family
+# (``flop_free_family``, the record's classification), and ``compute_s`` prices each family at
+# its ``Machine`` rate (``FLOP_FREE_FAMILIES`` names the fields). A family is read from the op
+# and its tensors' shapes and strides only, so it works on ``meta`` tensors.
+FLOP_FREE_FAMILIES = (
+    "pointwise_contiguous",
+    "pointwise_broadcast",
+    "pointwise_strided",
+    "reduction",
+    "copy",
+)
+"""The families of kernels without FLOPs, each priced at its own rate (NOTE [Kernels without
+FLOPs by family]); ``Machine`` has a ``<family>_bytes_per_s`` field for each."""
+
+REDUCTIONS = frozenset(
+    getattr(aten, name)
+    for name in (
+        "sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "norm",
+        "native_layer_norm", "native_layer_norm_backward", "native_group_norm",
+        "native_group_norm_backward", "native_batch_norm", "native_batch_norm_backward",
+        "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
+        "logsumexp",
+    )
+)  # fmt: skip
+"""Reductions and normalizations: the ``reduction`` family."""
+
+INDEXING = frozenset(
+    getattr(aten, name)
+    for name in (
+        "index", "index_select", "gather", "scatter", "scatter_add", "index_add", "index_put",
+        "slice_backward", "select_backward",
+    )
+)  # fmt: skip
+"""Ops that move elements to other places (indexing, scatters, a view's backward): with
+``COPIES``, the ``copy`` family."""
+
+
+def flop_free_family(func: Any, args: Any, out: Any) -> str:
+    """The family of a kernel without FLOPs (``FLOP_FREE_FAMILIES``, NOTE [Kernels without
+    FLOPs by family]): ``copy`` (``COPIES``, ``INDEXING``), ``reduction`` (``REDUCTIONS``),
+    else a pointwise op: ``pointwise_broadcast`` where an input has fewer elements than the
+    largest output, ``pointwise_strided`` where a tensor is not contiguous, else
+    ``pointwise_contiguous``."""
+    packet = func._overloadpacket
+    if packet in COPIES or packet in INDEXING:
+        return "copy"
+    if packet in REDUCTIONS:
+        return "reduction"
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    ins = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+    largest = max((t.numel() for t in outs), default=0)
+    if any(t.numel() < largest for t in ins):
+        return "pointwise_broadcast"
+    if any(not t.is_contiguous() for t in ins + outs):
+        return "pointwise_strided"
+    return "pointwise_contiguous"
 
 
 def _complex_operand(args: tuple) -> bool:
@@ -229,7 +295,9 @@ class WorkCounter(TorchDispatchMode):
     their FLOPs (``flops``), their FFTs' FLOPs (``fft_flops``, not in ``flops``), their
     complex matmuls' FLOPs (``complex_matmul_flops``, not in ``flops``, NOTE [Complex matmuls
     are counted apart]), the bytes its non-view ops read and write and those of them without
-    FLOPs (``memory_bytes``, ``flop_free_bytes``, NOTE [Kernels without FLOPs]) and the runs of the strided tensors their copies read and write
+    FLOPs (``memory_bytes``, ``flop_free_bytes``, NOTE [Kernels without FLOPs]; the latter by
+    family in ``flop_free_bytes_by_family``, NOTE [Kernels without FLOPs by family]) and the
+    runs of the strided tensors their copies read and write
     (``strided_runs``, NOTE [Strided copies]); a shape probe's are no work. And the aten ops
     on ShardTensors by the dispatch path they took (``path_ops``: ``fast``, ``propagation``,
     ``handler``; nested ones included, NOTE [Dispatch paths]) and the calls of function
@@ -249,6 +317,7 @@ class WorkCounter(TorchDispatchMode):
         self.strided_runs = 0
         self.memory_bytes = 0
         self.flop_free_bytes = 0
+        self.flop_free_bytes_by_family: Counter[str] = Counter()
         self._inside_shard_tensor_ops = 0
 
     @property
@@ -286,7 +355,7 @@ class WorkCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if probing() or _on_fake_tensors((args, kwargs, out)):
             return out
-        self._count_traffic(func, (args, kwargs, out))
+        self._count_traffic(func, args, kwargs, out)
         packet = func._overloadpacket
         if packet in COPIES:
             self.strided_runs += _strided_runs((args, kwargs, out))
@@ -311,13 +380,15 @@ class WorkCounter(TorchDispatchMode):
             _pop_mode()
             self._inside_shard_tensor_ops -= 1
 
-    def _count_traffic(self, func: Any, tensors: Any) -> None:
+    def _count_traffic(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if func.is_view or func in ALIASES or func.namespace in COLLECTIVE_NAMESPACES:
             return
-        moved = sum(t.nbytes for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+        tensors = tree_leaves((args, kwargs, out))
+        moved = sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
         self.memory_bytes += moved
         if not counts_flops(func):
             self.flop_free_bytes += moved
+            self.flop_free_bytes_by_family[flop_free_family(func, (args, kwargs), out)] += moved
 
 
 class _FunctionHandlerCalls(TorchFunctionMode):
