@@ -387,8 +387,10 @@ def _channel_shuffle(func, args, kwargs):
 def _cat(func, args, kwargs):
     """``cat`` along a sharded dim. Operands sharded along it keep their shards; one held
     whole along it (a plain tensor, a replicated ShardTensor) goes to the rank holding the
-    cells just before it (the first rank when none are), so that when the sharded operands
-    come in rank order nothing moves (a boundary strip joins the edge rank). Each rank then
+    cells just before it (when none are, the first rank holding cells of the first sharded
+    operand), so that when the sharded operands come in rank order nothing moves (a boundary
+    strip joins the edge rank; a row of ones joins the rank that holds the dim whole, as in
+    ``prod``'s backward over a held dim). Each rank then
     owns its pieces of every operand, and gathers only the intervals it lacks (none, then)."""
     a = bind(func, args, kwargs)
     tensors = [t for t in a.tensors if not (t.ndim == 1 and t.shape[0] == 0)]
@@ -402,7 +404,7 @@ def _cat(func, args, kwargs):
         return NotImplemented
     sharding = first._spec.sharding_by_dim[dim]
     group = axis_group(first._spec.mesh, sharding.axes)
-    pieces, cursor = [], 0
+    pieces, cursor = [], next((k for k, n in enumerate(sharding.sizes) if n), 0)
     for t in tensors:
         whole = [0] * group.size
         whole[cursor] = t.shape[dim]
