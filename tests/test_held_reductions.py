@@ -33,6 +33,10 @@ from shardsci.testing import (
 from tests.expected_layouts import parse
 
 ROWS_HELD = Layout((Shard(0),), {0: (6, 0)})
+EMPTY_AROUND = Layout((Shard(0),), {0: (0, 6, 0, 0)})
+COLUMNS_AMONG_EMPTIES = Layout((Shard(1),), {1: (0, 6, 0, 0)})
+COLUMNS_HELD_2X2 = Layout((Shard(0), Shard(1)), {0: (2, 2), 1: (6, 0)})
+EMPTY_ROW_2X2 = Layout((Shard(0), Shard(1)), {0: (4, 0), 1: (3, 3)})
 
 
 def _normalised(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -123,6 +127,99 @@ CASES = {
         [Layout((Shard(0), Shard(1)), {0: (2, 2), 1: (6, 0)})],
         [parse("S0,S0; 0[1,0]=2/2/0/0")] * 2,
     ),
+    "2r-argmax": ((2,), lambda t: t.argmax(0), [(6, 4)], [ROWS_HELD], parse("S0; 0=4/0")),
+    "4r-empty-argmin-keepdim": (
+        (4,),
+        lambda t: t.argmin(0, keepdim=True),
+        [(6, 4)],
+        [EMPTY_AROUND],
+        parse("S0; 0=0/1/0/0"),
+    ),
+    "2x2-argmax": (
+        (2, 2),
+        lambda t: t.argmax(1),
+        [(4, 6)],
+        [COLUMNS_HELD_2X2],
+        parse("S0,S0; 0[1,0]=2/2/0/0"),
+    ),
+    "2x2-empty-row-argmin": (  # axis 0 holds the rows, its second row of blocks empty
+        (2, 2),
+        lambda t: t.argmin(0),
+        [(4, 6)],
+        [EMPTY_ROW_2X2],
+        parse("S0,S0; 0[0,1]=3/3/0/0"),
+    ),
+    "4r-empty-masked-argmax-keepdim": (
+        (4,),
+        lambda t: torch.masked.argmax(t, 0, keepdim=True, mask=t > -1),
+        [(6, 4)],
+        [EMPTY_AROUND],
+        parse("S0; 0=0/1/0/0"),
+    ),
+    "2r-norm": (
+        (2,),
+        lambda t: torch.linalg.vector_norm(t, 2, 0),
+        [(6, 4)],
+        [ROWS_HELD],
+        parse("S0; 0=4/0"),
+    ),
+    "4r-empty-norm-p3-keepdim": (
+        (4,),
+        lambda t: t.norm(p=3, dim=0, keepdim=True),
+        [(6, 4)],
+        [EMPTY_AROUND],
+        parse("S0; 0=0/1/0/0"),
+    ),
+    "4r-empty-norm-inf": (
+        (4,),
+        lambda t: torch.linalg.vector_norm(t, math.inf, 0),
+        [(6, 4)],
+        [EMPTY_AROUND],
+        parse("S0; 0=0/4/0/0"),
+    ),
+    "4r-empty-norm-neg": (
+        (4,),
+        lambda t: torch.linalg.vector_norm(t, -1.5, 0),
+        [(6, 4)],
+        [EMPTY_AROUND],
+        parse("S0; 0=0/4/0/0"),
+    ),
+    "2x2-norm": (
+        (2, 2),
+        lambda t: torch.linalg.vector_norm(t, 1, 1),
+        [(4, 6)],
+        [COLUMNS_HELD_2X2],
+        parse("S0,S0; 0[1,0]=2/2/0/0"),
+    ),
+    "2x2-empty-row-masked-norm": (
+        (2, 2),
+        lambda t: torch.masked.norm(t, 2.0, 0, mask=t > -1),
+        [(4, 6)],
+        [EMPTY_ROW_2X2],
+        parse("S0,S0; 0[0,1]=3/3/0/0"),
+    ),
+    "4r-empty-pairwise-distance": (
+        (4,),
+        lambda a, b: torch.nn.functional.pairwise_distance(a, b, keepdim=True),
+        [(4, 6), (4, 6)],
+        [COLUMNS_AMONG_EMPTIES] * 2,
+        parse("S1; 1=0/1/0/0"),
+    ),
+    "2r-prod": ((2,), lambda t: t.prod(0), [(6, 4)], [ROWS_HELD], parse("S0; 0=4/0")),
+    "4r-empty-masked-prod-keepdim": (
+        (4,),
+        lambda t: torch.masked.prod(t, 0, keepdim=True, mask=t > -1),
+        [(6, 4)],
+        [EMPTY_AROUND],
+        parse("S0; 0=0/1/0/0"),
+    ),
+    "2x2-empty-row-prod": (
+        (2, 2),
+        lambda t: t.prod(0),
+        [(4, 6)],
+        [EMPTY_ROW_2X2],
+        parse("S0,S0; 0[0,1]=3/3/0/0"),
+    ),
     "2r-slice-tokens": (
         (2,),
         _slice_tokens,
@@ -151,7 +248,8 @@ def _body(name: str) -> None:
         out = fn(*shards)
     with gather_policy("allow"), count_traffic() as backward:
         values = out[0] if isinstance(out, tuple) else out
-        torch.autograd.grad(values.to_local().sum(), shards)
+        if values.requires_grad:
+            torch.autograd.grad(values.to_local().sum(), shards)
     assert_all_ranks(
         forward.received == 0 and backward.received == 0,
         f"{name}: received {forward.received} B forward, {backward.received} B backward",

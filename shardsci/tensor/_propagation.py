@@ -357,7 +357,8 @@ def _plan_on(
 # as the holder sees them), and they are put back, outermost, on the output dim the held dims
 # broadcast to and on every operand spanning that dim (a replicated one is narrowed there: no
 # byte moves); an operand broadcast along it (extent 1, not held) stays replicated. The holder
-# computes the op; the others compute it on empty shards. An operand held on another dim
+# computes the op; the others compute it on empty shards (an in-place op too, its destination
+# held where it was: ``masked_fill_`` in a norm's backward). An operand held on another dim
 # (a statistic reduced without ``keepdim``, then unsqueezed) is moved onto that one: its
 # holder keeps its cells, no byte moves (the dim is the largest operand's that spans its
 # output dim). Taken only where every operand sharded along a held
@@ -431,8 +432,10 @@ def _held_pointwise(
     func: OpOverload, sources: list[ShardTensorSpec | None]
 ) -> _HeldOperands | None:
     """The operands of a pointwise ``func`` with their held axes taken off, if they have any and
-    agree on them (NOTE [A pointwise op on held operands runs on their holder]); else None."""
-    if torch.Tag.pointwise not in func.tags:
+    agree on them (NOTE [A pointwise op on held operands runs on their holder]); else None.
+    An in-place op is pointwise where its out-of-place twin is."""
+    twin = functional_twin(func) if _mutates_first_argument(func) else func
+    if twin is None or torch.Tag.pointwise not in twin.tags:
         return None
     specs = [s for s in sources if s is not None]
     if not any(without_held(s)[1] for s in specs):

@@ -179,18 +179,24 @@ def sizes_at_extent(sizes: Sequence[int], extent: int) -> tuple[int, ...]:
 # an empty gradient, their operands' shards being empty along the summed dim. A 0-d output
 # has no dim to carry the axes: it stays a pending sum, one zero per other rank. A dim no
 # rank holds (extent 0) sums to zeros on every rank and stays pending.
-# The same holds of a pending max or min (the others' terms are its identity).
+# The same holds of every pending reduction whose empty terms are its identity: a max or min,
+# a product (ones), a p-norm (``_NormPartial``, pending as a sum of p-th powers: zeros; the
+# empty shards of infinite and negative orders give 0 or inf, ``_vector_norm``), and of an
+# argmax or argmin (the holder's indices are the global positions, its offset being 0).
 # Where: ``_matmul_ops`` (einsum, matmul, linear, bmm: NOTE [A product of held operands runs
 # on their holder]; ``aten.mm`` over split columns: ``held_by_one``) and ``_reduction_ops``
-# (``sum``, ``amax``, ``amin``, hence mean, var, logsumexp and softmax; with ``keepdim`` each
-# held dim carries its own axes; ``max``/``min`` with a dim, values and indices alike, by
-# torch's own kernel on the holder: ``_held_extremes``). Such a layout is kept by what follows
+# (``sum``, ``amax``, ``amin``, ``prod``, ``linalg_vector_norm``, hence mean, var, logsumexp,
+# softmax, the ``torch.masked`` reductions and ``pairwise_distance``; with ``keepdim`` each
+# held dim carries its own axes; ``max``/``min`` with a dim and ``argmax``/``argmin``, values
+# and indices alike, by torch's own kernel on the holder: ``_held_extremes``). ``prod``'s
+# backward scans the held dim (``cumprod``, on the holder: ``_scan_ops``) after a ``cat`` of
+# a row of ones (joining the holder: ``_index_ops._cat``). Such a layout is kept by what follows
 # where the op's rule sees the held axes as "the whole dim, on the holder" (NOTE [A dim one
 # rank holds is whole on that rank] in ``_held``): the statistic meeting its input (NOTE [A
 # pointwise op on held operands runs on their holder] in ``_propagation``), ``expand`` (the
 # sum's backward) and ``squeeze`` of a held dim of extent 1 (``_view_ops``).
 # Pending reductions whose value is one rank's term where the others' are their identity.
-_ONE_TERM_REDUCTIONS = frozenset({"sum", "max", "min"})
+_ONE_TERM_REDUCTIONS = frozenset({"sum", "max", "min", "product"})
 
 
 @cached("one-holder layouts", 256)

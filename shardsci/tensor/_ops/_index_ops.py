@@ -23,6 +23,7 @@ from shardsci.tensor._api import ShardTensor
 from shardsci.tensor._binding import bind
 from shardsci.tensor._collectives import AxisGroup, axis_group, broadcast
 from shardsci.tensor._copies import local_view, select_copy
+from shardsci.tensor._held import held_axes
 from shardsci.tensor._intervals import gather_intervals
 from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._redistribute import redistribute_local
@@ -387,8 +388,10 @@ def _channel_shuffle(func, args, kwargs):
 def _cat(func, args, kwargs):
     """``cat`` along a sharded dim. Operands sharded along it keep their shards; one held
     whole along it (a plain tensor, a replicated ShardTensor) goes to the rank holding the
-    cells just before it (the first rank when none are), so that when the sharded operands
-    come in rank order nothing moves (a boundary strip joins the edge rank). Each rank then
+    cells just before it (when none are, the first rank, or the rank holding all of the first
+    sharded operand: NOTE [A dim one rank holds is whole on that rank]), so that when the
+    sharded operands come in rank order nothing moves (a boundary strip joins the edge rank;
+    a row of ones joins the holder in ``prod``'s backward over a held dim). Each rank then
     owns its pieces of every operand, and gathers only the intervals it lacks (none, then)."""
     a = bind(func, args, kwargs)
     tensors = [t for t in a.tensors if not (t.ndim == 1 and t.shape[0] == 0)]
@@ -402,7 +405,8 @@ def _cat(func, args, kwargs):
         return NotImplemented
     sharding = first._spec.sharding_by_dim[dim]
     group = axis_group(first._spec.mesh, sharding.axes)
-    pieces, cursor = [], 0
+    held, _ = held_axes(sharding, first._spec.mesh_shape)
+    pieces, cursor = [], 0 if held is None or held.axes != sharding.axes else held.holder
     for t in tensors:
         whole = [0] * group.size
         whole[cursor] = t.shape[dim]

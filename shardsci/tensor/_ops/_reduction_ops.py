@@ -13,8 +13,9 @@
   called directly, bools too): DTensor gathers the whole tensor; here the indices are
   ``argmax``'s and each value is picked by the rank holding its cell (a pending sum of one
   term, all-reduced), so its gradient goes to that cell alone, as torch's.
-- ``sum``, ``amax``, ``amin`` over a dim one rank holds whole: the result stays with that rank
-  (NOTE [A sum over a dim one rank holds stays with that rank] in ``_common``), not pending.
+- ``sum``, ``amax``, ``amin``, ``prod``, vector norms, ``argmax``/``argmin`` over a dim one
+  rank holds whole: the result stays with that rank (NOTE [A sum over a dim one rank holds
+  stays with that rank] in ``_common``), neither pending nor replicated.
 - ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
   before it shifts the shards, so the result keeps the input's other shardings.
 - ``histc``, ``histogram``: DTensor has no rule; here each rank counts its own elements
@@ -208,11 +209,13 @@ def _max_min(func, args, kwargs):
 
 @register_aten_handler(aten.linalg_vector_norm.default)
 def _vector_norm(func, args, kwargs):
-    """Infinite and negative orders have no identity, so torch refuses them on an empty
-    shard: there the shard's norm is the value that adds nothing when shards are combined
-    (0 for inf, inf for -inf and negative orders: ``inf ** p = 0``)."""
+    """A norm over a dim one rank holds stays with that rank (``kept_by_holder``: the others'
+    terms, the norms of empty shards, add nothing). Infinite and negative orders have no
+    identity, so torch refuses them on an empty shard: there the shard's norm is the value
+    that adds nothing when shards are combined (0 for inf, inf for -inf and negative orders:
+    ``inf ** p = 0``)."""
     a = bind(func, args, kwargs)
-    if not accepts(a.self, partial=True) or (not math.isinf(a.ord) and a.ord >= 0):
+    if not accepts(a.self, partial=True):
         return NotImplemented
 
     def local(x, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -225,7 +228,22 @@ def _vector_norm(func, args, kwargs):
         value = 0.0 if ord > 0 else math.inf
         return torch.full(shape, value, dtype=dtype or x.real.dtype, device=x.device)
 
-    return run_with_propagation(func, args, kwargs, local_impl=local)
+    identity_free = not math.isinf(a.ord) and a.ord >= 0
+    out = run_with_propagation(func, args, kwargs, local_impl=None if identity_free else local)
+    dims = normalized_dims(a.dim, a.self.ndim)
+    return kept_by_holder(out, a.self, dims, bool(a.keepdim))
+
+
+@register_aten_handler(aten.prod.dim_int)
+def _prod(func, args, kwargs):
+    """A product over a dim one rank holds stays with that rank (``kept_by_holder``: the
+    others' terms, products of empty shards, are ones); other products take the default
+    path."""
+    a = bind(func, args, kwargs)
+    if not accepts(a.self, sharded=[a.dim]):
+        return NotImplemented
+    out = run_with_propagation(func, args, kwargs)
+    return kept_by_holder(out, a.self, (a.dim % max(a.self.ndim, 1),), bool(a.keepdim))
 
 
 # ---------------------------------------------------------------------------- argmax / argmin
@@ -242,7 +260,11 @@ def _argmax_argmin(func, args, kwargs):
     dim %= max(x.ndim, 1)
     if not accepts(x, sharded=[dim]):
         return NotImplemented
-    return _arg_extreme_along(x, dim, bool(a.keepdim), func is aten.argmax.default)
+    largest = func is aten.argmax.default
+    held = _held_extremes(x, dim, bool(a.keepdim), largest)
+    if held is not None:
+        return held[1]
+    return _arg_extreme_along(x, dim, bool(a.keepdim), largest)
 
 
 def _max_min_dim_signature(input, dim, keepdim=False):

@@ -3,7 +3,8 @@ total of the shards before.
 
 DTensor gathers the whole dim; here each rank scans its shard and combines it with the total
 of the preceding shards (their sum, log-sum-exp or product), which costs one gather of a
-single slice per rank. The backwards of cumsum and logcumsumexp (a reversed cumsum, built by
+single slice per rank; along a dim one rank holds whole, the holder's local scan is the scan
+and nothing moves. The backwards of cumsum and logcumsumexp (a reversed cumsum, built by
 autograd from flip and cumsum; and flips, this scan and pointwise ops) reuse these handlers
 and the flip handler. cumprod's backward does not: for a tensor subclass autograd takes its
 composite path (``max`` of a zero mask along the dim, then ``scatter``), which gathers the
@@ -24,8 +25,10 @@ from shardsci.tensor._api import ShardTensor, from_local_spec
 from shardsci.tensor._binding import bind, replaced
 from shardsci.tensor._collectives import AxisGroup, all_gather
 from shardsci.tensor._first_order import first_order_only
+from shardsci.tensor._held import held_axes
 from shardsci.tensor._ops._common import accepts, dim_layout
 from shardsci.tensor._registry import register_aten_handler, register_function_handler
+from shardsci.tensor._spec import ShardTensorSpec
 
 aten = torch.ops.aten
 
@@ -69,12 +72,23 @@ def _scan(func, args, kwargs):
         return NotImplemented
     local_args, local_kwargs = replaced(func, args, kwargs, {"self": x._local})
     local = func(*local_args, **local_kwargs)
+    if _held_whole(x._spec, dim):
+        return ShardTensor(local, x._spec.with_dtype(local.dtype))
     _, group, _ = dim_layout(x._spec, dim)
     totals = _shard_totals(local, dim, group, scan.identity)
     before = totals[: group.index]
     if before:
         local = scan.combine(local, scan.total(torch.stack(before)))
     return ShardTensor(local, x._spec.with_dtype(local.dtype))
+
+
+def _held_whole(spec: ShardTensorSpec, dim: int) -> bool:
+    """Whether one rank holds ``dim`` whole along all its axes (NOTE [A dim one rank holds is
+    whole on that rank]): the holder's local scan is the scan, no shard comes before it (the
+    backward of ``prod`` over such a dim scans it so)."""
+    sharding = spec.sharding_by_dim[dim]
+    held, _ = held_axes(sharding, spec.mesh_shape)
+    return held is not None and held.axes == sharding.axes
 
 
 def _shard_totals(
