@@ -288,17 +288,22 @@ def _unflip_owners(local: torch.Tensor, spec: ShardTensorSpec, dim: int) -> torc
 @register_aten_handler(aten.roll.default)
 def _roll(func, args, kwargs):
     """Each shard fetches the cells that roll into it (only those that cross a boundary move).
+    A dim held whole rolls locally, whatever the other dims' layout (the gradient of
+    ``fftshift`` along a whole dim of a batch-split spectrum, say), so a roll never gathers.
     Without dims torch rolls the tensor in flat (row-major) order: with the leading dim the
     only sharded one, each shard is a contiguous run of that order, rolled the same way."""
     a = bind(func, args, kwargs)
     x = a.self
+    if not accepts(x, partial=True):
+        return NotImplemented
     dims = [d % x.ndim for d in a.dims]
     if not dims:
-        if not accepts(x, sharded=[0], partial=True) or set(x._spec.sharding_by_dim) != {0}:
+        sharded = set(x._spec.sharding_by_dim)
+        if not sharded:
+            return ShardTensor(x._local.roll(a.shifts[0]), x._spec)
+        if sharded != {0}:
             return NotImplemented
         return ShardTensor(_roll_flattened(x._local, x._spec, a.shifts[0]), x._spec)
-    if not accepts(x, sharded=dims, partial=True):
-        return NotImplemented
     local = x._local
     for shift, dim in zip(a.shifts, dims):
         if dim not in x._spec.sharding_by_dim:
