@@ -290,6 +290,11 @@ class AxisRule:
         layout an op documents over its dependencies]): ``""`` (none), ``"moved"`` (sharded
         along another dim, or nested with other axes on ``dim``) or ``"pending sum"``
         (Partial(sum)).
+    reads_elsewhere : bool
+        Of a same-shape rule: whether some output cell along ``dim`` depends on the split dim
+        elsewhere than at its own index's block (on several blocks, or on another one: a
+        transform or a scan along the split dim), so that no cell along ``dim`` need stay with
+        its index's block.
     """
 
     axis: int
@@ -297,6 +302,7 @@ class AxisRule:
     owners: tuple[int | None, ...]
     rule: str
     documented: str = ""
+    reads_elsewhere: bool = False
 
     @property
     def text(self) -> str:
@@ -496,7 +502,8 @@ def axis_rules(
             rule = "same-shape or partial" if dependence.combined else "same-shape"
             if carried is None and len(chosen) > 1 and len(set(kept)) == 1:
                 rule = "one holder"  # every carrying dim has the one owner: any may hold it
-            rules.append(AxisRule(axis, dim, kept, rule))
+            elsewhere = not _renames(carrying.get(dim, ()), kept)
+            rules.append(AxisRule(axis, dim, kept, rule, reads_elsewhere=elsewhere))
         elif carried is not None:
             rules.append(AxisRule(axis, carried, carrying[carried], "depends"))
     return rules
@@ -506,32 +513,80 @@ def axis_rules(
 # Two kinds of op leave an output, on purpose and documented, where the cells' dependencies
 # (NOTE [An output cell belongs to the shard it depends on]) state another layout; the rule
 # takes the documented one as well, for those ops and those axes only:
-# - a transform along a split dim (``fft.*``): every spectrum cell reads every shard of the
-#   dim, so an output of the input's shape is "same-shape or partial"; the library moves the
-#   dim's axes onto another dim, one all-to-all, where ending on the input's dim would take a
-#   second (NOTE [Where a distributed FFT leaves the spectrum] in
-#   ``shardsci/tensor/_ops/_fft_ops.py``; its inverse returns to the input's layout). Such an
-#   axis may shard another dim, or its own nested with other axes (a 2-D block transformed
-#   along both dims is split along one of them over both axes): "moved". No cell has an owner
-#   there, so no split of it moves less than another.
-# - a lookup in a table split along its vocabulary (``nn.functional.embedding``, the table's
-#   dim 0): a looked-up row depends on the one shard that holds it, which the index's value
-#   decides and no layout can depend on; the lookup is a pending sum over the vocabulary axes,
-#   zero but on that rank (NOTE [A split table is looked up where it lies] in
-#   ``shardsci/tensor/_ops/_embedding_ops.py``). Such an axis may be Partial(sum).
+# - a transform along a split dim (``fft.*``): the library moves the dim's axes onto another
+#   dim, one all-to-all, where ending on the input's dim would take a second (NOTE [Where a
+#   distributed FFT leaves the spectrum] in ``shardsci/tensor/_ops/_fft_ops.py``; its inverse
+#   returns to the input's layout). Such an axis may shard another dim, or its own nested with
+#   other axes (a 2-D block transformed along both dims is split along one of them over both
+#   axes): "moved". It applies to an output of the input's shape whose cells along the split
+#   dim read it elsewhere than at their own block: every shard (no cell has an owner, so no
+#   split moves less than another), or only some, where the transform keeps only some input
+#   modes (``irfft`` and ``hfft`` read the first ``n // 2 + 1``: with those on one shard, every
+#   cell depends on that shard alone, and the same-shape rule would hold the output to the
+#   input's sizes, a layout no more local than the documented one). A transform along a dim
+#   the input does not split keeps the strict rule, as does a split held by one rank (the
+#   library transforms it where it lies).
+# - a lookup by value along a split dim, which rank holds a looked-up cell being data
+#   (``PENDING_SUMS``: a row of a table split along its vocabulary, ``nn.functional.embedding``'s
+#   dim 0, NOTE [A split table is looked up where it lies] in
+#   ``shardsci/tensor/_ops/_embedding_ops.py``; the log-probability of a target's class with
+#   the classes split, ``nn.functional.nll_loss``'s class dim, NOTE [A loss over split classes
+#   is a pending sum] in ``shardsci/tensor/_ops/_loss_ops.py``; the bin an element falls in,
+#   ``histc`` and ``histogram`` split along any dim, NOTE [A histogram is a pending sum of each
+#   rank's counts] in ``shardsci/tensor/_ops/_reduction_ops.py``): an output cell depends on the
+#   shards holding what it looks up, which the values decide and no layout can depend on; the
+#   library returns a pending sum over the axes splitting that dim, each rank's terms. Such an
+#   axis may be Partial(sum).
 # Anything else (a replicated output; a pending sum of a lookup in a table split by columns,
 # whose output keeps the columns' split) still breaks the rule.
-def documented(op: str, rules: Sequence[AxisRule], input_layout: Layout) -> list[AxisRule]:
-    """``rules`` for an output of the op named ``op`` (an OpInfo key) of an input laid out as
-    ``input_layout``, each also taking the layout the op documents (NOTE [A layout an op
-    documents over its dependencies])."""
+
+
+@dataclass(frozen=True)
+class PendingSum:
+    """An op whose outputs are a pending sum over the axes splitting some dims of its first
+    tensor argument, as a NOTE in the library states.
+
+    Attributes
+    ----------
+    dims : callable
+        The first argument's number of dims -> the dims it looks up along.
+    note : str
+        The NOTE that states it (its title).
+    """
+
+    dims: Callable[[int], Sequence[int]]
+    note: str
+
+
+#: OpInfo key -> the dims along which it looks up by value (NOTE [A layout an op documents
+#: over its dependencies]).
+_HISTOGRAM = PendingSum(range, "A histogram is a pending sum of each rank's counts")
+PENDING_SUMS = {
+    "nn.functional.embedding": PendingSum(
+        lambda ndim: (0,), "A split table is looked up where it lies"
+    ),
+    "nn.functional.nll_loss": PendingSum(
+        lambda ndim: (min(1, ndim - 1),), "A loss over split classes is a pending sum"
+    ),
+    "histc": _HISTOGRAM,
+    "histogram": _HISTOGRAM,
+}
+
+
+def documented(
+    op: str, rules: Sequence[AxisRule], input_layout: Layout, ndim: int
+) -> list[AxisRule]:
+    """``rules`` for an output of the op named ``op`` (an OpInfo key) of an ``ndim``-dim
+    input laid out as ``input_layout``, each also taking the layout the op documents (NOTE [A
+    layout an op documents over its dependencies])."""
     placements = input_layout.placements
+    pending = PENDING_SUMS.get(op)
     result = []
     for r in rules:
         also = ""
-        if op.startswith("fft.") and r.rule == "same-shape or partial":
+        if op.startswith("fft.") and r.rule.startswith("same-shape") and r.reads_elsewhere:
             also = "moved"
-        elif op == "nn.functional.embedding" and placements[r.axis] == Shard(0):
+        elif pending is not None and placements[r.axis] in map(Shard, pending.dims(ndim)):
             also = "pending sum"
         result.append(replace(r, documented=also))
     return result
@@ -606,8 +661,10 @@ def _owners_text(owners: Sequence[int | None]) -> str:
 
 
 __all__ = [
+    "PENDING_SUMS",
     "AxisRule",
     "ExpectedLayout",
+    "PendingSum",
     "axis_rules",
     "cell_owners",
     "counted",

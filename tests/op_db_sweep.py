@@ -475,7 +475,7 @@ def _layout_rules(
             continue
         per_axis = {a: owners[i] for a, owners in owners_per_axis.items() if i < len(owners)}
         stated = axis_rules(per_axis, layout, first.shape, e.shape, mesh)
-        rules.append(documented(op_key(op), stated, layout))
+        rules.append(documented(op_key(op), stated, layout, first.ndim))
     return rules
 
 
@@ -873,11 +873,13 @@ _NOT_OK = ("gathered", "wrong", "unclear", "some-ranks", "error")
 
 
 def wrong_values(record: dict) -> bool:
-    """Whether a wrong case has a wrong value, shard or gradient (not only a wrong layout)."""
+    """Whether a wrong case has a wrong value, shard or gradient (not only a wrong layout, nor
+    what the gather guard said of a replicated one)."""
     if record["outcome"] != "wrong":
         return False
     problems = re.split(r" \| |; rank \d+: |^rank \d+: ", record["detail"])
-    return any(p and not re.match(r"output \d+: layout: ", p) for p in problems)
+    layout_only = r"output \d+: layout: |the gather guard saw no gather$|under gather_policy\("
+    return any(p and not re.match(layout_only, p) for p in problems)
 
 
 def problems(records: list[dict], expectations: Expectations) -> list[str]:
@@ -918,9 +920,45 @@ _COLUMNS = (
 )
 
 
-def write_summary(path: Path, records: list[dict], samples: int | None, pattern: str | None):
-    """``path.json`` and ``path.md``: the counts per layout of ``records`` and how they were
-    produced."""
+def short_of_ok(records: list[dict], expectations: Expectations) -> list[dict]:
+    """The cases short of ``ok`` and ``not-checked`` (but ``skipped``), one row per op, outcome
+    and reason: ``op``, ``outcome``, ``samples`` (layout -> sample numbers) and ``reason``
+    (the reason of the ``op_db_unsupported.py`` entry that accepts them, else ``"not listed:
+    "`` and the first case's detail)."""
+    rows: dict[tuple[str, str, str], dict] = {}
+    for r in records:
+        if r["outcome"] in ("ok", "not-checked", "skipped"):
+            continue
+        entry = expectations.accepting(r)
+        reason = entry.reason if entry is not None else f"not listed: {r['detail'][:300]}"
+        row = rows.setdefault(
+            (r["op"], r["outcome"], reason if entry is not None else ""),
+            {"op": r["op"], "outcome": r["outcome"], "samples": {}, "reason": reason},
+        )
+        row["samples"].setdefault(r["layout"], []).append(r["sample"])
+    return sorted(rows.values(), key=lambda row: (row["outcome"], row["op"], row["reason"]))
+
+
+def read_records(paths: Sequence[Path]) -> list[dict]:
+    """The records of ``--records`` files, a later file's case replacing an earlier file's
+    (the same op, sample and layout rerun)."""
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        for record in _read(path):
+            merged[(record["op"], record["sample"], record["layout"])] = record
+    return list(merged.values())
+
+
+def write_summary(
+    path: Path,
+    records: list[dict],
+    samples: int | None,
+    pattern: str | None,
+    note: str = "",
+) -> None:
+    """``path.json`` and ``path.md``: the counts per layout of ``records``, how they were
+    produced (``note``: where and when, on which commit), and every case short of ok with
+    its reason."""
     layouts = {}
     for name in LAYOUTS:
         mine = [r for r in records if r["layout"] == name]
@@ -932,12 +970,15 @@ def write_summary(path: Path, records: list[dict], samples: int | None, pattern:
         + (f" --ops '{pattern}'" if pattern else "")
         + f" --summary {path}"
     )
+    short = short_of_ok(records, Expectations.load())
     summary = {
         "command": command,
         "torch": torch.__version__,
+        "note": note,
         "ops": len({r["op"] for r in records}),
         "samples_per_op": samples or "all",
         "layouts": layouts,
+        "short_of_ok": short,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -962,12 +1003,27 @@ def write_summary(path: Path, records: list[dict], samples: int | None, pattern:
         "checked*: random or uninitialised values, or a reference whose backward raised. "
         "*layout unstated*: ok or not-checked cases with an output axis no rule states "
         "(a reduction or contraction over the sharded dim).\n\n"
-        "| layout | cases | " + " | ".join(title for _, title in _COLUMNS) + " |\n"
-        "| --- | --- |"
+        + (f"{note}\n\n" if note else "")
+        + "| layout | cases | "
+        + " | ".join(title for _, title in _COLUMNS)
+        + " |\n| --- | --- |"
         + " --- |" * len(_COLUMNS)
         + "\n"
         + "\n".join(rows)
-        + f"\n\nRegenerate: `{command}`\n"
+        + f"\n\nRegenerate: `{command}`\n\n"
+        "## Cases short of ok\n\n"
+        "Each with the reason its entry in `tests/op_db_unsupported.py` gives (entries name the "
+        "samples the default test runs; *not listed*: a later sample of a listed op or "
+        "layout, with its first problem). Samples per layout.\n\n"
+        "| op | outcome | samples | reason |\n| --- | --- | --- | --- |\n"
+        + "".join(
+            f"| `{row['op']}` | {row['outcome']} | "
+            + "; ".join(f"{n}: {', '.join(map(str, v))}" for n, v in row["samples"].items())
+            + " | "
+            + row["reason"].replace("|", "\\|")
+            + " |\n"
+            for row in short
+        )
     )
 
 
@@ -980,7 +1036,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--summary", type=Path, default=None, help="write the counts to PATH.json and PATH.md"
     )
+    parser.add_argument(
+        "--from-records",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="run nothing: summarise these --records files (a later file's cases replace an "
+        "earlier one's)",
+    )
+    parser.add_argument("--note", default="", help="a paragraph for the summary: where, when")
     args = parser.parse_args(argv)
+    if args.from_records:
+        records = read_records(args.from_records)
+        write_summary(args.summary, records, args.samples, args.ops, args.note)
+        return
     expectations = Expectations.load()
     groups = by_world() if args.layout == "all" else {0: [LAYOUTS[args.layout]]}
     everything = []
@@ -1000,7 +1069,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         shutdown_pools()
     if args.summary:
-        write_summary(args.summary, everything, args.samples, args.ops)
+        write_summary(args.summary, everything, args.samples, args.ops, args.note)
 
 
 if __name__ == "__main__":

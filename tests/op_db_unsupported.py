@@ -523,19 +523,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _OVERLAP_OWNER.cases((24,), ("4r-random",)),
         _OVERLAP_OWNER.cases((24, 26), ("2x2-uneven",)),
     ),
-    "nn.functional.nll_loss": (
-        Accepted(
-            r"^output 0: layout: mesh axis \d is P\(sum\); expected Shard\(0\) \(depends: ",
-            "the class dim split, reduction='none': each loss term belongs to the rank holding "
-            "its target's class, which the targets' values decide and no layout may depend on; "
-            "the terms are a pending sum over the class axes, zero but on that rank (NOTE [A "
-            "loss over split classes is a pending sum] in shardsci/tensor/_ops/_loss_ops.py); "
-            "nothing is gathered",
-            tuple(range(6)),
-            ("4r-empty", "4r-random", "2x2-uneven", "2x2-last"),
-            "wrong",
-        ),
-    ),
     "nn.functional.pdist": (_GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),),
     "ormqr": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),

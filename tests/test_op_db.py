@@ -312,6 +312,32 @@ def test_the_lists_accept_only_their_samples_layouts_and_messages() -> None:
     assert stale([other], expectations) == [f"op: {entry}"]
 
 
+def test_the_summary_counts_layouts_apart_from_values_and_gives_reasons(tmp_path) -> None:
+    """``docs/op_db_sweep.md``'s figures: a wrong layout the gather guard commented on is no
+    wrong value; a rerun's record replaces the first run's; each case short of ok is
+    listed with the reason of the entry that accepts it, or as not listed."""
+    import json
+
+    from tests.op_db_sweep import read_records, short_of_ok, wrong_values
+
+    layout = "rank 0: output 0: layout: mesh axis 0 is R; expected Shard(0) (depends: 1x1)"
+    assert not wrong_values(_record("wrong", f"{layout} | the gather guard saw no gather"))
+    assert wrong_values(_record("wrong", f"{layout} | output 1: Tensor-likes are not close!"))
+    first, rerun = tmp_path / "first.jsonl", tmp_path / "rerun.jsonl"
+    first.write_text(json.dumps(_record("wrong", layout)) + "\n")
+    rerun.write_text(json.dumps(_record("ok", "")) + "\n")
+    assert [r["outcome"] for r in read_records([first, rerun])] == ["ok"]
+    entry = Accepted(r"ValueError: ", "why not", samples=(3,))
+    expectations = Expectations({"op": (entry,)}, {}, {})
+    rows = short_of_ok(
+        [_record("error", "ValueError: op"), _record("wrong", layout, sample=4)], expectations
+    )
+    assert [(r["outcome"], r["samples"], r["reason"][:11]) for r in rows] == [
+        ("error", {"4r-empty": [3]}, "why not"),
+        ("wrong", {"4r-empty": [4]}, "not listed:"),
+    ]
+
+
 def test_a_known_bug_is_accepted_until_it_is_fixed() -> None:
     """Like a strict xfail: a known bug's entry accepts its cases, and fails the sweep once
     none of the cases it applies to shows the bug."""
@@ -400,7 +426,7 @@ def test_a_masked_scan_along_the_sharded_dim_keeps_the_input_sizes() -> None:
         dtype=torch.bool,
     )
     masked = _rules(lambda a: [torch.masked.cumsum(a, 0, mask=mask)], x, layout)
-    assert masked == [AxisRule(0, 0, (0, 0, 1, 1, 1), "same-shape")]
+    assert masked == [AxisRule(0, 0, (0, 0, 1, 1, 1), "same-shape", reads_elsewhere=True)]
     transposed = _rules(lambda a: [a.t().contiguous()], x, layout)
     assert transposed == [AxisRule(0, 1, (0, 0, 1, 1, 1), "depends")]
 
@@ -418,7 +444,7 @@ def test_a_contraction_over_the_sharded_dim_may_be_partial() -> None:
     x = torch.randn(5, 5, 5, dtype=torch.float64)
     w = torch.randn(1, 5, 5, dtype=torch.float64)
     rules = _rules(lambda a: [a @ w], x, layout)
-    assert rules == [AxisRule(0, 2, (0, 0, 0, 1, 1), "same-shape or partial")]
+    assert rules == [AxisRule(0, 2, (0, 0, 0, 1, 1), "same-shape or partial", reads_elsewhere=True)]
     assert held_where(rules, [Partial()], {}, {}, x.shape, (2,)) == ""
     assert held_where(rules, [Shard(2)], {2: (3, 2)}, {}, x.shape, (2,)) == ""
     # a cell that reads one shard keeps the rule strict: softmax along an unsplit dim
@@ -494,7 +520,7 @@ def test_a_transform_along_the_split_dim_may_move_it() -> None:
     x = torch.randn(5, 6, 7, dtype=torch.float64)
     stated = _rules(lambda a: [torch.fft.fftn(a, norm="ortho")], x, layout)
     assert [(r.dim, r.rule) for r in stated] == [(0, "same-shape or partial")]
-    rules = documented("fft.fftn", stated, layout)
+    rules = documented("fft.fftn", stated, layout, x.ndim)
     assert [r.text for r in rules] == ["same-shape or partial or moved"]
     for placement, sizes in ((Shard(2), {2: (4, 3)}), (Shard(0), {0: (2, 3)}), (Partial(), {})):
         assert held_where(rules, [placement], sizes, {}, x.shape, (2,)) == ""
@@ -502,17 +528,17 @@ def test_a_transform_along_the_split_dim_may_move_it() -> None:
     assert held_where(rules, [Shard(0)], {0: (3, 2)}, {}, x.shape, (2,)) != ""
     # fft2 of a 2-D block: the last transformed dim split over both axes, nested
     block = parse("S0,S2; 0=2/3; 2=4/3")
-    on_both = [r for r in documented("fft.fftn", stated, layout)] + [
-        AxisRule(1, 2, (0,) * 4 + (1,) * 3, "same-shape or partial", "moved")
+    on_both = [r for r in documented("fft.fftn", stated, layout, x.ndim)] + [
+        AxisRule(1, 2, (0,) * 4 + (1,) * 3, "same-shape or partial", "moved", True)
     ]
     nested = {0: (2, 3), 2: (2, 2, 2, 1)}
     assert held_where(on_both, [Shard(2), Shard(2)], nested, {}, x.shape, (2, 2)) == ""
     assert held_where(on_both, block.placements, {2: (3, 4), 0: (2, 3)}, {}, x.shape, (2, 2)) != ""
     assert held_where(stated, [Shard(2)], {2: (4, 3)}, {}, x.shape, (2,)) != ""
-    other = documented("linalg.matrix_exp", stated, layout)
+    other = documented("linalg.matrix_exp", stated, layout, x.ndim)
     assert held_where(other, [Shard(2)], {2: (4, 3)}, {}, x.shape, (2,)) != ""
     # a transform along an unsplit dim keeps the strict rule
-    along_w = documented("fft.fft", _rules(lambda a: [torch.fft.fft(a)], x, layout), layout)
+    along_w = documented("fft.fft", _rules(lambda a: [torch.fft.fft(a)], x, layout), layout, 3)
     assert [r.text for r in along_w] == ["same-shape"]
     assert held_where(along_w, [Shard(2)], {2: (4, 3)}, {}, x.shape, (2,)) != ""
 
@@ -535,7 +561,7 @@ def test_a_lookup_in_a_table_split_by_rows_may_be_a_pending_sum() -> None:
     layout = parse("S0; 0=4/6")
     stated = _rules(lambda w: [F.embedding(index, w)], table, layout)
     assert [(r.dim, r.owners, r.rule) for r in stated] == [(0, (1,) * 5, "depends")]
-    rules = documented("nn.functional.embedding", stated, layout)
+    rules = documented("nn.functional.embedding", stated, layout, table.ndim)
     assert held_where(rules, [Partial()], {}, {}, (5,), (2,)) == ""
     assert held_where(rules, [Shard(0)], {0: (0, 5)}, {}, (5,), (2,)) == ""
     for wrong in (Replicate(), Partial("avg")):
@@ -543,6 +569,104 @@ def test_a_lookup_in_a_table_split_by_rows_may_be_a_pending_sum() -> None:
     assert held_where(stated, [Partial()], {}, {}, (5,), (2,)) != ""
     by_columns = parse("S1; 1=2/3")
     looked_up = _rules(lambda w: [F.embedding(index, w)], table, by_columns)
-    kept = documented("nn.functional.embedding", looked_up, by_columns)
+    kept = documented("nn.functional.embedding", looked_up, by_columns, table.ndim)
     assert [r.text for r in kept] == ["depends"]
     assert held_where(kept, [Partial()], {}, {}, (5,), (2,)) != ""
+
+
+def test_a_transform_reading_some_shards_may_move_it() -> None:
+    """NOTE [A layout an op documents over its dependencies]: the op database's fft.irfft and
+    fft.hfft sample 2 on 2x2-last, ``irfft(x, n=7)`` along a dim of 7 split into (4, 3). It
+    reads only the first 4 modes, all in the first shard, so every output cell depends on
+    that shard alone: the rule was the input's sizes, strictly, where the library moves the
+    split onto another dim as for any transform along a split dim."""
+    from torch.distributed.tensor import Partial, Shard
+
+    from tests.expected_layouts import documented, held_where, parse
+
+    layout = parse("S1; 1=4/3")
+    x = torch.randn(3, 7, dtype=torch.complex128)
+    stated = _rules(lambda a: [torch.fft.irfft(a, n=7)], x, layout)
+    assert [(r.dim, r.rule, r.reads_elsewhere) for r in stated] == [(1, "same-shape", True)]
+    rules = documented("fft.irfft", stated, layout, x.ndim)
+    assert [r.text for r in rules] == ["same-shape or moved"]
+    for placement, sizes in ((Shard(0), {0: (2, 1)}), (Shard(1), {1: (4, 3)})):
+        assert held_where(rules, [placement], sizes, {}, (3, 7), (2,)) == ""
+    assert held_where(rules, [Partial()], {}, {}, (3, 7), (2,)) != ""
+    assert held_where(stated, [Shard(0)], {0: (2, 1)}, {}, (3, 7), (2,)) != ""
+    # A cell that reads its own shard only keeps the strict rule, for an fft too.
+    along_rows = _rules(lambda a: [torch.fft.fft(a, dim=0)], x, layout)
+    assert [r.reads_elsewhere for r in along_rows] == [False]
+    kept = documented("fft.fft", along_rows, layout, x.ndim)
+    assert held_where(kept, [Shard(0)], {0: (2, 1)}, {}, (3, 7), (2,)) != ""
+
+
+def test_a_loss_over_split_classes_may_be_a_pending_sum() -> None:
+    """NOTE [A layout an op documents over its dependencies]: the op database's
+    nn.functional.nll_loss samples 0-5 (reduction 'none') with the class dim split. Each
+    loss term depends on the shard holding its target's class, which the targets decide: with
+    targets (0, 2) of classes split (1, 2), the rule asked for Shard(0) with the terms on
+    ranks 0 and 1. The library returns a pending sum over the class axes (NOTE [A loss over
+    split classes is a pending sum]), which the rule now takes; a split of the batch keeps the
+    strict rule."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from tests.expected_layouts import PENDING_SUMS, documented, held_where, parse
+
+    target = torch.tensor([0, 2])
+    x = torch.randn(2, 3, dtype=torch.float64).log_softmax(1)
+    by_classes = parse("S1; 1=1/2")
+    stated = _rules(lambda a: [F.nll_loss(a, target, reduction="none")], x, by_classes)
+    assert [(r.dim, r.owners, r.rule) for r in stated] == [(0, (0, 1), "depends")]
+    rules = documented("nn.functional.nll_loss", stated, by_classes, x.ndim)
+    assert held_where(rules, [Partial()], {}, {}, (2,), (2,)) == ""
+    assert held_where(rules, [Shard(0)], {0: (1, 1)}, {}, (2,), (2,)) == ""
+    for wrong in (Replicate(), Partial("avg")):
+        assert held_where(rules, [wrong], {}, {}, (2,), (2,)) != ""
+    assert held_where(stated, [Partial()], {}, {}, (2,), (2,)) != ""
+    by_batch = parse("S0; 0=1/1")
+    looked_up = _rules(lambda a: [F.nll_loss(a, target, reduction="none")], x, by_batch)
+    kept = documented("nn.functional.nll_loss", looked_up, by_batch, x.ndim)
+    assert held_where(kept, [Partial()], {}, {}, (2,), (2,)) != ""
+    assert PENDING_SUMS["nn.functional.nll_loss"].dims(1) == (0,)  # a (C,) input: its classes
+
+
+def test_a_histogram_of_split_data_may_be_a_pending_sum() -> None:
+    """The op database's histc sample 18 on 4r-empty and 4r-random: the elements of the
+    blocks fall in different bins, so each bin depends on one block and the rule asked for
+    Shard(0) of the bins; which block's elements a bin counts is the data's values. The
+    library returns each rank's counts as a pending sum (NOTE [A histogram is a pending sum of
+    each rank's counts]), along any split dim."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    from tests.expected_layouts import documented, held_where, parse
+
+    rows = torch.tensor([[0.0, 1.0, 2.0], [7.0, 8.0, 9.0]], dtype=torch.float64)
+    signal = torch.tensor([0.0, 1.0, 8.0, 9.0], dtype=torch.float64)
+    for x, layout in ((rows, parse("S0; 0=1/1")), (signal, parse("S0; 0=2/2"))):
+        stated = _rules(lambda a: [torch.histc(a, bins=3)], x, layout)
+        assert [r.rule for r in stated] == ["depends"], layout
+        rules = documented("histc", stated, layout, x.ndim)
+        assert held_where(rules, [Partial()], {}, {}, (3,), (2,)) == ""
+        assert held_where(rules, [Replicate()], {}, {}, (3,), (2,)) != ""
+        assert held_where(stated, [Partial()], {}, {}, (3,), (2,)) != ""
+
+
+def test_every_pending_sum_is_stated_by_a_note_of_the_library() -> None:
+    """The ops whose outputs the sweep takes as a pending sum are real OpInfo keys, and the
+    NOTE each names is written in the library (a line of its own, not a mention)."""
+    import re
+    from pathlib import Path
+
+    import shardsci
+    from tests.expected_layouts import PENDING_SUMS
+
+    source = "\n".join(p.read_text() for p in Path(shardsci.__file__).parent.rglob("*.py"))
+    assert [op for op in PENDING_SUMS if op not in database()] == []
+    unwritten = [
+        e.note
+        for e in PENDING_SUMS.values()
+        if not re.search(rf"^(# )?NOTE \[{re.escape(e.note)}\]$", source, re.MULTILINE)
+    ]
+    assert unwritten == []

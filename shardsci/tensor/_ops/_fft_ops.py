@@ -1,20 +1,25 @@
 """Discrete Fourier transforms (``torch.fft``) of tensors sharded along transformed dims.
 
 # NOTE [Where a distributed FFT leaves the spectrum]
-A dim is transformed where it is local. The transformed dims that are not sharded are
-transformed first, together, in place; each sharded one is then made local by moving its mesh
-axes onto another dim (``Shard(i) -> Shard(j)``: one all-to-all, NOTE [Redistribution is one
-box exchange plus reductions]) and transformed, the last dim first. Its axes go to, in order:
+A dim is transformed where it is local. The transformed dims that are not sharded, and the
+sharded ones that one rank holds whole (every other shard of the dim empty: ``(0, 5, 0, 0)``
+over 4 ranks), are transformed first, together, in place. A dim held whole keeps its one
+holder, at the output's extent, and takes no other dim's axes, so it stays whole through the
+call (and an inverse transform finds it whole): nothing moves for it, where moving it would
+send the holder's cells to ranks that held none of them. Each other sharded dim is then made
+local by moving its mesh axes onto another dim (``Shard(i) -> Shard(j)``: one all-to-all, NOTE
+[Redistribution is one box exchange plus reductions]) and transformed, the last dim first. Its
+axes go to, in order (never to a transformed dim held whole):
 1. the dim this call transformed most recently: it never needs to be local again. fft2 over
    (H, W) of an H-sharded tensor transforms W, then moves H's axes onto W: the spectrum is
    W-sharded (the slab FFT). A D-sharded fftn over (D, H, W) gives a W-sharded spectrum, a
    (D/0, H/1) pencil an (H/0, W/1) one. Each axis moves once.
-2. else (nothing transformed yet) a transformed dim still to transform, an already sharded one
-   first; that axis moves again later. Only transforms whose dims are all sharded get here:
-   fft2 of a 2-D block (H/0, W/1) goes H/(0, 1), then W/(0, 1), and an rfft whose real dim is
-   sharded (W-sharded rfft2: W -> H, then H -> W). They pay a second all-to-all so that the
-   leading batch and channel dims stay whole: batches are often of size 1, and spectral
-   weights contract channels on the local modes.
+2. else (nothing transformed yet, or only dims held whole) a transformed dim still to
+   transform, an already sharded one first; that axis moves again later. Only transforms
+   whose dims are all sharded get here: fft2 of a 2-D block (H/0, W/1) goes H/(0, 1), then
+   W/(0, 1), and an rfft whose real dim is sharded (W-sharded rfft2: W -> H, then H -> W).
+   They pay a second all-to-all so that the leading batch and channel dims stay whole:
+   batches are often of size 1, and spectral weights contract channels on the local modes.
 3. else the last dim not transformed: fft over H of an H-sharded (B, C, H, W) tensor returns a
    W-sharded spectrum, fft over W of a W-sharded one an H-sharded spectrum.
 4. else (every dim is transformed, e.g. a 1-D signal) the dim is gathered, transformed and
@@ -128,10 +133,11 @@ def _fft(func, args, kwargs):
         return NotImplemented
     x = _linear_partials_only(x)
     layout = tuple((s.dim, s.axes) for s in x._spec.shardings)
+    whole = _held_whole(x._spec)
     if kind.inverse:
-        steps = _inverse_steps(layout, x._spec, call)
+        steps = _inverse_steps(layout, x._spec, call, whole)
     else:
-        steps, _ = _plan(layout, call.dims, x.ndim, kind.real, False)
+        steps, _ = _plan(layout, call.dims, x.ndim, kind.real, False, whole)
     hints = merged_hints(x._spec.hints, x._spec.shardings)
     return _run(x, steps, call, hints)
 
@@ -227,6 +233,16 @@ def _linear_partials_only(x: ShardTensor) -> ShardTensor:
 
 
 # ---------------------------------------------------------------------------- plans
+#: ``(dim, axes)`` of sharded dims that one rank holds whole: local, transformed in place.
+Whole = frozenset[tuple[int, tuple[int, ...]]]
+
+
+def _held_whole(spec: ShardTensorSpec) -> Whole:
+    """The shardings of ``spec`` with exactly one non-empty shard (NOTE [Where a distributed
+    FFT leaves the spectrum])."""
+    return frozenset((s.dim, s.axes) for s in spec.shardings if sum(map(bool, s.sizes)) == 1)
+
+
 @dataclass(frozen=True)
 class _Move:
     """Redistribute so that the sharded dims are exactly ``layout``."""
@@ -247,26 +263,37 @@ Step = _Move | _Transform
 
 @cached("FFT plans", 4096)
 def _plan(
-    layout: Layout, dims: tuple[int, ...], ndim: int, real_first: bool, real_last: bool
+    layout: Layout,
+    dims: tuple[int, ...],
+    ndim: int,
+    real_first: bool,
+    real_last: bool,
+    whole: Whole = frozenset(),
 ) -> tuple[tuple[Step, ...], Layout]:
     """The steps of NOTE [Where a distributed FFT leaves the spectrum] and the final layout.
 
     ``real_first``: the real dim ``dims[-1]`` goes first (r2c); ``real_last``: last (c2r).
+    ``whole``: the shardings of ``layout`` that one rank holds whole; those of transformed
+    dims are transformed in place and take no other axes, so they stay whole throughout.
     """
     axes_of = dict(layout)
+    held = {d for d, axes in layout if (d, axes) in whole and d in dims}
     steps: list[Step] = []
     done: list[int] = []
+
+    def in_place(dim: int) -> bool:
+        return dim not in axes_of or dim in held
 
     def transform(group: list[int], real: bool) -> None:
         steps.append(_Transform(tuple(group), real))
         done.extend(group)
 
     def transform_alone(dim: int, real: bool) -> None:
-        if dim not in axes_of:
+        if in_place(dim):
             transform([dim], real)
             return
         moved = axes_of.pop(dim)
-        target = _target(dim, axes_of, dims, done, ndim)
+        target = _target(dim, axes_of, dims, done, ndim, held)
         if target is not None:
             axes_of[target] = axes_of.get(target, ()) + moved
         steps.append(_Move(_frozen(axes_of)))
@@ -276,12 +303,10 @@ def _plan(
             steps.append(_Move(_frozen(axes_of)))
 
     real_dim = dims[-1]
-    if real_first and real_dim in axes_of:
+    if real_first and not in_place(real_dim):
         transform_alone(real_dim, True)
-    held_back = real_last and any(d in axes_of for d in dims[:-1])
-    local = [
-        d for d in dims if d not in done and d not in axes_of and not (held_back and d == real_dim)
-    ]
+    held_back = real_last and not all(in_place(d) for d in dims[:-1])
+    local = [d for d in dims if d not in done and in_place(d) and not (held_back and d == real_dim)]
     if local:
         transform(local, (real_first or real_last) and local[-1] == real_dim)
     for dim in reversed(dims):
@@ -293,12 +318,19 @@ def _plan(
 
 
 def _target(
-    dim: int, axes_of: dict[int, tuple[int, ...]], dims: tuple[int, ...], done: list[int], ndim: int
+    dim: int,
+    axes_of: dict[int, tuple[int, ...]],
+    dims: tuple[int, ...],
+    done: list[int],
+    ndim: int,
+    held: set[int],
 ) -> int | None:
-    """Where the axes of ``dim`` go before it is transformed (the NOTE's order)."""
-    if done:
-        return done[-1]
-    pending = [d for d in dims if d != dim]
+    """Where the axes of ``dim`` go before it is transformed (the NOTE's order; never a
+    transformed dim one rank holds whole, ``held``)."""
+    landed = [d for d in done if d not in held]
+    if landed:
+        return landed[-1]
+    pending = [d for d in dims if d != dim and d not in done]
     if pending:
         return ([d for d in pending if d in axes_of] or pending)[0]
     others = [d for d in range(ndim) if d not in dims]
@@ -311,12 +343,14 @@ def _frozen(axes_of: dict[int, tuple[int, ...]]) -> Layout:
 
 @cached("FFT inverse sources", 1024)
 def _sources(
-    layout: Layout, dims: tuple[int, ...], ndim: int, real: bool
+    layout: Layout, dims: tuple[int, ...], ndim: int, real: bool, whole: Whole = frozenset()
 ) -> tuple[tuple[Layout, tuple[Step, ...]], ...]:
     """Every layout the forward rule maps onto ``layout``, with its forward steps.
 
     Only transformed dims' axes move, so each axis comes from its current dim or from a
-    transformed one; every assignment and nesting order is tried.
+    transformed one; every assignment and nesting order is tried. A sharding of ``whole``
+    (held whole by one rank in ``layout``) is held whole in a source that has it too: a
+    transform keeps such a dim's sizes but for the holder's extent.
     """
     home = {axis: dim for dim, axes in layout for axis in axes}
     axes = sorted(home)
@@ -328,27 +362,42 @@ def _sources(
             by_dim.setdefault(dim, []).append(axis)
         for orders in itertools.product(*(itertools.permutations(a) for a in by_dim.values())):
             source = tuple(sorted(zip(by_dim, orders)))
-            steps, final = _plan(source, dims, ndim, real, False)
+            steps, final = _plan(source, dims, ndim, real, False, whole)
             if final == layout:
                 found.append((source, steps))
     return tuple(found)
 
 
-def _inverse_steps(layout: Layout, spec: ShardTensorSpec, call: _Call) -> tuple[Step, ...]:
-    """The forward plan of the layout the spectrum came from, run backwards."""
+def _inverse_steps(
+    layout: Layout, spec: ShardTensorSpec, call: _Call, whole: Whole
+) -> tuple[Step, ...]:
+    """The forward plan of the layout the spectrum came from, run backwards (``whole``: the
+    shardings of ``layout`` that one rank holds whole).
+
+    A dim held whole came from a dim held whole, transformed where it lay, unless the hints
+    remember it split at the output's extent (modes sliced off a split spectrum can leave
+    them all on one rank): it goes back to that split.
+    """
     real = call.kind.real
-    sources = _sources(layout, call.dims, spec.ndim, real)
+    evidence = [h for h in spec.hints if _is_evidence(h, spec, call)]
+    whole = frozenset(
+        (d, axes)
+        for d, axes in whole
+        if (at := _remembered_at(evidence, d, axes, call.out_shape[d])) is None
+        or sum(map(bool, evidence[at].sizes)) == 1
+    )
+    sources = _sources(layout, call.dims, spec.ndim, real, whole)
     if not sources:
-        steps, _ = _plan(layout, call.dims, spec.ndim, False, real)
+        steps, _ = _plan(layout, call.dims, spec.ndim, False, real, whole)
         return steps
 
-    evidence = [h for h in spec.hints if _is_evidence(h, spec, call)]
-    unchanged = {(d, axes) for d, axes in layout if d not in call.dims}
+    unchanged = {(d, axes) for d, axes in layout if d not in call.dims or (d, axes) in whole}
 
     def preference(item: tuple[Layout, tuple[Step, ...]]) -> tuple:
         source, steps = item
         # A dim the call leaves alone, sharded as it is now, is no choice the hints decide:
-        # D/0 of a (D/0, H/1, W/2) block is D/0 in every source of its W-rfft's spectrum.
+        # D/0 of a (D/0, H/1, W/2) block is D/0 in every source of its W-rfft's spectrum;
+        # nor is a dim held whole, transformed where it lies.
         chosen = [(d, axes) for d, axes in source if (d, axes) not in unchanged]
         sized = [_remembered_at(evidence, d, axes, call.out_shape[d]) for d, axes in chosen]
         ages = [_remembered_at(evidence, d, axes) for d, axes in chosen]
@@ -455,29 +504,37 @@ def _sizes(
 def _transformed(
     x: ShardTensor, step: _Transform, call: _Call, hints: tuple[DimSharding, ...]
 ) -> ShardTensor:
-    """One local transform over dims that are whole on every rank."""
+    """One local transform over dims that are whole on every rank that holds any of them
+    (a sharded one held by one rank keeps its holder, at the output's extent)."""
     func = _LOCAL[(call.kind.inverse, step.real)]
     lengths = [call.lengths[d] for d in step.dims]
-    local = x.to_local()
-    if local.numel():
-        out = func(local, s=lengths, dim=step.dims, norm=call.norm)
-    else:  # pocketfft and MKL reject empty batches; the result is empty anyway
-        with shape_probe():
-            meta = torch.empty(local.shape, dtype=local.dtype, device="meta")
-            meta = func(meta, s=lengths, dim=step.dims, norm=call.norm)
-        like = torch.empty((), dtype=meta.dtype, device=local.device)
-        out = connected_empty(list(meta.shape), like, local.real)
     spec = x._spec
     shape = list(spec.shape)
     for dim in step.dims:
-        shape[dim] = out.shape[dim]
+        shape[dim] = call.out_shape[dim]  # each dim is transformed once: its final extent
+    sizes = {
+        s.dim: tuple(shape[s.dim] if n else 0 for n in s.sizes) if s.dim in step.dims else s.sizes
+        for s in spec.shardings
+    }
+    local = x.to_local()
+    out = None
+    if local.numel():
+        out = func(local, s=lengths, dim=step.dims, norm=call.norm)
+        dtype = out.dtype
+    else:  # pocketfft and MKL reject empty batches; the result is empty anyway
+        with shape_probe():
+            meta = torch.empty(local.shape, dtype=local.dtype, device="meta")
+            dtype = func(meta, s=lengths, dim=step.dims, norm=call.norm).dtype
     out_spec = ShardTensorSpec.build(
         spec.mesh,
         spec.placements,
         shape,
-        out.dtype,
-        {s.dim: s.sizes for s in spec.shardings},
+        dtype,
+        sizes,
         order={s.dim: s.axes for s in spec.shardings},
         hints=hints,
     )
+    if out is None:
+        like = torch.empty((), dtype=dtype, device=local.device)
+        out = connected_empty(list(out_spec.local_shape()), like, local.real)
     return from_local_spec(out, out_spec)

@@ -18,8 +18,14 @@
 - ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
   before it shifts the shards, so the result keeps the input's other shardings.
 - ``histc``, ``histogram``: DTensor has no rule; here each rank counts its own elements
-  (over the global range, found by all-reduces of min and max when the call leaves it to the
-  data): the counts are partial sums over the axes that shard the input.
+  (NOTE [A histogram is a pending sum of each rank's counts]).
+
+NOTE [A histogram is a pending sum of each rank's counts]
+Each rank counts its own elements against the same edges (over the global range, found by
+all-reduces of min and max when the call leaves it to the data): the counts are a pending sum
+(Partial) over the axes that shard the input. They cannot be sharded instead: which rank's
+elements fall in a bin is the data's values, which no layout may depend on. A density needs
+the global counts: it is all-reduced first.
 """
 
 from __future__ import annotations
