@@ -11,26 +11,31 @@ built with ``create_graph=True`` and differentiated again:
 
 x is ``from_local`` of a leaf shard, so the derivatives w.r.t. x are compared as this rank's
 shard of one process's; the parameters' are plain tensors, summed over the mesh; the model's
-output keeps x's shard sizes. Cases: 1 rank, 2 ranks uneven, a rank with an empty shard, and
-2x2 blocks (for the convolutions also with an empty block: every rank must issue the same
-collectives, NOTE [An empty shard's convolution in a graph] in ``_ops/_conv_ops.py``). Where
+output is laid out as ``Case.layout`` says. Cases: 1 rank, 2 ranks uneven, a rank with an
+empty shard, and 2x2 blocks, also with an empty block for the convolutions and for every op
+whose empty shard computes nothing (pooling, interpolation, pads, unfold, products, scans,
+``torch.gradient``, attention: every rank must issue the same collectives, NOTE [A rank with
+an empty shard computes nothing] in ``_ops/_common.py``). Where
 an op cannot differentiate its backward, asking for the second derivative must raise, never
 return a wrong value.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import shardsci
-from shardsci import ShardTensor
+from shardsci import ShardTensor, ShardTensorSpec
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._ops import _matmul_ops
 from shardsci.testing import assert_all_ranks, assert_raises_all_ranks, get_mesh, run_on_ranks
@@ -73,6 +78,43 @@ class _ConvNet(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+class _Then(nn.Module):
+    """``op(tanh(x * p))``: an op without parameters after a parameter broadcast along dim
+    ``channel_dim`` (of extent ``channels``), so that every derivative depends on ``p``."""
+
+    def __init__(
+        self, op: Callable[[torch.Tensor], torch.Tensor], channels: int, ndim: int, channel_dim: int
+    ) -> None:
+        super().__init__()
+        shape = [1] * ndim
+        shape[channel_dim] = channels
+        self.op = op
+        self.p = nn.Parameter(torch.linspace(0.5, 1.5, channels, dtype=F64).reshape(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(torch.tanh(x * self.p))
+
+
+def _math_attention(y: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(y, y, y)
+
+
+def _then(
+    op: Callable[[torch.Tensor], torch.Tensor],
+    shape: tuple[int, ...],
+    image: bool = True,
+    layout: str = "sizes",
+) -> Case:
+    """A case running ``op`` after ``_Then``'s parameter, on an input of ``shape``: an image
+    ``(N, C, *spatial)`` split along its last two dims, else channels last, split along the
+    first two."""
+    channels, channel_dim = (shape[1], 1) if image else (shape[-1], -1)
+    make = functools.partial(_Then, op, channels, len(shape), channel_dim)
+    dims = (len(shape) - 2, len(shape) - 1) if image else (0, 1)
+    return Case(make, shape, dims, layout=layout)
+
+
 def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -90,6 +132,10 @@ class Case:
     dims: tuple[int, int]
     composed: bool = False
     """Run a linear layer as its composition, not as one autograd node."""
+    layout: str = "sizes"
+    """The output's layout, where it has x's dims: ``"sizes"``, x's shardings; ``"dims"``,
+    x's split dims and mesh axes (sizes by the op's window rule); ``"contracted"``, x's
+    sharding of dim 0, a pending sum over the axes that split dim 1."""
     raises: str = ""
     """On more than one rank: the error a second derivative through it raises (its backward
     is ``first_order_only``)."""
@@ -116,6 +162,49 @@ CASES = {
     "layernorm": Case(_seeded(lambda: nn.LayerNorm(4, dtype=F64)), (6, 5, 4), (0, 1)),
     "reduction": Case(_seeded(lambda: _Reduction(5)), (6, 5), (0, 1)),
     "convnet": Case(_ConvNet, (1, 2, 6, 5), (2, 3)),
+    # Ops whose empty shard computes nothing (NOTE [A rank with an empty shard computes
+    # nothing] in ``_ops/_common.py``), after a parameter.
+    "maxpool2d": _then(lambda y: F.max_pool2d(y, 3, 1, 1), (1, 2, 6, 5)),
+    "avgpool2d": _then(lambda y: F.avg_pool2d(y, 3, 1, 1), (1, 2, 6, 5)),
+    "avgpool2d-stride2": _then(
+        lambda y: F.avg_pool2d(y, 2, ceil_mode=True), (1, 2, 6, 5), layout="dims"
+    ),
+    "adaptive-avgpool2d": _then(
+        lambda y: F.adaptive_avg_pool2d(y, (3, 5)), (1, 2, 6, 5), layout="dims"
+    ),
+    "adaptive-maxpool2d": _then(
+        lambda y: F.adaptive_max_pool2d(y, (3, 5)), (1, 2, 6, 5), layout="dims"
+    ),
+    "nearest": _then(lambda y: F.interpolate(y, scale_factor=2), (1, 2, 6, 5), layout="dims"),
+    "bilinear": _then(
+        lambda y: F.interpolate(y, scale_factor=2, mode="bilinear"), (1, 2, 6, 5), layout="dims"
+    ),
+    "trilinear": _then(
+        lambda y: F.interpolate(y, scale_factor=(1, 2, 2), mode="trilinear"),
+        (1, 2, 2, 6, 5),
+        layout="dims",
+    ),
+    "pad-reflect": _then(
+        lambda y: F.pad(y, (1, 1, 2, 1), mode="reflect"), (1, 2, 6, 5), layout="dims"
+    ),
+    "pad-replicate": _then(
+        lambda y: F.pad(y, (1, 1, 2, 1), mode="replicate"), (1, 2, 6, 5), layout="dims"
+    ),
+    "pad-circular": _then(
+        lambda y: F.pad(y, (1, 1, 2, 1), mode="circular"), (1, 2, 6, 5), layout="dims"
+    ),
+    "unfold": _then(lambda y: y.unfold(0, 2, 1), (6, 5, 4), image=False),
+    "bmm": _then(
+        lambda y: torch.bmm(y.transpose(1, 2), y), (6, 5, 4), image=False, layout="contracted"
+    ),
+    "einsum": _then(
+        lambda y: torch.einsum("bij,bik->bjk", y, y), (6, 5, 4), image=False, layout="contracted"
+    ),
+    "cumsum": _then(lambda y: torch.cumsum(y, 0), (6, 5, 4), image=False),
+    "gradient": _then(lambda y: torch.gradient(y, dim=0)[0], (6, 5, 4), image=False),
+    # (batch, heads, sequence, features), split along batch and heads: every key on each
+    # rank. torch's math kernel: its fused CPU kernel has no second derivative.
+    "attention": _then(_math_attention, (6, 5, 4, 3), image=False),
 }
 
 # Mesh shape and the shard sizes along the split dims (None: one rank).
@@ -127,7 +216,10 @@ LAYOUTS = {
     "2x2-empty": ((2, 2), ((0, 6), (2, 3))),
 }
 # Layouts run for some cases only.
-ONLY = {"2x2-empty": {"conv2d-padded", "conv-transpose2d", "convnet"}}
+ONLY = {
+    "2x2-empty": {"conv2d-padded", "conv-transpose2d", "convnet"}
+    | {c for c in CASES if isinstance(CASES[c].make(), _Then)}
+}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -156,6 +248,20 @@ def _quantities(
 
     (du,) = torch.autograd.grad(_whole(model(x).sum()), x, create_graph=True)
     return [du, *found, *grad(_whole(du.square().sum()), params)]
+
+
+def _layout_matches(layout: str, out: ShardTensorSpec, x: ShardTensorSpec) -> bool:
+    """Whether ``out`` is laid out as ``layout`` (``Case.layout``) says for input ``x``."""
+    if layout == "contracted":
+        batch = [s for s in x.shardings if s.dim == 0]
+        contracted = {a for s in x.shardings if s.dim == 1 for a in s.axes}
+        pending = {a for a, p in enumerate(out.placements) if isinstance(p, Partial)}
+        return list(out.shardings) == batch and pending == contracted
+
+    def key(spec: ShardTensorSpec) -> list:
+        return [(s.dim, s.axes, s.sizes if layout == "sizes" else None) for s in spec.shardings]
+
+    return key(out) == key(x)
 
 
 def _body(case_name: str, layout_name: str) -> None:
@@ -187,9 +293,7 @@ def _body(case_name: str, layout_name: str) -> None:
 
     out = case.make()(x)
     if out.ndim == x.ndim:
-        kept = [(s.dim, s.sizes) for s in out.spec.shardings] == [
-            (s.dim, s.sizes) for s in x.spec.shardings
-        ]
+        kept = _layout_matches(case.layout, out.spec, x.spec)
         assert_all_ranks(kept, f"{case_name} {layout_name}: output {out.spec}, x {x.spec}")
     for i, (got, expected) in enumerate(zip(found, want, strict=True)):
         got = _whole(got) if i == 0 else got
@@ -217,6 +321,13 @@ DEFAULT = {
     ("groupnorm", "2r-uneven"),
     ("reduction", "2r-uneven"),
     ("convnet", "2r-uneven"),
+    ("maxpool2d", "2x2-empty"),
+    ("avgpool2d-stride2", "2r-uneven"),
+    ("bilinear", "2r-empty"),
+    ("pad-reflect", "2r-empty"),
+    ("einsum", "2x2-empty"),
+    ("cumsum", "2r-empty"),
+    ("attention", "2r-empty"),
 }
 
 

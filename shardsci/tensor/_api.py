@@ -345,9 +345,16 @@ def local_gradient(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
     """This rank's shard of ``grad``, the gradient of a tensor laid out as ``spec``, in the
     layout ``grad_spec(spec)``: what ``from_local``'s backward returns for its local tensor.
     Differentiable in a backward that builds a graph (NOTE [Second derivatives through
-    ShardTensors])."""
+    ShardTensors]). Where ``spec`` holds a pending sum, the gradient is replicated along its
+    axes and every rank reads the same value, so the derivatives that reach that local in a
+    second backward are each rank's term of one sum: they go back pending (``spec``'s
+    placements), not as a replica (a product summing over a split dim had a wrong second
+    derivative, by 691 on 2x2 in ``tests/test_higher_order_grad.py``)."""
     grad = _as_shard_tensor(grad, spec)
-    return moved_local(grad, grad_spec(spec).with_dtype(grad.dtype))
+    target = grad_spec(spec).with_dtype(grad.dtype)
+    if spec.partial and _builds_graph(grad):
+        return _to_local(redistribute(grad, target), tuple(spec.placements))
+    return moved_local(grad, target)
 
 
 # NOTE [Second derivatives through ShardTensors]

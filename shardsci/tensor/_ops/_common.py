@@ -22,6 +22,7 @@ __all__ = [
     "Held",
     "accepts",
     "connected_empty",
+    "cut_to",
     "dim_layout",
     "held_axes",
     "held_by_one",
@@ -29,6 +30,7 @@ __all__ = [
     "held_on",
     "no_empty_shard",
     "normalized_dims",
+    "padded_to",
     "reduced_now",
     "replicated_local",
     "sharding_axes",
@@ -257,13 +259,24 @@ def replicated_local(
 # NOTE [A rank with an empty shard computes nothing]
 # Many torch kernels, and their meta functions, reject an empty dim even where they do not
 # act on it ("non-zero size for non-batch dimensions"): pooling, reflection and replication
-# padding, interpolation, grid sampling, ``im2col``. Called on an empty shard (channels split
-# with a rank holding none), the ranks holding it raise while the others wait in the next
-# collective. So a handler that runs such a kernel on its shards never calls it on an empty
-# one: the local output's shape comes from the layout (a window rule) or from a meta probe
-# with extent 1 on the empty dims set back to 0 afterwards, and the output is zeros made by
-# ``connected_empty``, so that the rank still takes part in its inputs' backward collectives.
-# Where: ``_pool_ops._pool``, ``_batched_ops._run_local``, ``_interpolate_ops``.
+# padding, interpolation, grid sampling, ``im2col``, fused attention. Called on an empty shard
+# (channels split with a rank holding none), the ranks holding it raise while the others wait
+# in the next collective. So a handler that runs such a kernel on its shards never calls it
+# on an empty one: the local output's shape comes from the layout (a window rule) or from a
+# meta probe with extent 1 on the empty dims set back to 0 afterwards, and the output is zeros
+# made by ``connected_empty``, so that the rank still takes part in its inputs' backward
+# collectives. Where: ``_pool_ops._pool``, ``_batched_ops._run_local``, ``_interpolate_ops``,
+# ``_windows.overlapped_windows``, the gather, gradient, FFT, extremum and product handlers.
+# Those zeros' gradients depend on the incoming gradient only; a second derivative
+# (``create_graph=True``) through them is right where the op's first derivative in its input
+# does not depend on a parameter the op itself holds (pooling, interpolation, padding,
+# unfolding: ``tests/test_higher_order_grad.py``). Where it does, or where the peers' kernel
+# decides whether a second derivative exists, the empty rank instead runs the kernel on its
+# input padded with zeros to one cell (or one window) per empty dim (``padded_to``) and keeps
+# none of the result (``cut_to``), so that its graph, and the collectives a second derivative
+# issues, match its peers': the convolution and the transposed convolution (NOTE [An empty
+# shard's convolution in a graph] in ``_conv_ops``) and attention over keys all held here
+# (NOTE [Attention over keys all held here is torch's] in ``_ring_attention``).
 def connected_empty(
     shape: list[int], like: torch.Tensor, *inputs: torch.Tensor | None
 ) -> torch.Tensor:
@@ -278,3 +291,23 @@ def connected_empty(
         (t.sum() * 0 for t in inputs if t is not None and t.requires_grad), like.new_zeros(())
     )
     return like.new_zeros(shape) + zero
+
+
+def padded_to(t: torch.Tensor, extents: dict[int, int]) -> torch.Tensor:
+    """``t`` with zeros appended along each dim of ``extents`` up to that extent (NOTE [A
+    rank with an empty shard computes nothing])."""
+    for dim, extent in extents.items():
+        missing = max(extent - t.shape[dim], 0)
+        if missing:
+            shape = list(t.shape)
+            shape[dim] = missing
+            t = torch.cat([t, t.new_zeros(shape)], dim)
+    return t
+
+
+def cut_to(t: torch.Tensor, extents: dict[int, int]) -> torch.Tensor:
+    """The first ``extent`` cells of ``t`` along each dim of ``extents``: ``padded_to``'s
+    inverse on a kernel's output."""
+    for dim, extent in extents.items():
+        t = t.narrow(dim, 0, extent)
+    return t

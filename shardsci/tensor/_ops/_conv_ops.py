@@ -28,7 +28,9 @@ from shardsci.tensor._binding import bind
 from shardsci.tensor._ops._common import (
     accepts,
     connected_empty,
+    cut_to,
     no_empty_shard,
+    padded_to,
     replicated_local,
     sharding_axes,
     unsplit,
@@ -221,22 +223,8 @@ def _builds_graph_through(*inputs: torch.Tensor | None) -> bool:
 def _empty_by_probe(extended, w, b, local_op, windows):
     """``local_op(extended, w, b)`` where the windows of ``windows``' dims hold no output:
     run on ``extended`` padded with zeros to one output each, then cut to none (NOTE above)."""
-    probe = _padded_to(extended, {dim: window.span for dim, window in windows.items()})
-    out = local_op(probe, w, b)
-    for dim in windows:
-        out = out.narrow(dim, 0, 0)
-    return out
-
-
-def _padded_to(t: torch.Tensor, extents: dict[int, int]) -> torch.Tensor:
-    """``t`` with zeros appended along each dim of ``extents`` up to that extent."""
-    for dim, extent in extents.items():
-        missing = max(extent - t.shape[dim], 0)
-        if missing:
-            shape = list(t.shape)
-            shape[dim] = missing
-            t = torch.cat([t, t.new_zeros(shape)], dim)
-    return t
+    probe = padded_to(extended, {dim: window.span for dim, window in windows.items()})
+    return cut_to(local_op(probe, w, b), dict.fromkeys(windows, 0))
 
 
 # ---------------------------------------------------------------------------- conv_transpose
@@ -281,10 +269,10 @@ def _run_transposed(x, windows, weight, bias, func, stride, dilation, groups, ch
     ]
     empty = [d for d in windows if extended.shape[d] == 0]
     if empty and _builds_graph_through(extended, w, b):
-        padded = _padded_to(extended, dict.fromkeys(empty, 1))
-        probe = func(padded, w, None, stride, 0, 0, groups, dilation)
-        for dim in empty:
-            probe = probe.narrow(dim, 0, 0)
+        padded = padded_to(extended, dict.fromkeys(empty, 1))
+        probe = cut_to(
+            func(padded, w, None, stride, 0, 0, groups, dilation), dict.fromkeys(empty, 0)
+        )
         # NOTE [An empty shard's convolution in a graph]
         out = extended.new_zeros(local_shape) + probe.sum()
     elif empty:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from shardsci.tensor._collectives import AxisGroup
 from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._ops._autocast import cast_for_autocast
+from shardsci.tensor._ops._common import cut_to, padded_to
 from shardsci.tensor._ops._ring import (
     Blocks,
     all_gather_blocks,
@@ -91,9 +92,12 @@ def attend(
     ``mask`` (bool: True takes part; float: added to the scores) broadcasts to
     ``(*B, H_q, L_r, S)`` over ALL keys. Returns ``(*B, H_q, L_r, E_v)``."""
     if _all_keys_here(q, k, mask, plan):
-        return F.scaled_dot_product_attention(
+        shape = (*q.shape[:-1], v.shape[-1])
+        q, k, v = (padded_to(t, {d: 1 for d in range(t.ndim) if not t.shape[d]}) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
             q, k, v, scale=plan.scale, is_causal=plan.causal, enable_gqa=plan.kv_repeats > 1
         )
+        return cut_to(out, dict(enumerate(shape)))
     with cast_for_autocast(q, k, v, mask) as (q, k, v, mask):
         return _Attention.apply(q, k, v, mask, plan)
 
@@ -108,15 +112,18 @@ def attend(
 # one-rank ViT step at 64² on an H200 held 85 MB against plain torch's 2.6 MB
 # (``scripts/gpu_check.sh``, 2026-11-29). Taken without a mask (a row every key of which is
 # masked is 0 here, NaN in some fused kernels) and for causal attention only where the
-# queries start at row 0 (torch's diagonal), and on no empty block (fused kernels refuse
-# them).
+# queries start at row 0 (torch's diagonal). An empty block (a rank with an empty batch or
+# head shard; fused kernels refuse them) runs torch's attention on its blocks padded with
+# zeros to one cell per empty dim, keeping none of the output (NOTE [A rank with an empty
+# shard computes nothing] in ``_common``): that rank then builds the same graph as its peers,
+# so a second derivative neither raises on it alone (the Function below is first order only)
+# nor, through a kernel torch cannot differentiate twice, raises on the others alone while it
+# waits in a collective.
 def _all_keys_here(q: torch.Tensor, k: torch.Tensor, mask, plan: AttentionPlan) -> bool:
     return (
         (plan.group is None or plan.group.size == 1)
         and mask is None
         and (not plan.causal or plan.query_start == 0)
-        and q.numel() > 0
-        and k.numel() > 0
     )
 
 
