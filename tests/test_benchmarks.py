@@ -129,6 +129,12 @@ SLOW_SMOKES = {
         {"GOAL_RATIO": lambda _: 0.0},
         ("unet on 1 rank(s): ShardTensor step at most",),
     ),
+    # One rank, four variants of the ViT built, one step each (DTensor's fails: recorded).
+    "host_floor": Smoke(
+        "--models vit --rounds 1 --steps 1 --per-op",
+        {"GOAL_RATIO": lambda _: 0.0},
+        ("vit, 1 rank: wrapper step at most", "vit, 1 rank: shardtensor step at most"),
+    ),
     "compiled_step_profile": Smoke(
         "--models fno --ranks 1 --warmup 1 --steps 1",
         {"COMPILED_GOAL_RATIO": lambda _: 0.0},
