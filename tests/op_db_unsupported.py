@@ -453,20 +453,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "lu_unpack": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "_unsafe_masked_index": (
-        Accepted(
-            GATHERED_LAYOUT,
-            "plain indices into every dim, read as x[i][:, j][:, :, k]: each output row "
-            "belongs to the rank holding the input row i names, which the index values decide "
-            "(here in no increasing owner order) and no layout may depend on; every rank "
-            "fetches the rows i reads and holds the read whole, and i reaches every row: a "
-            "gather the guard reports and refuses under 'error' (check_fetch, NOTE [Gathers an "
-            "op was not asked to make])",
-            (5,),
-            ("2r-uneven", "2x2-uneven"),
-            "gathered",
-        ),
-    ),
     "matrix_exp": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),

@@ -4,8 +4,8 @@ an op was not asked to make], ``check_replicated_read``, ``check_fetch``), again
 process, float64.
 
 The op-database sweep's ``_unsafe_masked_index`` sample 5 pattern (plain indices into every
-dim, read as ``x[i][:, j][:, :, k]``, ``i`` reaching four of five rows in no increasing owner
-order, so the read is replicated over dim 0's axes) on 2 uneven ranks, 4 ranks with empty
+dim, read as ``x[i][:, j][:, :, k]``, ``i`` reaching four of five rows, the entries the mask
+shows in no increasing owner order, so the read is replicated over dim 0's axes) on 2 uneven ranks, 4 ranks with empty
 shards and a 2x2 mesh: under ``"warn"`` one ``GatherWarning`` naming the op and the bytes
 (forward and backward), values, gradient and layout as one process; under ``"error"`` a
 ``GatherError`` on every rank before any byte moves. Halo-sized fetches that keep the layout
@@ -49,15 +49,17 @@ LAYOUTS = {
     "4r-empty": ((4,), Layout((Shard(0),), {0: (2, 0, 3, 0)})),
     "2x2-uneven": ((2, 2), Layout((Shard(0), Shard(1)), {0: (2, 3), 1: (1, 3)})),
 }
-# x[i][:, j][:, :, k]: i reaches rows 0, 1, 2 and 4, its owners going back (a replicated
-# read, as sample 5's); j's owners never decrease along it (each entry stays with its column).
+# x[i][:, j][:, :, k]: i reaches rows 0, 1, 2 and 4, the owners of the entries the mask shows
+# (rows 0, 4, 0, 2) going back: a replicated read (a hidden entry reads the row before it, NOTE
+# [An entry every mask hides reads the row before it], so only shown entries decide); j's
+# owners never decrease along it (each entry stays with its column).
 ROWS = torch.tensor([0, 4, 1, 0, 2, 1])
 COLUMNS = torch.tensor([1, 3])
 DEPTHS = torch.tensor([2, 0])
 
 
 def _masked_read(x: torch.Tensor) -> torch.Tensor:
-    mask = torch.tensor([True, False, True]).repeat(4)[:6, None, None].expand(6, 2, 2)
+    mask = torch.tensor([True, True, False]).repeat(2)[:, None, None].expand(6, 2, 2)
     indices = [ROWS[:, None, None], COLUMNS[None, :, None], DEPTHS[None, None, :]]
     return aten._unsafe_masked_index.default(x, mask, indices, 0.5)
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardsci.tensor._api import ShardTensor, from_local_spec
+from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._caches import cached
@@ -75,7 +75,6 @@ from shardsci.tensor._ops._common import (
 )
 from shardsci.tensor._ops._gathered_ops import gathered
 from shardsci.tensor._ops._slice_scatter_ops import basic_form, write_basic_key
-from shardsci.tensor._redistribute import redistribute_local
 from shardsci.tensor._registry import (
     function_handler_for,
     register_aten_handler,
@@ -1427,6 +1426,9 @@ def _index_put(func, args, kwargs):
     x, values = a.input, a["values"]  # not ``a.values``: the dict's method
     if _split_elsewhere(x, a.indices, values):
         return _put_through_split_elsewhere(func, x, a.indices, values, a.accumulate)
+    if _split_adjoint(x, a.indices, values):
+        dim, index = _one_split_index(a.indices)
+        return _put_through_split(func, x, dim, index, values, a.accumulate)
     if _sharded(values) and a.accumulate and isinstance(x, ShardTensor):
         # the gradient of ``x[..., i]`` or ``x[..., i[:, None], j[None, :]]`` added into
         # zeros: the adjoint of that read
@@ -1519,8 +1521,6 @@ def _added_through_reads(func, x: ShardTensor, indices: object, values: ShardTen
     if isinstance(indices, list | tuple):
         while first < len(indices) and indices[first] is None:
             first += 1
-    if _split_adjoint(x, indices, values):
-        return _added_through_split(func, x, first, indices[first], values)
     tensors = [_replicated_index(i) for i in indices[first:]] if first < len(indices) else []
     if not tensors or any(i is None for i in tensors):
         return NotImplemented
@@ -1553,21 +1553,26 @@ def _added_through_reads(func, x: ShardTensor, indices: object, values: ShardTen
     return values
 
 
-def _added_through_split(
-    func, x: ShardTensor, dim: int, index: ShardTensor, values: ShardTensor
+def _put_through_split(
+    func, x: ShardTensor, dim: int, index: ShardTensor, values: ShardTensor, accumulate: bool
 ) -> object:
-    """``index_put(x, [None, ..., index], values, accumulate=True)`` through a ShardTensor
-    ``index`` split over the axes that split ``x`` along ``dim``, ``values`` split like the
-    index on its dims and like ``x`` on the others (``_split_adjoint``): the backward of
-    aten's ``index`` through an index split over axes that split no dim of the input
-    (``_split_index``), torch's ``index_put`` into ``grad.new_zeros``, laid out like the
-    gradient (``_factory_ops``). Each rank adds its values into its own rows and halo rows
-    for the rows others own (``gather_plan`` of its part of the index, which checks the range
-    on every rank alike), and the halo rows travel to their owners (one exchange); the result
-    keeps ``x``'s layout. Out of place only."""
-    if func is torch.Tensor.index_put_ or not accepts(x, values):
+    """``index_put(x, [None, ..., index], values, accumulate)`` through a ShardTensor ``index``
+    split over the axes that split ``x`` along ``dim``, ``values`` split like the index on its
+    dims and like ``x`` on the others (``_split_adjoint``); in place for ``Tensor.index_put_``
+    (``copy_``, so that autograd's rules for in-place ops hold as on a plain tensor). With
+    ``accumulate`` it is the backward of ``x[index]`` through such an index (``_select_rows``),
+    torch's ``index_put`` into ``grad.new_zeros``, laid out like the gradient
+    (``_factory_ops``). Each rank writes its values into its own rows and halo rows for the
+    rows others own (``gather_plan`` of its part of the index, which checks the range on every
+    rank alike), and the halo rows travel to their owners (one exchange): added into ``x``
+    (``accumulate``), or replacing the rows written, with a count per halo row saying which
+    rows were. Without ``accumulate``, entries naming the same row on different ranks add up
+    (torch leaves the result of duplicate indices open: use unique ones). Differentiable
+    through torch's own ops and the exchange's adjoint (``halo_reduce``); the result keeps
+    ``x``'s layout."""
+    if not accepts(x, values):
         return NotImplemented
-    probe_on_meta(aten.index_put.default, (x, [None] * dim + [index], values, True))
+    probe_on_meta(aten.index_put.default, (x, [None] * dim + [index], values, accumulate))
     sharding, group, _ = dim_layout(x._spec, dim)
     plan = gather_plan(
         index.to_local(), sharding.sizes, group, replicated=False, wrap_negative=True,
@@ -1575,17 +1580,26 @@ def _added_through_split(
     )  # fmt: skip
     destination = x.to_local()
     shape = [plan.owned + plan.halo if d == dim else n for d, n in enumerate(destination.shape)]
+    local = [None] * dim + [plan.local_index]
     total = aten.index_put_.default(
-        destination.new_zeros(shape), [None] * dim + [plan.local_index], values.to_local(), True
+        destination.new_zeros(shape), local, values.to_local(), accumulate
     )
-    out = destination + halo_reduce(total, plan, dim)
-    return from_local_spec(out, x._spec.with_dtype(out.dtype))
+    written = halo_reduce(total, plan, dim)
+    if accumulate:
+        out = destination + written
+    else:
+        rows = plan.local_index.reshape(-1)
+        counts = torch.zeros(plan.owned + plan.halo, dtype=torch.int32, device=rows.device)
+        counts = halo_reduce(counts.index_add_(0, rows, torch.ones_like(counts[rows])), plan, 0)
+        touched = counts.gt(0).reshape([-1 if d == dim else 1 for d in range(destination.ndim)])
+        out = torch.where(touched, written, destination)
+    result = from_local_spec(out, x._spec.with_dtype(out.dtype))
+    return x.copy_(result) if func is torch.Tensor.index_put_ else result
 
 
 def _split_adjoint(x: object, indices: object, values: object) -> bool:
-    """Whether ``index_put(x, indices, values, accumulate=True)`` takes
-    ``_added_through_split``: one ShardTensor index after leading ``None``, split over the
-    axes that split ``x`` along the dim it names (and over none other), ``values`` split
+    """Whether ``index_put(x, indices, values, accumulate)`` takes ``_put_through_split``:
+    one ShardTensor index after leading ``None``, split over the axes that split ``x`` along the dim it names (and over none other), ``values`` split
     like it on its dims and like ``x`` on the others, none of them partial. (An ``x`` every
     rank holds whole, the zeros of a backward through an index of several dims, is not
     served: its sum of each group's part would be a pending sum held whole.)"""
@@ -1638,8 +1652,11 @@ def _one_split_index(indices: object) -> tuple[int, ShardTensor] | None:
 # rows (one all-reduce of the touched rows): their sum (``accumulate``), or the value of the
 # last rank along those axes that wrote the row (torch leaves the choice among duplicates
 # open; an int32 per row says which rank). The result keeps ``x``'s layout; ``x`` is never
-# held whole. No gradient flows through the reduction: a call that needs one (grad mode on and
-# ``x`` or ``values`` requiring grad) is not served (the default path gathers).
+# held whole. The gradient is torch's (``_PutThroughSplitElsewhere``): ``x``'s is the output's,
+# with the written rows zeroed unless ``accumulate``, made where it lies; the values' is the
+# read ``grad[..., index]`` in the read's layout, one all-reduce of the values' part over the
+# axes that split ``dim``. In place, the output is copied into ``x`` (``copy_``), so version
+# counters and autograd's rules for in-place ops hold as on a plain tensor.
 def _split_elsewhere(x: object, indices: object, values: object) -> bool:
     """Whether ``index_put(x, indices, values)`` takes ``_put_through_split_elsewhere`` (NOTE
     [A write through an index split elsewhere reduces the rows it touched])."""
@@ -1660,8 +1677,6 @@ def _split_elsewhere(x: object, indices: object, values: object) -> bool:
         values._spec.partial or values._spec.mesh != x._spec.mesh
     ):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad):
-        return False
     return values.shape == (*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
 
 
@@ -1681,11 +1696,12 @@ def _read_layout(x: ShardTensor, dim: int, index: ShardTensor, dtype) -> ShardTe
 
 
 def _put_through_split_elsewhere(
-    func, x: ShardTensor, indices: list, values: ShardTensor, accumulate: bool
+    func, x: ShardTensor, indices: list, values: torch.Tensor, accumulate: bool
 ) -> ShardTensor:
     """``index_put`` through an index split over axes that split no dim of ``x`` (NOTE [A write
     through an index split elsewhere reduces the rows it touched]); in place for
-    ``Tensor.index_put_``."""
+    ``Tensor.index_put_`` (``copy_``, so that autograd's rules for in-place ops hold as on a
+    plain tensor)."""
     dim, index = len(indices) - 1, indices[-1]
     probe_on_meta(aten.index_put.default, (x, indices, values, accumulate))
     spec, layout = x._spec, index._spec
@@ -1697,39 +1713,103 @@ def _put_through_split_elsewhere(
     # the values in the read's layout: a local slice where they are whole over its axes
     target = _read_layout(x, dim, index, values.dtype)
     if isinstance(values, ShardTensor):
-        values = redistribute_local(values.to_local(), values._spec, target)
-    else:
-        values = target.narrow(values)
-    block = x.to_local()
+        parts = redistribute(values, target).to_local()
+    else:  # its gradient there is a partial sum over the read's axes
+        parts = target.narrow(replicated_local(values, spec.mesh, sharding_axes(target)))
     start, size = spec.local_offsets()[dim], spec.local_shape()[dim]
-    shifted = _shifted(local, start, size)
-    group = axis_group(spec.mesh, tuple(sorted(sharding_axes(layout))))
-    padded = [n + (d == dim) for d, n in enumerate(block.shape)]
-    written = block.new_zeros(padded)
-    aten.index_put_.default(written, [None] * dim + [shifted], values, accumulate)
-    marks = torch.full((size + 1,), -1, dtype=torch.int32, device=block.device)
-    marks[shifted.reshape(-1)] = group.index
-    if accumulate:  # whether any rank touched the row is enough
-        touched = marks[:size].ge(0).to(torch.uint8)
-        rows = all_reduce(touched, group, "max").nonzero().squeeze(1) if size else marks[:0]
-        mine = None
-    else:
-        last = all_reduce(marks[:size], group, "max") if size else marks[:0]
-        rows = last.ge(0).nonzero().squeeze(1)
-        mine = last[rows].eq(group.index)
-    out = block.clone(memory_format=torch.contiguous_format)
-    if rows.numel():
-        part = written.index_select(dim, rows)
-        if mine is not None:  # only the row's last writer contributes
-            shape = [-1 if d == dim else 1 for d in range(part.ndim)]
-            part = torch.where(mine.reshape(shape), part, part.new_zeros(()))
-        reduced = all_reduce(part, group, "sum")
-        if accumulate:
-            out.index_add_(dim, rows, reduced)
-        else:
-            out.index_copy_(dim, rows, reduced)
+    where = _RowsWritten(
+        dim=dim,
+        index=_shifted(local, start, size),
+        writers=axis_group(spec.mesh, tuple(sorted(sharding_axes(layout)))),
+        holders=dim_layout(spec, dim)[1] if dim in spec.sharding_by_dim else None,
+        accumulate=accumulate,
+    )
+    out = _PutThroughSplitElsewhere.apply(x.to_local(), parts, where)
     result = from_local_spec(out, spec.with_dtype(out.dtype))
     return x.copy_(result) if func is torch.Tensor.index_put_ else result
+
+
+@dataclass(frozen=True)
+class _RowsWritten:
+    """How ``_PutThroughSplitElsewhere`` writes this rank's block.
+
+    Attributes
+    ----------
+    dim : int
+        The written dim.
+    index : Tensor
+        This rank's part of the index as positions in its block along ``dim``, where the spare
+        row past the block (``_shifted``) stands for a row another rank holds.
+    writers : AxisGroup
+        The ranks along the index's axes: they hold the same block and different parts of
+        the index.
+    holders : AxisGroup or None
+        The ranks along the axes that split ``dim`` of ``x`` (None: ``dim`` is whole), which
+        hold the same part of the index and different rows.
+    accumulate : bool
+        ``index_put``'s ``accumulate``.
+    """
+
+    dim: int
+    index: torch.Tensor
+    writers: AxisGroup
+    holders: AxisGroup | None
+    accumulate: bool
+
+
+class _PutThroughSplitElsewhere(torch.autograd.Function):
+    """This rank's block of ``index_put(x, [None, ..., index], values, accumulate)`` from its
+    block of ``x`` and its part of ``values`` in the read's layout (NOTE [A write through an
+    index split elsewhere reduces the rows it touched]). The backward is local to each block
+    but for one all-reduce: ``x``'s gradient is the output's (``accumulate``), with the rows
+    any writer touched zeroed otherwise (torch's ``grad.index_put(indices, 0)``); the values'
+    is the read ``grad[..., index]``, each entry taken where its row lies and summed over the
+    ranks holding the other rows (the ``holders``), as every rank of them holds these values."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, block: torch.Tensor, values: torch.Tensor, where: _RowsWritten
+    ) -> torch.Tensor:
+        dim, shifted, group = where.dim, where.index, where.writers
+        size = block.shape[dim]
+        padded = [n + (d == dim) for d, n in enumerate(block.shape)]
+        written = block.new_zeros(padded)
+        aten.index_put_.default(written, [None] * dim + [shifted], values, where.accumulate)
+        marks = torch.full((size + 1,), -1, dtype=torch.int32, device=block.device)
+        marks[shifted.reshape(-1)] = group.index
+        if where.accumulate:  # whether any rank touched the row is enough
+            touched = marks[:size].ge(0).to(torch.uint8)
+            rows = all_reduce(touched, group, "max").nonzero().squeeze(1) if size else marks[:0]
+            mine = None
+        else:
+            last = all_reduce(marks[:size], group, "max") if size else marks[:0]
+            rows = last.ge(0).nonzero().squeeze(1)
+            mine = last[rows].eq(group.index)
+        out = block.clone(memory_format=torch.contiguous_format)
+        if rows.numel():
+            part = written.index_select(dim, rows)
+            if mine is not None:  # only the row's last writer contributes
+                shape = [-1 if d == dim else 1 for d in range(part.ndim)]
+                part = torch.where(mine.reshape(shape), part, part.new_zeros(()))
+            reduced = all_reduce(part, group, "sum")
+            if where.accumulate:
+                out.index_add_(dim, rows, reduced)
+            else:
+                out.index_copy_(dim, rows, reduced)
+        ctx.where, ctx.rows = where, rows
+        return out
+
+    @staticmethod
+    @first_order_only("index_put through an index split elsewhere")
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        where, dim = ctx.where, ctx.where.dim
+        grad_block = grad if where.accumulate else grad.index_fill(dim, ctx.rows, 0)
+        spare = [1 if d == dim else n for d, n in enumerate(grad.shape)]
+        rows = torch.cat([grad, grad.new_zeros(spare)], dim)  # the spare row reads zeros
+        grad_values = rows[(slice(None),) * dim + (where.index,)]
+        if where.holders is not None:
+            grad_values = all_reduce(grad_values.contiguous(), where.holders, "sum")
+        return grad_block, grad_values, None
 
 
 @register_aten_handler(aten._unsafe_masked_index_put_accumulate.default)
@@ -1754,6 +1834,7 @@ def _masked_index_put_accumulate(func, args, kwargs):
         None if index is None else index.clamp(-x.shape[d], x.shape[d] - 1)
         for d, index in enumerate(a.indices)
     ]
+    indices = _in_owner_order(indices, mask, x)
     masked = values.masked_fill(~mask, 0)
     out = _index_put(torch.index_put, (x, indices, masked, True), {})
     return gathered(func, args, kwargs) if out is NotImplemented else out
@@ -1773,10 +1854,54 @@ def _masked_index(func, args, kwargs):
         None if index is None else index.clamp(-x.shape[d], x.shape[d] - 1)
         for d, index in enumerate(a.indices)
     ]
-    read = _index(aten.index.Tensor, (x, indices), {})
+    read = _index(aten.index.Tensor, (x, _in_owner_order(indices, mask, x)), {})
     if read is NotImplemented:
         return gathered(func, args, kwargs)
     return aten.where.ScalarOther(mask, read, a.fill)
+
+
+# NOTE [An entry every mask hides reads the row before it]
+# ``_unsafe_masked_index(x, mask, indices, fill)`` (interpolation, ``embedding``) reads
+# ``x[indices]`` and puts ``fill`` where the mask is False. A position along an index whose
+# every output cell the mask hides depends on no row of ``x`` (NOTE [An output cell belongs to
+# the shard it depends on] in ``tests/expected_layouts.py``: its owner is "any"), yet its
+# clamped value names some row, which may break the owners' increasing order and turn a read
+# that moves nothing (``_owned_runs``) into one every rank holds whole, fetching every remote
+# row it names (``check_fetch`` reports it as a gather). So each such
+# position reads the row of the last position before it that the mask shows (the first one
+# shown, before any): the output is the same, and the read follows the owners of the cells
+# that depend on anything. The backward (``_unsafe_masked_index_put_accumulate``, its values
+# zero there) takes the same indices, so its source has the read's layout.
+def _in_owner_order(indices: list, mask: torch.Tensor, x: ShardTensor) -> list:
+    """``indices`` (clamped, plain integer tensors after leading ``None``) with each position
+    every mask hides reading the row the last shown position before it reads (NOTE above).
+    Only indices with one dim of more than one entry are changed; others are returned as
+    given."""
+    tensors = [i for i in indices if i is not None]
+    if not tensors or any(
+        isinstance(i, ShardTensor) or i.dtype not in _INDEX_DTYPES for i in tensors
+    ):
+        return indices
+    first = next(k for k, i in enumerate(indices) if i is not None)
+    if any(i is None for i in indices[first:]):
+        return indices
+    entries = torch.broadcast_shapes(*(i.shape for i in tensors))
+    shape = (*x.shape[:first], *entries, *x.shape[first + len(tensors) :])
+    shown = (mask.to_local() if isinstance(mask, ShardTensor) else mask).expand(shape)
+    out = list(indices)
+    for k, index in enumerate(tensors):
+        sized = [d for d, n in enumerate(index.shape) if n != 1]
+        if len(sized) != 1:
+            continue
+        along = first + len(entries) - index.ndim + sized[0]
+        care = shown.movedim(along, 0).reshape(shape[along], -1).any(1)
+        if bool(care.all()) or not bool(care.any()):
+            continue
+        positions = torch.arange(care.numel(), device=care.device)
+        last = torch.cummax(torch.where(care, positions, -1), 0).values
+        last = torch.where(last >= 0, last, care.nonzero()[0, 0])
+        out[first + k] = index.reshape(-1)[last].reshape(index.shape)
+    return out
 
 
 def _advanced_indices(indices: object, x: object) -> tuple[int, list[torch.Tensor]] | None:
