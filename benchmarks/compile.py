@@ -9,9 +9,8 @@ step started from a barrier, a step's time the slowest rank's):
   shard alone run compiled by inductor on the local shards (at 1 rank, on plain tensors, it
   runs the model as written);
 - ``torch_compile``: ``torch.compile(model)``: one compiled graph per frame at 1 rank; at 2
-  ranks ShardTensor ops run eagerly (dynamo is kept out of ShardTensor code by default; tracing
-  through them is an experimental opt-in that the zoo does not pass yet: NOTE [torch.compile
-  and ShardTensor]).
+  ranks traced through ShardTensors (NOTE [torch.compile and ShardTensor]; records made before
+  2026-11-30 ran ShardTensor ops eagerly here).
 
 Models (``--models``): the UNet, FNO, ViT and Transolver on a ``(4, 1, 128, 128)`` field (2
 ranks: H split 64/64, then 72/56), the last three with the CFD recipe's settings

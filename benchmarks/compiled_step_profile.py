@@ -31,7 +31,6 @@ import torch.distributed as dist
 from benchmarks._common import Goal, emit, emit_summary, parse_arguments, rank_pools
 from benchmarks.compile import CASES, RANK_TIMEOUT_S
 from benchmarks.host_overhead import COMPILED_GOAL_RATIO, VARIANTS, training_step
-from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.testing import run_on_ranks
 
 PIECES: dict[str, tuple[str, str, str]] = {
@@ -83,26 +82,25 @@ def profile_ranks(name: str, backend: str, warmup: int, steps: int) -> dict:
     """Rank body: per variant, CPU ms per step unprofiled, frames compiled, the pieces."""
     torch.set_num_threads(1)
     found = {}
-    with tracing_through_shardtensors():
-        for variant in VARIANTS:
-            counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-            step = training_step(name, variant == "shardtensor", 16, 64, compiled=counter)
-            for _ in range(warmup):
-                step()
-            start = time.process_time()
-            for _ in range(steps):
-                step()
-            cpu_ms = (time.process_time() - start) / steps * 1e3
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(steps):
-                step()
-            profile.disable()
-            found[variant] = {
-                "cpu_ms": round(cpu_ms, 2),
-                "frames": counter.frame_count,
-                "pieces": _pieces(pstats.Stats(profile), steps),
-            }
+    for variant in VARIANTS:
+        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+        step = training_step(name, variant == "shardtensor", 16, 64, compiled=counter)
+        for _ in range(warmup):
+            step()
+        start = time.process_time()
+        for _ in range(steps):
+            step()
+        cpu_ms = (time.process_time() - start) / steps * 1e3
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(steps):
+            step()
+        profile.disable()
+        found[variant] = {
+            "cpu_ms": round(cpu_ms, 2),
+            "frames": counter.frame_count,
+            "pieces": _pieces(pstats.Stats(profile), steps),
+        }
     return {"rank": dist.get_rank(), **found}
 
 

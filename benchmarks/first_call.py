@@ -76,7 +76,6 @@ from torch.distributed.tensor import Shard
 from benchmarks._common import Goal, emit, emit_summary, on_ranks, parse_arguments, rank_pools
 from shardsci import ShardTensor, clear_caches
 from shardsci.tensor._api import from_local_spec, grad_spec
-from shardsci.tensor._torch_compat import dynamo_config
 from shardsci.testing import Layout, RankFailure, get_mesh
 from tests import op_db_sweep
 from tests.layouts import CASES, SPATIAL_2D
@@ -294,7 +293,7 @@ def _prepare_process(case: str) -> None:
     before each case sweeps only what cases left (not the database's 400,000 objects)."""
     before = len(_prepared)
     if "process" not in _prepared:
-        dynamo_config.fake_tensor_cache_enabled = False
+        torch._dynamo.config.fake_tensor_cache_enabled = False
         x = ShardTensor.from_local(torch.ones(3, 2), get_mesh((WORLD,)), [Shard(0)])
         (x.sum(0) * 2).full_tensor()
         _prepared.add("process")

@@ -33,9 +33,9 @@ on ShardTensors by the dispatch path they took (NOTE [Dispatch paths] in
 host time per outermost op (``us_per_op``, inclusive of the ops it runs; one step, rank 0).
 
 Compiled (``--compiled BACKEND``, ``aot_eager`` or ``inductor``): after the eager record, the
-same two steps with the model ``torch.compile``'d, both inside ``tracing_through_shardtensors()``
-(NOTE [torch.compile and ShardTensor]; entering it drops dynamo's compiled code, so the two
-compiled variants are timed together, apart from the eager ones): ``torch_compiled`` against
+same two steps with the model ``torch.compile``'d, traced through ShardTensors (NOTE
+[torch.compile and ShardTensor]; the two compiled variants are timed together, apart from the
+eager ones): ``torch_compiled`` against
 ``shardtensor_compiled``, two untimed steps first (compilation), then interleaved as above,
 and the frames compiled before and during the timed steps (none during: no recompilation),
 the graph breaks dynamo met while compiling (``torch._dynamo.utils.counters``, with their
@@ -81,7 +81,6 @@ from shardsci import Shard, ShardTensor
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.parallel import domain_parallel
 from shardsci.tensor._dispatch import tally_paths
-from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.testing import get_mesh, run_on_ranks
 
 GOAL_RATIO = 1.5  # issue 21: ShardTensor eager at most this times plain eager's step
@@ -248,23 +247,22 @@ def time_compiled(name: str, rounds: int, steps: int, tile: int, nodes: int, bac
     for v in VARIANTS:
         eager = training_step(name, v == "shardtensor", tile, nodes)
         reference[v] = _values(eager, eager())
-    with tracing_through_shardtensors():
-        counters = {v: torch._dynamo.testing.CompileCounterWithBackend(backend) for v in VARIANTS}
-        runs = {
-            v: training_step(name, v == "shardtensor", tile, nodes, compiled=counters[v])
-            for v in VARIANTS
-        }
-        breaks: dict[str, Counter[str]] = {}
-        difference = {}
-        for v, step in runs.items():
-            torch._dynamo.utils.counters["graph_break"].clear()
-            step()  # compiles
-            out = step()  # a step after the first, which some guards (grads set) differ from
-            breaks[v] = Counter(torch._dynamo.utils.counters["graph_break"])
-            difference[v] = _largest_difference(_values(step, out), reference[v])
-        frames = {v: counters[v].frame_count for v in VARIANTS}
-        cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        wall = interleaved_steps(list(VARIANTS), rounds, lambda v: _timed(runs[v], steps, cpu[v]))
+    counters = {v: torch._dynamo.testing.CompileCounterWithBackend(backend) for v in VARIANTS}
+    runs = {
+        v: training_step(name, v == "shardtensor", tile, nodes, compiled=counters[v])
+        for v in VARIANTS
+    }
+    breaks: dict[str, Counter[str]] = {}
+    difference = {}
+    for v, step in runs.items():
+        torch._dynamo.utils.counters["graph_break"].clear()
+        step()  # compiles
+        out = step()  # a step after the first, which some guards (grads set) differ from
+        breaks[v] = Counter(torch._dynamo.utils.counters["graph_break"])
+        difference[v] = _largest_difference(_values(step, out), reference[v])
+    frames = {v: counters[v].frame_count for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    wall = interleaved_steps(list(VARIANTS), rounds, lambda v: _timed(runs[v], steps, cpu[v]))
     recompiled = {v: counters[v].frame_count - frames[v] for v in VARIANTS}
     return {
         "wall": wall,

@@ -15,9 +15,6 @@ without code generation); ``-m slow`` runs the same bodies with inductor's gener
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -30,7 +27,7 @@ from shardsci import attention_exchange
 from shardsci.compiling import compile_regions, region_summary
 from shardsci.graph import GraphPartition, partition_nodes
 from shardsci.models import MeshGraphNet, UNet
-from shardsci.tensor import ShardTensor, _torch_compile
+from shardsci.tensor import ShardTensor
 from shardsci.tensor._api import from_local_spec
 from shardsci.testing import (
     Layout,
@@ -104,18 +101,6 @@ def _compiled_equals_eager(
         )
 
 
-@contextmanager
-def _eager_under_compile_warnings() -> Iterator[list[warnings.WarningMessage]]:
-    """The ``EagerUnderCompileWarning``s given inside, as if none had been given before in
-    this (pooled, long-lived) rank process."""
-    _torch_compile.forget_eager_under_compile_warning()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        said: list[warnings.WarningMessage] = []
-        yield said
-    said += [w for w in caught if w.category is _torch_compile.EagerUnderCompileWarning]
-
-
 def _unet_regions_body(
     backend: str, mesh_shape: tuple[int, ...], coordinates: str = "none"
 ) -> None:
@@ -133,26 +118,21 @@ def _unet_regions_body(
         ]
     _probe_call(model, whole, layouts[0], mesh)
     frames = []
-    with _eager_under_compile_warnings() as said:
-        for layout in layouts:
-            model.zero_grad(set_to_none=True)
-            before = counter.frame_count
-            check_against_reference(
-                lambda m, x: m(x),
-                [whole],
-                [layout],
-                mesh,
-                module=model,
-                not_a_gather="the halos of 8-channel features outweigh the 1-channel input",
-                what=str(layout.sizes),
-            )
-            assert_all_ranks(
-                counter.frame_count == before, "regions compiled under a dispatch mode"
-            )
-            _compiled_equals_eager(model, [whole], [layout], mesh, str(layout.sizes))
-            frames.append(counter.frame_count)
-    # Regions compile plain local tensors: no ShardTensor op runs inside compiled code.
-    assert_all_ranks(not said, f"compile_regions warned: {[str(w.message) for w in said]}")
+    for layout in layouts:
+        model.zero_grad(set_to_none=True)
+        before = counter.frame_count
+        check_against_reference(
+            lambda m, x: m(x),
+            [whole],
+            [layout],
+            mesh,
+            module=model,
+            not_a_gather="the halos of 8-channel features outweigh the 1-channel input",
+            what=str(layout.sizes),
+        )
+        assert_all_ranks(counter.frame_count == before, "regions compiled under a dispatch mode")
+        _compiled_equals_eager(model, [whole], [layout], mesh, str(layout.sizes))
+        frames.append(counter.frame_count)
     regions = [name for name, status in region_summary(model).items() if status == "region"]
     assert_all_ranks(
         frames[0] > 0 and frames[1] == frames[0],
@@ -318,27 +298,6 @@ def _meshgraphnet_regions_body(backend: str) -> None:
 
 def test_meshgraphnet_regions_equal_eager_on_two_partitions() -> None:
     run_on_ranks(2, _meshgraphnet_regions_body, FAST, timeout_s=600)
-
-
-def _plain_torch_compile_body() -> None:
-    mesh = get_mesh((2,))
-    model = torch.compile(_unet(), backend=FAST)
-    whole = torch.randn(2, 1, 64, 48, dtype=torch.float64)
-    with _eager_under_compile_warnings() as said:
-        check_against_reference(
-            lambda m, x: m(x), [whole], [Layout((Shard(2),), {2: [37, 27]})], mesh, module=model
-        )
-    # Every op of the UNet ran eagerly under torch.compile; one line said so.
-    assert_all_ranks(
-        len(said) == 1 and "compile_regions" in str(said[0].message),
-        f"eager ShardTensor ops under torch.compile: {len(said)} warnings (expected 1)",
-    )
-
-
-def test_plain_torch_compile_runs_shardtensor_ops_eagerly_and_says_so() -> None:
-    """The reported failure: ``torch.compile(UNet)`` on a 37/27 split raised on both ranks.
-    And it ran eagerly with no word: now one warning per process names what to do."""
-    run_on_ranks(2, _plain_torch_compile_body, timeout_s=600)
 
 
 @pytest.mark.slow

@@ -18,7 +18,6 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardsci import gather_policy
 from shardsci.handlers import from_local_spec
-from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
@@ -235,8 +234,7 @@ def _compiled_writes_body() -> None:
         torch._dynamo.reset()
         shard = _sharded(u, layout, mesh).requires_grad_()
         shard_g = g.clone().requires_grad_()
-        with tracing_through_shardtensors():
-            out = torch.compile(write, backend="aot_eager")(shard, shard_g)
+        out = torch.compile(write, backend="aot_eager")(shard, shard_g)
         (out.full_tensor() * projection).sum().backward()
         for name, actual, reference in (
             ("output", out.full_tensor(), expected),

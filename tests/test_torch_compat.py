@@ -336,10 +336,6 @@ def _no_dispatch(cm: Callable) -> None:
     assert seen == []
 
 
-def _dynamo_config(config: object) -> None:
-    assert isinstance(config.nontraceable_tensor_subclasses, set)  # type: ignore[attr-defined]
-
-
 def _functorch_config(config: object) -> None:
     flag = config.disable_guess_zero_tangent_for_mutated_input_subclass  # type: ignore[attr-defined]
     assert isinstance(flag, bool)
@@ -507,10 +503,17 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "_current_autograd_node": _current_node,
     "Tensor_is_zerotensor": _zerotensor,
     "Module_call_impl": lambda call: call.__code__.co_name == "_call_impl",
-    "dynamo_config": _dynamo_config,
     "trace_rules": _trace_rules,
     "functorch_config": _functorch_config,
-    "inductor_config": lambda config: isinstance(config.layout_optimization, bool),
+    "GraphLowering": lambda cls: (
+        "is_inference" in inspect.signature(cls.decide_layout_opt).parameters
+    ),
+    "aot_autograd_module": lambda module: callable(
+        module.run_functionalized_fw_and_collect_metadata
+    ),
+    "aot_graph_compile": lambda module: _takes("joint_gm", "joint_inputs", "aot_config")(
+        module.run_joint_graph_passes_on_hops
+    ),
     "inductor_lowerings": _inductor_lowerings,
     "inductor_virtualized": _has("graph"),
     "inductor_decomposition": lambda module: (
@@ -524,7 +527,6 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "DispatchKeySet": lambda keys: keys(_torch_compat.DispatchKey.CPU).has(
         _torch_compat.DispatchKey.CPU
     ),
-    "get_eval_frame_callback": lambda fn: fn() in (None, False),
     "get_proxy_mode": _proxy_mode,
     "disable_current_modes": _disable_modes,
     "nn_pad": lambda pad: pad(torch.ones(1, 2), (1, 0), "constant", 0.0).tolist() == [[0.0, 1, 1]],

@@ -1,5 +1,6 @@
-"""``torch.compile(model)`` traced through ShardTensors, the experimental opt-in
-``tracing_through_shardtensors`` (NOTE [torch.compile and ShardTensor]).
+"""``torch.compile(model)`` traced through ShardTensors, by default, with no switch (NOTE
+[torch.compile and ShardTensor]); a plain-tensor model compiled in the same process keeps
+torch's own behaviour.
 
 Each case compiles a function of ShardTensors with AOTAutograd (``aot_eager``: forward and
 backward aten graphs, no code generation) and checks, on 2 gloo ranks with uneven shards:
@@ -33,7 +34,6 @@ from shardsci.parallel import domain_parallel
 from shardsci.tensor import ShardTensor, _graph_collectives
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._spec import ShardTensorSpec
-from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.testing import (
     Layout,
     assert_all_ranks,
@@ -144,7 +144,7 @@ GATHERING = {"fft"}
 
 
 def _compiled_body(case: str) -> None:
-    with tracing_through_shardtensors(), allowed_if(case in GATHERING):
+    with allowed_if(case in GATHERING):
         _check_compiled(case)
 
 
@@ -183,6 +183,59 @@ def _check_compiled(case: str) -> None:
     )
 
 
+def _torch_configs() -> dict[str, dict]:
+    """Every setting of dynamo, AOTAutograd, inductor and ``torch.compiler``, by module."""
+    import torch._inductor.config
+
+    modules = {
+        "dynamo": torch._dynamo.config,
+        "functorch": torch._functorch.config,
+        "inductor": torch._inductor.config,
+        "compiler": torch.compiler.config,
+    }
+    return {name: module.get_config_copy() for name, module in modules.items()}
+
+
+def _plain_after_shardtensors_body() -> None:
+    before = _torch_configs()
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
+    spec = LAYOUTS[0].spec(mesh, whole)
+    traced = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    out = torch.compile(PointwiseChain(), backend=traced)(from_local_spec(spec.narrow(whole), spec))
+    assert_close_all_ranks(
+        out.full_tensor(), PointwiseChain()(whole), atol=1e-12, rtol=1e-12, what="traced output"
+    )
+    assert_all_ranks(
+        traced.frame_count == 1 and traced.op_count > 0,
+        f"ShardTensor function: {traced.frame_count} frames, {traced.op_count} ops compiled",
+    )
+    plain = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    double = torch.compile(lambda t: t * 2, backend=plain)
+    for rows in (4, 5, 6):  # 5 recompiles with the rows dynamic, which 6 then reuses
+        double(torch.randn(rows, 3))
+    assert_all_ranks(
+        plain.frame_count == 2, f"plain function: {plain.frame_count} frames (expected 2)"
+    )
+    after = _torch_configs()
+    changed = {
+        f"{name}.{key}": (before[name][key], value)
+        for name, config in after.items()
+        for key, value in config.items()
+        if before[name].get(key) != value
+    }
+    assert_all_ranks(not changed, f"torch settings changed by compiling ShardTensors: {changed}")
+
+
+# A plain-tensor function compiled in the same process keeps torch's behaviour, and compiling
+# a ShardTensor function changes no torch setting: tracing through used to be an opt-in that
+# turned automatic dynamic shapes off for everyone (the plain function then compiled three
+# frames, its rows never dynamic), among five other global settings.
+def test_torch_compile_traces_shardtensors_and_leaves_plain_tensors_to_torch() -> None:
+    run_on_ranks(2, _plain_after_shardtensors_body, timeout_s=300)
+
+
 # The halo case compiles 6 graphs with halo code inlined: about 65 s on this machine (load 9);
 # the flatten case about 32 s (load 6), the interpolate case 44 s (load 8-12).
 SLOW_CASES = ("conv", "flatten", "interpolate")
@@ -196,65 +249,61 @@ def test_torch_compile_traces_through_shardtensors(case: str) -> None:
 
 
 def _zoo_body(backend: str, name: str, mesh_shape: tuple[int, ...]) -> None:
-    with tracing_through_shardtensors():
-        mesh = get_mesh(mesh_shape)
-        torch.manual_seed(0)
-        model = MODELS[name]().double()
-        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-        compiled = torch.compile(model, backend=counter)
-        volume = name.endswith("3d")
-        whole = torch.randn((1, 2, 8, 6, 6) if volume else (2, 2, 16, 12), dtype=torch.float64)
-        frames = []
-        for layout in (VOLUME_LAYOUTS if volume else FIELD_LAYOUTS)[mesh_shape]:
-            for again in (False, True):
-                with torch._dynamo.config.patch(error_on_recompile=again):
-                    _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
-            frames.append(counter.frame_count)
-        assert_all_ranks(frames == [2, 3], f"{name}: frames compiled after each layout {frames}")
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+    volume = name.endswith("3d")
+    whole = torch.randn((1, 2, 8, 6, 6) if volume else (2, 2, 16, 12), dtype=torch.float64)
+    frames = []
+    for layout in (VOLUME_LAYOUTS if volume else FIELD_LAYOUTS)[mesh_shape]:
+        for again in (False, True):
+            with torch._dynamo.config.patch(error_on_recompile=again):
+                _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
+        frames.append(counter.frame_count)
+    assert_all_ranks(frames == [2, 3], f"{name}: frames compiled after each layout {frames}")
 
 
 def _meshgraphnet_body(backend: str, methods: tuple[str, ...] = ("metis", "rcb")) -> None:
     """The MeshGraphNet on partitions of one mesh graph (by default METIS, then RCB: new
     node and edge shard sizes), compiled whole: nodes and edges sharded along dim 0, the edge
     index along dim 1."""
-    with tracing_through_shardtensors():
-        mesh = get_mesh((2,))
-        positions, edge_index = _mesh_graph()
-        generator = torch.Generator().manual_seed(1)
-        nodes = torch.randn(positions.shape[0], 3, generator=generator, dtype=torch.float64)
-        edges = torch.randn(edge_index.shape[1], 3, generator=generator, dtype=torch.float64)
-        torch.manual_seed(0)
-        model = MeshGraphNet(
-            node_in=3, edge_in=3, node_out=2, hidden=8, processor_blocks=2
-        ).double()
-        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-        compiled = torch.compile(model, backend=counter)
-        frames = []
-        for method in methods:
-            parts = partition_nodes(
-                edge_index, positions.shape[0], 2, method=method, coordinates=positions
-            )
-            partition = GraphPartition.build(edge_index, parts, 2)
-            inputs = [
-                nodes[partition.node_order],
-                edges[partition.edge_order],
-                partition.edge_index,
-            ]
-            layouts = [
-                Layout((Shard(0),), {0: partition.node_sizes}),
-                Layout((Shard(0),), {0: partition.edge_sizes}),
-                Layout((Shard(1),), {1: partition.edge_sizes}),
-            ]
-            for again in (False, True):
-                with torch._dynamo.config.patch(error_on_recompile=again):
-                    _compiled_equals_eager(compiled, inputs, layouts, mesh, method, reference=model)
-            frames.append(counter.frame_count)
-        # The gathers break the graph inside the blocks' loop, so dynamo runs the model's
-        # forward eagerly and compiles the frames it calls, each once per partition.
-        assert_all_ranks(
-            all(f <= 2 * frames[0] for f in frames[1:]),
-            f"meshgraphnet: frames after each partition {frames}",
+    mesh = get_mesh((2,))
+    positions, edge_index = _mesh_graph()
+    generator = torch.Generator().manual_seed(1)
+    nodes = torch.randn(positions.shape[0], 3, generator=generator, dtype=torch.float64)
+    edges = torch.randn(edge_index.shape[1], 3, generator=generator, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = MeshGraphNet(node_in=3, edge_in=3, node_out=2, hidden=8, processor_blocks=2).double()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+    frames = []
+    for method in methods:
+        parts = partition_nodes(
+            edge_index, positions.shape[0], 2, method=method, coordinates=positions
         )
+        partition = GraphPartition.build(edge_index, parts, 2)
+        inputs = [
+            nodes[partition.node_order],
+            edges[partition.edge_order],
+            partition.edge_index,
+        ]
+        layouts = [
+            Layout((Shard(0),), {0: partition.node_sizes}),
+            Layout((Shard(0),), {0: partition.edge_sizes}),
+            Layout((Shard(1),), {1: partition.edge_sizes}),
+        ]
+        for again in (False, True):
+            with torch._dynamo.config.patch(error_on_recompile=again):
+                _compiled_equals_eager(compiled, inputs, layouts, mesh, method, reference=model)
+        frames.append(counter.frame_count)
+    # The gathers break the graph inside the blocks' loop, so dynamo runs the model's
+    # forward eagerly and compiles the frames it calls, each once per partition.
+    assert_all_ranks(
+        all(f <= 2 * frames[0] for f in frames[1:]),
+        f"meshgraphnet: frames after each partition {frames}",
+    )
 
 
 class RoundTrip(nn.Module):
@@ -283,33 +332,31 @@ class LinearInALoop(nn.Module):
 
 
 def _graph_break_body(name: str) -> None:
-    with tracing_through_shardtensors():
-        mesh = get_mesh((2,))
-        torch.manual_seed(0)
-        model = {"round-trip": RoundTrip, "eager-fallback": LinearInALoop}[name]().double()
-        compiled = torch.compile(model, backend="aot_eager")
-        whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
-        for layout in LAYOUTS:
-            for again in (False, True):
-                with torch._dynamo.config.patch(error_on_recompile=again):
-                    _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    model = {"round-trip": RoundTrip, "eager-fallback": LinearInALoop}[name]().double()
+    compiled = torch.compile(model, backend="aot_eager")
+    whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
+    for layout in LAYOUTS:
+        for again in (False, True):
+            with torch._dynamo.config.patch(error_on_recompile=again):
+                _compiled_equals_eager(compiled, [whole], [layout], mesh, f"{name} {layout}")
 
 
 def _sharding_shapes_break_body() -> None:
-    with tracing_through_shardtensors():
-        mesh = get_mesh((2,))
-        whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
-        spec = LAYOUTS[0].spec(mesh, whole)
-        x = from_local_spec(spec.narrow(whole).contiguous(), spec)
-        explained = torch._dynamo.explain(RoundTrip())(x)
-        reasons = [str(b.reason) for b in explained.break_reasons]
-        assert_all_ranks(
-            explained.graph_count == 2
-            and len(reasons) == 1
-            and "returned non-Tensor" in reasons[0]
-            and "sharding_shapes" in reasons[0],
-            f"{explained.graph_count} graphs, breaks {reasons}",
-        )
+    mesh = get_mesh((2,))
+    whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
+    spec = LAYOUTS[0].spec(mesh, whole)
+    x = from_local_spec(spec.narrow(whole).contiguous(), spec)
+    explained = torch._dynamo.explain(RoundTrip())(x)
+    reasons = [str(b.reason) for b in explained.break_reasons]
+    assert_all_ranks(
+        explained.graph_count == 2
+        and len(reasons) == 1
+        and "returned non-Tensor" in reasons[0]
+        and "sharding_shapes" in reasons[0],
+        f"{explained.graph_count} graphs, breaks {reasons}",
+    )
 
 
 # ``x.sharding_shapes()`` is not traced (dynamo puts a subclass's own method into its graph as
@@ -354,7 +401,7 @@ def _unused_output_body() -> None:
     # Autograd's plain zeros for the output no loss reaches are allocated at the global shape
     # before shardsci sees them (NOTE [torch.compile and ShardTensor]): that gradient built
     # whole is stated, and it is the only gather.
-    with tracing_through_shardtensors(), gather_policy("allow"), record_gathers() as gathers:
+    with gather_policy("allow"), record_gathers() as gathers:
         mesh = get_mesh((2,))
         compiled = torch.compile(TwoFieldsWithABreak(), backend="aot_eager")
         whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
@@ -388,11 +435,10 @@ class ScaledInPlaceBetweenBreaks(nn.Module):
 
 
 def _mutated_input_body() -> None:
-    with tracing_through_shardtensors():
-        mesh = get_mesh((2,))
-        compiled = torch.compile(ScaledInPlaceBetweenBreaks(), backend="aot_eager")
-        whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
-        _compiled_equals_eager(compiled, [whole], LAYOUTS[:1], mesh, "mutated input")
+    mesh = get_mesh((2,))
+    compiled = torch.compile(ScaledInPlaceBetweenBreaks(), backend="aot_eager")
+    whole = torch.randn(WHOLE_SHAPE, dtype=torch.float64)
+    _compiled_equals_eager(compiled, [whole], LAYOUTS[:1], mesh, "mutated input")
 
 
 # Failed with "we guessed its metadata incorrectly. Expected: None (type <class
@@ -442,31 +488,30 @@ def _sharded_step(
 
 def _one_sided_body(backend: str, layout_name: str) -> None:
     mesh_shape, layout = ONE_SIDED[layout_name]
-    with tracing_through_shardtensors():
-        mesh = get_mesh(mesh_shape)
-        model = PoolThenUpsample().double()
-        whole = torch.randn(2, 2, 8, 6, dtype=torch.float64)
-        projection = torch.randn_like(whole)
-        reference = whole.clone().requires_grad_()
-        expected = model(reference)
-        (expected * projection).sum().backward()
-        spec = layout.spec(mesh, whole)
-        single = (expected.detach(), spec.narrow(reference.grad), model.scale.grad.clone())
-        eager = _sharded_step(model, whole, spec, projection)
-        compiled = _sharded_step(torch.compile(model, backend=backend), whole, spec, projection)
-        what = f"{backend}, {layout_name}"
-        assert_all_ranks(
-            (compiled[0].placements, compiled[0].shardings)
-            == (eager[0].placements, eager[0].shardings),
-            f"{what}: compiled output layout {compiled[0]}, eager {eager[0]}",
-        )
-        for name, values in (("eager", eager[1:]), ("compiled", compiled[1:])):
-            for part, value, one_process in zip(
-                ("output", "input gradient", "scale gradient"), values, single
-            ):
-                assert_close_all_ranks(
-                    value, one_process, atol=1e-12, rtol=1e-12, what=f"{what}: {name} {part}"
-                )
+    mesh = get_mesh(mesh_shape)
+    model = PoolThenUpsample().double()
+    whole = torch.randn(2, 2, 8, 6, dtype=torch.float64)
+    projection = torch.randn_like(whole)
+    reference = whole.clone().requires_grad_()
+    expected = model(reference)
+    (expected * projection).sum().backward()
+    spec = layout.spec(mesh, whole)
+    single = (expected.detach(), spec.narrow(reference.grad), model.scale.grad.clone())
+    eager = _sharded_step(model, whole, spec, projection)
+    compiled = _sharded_step(torch.compile(model, backend=backend), whole, spec, projection)
+    what = f"{backend}, {layout_name}"
+    assert_all_ranks(
+        (compiled[0].placements, compiled[0].shardings)
+        == (eager[0].placements, eager[0].shardings),
+        f"{what}: compiled output layout {compiled[0]}, eager {eager[0]}",
+    )
+    for name, values in (("eager", eager[1:]), ("compiled", compiled[1:])):
+        for part, value, one_process in zip(
+            ("output", "input gradient", "scale gradient"), values, single
+        ):
+            assert_close_all_ranks(
+                value, one_process, atol=1e-12, rtol=1e-12, what=f"{what}: {name} {part}"
+            )
 
 
 # Without every rank joining each traced collective (NOTE [A traced collective is an effect])
@@ -520,7 +565,6 @@ def _effects_in_order_body() -> None:
     rank = torch.distributed.get_rank()
     x, y = torch.full((3,), rank + 1.0), torch.full((4,), rank + 1.0)
     with (
-        tracing_through_shardtensors(),
         torch.compiler.config.patch(force_disable_caches=True),
         torch._inductor.config.patch(_post_fusion_custom_pass=_latest_ready_first),
     ):
@@ -548,7 +592,7 @@ def test_inductor_keeps_the_collectives_of_a_graph_in_program_order() -> None:
 @pytest.mark.parametrize("shape", [(4, 0), (2, 4, 0, 3)])
 def test_inductor_adds_empty_complex_shards(shape: tuple[int, ...]) -> None:
     x = torch.zeros(shape, dtype=torch.complex128)
-    with tracing_through_shardtensors(), torch.compiler.config.patch(force_disable_caches=True):
+    with torch.compiler.config.patch(force_disable_caches=True):
         total = torch.compile(torch.add, backend="inductor")(x, x)
     assert total.shape == shape and total.dtype == torch.complex128
 
@@ -563,8 +607,7 @@ def test_a_users_joint_pass_runs_after_shardscis() -> None:
 
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     with torch._functorch.config.patch(joint_custom_pass=users_pass):
-        with tracing_through_shardtensors():
-            torch.compile(lambda t: (t.sin() * 2).sum(), backend="aot_eager")(x).backward()
+        torch.compile(lambda t: (t.sin() * 2).sum(), backend="aot_eager")(x).backward()
         assert torch._functorch.config.joint_custom_pass is users_pass
     assert len(seen) == 1 and seen[0] > 0, f"the user's pass ran on {seen} joint graphs"
     assert torch.allclose(x.grad, 2 * x.detach().cos())
@@ -586,14 +629,13 @@ class TwoSpectralLayers(nn.Module):
 
 
 def _spectral_body() -> None:
-    with tracing_through_shardtensors():
-        mesh = get_mesh((2,))
-        model = TwoSpectralLayers().double()
-        whole = torch.randn(2, 4, 16, 12, dtype=torch.float64)
-        layout = Layout((Shard(2),), {2: (10, 6)})
-        with torch.compiler.config.patch(force_disable_caches=True):
-            compiled = torch.compile(model, backend="inductor")
-            _compiled_equals_eager(compiled, [whole], [layout], mesh, "spectral", reference=model)
+    mesh = get_mesh((2,))
+    model = TwoSpectralLayers().double()
+    whole = torch.randn(2, 4, 16, 12, dtype=torch.float64)
+    layout = Layout((Shard(2),), {2: (10, 6)})
+    with torch.compiler.config.patch(force_disable_caches=True):
+        compiled = torch.compile(model, backend="inductor")
+        _compiled_equals_eager(compiled, [whole], [layout], mesh, "spectral", reference=model)
 
 
 # The all-to-alls of the backward ran in different orders on the two ranks until inductor's
@@ -762,82 +804,79 @@ def _parallel_step(model: nn.Module, whole: torch.Tensor, dim: int, sizes: tuple
 
 def _compiled_reduction_body(backend: str, case: str) -> None:
     module_type, shape, dim, sizes, wrapped, sums = PARALLEL_CASES[case]
-    with tracing_through_shardtensors():
-        generator = torch.Generator().manual_seed(3)
-        whole = torch.randn(shape, dtype=torch.float64, generator=generator)
-        torch.manual_seed(0)
-        reference = module_type().double()
-        whole_leaf = whole.clone().requires_grad_()
-        expected = reference(whole_leaf)
-        (expected * expected).sum().backward()
-        rank = torch.distributed.get_rank()
-        input_grad = whole_leaf.grad.narrow(dim, sum(sizes[:rank]), sizes[rank])
-        model = copy.deepcopy(reference)
-        mesh = get_mesh((1, len(sizes)), ("dp", "domain"))
-        if wrapped:
-            model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
-        eager = _parallel_step(model, whole, dim, sizes)
-        recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
-        compiled_model = torch.compile(
-            model, backend=recorder if backend == "aot_eager" else backend
-        )
-        _parallel_step(compiled_model, whole, dim, sizes)  # compiles
-        compiled = _parallel_step(compiled_model, whole, dim, sizes)
-        names = [name for name, _ in reference.named_parameters()]
-        single = (expected.detach(), input_grad, *(p.grad for p in reference.parameters()))
-        for name, step in (("eager", eager), ("compiled", compiled)):
-            assert_all_ranks(
-                (step[1].placements, [(s.dim, s.sizes) for s in step[1].shardings])
-                == ((Shard(dim),), [(dim, sizes)]),
-                f"{backend}, {case}: {name} output layout {step[1]}",
-            )
-            parts = ["output", "input gradient", *names]
-            for part, value, one_process in zip(parts, step[2:], single):
-                assert_close_all_ranks(
-                    value,
-                    one_process,
-                    atol=1e-12,
-                    rtol=1e-12,
-                    what=f"{backend}, {case}: {name} {part}",
-                )
-        # (calls, bytes sent) of the kinds that sum gradients; eager halos are messages,
-        # compiled ones all-to-alls.
-        compiled_sums, eager_sums = (
-            {kind: (t.calls_by_kind[kind], t.sent_by_kind[kind]) for kind in sums}
-            for t in (compiled[0], eager[0])
-        )
+    generator = torch.Generator().manual_seed(3)
+    whole = torch.randn(shape, dtype=torch.float64, generator=generator)
+    torch.manual_seed(0)
+    reference = module_type().double()
+    whole_leaf = whole.clone().requires_grad_()
+    expected = reference(whole_leaf)
+    (expected * expected).sum().backward()
+    rank = torch.distributed.get_rank()
+    input_grad = whole_leaf.grad.narrow(dim, sum(sizes[:rank]), sizes[rank])
+    model = copy.deepcopy(reference)
+    mesh = get_mesh((1, len(sizes)), ("dp", "domain"))
+    if wrapped:
+        model = domain_parallel(model, mesh, dp_axis="dp", domain_axes=["domain"])
+    eager = _parallel_step(model, whole, dim, sizes)
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    compiled_model = torch.compile(model, backend=recorder if backend == "aot_eager" else backend)
+    _parallel_step(compiled_model, whole, dim, sizes)  # compiles
+    compiled = _parallel_step(compiled_model, whole, dim, sizes)
+    names = [name for name, _ in reference.named_parameters()]
+    single = (expected.detach(), input_grad, *(p.grad for p in reference.parameters()))
+    for name, step in (("eager", eager), ("compiled", compiled)):
         assert_all_ranks(
-            compiled_sums == eager_sums
-            and {kind: calls for kind, (calls, _) in eager_sums.items()} == sums,
-            f"{backend}, {case}: backward (calls, bytes sent) compiled {compiled_sums}, eager "
-            f"{eager_sums} (expected calls {sums})",
+            (step[1].placements, [(s.dim, s.sizes) for s in step[1].shardings])
+            == ((Shard(dim),), [(dim, sizes)]),
+            f"{backend}, {case}: {name} output layout {step[1]}",
         )
-        # One op hands a backward's every use of a weight to the reducer (or sums it).
-        gradient_ops = [
-            [
-                node.args[1]._opname
-                for node in graph.graph.nodes
-                if node.target is torch.ops.higher_order.with_effects
-                and node.args[1]._opname.startswith("summed_gradient")
-            ]
-            for graph in recorder.bw_graphs
-        ]
-        assert_all_ranks(
-            all(len(ops) <= 1 for ops in gradient_ops),
-            f"{backend}, {case}: gradient ops per backward graph {gradient_ops} (expected one)",
-        )
-        # torch.autograd.grad captures the gradients: the reducer cannot take them, so the
-        # compiled backward sums each use over the mesh itself.
-        out = compiled_model(_domain_input(whole, dim, sizes, mesh["domain"])[1])
-        captured = torch.autograd.grad((out * out).sum().full_tensor(), list(model.parameters()))
-        for part, value, one_process in zip(names, captured, single[2:]):
+        parts = ["output", "input gradient", *names]
+        for part, value, one_process in zip(parts, step[2:], single):
             assert_close_all_ranks(
                 value,
                 one_process,
                 atol=1e-12,
                 rtol=1e-12,
-                what=f"{backend}, {case}: autograd.grad {part}",
+                what=f"{backend}, {case}: {name} {part}",
             )
+    # (calls, bytes sent) of the kinds that sum gradients; eager halos are messages,
+    # compiled ones all-to-alls.
+    compiled_sums, eager_sums = (
+        {kind: (t.calls_by_kind[kind], t.sent_by_kind[kind]) for kind in sums}
+        for t in (compiled[0], eager[0])
+    )
+    assert_all_ranks(
+        compiled_sums == eager_sums
+        and {kind: calls for kind, (calls, _) in eager_sums.items()} == sums,
+        f"{backend}, {case}: backward (calls, bytes sent) compiled {compiled_sums}, eager "
+        f"{eager_sums} (expected calls {sums})",
+    )
+    # One op hands a backward's every use of a weight to the reducer (or sums it).
+    gradient_ops = [
+        [
+            node.args[1]._opname
+            for node in graph.graph.nodes
+            if node.target is torch.ops.higher_order.with_effects
+            and node.args[1]._opname.startswith("summed_gradient")
+        ]
+        for graph in recorder.bw_graphs
+    ]
+    assert_all_ranks(
+        all(len(ops) <= 1 for ops in gradient_ops),
+        f"{backend}, {case}: gradient ops per backward graph {gradient_ops} (expected one)",
+    )
+    # torch.autograd.grad captures the gradients: the reducer cannot take them, so the
+    # compiled backward sums each use over the mesh itself.
+    out = compiled_model(_domain_input(whole, dim, sizes, mesh["domain"])[1])
+    captured = torch.autograd.grad((out * out).sum().full_tensor(), list(model.parameters()))
+    for part, value, one_process in zip(names, captured, single[2:]):
+        assert_close_all_ranks(
+            value,
+            one_process,
+            atol=1e-12,
+            rtol=1e-12,
+            what=f"{backend}, {case}: autograd.grad {part}",
+        )
 
 
 # 2 ranks, aot_eager: the compiled backward all-reduced the weight and the bias once per use

@@ -23,9 +23,9 @@ from shardsci.tensor._spec import ShardTensorSpec
 # Importing these binds the promotion of replicated operands and registers the handlers.
 from shardsci.tensor import _promotion  # noqa: F401  isort: skip
 from shardsci.tensor import _ops  # noqa: F401  isort: skip
-from shardsci.tensor._torch_compile import keep_dynamo_out  # isort: skip
+from shardsci.tensor._torch_compile import compile_through  # isort: skip
 
-keep_dynamo_out(ShardTensor)
+compile_through(ShardTensor)
 
 __all__ = [
     "CommStats",

@@ -29,7 +29,7 @@ from shardsci.tensor._layout_inference import explicit_dim_sizes, sizes_for_from
 from shardsci.tensor._redistribute import redistribute_local, target_spec
 from shardsci.tensor._spec import ShardTensorSpec, replicated_spec
 from shardsci.tensor._torch_compat import Tensor_is_zerotensor, _make_wrapper_subclass
-from shardsci.tensor._torch_compile import allow_in_graph
+from shardsci.tensor._torch_compile import allow_in_graph, static_for_dynamo
 
 __all__ = [
     "ShardTensor",
@@ -88,6 +88,11 @@ class ShardTensor(torch.Tensor):
         return f"ShardTensor(local={self._local}, spec={self._spec})"
 
     def __tensor_flatten__(self) -> tuple[list[str], ShardTensorSpec]:
+        # Its sizes and the shard's are the layout's, guarded by the spec: static for dynamo
+        # whatever automatic dynamic shapes make of a new layout (NOTE [torch.compile and
+        # ShardTensor]).
+        static_for_dynamo(self)
+        static_for_dynamo(self._local)
         return ["_local"], self._spec
 
     @staticmethod

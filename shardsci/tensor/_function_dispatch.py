@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardsci.tensor import _torch_compile
 from shardsci.tensor._gather_guard import check_result, dispatching
 from shardsci.tensor._registry import function_handler_for
-from shardsci.tensor._torch_compat import _disabled_torch_function_impl, get_eval_frame_callback
+from shardsci.tensor._torch_compat import _disabled_torch_function_impl
 
 __all__ = ["bind_promotion", "dispatch"]
 
@@ -37,8 +36,6 @@ def bind_promotion(cls: type, promote: Callable[[torch.Tensor, DeviceMesh], torc
 
 
 def dispatch(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
-    if _torch_compile.watching and get_eval_frame_callback() not in (None, False):
-        _torch_compile.warn_eager_under_compile()  # NOTE [torch.compile and ShardTensor]
     handler = function_handler_for(func)
     if handler is not None:
         ops = dispatching()  # NOTE [Gathers an op was not asked to make]

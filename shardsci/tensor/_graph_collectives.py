@@ -38,15 +38,16 @@ and the peak-memory reordering (``reorder_for_peak_memory``, on by default) choo
 from buffer sizes, which are a rank's own: the FNO on 2 ranks of 10/6 rows ran its backward's
 all-to-alls in another order on rank 0 than on rank 1 (gloo: "1536 vs 1280 ... Received data
 size doesn't match expected size"; the graphs AOTAutograd traced agreed on both ranks).
-``effects_in_program_order`` re-keys each edge by operation name while
-``tracing_through_shardtensors`` is active, so every pass of the scheduler keeps it; where
-torch already keys them so, it changes nothing.
+``lowered_in_program_order`` re-keys each edge from one of shardsci's ops by operation name
+(installed when inductor loads; other effects are left as torch lowers them), so every pass
+of the scheduler keeps it; where torch already keys them so, it changes nothing. Every graph
+holding shardsci's effects is compiled with it, so inductor's caches need no key of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ __all__ = [
     "all_reduce",
     "all_to_all_single",
     "broadcast",
-    "effects_in_program_order",
+    "lowered_in_program_order",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -138,15 +139,19 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch
     return _broadcast(tensor, src, group.group_name)
 
 
-def _lowered_in_program_order(lower: Callable[..., Any]) -> Callable[..., Any]:
-    """Inductor's lowering of ``with_effects``, whose ordering edges to the previous effect
-    are then keyed by operation name, as the scheduler reads them (NOTE [A traced collective
-    is an effect])."""
+def lowered_in_program_order(lower: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's lowering of ``with_effects`` (installed when inductor loads), whose ordering
+    edges from one of shardsci's ops to the previous effect are then keyed by operation name,
+    as the scheduler reads them (NOTE [A traced collective is an effect]); other effects are
+    lowered as torch lowers them."""
 
-    def with_effects(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(lower)
+    def with_effects(token: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(op, "namespace", None) != "shardsci":
+            return lower(token, op, *args, **kwargs)
         graph = _torch_compat.inductor_virtualized.graph
         first = len(graph.operations)
-        result = lower(*args, **kwargs)
+        result = lower(token, op, *args, **kwargs)
         edges = graph.additional_star_deps
         for operation in graph.operations[first:]:
             by_buffer = edges.pop(operation.get_name(), None)
@@ -155,23 +160,3 @@ def _lowered_in_program_order(lower: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return with_effects
-
-
-@contextmanager
-def effects_in_program_order() -> Iterator[None]:
-    """Inside the block, graphs inductor compiles run their effects (shardsci's collectives,
-    the summed gradients) in program order on every rank (NOTE [A traced collective is an
-    effect])."""
-    lowerings = _torch_compat.inductor_lowerings
-    hop = torch.ops.higher_order.with_effects
-    lower = lowerings[hop]
-    lowerings[hop] = _lowered_in_program_order(lower)
-    # Inductor's caches key a graph by its config, not by its lowerings: code compiled
-    # without the edges (a cache written before, or outside the block) must not be reused.
-    tag = torch.compiler.config.cache_key_tag
-    torch.compiler.config.cache_key_tag = f"{tag}+shardsci-effects-in-program-order"
-    try:
-        yield
-    finally:
-        torch.compiler.config.cache_key_tag = tag
-        lowerings[hop] = lower

@@ -30,7 +30,7 @@ autograd, never written to ``.grad``); and, in forward, a ShardTensor on another
 the sink's, a tensor the sink does not own (a weight derived from a parameter, ``w.t()`` or a
 parametrisation: its gradient must flow back through autograd).
 
-Compiled (``tracing_through_shardtensors``): while torch.compile traces, no sink can claim
+Compiled (``torch.compile`` traced through ShardTensors): while torch.compile traces, no sink can claim
 (AOTAutograd runs the promotion on fake tensors, outside the model's forward), so the choice
 moves to run time. A traced promotion's backward hands its gradient's local shard, with the
 weight saved from forward (the Parameter itself when the compiled backward runs), to
@@ -42,16 +42,17 @@ sharded gradient: an all-reduce of it padded with zeros sent 1056 bytes where ea
 compiled ``domain_parallel`` step all-reduced each use in the graph and the reducer again
 (the same test, a linear layer used twice: 5 all-reduces, eager 1).
 A graph's uses are handed over in one op: AOTAutograd's joint graph passes through
-``one_gradient_op_per_graph`` (functorch's ``joint_custom_pass``, set inside
-``tracing_through_shardtensors``, so under every backend), which replaces its
+``one_gradient_op_per_graph`` (after AOTAutograd's own joint passes and before a user's
+``joint_custom_pass``, so under every backend: NOTE [torch.compile and ShardTensor]), which
+replaces its
 ``summed_gradient`` effects by one ``summed_gradients`` (lists) where the last one was (the
 compiled 2-rank ViT step: 56 effect calls, ~46 us each, became one; the same bytes and
 collectives, ``tests/test_torch_compile_through.py``, the linear layer used twice and the
 convolutions around a GroupNorm).
 The weight must reach the op as the Parameter: inductor's layout optimisation fed every op of
 a graph, and saved for backward, a channels-last copy of each convolution's weight, which no
-sink owns (a convolution and a GroupNorm: 4 all-reduces, eager 2), so it is off inside
-``tracing_through_shardtensors``. A weight the op meets as another tensor is still summed
+sink owns (a convolution and a GroupNorm: 4 all-reduces, eager 2), so inductor declines it
+for a graph holding shardsci's ops (``_torch_compile``). A weight the op meets as another tensor is still summed
 correctly, in the graph.
 """
 

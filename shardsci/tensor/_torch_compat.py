@@ -242,18 +242,27 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "the frame of a module's call, for naming the module an unasked-for gather ran in",
     ),
     # --- torch.compile and the dry-run planner
-    "dynamo_config": _at("torch._dynamo.config", "keeping dynamo from tracing into ShardTensor"),
     "trace_rules": _at(
         "torch._dynamo.trace_rules",
-        "keeping dynamo from tracing shardsci.tensor, or from compiling its frames on their own",
+        "keeping dynamo from compiling shardsci.tensor's frames on their own (inlined instead)",
     ),
     "functorch_config": _at(
         "torch._functorch.config",
         "tracing the gradient of a ShardTensor a compiled graph mutates in place as a ShardTensor",
     ),
-    "inductor_config": _at(
-        "torch._inductor.config",
-        "keeping inductor from feeding a traced promotion a channels-last copy of a weight",
+    "GraphLowering": _at(
+        "torch._inductor.graph:GraphLowering",
+        "declining layout optimisation for a graph holding shardsci's ops (its decide_layout_opt)",
+    ),
+    "aot_autograd_module": _at(
+        "torch._functorch.aot_autograd",
+        "tracing the gradient of a ShardTensor a compiled graph mutates in place as a "
+        "ShardTensor (its run_functionalized_fw_and_collect_metadata)",
+    ),
+    "aot_graph_compile": _at(
+        "torch._functorch._aot_autograd.graph_compile",
+        "running shardsci's joint pass after torch's (its run_joint_graph_passes_on_hops)",
+        after="torch._functorch.aot_autograd",
     ),
     "inductor_lowerings": _at(
         "torch._inductor.lowering:lowerings",
@@ -290,10 +299,6 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     "EffectType": _at(
         "torch._higher_order_ops.effects:_EffectType",
         "the kind of effect (ORDERED) of a traced collective",
-    ),
-    "get_eval_frame_callback": _at(
-        "torch._C._dynamo.eval_frame:get_eval_frame_callback",
-        "whether a ShardTensor op runs eagerly inside a torch.compile'd call",
     ),
     "get_proxy_mode": _at(
         "torch.fx.experimental.proxy_tensor:get_proxy_mode",

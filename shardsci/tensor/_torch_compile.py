@@ -1,38 +1,40 @@
-"""How ``torch.compile`` meets ShardTensors: eagerly (default), or traced through (opt-in).
+"""How ``torch.compile`` traces through ShardTensors: what shardsci tells dynamo, AOTAutograd
+and inductor, each scoped to ShardTensors and shardsci's own code and ops.
 
 # NOTE [torch.compile and ShardTensor]
-By default dynamo does not trace ShardTensor code (``keep_dynamo_out``: ShardTensor on its
-non-traceable subclass list, ``shardsci.tensor`` on its skip list), so ``torch.compile(model)``
-on ShardTensor inputs gives eager results with every ShardTensor op run eagerly: dynamo breaks
-the graph at the first ShardTensor op ("Attempted to inline function marked as skipped",
-``dispatch``; ``TORCH_LOGS=graph_breaks`` shows it) and, finding nothing to compile, runs the
-frame as it is (``torch._dynamo.explain`` reports one graph, no break). The user is told once
-per process: ``__torch_function__`` (``_function_dispatch.dispatch``) checks, while
-``watching``, whether dynamo's frame callback is set, as it is for the whole call of a
-``torch.compile``'d function, its eager parts included, and not in code torch.compile
-disabled; the first ShardTensor op run there gives an ``EagerUnderCompileWarning`` naming
-what to do (``tests/test_compile.py``: one warning under ``torch.compile(UNet)``, none under
-``compile_regions``). ``torch.compiler.is_compiling()`` cannot tell this: it is true only while
-dynamo traces Python, and dynamo never traces the skipped package. Compiled speed comes from
-``shardsci.compiling.compile_regions`` (NOTE [Compiled local regions]), which compiles what
-each rank computes alone, on plain local tensors, outside ShardTensor dispatch.
-
-``tracing_through_shardtensors()`` (experimental, a context manager, tested on small modules
-and, under ``-m slow``, the zoo: ``tests/test_torch_compile_through.py``) lets dynamo
-and AOTAutograd trace through instead: ``__tensor_flatten__`` gives the local shard as the
-one inner tensor and the spec as context; dynamo runs each op on fake shards to learn its
+``torch.compile(model)`` on ShardTensor inputs traces through them, with no switch: dynamo
+and AOTAutograd see the subclass (``__tensor_flatten__`` gives the local shard as the one
+inner tensor and the spec as context); dynamo runs each op on fake shards to learn its
 output's spec; AOTAutograd runs the same Python (``__torch_dispatch__`` and the autograd
 Functions' backward included) on functional fake shards, so the backend receives plain
-forward and backward graphs over local tensors. What makes that sound:
+forward and backward graphs over local tensors. A plain-tensor model compiled in the same
+process is compiled as torch compiles it: shardsci changes no torch config that governs it
+(``tests/test_torch_compile_through.py``: automatic dynamic shapes still make a plain
+input's changing dim dynamic, and the configs keep torch's values after a ShardTensor
+graph). What makes tracing through sound, each scoped to ShardTensors or shardsci's code:
 - ``ShardTensor.__metadata_guard__`` compares the spec by value: a graph runs again only on
   the layout it was traced for (every shard extent and hint); a new layout compiles once more.
-  Shard sizes are constants of the graph, never SymInts.
+- Shard sizes are constants of the graph, never SymInts: ``__tensor_flatten__`` marks the
+  ShardTensor and its local shard static (``static_for_dynamo``, ``mark_static``'s mark), so
+  automatic dynamic shapes, left on for everyone, do not make a new layout's shard sizes
+  SymInts. Inside the opt-in this replaced (before 2026-11-30), automatic dynamic shapes were
+  off for everyone, after a user's ``ShardTensor.from_local(torch.sin(x.to_local()),
+  x.device_mesh, x.placements, x.sharding_shapes())`` on a second layout put SymInts into the
+  spec ("unhashable type: non-nested SymInt"). With torch's default and without the marks,
+  that round trip, the halo convolutions, the global mean and a new global shape
+  (``tests/test_torch_compile_cache.py``) all passed on 2026-11-30: no test is known to fail
+  without the marks; they are kept as the one place that says shard sizes are static. A
+  plain tensor the user passes into a compiled function and turns into a ShardTensor there is
+  the user's: if its size changes, dynamo makes it dynamic as torch does. The mark is an
+  attribute that stays on the tensor: a user's tensor given to ``from_local`` as the shard,
+  compiled later as a plain input, is static too.
 - Collectives are effects in the graph while tracing (``in_graph``): ``_collectives`` issues
   all-to-all, all-reduce, all-gather and broadcast as ``_graph_collectives``' ops, which wrap
   the ``_c10d_functional`` ones and which no compiler removes or reorders (NOTE [A traced
-  collective is an effect]), and halo messages as one all-to-all with a zero split for every
-  rank that is not a neighbour (torch 2.11-2.13 have no functional point-to-point
-  collective), joined by every member of the group whenever any member exchanges.
+  collective is an effect]; inductor's lowering of shardsci's effects keeps their order),
+  and halo messages as one all-to-all with a zero split for every rank that is not a
+  neighbour (torch 2.11-2.13 have no functional point-to-point collective), joined by every
+  member of the group whenever any member exchanges.
 - Bytes are not recorded while tracing, so ``comm_counter`` counts eager collectives only.
 How dynamo meets the function handlers (torch 2.13): for a torch function in torch's
 overridable set (``F.conv2d``, ``torch.einsum``, ``F.group_norm``, ``Tensor.__getitem__``...)
@@ -51,38 +53,35 @@ dynamo inlines ``__torch_function__``, so it traces the handler's Python; for ot
   the ops on shards as constants of the trace (``graph_constant``). On fake shards the tables
   were fake and their values unbacked SymInts: "unhashable type: non-nested SymInt" at the
   plan cache (``tests/test_torch_compile_through.py``'s ``interpolate`` case failed so).
-Why it is not the default (measured 2026-11-28, torch 2.13, 2 uneven ranks unless said): the
-FNO, the ViT and the Transolver trace, equal to the single-process model in float64, forward
-and every gradient, with one recompilation for a new layout and none for a seen one; so does
-the UNet (``tests/zoo.py``) on 2 ranks (10/6 -> 8/8 rows) and a 2x2 mesh, whole, in one
-graph with no graph break (``aot_eager``; on 2 ranks inductor too). Its gradients were
-wrong until 2026-11-28 (off by 0.25, or 1e40 from memory never written): the all-to-all a
-rank joined only to send one side of a pooling window's halo was dead code on that rank and
-was removed (NOTE [A traced collective is an effect]). The FNO and the Transolver also
-trace in 3-D (2 ranks) and the Transolver on 2x2; the FNO with inductor too. The
-MeshGraphNet (2 ranks, METIS then RCB parts) compiles equal to eager since 2026-11-29: its
-neighbour gathers plan messages from the edge index's values (``aten._local_scalar_dense``,
-data-dependent graph breaks inside the blocks' loop), so dynamo runs its forward eagerly
-and compiles the frames it calls (6 frames a partition). Not the default because of what
-that took (below); with inductor the UNet, the FNO, the ViT and the Transolver pass on 2
-ranks (the last two since 2026-11-29: 437 and 303 s). The CFD recipe compiles
-(``train.compile``) equal to eager.
-Code that breaks the graph: inside the ``with`` block ``shardsci.tensor`` is inlined where
-traced code calls it and never compiled as a frame of its own (dynamo's
-``BUILTIN_INLINE_WHEN_CALLED``, with the package on its skip list). After a break in a loop
-dynamo runs the frame eagerly with its callback set and compiles every frame it calls: it
-compiled ``ShardTensor.__new__``, resuming on a half-built tensor ("'ShardTensor' object has
-no attribute '_spec'"), and ``promote_replicated`` and a scatter handler's tail, guarded on
-a cache's size, recompiling at every call (the MeshGraphNet's second call raised under
-``error_on_recompile``). Automatic dynamic shapes are off, so a plain tensor's sizes stay
-constants as shard sizes do (a user's ``ShardTensor.from_local(torch.sin(
-x.to_local()), x.device_mesh, x.placements, x.sharding_shapes())`` on a second layout put
-SymInts into the spec: "unhashable type: non-nested SymInt"). That round trip still breaks
-the graph at ``x.sharding_shapes()``, with dynamo's reason ("torch.* op returned non-Tensor
-... op: call_method; target: sharding_shapes"): dynamo puts a subclass's own method into its
-graph as a method call, whose dict result a graph cannot hold; a function handler registered
-for the method did not change that (2026-11-29). ``torch._dynamo.explain`` shows one break
-there (``tests/test_torch_compile_through.py``); the rest of the function compiles.
+What compiles (measured 2026-11-28/29, torch 2.13, 2 uneven ranks unless said): the FNO, the
+ViT and the Transolver trace, equal to the single-process model in float64, forward and every
+gradient, with one recompilation for a new layout and none for a seen one; so does the UNet
+(``tests/zoo.py``) on 2 ranks (10/6 -> 8/8 rows) and a 2x2 mesh, whole, in one graph with no
+graph break (``aot_eager``; on 2 ranks inductor too). Its gradients were wrong until
+2026-11-28 (off by 0.25, or 1e40 from memory never written): the all-to-all a rank joined
+only to send one side of a pooling window's halo was dead code on that rank and was removed
+(NOTE [A traced collective is an effect]). The FNO and the Transolver also trace in 3-D (2
+ranks) and the Transolver on 2x2; the FNO with inductor too. The MeshGraphNet (2 ranks,
+METIS then RCB parts) compiles equal to eager: its neighbour gathers plan messages from the
+edge index's values (``aten._local_scalar_dense``, data-dependent graph breaks inside the
+blocks' loop), so dynamo runs its forward eagerly and compiles the frames it calls (6 frames
+a partition). With inductor the UNet, the FNO, the ViT and the Transolver pass on 2 ranks
+(the last two in 437 and 303 s). The CFD recipe compiles (``train.compile``) equal to eager.
+Until 2026-11-30 all of this was an opt-in context manager that changed torch's global
+config for the user's plain-tensor code too; each change is now scoped, as follows.
+Code that breaks the graph: ``shardsci.tensor`` is on dynamo's skip list for frames of its
+own and inlined where traced code calls it (dynamo's ``BUILTIN_INLINE_WHEN_CALLED``, for
+shardsci's files only). After a break in a loop dynamo runs the frame eagerly with its
+callback set and compiles every frame it calls: it compiled ``ShardTensor.__new__``,
+resuming on a half-built tensor ("'ShardTensor' object has no attribute '_spec'"), and
+``promote_replicated`` and a scatter handler's tail, guarded on a cache's size, recompiling
+at every call (the MeshGraphNet's second call raised under ``error_on_recompile``). The
+round trip above still breaks the graph at ``x.sharding_shapes()``, with dynamo's reason
+("torch.* op returned non-Tensor ... op: call_method; target: sharding_shapes"): dynamo puts
+a subclass's own method into its graph as a method call, whose dict result a graph cannot
+hold; a function handler registered for the method did not change that (2026-11-29).
+``torch._dynamo.explain`` shows one break there (``tests/test_torch_compile_through.py``);
+the rest of the function compiles.
 The FNO's compiled backward first met a gradient whose spec equals the traced one in layout
 but is another object ("we guessed its metadata incorrectly"), which
 ``ShardTensor.__coerce_same_metadata_as_tangent__`` now re-labels. An output of a compiled
@@ -90,25 +89,37 @@ graph that no loss reaches gets plain zeros of the global shape as its gradient 
 autograd fills an undefined gradient of a Function's output from its size alone), where
 AOTAutograd traced a ShardTensor: "Expected a ShardTensor tangent but got a plain Tensor". A
 graph break inside a block that returns two fields makes such outputs: the MeshGraphNet's last
-processor block returned edges its decoder never reads (it no longer updates them). Inside
-the ``with`` block AOTAutograd's check of each incoming gradient
-(``AOTDispatchAutograd.process_runtime_tangent``) first reads a plain one there as replicated,
-as eager code does (``_api._as_shard_tensor``), and the coercion above moves it to the traced
-layout (``tests/test_torch_compile_through.py``, an output no loss reaches). Correct, but
-each such output costs every rank a tensor of the global shape per backward, allocated by
-autograd before shardsci sees it, which the gather guard names ("a backward formula built a
-gradient whole ... in the backward of CompiledFunctionBackward"): return from a compiled
-frame nothing that no loss needs. ``tests/test_torch_compile_through.py`` steps the
-compiled MeshGraphNet under ``gather_policy("error")``.
+processor block returned edges its decoder never reads (it no longer updates them).
+AOTAutograd's check of each incoming gradient (``AOTDispatchAutograd.process_runtime_tangent``)
+first reads a plain one where a ShardTensor was traced as replicated, as eager code does
+(``_api._as_shard_tensor``; a plain gradient where a plain tensor was traced is untouched),
+and the coercion above moves it to the traced layout (``tests/test_torch_compile_through.py``,
+an output no loss reaches). Correct, but each such output costs every rank a tensor of the
+global shape per backward, allocated by autograd before shardsci sees it, which the gather
+guard names ("a backward formula built a gradient whole ... in the backward of
+CompiledFunctionBackward"): return from a compiled frame nothing that no loss needs.
+``tests/test_torch_compile_through.py`` steps the compiled MeshGraphNet under
+``gather_policy("error")``.
 The other way round: AOTAutograd guesses that the gradient of an input a graph mutates in
 place is plain (autograd's zeros, when nothing reads the input afterwards) and traced one of
 the global shape; the MeshGraphNet's aggregation (``zeros_like(nodes).index_add_``, whose
 handler breaks the graph before writing) mutates a ShardTensor input that the next block
 reads, and its ShardTensor gradient was refused ("Expected: None (type <class
-'torch.Tensor'>), got: ShardTensorSpec(..."). Inside the ``with`` block such a gradient is
-traced as a ShardTensor (functorch's ``disable_guess_zero_tangent_for_mutated_input_subclass``),
-and plain zeros, where they come, are read as replicated as above
+'torch.Tensor'>), got: ShardTensorSpec(..."). For a graph with a ShardTensor input, such a
+gradient is traced as a subclass (functorch's
+``disable_guess_zero_tangent_for_mutated_input_subclass``, on only while AOTAutograd collects
+that graph's metadata: torch 2.13 has no per-subclass hook, only NestedTensor's own rule), and
+plain zeros, where they come, are read as replicated as above
 (``tests/test_torch_compile_through.py``, a graph that mutates a ShardTensor input).
+Inductor's layout optimisation is declined for a graph that holds shardsci's ops
+(``GraphLowering.decide_layout_opt``; ``tests/test_torch_compile_through.py``'s inductor
+``conv-norm`` step, NOTE [Where the gradient of a replicated parameter is summed]); a graph
+without them is optimised as torch decides, which includes the forward of a ShardTensor
+convolution that exchanges no halo (a one-rank mesh, a layout split along the batch) whose
+backward holds the gradient's op: not run yet (torch 2.13 decides per graph, from the graph
+alone). shardsci's joint pass (one op sums a backward's
+gradients of a replicated weight) runs after AOTAutograd's own joint passes, before a user's
+``joint_custom_pass``, which shardsci leaves as the user set it.
 The ViT and the Transolver failed in dynamo's fake run of ``flatten`` until the view rule's
 fallback for a view the local shard's memory layout cannot take (an einsum's permuted output;
 the spec's stride is contiguous) also caught the ValueError a fake tensor's view raises (a
@@ -117,11 +128,11 @@ real one raises RuntimeError): ``tests/test_torch_compile_through.py``'s ``flatt
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -129,7 +140,6 @@ from typing import Any
 import torch
 
 from shardsci.tensor import _torch_compat
-from shardsci.tensor._graph_collectives import effects_in_program_order
 from shardsci.tensor._torch_compat import (
     _get_dispatch_mode,
     _TorchDispatchModeKey,
@@ -139,41 +149,15 @@ from shardsci.tensor._torch_compat import (
 )
 
 __all__ = [
-    "EagerUnderCompileWarning",
     "allow_in_graph",
-    "forget_eager_under_compile_warning",
+    "compile_through",
     "graph_constant",
     "in_graph",
-    "keep_dynamo_out",
     "on_the_host",
-    "tracing_through_shardtensors",
-    "warn_eager_under_compile",
+    "static_for_dynamo",
 ]
 
-_state: dict[str, type | None] = {"kept_out": None}
-
-JointPass = Callable[[torch.fx.GraphModule, Any], torch.fx.GraphModule]
-"""functorch's ``joint_custom_pass``: (joint graph, its inputs) -> joint graph."""
-
-#: True while an eager ShardTensor op under ``torch.compile`` would still be news: dynamo is
-#: kept out and the warning not yet given. Read on every ShardTensor function call.
-watching = False
-_warned = False
-
-
-class EagerUnderCompileWarning(UserWarning):
-    """``torch.compile`` met ShardTensors and runs their ops eagerly; said once per process."""
-
-
-EAGER_UNDER_COMPILE = (
-    "torch.compile runs ShardTensor ops eagerly: dynamo does not trace ShardTensor code, so "
-    "no compiled graph holds them and this model is not compiled where it meets "
-    "ShardTensors. To compile the modules each rank computes alone, call "
-    "shardsci.compiling.compile_regions(model) (without torch.compile); to trace through "
-    "ShardTensors, compile and run inside "
-    "shardsci.tensor._torch_compile.tracing_through_shardtensors() (experimental). "
-    "Said once per process; NOTE [torch.compile and ShardTensor]."
-)
+_state: dict[str, type | None] = {"subclass": None}
 
 
 def in_graph() -> bool:
@@ -203,14 +187,14 @@ def graph_constant(plan: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return plan
 
 
-def keep_dynamo_out(cls: type) -> None:
-    """Called once by ``shardsci.tensor`` with the ShardTensor class: the default, set in
-    dynamo's config when dynamo loads (NOTE [Dynamo is configured when it loads])."""
-    global watching
-    _state["kept_out"] = cls
-    watching = not _warned
-    if "torch._dynamo" in sys.modules:
-        _configure_dynamo()
+def compile_through(cls: type) -> None:
+    """Called once by ``shardsci.tensor`` with the ShardTensor class: what torch.compile must
+    know to trace through it, told to each compiler stage when it loads (NOTE [Dynamo is
+    configured when it loads])."""
+    _state["subclass"] = cls
+    for name, configure in _WHEN_LOADED.items():
+        if name in sys.modules:
+            configure(cls)
 
 
 def allow_in_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -226,95 +210,162 @@ def allow_in_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
 # Importing torch._dynamo (and the inductor modules it imports) cost about 1 s of CPU, a
 # sixth of a rank's start-up (``import shardsci.train``: 6.3 s before, 5.3 s after, 2026-11-29,
 # benchmarks/records/2026-11-29-startup), which every rank of every run paid although only a
-# compiled run needs dynamo. So shardsci does not import it: what shardsci tells dynamo (ShardTensor
-# and ``shardsci.tensor`` on its skip lists, the ``allow_in_graph`` wrappers) is told by an
-# import hook when something imports torch._dynamo (torch.compile does, before it traces),
-# or at once where it is already imported. tests/test_dynamo_on_demand.py checks that
-# importing shardsci's training command does not import dynamo, and that dynamo imported
-# afterwards keeps ShardTensor out and lets the wrappers in.
+# compiled run needs dynamo. So shardsci does not import it, nor AOTAutograd or inductor: what
+# shardsci tells each of them (NOTE [torch.compile and ShardTensor]) is told by an import hook
+# once that stage's module has run (torch.compile imports them before it traces), or at once
+# where it is already imported. tests/test_dynamo_on_demand.py checks that importing
+# shardsci's training command imports none of them, and that each imported afterwards is told.
 _allowed_in_graph: list[Callable[..., Any]] = []
 
 
-def _configure_dynamo() -> None:
-    """Tell dynamo what shardsci registered so far (the hook runs it once dynamo loads)."""
+def _configure_dynamo(cls: type) -> None:
+    """Dynamo traces ShardTensor (it is not on the non-traceable list) and inlines
+    ``shardsci.tensor`` where traced code calls it, never compiling a frame of its own."""
     for fn in _allowed_in_graph:
         torch.compiler.allow_in_graph(fn)
-    if _state["kept_out"] is not None:
-        _torch_compat.dynamo_config.nontraceable_tensor_subclasses.add(_state["kept_out"])
-        _torch_compat.trace_rules.add("shardsci.tensor")
+    trace_rules = _torch_compat.trace_rules
+    trace_rules.add("shardsci.tensor")
+    trace_rules.BUILTIN_INLINE_WHEN_CALLED.add(os.path.dirname(__file__) + os.sep)
 
 
-class _ConfigureDynamoWhenItLoads(importlib.abc.MetaPathFinder):
-    """Finds ``torch._dynamo`` as the other finders do, and has its loader call
-    ``_configure_dynamo`` once the module has run; then leaves ``sys.meta_path``."""
+def _configure_aot_autograd(cls: type) -> None:
+    """AOTAutograd: plain gradients where a ``cls`` was traced read as replicated, mutated
+    ``cls`` inputs' gradients traced as ``cls``, shardsci's joint pass after torch's."""
+    from shardsci.tensor._promotion import one_gradient_op_per_graph  # it imports this module
+
+    aot_autograd = _torch_compat.AOTDispatchAutograd
+    process = aot_autograd.__dict__["process_runtime_tangent"].__func__
+    aot_autograd.process_runtime_tangent = staticmethod(
+        _plain_tangents_read_as_replicated(process, cls)
+    )
+    module = _torch_compat.aot_autograd_module
+    module.run_functionalized_fw_and_collect_metadata = _mutated_inputs_tangents_as(
+        module.run_functionalized_fw_and_collect_metadata, cls
+    )
+    graph_compile = _torch_compat.aot_graph_compile
+    graph_compile.run_joint_graph_passes_on_hops = _then(
+        graph_compile.run_joint_graph_passes_on_hops, one_gradient_op_per_graph
+    )
+
+
+def _configure_inductor_lowering(cls: type) -> None:
+    """Inductor keeps shardsci's effects in program order."""
+    from shardsci.tensor._graph_collectives import lowered_in_program_order
+
+    lowerings = _torch_compat.inductor_lowerings
+    hop = torch.ops.higher_order.with_effects
+    lowerings[hop] = lowered_in_program_order(lowerings[hop])
+
+
+def _configure_inductor_graph(cls: type) -> None:
+    """Inductor declines layout optimisation for a graph holding shardsci's ops."""
+    lowering = _torch_compat.GraphLowering
+    lowering.decide_layout_opt = staticmethod(
+        _no_layout_optimization_with_shardsci(lowering.__dict__["decide_layout_opt"].__func__)
+    )
+
+
+def _configure_inductor_decomposition(cls: type) -> None:
+    """Inductor leaves sums of empty complex shards to aten, in both of its tables (the
+    second is built from the first at its first call, and cached)."""
+    module = _torch_compat.inductor_decomposition
+    op = torch.ops.aten.add.Tensor
+    module.decompositions[op] = _empty_complex_sums_left_to_aten(module.decompositions[op])
+    if module.fast_random_decomps.cache_info().currsize:
+        table = module.fast_random_decomps()
+        table[op] = _empty_complex_sums_left_to_aten(table[op])
+
+
+_WHEN_LOADED: dict[str, Callable[[type], None]] = {
+    "torch._dynamo": _configure_dynamo,
+    "torch._functorch.aot_autograd": _configure_aot_autograd,
+    "torch._inductor.lowering": _configure_inductor_lowering,
+    "torch._inductor.graph": _configure_inductor_graph,
+    "torch._inductor.decomposition": _configure_inductor_decomposition,
+}
+"""Module -> what shardsci tells it (or the modules it imports), once it has run."""
+
+
+class _ConfigureWhenLoaded(importlib.abc.MetaPathFinder):
+    """Finds each module of ``_WHEN_LOADED`` as the other finders do, and has its loader
+    configure it once the module has run."""
+
+    finding: set[str] = set()
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch._dynamo":
+        if name not in _WHEN_LOADED or name in self.finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.finding.add(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.finding.discard(name)
         if spec is None or spec.loader is None:
             return spec
         run_module = spec.loader.exec_module
 
         def run_then_configure(module: Any) -> None:
             run_module(module)
-            _configure_dynamo()
+            if _state["subclass"] is not None:
+                _WHEN_LOADED[name](_state["subclass"])
 
         spec.loader.exec_module = run_then_configure  # type: ignore[method-assign]
         return spec
 
 
-if "torch._dynamo" not in sys.modules:
-    sys.meta_path.insert(0, _ConfigureDynamoWhenItLoads())
+if not all(name in sys.modules for name in _WHEN_LOADED):
+    sys.meta_path.insert(0, _ConfigureWhenLoaded())
 
 
-def warn_eager_under_compile() -> None:
-    """Called by ``__torch_function__`` while ``watching``, for an op that runs inside a call
-    of a ``torch.compile``'d function (dynamo's frame callback is set): eagerly, where the
-    user asked for compiled code. Warns once per process."""
-    global watching, _warned
-    watching, _warned = False, True
-    warnings.warn(EAGER_UNDER_COMPILE, EagerUnderCompileWarning, stacklevel=3)
+def static_for_dynamo(tensor: torch.Tensor) -> None:
+    """Every dim of ``tensor`` static for dynamo (``torch._dynamo.mark_static``'s mark),
+    whatever automatic dynamic shapes would make of it: a shard's sizes are part of its
+    layout, guarded by the spec (NOTE [torch.compile and ShardTensor])."""
+    tensor._dynamo_static_indices = set(range(tensor.dim()))  # type: ignore[attr-defined]
 
 
-def forget_eager_under_compile_warning() -> None:
-    """Warn again, at the next eager ShardTensor op under ``torch.compile``: for tests."""
-    global watching, _warned
-    _warned = False
-    watching = _state["kept_out"] is not None
+def _holds_shardsci_ops(module: torch.fx.GraphModule) -> bool:
+    """Whether ``module`` calls one of shardsci's ops, bare or as an effect."""
+    with_effects = torch.ops.higher_order.with_effects
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.args[1] if node.target is with_effects else node.target
+        if getattr(target, "namespace", None) == "shardsci":
+            return True
+    return False
 
 
-def _empty_sums_left_to_aten(decompose: Callable[..., Any]) -> Callable[..., Any]:
-    """Inductor's decomposition of ``aten.add`` that leaves an empty operand to aten: for
-    complex operands it views them as real pairs, which an empty tensor's strides refuse
-    (torch 2.13: ``torch.compile(lambda x, y: x + y)`` on two ``(4, 0)`` complex tensors
-    raises "self.stride(0) must be divisible by 2 to view Double as ComplexDouble"), and a
-    rank's FFT shard is empty where it holds no kept mode (the FNO on a 2x2 mesh)."""
+def _no_layout_optimization_with_shardsci(decide: Callable[..., bool]) -> Callable[..., bool]:
+    """Inductor's ``GraphLowering.decide_layout_opt``, declining for a graph that holds
+    shardsci's ops: layout optimisation replaces a convolution's weight, in every op of the
+    graph, by a channels-last copy that no gradient sink owns (NOTE [Where the gradient of a
+    replicated parameter is summed]); each use of the weight was then summed in the graph
+    and again by the reducer."""
 
+    @functools.wraps(decide)
+    def decide_layout_opt(module: torch.fx.GraphModule, *, is_inference: bool) -> bool:
+        if _holds_shardsci_ops(module):
+            return False
+        return decide(module, is_inference=is_inference)
+
+    return decide_layout_opt
+
+
+def _empty_complex_sums_left_to_aten(decompose: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's decomposition of ``aten.add`` that leaves an empty complex operand to aten:
+    it views complex operands as real pairs, which an empty tensor's strides refuse (torch
+    2.13: ``torch.compile(lambda x, y: x + y)`` on two ``(4, 0)`` complex tensors raises
+    "self.stride(0) must be divisible by 2 to view Double as ComplexDouble"), and a rank's FFT
+    shard is empty where it holds no kept mode (the FNO on a 2x2 mesh)."""
+
+    @functools.wraps(decompose)
     def add(x: Any, y: Any, *args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in (x, y)):
+        if any(isinstance(t, torch.Tensor) and t.numel() == 0 and t.is_complex() for t in (x, y)):
             return NotImplemented
         return decompose(x, y, *args, **kwargs)
 
     return add
-
-
-@contextmanager
-def _empty_complex_sums_compiled() -> Iterator[None]:
-    """Inside the block inductor compiles sums of empty complex shards
-    (``_empty_sums_left_to_aten``), in both of its decomposition tables."""
-    module = _torch_compat.inductor_decomposition
-    tables = [module.decompositions, module.fast_random_decomps()]
-    op = torch.ops.aten.add.Tensor
-    kept = [table[op] for table in tables]
-    for table, decompose in zip(tables, kept):
-        table[op] = _empty_sums_left_to_aten(decompose)
-    try:
-        yield
-    finally:
-        for table, decompose in zip(tables, kept):
-            table[op] = decompose
 
 
 def _plain_tangents_read_as_replicated(
@@ -327,6 +378,7 @@ def _plain_tangents_read_as_replicated(
     [torch.compile and ShardTensor]: autograd's zeros for an output the loss does not reach."""
     from shardsci.tensor._api import _as_shard_tensor  # _api imports this module
 
+    @functools.wraps(process)
     def process_runtime_tangent(x: Any, meta: Any, *args: Any, **kwargs: Any) -> Any:
         expected = getattr(meta, "original_subclass_type", None)
         if type(x) is torch.Tensor and expected is not None and issubclass(expected, cls):
@@ -336,89 +388,38 @@ def _plain_tangents_read_as_replicated(
     return process_runtime_tangent
 
 
-def _ours_then(ours: JointPass, users: JointPass | None) -> JointPass:
-    """AOTAutograd's ``joint_custom_pass``: shardsci's, then the one the user had set, if any.
-    Theirs runs last so that it sees the joint graph the partitioner will receive, as it
-    would without shardsci; ours looks only for shardsci's own gradient effects, which a
-    user's pass has no reason to know about."""
-    if users is None:
-        return ours
+def _mutated_inputs_tangents_as(collect: Callable[..., Any], cls: type) -> Callable[..., Any]:
+    """AOTAutograd's ``run_functionalized_fw_and_collect_metadata`` that, for a graph with a
+    ``cls`` input, traces the gradient of a subclass input the graph mutates in place as the
+    subclass (functorch's ``disable_guess_zero_tangent_for_mutated_input_subclass``) where
+    torch guesses a plain one: a ShardTensor read after the graph gets a ShardTensor gradient,
+    which the guess refused; plain zeros, where they come, are read as replicated
+    (``_plain_tangents_read_as_replicated``). Graphs without one keep torch's guess."""
 
-    def joint_custom_pass(module: torch.fx.GraphModule, inputs: Any) -> torch.fx.GraphModule:
-        return users(ours(module, inputs), inputs)
+    @functools.wraps(collect)
+    def run_functionalized_fw_and_collect_metadata(*args: Any, **kwargs: Any) -> Any:
+        inner = collect(*args, **kwargs)
 
-    return joint_custom_pass
+        def collect_metadata(*flat_args: Any) -> Any:
+            if not any(isinstance(a, cls) for a in flat_args):
+                return inner(*flat_args)
+            config = _torch_compat.functorch_config
+            with config.patch(disable_guess_zero_tangent_for_mutated_input_subclass=True):
+                return inner(*flat_args)
+
+        return collect_metadata
+
+    return run_functionalized_fw_and_collect_metadata
 
 
-@contextmanager
-def tracing_through_shardtensors() -> Iterator[None]:
-    """Experimental: inside the ``with`` block ``torch.compile`` traces through ShardTensors
-    (NOTE [torch.compile and ShardTensor] says what works); compile and run inside it. On
-    entry and exit dynamo's compiled code is dropped (``torch.compiler.reset()``)."""
-    cls = _state["kept_out"]
-    if cls is None:  # already inside
-        yield
-        return
-    global watching
-    dynamo_config, trace_rules = _torch_compat.dynamo_config, _torch_compat.trace_rules
-    functorch_config, inductor_config = (
-        _torch_compat.functorch_config,
-        _torch_compat.inductor_config,
-    )
-    dynamo_config.nontraceable_tensor_subclasses.discard(cls)
-    watching = False
-    # shardsci.tensor stays on dynamo's skip list for frames of its own and is inlined where
-    # traced code calls it. After a graph break the eager rest of a compiled call (a frame
-    # with a break in a loop runs all of it) runs with dynamo's frame callback set, which
-    # compiled the frames it called one by one: ShardTensor.__new__ broke at its wrapper and
-    # resumed on a half-built tensor (AttributeError: no attribute '_spec'), and
-    # promote_replicated, guarded on a cache's size, recompiled at every call.
-    package = os.path.dirname(__file__) + os.sep
-    trace_rules.BUILTIN_INLINE_WHEN_CALLED.add(package)
-    # Shapes stay constants of the graph, as shard sizes are: after a new layout, automatic
-    # dynamic shapes made a plain local shard's sizes SymInts, and a spec built from them
-    # ("unhashable type: non-nested SymInt") failed to compile.
-    automatic_dynamic = dynamo_config.automatic_dynamic_shapes
-    dynamo_config.automatic_dynamic_shapes = False
-    # AOTAutograd guesses that the gradient of an input a graph mutates in place is plain
-    # (autograd's zeros); a ShardTensor input that is read after the graph gets a ShardTensor
-    # gradient, which the guess refused. Traced as a ShardTensor, plain zeros still fit
-    # (``_plain_tangents_read_as_replicated``).
-    plain_guess = functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass
-    functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = True
-    # Inductor's layout optimisation replaces a convolution's weight, in every op of a graph,
-    # by a channels-last copy, which no gradient sink owns: each use of the weight was then
-    # summed in the graph and again by the reducer (NOTE [Where the gradient of a replicated
-    # parameter is summed]).
-    layout_optimization = inductor_config.layout_optimization
-    inductor_config.layout_optimization = False
-    # Read when a backward is compiled, so graphs compiled inside keep it after the block;
-    # resolved here, not at import (torch's AOTAutograd modules import one another in order).
-    aot_autograd = _torch_compat.AOTDispatchAutograd
-    process_tangent = aot_autograd.__dict__["process_runtime_tangent"]
-    aot_autograd.process_runtime_tangent = staticmethod(
-        _plain_tangents_read_as_replicated(process_tangent.__func__, cls)
-    )
-    # One op sums a backward's gradients of replicated weights, not one per use (NOTE [Where
-    # the gradient of a replicated parameter is summed]); imported here, as _promotion
-    # imports this module.
-    from shardsci.tensor._promotion import one_gradient_op_per_graph
+def _then(passes: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:
+    """AOTAutograd's ``run_joint_graph_passes_on_hops`` followed by shardsci's joint pass,
+    which looks only for shardsci's own gradient effects (NOTE [Where the gradient of a
+    replicated parameter is summed]); a user's ``joint_custom_pass`` runs after both, on the
+    joint graph the partitioner receives, as without shardsci."""
 
-    joint_pass = functorch_config.joint_custom_pass
-    functorch_config.joint_custom_pass = _ours_then(one_gradient_op_per_graph, joint_pass)
-    torch.compiler.reset()
-    _state["kept_out"] = None
-    try:
-        with effects_in_program_order(), _empty_complex_sums_compiled():
-            yield
-    finally:
-        torch.compiler.reset()
-        aot_autograd.process_runtime_tangent = process_tangent
-        dynamo_config.automatic_dynamic_shapes = automatic_dynamic
-        functorch_config.disable_guess_zero_tangent_for_mutated_input_subclass = plain_guess
-        inductor_config.layout_optimization = layout_optimization
-        functorch_config.joint_custom_pass = joint_pass
-        trace_rules.BUILTIN_INLINE_WHEN_CALLED.discard(package)
-        dynamo_config.nontraceable_tensor_subclasses.add(cls)
-        _state["kept_out"] = cls
-        watching = not _warned
+    @functools.wraps(passes)
+    def run_joint_graph_passes_on_hops(module: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        return ours(passes(module, inputs, *args, **kwargs), inputs)
+
+    return run_joint_graph_passes_on_hops

@@ -24,7 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardsci.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from shardsci.tensor._torch_compile import tracing_through_shardtensors
 from shardsci.training._data_parallel import DataParallelMode, parallelize
 from shardsci.training._errors import NonFiniteLoss
 from shardsci.training._loggers import MetricLogger
@@ -83,9 +82,8 @@ class TrainConfig:
     rollout : RolloutConfig
         Training on k-step rollouts instead of one-step pairs (NOTE [Unrolled training]).
     compile : bool
-        ``torch.compile`` the model (in place), traced through ShardTensors: the run trains
-        inside ``tracing_through_shardtensors()``, experimental (NOTE [torch.compile and
-        ShardTensor] says which models compile). Off by default.
+        ``torch.compile`` the model (in place), traced through ShardTensors (NOTE
+        [torch.compile and ShardTensor] says which models compile). Off by default.
     compile_backend : str
         The ``torch.compile`` backend with ``compile``: ``inductor`` (generated kernels) or
         ``aot_eager`` (AOTAutograd's graphs run op by op, no code generation), or any name
@@ -171,14 +169,7 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train to ``train.steps``; the final metrics (on every rank), also in
         ``metrics.json``. A stop signal ends the run after an agreed step, with a checkpoint
-        of it, by ``SystemExit(128 + signum)`` (NOTE [Stopping a run on a signal]). With
-        ``train.compile`` all of it runs inside ``tracing_through_shardtensors()``."""
-        if not self.config.compile:
-            return self._fit()
-        with tracing_through_shardtensors():
-            return self._fit()
-
-    def _fit(self) -> dict[str, float]:
+        of it, by ``SystemExit(128 + signum)`` (NOTE [Stopping a run on a signal])."""
         config, run = self.config, self.run
         progress = Progress(
             config.steps,

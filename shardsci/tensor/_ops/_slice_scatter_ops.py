@@ -3,8 +3,8 @@ the tensor's layout.
 
 Functionalization turns an in-place write into a slice, ``u[..., 0] = g`` (a Dirichlet
 boundary), into these ops: a functionalized or exported graph run on ShardTensors calls them
-(under ``tracing_through_shardtensors`` the shards are functionalized instead, below this
-dispatch, and these handlers are not reached). DTensor's rule replicates the sliced dim, so
+(under ``torch.compile``, traced through ShardTensors, the shards are functionalized instead,
+below this dispatch, and these handlers are not reached). DTensor's rule replicates the sliced dim, so
 such a graph would gather the field. Here the output has the input's layout and each rank
 writes the part of the source that lands in its own shard (NOTE [A slice write lands where
 its cells are]). An eager ``x[key] = value`` whose basic key touches a split dim is written
