@@ -123,16 +123,46 @@ def every_shard_even(layout: Layout, shape: Sequence[int], mesh: Sequence[int]) 
 Anchor = Callable[[int], int]
 
 
-def owned(sizes: Sequence[int], anchors: Sequence[int]) -> tuple[int, ...]:
+class WindowAnchor:
+    """A window's anchor rule that also knows which input cells each output reads (padding
+    included): ``owned`` then puts an output reading one shard's cells alone on that shard."""
+
+    def __init__(self, centre: Anchor, cells: Callable[[int], list[int]]) -> None:
+        self.centre, self.cells = centre, cells
+
+    def __call__(self, j: int) -> int:
+        return self.centre(j)
+
+
+def owned(
+    sizes: Sequence[int], anchors: Sequence[int], reads: Sequence[list[int]] | None = None
+) -> tuple[int, ...]:
     """Shard sizes of an output whose cell ``j`` belongs to the shard holding input cell
-    ``anchors[j]`` (clamped into the domain; empty shards hold no cell)."""
+    ``anchors[j]`` (clamped into the domain; empty shards hold no cell). With ``reads`` (the
+    input cells each output reads), an output whose cells in the domain lie in one shard
+    belongs to it, and every other output's anchor shard is held between the last such
+    shard before it and the first after it, unless those shards decrease along the dim
+    (NOTE [Which rank owns an output of a windowed op])."""
     extent = sum(sizes)
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-    result = [0] * len(sizes)
-    for anchor in anchors:
-        cell = min(max(anchor, 0), extent - 1)
-        result[next(k for k in range(len(sizes)) if bounds[k] <= cell < bounds[k + 1])] += 1
-    return tuple(result)
+
+    def shard(cell: int) -> int:
+        return next(k for k in range(len(sizes)) if bounds[k] <= cell < bounds[k + 1])
+
+    owners = [shard(min(max(anchor, 0), extent - 1)) for anchor in anchors]
+    if reads is not None:
+        lone = []
+        for cells in reads:
+            shards = {shard(c) for c in cells if 0 <= c < extent}
+            lone.append(shards.pop() if len(shards) == 1 else None)
+        known = [k for k in lone if k is not None]
+        if known == sorted(known):
+            for j, k in enumerate(lone):
+                before = [b for b in lone[:j] if b is not None]
+                after = [a for a in lone[j + 1 :] if a is not None]
+                low, high = max(before, default=0), min(after, default=len(sizes))
+                owners[j] = k if k is not None else min(max(owners[j], low), high)
+    return tuple(owners.count(k) for k in range(len(sizes)))
 
 
 def windowed(
@@ -145,7 +175,10 @@ def windowed(
         sizes = _sizes(layout, shape, mesh)
         for d, anchor in anchors.items():
             if d in sizes:
-                sizes[d] = owned(sizes[d], [anchor(j) for j in range(out_shape[d])])
+                cells = getattr(anchor, "cells", None)
+                outputs = range(out_shape[d])
+                reads = None if cells is None else [cells(j) for j in outputs]
+                sizes[d] = owned(sizes[d], [anchor(j) for j in outputs], reads)
         return Layout(layout.placements, sizes, layout.order)
 
     return of
@@ -153,12 +186,23 @@ def windowed(
 
 def window_anchor(kernel: int, stride: int, padding: int, dilation: int) -> Anchor:
     """A sliding window's centre, rounded down: output ``j`` reads from ``j stride - padding``."""
-    return lambda j: j * stride - padding + dilation * (kernel - 1) // 2
+    return WindowAnchor(
+        lambda j: j * stride - padding + dilation * (kernel - 1) // 2,
+        lambda j: [j * stride - padding + m * dilation for m in range(kernel)],
+    )
 
 
 def transposed_anchor(kernel: int, stride: int, padding: int, dilation: int) -> Anchor:
-    """An upsampling window: output ``i`` is centred on input ``(i + p - d (k - 1) // 2) // s``."""
-    return lambda i: (i + padding - dilation * (kernel - 1) // 2) // stride
+    """An upsampling window: output ``i`` is centred on input ``(i + p - d (k - 1) // 2) // s``
+    and reads inputs ``j`` with ``i + p = j s + m d``."""
+    return WindowAnchor(
+        lambda i: (i + padding - dilation * (kernel - 1) // 2) // stride,
+        lambda i: [
+            (i + padding - m * dilation) // stride
+            for m in range(kernel)
+            if (i + padding - m * dilation) % stride == 0
+        ],
+    )
 
 
 def _per_dim(value: int | Sequence[int], n: int) -> tuple[int, ...]:
@@ -665,6 +709,7 @@ __all__ = [
     "AxisRule",
     "ExpectedLayout",
     "PendingSum",
+    "WindowAnchor",
     "axis_rules",
     "cell_owners",
     "counted",

@@ -4,6 +4,7 @@ uneven and empty shards, 1-D meshes and a 2x2 block decomposition."""
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
 import pytest
@@ -235,3 +236,50 @@ def test_a_halo_extension_is_one_autograd_step() -> None:
             "values": True,
             "grad": True,
         }, result
+
+
+# A dilated transposed convolution whose windows reach past the domain (OpInfo's
+# conv_transpose2d sample 2): along W (kernel 5, stride 2, padding 2, dilation 4, output
+# padding 3) output 18 reads input 2 alone and output 20 input 3 alone, though both are
+# centred beyond the domain, on input 3 when clamped; outputs 12-17 read inputs 1 and 3.
+# Each output that reads one shard's cells alone is on that shard, the others on their
+# centre's owner held between those (NOTE [Which rank owns an output of a windowed op]).
+# Along H (kernel 4, stride 3, padding 1, dilation 4) the lone readers' shards decrease
+# along the dim, so H keeps the centres' rule. (mesh, input layout, output layout)
+LONE_READERS = {
+    "4r-W-empty": (
+        (4,),
+        Layout((Shard(3),), {3: (0, 2, 1, 1)}),
+        Layout((Shard(3),), {3: (0, 10, 9, 3)}),
+    ),
+    "2r-W": ((2,), Layout((Shard(3),), {3: (3, 1)}), Layout((Shard(3),), {3: (19, 3)})),
+    "2x2-last": (
+        (2, 2),
+        Layout((Shard(2), Shard(3)), {2: (1, 3), 3: (3, 1)}),
+        Layout((Shard(2), Shard(3)), {2: (8, 14), 3: (19, 3)}),
+    ),
+}
+
+
+def _lone_readers_body(name: str) -> None:
+    mesh_shape, layout, out_layout = LONE_READERS[name]
+    torch.manual_seed(0)
+    module = nn.ConvTranspose2d(
+        2, 4, (4, 5), stride=(3, 2), padding=(1, 2), output_padding=(2, 3), groups=2,
+        dilation=(4, 4), dtype=torch.float64,
+    )  # fmt: skip
+    x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    check_against_reference(
+        lambda m, a: m(a),
+        [x],
+        [layout],
+        get_mesh(mesh_shape),
+        module=module,
+        out_layouts=[out_layout],
+        what=f"{name}: dilated ConvTranspose2d",
+    )
+
+
+@pytest.mark.parametrize("name", list(LONE_READERS))
+def test_an_output_reading_one_shard_alone_is_on_it(name: str) -> None:
+    run_on_ranks(math.prod(LONE_READERS[name][0]), _lone_readers_body, name)

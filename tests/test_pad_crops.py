@@ -132,3 +132,43 @@ def _body(name: str) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_pad_that_crops_keeps_each_cell_with_its_input(name: str) -> None:
     run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
+
+
+# (5, 3) padded by (-1, -2, 1, 1): W is cropped away, H padded by one row on each side, so
+# the output is (7, 0). Its backward pads the empty W back to 3 columns: a rank whose
+# columns lie in that padding reads nothing but fill, and its empty shard lies outside the
+# range it reads (rank (1, 0) of the 2x2 layouts raised an IndexError while the others
+# waited in the exchange). (mesh, layout of the input, layout of the output)
+CROPPED_AWAY = (-1, -2, 1, 1)
+CROPPED_AWAY_LAYOUTS = {
+    "2x2-uneven": (
+        (2, 2),
+        Layout((Shard(0), Shard(1)), {0: (2, 3), 1: (1, 2)}),
+        Layout((Shard(0), Shard(1)), {0: (3, 4), 1: (0, 0)}),
+    ),
+    "2x2-last": (
+        (2, 2),
+        Layout((Shard(0), Shard(1)), {0: (2, 3), 1: (2, 1)}),
+        Layout((Shard(0), Shard(1)), {0: (3, 4), 1: (0, 0)}),
+    ),
+    "2r-W": ((2,), Layout((Shard(1),), {1: (1, 2)}), Layout((Shard(1),), {1: (0, 0)})),
+}
+
+
+def _cropped_away_body(name: str) -> None:
+    mesh_shape, layout, out_layout = CROPPED_AWAY_LAYOUTS[name]
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for what, fn in (
+        ("aten constant_pad_nd", lambda t: torch.constant_pad_nd(t, CROPPED_AWAY, 1.0)),
+        ("F.pad constant", lambda t: F.pad(t, CROPPED_AWAY, "constant", 1.0)),
+    ):
+        check_against_reference(
+            fn, [x], [layout], mesh, out_layouts=[out_layout], what=f"{name}: {what}"
+        )
+
+
+@pytest.mark.parametrize("name", list(CROPPED_AWAY_LAYOUTS))
+def test_a_pad_of_a_dim_cropped_away_reads_only_fill(name: str) -> None:
+    run_on_ranks(math.prod(CROPPED_AWAY_LAYOUTS[name][0]), _cropped_away_body, name)

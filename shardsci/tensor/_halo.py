@@ -266,7 +266,10 @@ def extension(
         stop = max(hi, own_hi) if own_hi > own_lo else hi
         origins.append(start)
         hull.append((dim, stop - start))
-        own.append((dim, own_lo - start, own_hi - own_lo))
+        # an empty shard may lie outside the range it wants (a pad of a dim with no cell
+        # reads only padding): its no cells are placed at the nearest end of the buffer
+        own_start = own_lo - start if own_hi > own_lo else min(max(own_lo - start, 0), stop - start)
+        own.append((dim, own_start, own_hi - own_lo))
         wanted.append((dim, lo - start, hi - lo))
     steps = []
     for i, (dim, plan, group, me, _, _) in enumerate(dims):

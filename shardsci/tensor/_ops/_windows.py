@@ -24,9 +24,17 @@ clamped into the domain; empty shards own nothing. So a 'same' convolution keeps
 layout, and a stride-2 conv or pool gives output ``j`` to the owner of input ``2 j``. For
 transposed windows (upsampling) output ``i`` goes to the owner of the input it is centred on,
 ``(i + p - (d (k - 1)) // 2) // s``, so downsample -> upsample returns to the input's layout
-when shard boundaries are even; when a layout of the output's extent is remembered in the
-input's hints (the layout before the downsampling), it is used instead, whatever the
-boundaries. Not by a pad that crops the dim's other side (``F.pad(x, (-1, 1))``, ``Window.
+when shard boundaries are even. An output whose window is centred beyond the domain may read
+no cell near the clamped centre (a dilated or strided window reaching past the edge reads
+only its cells inside): an output that reads one shard's cells alone is on that shard, as
+it needs nothing else (NOTE [An output cell belongs to the shard it depends on] in
+``tests/expected_layouts.py``), and every other output's centre owner is held between the
+last such shard before it and the first after it, so that the shards stay in rank order
+(``_with_single_readers``; where those shards decrease along the dim no split can keep them
+all, and the centres' rule stands). Where the clamped centre lies between the first and
+last cells an output reads (any window inside the domain, a 'same' convolution), this
+changes nothing. When a layout of the output's extent is remembered in the input's hints
+(the layout before the downsampling), it is used instead, whatever the boundaries. Not by a pad that crops the dim's other side (``F.pad(x, (-1, 1))``, ``Window.
 shifted``): it moves every cell by the crop, so the layout remembered for that extent, the
 one before the crop, would put each shard boundary's cell on its owner's neighbour; each
 cell stays with its owner and the padding goes to the edge shards. A dim left with no cell
@@ -37,6 +45,7 @@ padding: padding cells are materialised by the boundary.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +136,15 @@ class Window:
         anchor_offset = (self.span - 1) // 2 - self.pad_left
         return -(-(position - anchor_offset) // self.stride)
 
+    def reads(self, i: int, extent: int) -> tuple[int, int] | None:
+        """The first and last domain cells output ``i`` reads; None if only padding."""
+        start = i * self.stride - self.pad_left
+        first = max(0, -(start // self.dilation))
+        last = min(self.kernel - 1, (extent - 1 - start) // self.dilation)
+        if first > last:
+            return None
+        return start + first * self.dilation, start + last * self.dilation
+
     def input_range(self, first: int, stop: int, extent: int) -> tuple[int, int]:
         """Input cells (global, padding included) read by outputs ``[first, stop)``."""
         if stop <= first:
@@ -158,6 +176,16 @@ class TransposedWindow:
         """The first output centred on input ``position`` or later."""
         return position * self.stride - self.padding + (self.span - 1) // 2
 
+    def reads(self, i: int, extent: int) -> tuple[int, int] | None:
+        """The first and last inputs output ``i`` gathers; None if none."""
+        read = [
+            j
+            for m in range(self.kernel)
+            for j, rest in [divmod(i + self.padding - m * self.dilation, self.stride)]
+            if rest == 0 and 0 <= j < extent
+        ]
+        return (min(read), max(read)) if read else None
+
     def input_range(self, first: int, stop: int, extent: int) -> tuple[int, int]:
         """Inputs contributing to outputs ``[first, stop)``, clipped to the domain."""
         if stop <= first:
@@ -181,6 +209,9 @@ class Subdivide:
     def first_owned(self, position: int) -> int:
         return position * self.factor
 
+    def reads(self, i: int, extent: int) -> tuple[int, int] | None:
+        return i // self.factor, i // self.factor
+
     def input_range(self, first: int, stop: int, extent: int) -> tuple[int, int]:
         if stop <= first:
             return (0, 0)
@@ -199,18 +230,64 @@ def owned_sizes(
     for hint in reversed(hints):
         if hint.axes == sharding.axes and hint.extent == out_extent:
             return hint.sizes
-    offsets = [sum(sharding.sizes[:k]) for k in range(len(sharding.sizes))]
+    if isinstance(window, (Window, TransposedWindow, Subdivide)):
+        return _owned_sizes(window, sharding.sizes, out_extent)
+    # an interpolation (``_interpolate_ops.Resample``): each output's centre is a cell it reads
+    return _anchored_sizes(window, sharding.sizes, out_extent)
+
+
+@cached("window owners", 4096)
+def _owned_sizes(window: WindowLike, shards: tuple[int, ...], out_extent: int) -> tuple[int, ...]:
+    return _with_single_readers(window, shards, _anchored_sizes(window, shards, out_extent))
+
+
+def _anchored_sizes(window, shards: tuple[int, ...], out_extent: int) -> tuple[int, ...]:
+    """Output shard sizes giving each output to the owner of its anchor."""
+    offsets = [sum(shards[:k]) for k in range(len(shards))]
     # a dim with no cells (a pad of a dim cropped away): the first shard holds the padding
-    nonempty = [k for k, size in enumerate(sharding.sizes) if size] or [0]
-    sizes = [0] * len(sharding.sizes)
+    nonempty = [k for k, size in enumerate(shards) if size] or [0]
+    sizes = [0] * len(shards)
     for k in nonempty:
         first = 0 if k == nonempty[0] else window.first_owned(offsets[k])
-        stop = (
-            out_extent if k == nonempty[-1] else window.first_owned(offsets[k] + sharding.sizes[k])
-        )
+        stop = out_extent if k == nonempty[-1] else window.first_owned(offsets[k] + shards[k])
         first, stop = min(max(first, 0), out_extent), min(max(stop, 0), out_extent)
         sizes[k] = max(stop - first, 0)
     return tuple(sizes)
+
+
+def _with_single_readers(
+    window: WindowLike, shards: tuple[int, ...], sizes: tuple[int, ...]
+) -> tuple[int, ...]:
+    """``sizes`` (the anchors' owners) with every output that reads one shard's cells alone
+    on that shard (NOTE [Which rank owns an output of a windowed op]): each other output's
+    anchor owner clamped between the last such shard before it and the first after it.
+    Unchanged where those shards decrease along the dim (no split keeps them all)."""
+    extent = sum(shards)
+    bounds = [sum(shards[: k + 1]) for k in range(len(shards))]
+    anchored = [k for k, n in enumerate(sizes) for _ in range(n)]
+    single: list[int | None] = []
+    for i in range(len(anchored)):
+        read = window.reads(i, extent)
+        owner = None
+        if read is not None:
+            lo, hi = (bisect_right(bounds, cell) for cell in read)
+            owner = lo if lo == hi else None
+        single.append(owner)
+    known = [k for k in single if k is not None]
+    if known != sorted(known) or all(k == a for k, a in zip(single, anchored) if k is not None):
+        return sizes
+    after: list[int | None] = [None] * len(single)
+    for i in reversed(range(len(single) - 1)):
+        after[i] = single[i + 1] if single[i + 1] is not None else after[i + 1]
+    owners, before = [], None
+    for i, anchor in enumerate(anchored):
+        if single[i] is not None:
+            before = single[i]
+            owners.append(before)
+            continue
+        owner = anchor if before is None else max(anchor, before)
+        owners.append(owner if after[i] is None else min(owner, after[i]))
+    return tuple(owners.count(k) for k in range(len(shards)))
 
 
 @cached("window plans", 4096)
