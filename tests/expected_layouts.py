@@ -332,8 +332,9 @@ class AxisRule:
     documented : str
         A layout the library documents for this op where the rule states another (NOTE [A
         layout an op documents over its dependencies]): ``""`` (none), ``"moved"`` (sharded
-        along another dim, or nested with other axes on ``dim``) or ``"pending sum"``
-        (Partial(sum)).
+        along another dim, or nested with other axes on ``dim``), ``"pending sum"``
+        (Partial(sum)) or ``"either window"`` (``owners`` has no owner for the cells that
+        windows from two shards cover).
     reads_elsewhere : bool
         Of a same-shape rule: whether some output cell along ``dim`` depends on the split dim
         elsewhere than at its own index's block (on several blocks, or on another one: a
@@ -581,6 +582,13 @@ def axis_rules(
 #   shards holding what it looks up, which the values decide and no layout can depend on; the
 #   library returns a pending sum over the axes splitting that dim, each rank's terms. Such an
 #   axis may be Partial(sum).
+# - a scatter by value into cells that windows from two shards may write (``max_unpool``
+#   after a pooling whose windows overlap, kernel 3 stride 2): a cell takes the value of
+#   whichever window's maximum it is, which the ``indices`` argument decides (the probe holds
+#   them fixed and sees one owner), and the library gives it to the rank of the last window
+#   starting at or before it (``shardsci/tensor/_ops/_unpool_ops.py``). Such a cell, worked
+#   out from the sample's kernel, stride and padding (``SCATTERED_BY_WINDOWS``), may be held
+#   by any rank whose windows cover it: "either window" (its owner is any).
 # Anything else (a replicated output; a pending sum of a lookup in a table split by columns,
 # whose output keeps the columns' split) still breaks the rule.
 
@@ -617,12 +625,74 @@ PENDING_SUMS = {
 }
 
 
+#: OpInfo key -> the number of spatial dims of an op that scatters by value into its
+#: windows' cells (NOTE [A layout an op documents over its dependencies]).
+SCATTERED_BY_WINDOWS = {
+    f"nn.functional.max_unpool{n}d{variant}": n for n in (1, 2, 3) for variant in ("", ".grad")
+}
+
+
+def window_covers(
+    sizes: Sequence[int], extent: int, kernel: int, stride: int, padding: int
+) -> list[set[int]]:
+    """Per output cell of a dim of ``extent`` cells: the blocks (of a pooled dim split into
+    ``sizes``) whose windows cover it; pooled cell ``i``'s window is ``[i s - p, i s - p +
+    k)``."""
+    covers: list[set[int]] = [set() for _ in range(extent)]
+    starts = [sum(sizes[:block]) for block in range(len(sizes))]
+    for block, (start, n) in enumerate(zip(starts, sizes)):
+        for i in range(start, start + n):
+            first = i * stride - padding
+            for j in range(max(0, first), min(extent, first + kernel)):
+                covers[j].add(block)
+    return covers
+
+
+def _either_window(
+    rule: AxisRule,
+    op: str,
+    input_layout: Layout,
+    shape: Sequence[int],
+    mesh: Sequence[int],
+    kwargs: Mapping[str, object],
+) -> AxisRule | None:
+    """``rule`` with any owner for the cells windows from two blocks cover, or None when no
+    cell is so covered (NOTE [A layout an op documents over its dependencies])."""
+    n = SCATTERED_BY_WINDOWS[op]
+    p = input_layout.placements[rule.axis]
+    dim = p.dim % len(shape) if isinstance(p, Shard) else -1
+    spatial = dim - (len(shape) - n)
+    axes, sizes = dim_shardings(input_layout, shape, mesh).get(dim, ((), ()))
+    if spatial < 0 or rule.dim != dim or axes != (rule.axis,):
+        return None
+
+    def per_dim(name: str, default: object) -> int:
+        value = kwargs.get(name)
+        value = default if value is None else value
+        return int(value[spatial] if isinstance(value, (tuple, list)) else value)  # type: ignore[index]
+
+    kernel = per_dim("kernel_size", 1)
+    stride, padding = per_dim("stride", kernel), per_dim("padding", 0)
+    covers = window_covers(sizes, len(rule.owners), kernel, stride, padding)
+    if not any(len(c) > 1 for c in covers):
+        return None
+    owners = tuple(None if len(c) > 1 else o for o, c in zip(rule.owners, covers))
+    return replace(rule, owners=owners, documented="either window")
+
+
 def documented(
-    op: str, rules: Sequence[AxisRule], input_layout: Layout, ndim: int
+    op: str,
+    rules: Sequence[AxisRule],
+    input_layout: Layout,
+    ndim: int,
+    shape: Sequence[int] = (),
+    mesh: Sequence[int] = (),
+    kwargs: Mapping[str, object] | None = None,
 ) -> list[AxisRule]:
     """``rules`` for an output of the op named ``op`` (an OpInfo key) of an ``ndim``-dim
     input laid out as ``input_layout``, each also taking the layout the op documents (NOTE [A
-    layout an op documents over its dependencies])."""
+    layout an op documents over its dependencies]). An op of ``SCATTERED_BY_WINDOWS`` needs
+    the input's ``shape``, the ``mesh`` and the sample's ``kwargs`` (its windows)."""
     placements = input_layout.placements
     pending = PENDING_SUMS.get(op)
     result = []
@@ -632,6 +702,11 @@ def documented(
             also = "moved"
         elif pending is not None and placements[r.axis] in map(Shard, pending.dims(ndim)):
             also = "pending sum"
+        elif op in SCATTERED_BY_WINDOWS and kwargs is not None:
+            either = _either_window(r, op, input_layout, shape, mesh, kwargs)
+            if either is not None:
+                result.append(either)
+                continue
         result.append(replace(r, documented=also))
     return result
 
@@ -706,6 +781,7 @@ def _owners_text(owners: Sequence[int | None]) -> str:
 
 __all__ = [
     "PENDING_SUMS",
+    "SCATTERED_BY_WINDOWS",
     "AxisRule",
     "ExpectedLayout",
     "PendingSum",
@@ -727,5 +803,6 @@ __all__ = [
     "renamed",
     "transposed_anchor",
     "window_anchor",
+    "window_covers",
     "windowed",
 ]

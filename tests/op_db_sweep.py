@@ -475,7 +475,9 @@ def _layout_rules(
             continue
         per_axis = {a: owners[i] for a, owners in owners_per_axis.items() if i < len(owners)}
         stated = axis_rules(per_axis, layout, first.shape, e.shape, mesh)
-        rules.append(documented(op_key(op), stated, layout, first.ndim))
+        rules.append(
+            documented(op_key(op), stated, layout, first.ndim, first.shape, mesh, sample.kwargs)
+        )
     return rules
 
 

@@ -167,13 +167,6 @@ _STRIDED_GATHERED = Bug(
 #: dependencies give it to the rank whose window's maximum it is, which the indices' values
 #: decide; the layout cannot depend on them and gives it to the later window's rank (NOTE in
 #: shardsci/tensor/_ops/_unpool_ops.py), one cell per such boundary moved.
-_OVERLAP_OWNER = Bug(
-    "overlapping windows' cell",
-    "a cell two windows share is written by the rank of whichever window's maximum it is "
-    "(data); the output gives it to the later window's rank",
-    "wrong",
-    r"^output \d+: layout: the rank at \(.*\) holds dim \d+ indices \[[\d, ]+\] owned by ",
-)
 #: The errors each op may raise on sharded input. The sweep fails on an error no entry
 #: accepts and on an entry that accepts no case where it applies.
 UNSUPPORTED: dict[str, tuple[Accepted, ...]] = {
@@ -349,7 +342,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "geqrf": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
     ),
-    "grid_sampler_2d": (_GATHERED.cases((0,), ("4r-random", "2x2-uneven")),),
     "histogramdd": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "linalg.cholesky": (
         _GATHERED.cases((0,), ("2r-uneven", "4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
@@ -483,31 +475,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
     "nn.functional.embedding_bag": (_GATHERED.cases((0,), ("4r-empty", "2x2-uneven", "2x2-last")),),
     "nn.functional.grid_sample": (
         _GATHERED.cases((0,), ("4r-empty", "4r-random", "2x2-uneven", "2x2-last")),
-    ),
-    "nn.functional.max_unpool1d": (
-        _OVERLAP_OWNER.cases((36, 40, 41, 52, 53, 58, 59, 70, 71), ("4r-empty",)),
-        _OVERLAP_OWNER.cases(
-            (36, 37, 38, 40, 41, 49, 50, 52, 53, 55, 56, 58, 59, 67, 68, 70, 71), ("2x2-uneven",)
-        ),
-    ),
-    "nn.functional.max_unpool2d": (
-        _OVERLAP_OWNER.cases(
-            (1, 2, 12, 15, 31, 32, 34, 35, 36, 37, 38, 48, 51, 67, 68, 70, 71, 87, 123),
-            ("4r-empty",),
-        ),
-        _OVERLAP_OWNER.cases((3, 16, 40, 53, 76, 77), ("4r-random",)),
-        _OVERLAP_OWNER.cases((3, 30, 33, 36, 39, 66, 69), ("2x2-uneven",)),
-        _OVERLAP_OWNER.cases(
-            (4, 5, 13, 14, 16, 17, 40, 41, 49, 50, 52, 53, 87, 123), ("2x2-last",)
-        ),
-    ),
-    "nn.functional.max_unpool2d.grad": (
-        _OVERLAP_OWNER.cases((8,), ("4r-empty",)),
-        _OVERLAP_OWNER.cases((8,), ("2x2-uneven",)),
-    ),
-    "nn.functional.max_unpool3d": (
-        _OVERLAP_OWNER.cases((24,), ("4r-random",)),
-        _OVERLAP_OWNER.cases((24, 26), ("2x2-uneven",)),
     ),
     "nn.functional.pdist": (_GATHERED.cases((3,), ("2x2-uneven", "2x2-last")),),
     "ormqr": (

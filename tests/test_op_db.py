@@ -601,6 +601,44 @@ def test_a_transform_reading_some_shards_may_move_it() -> None:
     assert held_where(kept, [Shard(0)], {0: (2, 1)}, {}, (3, 7), (2,)) != ""
 
 
+def test_a_cell_two_shards_windows_cover_may_be_held_by_either() -> None:
+    """NOTE [A layout an op documents over its dependencies]: max_unpool1d of a pooled (1, 1,
+    4) split (2, 2), kernel 3 stride 2 (the op database's max_unpool samples): windows [2, 5)
+    of the first shard and [4, 7) of the second both cover cell 4. Its index points at 4 from
+    the first shard's window, so the probe owns it to the first rank; the library gives it to
+    the rank of the last window starting at or before it, the second. Which window's maximum
+    it is, the indices decide: the rule takes either rank there, and only there; windows that
+    tile (kernel 2) keep the strict rule."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard
+
+    from tests.expected_layouts import documented, held_where, parse, window_covers
+
+    assert window_covers((2, 2), 9, 3, 2, 0) == [{0}] * 4 + [{0, 1}] + [{1}] * 4
+    indices = torch.tensor([[[1, 4, 5, 7]]])
+    x = torch.randn(1, 1, 4, dtype=torch.float64)
+    layout = parse("S2; 2=2/2")
+    windows = {"kernel_size": 3, "stride": 2, "padding": 0, "output_size": (9,)}
+    stated = _rules(lambda v: [F.max_unpool1d(v, indices, **windows)], x, layout)
+    assert [(r.dim, r.owners[3:6]) for r in stated] == [(2, (None, 0, 1))]  # 3: no index
+    op = "nn.functional.max_unpool1d"
+    rules = documented(op, stated, layout, x.ndim, x.shape, (2,), windows)
+    assert [(r.owners[3:6], r.text) for r in rules] == [
+        ((None, None, 1), "depends or either window")
+    ]
+
+    def held(rules, sizes):
+        return held_where(rules, [Shard(2)], {2: sizes}, {}, (1, 1, 9), (2,))
+
+    assert held(stated, (4, 5)) != ""  # the library's layout, before the rule
+    assert held(rules, (4, 5)) == "" and held(rules, (5, 4)) == ""
+    assert held(rules, (1, 8)) != "" and held(rules, (6, 3)) != ""  # cells 1, 5: one shard's
+    tiles = {"kernel_size": 2, "stride": 2, "padding": 0, "output_size": (8,)}
+    tiled = _rules(lambda v: [F.max_unpool1d(v, indices, **tiles)], x, layout)
+    kept = documented(op, tiled, layout, x.ndim, x.shape, (2,), tiles)
+    assert [r.text for r in kept] == ["depends"]
+
+
 def test_a_loss_over_split_classes_may_be_a_pending_sum() -> None:
     """NOTE [A layout an op documents over its dependencies]: the op database's
     nn.functional.nll_loss samples 0-5 (reduction 'none') with the class dim split. Each

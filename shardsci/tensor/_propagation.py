@@ -64,6 +64,7 @@ from shardsci.tensor._torch_compat import (
     _dispatch_has_kernel_for_dispatch_key,
     _StridedShard,
     backport_sharding_rules,
+    channel_split_grid_sampler_rules,
     decomposition_table,
     scalar_shape_adjusters,
 )
@@ -72,6 +73,7 @@ from shardsci.tensor._torch_compat import sharding_propagator as _PROPAGATOR
 from shardsci.tensor._unmoved_strategy import install as install_unmoved_strategy
 
 backport_sharding_rules()  # torch 2.11's gaps (none on 2.12 and 2.13)
+channel_split_grid_sampler_rules()  # torch splits the grid samplers' batch only
 # NOTE [An op whose operands need not move skips DTensor's full strategy expansion]
 install_unmoved_strategy()
 

@@ -37,6 +37,7 @@ __all__ = [
     "TorchCompatError",
     "all_gather_single",
     "backport_sharding_rules",
+    "channel_split_grid_sampler_rules",
     "resolve",
     "scalar_shape_adjusters",
     "torch_release",
@@ -492,6 +493,61 @@ def backport_sharding_rules() -> tuple[Any, ...]:
         register_op_strategy(op, schema_info=propagator.op_to_schema_info.get(op))(division_rule)
     propagator.propagate_op_sharding.cache_clear()  # shardings made by the rules replaced
     return (*missing, *wrong)
+
+
+def channel_split_grid_sampler_rules() -> tuple[Any, ...]:
+    """Let DTensor run ``grid_sampler_2d`` and ``grid_sampler_3d`` (``F.grid_sample``) and
+    their backwards on an input split along its channels; the ops whose rule it registered.
+
+    torch's rules (``grid_sampler_strategy`` and ``grid_sampler_backward_strategy`` in
+    ``torch/distributed/tensor/_ops/_math_ops.py``, 2.13) split the batch only, "because the
+    grid tensor has no channel dimension": an input split along its channels is moved to
+    another layout (on a 2x2 mesh, its batch nested over both axes, at even sizes). Yet that is
+    why a channel split is valid: every channel is sampled at the same points of the grid, so
+    ``input[N, C, *S]`` split along ``C`` with the grid ``[N, *T, ndim]`` replicated gives
+    ``output[N, C, *T]`` split the same way; in the backward, each rank's channels give their
+    ``grad_input`` and their terms of ``grad_grid`` (a pending sum over the channel split).
+    The rules registered are torch's with that one added; registered on every torch version
+    (calling this again changes nothing). The propagator is DTensor's own: plain DTensors gain
+    the rule.
+    """
+    propagator = resolve("sharding_propagator")
+    aten = torch.ops.aten
+    forward = (aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+    backward = (aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
+    registered = [
+        getattr(propagator.op_single_dim_strategy_funcs.get(op), "func", None)
+        for op in (*forward, *backward)
+    ]
+    if all(getattr(rule, "channel_split", False) for rule in registered):
+        return ()
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _ShardingPlaceholder,
+        register_single_dim_strategy,
+    )
+    from torch.distributed.tensor.placement_types import Partial, Replicate
+
+    batch, channels = _ShardingPlaceholder(0), _ShardingPlaceholder(1)
+
+    def forward_rule(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
+        # output, input, grid
+        return [
+            [batch] * 3,
+            [channels, channels, Replicate()],
+            [Partial("sum"), Partial("sum"), Replicate()],
+            [Partial("avg"), Partial("avg"), Replicate()],
+        ]
+
+    def backward_rule(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
+        # grad_input, grad_grid, grad_output, input, grid
+        return [[batch] * 5, [channels, Partial("sum"), channels, channels, Replicate()]]
+
+    by_first = resolve("RuntimeSchemaInfo")(1)
+    for ops, rule in ((forward, forward_rule), (backward, backward_rule)):
+        rule.channel_split = True  # type: ignore[attr-defined]
+        register_single_dim_strategy(list(ops), schema_info=by_first)(rule)
+    propagator.propagate_op_sharding.cache_clear()  # shardings made by torch's rules replaced
+    return (*forward, *backward)
 
 
 def __getattr__(name: str) -> Any:
