@@ -121,16 +121,6 @@ _FACTORED_GATHERED = Bug(
     "gathered",
     _GATHERED.message,
 )
-#: ``unbind`` along a sharded dim where no other dim is whole (a 2-D tensor split along both
-#: dims over a 2x2 mesh): each slice stays with its holder only where another dim is whole
-#: (NOTE [An unbound slice stays with its holder] in ``shardsci/tensor/_ops/_view_ops.py``).
-_UNBIND_GATHERED = Bug(
-    "unbind with no whole dim gathered",
-    "with every other dim sharded, the unbound dim is replicated first (one all-gather) "
-    "instead of each slice's part staying with the rank that holds it",
-    "gathered",
-    _GATHERED.message,
-)
 #: ``roll`` without dims (flat order) where a dim other than the leading one is sharded: the
 #: shards are not runs of the flat order (with only the leading dim sharded, they are and the
 #: layout is kept, ``_index_ops._roll_flattened``).
@@ -582,8 +572,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _FACTORED_GATHERED.cases((4, 5), ("2x2-uneven",)),
         _FACTORED_GATHERED.cases((5, 7), ("2x2-last",)),
     ),
-    "unbind": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
-    "unbind_copy": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
     "roll": (_FLAT_ROLL_GATHERED.cases((13,), ("4r-empty", "2x2-uneven", "2x2-last")),),
 }
 
