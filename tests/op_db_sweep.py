@@ -193,6 +193,7 @@ class Expectations:
     unchecked_values: dict[str, str]
     random_when: dict[str, Callable[[object], bool]]
     known_bugs: dict[str, tuple] = field(default_factory=dict)
+    families: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
 
     @classmethod
     def load(cls) -> Expectations:
@@ -203,6 +204,7 @@ class Expectations:
             op_db_unsupported.VALUES_NOT_COMPARED,
             op_db_unsupported.RANDOM_WHEN,
             op_db_unsupported.KNOWN_BUGS,
+            op_db_unsupported.GATHERED_FAMILIES,
         )
 
     def entries(self, op: str) -> tuple:
@@ -926,10 +928,29 @@ def short_of_ok(records: list[dict], expectations: Expectations) -> list[dict]:
     """The cases short of ``ok`` and ``not-checked`` (but ``skipped``), one row per op, outcome
     and reason: ``op``, ``outcome``, ``samples`` (layout -> sample numbers) and ``reason``
     (the reason of the ``op_db_unsupported.py`` entry that accepts them, else ``"not listed:
-    "`` and the first case's detail)."""
+    "`` and the first case's detail). The gathered cases of a family's ops
+    (``GATHERED_FAMILIES``) make one row, with ``family`` (its name), ``ops`` and ``samples``
+    (layout -> the number of cases), and the family's reason."""
     rows: dict[tuple[str, str, str], dict] = {}
+    family_of = {op: name for name, (_, ops) in expectations.families.items() for op in ops}
     for r in records:
         if r["outcome"] in ("ok", "not-checked", "skipped"):
+            continue
+        family = family_of.get(r["op"]) if r["outcome"] == "gathered" else None
+        if family is not None:
+            row = rows.setdefault(
+                (family, "gathered", "family"),
+                {
+                    "op": family,
+                    "family": family,
+                    "ops": [],
+                    "outcome": "gathered",
+                    "samples": {},
+                    "reason": expectations.families[family][0],
+                },
+            )
+            row["ops"] = sorted({*row["ops"], r["op"]})
+            row["samples"][r["layout"]] = row["samples"].get(r["layout"], 0) + 1
             continue
         entry = expectations.accepting(r)
         reason = entry.reason if entry is not None else f"not listed: {r['detail'][:300]}"
@@ -1019,14 +1040,30 @@ def write_summary(
         "layout, with its first problem). Samples per layout.\n\n"
         "| op | outcome | samples | reason |\n| --- | --- | --- | --- |\n"
         + "".join(
-            f"| `{row['op']}` | {row['outcome']} | "
-            + "; ".join(f"{n}: {', '.join(map(str, v))}" for n, v in row["samples"].items())
+            f"| {_op_cell(row)} | {row['outcome']} | "
+            + "; ".join(f"{n}: {_samples_cell(row, v)}" for n, v in row["samples"].items())
             + " | "
             + row["reason"].replace("|", "\\|")
             + " |\n"
             for row in short
         )
     )
+
+
+def _op_cell(row: dict) -> str:
+    if "family" not in row:
+        return f"`{row['op']}`"
+    return (
+        f"*{row['family']}* ({len(row['ops'])} ops: "
+        + ", ".join(f"`{op}`" for op in row["ops"])
+        + ")"
+    )
+
+
+def _samples_cell(row: dict, samples) -> str:
+    if "family" in row:
+        return f"{samples} case" + "s" * (samples != 1)
+    return ", ".join(map(str, samples))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

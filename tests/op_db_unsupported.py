@@ -121,16 +121,63 @@ _FACTORED_GATHERED = Bug(
     "gathered",
     _GATHERED.message,
 )
-#: ``unbind`` along a sharded dim where no other dim is whole (a 2-D tensor split along both
-#: dims over a 2x2 mesh): each slice stays with its holder only where another dim is whole
-#: (NOTE [An unbound slice stays with its holder] in ``shardsci/tensor/_ops/_view_ops.py``).
-_UNBIND_GATHERED = Bug(
-    "unbind with no whole dim gathered",
-    "with every other dim sharded, the unbound dim is replicated first (one all-gather) "
-    "instead of each slice's part staying with the rank that holds it",
-    "gathered",
-    _GATHERED.message,
-)
+#: Ops whose every gathered case has one inherent reason, listed as one row per family in
+#: ``docs/op_db_sweep.md`` (``tests/op_db_sweep.py``'s ``short_of_ok``), whatever entry (or
+#: none, a later sample) accepts the case: family -> (reason, ops). Field models meet none of
+#: these on a split field; a sort or an order statistic along a dim that is not split is local.
+GATHERED_FAMILIES = {
+    "factorisations, inverses, solves and spectra of a split matrix": (
+        f"{_FACTORED_GATHERED.description}; a distributed factorisation (block-cyclic LU, "
+        "QR or Cholesky, eigen- and singular-value solvers, as in ScaLAPACK) is not built",
+        frozenset(
+            [
+                "cholesky",
+                "geqrf",
+                "linalg.cholesky",
+                "linalg.cholesky_ex",
+                "linalg.cond",
+                "linalg.eig",
+                "linalg.eigh",
+                "linalg.eigvals",
+                "linalg.eigvalsh",
+                "linalg.householder_product",
+                "linalg.inv",
+                "linalg.inv_ex",
+                "linalg.ldl_factor",
+                "linalg.ldl_factor_ex",
+                "linalg.ldl_solve",
+                "linalg.lstsq",
+                "linalg.lstsq.grad_oriented",
+                "linalg.lu",
+                "linalg.lu_factor",
+                "linalg.lu_factor_ex",
+                "linalg.lu_solve",
+                "linalg.pinv",
+                "linalg.pinv.hermitian",
+                "linalg.qr",
+                "linalg.solve",
+                "linalg.svd",
+                "linalg.svdvals",
+                "lu",
+                "lu_solve",
+                "lu_unpack",
+                "matrix_exp",
+                "norm.nuc",
+                "ormqr",
+                "pca_lowrank",
+                "pinverse",
+                "qr",
+                "svd",
+                "svd_lowrank",
+                "triangular_solve",
+            ]
+        ),
+    ),
+    "sorts along a split dim": (
+        _SORT_GATHERED.description,
+        frozenset({"sort", "argsort", "msort"}),
+    ),
+}
 #: ``roll`` without dims (flat order) where a dim other than the leading one is sharded: the
 #: shards are not runs of the flat order (with only the leading dim sharded, they are and the
 #: layout is kept, ``_index_ops._roll_flattened``).
@@ -582,8 +629,6 @@ KNOWN_BUGS: dict[str, tuple[Accepted, ...]] = {
         _FACTORED_GATHERED.cases((4, 5), ("2x2-uneven",)),
         _FACTORED_GATHERED.cases((5, 7), ("2x2-last",)),
     ),
-    "unbind": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
-    "unbind_copy": (_UNBIND_GATHERED.cases((1, 2, 3), ("2x2-uneven", "2x2-last")),),
     "roll": (_FLAT_ROLL_GATHERED.cases((13,), ("4r-empty", "2x2-uneven", "2x2-last")),),
 }
 

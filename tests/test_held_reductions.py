@@ -5,7 +5,8 @@
 in ``shardsci/tensor/_propagation.py``), against one process in float64 under
 ``gather_policy("error")``: values, every gradient, the output's layout, and no byte received
 in the forward or the backward (``count_traffic``), on 2 ranks (6/0), 4 ranks with the holder
-between empty shards, a 2x2 and a 2x2x2 mesh (Transolver's slice weights: the slices held by
+between empty shards (``median``/``nanmedian``/``masked.median`` too, by torch's kernel on the
+holder), a 2x2 and a 2x2x2 mesh (Transolver's slice weights: the slices held by
 one rank of the third axis).
 
 Before: the sum was a pending sum over the held dim's axes; the op meeting it all-reduced it
@@ -126,6 +127,34 @@ CASES = {
         [(4, 6)],
         [Layout((Shard(0), Shard(1)), {0: (2, 2), 1: (6, 0)})],
         [parse("S0,S0; 0[1,0]=2/2/0/0")] * 2,
+    ),
+    "2r-median-dim": (
+        (2,),
+        lambda t: tuple(t.median(0)),
+        [(6, 4)],
+        [ROWS_HELD],
+        [parse("S0; 0=4/0")] * 2,
+    ),
+    "4r-empty-nanmedian-1d-keepdim": (
+        (4,),
+        lambda t: tuple(t.nanmedian(0, keepdim=True)),
+        [(6,)],
+        [EMPTY_AROUND],
+        [parse("S0; 0=0/1/0/0")] * 2,
+    ),
+    "2x2-median-dim": (
+        (2, 2),
+        lambda t: tuple(t.median(1)),
+        [(4, 6)],
+        [COLUMNS_HELD_2X2],
+        [parse("S0,S0; 0[1,0]=2/2/0/0")] * 2,
+    ),
+    "4r-empty-masked-median": (
+        (4,),
+        lambda t: torch.masked.median(t, 0, mask=t > -1),
+        [(6, 4)],
+        [EMPTY_AROUND],
+        parse("S0; 0=0/4/0/0"),
     ),
     "2r-argmax": ((2,), lambda t: t.argmax(0), [(6, 4)], [ROWS_HELD], parse("S0; 0=4/0")),
     "4r-empty-argmin-keepdim": (

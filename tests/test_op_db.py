@@ -338,6 +338,42 @@ def test_the_summary_counts_layouts_apart_from_values_and_gives_reasons(tmp_path
     ]
 
 
+def test_the_summary_gives_a_family_of_inherent_gathers_one_row(tmp_path) -> None:
+    """``GATHERED_FAMILIES``: the gathered cases of a family's ops, listed or not, make one
+    row with the family's reason and the number of cases per layout; the family's other
+    outcomes and other ops keep their own rows; the Markdown names the family and its ops."""
+    from tests.op_db_sweep import short_of_ok, write_summary
+
+    layout = "rank 0: output 0: layout: mesh axis 0 is R; expected Shard(0) (depends: 1x1)"
+    records = [
+        {**_record("gathered", layout, sample=0), "op": "qr"},
+        {**_record("gathered", layout, sample=1, layout="2x2-last"), "op": "svd"},
+        {**_record("gathered", layout, sample=2, layout="2x2-last"), "op": "svd"},
+        {**_record("error", "ValueError: svd"), "op": "svd"},
+        _record("gathered", layout),
+    ]
+    family = {"split matrices": ("no distributed factorisation", frozenset({"qr", "svd"}))}
+    expectations = Expectations({}, {}, {}, {}, family)
+    rows = short_of_ok(records, expectations)
+    assert [(r["op"], r["outcome"], r["samples"], r["reason"][:11]) for r in rows] == [
+        ("svd", "error", {"4r-empty": [3]}, "not listed:"),
+        ("op", "gathered", {"4r-empty": [3]}, "not listed:"),
+        ("split matrices", "gathered", {"4r-empty": 1, "2x2-last": 2}, "no distribu"),
+    ]
+    assert rows[2]["ops"] == ["qr", "svd"]
+    load = Expectations.load
+    Expectations.load = classmethod(lambda cls: expectations)
+    try:
+        write_summary(tmp_path / "summary", records, 3, None)
+    finally:
+        Expectations.load = load
+    text = (tmp_path / "summary.md").read_text()
+    assert (
+        "| *split matrices* (2 ops: `qr`, `svd`) | gathered | 4r-empty: 1 case; 2x2-last: 2 cases |"
+        in text
+    )
+
+
 def test_a_known_bug_is_accepted_until_it_is_fixed() -> None:
     """Like a strict xfail: a known bug's entry accepts its cases, and fails the sweep once
     none of the cases it applies to shows the bug."""

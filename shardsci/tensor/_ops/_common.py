@@ -187,8 +187,9 @@ def sizes_at_extent(sizes: Sequence[int], extent: int) -> tuple[int, ...]:
 # on their holder]; ``aten.mm`` over split columns: ``held_by_one``) and ``_reduction_ops``
 # (``sum``, ``amax``, ``amin``, ``prod``, ``linalg_vector_norm``, hence mean, var, logsumexp,
 # softmax, the ``torch.masked`` reductions and ``pairwise_distance``; with ``keepdim`` each
-# held dim carries its own axes; ``max``/``min`` with a dim and ``argmax``/``argmin``, values
-# and indices alike, by torch's own kernel on the holder: ``_held_extremes``). ``prod``'s
+# held dim carries its own axes; ``max``/``min``/``median``/``nanmedian`` with a dim and
+# ``argmax``/``argmin``, values and indices alike, by torch's own kernel on the holder:
+# ``_held_extremes``). ``prod``'s
 # backward scans the held dim (``cumprod``, on the holder: ``_scan_ops``) after a ``cat`` of
 # a row of ones (joining the holder: ``_index_ops._cat``). Such a layout is kept by what follows
 # where the op's rule sees the held axes as "the whole dim, on the holder" (NOTE [A dim one

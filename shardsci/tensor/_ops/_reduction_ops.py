@@ -13,8 +13,8 @@
   called directly, bools too): DTensor gathers the whole tensor; here the indices are
   ``argmax``'s and each value is picked by the rank holding its cell (a pending sum of one
   term, all-reduced), so its gradient goes to that cell alone, as torch's.
-- ``sum``, ``amax``, ``amin``, ``prod``, vector norms, ``argmax``/``argmin`` over a dim one
-  rank holds whole: the result stays with that rank (NOTE [A sum over a dim one rank holds
+- ``sum``, ``amax``, ``amin``, ``prod``, vector norms, ``argmax``/``argmin``, ``max``/``min``
+  and ``median``/``nanmedian`` with a dim, over a dim one rank holds whole: the result stays with that rank (NOTE [A sum over a dim one rank holds
   stays with that rank] in ``_common``), neither pending nor replicated.
 - ``logsumexp`` over a sharded dim: the max is all-reduced (one value per output element)
   before it shifts the shards, so the result keeps the input's other shardings.
@@ -261,7 +261,7 @@ def _argmax_argmin(func, args, kwargs):
     if not accepts(x, sharded=[dim]):
         return NotImplemented
     largest = func is aten.argmax.default
-    held = _held_extremes(x, dim, bool(a.keepdim), largest)
+    held = _held_extremes(x, dim, bool(a.keepdim), torch.max if largest else torch.min)
     if held is not None:
         return held[1]
     return _arg_extreme_along(x, dim, bool(a.keepdim), largest)
@@ -298,10 +298,23 @@ def _max_min_dim(func, args, kwargs):
     return _extremes(a.self, a.dim, bool(a.keepdim), func is aten.max.dim)
 
 
+@register_aten_handler(aten.median.dim, aten.nanmedian.dim)
+def _median_dim(func, args, kwargs):
+    """``median``/``nanmedian`` along a dim one rank holds whole (``torch.masked.median`` too):
+    torch's kernel on the holder (``_held_extremes``), no byte moved; the backward (the
+    gradient scattered through the indices, as ``max``'s) runs on the holder. Along a dim
+    ranks share, the default path gathers it: an order statistic needs every cell of the dim
+    (a distributed selection is not written)."""
+    a = bind(func, args, kwargs)
+    kernel = torch.median if func is aten.median.dim else torch.nanmedian
+    found = _held_extremes(a.self, a.dim, bool(a.keepdim), kernel)
+    return NotImplemented if found is None else found
+
+
 def _extremes(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
     """``(values, indices)`` of max or min along ``dim``: kept by the rank holding it whole
     (``_held_extremes``), else ``_values_and_indices``."""
-    found = _held_extremes(x, dim, keepdim, largest)
+    found = _held_extremes(x, dim, keepdim, torch.max if largest else torch.min)
     return _values_and_indices(x, dim, keepdim, largest) if found is None else found
 
 
@@ -337,10 +350,11 @@ def _values_and_indices(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
     return values, indices
 
 
-def _held_extremes(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
+def _held_extremes(x: ShardTensor, dim: int, keepdim: bool, kernel):
     """``(values, indices)`` along a ``dim`` one rank holds whole, kept by that rank like a
     sum (NOTE [A sum over a dim one rank holds stays with that rank] in ``_common``): torch's
-    own max or min on the holder, empty outputs elsewhere, no byte moved. None where no rank
+    own ``kernel`` (``torch.max``, ``min``, ``median``, ``nanmedian``: one value and its index
+    per output cell) on the holder, empty outputs elsewhere, no byte moved. None where no rank
     holds ``dim`` whole or the output has no dim to carry the held axes (0-d). Above autograd
     the values' gradient reaches the holder's cells through ``to_local``; below it (aten's
     overloads), ``max``'s backward scatters through the held indices on the holder (NOTE [A
@@ -354,7 +368,8 @@ def _held_extremes(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
     held, _ = held_axes(sharding, spec.mesh_shape)
     if held is None or held.axes != sharding.axes or (x.ndim == 1 and not keepdim):
         return None
-    placement = Partial("max" if largest else "min")
+    # The holder's value is the result, as a max of one term is: held_by_one keeps it there.
+    placement = Partial("min" if kernel is torch.min else "max")
     pending = reduced_spec(spec, dim, keepdim, x.dtype, placement)
     first = (dim,) if keepdim else ()
     out_spec, _ = held_by_one(pending, ((sharding.axes, sharding.sizes),), first)
@@ -364,7 +379,7 @@ def _held_extremes(x: ShardTensor, dim: int, keepdim: bool, largest: bool):
         values = connected_empty(shape, local, local)
         indices = torch.zeros(shape, dtype=torch.int64, device=local.device)
     else:
-        values, indices = (torch.max if largest else torch.min)(local, dim, keepdim=keepdim)
+        values, indices = kernel(local, dim, keepdim=keepdim)
     return (
         from_local_spec(values, out_spec),
         ShardTensor(indices, out_spec.with_dtype(torch.int64)),

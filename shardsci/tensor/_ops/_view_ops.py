@@ -21,8 +21,9 @@ a dim of extent 1) are taken off first and nested back, outermost, on the output
 dim becomes: the holder's view, no byte moved (NOTE [A dim one rank holds is whole on that
 rank] in ``_common``); the rules above never move or replicate them.
 
-``unbind`` and ``stack`` remove / insert a dim: local unbinds and stacks (a sharded dim is
-unbound after an all-gather), the layout and its memory renumbered.
+``unbind`` and ``stack`` remove / insert a dim: local unbinds and stacks (the slices of a
+sharded dim stay with their holders; a 1-D tensor's dim is unbound after an all-gather), the
+layout and its memory renumbered.
 
 ``view_as_real`` / ``view_as_complex`` add / drop a trailing dim of 2 (real, imaginary) and
 keep every sharding of the other dims: local views, no communication (DTensor gathers a
@@ -489,18 +490,17 @@ def _expand_held(
 @register_aten_handler(aten.unbind.int)
 def _unbind(func, args, kwargs):
     """Along a sharded dim each slice lives on one rank, and stays there (NOTE [An unbound
-    slice stays with its holder]) where another dim is whole; else the dim is replicated first
-    (one all-gather), which DTensor refuses to do. The pieces' layout and memory are
-    renumbered past the removed dim (NOTE [Shard-size hints]; the default rule keeps the old
-    numbers)."""
+    slice stays with its holder]); a 1-D tensor's 0-d slices have no dim to carry it, so the
+    dim is replicated first (one all-gather), which DTensor refuses to do. The pieces' layout
+    and memory are renumbered past the removed dim (NOTE [Shard-size hints]; the default rule
+    keeps the old numbers)."""
     a = bind(func, args, kwargs)
     x = a.self
     if not accepts(x, partial=True) or x.ndim == 0:
         return NotImplemented
     dim = a.dim % x.ndim
-    whole = [d for d in range(x.ndim) if d != dim and d not in x._spec.sharding_by_dim]
-    if dim in x._spec.sharding_by_dim and whole:
-        return _unbind_held(x, dim, whole[0])
+    if dim in x._spec.sharding_by_dim and x.ndim > 1:
+        return _unbind_held(x, dim)
     x = with_dims_whole(x, {dim})
     spec = x._spec
     kept = [d for d in range(spec.ndim) if d != dim]
@@ -515,45 +515,43 @@ def _unbind(func, args, kwargs):
 
 # NOTE [An unbound slice stays with its holder]
 # ``unbind`` along a sharded dim gives slices that each lie on one rank of the dim's axes. The
-# slice keeps them: it is sharded over those axes along a dim ``e`` the input holds whole, its
-# holder holding all of ``e`` and the others none. No byte moves, and no rank holds a slice it
-# did not hold. ``stack`` of such slices in their holders' order (``unbind``'s backward) is
-# the inverse: sharded along the new dim, each rank stacking the slices it holds.
-def _unbind_held(x: ShardTensor, dim: int, e: int) -> tuple[ShardTensor, ...]:
+# slice keeps them: those axes shard a dim ``e`` of the slice, nested outermost (NOTE [A dim
+# one rank holds is whole on that rank] in ``_held``), its holder holding all that the slice
+# lays out along ``e`` and the others nothing. ``e`` is the first dim the input holds whole,
+# else the first other dim, whose own axes then split it within the holder's block (2-D
+# blocks). No byte moves, and no rank holds a slice it did not hold. ``stack`` of such slices
+# in their holders' order (``unbind``'s backward) is the inverse: sharded along the new dim,
+# each rank stacking the slices it holds.
+def _unbind_held(x: ShardTensor, dim: int) -> tuple[ShardTensor, ...]:
     spec = x._spec
     sharding, group, starts = dim_layout(spec, dim)
     kept = [d for d in range(spec.ndim) if d != dim]
     new_dim = {d: k for k, d in enumerate(kept)}
-    placements = [
-        Shard(new_dim[e] if p.dim == dim else new_dim[p.dim]) if isinstance(p, Shard) else p
-        for p in spec.placements
-    ]
-    others = {new_dim[s.dim]: s.sizes for s in spec.shardings if s.dim != dim}
-    order = {new_dim[s.dim]: s.axes for s in spec.shardings if s.dim != dim}
-    order[new_dim[e]] = sharding.axes
-    shape = [spec.shape[d] for d in kept]
-    hints = tuple(
-        DimSharding(new_dim[h.dim], h.axes, h.sizes) for h in spec.hints if h.dim in new_dim
+    whole = [d for d in kept if d not in spec.sharding_by_dim]
+    e = new_dim[whole[0] if whole else kept[0]]
+    rest = [s for s in spec.shardings if s.dim != dim]
+    base = ShardTensorSpec.build(
+        spec.mesh,
+        [
+            (Replicate() if p.dim == dim else Shard(new_dim[p.dim])) if isinstance(p, Shard) else p
+            for p in spec.placements
+        ],
+        [spec.shape[d] for d in kept],
+        spec.dtype,
+        {new_dim[s.dim]: s.sizes for s in rest},
+        order={new_dim[s.dim]: s.axes for s in rest},
+        hints=tuple(
+            DimSharding(new_dim[h.dim], h.axes, h.sizes) for h in spec.hints if h.dim in new_dim
+        ),
     )
-    empty = [n for d, n in enumerate(x._local.shape) if d != dim]
-    empty[new_dim[e]] = 0
     pieces = []
     for i in range(spec.shape[dim]):
         holder = max(k for k, n in enumerate(sharding.sizes) if n and starts[k] <= i)
-        sizes = tuple(spec.shape[e] if k == holder else 0 for k in range(len(sharding.sizes)))
-        out_spec = ShardTensorSpec.build(
-            spec.mesh,
-            placements,
-            shape,
-            spec.dtype,
-            {**others, new_dim[e]: sizes},
-            order=order,
-            hints=hints,
-        )
+        out_spec = held_on(base, [Held(e, sharding.axes, holder)])
         local = (
             x._local.select(dim, i - starts[holder])
             if group.index == holder
-            else x._local.new_empty(empty)
+            else x._local.new_empty(out_spec.local_shape())
         )
         pieces.append(ShardTensor(local, out_spec))
     return tuple(pieces)
@@ -586,65 +584,43 @@ def _stack(func, args, kwargs):
 
 
 def _stack_held(tensors: list, dim: int) -> ShardTensor | None:
-    """Slices each held whole by one rank along a dim ``e`` of the same axes, in their
-    holders' order, stacked along the new ``dim``: sharded along it, each rank stacking its
-    own (NOTE [An unbound slice stays with its holder]); None for any other operands."""
-    if not all(isinstance(t, ShardTensor) for t in tensors):
+    """Slices each held by one rank along a dim ``e`` over the same outermost axes, laid out
+    alike within the holder's block, in their holders' order, stacked along the new ``dim``:
+    sharded along it over those axes, each rank stacking its own (NOTE [An unbound slice
+    stays with its holder]); None for any other operands."""
+    if not tensors or not all(isinstance(t, ShardTensor) for t in tensors):
         return None
-    spec = tensors[0]._spec
-    dim = dim % (spec.ndim + 1)
-    holders, e, axes = [], None, None
+    holders, base, where = [], None, None
     for t in tensors:
-        found = [
-            (s.dim, s.axes, [k for k, n in enumerate(s.sizes) if n])
-            for s in t._spec.shardings
-            if t.shape[s.dim] and sum(1 for n in s.sizes if n) == 1
-        ]
-        if len(found) != 1 or (e is not None and found[0][:2] != (e, axes)):
+        rest, held = without_held(t._spec)
+        if len(held) != 1 or (base is not None and not rest.same_layout(base)):
             return None
-        e, axes, (holder,) = found[0]
-        holders.append(holder)
-        rest = [s for s in t._spec.shardings if s.dim != e]
-        if (
-            t._spec.placements != spec.placements
-            or t.shape != spec.shape
-            or rest != [s for s in spec.shardings if s.dim != e]
-        ):
+        if where is not None and (held[0].dim, held[0].axes) != where:
             return None
+        base, where = rest, (held[0].dim, held[0].axes)
+        holders.append(held[0].holder)
     if holders != sorted(holders):
         return None
-    new = {d: d + (d >= dim) for d in range(spec.ndim)}
-    placements = [
-        Shard(dim if p.dim == e else new[p.dim]) if isinstance(p, Shard) else p
-        for p in spec.placements
-    ]
-    rest = [s for s in spec.shardings if s.dim != e]
-    count = len(spec.shardings[[s.dim for s in spec.shardings].index(e)].sizes)
-    sizes = tuple(holders.count(k) for k in range(count))
-    shape = list(spec.shape)
+    axes = where[1]
+    dim = dim % (base.ndim + 1)
+    shape = list(base.shape)
     shape.insert(dim, len(tensors))
-    out_spec = ShardTensorSpec.build(
-        spec.mesh,
-        placements,
+    out = _renumbered(
+        base,
+        {d: d + (d >= dim) for d in range(base.ndim)},
         shape,
-        spec.dtype,
-        {**{new[s.dim]: s.sizes for s in rest}, dim: sizes},
-        order={**{new[s.dim]: s.axes for s in rest}, dim: axes},
-        hints=tuple(
-            DimSharding(new[h.dim], h.axes, h.sizes)
-            for h in merged_hints(*(t._spec.hints for t in tensors))
-        ),
+        hints=merged_hints(*(t._spec.hints for t in tensors)),
     )
-    index = axis_group(spec.mesh, axes).index
+    placements = [Shard(dim) if a in axes else p for a, p in enumerate(out.placements)]
+    count = math.prod(base.mesh_shape[a] for a in axes)
+    sizes = {s.dim: s.sizes for s in out.shardings}
+    order = {s.dim: s.axes for s in out.shardings}
+    sizes[dim], order[dim] = tuple(holders.count(k) for k in range(count)), axes
+    out = out.relaid(placements, sizes, order=order)
+    index = axis_group(base.mesh, axes).index
     mine = [t._local for t, k in zip(tensors, holders) if k == index]
-    if mine:
-        local = torch.stack(mine, dim)
-    else:
-        empty = list(tensors[0]._local.shape)
-        empty[e] = spec.shape[e]
-        empty.insert(dim, 0)
-        local = tensors[0]._local.new_empty(empty)
-    return ShardTensor(local, out_spec.with_dtype(local.dtype))
+    local = torch.stack(mine, dim) if mine else tensors[0]._local.new_empty(out.local_shape())
+    return ShardTensor(local, out.with_dtype(local.dtype))
 
 
 def _renumbered(
