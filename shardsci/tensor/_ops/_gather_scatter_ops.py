@@ -8,9 +8,11 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   graph, sharded with the nodes that own its destinations) gives an output sharded like the
   index; a rank receives only the distinct remote rows its index names, once per plan use;
 - a replicated index (a plain tensor) gives an output that keeps the input's shards along the
-  dims it keeps, and along the gathered dim when the output has the input's extent there
-  (else replicated over its axes); each rank receives only the remote rows its part of the
-  output names (NOTE [A gather through a replicated index keeps the input's layout]); so
+  dims it keeps, and along the gathered dim when the output has the input's extent there,
+  or, for a selection through a 1-D index, split by its entries' owners (NOTE [A selection
+  through a replicated index is split by its entries' owners]; else replicated over its
+  axes); each rank receives only the remote rows its part of the output names (NOTE [A
+  gather through a replicated index keeps the input's layout]); so
   does ``gather`` through an index split like the input on its other dims and whole over
   the gathered dim's axes (``x.gather(0, x.argmax(0, keepdim=True))`` on a 2x2 mesh), and
   ``x[idx]`` or ``index_select`` through an index split over axes that split no dim of the
