@@ -8,11 +8,9 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   graph, sharded with the nodes that own its destinations) gives an output sharded like the
   index; a rank receives only the distinct remote rows its index names, once per plan use;
 - a replicated index (a plain tensor) gives an output that keeps the input's shards along the
-  dims it keeps, and along the gathered dim when the output has the input's extent there,
-  or, for a selection through a 1-D index, split by its entries' owners (NOTE [A selection
-  through a replicated index is split by its entries' owners]; else replicated over its
-  axes); each rank receives only the remote rows its part of the output names (NOTE [A
-  gather through a replicated index keeps the input's layout]); so
+  dims it keeps, and along the gathered dim when the output has the input's extent there
+  (else replicated over its axes); each rank receives only the remote rows its part of the
+  output names (NOTE [A gather through a replicated index keeps the input's layout]); so
   does ``gather`` through an index split like the input on its other dims and whole over
   the gathered dim's axes (``x.gather(0, x.argmax(0, keepdim=True))`` on a 2x2 mesh), and
   ``x[idx]`` or ``index_select`` through an index split over axes that split no dim of the
@@ -498,15 +496,14 @@ def _gather(func, args, kwargs):
 # the gathered dim, when it is sharded, an output of ``x``'s extent there (a permutation,
 # ``take_along_dim`` with an index of ``x``'s shape) keeps ``x``'s sizes: each rank reads its
 # own range of the index and receives the remote rows (cells) that range names (every rank knows
-# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``). A
-# selection's output of another extent through a 1-D index is split by its entries' owners
-# (NOTE [A selection through a replicated index is split by its entries' owners]): nothing
-# moves when those never decrease along the index (a sorted index, ``x[[1, 2]]``, ``take``).
-# Any other output of another extent (``gather``'s, or through an index of several dims) is
-# replicated over those axes, each rank receiving every remote row (or cell) the index names:
-# a gather the guard governs (``check_replicated_read``); so is a selection's fetch, through a
-# replicated or a sharded index, that leaves a rank holding every row of the gathered dim, at
-# least half of them fetched (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
+# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``). An
+# output of another extent through a 1-D index whose entries' owners never decrease along it
+# (a sorted index, ``x[[1, 2]]``, ``take``) holds each entry on the rank that owns its row:
+# nothing moves. Any other output of another extent is replicated over those axes, each
+# rank receiving every remote row (or cell) the index names: a gather the guard governs
+# (``check_replicated_read``); so is a selection's fetch, through a replicated or a sharded
+# index, that leaves a rank holding every row of the gathered dim, at least half of them
+# fetched (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
 # index, so every rank raises alike, naming its first entry out of range
 # (``_first_out_of_range``). ``gather`` through an index already split so, as ``x``'s other
 # dims cut at its extent and whole over the gathered dim's axes (an ``argmax`` of ``x`` with
@@ -599,21 +596,12 @@ def _reading(
     if dim in spec.sharding_by_dim:
         sharding, group, group_starts = dim_layout(spec, dim)
         runs = not cell_wise and split is None  # a split index's groups would hold other runs
-        if runs and index.ndim == 1 and index.shape[0] != extent:
-            # NOTE [A selection through a replicated index is split by its entries' owners]
-            owners = _owners(index, sharding.sizes, group_starts)
-            counts = tuple(int(n) for n in torch.bincount(owners, minlength=group.size))
+        counts = _owned_runs(index, sharding.sizes, group_starts, extent) if runs else None
+        if counts is not None:  # each rank reads its own rows only
             shard_output(dim, sharding.axes, counts)
-            out_spec = _built(spec, placements, shape, sizes, order)
-            if not bool((owners[1:] < owners[:-1]).any()):  # each rank reads its own rows
-                before = sum(counts[: group.index])
-                local = index[before : before + counts[group.index]] - group_starts[group.index]
-                return _Reading(local, None, False, out_spec)
-            plan = gather_plan(
-                index, sharding.sizes, group, replicated=True, sliced=0, parts=counts,
-                what=func.__name__,
-            )  # fmt: skip
-            return _Reading(plan.local_index, plan, False, out_spec)
+            before = sum(counts[: group.index])
+            local = index[before : before + counts[group.index]] - group_starts[group.index]
+            return _Reading(local, None, False, _built(spec, placements, shape, sizes, order))
         sliced = dim if cell_wise else 0
         selection_cut = index.ndim == 1 and split is None  # a split index's parts are not cut
         if (not cell_wise and not selection_cut) or index.shape[sliced] != extent:
@@ -645,25 +633,19 @@ def _built(spec: ShardTensorSpec, placements, shape, sizes: dict, order: dict) -
     )
 
 
-# NOTE [A selection through a replicated index is split by its entries' owners]
-# ``x[index]`` (``index_select``, aten ``index``, and their adjoints) through a replicated 1-D
-# index along a split dim, of another extent than that dim: the output's dim is split over the
-# same axes, rank ``r`` holding as many entries as name rows rank ``r`` owns, in the index's
-# order (``_reading``). Where the owners never decrease along the index (a sorted index), each
-# rank's entries are its own rows and nothing moves. Otherwise no layout puts every output
-# cell on the rank holding the row it reads (NOTE [An output cell belongs to the shard it
-# depends on] in ``tests/expected_layouts.py`` then states nothing), and each rank fetches
-# the distinct remote rows its run of entries names, a plan every rank computes alone since
-# every rank knows every rank's run (``gather_plan(sliced=0, parts=...)``): at most its
-# output's rows, where a replicated output made every rank hold the whole read and fetch every
-# remote row the index names. The backward sends the gradient's rows home (the plan's adjoint,
-# ``halo_reduce``, an ``index_add`` into their owners). A run naming every row, at least half
-# of them remote, is still a gather the guard governs (``check_fetch``).
-def _owners(index: torch.Tensor, sizes: tuple[int, ...], starts: list[int]) -> torch.Tensor:
-    """The position in its group of the rank owning the row each entry of ``index`` names
-    (the ranks' ``sizes`` rows from ``starts``)."""
+def _owned_runs(
+    index: torch.Tensor, sizes: tuple[int, ...], starts: list[int], extent: int
+) -> tuple[int, ...] | None:
+    """How many entries of the 1-D ``index`` each rank owns, when an output of another extent
+    than ``extent`` can hold them where they are: the owners of its entries never decrease
+    along it (a sorted index, ``x[[1, 2]]``), so each rank's entries are one run; else None."""
+    if index.ndim != 1 or index.shape[0] == extent:
+        return None
     ends = torch.tensor([a + n for a, n in zip(starts, sizes)], device=index.device)
-    return torch.searchsorted(ends, index, right=True)
+    owners = torch.searchsorted(ends, index, right=True)
+    if bool((owners[1:] < owners[:-1]).any()):
+        return None
+    return tuple(int(n) for n in torch.bincount(owners, minlength=len(sizes)))
 
 
 def _checked_index(func, x: ShardTensor, dim: int, index: object) -> torch.Tensor:
@@ -1884,8 +1866,8 @@ def _masked_index(func, args, kwargs):
 # every output cell the mask hides depends on no row of ``x`` (NOTE [An output cell belongs to
 # the shard it depends on] in ``tests/expected_layouts.py``: its owner is "any"), yet its
 # clamped value names some row, which may break the owners' increasing order and turn a read
-# that moves nothing into one that fetches rows (NOTE [A selection through a replicated index
-# is split by its entries' owners]), and move the output's cells off their rows. So each such
+# that moves nothing (``_owned_runs``) into one every rank holds whole, fetching every remote
+# row it names (``check_fetch`` reports it as a gather). So each such
 # position reads the row of the last position before it that the mask shows (the first one
 # shown, before any): the output is the same, and the read follows the owners of the cells
 # that depend on anything. The backward (``_unsafe_masked_index_put_accumulate``, its values
