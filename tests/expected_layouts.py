@@ -333,8 +333,9 @@ class AxisRule:
         A layout the library documents for this op where the rule states another (NOTE [A
         layout an op documents over its dependencies]): ``""`` (none), ``"moved"`` (sharded
         along another dim, or nested with other axes on ``dim``), ``"pending sum"``
-        (Partial(sum)) or ``"either window"`` (``owners`` has no owner for the cells that
-        windows from two shards cover).
+        (Partial(sum)), ``"computed alike"`` (Replicate: every rank computes the same values)
+        or ``"either window"`` (``owners`` has no owner for the cells that windows from two
+        shards cover).
     reads_elsewhere : bool
         Of a same-shape rule: whether some output cell along ``dim`` depends on the split dim
         elsewhere than at its own index's block (on several blocks, or on another one: a
@@ -581,7 +582,11 @@ def axis_rules(
 #   rank's counts] in ``shardsci/tensor/_ops/_reduction_ops.py``): an output cell depends on the
 #   shards holding what it looks up, which the values decide and no layout can depend on; the
 #   library returns a pending sum over the axes splitting that dim, each rank's terms. Such an
-#   axis may be Partial(sum).
+#   axis may be Partial(sum). A histogram's bin edges are not a lookup: every rank computes
+#   them alike, from the given bins or range or from the global minimum and maximum (one
+#   all-reduce each, a reduction over every element); the probe sees them depend on the
+#   shard that holds those, or take the input's shape when ``bins + 1`` equals it. That
+#   output (``PendingSum.alike``) may be Replicate ("computed alike").
 # - a scatter by value into cells that windows from two shards may write (``max_unpool``
 #   after a pooling whose windows overlap, kernel 3 stride 2): a cell takes the value of
 #   whichever window's maximum it is, which the ``indices`` argument decides (the probe holds
@@ -608,11 +613,13 @@ class PendingSum:
 
     dims: Callable[[int], Sequence[int]]
     note: str
+    alike: tuple[int, ...] = ()
+    """The outputs (by position) every rank computes alike instead, replicated."""
 
 
 #: OpInfo key -> the dims along which it looks up by value (NOTE [A layout an op documents
 #: over its dependencies]).
-_HISTOGRAM = PendingSum(range, "A histogram is a pending sum of each rank's counts")
+_HISTOGRAM = PendingSum(range, "A histogram is a pending sum of each rank's counts", alike=(1,))
 PENDING_SUMS = {
     "nn.functional.embedding": PendingSum(
         lambda ndim: (0,), "A split table is looked up where it lies"
@@ -688,11 +695,13 @@ def documented(
     shape: Sequence[int] = (),
     mesh: Sequence[int] = (),
     kwargs: Mapping[str, object] | None = None,
+    output: int = 0,
 ) -> list[AxisRule]:
-    """``rules`` for an output of the op named ``op`` (an OpInfo key) of an ``ndim``-dim
-    input laid out as ``input_layout``, each also taking the layout the op documents (NOTE [A
-    layout an op documents over its dependencies]). An op of ``SCATTERED_BY_WINDOWS`` needs
-    the input's ``shape``, the ``mesh`` and the sample's ``kwargs`` (its windows)."""
+    """``rules`` for output number ``output`` of the op named ``op`` (an OpInfo key) of an
+    ``ndim``-dim input laid out as ``input_layout``, each also taking the layout the op
+    documents (NOTE [A layout an op documents over its dependencies]). An op of
+    ``SCATTERED_BY_WINDOWS`` needs the input's ``shape``, the ``mesh`` and the sample's
+    ``kwargs`` (its windows)."""
     placements = input_layout.placements
     pending = PENDING_SUMS.get(op)
     result = []
@@ -701,7 +710,7 @@ def documented(
         if op.startswith("fft.") and r.rule.startswith("same-shape") and r.reads_elsewhere:
             also = "moved"
         elif pending is not None and placements[r.axis] in map(Shard, pending.dims(ndim)):
-            also = "pending sum"
+            also = "computed alike" if output in pending.alike else "pending sum"
         elif op in SCATTERED_BY_WINDOWS and kwargs is not None:
             either = _either_window(r, op, input_layout, shape, mesh, kwargs)
             if either is not None:
@@ -738,6 +747,8 @@ def held_where(
             if e != rule.dim or len(axes_on_e) > 1:
                 continue  # on another dim, or nested with other axes on the same one
         if rule.documented == "pending sum" and p == Partial("sum"):
+            continue
+        if rule.documented == "computed alike" and isinstance(p, Replicate):
             continue
         if rule.rule == "one holder" and isinstance(p, Shard):
             e, holder = p.dim % len(shape), rule.owners[0]

@@ -478,7 +478,7 @@ def _layout_rules(
         per_axis = {a: owners[i] for a, owners in owners_per_axis.items() if i < len(owners)}
         stated = axis_rules(per_axis, layout, first.shape, e.shape, mesh)
         rules.append(
-            documented(op_key(op), stated, layout, first.ndim, first.shape, mesh, sample.kwargs)
+            documented(op_key(op), stated, layout, first.ndim, first.shape, mesh, sample.kwargs, i)
         )
     return rules
 

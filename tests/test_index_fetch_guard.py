@@ -249,3 +249,44 @@ def _one_column_body() -> None:
 
 def test_a_gather_reading_every_cell_of_a_block_fetches_only_those_cells() -> None:
     run_on_ranks(4, _one_column_body)
+
+
+# ---------------------------------------------------------------------------- split mask
+def _split_mask_body() -> None:
+    """aten ``_unsafe_masked_index`` with its mask split over the ranks: no handler reads
+    through it (``_in_owner_order`` takes a mask every rank holds whole), so the call takes
+    the gathered fallback, which the guard refuses on every rank under "error" before any
+    byte moves, and which agrees with one process under "allow"."""
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    x = torch.randn(SHAPE, dtype=torch.float64)
+    rows = torch.tensor([4, 0, 1, 3])
+    mask = torch.tensor([True, False, True, True])[:, None, None].expand(4, 4, 3).contiguous()
+    layouts = [Layout((Shard(0),), {0: (2, 3)}), Layout((Shard(0),), {0: (1, 3)})]
+    shards = []
+    for t, layout in zip((x, mask), layouts, strict=True):
+        spec = layout.spec(mesh, t)
+        shards.append(from_local_spec(spec.narrow(t).contiguous(), spec))
+
+    def read(t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return aten._unsafe_masked_index.default(t, m, [rows], 0.5)
+
+    traffic = []
+
+    def attempt() -> None:
+        with count_traffic() as counted:
+            traffic.append(counted)
+            read(*shards)
+
+    with gather_policy("error"):
+        assert_raises_all_ranks(GatherError, OP, attempt)
+    assert_all_ranks(traffic[0].received == 0, f"received {traffic[0].received} B first")
+    with gather_policy("allow"):
+        check_against_reference(
+            read, [x, mask], layouts, mesh, out_layouts=[Layout((Replicate(),))],
+            not_a_gather="it is one, said",
+        )  # fmt: skip
+
+
+def test_a_split_mask_takes_the_gathered_fallback_refused_on_every_rank() -> None:
+    run_on_ranks(2, _split_mask_body)

@@ -727,6 +727,34 @@ def test_a_histogram_of_split_data_may_be_a_pending_sum() -> None:
         assert held_where(stated, [Partial()], {}, {}, (3,), (2,)) != ""
 
 
+def test_a_histogram_density_is_a_pending_sum_and_its_edges_are_computed_alike() -> None:
+    """The op database's histogram sample 34 (one bin, ``density=True``) on 4r-random, every
+    element on one block: the density and the edges (from the data's range) depend on that
+    block alone. The library returns the density as a pending sum (each rank's counts over
+    the global total) and the edges replicated, every rank computing them alike from the
+    all-reduced range (NOTE [A histogram is a pending sum of each rank's counts]); the rule
+    takes each for its own output only."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    from tests.expected_layouts import axis_rules, cell_owners, documented, held_where, parse
+
+    x = torch.tensor([0.0, 1.0, 8.0, 9.0, 4.0], dtype=torch.float64)
+    layout = parse("S0; 0=0/5")
+
+    def call(a: torch.Tensor) -> list:
+        return list(torch.histogram(a, bins=1, density=True))
+
+    owners = cell_owners(call, x, 0, (0, 5))
+    for k, held, refused in ((0, Partial(), Replicate()), (1, Replicate(), Partial())):
+        shape = tuple(call(x)[k].shape)
+        stated = axis_rules({0: owners[k]}, layout, x.shape, shape, (2,))
+        assert [(r.rule, r.owners) for r in stated] == [("depends", (1,) * shape[0])], k
+        rules = documented("histogram", stated, layout, x.ndim, output=k)
+        assert held_where(rules, [held], {}, {}, shape, (2,)) == "", k
+        assert held_where(rules, [refused], {}, {}, shape, (2,)) != "", k
+        assert held_where(stated, [held], {}, {}, shape, (2,)) != "", k
+
+
 def test_every_pending_sum_is_stated_by_a_note_of_the_library() -> None:
     """The ops whose outputs the sweep takes as a pending sum are real OpInfo keys, and the
     NOTE each names is written in the library (a line of its own, not a mention)."""

@@ -1876,7 +1876,9 @@ def _in_owner_order(indices: list, mask: torch.Tensor, x: ShardTensor) -> list:
     """``indices`` (clamped, plain integer tensors after leading ``None``) with each position
     every mask hides reading the row the last shown position before it reads (NOTE above).
     Only indices with one dim of more than one entry are changed; others are returned as
-    given."""
+    given. ``mask`` is held whole by every rank: a plain tensor or a ShardTensor split along
+    no dim (its callers send a split one to the gathered fallback first, which the guard
+    refuses under "error" before any collective)."""
     tensors = [i for i in indices if i is not None]
     if not tensors or any(
         isinstance(i, ShardTensor) or i.dtype not in _INDEX_DTYPES for i in tensors

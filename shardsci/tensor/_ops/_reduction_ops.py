@@ -25,8 +25,11 @@ NOTE [A histogram is a pending sum of each rank's counts]
 Each rank counts its own elements against the same edges (over the global range, found by
 all-reduces of min and max when the call leaves it to the data): the counts are a pending sum
 (Partial) over the axes that shard the input. They cannot be sharded instead: which rank's
-elements fall in a bin is the data's values, which no layout may depend on. A density needs
-the global counts: it is all-reduced first.
+elements fall in a bin is the data's values, which no layout may depend on. A density, the
+counts over their total times each bin's width, is a pending sum too: each rank's counts over
+the global total (one all-reduce of a single number) times the widths. Its terms add up to
+torch's density; nothing is replicated but that total and the edges, which every rank
+computes alike.
 """
 
 from __future__ import annotations
@@ -591,7 +594,8 @@ def _histc(func, args, kwargs):
 @register_aten_handler(aten.histogram.bin_ct, aten.histogram.bins_tensor)
 def _histogram(func, args, kwargs):
     """Each rank counts its elements against the same edges (from the global range when the
-    call gives none); a density needs the global counts, so it is all-reduced first."""
+    call gives none); a density divides them by the global total (NOTE [A histogram is a
+    pending sum of each rank's counts])."""
     a = bind(func, args, kwargs)
     x, bins, weight, density = a.self, a.bins, a.weight, bool(a.density)
     if not accepts(x, bins, weight, partial=True, replicated=[bins]) or (
@@ -611,12 +615,10 @@ def _histogram(func, args, kwargs):
             span = list(_global_range(x))
         local["range"] = span
     counts, edges = func(x._local, bins, **local)
-    counts = _counted_per_rank(x, counts)
-    edges = _replicated(x, edges)
-    if not density:
-        return counts, edges
-    total = reduced_now(counts)._local
-    return _replicated(x, total / (total.sum() * edges._local.diff())), edges
+    if density:
+        total = reduced_now(_counted_per_rank(x, counts.sum()))._local
+        counts = counts / (total * edges.diff())
+    return _counted_per_rank(x, counts), _replicated(x, edges)
 
 
 def _replicated(x: ShardTensor, value: torch.Tensor) -> ShardTensor:
