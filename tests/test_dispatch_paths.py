@@ -1,6 +1,7 @@
 """The dispatch path each op takes (NOTE [Dispatch paths] in ``shardsci/tensor/_dispatch.py``)
 and the pointwise fast path for operands that broadcast into a layout (NOTE [Operands that
-broadcast into the layout]): against one process in float64, forward and gradients, on an
+broadcast into the layout]) or have its shape laid out otherwise (NOTE [Operands of one shape
+laid out differently]): against one process in float64, forward and gradients, on an
 uneven 1-D split, one with an empty shard and an uneven 2x2 block decomposition, with the
 output's layout stated; and which path each op took, counted by ``tally_paths``.
 """
@@ -155,6 +156,62 @@ def test_operands_sharded_like_the_field_along_some_dims_take_the_fast_path(
     """``x - rows``, ``rows`` of shape (B, C, H, 1) split along H as ``x`` is: one process's
     values, gradients and layout, on the fast path; split otherwise, the default path."""
     run_on_ranks(case.world, _partly_sharded_body, case)
+
+
+# Other layouts of each field's shape, by mesh: (layout, None, or where it splits the field into
+# fewer pieces than the field's layout, the layout of ``y - x`` that the default path gives:
+# ``y``'s H sizes, ``x``'s W split). Same placements other sizes, another dim, H over both axes
+# of a 2x2 mesh (slabs: what a window partition's reverse returns), the dims swapped.
+OTHER_LAYOUTS = {
+    (2,): [(Layout((Shard(2),), {2: (3, 7)}), None), (Layout((Shard(3),), {3: (4, 2)}), None)],
+    (4,): [
+        (Layout((Shard(2),), {2: (5, 0, 3, 2)}), None),
+        (Layout((Shard(3),), {3: (1, 2, 0, 3)}), None),
+    ],
+    (2, 2): [
+        (Layout((Shard(2), Shard(2)), {2: (3, 3, 2, 2)}), None),
+        (Layout((Shard(3), Shard(2)), {3: (4, 2), 2: (3, 7)}), None),
+        (
+            Layout((Shard(2), Replicate()), {2: (4, 6)}),
+            Layout((Shard(2), Shard(3)), {2: (4, 6), 3: (2, 4)}),
+        ),
+    ],
+}
+
+
+def _one_shape_body(case: Sharded) -> None:
+    mesh = get_mesh(case.mesh)
+    whole, x = _sharded(case, mesh)
+    other_whole = torch.randn(case.shape, dtype=torch.float64)
+    for layout, default_path in OTHER_LAYOUTS[case.mesh]:
+        spec = layout.spec(mesh, other_whole)
+        y = from_local_spec(spec.narrow(other_whole), spec)
+        what = f"{layout}"
+        if default_path is None:
+            check_against_reference(
+                lambda a, b: a + 2 * b, [whole, other_whole], [case.layout, layout], mesh,
+                out_layouts=[case.layout], what=f"x + 2 y, y {what}",
+            )  # fmt: skip
+            with torch.no_grad(), tally_paths() as tally:
+                out = x * y
+            assert_all_ranks(tally.outermost == {"fast": 1}, f"{what}: {tally.outermost}")
+            assert_all_ranks(out.spec.same_layout(x.spec), f"{what}: x * y is {out.spec}")
+        # The other way round the result takes y's layout, or, where x's would leave y in
+        # fewer pieces (a gather), DTensor's rule decides on the default path.
+        check_against_reference(
+            lambda a, b: b - a, [whole, other_whole], [case.layout, layout], mesh,
+            out_layouts=[default_path or layout], what=f"y - x, y {what}",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", FIELDS, ids=str)
+def test_operands_of_one_shape_laid_out_otherwise_take_the_first_ones_layout(
+    case: Sharded,
+) -> None:
+    """``x + 2 y`` with ``y`` of ``x``'s shape laid out otherwise (a residual add after a
+    window partition and its reverse): one process's values and gradients, in ``x``'s layout,
+    on the fast path; ``y - x`` in ``y``'s; never moved into fewer pieces."""
+    run_on_ranks(case.world, _one_shape_body, case)
 
 
 def _nested_tallies_body() -> None:

@@ -1,17 +1,20 @@
-"""``roll`` along given dims on every layout, against one process, float64: values, the
-gradient (a roll the other way: the same exchange), the output in the input's layout
-(placements and shard sizes), no gather (pytest makes a ``GatherWarning`` an error), and each
-rank receiving at most the cells that roll into its shard from another along each split
-rolled dim (``count_traffic``; nothing when every rolled dim is held whole).
+"""``roll`` and ``flip`` along given dims on every layout, against one process, float64:
+values, the gradient (a roll the other way, a flip again: the same exchange), the output in
+the input's layout (placements and shard sizes), no gather (pytest makes a ``GatherWarning``
+an error), and each rank receiving at most the cells that move into its shard from another
+along each split dim rolled or flipped (``count_traffic``; nothing when every such dim is
+held whole).
 
 A roll along dims held whole of a tensor split elsewhere is local. Before, the handler
 declined it and the default path gathered one axis of a dim split over both axes of a 2x2
 mesh: ``fftshift`` of a batch-split spectrum in neuraloperator's TFNO and its gradient
-(``tests/third_party``, ``tfno-empty`` and ``tfno-2x2``)."""
+(``tests/third_party``, ``tfno-empty`` and ``tfno-2x2``). ``flip`` had the same guard: a flip
+along dims held whole of the nested batch gathered one axis of it."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -43,23 +46,45 @@ ROLLS = (  # (shifts, dims): whole dims only, split dims only, both, negative, p
     ((2, 4), (1, 2)),
     ((-1, 13, 2), (2, 1, 0)),
 )
+FLIPS = ((0,), (2,), (0, 2), (1,), (-2, 0), (2, 1, 0))  # whole only, split only, both
 
 
-def _bound(layout: Layout, shifts: tuple[int, ...], dims: tuple[int, ...], rank: int) -> int:
-    """Bytes of the cells rolling into ``rank``'s shard from another's, along every split
-    rolled dim in turn (the neighbour exchange; float64)."""
+def _rolled(j: int, extent: int, shift: int) -> int:
+    return (j - shift) % extent
+
+
+def _flipped(j: int, extent: int, shift: None) -> int:
+    return extent - 1 - j
+
+
+def _calls() -> list[tuple[str, Callable, tuple]]:
+    """``(what, fn, moves)``: each roll and flip, and along which dims its cells come from
+    where (``(dim, source, shift)``, ``source(index, extent, shift)`` the global index a cell's
+    value comes from)."""
+    calls = []
+    for shifts, dims in ROLLS:
+        moves = tuple((d % len(SHAPE), _rolled, s) for s, d in zip(shifts, dims))
+        calls.append((f"roll({shifts}, {dims})", lambda t, s=shifts, d=dims: t.roll(s, d), moves))
+    for dims in FLIPS:
+        moves = tuple((d % len(SHAPE), _flipped, None) for d in dims)
+        calls.append((f"flip({dims})", lambda t, d=dims: t.flip(d), moves))
+    return calls
+
+
+def _bound(layout: Layout, moves: tuple, rank: int) -> int:
+    """Bytes of the cells moving into ``rank``'s shard from another's, along every split dim
+    of ``moves`` in turn (the neighbour or mirror exchange; float64)."""
     local = list(SHAPE)
     starts = [0] * len(SHAPE)
     for dim, sizes in layout.sizes.items():
         index = _index_along(layout, dim, rank)
         local[dim], starts[dim] = sizes[index], sum(sizes[:index])
     total = 0
-    for shift, dim in zip(shifts, dims):
+    for dim, source, shift in moves:
         if dim not in layout.sizes:
             continue
-        extent = SHAPE[dim]
         own = range(starts[dim], starts[dim] + local[dim])
-        incoming = sum(1 for j in own if (j - shift) % extent not in own)
+        incoming = sum(1 for j in own if source(j, SHAPE[dim], shift) not in own)
         total += incoming * math.prod(n for d, n in enumerate(local) if d != dim)
     return total * 8
 
@@ -76,7 +101,7 @@ def _index_along(layout: Layout, dim: int, rank: int) -> int:
     return index
 
 
-def _body(name: str) -> None:
+def _body(name: str, op: str) -> None:
     mesh_shape, layout = LAYOUTS[name]
     mesh = get_mesh(mesh_shape)
     torch.manual_seed(0)
@@ -84,22 +109,26 @@ def _body(name: str) -> None:
     spec = layout.spec(mesh, x)
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
     rank = torch.distributed.get_rank()
-    for shifts, dims in ROLLS:
-        what = f"{name}: roll({shifts}, {dims})"
-        check_against_reference(
-            lambda t, s=shifts, d=dims: t.roll(s, d), [x], [layout], mesh, out_layouts=[layout],
-            what=what,
-        )  # fmt: skip
+    for call, fn, moves in _calls():
+        if not call.startswith(op):
+            continue
+        what = f"{name}: {call}"
+        check_against_reference(fn, [x], [layout], mesh, out_layouts=[layout], what=what)
         with count_traffic() as traffic:
-            shard.roll(shifts, dims)
-        bound = _bound(layout, shifts, dims, rank)
+            fn(shard)
+        bound = _bound(layout, moves, rank)
         assert_all_ranks(
             traffic.received <= bound,
-            f"{what}: rank {rank} received {traffic.received} bytes; the cells rolling into "
+            f"{what}: rank {rank} received {traffic.received} bytes; the cells moving into "
             f"its shard are {bound}",
         )
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_roll_keeps_the_layout_and_moves_only_the_crossing_cells(name: str) -> None:
-    run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name)
+    run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name, "roll")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_flip_keeps_the_layout_and_moves_only_the_mirrored_cells(name: str) -> None:
+    run_on_ranks(math.prod(LAYOUTS[name][0]), _body, name, "flip")

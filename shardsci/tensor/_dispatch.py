@@ -37,7 +37,7 @@ from shardsci.tensor._copies import (
     mark_view,
     returns_view,
 )
-from shardsci.tensor._gather_guard import asked_for, check_result, dispatching
+from shardsci.tensor._gather_guard import asked_for, check_result, dispatching, gathers
 from shardsci.tensor._propagation import (
     Plan,
     decomposition,
@@ -354,6 +354,11 @@ def _pointwise_fast_path(func: OpOverload, args: tuple, kwargs: dict, mutates: b
                 local_args.append(_cut(arg._local, arg_spec, cuts))
                 if arg_spec.hints:
                     memory.append(arg_spec.hints)
+            elif (position or not mutates) and _moves_into(arg, spec):
+                # NOTE [Operands of one shape laid out differently]
+                local_args.append(
+                    redistribute_local(arg._local, arg_spec, spec.with_dtype(arg.dtype))
+                )
             elif (
                 (position or not mutates)
                 and arg_spec.partial
@@ -441,6 +446,35 @@ def _reference_layout(args: tuple) -> ShardTensorSpec | None:
 # Partial reference stays pending when scaled by a number and goes to the default path
 # otherwise, as does anything else (whose first call on a 2x2x2 mesh costs seconds of
 # DTensor's strategy expansion).
+# NOTE [Operands of one shape laid out differently]
+# ``shortcut + f(x)``, a residual add, is the commonest op of a model and its operands may
+# come laid out differently: ``f`` (a window partition and its reverse, a flatten of H x W
+# blocks into tokens and back) may return its output split another way than its input, H
+# over both mesh axes rather than H x W blocks. DTensor's pointwise rule then chooses by its
+# cost model, which prefers the slabs whatever the operands' order, so one such block in the
+# middle of a model turned every later layer, and the output, into slabs (MONAI's SwinUNETR on
+# a 2 x 2 mesh, ``tests/third_party`` ``monai-swinunetr-2x2``). The result takes the
+# reference operand's layout (the first one among operands of its shape, ``_reference_layout``),
+# as every other pointwise route does (the broadcast cut above, ``_ops/_elementwise_ops``): an
+# operand of the reference's global shape laid out otherwise is moved to it, with no pending
+# reduction on either side and only where the move is no gather (the reference splits the
+# tensor into at least as many pieces, NOTE [Gathers an op was not asked to make]); else the
+# default path decides, as before. Not a leaf that requires grad, whose ``.grad`` must keep
+# its layout (as the cut above). The move is ``redistribute_local``, below autograd: the
+# operand's gradient comes back in the result's layout, as after DTensor's own move.
+def _moves_into(operand: torch.Tensor, spec: ShardTensorSpec) -> bool:
+    """Whether ShardTensor ``operand`` is moved to ``spec`` (NOTE [Operands of one shape laid
+    out differently])."""
+    layout = operand._spec
+    return (
+        layout.shape == spec.shape
+        and not layout.partial
+        and layout.mesh == spec.mesh
+        and not (operand.requires_grad and operand.grad_fn is None)
+        and not gathers(layout, spec)
+    )
+
+
 def _broadcasts_into(operand: ShardTensorSpec, spec: ShardTensorSpec) -> bool:
     return _fits_spec(operand, spec, cut=False) is not None
 

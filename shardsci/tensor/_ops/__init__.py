@@ -22,6 +22,7 @@ from shardsci.tensor._ops import (
     _matmul_ops,  # noqa: F401
     _norm_ops,  # noqa: F401
     _pad_ops,  # noqa: F401
+    _plain_destination_ops,  # noqa: F401
     _pool_ops,  # noqa: F401
     _reduction_ops,  # noqa: F401
     _scalar_ops,  # noqa: F401

@@ -74,6 +74,7 @@ from shardsci.tensor._ops._common import (
     sizes_at_extent,
 )
 from shardsci.tensor._ops._gathered_ops import gathered
+from shardsci.tensor._ops._plain_destination_ops import whole_value
 from shardsci.tensor._ops._slice_scatter_ops import basic_form, write_basic_key
 from shardsci.tensor._registry import (
     function_handler_for,
@@ -1489,11 +1490,16 @@ def _setitem(func, args, kwargs):
     numpy ints, 0-d int tensors and scalar bools as torch reads them, NOTE [Scalar index items
     as torch reads them]) that touches a split dim is written through ``slice_scatter`` (NOTE
     [A write through a basic key touching a split dim]); any other basic key keeps torch's
-    view and ``copy_``."""
+    view and ``copy_``. A ShardTensor written into a plain tensor is written whole (NOTE [A
+    ShardTensor written into a plain tensor])."""
     a = bind(func, args, kwargs)
     x, value = a.self, a.value
     if not isinstance(x, ShardTensor):
-        return NotImplemented
+        if not isinstance(value, ShardTensor):
+            return NotImplemented
+        # NOTE [A ShardTensor written into a plain tensor] in _plain_destination_ops
+        x[a.key] = whole_value(value)
+        return None
     key = basic_form(a.key)  # NOTE [Scalar index items as torch reads them]
     found = _tensor_key(key, x.ndim)
     if found is None:

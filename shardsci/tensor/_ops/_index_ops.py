@@ -261,11 +261,14 @@ def _select_backward(func, args, kwargs):
 # ---------------------------------------------------------------------------- flip / roll
 @register_aten_handler(aten.flip.default)
 def _flip(func, args, kwargs):
+    """Each shard flips its cells, then fetches its own mirror image along each split flipped
+    dim. A dim held whole flips locally, whatever the other dims' layout (as ``roll``), so a
+    flip never gathers."""
     a = bind(func, args, kwargs)
     x = a.self
-    dims = [d % x.ndim for d in a.dims]
-    if not accepts(x, sharded=dims, partial=True):
+    if not accepts(x, partial=True):
         return NotImplemented
+    dims = [d % x.ndim for d in a.dims]
     local = x._local.flip(dims)
     for dim in [d for d in dims if d in x._spec.sharding_by_dim]:
         local = _unflip_owners(local, x._spec, dim)
