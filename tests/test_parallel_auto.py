@@ -543,7 +543,7 @@ def test_the_search_says_how_far_it_is_on_stderr(monkeypatch, capsys, tmp_path: 
     assert d > 0 and p > 0  # dp=8 (the batch does not split), and some pruned
 
 
-@pytest.mark.slow  # two searches of 8 ranks: 18 s of CPU at load 25 (pytest -m slow)
+@pytest.mark.slow  # two searches of 8 ranks: 79 s at load 16-30 (pytest -m slow)
 def test_pruning_keeps_a_real_searchs_choice(tmp_path: Path) -> None:
     """NOTE [Pruning the search] on real dry runs: 8 ranks of a small FNO, the pruned search
     chooses what planning every candidate in full chooses, and simulates fewer ranks."""
