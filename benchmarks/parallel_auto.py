@@ -170,7 +170,7 @@ def measure_world(
     and return the goal."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=[*recipe_overrides(args), f"run_dir={scratch}"])
-    choice = choose(cfg, world)
+    choice = choose(cfg, world, prune=False)  # every candidate projected, to run them all
     measured: dict[str, list[float]] = {c.label: [] for c in choice.ranked}
     cpu_measured: dict[str, list[float]] = {c.label: [] for c in choice.ranked}
     others: list[float] = []

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         scratch = Path(scratch_name)
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
             cfg = compose("config", overrides=[*recipe_overrides(args), f"run_dir={scratch}"])
-        candidates = {c.label: c for c in choose(cfg, args.world).ranked}
+        candidates = {c.label: c for c in choose(cfg, args.world, prune=False).ranked}
         unknown = [label for label in args.labels if label not in candidates]
         if unknown:
             raise SystemExit(

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 import shardsci.train  # noqa: F401  registers the config schemas and the recipes
 from shardsci.planning import plan_run
+from shardsci.planning._dry_run import start_plan
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMALL = [
@@ -53,18 +54,19 @@ POOLED_TO_NOTHING_PROBLEM = (
 
 
 def test_a_downsampling_that_leaves_ranks_without_cells_is_named(tmp_path: Path) -> None:
-    """16 rows over 4 ranks: the third pooling leaves 2 rows, so 2 ranks hold none."""
-    plan = plan_run(_compose([*POOLED_TO_NOTHING, f"run_dir={tmp_path}"]))
+    """16 rows over 4 ranks: the third pooling leaves 2 rows, so 2 ranks hold none. NOTE [A
+    dry run's first rank bounds the whole plan]: the first rank class alone shows the whole
+    plan's problem, and ``finished`` simulates the other classes."""
+    started = start_plan(_compose([*POOLED_TO_NOTHING, f"run_dir={tmp_path}"]))
+    first = started.so_far()
+    assert first.problems == [POOLED_TO_NOTHING_PROBLEM]
+    left = started.classes_left
+    assert first.simulated_ranks == len(first.classes) == 1 and left > 0
+    plan = started.finished()
     assert plan.problems == [POOLED_TO_NOTHING_PROBLEM]
-    assert plan.simulated_ranks == len(plan.classes) > 1
-
-
-def test_a_plan_asked_to_stop_at_a_problem_simulates_one_rank(tmp_path: Path) -> None:
-    """NOTE [A dry run stops at a problem when asked]: the whole plan's problem (above), from
-    the first simulated rank alone."""
-    plan = plan_run(_compose([*POOLED_TO_NOTHING, f"run_dir={tmp_path}"]), until_problem=True)
-    assert plan.problems == [POOLED_TO_NOTHING_PROBLEM]
-    assert plan.simulated_ranks == len(plan.classes) == 1
+    assert plan.simulated_ranks == len(plan.classes) == 1 + left
+    assert started.classes_left == 0
+    assert plan.classes[0] == first.classes[0]
 
 
 def test_too_many_ranks_for_the_field_and_a_batch_that_does_not_split(tmp_path: Path) -> None:

@@ -404,7 +404,7 @@ def test_the_rounds_alternate_and_stop_before_one_would_overrun_the_budget(
         for label in ("dp=8", "slab H=8")
     ]
     choice = SimpleNamespace(ranked=candidates, dropped=[], best=candidates[0])
-    monkeypatch.setattr(parallel_auto, "choose", lambda cfg, world: choice)
+    monkeypatch.setattr(parallel_auto, "choose", lambda cfg, world, prune: choice)
     monkeypatch.setattr(parallel_auto, "candidate_overrides", lambda c, configs: [c.label])
     seconds = {"dp=8": 1.05, "slab H=8": 1.0}
 
@@ -421,3 +421,144 @@ def test_the_rounds_alternate_and_stop_before_one_would_overrun_the_budget(
     (choice_record,) = [r for r in records if r["record"] == "choice"]
     assert choice_record["rounds"] == 2 and choice_record["ratio"] == pytest.approx(1.05)
     assert goal.met
+
+
+# ---------------------------------------------------------------------------- the search
+class _StubbedPlan:
+    """A started dry run of made-up rank classes: ``start_plan``'s interface (NOTE [A dry run's
+    first rank bounds the whole plan]), the budget problems computed as ``so_far`` does."""
+
+    def __init__(self, world: int, classes: list[RankClassPlan], budget: float, log: list):
+        self.world, self.classes, self.budget, self.log = world, classes, budget, log
+        self.simulated = 1
+
+    @property
+    def classes_left(self) -> int:
+        return len(self.classes) - self.simulated
+
+    def so_far(self) -> RunPlan:
+        plan = _plan(self.world, 1, self.classes[: self.simulated])
+        plan.problems = [
+            f"rank class {n} over the budget"
+            for n, c in enumerate(plan.classes, start=1)
+            if c.memory.peak > self.budget * 2**30
+        ]
+        plan.simulated_ranks = self.simulated
+        return plan
+
+    def finished(self) -> RunPlan:
+        self.log.append("finished")
+        self.simulated = len(self.classes)
+        return self.so_far()
+
+
+def _stub_search(monkeypatch, world: int, seed: int, state_gib: float = 0.0) -> list:
+    """Give every decomposition 1-5 rank classes of random work, a few ties and some classes
+    after the first over a 1 GiB budget; returns the log of simulations."""
+    import random
+
+    from shardsci.planning import _choose
+
+    generator = random.Random(seed)
+    log = []
+
+    def start_plan(cfg, budget):
+        log.append(cfg.mesh)
+        classes = []
+        for _ in range(generator.randint(1, 5)):
+            c = _class(generator.choice([1, 2, 3]) * 10**9, generator.choice([10, 20]), 0, 0)
+            c.memory.peak = generator.choice([2**29, 2**29, 2**29, 2**31])
+            c.memory.parameters = int(state_gib * 2**30)
+            classes.append(c)
+        classes[0].memory.peak = min(classes[0].memory.peak, 2**29)
+        for c in classes:
+            c.memory.peak = max(c.memory.peak, c.memory.parameters)
+        return _StubbedPlan(world, classes, budget, log)
+
+    monkeypatch.setattr(_choose, "start_plan", start_plan)
+    return log
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_pruning_keeps_the_full_searchs_choice(monkeypatch, tmp_path: Path, world: int) -> None:
+    """NOTE [Pruning the search], on stubbed dry runs of random work with ties: the pruned
+    search chooses what planning every candidate in full chooses (the same projection, ties
+    broken by the enumeration alike), ranks what it plans as the full search does, and plans
+    fewer in full. ``tests/test_parallel_auto.py::test_pruning_keeps_a_real_searchs_choice``
+    does the same on real dry runs (slow)."""
+    cfg = _compose(["+recipe=cfd", "parallel.memory_gib=1", "train.global_batch=16",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    for seed in range(6):
+        choices, finished = {}, {}
+        for prune in (False, True):
+            log = _stub_search(monkeypatch, world, seed)
+            choices[prune] = choose(cfg, world, prune=prune)
+            finished[prune] = log.count("finished")
+        full, pruned = choices[False], choices[True]
+        assert pruned.best.label == full.best.label
+        assert pruned.best.projection == full.best.projection
+        ranked = {c.label: c.projection for c in full.ranked}
+        assert all(ranked[c.label] == c.projection for c in pruned.ranked)
+        assert all(c.bound.step >= pruned.best.projection.step for c in pruned.pruned)
+        assert {c.label for c in pruned.listed} == {c.label for c in full.listed}
+        assert not full.pruned and finished[True] < finished[False]
+
+
+def test_a_model_too_large_for_the_budget_is_dropped_before_simulating(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """Parameters and optimiser state over the budget: the first candidate simulated shows it
+    (over the budget at its peak), every later one is dropped before any simulation."""
+    cfg = _compose(["+recipe=cfd", "parallel.memory_gib=1", "train.global_batch=16",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    log = _stub_search(monkeypatch, 8, 0, state_gib=2.0)
+    with pytest.raises(ConfigError, match="none of the 10 decompositions of 8 ranks fits 1 GiB"):
+        choose(cfg, 8)
+    assert len(log) == 1
+
+
+def test_the_search_says_how_far_it_is_on_stderr(monkeypatch, capsys, tmp_path: Path) -> None:
+    """A line at most every ``PROGRESS_EVERY_S`` seconds and one at the end, whose counts add
+    up to the table's."""
+    from shardsci.planning import _choose
+
+    cfg = _compose(["+recipe=cfd", "parallel.memory_gib=1", "train.global_batch=4",
+                    f"run_dir={tmp_path}"])  # fmt: skip
+    monkeypatch.setattr(_choose, "PROGRESS_EVERY_S", 1e9)
+    _stub_search(monkeypatch, 8, 3)
+    choose(cfg, 8)
+    assert capsys.readouterr().err.count("\n") == 1  # the last line only
+    monkeypatch.setattr(_choose, "PROGRESS_EVERY_S", 0.0)
+    _stub_search(monkeypatch, 8, 3)
+    choice = choose(cfg, 8)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) > 10 and all(
+        line.startswith("parallel=auto: 10 candidates: ") for line in lines
+    )
+    r, p, d = len(choice.ranked), len(choice.pruned), len(choice.dropped)
+    assert lines[-1].startswith(
+        f"parallel=auto: 10 candidates: 10 with a first rank simulated or dropped, {r} planned "
+        f"in full, {d} dropped, {p} pruned, 0 left; "
+    )
+    assert d > 0 and p > 0  # dp=8 (the batch does not split), and some pruned
+
+
+@pytest.mark.slow  # two searches of 8 ranks: 79 s at load 16-30 (pytest -m slow)
+def test_pruning_keeps_a_real_searchs_choice(tmp_path: Path) -> None:
+    """NOTE [Pruning the search] on real dry runs: 8 ranks of a small FNO, the pruned search
+    chooses what planning every candidate in full chooses, and simulates fewer ranks."""
+    from shardsci.planning import _dry_run
+
+    cfg = _compose([*SMALL, "data.dataset.solver.resolution=32", "train.global_batch=8",
+                    "parallel.machine=h100", f"run_dir={tmp_path}"])  # fmt: skip
+    simulate, simulated = _dry_run._simulate, []
+    choices = {}
+    for prune in (False, True):
+        simulated.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_dry_run, "_simulate", lambda *a: simulated.append(a) or simulate(*a))
+            choices[prune] = choose(cfg, 8, prune=prune)
+        choices[prune, "simulated"] = len(simulated)
+    assert choices[True].best.label == choices[False].best.label
+    assert choices[True].best.projection == choices[False].best.projection
+    assert choices[True, "simulated"] < choices[False, "simulated"]

@@ -14,9 +14,9 @@ ranks each collective connects. Each candidate is dry-run as the run itself
 would be (``plan_run``: the model, the trainer's step, every byte, every layer's peak memory
 on every rank class; NOTE [A dry run executes the library on one simulated rank at a time]);
 a candidate with a problem (a rank over the memory budget, ranks left without cells, a step
-that fails) is dropped with that problem as its reason (ranks left without cells after its
-first simulated rank, NOTE [A dry run stops at a problem when asked]). The others are ranked by the
-projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
+that fails) is dropped with that problem as its reason, and one that cannot win is pruned
+before all its rank classes are simulated (NOTE [Pruning the search]). The others are ranked
+by the projected time of their slowest rank class on ``Machine`` (NOTE [One machine model]):
 
 - compute: the class's kernels (``WorkCounter``: its own shard's) as ``compute_s`` prices them
   (NOTE [One price per op]): the longer of its FLOPs' time (at ``sustained_flops``, its FFTs'
@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -62,7 +64,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from shardsci.distributed import LaunchEnv, init_distributed
-from shardsci.planning._dry_run import plan_run, planned_machine
+from shardsci.planning._dry_run import StartedPlan, planned_machine, start_plan
 from shardsci.planning._machine import (
     HALO_KINDS,
     Machine,
@@ -242,14 +244,17 @@ def _project_class(plan: RankClassPlan, machine: Machine, sharded: bool) -> Proj
 
 @dataclass
 class Candidate:
-    """A decomposition, its plan's peak memory per rank, and its projection or the problem
-    that drops it."""
+    """A decomposition, its plan's peak memory per rank, and its projection, or the bound that
+    prunes it (its first rank class's projection, NOTE [A dry run's first rank bounds the
+    whole plan]; ``peak_bytes`` then that class's), or the problem that drops it."""
 
     decomposition: Decomposition
     label: str
     peak_bytes: int | None = None
     projection: Projection | None = None
     problem: str | None = None
+    bound: Projection | None = None
+    classes_left: int = 0
 
 
 @dataclass
@@ -263,24 +268,31 @@ class Choice:
     machine_name: str
     ranked: list[Candidate]
     dropped: list[Candidate]
+    pruned: list[Candidate] = field(default_factory=list)
 
     @property
     def best(self) -> Candidate:
         return self.ranked[0]
 
+    @property
+    def listed(self) -> list[Candidate]:
+        """The ranked, the pruned, the dropped: the table's rows in order."""
+        return [*self.ranked, *self.pruned, *self.dropped]
+
     def as_dict(self) -> dict[str, Any]:
         """The table of ``format_choice`` for programs: every candidate, fastest first, then
-        the dropped, each with its verdict (``"chosen"``, why it lost, or why it was
-        dropped); times in seconds."""
+        the pruned (by their bound), then the dropped, each with its verdict (``"chosen"``,
+        why it lost, or why it was pruned or dropped); times in seconds."""
         candidates = []
-        for candidate, verdict in zip([*self.ranked, *self.dropped], _verdicts(self)):
-            p = candidate.projection
+        for candidate, verdict in zip(self.listed, _verdicts(self)):
+            p, b = candidate.projection, candidate.bound
             candidates.append({
                 "decomposition": candidate.label,
                 "mesh": candidate.decomposition.mesh,
                 "parallel": asdict(candidate.decomposition.parallel()),
                 "peak_bytes": candidate.peak_bytes,
                 "projection": None if p is None else asdict(p),
+                "bound": None if b is None else asdict(b),
                 "verdict": verdict,
             })  # fmt: skip
         return {
@@ -308,14 +320,20 @@ def choice_applies(cfg: DictConfig, env: LaunchEnv | None) -> int | None:
     return world if world > 1 else None
 
 
-def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> Choice:
+def choose(
+    cfg: DictConfig, world_size: int, ranks_here: int | None = None, prune: bool = True
+) -> Choice:
     """Plan every decomposition of ``world_size`` ranks for ``cfg`` and rank them (NOTE [How
-    parallel=auto chooses]).
+    parallel=auto chooses]), a line of progress on stderr at most every
+    ``PROGRESS_EVERY_S`` seconds.
 
     Parameters
     ----------
     ranks_here : int or None
         Ranks that will share this host (a CPU machine's memory and cores); None: all.
+    prune : bool
+        Prune candidates that cannot fit or cannot win before simulating all their rank
+        classes (NOTE [Pruning the search]); False: plan every candidate in full.
 
     Raises
     ------
@@ -327,37 +345,143 @@ def choose(cfg: DictConfig, world_size: int, ranks_here: int | None = None) -> C
     budget, source = _budget(parallel, cfg, machine, machine_name)
     recipe = get_recipe(cfg.recipe)
     batch = int(cfg.train.global_batch)
-    candidates = []
     several_nodes = world_size > machine.gpus_per_node
-    for decomposition in decompositions(world_size, tuple(recipe.spatial_dims), several_nodes):
-        candidate = Candidate(decomposition, decomposition.describe(len(recipe.spatial_dims)))
-        candidates.append(candidate)
-        if batch % decomposition.dp:
+    candidates = [
+        Candidate(decomposition, decomposition.describe(len(recipe.spatial_dims)))
+        for decomposition in decompositions(world_size, tuple(recipe.spatial_dims), several_nodes)
+    ]
+    progress = _Progress(candidates)
+    state_bytes = None  # every rank's parameters and optimiser state, in every decomposition
+    started = []
+    for candidate in candidates:
+        dp = candidate.decomposition.dp
+        if batch % dp:
+            candidate.problem = f"train.global_batch={batch} does not split over {dp} replicas"
+        elif prune and state_bytes is not None and state_bytes > budget * _GIB:
             candidate.problem = (
-                f"train.global_batch={batch} does not split over {decomposition.dp} replicas"
+                f"its parameters and optimiser state alone, {state_bytes / _GIB:.3g} GiB on "
+                f"every rank of every decomposition, are over the budget"
             )
-            continue
-        try:
-            plan = plan_run(
-                chosen_config(cfg, decomposition), device_memory_gib=budget, until_problem=True
-            )
-        except ConfigError as error:
-            candidate.problem = str(error)
-            continue
-        if plan.classes:
-            candidate.peak_bytes = max(c.memory.peak for c in plan.classes)
-        if plan.problems:
-            candidate.problem = plan.problems[0]
         else:
-            candidate.projection = project(plan, machine)
+            try:
+                plan = start_plan(chosen_config(cfg, candidate.decomposition), budget)
+            except ConfigError as error:
+                candidate.problem = str(error)
+            else:
+                candidate.classes_left = plan.classes_left
+                _judge(candidate, plan.so_far(), machine)
+                if candidate.bound is not None:
+                    started.append((candidate, plan))
+                first = plan.so_far().classes
+                if state_bytes is None and first:
+                    state_bytes = first[0].memory.parameters + first[0].memory.optimizer
+        progress.show()
+    _finish_best_first(started, machine, prune, progress)
+    progress.show(last=True)
     ranked = sorted(
         (c for c in candidates if c.projection is not None), key=lambda c: c.projection.step
     )
-    dropped = [c for c in candidates if c.projection is None]
-    choice = Choice(world_size, budget, source, machine_name, ranked, dropped)
+    pruned = sorted(
+        (c for c in candidates if c.projection is None and c.problem is None),
+        key=lambda c: c.bound.step,
+    )
+    dropped = [c for c in candidates if c.problem is not None]
+    choice = Choice(world_size, budget, source, machine_name, ranked, dropped, pruned)
     if not ranked:
         raise ConfigError(_nothing_fits(choice, batch))
     return choice
+
+
+# NOTE [Pruning the search]
+# At 512 ranks ``parallel=auto`` has some 180 candidates and a candidate up to 25 rank classes
+# of 0.5-5 s of CPU each. The search is branch and bound, and gives the full search's choice:
+# - before simulating, a candidate is dropped when every rank's parameters and optimiser state
+#   (the same in every decomposition, measured on the first candidate simulated) are over the
+#   budget: its peak holds them all step long;
+# - then each candidate's first rank class is simulated (NOTE [A dry run's first rank bounds
+#   the whole plan]): its problems are the whole plan's, its peak and projected step are lower
+#   bounds of the plan's; a candidate with a problem is dropped;
+# - the rest are planned in full in the order of their bounds (ties in enumeration order), and
+#   one whose bound is above the best step planned in full so far (or equal to it, after it in
+#   the enumeration) is pruned: its step cannot be below the bound, so it cannot win.
+# A pruned candidate would have ranked below the choice in the full search, or been dropped by
+# a problem of a class not simulated (a later class over the budget); its row shows its bound.
+# A bound from the shard sizes alone, before simulating, would not prune here: every
+# decomposition does the same work per rank (``global_batch / P`` samples' worth, NOTE [How
+# parallel=auto chooses]) and the same gradient all-reduce over all ``P`` ranks, so such a
+# bound is nearly equal for every candidate and below the best step; the candidates differ by
+# their halos, transposes and dispatch, which the first rank's simulation measures.
+def _judge(candidate: Candidate, plan: RunPlan, machine: Machine) -> None:
+    """Record ``plan``'s peak memory and its problem, or its projection: ``candidate``'s
+    bound, and its projection when every rank class is simulated."""
+    if plan.classes:
+        candidate.peak_bytes = max(c.memory.peak for c in plan.classes)
+    if plan.problems:
+        candidate.problem, candidate.bound, candidate.projection = plan.problems[0], None, None
+        return
+    candidate.bound = project(plan, machine)
+    if not candidate.classes_left:
+        candidate.projection = candidate.bound
+
+
+def _finish_best_first(
+    started: list[tuple[Candidate, StartedPlan]],
+    machine: Machine,
+    prune: bool,
+    progress: _Progress,
+) -> None:
+    """Plan the started candidates in full, best bound first, pruning those that cannot win
+    (NOTE [Pruning the search])."""
+    order = {id(candidate): number for number, (candidate, _) in enumerate(started)}
+    best: tuple[float, int] | None = None
+    for candidate, plan in sorted(started, key=lambda item: item[0].bound.step):
+        key = (candidate.bound.step, order[id(candidate)])
+        if candidate.classes_left:
+            if prune and best is not None and key > best:
+                progress.pruned += 1
+                continue
+            candidate.classes_left = 0
+            _judge(candidate, plan.finished(), machine)
+        if candidate.projection is not None:
+            mine = (candidate.projection.step, order[id(candidate)])
+            best = mine if best is None else min(best, mine)
+        progress.show()
+
+
+PROGRESS_EVERY_S = 5.0
+"""Seconds between two of the search's progress lines."""
+
+
+class _Progress:
+    """The search's progress, one line on stderr at most every ``PROGRESS_EVERY_S`` seconds:
+    the candidates whose first rank class is simulated, planned in full, dropped, pruned and
+    left, and the time spent."""
+
+    def __init__(self, candidates: list[Candidate]) -> None:
+        self.candidates = candidates
+        self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
+        self.shown = self.started
+        self.pruned = 0
+
+    def show(self, last: bool = False) -> None:
+        now = time.perf_counter()
+        if not last and now - self.shown < PROGRESS_EVERY_S:
+            return
+        self.shown = now
+        cs = self.candidates
+        planned = sum(c.projection is not None for c in cs)
+        dropped = sum(c.problem is not None for c in cs)
+        bounded = sum(c.bound is not None for c in cs)
+        pruned = self.pruned
+        print(
+            f"parallel=auto: {len(cs)} candidates: {bounded + dropped} with a first rank "
+            f"simulated or dropped, {planned} planned in full, {dropped} dropped, {pruned} "
+            f"pruned, {len(cs) - planned - dropped - pruned} left; {now - self.started:.0f} s "
+            f"({time.process_time() - self.cpu_started:.0f} s CPU)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def choose_for_launch(cfg: DictConfig, env: LaunchEnv) -> DictConfig:
@@ -481,28 +605,29 @@ def _nothing_fits(choice: Choice, batch: int) -> str:
 
 # ---------------------------------------------------------------------------- the table
 def format_choice(choice: Choice) -> str:
-    """The ranked candidates as a table: memory, projected parts, why each loser lost."""
+    """The ranked candidates as a table: memory, projected parts, why each loser lost; a
+    pruned candidate's figures are its bound's (``>=``, NOTE [Pruning the search])."""
     lines = [
-        f"parallel=auto: {len(choice.ranked) + len(choice.dropped)} decompositions of "
-        f"{choice.world_size} ranks, projected on {choice.machine_name}; budget "
-        f"{choice.budget_gib:.3g} GiB per device ({choice.budget_source})",
+        f"parallel=auto: {len(choice.listed)} decompositions of {choice.world_size} ranks, "
+        f"projected on {choice.machine_name}; budget {choice.budget_gib:.3g} GiB per device "
+        f"({choice.budget_source})",
         "",
     ]
     header = ("#", "decomposition", "mesh", "peak GiB", "compute ms", "comm ms", "host ms",
               "step ms", "why not chosen")  # fmt: skip
     rows = [header]
     verdicts = _verdicts(choice)
-    for number, (candidate, verdict) in enumerate(zip(choice.ranked, verdicts), start=1):
-        p = candidate.projection
+    for number, (candidate, verdict) in enumerate(zip(choice.listed, verdicts), start=1):
+        p = candidate.projection or candidate.bound
+        at_least = ">=" if candidate.projection is None else ""
+        times = ("", "", "", "") if p is None else (
+            f"{at_least}{_ms(p.compute)}", f"{at_least}{_ms(p.communication)}",
+            f"{at_least}{_ms(p.host)}", f"{at_least}{_ms(p.step)}",
+        )  # fmt: skip
+        peak = _gib(candidate.peak_bytes)
         rows.append((
-            str(number), candidate.label, candidate.decomposition.mesh,
-            _gib(candidate.peak_bytes), _ms(p.compute), _ms(p.communication), _ms(p.host),
-            _ms(p.step), verdict,
-        ))  # fmt: skip
-    for candidate, verdict in zip(choice.dropped, verdicts[len(choice.ranked) :]):
-        rows.append((
-            "-", candidate.label, candidate.decomposition.mesh, _gib(candidate.peak_bytes),
-            "", "", "", "", verdict,
+            str(number) if number <= len(choice.ranked) else "-", candidate.label,
+            candidate.decomposition.mesh, f"{at_least}{peak}" if peak else "", *times, verdict,
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     for row in rows:
@@ -512,12 +637,21 @@ def format_choice(choice: Choice) -> str:
 
 
 def _verdicts(choice: Choice) -> list[str]:
-    """Why each of ``choice.ranked`` then ``choice.dropped`` was or was not chosen."""
+    """Why each of ``choice.listed`` was or was not chosen."""
     best = choice.best.projection
-    return [
-        "chosen" if number == 0 else _why_slower(candidate.projection, best)
-        for number, candidate in enumerate(choice.ranked)
-    ] + [f"dropped: {candidate.problem}" for candidate in choice.dropped]
+    return (
+        [
+            "chosen" if number == 0 else _why_slower(candidate.projection, best)
+            for number, candidate in enumerate(choice.ranked)
+        ]
+        + [
+            f"pruned: its first rank class alone projects {_ms(c.bound.step)} ms, no faster "
+            f"than the chosen's {_ms(best.step)} ms ({c.classes_left} rank classes not "
+            f"simulated)"
+            for c in choice.pruned
+        ]
+        + [f"dropped: {candidate.problem}" for candidate in choice.dropped]
+    )
 
 
 def _why_slower(p: Projection, best: Projection) -> str:

@@ -62,7 +62,7 @@ from shardsci.training import (
     training_step,
 )
 
-__all__ = ["plan_run"]
+__all__ = ["StartedPlan", "plan_run", "start_plan"]
 
 _GIB = 2**30
 
@@ -80,19 +80,14 @@ class _Simulation:
     optimizer: torch.optim.Optimizer
 
 
-def plan_run(
-    cfg: DictConfig, device_memory_gib: float | None = None, until_problem: bool = False
-) -> RunPlan:
-    """Dry-run the composed run config ``cfg`` (recipe, mesh, model, data, train, optim).
+def plan_run(cfg: DictConfig, device_memory_gib: float | None = None) -> RunPlan:
+    """Dry-run the composed run config ``cfg`` (recipe, mesh, model, data, train, optim): every
+    rank class simulated (``start_plan(cfg, device_memory_gib).finished()``).
 
     Parameters
     ----------
     device_memory_gib : float, optional
         Memory of one device; a rank class whose peak exceeds it is a problem.
-    until_problem : bool
-        Stop after the first simulated rank when its step leaves ranks without cells (a
-        problem the first rank's layouts already decide, NOTE [A dry run stops at a
-        problem when asked]): the plan then holds that rank's class only.
 
     Raises
     ------
@@ -100,6 +95,110 @@ def plan_run(
         If the recipe has no ``dry_run_task``, the mesh cannot be planned (an axis size left
         to infer, axis roles that do not fit), or FSDP2 would shard parameters over a
         data-parallel axis.
+    """
+    return start_plan(cfg, device_memory_gib).finished()
+
+
+# NOTE [A dry run's first rank bounds the whole plan]
+# ``start_plan`` simulates the first rank class only (rank 0's); ``finished`` simulates the
+# others. What the first simulation finds already bounds the whole plan, so ``parallel=auto``
+# decides most candidates from it (NOTE [How parallel=auto chooses]):
+# - a step that leaves ranks without cells is decided by the step's global layouts, the same on
+#   every rank (``_empty_shard_problems`` reads the first rank's only), and of 512 ranks on a
+#   64² field most candidates have it (a slab of 128 ranks, the FNO's 12 retained modes over
+#   16 ranks);
+# - a step that fails, or a first class over the memory budget, is a problem of the whole plan;
+# - the whole plan's peak memory and projected step are those of its largest and slowest class
+#   (``project`` takes the maximum over classes), so the first class's are lower bounds of
+#   them.
+# Simulating the other classes (up to 25 on a 2-D block whose shards are narrower than four
+# cells) adds nothing to those verdicts; it is what the full plan's figures need.
+@dataclass
+class StartedPlan:
+    """A dry run whose first rank class is simulated (NOTE [A dry run's first rank bounds
+    the whole plan]); ``so_far`` is its plan of the classes simulated, ``finished`` simulates
+    the rest."""
+
+    cfg: DictConfig
+    recipe: Recipe
+    plan: ParallelPlan
+    train: TrainConfig
+    backend: str
+    device_memory_gib: float | None
+    simulations: list[_Simulation]
+    failures: list[str]
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def classes_left(self) -> int:
+        """Rank classes not simulated yet (none after a failed step)."""
+        if self.failures or not self.simulations:
+            return 0
+        return len(self.simulations[0].classes) - len(self.simulations)
+
+    def finished(self) -> RunPlan:
+        """The plan of every rank class, simulating those left."""
+        started, cpu_started = time.perf_counter(), time.process_time()
+        first = self.simulations[0] if self.simulations else None
+        try:
+            for ranks in first.classes[len(self.simulations) :] if first else []:
+                self.simulations.append(
+                    _simulate(self.cfg, self.recipe, ranks[0], self.plan, self.train, self.backend)
+                )
+        except StepFailed as failure:
+            self.failures.append(str(failure))
+        self.wall_s += time.perf_counter() - started
+        self.cpu_s += time.process_time() - cpu_started
+        return self.so_far()
+
+    def so_far(self) -> RunPlan:
+        """The plan of the rank classes simulated so far, and the problems they show."""
+        problems = list(self.failures)
+        if not self.simulations:
+            return _failed_plan(self, problems)
+        first = self.simulations[0]
+        classes = [  # zip: the classes simulated so far, the first ones
+            class_plan(ranks, sim.coordinate, sim.measured)
+            for ranks, sim in zip(first.classes, self.simulations)
+        ]
+        per_replica = _samples_per_replica(self.train, first.dp_size, problems)
+        problems += _empty_shard_problems(first.measured)
+        if self.device_memory_gib is not None:
+            problems += _budget_problems(classes, self.device_memory_gib)
+        notes = []
+        if self.train.precision.value != "fp32":
+            notes.append(
+                f"train.precision={self.train.precision.value}: the dry run plans activations "
+                f"in float32 (autocast does not act on meta tensors), an upper bound"
+            )
+        return RunPlan(
+            recipe=self.recipe.name,
+            mesh=str(self.cfg.mesh),
+            axes=self.plan.describe(),
+            world_size=self.plan.world_size,
+            model=first.model_name,
+            parameters=sum(p.numel() for p in first.model.parameters()),
+            samples_per_replica=per_replica,
+            classes=classes,
+            layers=layer_plans(first.measured.observer),
+            gradient_reduction=_gradient_reduction_plan(first, self.train),
+            problems=problems,
+            notes=notes,
+            simulated_ranks=len(self.simulations),
+            wall_s=self.wall_s,
+            cpu_s=self.cpu_s,
+        )
+
+
+def start_plan(cfg: DictConfig, device_memory_gib: float | None = None) -> StartedPlan:
+    """Begin the dry run of ``cfg`` (``plan_run``'s arguments): simulate its first rank class
+    (NOTE [A dry run's first rank bounds the whole plan]).
+
+    Raises
+    ------
+    ConfigError
+        As ``plan_run``.
     """
     started, cpu_started = time.perf_counter(), time.process_time()
     recipe = get_recipe(cfg.recipe)
@@ -111,66 +210,22 @@ def plan_run(
     except (TypeError, ValueError) as error:
         raise ConfigError(f"a dry run needs a mesh it can plan: {error}") from error
     train: TrainConfig = OmegaConf.to_object(cfg.train)
-    problems: list[str] = []
-    notes: list[str] = []
-    simulations: list[_Simulation] = []
+    # The target's backend (``Machine.backend``: NCCL on an H100 cluster, gloo on CPUs): the
+    # simulated process groups stand in for it (``simulated_rank``), so a halo is counted as
+    # the target issues it (messages on NCCL, one all-to-all on gloo), though the simulated
+    # mesh is on this process's CPU.
+    backend = planned_machine(parallel, 1)[0].backend
+    simulations, failures = [], []
     try:
-        # The target's backend (``Machine.backend``: NCCL on an H100 cluster, gloo on CPUs):
-        # the simulated process groups stand in for it (``simulated_rank``), so a halo is
-        # counted as the target issues it (messages on NCCL, one all-to-all on gloo), though
-        # the simulated mesh is on this process's CPU.
-        backend = planned_machine(parallel, 1)[0].backend
-        first = _simulate(cfg, recipe, 0, plan, train, backend)
-        simulations.append(first)
-        stop = until_problem and _empty_shard_problems(first.measured)
-        for ranks in [] if stop else first.classes[1:]:
-            simulations.append(_simulate(cfg, recipe, ranks[0], plan, train, backend))
+        simulations.append(_simulate(cfg, recipe, 0, plan, train, backend))
     except StepFailed as failure:
-        problems.append(str(failure))
-    if not simulations:
-        return _failed_plan(cfg, recipe, plan.world_size, problems, started, cpu_started)
-    first = simulations[0]
-    classes = [  # zip: the first class only where the simulation stopped at a problem
-        class_plan(ranks, sim.coordinate, sim.measured)
-        for ranks, sim in zip(first.classes, simulations)
-    ]
-    per_replica = _samples_per_replica(train, first.dp_size, problems)
-    problems += _empty_shard_problems(first.measured)
-    if device_memory_gib is not None:
-        problems += _budget_problems(classes, device_memory_gib)
-    if train.precision.value != "fp32":
-        notes.append(
-            f"train.precision={train.precision.value}: the dry run plans activations in "
-            f"float32 (autocast does not act on meta tensors), an upper bound"
-        )
-    return RunPlan(
-        recipe=recipe.name,
-        mesh=str(cfg.mesh),
-        axes=plan.describe(),
-        world_size=plan.world_size,
-        model=first.model_name,
-        parameters=sum(p.numel() for p in first.model.parameters()),
-        samples_per_replica=per_replica,
-        classes=classes,
-        layers=layer_plans(first.measured.observer),
-        gradient_reduction=_gradient_reduction_plan(first, train),
-        problems=problems,
-        notes=notes,
-        simulated_ranks=len(simulations),
-        wall_s=time.perf_counter() - started,
-        cpu_s=time.process_time() - cpu_started,
-    )
+        failures.append(str(failure))
+    return StartedPlan(
+        cfg, recipe, plan, train, backend, device_memory_gib, simulations, failures,
+        wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu_started,
+    )  # fmt: skip
 
 
-# NOTE [A dry run stops at a problem when asked]
-# ``parallel=auto`` drops a candidate at its first problem, and of 512 ranks on a 64² field most
-# candidates leave ranks without cells (a slab of 128 ranks, the FNO's 12 retained modes over
-# 16 ranks). Whether a step leaves ranks without cells is decided by the step's global
-# layouts, the same on every rank: the first simulated rank's layouts (``_empty_shard_problems``
-# reads those only) decide it, and simulating the other rank classes (up to 25 on a 2-D block
-# whose shards are narrower than four cells) adds nothing to the verdict. So ``choose`` asks
-# ``plan_run`` to stop there (``until_problem``); a plain dry run still simulates every class
-# and reports them all.
 def target_machine(configured: str | None) -> str:
     """The machine a run is planned for: ``parallel.machine`` (``"h100"`` or ``"cpu"``), by
     default ``"h100"`` where CUDA is available, else ``"cpu"``."""
@@ -342,19 +397,12 @@ def _gradient_reduction_plan(first: _Simulation, train: TrainConfig) -> Gradient
     )
 
 
-def _failed_plan(
-    cfg: DictConfig,
-    recipe: Recipe,
-    world_size: int,
-    problems: list[str],
-    started: float,
-    cpu_started: float,
-) -> RunPlan:
+def _failed_plan(started: StartedPlan, problems: list[str]) -> RunPlan:
     return RunPlan(
-        recipe=recipe.name,
-        mesh=str(cfg.mesh),
+        recipe=started.recipe.name,
+        mesh=str(started.cfg.mesh),
         axes="",
-        world_size=world_size,
+        world_size=started.plan.world_size,
         model="",
         parameters=0,
         samples_per_replica=0,
@@ -363,6 +411,6 @@ def _failed_plan(
         gradient_reduction=None,
         problems=problems,
         notes=[],
-        wall_s=time.perf_counter() - started,
-        cpu_s=time.process_time() - cpu_started,
+        wall_s=started.wall_s,
+        cpu_s=started.cpu_s,
     )
