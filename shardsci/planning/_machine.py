@@ -656,7 +656,8 @@ own flop-free ops inside its step (9.5 / 7.3 / 3.9 / 4.7 / 7.9, planner21's
 inside its step where these give 1.07 (the Transolver's 0.95 against 0.96, the FNO's 1.21
 against 1.17, the ViT's 0.68 against 0.77; ``cross_check.py`` of the same record). Held
 against the zoo's timed steps on 1, 2 and 4 ranks (``benchmarks.calibrate_steps``, each call
-probing the families): 8 of 12 within 25 % against 6 at one flop-free rate (the same record)."""
+probing the families): 10 of 15 within 25 %, 9 at one flop-free rate, 12 at the Transolver's
+in-step rates (the same record)."""
 
 
 def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:
