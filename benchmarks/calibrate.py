@@ -42,6 +42,15 @@ formula shows as a residual rather than being absorbed into a parameter:
   counts them (NOTE [FFT FLOPs are counted apart]).
 - ``memory_bytes_per_s``: ``torch.add(a, b, out=c)`` on arrays far beyond the caches, bytes as
   the cost model's memory traffic counts them (arguments and result).
+- ``<family>_bytes_per_s`` of each family of kernels without FLOPs (NOTE [Kernels without
+  FLOPs by family] in ``shardsci.planning._work``): ``measure_flop_free_families``, a few
+  forward kernels of the family at the zoo's step shapes (``(16384, 64)`` tokens, a ``(1, 32,
+  128, 128)`` field), bytes as ``WorkCounter`` counts a step's, over their CPU seconds in a
+  loop, one thread. These rates predict the flop-free time measured inside the Transolver's,
+  FNO's, UNet's and ViT's plain steps at 128² at 0.95 / 1.21 / 1.07 / 0.68 of measured, where
+  the Transolver's own in-step rates gave 0.96 / 1.17 / 1.52 / 0.77 and the 64 MiB add alone
+  0.33 / 0.55 / 0.91 / 0.35 (``benchmarks/records/2026-11-30-predicted-vs-measured``,
+  ``cross_check.py``).
 - ``host_us_per_op`` and ``plain_host_us_per_op``: ``benchmarks.host_overhead``'s measurement
   (a UNet step at a 16² tile on 1 rank; CPU time over the aten ops dispatched).
 - ``host_us_per_communication_op``: a periodic halo exchange's forward and backward
@@ -102,7 +111,7 @@ from shardsci.planning._machine import (
     gloo_cpu,
     ring_steps,
 )
-from shardsci.planning._work import WorkCounter, contiguous_runs
+from shardsci.planning._work import FLOP_FREE_FAMILIES, WorkCounter, contiguous_runs
 from shardsci.tensor._halo import Extension, extend, extension
 from shardsci.tensor._torch_compat import TorchDispatchMode, tree_leaves, tree_map
 from shardsci.testing import count_traffic, get_mesh
@@ -609,7 +618,8 @@ def _median_cpu_s(fn: Callable[[], None], repeats: int) -> float:
 def measure_compute(repeats: int) -> dict[str, float]:
     """FLOP/s of each of ``COMPUTE`` (forward and backward, one thread, CPU time), of the
     FFTs (``fft``) and of the spectral contraction (``complex_matmul``), and the memory
-    bandwidth (``memory``), bytes per second."""
+    bandwidth (``memory``) and each flop-free family's (``flop_free:<family>``,
+    ``measure_flop_free_families``), bytes per second."""
     torch.set_num_threads(1)
     rates = {}
     for name, build in COMPUTE.items():
@@ -627,7 +637,97 @@ def measure_compute(repeats: int) -> dict[str, float]:
     rates["complex_matmul"] = counter.complex_matmul_flops / _median_cpu_s(contraction, repeats)
     a, b, c = (torch.ones(16 * 1024 * 1024) for _ in range(3))
     rates["memory"] = 3 * a.numel() * 4 / _median_cpu_s(lambda: torch.add(a, b, out=c), repeats)
+    return rates | measure_flop_free_families(repeats)
+
+
+# The kernels without FLOPs of each family (NOTE [Kernels without FLOPs by family] in
+# ``shardsci.planning._work``) at the zoo's step shapes: a Transolver's or ViT's ``(16384, 64)``
+# tokens at 128² (4 MiB) and a UNet's or FNO's ``(1, 32, 128, 128)`` field (2 MiB), forward
+# ops; each family's kernels classified as ``WorkCounter`` classifies a step's.
+_TOKENS, _FIELD = (16384, 64), (1, 32, 128, 128)
+
+
+def _family_kernels() -> dict[str, list[Callable[[], object]]]:
+    a, b = torch.randn(*_TOKENS), torch.randn(*_TOKENS)
+    f, g = torch.randn(*_FIELD), torch.randn(*_FIELD)
+    at = torch.randn(_TOKENS[1], _TOKENS[0]).mT  # a transposed operand beside a contiguous one
+    row, column = torch.randn(_TOKENS[1]), torch.randn(_TOKENS[0], 1)
+    channel = torch.randn(1, _FIELD[1], 1, 1)
+    weight, bias = torch.ones(_TOKENS[1]), torch.zeros(_TOKENS[1])
+    index = torch.randperm(_TOKENS[0])
+    return {
+        "pointwise_contiguous": [
+            lambda: a + b,
+            lambda: a * b,
+            lambda: torch.nn.functional.gelu(a),
+            lambda: f - g,
+        ],
+        "pointwise_broadcast": [lambda: a + row, lambda: a / column, lambda: f * channel],
+        "pointwise_strided": [lambda: at + b, lambda: at * b, lambda: f.mT + g],
+        "reduction": [
+            lambda: a.sum(-1),
+            lambda: torch.softmax(a, -1),
+            lambda: torch.nn.functional.layer_norm(a, (_TOKENS[1],), weight, bias),
+            lambda: f.mean((2, 3)),
+        ],
+        "copy": [
+            lambda: a.clone(),
+            lambda: torch.cat([f, g], 1),
+            lambda: a.index_select(0, index),
+        ],
+    }
+
+
+FAMILY_CALLS_TIMED = 5
+"""Calls of one flop-free kernel per timed sample (one takes about a millisecond)."""
+
+
+def measure_flop_free_families(repeats: int) -> dict[str, float]:
+    """Bytes per second of each family of kernels without FLOPs (``FLOP_FREE_FAMILIES``):
+    its kernels' bytes (``WorkCounter``'s ``flop_free_bytes_by_family``, as a step's are
+    counted) over their CPU seconds (each the median of ``repeats`` samples of
+    ``FAMILY_CALLS_TIMED`` calls), one thread; keys ``flop_free:<family>``.
+
+    Raises
+    ------
+    AssertionError
+        Where ``WorkCounter`` puts a kernel's bytes in another family (or counts FLOPs).
+    """
+    torch.set_num_threads(1)
+    rates = {}
+    for family, kernels in _family_kernels().items():
+        nbytes = seconds = 0.0
+        for kernel in kernels:
+            with WorkCounter() as counter:
+                kernel()
+            counted = dict(counter.flop_free_bytes_by_family)
+            assert set(counted) == {family} and not counter.flops, (family, counted)
+            nbytes += counted[family]
+            batch = _median_cpu_s(
+                lambda k=kernel: [k() for _ in range(FAMILY_CALLS_TIMED)], repeats
+            )
+            seconds += batch / FAMILY_CALLS_TIMED
+        rates[f"flop_free:{family}"] = nbytes / seconds
     return rates
+
+
+def at_flop_free_families(machine: Machine, rates: dict[str, float]) -> Machine:
+    """``machine`` with each ``<family>_bytes_per_s`` that ``rates`` measured
+    (``measure_flop_free_families``' keys); the others ``machine``'s."""
+    measured = {
+        f"{key.removeprefix('flop_free:')}_bytes_per_s": rate
+        for key, rate in rates.items()
+        if key.startswith("flop_free:")
+    }
+    return dataclasses.replace(machine, **measured)
+
+
+def one_flop_free_rate(machine: Machine) -> Machine:
+    """``machine`` with no family rates: every flop-free byte at ``memory_bytes_per_s`` (the
+    one rate of the cost model until 2026-11-30)."""
+    return dataclasses.replace(
+        machine, **{f"{family}_bytes_per_s": None for family in FLOP_FREE_FAMILIES}
+    )
 
 
 class _KernelRecorder(TorchDispatchMode):
@@ -688,10 +788,10 @@ def at_step_kernels(machine: Machine, rates: dict[str, float]) -> Machine:
 
 def at_rates(machine: Machine, rates: dict[str, float]) -> Machine:
     """``machine`` with the compute rates ``measure_compute`` measured (``rates``):
-    ``sustained_flops`` the median FLOP/s of ``COMPUTE``, the FFTs', the complex matmuls'
-    and the memory's."""
+    ``sustained_flops`` the median FLOP/s of ``COMPUTE``, the FFTs', the complex matmuls',
+    the memory's and each flop-free family's where measured (``at_flop_free_families``)."""
     return dataclasses.replace(
-        machine,
+        at_flop_free_families(machine, rates),
         sustained_flops=statistics.median(rates[name] for name in COMPUTE),
         fft_flops_per_s=rates["fft"],
         complex_matmul_flops_per_s=rates["complex_matmul"],
@@ -811,6 +911,13 @@ def calibrate(repeats: int) -> tuple[Machine, dict[str, str], list[dict], dict[s
         "host_s_per_byte_received": "the same fit, per byte the busiest rank receives",
         "memory_bytes_per_s": "measured on this machine by benchmarks.calibrate: "
         "torch.add of 64 MiB float32 arrays, 3 arrays' bytes per second, one thread",
+        **{
+            f"{family}_bytes_per_s": "measured on this machine by benchmarks.calibrate: "
+            f"the {family} kernels of measure_flop_free_families (forward ops at (16384, 64) "
+            "tokens and a (1, 32, 128, 128) field), their bytes (WorkCounter's "
+            "flop_free_bytes_by_family) over their CPU seconds, one thread"
+            for family in FLOP_FREE_FAMILIES
+        },
         "host_us_per_op": "measured on this machine by benchmarks.calibrate with "
         "benchmarks.host_overhead: ShardTensor UNet step at 16², 1 rank, CPU s per aten op",
         "plain_host_us_per_op": "the same, plain torch's step",
@@ -875,6 +982,10 @@ def main(argv: list[str] | None = None) -> None:
         sustained_gflops=round(machine.sustained_flops / 1e9, 2),
         fft_gflops=round(machine.fft_flops_per_s / 1e9, 2),
         memory_gb_per_s=round(machine.memory_bytes_per_s / 1e9, 2),
+        **{
+            f"{family}_gb_per_s": round(getattr(machine, f"{family}_bytes_per_s") / 1e9, 2)
+            for family in FLOP_FREE_FAMILIES
+        },
         host_us_per_op=round(machine.host_us_per_op, 1),
         plain_host_us_per_op=round(machine.plain_host_us_per_op, 1),
         host_us_per_communication_op=round(machine.host_us_per_communication_op, 1),

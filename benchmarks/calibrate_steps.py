@@ -67,6 +67,17 @@ at the step's own shapes, and the prediction with those rates for ``sustained_fl
 ``cpu_ratio_with_step_kernels``: where it is within ``TOLERANCE`` and the paired ratio is
 not, the compute rates, not the FLOPs or the host terms, are what missed.
 
+# NOTE [One flop-free rate or one a family]
+The same timed steps are scored three ways, which differ only in the price of the kernels
+without FLOPs (NOTE [Kernels without FLOPs by family] in ``shardsci.planning._work``): the
+judged ``cpu`` ratio prices each family at the rate its call's probe measured
+(``measure_flop_free_families``, kernels in a loop, paired with the step as the other compute
+rates); ``cpu_ratio_one_flop_free_rate`` every flop-free byte at the probe's one memory rate
+(``one_flop_free_rate``: the cost model until 2026-11-30); ``cpu_ratio_in_step_family_rates``
+each family at ``IN_STEP_FAMILY_RATES`` (the rates of the Transolver's flop-free kernels inside
+its step, not paired with the load). The model's flop-free bytes by family are counted on the
+plain step (``cost_model.work_at``, recounted where a saved measurement lacks them).
+
 ``--check`` fails when a ``cpu`` prediction misses by more than ``TOLERANCE`` without an
 explanation listed in ``EXPLAINED`` that holds, and names each: a quantified explanation (a
 term the record adds, ``cpu_ratio_with_*``) holds only while adding it brings the prediction
@@ -113,18 +124,48 @@ from benchmarks.calibrate import (
     measure_compute,
     measure_small_calls,
     measure_step_kernels,
+    one_flop_free_rate,
     scaled_collective_host,
     small_call_scale,
 )
 from benchmarks.cost_model import (
     GEOMETRY,
     best_step,
+    choose_exchange,
     fitted_models,
     measurements,
     sharded_step,
 )
 from benchmarks.host_overhead import _OpCounter, training_step
 from shardsci.planning._machine import Machine, dispatch_prices, gloo_cpu
+from shardsci.planning._work import FLOP_FREE_FAMILIES
+
+IN_STEP_FAMILY_RATES = {
+    "pointwise_contiguous": 9.5e9,
+    "pointwise_broadcast": 7.25e9,
+    "pointwise_strided": 3.88e9,
+    "reduction": 4.7e9,
+    "copy": 7.9e9,
+}
+"""The flop-free families' rates inside the Transolver's plain step at 128² (planner21,
+2026-11-30 01:34-01:35 UTC, load 6.4-9.4, each op's own thread CPU time, median of 14 rounds;
+``benchmarks/records/2026-11-30-flop-free-families``), bytes per second: NOTE [One flop-free
+rate or one a family]."""
+
+
+def in_step_family_rates(machine: Machine) -> Machine:
+    """``machine`` with the flop-free families at ``IN_STEP_FAMILY_RATES``."""
+    return dataclasses.replace(
+        machine, **{f"{family}_bytes_per_s": r for family, r in IN_STEP_FAMILY_RATES.items()}
+    )
+
+
+FLOP_FREE_SCORINGS: dict[str, Callable[[Machine], Machine]] = {
+    "one_flop_free_rate": one_flop_free_rate,
+    "in_step_family_rates": in_step_family_rates,
+}
+"""The other prices of the kernels without FLOPs a step is scored with (NOTE [One flop-free
+rate or one a family]); the judged ratio: the family rates its call measured."""
 
 RANKS = (1, 2, 4)
 TOLERANCE = 0.25
@@ -297,13 +338,16 @@ def paired_ratios(
     small_calls: list[dict[str, float]] | None = None,
     ranks: int = 1,
     kernel_rates: list[dict[str, float]] | None = None,
+    flop_free: Callable[[Machine], Machine] | None = None,
 ) -> list[float]:
     """Each timed step's predicted over measured CPU time, predicted by ``predict_cpu``
     (``Machine`` -> seconds) on ``machine`` at the compute rates its own call measured
     (``rates[i]`` for ``cpu[i]``; NOTE [Compute rates paired with the steps]) and, where
     given, the CPU of the small calls it probed on its ``ranks`` (``small_calls[i]``; NOTE
     [Host terms paired with the steps]) and the rates of its own kernels
-    (``kernel_rates[i]``; NOTE [The step's own kernels])."""
+    (``kernel_rates[i]``; NOTE [The step's own kernels]); ``flop_free``: how the paired
+    machine prices the kernels without FLOPs (NOTE [One flop-free rate or one a family]),
+    ``None``: at the family rates its call measured."""
     small_calls = small_calls or [{} for _ in cpu]
     kernel_rates = kernel_rates or [{} for _ in cpu]
     ratios = []
@@ -313,6 +357,8 @@ def paired_ratios(
         paired = at_step_kernels(at_rates(machine, step_rates), kernels)
         if step_calls:
             paired = at_small_calls(paired, step_calls, ranks)
+        if flop_free is not None:
+            paired = flop_free(paired)
         ratios.append(predict_cpu(paired) / seconds)
     return ratios
 
@@ -358,6 +404,26 @@ def measure_steps(name: str, args: argparse.Namespace) -> dict[str, dict]:
         }
         for v in variants
     }
+
+
+def _flop_free_ms(machine: Machine, models: dict, shape: tuple, rates: list[dict]) -> dict:
+    """The 1-rank step's flop-free bytes (MB) and their ms at the paired family rates (the
+    median call's), at the one memory rate and at ``IN_STEP_FAMILY_RATES``, by family."""
+    exchange = choose_exchange(models, 1, shape)
+    by_family = models[exchange].flop_free_by_family(1, shape) or {}
+    paired = [at_rates(machine, r) for r in rates]
+    result = {}
+    for family, nbytes in by_family.items():
+        field = f"{family}_bytes_per_s"
+        looped = statistics.median(getattr(m, field) or m.memory_bytes_per_s for m in paired)
+        memory = statistics.median(m.memory_bytes_per_s for m in paired)
+        result[family] = {
+            "mb": round(nbytes / 1e6, 1),
+            "ms_paired": round(nbytes / looped * 1e3, 1),
+            "ms_one_rate": round(nbytes / memory * 1e3, 1),
+            "ms_in_step": round(nbytes / IN_STEP_FAMILY_RATES[family] * 1e3, 1),
+        }
+    return result
 
 
 def measured_compute(machine: Machine, plain: dict) -> float:
@@ -423,6 +489,29 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
         measured_compute_ms=round(kernels * 1e3, 1),
         compute_ratio=round(compute_1 / kernels, 2),
         compute_ratio_paired=round(statistics.median(plain_compute_ratios), 2),
+        **{
+            f"compute_ratio_paired_{label}": round(
+                statistics.median(
+                    paired_ratios(
+                        partial(
+                            predicted_cpu,
+                            models=models,
+                            ranks=1,
+                            shape=whole,
+                            cores=args.cores,
+                            part="cpu_compute",
+                        ),
+                        machine,
+                        [seconds - host_1 for seconds in plain["cpu"]],
+                        plain["rates"],
+                        flop_free=price,
+                    )
+                ),
+                2,
+            )
+            for label, price in FLOP_FREE_SCORINGS.items()
+        },
+        flop_free_ms_by_family=_flop_free_ms(machine, models, whole, plain["rates"]),
         sustained_gflops_paired=spread(
             [at_rates(machine, r).sustained_flops / 1e9 for r in plain["rates"]]
         ),
@@ -457,6 +546,23 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
             )
         )
         ratios["cpu_ratio_with_step_kernels"] = round(at_kernels, 2)
+        scored = {
+            f"cpu_ratio_{label}": round(
+                statistics.median(
+                    paired_ratios(
+                        predict_cpu,
+                        machine,
+                        run["cpu"],
+                        run["rates"],
+                        run["small_calls"],
+                        ranks,
+                        flop_free=price,
+                    )
+                ),
+                2,
+            )
+            for label, price in FLOP_FREE_SCORINGS.items()
+        }
         record = {
             "model": name,
             "ranks": ranks,
@@ -471,6 +577,18 @@ def hold(name: str, machine: Machine, models: dict, args: argparse.Namespace) ->
             "measured_wall_s": wall,
             "cpu": judge(paired, EXPLAINED.get((name, ranks)), ratios),
             "cpu_ratio_at_calibration": round(predicted["cpu"] / cpu["median"], 2),
+            **scored,
+            "flop_free_gb_per_s_paired": {
+                family: spread(
+                    [
+                        r[f"flop_free:{family}"] / 1e9
+                        for r in run["rates"]
+                        if f"flop_free:{family}" in r
+                    ]
+                    or [0.0]
+                )
+                for family in FLOP_FREE_FAMILIES
+            },
             "cpu_ratio_compute_paired_only": round(compute_paired, 2),
             "collective_cpu_scale_paired": spread(
                 [
@@ -502,7 +620,12 @@ def _machine(args: argparse.Namespace) -> Machine:
     if args.machine:
         saved = json.loads(Path(args.machine).read_text())["machine"]
         # saved before the Machine priced calls by dispatch path: this machine's presets
-        here = dispatch_prices(gloo_cpu(1, cores=1, memory_bytes=1))
+        # and the flop-free families' rates, where it was saved before they were fitted
+        preset = gloo_cpu(1, cores=1, memory_bytes=1)
+        here = dispatch_prices(preset) | {
+            f"{family}_bytes_per_s": getattr(preset, f"{family}_bytes_per_s")
+            for family in FLOP_FREE_FAMILIES
+        }
         return Machine(**{**here, **saved})
     machine, sources, points, rates = calibrate(args.repeats)
     emit_calibration(machine, sources, points, rates)
@@ -537,6 +660,10 @@ def main(argv: list[str] | None = None) -> None:
                     "measured_cpu_ms": round(record["measured_cpu_s"]["median"] * 1e3, 1),
                     "cpu_ratio": verdict["ratio"],
                     "cpu_ratio_at_calibration": record["cpu_ratio_at_calibration"],
+                    **{
+                        f"cpu_ratio_{label}": record[f"cpu_ratio_{label}"]
+                        for label in FLOP_FREE_SCORINGS
+                    },
                     "predicted_wall_ms": record["predicted_ms"]["wall"],
                     "measured_wall_ms": round(record["measured_wall_s"]["median"] * 1e3, 1),
                     "wall_ratio": record["wall_ratio"],

@@ -170,7 +170,7 @@ from shardsci.planning._machine import (
     override,
     span_nodes,
 )
-from shardsci.planning._work import WorkCounter
+from shardsci.planning._work import FLOP_FREE_FAMILIES, WorkCounter
 from shardsci.tensor._collectives import issued_as
 from shardsci.tensor._options import (
     attention_exchange_choice,
@@ -487,6 +487,18 @@ def work(name: str, size: int) -> tuple[float, float, float, float, float]:
     """FLOPs, FFT FLOPs, complex matmul FLOPs, memory traffic and that of the ops without FLOPs
     (``WorkCounter``) of one plain training step at ``size``: H = W of a ``(1, 1, H, W)``
     field, or a graph's nodes."""
+    counter = counted_step(name, size)
+    return (
+        float(counter.flops),
+        float(counter.fft_flops),
+        float(counter.complex_matmul_flops),
+        float(counter.memory_bytes),
+        float(counter.flop_free_bytes),
+    )
+
+
+def counted_step(name: str, size: int) -> WorkCounter:
+    """The ``WorkCounter`` of one plain training step of ``name`` at ``size`` (``work``)."""
     torch.manual_seed(0)
     model = CASES[name].build()
     if name == "meshgraphnet":
@@ -501,13 +513,7 @@ def work(name: str, size: int) -> tuple[float, float, float, float, float]:
     with WorkCounter() as counter:
         out = model(*args)
         (out * out).mean().backward()
-    return (
-        float(counter.flops),
-        float(counter.fft_flops),
-        float(counter.complex_matmul_flops),
-        float(counter.memory_bytes),
-        float(counter.flop_free_bytes),
-    )
+    return counter
 
 
 FLOP_SIZES = {"meshgraphnet": (200, 400, 800), "field": (32, 64, 128)}
@@ -532,7 +538,9 @@ class Fitted:
     ``peers_bound``: the most peers a rank's pieces go to, ``None`` where they go to every
     rank (NOTE [Ops per peer]); ``dispatch_calls``: per dispatch path, coefficients of
     ``op_laws`` for its ShardTensor calls (NOTE [Host time by dispatch path]), ``None`` where
-    the runs did not count them (saved before 2026-11-30)."""
+    the runs did not count them (saved before 2026-11-30); ``flop_free_memory_by_family``:
+    ``flop_free_memory`` by family (NOTE [Kernels without FLOPs by family] in
+    ``shardsci.planning._work``), each ``c + a p + b p²`` as it, ``None`` where not counted."""
 
     model: str
     calls: dict[str, list[float]]
@@ -547,6 +555,7 @@ class Fitted:
     complex_matmul_flops: list[float] = field(default_factory=lambda: [0.0, 0.0])
     flop_free_memory: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     dispatch_calls: dict[str, list[float]] | None = None
+    flop_free_memory_by_family: dict[str, list[float]] | None = None
 
     def count(self, kind: str, ranks: int) -> float:
         """Calls of ``kind`` (messages of ``"p2p"``) over a group of ``ranks``; the whole
@@ -587,6 +596,16 @@ class Fitted:
         constant, linear, quadratic = coefficients
         whole = GEOMETRY[self.model].pixels(shape) * ranks
         return constant + (linear * whole + quadratic * whole**2) / ranks
+
+    def flop_free_by_family(self, ranks: int, shape: tuple[float, ...]) -> dict[str, float] | None:
+        """The flop-free bytes per rank by family (``per_rank`` of each), ``None`` where the
+        families were not counted."""
+        if self.flop_free_memory_by_family is None:
+            return None
+        return {
+            family: self.per_rank(coefficients, ranks, shape)
+            for family, coefficients in self.flop_free_memory_by_family.items()
+        }
 
     def strided(self, shape: tuple[float, ...]) -> float:
         """Runs of the busiest rank's strided copies at the local ``shape``."""
@@ -648,13 +667,15 @@ def fit(
     fft_values: list[float] | None = None,
     complex_matmul_values: list[float] | None = None,
     flop_free_memory_values: list[float] | None = None,
+    flop_free_memory_by_family: dict[str, list[float]] | None = None,
 ) -> tuple:
     """``Fitted`` from ``runs`` (``ranks``, ``shape``, ``calls``, ``received``, ``peers``,
     ``ops``; ``ops_only``: a run whose ops alone are fitted) and the FLOPs, memory traffic,
     FFT FLOPs and complex matmul FLOPs at ``flop_sizes`` (none where not given); and per kind the worst misfit over the
     runs, relative to the kind's largest measured bytes. The memory traffic of the ops without
-    FLOPs (``flop_free_memory_values``) likewise. The ops' law is fitted to the runs
-    of more than 2 ranks (NOTE [Ops per peer])."""
+    FLOPs (``flop_free_memory_values``) likewise, and by family
+    (``flop_free_memory_by_family``: family -> bytes at ``flop_sizes``). The ops' law is
+    fitted to the runs of more than 2 ranks (NOTE [Ops per peer])."""
     basis = GEOMETRY[name].basis
     runs, all_runs = [r for r in runs if not r.get("ops_only")], runs
     kinds = sorted({k for r in runs for k in (*r["received"], *r["calls"])})
@@ -719,6 +740,12 @@ def fit(
         complex_matmul,
         flop_free_memory,
         dispatch_calls,
+        None
+        if flop_free_memory_by_family is None
+        else {
+            family: _polynomial(pixels, values)
+            for family, values in flop_free_memory_by_family.items()
+        },
     )
     return fitted, misfit
 
@@ -784,20 +811,34 @@ def measurements(name: str, saved: dict, backend: str) -> dict:
     return recounted(name, saved[name])
 
 
-def work_at(name: str, sizes: list[int]) -> dict[str, list[float]]:
-    """``work`` of ``name`` at each of ``sizes``, by field of ``measure_model``'s JSON."""
+def work_at(name: str, sizes: list[int]) -> dict:
+    """``work`` of ``name`` at each of ``sizes``, by field of ``measure_model``'s JSON, and
+    the flop-free traffic by family (``flop_free_memory_bytes_by_family``: family -> bytes at
+    each size, NOTE [Kernels without FLOPs by family] in ``shardsci.planning._work``)."""
     keys = ("flops", "fft_flops", "complex_matmul_flops", "memory_bytes", "flop_free_memory_bytes")
-    return dict(zip(keys, map(list, zip(*(work(name, s) for s in sizes)))))
+    counters = [counted_step(name, s) for s in sizes]
+    values = [
+        (c.flops, c.fft_flops, c.complex_matmul_flops, c.memory_bytes, c.flop_free_bytes)
+        for c in counters
+    ]
+    result: dict = {k: [float(v) for v in column] for k, column in zip(keys, zip(*values))}
+    result["flop_free_memory_bytes_by_family"] = {
+        family: [float(c.flop_free_bytes_by_family.get(family, 0)) for c in counters]
+        for family in FLOP_FREE_FAMILIES
+    }
+    return result
 
 
 def recounted(name: str, measured: dict) -> dict:
     """``measured`` (``measure_model``'s JSON, perhaps a saved one) with the traffic of the
-    ops without FLOPs counted on the plain model where it lacks it (saved before 2026-11-29
-    09:21 UTC; NOTE [Kernels without FLOPs]): seconds, no ranks."""
-    if "flop_free_memory_bytes" in measured:
+    ops without FLOPs, in all and by family, counted on the plain model where it lacks them
+    (saved before 2026-11-29 09:21 UTC, or the families before 2026-11-30 07:00; NOTE
+    [Kernels without FLOPs]): seconds, no ranks."""
+    if "flop_free_memory_bytes_by_family" in measured:
         return measured
     counted = work_at(name, measured["flop_sizes"])
-    return {**measured, "flop_free_memory_bytes": counted["flop_free_memory_bytes"]}
+    keys = ("flop_free_memory_bytes", "flop_free_memory_bytes_by_family")
+    return {**measured, **{k: counted[k] for k in keys}}
 
 
 def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
@@ -813,6 +854,7 @@ def fitted_models(name: str, measured: dict) -> tuple[dict[str, Fitted], dict]:
             measured["fft_flops"],
             measured.get("complex_matmul_flops"),
             measured.get("flop_free_memory_bytes"),
+            measured.get("flop_free_memory_bytes_by_family"),
         )
     return result, misfits
 
@@ -886,6 +928,7 @@ def step_s(machine: Machine, fitted: Fitted, ranks: int, shape: tuple[float, ...
             memory_bytes=fitted.per_rank(fitted.memory, ranks, shape),
             flop_free_bytes=fitted.per_rank(fitted.flop_free_memory, ranks, shape),
             strided_runs=fitted.strided(shape),
+            flop_free_bytes_by_family=fitted.flop_free_by_family(ranks, shape),
         )
     }
     if ranks > 1:

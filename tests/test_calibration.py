@@ -27,7 +27,9 @@ from benchmarks.calibrate import (
     fit_collective_host,
     fit_collectives,
     gloo_machine,
+    measure_flop_free_families,
     neighbour_splits,
+    one_flop_free_rate,
     predicted_collective_s,
     received_bytes,
     scaled_collective_host,
@@ -43,7 +45,8 @@ from benchmarks.calibrate_steps import (
     sharing,
 )
 from benchmarks.cost_model import fit, fitted_models, step_s
-from shardsci.planning._machine import Machine, collective_host_s
+from shardsci.planning._machine import Machine, collective_host_s, flop_free_rate
+from shardsci.planning._work import FLOP_FREE_FAMILIES
 from shardsci.testing import count_traffic, run_on_ranks
 from tests.test_cost_model import TRUTH, synthetic_measurement
 
@@ -451,4 +454,54 @@ def test_ranks_without_one_are_held_and_scaled_only_against_a_timed_rank(monkeyp
         assert [r["ranks"] for r in records] == ranks
         found = records[-1]["cpu_scaling_ratio"]
         assert found is None if scaling is None else isinstance(found, float)
+    capsys.readouterr()
+
+
+def test_each_flop_free_family_is_timed_on_kernels_of_that_family():
+    """NOTE [Calibrating the machine]: ``measure_flop_free_families`` times kernels that
+    ``WorkCounter`` puts in each family (it asserts so) and fits each family's rate; the rates
+    reach the machine through ``at_rates`` with the other probes', and ``one_flop_free_rate``
+    takes them away again (every flop-free byte at ``memory_bytes_per_s``)."""
+    rates = measure_flop_free_families(1)
+    assert set(rates) == {f"flop_free:{family}" for family in FLOP_FREE_FAMILIES}
+    assert all(1e8 < rate < 1e12 for rate in rates.values())
+    machine = at_rates(Machine(), FAST | rates)
+    for family in FLOP_FREE_FAMILIES:
+        assert flop_free_rate(machine, family) == rates[f"flop_free:{family}"]
+        assert flop_free_rate(one_flop_free_rate(machine), family) == FAST["memory"]
+    # a probe without the families (saved before them) leaves the machine's
+    assert at_rates(machine, FAST).copy_bytes_per_s == rates["flop_free:copy"]
+
+
+def test_the_same_steps_are_scored_at_one_flop_free_rate_and_by_family(monkeypatch, capsys):
+    """NOTE [One flop-free rate or one a family]: steps that take what the model prices at the
+    family rates their calls probed are judged 1.0; the same steps scored at one flop-free rate
+    (the probe's memory rate, 4x the families') are predicted short, and at the in-step rates
+    otherwise. No ranks run."""
+    measured = synthetic_measurement()
+    sizes = measured["flop_sizes"]
+    measured["flop_free_memory_bytes"] = [2e4 * s * s for s in sizes]
+    measured["flop_free_memory_bytes_by_family"] = {
+        "reduction": [1.5e4 * s * s for s in sizes],
+        "copy": [0.5e4 * s * s for s in sizes],
+    }
+    models, _ = fitted_models("fno", measured)
+    families = {f"flop_free:{family}": 1e9 for family in FLOP_FREE_FAMILIES}
+    machine = at_rates(Machine(), FAST | families)
+
+    def on_ranks(ranks, body, *args):
+        if body is calibrate_steps.time_plain:
+            seconds = predict(machine, models, 1, (128, 128), 2)["cpu"]
+        else:
+            seconds = predict(machine, models, ranks, args[2], 2)["cpu"]
+        timed = {"wall": [seconds] * 2, "cpu": [seconds] * 2, "rates": FAST | families, "ops": 1}
+        return [timed for _ in range(ranks)]
+
+    monkeypatch.setattr(calibrate_steps, "on_ranks", on_ranks)
+    args = argparse.Namespace(ranks=[1, 2, 4], rounds=1, steps=2, size=128, nodes=4096, cores=2)
+    for record in calibrate_steps.hold("fno", machine, models, args):
+        assert record["cpu"]["ratio"] == 1.0
+        assert record["cpu_ratio_one_flop_free_rate"] < 0.9
+        assert record["cpu_ratio_in_step_family_rates"] != 1.0
+        assert record["flop_free_gb_per_s_paired"]["copy"]["median"] == 1.0
     capsys.readouterr()

@@ -351,10 +351,17 @@ def test_the_planner_and_the_cost_model_price_compute_alike():
     measured = synthetic_measurement()
     measured["complex_matmul_flops"] = [10.0 * s * s for s in sizes]
     measured["flop_free_memory_bytes"] = [1e3 * s * s for s in sizes]
+    # of them 600 bytes a pixel by reductions, 400 by contiguous pointwise ops (NOTE [Kernels
+    # without FLOPs by family])
+    measured["flop_free_memory_bytes_by_family"] = {
+        "reduction": [600.0 * s * s for s in sizes],
+        "pointwise_contiguous": [400.0 * s * s for s in sizes],
+    }
     runs = measured["runs"]["auto"]
     for run in runs:
         run["strided_runs"] = 40 * run["shape"][0]
     fitted = fitted_models("fno", measured)[0]["auto"]
+    by_family = fitted.flop_free_by_family(ranks, shape)
     rank_class = RankClassPlan(
         1, 0, [0], [0], MemoryPlan(0, 0, 0, 0, 0, 0, 0, ""), {}, {},
         flops=round(fitted.per_rank(fitted.flops, ranks, shape)),
@@ -362,6 +369,7 @@ def test_the_planner_and_the_cost_model_price_compute_alike():
         complex_matmul_flops=round(fitted.complex_matmul_per_rank(ranks, shape)),
         memory_bytes=round(fitted.per_rank(fitted.memory, ranks, shape)),
         flop_free_bytes=round(fitted.per_rank(fitted.flop_free_memory, ranks, shape)),
+        flop_free_bytes_by_family={f: round(n) for f, n in by_family.items()},
         strided_runs=round(fitted.strided(shape)),
     )  # fmt: skip
     plan = RunPlan("cfd", "8", "", ranks, "m", 0, 1, [rank_class], [], None, [], [])
@@ -371,11 +379,15 @@ def test_the_planner_and_the_cost_model_price_compute_alike():
         complex_matmul_flops_per_s=1e9,
         memory_bytes_per_s=1e9,
         strided_copy_s_per_run=1e-6,
+        reduction_bytes_per_s=0.5e9,
+        pointwise_contiguous_bytes_per_s=2e9,
     )
     priced = step_s(machine, fitted, ranks, shape)["compute"]
     assert project(plan, machine).compute == pytest.approx(priced, rel=1e-6)
-    # Bound by the FLOP-counting ops' 3e3 bytes a pixel, plus 1e3 without FLOPs, plus runs.
-    assert priced == pytest.approx((3e3 + 1e3) * pixels / ranks / 1e9 + 4000 * 1e-6, rel=1e-3)
+    # Bound by the FLOP-counting ops' 3e3 bytes a pixel, plus 600 + 400 without FLOPs at
+    # their families' rates, plus runs.
+    flop_free = 600 / 0.5e9 + 400 / 2e9
+    assert priced == pytest.approx((3e3 / 1e9 + flop_free) * pixels / ranks + 4000 * 1e-6, rel=1e-3)
 
 
 def test_strided_copies_are_priced_as_the_planner_prices_them():
@@ -546,3 +558,75 @@ def test_kernels_without_flops_are_priced_by_family():
     for family, rate in GLOO_FLOP_FREE_BYTES_PER_S.items():
         assert flop_free_rate(one, family) == rate
         assert flop_free_rate(shared, family) == rate / 2
+
+
+def test_kernels_without_flops_are_priced_by_family_in_the_cost_model():
+    """NOTE [Kernels without FLOPs by family]: the flop-free traffic of each family, fitted
+    over the field as the whole (``c + a p + b p²``) and shared by the ranks, costs its
+    family's rate; a measurement without the families (saved before 2026-11-30 07:00) and a
+    machine without the rates price it all at ``memory_bytes_per_s``."""
+    sizes, ranks, shape = [32, 64, 128], 8, (100.0, 300.0)
+    pixels = shape[0] * shape[1]
+    measured = synthetic_measurement()  # 5e4 FLOPs and 4e3 bytes a pixel
+    measured["flop_free_memory_bytes"] = [1e5 + 1e3 * s * s for s in sizes]
+    measured["flop_free_memory_bytes_by_family"] = {
+        "pointwise_strided": [1e5 + 700.0 * s * s for s in sizes],
+        "copy": [300.0 * s * s for s in sizes],
+    }
+    fitted = fitted_models("fno", measured)[0]["auto"]
+    by_family = fitted.flop_free_by_family(ranks, shape)
+    assert by_family == {
+        "pointwise_strided": pytest.approx(1e5 + 700 * pixels, rel=1e-4),
+        "copy": pytest.approx(300 * pixels, rel=1e-4),
+    }
+    rest = ["fft_flops_per_s=1e30", "strided_copy_s_per_run=0", "memory_bytes_per_s=1e11"]
+    rates = ["pointwise_strided_bytes_per_s=1e9", "copy_bytes_per_s=1e10"]
+    machine = override(Machine(), [*rest, "sustained_flops=1e12", *rates])
+    flops_s = 5e4 * pixels / 1e12
+    assert step_s(machine, fitted, ranks, shape)["compute"] == pytest.approx(
+        flops_s + (1e5 + 700 * pixels) / 1e9 + 300 * pixels / 1e10, rel=1e-4
+    )
+    one_rate = dataclasses.replace(
+        machine, **{f"{family}_bytes_per_s": None for family in FLOP_FREE_FAMILIES}
+    )
+    assert step_s(one_rate, fitted, ranks, shape)["compute"] == pytest.approx(
+        flops_s + (1e5 + 1e3 * pixels) / 1e11, rel=1e-4
+    )
+    del measured["flop_free_memory_bytes_by_family"]
+    saved = fitted_models("fno", measured)[0]["auto"]
+    assert saved.flop_free_by_family(ranks, shape) is None
+    assert step_s(machine, saved, ranks, shape)["compute"] == pytest.approx(
+        flops_s + (1e5 + 1e3 * pixels) / 1e11, rel=1e-4
+    )
+
+
+def test_a_saved_measurement_without_the_families_is_recounted(monkeypatch):
+    """``recounted``: a measurement saved before the flop-free families were counted gets them
+    (and the flop-free total) from the plain model at its sizes; one with them is kept."""
+    counted = []
+
+    def work_at(name, sizes):
+        counted.append((name, list(sizes)))
+        return {
+            "flops": [0.0] * len(sizes),
+            "flop_free_memory_bytes": [3.0 * s for s in sizes],
+            "flop_free_memory_bytes_by_family": {"copy": [3.0 * s for s in sizes]},
+        }
+
+    monkeypatch.setattr(cost_model, "work_at", work_at)
+    saved = {**synthetic_measurement(), "flop_free_memory_bytes": [1.0, 2.0, 3.0]}
+    found = cost_model.recounted("fno", saved)
+    assert counted == [("fno", [32, 64, 128])]
+    assert found["flop_free_memory_bytes"] == [96.0, 192.0, 384.0]
+    assert found["flop_free_memory_bytes_by_family"] == {"copy": [96.0, 192.0, 384.0]}
+    assert found["flops"] == saved["flops"]
+    assert cost_model.recounted("fno", found) is found and len(counted) == 1
+
+
+def test_the_plain_steps_work_is_counted_by_family():
+    """``work_at``: the flop-free bytes of a zoo step by family add up to its flop-free total."""
+    found = cost_model.work_at("unet", [16])
+    by_family = found["flop_free_memory_bytes_by_family"]
+    assert set(by_family) == set(FLOP_FREE_FAMILIES)
+    assert sum(v[0] for v in by_family.values()) == found["flop_free_memory_bytes"][0] > 0
+    assert found["flop_free_memory_bytes"][0] < found["memory_bytes"][0]

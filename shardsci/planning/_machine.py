@@ -35,12 +35,19 @@ runs that handler's Python. ``WorkCounter`` counts a step's calls by path (``dis
 ``host_calls_in_step_factor``, on top of every aten op at ``plain_host_us_per_op``. The
 factor is measured, not assumed: the per-path figures come from calls timed in a loop, and
 in a step the same calls cost more (2.3-2.7x on the UNet's step here, 3.5x on the H200
-host's; candidates in benchmarks/README.md, not yet taken apart), so it is the UNet's 1-rank
+host's), so it is the UNet's 1-rank
 step's CPU time less its aten ops at the plain rate of the same run, over its calls at the
 run's per-path figures (``benchmarks.calibrate_dispatch``'s ``in_step_factor``). The UNet's
 host term is then its measurement; the other models' are the check
 (``benchmarks.calibrate_dispatch --worlds 1 2``: ``host_ratio_by_path`` beside
 ``host_ratio_flat``).
+Why a call costs more in a step, tested (2026-11-30, load 50-118,
+``benchmarks/records/2026-11-30-predicted-vs-measured``, ``in_step_cache.py``): with 16 MiB
+(4x this core's L2) written between calls, what a ShardTensor call adds over the plain call
+rose 3.2-5.0x over back to back (median 3.7, eight ops of every path), read only 2.1-5.2x; with
+1 MiB (within L2) 1.05-1.7x. A step's working set evicting the dispatch path's code and data
+from the caches is a cause of the factor's size; the attribution of autograd's time to calls
+was not tested.
 """
 
 from __future__ import annotations
@@ -632,19 +639,25 @@ the FNO's spectral contraction at its step's shapes (128², 12 complex ``bmm`` c
 
 
 GLOO_FLOP_FREE_BYTES_PER_S = {
-    "pointwise_contiguous": 9.5e9,
-    "pointwise_broadcast": 7.3e9,
-    "pointwise_strided": 3.9e9,
-    "reduction": 4.7e9,
-    "copy": 7.9e9,
+    "pointwise_contiguous": 12.01e9,
+    "pointwise_broadcast": 11.81e9,
+    "pointwise_strided": 2.07e9,
+    "reduction": 7.07e9,
+    "copy": 12.05e9,
 }
-"""Measured here (NOTE [Kernels without FLOPs by family] in ``_work``): each family's bytes over
-its ops' own thread CPU time inside the Transolver's plain step at 128² on one thread, 14
-rounds of 2026-11-30 01:34-01:35 UTC at load 6.4-9.4, the median
-(``benchmarks/records/2026-11-30-flop-free-families``, ``paired_1.jsonl`` and
-``paired_2.jsonl``: 9.525, 7.25, 3.88, 4.705 GB/s); the copies without ``aten._unsafe_view``
-(an alias, which the record's 17.5 counted): 7.9 (benchmarks/README.md, "Measured 2026-11-30
-(planner21 ...)")."""
+"""Measured here by ``benchmarks.calibrate``'s ``measure_flop_free_families`` (NOTE
+[Calibrating the machine]: a few forward kernels of each family at the zoo's step shapes,
+bytes as ``WorkCounter`` counts them, over their CPU seconds in a loop, one thread), 3
+runs on 2026-11-30 (06:29 UTC, load 25-26), the
+median (``benchmarks/records/2026-11-30-predicted-vs-measured``, ``families_1.jsonl``):
+12.01, 11.81, 2.07, 7.07, 12.05 GB/s. Until then the rates of the Transolver's
+own flop-free ops inside its step (9.5 / 7.3 / 3.9 / 4.7 / 7.9, planner21's
+``2026-11-30-flop-free-families``), which priced the UNet's flop-free time at 1.52 of measured
+inside its step where these give 1.07 (the Transolver's 0.95 against 0.96, the FNO's 1.21
+against 1.17, the ViT's 0.68 against 0.77; ``cross_check.py`` of the same record). Held
+against the zoo's timed steps on 1, 2 and 4 ranks (``benchmarks.calibrate_steps``, each call
+probing the families): 10 of 15 within 25 %, 9 at one flop-free rate, 12 at the Transolver's
+in-step rates (the same record)."""
 
 
 def gloo_cpu(ranks_here: int, cores: int | None = None, memory_bytes: int | None = None) -> Machine:
