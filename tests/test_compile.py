@@ -15,6 +15,7 @@ without code generation); ``-m slow`` runs the same bodies with inductor's gener
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -252,18 +253,24 @@ def _mesh_graph(points: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, pairs.t().contiguous()
 
 
-def _meshgraphnet_regions_body(backend: str) -> None:
-    mesh = get_mesh((2,))
+def meshgraphnet() -> MeshGraphNet:
+    """The compile tests' MeshGraphNet, float64, with seed 0's parameters."""
+    torch.manual_seed(0)
+    return MeshGraphNet(node_in=3, edge_in=3, node_out=2, hidden=8, processor_blocks=2).double()
+
+
+def graph_partitions(
+    methods: tuple[str, ...],
+) -> Iterator[tuple[str, list[torch.Tensor], list[Layout]]]:
+    """Per method, 2-part partitions of one 40-node mesh graph (``partition_nodes``):
+    ``(method, [nodes (N, 3), edges (E, 3), edge index (2, E)] in the partition's order, their
+    layouts)``: node and edge features float64 and split along dim 0, the index along dim 1.
+    Each method gives new node and edge shard sizes."""
     positions, edge_index = _mesh_graph()
     generator = torch.Generator().manual_seed(1)
     nodes = torch.randn(positions.shape[0], 3, generator=generator, dtype=torch.float64)
     edges = torch.randn(edge_index.shape[1], 3, generator=generator, dtype=torch.float64)
-    torch.manual_seed(0)
-    model = MeshGraphNet(node_in=3, edge_in=3, node_out=2, hidden=8, processor_blocks=2).double()
-    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-    compile_regions(model, backend=counter)
-    frames = []
-    for method in ("metis", "rcb"):
+    for method in methods:
         parts = partition_nodes(
             edge_index, positions.shape[0], 2, method=method, coordinates=positions
         )
@@ -274,6 +281,16 @@ def _meshgraphnet_regions_body(backend: str) -> None:
             Layout((Shard(0),), {0: partition.edge_sizes}),
             Layout((Shard(1),), {1: partition.edge_sizes}),
         ]
+        yield method, inputs, layouts
+
+
+def _meshgraphnet_regions_body(backend: str) -> None:
+    mesh = get_mesh((2,))
+    model = meshgraphnet()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compile_regions(model, backend=counter)
+    frames = []
+    for method, inputs, layouts in graph_partitions(("metis", "rcb")):
         model.zero_grad(set_to_none=True)
         if not frames:
             model(

@@ -31,6 +31,7 @@ from torch._inductor import decomposition
 told = (
     aot.run_functionalized_fw_and_collect_metadata,
     graph_compile.run_joint_graph_passes_on_hops,
+    graph_compile.aot_stage2_autograd,
     GraphLowering.decide_layout_opt,
     decomposition.decompositions[torch.ops.aten.add.Tensor],
     decomposition.fast_random_decomps()[torch.ops.aten.add.Tensor],

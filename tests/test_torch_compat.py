@@ -128,6 +128,11 @@ def _takes(*names: str) -> Callable[[object], None]:
     return check
 
 
+def _aot_graph_compile(module: object) -> None:
+    _takes("joint_gm", "joint_inputs", "aot_config")(module.run_joint_graph_passes_on_hops)
+    _takes("aot_state", "aot_graph_capture")(module.aot_stage2_autograd)
+
+
 def _native_batch_norm_legit(fn: Callable) -> None:
     x = torch.randn(2, 3, 4, dtype=torch.float64)
     out, mean, inverse_std = fn(x, None, None, True, 0.1, 1e-5)
@@ -508,12 +513,11 @@ SMOKE: dict[str, Callable[[object], None]] = {
     "GraphLowering": lambda cls: (
         "is_inference" in inspect.signature(cls.decide_layout_opt).parameters
     ),
+    "inductor_config": lambda config: config.layout_optimization is True,
     "aot_autograd_module": lambda module: callable(
         module.run_functionalized_fw_and_collect_metadata
     ),
-    "aot_graph_compile": lambda module: _takes("joint_gm", "joint_inputs", "aot_config")(
-        module.run_joint_graph_passes_on_hops
-    ),
+    "aot_graph_compile": _aot_graph_compile,
     "inductor_lowerings": _inductor_lowerings,
     "inductor_virtualized": _has("graph"),
     "inductor_decomposition": lambda module: (

@@ -27,8 +27,6 @@ from torch._inductor.utils import run_and_get_code
 from torch.distributed.tensor import Shard
 
 from shardsci import gather_policy, record_gathers
-from shardsci.graph import GraphPartition, partition_nodes
-from shardsci.models import MeshGraphNet
 from shardsci.models.fno import SpectralConv
 from shardsci.parallel import domain_parallel
 from shardsci.tensor import ShardTensor, _graph_collectives
@@ -43,7 +41,13 @@ from shardsci.testing import (
     run_on_ranks,
 )
 from tests.stated_gathers import allowed_if
-from tests.test_compile import FIELD_LAYOUTS, VOLUME_LAYOUTS, _compiled_equals_eager, _mesh_graph
+from tests.test_compile import (
+    FIELD_LAYOUTS,
+    VOLUME_LAYOUTS,
+    _compiled_equals_eager,
+    graph_partitions,
+    meshgraphnet,
+)
 from tests.zoo import MODELS
 
 
@@ -266,34 +270,14 @@ def _zoo_body(backend: str, name: str, mesh_shape: tuple[int, ...]) -> None:
 
 
 def _meshgraphnet_body(backend: str, methods: tuple[str, ...] = ("metis", "rcb")) -> None:
-    """The MeshGraphNet on partitions of one mesh graph (by default METIS, then RCB: new
-    node and edge shard sizes), compiled whole: nodes and edges sharded along dim 0, the edge
-    index along dim 1."""
+    """The MeshGraphNet on partitions of one mesh graph (``graph_partitions``: by default
+    METIS, then RCB, new node and edge shard sizes), compiled whole."""
     mesh = get_mesh((2,))
-    positions, edge_index = _mesh_graph()
-    generator = torch.Generator().manual_seed(1)
-    nodes = torch.randn(positions.shape[0], 3, generator=generator, dtype=torch.float64)
-    edges = torch.randn(edge_index.shape[1], 3, generator=generator, dtype=torch.float64)
-    torch.manual_seed(0)
-    model = MeshGraphNet(node_in=3, edge_in=3, node_out=2, hidden=8, processor_blocks=2).double()
+    model = meshgraphnet()
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter)
     frames = []
-    for method in methods:
-        parts = partition_nodes(
-            edge_index, positions.shape[0], 2, method=method, coordinates=positions
-        )
-        partition = GraphPartition.build(edge_index, parts, 2)
-        inputs = [
-            nodes[partition.node_order],
-            edges[partition.edge_order],
-            partition.edge_index,
-        ]
-        layouts = [
-            Layout((Shard(0),), {0: partition.node_sizes}),
-            Layout((Shard(0),), {0: partition.edge_sizes}),
-            Layout((Shard(1),), {1: partition.edge_sizes}),
-        ]
+    for method, inputs, layouts in graph_partitions(methods):
         for again in (False, True):
             with torch._dynamo.config.patch(error_on_recompile=again):
                 _compiled_equals_eager(compiled, inputs, layouts, mesh, method, reference=model)
@@ -762,6 +746,7 @@ class PositionalAdd(nn.Module):
 PARALLEL_CASES = {
     "linear-twice": (LinearTwice, (7, 4), 0, (4, 3), True, {"all_reduce": 1}),
     "conv-norm": (ConvNormConv, (2, 2, 11, 6), 2, (7, 4), True, {"all_reduce": 2}),
+    "conv-norm-batch": (ConvNormConv, (11, 2, 6, 6), 0, (7, 4), True, {"all_reduce": 1}),
     "linear-twice-one-rank": (LinearTwice, (7, 4), 0, (7,), True, {"all_reduce": 0}),
     "positional-unwrapped": (
         PositionalAdd,
@@ -888,7 +873,9 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
 # contribution, its real one was contiguous), then issued 4 all-reduces (eager 2): inductor
 # saved a channels-last copy of each conv weight for backward (and fed the copy to every op in
 # the forward), which no sink owns, so their uses were summed in the graph. About 40 s with
-# inductor at load 3. One rank:
+# inductor at load 3. Inductor, conv-norm-batch (split along the batch, which no kernel
+# crosses): the forward holds no shardsci op, inductor optimised its layout, and the compiled
+# backward issued 3 all-reduces (eager 1); 7 min at load 40-100, so slow. One rank:
 # the compiled backward raised ("The output of this custom operator ... may not alias any
 # inputs": a sum over one rank returned the contribution itself).
 @pytest.mark.parametrize(
@@ -899,6 +886,7 @@ def _compiled_reduction_body(backend: str, case: str) -> None:
         ("aot_eager", "linear-twice-one-rank"),
         ("aot_eager", "positional-unwrapped"),
         pytest.param("inductor", "conv-norm", marks=pytest.mark.slow),
+        pytest.param("inductor", "conv-norm-batch", marks=pytest.mark.slow),
     ],
 )
 def test_a_compiled_domain_parallel_step_reduces_each_gradient_once(

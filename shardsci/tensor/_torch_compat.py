@@ -255,6 +255,11 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
         "torch._inductor.graph:GraphLowering",
         "declining layout optimisation for a graph holding shardsci's ops (its decide_layout_opt)",
     ),
+    "inductor_config": _at(
+        "torch._inductor.config",
+        "declining layout optimisation for the forward graph of a joint graph that holds "
+        "shardsci's ops (a setting in inductor's cache key, unlike decide_layout_opt)",
+    ),
     "aot_autograd_module": _at(
         "torch._functorch.aot_autograd",
         "tracing the gradient of a ShardTensor a compiled graph mutates in place as a "
@@ -262,7 +267,9 @@ PRIVATE_SYMBOLS: dict[str, PrivateSymbol] = {
     ),
     "aot_graph_compile": _at(
         "torch._functorch._aot_autograd.graph_compile",
-        "running shardsci's joint pass after torch's (its run_joint_graph_passes_on_hops)",
+        "running shardsci's joint pass after torch's (its run_joint_graph_passes_on_hops); "
+        "the forward of a joint graph holding shardsci's ops laid out as traced (its "
+        "aot_stage2_autograd)",
         after="torch._functorch.aot_autograd",
     ),
     "inductor_lowerings": _at(

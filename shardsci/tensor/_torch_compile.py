@@ -113,11 +113,15 @@ plain zeros, where they come, are read as replicated as above
 (``tests/test_torch_compile_through.py``, a graph that mutates a ShardTensor input).
 Inductor's layout optimisation is declined for a graph that holds shardsci's ops
 (``GraphLowering.decide_layout_opt``; ``tests/test_torch_compile_through.py``'s inductor
-``conv-norm`` step, NOTE [Where the gradient of a replicated parameter is summed]); a graph
-without them is optimised as torch decides, which includes the forward of a ShardTensor
-convolution that exchanges no halo (a one-rank mesh, a layout split along the batch) whose
-backward holds the gradient's op: not run yet (torch 2.13 decides per graph, from the graph
-alone). shardsci's joint pass (one op sums a backward's
+``conv-norm`` step, NOTE [Where the gradient of a replicated parameter is summed]), and
+for the forward of a joint graph that holds them (``aot_stage2_autograd`` runs with inductor's
+``layout_optimization`` off): the forward of a ShardTensor convolution that exchanges no halo
+(a layout split along the batch, a one-rank mesh) holds none of shardsci's ops, and inductor,
+deciding per graph from the graph alone, gave it a channels-last weight whose uses the
+backward summed in the graph, 3 all-reduces where eager issues 1 (the ``conv-norm-batch``
+step). A setting rather than a decision, since inductor's graph cache keys it: that forward
+has the ops of a plain graph. A graph with no shardsci op in its joint is optimised as torch
+decides. shardsci's joint pass (one op sums a backward's
 gradients of a replicated weight) runs after AOTAutograd's own joint passes, before a user's
 ``joint_custom_pass``, which shardsci leaves as the user set it.
 The ViT and the Transolver failed in dynamo's fake run of ``flatten`` until the view rule's
@@ -246,6 +250,9 @@ def _configure_aot_autograd(cls: type) -> None:
     graph_compile.run_joint_graph_passes_on_hops = _then(
         graph_compile.run_joint_graph_passes_on_hops, one_gradient_op_per_graph
     )
+    graph_compile.aot_stage2_autograd = _forward_laid_out_as_traced(
+        graph_compile.aot_stage2_autograd
+    )
 
 
 def _configure_inductor_lowering(cls: type) -> None:
@@ -334,6 +341,28 @@ def _holds_shardsci_ops(module: torch.fx.GraphModule) -> bool:
         if getattr(target, "namespace", None) == "shardsci":
             return True
     return False
+
+
+def _forward_laid_out_as_traced(stage: Callable[..., Any]) -> Callable[..., Any]:
+    """AOTAutograd's ``aot_stage2_autograd`` (partition a joint graph, compile its forward),
+    with inductor's layout optimisation off while it runs for a joint graph that holds
+    shardsci's ops. Its forward may hold none (a convolution that exchanges no halo, whose
+    backward sums the weight's gradient) and would be optimised as a plain graph
+    (``_no_layout_optimization_with_shardsci``). A setting, not a decision: inductor's graph
+    cache keys it, so a forward cached from a plain graph with the same ops is not reused."""
+
+    @functools.wraps(stage)
+    def aot_stage2_autograd(
+        aot_state: Any, aot_graph_capture: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if "torch._inductor.config" not in sys.modules or not _holds_shardsci_ops(
+            aot_graph_capture.graph_module
+        ):
+            return stage(aot_state, aot_graph_capture, *args, **kwargs)
+        with _torch_compat.inductor_config.patch(layout_optimization=False):
+            return stage(aot_state, aot_graph_capture, *args, **kwargs)
+
+    return aot_stage2_autograd
 
 
 def _no_layout_optimization_with_shardsci(decide: Callable[..., bool]) -> Callable[..., bool]:
