@@ -14,8 +14,14 @@ shard of one process's; the parameters' are plain tensors, summed over the mesh;
 output is laid out as ``Case.layout`` says. Cases: 1 rank, 2 ranks uneven, a rank with an
 empty shard, and 2x2 blocks, also with an empty block for the convolutions and for every op
 whose empty shard computes nothing (pooling, interpolation, pads, unfold, products, scans,
-``torch.gradient``, attention: every rank must issue the same collectives, NOTE [A rank with
-an empty shard computes nothing] in ``_ops/_common.py``). Where
+``torch.gradient``, attention, FFTs, index reads, extrema: every rank must issue the same
+collectives, NOTE [A rank with an empty shard computes nothing] in ``_ops/_common.py``), and
+2x2x2 (H/W/D or three dims of a channels-last tensor), also with an empty block, for a
+subset (``THREE_AXES``). The FFT cases transform split dims (the all-to-all transposes) and
+truncate modes as the zoo FNO's ``SpectralConv`` does (which is also run); the index reads
+(``x[idx]``, ``index_select``, ``gather``) and extrema (``amax``, ``max``/``min`` with a dim,
+a full ``max``), softmax, logsumexp, variance and norms read through split dims (``KNOWN``:
+the one case that fails today). Where
 an op cannot differentiate its backward, asking for the second derivative must raise, never
 return a wrong value.
 """
@@ -35,6 +41,7 @@ from torch.distributed.tensor import Partial, Shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import shardsci
+from models.fno import SpectralConv
 from shardsci import ShardTensor, ShardTensorSpec
 from shardsci.tensor._api import from_local_spec
 from shardsci.tensor._ops import _matmul_ops
@@ -100,6 +107,24 @@ def _math_attention(y: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(y, y, y)
 
 
+def _fno_modes(y: torch.Tensor) -> torch.Tensor:
+    """An FNO's spectral step without weights: keep 3 x 2 modes of ``rfft2``, square them
+    (a nonlinear function of the spectrum) and transform back."""
+    modes = torch.fft.rfft2(y)[..., :3, :2]
+    return torch.fft.irfft2(modes.square(), s=y.shape[-2:])
+
+
+def _spectral_square(y: torch.Tensor, dim: tuple[int, ...]) -> torch.Tensor:
+    """``ifftn(fftn(y)²)`` over ``dim``, real part: the inverse brings back y's layout (NOTE
+    [Where a distributed FFT leaves the spectrum])."""
+    return torch.fft.ifftn(torch.fft.fftn(y, dim=dim).square(), dim=dim).real
+
+
+# Rows read along dim 0 (of 6): one twice, one never; the cells for ``gather``.
+_ROWS = torch.tensor([5, 0, 3, 3, 1, 4])
+_CELLS = torch.arange(6 * 5 * 4).reshape(6, 5, 4) * 7 % 6
+
+
 def _then(
     op: Callable[[torch.Tensor], torch.Tensor],
     shape: tuple[int, ...],
@@ -111,7 +136,8 @@ def _then(
     first two."""
     channels, channel_dim = (shape[1], 1) if image else (shape[-1], -1)
     make = functools.partial(_Then, op, channels, len(shape), channel_dim)
-    dims = (len(shape) - 2, len(shape) - 1) if image else (0, 1)
+    n = len(shape)
+    dims = ((n - 2, n - 1) + ((n - 3,) if n > 4 else ())) if image else (0, 1, 2)
     return Case(make, shape, dims, layout=layout)
 
 
@@ -125,11 +151,12 @@ def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 @dataclass(frozen=True)
 class Case:
-    """A model, its input's shape and the tensor dims the mesh axes split (1-D: the first)."""
+    """A model, its input's shape and the tensor dims the mesh axes split (1-D: the first; a
+    third only on a 3-axis mesh)."""
 
     make: Callable[[], nn.Module]
     shape: tuple[int, ...]
-    dims: tuple[int, int]
+    dims: tuple[int, ...]
     composed: bool = False
     """Run a linear layer as its composition, not as one autograd node."""
     layout: str = "sizes"
@@ -142,7 +169,7 @@ class Case:
 
 
 CASES = {
-    "pointwise": Case(_seeded(lambda: _Pointwise(4)), (6, 5, 4), (0, 1)),
+    "pointwise": Case(_seeded(lambda: _Pointwise(4)), (6, 5, 4), (0, 1, 2)),
     "linear-node": Case(_seeded(lambda: nn.Linear(4, 3, dtype=F64)), (6, 5, 4), (0, 1)),
     "linear-composed": Case(
         _seeded(lambda: nn.Linear(4, 3, dtype=F64)), (6, 5, 4), (0, 1), composed=True
@@ -205,6 +232,35 @@ CASES = {
     # (batch, heads, sequence, features), split along batch and heads: every key on each
     # rank. torch's math kernel: its fused CPU kernel has no second derivative.
     "attention": _then(_math_attention, (6, 5, 4, 3), image=False),
+    # FFTs along split dims (the all-to-all transposes), with an FNO's mode truncation.
+    "rfft2-modes": _then(_fno_modes, (1, 2, 6, 5), layout="dims"),
+    "fftn": _then(functools.partial(_spectral_square, dim=(0, 1)), (6, 5, 4), image=False),
+    "fftn-3d": _then(functools.partial(_spectral_square, dim=(2, 3, 4)), (1, 2, 4, 6, 5)),
+    # Index reads through the split dim 0, with a repeated and a missing row.
+    "index": _then(lambda y: y[_ROWS], (6, 5, 4), image=False),
+    "index-select": _then(lambda y: y.index_select(0, _ROWS), (6, 5, 4), image=False),
+    "gather": _then(lambda y: y.gather(0, _CELLS), (6, 5, 4), image=False),
+    # Extrema along a split dim.
+    "amax": _then(lambda y: y.amax(0), (6, 5, 4), image=False),
+    "max-dim": _then(lambda y: y.max(0).values, (6, 5, 4), image=False),
+    "min-dim": _then(lambda y: y.min(1).values, (6, 5, 4), image=False),
+    "amax-2dims": _then(lambda y: y.amax((0, 1)), (6, 5, 4), image=False),
+    "max-all": _then(lambda y: y.max() * y, (6, 5, 4), image=False),
+    "softmax": _then(lambda y: torch.softmax(y, 0), (6, 5, 4), image=False),
+    "logsumexp": _then(lambda y: torch.logsumexp(y, 0), (6, 5, 4), image=False),
+    "var": _then(lambda y: y.var(0), (6, 5, 4), image=False),
+    "norm": _then(lambda y: torch.linalg.vector_norm(y, dim=0), (6, 5, 4), image=False),
+    # The zoo FNO's spectral convolution: truncated rfft/fft, complex weights, ifft/irfft.
+    "spectral-conv": Case(
+        _seeded(lambda: SpectralConv(2, 3, (2, 2)).double()), (1, 2, 6, 5), (2, 3)
+    ),
+    "spectral-conv-3d": Case(
+        _seeded(lambda: SpectralConv(2, 3, (1, 2, 2)).double()), (1, 2, 4, 6, 5), (3, 4, 2)
+    ),
+    "conv3d-padded": Case(
+        _seeded(lambda: nn.Conv3d(2, 3, 3, padding=1, dtype=F64)), (1, 2, 4, 6, 5), (3, 4, 2)
+    ),
+    "maxpool3d": _then(lambda y: F.max_pool3d(y, 3, 1, 1), (1, 2, 4, 6, 5)),
 }
 
 # Mesh shape and the shard sizes along the split dims (None: one rank).
@@ -214,11 +270,34 @@ LAYOUTS = {
     "2r-empty": ((2,), ((0, 6),)),
     "2x2": ((2, 2), ((3, 3), (2, 3))),
     "2x2-empty": ((2, 2), ((0, 6), (2, 3))),
+    # The third axis splits its dim as evenly as torch.chunk, or with the first shard empty.
+    "2x2x2": ((2, 2, 2), ((3, 3), (2, 3), None)),
+    "2x2x2-empty": ((2, 2, 2), ((4, 2), (2, 3), 0)),
 }
 # Layouts run for some cases only.
+THREE_AXES = {
+    "pointwise",
+    "cumsum",
+    "gradient",
+    "trilinear",
+    "fftn",
+    "fftn-3d",
+    "spectral-conv-3d",
+    "index",
+    "gather",
+    "amax",
+    "amax-2dims",
+    "max-all",
+    "max-dim",
+    "conv3d-padded",
+    "maxpool3d",
+}
 ONLY = {
-    "2x2-empty": {"conv2d-padded", "conv-transpose2d", "convnet"}
-    | {c for c in CASES if isinstance(CASES[c].make(), _Then)}
+    "2x2-empty": {"conv2d-padded", "conv-transpose2d", "convnet", "spectral-conv"}
+    | {"spectral-conv-3d", "conv3d-padded"}
+    | {c for c in CASES if isinstance(CASES[c].make(), _Then)},
+    "2x2x2": THREE_AXES,
+    "2x2x2-empty": THREE_AXES,
 }
 
 
@@ -264,6 +343,16 @@ def _layout_matches(layout: str, out: ShardTensorSpec, x: ShardTensorSpec) -> bo
     return key(out) == key(x)
 
 
+def _sizes(sizes: tuple, case: Case) -> list[tuple[int, ...]]:
+    """``LAYOUTS``' shard sizes along ``case``'s split dims: a third axis's ``None`` is
+    ``torch.chunk``'s halves of its dim, ``0`` an empty first shard."""
+    extents = [case.shape[d] for d in case.dims]
+    return [
+        (e - e // 2, e // 2) if s is None else (0, e) if s == 0 else s
+        for s, e in zip(sizes, extents, strict=False)
+    ]
+
+
 def _body(case_name: str, layout_name: str) -> None:
     case = CASES[case_name]
     mesh_shape, sizes = LAYOUTS[layout_name]
@@ -275,7 +364,7 @@ def _body(case_name: str, layout_name: str) -> None:
 
     mesh = get_mesh(mesh_shape)
     placements = [Shard(d) for d in case.dims[: len(mesh_shape)]]
-    shapes = None if sizes is None else dict(enumerate(sizes))
+    shapes = None if sizes is None else dict(enumerate(_sizes(sizes, case)))
     v = shardsci.distribute_tensor(direction, mesh, placements, shapes)
     leaf = v.spec.narrow(whole).clone().requires_grad_()
     x = from_local_spec(leaf, v.spec)
@@ -328,11 +417,27 @@ DEFAULT = {
     ("einsum", "2x2-empty"),
     ("cumsum", "2r-empty"),
     ("attention", "2r-empty"),
+    ("spectral-conv", "2x2-empty"),
+    ("index", "2r-empty"),
+    ("gather", "2x2-empty"),
+    ("max-dim", "2r-empty"),
+    ("spectral-conv-3d", "2x2x2-empty"),
+}
+
+
+# Open: softmax's double backward (``softmax_double_backward``) multiplies a sum over the
+# split dim 0 (a pending sum of shape (1, 5, 4)) into a (6, 5, 4) tensor, and the result, a
+# pending sum held whole over dim 0, is then reduced into dim 0's shards (a GatherWarning in
+# ``aten.sub.Tensor``), where reducing the small sum first would move 20 cells.
+KNOWN = {
+    ("softmax", "2x2"): "a pending sum held whole in softmax's double backward (GatherWarning)",
 }
 
 
 def _marks(case_name: str, layout_name: str) -> tuple[pytest.MarkDecorator, ...]:
-    return () if (case_name, layout_name) in DEFAULT else (pytest.mark.slow,)
+    known = KNOWN.get((case_name, layout_name))
+    xfail = (pytest.mark.xfail(strict=True, reason=known),) if known else ()
+    return xfail + (() if (case_name, layout_name) in DEFAULT else (pytest.mark.slow,))
 
 
 @pytest.mark.parametrize(
