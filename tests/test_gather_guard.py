@@ -521,6 +521,63 @@ def test_a_pending_sum_is_reduced_rather_than_an_operand_gathered(
     run_on_ranks(len(mesh_shape) * 2, _reduced_first_body, mesh_shape)
 
 
+# A pending sum broadcast by a pointwise op: (B, C, W) = (6, 5, 4) split along B (and C, W);
+# the sum over B, (1, 5, 4), is pending over B's axis (no rank holds B whole). Sizes:
+# uneven, an empty shard, 2x2, 2x2x2 with W on one rank.
+BROADCAST_LAYOUTS = {
+    "2r-uneven": ((2,), {0: (4, 2)}),
+    "4r-empty": ((4,), {0: (3, 0, 2, 1)}),
+    "2x2": ((2, 2), {0: (3, 3), 1: (2, 3)}),
+    "2x2x2-empty": ((2, 2, 2), {0: (4, 2), 1: (2, 3), 2: (0, 4)}),
+}
+
+
+def _broadcast_pending_body(layout: str) -> None:
+    """NOTE [A pending sum is reduced rather than an operand gathered]: ``g * x.sum(0, True)``
+    with ``g`` replicated (softmax's double backward) reduces the (1, 5, 4) sum first."""
+    mesh_shape, sizes = BROADCAST_LAYOUTS[layout]
+    mesh = get_mesh(mesh_shape)
+    generator = torch.Generator().manual_seed(0)
+    x_whole, g_whole = (
+        torch.randn(6, 5, 4, dtype=torch.float64, generator=generator) for _ in "xg"
+    )
+    placements = [Shard(d) for d in range(len(mesh_shape))]
+    x = distribute_tensor(x_whole, mesh, placements, sizes).requires_grad_()
+    g = distribute_tensor(g_whole, mesh, [Replicate()] * len(mesh_shape)).requires_grad_()
+    total = x.square().sum(0, keepdim=True)
+    assert_all_ranks(total.spec.partial, f"{layout}: the sum is not pending: {total.spec}")
+    small = total._local.numel() * total._local.element_size()
+    with gather_policy("error"), count_traffic() as traffic:
+        scaled = g * total
+        out = x - scaled
+    # The output is g's layout narrowed to the sum's shards (a replicated dim 0), nothing
+    # pending; its subtraction from x narrows it to x's shards, moving nothing.
+    wanted = [Replicate()] + [Shard(d) for d in range(1, len(mesh_shape))]
+    assert_all_ranks(list(scaled.spec.placements) == wanted, f"{layout}: {scaled.spec}")
+    assert_all_ranks(out.spec.same_layout(x.spec), f"{layout}: {out.spec}, x {x.spec}")
+    # At most an all-reduce of this rank's shard of the sum over axis 0 (a ring's 2(n-1)/n of
+    # it), where reducing the (6, 5, 4) pending product into x's shards moved more.
+    n = mesh_shape[0]
+    bound = 2 * (n - 1) * small // n
+    kinds = set(traffic.received_by_kind)
+    assert_all_ranks(kinds <= {"all_reduce"}, f"{layout}: {dict(traffic.received_by_kind)}")
+    assert_all_ranks(traffic.received <= bound, f"{layout}: {traffic.received} B, sum {small}")
+    x_leaf, g_leaf = x_whole.clone().requires_grad_(), g_whole.clone().requires_grad_()
+    expected = x_leaf - g_leaf * x_leaf.square().sum(0, keepdim=True)
+    assert_close_all_ranks(out.full_tensor(), expected, atol=1e-12, rtol=0, what=layout)
+    weights = torch.randn(6, 5, 4, dtype=torch.float64, generator=generator)
+    (out.full_tensor() * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert_all_ranks(x.grad.spec.same_layout(x.spec), f"{layout}: x's gradient {x.grad.spec}")
+    for name, got, want in [("x", x.grad, x_leaf.grad), ("g", g.grad, g_leaf.grad)]:
+        assert_close_all_ranks(got.full_tensor(), want, atol=1e-12, rtol=0, what=name)
+
+
+@pytest.mark.parametrize("layout", list(BROADCAST_LAYOUTS))
+def test_a_pending_sum_broadcast_by_a_pointwise_op_is_reduced_first(layout: str) -> None:
+    run_on_ranks(math.prod(BROADCAST_LAYOUTS[layout][0]), _broadcast_pending_body, layout)
+
+
 # ---------------------------------------------------------------------------- pending sums
 # A pending sum of the whole field (each rank's addend of full extent, Partial) reduced into
 # the field's split layout: a reduce-scatter, whose input on every rank is the whole field.

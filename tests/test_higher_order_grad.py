@@ -20,8 +20,7 @@ collectives, NOTE [A rank with an empty shard computes nothing] in ``_ops/_commo
 subset (``THREE_AXES``). The FFT cases transform split dims (the all-to-all transposes) and
 truncate modes as the zoo FNO's ``SpectralConv`` does (which is also run); the index reads
 (``x[idx]``, ``index_select``, ``gather``) and extrema (``amax``, ``max``/``min`` with a dim,
-a full ``max``), softmax, logsumexp, variance and norms read through split dims (``KNOWN``:
-the one case that fails today). Where
+a full ``max``), softmax, logsumexp, variance and norms read through split dims. Where
 an op cannot differentiate its backward, asking for the second derivative must raise, never
 return a wrong value.
 """
@@ -425,19 +424,8 @@ DEFAULT = {
 }
 
 
-# Open: softmax's double backward (``softmax_double_backward``) multiplies a sum over the
-# split dim 0 (a pending sum of shape (1, 5, 4)) into a (6, 5, 4) tensor, and the result, a
-# pending sum held whole over dim 0, is then reduced into dim 0's shards (a GatherWarning in
-# ``aten.sub.Tensor``), where reducing the small sum first would move 20 cells.
-KNOWN = {
-    ("softmax", "2x2"): "a pending sum held whole in softmax's double backward (GatherWarning)",
-}
-
-
 def _marks(case_name: str, layout_name: str) -> tuple[pytest.MarkDecorator, ...]:
-    known = KNOWN.get((case_name, layout_name))
-    xfail = (pytest.mark.xfail(strict=True, reason=known),) if known else ()
-    return xfail + (() if (case_name, layout_name) in DEFAULT else (pytest.mark.slow,))
+    return () if (case_name, layout_name) in DEFAULT else (pytest.mark.slow,)
 
 
 @pytest.mark.parametrize(

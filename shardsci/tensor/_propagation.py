@@ -489,6 +489,12 @@ def _held_pointwise(
 # all-reduce, but the output would then be split along a dim (the batch) that no input was,
 # and the next op meeting the input's layout moves it back. The pending operand is reduced
 # to the layout its output takes: replicated over that axis, or the other operand's shards.
+# And a pointwise op that broadcasts the operands pending over an axis and keeps them pending
+# (``Replicate * Partial``: in softmax's double backward, ``(output * grad_output).sum(0,
+# True)``, of shape (1, 5, 4), times a replicated (6, 5, 4) gradient) is asked again too: its
+# output would be a pending sum larger than they are (held whole along the broadcast dim),
+# reduced later at the cost of its size, where an all-reduce of the operands now costs theirs,
+# and the output, replicated over that axis, takes no more memory than the pending one.
 def _reduced_first(
     func: OpOverload,
     leaves: list,
@@ -503,7 +509,8 @@ def _reduced_first(
     if _mutates_first_argument(func) or not any(s is not None and s.partial for s in sources):
         return None
     if not any(s is not None and gathers(s, t) for s, t in zip(sources, targets)) and not (
-        torch.Tag.pointwise in func.tags and _scatters_pending_astray(sources, targets)
+        torch.Tag.pointwise in func.tags
+        and (_scatters_pending_astray(sources, targets) or _broadcasts_pending(sources, targets))
     ):
         return None
     reduced = [s if s is None or not s.partial else _reduced(s) for s in sources]
@@ -538,6 +545,27 @@ def _scatters_pending_astray(
             ):
                 return True
     return False
+
+
+def _broadcasts_pending(
+    sources: list[ShardTensorSpec | None], targets: list[ShardTensorSpec | None]
+) -> bool:
+    """Whether the op keeps operands pending over an axis (their targets too) while it
+    broadcasts them all to more cells than the largest has (a larger pending sum)."""
+    specs = [s for s in sources if s is not None]
+    try:
+        cells = math.prod(torch.broadcast_shapes(*(s.shape for s in specs)))
+    except RuntimeError:
+        return False
+    largest: dict[int, int] = {}  # axis -> the most cells an operand pending over it has
+    for source, target in zip(sources, targets):
+        if source is None:
+            continue
+        kept = (target or source).placements
+        for axis, (p, q) in enumerate(zip(source.placements, kept)):
+            if isinstance(p, Partial) and isinstance(q, Partial):
+                largest[axis] = max(largest.get(axis, 0), math.prod(source.shape))
+    return any(n < cells for n in largest.values())
 
 
 def _reduced(spec: ShardTensorSpec) -> ShardTensorSpec:
