@@ -205,12 +205,16 @@ _FNO_BY_PART = (
 # benchmarks/README.md).
 EXPLAINED: dict[tuple[str, int], Explanation] = {
     ("unet", 1): Explanation(
-        "compute: the step's 3x3 convolutions run faster than the probes' median (77.8 GFLOP/s "
-        "in the plain step at 128², 2026-11-29 09:18 UTC, load 6, benchmarks/records/"
-        "2026-11-29-cost-model/unet_parts_128.json, against 47-66 from the probes at load "
-        "13-15); the step's own kernels' rates replace the probes' (NOTE [The step's own "
-        "kernels])",
-        "cpu_ratio_with_step_kernels",
+        "compute: with the ops a 1-rank step dispatches (1,352, none of them communication "
+        "ops, where the laws of 4-16 ranks put 3,035 and 1,579: host 25 ms, not 63; NOTE [Ops "
+        "per peer] in benchmarks/cost_model.py) the UNet's 1-rank step is predicted at 1.42 "
+        "of measured (2026-11-30 calib3, re-scored from calib2's 06:29-06:38 UTC steps, load 25-51: "
+        "benchmarks/records/2026-11-30-predicted-vs-measured/rescore_one_rank.py); its plain "
+        "step's compute term is 1.46 of its kernel time (about 147 ms at the paired rates, "
+        "4.65 GFLOP at 57 GFLOP/s and 746 MB without FLOPs, against 93.5 ms), and the step's "
+        "own kernels' FLOP rates do not close it (1.42); the plain step's kernel time in its "
+        "place gives 0.98",
+        "cpu_ratio_with_measured_compute",
     ),
     **{("fno", p): Explanation(_FNO_BY_PART) for p in RANKS},
     ("vit", 1): Explanation(

@@ -127,6 +127,17 @@ halo messages' law of calls 8,514 messages. Both laws
 are data, measured by every run, so a change to the library's collectives moves them;
 ``ops_host_s`` prices them (NOTE [One price per op]): the communication ops at
 ``host_us_per_communication_op``.
+
+Neither law holds on one rank: a one-rank mesh has no neighbour and no peer, issues no
+collective, and its communication modules dispatch nothing, but the laws' constants hold the
+ops each collective packs once whatever its group (2026-11-30, calib3: the UNet's law, fitted
+on 4-16 ranks, put 3,035 ops in its 1-rank step, 1,579 of them communication ops, where the
+step dispatches 1,352 and none, ``benchmarks/records/2026-11-30-predicted-vs-measured``;
+priced 63 ms of host time, about 25 at the real counts). So every model's ops are also
+counted on a one-rank mesh (``measure_model``: an ``ops_only`` run of ``ranks`` 1, kept out of
+the laws' fit) and ``Fitted.op_count(1)`` is that count (``ops_on_one_rank``), with no
+communication op; where a measurement lacks it (saved before 2026-11-30 08:00 UTC), the
+laws' ops less their communication ops (1,456 for that UNet).
 """
 
 from __future__ import annotations
@@ -556,6 +567,9 @@ class Fitted:
     flop_free_memory: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     dispatch_calls: dict[str, list[float]] | None = None
     flop_free_memory_by_family: dict[str, list[float]] | None = None
+    ops_on_one_rank: dict | None = None
+    """The ops of the step on a one-rank mesh, counted (``ops``, ``dispatch_calls``; NOTE
+    [Ops per peer]), ``None`` where not counted."""
 
     def count(self, kind: str, ranks: int) -> float:
         """Calls of ``kind`` (messages of ``"p2p"``) over a group of ``ranks``; the whole
@@ -566,10 +580,15 @@ class Fitted:
 
     def op_count(self, ranks: int) -> tuple[float, float]:
         """Aten ops of the busiest rank's step at ``ranks``, and those of them its
-        communication modules dispatch (NOTE [Ops per peer])."""
+        communication modules dispatch (NOTE [Ops per peer]): on one rank the ops counted
+        there, else the laws' less their communication ops, and no communication op."""
         ops, communication = (
             self._by_op_laws(law, ranks) for law in (self.ops, self.communication_ops)
         )
+        if ranks == 1:
+            if self.ops_on_one_rank is not None:
+                return float(self.ops_on_one_rank["ops"]), 0.0
+            return max(0.0, ops - communication), 0.0
         return ops, min(ops, communication)
 
     def dispatch_count(self, ranks: int) -> dict[str, float] | None:
@@ -577,6 +596,9 @@ class Fitted:
         by dispatch path]), ``None`` where not counted."""
         if self.dispatch_calls is None:
             return None
+        counted = (self.ops_on_one_rank or {}).get("dispatch_calls")
+        if ranks == 1 and counted is not None:
+            return {path: float(counted.get(path, 0)) for path in self.dispatch_calls}
         return {path: self._by_op_laws(law, ranks) for path, law in self.dispatch_calls.items()}
 
     def _by_op_laws(self, law: list[float], ranks: int) -> float:
@@ -721,6 +743,12 @@ def fit(
             path: least_squares(rows, [float(r["dispatch_calls"].get(path, 0)) for r in op_runs])
             for path in DISPATCH_PATHS
         }
+    one_rank = [r for r in all_runs if r["ranks"] == 1]
+    ops_on_one_rank = (
+        {"ops": one_rank[0]["ops"], "dispatch_calls": one_rank[0].get("dispatch_calls")}
+        if one_rank
+        else None
+    )
     bounded = any(r["peers"] < r["ranks"] - 1 for r in op_runs)
     peers_bound = max(float(r["peers"]) for r in op_runs) if bounded else None
     strided = least_squares(
@@ -746,6 +774,7 @@ def fit(
             family: _polynomial(pixels, values)
             for family, values in flop_free_memory_by_family.items()
         },
+        ops_on_one_rank,
     )
     return fitted, misfit
 
@@ -772,8 +801,11 @@ def measure_model(name: str, backend: str) -> dict:
                         **busiest,
                     }
                 )
-        for mesh_shape in geometry.op_meshes:
-            shape = geometry.shapes[0]
+        # the ops on one rank (NOTE [Ops per peer]): no law of more ranks reaches them; at
+        # the largest shape, the whole field there (the FNO's modes need 24 rows)
+        one_rank = (1,) * len(geometry.meshes[0])
+        for mesh_shape in (*geometry.op_meshes, one_rank):
+            shape = geometry.shapes[-1 if mesh_shape == one_rank else 0]
             per_rank = on_ranks(
                 math.prod(mesh_shape), measure, name, mesh_shape, shape, exchange, backend
             )

@@ -37,6 +37,7 @@ from shardsci.planning._machine import (
     flop_free_rate,
     flop_free_s,
     gloo_cpu,
+    ops_host_s,
     override,
     strided_copy_s,
 )
@@ -630,3 +631,69 @@ def test_the_plain_steps_work_is_counted_by_family():
     assert set(by_family) == set(FLOP_FREE_FAMILIES)
     assert sum(v[0] for v in by_family.values()) == found["flop_free_memory_bytes"][0] > 0
     assert found["flop_free_memory_bytes"][0] < found["memory_bytes"][0]
+
+
+# The UNet's busiest rank's ops and communication ops on 2x2, 2x4, 4x2 and 4x4 blocks, its
+# pieces' peers (halos sent as all-to-alls over an axis, statistics gathered over the block;
+# benchmarks/records/2026-11-30-predicted-vs-measured/measured_unet.json), and its 1-rank step.
+UNET_OPS_2026_11_30 = {(2, 2): (3135, 1679, 3), (2, 4): (3399, 1943, 7), (4, 2): (3397, 1941, 7)}
+UNET_OPS_4X4 = (3661, 2205, 15)
+UNET_ONE_RANK = {"ops": 1352, "dispatch_calls": {"fast": 38, "propagation": 11, "function": 56}}
+
+
+def _unet_op_runs(one_rank: bool) -> list[dict]:
+    runs = [
+        {
+            "ranks": h * w,
+            "mesh": [h, w],
+            "shape": list(GEOMETRY["unet"].shapes[0]),
+            "calls": {"all_to_all": 14, "all_reduce": 15},
+            "received": {"all_to_all": 224.0 * (h * w - 1), "all_reduce": 64.0},
+            "peers": peers,
+            "ops": ops,
+            "communication_ops": communication,
+            "dispatch_calls": {"fast": 38, "propagation": 11, "function": 56},
+            "ops_only": (h, w) == (4, 4),
+        }
+        for (h, w), (ops, communication, peers) in {
+            **UNET_OPS_2026_11_30,
+            (4, 4): UNET_OPS_4X4,
+        }.items()
+    ]
+    if one_rank:
+        runs.append(
+            {
+                "ranks": 1,
+                "mesh": [1, 1],
+                "shape": list(GEOMETRY["unet"].shapes[-1]),
+                "calls": {"p2p_rounds": 0},
+                "received": {},
+                "peers": 0,
+                "communication_ops": 0,
+                "ops_only": True,
+                **UNET_ONE_RANK,
+            }
+        )
+    return runs
+
+
+def test_a_one_rank_step_dispatches_no_communication_op():
+    """NOTE [Ops per peer]: the UNet's laws, fitted on 4-16 ranks, put 3,035 ops in its 1-rank
+    step, 1,579 of them communication ops, where it dispatches 1,352 and none (2026-11-30);
+    on one rank the model takes the counted ops, or without them the laws' ops less their
+    communication ops, and never a communication op."""
+    sizes = [32, 64, 128]
+    flops = [5e4 * s * s for s in sizes]
+    counted, _ = fit("unet", _unet_op_runs(one_rank=True), sizes, flops)
+    assert counted.op_count(1) == pytest.approx((1352, 0))
+    assert counted.dispatch_count(1) == pytest.approx(
+        {"fast": 38, "propagation": 11, "handler": 0, "function": 56}
+    )
+    machine = Machine(host_us_per_op=50.0, host_us_per_communication_op=20.0)
+    assert counted.host_s(machine, 1, (128, 128)) == pytest.approx(
+        ops_host_s(machine, 1352, 0, True, counted.dispatch_count(1))
+    )
+    uncounted, _ = fit("unet", _unet_op_runs(one_rank=False), sizes, flops)
+    assert uncounted.op_count(1) == pytest.approx((3035 - 1579, 0), abs=1)
+    assert uncounted.op_count(4) == counted.op_count(4)  # the laws, as before
+    assert counted.op_count(4)[1] > 1600
