@@ -7,7 +7,9 @@ permutation, fewer rows, a 2-D index, negative positions) along dim 1 of a tenso
 it, along another dim with an empty shard, both on a 2x2 mesh, and along two other dims of a
 2x2 mesh, uneven in opposite directions: values, the input's gradient, the output's layout
 (stated here from the rule: sharded dims kept, cut at a smaller index's extent; the gathered
-dim kept when the output has the input's extent there, else replicated) and, per rank, the
+dim kept when the output has the input's extent there, split by its entries' owners for a
+1-D selection of another extent (NOTE [A selection through a replicated index is split by its
+entries' owners]), else replicated) and, per rank, the
 bytes received by ``count_traffic``: in the forward exactly what the rank's part of the index
 reads of the others' rows, each once: the remote cells for ``gather`` and ``take_along_dim``
 (NOTE [A cell-wise read moves cells]), the remote rows for a selection (none when the gathered
@@ -92,6 +94,19 @@ def _keeps_gathered_dim(index: torch.Tensor, cell_wise: bool) -> bool:
     return index.ndim == 1 and index.shape[0] == SHAPE[DIM]
 
 
+def _split_by_owners(index: torch.Tensor, cell_wise: bool) -> bool:
+    """Whether the output is split along the gathered dim by its entries' owners: a 1-D
+    selection of another extent."""
+    return not cell_wise and index.ndim == 1 and index.shape[0] != SHAPE[DIM]
+
+
+def _owner_counts(sizes: tuple[int, ...], index: torch.Tensor) -> tuple[int, ...]:
+    """How many entries of ``index`` (negative positions wrapped) name rows of each shard."""
+    rows = [int(v) % SHAPE[DIM] for v in index]
+    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    return tuple(sum(a <= r < b for r in rows) for a, b in itertools.pairwise(bounds))
+
+
 def _expected(layout: Layout, index: torch.Tensor, cell_wise: bool) -> Layout:
     """The rule, stated independently of the library."""
     placements, sizes = [], {}
@@ -99,9 +114,12 @@ def _expected(layout: Layout, index: torch.Tensor, cell_wise: bool) -> Layout:
         d = p.dim
         if d == DIM:
             keep = _keeps_gathered_dim(index, cell_wise)
-            placements.append(Shard(DIM) if keep else Replicate())
+            by_owners = _split_by_owners(index, cell_wise)
+            placements.append(Shard(DIM) if keep or by_owners else Replicate())
             if keep:
                 sizes[DIM] = tuple(layout.sizes[DIM])
+            elif by_owners:
+                sizes[DIM] = _owner_counts(tuple(layout.sizes[DIM]), index)
         elif cell_wise:
             placements.append(p)
             sizes[d] = _cut(tuple(layout.sizes[d]), index.shape[d])
@@ -115,7 +133,8 @@ def _expected(layout: Layout, index: torch.Tensor, cell_wise: bool) -> Layout:
 def _parts(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> list[torch.Tensor]:
     """The part of the index (positions along dim 1) each rank of this rank's dim-1 group
     reads, in group order: narrowed like this rank's block along the other dims (``gather``),
-    then to each rank's range along dim 1 when the output keeps it sharded."""
+    then to each rank's range along dim 1 when the output keeps it sharded, or to each rank's
+    run of entries when it is split by their owners."""
     spec = layout.spec(mesh, torch.empty(SHAPE, dtype=torch.float64))
     starts, local = spec.local_offsets(), spec.local_shape()
     keep = _keeps_gathered_dim(index, cell_wise)
@@ -126,9 +145,11 @@ def _parts(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> list[t
                 begin = min(starts[d], index.shape[d])
                 index = index.narrow(d, begin, min(starts[d] + local[d], index.shape[d]) - begin)
     sizes = layout.sizes[DIM]
-    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-    if not keep:
+    if _split_by_owners(index, cell_wise):
+        sizes = _owner_counts(tuple(sizes), index)
+    elif not keep:
         return [index] * len(sizes)
+    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     return [index.narrow(DIM if cell_wise else 0, a, b - a) for a, b in itertools.pairwise(bounds)]
 
 
@@ -160,7 +181,7 @@ def _bounds(layout: Layout, mesh, index: torch.Tensor, cell_wise: bool) -> tuple
     me = mesh.get_coordinate()[axis]
     read = _read(parts[me], cell_wise)
     forward = sum(u[0] not in mine for u in read) * unit
-    if not _keeps_gathered_dim(index, cell_wise):
+    if not _keeps_gathered_dim(index, cell_wise) and not _split_by_owners(index, cell_wise):
         sizes, n = layout.sizes[DIM], len(layout.sizes[DIM])
         ranges = [range(sum(sizes[:k]), sum(sizes[: k + 1])) for k in range(n)]
         most = max(sum(u[0] not in r for u in read) for r in ranges) * unit
@@ -192,7 +213,9 @@ def _body(name: str) -> None:
         expected = _expected(layout, index, cell_wise)
         # a read replicated over dim 1's axes is a gather the guard counts (NOTE [Gathers an
         # op was not asked to make]); every other read runs under "error"
-        replicates = DIM in spec.sharding_by_dim and not _keeps_gathered_dim(index, cell_wise)
+        replicates = DIM in spec.sharding_by_dim and not (
+            _keeps_gathered_dim(index, cell_wise) or _split_by_owners(index, cell_wise)
+        )
         with gather_policy("allow" if replicates else "error"), record_gathers() as gathers:
             check_against_reference(fn, [x], [layout], mesh, out_layouts=[expected], what=what)
             leaf = shard.detach().requires_grad_()

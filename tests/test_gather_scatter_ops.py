@@ -143,20 +143,42 @@ REPLICATED = {
 }
 
 
+# name -> the rows a selection through a 1-D index reads, in order: its output is split by
+# its entries' owners (NOTE [A selection through a replicated index is split by its entries'
+# owners]); the others' outputs are replicated
+SPLIT_BY_OWNERS = {
+    "getitem": lambda idx, n: idx,
+    "getitem_negative": lambda idx, n: n - idx - 1,
+    "index_select": lambda idx, n: idx,
+    "index_select_dim1": lambda idx, n: idx,
+}
+
+
+def _by_owners(graph: Graph, rows: torch.Tensor) -> Layout:
+    """The nodes' layout with each rank holding as many entries as name its rows."""
+    owners = torch.searchsorted(torch.tensor(graph.node_sizes).cumsum(0), rows, right=True)
+    counts = torch.bincount(owners, minlength=len(graph.node_sizes))
+    return Layout(graph.node_placements, {0: tuple(counts.tolist())})
+
+
 def _replicated_body(graph: Graph, name: str) -> None:
     mesh = get_mesh(graph.mesh)
     x = torch.randn(graph.nodes, FEATURES, dtype=torch.float64)
     idx = torch.tensor([0, graph.nodes - 1, 3, 3, 1, graph.nodes - 2])
-    # A replicated index gives a replicated output: a replicated read, which the guard counts
-    # (NOTE [Gathers an op was not asked to make]).
-    replicated = Layout((Replicate(),) * len(graph.mesh))
-    with gather_policy("allow"):
+    # A 2-D index or a gather gives a replicated output: a replicated read, which the guard
+    # counts (NOTE [Gathers an op was not asked to make]); a 1-D selection fetches rows only.
+    rows = SPLIT_BY_OWNERS.get(name)
+    expected = (
+        Layout((Replicate(),) * len(graph.mesh)) if rows is None
+        else _by_owners(graph, rows(idx, graph.nodes))
+    )  # fmt: skip
+    with gather_policy("allow" if rows is None else "error"):
         check_against_reference(
             REPLICATED[name],
             [x, idx],
             [graph.node_layout(), None],
             mesh,
-            out_layouts=[replicated],
+            out_layouts=[expected],
             what=name,
         )
 

@@ -3,9 +3,10 @@ the indexed dim, at least half of them fetched, is a gather the guard governs (N
 an op was not asked to make], ``check_replicated_read``, ``check_fetch``), against one
 process, float64.
 
-The op-database sweep's ``_unsafe_masked_index`` sample 5 pattern (plain indices into every
-dim, read as ``x[i][:, j][:, :, k]``, ``i`` reaching four of five rows, the entries the mask
-shows in no increasing owner order, so the read is replicated over dim 0's axes) on 2 uneven ranks, 4 ranks with empty
+A masked read (aten ``_unsafe_masked_index``) through a 2-D index into dim 0 reaching four of
+five rows, which no split of its entries' dims follows, so the read is replicated over dim 0's
+axes (a 1-D index is split by its entries' owners instead: NOTE [A selection through a
+replicated index is split by its entries' owners]), on 2 uneven ranks, 4 ranks with empty
 shards and a 2x2 mesh: under ``"warn"`` one ``GatherWarning`` naming the op and the bytes
 (forward and backward), values, gradient and layout as one process; under ``"error"`` a
 ``GatherError`` on every rank before any byte moves. Halo-sized fetches that keep the layout
@@ -19,7 +20,6 @@ cell of the other rank's block, fetches only those cells and is not refused.
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 
@@ -49,28 +49,20 @@ LAYOUTS = {
     "4r-empty": ((4,), Layout((Shard(0),), {0: (2, 0, 3, 0)})),
     "2x2-uneven": ((2, 2), Layout((Shard(0), Shard(1)), {0: (2, 3), 1: (1, 3)})),
 }
-# x[i][:, j][:, :, k]: i reaches rows 0, 1, 2 and 4, the owners of the entries the mask shows
-# (rows 0, 4, 0, 2) going back: a replicated read (a hidden entry reads the row before it, NOTE
-# [An entry every mask hides reads the row before it], so only shown entries decide); j's
-# owners never decrease along it (each entry stays with its column).
-ROWS = torch.tensor([0, 4, 1, 0, 2, 1])
-COLUMNS = torch.tensor([1, 3])
-DEPTHS = torch.tensor([2, 0])
+# x[i], i of shape (2, 3) reaching rows 0, 1, 2 and 4: a replicated read.
+ROWS = torch.tensor([[0, 4, 1], [0, 2, 1]])
 
 
 def _masked_read(x: torch.Tensor) -> torch.Tensor:
-    mask = torch.tensor([True, True, False]).repeat(2)[:, None, None].expand(6, 2, 2)
-    indices = [ROWS[:, None, None], COLUMNS[None, :, None], DEPTHS[None, None, :]]
-    return aten._unsafe_masked_index.default(x, mask, indices, 0.5)
+    mask = torch.tensor([True, True, False]).repeat(2, 1)[:, :, None, None].expand(2, 3, 4, 3)
+    return aten._unsafe_masked_index.default(x, mask, [ROWS], 0.5)
 
 
 def _read_layout(layout: Layout) -> Layout:
-    """The read's layout: dim 0 replicated, dim 1 split where ``COLUMNS``' owners are."""
+    """The read's layout: the index's dims replicated, ``x``'s dim 1 (now dim 2) kept."""
     if 1 not in layout.sizes:
         return Layout((Replicate(),) * len(layout.placements), {})
-    starts = [0, *torch.tensor(layout.sizes[1]).cumsum(0).tolist()]
-    counts = tuple(sum(a <= int(c) < b for c in COLUMNS) for a, b in itertools.pairwise(starts))
-    return Layout((Replicate(), Shard(1)), {1: counts})
+    return Layout((Replicate(), Shard(2)), {2: tuple(layout.sizes[1])})
 
 
 def _bytes(n: int) -> str:
@@ -81,8 +73,8 @@ def _expected_bytes(layout: Layout) -> tuple[int, int, int]:
     """(bytes of the read ``x[i]``, on the most loaded rank, of ``x`` on the most loaded
     rank before): the message's figures."""
     others = max(layout.sizes.get(1, (SHAPE[1],))) * SHAPE[2] * 8
-    read = len(ROWS) * math.prod(SHAPE[1:]) * 8
-    return read, len(ROWS) * others, max(layout.sizes[0]) * others
+    read = ROWS.numel() * math.prod(SHAPE[1:]) * 8
+    return read, ROWS.numel() * others, max(layout.sizes[0]) * others
 
 
 def _warn_body(name: str) -> list[str]:

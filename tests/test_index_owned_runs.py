@@ -9,7 +9,9 @@ read as ``x[i, j, k]`` when a dim other than the leading one is split) hold each
 on the rank that owns its cell: the output is split along the entries' dim with each rank's
 count of entries, no byte is received in the forward (``count_traffic``) and nothing is
 gathered in the backward (the gather guard set to "error"). An index whose
-owners go back (``x[[5, 0]]``) gives an output replicated over that dim's axes. An outer
+owners go back (``x[[5, 0]]``) gives an output split the same way (NOTE [A selection through a
+replicated index is split by its entries' owners]), each rank fetching the rows its entries
+name and sending their gradient back (as many bytes as the forward received). An outer
 product of indices of the input's extents (``x[i[:, None], j[None, :]]``, and aten's
 ``_unsafe_masked_index``, bilinear interpolation's decomposed read) keeps the input's layout,
 and its backward sends the rows it read back to their owners (as many bytes in all as the
@@ -64,8 +66,8 @@ def _along_dim0(layout: Layout, dim0: tuple[int, ...] | None) -> Layout:
 
 
 def _cases(layout: Layout) -> dict[str, tuple]:
-    """``(fn, expected layout, what moves)``: "nothing", "rows" (the rows a read names travel,
-    and back in the backward, nothing gathered) or "a gather" (the output is replicated)."""
+    """``(fn, expected layout, what moves)``: "nothing" or "rows" (the rows a read names
+    travel, and back in the backward, nothing gathered)."""
     dim0 = tuple(layout.sizes[0])
     row = math.prod(SHAPE[1:])
     flat = [1 * row + 3, 2 * row, 2 * row + 1, 5 * row + 7]  # rows 1, 2, 2, 5
@@ -87,8 +89,8 @@ def _cases(layout: Layout) -> dict[str, tuple]:
         ),
         "x[[5, 0]], owners going back": (
             lambda x: x[[5, 0]],
-            _along_dim0(layout, None),
-            "a gather",
+            _along_dim0(layout, _owned(dim0, [5, 0])),
+            "rows",
         ),
         "x[mask], a boolean mask": (
             lambda x: x[torch.tensor([True, False, True, True, False, True])],
@@ -171,10 +173,8 @@ def _body(name: str) -> None:
     shard = from_local_spec(spec.narrow(x).contiguous(), spec)
     for what, (fn, expected, moves) in _cases(layout).items():
         label = f"{name}: {what}"
-        with gather_policy("allow" if moves == "a gather" else "error"):  # forward, backward
+        with gather_policy("error"):  # forward, backward
             check_against_reference(fn, [x], [layout], mesh, out_layouts=[expected], what=label)
-        if moves == "a gather":
-            continue
         read = shard.detach().requires_grad_()
         with count_traffic() as forward:
             out = fn(read)

@@ -194,9 +194,7 @@ UNARY_LAYOUTS: dict[str, Callable[[Case], Layout]] = {
     "select_other": lambda c: reduced(
         c.layout, c.shape, c.mesh, [1 if c.sharded_dim != 1 else 2], Replicate()
     ),
-    "index_sharded": lambda c: reduced(
-        c.layout, c.shape, c.mesh, [c.sharded_dim], Replicate(), keepdim=True
-    ),
+    "index_sharded": lambda c: _split_by_owners(c, [0, c.shape[c.sharded_dim] - 1, 1]),
     "cat_self_sharded": lambda c: renamed(c.layout, c.shape, c.mesh, {}, {c.sharded_dim: 2}),
     "cat_last": lambda c: c.layout,
 }
@@ -230,9 +228,18 @@ PER_DIM_LAYOUTS: dict[str, Callable[[Case, int], Layout]] = {
 _HEAVY_CANDIDATES = {("argmax_dim", "2x2-nested", 0), ("argmin_dim", "2x2-nested", 0)}
 
 
-# Reads through a plain index into the sharded dim: replicated, as their expected layouts
-# state, which the guard counts (NOTE [Gathers an op was not asked to make]).
-REPLICATED_READS = {"index_sharded"}
+# Reads through a plain index into the sharded dim that the guard counts as gathers (NOTE
+# [Gathers an op was not asked to make]): none; ``index_sharded``'s rows are split by owners.
+REPLICATED_READS: set[str] = set()
+
+
+def _split_by_owners(c: Case, rows: list[int]) -> Layout:
+    """``x.index_select(d, rows)`` along the sharded dim ``d``: split over its axes, each rank
+    holding as many entries as name its rows (NOTE [A selection through a replicated index is
+    split by its entries' owners] in ``_gather_scatter_ops``)."""
+    kept = renamed(c.layout, c.shape, c.mesh, {})
+    d = c.sharded_dim
+    return Layout(kept.placements, {**kept.sizes, d: counted(kept.sizes[d], rows)})
 
 
 def _unary_body(case: Case, name: str) -> None:

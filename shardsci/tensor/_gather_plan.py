@@ -117,6 +117,7 @@ def gather_plan(
     *,
     replicated: bool,
     sliced: int | None = None,
+    parts: tuple[int, ...] | None = None,
     cells: tuple[int, tuple[int, ...]] | None = None,
     wrap_negative: bool = False,
     what: str = "index",
@@ -136,6 +137,11 @@ def gather_plan(
         With ``replicated``: each rank reads only its own range of the index along this dim
         of it, cut like the indexed dim (``index.shape[sliced] == sum(sizes)``), as for an
         output sharded like the input; the plan's ``local_index`` covers that range.
+    parts : tuple of int, optional
+        With ``sliced``: the lengths of the ranks' ranges along it, in flat index order,
+        instead of ``sizes`` (``sum(parts) == index.shape[sliced]``): an output split by its
+        entries' owners (NOTE [A selection through a replicated index is split by its
+        entries' owners] in ``_gather_scatter_ops``).
     cells : (int, tuple of int), optional
         With ``replicated``: ``(dim, block)`` for a cell-wise read (``gather``: the index has
         the tensor's dims, ``dim`` the indexed one, each entry reading the cell at its own
@@ -154,12 +160,12 @@ def gather_plan(
         On every rank, for a value outside ``[-extent, extent)`` on any rank, or a negative
         one without ``wrap_negative``.
     """
-    plans, key = _cache_slot(index, sizes, group, (replicated, sliced, cells))
+    plans, key = _cache_slot(index, sizes, group, (replicated, sliced, parts, cells))
     found = plans.get(key)
     if found is not None and found[0] == index._version:
         plan = found[1]
     else:
-        plan = _build(index, sizes, group, replicated, sliced, cells, what)
+        plan = _build(index, sizes, group, replicated, sliced, parts, cells, what)
         plans.put(key, (index._version, plan))
     if plan.negative is not None and not wrap_negative:
         _raise_out_of_range(what, *plan.negative, sum(sizes), len(plan.halo_counts))
@@ -172,7 +178,7 @@ def remember_plan(index: torch.Tensor, sizes: tuple[int, ...], plan: GatherPlan)
     derived without communication, from data every rank holds (a graph partition, NOTE [A
     partitioned graph's halo plan comes from its partition] in ``shardsci.graph._graph``).
     Every rank must remember the plan of corresponding indices, as every rank must build it."""
-    plans, key = _cache_slot(index, sizes, plan.group, (False, None, None))
+    plans, key = _cache_slot(index, sizes, plan.group, (False, None, None, None))
     plans.put(key, (index._version, plan))
 
 
@@ -211,6 +217,7 @@ def _build(
     group: AxisGroup,
     replicated: bool,
     sliced: int | None,
+    parts: tuple[int, ...] | None,
     cells: tuple[int, tuple[int, ...]] | None,
     what: str,
 ) -> GatherPlan:
@@ -218,12 +225,14 @@ def _build(
     starts = torch.tensor([sum(sizes[:k]) for k in range(len(sizes) + 1)], dtype=torch.int64)
     me = group.index
     report = _report(_given(compact(index)[0]), extent)  # every value this rank holds
-    device, row_starts = index.device, starts
+    device = index.device
     if cells is not None:  # NOTE [A cell-wise read moves cells]
         index, per_row = _cell_numbers(index, *cells)
         starts = starts * per_row
     if sliced is not None:
-        ranges = [index.narrow(sliced, int(row_starts[k]), sizes[k]) for k in range(group.size)]
+        lengths = sizes if parts is None else parts
+        begins = [sum(lengths[:k]) for k in range(group.size)]
+        ranges = [index.narrow(sliced, begins[k], lengths[k]) for k in range(group.size)]
         index = ranges[me]
     distinct, expand_to = compact(index)
     values, wanted, owners = _owners(_given(distinct), starts)

@@ -8,9 +8,11 @@ along a sharded dim go through a cached halo plan] in ``_gather_plan``):
   graph, sharded with the nodes that own its destinations) gives an output sharded like the
   index; a rank receives only the distinct remote rows its index names, once per plan use;
 - a replicated index (a plain tensor) gives an output that keeps the input's shards along the
-  dims it keeps, and along the gathered dim when the output has the input's extent there
-  (else replicated over its axes); each rank receives only the remote rows its part of the
-  output names (NOTE [A gather through a replicated index keeps the input's layout]); so
+  dims it keeps, and along the gathered dim when the output has the input's extent there,
+  or, for a selection through a 1-D index, split by its entries' owners (NOTE [A selection
+  through a replicated index is split by its entries' owners]; else replicated over its
+  axes); each rank receives only the remote rows its part of the output names (NOTE [A
+  gather through a replicated index keeps the input's layout]); so
   does ``gather`` through an index split like the input on its other dims and whole over
   the gathered dim's axes (``x.gather(0, x.argmax(0, keepdim=True))`` on a 2x2 mesh), and
   ``x[idx]`` or ``index_select`` through an index split over axes that split no dim of the
@@ -50,7 +52,7 @@ from shardsci.tensor._api import ShardTensor, from_local_spec, redistribute
 from shardsci.tensor._binding import bind
 from shardsci.tensor._box_packing import narrowed
 from shardsci.tensor._caches import cached
-from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group
+from shardsci.tensor._collectives import AxisGroup, all_reduce, axis_group, exchange
 from shardsci.tensor._first_order import first_order_only
 from shardsci.tensor._gather_guard import check_fetch, check_replicated_read
 from shardsci.tensor._gather_plan import (
@@ -497,14 +499,15 @@ def _gather(func, args, kwargs):
 # the gathered dim, when it is sharded, an output of ``x``'s extent there (a permutation,
 # ``take_along_dim`` with an index of ``x``'s shape) keeps ``x``'s sizes: each rank reads its
 # own range of the index and receives the remote rows (cells) that range names (every rank knows
-# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``). An
-# output of another extent through a 1-D index whose entries' owners never decrease along it
-# (a sorted index, ``x[[1, 2]]``, ``take``) holds each entry on the rank that owns its row:
-# nothing moves. Any other output of another extent is replicated over those axes, each
-# rank receiving every remote row (or cell) the index names: a gather the guard governs
-# (``check_replicated_read``); so is a selection's fetch, through a replicated or a sharded
-# index, that leaves a rank holding every row of the gathered dim, at least half of them
-# fetched (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
+# every rank's range: a plan built without communication, ``gather_plan(sliced=...)``). A
+# selection's output of another extent through a 1-D index is split by its entries' owners
+# (NOTE [A selection through a replicated index is split by its entries' owners]): nothing
+# moves when those never decrease along the index (a sorted index, ``x[[1, 2]]``, ``take``).
+# Any other output of another extent (``gather``'s, or through an index of several dims) is
+# replicated over those axes, each rank receiving every remote row (or cell) the index names:
+# a gather the guard governs (``check_replicated_read``); so is a selection's fetch, through a
+# replicated or a sharded index, that leaves a rank holding every row of the gathered dim, at
+# least half of them fetched (``check_fetch``, NOTE [Gathers an op was not asked to make]). The index's range is checked on the whole
 # index, so every rank raises alike, naming its first entry out of range
 # (``_first_out_of_range``). ``gather`` through an index already split so, as ``x``'s other
 # dims cut at its extent and whole over the gathered dim's axes (an ``argmax`` of ``x`` with
@@ -597,12 +600,21 @@ def _reading(
     if dim in spec.sharding_by_dim:
         sharding, group, group_starts = dim_layout(spec, dim)
         runs = not cell_wise and split is None  # a split index's groups would hold other runs
-        counts = _owned_runs(index, sharding.sizes, group_starts, extent) if runs else None
-        if counts is not None:  # each rank reads its own rows only
+        if runs and index.ndim == 1 and index.shape[0] != extent:
+            # NOTE [A selection through a replicated index is split by its entries' owners]
+            owners = _owners(index, sharding.sizes, group_starts)
+            counts = tuple(int(n) for n in torch.bincount(owners, minlength=group.size))
             shard_output(dim, sharding.axes, counts)
-            before = sum(counts[: group.index])
-            local = index[before : before + counts[group.index]] - group_starts[group.index]
-            return _Reading(local, None, False, _built(spec, placements, shape, sizes, order))
+            out_spec = _built(spec, placements, shape, sizes, order)
+            if not bool((owners[1:] < owners[:-1]).any()):  # each rank reads its own rows
+                before = sum(counts[: group.index])
+                local = index[before : before + counts[group.index]] - group_starts[group.index]
+                return _Reading(local, None, False, out_spec)
+            plan = gather_plan(
+                index, sharding.sizes, group, replicated=True, sliced=0, parts=counts,
+                what=func.__name__,
+            )  # fmt: skip
+            return _Reading(plan.local_index, plan, False, out_spec)
         sliced = dim if cell_wise else 0
         selection_cut = index.ndim == 1 and split is None  # a split index's parts are not cut
         if (not cell_wise and not selection_cut) or index.shape[sliced] != extent:
@@ -634,19 +646,25 @@ def _built(spec: ShardTensorSpec, placements, shape, sizes: dict, order: dict) -
     )
 
 
-def _owned_runs(
-    index: torch.Tensor, sizes: tuple[int, ...], starts: list[int], extent: int
-) -> tuple[int, ...] | None:
-    """How many entries of the 1-D ``index`` each rank owns, when an output of another extent
-    than ``extent`` can hold them where they are: the owners of its entries never decrease
-    along it (a sorted index, ``x[[1, 2]]``), so each rank's entries are one run; else None."""
-    if index.ndim != 1 or index.shape[0] == extent:
-        return None
+# NOTE [A selection through a replicated index is split by its entries' owners]
+# ``x[index]`` (``index_select``, aten ``index``, and their adjoints) through a replicated 1-D
+# index along a split dim, of another extent than that dim: the output's dim is split over the
+# same axes, rank ``r`` holding as many entries as name rows rank ``r`` owns, in the index's
+# order (``_reading``). Where the owners never decrease along the index (a sorted index), each
+# rank's entries are its own rows and nothing moves. Otherwise no layout puts every output
+# cell on the rank holding the row it reads (NOTE [An output cell belongs to the shard it
+# depends on] in ``tests/expected_layouts.py`` then states nothing), and each rank fetches
+# the distinct remote rows its run of entries names, a plan every rank computes alone since
+# every rank knows every rank's run (``gather_plan(sliced=0, parts=...)``): at most its
+# output's rows, where a replicated output made every rank hold the whole read and fetch every
+# remote row the index names. The backward sends the gradient's rows home (the plan's adjoint,
+# ``halo_reduce``, an ``index_add`` into their owners). A run naming every row, at least half
+# of them remote, is still a gather the guard governs (``check_fetch``).
+def _owners(index: torch.Tensor, sizes: tuple[int, ...], starts: list[int]) -> torch.Tensor:
+    """The position in its group of the rank owning the row each entry of ``index`` names
+    (the ranks' ``sizes`` rows from ``starts``)."""
     ends = torch.tensor([a + n for a, n in zip(starts, sizes)], device=index.device)
-    owners = torch.searchsorted(ends, index, right=True)
-    if bool((owners[1:] < owners[:-1]).any()):
-        return None
-    return tuple(int(n) for n in torch.bincount(owners, minlength=len(sizes)))
+    return torch.searchsorted(ends, index, right=True)
 
 
 def _checked_index(func, x: ShardTensor, dim: int, index: object) -> torch.Tensor:
@@ -1235,21 +1253,33 @@ def _scatter_by_owner(
     *,
     in_place: bool,
     checked: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> object:
     """``scatter(into, dim, index, src)``, which writes into ``into`` in place, into a
     destination sharded on any dims, with a replicated index and source (NOTE [Scatters
     through a replicated index write where they land]); ``in_place`` writes the result into
     ``x`` and returns it. ``checked``: the caller
-    has probed the call and found the index in range (before expanding it)."""
+    has probed the call and found the index in range (before expanding it). ``rows``: the
+    1-D index ``index`` expands along ``dim`` (an ``index_*`` op), with which a source split
+    by its entries' owners is sent to them (``_runs_of``)."""
     if not isinstance(x, ShardTensor) or x.ndim == 0 or not accepts(x):
         return NotImplemented
     spec, index, dim = x._spec, _replicated_index(index), dim % x.ndim
-    block = _source_block(src, spec, dim, index) if _sharded(src) else None
-    if (_sharded(src) and block is None) or (isinstance(src, ShardTensor) and src._spec.partial):
+    partial = isinstance(src, ShardTensor) and bool(src._spec.partial)
+    runs = _runs_of(src, spec, dim) if rows is not None and _sharded(src) else None
+    block = _source_block(src, spec, dim, index) if _sharded(src) and runs is None else None
+    if (_sharded(src) and block is None and runs is None) or partial:
         return NotImplemented
     if not checked:
         probe_on_meta(func, args, kwargs)  # torch's errors for shapes and dtypes, on every rank
         _check_in_range(func, index, dim, x.shape[dim])
+    if runs is not None:  # NOTE [A source split by its entries' owners is sent to them]
+        values, local_rows = _sent_to_owners(src, spec, dim, rows, runs)
+        shape = [-1 if d == dim else 1 for d in range(values.ndim)]
+        expanded = local_rows.reshape(shape).expand(values.shape)
+        out = scatter(x.to_local().clone(), dim, expanded, values)
+        result = from_local_spec(out, spec.with_dtype(out.dtype))
+        return x.copy_(result) if in_place else result
     if isinstance(src, torch.Tensor) and block is None:
         src = replicated_local(src, spec.mesh, sharding_axes(spec))
     starts, sizes = spec.local_offsets(), spec.local_shape()
@@ -1296,6 +1326,93 @@ def _source_block(
     axes = set(spec.sharding_by_dim[dim].axes) if dim in spec.sharding_by_dim else set()
     placements = [Partial() if a in axes else p for a, p in enumerate(layout.placements)]
     return src.to_local(grad_placements=placements)
+
+
+# NOTE [A source split by its entries' owners is sent to them]
+# An ``index_*`` scatter (``index_reduce``, ``index_copy``, their ``index_add`` through
+# ``_added_through_replicated``) through a replicated 1-D index ``rows`` whose source is split
+# along the scatter's dim over the destination's axes of that dim: rank ``r`` holds the source
+# entries of a run of positions (``x[rows]`` split by its entries' owners gives one: NOTE [A
+# selection through a replicated index is split by its entries' owners]; torch's backward of
+# ``index_reduce`` scatters such a read). Every rank knows every run and every entry's owner
+# (the index is replicated), so how many entries each rank sends each other is computed
+# without communication: each entry travels once, to the rank owning the row it names (one
+# all-to-all, ``_Exchanged``), arriving in the index's order (runs in rank order, each run's
+# entries in order), and the owner scatters them into its rows locally: every reduction
+# (sum, mean, prod, amax, amin, assignment) sees exactly the entries of its rows, in torch's
+# order. Differentiable: the adjoint of the exchange is the exchange back. The source's other
+# dims are split as the destination's (an ``index_*`` source has its shape there).
+def _runs_of(src: ShardTensor, spec: ShardTensorSpec, dim: int) -> tuple[int, ...] | None:
+    """The lengths of the ranks' runs of a source split along ``dim`` over the destination's
+    axes of ``dim`` and like it on its other dims (NOTE above), else None."""
+    layout = src._spec
+    if layout.mesh != spec.mesh or dim not in spec.sharding_by_dim or layout.partial:
+        return None
+    along = layout.sharding_by_dim.get(dim)
+    if along is None or along.axes != spec.sharding_by_dim[dim].axes:
+        return None
+    wanted = {
+        s.dim: (s.axes, sizes_at_extent(s.sizes, src.shape[s.dim]))
+        for s in spec.shardings
+        if s.dim != dim
+    }
+    if {s.dim: (s.axes, s.sizes) for s in layout.shardings if s.dim != dim} != wanted:
+        return None
+    return tuple(along.sizes)
+
+
+def _sent_to_owners(
+    src: ShardTensor, spec: ShardTensorSpec, dim: int, rows: torch.Tensor, runs: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the source entries naming this rank's rows along ``dim``, in the index's order; the
+    rows they name, local to this rank's shard): NOTE above. Differentiable."""
+    sharding, group, starts = dim_layout(spec, dim)
+    size, me = group.size, group.index
+    owners = _owners(rows, sharding.sizes, starts)
+    positions = torch.arange(rows.shape[0], device=rows.device)
+    ends = torch.tensor(list(itertools.accumulate(runs)), device=rows.device)
+    run_of = torch.searchsorted(ends, positions, right=True)
+    counts = torch.bincount(run_of * size + owners, minlength=size * size).reshape(size, size)
+    counts = tuple(tuple(int(n) for n in row) for row in counts.tolist())
+    begin = sum(runs[:me])
+    order = torch.argsort(owners[begin : begin + runs[me]], stable=True)
+    values = src.to_local().movedim(dim, 0).index_select(0, order)
+    arrived = _Exchanged.apply(values.contiguous(), counts, group)
+    local_rows = (rows[owners == me] - starts[me]).to(torch.int64)  # scatters take int64
+    return arrived.movedim(0, dim), local_rows
+
+
+class _Exchanged(torch.autograd.Function):
+    """Rows along dim 0 sent in consecutive pieces, ``counts[me][k]`` rows to rank ``k`` of
+    ``group``, and those received, ``counts[k][me]`` rows from each rank ``k``, in rank order;
+    the adjoint is the exchange back (``counts`` transposed)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, counts: tuple, group: AxisGroup):  # type: ignore[override]
+        ctx.counts, ctx.group = counts, group
+        return _exchanged(rows, counts, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        back = tuple(zip(*ctx.counts))
+        if grad.requires_grad and torch.is_grad_enabled():
+            return _Exchanged.apply(grad.contiguous(), back, ctx.group), None, None
+        return _exchanged(grad.contiguous(), back, ctx.group), None, None
+
+
+def _exchanged(rows: torch.Tensor, counts: tuple, group: AxisGroup) -> torch.Tensor:
+    """``_Exchanged``'s forward, not differentiable."""
+    me, trailing = group.index, tuple(rows.shape[1:])
+    pieces = list(rows.split(list(counts[me])))
+    received = exchange(
+        group,
+        pieces,
+        lambda src, dst: (counts[src][dst], *trailing),
+        dtype=rows.dtype,
+        device=rows.device,
+        kind="scatter",
+    )
+    return torch.cat(list(received))
 
 
 @register_function_handler(torch.scatter, torch.Tensor.scatter, torch.Tensor.scatter_)
@@ -1378,8 +1495,9 @@ def _scatter_rows_by_owner(
     shape = [-1 if d == dim else 1 for d in range(source.ndim)]
     expanded = index.reshape(shape).expand(source.shape) if source.ndim else index
     return _scatter_by_owner(
-        func, args, kwargs, x, dim, expanded, source, scatter, in_place=in_place, checked=True
-    )
+        func, args, kwargs, x, dim, expanded, source, scatter, in_place=in_place, checked=True,
+        rows=index if source.ndim else None,
+    )  # fmt: skip
 
 
 @register_function_handler(torch.index_copy, torch.Tensor.index_copy, torch.Tensor.index_copy_)
@@ -1872,8 +1990,8 @@ def _masked_index(func, args, kwargs):
 # every output cell the mask hides depends on no row of ``x`` (NOTE [An output cell belongs to
 # the shard it depends on] in ``tests/expected_layouts.py``: its owner is "any"), yet its
 # clamped value names some row, which may break the owners' increasing order and turn a read
-# that moves nothing (``_owned_runs``) into one every rank holds whole, fetching every remote
-# row it names (``check_fetch`` reports it as a gather). So each such
+# that moves nothing into one that fetches rows (NOTE [A selection through a replicated index
+# is split by its entries' owners]), and move the output's cells off their rows. So each such
 # position reads the row of the last position before it that the mask shows (the first one
 # shown, before any): the output is the same, and the read follows the owners of the cells
 # that depend on anything. The backward (``_unsafe_masked_index_put_accumulate``, its values
