@@ -23,7 +23,9 @@ from shardsci.testing import (
 from tests.stated_gathers import allowed_if
 
 P, R, M = 7, 5, 4  # x1 rows, x2 rows, features (at most 25 rows: aten's _cdist_forward path)
-ORDERS = (0.0, 1.0, 2.0, 3.0, math.inf)
+# (p, compute_mode): the last is p = 2 by matrix products (aten._euclidean_dist)
+ORDERS = tuple((p, "use_mm_for_euclid_dist_if_necessary") for p in (0.0, 1.0, 2.0, 3.0, math.inf))
+ORDERS += ((2.0, "use_mm_for_euclid_dist"),)
 WHOLE = 1
 ROWS_X1 = Layout((Shard(0),), {0: (5, 2)})
 
@@ -88,15 +90,15 @@ def _cdist_body(name: str) -> None:
     x2 = torch.randn(*batch, R, M, dtype=torch.float64)
     x2[..., 0, :2] = x1[..., 0, :2]  # some features equal: |d| = 0 there (p = 0 counts)
     with allowed_if(name in PENDING_GRADIENT):
-        for p in ORDERS:
+        for p, mode in ORDERS:
             check_against_reference(
-                lambda a, b, p=p: torch.cdist(a, b, p=p),
+                lambda a, b, p=p, mode=mode: torch.cdist(a, b, p=p, compute_mode=mode),
                 [x1, x2],
                 [layout1, layout2],
                 mesh,
                 out_layouts=[expected],
                 not_a_gather=NOT_A_GATHER.get(name, ""),
-                what=f"{name} p={p}",
+                what=f"{name} p={p} {mode}",
             )
     spec1 = layout1.spec(mesh, x1)
     a = from_local_spec(spec1.narrow(x1), spec1)

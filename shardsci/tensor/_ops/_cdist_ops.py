@@ -3,7 +3,8 @@
 ``d[..., i, j] = ||x1[..., i, :] - x2[..., j, :]||_p`` for ``x1`` of shape ``(..., P, M)`` and
 ``x2`` of shape ``(..., R, M)``. Handled at aten's ``_cdist_forward`` and ``_cdist_backward``,
 below autograd, so the sharded forward and both gradients are the one pair of kernels, on
-shards. Per mesh axis:
+shards; and at ``_euclidean_dist`` (p = 2 by matrix products, which ``cdist`` takes past 25
+rows), whose backward is a formula of products autograd runs on the shards. Per mesh axis:
 
 - an axis splitting ``x1``'s rows (``P``), ``x2`` not split on it: each rank's rows against
   all of ``x2``; the distances are split on ``P`` alike;
@@ -155,6 +156,24 @@ def _cdist_forward(func, args, kwargs):
     src = _distances_spec(s1.mesh, plan, shape, out.dtype, pending)
     out = redistribute_local(out.pow(p) if powered else out, src, spec)
     return ShardTensor(out.pow(1 / p) if powered else out, spec)
+
+
+@register_aten_handler(aten._euclidean_dist.default)
+def _euclidean_dist(func, args, kwargs):
+    """``torch.cdist``'s p = 2 by matrix products (more than 25 rows): as ``p = 2`` above.
+    Its backward is a formula of products autograd runs on the shards."""
+    a = bind(func, args, kwargs)
+    s1, s2 = _specs(a.x1, a.x2)
+    plan = _plan(s1, s2)
+    if plan is None:
+        return NotImplemented  # the default path: the products' own rules
+    shape = (*s1.shape[:-1], s2.shape[-2])
+    out = func(_local(a.x1), _local(a.x2))
+    spec = _distances_spec(s1.mesh, plan, shape, out.dtype)
+    if not plan.features:
+        return ShardTensor(out, spec)
+    src = _distances_spec(s1.mesh, plan, shape, out.dtype, Partial())
+    return ShardTensor(redistribute_local(out.square(), src, spec).sqrt(), spec)
 
 
 @register_aten_handler(aten._cdist_backward.default)
