@@ -69,14 +69,14 @@ def _field(world: int, requires_grad: bool = False) -> tuple[torch.Tensor, Shard
 
 
 # ---------------------------------------------------------------------------- refused
-# Each kind of gather an op makes on its own: a GATHERED op (pairwise distances: every output
-# from every input), with_dims_whole (unbind of a sharded 1-D tensor: its 0-d slices cannot
+# Each kind of gather an op makes on its own: a GATHERED op (pairwise distances within one
+# point set: every output from every input), with_dims_whole (unbind of a sharded 1-D tensor: its 0-d slices cannot
 # stay with their holders), the default path
 # replicating a sharded dim (DTensor's rule for sort along it), and a handler that makes a
 # sharded dim whole before its kernel (a convolution of sharded input channels, which keeps
 # the spatial shards).
 GATHERS = {
-    "gathered": (lambda x: torch.cdist(x[0, 0].t(), x[0, 1].t()), "aten._cdist_forward"),
+    "gathered": (lambda x: torch.pdist(x[0, 0]), "aten._pdist_forward"),
     "with_dims_whole": (lambda x: x[0, 0, :, 0].unbind(0)[0], "aten.unbind.int"),
     "default path": (lambda x: torch.sort(x, dim=2).values, "aten.sort.default"),
     "channels made whole": (
@@ -167,7 +167,7 @@ def test_what_the_user_asks_for_is_not_a_gather(mesh_shape: tuple[int, ...]) -> 
 # ---------------------------------------------------------------------------- every route
 def _routes_body() -> dict[str, list[tuple[str, bool]]]:
     """Every route an op may take runs with that op innermost on the dispatch stack, so any
-    redistribution it makes is checked: function handlers (indexing), aten handlers (cdist),
+    redistribution it makes is checked: function handlers (indexing), aten handlers (pdist),
     the pointwise fast path (add of one layout), the default path (sort)."""
     _, x = _field(2)
     seen: dict[str, list[tuple[str, bool]]] = {}
@@ -199,10 +199,10 @@ def _routes_body() -> dict[str, list[tuple[str, bool]]]:
         setattr(module, name, wrap(route, original))
     _dispatch._ROUTES.clear()  # routes cache the aten handler looked up
     try:
-        # cdist and a sort along the split dim gather, chosen for their routes: what is
+        # pdist and a sort along the split dim gather, chosen for their routes: what is
         # checked here is the dispatch stack, not the policy.
         with gather_policy("allow"):
-            torch.cdist(x[0, 0].t(), x[0, 1].t())
+            torch.pdist(x[0, 0])
             _ = x + x
             torch.sort(x, dim=2)
     finally:
@@ -217,7 +217,7 @@ def test_every_route_of_an_op_runs_with_the_op_on_the_dispatch_stack() -> None:
     assert set(seen) == {"function handler", "aten handler", "fast path", "default path"}, seen
     missing = {route: [f for f, ok in calls if not ok] for route, calls in seen.items()}
     assert not any(missing.values()), f"routes run without their op on the stack: {missing}"
-    assert ("aten._cdist_forward.default", True) in seen["aten handler"], seen
+    assert ("aten._pdist_forward.default", True) in seen["aten handler"], seen
     assert ("aten.add.Tensor", True) in seen["fast path"], seen
 
 
@@ -281,10 +281,10 @@ def _recorded_body() -> list:
     whole, x = _field(2, requires_grad=True)
     model = nn.Sequential(nn.Identity(), _Sorter())
     with gather_policy("allow"), record_gathers() as gathers:
-        y = torch.cdist(model(x.detach())[0, 0], x[0, 1])
+        y = torch.pdist(model(x.detach())[0, 0] - x[0, 1])
         y.sum().backward()
-    expected = torch.cdist(model(whole)[0, 0], whole[0, 1])
-    assert_close_all_ranks(y.full_tensor(), expected, atol=1e-12, rtol=0, what="cdist")
+    expected = torch.pdist(model(whole)[0, 0] - whole[0, 1])
+    assert_close_all_ranks(y.full_tensor(), expected, atol=1e-12, rtol=0, what="pdist")
     return [
         (g.op, g.module, g.backward_of, g.call_site, g.total_bytes, g.bytes_per_rank_before)
         for g in gathers
@@ -294,7 +294,7 @@ def _recorded_body() -> list:
 def test_records_name_the_op_module_backward_and_bytes() -> None:
     records = run_on_ranks(2, _recorded_body)
     assert records[0] == records[1]
-    sort, *cdist = records[0]
+    sort, *pdist = records[0]
     field_bytes = 2 * 4 * 12 * 6 * 8
     assert sort == (
         "aten.sort.default",
@@ -304,19 +304,18 @@ def test_records_name_the_op_module_backward_and_bytes() -> None:
         field_bytes,
         field_bytes * 7 // 12,  # the larger H shard
     )
-    # cdist's second operand (12, 6) is gathered (its first, sorted, is whole already), forward
-    # and in its backward.
-    assert [(r[0], r[2]) for r in cdist] == [
-        ("aten._cdist_forward.default", None),
-        ("aten._cdist_backward.default", "CdistBackward0"),
-    ], cdist
-    assert all(r[1] is None and r[4] == 12 * 6 * 8 for r in cdist), cdist
+    # pdist's operand (12, 6), split by rows as x[0, 1], is gathered forward and in its backward.
+    assert [(r[0], r[2]) for r in pdist] == [
+        ("aten._pdist_forward.default", None),
+        ("aten._pdist_backward.default", "PdistBackward0"),
+    ], pdist
+    assert all(r[1] is None and r[4] == 12 * 6 * 8 for r in pdist), pdist
 
 
 # ---------------------------------------------------------------------------- the dry run
 class _Distances(nn.Module):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.cdist(a, b)
+        return torch.pdist(a - b)
 
 
 class _SortedDistances(nn.Module):
@@ -342,7 +341,7 @@ def _listed_body() -> tuple[dict[str, list[str]], str]:
 
 @pytest.mark.xfail(
     _torch_compat.torch_release() < (2, 13),
-    reason="torch 2.11 and 2.12: the backward gather of aten._cdist_backward is filed under "
+    reason="torch 2.11 and 2.12: the backward gather of aten._pdist_backward is filed under "
     "'(outside the model)' instead of its layer (cause not found yet)",
     strict=True,
 )
@@ -356,9 +355,8 @@ def test_the_dry_run_lists_gathers_per_layer() -> None:
         "(model)": [],
         "sort": [f"forward: aten.sort.default gathered {field}"],
         "distances": [
-            f"forward: aten._cdist_forward.default gathered {rows} x1, 576 B per rank",
-            # one cdist_backward per operand's gradient (both require grad), each gathers
-            f"backward: aten._cdist_backward.default gathered {rows} x2, 576 B per rank",
+            f"forward: aten._pdist_forward.default gathered {rows} x1, 576 B per rank",
+            f"backward: aten._pdist_backward.default gathered {rows} x1, 576 B per rank",
         ],
     }, gathers
     assert (

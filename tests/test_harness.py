@@ -422,7 +422,7 @@ def _gather_at_one_call_site() -> int:
 
     mesh = get_mesh((2,))
     x = shardsci.distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
-    torch.cdist(x, x)  # cdist gathers its sharded rows (a GATHERED op)
+    torch.cdist(x, x)  # both point sets split by one axis: cdist gathers them
     return 1
 
 

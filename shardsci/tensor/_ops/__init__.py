@@ -4,6 +4,7 @@ from shardsci.tensor._ops import (
     _attention_ops,  # noqa: F401
     _batched_ops,  # noqa: F401
     _bilinear_ops,  # noqa: F401
+    _cdist_ops,  # noqa: F401
     _composite_ops,  # noqa: F401
     _conv_ops,  # noqa: F401
     _diagonal_ops,  # noqa: F401

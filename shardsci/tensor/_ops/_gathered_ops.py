@@ -48,8 +48,6 @@ GATHERED = (
     # every output from every input
     aten._pdist_forward,
     aten._pdist_backward,
-    aten._cdist_forward,
-    aten._cdist_backward,
     aten.hash_tensor,
     aten._histogramdd_bin_edges,
     aten._histogramdd_from_bin_cts,
